@@ -1,0 +1,22 @@
+"""Backends: each declares what it supports, says why it refuses, and explains its plan."""
+
+from multihead.backends.base import Backend, Capabilities
+from multihead.backends.reference import ReferenceBackend
+from multihead.backends.registry import (
+    AUTO_ORDER,
+    BackendRefusedError,
+    available_backends,
+    get_backend,
+    register_backend,
+    select_backend,
+)
+from multihead.backends.sdpa import SDPABackend
+
+register_backend(ReferenceBackend(), auto_rank=99)
+register_backend(SDPABackend(), auto_rank=0)
+
+__all__ = [
+    "Backend", "Capabilities", "BackendRefusedError", "AUTO_ORDER",
+    "available_backends", "get_backend", "register_backend", "select_backend",
+    "ReferenceBackend", "SDPABackend",
+]

@@ -1,0 +1,31 @@
+"""The ``reference`` backend: :func:`multihead.reference.reference_attention` behind the registry.
+
+Supports everything (every mask, GQA, dropout including an injected ``dropout_mask``, weights,
+LSE); materializes the full ``(B, Hq, Lq, Lk)`` scores, so it is the choice of last resort.
+"""
+
+from __future__ import annotations
+
+from multihead.backends.base import Backend, Capabilities
+from multihead.reference import AttentionResult, reference_attention
+from multihead.validation import AttentionCall
+
+__all__ = ["ReferenceBackend"]
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    summary = "plain PyTorch, every feature, O(Lq*Lk) memory; the oracle"
+    capabilities = Capabilities(injected_dropout=True)
+
+    def plan(self, call: AttentionCall) -> list[str]:
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        return [f"materializes scores and weights: {B}x{Hq}x{Lq}x{Lk} elements",
+                "softmax accumulated in fp32 for fp16/bf16 inputs"]
+
+    def forward(self, call: AttentionCall) -> AttentionResult:
+        result = reference_attention(call.q, call.k, call.v, mask=call.mask, scale=call.scale,
+                                     dropout_p=call.dropout_p, dropout_mask=call.dropout_mask)
+        out, weights, lse = result
+        return AttentionResult(out, weights.to(call.q.dtype) if call.return_weights else None,
+                               lse if call.return_lse else None)

@@ -1,0 +1,122 @@
+"""The ``sdpa`` backend: PyTorch's fused ``scaled_dot_product_attention``.
+
+How a call is passed on, in order of preference:
+
+* mask: ``None`` when nothing is masked; ``is_causal=True`` when the mask is exactly a causal
+  diagonal that SDPA's top-left ``is_causal`` expresses (top-left, or bottom-right with
+  ``Lq == Lk``); otherwise the mask is materialized, at its broadcast shape, as a last resort.
+* GQA: SDPA's ``enable_gqa`` when PyTorch will run it on a fused kernel; otherwise K/V are
+  expanded as a view when ``Hkv == 1`` and repeated by the grouped mapping when not.
+* fully masked rows: SDPA's behaviour differs across versions and kernels, so such rows are
+  opened to every key before the call and zeroed after; no NaN enters forward or backward.
+* LSE and weights: recomputed block by block from ``q``, ``k`` and the mask
+  (:mod:`multihead.probabilities`), only when asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from multihead.backends.base import Backend, Capabilities
+from multihead.probabilities import lse_by_blocks, weights_by_blocks
+from multihead.reference import AttentionResult
+from multihead.validation import AttentionCall
+
+__all__ = ["SDPABackend", "pytorch_kernel"]
+
+
+class SDPABackend(Backend):
+    name = "sdpa"
+    summary = "torch.nn.functional.scaled_dot_product_attention (fused kernels)"
+    capabilities = Capabilities(
+        masks="every mask; causal diagonals as is_causal, others materialized at broadcast shape",
+    )
+
+    def plan(self, call: AttentionCall) -> list[str]:
+        args = _sdpa_arguments(call)
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        lines = [args.mask_note, args.gqa_note]
+        if args.empty_rows is not None:
+            lines.append(f"{int(args.empty_rows.sum())} fully masked query rows opened before the call and zeroed after")
+        kernel = pytorch_kernel(args.q, args.k, args.v, args.attn_mask, call.dropout_p, args.is_causal,
+                                call.scale, args.enable_gqa)
+        lines.append(f"PyTorch kernel: {kernel}")
+        if call.return_lse or call.return_weights:
+            lines.append("log-sum-exp recomputed block by block from q, k and the mask (one extra QK^T)")
+        return lines
+
+    def forward(self, call: AttentionCall) -> AttentionResult:
+        args = _sdpa_arguments(call)
+        out = F.scaled_dot_product_attention(
+            args.q, args.k, args.v, attn_mask=args.attn_mask, dropout_p=call.dropout_p,
+            is_causal=args.is_causal, scale=call.scale, enable_gqa=args.enable_gqa)
+        if args.empty_rows is not None:
+            out = out.masked_fill(args.empty_rows.unsqueeze(-1), 0.0)
+        lse = weights = None
+        if call.return_lse or call.return_weights:
+            lse = lse_by_blocks(call.q, call.k, call.mask, call.scale)
+        if call.return_weights:
+            weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, lse).to(call.q.dtype)
+        return AttentionResult(out, weights, lse if call.return_lse else None)
+
+
+class _Arguments:
+    """The arguments SDPA receives for a call, and a note for each decision."""
+
+    def __init__(self, call: AttentionCall):
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        q, k, v, mask = call.q, call.k, call.v, call.mask
+        self.is_causal, self.attn_mask, self.empty_rows = False, None, None
+        offset = None if mask is None else mask.causal_offset(Lq, Lk)
+        if mask is None:
+            self.mask_note = "mask: none"
+        elif offset == 0:
+            self.is_causal = True
+            self.mask_note = "mask: causal diagonal passed as is_causal=True (no mask tensor)"
+        elif offset is not None and offset >= Lk - 1:
+            self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
+        else:
+            dense = mask.materialize(B, Hq, Lq, Lk, device=q.device, dtype=q.dtype)
+            empty = mask.empty_rows(B, Hq, Lq, Lk, device=q.device)
+            if empty is not None:
+                self.empty_rows = empty
+                opened = empty.unsqueeze(-1)
+                dense = torch.where(opened, torch.zeros((), dtype=dense.dtype, device=q.device), dense) \
+                    if mask.is_additive else dense | opened
+            self.attn_mask = dense
+            kind = "additive" if mask.is_additive else "bool"
+            self.mask_note = f"mask: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
+        self.enable_gqa = False
+        if Hq == Hkv:
+            self.gqa_note = "heads: Hq == Hkv"
+        elif pytorch_kernel(q, k, v, self.attn_mask, call.dropout_p, self.is_causal, call.scale, True) not in ("MATH", "unknown"):
+            self.enable_gqa = True
+            self.gqa_note = f"heads: GQA {Hq}/{Hkv} passed natively (enable_gqa=True)"
+        elif Hkv == 1:
+            k, v = k.expand(B, Hq, Lk, D), v.expand(B, Hq, Lk, Dv)
+            self.gqa_note = f"heads: MQA, K/V expanded to {Hq} heads as a view (stride 0)"
+        else:
+            k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+            self.gqa_note = (f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
+                             "K/V repeated by the grouped mapping instead")
+        self.q, self.k, self.v = q, k, v
+
+
+def _sdpa_arguments(call: AttentionCall) -> _Arguments:
+    return _Arguments(call)
+
+
+def pytorch_kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float, is_causal: bool,
+                   scale: float, enable_gqa: bool) -> str:
+    """The SDPA kernel PyTorch will pick for these arguments (``FLASH_ATTENTION``, ``MATH``, ...),
+    or ``"unknown"`` where this PyTorch cannot say."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+        return SDPBackend(choice).name
+    except Exception:  # private API: absent or different on some versions
+        return "unknown"

@@ -1,0 +1,61 @@
+"""``multihead.explain``: which backend runs a call, why the others were refused, and how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from multihead.backends.registry import AUTO_ORDER, available_backends, check_backend_name, get_backend, select_backend
+from multihead.masks import Mask
+from multihead.validation import validate_call
+
+__all__ = ["explain", "Explanation"]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The dispatch decision for one call. ``str()`` gives the readable report."""
+
+    backend: str  # the backend that runs
+    shape: tuple  # (B, Hq, Hkv, Lq, Lk, D, Dv)
+    dtype: str
+    device: str
+    mask: str
+    refused: dict = field(default_factory=dict)  # backend name -> reasons
+    plan: tuple = ()  # how the chosen backend runs the call
+    requested: str = "auto"
+
+    def __str__(self) -> str:
+        B, Hq, Hkv, Lq, Lk, D, Dv = self.shape
+        lines = [
+            f"attention call: B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D} Dv={Dv} {self.dtype} on {self.device}",
+            f"mask: {self.mask}",
+            f"backend: {self.backend}" + (" (chosen by auto)" if self.requested == "auto" else " (forced)"),
+        ]
+        lines += [f"  - {line}" for line in self.plan]
+        if self.refused:
+            lines.append("refused:")
+            lines += [f"  {name}: {'; '.join(reasons)}" for name, reasons in self.refused.items()]
+        if self.requested == "auto":
+            lines.append("auto order: " + " > ".join(AUTO_ORDER))
+        return "\n".join(lines)
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, scale: float | None = None,
+            dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
+            backend: str = "auto", dropout_mask: Tensor | None = None) -> Explanation:
+    """Explain what :func:`multihead.attention` would do with these arguments, without running it."""
+    check_backend_name(backend)
+    call = validate_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
+                         return_weights=return_weights, return_lse=return_lse)
+    chosen, refused = select_backend(call, backend)
+    if backend == "auto":  # also say why backends after the chosen one would not do
+        for name in available_backends():
+            if name != chosen.name and name not in refused:
+                reasons = get_backend(name).refusals(call)
+                if reasons:
+                    refused[name] = reasons
+    mask_text = "none" if call.mask is None else call.mask._describe()
+    return Explanation(chosen.name, call.shape, str(q.dtype), str(q.device), mask_text, refused,
+                       tuple(chosen.plan(call)), backend)

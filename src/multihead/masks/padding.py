@@ -1,0 +1,131 @@
+"""Key padding: each batch element sees only its first ``lengths[b]`` keys (or a bool table).
+
+``key_padding(torch.tensor([3, 5]))`` with ``Lk = 5``::
+
+    batch 0      batch 1
+    ███··        █████
+    ███··        █████
+
+Polarity is the one of `multihead` (``True`` = a real key that may be attended), the opposite
+of ``nn.MultiheadAttention``'s ``key_padding_mask``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.masks.base import BlockState, Mask
+
+__all__ = ["key_padding", "prefix_lm", "KeyPadding"]
+
+
+def key_padding(lengths) -> "KeyPadding":
+    """Keys ``j < lengths[b]`` are visible.
+
+    ``lengths``: an int, a sequence of ints or an integer tensor ``(B,)``; or a bool tensor
+    ``(B, Lk)`` with ``True`` for keys that may be attended.
+    """
+    if isinstance(lengths, Tensor) and lengths.dtype == torch.bool:
+        if lengths.dim() != 2:
+            raise ValueError(f"key_padding: a bool table must have shape (B, Lk), got {tuple(lengths.shape)}")
+        return KeyPadding(valid=lengths)
+    if isinstance(lengths, bool):
+        raise TypeError("key_padding: lengths must be ints or a bool (B, Lk) tensor, got a bool")
+    if isinstance(lengths, int):
+        lengths = [lengths]
+    if isinstance(lengths, Tensor):
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dim() > 1:
+            raise TypeError(f"key_padding: lengths must be an integer tensor of shape (B,), got "
+                            f"dtype {lengths.dtype} and shape {tuple(lengths.shape)}")
+        lengths = lengths.reshape(-1).to(torch.int64)
+    else:
+        try:
+            lengths = torch.tensor(list(lengths), dtype=torch.int64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"key_padding: lengths must be ints or a bool (B, Lk) tensor, got {lengths!r}") from exc
+    if lengths.numel() == 0:
+        raise ValueError("key_padding: lengths is empty; expected one length per batch element")
+    if bool((lengths < 0).any()):
+        raise ValueError(f"key_padding: lengths must be >= 0, got {lengths.tolist()}")
+    return KeyPadding(lengths=lengths)
+
+
+def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
+    """Prefix-LM: keys in the prefix are visible to every query; after it, causal.
+
+    ``prefix_len`` is an int or one length per batch element. Equal to
+    ``causal(align) | key_padding(prefix_len)``, and built that way.
+    """
+    from multihead.masks.band import causal
+
+    return causal(align) | key_padding(prefix_len)
+
+
+class KeyPadding(Mask):
+    def __init__(self, lengths: Tensor | None = None, valid: Tensor | None = None):
+        if lengths is not None:
+            cpu = lengths.detach().cpu()
+            self._set(lengths=lengths, valid=None, _min=int(cpu.min()), _max=int(cpu.max()), _table=None)
+        else:
+            counts = valid.detach().cpu()
+            self._set(lengths=None, valid=valid, _min=None, _max=None, _table=counts)
+
+    def _batch(self) -> int:
+        return (self.lengths if self.lengths is not None else self.valid).shape[0]
+
+    def check(self, batch, heads, q_len, kv_len):
+        n = self._batch()
+        if n not in (1, batch):
+            raise ValueError(f"key_padding: mask has {n} batch elements but the input has B={batch}; "
+                             f"expected 1 or {batch}")
+        if self.valid is not None and self.valid.shape[1] != kv_len:
+            raise ValueError(f"key_padding: bool table has {self.valid.shape[1]} keys but Lk={kv_len}")
+
+    def _mod(self, b, h, q, kv, q_len, kv_len):
+        if self.lengths is not None:
+            lengths = self.lengths.to(kv.device)
+            b = b * 0 if lengths.shape[0] == 1 else b
+            return kv < lengths[b]
+        valid = self.valid.to(kv.device)
+        b = b * 0 if valid.shape[0] == 1 else b
+        inside = (kv >= 0) & (kv < valid.shape[1])
+        return valid[b, kv.clamp(0, valid.shape[1] - 1)] & inside
+
+    def _describe(self):
+        if self.lengths is not None:
+            return f"key_padding(lengths={self.lengths.tolist()})"
+        return f"key_padding(valid=<bool {tuple(self.valid.shape)}>)"
+
+    def to_string(self, q_len=8, kv_len=None, b=0, h=0):
+        if kv_len is None and self.valid is not None:
+            kv_len = self.valid.shape[1]
+        return super().to_string(q_len, kv_len, b, h)
+
+    def _key_range(self, q0, q1, q_len, kv_len):
+        if self.lengths is not None:
+            return 0, self._max
+        return 0, kv_len
+
+    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+        if self.lengths is None:
+            cols = self._table[:, max(k0, 0):max(k1, 0)]
+            if cols.numel() and bool(cols.all()):
+                return BlockState.FULL
+            if not bool(cols.any()):
+                return BlockState.EMPTY
+            return BlockState.PARTIAL
+        if k1 <= self._min:
+            return BlockState.FULL
+        if k0 >= self._max:
+            return BlockState.EMPTY
+        return BlockState.PARTIAL
+
+    def empty_rows(self, batch, heads, q_len, kv_len, device=None):
+        if self.lengths is not None:
+            empty = (self.lengths.to(device) <= 0) if kv_len > 0 else torch.ones_like(self.lengths, dtype=torch.bool, device=device)
+        else:
+            empty = ~self.valid.to(device).any(-1)
+        if not bool(empty.any()):
+            return None
+        return empty.view(-1, 1, 1).expand(-1, 1, q_len)

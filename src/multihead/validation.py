@@ -1,0 +1,103 @@
+"""Input checks for :func:`multihead.attention`, run before any computation.
+
+Each error names the argument, what was received and what was expected, with a hint where one
+exists. ``ValueError`` for wrong values and shapes, ``TypeError`` for wrong types and dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from multihead.conventions import default_scale
+from multihead.masks import Mask, as_mask
+
+__all__ = ["AttentionCall", "validate_call"]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One validated call of :func:`multihead.attention`: what backends are asked to serve."""
+
+    q: Tensor  # (B, Hq, Lq, D)
+    k: Tensor  # (B, Hkv, Lk, D)
+    v: Tensor  # (B, Hkv, Lk, Dv)
+    mask: Mask | None
+    scale: float
+    dropout_p: float
+    dropout_mask: Tensor | None
+    return_weights: bool
+    return_lse: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int, int]:
+        """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
+        B, Hq, Lq, D = self.q.shape
+        return B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+
+def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weights, return_lse) -> AttentionCall:
+    for name, t, layout in (("q", q, "(B, Hq, Lq, D)"), ("k", k, "(B, Hkv, Lk, D)"), ("v", v, "(B, Hkv, Lk, Dv)")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}; "
+                             "hint: layers take (B, L, E), the functional core takes heads split out")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if 0 in t.shape:
+            raise ValueError(f"{name} has a zero-size dimension: shape {tuple(t.shape)}; expected all sizes >= 1")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+
+    B, Hq, Lq, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k has {k.shape[0]}, v has {v.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"head dims differ: q has D={D} but k has D={k.shape[3]} "
+                         f"(q {tuple(q.shape)}, k {tuple(k.shape)}); q and k must share D, v may differ")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v lengths differ: k has Lk={k.shape[2]}, v has {v.shape[2]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v head counts differ: k has Hkv={k.shape[1]}, v has {v.shape[1]}")
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if Hq % Hkv != 0:
+        valid = [h for h in range(1, Hq + 1) if Hq % h == 0]
+        raise ValueError(f"q has Hq={Hq} heads, not divisible by Hkv={Hkv} key/value heads; "
+                         f"Hkv must divide Hq (one of {valid})")
+
+    if scale is None:
+        scale = default_scale(D)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
+
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_mask is not None:
+        if not isinstance(dropout_mask, Tensor) or dropout_mask.dtype != torch.bool:
+            raise TypeError(f"dropout_mask must be a bool tensor (True = kept), got {type(dropout_mask).__name__}"
+                            f"{'' if not isinstance(dropout_mask, Tensor) else ' of dtype ' + str(dropout_mask.dtype)}")
+        if tuple(dropout_mask.shape) != (B, Hq, Lq, Lk):
+            raise ValueError(f"dropout_mask must have shape (B, Hq, Lq, Lk) = {(B, Hq, Lq, Lk)}, "
+                             f"got {tuple(dropout_mask.shape)}")
+        if dropout_p == 0.0:
+            raise ValueError("dropout_mask was given with dropout_p=0; give the p it was drawn with")
+
+    for name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+    mask = as_mask(mask)
+    if mask is not None:
+        mask.check(B, Hq, Lq, Lk)
+
+    return AttentionCall(q, k, v, mask, float(scale), float(dropout_p), dropout_mask, return_weights, return_lse)
