@@ -1,0 +1,146 @@
+"""Shared test helpers: the relative error rule of ``shared/TESTING.md``, a naive same-dtype
+baseline, and the seeded case matrix (mask kind x Lq != Lk x GQA x head dims)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import multihead as mh
+from multihead import masks
+
+# The relative factor F of the rule "err(x) <= F * err(naive) + floor", per dtype.
+#  fp16/bf16: 2 for outputs and LSE, 3 for gradients (TESTING.md).
+#  fp32: an online softmax and fused kernels reorder the sums, so about 10 (TESTING.md).
+FACTOR = {torch.bfloat16: (2.0, 3.0), torch.float16: (2.0, 3.0), torch.float32: (10.0, 10.0)}
+
+
+def naive_attention(q, k, v, mask, scale=None):
+    """Attention computed plainly *in the input dtype* (no upcast): the error baseline."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(Hq // Hkv, dim=1)
+    v = v.repeat_interleave(Hq // Hkv, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * scale
+    mask = masks.as_mask(mask)
+    if mask is not None:
+        dense = mask.materialize(B, Hq, Lq, Lk, dtype=q.dtype)
+        scores = scores + dense if mask.is_additive else scores.masked_fill(~dense, float("-inf"))
+    # Rows with no visible key get finite scores (so no NaN reaches autograd), then probability 0.
+    row_has_key = ~torch.isneginf(scores).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~row_has_key, 0.0), dim=-1).masked_fill(~row_has_key, 0.0)
+    return probs @ v
+
+
+def ulp_floor(dtype: torch.dtype, magnitude: float) -> float:
+    """A few ulps of ``dtype`` at ``magnitude``: the rounding floor of the rule."""
+    return 4 * torch.finfo(dtype).eps * max(1.0, magnitude)
+
+
+def assert_relative(x: Tensor, ref: Tensor, baseline: Tensor, factor: float, what: str = "output",
+                    magnitude: float | None = None) -> None:
+    """``max|x - ref| <= factor * max|baseline - ref| + floor``, plus the same on the mean error.
+
+    ``magnitude`` sets the floor's scale when ``ref`` alone understates it (a gradient that is
+    exactly 0 in theory is computed from terms of the size of the other gradients)."""
+    ref = ref.double()
+    assert torch.isfinite(x).all(), f"{what}: non-finite values"
+    if ref.numel() == 0:
+        return
+    err_x = (x.double() - ref).abs()
+    err_b = (baseline.double() - ref).abs()
+    floor = ulp_floor(x.dtype, float(ref.abs().max()) if magnitude is None else magnitude)
+    msg = (f"{what}: max err {float(err_x.max()):.3e}, baseline max err {float(err_b.max()):.3e}, "
+           f"mean err {float(err_x.mean()):.3e} vs baseline mean {float(err_b.mean()):.3e}, floor {floor:.1e}")
+    assert float(err_x.max()) <= factor * float(err_b.max()) + floor, msg
+    assert float(err_x.mean()) <= factor * float(err_b.mean()) + floor, msg
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    D: int
+    Dv: int
+    mask: str
+    seed: int
+
+    @property
+    def id(self) -> str:
+        return f"B{self.B}-H{self.Hq}x{self.Hkv}-L{self.Lq}x{self.Lk}-D{self.D}v{self.Dv}-{self.mask}"
+
+
+MASK_KINDS = [
+    "none", "causal_br", "causal_tl", "window_3", "window_5_2_tl", "key_padding", "document",
+    "prefix_lm", "causal&padding", "document&causal", "window|prefix", "~causal", "custom",
+    "bool_tensor", "bool_keys_only", "additive_tensor", "additive&causal", "shifted_causal",
+]
+
+HEADS = [(1, 1), (4, 4), (8, 2), (6, 3), (8, 1)]
+LENGTHS = [(1, 1), (1, 17), (17, 1), (13, 13), (113, 203), (203, 113), (127, 128)]
+HEAD_DIMS = [(8, 8), (40, 40), (59, 59), (64, 64), (128, 128), (16, 24)]
+
+
+def covering_cases(n_random: int = 24, seed: int = 0) -> list[Case]:
+    """Every mask kind, head pair, length pair and head dim at least once, plus seeded randoms."""
+    rng = random.Random(seed)
+    cases = []
+    n = max(len(MASK_KINDS), len(HEADS), len(LENGTHS), len(HEAD_DIMS))
+    for i in range(n):
+        Hq, Hkv = HEADS[i % len(HEADS)]
+        Lq, Lk = LENGTHS[i % len(LENGTHS)]
+        D, Dv = HEAD_DIMS[i % len(HEAD_DIMS)]
+        cases.append(Case(1 + 2 * (i % 2), Hq, Hkv, Lq, Lk, D, Dv, MASK_KINDS[i % len(MASK_KINDS)], i))
+    for i in range(n_random):
+        Hq, Hkv = rng.choice(HEADS)
+        Lq, Lk = rng.choice(LENGTHS)
+        D, Dv = rng.choice(HEAD_DIMS)
+        cases.append(Case(rng.choice([1, 3]), Hq, Hkv, Lq, Lk, D, Dv, rng.choice(MASK_KINDS), 1000 + i))
+    return cases
+
+
+def make_mask(kind: str, B: int, Hq: int, Lq: int, Lk: int, gen: torch.Generator):
+    """A mask of the named kind for these sizes; several kinds include fully masked rows."""
+    lengths = torch.randint(0, Lk + 1, (B,), generator=gen)
+    lengths[0] = Lk  # at least one full row of keys; others may be 0 (a fully masked batch element)
+    q_ids = torch.sort(torch.randint(0, 3, (B, Lq), generator=gen)).values
+    kv_ids = torch.sort(torch.randint(0, 3, (B, Lk), generator=gen)).values
+    table = {
+        "none": lambda: None,
+        "causal_br": lambda: mh.causal(),
+        "causal_tl": lambda: mh.causal("top_left"),
+        "window_3": lambda: mh.sliding_window(3),
+        "window_5_2_tl": lambda: mh.sliding_window(5, 2, align="top_left"),
+        "key_padding": lambda: mh.key_padding(lengths),
+        "document": lambda: mh.document(q_ids, kv_ids),
+        "prefix_lm": lambda: mh.prefix_lm(min(3, Lk)),
+        "causal&padding": lambda: mh.causal() & mh.key_padding(lengths),
+        "document&causal": lambda: mh.document(q_ids, kv_ids) & mh.causal(),
+        "window|prefix": lambda: mh.sliding_window(2) | mh.prefix_lm(2),
+        "~causal": lambda: ~mh.causal(),
+        "custom": lambda: mh.custom(lambda b, h, q, kv: (q + kv + h) % 3 != 0),
+        "bool_tensor": lambda: torch.rand(B, Hq, Lq, Lk, generator=gen) > 0.3,
+        "bool_keys_only": lambda: (torch.rand(B, 1, 1, Lk, generator=gen) > 0.5),
+        "additive_tensor": lambda: torch.where(torch.rand(1, Hq, Lq, Lk, generator=gen) > 0.3,
+                                               torch.randn(1, Hq, Lq, Lk, generator=gen), float("-inf")),
+        "additive&causal": lambda: mh.masks.as_mask(torch.randn(Lq, Lk, generator=gen)) & mh.causal(),
+        "shifted_causal": lambda: mh.causal("top_left").shifted(q_offset=-2, kv_offset=0),
+    }
+    return table[kind]()
+
+
+def make_inputs(case: Case, dtype=torch.float64, requires_grad=False):
+    gen = torch.Generator().manual_seed(case.seed)
+    q = torch.randn(case.B, case.Hq, case.Lq, case.D, generator=gen, dtype=torch.float64)
+    k = torch.randn(case.B, case.Hkv, case.Lk, case.D, generator=gen, dtype=torch.float64)
+    v = torch.randn(case.B, case.Hkv, case.Lk, case.Dv, generator=gen, dtype=torch.float64)
+    mask = make_mask(case.mask, case.B, case.Hq, case.Lq, case.Lk, gen)
+    q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
+    return q, k, v, mask
