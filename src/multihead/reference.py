@@ -89,6 +89,10 @@ def reference_attention(
     allowed = allowed.expand_as(scores)
     row_has_key = allowed.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
 
+    # A key no query may see can hold anything, even NaN: 0 * NaN = NaN, so its value is zeroed.
+    key_seen = allowed.any(dim=-2).unsqueeze(-1)  # (B, Hq, Lk, 1)
+    v = torch.where(key_seen, v, torch.zeros((), dtype=dtype, device=v.device))
+
     # Replace blocked scores by a finite value *before* the softmax: no -inf, no NaN.
     finite = scores.masked_fill(~allowed, 0.0)
     row_max = finite.masked_fill(~allowed, torch.finfo(dtype).min).amax(dim=-1, keepdim=True)

@@ -86,6 +86,13 @@ class _Arguments:
                 dense = torch.where(opened, torch.zeros((), dtype=dense.dtype, device=q.device), dense) \
                     if mask.is_additive else dense | opened
             self.attn_mask = dense
+            # Keys that no query may see can hold anything (NaN beyond a length): zero them, since
+            # the fused kernels compute 0 * value for them and 0 * NaN = NaN.
+            visible = ~torch.isneginf(dense) if mask.is_additive else dense
+            unseen = ~visible.any(dim=-2).any(dim=1, keepdim=True).unsqueeze(-1)  # (B|1, 1, Lk, 1)
+            if bool(unseen.any()):
+                zero = torch.zeros((), dtype=q.dtype, device=q.device)
+                k, v = torch.where(unseen, zero, k), torch.where(unseen, zero, v)
             kind = "additive" if mask.is_additive else "bool"
             self.mask_note = f"mask: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
         self.enable_gqa = False

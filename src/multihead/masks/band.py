@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from multihead.conventions import check_align, resolve_alignment_offset
-from multihead.masks.base import BlockState, Mask
+from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
 __all__ = ["causal", "sliding_window", "Band"]
 
@@ -78,8 +78,8 @@ class Band(Mask):
 
     def _key_range(self, q0, q1, q_len, kv_len):
         off = self._offset(q_len, kv_len)
-        lo = 0 if self.left is None else q0 + off - self.left
-        hi = kv_len if self.right is None else q1 - 1 + off + self.right + 1
+        lo = -UNBOUNDED if self.left is None else q0 + off - self.left
+        hi = UNBOUNDED if self.right is None else q1 - 1 + off + self.right + 1
         return lo, hi
 
     def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):

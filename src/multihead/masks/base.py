@@ -22,12 +22,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["Mask", "BlockState", "And", "Or", "Not", "Shifted"]
+__all__ = ["Mask", "BlockState", "And", "Or", "Not", "Shifted", "UNBOUNDED"]
 
 # Rows evaluated at a time when a generic question has to look at the mask element by element:
 # bounds the memory of those fallbacks to about this many booleans.
 _CHUNK_ELEMENTS = 1 << 22
 _PICTURE_SIZE = 8
+#: "No limit" for an unbounded side of a key range, before clamping to ``[0, Lk)``.
+UNBOUNDED = 1 << 62
 
 
 class BlockState(enum.Enum):
@@ -170,7 +172,8 @@ class Mask:
         return (lo, hi) if lo < hi else (0, 0)
 
     def _key_range(self, q0, q1, q_len, kv_len) -> tuple[int, int]:
-        return 0, kv_len
+        """Unclamped range in this mask's own key coordinates (``UNBOUNDED`` where unknown)."""
+        return -UNBOUNDED, UNBOUNDED
 
     def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
                     batch: int = 1, heads: int = 1) -> BlockState:
@@ -240,7 +243,7 @@ class And(Mask):
         return self.parts[0].causal_offset(q_len, kv_len) if len(self.parts) == 1 else None
 
     def _key_range(self, q0, q1, q_len, kv_len):
-        ranges = [p.key_range(q0, q1, q_len, kv_len) for p in self.parts]
+        ranges = [p._key_range(q0, q1, q_len, kv_len) for p in self.parts]
         return max(r[0] for r in ranges), min(r[1] for r in ranges)
 
     def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
@@ -278,7 +281,7 @@ class Or(Mask):
             p.check(batch, heads, q_len, kv_len)
 
     def _key_range(self, q0, q1, q_len, kv_len):
-        ranges = [r for r in (p.key_range(q0, q1, q_len, kv_len) for p in self.parts) if r[0] < r[1]]
+        ranges = [r for r in (p._key_range(q0, q1, q_len, kv_len) for p in self.parts) if r[0] < r[1]]
         if not ranges:
             return 0, 0
         return min(r[0] for r in ranges), max(r[1] for r in ranges)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.masks.base import BlockState, Mask
+from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
 __all__ = ["document", "Document"]
 
@@ -75,7 +75,7 @@ class Document(Mask):
 
     def _key_range(self, q0, q1, q_len, kv_len):
         if not self._sorted:
-            return 0, kv_len
+            return -UNBOUNDED, UNBOUNDED
         span = self._id_span(self._q_cpu, q0, q1)
         if span is None:
             return 0, 0

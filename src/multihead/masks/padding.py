@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.masks.base import BlockState, Mask
+from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
 __all__ = ["key_padding", "prefix_lm", "KeyPadding"]
 
@@ -104,8 +104,9 @@ class KeyPadding(Mask):
 
     def _key_range(self, q0, q1, q_len, kv_len):
         if self.lengths is not None:
-            return 0, self._max
-        return 0, kv_len
+            return -UNBOUNDED, self._max
+        columns = self._table.any(0).nonzero()
+        return (int(columns.min()), int(columns.max()) + 1) if len(columns) else (0, 0)
 
     def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
         if self.lengths is None:

@@ -1,0 +1,157 @@
+"""Masks: their meaning, their pictures, composition, shifting, and that every structural answer
+a backend may rely on agrees with the materialized mask."""
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.masks import BlockState
+
+
+def dense(mask, B=1, H=1, Lq=6, Lk=6):
+    return mask.materialize(B, H, Lq, Lk).expand(B, H, Lq, Lk)
+
+
+def test_causal_alignments_match_the_drawn_conventions():
+    assert mh.causal().to_string(2, 5) == "████·\n█████"
+    assert mh.causal("top_left").to_string(2, 5) == "█····\n██···"
+    assert mh.causal().to_string(5, 2) == "··\n··\n··\n█·\n██"
+    assert mh.causal("top_left").to_string(5, 2) == "█·\n██\n██\n██\n██"
+
+
+def test_repr_draws_a_picture_and_names_the_mask():
+    text = repr(mh.causal() & mh.sliding_window(2))
+    assert text.splitlines()[0] == "causal(align='bottom_right') & sliding_window(left=2, right=0, align='bottom_right')"
+    assert text.splitlines()[4] == "·███····"
+
+
+def test_sliding_window_counts_left_plus_one_plus_right_keys():
+    m = dense(mh.sliding_window(2, 1, align="top_left"), Lq=8, Lk=8)[0, 0]
+    assert m.sum(-1).tolist() == [2, 3, 4, 4, 4, 4, 4, 3]
+    assert bool(m[4, 2]) and bool(m[4, 5]) and not bool(m[4, 1]) and not bool(m[4, 6])
+
+
+def test_mask_mod_is_the_meaning_and_square_without_lengths():
+    m = mh.causal()
+    assert bool(m.mask_mod(0, 0, 3, 3)) and not bool(m.mask_mod(0, 0, 3, 4))
+    assert bool(m.mask_mod(0, 0, 0, 3, q_len=2, kv_len=5))  # bottom-right: query 0 sees key 3
+    with pytest.raises(ValueError, match="both q_len and kv_len"):
+        m.mask_mod(0, 0, 0, 0, q_len=2)
+
+
+def test_key_padding_prefix_lm_and_document():
+    kp = dense(mh.key_padding([2, 4]), B=2, Lq=3, Lk=5)
+    assert kp[0, 0, 0].tolist() == [True, True, False, False, False]
+    assert kp[1, 0, 2].tolist() == [True, True, True, True, False]
+    table = torch.tensor([[True, False, True]])
+    assert dense(mh.key_padding(table), Lq=2, Lk=3)[0, 0, 1].tolist() == [True, False, True]
+    plm = dense(mh.prefix_lm(3), Lq=5, Lk=5)[0, 0]
+    assert plm[0].tolist() == [True, True, True, False, False] and plm[4].all()
+    doc = dense(mh.document(torch.tensor([0, 0, 1, 1, 1, 2])))[0, 0]
+    assert doc[2].tolist() == [False, False, True, True, True, False] and doc[5].sum() == 1
+
+
+def test_operators_compose_like_boolean_algebra():
+    a, b = mh.causal(), mh.sliding_window(2, 2)
+    da, db = dense(a), dense(b)
+    assert torch.equal(dense(a & b), da & db)
+    assert torch.equal(dense(a | b), da | db)
+    assert torch.equal(dense(~a), ~da)
+    assert torch.equal(dense(a & torch.ones(6, 6, dtype=torch.bool)), da)  # tensors compose too
+
+
+def test_masks_are_immutable():
+    m = mh.causal()
+    with pytest.raises(AttributeError, match="immutable"):
+        m.align = "top_left"
+
+
+def test_shifted_reads_positions_with_offsets():
+    full = dense(mh.causal("top_left"), Lq=10, Lk=10)[0, 0]
+    part = dense(mh.causal("top_left").shifted(4, 2), Lq=3, Lk=5)[0, 0]
+    assert torch.equal(part, full[4:7, 2:7])
+    twice = mh.causal("top_left").shifted(1, 0).shifted(3, 2)
+    assert torch.equal(dense(twice, Lq=3, Lk=5)[0, 0], part)
+    doc = mh.document(torch.tensor([0, 0, 0, 1, 1, 1, 1, 2]))
+    assert torch.equal(dense(doc.shifted(2, 3), Lq=4, Lk=4)[0, 0], dense(doc, Lq=8, Lk=8)[0, 0, 2:6, 3:7])
+
+
+def test_additive_masks_add_and_refuse_or_not():
+    bias = torch.randn(4, 4)
+    combined = mh.masks.as_mask(bias) & mh.causal()
+    assert combined.is_additive
+    got = combined.materialize(1, 1, 4, 4)[0, 0]
+    want = bias.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match="additive"):
+        mh.masks.as_mask(bias) | mh.causal()
+    with pytest.raises(TypeError, match="additive"):
+        ~mh.masks.as_mask(bias)
+
+
+def test_integer_masks_are_refused_with_a_hint():
+    with pytest.raises(TypeError, match=r"torch.int64.*polarity.*mask == 0"):
+        mh.masks.as_mask(torch.ones(3, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="uint8"):
+        mh.masks.as_mask(torch.ones(3, 3, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------- structure agrees with meaning
+def structured_masks():
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3], [0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]])
+    kv_ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3], [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2]])
+    return {
+        "causal_br": mh.causal(),
+        "causal_tl": mh.causal("top_left"),
+        "window": mh.sliding_window(3),
+        "window_lr_tl": mh.sliding_window(2, 4, align="top_left"),
+        "window_unbounded_right": mh.sliding_window(1, None),
+        "padding": mh.key_padding([11, 4]),
+        "padding_table": mh.key_padding(torch.rand(2, 11, generator=torch.Generator().manual_seed(0)) > 0.4),
+        "document": mh.document(ids, kv_ids),
+        "document&causal": mh.document(ids, kv_ids) & mh.causal(),
+        "prefix_lm": mh.prefix_lm(4),
+        "~causal": ~mh.causal(),
+        "shifted": mh.causal("top_left").shifted(3, -2),
+        "custom": mh.custom(lambda b, h, q, kv: (q - kv) % 4 == 0),
+        "tensor": mh.masks.as_mask(torch.rand(2, 1, 13, 11, generator=torch.Generator().manual_seed(1)) > 0.5),
+    }
+
+
+@pytest.mark.parametrize("name", list(structured_masks()))
+def test_structural_answers_agree_with_the_dense_mask(name):
+    mask = structured_masks()[name]
+    B, H, Lq, Lk = 2, 1, 13, 11
+    full = dense(mask, B, H, Lq, Lk)
+    for q0 in range(0, Lq, 3):
+        q1 = min(q0 + 3, Lq)
+        lo, hi = mask.key_range(q0, q1, Lq, Lk)
+        visible = full[:, :, q0:q1].any(dim=(0, 1, 2)).nonzero().flatten()
+        if len(visible):
+            assert lo <= int(visible.min()) and int(visible.max()) < hi, (q0, lo, hi, visible)
+        for k0 in range(0, Lk, 4):
+            k1 = min(k0 + 4, Lk)
+            block = full[:, :, q0:q1, k0:k1]
+            state = mask.block_state(q0, q1, k0, k1, Lq, Lk, B, H)
+            if state is BlockState.FULL:
+                assert block.all(), (q0, k0)
+            elif state is BlockState.EMPTY:
+                assert not block.any(), (q0, k0)
+    empty = mask.empty_rows(B, H, Lq, Lk)
+    truth = ~full.any(-1)
+    if empty is None:
+        assert not truth.any()
+    else:
+        assert torch.equal(empty.expand_as(truth), truth)
+    offset = mask.causal_offset(Lq, Lk)
+    if offset is not None:
+        assert torch.equal(full[0, 0], torch.ones(Lq, Lk, dtype=torch.bool).tril(offset))
+
+
+def test_tight_structure_for_bands():
+    """Bands answer exactly (FULL/EMPTY, not merely PARTIAL), which is what makes skipping pay."""
+    m = mh.sliding_window(4)
+    assert m.block_state(8, 12, 0, 4, 16, 16) is BlockState.EMPTY
+    assert m.block_state(8, 10, 6, 8, 16, 16) is BlockState.FULL
+    assert m.key_range(8, 12, 16, 16) == (4, 12)
+    assert mh.causal().causal_offset(3, 7) == 4 and mh.causal("top_left").causal_offset(3, 7) == 0
