@@ -1,0 +1,75 @@
+"""Bad input: one table of (inputs, exception type, message regex). Messages name the argument,
+what was received and what was expected; validation happens before any computation."""
+
+import pytest
+import torch
+
+import multihead as mh
+
+q = torch.randn(2, 8, 5, 16)
+k = torch.randn(2, 2, 7, 16)
+v = torch.randn(2, 2, 7, 12)
+
+BAD = [
+    ("q rank", dict(q=torch.randn(2, 5, 16)), ValueError, r"q must have 4 dims \(B, Hq, Lq, D\), got shape \(2, 5, 16\)"),
+    ("k rank", dict(k=torch.randn(7, 16)), ValueError, r"k must have 4 dims"),
+    ("not a tensor", dict(v=[[1.0]]), TypeError, r"v must be a torch.Tensor .* got list"),
+    ("integer q", dict(q=torch.ones(2, 8, 5, 16, dtype=torch.int64)), TypeError, r"q must be a floating-point tensor, got dtype torch.int64"),
+    ("head dim", dict(k=torch.randn(2, 2, 7, 8)), ValueError, r"head dims differ: q has D=16 but k has D=8"),
+    ("k/v length", dict(v=torch.randn(2, 2, 6, 12)), ValueError, r"k and v lengths differ: k has Lk=7, v has 6"),
+    ("k/v heads", dict(v=torch.randn(2, 1, 7, 12)), ValueError, r"k and v head counts differ: k has Hkv=2, v has 1"),
+    ("Hq % Hkv", dict(k=torch.randn(2, 3, 7, 16), v=torch.randn(2, 3, 7, 12)), ValueError,
+     r"Hq=8 heads, not divisible by Hkv=3 .*one of \[1, 2, 4, 8\]"),
+    ("batch", dict(k=torch.randn(3, 2, 7, 16)), ValueError, r"batch sizes differ: q has B=2, k has 3"),
+    ("dtype mismatch", dict(k=torch.randn(2, 2, 7, 16, dtype=torch.float64)), TypeError,
+     r"share a dtype, got q torch.float32, k torch.float64"),
+    ("device mismatch", dict(k=torch.randn(2, 2, 7, 16, device="meta")), ValueError, r"one device, got q cpu, k meta"),
+    ("mask shape", dict(mask=torch.ones(5, 6, dtype=torch.bool)), ValueError,
+     r"mask of shape \(1, 1, 5, 6\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 8, 5, 7\)"),
+    ("mask rank", dict(mask=torch.ones(1, 1, 1, 5, 7, dtype=torch.bool)), ValueError, r"mask must have 2 to 4 dims"),
+    ("mask int dtype", dict(mask=torch.ones(5, 7, dtype=torch.int32)), TypeError, r"mask has dtype torch.int32"),
+    ("mask uint8", dict(mask=torch.ones(5, 7, dtype=torch.uint8)), TypeError, r"polarity"),
+    ("mask type", dict(mask="causal"), TypeError, r"mask must be a multihead mask, a bool or float tensor, or None; got str"),
+    ("key_padding batch", dict(mask=mh.key_padding([7, 7, 7])), ValueError, r"key_padding: mask has 3 batch elements but the input has B=2"),
+    ("document length", dict(mask=mh.document(torch.zeros(4, dtype=torch.long))), ValueError, r"document: q_ids has length 4 but Lq=5"),
+    ("dropout high", dict(dropout_p=1.0), ValueError, r"dropout_p must be a number in \[0, 1\), got 1.0"),
+    ("dropout negative", dict(dropout_p=-0.1), ValueError, r"dropout_p must be a number in \[0, 1\), got -0.1"),
+    ("scale", dict(scale=float("nan")), ValueError, r"scale must be a finite number or None"),
+    ("backend", dict(backend="flash9"), ValueError, r"unknown backend 'flash9'; known backends: 'auto', .*'sdpa'"),
+    ("return flag", dict(return_lse=1), TypeError, r"return_lse must be a bool, got int"),
+    ("dropout_mask shape", dict(dropout_p=0.1, dropout_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError,
+     r"dropout_mask must have shape \(B, Hq, Lq, Lk\) = \(2, 8, 5, 7\)"),
+    ("empty dim", dict(q=torch.randn(2, 8, 0, 16)), ValueError, r"q has a zero-size dimension"),
+]
+
+
+@pytest.mark.parametrize("name,override,exc,pattern", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_a_clear_error(name, override, exc, pattern):
+    args, override = dict(q=q, k=k, v=v), dict(override)
+    args.update({key: override.pop(key) for key in ("q", "k", "v") if key in override})
+    with pytest.raises(exc, match=pattern):
+        mh.attention(args["q"], args["k"], args["v"], **override)
+    with pytest.raises(exc, match=pattern):  # explain validates the same way
+        mh.explain(args["q"], args["k"], args["v"], **override)
+
+
+def test_forcing_a_backend_that_refuses_lists_its_reasons():
+    keep = torch.ones(2, 8, 5, 7, dtype=torch.bool)
+    with pytest.raises(mh.BackendRefusedError, match=r"backend 'sdpa' cannot serve this call: .*dropout_mask"):
+        mh.attention(q, k, v, dropout_p=0.1, dropout_mask=keep, backend="sdpa")
+    assert mh.explain(q, k, v, dropout_p=0.1, dropout_mask=keep).backend == "reference"
+
+
+def test_mask_constructors_validate_their_arguments():
+    with pytest.raises(ValueError, match=r"align must be one of \('bottom_right', 'top_left'\), got 'bottom'"):
+        mh.causal("bottom")
+    with pytest.raises(ValueError, match=r"sliding_window: left must be a non-negative int, got -1"):
+        mh.sliding_window(-1)
+    with pytest.raises(ValueError, match=r"key_padding: lengths must be >= 0"):
+        mh.key_padding([3, -1])
+    with pytest.raises(TypeError, match=r"document: q_ids must be an integer tensor, got dtype torch.float32"):
+        mh.document(torch.zeros(3))
+    with pytest.raises(TypeError, match=r"shifted: q_offset must be an int"):
+        mh.causal().shifted(1.5, 0)
+    with pytest.raises(TypeError, match=r"custom: mask_mod must be callable"):
+        mh.custom(3)
