@@ -155,3 +155,14 @@ def test_tight_structure_for_bands():
     assert m.block_state(8, 10, 6, 8, 16, 16) is BlockState.FULL
     assert m.key_range(8, 12, 16, 16) == (4, 12)
     assert mh.causal().causal_offset(3, 7) == 4 and mh.causal("top_left").causal_offset(3, 7) == 0
+
+
+def test_docs_conventions_draw_what_the_masks_print():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "conventions.md").read_text()
+    for picture in (mh.causal().to_string(5, 2), mh.causal("top_left").to_string(2, 5),
+                    mh.prefix_lm(3).to_string(6, 6), mh.sliding_window(2).to_string(6, 6)):
+        rows = picture.splitlines()
+        assert all(row in doc for row in rows)
+    assert "h // G" in doc and "True` means may attend" in doc
