@@ -65,6 +65,11 @@ class Backend:
             reasons.append("no backward pass")
         return reasons
 
+    def auto_refusals(self, call: AttentionCall) -> list[str]:
+        """Reasons ``auto`` should prefer a later backend although this one could serve ``call``
+        (the measured decision table, ``docs/performance.md``). Forcing the backend ignores them."""
+        return []
+
     def plan(self, call: AttentionCall) -> list[str]:
         """How this backend would run ``call``, one line per decision."""
         return []
