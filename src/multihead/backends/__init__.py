@@ -10,13 +10,16 @@ from multihead.backends.registry import (
     register_backend,
     select_backend,
 )
+from multihead.backends.blocksparse import BlockSparseBackend
 from multihead.backends.sdpa import SDPABackend
 
 register_backend(ReferenceBackend(), auto_rank=99)
 register_backend(SDPABackend(), auto_rank=0)
+# Before sdpa: it passes (auto_refusals) on what sdpa runs unmasked; see docs/performance.md.
+register_backend(BlockSparseBackend(), auto_rank=0)
 
 __all__ = [
     "Backend", "Capabilities", "BackendRefusedError", "AUTO_ORDER",
     "available_backends", "get_backend", "register_backend", "select_backend",
-    "ReferenceBackend", "SDPABackend",
+    "ReferenceBackend", "SDPABackend", "BlockSparseBackend",
 ]

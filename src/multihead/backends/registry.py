@@ -62,7 +62,9 @@ def select_backend(call: AttentionCall, name: str = "auto") -> tuple[Backend, di
     refused: dict[str, list[str]] = {}
     for candidate in AUTO_ORDER:
         backend = _REGISTRY[candidate]
-        reasons = backend.refusals(call)
+        # auto_refusals: the decision table, reasons to prefer a later backend although this one
+        # could serve the call (measured; docs/performance.md). Forcing a backend ignores them.
+        reasons = backend.refusals(call) or backend.auto_refusals(call)
         if not reasons:
             return backend, refused
         refused[candidate] = reasons
