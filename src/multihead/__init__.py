@@ -11,6 +11,8 @@ from multihead.capture import AttentionCapture, capture_attention
 from multihead.backends import available_backends, get_backend, register_backend
 from multihead.backends.registry import BackendRefusedError
 from multihead.explain import Explanation, explain
+from multihead.layers import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
+from multihead import compat
 from multihead.masks import causal, custom, document, key_padding, prefix_lm, sliding_window
 from multihead.reference import AttentionResult, reference_attention
 
@@ -20,4 +22,5 @@ __all__ = [
     "attention", "capture_attention", "AttentionCapture", "explain", "Explanation", "reference_attention", "AttentionResult",
     "masks", "causal", "sliding_window", "key_padding", "document", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "BackendRefusedError",
+    "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
 ]

@@ -1,0 +1,295 @@
+"""``multihead.compat.MultiheadAttention``: a drop-in for ``torch.nn.MultiheadAttention``.
+
+Same constructor, ``forward`` signature, return values, parameter names (``in_proj_weight`` or
+``q_proj_weight``/``k_proj_weight``/``v_proj_weight``, ``in_proj_bias``, ``bias_k``, ``bias_v``,
+``out_proj.weight``, ``out_proj.bias``: ``load_state_dict`` of an ``nn.MultiheadAttention``
+checkpoint just works) and initialization (the same seed gives the same weights).
+
+.. warning::
+   **Masks follow PyTorch's polarity here, the opposite of the rest of multihead**:
+
+   * ``key_padding_mask``: bool, ``True`` = **ignore** this key (padding);
+   * ``attn_mask``: bool, ``True`` = **blocked**;
+   * float masks of either kind are added to the scores (``-inf`` blocks), as in PyTorch.
+
+   Everywhere else in `multihead` a bool mask means ``True`` = *may attend*
+   (:mod:`multihead.conventions`).
+
+Where this class differs from PyTorch's, on purpose:
+
+* a query row that sees no key gives attention 0 (so its output is ``out_proj.bias``) and a
+  weights row of 0, never NaN, in forward and backward;
+* ``is_causal=True`` is honoured, with or without ``attn_mask``: a top-left causal mask (PyTorch's
+  ``is_causal``) over the given keys, combined with ``attn_mask`` if one is passed. PyTorch
+  requires an ``attn_mask`` and treats the flag as an unchecked hint;
+* a 2-D ``attn_mask`` that is exactly the causal pattern is recognised (an ``O(Lq·Lk)`` check)
+  and run as a causal mask, so the fused kernel needs no mask tensor;
+* returned weights are the probabilities *before* dropout (PyTorch returns them after dropout
+  in training mode); the output path is dropped out the same way;
+* the fast path of :func:`multihead.attention` runs whatever ``need_weights`` is; weights are
+  recomputed block by block only when asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from multihead.attention import attention
+from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
+from multihead.layers.heads import merge_heads, split_heads
+from multihead.masks import Mask, as_mask, causal
+
+__all__ = ["MultiheadAttention"]
+
+_NAME = "MultiheadAttention"
+
+
+class MultiheadAttention(nn.Module):
+    """``torch.nn.MultiheadAttention`` on the `multihead` core; arguments as in PyTorch.
+
+    Shapes (``E = embed_dim``, ``H = num_heads``, ``L`` target and ``S`` source length):
+    ``query (L, B, E)``, ``key (S, B, kdim)``, ``value (S, B, vdim)``, or ``(B, L, E)`` ... with
+    ``batch_first=True``, or unbatched ``(L, E)`` ...; ``key_padding_mask (B, S)`` (``(S,)``
+    unbatched); ``attn_mask (L, S)`` or ``(B·H, L, S)`` (``(H, L, S)`` unbatched). Returns
+    ``(attn_output, attn_weights)``: the output in the query's layout, the weights ``(B, L, S)``
+    averaged over heads or ``(B, H, L, S)``, ``None`` unless ``need_weights``. ``S`` counts the
+    ``bias_k`` and zero-attention keys when ``add_bias_kv``/``add_zero_attn`` append them.
+    """
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
+                 vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        embed_dim = check_size(_NAME, "embed_dim", embed_dim)
+        num_heads = check_size(_NAME, "num_heads", num_heads)
+        if embed_dim % num_heads != 0:
+            divisors = [d for d in range(1, embed_dim + 1) if embed_dim % d == 0]
+            raise ValueError(f"{_NAME}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
+                             f"num_heads must be one of {divisors}")
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = embed_dim if kdim is None else check_size(_NAME, "kdim", kdim)
+        self.vdim = embed_dim if vdim is None else check_size(_NAME, "vdim", vdim)
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = check_dropout(_NAME, dropout)
+        self.batch_first = check_flag(_NAME, "batch_first", batch_first)
+        self.head_dim = embed_dim // num_heads
+
+        # Parameters created in PyTorch's order, so that the same seed gives the same weights.
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory))
+            self.register_parameter("in_proj_weight", None)
+        if check_flag(_NAME, "bias", bias):
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
+        if check_flag(_NAME, "add_bias_kv", add_bias_kv):
+            self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
+            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = check_flag(_NAME, "add_zero_attn", add_zero_attn)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """PyTorch's initialization, call for call."""
+        if self._qkv_same_embed_dim:
+            xavier_uniform_(self.in_proj_weight)
+        else:
+            xavier_uniform_(self.q_proj_weight)
+            xavier_uniform_(self.k_proj_weight)
+            xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            constant_(self.in_proj_bias, 0.0)
+            constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            xavier_normal_(self.bias_k)
+            xavier_normal_(self.bias_v)
+
+    def __setstate__(self, state):
+        # Pickles of PyTorch 1.1 modules lack this flag, as PyTorch's own class handles.
+        state.setdefault("_qkv_same_embed_dim", True)
+        super().__setstate__(state)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        """PyTorch's contract (see the module docstring for masks and the deliberate differences)."""
+        bf = self.batch_first
+        check_inputs(_NAME, query, key, value, sizes=(self.embed_dim, self.kdim, self.vdim), batch_first=bf,
+                     ranks=(2, 3))
+        for name, flag in (("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
+                           ("is_causal", is_causal)):
+            check_flag(_NAME, name, flag)
+        batched = query.dim() == 3
+        if not batched:  # (L, E): one batch element in this module's layout
+            query, key, value = (t.unsqueeze(0 if bf else 1) for t in (query, key, value))
+        B, L = dims(query, bf)
+        S = dims(key, bf)[1]
+        extra = int(self.bias_k is not None) + int(self.add_zero_attn)  # keys appended after the S given
+        mask = self._mask(key_padding_mask, attn_mask, is_causal, B, L, S, extra, batched, query.device)
+
+        q, k, v = self._project(query, key, value)  # (B, L, E), (B, S, E), (B, S, E); L, S first if not bf
+        if self.bias_k is not None:
+            k, v = _append_key(k, self.bias_k, bf), _append_key(v, self.bias_v, bf)  # (B, S+1, E)
+        if self.add_zero_attn:
+            zero = torch.zeros((1, 1, self.embed_dim), dtype=k.dtype, device=k.device)
+            k, v = _append_key(k, zero, bf), _append_key(v, zero, bf)  # (B, S+extra, E)
+        q = split_heads(q, self.num_heads, self.head_dim, bf)  # (B, H, L, D)
+        k = split_heads(k, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
+        v = split_heads(v, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
+
+        result = attention(q, k, v, mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                           return_weights=need_weights)
+        y, weights = (result.output, result.weights) if need_weights else (result, None)  # (B, H, L, D)
+        out = self.out_proj(merge_heads(y))  # (B, L, E)
+        if not batched:
+            out = out.squeeze(0)  # (L, E)
+        elif not bf:
+            out = out.transpose(0, 1)  # (L, B, E), a view
+        if weights is not None:
+            if average_attn_weights:
+                weights = weights.mean(dim=1)  # (B, L, S+extra)
+            if not batched:
+                weights = weights.squeeze(0)  # (L, S+extra) or (H, L, S+extra)
+        return out, weights
+
+    # ------------------------------------------------------------------------------ helpers
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        E, bias = self.embed_dim, self.in_proj_bias
+        if self._qkv_same_embed_dim and key is query and value is query:
+            q, k, v = F.linear(query, self.in_proj_weight, bias).split(E, dim=-1)  # one matmul
+            return q, k, v
+        if self._qkv_same_embed_dim:
+            wq, wk, wv = self.in_proj_weight.split(E)
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        bq, bk, bv = (None, None, None) if bias is None else bias.split(E)
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def _mask(self, key_padding_mask, attn_mask, is_causal: bool, B: int, L: int, S: int, extra: int,
+              batched: bool, device: torch.device) -> Mask | None:
+        """PyTorch's masks as one `multihead` mask over ``(B, H, L, S + extra)``.
+
+        Bool masks are inverted here (PyTorch: ``True`` = blocked) into ``True`` = may attend;
+        the appended ``bias_k``/zero keys are visible to every query, as in PyTorch.
+        """
+        H, parts = self.num_heads, []
+        if key_padding_mask is not None:
+            kpm = _mask_tensor("key_padding_mask", key_padding_mask)
+            expected = (B, S) if batched else (S,)
+            if tuple(kpm.shape) != expected:
+                raise ValueError(f"{_NAME}: key_padding_mask must have shape {'(B, S)' if batched else '(S,)'} = "
+                                 f"{expected}, got {tuple(kpm.shape)}")
+            parts.append(_allowed(kpm).reshape(B, 1, 1, S))
+        causal_mask = causal("top_left") if is_causal else None
+        if attn_mask is not None:
+            am = _mask_tensor("attn_mask", attn_mask)
+            if am.dim() == 2:
+                if tuple(am.shape) != (L, S):
+                    raise ValueError(f"{_NAME}: a 2-D attn_mask must have shape (L, S) = {(L, S)}, "
+                                     f"got {tuple(am.shape)}")
+                am = _allowed(am).view(1, 1, L, S)
+            elif am.dim() == 3:
+                expected = (B * H, L, S) if batched else (H, L, S)
+                if tuple(am.shape) != expected:
+                    raise ValueError(f"{_NAME}: a 3-D attn_mask must have shape "
+                                     f"{'(B*num_heads, L, S)' if batched else '(num_heads, L, S)'} = {expected}, "
+                                     f"got {tuple(am.shape)}")
+                am = _allowed(am).view(B, H, L, S)  # PyTorch's row b*H + h is batch b, head h
+            else:
+                raise ValueError(f"{_NAME}: attn_mask must have 2 dims (L, S) or 3 dims (B*num_heads, L, S), "
+                                 f"got shape {tuple(am.shape)}")
+            if extra == 0 and _is_causal_pattern(am):
+                am, causal_mask = None, causal("top_left")  # the same mask, without a tensor
+            if am is not None:
+                parts.append(am)
+        if causal_mask is not None and extra:
+            # The causal pattern covers the S given keys only; appended keys stay visible.
+            parts.append(torch.ones((L, S), dtype=torch.bool, device=device).tril().view(1, 1, L, S))
+            causal_mask = None
+        combined = _combine([_pad_keys(p, extra) for p in parts])
+        if combined is None:
+            return causal_mask
+        combined = as_mask(combined, name="attn_mask")
+        return combined if causal_mask is None else combined & causal_mask
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _mask_tensor(name: str, mask) -> Tensor:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{_NAME}: {name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{_NAME}: {name} must be a bool (True = ignore/blocked, PyTorch's polarity) or float "
+                        f"(additive) tensor, got dtype {mask.dtype}")
+    return mask
+
+
+def _allowed(mask: Tensor) -> Tensor:
+    """PyTorch bool (``True`` = blocked) -> multihead bool (``True`` = may attend); floats unchanged."""
+    return ~mask if mask.dtype == torch.bool else mask
+
+
+def _is_causal_pattern(mask: Tensor) -> bool:
+    """Whether a ``(1, 1, L, S)`` mask blocks exactly the keys after each query (top-left) and adds
+    nothing elsewhere."""
+    if mask.shape[0] != 1 or mask.shape[1] != 1:
+        return False
+    L, S = mask.shape[-2:]
+    tril = torch.ones((L, S), dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask[0, 0], tril))
+    visible = ~torch.isneginf(mask[0, 0])
+    return bool(torch.equal(visible, tril)) and not bool(mask[0, 0][tril].any())
+
+
+def _pad_keys(mask: Tensor, extra: int) -> Tensor:
+    """Append ``extra`` always-visible key columns."""
+    if extra == 0:
+        return mask
+    shape = (*mask.shape[:-1], extra)
+    fill = torch.ones(shape, dtype=torch.bool, device=mask.device) if mask.dtype == torch.bool \
+        else torch.zeros(shape, dtype=mask.dtype, device=mask.device)
+    return torch.cat([mask, fill], dim=-1)
+
+
+def _combine(parts: list[Tensor]) -> Tensor | None:
+    """One tensor from broadcastable parts: ``&`` of bools, or the sum of additive biases."""
+    if not parts:
+        return None
+    if all(p.dtype == torch.bool for p in parts):
+        out = parts[0]
+        for p in parts[1:]:
+            out = out & p
+        return out
+    dtype = next(p.dtype for p in parts if p.dtype != torch.bool)
+    out = None
+    for p in parts:
+        if p.dtype == torch.bool:
+            zero = torch.zeros((), dtype=dtype, device=p.device)
+            p = torch.where(p, zero, torch.full((), float("-inf"), dtype=dtype, device=p.device))
+        out = p if out is None else out + p
+    return out
+
+
+def _append_key(x: Tensor, row: Tensor, batch_first: bool) -> Tensor:
+    """Append ``row (1, 1, E)`` as one more key to every batch element of ``x``."""
+    row = row.to(x.dtype)  # bias_k stays fp32 under autocast while the projections run in bf16
+    if batch_first:
+        return torch.cat([x, row.expand(x.shape[0], 1, -1)], dim=1)  # (B, S+1, E)
+    return torch.cat([x, row.expand(1, x.shape[1], -1)], dim=0)  # (S+1, B, E)

@@ -1,0 +1,10 @@
+"""Attention layers built on :func:`multihead.attention`.
+
+* :class:`MultiHeadAttention`: MHA, GQA (``num_kv_heads``), MQA and cross-attention in one class,
+  with :class:`GroupedQueryAttention` and :class:`MultiQueryAttention` as named aliases.
+* ``multihead.compat.MultiheadAttention``: a drop-in for ``torch.nn.MultiheadAttention``.
+"""
+
+from multihead.layers.multihead import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
+
+__all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]

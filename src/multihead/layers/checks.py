@@ -1,0 +1,91 @@
+"""Input checks shared by the attention layers, run before any computation.
+
+Each error names the argument, the value received and what would be valid. ``TypeError`` for
+wrong types and dtypes, ``ValueError`` for wrong values and shapes (see ``shared/STYLE.md``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["check_size", "check_optional_size", "check_flag", "check_dropout", "check_inputs", "layout_name", "dims"]
+
+
+def check_size(layer: str, name: str, value) -> int:
+    """A positive ``int`` (``bool`` is refused: ``True`` is not a size)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{layer}: {name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{layer}: {name} must be a positive int, got {value}")
+    return value
+
+
+def check_optional_size(layer: str, name: str, value, default: int) -> int:
+    """``None`` (meaning ``default``) or a positive ``int``."""
+    return default if value is None else check_size(layer, name, value)
+
+
+def check_flag(layer: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{layer}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_dropout(layer: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{layer}: dropout must be a probability in [0, 1), got {value!r}")
+    return float(value)
+
+
+def layout_name(batch_first: bool, feature: str) -> str:
+    return f"(B, L, {feature})" if batch_first else f"(L, B, {feature})"
+
+
+def check_inputs(layer: str, query: Tensor, key: Tensor, value: Tensor, *, sizes: tuple[int, int, int],
+                 batch_first: bool, ranks: tuple[int, ...] = (3,)) -> None:
+    """Check ``query``/``key``/``value``: tensors of one floating dtype and device, of an accepted
+    rank, with feature sizes ``sizes = (E, kdim, vdim)``, one batch size, and ``key`` and
+    ``value`` of one length. Nothing is broadcast."""
+    names = ("query", "key", "value")
+    features = ("E", "kdim", "vdim")
+    for name, t in zip(names, (query, key, value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{layer}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{layer}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+    for name, t, feature, size in zip(names, (query, key, value), features, sizes):
+        if t.dim() not in ranks:
+            expected = " or ".join(f"{r}" for r in ranks)
+            raise ValueError(f"{layer}: {name} must have {expected} dims {layout_name(batch_first, feature)}"
+                             f"{' or (L, ' + feature + ') unbatched' if 2 in ranks else ''}, "
+                             f"got shape {tuple(t.shape)}"
+                             f"{'; hint: add a batch dim with .unsqueeze(0)' if t.dim() == 2 else ''}")
+        if t.shape[-1] != size:
+            raise ValueError(f"{layer}: {name} has {t.shape[-1]} features (last dim of shape {tuple(t.shape)}) "
+                             f"but the layer expects {feature}={size}")
+        if 0 in t.shape:
+            raise ValueError(f"{layer}: {name} has a zero-size dimension, shape {tuple(t.shape)}")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(f"{layer}: query, key and value must have the same number of dims, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"{layer}: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"{layer}: query, key and value must be on one device, "
+                         f"got {query.device}, {key.device}, {value.device}")
+    if query.dim() == 3:
+        b = 0 if batch_first else 1
+        batches = (query.shape[b], key.shape[b], value.shape[b])
+        if len(set(batches)) != 1:
+            raise ValueError(f"{layer}: batch sizes differ: query has B={batches[0]}, key {batches[1]}, "
+                             f"value {batches[2]} (dim {b} with batch_first={batch_first}); they must be equal")
+    seq = 0 if (query.dim() == 2 or not batch_first) else 1
+    if key.shape[seq] != value.shape[seq]:
+        raise ValueError(f"{layer}: key and value lengths differ: key has Lk={key.shape[seq]}, value has "
+                         f"{value.shape[seq]} (dim {seq}); each key needs exactly one value")
+
+
+def dims(t: Tensor, batch_first: bool) -> tuple[int, int]:
+    """``(B, L)`` of a 3-dim input in the given layout."""
+    return (t.shape[0], t.shape[1]) if batch_first else (t.shape[1], t.shape[0])
+

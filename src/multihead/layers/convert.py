@@ -1,0 +1,86 @@
+"""Conversion between :class:`MultiHeadAttention` and ``torch.nn.MultiheadAttention``.
+
+PyTorch packs the three input projections into ``in_proj_weight (3E, E)`` (rows ``[0, E)`` the
+query, ``[E, 2E)`` the key, ``[2E, 3E)`` the value) when ``kdim == vdim == E``, or keeps them as
+``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` otherwise; the biases are always packed in
+``in_proj_bias (3E,)``. Head ``h`` occupies rows ``[h·D, (h+1)·D)`` of each block, the layout of
+``q_proj``/``k_proj``/``v_proj`` here, so conversion is a copy of slices in both directions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from multihead.layers.multihead import MultiHeadAttention
+
+__all__ = ["from_torch", "to_torch"]
+
+
+def from_torch(module: nn.Module) -> MultiHeadAttention:
+    """See :meth:`MultiHeadAttention.from_torch`."""
+    from multihead.compat import MultiheadAttention as CompatMHA
+
+    if not isinstance(module, (nn.MultiheadAttention, CompatMHA)):
+        raise TypeError("MultiHeadAttention.from_torch expects a torch.nn.MultiheadAttention "
+                        f"(or multihead.compat.MultiheadAttention), got {type(module).__name__}")
+    if module.bias_k is not None or module.add_zero_attn:
+        raise ValueError("MultiHeadAttention.from_torch: this module uses add_bias_kv/add_zero_attn, which "
+                         "MultiHeadAttention does not model; use multihead.compat.MultiheadAttention and "
+                         "load_state_dict(module.state_dict()) instead")
+    E, reference = module.embed_dim, module.out_proj.weight
+    has_in_bias = module.in_proj_bias is not None
+    layer = MultiHeadAttention(E, module.num_heads, kdim=module.kdim, vdim=module.vdim, qkv_bias=has_in_bias,
+                               out_bias=module.out_proj.bias is not None, dropout=float(module.dropout),
+                               batch_first=module.batch_first, device=reference.device, dtype=reference.dtype)
+    with torch.no_grad():
+        if module._qkv_same_embed_dim:
+            weights = module.in_proj_weight.chunk(3)
+        else:
+            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        biases = module.in_proj_bias.chunk(3) if has_in_bias else (None, None, None)
+        for proj, weight, bias in zip((layer.q_proj, layer.k_proj, layer.v_proj), weights, biases):
+            proj.weight.copy_(weight)
+            if bias is not None:
+                proj.bias.copy_(bias)
+        layer.out_proj.weight.copy_(module.out_proj.weight)
+        if module.out_proj.bias is not None:
+            layer.out_proj.bias.copy_(module.out_proj.bias)
+    return layer.train(module.training)
+
+
+def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
+    """See :meth:`MultiHeadAttention.to_torch`."""
+    problems = []
+    if layer.num_kv_heads != layer.num_heads:
+        problems.append(f"num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads} "
+                        "(nn.MultiheadAttention has no grouped-query attention)")
+    if layer.num_heads * layer.head_dim != layer.d_model:
+        problems.append(f"num_heads * head_dim = {layer.num_heads * layer.head_dim} != d_model={layer.d_model} "
+                        "(nn.MultiheadAttention fixes head_dim = embed_dim // num_heads)")
+    if layer.causal:
+        problems.append("causal=True (nn.MultiheadAttention has no causal flag: build the layer with "
+                        "causal=False and pass is_causal=True with a causal attn_mask at call time)")
+    if problems:
+        raise ValueError("MultiHeadAttention.to_torch: cannot convert: " + "; ".join(problems))
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj)
+    in_bias = any(p.bias is not None for p in projections)
+    bias = in_bias or layer.out_proj.bias is not None  # one flag in PyTorch; a missing bias becomes zeros
+    reference = layer.out_proj.weight
+    module = nn.MultiheadAttention(layer.d_model, layer.num_heads, dropout=layer.dropout, bias=bias,
+                                   kdim=layer.kdim, vdim=layer.vdim, batch_first=layer.batch_first,
+                                   device=reference.device, dtype=reference.dtype)
+    with torch.no_grad():
+        if module._qkv_same_embed_dim:
+            targets = module.in_proj_weight.chunk(3)  # views: writing them fills in_proj_weight
+        else:
+            targets = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        for target, proj in zip(targets, projections):
+            target.copy_(proj.weight)
+        if bias:
+            sources = [p.bias for p in projections] + [layer.out_proj.bias]
+            targets = list(module.in_proj_bias.chunk(3)) + [module.out_proj.bias]
+            for target, source in zip(targets, sources):
+                target.copy_(source if source is not None else torch.zeros_like(target))
+        module.out_proj.weight.copy_(layer.out_proj.weight)
+    return module.train(layer.training)
