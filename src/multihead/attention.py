@@ -6,13 +6,16 @@ precision) are in :mod:`multihead.conventions`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.masks import Mask
 from multihead.reference import AttentionResult
-from multihead.validation import validate_call
+from multihead.probabilities import weights_by_blocks
+from multihead.validation import AttentionCall, validate_call, validate_weights_selection
 
 __all__ = ["attention"]
 
@@ -29,6 +32,8 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     dropout_mask: Tensor | None = None,
+    weights_heads=None,
+    weights_rows=None,
 ) -> Tensor | AttentionResult:
     """Scaled dot-product attention.
 
@@ -51,6 +56,11 @@ def attention(
             raises an error listing its reasons.
         dropout_mask: bool ``(B, Hq, Lq, Lk)``, ``True`` = kept; replaces the random dropout draw
             (for testing; reference backend only).
+        weights_heads, weights_rows: with ``return_weights=True``, return only these query heads
+            and query rows (an int, a sequence of ints, a slice or an integer tensor): weights
+            ``(B, len(heads), len(rows), Lk)``. The output then runs on the fast path and the
+            probabilities are recomputed from ``q``, ``k`` and its log-sum-exp, one block at a
+            time, never holding more than the slice plus one block.
 
     Returns:
         ``(B, Hq, Lq, Dv)`` in the dtype of ``q``; or, when weights or LSE are asked for, an
@@ -60,8 +70,20 @@ def attention(
     check_backend_name(backend)
     call = validate_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
+    heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
+    if heads is not None or rows is not None:
+        return _weights_slice(call, backend, heads, rows)
     chosen, _ = select_backend(call, backend)
     result = chosen.forward(call)
     if return_weights or return_lse:
         return result
     return result.output
+
+
+def _weights_slice(call: AttentionCall, backend: str, heads: Tensor | None, rows: Tensor | None) -> AttentionResult:
+    """Output and LSE on the fast path; the requested slice of the weights from q, k and the LSE."""
+    fast = replace(call, return_weights=False, return_lse=True)
+    chosen, _ = select_backend(fast, backend)
+    result = chosen.forward(fast)
+    weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, result.lse, heads, rows)
+    return AttentionResult(result.output, weights.to(call.q.dtype), result.lse if call.return_lse else None)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
 from multihead.backends.registry import AUTO_ORDER, available_backends, check_backend_name, get_backend, select_backend
 from multihead.masks import Mask
-from multihead.validation import validate_call
+from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["explain", "Explanation"]
 
@@ -44,11 +44,16 @@ class Explanation:
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, scale: float | None = None,
             dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
-            backend: str = "auto", dropout_mask: Tensor | None = None) -> Explanation:
+            backend: str = "auto", dropout_mask: Tensor | None = None, weights_heads=None,
+            weights_rows=None) -> Explanation:
     """Explain what :func:`multihead.attention` would do with these arguments, without running it."""
     check_backend_name(backend)
     call = validate_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
+    heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
+    sliced = heads is not None or rows is not None
+    if sliced:  # the fast path runs with the LSE; weights are recomputed from it (attention())
+        call = replace(call, return_weights=False, return_lse=True)
     chosen, refused = select_backend(call, backend)
     if backend == "auto":  # also say why backends after the chosen one would not do
         for name in available_backends():
@@ -57,5 +62,10 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
                 if reasons:
                     refused[name] = reasons
     mask_text = "none" if call.mask is None else call.mask._describe()
+    plan = list(chosen.plan(call))
+    if sliced:
+        nh = q.shape[1] if heads is None else len(heads)
+        nr = q.shape[2] if rows is None else len(rows)
+        plan.append(f"weights: {nh} head(s) x {nr} row(s) recomputed block by block from q, k and the LSE")
     return Explanation(chosen.name, call.shape, str(q.dtype), str(q.device), mask_text, refused,
-                       tuple(chosen.plan(call)), backend)
+                       tuple(plan), backend)

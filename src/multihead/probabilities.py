@@ -81,8 +81,12 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, scale: float, lse
     row_ids = torch.arange(Lq, device=q.device) if rows is None else rows
     step = _row_step(q, k, len(head_ids))
     parts = []
-    for start in range(0, len(row_ids), step):
-        chunk = row_ids[start:start + step]
+    chunks = [row_ids[start:start + step] for start in range(0, len(row_ids), step)]
+    # Scattered rows (e.g. [0, 8000]) would make a chunk's row span, and its scores, large:
+    # such chunks are taken one row at a time, so memory stays at the slice plus one block.
+    chunks = [c for chunk in chunks
+              for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))]
+    for chunk in chunks:
         q0, q1 = int(chunk.min()), int(chunk.max()) + 1
         scores, _ = scores_block(q, k, mask, scale, q0, q1, Lq, head_ids)
         scores = scores[:, :, chunk - q0]

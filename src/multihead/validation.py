@@ -15,7 +15,7 @@ from torch import Tensor
 from multihead.conventions import default_scale
 from multihead.masks import Mask, as_mask
 
-__all__ = ["AttentionCall", "validate_call"]
+__all__ = ["AttentionCall", "validate_call", "validate_weights_selection"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,41 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
         mask.check(B, Hq, Lq, Lk)
 
     return AttentionCall(q, k, v, mask, float(scale), float(dropout_p), dropout_mask, return_weights, return_lse)
+
+
+def validate_weights_selection(weights_heads, weights_rows, *, q: Tensor,
+                               return_weights: bool) -> tuple[Tensor | None, Tensor | None]:
+    """``weights_heads`` / ``weights_rows`` of :func:`multihead.attention` as 1-D int64 index
+    tensors (``None``: all). Each may be an int, a sequence of ints, a slice or an integer tensor."""
+    if (weights_heads is not None or weights_rows is not None) and not return_weights:
+        raise ValueError("weights_heads/weights_rows select which weights to return; "
+                         "they need return_weights=True")
+    return (_index("weights_heads", weights_heads, q.shape[1], "Hq", q.device),
+            _index("weights_rows", weights_rows, q.shape[2], "Lq", q.device))
+
+
+def _index(name: str, value, size: int, what: str, device) -> Tensor | None:
+    if value is None:
+        return None
+    if isinstance(value, slice):
+        ids = torch.arange(size)[value]
+    elif isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, a sequence of ints, a slice or an integer tensor, got a bool")
+    elif isinstance(value, int):
+        ids = torch.tensor([value])
+    elif isinstance(value, Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() > 1:
+            raise TypeError(f"{name} must be a 1-D integer tensor, got dtype {value.dtype} and shape "
+                            f"{tuple(value.shape)}")
+        ids = value.reshape(-1).to(torch.int64)
+    else:
+        try:
+            ids = torch.tensor(list(value), dtype=torch.int64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name} must be an int, a sequence of ints, a slice or an integer tensor, "
+                            f"got {value!r}") from exc
+    if ids.numel() == 0:
+        raise ValueError(f"{name} selects nothing; expected at least one index in [0, {what}={size})")
+    if bool(((ids < -size) | (ids >= size)).any()):
+        raise ValueError(f"{name} has indices {ids.tolist()[:8]} outside [0, {what}={size})")
+    return (ids % size).to(device)

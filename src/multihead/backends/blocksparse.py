@@ -142,7 +142,7 @@ class BlockSparseBackend(Backend):
             out = out[..., :Dv]
         weights = None
         if call.return_weights:
-            weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, lse.detach()).to(call.q.dtype)
+            weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, lse).to(call.q.dtype)
         return AttentionResult(out, weights, lse if call.return_lse else None)
 
     def _plan(self, call: AttentionCall) -> tuple[QueryBlock, ...]:
@@ -274,8 +274,9 @@ _flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 
 
 def _piece_mask(mask: Mask, q: Tensor, blk: QueryBlock, piece: Piece, q_len: int, kv_len: int):
-    """The additive mask of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype, and the rows
-    (``(B|1, Hq|1, rows)`` bool) that see no key of the piece."""
+    """The additive mask of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype, the rows
+    (``(B|1, Hq|1, rows)`` bool) that see no key of the piece, and the keys (``(B|1, 1, keys, 1)``)
+    that no row of the piece sees."""
     B, Hq = q.shape[0], q.shape[1]
     block = mask.materialize_block(B, Hq, blk.q0, blk.q1, q_len, kv_len, q.device, q.dtype, piece.k0, piece.k1)
     if mask.is_additive:
@@ -284,7 +285,16 @@ def _piece_mask(mask: Mask, q: Tensor, blk: QueryBlock, piece: Piece, q_len: int
     else:
         visible = block
         bias = torch.zeros(block.shape, dtype=q.dtype, device=q.device).masked_fill_(~block, float("-inf"))
-    return bias, ~visible.any(-1)
+    return bias, ~visible.any(-1), ~visible.any(-2).any(1, keepdim=True).unsqueeze(-1)
+
+
+def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys no query of a piece may see can hold anything (NaN beyond a length); the kernel
+    computes ``0 * value`` for them and ``0 * NaN = NaN``, so they are zeroed."""
+    if not bool(unseen.any()):
+        return kb, vb
+    zero = torch.zeros((), dtype=kb.dtype, device=kb.device)
+    return torch.where(unseen, zero, kb), torch.where(unseen, zero, vb)
 
 
 def _run_piece(q, k, v, mask, scale, blk, piece, q_len, kv_len):
@@ -295,7 +305,8 @@ def _run_piece(q, k, v, mask, scale, blk, piece, q_len, kv_len):
         return _flash(qb, kb, vb, 0.0, False, scale=scale)
     if piece.kind == _CAUSAL:
         return _flash(qb, kb, vb, 0.0, True, scale=scale)
-    bias, empty = _piece_mask(mask, q, blk, piece, q_len, kv_len)
+    bias, empty, unseen = _piece_mask(mask, q, blk, piece, q_len, kv_len)
+    kb, vb = _zero_unseen(kb, vb, unseen)
     out, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
     if bool(empty.any()):  # the kernel gives such rows LSE 0; they must weigh nothing in the merge
         lse = lse.masked_fill(empty, float("-inf"))
@@ -328,13 +339,23 @@ class _BlockSparseAttention(torch.autograd.Function):
             lse[:, :, blk.q0:blk.q1] = total
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.scale, ctx.blocks = mask, scale, blocks
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_lse):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        if grad_lse is not None:
+            # d lse_i / d s_ij = P_ij: the kernel's dS = P * (dP - rowsum(dO * O)) gets the LSE's
+            # gradient through one extra column: O' = [O, 1], dO' = [dO, -g], V' = [V, 0] (and
+            # zero columns on q, k so the head sizes match) give rowsum(dO' * O') = rowsum(dO * O) - g.
+            grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
+            q, k, v = F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(v, (0, 1))
+            out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
+            grad_out = torch.cat([grad_out, -grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1)
         Lq, Lk = q.shape[2], k.shape[2]
         acc_dtype = _lse_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -353,12 +374,15 @@ class _BlockSparseAttention(torch.autograd.Function):
                 kb, vb = k[:, :, keys], v[:, :, keys]
                 bias = None
                 if p.kind == _MASKED:
-                    bias, _ = _piece_mask(ctx.mask, q, blk, p, Lq, Lk)
+                    bias, _, unseen = _piece_mask(ctx.mask, q, blk, p, Lq, Lk)
+                    kb, vb = _zero_unseen(kb, vb, unseen)
                 g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lb, 0.0, p.kind == _CAUSAL,
                                                 attn_mask=bias, scale=ctx.scale)
                 dq[:, :, rows] += g_q
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
+        if grad_lse is not None:
+            dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
