@@ -130,7 +130,10 @@ def _index(name: str, value, size: int, what: str, device) -> Tensor | None:
         ids = value.reshape(-1).to(torch.int64)
     else:
         try:
-            ids = torch.tensor(list(value), dtype=torch.int64)
+            items = list(value)
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+                raise TypeError
+            ids = torch.tensor(items, dtype=torch.int64)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"{name} must be an int, a sequence of ints, a slice or an integer tensor, "
                             f"got {value!r}") from exc

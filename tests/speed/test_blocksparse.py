@@ -1,0 +1,161 @@
+"""The ``blocksparse`` backend against the fp64 reference, with block sizes small enough that
+every case crosses several query and key blocks, plus block-boundary cases at the default size,
+fully masked rows, and a guard that no ``Lq x Lk`` tensor is ever allocated."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import multihead as mh
+from helpers import FACTOR, Case, assert_relative, covering_cases, make_inputs, naive_attention
+from multihead.backends.blocksparse import DEFAULT_BLOCK_SIZE, BlockSparseBackend, block_plan
+from multihead.validation import validate_call
+
+STRUCTURED = ["none", "causal_br", "causal_tl", "window_3", "window_5_2_tl", "key_padding", "document",
+              "prefix_lm", "causal&padding", "document&causal", "window|prefix", "~causal", "custom",
+              "shifted_causal"]
+CASES = [c for c in covering_cases(n_random=40, seed=4) if c.mask in STRUCTURED]
+
+
+def _call(q, k, v, mask, **kw):
+    return validate_call(q, k, v, mask=mask, scale=kw.get("scale"), dropout_p=0.0, dropout_mask=None,
+                         return_weights=kw.get("return_weights", False), return_lse=True)
+
+
+def _grads(out, inputs, grad_out):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.float64, 8), (torch.float64, 32), (torch.float32, 16),
+                                         (torch.bfloat16, 16)], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_matches_reference_across_blocks(case, dtype, block):
+    q64, k64, v64, mask = make_inputs(case)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q64, k64, v64))
+    got = BlockSparseBackend(block).forward(_call(q, k, v, mask))
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = mh.reference_attention(qr, kr, vr, mask=mask)
+    assert torch.equal(torch.isneginf(got.lse), torch.isneginf(ref.lse))
+    grad_out = torch.randn(ref.output.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    g_got = _grads(got.output, (q, k, v), grad_out.to(dtype))
+    g_ref = _grads(ref.output, (qr, kr, vr), grad_out)
+    if dtype == torch.float64:
+        torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
+        finite = torch.isfinite(ref.lse)
+        torch.testing.assert_close(got.lse[finite], ref.lse[finite], rtol=1e-10, atol=1e-10)
+        for a, b in zip(g_got, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+        return
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    base = naive_attention(qn, kn, vn, mask)
+    g_base = _grads(base, (qn, kn, vn), grad_out.to(dtype))
+    assert_relative(got.output.detach(), ref.output.detach(), base.detach(), FACTOR[dtype][0])
+    # A gradient that is 0 in theory (one key) is computed from terms the size of the others.
+    magnitude = max(float(r.abs().max()) for r in g_ref)
+    for name, a, b, c in zip("qkv", g_got, g_ref, g_base):
+        assert_relative(a, b, c, FACTOR[dtype][1], f"d{name}", magnitude=magnitude)
+
+
+BOUNDARY = [
+    # (Lq, Lk, mask) at the default block size: lengths of block +/- 1, windows smaller and larger
+    # than a block, documents starting mid-block, bottom-right causal with Lq != Lk.
+    (DEFAULT_BLOCK_SIZE - 1, DEFAULT_BLOCK_SIZE + 1, lambda L, S: mh.causal()),
+    (DEFAULT_BLOCK_SIZE + 1, DEFAULT_BLOCK_SIZE - 1, lambda L, S: mh.causal()),
+    (2 * DEFAULT_BLOCK_SIZE + 1, 2 * DEFAULT_BLOCK_SIZE + 1, lambda L, S: mh.causal("top_left")),
+    (3 * DEFAULT_BLOCK_SIZE + 1, 3 * DEFAULT_BLOCK_SIZE + 1, lambda L, S: mh.sliding_window(DEFAULT_BLOCK_SIZE // 4)),
+    (3 * DEFAULT_BLOCK_SIZE - 1, 3 * DEFAULT_BLOCK_SIZE - 1, lambda L, S: mh.sliding_window(DEFAULT_BLOCK_SIZE + 37)),
+    (2 * DEFAULT_BLOCK_SIZE, 3 * DEFAULT_BLOCK_SIZE, lambda L, S: mh.sliding_window(300, 17, align="top_left")),
+    (3 * DEFAULT_BLOCK_SIZE, 3 * DEFAULT_BLOCK_SIZE,
+     lambda L, S: mh.document(torch.repeat_interleave(torch.arange(4), torch.tensor([100, 300, 5, L - 405])))
+     & mh.causal()),
+    (2 * DEFAULT_BLOCK_SIZE + 1, 2 * DEFAULT_BLOCK_SIZE + 1, lambda L, S: mh.prefix_lm(DEFAULT_BLOCK_SIZE + 3)),
+    (DEFAULT_BLOCK_SIZE + 1, 2 * DEFAULT_BLOCK_SIZE + 1,
+     lambda L, S: mh.key_padding(torch.tensor([S, DEFAULT_BLOCK_SIZE - 1, 0])) & mh.causal()),
+]
+
+
+@pytest.mark.parametrize("Lq,Lk,make", BOUNDARY, ids=[f"case{i}" for i in range(len(BOUNDARY))])
+def test_block_boundaries_at_default_size(Lq, Lk, make):
+    gen = torch.Generator().manual_seed(Lq + Lk)
+    B, Hq, Hkv, D = 3, 4, 2, 16
+    q = torch.randn(B, Hq, Lq, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, D + 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = make(Lq, Lk)
+    got = mh.attention(q, k, v, mask=mask, backend="blocksparse", return_lse=True)
+    ref = mh.reference_attention(q, k, v, mask=mask)
+    torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
+    assert torch.equal(torch.isneginf(got.lse), torch.isneginf(ref.lse))
+    grads = torch.autograd.grad(got.output.sum() + got.lse.masked_fill(torch.isinf(got.lse), 0).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad(ref.output.sum() + ref.lse.masked_fill(torch.isinf(ref.lse), 0).sum(), (q, k, v))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_grads():
+    B, H, L, D = 2, 2, 300, 16
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    # Batch 1 sees no key at all; bottom-right causal with Lq > Lk leaves top rows empty too.
+    mask = mh.key_padding(torch.tensor([200, 0])) & mh.causal()
+    got = mh.attention(q, k[:, :, :200], v[:, :, :200], mask=mask, backend="blocksparse", return_lse=True)
+    empty = torch.zeros(B, 1, L, dtype=torch.bool)
+    empty[1] = True
+    empty[0, 0, :100] = True  # query i sees keys j <= i - 100
+    empty = empty.expand(B, H, L)
+    assert torch.equal(torch.isneginf(got.lse), empty)
+    assert bool((got.output[empty] == 0).all())
+    got.output.sum().backward()
+    assert torch.isfinite(q.grad).all() and bool((q.grad[empty] == 0).all())
+    assert bool((k.grad[1] == 0).all()) and bool((v.grad[1] == 0).all())
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor any ATen op returns (the backend's own allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("mask", [mh.sliding_window(128), mh.causal() & mh.key_padding(torch.tensor([4000])),
+                                  mh.document(torch.repeat_interleave(torch.arange(4), 1024)) & mh.causal()],
+                         ids=["window", "causal&padding", "documents"])
+def test_no_tensor_of_lq_by_lk_is_allocated(mask):
+    """A regression to materializing the mask (or the scores) makes this fail."""
+    B, H, L, D = 1, 2, 4096, 16
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    with _LargestAllocation() as probe:
+        out = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+        out.sum().backward()
+    bound = 4 * DEFAULT_BLOCK_SIZE * L  # a block-sized strip at most, far below B*H*L*L
+    assert probe.largest <= bound, f"largest tensor {probe.largest} elements; bound {bound}, L^2 = {L * L}"
+    assert probe.largest >= B * H * L * D  # the probe saw the real tensors
+
+
+def test_plan_skips_empty_blocks_and_uses_no_mask_on_full_ones():
+    L = 8 * DEFAULT_BLOCK_SIZE
+    blocks = block_plan(mh.sliding_window(DEFAULT_BLOCK_SIZE), 1, 1, L, L, DEFAULT_BLOCK_SIZE)
+    computed = sum((b.q1 - b.q0) * (p.k1 - p.k0) for b in blocks for p in b.pieces)
+    assert computed <= 3 * DEFAULT_BLOCK_SIZE * L  # linear in L, not L^2
+    kinds = {p.kind for b in blocks for p in b.pieces}
+    assert "causal" in kinds  # the right edge runs as is_causal, with no mask tensor
+    causal = block_plan(mh.causal(), 1, 1, L, L, DEFAULT_BLOCK_SIZE)
+    assert all(p.kind != "masked" for b in causal for p in b.pieces)
+
+
+def test_refusals_name_their_reason():
+    q = torch.randn(1, 2, 8, 4)
+    backend = mh.get_backend("blocksparse")
+    assert any("tensor" in r for r in backend.refusals(_call(q, q, q, torch.ones(8, 8, dtype=torch.bool))))
+    call = validate_call(q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=None,
+                         return_weights=False, return_lse=False)
+    assert any("dropout" in r for r in backend.refusals(call))
+    with pytest.raises(mh.BackendRefusedError, match="dropout"):
+        mh.attention(q, q, q, dropout_p=0.1, backend="blocksparse")

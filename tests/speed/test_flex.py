@@ -1,0 +1,37 @@
+"""The ``flex`` backend (compiled FlexAttention) against the fp64 reference. Compiling takes
+10-60 s per mask on a 2-core CPU, so these tests are in the slow tier (``make test-slow``)."""
+
+import pytest
+import torch
+
+import multihead as mh
+from helpers import FACTOR, assert_relative, naive_attention
+
+pytestmark = pytest.mark.slow
+
+MASKS = {
+    "causal": lambda B, L: mh.causal(),
+    "window": lambda B, L: mh.sliding_window(30),
+    "padding_with_empty_batch": lambda B, L: mh.key_padding(torch.tensor([L, 0])),
+    "documents&causal": lambda B, L: mh.document(torch.sort(torch.randint(0, 3, (B, L), generator=torch.Generator().manual_seed(0))).values) & mh.causal(),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_flex_forward_matches_reference(name):
+    gen = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, L, D = 2, 4, 2, 200, 32
+    q, k, v = (torch.randn(B, h, L, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    mask = MASKS[name](B, L)
+    got = mh.attention(q, k, v, mask=mask, backend="flex", return_lse=True)
+    ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mask)
+    assert_relative(got.output, ref.output, naive_attention(q, k, v, mask), FACTOR[torch.float32][0])
+    assert torch.equal(torch.isneginf(got.lse), torch.isneginf(ref.lse))
+
+
+def test_flex_is_never_chosen_by_auto_on_cpu_and_refuses_backward():
+    q = torch.randn(1, 2, 64, 16, requires_grad=True)
+    report = mh.explain(q, q, q, mask=mh.sliding_window(8))
+    assert report.backend != "flex"
+    with pytest.raises(mh.BackendRefusedError, match="inference only"):
+        mh.attention(q, q, q, mask=mh.causal(), backend="flex")
