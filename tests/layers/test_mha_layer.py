@@ -103,6 +103,8 @@ def test_self_attention_fused_projection_equals_separate():
     torch.testing.assert_close(fused, separate)
     for g, p in zip(grads, layer.parameters()):
         torch.testing.assert_close(g, p.grad)
+    memory = torch.randn(2, 9, 32, dtype=DT)  # cross-attention: key is value -> one k/v matmul
+    torch.testing.assert_close(layer(x, memory), layer(x, memory, memory.clone()))
 
 
 def test_projection_hooks_and_replacements_are_respected():
