@@ -80,7 +80,9 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, scale: float, lse
     head_ids = torch.arange(q.shape[1], device=q.device) if heads is None else heads
     row_ids = torch.arange(Lq, device=q.device) if rows is None else rows
     step = _row_step(q, k, len(head_ids))
-    parts = []
+    # Written into one preallocated result: a list plus torch.cat would hold the slice twice.
+    weights = None
+    done = 0
     chunks = [row_ids[start:start + step] for start in range(0, len(row_ids), step)]
     # Scattered rows (e.g. [0, 8000]) would make a chunk's row span, and its scores, large:
     # such chunks are taken one row at a time, so memory stays at the slice plus one block.
@@ -94,8 +96,12 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, scale: float, lse
         # exp(-inf - (-inf)) would be NaN: fully masked rows are set to 0 explicitly.
         safe_lse = torch.where(torch.isneginf(block_lse), torch.zeros_like(block_lse), block_lse)
         probs = torch.exp(scores - safe_lse)
-        parts.append(torch.where(torch.isneginf(block_lse), torch.zeros_like(probs), probs))
-    return torch.cat(parts, dim=2)
+        probs = torch.where(torch.isneginf(block_lse), torch.zeros_like(probs), probs)
+        if weights is None:
+            weights = probs.new_empty(probs.shape[0], probs.shape[1], len(row_ids), probs.shape[3])
+        weights[:, :, done:done + len(chunk)] = probs
+        done += len(chunk)
+    return weights
 
 
 def _safe_logsumexp(scores: Tensor) -> Tensor:
