@@ -14,15 +14,17 @@ one another and outputs checked to agree before anything is timed:
 * ``x_transformers``: ``Attention(flash=True)`` when importable (no biases: checked against a
   bias-free multihead layer).
 
-Timing: ``torch.utils.benchmark.Timer.blocked_autorange`` per contender, in ``--rounds``
-interleaved rounds; the table reports each contender's best round (the least disturbed on a shared
-machine) and the ratio to the floor. ``--quick``: B=2, L=256, one round.
+Timing: ``torch.utils.benchmark.Timer.blocked_autorange`` per contender and pass, in ``--rounds``
+interleaved rounds after one warm-up; the table reports each contender's fastest run (the least
+disturbed on a shared machine), its median, and both as ratios to the floor. ``--quick``: B=2,
+L=256, one round.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -148,17 +150,23 @@ def main(argv=None) -> list[dict]:
                 check_close(name, fn(x), want, atol=1e-4)
     print("all contenders agree with the floor (max abs difference <= 1e-4)")
 
-    best = {(name, p): math.inf for name in contenders for p in ("forward", "forward+backward")}
+    # Warm up once, then interleave: every round times every contender, so that load from other
+    # processes on a shared machine falls on all of them; interference only ever adds time, so
+    # each contender's fastest run is its least disturbed one.
     xg = x.clone().requires_grad_(True)
+    passes = {"forward": lambda fn: _no_grad(lambda: fn(x)), "forward+backward": lambda fn: lambda: fn(xg).sum().backward()}
+    for fn in contenders.values():
+        for make in passes.values():
+            make(fn)()
+    runs = {(name, p): [] for name in contenders for p in passes}
     for r in range(rounds):
         for name, fn in contenders.items():
-            with torch.no_grad():
-                fwd = _time(lambda: fn(x), min_run_time)
-            bwd = _time(lambda: fn(xg).sum().backward(), min_run_time)
-            best[name, "forward"] = min(best[name, "forward"], fwd)
-            best[name, "forward+backward"] = min(best[name, "forward+backward"], bwd)
-            print(f"  round {r + 1}/{rounds}  {name:32s} forward {fwd:8.1f} ms   forward+backward {bwd:8.1f} ms",
-                  flush=True)
+            for p, make in passes.items():
+                runs[name, p] += _time(make(fn), min_run_time)
+            print(f"  round {r + 1}/{rounds}  {name:32s} " + "   ".join(
+                f"{p} {min(runs[name, p][-3:]):8.1f} ms" for p in passes), flush=True)
+    best = {key: min(times) for key, times in runs.items()}
+    median = {key: statistics.median(times) for key, times in runs.items()}
 
     rows = []
     for p in ("forward", "forward+backward"):
@@ -166,10 +174,13 @@ def main(argv=None) -> list[dict]:
         for name in contenders:
             ms = best[name, p]
             rows.append({"pass": p, "contender": name, "ms": round(ms, 1), "tokens_per_s": round(B * L / ms * 1e3),
-                         "vs_floor": round(ms / floor_ms, 3), "threads": THREADS, "torch": torch.__version__,
+                         "vs_floor": round(ms / floor_ms, 3), "median_ms": round(median[name, p], 1),
+                         "median_vs_floor": round(median[name, p] / median["floor", p], 3), "runs": len(runs[name, p]),
+                         "threads": THREADS, "torch": torch.__version__,
                          "B": B, "L": L, "E": E, "H": H, "dtype": "float32"})
-    print_table(f"layers, B={B} L={L} E={E} H={H} causal fp32, best of {rounds} round(s), {THREADS} threads",
-                [{k: r[k] for k in ("pass", "contender", "ms", "tokens_per_s", "vs_floor")} for r in rows])
+    print_table(f"layers, B={B} L={L} E={E} H={H} causal fp32, fastest run of {rounds} round(s), {THREADS} threads",
+                [{k: r[k] for k in ("pass", "contender", "ms", "tokens_per_s", "vs_floor", "median_ms", "median_vs_floor", "runs")}
+                 for r in rows])
     for p in ("forward", "forward+backward"):
         ours = best["multihead", p]
         print(f"{p}: multihead is {ours / best['floor', p]:.3f}x the floor (target <= 1.10), "
@@ -179,17 +190,25 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-def _time(fn, min_run_time: float) -> float:
-    fn()  # warm-up
-    return Timer("fn()", globals={"fn": fn}, num_threads=THREADS).blocked_autorange(
-        min_run_time=min_run_time).median * 1e3
+def _time(fn, min_run_time: float) -> list[float]:
+    """Milliseconds per run of ``fn``, one entry per measured block of ``blocked_autorange``."""
+    m = Timer("fn()", globals={"fn": fn}, num_threads=THREADS).blocked_autorange(min_run_time=min_run_time)
+    return [t / m.number_per_run * 1e3 for t in m.raw_times]
+
+
+def _no_grad(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+
+    return run
 
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="B=2, L=256, one short round")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best round reported)")
-    parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds per blocked_autorange")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (fastest run reported)")
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per blocked_autorange")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
     return parser.parse_args(argv)
