@@ -144,3 +144,21 @@ def make_inputs(case: Case, dtype=torch.float64, requires_grad=False):
     mask = make_mask(case.mask, case.B, case.Hq, case.Lq, case.Lk, gen)
     q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
     return q, k, v, mask
+
+
+def refuses(backend: str, q, k, v, **kwargs) -> bool:
+    """Whether ``backend`` declares it cannot serve this call; if so, also check that forcing it
+    raises ``BackendRefusedError`` naming it (a declared refusal is a real answer, not a skip)."""
+    import pytest
+
+    from multihead.validation import validate_call
+
+    call = validate_call(q, k, v, mask=kwargs.get("mask"), scale=kwargs.get("scale"),
+                         dropout_p=kwargs.get("dropout_p", 0.0), dropout_mask=kwargs.get("dropout_mask"),
+                         return_weights=kwargs.get("return_weights", False), return_lse=kwargs.get("return_lse", False))
+    reasons = mh.get_backend(backend).refusals(call)
+    if reasons:
+        assert all(isinstance(r, str) and r for r in reasons)
+        with pytest.raises(mh.BackendRefusedError, match=backend):
+            mh.attention(q, k, v, backend=backend, **kwargs)
+    return bool(reasons)

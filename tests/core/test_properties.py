@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import multihead as mh
+from helpers import refuses
 
 BACKENDS = [b for b in mh.available_backends() if b != "flex"]
 
@@ -64,6 +65,8 @@ def test_padded_keys_can_hold_anything(backend):
 def test_dropout_is_reproducible_unbiased_and_training_only(backend):
     q, k, v = rand(2, 4, 64, 16, seed=15, dtype=torch.float32), rand(2, 4, 64, 16, seed=16, dtype=torch.float32), \
         torch.ones(2, 4, 64, 16)
+    if refuses(backend, q, k, v, dropout_p=0.3):
+        return
     torch.manual_seed(123)
     a = mh.attention(q, k, v, dropout_p=0.3, backend=backend)
     torch.manual_seed(123)
