@@ -1,0 +1,8 @@
+"""``python -m multihead``: the same as the ``multihead`` command."""
+
+import sys
+
+from multihead.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
