@@ -1,0 +1,168 @@
+"""The ``multihead`` command: ``demo --quick`` end to end, ``explain``, ``--help``, and bad input
+(one line, non-zero exit, no traceback, nothing half-written)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from multihead.cli import main
+from multihead.demo import MARKER
+
+DEMO_FILES = {"viewer.html", "encoder_attention.png", "recall_attention.png", "recall_lookup_head.png", "similarity.txt"}
+
+
+def test_quick_demo_end_to_end(quick_demo):
+    code, stdout, stderr, out = quick_demo
+    assert code == 0, stderr
+    assert {p.name for p in out.iterdir()} == DEMO_FILES | {MARKER}
+    for name in DEMO_FILES - {"viewer.html", "similarity.txt"}:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not re.search(r"https?://", (out / "viewer.html").read_text(encoding="utf-8"))
+    assert f"Outputs in {out}" in stdout and str(out / "viewer.html") in stdout
+    accuracy = float(re.search(r"held-out accuracy ([\d.]+)% after \d+ steps: reached", stdout).group(1))
+    assert accuracy >= 99.0
+    assert "(all correct)" in stdout
+    diff = float(re.search(r"max \|logits - uncached\| = ([\d.e+-]+)", stdout).group(1))
+    assert diff < 1e-4
+    # The similarity table pairs the sentences on the same topic.
+    rows = [line.split()[-6:] for line in (out / "similarity.txt").read_text().splitlines()[1:]]
+    sim = [[float(x) for x in row] for row in rows]
+    for i in range(0, 6, 2):
+        assert sim[i][i + 1] > max(sim[i][j] for j in range(6) if j not in (i, i + 1))
+    assert not list(out.parent.glob(f".{out.name}-*")), "staging folder left behind"
+
+
+def test_move_into_place_replaces_a_previous_run(tmp_path):
+    # A folder holding the marker is a previous demo run, which a new run replaces by renames;
+    # a folder without it is refused before any work (see the bad-input table).
+    from multihead.demo import _move_into_place
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "new.txt").write_text("new")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / MARKER).write_text("")
+    (target / "old.txt").write_text("old")
+    _move_into_place(staging, target)
+    assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_explain_prints_every_step(capsys):
+    code = main(["explain", "--d-model", "64", "--heads", "8", "--kv-heads", "2", "--seq", "10", "--causal", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    titles = ["input", "project to queries, keys and values", "split into heads", "group query heads onto key/value heads",
+              "scores", "scale", "mask: causal", "softmax over keys", "weighted sum of values", "merge heads",
+              "output projection"]
+    positions = [out.index(f". {t}") for t in titles]
+    assert positions == sorted(positions)
+    assert "(2, 10, 64)" in out and "(2, 8, 10, 8)" in out and "(2, 2, 10, 8)" in out and "(2, 8, 10, 10)" in out
+    assert "query head : 0 1 2 3 | 4 5 6 7" in out and "kv head    : 0 0 0 0 | 1 1 1 1" in out
+    assert "query  0 1........." in out and "query  9 1111111111" in out  # the causal mask, drawn
+    assert out.count("  ok") == 3 and "MISMATCH" not in out
+    assert re.search(r"backend: \w+ \(chosen by auto\)", out)
+
+
+def test_explain_without_mask_and_with_a_window(capsys):
+    assert main(["explain", "--d-model", "32", "--heads", "4", "--seq", "6", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mask: none" in out and "group query heads" not in out  # MHA: no grouping step
+    assert main(["explain", "--d-model", "32", "--heads", "4", "--seq", "20", "--window", "3", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding_window" in out and "(first 16 of 20 queries and keys)" in out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["explain", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "usage: multihead" in text
+    if argv[0] == "demo":
+        for option in ("--out", "--device", "--seed", "--steps", "--quick", "--model", "--debug"):
+            assert option in text
+    if argv[0] == "explain":
+        for option in ("--d-model", "--heads", "--kv-heads", "--seq", "--causal", "--batch"):
+            assert option in text
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run([sys.executable, "-m", "multihead", "explain", "--d-model", "16", "--heads", "2", "--seq", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "output projection" in done.stdout
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+# Each bad input: how to make it (given tmp_path and a broken-able model copy), argv, and the message.
+BAD_INPUT = [
+    ("missing model folder", lambda tmp, model: ["demo", "--model", str(tmp / "no-such-model")],
+     r"model folder .*no-such-model does not exist"),
+    ("corrupt weights", lambda tmp, model: ((model / "model.safetensors").unlink(),
+                                            (model / "model.safetensors").write_bytes(b"garbage"),
+                                            ["demo", "--model", str(model)])[-1],
+     r"model\.safetensors is corrupt or unreadable .*reinstall"),
+    ("config does not match tensors", lambda tmp, model: (_edit_config(model, intermediate_size=1024),
+                                                          ["demo", "--model", str(model)])[-1],
+     r"intermediate\.dense\.bias. has shape \(1536,\) but config\.json implies \(1024,\)"),
+    ("text longer than the positions", lambda tmp, model: ["demo", "--text", "word " * 600],
+     r"text 0 has \d+ tokens but the model reads at most 256; shorten it"),
+    ("output folder under a file", lambda tmp, model: ((tmp / "a-file").write_text("x"),
+                                                       ["demo", "--out", str(tmp / "a-file" / "out")])[-1],
+     r"cannot write the output folder .*a-file/out .*pass --out to a writable folder"),
+    ("output folder is a file", lambda tmp, model: ((tmp / "f").write_text("x"), ["demo", "--out", str(tmp / "f")])[-1],
+     r"--out .*f is a file"),
+    ("output folder holds other files", lambda tmp, model: ((tmp / "mine").mkdir(), (tmp / "mine" / "thesis.tex").write_text("x"),
+                                                            ["demo", "--out", str(tmp / "mine")])[-1],
+     r"already holds files not written by multihead demo"),
+    ("no cuda", lambda tmp, model: ["demo", "--device", "cuda:7"] if not _has_cuda() else ["demo", "--device", "tpu"],
+     r"--device .*(no CUDA device is available|not a device name|runs on cpu or cuda)"),
+    ("explain: kv heads do not divide", lambda tmp, model: ["explain", "--heads", "8", "--kv-heads", "3"],
+     r"num_heads=8 is not divisible by num_kv_heads=3"),
+    ("explain: heads do not divide d_model", lambda tmp, model: ["explain", "--d-model", "10", "--heads", "3"],
+     r"d_model=10 is not divisible by num_heads=3"),
+    ("explain: zero tokens", lambda tmp, model: ["explain", "--seq", "0"], r"seq must be a positive int, got 0"),
+]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("make, regex", [(c[1], c[2]) for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_gives_one_line_and_writes_nothing(make, regex, tmp_path, model_copy, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = make(work, model_copy)
+    if argv[0] == "demo" and "--out" not in argv:
+        argv += ["--out", str(work / "demo-out")]
+    before = sorted(p.name for p in work.iterdir())
+    code = main(argv + (["--no-progress"] if argv[0] == "demo" else []))
+    captured = capsys.readouterr()
+    assert code == 1
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"multihead {argv[0]}: error: ")
+    assert re.search(regex, lines[0]), lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert sorted(p.name for p in work.iterdir()) == before, "a failed run left files behind"
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(Exception, match="does not exist"):
+        main(["demo", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--debug"])
