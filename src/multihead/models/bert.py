@@ -207,11 +207,11 @@ def load_bert(folder: str | Path, *, device: torch.device | str | None = None,
 
     model = BertEncoder(config)
     expected = model.state_dict()
-    state = {}
+    state, origin = {}, {}  # our name -> tensor, our name -> the checkpoint's name
     for name, tensor in checkpoint.items():
         ours = _rename(name[5:] if name.startswith("bert.") else name)
         if ours in expected:
-            state[ours] = tensor
+            state[ours], origin[ours] = tensor, name
         elif not _UNUSED.match(ours):
             raise ModelFolderError(f"{weights_path} holds {name!r}, which a BERT encoder with this config.json "
                                    "does not have; is config.json from another model?")
@@ -221,12 +221,12 @@ def load_bert(folder: str | Path, *, device: torch.device | str | None = None,
                                f"config.json says num_hidden_layers={config.num_hidden_layers}: does it match the weights?")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ModelFolderError(f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json "
+            raise ModelFolderError(f"{weights_path}: tensor {origin[name]!r} has shape {tuple(tensor.shape)} but config.json "
                                    f"implies {tuple(expected[name].shape)} (hidden_size={config.hidden_size}, "
                                    f"intermediate_size={config.intermediate_size}, vocab_size={config.vocab_size}); "
                                    "the config does not match the weights")
         if not tensor.is_floating_point():
-            raise ModelFolderError(f"{weights_path}: tensor {name!r} has dtype {tensor.dtype}; expected floating point")
+            raise ModelFolderError(f"{weights_path}: tensor {origin[name]!r} has dtype {tensor.dtype}; expected floating point")
     model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()
 
