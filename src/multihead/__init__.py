@@ -18,6 +18,18 @@ from multihead.reference import AttentionResult, reference_attention
 
 __version__ = "0.1.0"
 
+# Floor-4 packages (models, viz, demo) import optional dependencies; they load on first use so
+# that `import multihead` stays light: `multihead.models.SentenceEncoder` works after a plain import.
+_LAZY = ("models", "viz", "demo", "walkthrough", "cli")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"multihead.{name}")
+    raise AttributeError(f"module 'multihead' has no attribute {name!r}")
+
 __all__ = [
     "attention", "capture_attention", "AttentionCapture", "explain", "Explanation", "reference_attention", "AttentionResult",
     "masks", "causal", "sliding_window", "key_padding", "document", "prefix_lm", "custom",
