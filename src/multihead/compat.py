@@ -41,7 +41,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from multihead.attention import attention
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
 from multihead.layers.heads import merge_heads, split_heads
-from multihead.masks import Mask, as_mask, causal
+from multihead.masks import Mask, as_mask, bias, causal
 
 __all__ = ["MultiheadAttention"]
 
@@ -226,7 +226,9 @@ class MultiheadAttention(nn.Module):
         combined = _combine([_pad_keys(p, extra) for p in parts])
         if combined is None:
             return causal_mask
-        combined = as_mask(combined, name="attn_mask")
+        # PyTorch's float masks are additive whatever their values: say so (bias), so that a
+        # 0/1 float attn_mask keeps PyTorch's meaning here instead of being refused.
+        combined = bias(combined, name="attn_mask") if combined.is_floating_point() else as_mask(combined, name="attn_mask")
         return combined if causal_mask is None else combined & causal_mask
 
 

@@ -73,3 +73,15 @@ def test_mask_constructors_validate_their_arguments():
         mh.causal().shifted(1.5, 0)
     with pytest.raises(TypeError, match=r"custom: mask_mod must be callable"):
         mh.custom(3)
+
+
+def test_a_float_zero_one_mask_is_refused_not_added():
+    """torch.tril(torch.ones(L, L)) means 'attend below the diagonal' in tutorials; as a float mask
+    it would be added to the scores. multihead refuses it and says what to write instead."""
+    tril = torch.tril(torch.ones(5, 7))
+    with pytest.raises(ValueError, match=r"only 0s and 1s.*mask.bool\(\).*mask == 0.*masks.bias"):
+        mh.attention(q, k, v, mask=tril)
+    declared = mh.attention(q, k, v, mask=mh.masks.bias(tril))  # said to be additive: accepted
+    torch.testing.assert_close(declared, mh.reference_attention(q, k, v, mask=mh.masks.bias(tril)).output)
+    # All zeros (or all ones) shift every score of a row alike: harmless, accepted as a bias.
+    torch.testing.assert_close(mh.attention(q, k, v, mask=torch.zeros(5, 7)), mh.attention(q, k, v))

@@ -288,3 +288,15 @@ def test_backend_is_passed_through():
     x = torch.randn(2, 5, 16, dtype=DT)
     torch.testing.assert_close(forced(x), auto(x))
     assert "backend='reference'" in repr(forced)
+
+
+def test_compiled_layer_with_padding_and_gqa_has_no_graph_breaks():
+    """Masks that must be materialized, and GQA, trace into one graph: no data-dependent
+    branch or Python-valued kernel query in the compiled path."""
+    layer = mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True).eval()
+    x = torch.randn(2, 5, 16)
+    mask = mh.key_padding(torch.tensor([5, 3]))
+    report = torch._dynamo.explain(layer)(x, mask=mask)
+    assert report.graph_break_count == 0, report.break_reasons
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, mask=mask), layer(x, mask=mask))

@@ -95,6 +95,9 @@ class BlockSparseBackend(Backend):
         in docs/performance.md)."""
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         mask = call.mask
+        if torch.compiler.is_compiling():
+            return ["under torch.compile: the per-block plan is Python control flow that would break "
+                    "the graph; sdpa traces into one"]
         if mask is None:
             return ["no mask: sdpa runs one fused call, as fast"]
         offset = mask.causal_offset(Lq, Lk)

@@ -35,7 +35,7 @@ class SDPABackend(Backend):
     )
 
     def plan(self, call: AttentionCall) -> list[str]:
-        args = _sdpa_arguments(call)
+        args = _Arguments(call)
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         lines = [args.mask_note, args.gqa_note]
         if args.empty_rows is not None:
@@ -48,7 +48,7 @@ class SDPABackend(Backend):
         return lines
 
     def forward(self, call: AttentionCall) -> AttentionResult:
-        args = _sdpa_arguments(call)
+        args = _Arguments(call)
         out = F.scaled_dot_product_attention(
             args.q, args.k, args.v, attn_mask=args.attn_mask, dropout_p=call.dropout_p,
             is_causal=args.is_causal, scale=call.scale, enable_gqa=args.enable_gqa)
@@ -79,8 +79,11 @@ class _Arguments:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
             dense = mask.materialize(B, Hq, Lq, Lk, device=q.device, dtype=q.dtype)
-            empty = mask.empty_rows(B, Hq, Lq, Lk, device=q.device)
-            if empty is not None:
+            # Eagerly, the two fix-ups below are skipped when they change nothing; under
+            # torch.compile they always run, so that no data-dependent branch breaks the graph.
+            compiling = _compiling()
+            empty = mask._empty_rows(B, Hq, Lq, Lk, device=q.device)
+            if compiling or bool(empty.any()):
                 self.empty_rows = empty
                 opened = empty.unsqueeze(-1)
                 dense = torch.where(opened, torch.zeros((), dtype=dense.dtype, device=q.device), dense) \
@@ -90,7 +93,7 @@ class _Arguments:
             # the fused kernels compute 0 * value for them and 0 * NaN = NaN.
             visible = ~torch.isneginf(dense) if mask.is_additive else dense
             unseen = ~visible.any(dim=-2).any(dim=1, keepdim=True).unsqueeze(-1)  # (B|1, 1, Lk, 1)
-            if bool(unseen.any()):
+            if compiling or bool(unseen.any()):
                 zero = torch.zeros((), dtype=q.dtype, device=q.device)
                 k, v = torch.where(unseen, zero, k), torch.where(unseen, zero, v)
             kind = "additive" if mask.is_additive else "bool"
@@ -98,7 +101,10 @@ class _Arguments:
         self.enable_gqa = False
         if Hq == Hkv:
             self.gqa_note = "heads: Hq == Hkv"
-        elif pytorch_kernel(q, k, v, self.attn_mask, call.dropout_p, self.is_causal, call.scale, True) not in ("MATH", "unknown"):
+        elif _compiling() or pytorch_kernel(q, k, v, self.attn_mask, call.dropout_p, self.is_causal, call.scale,
+                                            True) not in ("MATH", "unknown"):
+            # Under torch.compile the kernel query (a Python value) would break the graph; the
+            # compiler lowers enable_gqa itself.
             self.enable_gqa = True
             self.gqa_note = f"heads: GQA {Hq}/{Hkv} passed natively (enable_gqa=True)"
         elif Hkv == 1:
@@ -111,8 +117,8 @@ class _Arguments:
         self.q, self.k, self.v = q, k, v
 
 
-def _sdpa_arguments(call: AttentionCall) -> _Arguments:
-    return _Arguments(call)
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
 
 
 def pytorch_kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float, is_causal: bool,

@@ -93,10 +93,9 @@ class Band(Mask):
         right_ok = self.right is None or k1 - 1 <= first + self.right
         return BlockState.FULL if left_ok and right_ok else BlockState.PARTIAL
 
-    def empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
         lo, hi = _row_bounds(self, q_len, kv_len, device)
-        empty = (hi <= lo).view(1, 1, -1)
-        return empty if bool(empty.any()) else None
+        return (hi <= lo).view(1, 1, -1)
 
 
 def _row_bounds(band: Band, q_len: int, kv_len: int, device):

@@ -193,18 +193,21 @@ class Mask:
     def empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
                    device: torch.device | str | None = None) -> Tensor | None:
         """Queries that see no key, as a bool tensor broadcastable to ``(B, H, Lq)``, or
-        ``None`` when there are none. The fallback evaluates the mask a chunk of rows at a time."""
+        ``None`` when there are none."""
+        empty = self._empty_rows(batch, heads, q_len, kv_len, device)
+        return empty if bool(empty.any()) else None
+
+    def _empty_rows(self, batch, heads, q_len, kv_len, device=None) -> Tensor:
+        """:meth:`empty_rows` as a tensor always (no data-dependent branch: compiles in one graph).
+        The fallback evaluates the mask a chunk of rows at a time."""
         step = max(1, _CHUNK_ELEMENTS // max(1, kv_len * batch * heads))
         parts = []
         for q0 in range(0, q_len, step):
             rows = self.materialize_block(batch, heads, q0, min(q0 + step, q_len), q_len, kv_len, device, None)
             visible = ~torch.isneginf(rows) if self.is_additive else rows
             parts.append(~visible.any(-1))
-        if not parts:
-            return None
         shape = torch.broadcast_shapes(*(p.shape for p in parts))
-        empty = torch.cat([p.expand(*shape[:2], p.shape[-1]) for p in parts], dim=-1)
-        return empty if bool(empty.any()) else None
+        return torch.cat([p.expand(*shape[:2], p.shape[-1]) for p in parts], dim=-1)
 
 
 # --------------------------------------------------------------------------------- combinators

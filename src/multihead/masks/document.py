@@ -99,14 +99,12 @@ class Document(Mask):
             return BlockState.FULL
         return BlockState.PARTIAL
 
-    def empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
         q, kv = self._q_cpu, self._kv_cpu
         rows = max(q.shape[0], kv.shape[0])
         empty = torch.stack([
             ~torch.isin(q[0 if q.shape[0] == 1 else r], kv[0 if kv.shape[0] == 1 else r]) for r in range(rows)
         ])
-        if not bool(empty.any()):
-            return None
         return empty.view(rows, 1, -1).to(device)
 
 

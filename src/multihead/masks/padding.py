@@ -122,11 +122,9 @@ class KeyPadding(Mask):
             return BlockState.EMPTY
         return BlockState.PARTIAL
 
-    def empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
         if self.lengths is not None:
-            empty = (self.lengths.to(device) <= 0) if kv_len > 0 else torch.ones_like(self.lengths, dtype=torch.bool, device=device)
+            empty = self.lengths.to(device) <= 0
         else:
             empty = ~self.valid.to(device).any(-1)
-        if not bool(empty.any()):
-            return None
         return empty.view(-1, 1, 1).expand(-1, 1, q_len)

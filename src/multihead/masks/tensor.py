@@ -14,7 +14,7 @@ from torch import Tensor
 
 from multihead.masks.base import BlockState, Mask
 
-__all__ = ["as_mask", "custom", "TensorMask", "Custom"]
+__all__ = ["as_mask", "bias", "custom", "TensorMask", "Custom"]
 
 
 def as_mask(mask, name: str = "mask") -> Mask | None:
@@ -22,9 +22,18 @@ def as_mask(mask, name: str = "mask") -> Mask | None:
     if mask is None or isinstance(mask, Mask):
         return mask
     if isinstance(mask, Tensor):
-        return TensorMask(mask, name=name)
+        return TensorMask(mask, name=name, refuse_binary=True)
     raise TypeError(f"{name} must be a multihead mask, a bool or float tensor, or None; "
                     f"got {type(mask).__name__}")
+
+
+def bias(tensor: Tensor, name: str = "bias") -> "TensorMask":
+    """A float tensor declared an additive bias (``-inf`` blocks), broadcastable to
+    ``(B, H, Lq, Lk)``. Unlike a float tensor passed as ``mask=``, a bias of only 0s and 1s is
+    accepted: here you said it is meant to be added."""
+    if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
+        raise TypeError(f"bias: expected a float tensor, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
+    return TensorMask(tensor, name=name)
 
 
 def custom(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str | None = None) -> "Custom":
@@ -41,7 +50,7 @@ def custom(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: s
 class TensorMask(Mask):
     """A bool or additive float tensor broadcastable to ``(B, H, Lq, Lk)``."""
 
-    def __init__(self, tensor: Tensor, name: str = "mask"):
+    def __init__(self, tensor: Tensor, name: str = "mask", refuse_binary: bool = False):
         if tensor.dtype == torch.bool:
             additive = False
         elif tensor.is_floating_point():
@@ -54,6 +63,13 @@ class TensorMask(Mask):
         if tensor.dim() > 4 or tensor.dim() < 2:
             raise ValueError(f"{name} must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), "
                              f"got shape {tuple(tensor.shape)}")
+        if additive and refuse_binary and _is_zero_one(tensor):
+            # torch.tril(torch.ones(L, L)) as a "mask" would be *added* to the scores: a silent bug
+            # several tutorials invite. Adding 1 to some scores is never what such a tensor meant.
+            raise ValueError(
+                f"{name} is a float tensor of only 0s and 1s; float masks are additive, so this would add "
+                "1 to some scores instead of masking. Use `mask.bool()` if 1 means attend, `mask == 0` "
+                "if 1 means blocked, or multihead.masks.bias(tensor) if you really mean an additive bias")
         t4 = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
         self._set(tensor=t4, is_additive=additive, name=name)
 
@@ -108,12 +124,10 @@ class TensorMask(Mask):
             return BlockState.FULL
         return BlockState.PARTIAL if bool(block.any()) else BlockState.EMPTY
 
-    def empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
         t = self.tensor.to(device) if device is not None else self.tensor
         visible = ~torch.isneginf(t) if self.is_additive else t
         empty = ~visible.any(-1)
-        if not bool(empty.any()):
-            return None
         return empty.expand(empty.shape[0], empty.shape[1], q_len)
 
 
@@ -130,3 +144,9 @@ class Custom(Mask):
 
     def _describe(self):
         return f"custom({self.name})"
+
+
+def _is_zero_one(tensor: Tensor) -> bool:
+    """Only 0s and 1s, with at least one of each (an all-0 or all-1 bias changes nothing)."""
+    zeros, ones = tensor == 0, tensor == 1
+    return bool((zeros | ones).all()) and bool(zeros.any()) and bool(ones.any())
