@@ -7,6 +7,7 @@ call (empty list = it can), and :meth:`Backend.plan` says how it would run it. T
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ class Capabilities:
     grad: bool = True
 
 
-class Backend:
+class Backend(abc.ABC):
     """Base class. Subclasses set ``name``, ``summary`` and ``capabilities`` and implement
     :meth:`forward`; they extend :meth:`refusals` with checks of their own."""
 
@@ -74,8 +75,9 @@ class Backend:
         """How this backend would run ``call``, one line per decision."""
         return []
 
+    @abc.abstractmethod
     def forward(self, call: AttentionCall) -> AttentionResult:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Run ``call`` (already validated, not refused): output, and weights/LSE when asked."""
 
     def __repr__(self) -> str:
         return f"<backend {self.name!r}: {self.summary}>"

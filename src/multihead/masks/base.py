@@ -16,6 +16,7 @@ lengths of the call; :meth:`Mask.mask_mod` without lengths assumes ``Lq == Lk``.
 
 from __future__ import annotations
 
+import abc
 import enum
 from typing import Callable
 
@@ -40,7 +41,7 @@ class BlockState(enum.Enum):
     FULL = "full"  # everything visible: no mask needed
 
 
-class Mask:
+class Mask(abc.ABC):
     """Base class of all masks. Subclasses implement :meth:`_mod` and :meth:`_describe`."""
 
     #: A float mask adds a bias to the scores; a boolean mask only allows or blocks.
@@ -54,11 +55,13 @@ class Mask:
             object.__setattr__(self, name, value)
 
     # ----------------------------------------------------------------------------- meaning
+    @abc.abstractmethod
     def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """The predicate on broadcastable index tensors: ``True`` where the query may attend."""
 
+    @abc.abstractmethod
     def _describe(self) -> str:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """The mask as the expression that builds it, e.g. ``causal(align='top_left')``."""
 
     def mask_mod(self, b, h, q_idx, kv_idx, q_len: int | None = None, kv_len: int | None = None) -> Tensor:
         """``True`` where query ``q_idx`` of batch ``b``, head ``h`` may attend to ``kv_idx``.
