@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 from multihead import masks
@@ -162,3 +163,19 @@ def refuses(backend: str, q, k, v, **kwargs) -> bool:
         with pytest.raises(mh.BackendRefusedError, match=backend):
             mh.attention(q, k, v, backend=backend, **kwargs)
     return bool(reasons)
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor any ATen op returns: the allocations of the code under test,
+    so that a regression to an ``Lq x Lk`` tensor fails a test."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -6,16 +6,13 @@ precision) are in :mod:`multihead.conventions`.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import torch
 from torch import Tensor
 
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.masks import Mask
 from multihead.reference import AttentionResult
 from multihead.probabilities import weights_by_blocks
-from multihead.validation import AttentionCall, validate_call, validate_weights_selection
+from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["attention"]
 
@@ -71,19 +68,13 @@ def attention(
     call = validate_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
-    if heads is not None or rows is not None:
-        return _weights_slice(call, backend, heads, rows)
     chosen, _ = select_backend(call, backend)
-    result = chosen.forward(call)
-    if return_weights or return_lse:
+    result = chosen.forward(call)  # the output, and the LSE when asked for (or for the weights)
+    if return_weights:
+        # Weights on demand: recomputed from q, k and the fast path's LSE, a block at a time, for
+        # the requested heads/rows only (all by default). No backend runs a slow path for them.
+        weights = weights_by_blocks(q, k, call.mask, call.scale, result.lse, heads, rows).to(q.dtype)
+        return AttentionResult(result.output, weights, result.lse if return_lse else None)
+    if return_lse:
         return result
     return result.output
-
-
-def _weights_slice(call: AttentionCall, backend: str, heads: Tensor | None, rows: Tensor | None) -> AttentionResult:
-    """Output and LSE on the fast path; the requested slice of the weights from q, k and the LSE."""
-    fast = replace(call, return_weights=False, return_lse=True)
-    chosen, _ = select_backend(fast, backend)
-    result = chosen.forward(fast)
-    weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, result.lse, heads, rows)
-    return AttentionResult(result.output, weights.to(call.q.dtype), result.lse if call.return_lse else None)

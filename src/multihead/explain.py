@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -51,9 +51,6 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
     call = validate_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
-    sliced = heads is not None or rows is not None
-    if sliced:  # the fast path runs with the LSE; weights are recomputed from it (attention())
-        call = replace(call, return_weights=False, return_lse=True)
     chosen, refused = select_backend(call, backend)
     if backend == "auto":  # also say why backends after the chosen one would not do
         for name in available_backends():
@@ -63,7 +60,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
                     refused[name] = reasons
     mask_text = "none" if call.mask is None else call.mask._describe()
     plan = list(chosen.plan(call))
-    if sliced:
+    if return_weights:
         nh = q.shape[1] if heads is None else len(heads)
         nr = q.shape[2] if rows is None else len(rows)
         plan.append(f"weights: {nh} head(s) x {nr} row(s) recomputed block by block from q, k and the LSE")

@@ -29,8 +29,7 @@ class AttentionCall:
     scale: float
     dropout_p: float
     dropout_mask: Tensor | None
-    return_weights: bool
-    return_lse: bool
+    return_lse: bool  # weights are never asked of a backend: attention() derives them from the LSE
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
@@ -100,7 +99,8 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
     if mask is not None:
         mask.check(B, Hq, Lq, Lk)
 
-    return AttentionCall(q, k, v, mask, float(scale), float(dropout_p), dropout_mask, return_weights, return_lse)
+    # return_weights is validated but not part of the call: weights come from q, k and the LSE.
+    return AttentionCall(q, k, v, mask, float(scale), float(dropout_p), dropout_mask, return_lse or return_weights)
 
 
 def validate_weights_selection(weights_heads, weights_rows, *, q: Tensor,

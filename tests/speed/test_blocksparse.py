@@ -4,10 +4,9 @@ fully masked rows, and a guard that no ``Lq x Lk`` tensor is ever allocated."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
-from helpers import FACTOR, Case, assert_relative, covering_cases, make_inputs, naive_attention
+from helpers import LargestAllocation, FACTOR, Case, assert_relative, covering_cases, make_inputs, naive_attention
 from multihead.backends.blocksparse import DEFAULT_BLOCK_SIZE, BlockSparseBackend, block_plan
 from multihead.validation import validate_call
 
@@ -109,21 +108,6 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_grads():
     assert bool((k.grad[1] == 0).all()) and bool((v.grad[1] == 0).all())
 
 
-class _LargestAllocation(TorchDispatchMode):
-    """Records the largest tensor any ATen op returns (the backend's own allocations)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("mask", [mh.sliding_window(128), mh.causal() & mh.key_padding(torch.tensor([4000])),
                                   mh.document(torch.repeat_interleave(torch.arange(4), 1024)) & mh.causal()],
                          ids=["window", "causal&padding", "documents"])
@@ -131,7 +115,7 @@ def test_no_tensor_of_lq_by_lk_is_allocated(mask):
     """A regression to materializing the mask (or the scores) makes this fail."""
     B, H, L, D = 1, 2, 4096, 16
     q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
-    with _LargestAllocation() as probe:
+    with LargestAllocation() as probe:
         out = mh.attention(q, k, v, mask=mask, backend="blocksparse")
         out.sum().backward()
     bound = 4 * DEFAULT_BLOCK_SIZE * L  # a block-sized strip at most, far below B*H*L*L

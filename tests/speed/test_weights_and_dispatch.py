@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
+from helpers import LargestAllocation
 
 SELECTIONS = [(3, None), ([1, 5], slice(10, 300, 7)), (None, torch.tensor([0, 299, 5])), (slice(None), [7]),
               (torch.tensor([7, 0]), 150)]
@@ -37,23 +37,10 @@ def test_weights_selection_errors(bad, error):
         mh.attention(q, q, q, weights_heads=0)
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_one_head_of_weights_never_holds_all_heads():
     B, H, L, D = 1, 8, 2048, 16
     q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
-    with _Largest() as probe:
+    with LargestAllocation() as probe:
         got = mh.attention(q, k, v, mask=mh.causal(), return_weights=True, weights_heads=2)
     assert got.weights.shape == (B, 1, L, L)
     assert probe.largest <= 2 * L * L < B * H * L * L

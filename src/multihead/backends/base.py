@@ -30,7 +30,6 @@ class Capabilities:
     gqa: bool = True
     dropout: bool = True
     injected_dropout: bool = False  # accepts dropout_mask=
-    weights: bool = True
     lse: bool = True
     grad: bool = True
 
@@ -58,8 +57,6 @@ class Backend(abc.ABC):
             reasons.append("dropout not supported")
         if call.dropout_mask is not None and not caps.injected_dropout:
             reasons.append("an injected dropout_mask is not supported (reference backend only)")
-        if call.return_weights and not caps.weights:
-            reasons.append("cannot return attention weights")
         if call.return_lse and not caps.lse:
             reasons.append("cannot return the log-sum-exp")
         if call.requires_grad and not caps.grad:
@@ -77,7 +74,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, call: AttentionCall) -> AttentionResult:
-        """Run ``call`` (already validated, not refused): output, and weights/LSE when asked."""
+        """Run ``call`` (already validated, not refused): the output, and the LSE when asked.
+        Weights are never asked of a backend: :func:`multihead.attention` derives them from the LSE."""
 
     def __repr__(self) -> str:
         return f"<backend {self.name!r}: {self.summary}>"

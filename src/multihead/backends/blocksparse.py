@@ -39,7 +39,6 @@ from torch import Tensor
 from multihead.backends.base import Backend, Capabilities
 from multihead.masks import And, Band, BlockState, Mask, TensorMask
 from multihead.masks.base import Not, Or, Shifted
-from multihead.probabilities import weights_by_blocks
 from multihead.reference import AttentionResult
 from multihead.validation import AttentionCall
 
@@ -127,8 +126,6 @@ class BlockSparseBackend(Backend):
             lines.append(f"heads: GQA {Hq}/{Hkv} passed natively to the kernel")
         if D != Dv:
             lines.append(f"head dims D={D}, Dv={Dv} padded with zeros to {max(D, Dv)} (the kernel needs one size)")
-        if call.return_weights:
-            lines.append("weights recomputed block by block from q, k and the pieces' log-sum-exp")
         return lines
 
     # ------------------------------------------------------------------------------- running
@@ -143,10 +140,7 @@ class BlockSparseBackend(Backend):
         out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, call.scale, blocks)
         if Dv < D:
             out = out[..., :Dv]
-        weights = None
-        if call.return_weights:
-            weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, lse).to(call.q.dtype)
-        return AttentionResult(out, weights, lse if call.return_lse else None)
+        return AttentionResult(out, None, lse if call.return_lse else None)
 
     def _plan(self, call: AttentionCall) -> tuple[QueryBlock, ...]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape

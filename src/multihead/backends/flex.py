@@ -17,7 +17,7 @@ import torch
 
 from multihead.backends.base import Backend, Capabilities
 from multihead.masks import Mask
-from multihead.probabilities import lse_by_blocks, weights_by_blocks
+from multihead.probabilities import lse_by_blocks
 from multihead.reference import AttentionResult
 from multihead.validation import AttentionCall
 
@@ -80,12 +80,8 @@ class FlexBackend(Backend):
             empty = call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
             if empty is not None:  # fully masked rows: exactly 0
                 out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-        lse = weights = None
-        if call.return_lse or call.return_weights:
-            lse = lse_by_blocks(call.q, call.k, call.mask, call.scale)
-        if call.return_weights:
-            weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, lse).to(call.q.dtype)
-        return AttentionResult(out, weights, lse if call.return_lse else None)
+        lse = lse_by_blocks(call.q, call.k, call.mask, call.scale) if call.return_lse else None
+        return AttentionResult(out, None, lse)
 
     def _block_mask(self, mask: Mask, B, Hq, Lq, Lk, device):
         key = (id(mask), B, Hq, Lq, Lk, str(device))

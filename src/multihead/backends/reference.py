@@ -26,6 +26,4 @@ class ReferenceBackend(Backend):
     def forward(self, call: AttentionCall) -> AttentionResult:
         result = reference_attention(call.q, call.k, call.v, mask=call.mask, scale=call.scale,
                                      dropout_p=call.dropout_p, dropout_mask=call.dropout_mask)
-        out, weights, lse = result
-        return AttentionResult(out, weights.to(call.q.dtype) if call.return_weights else None,
-                               lse if call.return_lse else None)
+        return AttentionResult(result.output, None, result.lse if call.return_lse else None)

@@ -9,8 +9,8 @@ How a call is passed on, in order of preference:
   expanded as a view when ``Hkv == 1`` and repeated by the grouped mapping when not.
 * fully masked rows: SDPA's behaviour differs across versions and kernels, so such rows are
   opened to every key before the call and zeroed after; no NaN enters forward or backward.
-* LSE and weights: recomputed block by block from ``q``, ``k`` and the mask
-  (:mod:`multihead.probabilities`), only when asked for.
+* LSE: recomputed block by block from ``q``, ``k`` and the mask (:mod:`multihead.probabilities`),
+  only when asked for.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities
-from multihead.probabilities import lse_by_blocks, weights_by_blocks
+from multihead.probabilities import lse_by_blocks
 from multihead.reference import AttentionResult
 from multihead.validation import AttentionCall
 
@@ -43,7 +43,7 @@ class SDPABackend(Backend):
         kernel = pytorch_kernel(args.q, args.k, args.v, args.attn_mask, call.dropout_p, args.is_causal,
                                 call.scale, args.enable_gqa)
         lines.append(f"PyTorch kernel: {kernel}")
-        if call.return_lse or call.return_weights:
+        if call.return_lse:
             lines.append("log-sum-exp recomputed block by block from q, k and the mask (one extra QK^T)")
         return lines
 
@@ -54,12 +54,9 @@ class SDPABackend(Backend):
             is_causal=args.is_causal, scale=call.scale, enable_gqa=args.enable_gqa)
         if args.empty_rows is not None:
             out = out.masked_fill(args.empty_rows.unsqueeze(-1), 0.0)
-        lse = weights = None
-        if call.return_lse or call.return_weights:
-            lse = lse_by_blocks(call.q, call.k, call.mask, call.scale)
-        if call.return_weights:
-            weights = weights_by_blocks(call.q, call.k, call.mask, call.scale, lse).to(call.q.dtype)
-        return AttentionResult(out, weights, lse if call.return_lse else None)
+        # SDPA returns no LSE: recomputed block by block, only when asked for.
+        lse = lse_by_blocks(call.q, call.k, call.mask, call.scale) if call.return_lse else None
+        return AttentionResult(out, None, lse)
 
 
 class _Arguments:
