@@ -32,3 +32,10 @@ def test_explain_lists_refusals():
     assert report.backend == "reference"
     assert any("dropout_mask" in r for r in report.refused["sdpa"])
     assert "refused:" in str(report)
+
+
+def test_lse_comes_from_the_kernel_call_for_inference_and_is_recomputed_for_training():
+    q = torch.randn(1, 2, 32, 16)
+    assert "from the same kernel call" in str(mh.explain(q, q, q, mask=mh.causal(), return_lse=True, backend="sdpa"))
+    qg = q.clone().requires_grad_()
+    assert "recomputed block by block" in str(mh.explain(qg, qg, qg, mask=mh.causal(), return_lse=True, backend="sdpa"))

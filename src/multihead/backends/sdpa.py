@@ -9,8 +9,9 @@ How a call is passed on, in order of preference:
   expanded as a view when ``Hkv == 1`` and repeated by the grouped mapping when not.
 * fully masked rows: SDPA's behaviour differs across versions and kernels, so such rows are
   opened to every key before the call and zeroed after; no NaN enters forward or backward.
-* LSE: recomputed block by block from ``q``, ``k`` and the mask (:mod:`multihead.probabilities`),
-  only when asked for.
+* LSE, only when asked for: on CPU without autograd, from the same call of PyTorch's CPU flash
+  kernel; otherwise recomputed block by block from ``q``, ``k`` and the mask
+  (:mod:`multihead.probabilities`), which costs one extra ``QK^T``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities
+from multihead.conventions import lse_dtype
 from multihead.probabilities import lse_by_blocks
 from multihead.reference import AttentionResult
 from multihead.validation import AttentionCall
@@ -43,19 +45,26 @@ class SDPABackend(Backend):
         kernel = pytorch_kernel(args.q, args.k, args.v, args.attn_mask, call.dropout_p, args.is_causal,
                                 call.scale, args.enable_gqa)
         lines.append(f"PyTorch kernel: {kernel}")
-        if call.return_lse:
+        if call.return_lse and _one_pass_lse(call):
+            lines.append("log-sum-exp from the same kernel call (aten._scaled_dot_product_flash_attention_for_cpu)")
+        elif call.return_lse:
             lines.append("log-sum-exp recomputed block by block from q, k and the mask (one extra QK^T)")
         return lines
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         args = _Arguments(call)
-        out = F.scaled_dot_product_attention(
-            args.q, args.k, args.v, attn_mask=args.attn_mask, dropout_p=call.dropout_p,
-            is_causal=args.is_causal, scale=call.scale, enable_gqa=args.enable_gqa)
+        if call.return_lse and _one_pass_lse(call):
+            out, lse = _flash_cpu_with_lse(call, args)
+        else:
+            out = F.scaled_dot_product_attention(
+                args.q, args.k, args.v, attn_mask=args.attn_mask, dropout_p=call.dropout_p,
+                is_causal=args.is_causal, scale=call.scale, enable_gqa=args.enable_gqa)
+            # The public SDPA returns no LSE: recomputed block by block, only when asked for.
+            lse = lse_by_blocks(call.q, call.k, call.mask, call.scale) if call.return_lse else None
         if args.empty_rows is not None:
             out = out.masked_fill(args.empty_rows.unsqueeze(-1), 0.0)
-        # SDPA returns no LSE: recomputed block by block, only when asked for.
-        lse = lse_by_blocks(call.q, call.k, call.mask, call.scale) if call.return_lse else None
+            if lse is not None:
+                lse = lse.masked_fill(args.empty_rows.expand_as(lse), float("-inf"))
         return AttentionResult(out, None, lse)
 
 
@@ -112,6 +121,26 @@ class _Arguments:
             self.gqa_note = (f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
                              "K/V repeated by the grouped mapping instead")
         self.q, self.k, self.v = q, k, v
+
+
+# PyTorch's CPU flash kernel returns the log-sum-exp beside the output (its LSE carries no
+# gradient, so it serves calls that need none: inference with weights, capture_attention).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _one_pass_lse(call: AttentionCall) -> bool:
+    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    return (_FLASH_CPU is not None and call.q.device.type == "cpu" and not call.requires_grad
+            and call.dropout_p == 0.0 and D == Dv and not _compiling())
+
+
+def _flash_cpu_with_lse(call: AttentionCall, args: _Arguments) -> tuple[Tensor, Tensor]:
+    """Output and LSE in one call of the CPU flash kernel (it takes additive masks only)."""
+    mask = args.attn_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=call.q.dtype).masked_fill(~mask, float("-inf"))
+    out, lse = _FLASH_CPU(args.q, args.k, args.v, 0.0, args.is_causal, attn_mask=mask, scale=call.scale)
+    return out, lse.to(lse_dtype(call.q.dtype))
 
 
 def _compiling() -> bool:
