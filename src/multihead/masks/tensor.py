@@ -63,7 +63,9 @@ class TensorMask(Mask):
         if tensor.dim() > 4 or tensor.dim() < 2:
             raise ValueError(f"{name} must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), "
                              f"got shape {tuple(tensor.shape)}")
-        if additive and refuse_binary and _is_zero_one(tensor):
+        # One elementwise pass over the mask per call (a few % of an attention call at D=64);
+        # skipped under torch.compile, where its data-dependent branch would break the graph.
+        if additive and refuse_binary and not torch.compiler.is_compiling() and _is_zero_one(tensor):
             # torch.tril(torch.ones(L, L)) as a "mask" would be *added* to the scores: a silent bug
             # several tutorials invite. Adding 1 to some scores is never what such a tensor meant.
             raise ValueError(
