@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -32,13 +31,13 @@ class AttentionCall:
     dropout_mask: Tensor | None
     return_lse: bool  # weights are never asked of a backend: attention() derives them from the LSE
 
-    @cached_property  # asked by every backend's refusals: computed once per call
+    @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
         """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
         B, Hq, Lq, D = self.q.shape
         return B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]
 
-    @cached_property
+    @property
     def requires_grad(self) -> bool:
         return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
 
