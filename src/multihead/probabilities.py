@@ -29,22 +29,28 @@ def scores_block(q: Tensor, k: Tensor, mask: Mask | None, scale: float, q0: int,
     """Scaled, masked scores of query rows ``[q0, q1)``: ``(B, h, rows, Lk)`` in the softmax
     dtype, and the bool ``allowed`` block (``None`` when nothing is masked).
 
-    ``heads`` selects query heads (default all). K is never copied per group: the query heads
-    of a group are folded into the rows of one matmul per KV head.
+    ``heads`` selects query heads (default all). For all heads K is not copied per group: the
+    ``G`` query heads of a group are folded into the rows of one matmul per KV head. A selection
+    gathers just the KV heads it reads.
     """
     B, Hq, _, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     dtype = softmax_dtype(q.dtype)
-    head_ids = torch.arange(Hq, device=q.device) if heads is None else heads
-    kv_ids = head_ids // (Hq // Hkv)  # grouped mapping
-    qb = q[:, head_ids, q0:q1].to(dtype)  # (B, h, rows, D)
-    kb = k[:, kv_ids].to(dtype)  # (B, h, Lk, D); a gather of the KV heads needed
-    scores = torch.matmul(qb, kb.transpose(-2, -1)) * scale  # (B, h, rows, Lk)
+    rows = q1 - q0
+    if heads is None:
+        # Query head h = kv * G + g reads KV head kv: (B, Hq, rows, D) -> (B, Hkv, G*rows, D).
+        qb = q[:, :, q0:q1].to(dtype).reshape(B, Hkv, (Hq // Hkv) * rows, D)
+        scores = torch.matmul(qb, k.to(dtype).transpose(-2, -1)).view(B, Hq, rows, Lk) * scale
+    else:
+        kv_ids = heads // (Hq // Hkv)  # grouped mapping
+        qb = q[:, heads, q0:q1].to(dtype)  # (B, h, rows, D)
+        kb = k[:, kv_ids].to(dtype)  # (B, h, Lk, D): only the KV heads the selection reads
+        scores = torch.matmul(qb, kb.transpose(-2, -1)) * scale  # (B, h, rows, Lk)
     if mask is None:
         return scores, None
     dense = mask.materialize_block(B, Hq, q0, q1, q_len, Lk, device=q.device, dtype=dtype)
-    if dense.shape[1] != 1:
-        dense = dense[:, head_ids]
+    if dense.shape[1] != 1 and heads is not None:
+        dense = dense[:, heads]
     if mask.is_additive:
         allowed = ~torch.isneginf(dense)
         scores = scores + dense.masked_fill(~allowed, 0.0)
@@ -77,9 +83,9 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, scale: float, lse
     than that slice plus one block of scores.
     """
     Lq = q.shape[2]
-    head_ids = torch.arange(q.shape[1], device=q.device) if heads is None else heads
+    n_heads = q.shape[1] if heads is None else len(heads)
     row_ids = torch.arange(Lq, device=q.device) if rows is None else rows
-    step = _row_step(q, k, len(head_ids))
+    step = _row_step(q, k, n_heads)
     # Written into one preallocated result: a list plus torch.cat would hold the slice twice.
     weights = None
     done = 0
@@ -90,9 +96,9 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, scale: float, lse
               for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))]
     for chunk in chunks:
         q0, q1 = int(chunk.min()), int(chunk.max()) + 1
-        scores, _ = scores_block(q, k, mask, scale, q0, q1, Lq, head_ids)
+        scores, _ = scores_block(q, k, mask, scale, q0, q1, Lq, heads)
         scores = scores[:, :, chunk - q0]
-        block_lse = lse[:, head_ids][:, :, chunk].unsqueeze(-1).to(scores.dtype)
+        block_lse = (lse if heads is None else lse[:, heads])[:, :, chunk].unsqueeze(-1).to(scores.dtype)
         # exp(-inf - (-inf)) would be NaN: fully masked rows are set to 0 explicitly.
         safe_lse = torch.where(torch.isneginf(block_lse), torch.zeros_like(block_lse), block_lse)
         probs = torch.exp(scores - safe_lse)
