@@ -12,15 +12,20 @@ from multihead.backends import available_backends, get_backend, register_backend
 from multihead.backends.registry import BackendRefusedError
 from multihead.explain import Explanation, explain
 from multihead.layers import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
-from multihead import compat
+from multihead.layers import compat
 from multihead.masks import causal, custom, document, key_padding, prefix_lm, sliding_window
 from multihead.reference import AttentionResult, reference_attention
 
 __version__ = "0.1.0"
 
+# The nn.MultiheadAttention drop-in lives with the layers; `import multihead.compat` keeps working.
+import sys as _sys
+
+_sys.modules[__name__ + ".compat"] = compat
+
 # Floor-4 packages (models, viz, demo) import optional dependencies; they load on first use so
 # that `import multihead` stays light: `multihead.models.SentenceEncoder` works after a plain import.
-_LAZY = ("models", "viz", "demo", "walkthrough", "cli")
+_LAZY = ("models", "viz", "apps")
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 import sys
 
-from multihead.cli import main
+from multihead.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,7 @@ from torch import Tensor
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.masks import Mask
 from multihead.reference import AttentionResult
-from multihead.probabilities import weights_by_blocks
+from multihead.blockwise import weights_by_blocks
 from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["attention"]

@@ -41,7 +41,7 @@ def quick_demo(tmp_path_factory):
     import contextlib
     import io
 
-    from multihead.cli import main
+    from multihead.apps.cli import main
 
     out = tmp_path_factory.mktemp("demo-run") / "multihead-demo"
     stdout, stderr = io.StringIO(), io.StringIO()

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from multihead.cli import main
-from multihead.demo import MARKER
+from multihead.apps.cli import main
+from multihead.apps.demo import MARKER
 
 DEMO_FILES = {"viewer.html", "encoder_attention.png", "recall_attention.png", "recall_lookup_head.png", "similarity.txt"}
 
@@ -40,7 +40,7 @@ def test_quick_demo_end_to_end(quick_demo):
 def test_move_into_place_replaces_a_previous_run(tmp_path):
     # A folder holding the marker is a previous demo run, which a new run replaces by renames;
     # a folder without it is refused before any work (see the bad-input table).
-    from multihead.demo import _move_into_place
+    from multihead.apps.demo import _move_into_place
 
     staging = tmp_path / "staging"
     staging.mkdir()
@@ -54,8 +54,14 @@ def test_move_into_place_replaces_a_previous_run(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_explain_prints_every_step(capsys):
-    code = main(["explain", "--d-model", "64", "--heads", "8", "--kv-heads", "2", "--seq", "10", "--causal", "--batch", "2"])
+def test_explain_verb_is_an_alias_that_says_so(capsys):
+    assert main(["explain", "--d-model", "16", "--heads", "2", "--seq", "3", "--batch", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "alias of 'multihead walkthrough'" in captured.err and ". softmax over keys" in captured.out
+
+
+def test_walkthrough_prints_every_step(capsys):
+    code = main(["walkthrough", "--d-model", "64", "--heads", "8", "--kv-heads", "2", "--seq", "10", "--causal", "--batch", "2"])
     out = capsys.readouterr().out
     assert code == 0
     titles = ["input", "project to queries, keys and values", "split into heads", "group query heads onto key/value heads",
@@ -70,16 +76,16 @@ def test_explain_prints_every_step(capsys):
     assert re.search(r"backend: \w+ \(chosen by auto\)", out)
 
 
-def test_explain_without_mask_and_with_a_window(capsys):
-    assert main(["explain", "--d-model", "32", "--heads", "4", "--seq", "6", "--batch", "1"]) == 0
+def test_walkthrough_without_mask_and_with_a_window(capsys):
+    assert main(["walkthrough", "--d-model", "32", "--heads", "4", "--seq", "6", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "mask: none" in out and "group query heads" not in out  # MHA: no grouping step
-    assert main(["explain", "--d-model", "32", "--heads", "4", "--seq", "20", "--window", "3", "--causal"]) == 0
+    assert main(["walkthrough", "--d-model", "32", "--heads", "4", "--seq", "20", "--window", "3", "--causal"]) == 0
     out = capsys.readouterr().out
     assert "sliding_window" in out and "(first 16 of 20 queries and keys)" in out
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["explain", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["walkthrough", "--help"]])
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -89,13 +95,13 @@ def test_help(argv, capsys):
     if argv[0] == "demo":
         for option in ("--out", "--device", "--seed", "--steps", "--quick", "--model", "--debug"):
             assert option in text
-    if argv[0] == "explain":
+    if argv[0] == "walkthrough":
         for option in ("--d-model", "--heads", "--kv-heads", "--seq", "--causal", "--batch"):
             assert option in text
 
 
 def test_python_dash_m_runs_the_cli():
-    done = subprocess.run([sys.executable, "-m", "multihead", "explain", "--d-model", "16", "--heads", "2", "--seq", "3"],
+    done = subprocess.run([sys.executable, "-m", "multihead", "walkthrough", "--d-model", "16", "--heads", "2", "--seq", "3"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "output projection" in done.stdout
@@ -130,11 +136,11 @@ BAD_INPUT = [
      r"already holds files not written by multihead demo"),
     ("no cuda", lambda tmp, model: ["demo", "--device", "cuda:7"] if not _has_cuda() else ["demo", "--device", "tpu"],
      r"--device .*(no CUDA device is available|not a device name|runs on cpu or cuda)"),
-    ("explain: kv heads do not divide", lambda tmp, model: ["explain", "--heads", "8", "--kv-heads", "3"],
+    ("explain: kv heads do not divide", lambda tmp, model: ["walkthrough", "--heads", "8", "--kv-heads", "3"],
      r"num_heads=8 is not divisible by num_kv_heads=3"),
-    ("explain: heads do not divide d_model", lambda tmp, model: ["explain", "--d-model", "10", "--heads", "3"],
+    ("explain: heads do not divide d_model", lambda tmp, model: ["walkthrough", "--d-model", "10", "--heads", "3"],
      r"d_model=10 is not divisible by num_heads=3"),
-    ("explain: zero tokens", lambda tmp, model: ["explain", "--seq", "0"], r"seq must be a positive int, got 0"),
+    ("explain: zero tokens", lambda tmp, model: ["walkthrough", "--seq", "0"], r"seq must be a positive int, got 0"),
 ]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multihead import capture_attention
-from multihead.demo import _decode_with_cache
+from multihead.apps.demo import _decode_with_cache
 from multihead.models import CausalDecoder, DecoderConfig, RecallTask
 from multihead.models.recall import IGNORE_INDEX
 

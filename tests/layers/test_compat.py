@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead.compat import MultiheadAttention
+from multihead.layers.compat import MultiheadAttention
 
 DT = torch.float64
 E, H = 16, 4

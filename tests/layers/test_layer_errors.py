@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.compat import MultiheadAttention
+from multihead.layers.compat import MultiheadAttention
 
 MHA = mh.MultiHeadAttention
 

@@ -17,7 +17,7 @@ import torch
 
 from multihead.backends.base import Backend, Capabilities
 from multihead.masks import Mask
-from multihead.probabilities import lse_by_blocks
+from multihead.blockwise import lse_by_blocks
 from multihead.reference import AttentionResult
 from multihead.validation import AttentionCall
 

@@ -11,7 +11,7 @@ How a call is passed on, in order of preference:
   opened to every key before the call and zeroed after; no NaN enters forward or backward.
 * LSE, only when asked for: on CPU without autograd, from the same call of PyTorch's CPU flash
   kernel; otherwise recomputed block by block from ``q``, ``k`` and the mask
-  (:mod:`multihead.probabilities`), which costs one extra ``QK^T``.
+  (:mod:`multihead.blockwise`), which costs one extra ``QK^T``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities
 from multihead.conventions import lse_dtype
-from multihead.probabilities import lse_by_blocks
+from multihead.blockwise import lse_by_blocks
 from multihead.reference import AttentionResult
 from multihead.validation import AttentionCall
 

@@ -2,9 +2,10 @@
 
 * :class:`MultiHeadAttention`: MHA, GQA (``num_kv_heads``), MQA and cross-attention in one class,
   with :class:`GroupedQueryAttention` and :class:`MultiQueryAttention` as named aliases.
-* ``multihead.compat.MultiheadAttention``: a drop-in for ``torch.nn.MultiheadAttention``.
+* ``multihead.compat.MultiheadAttention`` (module ``multihead.layers.compat``): a drop-in for ``torch.nn.MultiheadAttention``.
 """
 
+from multihead.layers import compat
 from multihead.layers.multihead import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]

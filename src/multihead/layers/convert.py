@@ -12,15 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from multihead.layers.multihead import MultiHeadAttention
+from multihead.layers.compat import MultiheadAttention as CompatMHA
 
 __all__ = ["from_torch", "to_torch"]
 
 
-def from_torch(module: nn.Module) -> MultiHeadAttention:
-    """See :meth:`MultiHeadAttention.from_torch`."""
-    from multihead.compat import MultiheadAttention as CompatMHA
-
+def from_torch(module: nn.Module, layer_class: type) -> nn.Module:
+    """See :meth:`MultiHeadAttention.from_torch`; ``layer_class`` is the class to build (the layer
+    passes itself, so this module never imports the layer: no import cycle)."""
     if not isinstance(module, (nn.MultiheadAttention, CompatMHA)):
         raise TypeError("MultiHeadAttention.from_torch expects a torch.nn.MultiheadAttention "
                         f"(or multihead.compat.MultiheadAttention), got {type(module).__name__}")
@@ -30,7 +29,7 @@ def from_torch(module: nn.Module) -> MultiHeadAttention:
                          "load_state_dict(module.state_dict()) instead")
     E, reference = module.embed_dim, module.out_proj.weight
     has_in_bias = module.in_proj_bias is not None
-    layer = MultiHeadAttention(E, module.num_heads, kdim=module.kdim, vdim=module.vdim, qkv_bias=has_in_bias,
+    layer = layer_class(E, module.num_heads, kdim=module.kdim, vdim=module.vdim, qkv_bias=has_in_bias,
                                out_bias=module.out_proj.bias is not None, dropout=float(module.dropout),
                                batch_first=module.batch_first, device=reference.device, dtype=reference.dtype)
     with torch.no_grad():
@@ -49,7 +48,7 @@ def from_torch(module: nn.Module) -> MultiHeadAttention:
     return layer.train(module.training)
 
 
-def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
+def to_torch(layer: nn.Module) -> nn.MultiheadAttention:
     """See :meth:`MultiHeadAttention.to_torch`."""
     problems = []
     if layer.num_kv_heads != layer.num_heads:

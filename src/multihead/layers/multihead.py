@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from multihead.attention import attention
 from multihead.backends.registry import check_backend_name
 from multihead.capture import is_capturing, record
+from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.heads import merge_heads, split_heads
 from multihead.masks import Mask, as_mask
@@ -191,9 +192,7 @@ class MultiHeadAttention(nn.Module):
         mode kept. ``add_bias_kv``/``add_zero_attn`` have no native equivalent: keep those modules
         as :class:`multihead.compat.MultiheadAttention`. Always returns a ``MultiHeadAttention``.
         """
-        from multihead.layers.convert import from_torch
-
-        return from_torch(module)
+        return from_torch(module, cls)
 
     def to_torch(self) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` computing what this layer computes (weights copied).
@@ -203,8 +202,6 @@ class MultiHeadAttention(nn.Module):
         call time). A bias this layer lacks but PyTorch's single ``bias`` flag requires is created
         as zeros, which computes the same function.
         """
-        from multihead.layers.convert import to_torch
-
         return to_torch(self)
 
 

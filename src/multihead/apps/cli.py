@@ -1,7 +1,10 @@
 """The ``multihead`` command (also ``python -m multihead``).
 
     multihead demo      a pretrained encoder and a model trained from scratch, with attention pictures
-    multihead explain   one attention layer on random data, every step printed with its shapes
+    multihead walkthrough   one attention layer on random data, every step printed with its shapes
+                            (``multihead explain`` is an alias kept from the first release; it says so)
+
+``multihead.explain()`` in Python is something else: the dispatch report of one call.
 
 Bad input (a missing model folder, a text too long, an unwritable output folder, sizes that do
 not divide) prints one line ``multihead <command>: error: ...`` and exits with status 1; ``--debug``
@@ -43,22 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     bars.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress bars")
     bars.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress bars")
 
-    explain = commands.add_parser(
-        "explain", parents=[common], help="walk through one attention layer step by step",
+    walk = commands.add_parser(
+        "walkthrough", parents=[common], aliases=["explain"],
+        help="walk through one attention layer step by step (alias: explain)",
         description="Run one multihead.MultiHeadAttention layer on random data and print each step (projections, "
                     "heads, GQA grouping, scores, scale, mask, softmax, weighted sum, merge, output projection) with "
                     "its shapes, checked against the real code path, and which backend ran and why.")
-    explain.add_argument("--d-model", type=int, default=512, help="E, the model dim (default: 512)")
-    explain.add_argument("--heads", type=int, default=8, help="Hq, query heads (default: 8)")
-    explain.add_argument("--kv-heads", type=int, default=None, help="Hkv, key/value heads; fewer than --heads is GQA "
+    walk.add_argument("--d-model", type=int, default=512, help="E, the model dim (default: 512)")
+    walk.add_argument("--heads", type=int, default=8, help="Hq, query heads (default: 8)")
+    walk.add_argument("--kv-heads", type=int, default=None, help="Hkv, key/value heads; fewer than --heads is GQA "
                                                                     "(default: same as --heads)")
-    explain.add_argument("--head-dim", type=int, default=None, help="D (default: d_model / heads)")
-    explain.add_argument("--seq", type=int, default=10, help="L, tokens (default: 10)")
-    explain.add_argument("--batch", type=int, default=2, help="B (default: 2)")
-    explain.add_argument("--causal", action="store_true", help="causal mask: a token sees only itself and earlier ones")
-    explain.add_argument("--window", type=int, default=None, help="sliding-window mask of this width")
-    explain.add_argument("--backend", default="auto", help="auto (default) or a backend name")
-    explain.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    walk.add_argument("--head-dim", type=int, default=None, help="D (default: d_model / heads)")
+    walk.add_argument("--seq", type=int, default=10, help="L, tokens (default: 10)")
+    walk.add_argument("--batch", type=int, default=2, help="B (default: 2)")
+    walk.add_argument("--causal", action="store_true", help="causal mask: a token sees only itself and earlier ones")
+    walk.add_argument("--window", type=int, default=None, help="sliding-window mask of this width")
+    walk.add_argument("--backend", default="auto", help="auto (default) or a backend name")
+    walk.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     return parser
 
 
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
-        return _explain(args)
+        return _walkthrough(args)
     except KeyboardInterrupt:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args) -> int:
-    from multihead.demo import ATTENTION_TEXT, DemoOptions, print_summary, run_demo
+    from multihead.apps.demo import ATTENTION_TEXT, DemoOptions, print_summary, run_demo
 
     options = DemoOptions(out=args.out, device=args.device, seed=args.seed, steps=args.steps, quick=args.quick,
                           model=args.model, text=args.text if args.text is not None else ATTENTION_TEXT,
@@ -93,15 +97,18 @@ def _demo(args) -> int:
     return 0
 
 
-def _explain(args) -> int:
-    from multihead.walkthrough import walkthrough
+def _walkthrough(args) -> int:
+    from multihead.apps.walkthrough import walkthrough
 
+    if args.command == "explain":
+        print("note: 'multihead explain' is an alias of 'multihead walkthrough' (multihead.explain() in Python "
+              "is the dispatch report of one call)", file=sys.stderr)
     report = walkthrough(d_model=args.d_model, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                          seq=args.seq, batch=args.batch, causal=args.causal, window=args.window, seed=args.seed,
                          backend=args.backend)
     print(report)
     if not report.ok:
-        print("multihead explain: error: the walk-through does not match the real code path (see checks above)",
+        print(f"multihead {args.command}: error: the walk-through does not match the real code path (see checks above)",
               file=sys.stderr)
         return 1
     return 0
