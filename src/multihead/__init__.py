@@ -5,8 +5,9 @@ The functional core is :func:`attention` with its masks (:mod:`multihead.masks`)
 fp64 oracle :func:`reference_attention`.
 """
 
-from multihead import masks
+from multihead import caches, masks
 from multihead.attention import attention
+from multihead.caches import ConcatKVCache, KVCache
 from multihead.capture import AttentionCapture, capture_attention
 from multihead.backends import available_backends, get_backend, register_backend
 from multihead.backends.registry import BackendRefusedError
@@ -40,4 +41,5 @@ __all__ = [
     "masks", "causal", "sliding_window", "key_padding", "document", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "BackendRefusedError",
     "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
+    "caches", "KVCache", "ConcatKVCache",
 ]
