@@ -9,7 +9,10 @@ from __future__ import annotations
 import csv
 import os
 import platform
+import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,6 +33,82 @@ def context() -> str:
     """torch version, threads, machine: printed at the top of every benchmark."""
     return (f"torch {torch.__version__}, {THREADS} threads, {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores visible, python {platform.python_version()}")
+
+
+def machine_state() -> str:
+    """Load average and runnable tasks (``/proc/loadavg``): what "idle" meant for this run."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    try:
+        runnable = Path("/proc/loadavg").read_text().split()[3].split("/")[0]  # includes this process
+    except (OSError, IndexError):
+        runnable = "?"
+    return f"load average {load} (1/5/15 min), {runnable} runnable now, {os.cpu_count()} cores"
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the largest (last-level) CPU cache seen by cpu0, from sysfs; ``None`` if unknown.
+    On a VM this is the host's shared cache, of which this machine gets an unknown share."""
+    sizes = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes) if sizes else None
+
+
+def memory_read_gbps(min_bytes: int = 256 << 20, min_run_time: float = 0.3) -> float:
+    """Memory read bandwidth in GB/s: ``x.sum()`` over an fp32 tensor at least twice the
+    last-level cache (so that it streams from memory), timed like everything else."""
+    llc = last_level_cache_bytes() or 0
+    nbytes = min(max(min_bytes, 2 * llc), 1 << 30)
+    x = torch.ones(nbytes // 4)
+    seconds = Timer("x.sum()", globals={"x": x}, num_threads=THREADS).blocked_autorange(
+        min_run_time=min_run_time).median
+    return nbytes / seconds / 1e9
+
+
+# A child that keeps one core busy until it is killed: a pure-Python integer loop ("python") or
+# single-threaded 256x256 fp32 matmuls ("torch", which also uses caches and memory bandwidth).
+_LOAD_CHILD = {
+    "python": "print('ready', flush=True)\nx = 0\nwhile True:\n    x = (x + 1) & 0xFFFF",
+    "torch": ("import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nprint('ready', flush=True)\n"
+              "while True:\n    b = a @ a"),
+}
+
+
+@contextmanager
+def background_load(kind: str = "python", procs: int | None = None):
+    """Keep ``procs`` cores (default: all of them) busy in child processes for the duration of
+    the ``with`` block, as other users of a shared machine do; the children are killed on exit,
+    also on error. Yields a dict that, after the block, holds ``load_cpu``: the cores the
+    children actually used on average (e.g. 1.4 of 2 while the benchmark competed with them)."""
+    procs = procs or os.cpu_count() or 1
+    children = [subprocess.Popen([sys.executable, "-c", _LOAD_CHILD[kind]], stdout=subprocess.PIPE, text=True)
+                for _ in range(procs)]
+    report = {"kind": kind, "procs": procs}
+    try:
+        for child in children:
+            child.stdout.readline()  # "ready": the loop is running
+        start, ticks0 = time.perf_counter(), sum(_cpu_ticks(c.pid) for c in children)
+        yield report
+        elapsed = time.perf_counter() - start
+        used = (sum(_cpu_ticks(c.pid) for c in children) - ticks0) / os.sysconf("SC_CLK_TCK")
+        report["load_cpu"] = used / elapsed if elapsed > 0 else float("nan")
+    finally:
+        for child in children:
+            child.kill()
+        for child in children:
+            child.wait()
+            child.stdout.close()
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of a process in clock ticks (``/proc/<pid>/stat`` fields 14, 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def time_ms(fn, min_run_time: float = 0.5) -> float:
