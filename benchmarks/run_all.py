@@ -14,7 +14,7 @@ sys.path.insert(0, str(HERE))
 
 from common import context  # noqa: E402
 
-SUITE = ["core", "sliding_window", "documents", "gqa", "memory", "layers"]
+SUITE = ["core", "overhead", "sliding_window", "documents", "gqa", "memory", "layers"]
 
 
 def main(argv=None) -> None:
@@ -44,6 +44,12 @@ def _headlines(results) -> None:
     for r in results.get("core") or []:
         if r["causal"] and r["L"] >= 1024:
             print(f"dense causal L={r['L']}: auto ({r['backend']}) / raw SDPA = {r['multihead/sdpa']:.3f}  (target <= 1.05)")
+    overhead = {r["case"]: r for r in results.get("overhead") or []}
+    for case, before in (("no mask", "about 3x"), ("causal() & sliding_window(w) built once", "about 77x"),
+                         ("causal() & sliding_window(w) rebuilt per call", "should fall to the built-once cost")):
+        if case in overhead:
+            print(f"per-call overhead, {case}: {overhead[case]['/ raw no mask']:.1f}x a raw SDPA call without mask "
+                  f"(before issue 8: {before})")
     for r in results.get("sliding_window") or []:
         if r["L"] == 16384 and r["window"] == 512:
             print(f"sliding window L=16384 w=512: {r['speedup']:.1f}x faster than SDPA + dense mask  (target >= 8)")
