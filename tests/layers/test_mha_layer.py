@@ -174,13 +174,13 @@ def test_capture_records_weights_only_while_capturing(monkeypatch):
     model = nn.Sequential(mh.MultiHeadAttention(16, 2, causal=True), mh.MultiHeadAttention(16, 2))
     x = torch.randn(1, 4, 16)
     asked = []
-    real = mh.layers.multihead.attention
+    real = mh.layers.heads.attention  # the one call site of every layer
 
     def spy(*args, **kwargs):
         asked.append(kwargs["return_weights"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mh.layers.multihead, "attention", spy)
+    monkeypatch.setattr(mh.layers.heads, "attention", spy)
     model(x)
     assert asked == [False, False]  # the fast path computes no weights
     with mh.capture_attention(model) as cap:

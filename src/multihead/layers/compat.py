@@ -27,7 +27,9 @@ Where this class differs from PyTorch's, on purpose:
 * returned weights are the probabilities *before* dropout (PyTorch returns them after dropout
   in training mode); the output path is dropped out the same way;
 * the fast path of :func:`multihead.attention` runs whatever ``need_weights`` is; weights are
-  recomputed block by block only when asked for.
+  recomputed block by block only when asked for;
+* like every `multihead` layer, its per-head weights ``(B, H, L, S)`` are recorded by
+  :func:`multihead.capture_attention`.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from multihead.attention import attention
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
-from multihead.layers.heads import merge_heads, split_heads
+from multihead.layers.heads import attend_heads, split_heads
 from multihead.masks import Mask, as_mask, bias, causal
 
 __all__ = ["MultiheadAttention"]
@@ -154,10 +155,9 @@ class MultiheadAttention(nn.Module):
         k = split_heads(k, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
         v = split_heads(v, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
 
-        result = attention(q, k, v, mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                           return_weights=need_weights)
-        y, weights = (result.output, result.weights) if need_weights else (result, None)  # (B, H, L, D)
-        out = self.out_proj(merge_heads(y))  # (B, L, E)
+        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask,
+                                    dropout_p=self.dropout if self.training else 0.0,
+                                    need_weights=need_weights)  # (B, L, E), (B, H, L, S+extra) or None
         if not batched:
             out = out.squeeze(0)  # (L, E)
         elif not bf:

@@ -1,4 +1,4 @@
-"""Splitting projections into heads and merging them back, in either layout, as views.
+"""The heads of a layer: split a projection into heads, attend, merge them back, project out.
 
 A projection ``(B, L, H·D)`` (or ``(L, B, H·D)``) holds head ``h`` at features
 ``[h·D, (h+1)·D)``. The core wants ``(B, H, L, D)``; both directions are views (no copy), and
@@ -9,13 +9,23 @@ SDPA's CPU and CUDA kernels take the resulting strides as they are::
 
 The fused kernels write their output ``(B, H, L, D)`` with ``(B, L, H, D)`` strides, so
 :func:`merge_heads` is free for them as well.
+
+:func:`attend_heads` is the one place where a layer turns its heads into its output:
+``attention() -> merge -> out_proj``, with the weights computed only when asked for or captured
+(:mod:`multihead.capture`). Every layer and model calls it between its own projections (and
+rotary embedding, cache, appended keys) and its output; none re-writes it.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import Callable
 
-__all__ = ["split_heads", "merge_heads"]
+from torch import Tensor, nn
+
+from multihead.attention import attention
+from multihead.capture import is_capturing, record
+
+__all__ = ["split_heads", "merge_heads", "attend_heads"]
 
 
 def split_heads(x: Tensor, heads: int, head_dim: int, batch_first: bool) -> Tensor:
@@ -31,3 +41,32 @@ def merge_heads(y: Tensor) -> Tensor:
     """``(B, H, L, D)`` -> ``(B, L, H·D)``; a view when ``y`` has ``(B, L, H, D)`` strides."""
     B, H, L, D = y.shape
     return y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H·D)
+
+
+def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj: Callable[[Tensor], Tensor],
+                 mask=None, dropout_p: float = 0.0, need_weights: bool = False,
+                 backend: str = "auto") -> tuple[Tensor, Tensor | None]:
+    """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand.
+
+    Args:
+        layer: the module whose weights :func:`multihead.capture_attention` records under its name.
+        q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``, already projected,
+            rotated and taken from a cache as the layer needs.
+        out_proj: ``(B, Lq, Hq·Dv) -> (B, Lq, E)``.
+        mask, dropout_p, backend: passed to :func:`multihead.attention` as they are (the caller
+            decides whether it is training, and has checked the mask against ``(B, Hq, Lq, Lk)``).
+        need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` (before dropout).
+
+    Returns:
+        ``(out, weights)``: ``out (B, Lq, E)`` batch first whatever the layer's layout (the caller
+        transposes), ``weights`` ``None`` unless ``need_weights``. Weights are computed when
+        ``need_weights`` or while a capture wants ``layer``, and then only once.
+    """
+    capturing = is_capturing(layer)
+    want_weights = need_weights or capturing
+    result = attention(q, k, v, mask=mask, dropout_p=dropout_p, return_weights=want_weights, backend=backend)
+    y, weights = (result.output, result.weights) if want_weights else (result, None)  # (B, Hq, Lq, Dv)
+    if capturing:
+        record(layer, weights)
+    out = out_proj(merge_heads(y))  # (B, Lq, E)
+    return out, (weights if need_weights else None)

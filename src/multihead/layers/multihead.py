@@ -11,20 +11,30 @@ are those of :mod:`multihead.conventions`; ``E = d_model``::
 ``Hkv = Hq`` is multi-head attention, ``1 < Hkv < Hq`` grouped-query (query head ``h`` reads
 KV head ``h // (Hq // Hkv)``), ``Hkv = 1`` multi-query. With ``batch_first=False`` every
 ``(B, L, ·)`` above reads ``(L, B, ·)``; the heads are split and merged as views in both layouts.
+
+Two seams sit between the split and :func:`multihead.attention`, for self-attention only::
+
+    q (B, Hq, Lq, D), k (B, Hkv, Lq, D) -rope(·, positions)-> -kv_cache.update(k, v)-> k, v (B, Hkv, T, ·)
+
+an injected rotary module (``rope=``) and a key/value cache (``kv_cache=``, a
+:class:`multihead.caches.KVCache`). The common end, ``attention() -> merge -> out_proj``, is
+:func:`multihead.layers.heads.attend_heads`, shared with the ``nn.MultiheadAttention`` drop-in
+and the models.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import attention
 from multihead.backends.registry import check_backend_name
-from multihead.capture import is_capturing, record
+from multihead.caches import KVCache
 from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
-from multihead.layers.heads import merge_heads, split_heads
+from multihead.layers.heads import attend_heads, split_heads
 from multihead.masks import Mask, as_mask
 from multihead.masks import causal as causal_mask
 
@@ -47,6 +57,19 @@ class MultiHeadAttention(nn.Module):
         causal: apply a bottom-right ``causal()`` mask on top of any mask given at call time.
         batch_first: ``True`` for ``(B, L, E)`` inputs and outputs, ``False`` for ``(L, B, E)``.
         backend: the :func:`multihead.attention` backend, ``"auto"`` or a registered name.
+        rope: a rotary position embedding applied to queries and keys, or ``None`` (no rotation).
+            Any callable ``rope(x, positions) -> x`` (usually an ``nn.Module``, then registered
+            as the submodule ``rope``) with
+
+            * ``x``: ``(B, H, L, D)`` queries (``H = Hq``) or keys (``H = Hkv``) after the head split;
+            * ``positions``: ``int64``, ``(L,)`` or ``(B, L)``, the absolute position of each token
+              in its sequence (cached tokens count: the first new token after ``T`` cached ones
+              is at position ``T``);
+            * returns a tensor of the shape of ``x``, each token rotated by its position.
+
+            The layer applies it to ``q`` at the query positions and to the *new* keys at the same
+            positions before they enter a cache, so cached keys are rotated once, when stored.
+            It needs self-attention (``key`` is ``None`` or ``query``).
         device, dtype: of the parameters.
 
     Parameters live in four ``nn.Linear`` submodules, ``q_proj`` (``E -> Hq·D``, head ``h`` at
@@ -59,6 +82,7 @@ class MultiHeadAttention(nn.Module):
                  head_dim: int | None = None, kdim: int | None = None, vdim: int | None = None,
                  qkv_bias: bool | tuple[bool, bool, bool] = True, out_bias: bool = True, dropout: float = 0.0,
                  causal: bool = False, batch_first: bool = True, backend: str = "auto",
+                 rope: Callable[[Tensor, Tensor], Tensor] | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         layer = type(self).__name__
@@ -81,6 +105,9 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(backend, str):
             raise TypeError(f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}")
         check_backend_name(backend)
+        if rope is not None and not callable(rope):
+            raise TypeError(f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an "
+                            f"nn.Module), got {type(rope).__name__} {rope!r}")
 
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.kdim, self.vdim = kdim, vdim
@@ -97,10 +124,12 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=k_bias, **factory)
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=v_bias, **factory)
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=out_bias, **factory)
+        self.rope = rope  # an nn.Module is registered as a submodule (its buffers follow .to())
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
-                mask: Mask | Tensor | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend from ``query`` to ``key``/``value``.
+                mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
+                need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``query`` to ``key``/``value``, or to the cached tokens and ``query`` itself.
 
         Args:
             query: ``(B, Lq, E)`` (``(Lq, B, E)`` when ``batch_first=False``).
@@ -108,43 +137,70 @@ class MultiHeadAttention(nn.Module):
             value: ``(B, Lk, vdim)``; default ``key``.
             mask: a mask object (``multihead.causal()``, ``key_padding(lengths)``, ...) or a bool
                 (``True`` = may attend) or float (additive) tensor broadcastable to
-                ``(B, Hq, Lq, Lk)``. With ``causal=True`` it is combined as ``mask & causal()``.
+                ``(B, Hq, Lq, Lk)``, with ``Lk = T`` (all cached keys) when ``kv_cache`` is given.
+                With ``causal=True`` it is combined as ``mask & causal()``.
+            positions: ``(Lq,)`` or ``(B, Lq)`` integer tensor, the absolute positions of the query
+                tokens, handed to ``rope``; default ``kv_cache.length + arange(Lq)`` with a cache,
+                ``arange(Lq)`` without. Without ``rope`` it is checked and otherwise unused.
+            kv_cache: a :class:`multihead.caches.KVCache` holding the keys and values of the tokens
+                before ``query``; self-attention only. The layer projects only ``query``, rotates
+                its keys, stores them with :meth:`~multihead.caches.KVCache.update` and attends over
+                the ``T = kv_cache.length + Lq`` keys it returns. ``causal=True`` then means the
+                bottom-right ``causal()`` over ``(Lq, T)``: new token ``i`` sees every cached key and
+                the new keys up to itself. A call that raises leaves the cache unchanged.
             need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` used for the output
                 (before dropout). Off by default: the fast path never computes them.
 
         Returns:
             ``(B, Lq, E)`` (``(Lq, B, E)``), or ``(output, weights)`` when ``need_weights``.
         """
+        layer = type(self).__name__
+        self_attention = key is None or key is query
+        if kv_cache is not None:
+            _check_cache(layer, kv_cache, self_attention, key)
+        if self.rope is not None and not self_attention:
+            raise ValueError(f"{layer}: rope rotates the keys at the query positions, so it needs self-attention "
+                             f"(key=None or key=query), got a separate key of shape {tuple(key.shape)}; hint: use "
+                             f"a layer with rope=None for cross-attention")
         key = query if key is None else key
         value = key if value is None else value
-        check_inputs(type(self).__name__, query, key, value, sizes=(self.d_model, self.kdim, self.vdim),
+        check_inputs(layer, query, key, value, sizes=(self.d_model, self.kdim, self.vdim),
                      batch_first=self.batch_first)
-        check_flag(type(self).__name__, "need_weights", need_weights)
+        check_flag(layer, "need_weights", need_weights)
         B, Lq = dims(query, self.batch_first)
-        Lk = dims(key, self.batch_first)[1]
+        past = 0 if kv_cache is None else kv_cache.length
+        Lk = dims(key, self.batch_first)[1] if kv_cache is None else past + Lq  # T with a cache
         mask = self._combined_mask(mask, B, Lq, Lk)
+        if positions is not None:
+            positions = _check_positions(layer, positions, B, Lq, query.device)
+        elif self.rope is not None:
+            positions = torch.arange(past, past + Lq, device=query.device)  # (Lq,)
+        # The arguments are checked. What is left to refuse (a rope result of the wrong shape, keys
+        # the cache cannot store) is refused before kv_cache.update changes anything.
 
         q, k, v = self._project(query, key, value)  # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, Lq, D)
-        k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
+        k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D); Lk = Lq with a cache
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
+        if self.rope is not None:
+            q = self._rotate(q, positions, "query")  # (B, Hq, Lq, D)
+            k = self._rotate(k, positions, "key")  # (B, Hkv, Lq, D), rotated once, before it is cached
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, Hkv, T, D): the cached keys, then these
 
-        capturing = is_capturing(self)
-        want_weights = need_weights or capturing
-        result = attention(q, k, v, mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                           return_weights=want_weights, backend=self.backend)
-        y, weights = (result.output, result.weights) if want_weights else (result, None)  # (B, Hq, Lq, D)
-        if capturing:
-            record(self, weights)
-
-        out = self.out_proj(merge_heads(y))  # (B, Lq, E)
+        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask,
+                                    dropout_p=self.dropout if self.training else 0.0,
+                                    need_weights=need_weights, backend=self.backend)  # (B, Lq, E)
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
         return (out, weights) if need_weights else out
 
     # ------------------------------------------------------------------------------ helpers
     def _combined_mask(self, mask, B: int, Lq: int, Lk: int) -> Mask | None:
-        """The call's mask, checked against ``(B, Hq, Lq, Lk)`` before any work, ``& causal()``."""
+        """The call's mask, checked against ``(B, Hq, Lq, Lk)`` before any work, ``& causal()``.
+
+        With a cache ``Lk = T``: the same bottom-right ``causal()`` object serves prefill
+        (``Lq = T``) and every later step (``Lq < T``), see :mod:`multihead.caches.base`."""
         mask = as_mask(mask)
         if mask is not None:
             mask.check(B, self.num_heads, Lq, Lk)
@@ -168,6 +224,15 @@ class MultiHeadAttention(nn.Module):
             return q, k, v
         return q, self.k_proj(key), self.v_proj(value)
 
+    def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
+        """``rope(x, positions)``, refusing a result of another shape than ``x (B, H, L, D)``."""
+        rotated = self.rope(x, positions)
+        if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
+            got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
+            raise ValueError(f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
+                             f"{name} heads (B, H, L, D) = {tuple(x.shape)} it returned {got}")
+        return rotated
+
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}"]
         if self.num_kv_heads != self.num_heads:
@@ -180,6 +245,8 @@ class MultiHeadAttention(nn.Module):
         parts += [f"causal={self.causal}", f"batch_first={self.batch_first}"]
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
+        if self.rope is not None and not isinstance(self.rope, nn.Module):  # a module prints as a child
+            parts.append(f"rope={getattr(self.rope, '__name__', type(self.rope).__name__)}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------ conversion
@@ -200,8 +267,11 @@ class MultiHeadAttention(nn.Module):
         Needs ``num_kv_heads == num_heads``, ``head_dim == d_model // num_heads`` and
         ``causal=False`` (PyTorch's class has no causal flag: pass ``is_causal``/``attn_mask`` at
         call time). A bias this layer lacks but PyTorch's single ``bias`` flag requires is created
-        as zeros, which computes the same function.
+        as zeros, which computes the same function. A layer with ``rope`` has no equivalent.
         """
+        if self.rope is not None:
+            raise ValueError(f"{type(self).__name__}.to_torch: this layer rotates queries and keys with "
+                             f"rope={self.rope!r}, which torch.nn.MultiheadAttention cannot; needs rope=None")
         return to_torch(self)
 
 
@@ -237,6 +307,35 @@ def _qkv_biases(layer: str, qkv_bias) -> tuple[bool, bool, bool]:
     if isinstance(qkv_bias, tuple) and len(qkv_bias) == 3 and all(isinstance(b, bool) for b in qkv_bias):
         return qkv_bias
     raise TypeError(f"{layer}: qkv_bias must be a bool or a tuple of three bools (q, k, v), got {qkv_bias!r}")
+
+
+def _check_cache(layer: str, kv_cache, self_attention: bool, key) -> None:
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
+                        f"ConcatKVCache()), got {type(kv_cache).__name__}")
+    if not self_attention:
+        raise ValueError(f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
+                         f"stores the keys of the query tokens; got a separate key of shape {tuple(key.shape)}; "
+                         f"hint: for cross-attention project the memory once and call without kv_cache")
+
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_positions(layer: str, positions, B: int, Lq: int, device: torch.device) -> Tensor:
+    """``positions`` as an ``int64`` tensor ``(Lq,)`` or ``(B, Lq)`` on the device of the query."""
+    expected = f"(Lq,) = ({Lq},) or (B, Lq) = ({B}, {Lq})"
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"{layer}: positions must be None or an integer tensor {expected} of absolute token "
+                        f"positions, got {type(positions).__name__}")
+    if positions.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"{layer}: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
+                        f"hint: positions count tokens, e.g. torch.arange(Lq)")
+    if tuple(positions.shape) not in ((Lq,), (B, Lq)):
+        raise ValueError(f"{layer}: positions must have shape {expected}, got {tuple(positions.shape)}")
+    if positions.device != device:
+        raise ValueError(f"{layer}: positions must be on the device of query, {device}, got {positions.device}")
+    return positions.long()
 
 
 def _divisors(n: int) -> list[int]:
