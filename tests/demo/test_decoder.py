@@ -7,7 +7,9 @@ import torch
 
 from multihead import capture_attention
 from multihead.apps.demo import _decode_with_cache
+from multihead.caches import ConcatKVCache
 from multihead.models import CausalDecoder, DecoderConfig, RecallTask
+from multihead.models.decoder import DecoderCache
 from multihead.models.recall import IGNORE_INDEX
 
 
@@ -61,6 +63,39 @@ def test_kv_cache_decoding_equals_full_forward(kv_heads):
         parts.append(model(ids[:, 14:], cache))
     assert cache.length == 17
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_cache_holds_one_layer_cache_per_block_and_resets():
+    torch.manual_seed(0)
+    model = CausalDecoder(DecoderConfig(vocab_size=13, max_len=12, d_model=16, num_layers=3, num_heads=4,
+                                        num_kv_heads=2)).eval()
+    ids = torch.randint(13, (2, 7))
+    cache = model.new_cache()
+    assert isinstance(cache, DecoderCache) and len(cache) == 3
+    assert all(isinstance(layer, ConcatKVCache) for layer in cache.layers)
+    with torch.no_grad():
+        first = torch.cat([model(ids[:, :4], cache), model(ids[:, 4:], cache)], dim=1)
+        assert [layer.length for layer in cache.layers] == [7, 7, 7]
+        assert tuple(cache[2].keys.shape) == (2, 2, 7, 4)  # (B, Hkv, T, D)
+        cache.reset()
+        assert cache.length == 0
+        again = torch.cat([model(ids[:, :1], cache), model(ids[:, 1:], cache)], dim=1)
+        full = model(ids)
+    torch.testing.assert_close(first, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, full, rtol=1e-5, atol=1e-5)
+    assert repr(cache) == "DecoderCache(layers=3 x ConcatKVCache, length=7)"
+
+
+@pytest.mark.parametrize("cache, regex", [
+    (lambda: DecoderCache([ConcatKVCache()]), r"cache: expected a DecoderCache of 2 layers \(model.new_cache\(\)\), got 1 layers"),
+    (lambda: ConcatKVCache(), r"cache: expected a DecoderCache of 2 layers .* got ConcatKVCache"),
+])
+def test_decoder_refuses_a_cache_that_does_not_fit(cache, regex):
+    model = CausalDecoder(DecoderConfig(vocab_size=5, max_len=8, d_model=8, num_layers=2, num_heads=2))
+    with pytest.raises(ValueError, match=regex):
+        model(torch.zeros(1, 3, dtype=torch.long), cache())
+    with pytest.raises(TypeError, match=r"DecoderCache: layers must be a non-empty sequence of multihead.caches.KVCache"):
+        DecoderCache([None])
 
 
 def test_cached_steps_are_captured_one_row_at_a_time():

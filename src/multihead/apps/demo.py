@@ -266,7 +266,7 @@ def _find_lookup_head(model: CausalDecoder, task: RecallTask, seqs: torch.Tensor
 @torch.no_grad()
 def _decode_with_cache(model: CausalDecoder, task: RecallTask, seq: torch.Tensor):
     """Feed the pairs and each query key, let the model write each answer, one token at a time
-    through a :class:`~multihead.models.KVCache`.
+    through the model's :class:`~multihead.models.decoder.DecoderCache`.
 
     Returns the decoded sequence ``(L,)``, per-layer weights ``(H, L, L)`` stitched from the
     one-row-per-step captures, and the max difference of the cached logits from an uncached forward.
