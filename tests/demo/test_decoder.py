@@ -86,13 +86,14 @@ def test_the_model_cache_holds_one_layer_cache_per_block_and_resets():
     assert repr(cache) == "DecoderCache(layers=3 x ConcatKVCache, length=7)"
 
 
-@pytest.mark.parametrize("cache, regex", [
-    (lambda: DecoderCache([ConcatKVCache()]), r"cache: expected a DecoderCache of 2 layers \(model.new_cache\(\)\), got 1 layers"),
-    (lambda: ConcatKVCache(), r"cache: expected a DecoderCache of 2 layers .* got ConcatKVCache"),
+@pytest.mark.parametrize("cache, error, regex", [
+    (lambda: DecoderCache([ConcatKVCache()]), ValueError,
+     r"cache: expected a DecoderCache of 2 layers \(model.new_cache\(\)\), got 1 layers"),
+    (lambda: ConcatKVCache(), TypeError, r"cache: expected None or a DecoderCache \(model.new_cache\(\)\), got ConcatKVCache"),
 ])
-def test_decoder_refuses_a_cache_that_does_not_fit(cache, regex):
+def test_decoder_refuses_a_cache_that_does_not_fit(cache, error, regex):
     model = CausalDecoder(DecoderConfig(vocab_size=5, max_len=8, d_model=8, num_layers=2, num_heads=2))
-    with pytest.raises(ValueError, match=regex):
+    with pytest.raises(error, match=regex):
         model(torch.zeros(1, 3, dtype=torch.long), cache())
     with pytest.raises(TypeError, match=r"DecoderCache: layers must be a non-empty sequence of multihead.caches.KVCache"):
         DecoderCache([None])

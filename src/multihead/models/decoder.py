@@ -119,10 +119,12 @@ class CausalDecoder(nn.Module):
         the cache is extended in place. Returns logits ``(B, L, V)``."""
         start = 0
         if cache is not None:
-            if not isinstance(cache, DecoderCache) or len(cache) != len(self.blocks):
-                got = f"{len(cache)} layers" if isinstance(cache, DecoderCache) else type(cache).__name__
+            if not isinstance(cache, DecoderCache):
+                raise TypeError(f"cache: expected None or a DecoderCache (model.new_cache()), "
+                                f"got {type(cache).__name__}")
+            if len(cache) != len(self.blocks):
                 raise ValueError(f"cache: expected a DecoderCache of {len(self.blocks)} layers "
-                                 f"(model.new_cache()), got {got}")
+                                 f"(model.new_cache()), got {len(cache)} layers")
             start = cache.length
         if start + ids.shape[1] > self.config.max_len:
             raise ValueError(f"ids: {start} cached + {ids.shape[1]} new tokens exceed max_len={self.config.max_len}")
