@@ -1,0 +1,247 @@
+"""Band runs: the uniform interior query blocks of a band mask as ONE fused-kernel call.
+
+A band (``causal() & sliding_window(w)``, any ``sliding_window(left, right)``) lets query ``i``
+see the keys ``j`` with::
+
+    i + diagonal - left  <=  j  <=  i + diagonal + right
+
+``diagonal`` is the alignment offset of :mod:`multihead.conventions` (``Lk - Lq`` bottom-right,
+``0`` top-left). Away from the edges of the ``Lq x Lk`` square every query block of ``block``
+rows sees the same *relative* pattern: block ``t`` reads the ``span = block + left + right`` keys
+starting at its first row's ``diagonal - left``, and inside that window row ``r`` sees columns
+``r .. r + left + right``. ``block = 4, left = 3, right = 0`` (``span = 7``)::
+
+    rows of one block     the window of keys read by that block (█ visible, · masked)
+    r = 0                 ████···
+    r = 1                 ·████··
+    r = 2                 ··████·
+    r = 3                 ···████
+
+So instead of a few kernel calls per block (one per piece, each its own OpenMP parallel region,
+which costs a barrier per call and suffers badly when other processes share the cores), a run
+of ``n`` such blocks is folded into the kernel's batch dimension::
+
+    q rows  (B, Hq,  n*block, D) -> (n, B*Hq,  block, D)   a view of q (no copy)
+    k, v    (B, Hkv, Lk,      D) -> (n, B*Hkv, span,  D)   overlapping windows: a view of k, v
+    mask                            (1, 1,     block, span) one additive (0 / -inf) mask for all
+
+and ``aten._scaled_dot_product_flash_attention_for_cpu`` runs once. Folding ``B`` into the head
+axis keeps PyTorch's grouped-query mapping: folded query head ``b*Hq + h`` reads folded KV head
+``(b*Hq + h) // G = b*Hkv + h // G`` (``G = Hq // Hkv``), i.e. batch ``b``, KV head ``h // G``.
+The kernel reads strided inputs, so the overlapping windows are never copied.
+
+The backward is the kernel's backward on the same folded views; the ``dk, dv`` of overlapping
+windows are summed back onto the keys (``ceil(span / block)`` strided adds, not one per block).
+
+Exact: the result equals attention over the band for those rows (the kernel's rounding only).
+Interior rows always see ``left + right + 1`` keys, so no row is fully masked. The cost is the
+``block x span`` rectangle per block, i.e. ``span / (left + right + 1)`` times the visible area
+(1.5 at ``block = 256, left = 512``); smaller blocks waste less (the kernel tiles the folded
+batch in parallel anyway).
+
+Usage (the blocksparse backend; imports only torch)::
+
+    run = interior_run(Lq, Lk, block=256, left=w, right=0, diagonal=Lk - Lq)  # or None
+    out_rows, lse_rows = run_forward(q, k, v, run, scale)      # rows run.q0 .. run.q1
+    dq_rows, dk, dv = run_backward(grad_out_rows, q, k, v, out_rows, lse_rows, run, scale)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BandRun", "interior_run", "run_forward", "run_backward"]
+
+_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+@dataclass(frozen=True)
+class BandRun:
+    """Query rows ``[q0, q1)``, ``(q1 - q0) / block`` blocks of ``block`` rows, under the band
+    "query ``i`` sees keys ``i + diagonal - left .. i + diagonal + right``" (both ends included).
+
+    Every block must be *interior*: all the keys of its window exist (``k0 >= 0``, ``k1 <= Lk``);
+    :func:`interior_run` finds the longest such run on a block grid, :meth:`check` verifies one.
+    """
+
+    q0: int
+    q1: int
+    block: int
+    left: int
+    right: int
+    diagonal: int
+
+    @property
+    def blocks(self) -> int:
+        return (self.q1 - self.q0) // self.block
+
+    @property
+    def span(self) -> int:
+        """Keys in the window of one block: ``block + left + right``."""
+        return self.block + self.left + self.right
+
+    @property
+    def k0(self) -> int:
+        """First key read by the run (the window of its first block starts here)."""
+        return self.q0 + self.diagonal - self.left
+
+    @property
+    def k1(self) -> int:
+        """One past the last key read by the run."""
+        return self.q1 - 1 + self.diagonal + self.right + 1
+
+    def check(self, q_len: int, kv_len: int) -> None:
+        """Raise ``ValueError`` unless the run is well formed and interior for ``Lq, Lk``."""
+        for name in ("block", "left", "right"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (1 if name == "block" else 0):
+                raise ValueError(f"BandRun.{name} must be a {'positive' if name == 'block' else 'non-negative'} "
+                                 f"int, got {value!r}")
+        if not 0 <= self.q0 < self.q1 <= q_len or (self.q1 - self.q0) % self.block:
+            raise ValueError(f"BandRun rows [{self.q0}, {self.q1}) must be a non-empty multiple of block="
+                             f"{self.block} inside [0, Lq={q_len})")
+        if self.k0 < 0 or self.k1 > kv_len:
+            raise ValueError(f"BandRun rows [{self.q0}, {self.q1}) read keys [{self.k0}, {self.k1}), outside "
+                             f"[0, Lk={kv_len}): not interior; use interior_run(...) to find the interior rows")
+
+
+def interior_run(q_len: int, kv_len: int, *, block: int, left: int, right: int, diagonal: int) -> BandRun | None:
+    """The longest run of whole query blocks on the grid ``0, block, 2*block, ...`` (the grid of
+    the blocksparse backend) whose key windows lie inside ``[0, Lk)``; ``None`` if there is none.
+
+    Block ``[r, r + block)`` is interior iff ``r + diagonal - left >= 0`` and
+    ``r + block - 1 + diagonal + right <= Lk - 1`` (and ``r + block <= Lq``).
+    """
+    first = -(-max(0, left - diagonal) // block)  # ceil: smallest t with t*block >= left - diagonal
+    last_row = min(kv_len - diagonal - right, q_len) - block  # largest interior block start r
+    if last_row < 0:
+        return None
+    last = last_row // block
+    if last < first:
+        return None
+    run = BandRun(first * block, (last + 1) * block, block, left, right, diagonal)
+    run.check(q_len, kv_len)
+    return run
+
+
+def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float) -> tuple[Tensor, Tensor]:
+    """Output and log-sum-exp of the rows ``[run.q0, run.q1)`` under the band, in one kernel call.
+
+    Args:
+        q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, D)`` (the kernel needs
+            ``Dv == D``: pad with zeros as the blocksparse backend does). ``Hq % Hkv == 0``;
+            query head ``h`` reads KV head ``h // (Hq // Hkv)``. CPU, float32/float64/bfloat16/float16.
+        run: the interior rows and the band (:class:`BandRun`, :func:`interior_run`).
+        scale: multiplies ``q k^T`` (no default here: the caller has resolved it).
+
+    Returns:
+        ``out_rows (B, Hq, q1 - q0, D)`` in q's dtype and ``lse_rows (B, Hq, q1 - q0)`` (natural
+        log of the scaled scores; fp32, fp64 for fp64 inputs), as the kernel returns them.
+    """
+    B, Hq, Lq, D = q.shape
+    _check_inputs(q, k, v, run)
+    qf, kf, vf = _fold_q(q, run), _fold_kv(k, run), _fold_kv(v, run)  # (n, B*Hq, block, D), (n, B*Hkv, span, D)
+    out, lse = _flash(qf, kf, vf, 0.0, False, attn_mask=_window_mask(run, q.dtype, q.device), scale=scale)
+    return _unfold_rows(out, B, Hq), _unfold_rows(lse, B, Hq)
+
+
+def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, run: BandRun,
+                 scale: float, *, dk: Tensor | None = None, dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of the rows ``[run.q0, run.q1)``: the flash backward in one kernel call.
+
+    Args:
+        grad_out: ``(B, Hq, q1 - q0, D)``, the gradient of ``out``.
+        q, k, v, run, scale: as for :func:`run_forward`.
+        out, lse: ``(B, Hq, q1 - q0, D)`` and ``(B, Hq, q1 - q0)``: what :func:`run_forward`
+            returned for these rows (or, when these rows were merged with other pieces, the
+            *merged* output and LSE: then the result is exactly this run's share of the gradients).
+        dk, dv: optional ``(B, Hkv, Lk, D)`` accumulators (any float dtype, e.g. fp32 for bf16
+            inputs); the run's key gradients are *added* into them and they are returned.
+
+    Returns:
+        ``dq_rows (B, Hq, q1 - q0, D)`` in q's dtype, and ``dk, dv (B, Hkv, Lk, D)``: zero outside
+        keys ``[run.k0, run.k1)`` when freshly allocated (q's dtype), the accumulators otherwise.
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv = k.shape[1]
+    _check_inputs(q, k, v, run)
+    n = run.blocks
+    go, qf, of = _fold_q(grad_out, run, rows_only=True), _fold_q(q, run), _fold_q(out, run, rows_only=True)
+    lf = _fold_q(lse.unsqueeze(-1), run, rows_only=True).squeeze(-1).contiguous()  # (n, B*Hq, block)
+    dqf, dkf, dvf = _flash_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, 0.0, False,
+                                    attn_mask=_window_mask(run, q.dtype, q.device), scale=scale)
+    dq = _unfold_rows(dqf, B, Hq)
+    if dk is None:
+        dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    if dv is None:
+        dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    for acc, windows in ((dk, dkf), (dv, dvf)):
+        _overlap_add(acc, windows.view(n, B, Hkv, run.span, D), run)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, run: BandRun) -> None:
+    if _flash is None:
+        raise RuntimeError("band_runs needs aten._scaled_dot_product_flash_attention_for_cpu (PyTorch >= 2.3)")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or q.shape[-1] != k.shape[-1] \
+            or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"band_runs: expected q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D) with Hq % Hkv == 0, "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    run.check(q.shape[2], k.shape[2])
+
+
+def _fold_q(x: Tensor, run: BandRun, rows_only: bool = False) -> Tensor:
+    """``(B, H, Lq, D)`` (or already the run's rows, ``(B, H, q1 - q0, D)``) -> ``(n, B*H, block, D)``.
+    A view when ``B`` and ``H`` merge (x contiguous in them), a copy otherwise."""
+    B, H, _, D = x.shape
+    rows = x if rows_only else x[:, :, run.q0:run.q1]
+    return rows.reshape(B, H, run.blocks, run.block, D).permute(2, 0, 1, 3, 4).reshape(run.blocks, B * H, run.block, D)
+
+
+def _fold_kv(x: Tensor, run: BandRun) -> Tensor:
+    """``(B, Hkv, Lk, D)`` -> ``(n, B*Hkv, span, D)``: window ``t`` is keys
+    ``[k0 + t*block, k0 + t*block + span)``; overlapping windows of one storage (no copy)."""
+    B, H, _, D = x.shape
+    windows = x[:, :, run.k0:run.k1].unfold(2, run.span, run.block)  # (B, Hkv, n, D, span)
+    return windows.permute(2, 0, 1, 4, 3).reshape(run.blocks, B * H, run.span, D)
+
+
+def _unfold_rows(x: Tensor, B: int, H: int) -> Tensor:
+    """Kernel output ``(n, B*H, block, ...)`` -> ``(B, H, n*block, ...)`` (one copy)."""
+    n, _, block, *rest = x.shape
+    return x.view(n, B, H, block, *rest).permute(1, 2, 0, 3, *range(4, 4 + len(rest))).reshape(B, H, n * block, *rest)
+
+
+def _overlap_add(acc: Tensor, windows: Tensor, run: BandRun) -> None:
+    """``acc[:, :, k0 + t*block + c] += windows[t, :, :, c]`` for every block ``t`` and column ``c``.
+
+    The windows overlap (``span > block``), so they are added a column chunk ``[c, c + block)`` at
+    a time: chunk ``c`` of consecutive blocks lands on disjoint keys (stride ``block``), one
+    strided add per chunk, ``ceil(span / block)`` adds in all.
+    """
+    n, block, span = run.blocks, run.block, run.span
+    for c in range(0, span, block):
+        width = min(block, span - c)
+        start = run.k0 + c
+        target = acc[:, :, start:start + (n - 1) * block + width].unfold(2, width, block)  # (B, Hkv, n, D, width)
+        target += windows[:, :, :, c:c + width].permute(1, 2, 0, 4, 3).to(acc.dtype)
+
+
+def _window_mask(run: BandRun, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``(1, 1, block, span)`` additive mask: row ``r`` sees window columns ``r .. r + left + right``.
+    Shared by every block and head (broadcast by the kernel); cached on the pattern, not the rows."""
+    return _cached_mask(run.block, run.left, run.right, dtype, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_mask(block: int, left: int, right: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    r = torch.arange(block, device=device).unsqueeze(1)
+    c = torch.arange(block + left + right, device=device).unsqueeze(0)
+    visible = (c >= r) & (c <= r + left + right)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[None, None]

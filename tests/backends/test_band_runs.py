@@ -1,0 +1,150 @@
+"""``backends/band_runs``: the interior blocks of a band run as one kernel call, against a plain
+fp64 softmax over masked scores written here (forward output, LSE, dq/dk/dv), for fp32 and fp64,
+GQA, ``Lq == Lk`` and ``Lq < Lk`` (bottom-right), windows that are and are not multiples of the
+block; plus the run finder and the refusals of non-interior runs."""
+
+import pytest
+import torch
+
+from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
+
+# (B, Hq, Hkv, Lq, Lk, D, block, left, right, align)
+CASES = [
+    (1, 2, 2, 64, 64, 16, 8, 16, 0, "bottom_right"),   # window a multiple of the block
+    (2, 4, 2, 61, 61, 13, 8, 11, 0, "bottom_right"),   # GQA 4/2, window not a multiple, odd sizes
+    (2, 3, 1, 45, 70, 8, 8, 5, 0, "bottom_right"),     # MQA, Lq < Lk, window smaller than a block
+    (1, 4, 4, 40, 97, 16, 8, 20, 3, "bottom_right"),   # Lq < Lk, a right extent as well
+    (2, 6, 2, 80, 90, 8, 16, 19, 2, "top_left"),       # top-left alignment, larger blocks
+    (1, 2, 1, 72, 72, 32, 4, 0, 0, "bottom_right"),    # left = right = 0: the diagonal only
+    (1, 2, 2, 48, 48, 8, 8, 9, 0, "bottom_right"),     # span 17: the last window chunk is one key wide
+]
+
+
+def _band(Lq, Lk, left, right, align):
+    diagonal = Lk - Lq if align == "bottom_right" else 0
+    i = torch.arange(Lq).unsqueeze(1)
+    j = torch.arange(Lk).unsqueeze(0)
+    return diagonal, (j >= i + diagonal - left) & (j <= i + diagonal + right)  # (Lq, Lk), True = may attend
+
+
+def _reference(q, k, v, visible, scale):
+    """Softmax over masked scores, every row, in the inputs' dtype; GQA by repeating K/V heads."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, Hq, Lk, D)
+    scores = (q @ k.transpose(-2, -1) * scale).masked_fill(~visible, float("-inf"))  # (B, Hq, Lq, Lk)
+    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+
+
+def _inputs(case, dtype, seed=0):
+    B, Hq, Hkv, Lq, Lk, D, *_ = case
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+            for shape in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D))]
+
+
+def _assert_accurate(got, ref64, naive, what, magnitude=None):
+    """fp64: equal to rounding. fp32: error against the fp64 reference at most 10x that of the same
+    math done plainly in fp32 (the project's relative rule), plus a few ulps of ``magnitude``
+    (default: of the reference; a gradient that is 0 in theory, e.g. dq when each row sees one
+    key, is computed from terms the size of the other gradients)."""
+    ref64 = ref64.detach()
+    if got.dtype == torch.float64:
+        torch.testing.assert_close(got.detach(), ref64, rtol=1e-10, atol=1e-10, msg=what)
+        return
+    err = float((got.detach().double() - ref64).abs().max())
+    base = float((naive.detach().double() - ref64).abs().max())
+    floor = 4 * torch.finfo(got.dtype).eps * max(1.0, float(ref64.abs().max()) if magnitude is None else magnitude)
+    assert err <= 10 * base + floor, f"{what}: max err {err:.3e}, plain fp32 {base:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-H{}x{}-L{}x{}-D{}-blk{}-l{}r{}-{}".format(*c))
+def test_forward_and_backward_match_reference(case, dtype):
+    B, Hq, Hkv, Lq, Lk, D, block, left, right, align = case
+    diagonal, visible = _band(Lq, Lk, left, right, align)
+    run = interior_run(Lq, Lk, block=block, left=left, right=right, diagonal=diagonal)
+    assert run is not None and run.blocks >= 3, run  # the case must exercise several folded blocks
+    rows = slice(run.q0, run.q1)
+    scale = D ** -0.5
+    q, k, v = _inputs(case, dtype)
+
+    out, lse = run_forward(q, k, v, run, scale)
+    assert out.shape == (B, Hq, run.q1 - run.q0, D) and lse.shape == (B, Hq, run.q1 - run.q0)
+    assert out.dtype == dtype and lse.dtype == dtype
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _reference(q64, k64, v64, visible, scale)
+    plain = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    plain_out, plain_lse = _reference(*plain, visible, scale)
+    _assert_accurate(out, ref_out[:, :, rows], plain_out[:, :, rows], "output")
+    _assert_accurate(lse, ref_lse[:, :, rows], plain_lse[:, :, rows], "lse")
+
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dq, dk, dv = run_backward(grad_out.to(dtype), q.detach(), k.detach(), v.detach(), out, lse, run, scale)
+    assert dq.shape == out.shape and dk.shape == k.shape and dv.shape == v.shape
+    ref_grads = torch.autograd.grad(ref_out[:, :, rows], (q64, k64, v64), grad_out)
+    plain_grads = torch.autograd.grad(plain_out[:, :, rows], plain, grad_out.to(dtype))
+    magnitude = max(float(g.abs().max()) for g in ref_grads)
+    _assert_accurate(dq, ref_grads[0][:, :, rows], plain_grads[0][:, :, rows], "dq", magnitude)
+    _assert_accurate(dk, ref_grads[1], plain_grads[1], "dk", magnitude)
+    _assert_accurate(dv, ref_grads[2], plain_grads[2], "dv", magnitude)
+    outside = torch.ones(Lk, dtype=torch.bool)
+    outside[run.k0:run.k1] = False
+    assert not dk[:, :, outside].any() and not dv[:, :, outside].any()  # keys the run never reads
+
+
+def test_backward_adds_into_accumulators():
+    case = CASES[1]
+    B, Hq, Hkv, Lq, Lk, D, block, left, right, align = case
+    diagonal, _ = _band(Lq, Lk, left, right, align)
+    run = interior_run(Lq, Lk, block=block, left=left, right=right, diagonal=diagonal)
+    q, k, v = (t.detach() for t in _inputs(case, torch.float32))
+    out, lse = run_forward(q, k, v, run, 0.5)
+    grad_out = torch.randn_like(out)
+    _, dk, dv = run_backward(grad_out, q, k, v, out, lse, run, 0.5)
+    acc_k, acc_v = torch.ones(k.shape, dtype=torch.float64), torch.full(v.shape, 2.0, dtype=torch.float64)
+    _, got_k, got_v = run_backward(grad_out, q, k, v, out, lse, run, 0.5, dk=acc_k, dv=acc_v)
+    assert got_k is acc_k and got_v is acc_v
+    torch.testing.assert_close(acc_k, dk.double() + 1, rtol=0, atol=1e-6)
+    torch.testing.assert_close(acc_v, dv.double() + 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("Lq,Lk,block,left,right,align", [
+    (64, 64, 8, 16, 0, "bottom_right"), (61, 61, 8, 11, 0, "bottom_right"), (45, 70, 8, 5, 0, "bottom_right"),
+    (40, 97, 8, 20, 3, "bottom_right"), (80, 90, 16, 19, 2, "top_left"), (300, 40, 8, 3, 0, "bottom_right"),
+    (70, 70, 8, 7, 70, "top_left"),
+])
+def test_interior_run_is_the_longest_interior_run_on_the_grid(Lq, Lk, block, left, right, align):
+    diagonal, _ = _band(Lq, Lk, left, right, align)
+
+    def interior(r):  # block [r, r + block) reads keys [r + diagonal - left, r + block + diagonal + right)
+        return r + block <= Lq and r + diagonal - left >= 0 and r + block + diagonal + right <= Lk
+
+    want = [r for r in range(0, Lq, block) if interior(r)]
+    run = interior_run(Lq, Lk, block=block, left=left, right=right, diagonal=diagonal)
+    if not want:
+        assert run is None
+        return
+    assert want == list(range(want[0], want[-1] + 1, block))  # contiguous on a band
+    assert (run.q0, run.q1) == (want[0], want[-1] + block)
+    assert run.k0 == run.q0 + diagonal - left and run.k1 == run.q1 + diagonal + right
+
+
+@pytest.mark.parametrize("run,why", [
+    (BandRun(0, 24, 8, 4, 0, 0), "not interior"),       # block 0 reads key -4
+    (BandRun(8, 40, 8, 4, 0, 0), "inside \\[0, Lq=32\\)"),  # 40 > Lq = 32
+    (BandRun(8, 20, 8, 4, 0, 0), "multiple of block"),  # 12 rows
+    (BandRun(8, 24, 8, 4, 20, 0), "not interior"),      # reads keys up to 44 > Lk = 32
+    (BandRun(8, 24, 0, 4, 0, 0), "block must be"),
+    (BandRun(8, 24, 8, -1, 0, 0), "left must be"),
+])
+def test_refuses_runs_that_are_not_interior(run, why):
+    q = torch.randn(1, 2, 32, 8)
+    with pytest.raises(ValueError, match=why):
+        run_forward(q, q, q, run, 1.0)
+
+
+def test_refuses_mismatched_shapes():
+    q, k = torch.randn(1, 3, 32, 8), torch.randn(1, 2, 32, 8)
+    with pytest.raises(ValueError, match="Hq % Hkv"):
+        run_forward(q, k, k, BandRun(8, 24, 8, 4, 0, 0), 1.0)
