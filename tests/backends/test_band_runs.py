@@ -21,10 +21,12 @@ CASES = [
 
 
 def _band(Lq, Lk, left, right, align):
-    diagonal = Lk - Lq if align == "bottom_right" else 0
+    """``(lo, hi)`` of ``sliding_window(left, right, align)`` and its dense ``(Lq, Lk)`` mask."""
+    offset = Lk - Lq if align == "bottom_right" else 0
+    lo, hi = offset - left, offset + right
     i = torch.arange(Lq).unsqueeze(1)
     j = torch.arange(Lk).unsqueeze(0)
-    return diagonal, (j >= i + diagonal - left) & (j <= i + diagonal + right)  # (Lq, Lk), True = may attend
+    return (lo, hi), (j >= i + lo) & (j <= i + hi)  # True = may attend
 
 
 def _reference(q, k, v, visible, scale):
@@ -61,8 +63,8 @@ def _assert_accurate(got, ref64, naive, what, magnitude=None):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-H{}x{}-L{}x{}-D{}-blk{}-l{}r{}-{}".format(*c))
 def test_forward_and_backward_match_reference(case, dtype):
     B, Hq, Hkv, Lq, Lk, D, block, left, right, align = case
-    diagonal, visible = _band(Lq, Lk, left, right, align)
-    run = interior_run(Lq, Lk, block=block, left=left, right=right, diagonal=diagonal)
+    (lo, hi), visible = _band(Lq, Lk, left, right, align)
+    run = interior_run(Lq, Lk, block=block, lo=lo, hi=hi)
     assert run is not None and run.blocks >= 3, run  # the case must exercise several folded blocks
     rows = slice(run.q0, run.q1)
     scale = D ** -0.5
@@ -96,8 +98,8 @@ def test_forward_and_backward_match_reference(case, dtype):
 def test_backward_adds_into_accumulators():
     case = CASES[1]
     B, Hq, Hkv, Lq, Lk, D, block, left, right, align = case
-    diagonal, _ = _band(Lq, Lk, left, right, align)
-    run = interior_run(Lq, Lk, block=block, left=left, right=right, diagonal=diagonal)
+    (lo, hi), _ = _band(Lq, Lk, left, right, align)
+    run = interior_run(Lq, Lk, block=block, lo=lo, hi=hi)
     q, k, v = (t.detach() for t in _inputs(case, torch.float32))
     out, lse = run_forward(q, k, v, run, 0.5)
     grad_out = torch.randn_like(out)
@@ -115,28 +117,28 @@ def test_backward_adds_into_accumulators():
     (70, 70, 8, 7, 70, "top_left"),
 ])
 def test_interior_run_is_the_longest_interior_run_on_the_grid(Lq, Lk, block, left, right, align):
-    diagonal, _ = _band(Lq, Lk, left, right, align)
+    (lo, hi), _ = _band(Lq, Lk, left, right, align)
 
-    def interior(r):  # block [r, r + block) reads keys [r + diagonal - left, r + block + diagonal + right)
-        return r + block <= Lq and r + diagonal - left >= 0 and r + block + diagonal + right <= Lk
+    def interior(r):  # block [r, r + block) reads keys [r + lo, r + block + hi)
+        return r + block <= Lq and r + lo >= 0 and r + block + hi <= Lk
 
     want = [r for r in range(0, Lq, block) if interior(r)]
-    run = interior_run(Lq, Lk, block=block, left=left, right=right, diagonal=diagonal)
+    run = interior_run(Lq, Lk, block=block, lo=lo, hi=hi)
     if not want:
         assert run is None
         return
     assert want == list(range(want[0], want[-1] + 1, block))  # contiguous on a band
     assert (run.q0, run.q1) == (want[0], want[-1] + block)
-    assert run.k0 == run.q0 + diagonal - left and run.k1 == run.q1 + diagonal + right
+    assert run.k0 == run.q0 + lo and run.k1 == run.q1 + hi
 
 
-@pytest.mark.parametrize("run,why", [
-    (BandRun(0, 24, 8, 4, 0, 0), "not interior"),       # block 0 reads key -4
-    (BandRun(8, 40, 8, 4, 0, 0), "inside \\[0, Lq=32\\)"),  # 40 > Lq = 32
-    (BandRun(8, 20, 8, 4, 0, 0), "multiple of block"),  # 12 rows
-    (BandRun(8, 24, 8, 4, 20, 0), "not interior"),      # reads keys up to 44 > Lk = 32
-    (BandRun(8, 24, 0, 4, 0, 0), "block must be"),
-    (BandRun(8, 24, 8, -1, 0, 0), "left must be"),
+@pytest.mark.parametrize("run,why", [  # BandRun(q0, q1, block, lo, hi) at Lq = Lk = 32
+    (BandRun(0, 24, 8, -4, 0), "not interior"),          # block 0 reads key -4
+    (BandRun(8, 40, 8, -4, 0), "inside \\[0, Lq=32\\)"),  # 40 > Lq
+    (BandRun(8, 20, 8, -4, 0), "multiple of block"),     # 12 rows
+    (BandRun(8, 24, 8, -4, 20), "not interior"),         # reads keys up to 44 > Lk
+    (BandRun(8, 24, 0, -4, 0), "block must be"),
+    (BandRun(8, 24, 8, 1, 0), "without keys"),           # lo > hi
 ])
 def test_refuses_runs_that_are_not_interior(run, why):
     q = torch.randn(1, 2, 32, 8)
@@ -147,4 +149,4 @@ def test_refuses_runs_that_are_not_interior(run, why):
 def test_refuses_mismatched_shapes():
     q, k = torch.randn(1, 3, 32, 8), torch.randn(1, 2, 32, 8)
     with pytest.raises(ValueError, match="Hq % Hkv"):
-        run_forward(q, k, k, BandRun(8, 24, 8, 4, 0, 0), 1.0)
+        run_forward(q, k, k, BandRun(8, 24, 8, -4, 0), 1.0)

@@ -3,19 +3,20 @@
 A band (``causal() & sliding_window(w)``, any ``sliding_window(left, right)``) lets query ``i``
 see the keys ``j`` with::
 
-    i + diagonal - left  <=  j  <=  i + diagonal + right
+    i + lo  <=  j  <=  i + hi          lo = offset - left,  hi = offset + right
 
-``diagonal`` is the alignment offset of :mod:`multihead.conventions` (``Lk - Lq`` bottom-right,
-``0`` top-left). Away from the edges of the ``Lq x Lk`` square every query block of ``block``
-rows sees the same *relative* pattern: block ``t`` reads the ``span = block + left + right`` keys
-starting at its first row's ``diagonal - left``, and inside that window row ``r`` sees columns
-``r .. r + left + right``. ``block = 4, left = 3, right = 0`` (``span = 7``)::
+where ``offset`` is the alignment offset of :mod:`multihead.conventions` (``Lk - Lq``
+bottom-right, ``0`` top-left): ``causal() & sliding_window(w)`` bottom-right has
+``lo = Lk - Lq - w``, ``hi = Lk - Lq``. Away from the edges of the ``Lq x Lk`` square every query
+block of ``block`` rows sees the same *relative* pattern: block ``[r, r + block)`` reads the
+``span = block + hi - lo`` keys starting at ``r + lo``, and inside that window its row ``r + s``
+sees columns ``s .. s + hi - lo``. ``block = 4, hi - lo = 3`` (``span = 7``)::
 
-    rows of one block     the window of keys read by that block (█ visible, · masked)
-    r = 0                 ████···
-    r = 1                 ·████··
-    r = 2                 ··████·
-    r = 3                 ···████
+    row s of a block    its window of keys (█ visible, · masked)
+    s = 0               ████···
+    s = 1               ·████··
+    s = 2               ··████·
+    s = 3               ···████
 
 So instead of a few kernel calls per block (one per piece, each its own OpenMP parallel region,
 which costs a barrier per call and suffers badly when other processes share the cores), a run
@@ -28,21 +29,22 @@ of ``n`` such blocks is folded into the kernel's batch dimension::
 and ``aten._scaled_dot_product_flash_attention_for_cpu`` runs once. Folding ``B`` into the head
 axis keeps PyTorch's grouped-query mapping: folded query head ``b*Hq + h`` reads folded KV head
 ``(b*Hq + h) // G = b*Hkv + h // G`` (``G = Hq // Hkv``), i.e. batch ``b``, KV head ``h // G``.
-The kernel reads strided inputs, so the overlapping windows are never copied.
+The kernel reads strided inputs, so the overlapping windows are never copied (measured: no
+slower than contiguous copies).
 
 The backward is the kernel's backward on the same folded views; the ``dk, dv`` of overlapping
 windows are summed back onto the keys (``ceil(span / block)`` strided adds, not one per block).
 
 Exact: the result equals attention over the band for those rows (the kernel's rounding only).
-Interior rows always see ``left + right + 1`` keys, so no row is fully masked. The cost is the
-``block x span`` rectangle per block, i.e. ``span / (left + right + 1)`` times the visible area
-(1.5 at ``block = 256, left = 512``); smaller blocks waste less (the kernel tiles the folded
-batch in parallel anyway).
+Interior rows always see ``hi - lo + 1`` keys, so no row is fully masked. The cost is the
+``block x span`` rectangle per block, ``span / (hi - lo + 1)`` times the visible area (1.5 at
+``block = 256``, window 512); 256 was the fastest block size measured at window 512
+(``benchmarks/band_runs.py``).
 
 Usage (the blocksparse backend; imports only torch)::
 
-    run = interior_run(Lq, Lk, block=256, left=w, right=0, diagonal=Lk - Lq)  # or None
-    out_rows, lse_rows = run_forward(q, k, v, run, scale)      # rows run.q0 .. run.q1
+    run = interior_run(Lq, Lk, block=256, lo=lo, hi=hi)         # a BandRun, or None
+    out_rows, lse_rows = run_forward(q, k, v, run, scale)        # rows run.q0 .. run.q1 - 1
     dq_rows, dk, dv = run_backward(grad_out_rows, q, k, v, out_rows, lse_rows, run, scale)
 """
 
@@ -63,7 +65,7 @@ _flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 @dataclass(frozen=True)
 class BandRun:
     """Query rows ``[q0, q1)``, ``(q1 - q0) / block`` blocks of ``block`` rows, under the band
-    "query ``i`` sees keys ``i + diagonal - left .. i + diagonal + right``" (both ends included).
+    "query ``i`` sees keys ``i + lo .. i + hi``" (both ends included, ``lo <= hi``).
 
     Every block must be *interior*: all the keys of its window exist (``k0 >= 0``, ``k1 <= Lk``);
     :func:`interior_run` finds the longest such run on a block grid, :meth:`check` verifies one.
@@ -72,9 +74,8 @@ class BandRun:
     q0: int
     q1: int
     block: int
-    left: int
-    right: int
-    diagonal: int
+    lo: int
+    hi: int
 
     @property
     def blocks(self) -> int:
@@ -82,49 +83,50 @@ class BandRun:
 
     @property
     def span(self) -> int:
-        """Keys in the window of one block: ``block + left + right``."""
-        return self.block + self.left + self.right
+        """Keys in the window of one block: ``block + hi - lo``."""
+        return self.block + self.hi - self.lo
 
     @property
     def k0(self) -> int:
-        """First key read by the run (the window of its first block starts here)."""
-        return self.q0 + self.diagonal - self.left
+        """First key read by the run (its first block's window starts here)."""
+        return self.q0 + self.lo
 
     @property
     def k1(self) -> int:
         """One past the last key read by the run."""
-        return self.q1 - 1 + self.diagonal + self.right + 1
+        return self.q1 + self.hi
 
     def check(self, q_len: int, kv_len: int) -> None:
         """Raise ``ValueError`` unless the run is well formed and interior for ``Lq, Lk``."""
-        for name in ("block", "left", "right"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name == "block" else 0):
-                raise ValueError(f"BandRun.{name} must be a {'positive' if name == 'block' else 'non-negative'} "
-                                 f"int, got {value!r}")
+        fields = (self.q0, self.q1, self.block, self.lo, self.hi)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in fields):
+            raise ValueError(f"BandRun fields must be ints, got {self}")
+        if self.block < 1:
+            raise ValueError(f"BandRun.block must be a positive int, got {self.block}")
+        if self.lo > self.hi:
+            raise ValueError(f"BandRun: lo={self.lo} > hi={self.hi} would leave every row without keys")
         if not 0 <= self.q0 < self.q1 <= q_len or (self.q1 - self.q0) % self.block:
             raise ValueError(f"BandRun rows [{self.q0}, {self.q1}) must be a non-empty multiple of block="
                              f"{self.block} inside [0, Lq={q_len})")
         if self.k0 < 0 or self.k1 > kv_len:
             raise ValueError(f"BandRun rows [{self.q0}, {self.q1}) read keys [{self.k0}, {self.k1}), outside "
-                             f"[0, Lk={kv_len}): not interior; use interior_run(...) to find the interior rows")
+                             f"[0, Lk={kv_len}): not interior; interior_run(...) finds the interior rows")
 
 
-def interior_run(q_len: int, kv_len: int, *, block: int, left: int, right: int, diagonal: int) -> BandRun | None:
+def interior_run(q_len: int, kv_len: int, *, block: int, lo: int, hi: int) -> BandRun | None:
     """The longest run of whole query blocks on the grid ``0, block, 2*block, ...`` (the grid of
     the blocksparse backend) whose key windows lie inside ``[0, Lk)``; ``None`` if there is none.
 
-    Block ``[r, r + block)`` is interior iff ``r + diagonal - left >= 0`` and
-    ``r + block - 1 + diagonal + right <= Lk - 1`` (and ``r + block <= Lq``).
+    Block ``[r, r + block)`` is interior iff ``r + lo >= 0``, ``r + block - 1 + hi <= Lk - 1`` and
+    ``r + block <= Lq``; on a band these blocks are consecutive.
     """
-    first = -(-max(0, left - diagonal) // block)  # ceil: smallest t with t*block >= left - diagonal
-    last_row = min(kv_len - diagonal - right, q_len) - block  # largest interior block start r
-    if last_row < 0:
+    if lo > hi:
         return None
-    last = last_row // block
-    if last < first:
+    first = -(-max(0, -lo) // block)  # ceil: the smallest t with t*block + lo >= 0
+    last_row = min(kv_len - hi, q_len) - block  # the largest interior block start r
+    if last_row < 0 or last_row // block < first:
         return None
-    run = BandRun(first * block, (last + 1) * block, block, left, right, diagonal)
+    run = BandRun(first * block, (last_row // block + 1) * block, block, lo, hi)
     run.check(q_len, kv_len)
     return run
 
@@ -234,14 +236,14 @@ def _overlap_add(acc: Tensor, windows: Tensor, run: BandRun) -> None:
 
 
 def _window_mask(run: BandRun, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``(1, 1, block, span)`` additive mask: row ``r`` sees window columns ``r .. r + left + right``.
+    """``(1, 1, block, span)`` additive mask: row ``s`` sees window columns ``s .. s + hi - lo``.
     Shared by every block and head (broadcast by the kernel); cached on the pattern, not the rows."""
-    return _cached_mask(run.block, run.left, run.right, dtype, device)
+    return _cached_mask(run.block, run.hi - run.lo, dtype, device)
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_mask(block: int, left: int, right: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    r = torch.arange(block, device=device).unsqueeze(1)
-    c = torch.arange(block + left + right, device=device).unsqueeze(0)
-    visible = (c >= r) & (c <= r + left + right)
+def _cached_mask(block: int, width: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    s = torch.arange(block, device=device).unsqueeze(1)
+    c = torch.arange(block + width, device=device).unsqueeze(0)
+    visible = (c >= s) & (c <= s + width)
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[None, None]
