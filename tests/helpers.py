@@ -19,18 +19,21 @@ from multihead import masks
 FACTOR = {torch.bfloat16: (2.0, 3.0), torch.float16: (2.0, 3.0), torch.float32: (10.0, 10.0)}
 
 
-def naive_attention(q, k, v, mask, scale=None):
+def naive_attention(q, k, v, mask, scale=None, score_mod=None):
     """Attention computed plainly *in the input dtype* (no upcast): the error baseline."""
+    from multihead.call import mask_and_score_mod
+
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     k = k.repeat_interleave(Hq // Hkv, dim=1)
     v = v.repeat_interleave(Hq // Hkv, dim=1)
     scores = (q @ k.transpose(-2, -1)) * scale
-    mask = masks.as_mask(mask)
+    mask, score_mod = mask_and_score_mod(mask, score_mod, check_binary=False)
+    if score_mod is not None:
+        scores = score_mod.apply_block(scores, 0, Lq, 0, Lk)
     if mask is not None:
-        dense = mask.materialize(B, Hq, Lq, Lk, dtype=q.dtype)
-        scores = scores + dense if mask.is_additive else scores.masked_fill(~dense, float("-inf"))
+        scores = scores.masked_fill(~mask.materialize(B, Hq, Lq, Lk), float("-inf"))
     # Rows with no visible key get finite scores (so no NaN reaches autograd), then probability 0.
     row_has_key = ~torch.isneginf(scores).all(dim=-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(~row_has_key, 0.0), dim=-1).masked_fill(~row_has_key, 0.0)
@@ -48,7 +51,7 @@ def assert_relative(x: Tensor, ref: Tensor, baseline: Tensor, factor: float, wha
 
     ``magnitude`` sets the floor's scale when ``ref`` alone understates it (a gradient that is
     exactly 0 in theory is computed from terms of the size of the other gradients)."""
-    ref = ref.double()
+    x, ref, baseline = x.detach(), ref.detach().double(), baseline.detach()
     assert torch.isfinite(x).all(), f"{what}: non-finite values"
     if ref.numel() == 0:
         return
@@ -82,6 +85,7 @@ MASK_KINDS = [
     "none", "causal_br", "causal_tl", "window_3", "window_5_2_tl", "key_padding", "document",
     "prefix_lm", "causal&padding", "document&causal", "window|prefix", "~causal", "custom",
     "bool_tensor", "bool_keys_only", "additive_tensor", "additive&causal", "shifted_causal",
+    "shifted_causal_br", "positions_window",
 ]
 
 HEADS = [(1, 1), (4, 4), (8, 2), (6, 3), (8, 1)]
@@ -131,8 +135,13 @@ def make_mask(kind: str, B: int, Hq: int, Lq: int, Lk: int, gen: torch.Generator
         "bool_keys_only": lambda: (torch.rand(B, 1, 1, Lk, generator=gen) > 0.5),
         "additive_tensor": lambda: torch.where(torch.rand(1, Hq, Lq, Lk, generator=gen) > 0.3,
                                                torch.randn(1, Hq, Lq, Lk, generator=gen), float("-inf")),
-        "additive&causal": lambda: mh.masks.as_mask(torch.randn(Lq, Lk, generator=gen)) & mh.causal(),
+        # A float mask is split by attention() into its -inf pattern (here causal) and a bias.
+        "additive&causal": lambda: torch.randn(Lq, Lk, generator=gen).masked_fill(
+            ~mh.causal().materialize(1, 1, Lq, Lk)[0, 0], float("-inf")),
         "shifted_causal": lambda: mh.causal("top_left").shifted(q_offset=-2, kv_offset=0),
+        "shifted_causal_br": lambda: mh.causal().shifted(Lq, 3, q_len=2 * Lq, kv_len=Lk + 3),
+        "positions_window": lambda: mh.sliding_window(4).at(torch.arange(Lq) * 2, torch.arange(Lk) * 2,
+                                                             q_len=2 * Lq, kv_len=2 * Lk),
     }
     return table[kind]()
 

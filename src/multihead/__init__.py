@@ -9,13 +9,15 @@ from multihead import caches, masks
 from multihead.attention import attention
 from multihead.caches import ConcatKVCache, KVCache
 from multihead.capture import AttentionCapture, capture_attention
-from multihead.backends import available_backends, get_backend, register_backend
+from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
 from multihead.explain import Explanation, explain
 from multihead.layers import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 from multihead.layers import compat
 from multihead.masks import causal, custom, document, key_padding, prefix_lm, sliding_window
-from multihead.reference import AttentionResult, reference_attention
+from multihead.call import AttentionResult
+from multihead.merge import merge_partials
+from multihead.reference import reference_attention
 
 __version__ = "0.1.0"
 
@@ -38,8 +40,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "attention", "capture_attention", "AttentionCapture", "explain", "Explanation", "reference_attention", "AttentionResult",
-    "masks", "causal", "sliding_window", "key_padding", "document", "prefix_lm", "custom",
-    "available_backends", "get_backend", "register_backend", "BackendRefusedError",
+    "merge_partials", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "prefix_lm", "custom",
+    "available_backends", "get_backend", "register_backend", "unregister_backend", "BackendRefusedError",
     "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
     "caches", "KVCache", "ConcatKVCache",
 ]

@@ -9,9 +9,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from multihead.backends.registry import check_backend_name, select_backend
+from multihead.blockwise import lse_by_blocks, weights_by_blocks
+from multihead.call import AttentionResult
 from multihead.masks import Mask
-from multihead.reference import AttentionResult
-from multihead.blockwise import weights_by_blocks
+from multihead.scores import ScoreMod
 from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["attention"]
@@ -23,6 +24,7 @@ def attention(
     v: Tensor,
     *,
     mask: Mask | Tensor | None = None,
+    score_mod: ScoreMod | list | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -42,7 +44,10 @@ def attention(
         mask: a mask object from :mod:`multihead.masks` (``causal()``, ``sliding_window(w)``,
             ``key_padding(lengths)``, ``document(ids)``, ``prefix_lm(n)``, ``custom(fn)`` and
             their ``& | ~`` combinations), or a tensor broadcastable to ``(B, Hq, Lq, Lk)``:
-            bool (``True`` = may attend) or float (additive).
+            bool (``True`` = may attend) or float (PyTorch's additive masks: split into the bool
+            mask of its ``-inf`` entries and a :func:`multihead.scores.bias`).
+        score_mod: a :mod:`multihead.scores` modifier applied to the scaled scores before the
+            softmax (``scores.bias(t)``, ``scores.softcap(cap)``), or a list applied in order.
         scale: multiplies ``q k^T``; default ``1 / sqrt(D)``.
         dropout_p: dropout on the attention probabilities. Applied whenever ``> 0`` (layers pass
             0 in eval mode); reproducible under ``torch.manual_seed``.
@@ -65,16 +70,22 @@ def attention(
         for what was not asked.
     """
     check_backend_name(backend)
-    call = validate_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
-                         return_weights=return_weights, return_lse=return_lse)
+    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
+                         dropout_mask=dropout_mask, return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
     chosen, _ = select_backend(call, backend)
-    result = chosen.forward(call)  # the output, and the LSE when asked for (or for the weights)
+    result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
+    lse = result.lse
     if return_weights:
-        # Weights on demand: recomputed from q, k and the fast path's LSE, a block at a time, for
-        # the requested heads/rows only (all by default). No backend runs a slow path for them.
-        weights = weights_by_blocks(q, k, call.mask, call.scale, result.lse, heads, rows).to(q.dtype)
-        return AttentionResult(result.output, weights, result.lse if return_lse else None)
+        # Weights on demand: exp(S - lse) recomputed from q, k, a block at a time, for the requested
+        # heads/rows only (all by default); without a kernel LSE, the LSE comes from the same blocks.
+        weights, block_lse = weights_by_blocks(q, k, call.mask, call.score_mod, call.scale, lse, heads, rows)
+        if lse is None and return_lse:
+            lse = block_lse if heads is None and rows is None else \
+                lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
+        return AttentionResult(result.output, weights.to(q.dtype), lse if return_lse else None)
     if return_lse:
-        return result
+        if lse is None:  # the kernel has none: one blockwise pass
+            lse = lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
+        return AttentionResult(result.output, None, lse)
     return result.output

@@ -80,6 +80,7 @@ __all__ = [
     "ALIGNMENTS",
     "default_scale",
     "kv_head_of",
+    "repeat_kv",
     "softmax_dtype",
     "lse_dtype",
 ]
@@ -93,9 +94,15 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def kv_head_of(query_head: int, num_q_heads: int, num_kv_heads: int) -> int:
-    """The KV head read by ``query_head``: ``h // (Hq // Hkv)`` (contiguous groups)."""
+def kv_head_of(query_head, num_q_heads: int, num_kv_heads: int):
+    """The KV head read by ``query_head`` (an int or an integer tensor of heads):
+    ``h // (Hq // Hkv)`` (contiguous groups). Every other place that maps heads calls this."""
     return query_head // (num_q_heads // num_kv_heads)
+
+
+def repeat_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """``(B, Hkv, L, ·)`` -> ``(B, Hq, L, ·)``: KV head ``kv_head_of(h)`` copied to query head ``h``."""
+    return x.repeat_interleave(num_q_heads // x.shape[1], dim=1)
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:

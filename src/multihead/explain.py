@@ -42,13 +42,14 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, scale: float | None = None,
+def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, score_mod=None,
+            scale: float | None = None,
             dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
             backend: str = "auto", dropout_mask: Tensor | None = None, weights_heads=None,
             weights_rows=None) -> Explanation:
     """Explain what :func:`multihead.attention` would do with these arguments, without running it."""
     check_backend_name(backend)
-    call = validate_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
+    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
     chosen, refused = select_backend(call, backend)
@@ -59,6 +60,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
                 if reasons:
                     refused[name] = reasons
     mask_text = "none" if call.mask is None else call.mask._describe()
+    if call.score_mod is not None:
+        mask_text += f"; score_mod: {call.score_mod._describe()}"
     plan = list(chosen.plan(call))
     if return_weights:
         nh = q.shape[1] if heads is None else len(heads)

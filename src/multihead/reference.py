@@ -18,23 +18,16 @@ NaN can enter the forward or the backward pass (``0 * NaN = NaN`` in autograd).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-from multihead.conventions import default_scale, softmax_dtype
-from multihead.masks import Mask, as_mask
+from multihead.call import AttentionResult, mask_and_score_mod
+from multihead.conventions import default_scale, repeat_kv, softmax_dtype
+from multihead.masks import Mask
+from multihead.scores import ScoreMod
+from multihead.scoring import score_block
 
 __all__ = ["reference_attention", "AttentionResult"]
-
-
-class AttentionResult(NamedTuple):
-    """What :func:`multihead.attention` returns when weights or the LSE are asked for."""
-
-    output: Tensor  # (B, Hq, Lq, Dv), dtype of q
-    weights: Tensor | None  # (B, Hq, Lq, Lk), probabilities before dropout
-    lse: Tensor | None  # (B, Hq, Lq), fp32 (fp64 for fp64 inputs); -inf on fully masked rows
 
 
 def reference_attention(
@@ -43,6 +36,7 @@ def reference_attention(
     v: Tensor,
     *,
     mask: Mask | Tensor | None = None,
+    score_mod: ScoreMod | list | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Tensor | None = None,
@@ -52,8 +46,9 @@ def reference_attention(
 
     Args:
         q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``.
-        mask: a :class:`~multihead.masks.Mask`, a bool tensor (True = may attend) or a float
-            additive tensor, broadcastable to ``(B, Hq, Lq, Lk)``.
+        mask: a :class:`~multihead.masks.Mask` or a bool tensor (True = may attend) broadcastable
+            to ``(B, Hq, Lq, Lk)``; a float tensor is read as PyTorch's additive masks are.
+        score_mod: a :mod:`multihead.scores` modifier (or a list, applied in order).
         scale: multiplies the scores; default ``1 / sqrt(D)``.
         dropout_p: probability of zeroing a probability (on the output path only).
         dropout_mask: optional bool ``(B, Hq, Lq, Lk)``, ``True`` = kept; replaces the random draw
@@ -64,42 +59,29 @@ def reference_attention(
     Inputs are not validated here; :func:`multihead.attention` validates before dispatching.
     """
     B, Hq, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
     dtype = compute_dtype or softmax_dtype(q.dtype)
     scale = default_scale(D) if scale is None else scale
-    mask = as_mask(mask)
+    mask, score_mod = mask_and_score_mod(mask, score_mod, check_binary=False)
 
-    # Grouped-query mapping: query head h reads KV head h // G  (G = Hq // Hkv).
-    group = Hq // Hkv
-    k = k.to(dtype).repeat_interleave(group, dim=1)  # (B, Hq, Lk, D)
-    v = v.to(dtype).repeat_interleave(group, dim=1)  # (B, Hq, Lk, Dv)
+    # S = s * Q K^T, modified, -inf where blocked (multihead.scoring, shared with the blockwise
+    # code). Query head h reads KV head h // G (G = Hq // Hkv).                 (B, Hq, Lq, Lk)
+    scores, visible = score_block(q, k, mask, score_mod, scale, 0, Lq, Lq, dtype=dtype)
+    if visible is None:
+        visible = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
+    visible = visible.expand_as(scores)
+    row_has_key = visible.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
 
-    # S = s * Q K^T                                                       (B, Hq, Lq, Lk)
-    scores = torch.matmul(q.to(dtype), k.transpose(-2, -1)) * scale
+    # m = the row maximum over visible keys (0 for a row that sees none; no gradient needed).
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(row_has_key, row_max, torch.zeros_like(row_max)).detach()
 
-    # Which keys each query may see, and the additive part of the mask (M above).
-    allowed = torch.ones((1, 1, Lq, Lk), dtype=torch.bool, device=q.device)
-    if mask is not None:
-        dense = mask.materialize(B, Hq, Lq, Lk, device=q.device, dtype=dtype)
-        if mask.is_additive:
-            allowed = ~torch.isneginf(dense)
-            scores = scores + dense.masked_fill(~allowed, 0.0)  # finite bias only
-        else:
-            allowed = dense
-    allowed = allowed.expand_as(scores)
-    row_has_key = allowed.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
-
-    # A key no query may see can hold anything, even NaN: 0 * NaN = NaN, so its value is zeroed.
-    key_seen = allowed.any(dim=-2).unsqueeze(-1)  # (B, Hq, Lk, 1)
-    v = torch.where(key_seen, v, torch.zeros((), dtype=dtype, device=v.device))
-
-    # Replace blocked scores by a finite value *before* the softmax: no -inf, no NaN.
-    finite = scores.masked_fill(~allowed, 0.0)
-    row_max = finite.masked_fill(~allowed, torch.finfo(dtype).min).amax(dim=-1, keepdim=True)
-    row_max = torch.where(row_has_key, row_max, torch.zeros_like(row_max)).detach()  # m (no grad needed)
+    # Blocked scores are replaced by m *before* the softmax: exp(m - m) = 1 is finite whatever
+    # the visible scores are (0 - m could overflow when every visible score is below -88 in fp32),
+    # then multiplied by 0. No -inf and no NaN enters the forward or the backward pass.
+    finite = torch.where(visible, scores, row_max)
 
     # P = exp(S - m) / sum_j exp(S - m), with blocked keys contributing exactly 0.
-    unnormalized = torch.exp(finite - row_max) * allowed
+    unnormalized = torch.exp(finite - row_max) * visible
     denominator = unnormalized.sum(dim=-1, keepdim=True)
     denominator = torch.where(row_has_key, denominator, torch.ones_like(denominator))
     weights = unnormalized / denominator  # fully masked rows: 0 / 1 = 0
@@ -114,6 +96,11 @@ def reference_attention(
         if dropout_mask is None:
             dropout_mask = torch.rand(weights.shape, device=q.device) >= dropout_p
         kept = weights * dropout_mask.to(dtype) / (1.0 - dropout_p)
+
+    # A value no query may see can hold anything, even NaN: 0 * NaN = NaN, so it is zeroed.
+    v = repeat_kv(v.to(dtype), Hq)  # (B, Hq, Lk, Dv)
+    key_seen = visible.any(dim=-2).unsqueeze(-1)  # (B, Hq, Lk, 1)
+    v = torch.where(key_seen, v, torch.zeros((), dtype=dtype, device=v.device))
 
     # O = P V                                                             (B, Hq, Lq, Dv)
     output = torch.matmul(kept, v)

@@ -7,42 +7,18 @@ exists. ``ValueError`` for wrong values and shapes, ``TypeError`` for wrong type
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from multihead.call import AttentionCall, mask_and_score_mod
 from multihead.conventions import default_scale
-from multihead.masks import Mask, as_mask
 
 __all__ = ["AttentionCall", "validate_call", "validate_weights_selection"]
 
 
-@dataclass(frozen=True)
-class AttentionCall:
-    """One validated call of :func:`multihead.attention`: what backends are asked to serve."""
-
-    q: Tensor  # (B, Hq, Lq, D)
-    k: Tensor  # (B, Hkv, Lk, D)
-    v: Tensor  # (B, Hkv, Lk, Dv)
-    mask: Mask | None
-    scale: float
-    dropout_p: float
-    dropout_mask: Tensor | None
-    return_lse: bool  # weights are never asked of a backend: attention() derives them from the LSE
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int, int, int]:
-        """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
-        B, Hq, Lq, D = self.q.shape
-        return B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]
-
-    @property
-    def requires_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
-
-
-def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weights, return_lse) -> AttentionCall:
+def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weights, return_lse,
+                  score_mod=None) -> AttentionCall:
     for name, t, layout in (("q", q, "(B, Hq, Lq, D)"), ("k", k, "(B, Hkv, Lk, D)"), ("v", v, "(B, Hkv, Lk, Dv)")):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
@@ -95,12 +71,15 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
-    mask = as_mask(mask)
+    mask, score_mod = mask_and_score_mod(mask, score_mod)
     if mask is not None:
         mask.check(B, Hq, Lq, Lk)
+    if score_mod is not None:
+        score_mod.check(B, Hq, Lq, Lk)
 
     # return_weights is validated but not part of the call: weights come from q, k and the LSE.
-    return AttentionCall(q, k, v, mask, float(scale), float(dropout_p), dropout_mask, return_lse or return_weights)
+    return AttentionCall(q, k, v, mask, score_mod, float(scale), float(dropout_p), dropout_mask,
+                         return_lse or return_weights)
 
 
 def validate_weights_selection(weights_heads, weights_rows, *, q: Tensor,

@@ -71,17 +71,35 @@ def test_mask_constructors_validate_their_arguments():
         mh.document(torch.zeros(3))
     with pytest.raises(TypeError, match=r"shifted: q_offset must be an int"):
         mh.causal().shifted(1.5, 0)
+    with pytest.raises(ValueError, match=r"shifted: causal\(align='bottom_right'\) depends on the whole attention's "
+                                         r"lengths.*pass q_len= and kv_len="):
+        mh.causal().shifted(2, 4)  # the block's own lengths would put the diagonal in the wrong place
+    with pytest.raises(TypeError, match=r"at: q_positions must be an integer tensor of shape \(L,\) or \(B, L\)"):
+        mh.causal("top_left").at(torch.zeros(3), torch.arange(3))
     with pytest.raises(TypeError, match=r"custom: mask_mod must be callable"):
         mh.custom(3)
+
+
+def test_masks_bias_moved_to_scores_with_a_clear_message():
+    with pytest.raises(TypeError, match=r"multihead.masks.bias moved.*score_mod=multihead.scores.bias\(tensor\)"):
+        mh.masks.bias(torch.zeros(5, 7))
+    with pytest.raises(TypeError, match=r"a float tensor: an additive bias, not a mask.*scores.bias"):
+        mh.causal() & torch.zeros(5, 7)
+    with pytest.raises(TypeError, match=r"score_mod must be a multihead.scores modifier.*scores.bias\(tensor\)"):
+        mh.attention(q, k, v, score_mod=torch.zeros(5, 7))
+    with pytest.raises(ValueError, match=r"softcap: cap must be a finite number > 0, got 0"):
+        mh.scores.softcap(0)
+    with pytest.raises(ValueError, match=r"bias of shape \(1, 1, 4, 7\) is not broadcastable to \(B, Hq, Lq, Lk\)"):
+        mh.attention(q, k, v, score_mod=mh.scores.bias(torch.zeros(4, 7)))
 
 
 def test_a_float_zero_one_mask_is_refused_not_added():
     """torch.tril(torch.ones(L, L)) means 'attend below the diagonal' in tutorials; as a float mask
     it would be added to the scores. multihead refuses it and says what to write instead."""
     tril = torch.tril(torch.ones(5, 7))
-    with pytest.raises(ValueError, match=r"only 0s and 1s.*mask.bool\(\).*mask == 0.*masks.bias"):
+    with pytest.raises(ValueError, match=r"only 0s and 1s.*mask.bool\(\).*mask == 0.*scores.bias"):
         mh.attention(q, k, v, mask=tril)
-    declared = mh.attention(q, k, v, mask=mh.masks.bias(tril))  # said to be additive: accepted
-    torch.testing.assert_close(declared, mh.reference_attention(q, k, v, mask=mh.masks.bias(tril)).output)
+    declared = mh.attention(q, k, v, score_mod=mh.scores.bias(tril))  # said to be additive: accepted
+    torch.testing.assert_close(declared, mh.reference_attention(q, k, v, score_mod=mh.scores.bias(tril)).output)
     # All zeros (or all ones) shift every score of a row alike: harmless, accepted as a bias.
     torch.testing.assert_close(mh.attention(q, k, v, mask=torch.zeros(5, 7)), mh.attention(q, k, v))

@@ -76,17 +76,38 @@ def test_shifted_reads_positions_with_offsets():
     assert torch.equal(dense(doc.shifted(2, 3), Lq=4, Lk=4)[0, 0], dense(doc, Lq=8, Lk=8)[0, 0, 2:6, 3:7])
 
 
-def test_additive_masks_add_and_refuse_or_not():
-    bias = torch.randn(4, 4)
-    combined = mh.masks.as_mask(bias) & mh.causal()
-    assert combined.is_additive
-    got = combined.materialize(1, 1, 4, 4)[0, 0]
-    want = bias.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
-    torch.testing.assert_close(got, want)
-    with pytest.raises(TypeError, match="additive"):
-        mh.masks.as_mask(bias) | mh.causal()
-    with pytest.raises(TypeError, match="additive"):
-        ~mh.masks.as_mask(bias)
+def test_masks_are_boolean_and_a_float_mask_splits_into_pattern_and_bias():
+    from multihead.call import mask_and_score_mod
+
+    bias = torch.randn(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
+    with pytest.raises(TypeError, match="additive bias, not a mask"):
+        mh.masks.as_mask(bias)
+    mask, mod = mask_and_score_mod(bias, None)
+    assert torch.equal(mask.materialize(1, 1, 4, 4)[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert isinstance(mod, mh.scores.Bias) and mod.kind == "additive"
+    torch.testing.assert_close(mod.bias_block(1, 1, 0, 4, 0, 4)[0, 0], bias)
+
+
+def test_masks_compare_and_hash_by_value_tensors_by_identity():
+    assert mh.causal() == mh.causal() and hash(mh.causal()) == hash(mh.causal())
+    assert mh.causal() & mh.sliding_window(3) == mh.causal() & mh.sliding_window(3)
+    assert mh.causal() != mh.causal("top_left") and mh.sliding_window(3) != mh.sliding_window(4)
+    lengths = torch.tensor([3, 5])
+    assert mh.key_padding(lengths) == mh.key_padding(lengths)
+    assert mh.key_padding(lengths) != mh.key_padding(lengths.clone())  # a tensor is compared by identity
+    table = torch.ones(4, 4, dtype=torch.bool)
+    assert mh.masks.as_mask(table) == mh.masks.as_mask(table)  # two views of one tensor: one mask
+    assert len({mh.causal(), mh.causal(), mh.causal("top_left")}) == 2
+
+
+def test_building_a_mask_never_synchronises_with_the_host():
+    """Host copies for structural questions are made on first use, not at construction."""
+    kp = mh.key_padding(torch.tensor([3, 5]))
+    doc = mh.document(torch.tensor([0, 0, 1, 1]))
+    assert not any(k.endswith("_cache") for k in vars(kp)) and not any(k.endswith("_cache") for k in vars(doc))
+    assert kp.block_state(0, 2, 0, 3, 2, 5) is BlockState.FULL and "_max_cache" not in vars(kp)
+    assert kp.block_state(0, 2, 3, 5, 2, 5) is BlockState.PARTIAL and "_max_cache" in vars(kp)
+    assert doc.key_range(0, 2, 4, 4) == (0, 2) and "_sorted_cache" in vars(doc)
 
 
 def test_integer_masks_are_refused_with_a_hint():

@@ -18,8 +18,11 @@ def brute_force(q, k, v, mask, scale=None):
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     scale = 1 / math.sqrt(D) if scale is None else scale
-    mask = mh.masks.as_mask(mask)
-    dense = None if mask is None else mask.materialize(B, Hq, Lq, Lk, dtype=torch.float64)
+    from multihead.call import mask_and_score_mod
+
+    mask, bias = mask_and_score_mod(mask, None, check_binary=False)  # a float mask: its -inf pattern + a bias
+    dense = None if mask is None else mask.materialize(B, Hq, Lq, Lk)
+    added = None if bias is None else bias.bias_block(B, Hq, 0, Lq, 0, Lk, dtype=torch.float64)
     out = torch.zeros(B, Hq, Lq, Dv, dtype=torch.float64)
     lse = torch.full((B, Hq, Lq), -math.inf, dtype=torch.float64)
     for b in range(B):
@@ -29,12 +32,11 @@ def brute_force(q, k, v, mask, scale=None):
                 logits = []
                 for j in range(Lk):
                     s = float(q[b, h, i] @ k[b, g, j]) * scale
-                    if dense is not None:
-                        m = dense[b % dense.shape[0], h % dense.shape[1], i, j]
-                        if mask.is_additive:
-                            s = s + float(m)
-                        elif not bool(m):
-                            s = -math.inf
+                    if added is not None:
+                        s = s + float(added[b % added.shape[0], h % added.shape[1], i % added.shape[2],
+                                            j % added.shape[3]])
+                    if dense is not None and not bool(dense[b % dense.shape[0], h % dense.shape[1], i, j]):
+                        s = -math.inf
                     logits.append(s)
                 if all(x == -math.inf for x in logits):
                     continue
@@ -68,8 +70,10 @@ def test_reference_equals_brute_force_loop(case):
 def test_reference_equals_sdpa_math_fp64(case):
     """Where SDPA shares the feature (bool/additive masks, GQA via enable_gqa), fp64 agrees."""
     q, k, v, mask = make_inputs(case)
-    m = mh.masks.as_mask(mask)
-    dense = None if m is None else m.materialize(case.B, case.Hq, case.Lq, case.Lk, dtype=torch.float64)
+    from multihead.call import mask_and_score_mod
+
+    m, _ = mask_and_score_mod(mask, None, check_binary=False)
+    dense = mask if isinstance(mask, torch.Tensor) else None if m is None else m.materialize(case.B, case.Hq, case.Lq, case.Lk)
     empty = None if m is None else m.empty_rows(case.B, case.Hq, case.Lq, case.Lk)
     with sdpa_kernel(SDPBackend.MATH):
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=case.Hq != case.Hkv)

@@ -1,6 +1,6 @@
 """Backends: each declares what it supports, says why it refuses, and explains its plan."""
 
-from multihead.backends.base import Backend, Capabilities
+from multihead.backends.base import MASK_KINDS, SCORE_MOD_KINDS, Backend, Capabilities
 from multihead.backends.reference import ReferenceBackend
 from multihead.backends.registry import (
     AUTO_ORDER,
@@ -9,20 +9,22 @@ from multihead.backends.registry import (
     get_backend,
     register_backend,
     select_backend,
+    unregister_backend,
 )
 from multihead.backends.blocksparse import BlockSparseBackend
 from multihead.backends.flex import FlexBackend
 from multihead.backends.sdpa import SDPABackend
 
-register_backend(ReferenceBackend(), auto_rank=99)
-register_backend(SDPABackend(), auto_rank=0)
-# Before sdpa: it passes (auto_refusals) on what sdpa runs unmasked; see docs/performance.md.
-register_backend(BlockSparseBackend(), auto_rank=0)
-# After sdpa, and it passes on CPU (auto_refusals): compile ~1 min on 2 cores.
-register_backend(FlexBackend(), auto_rank=2)
+# The auto order, lower first (measured; docs/performance.md). blocksparse passes (auto_refusals)
+# on what sdpa runs as well: no mask, causal diagonals, small calls. flex passes on CPU (a minute
+# to compile on 2 cores). The oracle is last.
+register_backend(BlockSparseBackend(), priority=10)
+register_backend(SDPABackend(), priority=20)
+register_backend(FlexBackend(), priority=30)
+register_backend(ReferenceBackend(), priority=100)
 
 __all__ = [
-    "Backend", "Capabilities", "BackendRefusedError", "AUTO_ORDER",
-    "available_backends", "get_backend", "register_backend", "select_backend",
+    "Backend", "Capabilities", "MASK_KINDS", "SCORE_MOD_KINDS", "BackendRefusedError", "AUTO_ORDER",
+    "available_backends", "get_backend", "register_backend", "unregister_backend", "select_backend",
     "ReferenceBackend", "SDPABackend", "BlockSparseBackend", "FlexBackend",
 ]

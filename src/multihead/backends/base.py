@@ -2,36 +2,57 @@
 
 A backend never guesses silently: :meth:`Backend.refusals` lists every reason it cannot serve a
 call (empty list = it can), and :meth:`Backend.plan` says how it would run it. The dispatcher in
-:mod:`multihead.backends.registry` and :func:`multihead.explain` only read these.
+:mod:`multihead.backends.registry`, :func:`multihead.explain` and the test matrix
+(``tests/backends``) read the declared :class:`Capabilities`; most refusals follow from them.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from multihead.reference import AttentionResult
-from multihead.validation import AttentionCall
+from multihead.call import AttentionCall, AttentionResult
+from multihead.scores import ADDITIVE, ELEMENTWISE
 
-__all__ = ["Backend", "Capabilities"]
+__all__ = ["Backend", "Capabilities", "MASK_KINDS", "SCORE_MOD_KINDS"]
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+#: Every leaf mask kind (``Mask.kind``): bands, key padding, documents, bool tensors, custom
+#: functions, and masks read at explicit position tensors.
+MASK_KINDS = frozenset({"band", "key_padding", "document", "tensor", "custom", "positions"})
+#: Every score-modifier kind (``ScoreMod.kind``).
+SCORE_MOD_KINDS = frozenset({ADDITIVE, ELEMENTWISE})
+
+# The relative factor F of the test rule "err(x) <= F * err(naive in the same dtype) + floor"
+# (shared TESTING.md), for (outputs and LSE, gradients): 2 and 3 in fp16/bf16; fp32 about 10,
+# since online softmaxes and fused kernels reorder the sums. fp64 is compared with assert_close.
+DEFAULT_TOLERANCE = ((torch.float16, (2.0, 3.0)), (torch.bfloat16, (2.0, 3.0)), (torch.float32, (10.0, 10.0)))
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend supports, declared once. Tests are generated from these declarations."""
+    """What a backend supports, declared once as data: the dispatcher refuses calls outside it
+    and the backend test matrix is generated from it (a refusal there is a skip with reasons)."""
 
     device_types: frozenset = frozenset({"cpu", "cuda", "mps", "xpu"})
     dtypes: frozenset = FLOAT_DTYPES
-    masks: str = "every mask"  # a short sentence for docs and explain()
+    max_head_dim: int | None = None  # the largest D and Dv; None: any
+    mask_kinds: frozenset = MASK_KINDS
+    score_mods: frozenset = SCORE_MOD_KINDS
+    score_mod_grad: bool = True  # gradients of tensors a modifier reads (a trainable bias)
     gqa: bool = True
     dropout: bool = True
     injected_dropout: bool = False  # accepts dropout_mask=
-    lse: bool = True
+    native_lse: bool = False  # the kernel itself returns the LSE (else attention() recomputes it, one pass)
     grad: bool = True
+    tolerance: tuple = field(default=DEFAULT_TOLERANCE)  # ((dtype, (F outputs, F gradients)), ...)
+    masks: str = "every mask"  # a short sentence for docs and explain()
+
+    def tolerance_factor(self, dtype: torch.dtype, gradients: bool = False) -> float:
+        """``F`` of the relative error rule for this dtype (outputs/LSE, or gradients)."""
+        return dict(self.tolerance)[dtype][1 if gradients else 0]
 
 
 class Backend(abc.ABC):
@@ -45,20 +66,30 @@ class Backend(abc.ABC):
     def refusals(self, call: AttentionCall) -> list[str]:
         """Every reason this backend cannot serve ``call``; empty when it can."""
         caps, reasons = self.capabilities, []
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         if call.q.device.type not in caps.device_types:
             reasons.append(f"device type {call.q.device.type!r} not supported "
                            f"(supports {sorted(caps.device_types)})")
         if call.q.dtype not in caps.dtypes:
             reasons.append(f"dtype {call.q.dtype} not supported")
-        _, Hq, Hkv, *_ = call.shape
+        if caps.max_head_dim is not None and max(D, Dv) > caps.max_head_dim:
+            reasons.append(f"head dim {max(D, Dv)} > {caps.max_head_dim}")
         if Hq != Hkv and not caps.gqa:
             reasons.append("grouped-query attention (Hq != Hkv) not supported")
+        if call.mask is not None:
+            unsupported = sorted(call.mask.kinds() - caps.mask_kinds)
+            if unsupported:
+                reasons.append(f"mask kinds {unsupported} not supported ({caps.masks})")
+        if call.score_mod is not None:
+            if call.score_mod.kind not in caps.score_mods:
+                reasons.append(f"score modifier {call.score_mod._describe()} is {call.score_mod.kind}; "
+                               f"this backend runs {sorted(caps.score_mods) or 'none'}")
+            elif call.score_mod.requires_grad and not caps.score_mod_grad:
+                reasons.append("a score modifier tensor requires grad; this backend gives it no gradient")
         if call.dropout_p > 0 and not caps.dropout:
             reasons.append("dropout not supported")
         if call.dropout_mask is not None and not caps.injected_dropout:
             reasons.append("an injected dropout_mask is not supported (reference backend only)")
-        if call.return_lse and not caps.lse:
-            reasons.append("cannot return the log-sum-exp")
         if call.requires_grad and not caps.grad:
             reasons.append("no backward pass")
         return reasons
@@ -74,8 +105,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, call: AttentionCall) -> AttentionResult:
-        """Run ``call`` (already validated, not refused): the output, and the LSE when asked.
-        Weights are never asked of a backend: :func:`multihead.attention` derives them from the LSE."""
+        """Run ``call`` (already validated, not refused): the output, and the LSE when asked for
+        and the kernel gives it (``None`` otherwise: :func:`multihead.attention` then recomputes
+        it with the weights in one blockwise pass). Weights are never asked of a backend."""
 
     def __repr__(self) -> str:
         return f"<backend {self.name!r}: {self.summary}>"

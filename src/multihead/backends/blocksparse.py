@@ -12,11 +12,14 @@ Cost follows the *visible* area of the mask instead of the ``Lq x Lk`` square, a
 * the diagonal block of a causal edge (``causal()``, the right edge of ``sliding_window``) is
   passed as ``is_causal=True`` on a key range starting at the query block's aligned key;
 * runs of ``PARTIAL`` key blocks become one call with a small additive mask of that run only
-  (``mask.materialize_block``), e.g. the left edge of a sliding window or a document boundary.
+  (``mask.materialize_block``), e.g. the left edge of a sliding window or a document boundary;
+* an additive score modifier (a bias) is added to every piece as a block-sized ``attn_mask``
+  (:func:`multihead.scoring.additive_block`), never an ``Lq x Lk`` tensor; a bias that requires
+  grad gets ``dS`` of each piece in the backward.
 
 Each piece returns its output and log-sum-exp (PyTorch's CPU flash kernel,
 ``aten._scaled_dot_product_flash_attention_for_cpu``); pieces of one query block are merged
-with their LSE::
+with their LSE by :func:`multihead.merge_partials`::
 
     lse = log sum_i exp(lse_i)        out = sum_i exp(lse_i - lse) * out_i
 
@@ -36,11 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.backends.base import Backend, Capabilities
-from multihead.masks import And, Band, BlockState, Mask, TensorMask
-from multihead.masks.base import Not, Or, Shifted
-from multihead.reference import AttentionResult
-from multihead.validation import AttentionCall
+from multihead.backends.base import MASK_KINDS, Backend, Capabilities
+from multihead.call import AttentionCall, AttentionResult
+from multihead.conventions import lse_dtype
+from multihead.masks import And, Band, BlockState, Mask
+from multihead.merge import merge_partials
+from multihead.scores import ADDITIVE, ScoreMod
+from multihead.scoring import additive_block
 
 __all__ = ["BlockSparseBackend", "block_plan", "DEFAULT_BLOCK_SIZE"]
 
@@ -72,8 +77,12 @@ class BlockSparseBackend(Backend):
     capabilities = Capabilities(
         device_types=frozenset({"cpu"}),
         dropout=False,
+        native_lse=True,
+        # A plain tensor mask is already Lq x Lk: sdpa passes it to the kernel as it is.
+        mask_kinds=MASK_KINDS - {"tensor"},
+        score_mods=frozenset({ADDITIVE}),
         masks="structured masks (causal, sliding window, document, prefix-LM, key padding, custom, "
-              "and & | ~ of them); not plain tensor masks",
+              "positions, and & | ~ of them); not plain tensor masks",
     )
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
@@ -85,8 +94,6 @@ class BlockSparseBackend(Backend):
         reasons = super().refusals(call)
         if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
             reasons.append("this PyTorch has no CPU flash-attention kernel with a log-sum-exp")
-        if call.mask is not None and _has_tensor_mask(call.mask):
-            reasons.append("plain tensor masks are already Lq x Lk; sdpa passes them to the kernel as they are")
         return reasons
 
     def auto_refusals(self, call: AttentionCall) -> list[str]:
@@ -99,7 +106,7 @@ class BlockSparseBackend(Backend):
                     "the graph; sdpa traces into one"]
         if mask is None:
             return ["no mask: sdpa runs one fused call, as fast"]
-        offset = mask.causal_offset(Lq, Lk)
+        offset = mask.causal_offset(Lq, Lk) if call.score_mod is None else None
         if offset == 0 or (offset is not None and offset >= Lk - 1):
             return ["causal diagonal that sdpa passes as is_causal: sdpa is as fast"]
         if Lq * Lk < SMALL_CALL_ELEMENTS:
@@ -137,20 +144,22 @@ class BlockSparseBackend(Backend):
             q, k = F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D))
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
-        out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, call.scale, blocks)
+        mods = call.score_mod
+        out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, mods, call.scale, blocks,
+                                               *(mods.tensors() if mods is not None else ()))
         if Dv < D:
             out = out[..., :Dv]
         return AttentionResult(out, None, lse if call.return_lse else None)
 
     def _plan(self, call: AttentionCall) -> tuple[QueryBlock, ...]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        key = (id(call.mask), B, Hq, Lq, Lk, self.block_size)
+        key = (call.mask, B, Hq, Lq, Lk, self.block_size)  # by value; the key holds the mask's tensors alive
         cached = self._plans.get(key)
-        if cached is not None and cached[0] is call.mask:
+        if cached is not None:
             self._plans.move_to_end(key)
-            return cached[1]
+            return cached
         blocks = block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
-        self._plans[key] = (call.mask, blocks)  # the mask is kept so that its id is not reused
+        self._plans[key] = blocks
         while len(self._plans) > 32:
             self._plans.popitem(last=False)
         return blocks
@@ -243,8 +252,9 @@ def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
     parts = mask.parts if isinstance(mask, And) else (mask,)
     uppers, rest = [], []
     for p in parts:
-        if isinstance(p, Band) and p.right is not None:
-            uppers.append(p._offset(q_len, kv_len) + p.right)
+        window = p.window(q_len, kv_len) if isinstance(p, Band) else None
+        if window is not None and window.hi is not None:
+            uppers.append(window.hi)
             if p.left is not None:
                 rest.append(Band(p.left, None, p.align, name="sliding_window"))
         else:
@@ -255,54 +265,41 @@ def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
     return min(uppers), rest_mask
 
 
-def _has_tensor_mask(mask: Mask) -> bool:
-    if isinstance(mask, TensorMask):
-        return True
-    if isinstance(mask, (And, Or)):
-        return any(_has_tensor_mask(p) for p in mask.parts)
-    if isinstance(mask, (Not, Shifted)):
-        return _has_tensor_mask(mask.inner)
-    return False
-
-
 # ----------------------------------------------------------------------------------- kernels
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _piece_mask(mask: Mask, q: Tensor, blk: QueryBlock, piece: Piece, q_len: int, kv_len: int):
-    """The additive mask of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype, the rows
-    (``(B|1, Hq|1, rows)`` bool) that see no key of the piece, and the keys (``(B|1, 1, keys, 1)``)
-    that no row of the piece sees."""
-    B, Hq = q.shape[0], q.shape[1]
-    block = mask.materialize_block(B, Hq, blk.q0, blk.q1, q_len, kv_len, q.device, q.dtype, piece.k0, piece.k1)
-    if mask.is_additive:
-        visible = ~torch.isneginf(block)
-        bias = block
-    else:
-        visible = block
-        bias = torch.zeros(block.shape, dtype=q.dtype, device=q.device).masked_fill_(~block, float("-inf"))
+def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece,
+                q_len: int, kv_len: int):
+    """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype (``None``
+    when the kernel needs none), the rows (``(B|1, Hq|1, rows)`` bool) that see no key of the
+    piece, and the keys (``(B|1, 1, keys, 1)``) that no row of the piece sees."""
+    if mods is None and piece.kind != _MASKED:
+        return None, None, None
+    # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
+    piece_mask = None if piece.kind == _FULL else mask
+    bias, visible = additive_block(piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0, piece.k1,
+                                   q_len, kv_len, q.device, q.dtype)
     return bias, ~visible.any(-1), ~visible.any(-2).any(1, keepdim=True).unsqueeze(-1)
 
 
-def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor) -> tuple[Tensor, Tensor]:
+def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
     """Keys no query of a piece may see can hold anything (NaN beyond a length); the kernel
     computes ``0 * value`` for them and ``0 * NaN = NaN``, so they are zeroed."""
-    if not bool(unseen.any()):
+    if unseen is None or not bool(unseen.any()):
         return kb, vb
     zero = torch.zeros((), dtype=kb.dtype, device=kb.device)
     return torch.where(unseen, zero, kb), torch.where(unseen, zero, vb)
 
 
-def _run_piece(q, k, v, mask, scale, blk, piece, q_len, kv_len):
+def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len):
     """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0:blk.q1]
     kb, vb = k[:, :, piece.k0:piece.k1], v[:, :, piece.k0:piece.k1]
-    if piece.kind == _FULL:
-        return _flash(qb, kb, vb, 0.0, False, scale=scale)
-    if piece.kind == _CAUSAL:
-        return _flash(qb, kb, vb, 0.0, True, scale=scale)
-    bias, empty, unseen = _piece_mask(mask, q, blk, piece, q_len, kv_len)
+    bias, empty, unseen = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len)
+    if bias is None:
+        return _flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale)
     kb, vb = _zero_unseen(kb, vb, unseen)
     out, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
     if bool(empty.any()):  # the kernel gives such rows LSE 0; they must weigh nothing in the merge
@@ -313,29 +310,24 @@ def _run_piece(q, k, v, mask, scale, blk, piece, q_len, kv_len):
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, blocks):
+    def forward(ctx, q, k, v, mask, mods, scale, blocks, *mod_tensors):
         B, Hq, Lq, _ = q.shape
         Lk, Dv = k.shape[2], v.shape[3]
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
-        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
         for blk in blocks:
-            parts = [_run_piece(q, k, v, mask, scale, blk, p, Lq, Lk) for p in blk.pieces]
+            parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk) for p in blk.pieces]
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
             if len(parts) == 1:
                 out[:, :, blk.q0:blk.q1], lse[:, :, blk.q0:blk.q1] = parts[0]
                 continue
-            lses = torch.stack([p[1].expand(B, Hq, -1) for p in parts])  # (pieces, B, Hq, rows)
-            total = torch.logsumexp(lses, dim=0)
-            safe = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
-            acc = None
-            for (o, _), piece_lse in zip(parts, lses):
-                w = torch.exp(piece_lse - safe).unsqueeze(-1)  # 0 for rows the piece does not see
-                acc = o.to(w.dtype) * w if acc is None else acc.addcmul_(o.to(w.dtype), w)
-            out[:, :, blk.q0:blk.q1] = acc
+            outs, lses = zip(*parts)
+            merged, total = merge_partials(list(outs), [l.expand(B, Hq, -1) for l in lses])
+            out[:, :, blk.q0:blk.q1] = merged
             lse[:, :, blk.q0:blk.q1] = total
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.scale, ctx.blocks = mask, scale, blocks
+        ctx.mask, ctx.mods, ctx.scale, ctx.blocks = mask, mods, scale, blocks
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -343,6 +335,7 @@ class _BlockSparseAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        mods = ctx.mods
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if grad_lse is not None:
@@ -354,10 +347,13 @@ class _BlockSparseAttention(torch.autograd.Function):
             out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
             grad_out = torch.cat([grad_out, -grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1)
         Lq, Lk = q.shape[2], k.shape[2]
-        acc_dtype = _lse_dtype(q)
+        acc_dtype = lse_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+        mod_tensors = mods.tensors() if mods is not None else ()
+        wants_mod_grad = [t.requires_grad for t in mod_tensors]
+        d_mods = [torch.zeros_like(t) if w else None for t, w in zip(mod_tensors, wants_mod_grad)]
         # Fully masked rows: LSE +inf makes every probability exp(s - inf) = 0, so no NaN.
         lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
         for blk in ctx.blocks:
@@ -365,23 +361,52 @@ class _BlockSparseAttention(torch.autograd.Function):
                 continue
             rows = slice(blk.q0, blk.q1)
             go, qb, ob = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows]
-            lb = lse_b[:, :, rows].to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+            lb = lse_b[:, :, rows].to(acc_dtype)
             for p in blk.pieces:
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
-                bias = None
-                if p.kind == _MASKED:
-                    bias, _, unseen = _piece_mask(ctx.mask, q, blk, p, Lq, Lk)
-                    kb, vb = _zero_unseen(kb, vb, unseen)
-                g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lb, 0.0, p.kind == _CAUSAL,
-                                                attn_mask=bias, scale=ctx.scale)
+                bias, _, unseen = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk)
+                kb, vb = _zero_unseen(kb, vb, unseen)
+                causal = bias is None and p.kind == _CAUSAL
+                g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lb, 0.0, causal, attn_mask=bias, scale=ctx.scale)
                 dq[:, :, rows] += g_q
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
+                if any(wants_mod_grad):
+                    _accumulate_mod_grads(mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lb, bias, ctx.scale),
+                                          blk, p)
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_mods)
 
 
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
+    """``dS = P (dP - rowsum(dO O))`` of one piece ``(B, Hq, rows, keys)``: the gradient of the
+    scores, which an additive bias receives as it is. Memory: one piece."""
+    B, Hq, rows, _ = qb.shape
+    Hkv, keys = kb.shape[1], kb.shape[2]
+    acc = lb.dtype
+    fold = lambda x: x.to(acc).reshape(B, Hkv, (Hq // Hkv) * rows, x.shape[-1])  # query head h -> KV head h // G
+    s = torch.matmul(fold(qb), kb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys) * scale
+    if bias is not None:
+        s = s + bias.to(acc)
+    p = torch.exp(s - lb.unsqueeze(-1))  # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+    dp = torch.matmul(fold(go), vb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys)
+    delta = (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
+    return p * (dp - delta)
+
+
+def _accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:
+    """Add ``dS`` of one piece to the gradients of the tensors an additive modifier reads, through
+    the same ``bias_block`` the forward used (autograd of a slice: memory of one piece)."""
+    with torch.enable_grad():
+        block = mods.bias_block(ds.shape[0], ds.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, ds.device, ds.dtype)
+        reduce = [d for d in range(4) if block.shape[d] == 1 and ds.shape[d] != 1]
+        grad_block = ds.sum(dim=reduce, keepdim=True) if reduce else ds
+        needed = [t for t in tensors if t.requires_grad]
+        found = iter(torch.autograd.grad(block, needed, grad_block, allow_unused=True))
+    for i, t in enumerate(tensors):
+        if t.requires_grad:
+            g = next(found)
+            if g is not None:
+                grads[i] += g.to(grads[i].dtype)

@@ -1,14 +1,15 @@
 """The ``reference`` backend: :func:`multihead.reference.reference_attention` behind the registry.
 
-Supports everything (every mask, GQA, dropout including an injected ``dropout_mask``, weights,
-LSE); materializes the full ``(B, Hq, Lq, Lk)`` scores, so it is the choice of last resort.
+Supports everything (every mask, every score modifier with gradients, GQA, dropout including an
+injected ``dropout_mask``, the LSE); materializes the full ``(B, Hq, Lq, Lk)`` scores, so it is
+the choice of last resort.
 """
 
 from __future__ import annotations
 
 from multihead.backends.base import Backend, Capabilities
-from multihead.reference import AttentionResult, reference_attention
-from multihead.validation import AttentionCall
+from multihead.call import AttentionCall, AttentionResult
+from multihead.reference import reference_attention
 
 __all__ = ["ReferenceBackend"]
 
@@ -16,7 +17,7 @@ __all__ = ["ReferenceBackend"]
 class ReferenceBackend(Backend):
     name = "reference"
     summary = "plain PyTorch, every feature, O(Lq*Lk) memory; the oracle"
-    capabilities = Capabilities(injected_dropout=True)
+    capabilities = Capabilities(injected_dropout=True, native_lse=True)
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
@@ -24,6 +25,6 @@ class ReferenceBackend(Backend):
                 "softmax accumulated in fp32 for fp16/bf16 inputs"]
 
     def forward(self, call: AttentionCall) -> AttentionResult:
-        result = reference_attention(call.q, call.k, call.v, mask=call.mask, scale=call.scale,
-                                     dropout_p=call.dropout_p, dropout_mask=call.dropout_mask)
+        result = reference_attention(call.q, call.k, call.v, mask=call.mask, score_mod=call.score_mod,
+                                     scale=call.scale, dropout_p=call.dropout_p, dropout_mask=call.dropout_mask)
         return AttentionResult(result.output, None, result.lse if call.return_lse else None)

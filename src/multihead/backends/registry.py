@@ -1,19 +1,22 @@
 """The backend registry and the ``auto`` choice.
 
-``auto`` takes the first backend, in :data:`AUTO_ORDER`, that raises no refusal. The order is a
-decision table kept in one place (rationale in ``docs/performance.md``). Forcing a backend that
+``auto`` takes the first backend, in :data:`AUTO_ORDER`, that raises no refusal. The order comes
+from the explicit ``priority`` each backend is registered with (lower first; never the import
+order), a decision table kept in one place (rationale in ``docs/performance.md``). Forcing a backend that
 refuses a call raises an error that lists its reasons. No environment variable changes this.
 """
 
 from __future__ import annotations
 
 from multihead.backends.base import Backend
-from multihead.validation import AttentionCall
+from multihead.call import AttentionCall
 
-__all__ = ["register_backend", "get_backend", "available_backends", "select_backend", "BackendRefusedError"]
+__all__ = ["register_backend", "unregister_backend", "get_backend", "available_backends", "select_backend",
+           "BackendRefusedError", "AUTO_ORDER"]
 
 _REGISTRY: dict[str, Backend] = {}
-#: The order ``auto`` tries backends in: fastest general path first, the oracle last.
+_PRIORITY: dict[str, int] = {}
+#: The order ``auto`` tries backends in (by priority): fastest general path first, the oracle last.
 AUTO_ORDER: list[str] = []
 
 
@@ -21,16 +24,32 @@ class BackendRefusedError(ValueError):
     """A forced backend cannot serve the call; the message lists why."""
 
 
-def register_backend(backend: Backend, *, auto_rank: int | None = None) -> Backend:
-    """Add ``backend``; ``auto_rank`` places it in the ``auto`` order (``None``: never automatic)."""
+def register_backend(backend: Backend, *, priority: int | None = None) -> Backend:
+    """Add ``backend`` (replacing one of the same name). ``priority`` places it in the ``auto``
+    order, lower first (ties by name); ``None``: never chosen automatically, only by name."""
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend expects a multihead Backend, got {type(backend).__name__}")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise TypeError(f"register_backend: priority must be an int or None, got {priority!r}")
     _REGISTRY[backend.name] = backend
-    if backend.name in AUTO_ORDER:
-        AUTO_ORDER.remove(backend.name)
-    if auto_rank is not None:
-        AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), backend.name)
+    _PRIORITY.pop(backend.name, None)
+    if priority is not None:
+        _PRIORITY[backend.name] = priority
+    _order()
     return backend
+
+
+def unregister_backend(name: str) -> Backend:
+    """Remove a registered backend (and its place in the ``auto`` order); returns it."""
+    backend = get_backend(name)
+    del _REGISTRY[name]
+    _PRIORITY.pop(name, None)
+    _order()
+    return backend
+
+
+def _order() -> None:
+    AUTO_ORDER[:] = sorted(_PRIORITY, key=lambda n: (_PRIORITY[n], n))
 
 
 def available_backends() -> list[str]:

@@ -5,13 +5,15 @@ How a call is passed on, in order of preference:
 * mask: ``None`` when nothing is masked; ``is_causal=True`` when the mask is exactly a causal
   diagonal that SDPA's top-left ``is_causal`` expresses (top-left, or bottom-right with
   ``Lq == Lk``); otherwise the mask is materialized, at its broadcast shape, as a last resort.
+* score modifiers: additive ones only, materialized with the mask as one additive ``attn_mask``
+  (:func:`multihead.scoring.additive_block`); their tensors get gradients through it.
 * GQA: SDPA's ``enable_gqa`` when PyTorch will run it on a fused kernel; otherwise K/V are
   expanded as a view when ``Hkv == 1`` and repeated by the grouped mapping when not.
 * fully masked rows: SDPA's behaviour differs across versions and kernels, so such rows are
   opened to every key before the call and zeroed after; no NaN enters forward or backward.
 * LSE, only when asked for: on CPU without autograd, from the same call of PyTorch's CPU flash
-  kernel; otherwise recomputed block by block from ``q``, ``k`` and the mask
-  (:mod:`multihead.blockwise`), which costs one extra ``QK^T``.
+  kernel; otherwise ``None``, and :func:`multihead.attention` recomputes it (with the weights,
+  in one blockwise pass).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities
+from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
-from multihead.blockwise import lse_by_blocks
-from multihead.reference import AttentionResult
-from multihead.validation import AttentionCall
+from multihead.scores import ADDITIVE
+from multihead.scoring import additive_block
 
 __all__ = ["SDPABackend", "pytorch_kernel"]
 
@@ -33,6 +35,8 @@ class SDPABackend(Backend):
     name = "sdpa"
     summary = "torch.nn.functional.scaled_dot_product_attention (fused kernels)"
     capabilities = Capabilities(
+        score_mods=frozenset({ADDITIVE}),
+        native_lse=True,
         masks="every mask; causal diagonals as is_causal, others materialized at broadcast shape",
     )
 
@@ -48,7 +52,7 @@ class SDPABackend(Backend):
         if call.return_lse and _one_pass_lse(call):
             lines.append("log-sum-exp from the same kernel call (aten._scaled_dot_product_flash_attention_for_cpu)")
         elif call.return_lse:
-            lines.append("log-sum-exp recomputed block by block from q, k and the mask (one extra QK^T)")
+            lines.append("log-sum-exp: none from this kernel; recomputed with the weights in one blockwise pass")
         return lines
 
     def forward(self, call: AttentionCall) -> AttentionResult:
@@ -59,8 +63,7 @@ class SDPABackend(Backend):
             out = F.scaled_dot_product_attention(
                 args.q, args.k, args.v, attn_mask=args.attn_mask, dropout_p=call.dropout_p,
                 is_causal=args.is_causal, scale=call.scale, enable_gqa=args.enable_gqa)
-            # The public SDPA returns no LSE: recomputed block by block, only when asked for.
-            lse = lse_by_blocks(call.q, call.k, call.mask, call.scale) if call.return_lse else None
+            lse = None  # the public SDPA returns none: attention() recomputes it when asked for
         if args.empty_rows is not None:
             out = out.masked_fill(args.empty_rows.unsqueeze(-1), 0.0)
             if lse is not None:
@@ -75,8 +78,9 @@ class _Arguments:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         q, k, v, mask = call.q, call.k, call.v, call.mask
         self.is_causal, self.attn_mask, self.empty_rows = False, None, None
-        offset = None if mask is None else mask.causal_offset(Lq, Lk)
-        if mask is None:
+        mods = call.score_mod
+        offset = None if mask is None or mods is not None else mask.causal_offset(Lq, Lk)
+        if mask is None and mods is None:
             self.mask_note = "mask: none"
         elif offset == 0:
             self.is_causal = True
@@ -84,26 +88,30 @@ class _Arguments:
         elif offset is not None and offset >= Lk - 1:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
-            dense = mask.materialize(B, Hq, Lq, Lk, device=q.device, dtype=q.dtype)
             # Eagerly, the two fix-ups below are skipped when they change nothing; under
             # torch.compile they always run, so that no data-dependent branch breaks the graph.
             compiling = _compiling()
-            empty = mask._empty_rows(B, Hq, Lq, Lk, device=q.device)
+            if mods is None:
+                dense = visible = mask.materialize(B, Hq, Lq, Lk, device=q.device)
+                empty = mask._empty_rows(B, Hq, Lq, Lk, device=q.device)
+            else:
+                dense, visible = additive_block(mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, q.device, q.dtype)
+                empty = ~visible.any(-1)
             if compiling or bool(empty.any()):
                 self.empty_rows = empty
                 opened = empty.unsqueeze(-1)
-                dense = torch.where(opened, torch.zeros((), dtype=dense.dtype, device=q.device), dense) \
-                    if mask.is_additive else dense | opened
+                dense = dense | opened if dense.dtype == torch.bool else \
+                    torch.where(opened, torch.zeros((), dtype=dense.dtype, device=q.device), dense)
             self.attn_mask = dense
             # Keys that no query may see can hold anything (NaN beyond a length): zero them, since
             # the fused kernels compute 0 * value for them and 0 * NaN = NaN.
-            visible = ~torch.isneginf(dense) if mask.is_additive else dense
             unseen = ~visible.any(dim=-2).any(dim=1, keepdim=True).unsqueeze(-1)  # (B|1, 1, Lk, 1)
             if compiling or bool(unseen.any()):
                 zero = torch.zeros((), dtype=q.dtype, device=q.device)
                 k, v = torch.where(unseen, zero, k), torch.where(unseen, zero, v)
-            kind = "additive" if mask.is_additive else "bool"
-            self.mask_note = f"mask: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
+            kind = "bool" if dense.dtype == torch.bool else "additive"
+            what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
+            self.mask_note = f"{what}: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
         self.enable_gqa = False
         if Hq == Hkv:
             self.gqa_note = "heads: Hq == Hkv"

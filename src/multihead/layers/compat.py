@@ -42,7 +42,9 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
-from multihead.masks import Mask, as_mask, bias, causal
+from multihead.call import mask_and_score_mod
+from multihead.masks import Mask, as_mask, causal
+from multihead.scores import ScoreMod
 
 __all__ = ["MultiheadAttention"]
 
@@ -143,7 +145,7 @@ class MultiheadAttention(nn.Module):
         B, L = dims(query, bf)
         S = dims(key, bf)[1]
         extra = int(self.bias_k is not None) + int(self.add_zero_attn)  # keys appended after the S given
-        mask = self._mask(key_padding_mask, attn_mask, is_causal, B, L, S, extra, batched, query.device)
+        mask, score_mod = self._mask(key_padding_mask, attn_mask, is_causal, B, L, S, extra, batched, query.device)
 
         q, k, v = self._project(query, key, value)  # (B, L, E), (B, S, E), (B, S, E); L, S first if not bf
         if self.bias_k is not None:
@@ -155,7 +157,7 @@ class MultiheadAttention(nn.Module):
         k = split_heads(k, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
         v = split_heads(v, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
 
-        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask,
+        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
                                     dropout_p=self.dropout if self.training else 0.0,
                                     need_weights=need_weights)  # (B, L, E), (B, H, L, S+extra) or None
         if not batched:
@@ -183,8 +185,9 @@ class MultiheadAttention(nn.Module):
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
     def _mask(self, key_padding_mask, attn_mask, is_causal: bool, B: int, L: int, S: int, extra: int,
-              batched: bool, device: torch.device) -> Mask | None:
-        """PyTorch's masks as one `multihead` mask over ``(B, H, L, S + extra)``.
+              batched: bool, device: torch.device) -> tuple[Mask | None, ScoreMod | None]:
+        """PyTorch's masks as one `multihead` mask over ``(B, H, L, S + extra)``, and the additive
+        bias of a float mask as a score modifier.
 
         Bool masks are inverted here (PyTorch: ``True`` = blocked) into ``True`` = may attend;
         the appended ``bias_k``/zero keys are visible to every query, as in PyTorch.
@@ -225,11 +228,11 @@ class MultiheadAttention(nn.Module):
             causal_mask = None
         combined = _combine([_pad_keys(p, extra) for p in parts])
         if combined is None:
-            return causal_mask
-        # PyTorch's float masks are additive whatever their values: say so (bias), so that a
-        # 0/1 float attn_mask keeps PyTorch's meaning here instead of being refused.
-        combined = bias(combined, name="attn_mask") if combined.is_floating_point() else as_mask(combined, name="attn_mask")
-        return combined if causal_mask is None else combined & causal_mask
+            return causal_mask, None
+        # PyTorch's float masks are additive whatever their values (a 0/1 float attn_mask keeps
+        # PyTorch's meaning here instead of being refused): its -inf pattern and a bias.
+        combined, score_mod = mask_and_score_mod(combined, None, check_binary=False)
+        return (combined if causal_mask is None else combined & causal_mask), score_mod
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -35,7 +35,9 @@ from multihead.caches import KVCache
 from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
-from multihead.masks import Mask, as_mask
+from multihead.call import mask_and_score_mod
+from multihead.masks import Mask
+from multihead.scores import ScoreMod
 from multihead.masks import causal as causal_mask
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
@@ -118,6 +120,7 @@ class MultiHeadAttention(nn.Module):
         # Masks are immutable, so the causal mask is built once (no object creation per call,
         # nothing for torch.compile to trace).
         self._causal_mask = causal_mask() if causal else None
+        self._combined: dict = {}  # call mask -> call mask & causal(), by value (_combined_mask)
 
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=q_bias, **factory)
@@ -128,7 +131,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
-                need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                need_weights: bool = False, score_mod: ScoreMod | list | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``, or to the cached tokens and ``query`` itself.
 
         Args:
@@ -150,6 +153,8 @@ class MultiHeadAttention(nn.Module):
                 the new keys up to itself. A call that raises leaves the cache unchanged.
             need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` used for the output
                 (before dropout). Off by default: the fast path never computes them.
+            score_mod: a :mod:`multihead.scores` modifier (or list) for this call, as in
+                :func:`multihead.attention`.
 
         Returns:
             ``(B, Lq, E)`` (``(Lq, B, E)``), or ``(output, weights)`` when ``need_weights``.
@@ -170,7 +175,7 @@ class MultiHeadAttention(nn.Module):
         B, Lq = dims(query, self.batch_first)
         past = 0 if kv_cache is None else kv_cache.length
         Lk = dims(key, self.batch_first)[1] if kv_cache is None else past + Lq  # T with a cache
-        mask = self._combined_mask(mask, B, Lq, Lk)
+        mask, score_mod = self._combined_mask(mask, score_mod, B, Lq, Lk)
         if positions is not None:
             positions = _check_positions(layer, positions, B, Lq, query.device)
         elif self.rope is not None:
@@ -188,7 +193,7 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, Hkv, T, D): the cached keys, then these
 
-        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask,
+        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
                                     dropout_p=self.dropout if self.training else 0.0,
                                     need_weights=need_weights, backend=self.backend)  # (B, Lq, E)
         if not self.batch_first:
@@ -196,17 +201,32 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if need_weights else out
 
     # ------------------------------------------------------------------------------ helpers
-    def _combined_mask(self, mask, B: int, Lq: int, Lk: int) -> Mask | None:
-        """The call's mask, checked against ``(B, Hq, Lq, Lk)`` before any work, ``& causal()``.
+    def _combined_mask(self, mask, score_mod, B: int, Lq: int, Lk: int) -> tuple[Mask | None, ScoreMod | None]:
+        """The call's mask (and score modifier), checked against ``(B, Hq, Lq, Lk)`` before any
+        work, ``& causal()``. A float mask is split as :func:`multihead.attention` splits it.
 
         With a cache ``Lk = T``: the same bottom-right ``causal()`` object serves prefill
-        (``Lq = T``) and every later step (``Lq < T``), see :mod:`multihead.caches.base`."""
-        mask = as_mask(mask)
+        (``Lq = T``) and every later step (``Lq < T``), see :mod:`multihead.caches.base`. The
+        combination is built once per distinct mask value (masks hash by value) and reused, so
+        backends' plan caches see the same mask on every call."""
+        mask, score_mod = mask_and_score_mod(mask, score_mod)
         if mask is not None:
             mask.check(B, self.num_heads, Lq, Lk)
+        if score_mod is not None:
+            score_mod.check(B, self.num_heads, Lq, Lk)
         if self._causal_mask is None:
-            return mask
-        return self._causal_mask if mask is None else mask & self._causal_mask
+            return mask, score_mod
+        if mask is None:
+            return self._causal_mask, score_mod
+        if torch.compiler.is_compiling():  # traced once; a Python dict lookup would break the graph
+            return mask & self._causal_mask, score_mod
+        combined = self._combined.get(mask)
+        if combined is None:
+            combined = mask & self._causal_mask
+            if len(self._combined) >= 8:  # a handful of distinct masks per layer; bounded
+                self._combined.pop(next(iter(self._combined)))
+            self._combined[mask] = combined
+        return combined, score_mod
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The three input projections, as one matmul where the inputs allow it.

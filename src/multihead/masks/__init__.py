@@ -1,16 +1,18 @@
-"""Masks as immutable, composable objects: ``causal() & sliding_window(512)``.
+"""Masks as immutable, composable boolean objects: ``causal() & sliding_window(512)``.
 
 ``True`` means *may attend*; see :mod:`multihead.conventions` for alignment and polarity.
+Masks are read at absolute positions of the whole attention (:meth:`Mask.shifted`,
+:meth:`Mask.at`). What is added to the scores lives in :mod:`multihead.scores`.
 """
 
-from multihead.masks.band import Band, causal, sliding_window
-from multihead.masks.base import And, BlockState, Mask, Not, Or, Shifted
+from multihead.masks.band import Band, Window, causal, sliding_window
+from multihead.masks.base import And, BlockState, Mask, Not, Or, Positioned, register_coercion
 from multihead.masks.document import Document, document
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
 from multihead.masks.tensor import Custom, TensorMask, as_mask, bias, custom
 
 __all__ = [
-    "Mask", "BlockState", "And", "Or", "Not", "Shifted",
+    "Mask", "BlockState", "And", "Or", "Not", "Positioned", "Window", "register_coercion",
     "causal", "sliding_window", "key_padding", "prefix_lm", "document", "custom", "as_mask", "bias",
     "Band", "KeyPadding", "Document", "TensorMask", "Custom",
 ]

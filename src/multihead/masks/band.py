@@ -17,12 +17,21 @@ top-left; see :mod:`multihead.conventions`) and may see keys ``j`` with::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from multihead.conventions import check_align, resolve_alignment_offset
 from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
-__all__ = ["causal", "sliding_window", "Band"]
+__all__ = ["causal", "sliding_window", "Band", "Window"]
+
+
+class Window(NamedTuple):
+    """Query ``i`` sees keys ``i + lo .. i + hi`` (inclusive); ``None`` is unbounded."""
+
+    lo: int | None
+    hi: int | None
 
 
 def causal(align: str = "bottom_right") -> "Band":
@@ -48,8 +57,18 @@ def sliding_window(left: int, right: int | None = 0, align: str = "bottom_right"
 class Band(Mask):
     """Keys within ``[i + offset - left, i + offset + right]``; ``None`` means unbounded."""
 
+    kind = "band"
+
     def __init__(self, left: int | None, right: int | None, align: str, name: str = "band"):
         self._set(left=left, right=right, align=align, name=name)
+
+    def depends_on_lengths(self) -> bool:
+        return self.align == "bottom_right"
+
+    def window(self, q_len: int, kv_len: int) -> Window:
+        """The visible keys of query ``i`` relative to ``i``, in an attention of ``q_len x kv_len``."""
+        off = self._offset(q_len, kv_len)
+        return Window(None if self.left is None else off - self.left, None if self.right is None else off + self.right)
 
     def _offset(self, q_len: int, kv_len: int) -> int:
         return resolve_alignment_offset(self.align, q_len, kv_len)

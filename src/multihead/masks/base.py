@@ -1,17 +1,25 @@
-"""The `Mask` base class, its combinators (``&``, ``|``, ``~``) and shifting.
+"""The `Mask` base class, its combinators (``&``, ``|``, ``~``) and evaluation at positions.
 
-A mask is an immutable predicate over ``(b, h, q_idx, kv_idx)``: ``True`` means the query may
-attend to the key (see :mod:`multihead.conventions`). Every mask answers three kinds of question:
+A mask is an immutable boolean predicate over ``(b, h, q_pos, kv_pos)``: ``True`` means the query
+may attend to the key (see :mod:`multihead.conventions`). Masks only allow or block; what is
+*added* to the scores (biases, softcap, ...) is a score modifier (:mod:`multihead.scores`).
+
+Positions are absolute: a mask is evaluated at query and key positions *within the whole
+attention* of ``Lq x Lk`` (the ``q_len``/``kv_len`` every method takes). A block of that attention
+(a cache step, a ring step, a tile of a kernel) is the same mask read at shifted positions, with
+the whole attention's lengths, never the block's: :meth:`Mask.shifted` and :meth:`Mask.at`.
+
+Every mask answers three kinds of question:
 
 * **meaning**: :meth:`Mask.mask_mod` on index tensors, the single source of truth;
-* **dense form**: :meth:`Mask.materialize` (built from ``mask_mod`` unless a subclass knows
-  better) and a text picture in ``repr``/:meth:`Mask.to_string`;
+* **dense form**: :meth:`Mask.materialize` / :meth:`Mask.materialize_block` and a text picture in
+  ``repr``/:meth:`Mask.to_string`;
 * **structure**, for backends that must not build an ``Lq x Lk`` tensor:
   :meth:`Mask.causal_offset`, :meth:`Mask.key_range`, :meth:`Mask.block_state`,
-  :meth:`Mask.empty_rows`.
+  :meth:`Mask.empty_rows`, :meth:`Mask.kinds`.
 
-Alignment-dependent masks (bottom-right causal, windows) resolve their diagonal with the
-lengths of the call; :meth:`Mask.mask_mod` without lengths assumes ``Lq == Lk``.
+Masks compare and hash by value (tensors inside them by identity), so caches of plans key on
+what a mask means, not on which Python object carries it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["Mask", "BlockState", "And", "Or", "Not", "Shifted", "UNBOUNDED"]
+__all__ = ["Mask", "BlockState", "And", "Or", "Not", "Positioned", "UNBOUNDED", "register_coercion", "tensor_identity"]
 
 # Rows evaluated at a time when a generic question has to look at the mask element by element:
 # bounds the memory of those fallbacks to about this many booleans.
@@ -31,6 +39,15 @@ _CHUNK_ELEMENTS = 1 << 22
 _PICTURE_SIZE = 8
 #: "No limit" for an unbounded side of a key range, before clamping to ``[0, Lk)``.
 UNBOUNDED = 1 << 62
+
+# How objects that are not masks (a bool tensor) become one on either side of ``& |``. Filled by
+# the modules that define such masks (masks/tensor.py), so this module imports none of them.
+_COERCIONS: list[tuple[type, Callable]] = []
+
+
+def register_coercion(kind: type, to_mask: Callable[[object], "Mask"]) -> None:
+    """Let objects of ``kind`` stand for a mask in ``&``/``|`` (``to_mask`` converts them)."""
+    _COERCIONS.append((kind, to_mask))
 
 
 class BlockState(enum.Enum):
@@ -42,10 +59,11 @@ class BlockState(enum.Enum):
 
 
 class Mask(abc.ABC):
-    """Base class of all masks. Subclasses implement :meth:`_mod` and :meth:`_describe`."""
+    """Base class of all masks. Subclasses implement :meth:`_mod` and :meth:`_describe` and set
+    ``kind`` (the name backends declare support for). Fields set with :meth:`_set` are the mask's
+    value; names starting with ``_`` are derived caches, not part of the value."""
 
-    #: A float mask adds a bias to the scores; a boolean mask only allows or blocks.
-    is_additive: bool = False
+    kind: str = "mask"
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable; build a new mask instead")
@@ -54,14 +72,44 @@ class Mask(abc.ABC):
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
+    # ----------------------------------------------------------------------------- value
+    def _value(self) -> tuple:
+        fields = sorted((k, v) for k, v in vars(self).items() if not k.startswith("_"))
+        return (type(self),) + tuple((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mask) and self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+    def _cached(self, name: str, compute: Callable):
+        """A derived value computed on first use (host synchronisation happens here, when a
+        structural question needs it, never when the mask is built)."""
+        try:
+            return object.__getattribute__(self, name)
+        except AttributeError:
+            value = compute()
+            object.__setattr__(self, name, value)
+            return value
+
     # ----------------------------------------------------------------------------- meaning
     @abc.abstractmethod
     def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
-        """The predicate on broadcastable index tensors: ``True`` where the query may attend."""
+        """The predicate on broadcastable position tensors within an attention of ``q_len x kv_len``."""
 
     @abc.abstractmethod
     def _describe(self) -> str:
         """The mask as the expression that builds it, e.g. ``causal(align='top_left')``."""
+
+    def depends_on_lengths(self) -> bool:
+        """Whether the meaning depends on the whole attention's ``(Lq, Lk)`` (bottom-right
+        alignment); such a mask needs them to be read at shifted positions."""
+        return False
+
+    def kinds(self) -> frozenset[str]:
+        """The kinds of the leaf masks this mask is built from (backends declare which they run)."""
+        return frozenset({self.kind})
 
     def mask_mod(self, b, h, q_idx, kv_idx, q_len: int | None = None, kv_len: int | None = None) -> Tensor:
         """``True`` where query ``q_idx`` of batch ``b``, head ``h`` may attend to ``kv_idx``.
@@ -88,37 +136,18 @@ class Mask(abc.ABC):
         """Raise ``ValueError`` if this mask cannot apply to ``(B, H, Lq, Lk)``."""
 
     # ----------------------------------------------------------------------------- dense form
-    def materialize(
-        self,
-        batch: int,
-        heads: int,
-        q_len: int,
-        kv_len: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> Tensor:
-        """The mask as a tensor broadcastable to ``(B, H, Lq, Lk)``.
+    def materialize(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
+        """The mask as a bool tensor broadcastable to ``(B, H, Lq, Lk)``; dimensions the mask
+        does not depend on have size 1."""
+        return self.materialize_block(batch, heads, 0, q_len, q_len, kv_len, device)
 
-        Dimensions the mask does not depend on have size 1. Boolean masks give ``bool``;
-        additive masks give a float bias (``dtype``, default fp32) with ``-inf`` where blocked.
-        """
-        return self.materialize_block(batch, heads, 0, q_len, q_len, kv_len, device, dtype)
-
-    def materialize_block(self, batch, heads, q0, q1, q_len, kv_len, device=None, dtype=None,
-                          k0=0, k1=None) -> Tensor:
+    def materialize_block(self, batch, heads, q0, q1, q_len, kv_len, device=None, k0=0, k1=None) -> Tensor:
         """Queries ``[q0, q1)`` x keys ``[k0, k1)`` of :meth:`materialize`, built from the block's
         indices only (memory proportional to the block)."""
         k1 = kv_len if k1 is None else k1
         b, h, q, kv = _grid(batch, heads, q0, q1, k0, k1, device)
-        allowed = _as_4d(self._mod(b, h, q, kv, q_len, kv_len), q1 - q0, k1 - k0)
-        if not self.is_additive:
-            return allowed
-        return self._bias(b, h, q, kv, q_len, kv_len, dtype or torch.float32, allowed)
-
-    def _bias(self, b, h, q, kv, q_len, kv_len, dtype, allowed) -> Tensor:
-        """Additive form; boolean masks only block (0 / -inf)."""
-        zero = torch.zeros((), dtype=dtype, device=allowed.device)
-        return torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=allowed.device))
+        return _as_4d(self._mod(b, h, q, kv, q_len, kv_len), q1 - q0, k1 - k0)
 
     def to_string(self, q_len: int = _PICTURE_SIZE, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
         """A picture of the mask for batch ``b``, head ``h``: rows are queries, columns keys.
@@ -137,13 +166,13 @@ class Mask(abc.ABC):
         return f"{self._describe()}\n{self.to_string()}"
 
     # ----------------------------------------------------------------------------- composition
-    def __and__(self, other: "Mask") -> "Mask":
+    def __and__(self, other) -> "Mask":
         return And(self, _coerce(other, "&"))
 
     def __rand__(self, other) -> "Mask":
         return And(_coerce(other, "&"), self)
 
-    def __or__(self, other: "Mask") -> "Mask":
+    def __or__(self, other) -> "Mask":
         return Or(self, _coerce(other, "|"))
 
     def __ror__(self, other) -> "Mask":
@@ -152,15 +181,37 @@ class Mask(abc.ABC):
     def __invert__(self) -> "Mask":
         return Not(self)
 
-    def shifted(self, q_offset: int = 0, kv_offset: int = 0) -> "Mask":
-        """The same mask with query ``i`` read as position ``i + q_offset`` and key ``j`` as
-        ``j + kv_offset``: a block of a larger attention (cache steps, ring steps)."""
+    def shifted(self, q_offset: int = 0, kv_offset: int = 0, *, q_len: int | None = None,
+                kv_len: int | None = None) -> "Mask":
+        """The block of this mask whose query ``i`` is position ``i + q_offset`` and key ``j``
+        position ``j + kv_offset`` of the whole attention of ``q_len x kv_len``.
+
+        The result, evaluated on the block's own lengths, equals the slice
+        ``materialize(.., q_len, kv_len)[..., q_offset:q_offset + lq, kv_offset:kv_offset + lk]``.
+        ``q_len``/``kv_len`` are required when the mask depends on them (bottom-right alignment;
+        see :meth:`depends_on_lengths`). Cache steps and ring steps are such blocks.
+        """
         for name, value in (("q_offset", q_offset), ("kv_offset", kv_offset)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"shifted: {name} must be an int, got {type(value).__name__}")
-        if q_offset == 0 and kv_offset == 0:
+        q_len, kv_len = _check_whole_lengths(self, "shifted", q_len, kv_len)
+        if q_offset == 0 and kv_offset == 0 and q_len is None:
             return self
-        return Shifted(self, q_offset, kv_offset)
+        return Positioned(self, q_offset, kv_offset, q_len, kv_len)
+
+    def at(self, q_positions: Tensor, kv_positions: Tensor, *, q_len: int | None = None,
+           kv_len: int | None = None) -> "Mask":
+        """This mask read at explicit positions: query ``i`` of a call is position
+        ``q_positions[i]`` (or ``q_positions[b, i]``), key ``j`` is ``kv_positions[j]`` (or
+        ``[b, j]``), within a whole attention of ``q_len x kv_len`` (required when the mask depends
+        on them). Static caches, ring-buffer windows and zigzag shards are read this way."""
+        for name, pos in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+            if not isinstance(pos, Tensor) or pos.is_floating_point() or pos.dtype == torch.bool \
+                    or pos.is_complex() or pos.dim() not in (1, 2):
+                got = f"dtype {pos.dtype}, shape {tuple(pos.shape)}" if isinstance(pos, Tensor) else type(pos).__name__
+                raise TypeError(f"at: {name} must be an integer tensor of shape (L,) or (B, L), got {got}")
+        q_len, kv_len = _check_whole_lengths(self, "at", q_len, kv_len)
+        return Positioned(self, q_positions, kv_positions, q_len, kv_len)
 
     # ----------------------------------------------------------------------------- structure
     def causal_offset(self, q_len: int, kv_len: int) -> int | None:
@@ -182,11 +233,7 @@ class Mask(abc.ABC):
                     batch: int = 1, heads: int = 1) -> BlockState:
         """Whether queries ``[q0, q1)`` x keys ``[k0, k1)`` are all visible, all blocked, or mixed,
         across every batch and head. Subclasses answer in O(1); this fallback evaluates the block."""
-        block = self.materialize_block(batch, heads, q0, q1, q_len, kv_len, None, None, k0, k1)
-        if self.is_additive:
-            if bool(torch.isneginf(block).all()):
-                return BlockState.EMPTY
-            return BlockState.PARTIAL
+        block = self.materialize_block(batch, heads, q0, q1, q_len, kv_len, None, k0, k1)
         if bool(block.all()):
             return BlockState.FULL
         if not bool(block.any()):
@@ -206,42 +253,45 @@ class Mask(abc.ABC):
         step = max(1, _CHUNK_ELEMENTS // max(1, kv_len * batch * heads))
         parts = []
         for q0 in range(0, q_len, step):
-            rows = self.materialize_block(batch, heads, q0, min(q0 + step, q_len), q_len, kv_len, device, None)
-            visible = ~torch.isneginf(rows) if self.is_additive else rows
-            parts.append(~visible.any(-1))
+            rows = self.materialize_block(batch, heads, q0, min(q0 + step, q_len), q_len, kv_len, device)
+            parts.append(~rows.any(-1))
         shape = torch.broadcast_shapes(*(p.shape for p in parts))
         return torch.cat([p.expand(*shape[:2], p.shape[-1]) for p in parts], dim=-1)
 
 
 # --------------------------------------------------------------------------------- combinators
-class And(Mask):
-    """Visible where every part is visible. Additive parts add their biases."""
-
+class _Combination(Mask):
     def __init__(self, *parts: Mask):
         flat = []
         for p in parts:
-            flat.extend(p.parts if isinstance(p, And) else [p])
-        self._set(parts=tuple(flat), is_additive=any(p.is_additive for p in flat))
+            flat.extend(p.parts if type(p) is type(self) else [p])
+        self._set(parts=tuple(flat))
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _reduce(self, b, h, q, kv, q_len, kv_len, op):
         out = self.parts[0]._mod(b, h, q, kv, q_len, kv_len)
         for p in self.parts[1:]:
-            out = out & p._mod(b, h, q, kv, q_len, kv_len)
+            out = op(out, p._mod(b, h, q, kv, q_len, kv_len))
         return out
-
-    def _bias(self, b, h, q, kv, q_len, kv_len, dtype, allowed):
-        bias = super()._bias(b, h, q, kv, q_len, kv_len, dtype, allowed)
-        for p in self.parts:
-            if p.is_additive:
-                bias = bias + p._bias(b, h, q, kv, q_len, kv_len, dtype, allowed)
-        return bias
-
-    def _describe(self):
-        return " & ".join(_paren(p, Or) for p in self.parts)
 
     def check(self, batch, heads, q_len, kv_len):
         for p in self.parts:
             p.check(batch, heads, q_len, kv_len)
+
+    def depends_on_lengths(self):
+        return any(p.depends_on_lengths() for p in self.parts)
+
+    def kinds(self):
+        return frozenset().union(*(p.kinds() for p in self.parts))
+
+
+class And(_Combination):
+    """Visible where every part is visible."""
+
+    def _mod(self, b, h, q, kv, q_len, kv_len):
+        return self._reduce(b, h, q, kv, q_len, kv_len, torch.logical_and)
+
+    def _describe(self):
+        return " & ".join(_paren(p, Or) for p in self.parts)
 
     def causal_offset(self, q_len, kv_len):
         # causal & (something that blocks nothing structurally) is not provable here: only
@@ -256,35 +306,19 @@ class And(Mask):
         states = [p.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) for p in self.parts]
         if BlockState.EMPTY in states:
             return BlockState.EMPTY
-        if all(s is BlockState.FULL for s in states) and not self.is_additive:
+        if all(s is BlockState.FULL for s in states):
             return BlockState.FULL
         return BlockState.PARTIAL
 
 
-class Or(Mask):
-    """Visible where any part is visible. Additive masks cannot be combined with ``|``."""
-
-    def __init__(self, *parts: Mask):
-        flat = []
-        for p in parts:
-            if p.is_additive:
-                raise TypeError("an additive (float) mask cannot be combined with '|' or '~': "
-                                "only '&' is defined for additive biases")
-            flat.extend(p.parts if isinstance(p, Or) else [p])
-        self._set(parts=tuple(flat))
+class Or(_Combination):
+    """Visible where any part is visible."""
 
     def _mod(self, b, h, q, kv, q_len, kv_len):
-        out = self.parts[0]._mod(b, h, q, kv, q_len, kv_len)
-        for p in self.parts[1:]:
-            out = out | p._mod(b, h, q, kv, q_len, kv_len)
-        return out
+        return self._reduce(b, h, q, kv, q_len, kv_len, torch.logical_or)
 
     def _describe(self):
         return " | ".join(_paren(p, And) for p in self.parts)
-
-    def check(self, batch, heads, q_len, kv_len):
-        for p in self.parts:
-            p.check(batch, heads, q_len, kv_len)
 
     def _key_range(self, q0, q1, q_len, kv_len):
         ranges = [r for r in (p._key_range(q0, q1, q_len, kv_len) for p in self.parts) if r[0] < r[1]]
@@ -305,8 +339,6 @@ class Not(Mask):
     """Visible where the inner mask is blocked."""
 
     def __init__(self, inner: Mask):
-        if inner.is_additive:
-            raise TypeError("an additive (float) mask cannot be inverted with '~'")
         self._set(inner=inner)
 
     def _mod(self, b, h, q, kv, q_len, kv_len):
@@ -318,43 +350,118 @@ class Not(Mask):
     def check(self, batch, heads, q_len, kv_len):
         self.inner.check(batch, heads, q_len, kv_len)
 
+    def depends_on_lengths(self):
+        return self.inner.depends_on_lengths()
+
+    def kinds(self):
+        return self.inner.kinds()
+
     def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
         state = self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
         swap = {BlockState.FULL: BlockState.EMPTY, BlockState.EMPTY: BlockState.FULL}
         return swap.get(state, BlockState.PARTIAL)
 
 
-class Shifted(Mask):
-    """``inner`` read at positions ``q_idx + q_offset`` and ``kv_idx + kv_offset``."""
+class Positioned(Mask):
+    """``inner`` read at positions of a whole attention of ``q_len x kv_len``.
 
-    def __init__(self, inner: Mask, q_offset: int, kv_offset: int):
-        if isinstance(inner, Shifted):
-            q_offset, kv_offset, inner = q_offset + inner.q_offset, kv_offset + inner.kv_offset, inner.inner
-        self._set(inner=inner, q_offset=q_offset, kv_offset=kv_offset, is_additive=inner.is_additive)
+    A call's query ``i`` is position ``q_pos + i`` (``q_pos`` an int offset) or ``q_pos[i]`` /
+    ``q_pos[b, i]`` (a tensor); keys likewise. ``q_len``/``kv_len`` are the whole attention's
+    lengths (``None`` when ``inner`` does not depend on them). The lengths a caller passes when
+    evaluating this mask are the block's and are not used: that is the point.
+    """
+
+    kind = "positions"
+
+    def __init__(self, inner: Mask, q_pos, kv_pos, q_len: int | None, kv_len: int | None):
+        if isinstance(inner, Positioned) and all(isinstance(x, int) for x in (q_pos, kv_pos, inner.q_pos, inner.kv_pos)):
+            # Offsets compose: the outer block is read in the inner block's coordinates.
+            q_pos, kv_pos = q_pos + inner.q_pos, kv_pos + inner.kv_pos
+            q_len, kv_len, inner = inner.q_len, inner.kv_len, inner.inner
+        self._set(inner=inner, q_pos=q_pos, kv_pos=kv_pos, q_len=q_len, kv_len=kv_len)
+
+    @property
+    def _offsets(self) -> bool:
+        return isinstance(self.q_pos, int) and isinstance(self.kv_pos, int)
+
+    def _whole(self):
+        # A mask that does not depend on the lengths ignores them; 0 keeps that explicit.
+        return (self.q_len or 0, self.kv_len or 0)
 
     def _mod(self, b, h, q, kv, q_len, kv_len):
-        return self.inner._mod(b, h, q + self.q_offset, kv + self.kv_offset, q_len, kv_len)
-
-    def _bias(self, b, h, q, kv, q_len, kv_len, dtype, allowed):
-        return self.inner._bias(b, h, q + self.q_offset, kv + self.kv_offset, q_len, kv_len, dtype, allowed)
+        return self.inner._mod(b, h, _read(self.q_pos, b, q), _read(self.kv_pos, b, kv), *self._whole())
 
     def _describe(self):
-        return f"{_paren(self.inner, (And, Or, Not))}.shifted(q_offset={self.q_offset}, kv_offset={self.kv_offset})"
+        inner = _paren(self.inner, (And, Or, Not))
+        lengths = "" if self.q_len is None else f", q_len={self.q_len}, kv_len={self.kv_len}"
+        if self._offsets:
+            return f"{inner}.shifted(q_offset={self.q_pos}, kv_offset={self.kv_pos}{lengths})"
+        return f"{inner}.at(<q_positions {tuple(self.q_pos.shape)}>, <kv_positions {tuple(self.kv_pos.shape)}>{lengths})"
+
+    def check(self, batch, heads, q_len, kv_len):
+        for name, pos, length, what in (("q_positions", self.q_pos, q_len, "Lq"), ("kv_positions", self.kv_pos, kv_len, "Lk")):
+            if isinstance(pos, Tensor):
+                if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
+                    raise ValueError(f"at: {name} has shape {tuple(pos.shape)} but the call has B={batch}, "
+                                     f"{what}={length}; expected ({length},) or ({batch}, {length})")
+        if self.q_len is not None:  # without the whole lengths there is nothing to check them against
+            self.inner.check(batch, heads, self.q_len, self.kv_len)
+
+    def kinds(self):
+        return self.inner.kinds() | ({"positions"} if not self._offsets else frozenset())
 
     def causal_offset(self, q_len, kv_len):
-        inner = self.inner.causal_offset(q_len, kv_len)
-        return None if inner is None else inner + self.q_offset - self.kv_offset
+        if not self._offsets:
+            return None
+        inner = self.inner.causal_offset(*self._whole())
+        return None if inner is None else inner + self.q_pos - self.kv_pos
 
     def _key_range(self, q0, q1, q_len, kv_len):
-        lo, hi = self.inner._key_range(q0 + self.q_offset, q1 + self.q_offset, q_len, kv_len)
-        return lo - self.kv_offset, hi - self.kv_offset
+        if not self._offsets:
+            return -UNBOUNDED, UNBOUNDED
+        lo, hi = self.inner._key_range(q0 + self.q_pos, q1 + self.q_pos, *self._whole())
+        return lo - self.kv_pos, hi - self.kv_pos
 
     def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
-        qo, ko = self.q_offset, self.kv_offset
-        return self.inner.block_state(q0 + qo, q1 + qo, k0 + ko, k1 + ko, q_len, kv_len, batch, heads)
+        if not self._offsets:
+            return super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
+        qo, ko = self.q_pos, self.kv_pos
+        return self.inner.block_state(q0 + qo, q1 + qo, k0 + ko, k1 + ko, *self._whole(), batch, heads)
 
 
 # --------------------------------------------------------------------------------- helpers
+def tensor_identity(t: Tensor) -> tuple:
+    """A tensor inside a mask or modifier compares by identity, not by content (no host sync):
+    the same memory, viewed the same way. Views made afresh of one tensor (a reshape per call)
+    are the same; a copy is not. Caches that key on it hold the mask, so the memory stays alive."""
+    return ("tensor", t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype, t.device)
+
+
+def _read(pos, b: Tensor, idx: Tensor) -> Tensor:
+    """Positions of call indices ``idx``: an offset added, or a tensor gathered (per batch row)."""
+    if isinstance(pos, int):
+        return idx + pos
+    pos = pos.to(idx.device)
+    if pos.dim() == 1:
+        return pos[idx]
+    return pos[b * 0 if pos.shape[0] == 1 else b, idx]
+
+
+def _check_whole_lengths(mask: Mask, method: str, q_len, kv_len):
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise TypeError(f"{method}: {name} must be a non-negative int (the whole attention's length), got {value!r}")
+    if (q_len is None) != (kv_len is None):
+        raise ValueError(f"{method}: give both q_len and kv_len (the whole attention's lengths), or neither")
+    if q_len is None and mask.depends_on_lengths():
+        raise ValueError(
+            f"{method}: {mask._describe()} depends on the whole attention's lengths (its bottom-right "
+            f"diagonal sits at Lk - Lq); pass q_len= and kv_len= of the whole attention, e.g. "
+            f"mask.{method}(..., q_len=Lq, kv_len=Lk)")
+    return q_len, kv_len
+
+
 def _grid(batch, heads, q0, q1, k0, k1, device):
     """Broadcastable index tensors ``b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), kv (1,1,1,Lk)``."""
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
@@ -372,12 +479,13 @@ def _as_4d(allowed: Tensor, q_len: int, kv_len: int) -> Tensor:
 
 
 def _coerce(other, op: str) -> Mask:
-    from multihead.masks.tensor import as_mask  # a tensor on either side of & | is a mask too
-
-    mask = as_mask(other, name=f"the right-hand side of '{op}'")
-    if mask is None:
-        raise TypeError(f"cannot combine a mask with None using '{op}'")
-    return mask
+    if isinstance(other, Mask):
+        return other
+    for kind, to_mask in _COERCIONS:
+        if isinstance(other, kind):
+            return to_mask(other, name=f"the right-hand side of '{op}'")
+    raise TypeError(f"cannot combine a mask with {type(other).__name__} using '{op}'; "
+                    "expected a multihead mask or a bool tensor")
 
 
 def _paren(mask: Mask, kinds) -> str:

@@ -38,10 +38,28 @@ def document(q_ids: Tensor, kv_ids: Tensor | None = None) -> "Document":
 
 
 class Document(Mask):
+    kind = "document"
+
     def __init__(self, q_ids: Tensor, kv_ids: Tensor):
-        q_cpu, kv_cpu = q_ids.detach().cpu(), kv_ids.detach().cpu()
-        sorted_ids = bool((q_cpu.diff(dim=-1) >= 0).all()) and bool((kv_cpu.diff(dim=-1) >= 0).all())
-        self._set(q_ids=q_ids, kv_ids=kv_ids, _q_cpu=q_cpu, _kv_cpu=kv_cpu, _sorted=sorted_ids)
+        self._set(q_ids=q_ids, kv_ids=kv_ids)
+
+    def document_ids(self) -> tuple[Tensor, Tensor]:
+        """``(q_ids, kv_ids)``, each ``(B|1, L)``: the document of every query and key."""
+        return self.q_ids, self.kv_ids
+
+    # Host copies for structural questions, made on first use (never when the mask is built).
+    @property
+    def _q_cpu(self) -> Tensor:
+        return self._cached("_q_cache", lambda: self.q_ids.detach().cpu())
+
+    @property
+    def _kv_cpu(self) -> Tensor:
+        return self._cached("_kv_cache", lambda: self.kv_ids.detach().cpu())
+
+    @property
+    def _sorted(self) -> bool:
+        return self._cached("_sorted_cache", lambda: bool((self._q_cpu.diff(dim=-1) >= 0).all())
+                            and bool((self._kv_cpu.diff(dim=-1) >= 0).all()))
 
     def check(self, batch, heads, q_len, kv_len):
         for name, ids, length, what in (("q_ids", self.q_ids, q_len, "Lq"), ("kv_ids", self.kv_ids, kv_len, "Lk")):

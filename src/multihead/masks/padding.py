@@ -46,7 +46,8 @@ def key_padding(lengths) -> "KeyPadding":
             raise TypeError(f"key_padding: lengths must be ints or a bool (B, Lk) tensor, got {lengths!r}") from exc
     if lengths.numel() == 0:
         raise ValueError("key_padding: lengths is empty; expected one length per batch element")
-    if bool((lengths < 0).any()):
+    # Checked where it costs no host synchronisation; on an accelerator a negative length reads as 0.
+    if lengths.device.type == "cpu" and bool((lengths < 0).any()):
         raise ValueError(f"key_padding: lengths must be >= 0, got {lengths.tolist()}")
     return KeyPadding(lengths=lengths)
 
@@ -63,13 +64,24 @@ def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
 
 
 class KeyPadding(Mask):
+    kind = "key_padding"
+
     def __init__(self, lengths: Tensor | None = None, valid: Tensor | None = None):
-        if lengths is not None:
-            cpu = lengths.detach().cpu()
-            self._set(lengths=lengths, valid=None, _min=int(cpu.min()), _max=int(cpu.max()), _table=None)
-        else:
-            counts = valid.detach().cpu()
-            self._set(lengths=None, valid=valid, _min=None, _max=None, _table=counts)
+        self._set(lengths=lengths, valid=valid)
+
+    def key_lengths(self) -> Tensor | None:
+        """Visible keys per batch element ``(B|1,)``, or ``None`` for a bool table (see ``valid``)."""
+        return self.lengths
+
+    # Host copies for structural questions, made on first use (never when the mask is built).
+    def _min(self) -> int:
+        return self._cached("_min_cache", lambda: int(self.lengths.detach().min()))
+
+    def _max(self) -> int:
+        return self._cached("_max_cache", lambda: int(self.lengths.detach().max()))
+
+    def _table(self) -> Tensor:
+        return self._cached("_table_cache", lambda: self.valid.detach().cpu())
 
     def _batch(self) -> int:
         return (self.lengths if self.lengths is not None else self.valid).shape[0]
@@ -104,21 +116,21 @@ class KeyPadding(Mask):
 
     def _key_range(self, q0, q1, q_len, kv_len):
         if self.lengths is not None:
-            return -UNBOUNDED, self._max
-        columns = self._table.any(0).nonzero()
+            return -UNBOUNDED, self._max()
+        columns = self._table().any(0).nonzero()
         return (int(columns.min()), int(columns.max()) + 1) if len(columns) else (0, 0)
 
     def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
         if self.lengths is None:
-            cols = self._table[:, max(k0, 0):max(k1, 0)]
+            cols = self._table()[:, max(k0, 0):max(k1, 0)]
             if cols.numel() and bool(cols.all()):
                 return BlockState.FULL
             if not bool(cols.any()):
                 return BlockState.EMPTY
             return BlockState.PARTIAL
-        if k1 <= self._min:
+        if k1 <= self._min():
             return BlockState.FULL
-        if k0 >= self._max:
+        if k0 >= self._max():
             return BlockState.EMPTY
         return BlockState.PARTIAL
 

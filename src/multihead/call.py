@@ -1,0 +1,87 @@
+"""The call contract between :func:`multihead.attention` and its backends.
+
+:class:`AttentionCall` is one validated call (what a backend is asked to serve);
+:class:`AttentionResult` is what comes back. Backends import both from here and nothing from
+the entry point. :func:`mask_and_score_mod` is the one place that turns what a user may pass as
+``mask=``/``score_mod=`` into a boolean mask and a score modifier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from multihead.masks import Mask, TensorMask, as_mask
+from multihead.scores import Bias, ScoreMod, as_score_mod
+from multihead.scores.base import Chain
+
+__all__ = ["AttentionCall", "AttentionResult", "mask_and_score_mod"]
+
+
+class AttentionResult(NamedTuple):
+    """What :func:`multihead.attention` returns when weights or the LSE are asked for; backends
+    return it with ``weights=None`` and ``lse=None`` when their kernel gives no LSE."""
+
+    output: Tensor  # (B, Hq, Lq, Dv), dtype of q
+    weights: Tensor | None  # (B, Hq, Lq, Lk), probabilities before dropout
+    lse: Tensor | None  # (B, Hq, Lq), lse_dtype(q.dtype); -inf on fully masked rows
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One validated call of :func:`multihead.attention`: what backends are asked to serve."""
+
+    q: Tensor  # (B, Hq, Lq, D)
+    k: Tensor  # (B, Hkv, Lk, D)
+    v: Tensor  # (B, Hkv, Lk, Dv)
+    mask: Mask | None  # boolean
+    score_mod: ScoreMod | None
+    scale: float
+    dropout_p: float
+    dropout_mask: Tensor | None
+    return_lse: bool  # the LSE is wanted (for itself or for the weights); native if the kernel has one
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int, int]:
+        """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
+        B, Hq, Lq, D = self.q.shape
+        return B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and (any(t.requires_grad for t in (self.q, self.k, self.v))
+                                            or (self.score_mod is not None and self.score_mod.requires_grad))
+
+
+def mask_and_score_mod(mask, score_mod, *, check_binary: bool = True) -> tuple[Mask | None, ScoreMod | None]:
+    """``mask=``/``score_mod=`` as given by a user, as a boolean mask and one modifier.
+
+    A float tensor passed as ``mask=`` (PyTorch's additive masks) becomes the bool mask of its
+    entries that are not ``-inf`` and a :func:`multihead.scores.bias` applied before any other
+    modifier. A float tensor of only 0s and 1s is refused (``check_binary``): adding 1 to some
+    scores is never what ``torch.tril(torch.ones(L, L))`` meant.
+    """
+    score_mod = as_score_mod(score_mod)
+    if mask is not None and not isinstance(mask, (Mask, Tensor)):
+        raise TypeError(f"mask must be a multihead mask, a bool or float tensor, or None; got {type(mask).__name__}")
+    if isinstance(mask, Tensor) and mask.is_floating_point():
+        if check_binary and not torch.compiler.is_compiling() and _is_zero_one(mask):
+            raise ValueError(
+                "mask is a float tensor of only 0s and 1s; float masks are additive, so this would add 1 to "
+                "some scores instead of masking. Use `mask.bool()` if 1 means attend, `mask == 0` if 1 means "
+                "blocked, or score_mod=multihead.scores.bias(tensor) if you really mean an additive bias")
+        if mask.dim() > 4 or mask.dim() < 2:
+            raise ValueError(f"mask must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), got shape {tuple(mask.shape)}")
+        additive = Bias(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), name="mask")
+        score_mod = additive if score_mod is None else Chain([additive, score_mod])
+        return TensorMask(mask != float("-inf"), name="mask"), score_mod
+    return as_mask(mask), score_mod
+
+
+def _is_zero_one(tensor: Tensor) -> bool:
+    """Only 0s and 1s, with at least one of each (an all-0 or all-1 bias changes nothing)."""
+    zeros, ones = tensor == 0, tensor == 1
+    return bool((zeros | ones).all()) and bool(zeros.any()) and bool(ones.any())

@@ -1,0 +1,38 @@
+"""``softcap(cap)``: ``cap · tanh(s / cap)``, the logit soft-capping of Gemma 2 and Grok.
+
+Scores keep their order but never exceed ``±cap``. Not additive: it runs on backends that apply a
+function inside the softmax (the reference, flex); fused kernels with an additive mask cannot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from multihead.scores.base import ELEMENTWISE, ScoreMod
+
+__all__ = ["softcap", "Softcap"]
+
+
+def softcap(cap: float) -> "Softcap":
+    """Soft-capping of the (scaled) scores at ``cap > 0``."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
+    return Softcap(float(cap))
+
+
+class Softcap(ScoreMod):
+    kind = ELEMENTWISE
+
+    def __init__(self, cap: float):
+        self.cap = cap
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.cap * torch.tanh(score / self.cap)
+
+    def apply_block(self, scores, q0, q1, k0, k1, heads=None):
+        return self.cap * torch.tanh(scores / self.cap)
+
+    def _describe(self):
+        return f"softcap({self.cap})"

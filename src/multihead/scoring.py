@@ -1,0 +1,87 @@
+"""The scores of a block of queries x keys: scale, modify, block. Written once.
+
+Both the reference (:mod:`multihead.reference`, the whole square as one block) and the blockwise
+helpers (:mod:`multihead.blockwise`, a block of rows at a time) call :func:`score_block`::
+
+    S = scale · Q Kᵀ                      (B, H, rows, keys), softmax dtype
+    S = score_mod(S, b, h, q_pos, kv_pos)  at absolute positions q0.., k0..
+    visible = mask(b, h, q_pos, kv_pos)  and  S != -inf
+    S[~visible] = -inf
+
+:func:`additive_block` is the same for fused kernels that take an additive ``attn_mask``: the
+bias of the additive modifiers plus ``-inf`` where blocked.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.conventions import kv_head_of, softmax_dtype
+from multihead.masks import Mask
+from multihead.scores import ADDITIVE, ScoreMod
+
+__all__ = ["score_block", "additive_block"]
+
+
+def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float,
+                q0: int, q1: int, q_len: int, *, heads: Tensor | None = None,
+                dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+    """Scores of query rows ``[q0, q1)`` against every key: ``(B, h, rows, Lk)`` with ``-inf``
+    where blocked, and the bool ``visible`` block (``None`` when nothing is masked).
+
+    ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``; ``heads`` selects query heads (default all);
+    ``dtype`` defaults to the softmax dtype. For all heads K is not copied per group: the ``G``
+    query heads of a KV head are folded into the rows of one matmul.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    dtype = dtype or softmax_dtype(q.dtype)
+    rows = q1 - q0
+    visible = None
+    if mask is not None:
+        visible = mask.materialize_block(B, Hq, q0, q1, q_len, Lk, device=q.device)
+        if torch.is_grad_enabled() and q.requires_grad:
+            # A key no query of the block sees may hold anything, even NaN; its score is blocked,
+            # but dQ = dS · K would still compute 0 · NaN. Such keys are zeroed for the product.
+            unseen = ~visible.any(dim=1).any(dim=1)  # (B|1, Lk)
+            k = torch.where(unseen.view(unseen.shape[0], 1, Lk, 1), torch.zeros((), dtype=k.dtype, device=k.device), k)
+        if visible.shape[1] != 1 and heads is not None:
+            visible = visible[:, heads]
+    if heads is None:
+        # Query head h = kv * G + g reads KV head kv (kv_head_of): (B, Hq, rows, D) -> (B, Hkv, G*rows, D).
+        qb = q[:, :, q0:q1].to(dtype).reshape(B, Hkv, (Hq // Hkv) * rows, D)
+        scores = torch.matmul(qb, k.to(dtype).transpose(-2, -1)).view(B, Hq, rows, Lk) * scale
+    else:
+        qb = q[:, heads, q0:q1].to(dtype)  # (B, h, rows, D)
+        kb = k[:, kv_head_of(heads, Hq, Hkv)].to(dtype)  # (B, h, Lk, D): only the KV heads the selection reads
+        scores = torch.matmul(qb, kb.transpose(-2, -1)) * scale  # (B, h, rows, Lk)
+    if score_mod is not None:
+        scores = score_mod.apply_block(scores, q0, q1, 0, Lk, heads)
+    if score_mod is not None:  # a modifier may block too (a -inf bias entry)
+        finite = ~torch.isneginf(scores)
+        visible = finite if visible is None else visible & finite
+    if visible is None:
+        return scores, None
+    return scores.masked_fill(~visible, float("-inf")), visible
+
+
+def additive_block(mask: Mask | None, score_mod: ScoreMod | None, batch: int, heads: int, q0: int, q1: int,
+                   k0: int, k1: int, q_len: int, kv_len: int, device, dtype) -> tuple[Tensor, Tensor]:
+    """The additive ``attn_mask`` of queries ``[q0, q1)`` x keys ``[k0, k1)`` for a fused kernel:
+    the additive modifiers' bias, ``-inf`` where blocked; and the bool ``visible`` block. Both
+    broadcastable to ``(B, H, rows, keys)``."""
+    bias = None
+    if score_mod is not None:
+        if score_mod.kind != ADDITIVE:
+            raise TypeError(f"{score_mod._describe()} is not additive; a fused kernel cannot apply it")
+        bias = score_mod.bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
+    visible = None if mask is None else mask.materialize_block(batch, heads, q0, q1, q_len, kv_len, device, k0, k1)
+    if bias is not None:
+        finite = ~torch.isneginf(bias)
+        visible = finite if visible is None else visible & finite
+    if visible is None:
+        visible = torch.ones((1, 1, q1 - q0, k1 - k0), dtype=torch.bool, device=device)
+    blocked = torch.full((), float("-inf"), dtype=dtype, device=device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(visible, zero if bias is None else bias, blocked), visible

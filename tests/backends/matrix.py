@@ -1,0 +1,46 @@
+"""The backend test matrix, generated from the registry and the declared capabilities.
+
+Every registered backend x every device present (CPU always, CUDA when there is one) is a
+parameter. A call the backend declares it cannot serve is not a pass: :func:`serve_or_skip`
+first proves that forcing the backend raises ``BackendRefusedError`` naming it, then skips the
+case with the backend's reasons. Tolerance factors come from the backend's capabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.validation import validate_call
+
+# flex compiles (about a minute on 2 cores): its correctness runs in the slow tier (test_flex.py).
+SLOW_BACKENDS = {"flex"}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def backend_params(include_slow: bool = False) -> list:
+    """``pytest.param(name, device)`` for every registered backend and every device present."""
+    return [pytest.param(name, device, id=f"{name}-{device}")
+            for name in mh.available_backends() if include_slow or name not in SLOW_BACKENDS
+            for device in DEVICES]
+
+
+def serve_or_skip(backend: str, q, k, v, **kwargs) -> None:
+    """Skip (with the backend's reasons) unless ``backend`` declares it can serve this call; a
+    declared refusal must also make a forced call raise."""
+    call = validate_call(q, k, v, mask=kwargs.get("mask"), score_mod=kwargs.get("score_mod"),
+                         scale=kwargs.get("scale"), dropout_p=kwargs.get("dropout_p", 0.0),
+                         dropout_mask=kwargs.get("dropout_mask"), return_weights=kwargs.get("return_weights", False),
+                         return_lse=kwargs.get("return_lse", False))
+    reasons = mh.get_backend(backend).refusals(call)
+    if not reasons:
+        return
+    assert all(isinstance(r, str) and r for r in reasons)
+    with pytest.raises(mh.BackendRefusedError, match=backend):
+        mh.attention(q, k, v, backend=backend, **kwargs)
+    pytest.skip(f"{backend} refuses: " + "; ".join(reasons))
+
+
+def factor(backend: str, dtype: torch.dtype, gradients: bool = False) -> float:
+    return mh.get_backend(backend).capabilities.tolerance_factor(dtype, gradients)

@@ -1,0 +1,131 @@
+"""Score modifiers through every backend that declares them, against the fp64 reference:
+outputs, LSE and gradients, including the gradient of a bias tensor that requires grad, with
+fully masked rows still exact zeros. A backend that does not declare a modifier's kind is a skip
+with its reasons (after proving that forcing it raises)."""
+
+import pytest
+import torch
+
+import multihead as mh
+from helpers import assert_relative, naive_attention
+from matrix import backend_params, factor, serve_or_skip
+
+BACKENDS = backend_params()
+# (B, Hq, Hkv, Lq, Lk, D): GQA, Lq != Lk both ways, lengths across blocksparse's 256 block.
+SHAPES = [(2, 4, 2, 13, 29, 16), (1, 6, 3, 300, 257, 8), (2, 2, 1, 257, 40, 24)]
+MASKS = {
+    "none": lambda B, Lq, Lk: None,
+    "causal": lambda B, Lq, Lk: mh.causal(),
+    "window&padding": lambda B, Lq, Lk: mh.sliding_window(37) & mh.key_padding(torch.tensor([Lk, Lk // 2][:B])),
+    "empty_rows": lambda B, Lq, Lk: mh.key_padding(torch.tensor([Lk, 0])),  # batch element 1 sees nothing
+}
+
+
+def _mods(kind, B, Hq, Lq, Lk, gen, dtype):
+    if kind == "bias":
+        return [mh.scores.bias(torch.randn(B, Hq, Lq, Lk, generator=gen, dtype=torch.float64).to(dtype))]
+    if kind == "bias_heads":  # broadcast over batch and queries: (1, Hq, 1, Lk)
+        return [mh.scores.bias(torch.randn(1, Hq, 1, Lk, generator=gen, dtype=torch.float64).to(dtype))]
+    if kind == "softcap":
+        return [mh.scores.softcap(1.5)]
+    return [mh.scores.bias(torch.randn(Lq, Lk, generator=gen, dtype=torch.float64).to(dtype)), mh.scores.softcap(2.0)]
+
+
+def _inputs(shape, dtype, seed):
+    B, Hq, Hkv, Lq, Lk, D = shape
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, L, D, generator=gen, dtype=torch.float64).to(dtype) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))]
+
+
+def _bias_leaf(mods):
+    return mods[0].tensor if isinstance(mods[0], mh.scores.Bias) else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mod_kind", ["bias", "bias_heads", "softcap", "bias+softcap"])
+@pytest.mark.parametrize("mask_kind", list(MASKS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_score_modifiers_match_the_reference_forward_and_backward(backend, device, shape, mask_kind, mod_kind, dtype):
+    B, Hq, Hkv, Lq, Lk, D = shape
+    if mask_kind == "empty_rows" and B == 1:
+        pytest.skip("needs two batch elements")
+    q, k, v = _inputs(shape, dtype, seed=Lq + Lk)
+    mask = MASKS[mask_kind](B, Lq, Lk)
+    gen = torch.Generator().manual_seed(7)
+    mods = _mods(mod_kind, B, Hq, Lq, Lk, gen, dtype)
+    leaf = _bias_leaf(mods)
+    if leaf is not None:
+        leaf.requires_grad_()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    serve_or_skip(backend, q, k, v, mask=mask, score_mod=mods, return_lse=True)
+
+    got = mh.attention(q, k, v, mask=mask, score_mod=mods, backend=backend, return_lse=True)
+    grad_out = torch.randn(got.output.shape, generator=gen, dtype=torch.float64)
+    tensors = [q, k, v] + ([leaf] if leaf is not None else [])
+    g_got = torch.autograd.grad(got.output, tensors, grad_out.to(dtype))
+
+    ref_t = [t.detach().double().requires_grad_() for t in tensors]
+    ref_mods = _mods(mod_kind, B, Hq, Lq, Lk, torch.Generator().manual_seed(7), torch.float64)
+    if leaf is not None:
+        ref_mods[0] = mh.scores.bias(ref_t[3])
+    ref = mh.reference_attention(*ref_t[:3], mask=mask, score_mod=ref_mods)
+    g_ref = torch.autograd.grad(ref.output, ref_t, grad_out)
+
+    empty = torch.isneginf(ref.lse)
+    assert torch.equal(torch.isneginf(got.lse), empty)
+    assert torch.equal(got.output[empty], torch.zeros_like(got.output[empty]))  # exact zeros
+    if dtype == torch.float64:
+        torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got.lse, ref.lse, rtol=1e-10, atol=1e-10)
+        for g, r in zip(g_got, g_ref):
+            torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
+        return
+    base_t = [t.detach().requires_grad_() for t in tensors]
+    base_mods = list(mods)
+    if leaf is not None:
+        base_mods[0] = mh.scores.bias(base_t[3])
+    base = naive_attention(*base_t[:3], mask, score_mod=base_mods)
+    g_base = torch.autograd.grad(base, base_t, grad_out.to(dtype))
+    assert_relative(got.output, ref.output, base, factor(backend, dtype))
+    magnitude = max(float(r.abs().max()) for r in g_ref)
+    for name, g, r, b in zip(["q", "k", "v", "bias"], g_got, g_ref, g_base):
+        assert_relative(g, r, b, factor(backend, dtype, gradients=True), f"grad {name}", magnitude=magnitude)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_a_bias_gradient_is_zero_where_the_mask_blocks(backend, device):
+    B, Hq, Lq, Lk = 1, 2, 9, 9
+    q, k, v = _inputs((B, Hq, Hq, Lq, Lk, 8), torch.float64, seed=1)
+    bias = torch.randn(B, Hq, Lq, Lk, dtype=torch.float64, requires_grad=True)
+    serve_or_skip(backend, q, k, v, mask=mh.sliding_window(2), score_mod=mh.scores.bias(bias))
+    out = mh.attention(q, k, v, mask=mh.sliding_window(2), score_mod=mh.scores.bias(bias), backend=backend)
+    out.square().sum().backward()
+    blocked = ~mh.sliding_window(2).materialize(1, 1, Lq, Lk).expand_as(bias)
+    assert torch.equal(bias.grad[blocked], torch.zeros_like(bias.grad[blocked]))
+    assert bool((bias.grad[~blocked] != 0).any())
+
+
+def test_blocksparse_runs_a_bias_per_piece_never_an_lq_by_lk_tensor():
+    from helpers import LargestAllocation
+
+    Lq = Lk = 1024
+    q, k, v = _inputs((1, 2, 2, Lq, Lk, 16), torch.float32, seed=3)
+    bias = torch.randn(1, 2, 1, Lk)  # per-key bias, broadcast over queries
+    mask = mh.sliding_window(64)
+    want = mh.attention(q, k, v, mask=mask, score_mod=mh.scores.bias(bias), backend="reference")
+    with LargestAllocation() as seen:
+        got = mh.attention(q, k, v, mask=mask, score_mod=mh.scores.bias(bias), backend="blocksparse")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert seen.largest < Lq * Lk // 4
+    assert "blocksparse" == mh.explain(q, k, v, mask=mask, score_mod=mh.scores.bias(bias)).backend
+
+
+def test_softcap_caps_scores_and_explain_says_who_runs_it():
+    q = torch.randn(1, 2, 8, 16) * 10
+    res = mh.attention(q, q, q, score_mod=mh.scores.softcap(3.0), return_lse=True)
+    ref = mh.reference_attention(q.double(), q.double(), q.double(), score_mod=mh.scores.softcap(3.0))
+    torch.testing.assert_close(res.output.double(), ref.output, rtol=1e-5, atol=1e-5)
+    assert float(res.lse.max()) <= 3.0 + torch.log(torch.tensor(8.0))  # every score <= cap
+    report = mh.explain(q, q, q, mask=mh.causal(), score_mod=mh.scores.softcap(3.0))
+    assert report.backend == "reference" and "softcap(3.0) is elementwise" in str(report)
