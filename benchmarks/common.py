@@ -118,6 +118,25 @@ def time_ms(fn, min_run_time: float = 0.5) -> float:
         min_run_time=min_run_time).median * 1e3
 
 
+def fastest_ms(fns: dict, rounds: int, min_run_time: float = 0.5, log=None, threads: int = THREADS) -> dict:
+    """Milliseconds of each ``fns[key]()``: the fastest of ``rounds`` interleaved rounds, each round
+    the median of a ``blocked_autorange``. Every contender is warmed up once first. On a shared
+    machine, other processes come and go; interleaving spreads them over all contenders, and since
+    they only ever add time, the fastest round is each contender's least disturbed one.
+    ``log(key, ms)`` is called after every measurement."""
+    for fn in fns.values():
+        fn()
+    best = {key: float("inf") for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            ms = Timer("fn()", globals={"fn": fn}, num_threads=threads).blocked_autorange(
+                min_run_time=min_run_time).median * 1e3
+            best[key] = min(best[key], ms)
+            if log is not None:
+                log(key, ms)
+    return best
+
+
 def used_backend(q, k, v, **kw) -> str:
     """The backend ``multihead.attention`` actually runs for these arguments (``explain``)."""
     return mh.explain(q, k, v, **kw).backend

@@ -13,12 +13,13 @@ Cases: no mask; ``causal()`` built once; ``causal() & sliding_window(w)`` built 
 the same mask *rebuilt on every call* (value-equal objects: plan caches keyed on the mask's
 value instead of ``id(mask)`` make it as cheap as the reused one); building that mask alone; and
 ``MultiHeadAttention(causal=True)`` (with no mask, and with a reused ``sliding_window(w)``)
-against a hand-written layer with the same projections. Every call is timed in interleaved
-rounds and its fastest round kept. ``--quick``: fewer, shorter rounds (same sizes).
+against a hand-written layer with the same projections. ``--quick``: fewer, shorter rounds
+(same sizes).
 
-Timed with ONE thread (``Timer(num_threads=1)``, printed): at this size a second thread adds
-nothing but the wake-up of a parallel region, and on a shared machine that wake-up waits for a
-descheduled thread (measured here: 8 ms per raw SDPA call with 2 threads while another process
+Every call is timed in interleaved rounds keeping its fastest (:func:`common.fastest_ms`), with
+ONE thread (``Timer(num_threads=1)``, printed): at this size a second thread adds nothing but
+the wake-up of a parallel region, and on a shared machine that wake-up waits for a descheduled
+thread (measured here: 8 ms per raw SDPA call with 2 threads while another process
 ran tests, 13 us with 1), which would drown the Python overhead this benchmark is about. The raw
 call with the suite's thread count is printed once for comparison.
 """
@@ -30,9 +31,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.benchmark import Timer
 
-from common import THREADS, check_close, context, machine_state, mh, print_table, used_backend, write_csv
+from common import THREADS, check_close, context, fastest_ms, machine_state, mh, print_table, used_backend, write_csv
 
 B, H, L, D, WINDOW = 1, 2, 16, 16, 4
 TIMED_THREADS = 1  # see the module docstring
@@ -93,16 +93,11 @@ def main(argv=None) -> list[dict]:
         for name, ours, theirs, _ in cases:  # correctness first, on the inputs that are timed
             if theirs is not None:
                 check_close(name, ours(), theirs(), atol=1e-5)
-        # Interleaved rounds: load from other processes falls on every case alike, and since it
-        # only ever adds time, each call's fastest round is its least disturbed one.
-        timed = [ours for _, ours, _, _ in cases] + [raw]
-        timed += [theirs for _, _, theirs, _ in cases if theirs is not None and theirs not in timed]
-        best = [float("inf")] * len(timed)
-        for _ in range(rounds):
-            for i, fn in enumerate(timed):
-                best[i] = min(best[i], _time_ms(fn, min_run_time))
-        fastest = lambda fn: best[timed.index(fn)] if fn is not None else float("nan")  # noqa: E731
-        t_raw, t_raw_suite = fastest(raw), _time_ms(raw, min_run_time, threads=THREADS)
+        timed = {fn: fn for fn in [ours for _, ours, _, _ in cases] + [raw] + [theirs for _, _, theirs, _ in cases]
+                 if fn is not None}  # each distinct call once
+        best = fastest_ms(timed, rounds, min_run_time, threads=TIMED_THREADS)
+        fastest = lambda fn: best[fn] if fn is not None else float("nan")  # noqa: E731
+        t_raw, t_raw_suite = fastest(raw), fastest_ms({raw: raw}, 1, min_run_time)[raw]
         rows = []
         for name, ours, theirs, backend in cases:
             t_ours, t_theirs = fastest(ours), fastest(theirs)
@@ -118,13 +113,6 @@ def main(argv=None) -> list[dict]:
           f"({t_raw_suite / t_raw:.1f}x the 1-thread call: the parallel region's wake-up)")
     write_csv("overhead" + ("_quick" if args.quick else ""), rows)
     return rows
-
-
-def _time_ms(fn, min_run_time: float, threads: int = TIMED_THREADS) -> float:
-    """Median milliseconds of ``fn()`` (``Timer.blocked_autorange``) with ``threads`` threads."""
-    fn()  # warm-up: plans, caches
-    return Timer("fn()", globals={"fn": fn}, num_threads=threads).blocked_autorange(
-        min_run_time=min_run_time).median * 1e3
 
 
 if __name__ == "__main__":
