@@ -51,8 +51,12 @@ def _headlines(results) -> None:
             print(f"per-call overhead, {case}: {overhead[case]['/ raw no mask']:.1f}x a raw SDPA call without mask "
                   f"(before issue 8: {before})")
     for r in results.get("sliding_window") or []:
-        if r["L"] == 16384 and r["window"] == 512:
+        if r["L"] == 16384 and r["window"] == 512 and "speedup" in r:
             print(f"sliding window L=16384 w=512: {r['speedup']:.1f}x faster than SDPA + dense mask  (target >= 8)")
+        if "dense/band_run" in r:
+            print(f"sliding window L={r['L']} w={r['window']}, load {r['load']} ({r['load_cores_used']:.1f} cores used "
+                  f"by it): blocksparse {r['dense/blocksparse']:.1f}x, band-run prototype {r['dense/band_run']:.1f}x "
+                  f"faster than SDPA + dense mask  (target >= 8 under load, at L=16384)")
     for r in results.get("documents") or []:
         print(f"packed documents: {r['speedup']:.1f}x faster than padded + dense mask  (target >= 3)")
     for r in results.get("memory") or []:
