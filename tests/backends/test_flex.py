@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import FACTOR, assert_relative, naive_attention
+from helpers import assert_relative, naive_attention
+from matrix import factor
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def test_flex_forward_matches_reference(name):
     mask = MASKS[name](B, L)
     got = mh.attention(q, k, v, mask=mask, backend="flex", return_lse=True)
     ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mask)
-    assert_relative(got.output, ref.output, naive_attention(q, k, v, mask), FACTOR[torch.float32][0])
+    assert_relative(got.output, ref.output, naive_attention(q, k, v, mask), factor("flex", torch.float32))
     assert torch.equal(torch.isneginf(got.lse), torch.isneginf(ref.lse))
 
 
@@ -35,3 +36,17 @@ def test_flex_is_never_chosen_by_auto_on_cpu_and_refuses_backward():
     assert report.backend != "flex"
     with pytest.raises(mh.BackendRefusedError, match="inference only"):
         mh.attention(q, q, q, mask=mh.causal(), backend="flex")
+
+
+def test_flex_runs_score_modifiers_through_its_score_mod():
+    gen = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, L, D = 1, 4, 2, 130, 16
+    q, k, v = (torch.randn(B, h, L, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    bias = torch.randn(1, Hq, L, L, generator=gen)
+    mods = [mh.scores.bias(bias), mh.scores.softcap(2.0)]
+    got = mh.attention(q, k, v, mask=mh.causal(), score_mod=mods, backend="flex", return_lse=True)
+    ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mh.causal(),
+                                 score_mod=[mh.scores.bias(bias.double()), mh.scores.softcap(2.0)])
+    base = naive_attention(q, k, v, mh.causal(), score_mod=mods)
+    assert_relative(got.output, ref.output, base, factor("flex", torch.float32))
+    torch.testing.assert_close(got.lse.double(), ref.lse, rtol=1e-5, atol=1e-5)

@@ -83,3 +83,33 @@ def test_refused_update_changes_nothing(k, v, error, pattern):
     assert cache.length == 4 and cache.keys is keys and cache.values is values
     k_all, _ = cache.update(k1, v1)  # and it still takes a good update
     assert cache.length == 5 and torch.equal(k_all[:, :, :4], stored_k)
+
+
+def test_truncate_keeps_the_first_tokens_and_refuses_bad_lengths():
+    cache = ConcatKVCache()
+    k, v = _kv(B=1, Hkv=2, L=5, D=4, Dv=3)
+    cache.update(k, v)
+    cache.truncate(3)
+    assert cache.length == 3 and torch.equal(cache.keys, k[:, :, :3]) and torch.equal(cache.values, v[:, :, :3])
+    for bad, exc, pattern in ((4, ValueError, r"length must be in \[0, 3\].*got 4"), (-1, ValueError, r"got -1"),
+                              (1.0, TypeError, r"length must be an int, got float")):
+        with pytest.raises(exc, match=pattern):
+            cache.truncate(bad)
+        assert cache.length == 3
+    cache.truncate(0)
+    assert cache.length == 0 and cache.keys is None
+
+
+def test_a_layer_call_refused_after_the_update_rolls_the_cache_back():
+    import multihead as mh
+
+    layer = mh.MultiHeadAttention(16, 4, causal=True, backend="blocksparse").eval()
+    cache = ConcatKVCache()
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        layer.backend = "reference"
+        layer(x, kv_cache=cache)
+        layer.backend = "blocksparse"  # refuses a plain bool tensor mask
+        with pytest.raises(mh.BackendRefusedError, match="blocksparse"):
+            layer(x[:, :1], kv_cache=cache, mask=torch.ones(1, 6, dtype=torch.bool))
+    assert cache.length == 5

@@ -3,7 +3,7 @@
 A mask becomes a ``BlockMask`` through :meth:`Mask.as_mask_mod` and ``create_block_mask``,
 cached per (mask value, shape, device) so it is built once, not per call; a score modifier is
 passed as flex's ``score_mod`` (it has flex's signature). The LSE comes from the kernel
-(``return_lse=True``). The compiled ``flex_attention`` is created on first use and shared.
+(``return_lse=True``) off CPU. The compiled ``flex_attention`` is created on first use and shared.
 
 On a 2-core CPU the first compile takes about a minute and dense causal runs slower than SDPA,
 so ``auto`` never picks it there (``auto_refusals``; decision table in docs/performance.md).
@@ -73,14 +73,19 @@ class FlexBackend(Backend):
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         block_mask = None if call.mask is None else self._block_mask(call.mask, B, Hq, Lq, Lk, call.q.device)
-        out, lse = _compiled_flex()(call.q, call.k, call.v, score_mod=call.score_mod, block_mask=block_mask,
-                                    scale=call.scale, enable_gqa=Hq != Hkv, return_lse=True)
+        # The kernel's LSE where it has one; compiled flex on CPU has none (PyTorch 2.13: "return_lse
+        # is not supported yet"), and attention() then recomputes it in one blockwise pass.
+        with_lse = call.return_lse and call.q.device.type != "cpu"
+        result = _compiled_flex()(call.q, call.k, call.v, score_mod=call.score_mod, block_mask=block_mask,
+                                  scale=call.scale, enable_gqa=Hq != Hkv, return_lse=with_lse)
+        out, lse = result if with_lse else (result, None)
         if call.mask is not None:
             empty = call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
             if empty is not None:  # fully masked rows: exactly 0, LSE -inf
                 out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-                lse = lse.masked_fill(empty.expand_as(lse), float("-inf"))
-        return AttentionResult(out, None, lse.to(lse_dtype(call.q.dtype)) if call.return_lse else None)
+                if lse is not None:
+                    lse = lse.masked_fill(empty.expand_as(lse), float("-inf"))
+        return AttentionResult(out, None, None if lse is None else lse.to(lse_dtype(call.q.dtype)))
 
     def _block_mask(self, mask: Mask, B, Hq, Lq, Lk, device):
         key = (mask, B, Hq, Lq, Lk, str(device))  # by value; the key holds the mask's tensors alive

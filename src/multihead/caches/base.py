@@ -16,7 +16,7 @@ import abc
 
 from torch import Tensor
 
-__all__ = ["KVCache", "check_update"]
+__all__ = ["KVCache", "check_update", "check_truncate"]
 
 
 class KVCache(abc.ABC):
@@ -40,6 +40,12 @@ class KVCache(abc.ABC):
         Returns every stored key and value, ``(B, Hkv, T, D)`` and ``(B, Hkv, T, Dv)`` with
         ``T = length + Lnew``, oldest token first.
         """
+
+    @abc.abstractmethod
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens and forget the rest (``0 <= length <= self.length``):
+        a layer call that fails after :meth:`update` rolls back this way, and speculative
+        decoding drops rejected tokens this way."""
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -86,3 +92,12 @@ def check_update(cache: str, k, v, stored_k: Tensor | None = None, stored_v: Ten
         raise TypeError(f"{where}: new keys/values have dtype {k.dtype} but the stored ones {stored_k.dtype}{hint}")
     if k.device != stored_k.device:
         raise ValueError(f"{where}: new keys/values are on {k.device} but the stored ones on {stored_k.device}{hint}")
+
+
+def check_truncate(cache: str, length, stored: int) -> int:
+    """``length`` as a valid argument of :meth:`KVCache.truncate` for a cache holding ``stored``."""
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"{cache}.truncate: length must be an int, got {type(length).__name__}")
+    if not 0 <= length <= stored:
+        raise ValueError(f"{cache}.truncate: length must be in [0, {stored}] (the tokens stored), got {length}")
+    return length

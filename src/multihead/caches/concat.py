@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import KVCache, check_update
+from multihead.caches.base import KVCache, check_truncate, check_update
 
 __all__ = ["ConcatKVCache"]
 
@@ -43,6 +43,13 @@ class ConcatKVCache(KVCache):
             v = torch.cat([self.values, v], dim=2)  # (B, Hkv, T + Lnew, Dv)
         self.keys, self.values = k, v
         return k, v
+
+    def truncate(self, length: int) -> None:
+        length = check_truncate(type(self).__name__, length, self.length)
+        if length == 0:
+            self.reset()
+        elif length < self.length:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
     def reset(self) -> None:
         self.keys = self.values = None

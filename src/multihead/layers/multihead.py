@@ -192,10 +192,14 @@ class MultiHeadAttention(nn.Module):
             k = self._rotate(k, positions, "key")  # (B, Hkv, Lq, D), rotated once, before it is cached
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, Hkv, T, D): the cached keys, then these
-
-        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
-                                    dropout_p=self.dropout if self.training else 0.0,
-                                    need_weights=need_weights, backend=self.backend)  # (B, Lq, E)
+        try:
+            out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
+                                        dropout_p=self.dropout if self.training else 0.0,
+                                        need_weights=need_weights, backend=self.backend)  # (B, Lq, E)
+        except BaseException:
+            if kv_cache is not None:  # e.g. a forced backend that refuses: the cache is as it was
+                kv_cache.truncate(past)
+            raise
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
         return (out, weights) if need_weights else out

@@ -30,8 +30,7 @@ from torch import Tensor, nn
 from multihead.caches import ConcatKVCache, KVCache
 from multihead.layers import MultiHeadAttention
 
-# KVCache is the per-layer interface of multihead.caches, re-exported for `multihead.models.KVCache`.
-__all__ = ["DecoderConfig", "CausalDecoder", "DecoderCache", "KVCache"]
+__all__ = ["DecoderConfig", "CausalDecoder", "DecoderCache"]
 
 
 @dataclass(frozen=True)
