@@ -39,7 +39,7 @@ Exact: the result equals attention over the band for those rows (the kernel's ro
 Interior rows always see ``hi - lo + 1`` keys, so no row is fully masked. The cost is the
 ``block x span`` rectangle per block, ``span / (hi - lo + 1)`` times the visible area (1.5 at
 ``block = 256``, window 512); 256 was the fastest block size measured at window 512
-(``benchmarks/band_runs.py``).
+(``benchmarks/band_prototype.py --blocks 128 512``).
 
 Usage (the blocksparse backend; imports only torch)::
 
