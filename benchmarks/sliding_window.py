@@ -117,7 +117,7 @@ def _idle_and_loaded(L: int, window: int, load: str, min_run_time: float, rounds
                 [{c: r[c] for c in ("load", "load_cores_used", "read_GBps", "blocksparse_ms", "band_run_prototype_ms",
                                     "sdpa_dense_mask_ms", "dense/blocksparse", "dense/band_run", "blocksparse/band_run")}
                  for r in rows])
-    write_csv(f"sliding_window_loaded_L{L}", rows)
+    write_csv(f"sliding_window_loaded_L{L}_{load}", rows)
     return rows
 
 
