@@ -53,9 +53,9 @@ def _headlines(results) -> None:
     for r in results.get("sliding_window") or []:
         if r["L"] == 16384 and r["window"] == 512 and "speedup" in r:
             print(f"sliding window L=16384 w=512: {r['speedup']:.1f}x faster than SDPA + dense mask  (target >= 8)")
-        if "dense/band_run" in r:
+        if "dense/multihead" in r:
             print(f"sliding window L={r['L']} w={r['window']}, load {r['load']} ({r['load_cores_used']:.1f} cores used "
-                  f"by it): blocksparse {r['dense/blocksparse']:.1f}x, band-run prototype {r['dense/band_run']:.1f}x "
+                  f"by it): multihead {r['dense/multihead']:.1f}x (one call per block: {r['dense/per_block']:.1f}x) "
                   f"faster than SDPA + dense mask  (target >= 8 under load, at L=16384)")
     for r in results.get("documents") or []:
         print(f"packed documents: {r['speedup']:.1f}x faster than padded + dense mask  (target >= 3)")

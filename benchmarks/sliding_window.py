@@ -4,9 +4,9 @@ B=1, H=8, D=64, fp32, forward. Time should grow linearly in L at a fixed window 
 and quadratically for the dense mask. ``--quick``: L in {4096, 16384}, window 512 only.
 
 Then the same comparison idle and loaded: at L=16384 (4096 with ``--quick``), window 512,
-``blocksparse``, the band-run prototype (``band_prototype.band_run_attention``: the interior
-query blocks in one kernel call, ``multihead.backends.band_runs``, the edge rows in one SDPA
-call each) and SDPA with the dense mask, timed once
+``multihead`` (auto: ``blocksparse``, whose interior query blocks run as one batched kernel
+call, ``multihead.backends.band_runs``), the same with the batching off (one call per piece of
+every block, the first wave's plan) and SDPA with the dense mask, timed once
 with no load added and once while :func:`common.background_load` keeps every core busy
 (``--load python``: a pure-Python loop per core; ``--load torch``: single-threaded matmuls).
 The block-sparse path's many short parallel regions wait on descheduled threads under load; the
@@ -24,7 +24,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from band_prototype import band_run_attention
 from common import (THREADS, background_load, check_close, context, fastest_ms, last_level_cache_bytes, machine_state,
                     memory_read_gbps, mh, plot, print_table, time_ms, used_backend, write_csv)
 
@@ -83,20 +82,43 @@ def _sweep(args, lengths, windows, llc) -> list[dict]:
 
 
 def _idle_and_loaded(L: int, window: int, load: str, min_run_time: float, rounds: int) -> list[dict]:
-    """blocksparse, the band-run prototype and dense-mask SDPA, with no load added and under load."""
+    """multihead, blocksparse without band batching, and dense-mask SDPA, idle and under load."""
     print(f"\n# sliding window idle vs loaded: L={L}, window {window}, B=1 H=8 D=64 fp32 forward, {THREADS} threads")
     gen = torch.Generator().manual_seed(L)
     q, k, v = (torch.randn(1, 8, L, 64, generator=gen) for _ in range(3))
     mask = mh.sliding_window(window)
     dense = mask.materialize(1, 8, L, L)  # (1, 1, L, L) bool
+    per_block = _PerBlock()
     contenders = {
-        "blocksparse": lambda: mh.attention(q, k, v, mask=mask, backend="blocksparse"),
-        "band_run_prototype": lambda: band_run_attention(q, k, v, window),
+        "multihead": lambda: mh.attention(q, k, v, mask=mask),
+        "per_block": lambda: mh.attention(q, k, v, mask=mask, backend=per_block.name),
         "sdpa_dense_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
     }
-    want = contenders["sdpa_dense_mask"]()
-    for name in ("blocksparse", "band_run_prototype"):
-        check_close(f"{name}, window {window} L {L}", contenders[name](), want)
+    mh.register_backend(per_block)  # no priority: used only by name
+    try:
+        want = contenders["sdpa_dense_mask"]()
+        for name in ("multihead", "per_block"):
+            check_close(f"{name}, window {window} L {L}", contenders[name](), want)
+        rows = _time_idle_and_loaded(contenders, L, window, load, min_run_time, rounds)
+    finally:
+        mh.unregister_backend(per_block.name)
+    return rows
+
+
+class _PerBlock(mh.backends.BlockSparseBackend):
+    """blocksparse with the band batching off: every query block as its own pieces."""
+
+    name = "blocksparse_per_block"
+
+    def _plan(self, call):
+        plan = super()._plan(call)
+        from multihead.backends.blocksparse import Plan, block_plan
+
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        return Plan(None, block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)) if plan.run is not None else plan
+
+
+def _time_idle_and_loaded(contenders, L, window, load, min_run_time, rounds) -> list[dict]:
     rows = []
     for loaded in (False, True):
         state = machine_state()
@@ -106,16 +128,16 @@ def _idle_and_loaded(L: int, window: int, load: str, min_run_time: float, rounds
         row = {"load": f"{load} x{report['procs']}" if loaded else "none added", "L": L, "window": window,
                "load_cores_used": report.get("load_cpu", 0.0), "read_GBps": bandwidth,
                **{f"{name}_ms": t for name, t in ms.items()},
-               "dense/blocksparse": ms["sdpa_dense_mask"] / ms["blocksparse"],
-               "dense/band_run": ms["sdpa_dense_mask"] / ms["band_run_prototype"],
-               "blocksparse/band_run": ms["blocksparse"] / ms["band_run_prototype"],
+               "dense/multihead": ms["sdpa_dense_mask"] / ms["multihead"],
+               "dense/per_block": ms["sdpa_dense_mask"] / ms["per_block"],
+               "per_block/multihead": ms["per_block"] / ms["multihead"],
                "threads": THREADS, "machine_before": state}
         rows.append(row)
         print(row, flush=True)
     print_table(f"sliding window L={L} w={window}, fastest of {rounds} interleaved rounds: idle vs loaded "
                 "(speed-ups over SDPA + dense mask; target >= 8 loaded)",
-                [{c: r[c] for c in ("load", "load_cores_used", "read_GBps", "blocksparse_ms", "band_run_prototype_ms",
-                                    "sdpa_dense_mask_ms", "dense/blocksparse", "dense/band_run", "blocksparse/band_run")}
+                [{c: r[c] for c in ("load", "load_cores_used", "read_GBps", "multihead_ms", "per_block_ms",
+                                    "sdpa_dense_mask_ms", "dense/multihead", "dense/per_block", "per_block/multihead")}
                  for r in rows])
     write_csv(f"sliding_window_loaded_L{L}_{load}", rows)
     return rows

@@ -17,6 +17,11 @@ Cost follows the *visible* area of the mask instead of the ``Lq x Lk`` square, a
   (:func:`multihead.scoring.additive_block`), never an ``Lq x Lk`` tensor; a bias that requires
   grad gets ``dS`` of each piece in the backward.
 
+For a band (``causal() & sliding_window(w)``, any ``sliding_window``) the query blocks away from
+the edges all see the same relative pattern; they run as ONE kernel call with the blocks folded
+into the batch (:mod:`multihead.backends.band_runs`): one parallel region instead of three per
+block, which keeps the speed when other processes share the cores (docs/performance.md).
+
 Each piece returns its output and log-sum-exp (PyTorch's CPU flash kernel,
 ``aten._scaled_dot_product_flash_attention_for_cpu``); pieces of one query block are merged
 with their LSE by :func:`multihead.merge_partials`::
@@ -39,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
@@ -47,7 +53,7 @@ from multihead.merge import merge_partials
 from multihead.scores import ADDITIVE, ScoreMod
 from multihead.scoring import additive_block
 
-__all__ = ["BlockSparseBackend", "block_plan", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["BlockSparseBackend", "block_plan", "Plan", "DEFAULT_BLOCK_SIZE"]
 
 #: Queries per block and the key-block grid; chosen by measurement (docs/performance.md).
 DEFAULT_BLOCK_SIZE = 256
@@ -69,6 +75,15 @@ class QueryBlock:
     q0: int
     q1: int
     pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The kernel calls of one attention: the interior blocks of a band as one batched call
+    (``run``, :mod:`multihead.backends.band_runs`), and the other query blocks one by one."""
+
+    run: BandRun | None
+    blocks: tuple[QueryBlock, ...]
 
 
 class BlockSparseBackend(Backend):
@@ -116,19 +131,25 @@ class BlockSparseBackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        blocks = self._plan(call)
+        plan = self._plan(call)
         counts = {_FULL: 0, _CAUSAL: 0, _MASKED: 0}
         computed = 0
-        for blk in blocks:
+        for blk in plan.blocks:
             for p in blk.pieces:
                 counts[p.kind] += 1
                 computed += (blk.q1 - blk.q0) * (p.k1 - p.k0)
-        skipped = sum(1 for b in blocks if not b.pieces)
-        lines = [f"{len(blocks)} query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
-                 f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
-                 f"{counts[_MASKED]} with a block-sized mask",
-                 f"scores computed: {computed} of {Lq * Lk} ({100.0 * computed / max(1, Lq * Lk):.1f}% of the square)",
-                 "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu, pieces merged by log-sum-exp"]
+        skipped = sum(1 for b in plan.blocks if not b.pieces)
+        lines = []
+        if plan.run is not None:
+            run = plan.run
+            computed += (run.q1 - run.q0) * run.span
+            lines.append(f"band interior: {run.blocks} query blocks (rows {run.q0}-{run.q1 - 1}) as one batched kernel "
+                         f"call, each over a window of {run.span} keys")
+        lines += [f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
+                  f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
+                  f"{counts[_MASKED]} with a block-sized mask",
+                  f"scores computed: {computed} of {Lq * Lk} ({100.0 * computed / max(1, Lq * Lk):.1f}% of the square)",
+                  "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu, pieces merged by log-sum-exp"]
         if Hq != Hkv:
             lines.append(f"heads: GQA {Hq}/{Hkv} passed natively to the kernel")
         if D != Dv:
@@ -138,31 +159,40 @@ class BlockSparseBackend(Backend):
     # ------------------------------------------------------------------------------- running
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        blocks = self._plan(call)
+        plan = self._plan(call)
         q, k, v = call.q, call.k, call.v
         if D < Dv:  # the kernel needs one head size: zero columns leave q.k unchanged
             q, k = F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D))
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
         mods = call.score_mod
-        out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, mods, call.scale, blocks,
+        out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, mods, call.scale, plan,
                                                *(mods.tensors() if mods is not None else ()))
         if Dv < D:
             out = out[..., :Dv]
         return AttentionResult(out, None, lse if call.return_lse else None)
 
-    def _plan(self, call: AttentionCall) -> tuple[QueryBlock, ...]:
+    def _plan(self, call: AttentionCall) -> Plan:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        key = (call.mask, B, Hq, Lq, Lk, self.block_size)  # by value; the key holds the mask's tensors alive
+        batched = call.score_mod is None  # one shared window mask: no per-position bias
+        key = (call.mask, B, Hq, Lq, Lk, self.block_size, batched)  # by value; holds the mask's tensors alive
         cached = self._plans.get(key)
         if cached is not None:
             self._plans.move_to_end(key)
             return cached
         blocks = block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
-        self._plans[key] = blocks
+        run = _band_run(call.mask, Lq, Lk, self.block_size) if batched else None
+        if run is not None:
+            inside = [b for b in blocks if run.q0 <= b.q0 and b.q1 <= run.q1]
+            if sum(b.q1 - b.q0 for b in inside) == run.q1 - run.q0:  # the run replaces exactly these
+                blocks = tuple(b for b in blocks if not (run.q0 <= b.q0 and b.q1 <= run.q1))
+            else:
+                run = None
+        plan = Plan(run, blocks)
+        self._plans[key] = plan
         while len(self._plans) > 32:
             self._plans.popitem(last=False)
-        return blocks
+        return plan
 
 
 #: Below this many scores a single SDPA call with a materialized mask beats the per-block loop
@@ -243,6 +273,20 @@ def _merge(pieces: list[Piece]) -> list[Piece]:
     return merged
 
 
+def _band_run(mask: Mask | None, q_len: int, kv_len: int, block: int) -> BandRun | None:
+    """The interior query blocks of a band (a ``Band`` or an ``&`` of them, bounded on both
+    sides) as one batched run, when there are at least two of them; else ``None``."""
+    parts = mask.parts if isinstance(mask, And) else (mask,)
+    if mask is None or not all(isinstance(p, Band) for p in parts):
+        return None
+    windows = [p.window(q_len, kv_len) for p in parts]
+    los, his = [w.lo for w in windows if w.lo is not None], [w.hi for w in windows if w.hi is not None]
+    if not los or not his:
+        return None
+    run = interior_run(q_len, kv_len, block=block, lo=max(los), hi=min(his))
+    return run if run is not None and run.blocks >= 2 else None
+
+
 def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
     """``(d, rest)`` when ``mask`` is "key ``j <= i + d``" ``&`` ``rest`` (``rest`` may be
     ``None``): causal masks and the right edge of sliding windows, alone or in an ``&``.
@@ -310,12 +354,15 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len):
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, mods, scale, blocks, *mod_tensors):
+    def forward(ctx, q, k, v, mask, mods, scale, plan, *mod_tensors):
         B, Hq, Lq, _ = q.shape
         Lk, Dv = k.shape[2], v.shape[3]
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-        for blk in blocks:
+        if plan.run is not None:
+            rows = slice(plan.run.q0, plan.run.q1)
+            out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale)
+        for blk in plan.blocks:
             parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk) for p in blk.pieces]
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
@@ -327,7 +374,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             out[:, :, blk.q0:blk.q1] = merged
             lse[:, :, blk.q0:blk.q1] = total
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.mods, ctx.scale, ctx.blocks = mask, mods, scale, blocks
+        ctx.mask, ctx.mods, ctx.scale, ctx.plan = mask, mods, scale, plan
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -354,9 +401,15 @@ class _BlockSparseAttention(torch.autograd.Function):
         mod_tensors = mods.tensors() if mods is not None else ()
         wants_mod_grad = [t.requires_grad for t in mod_tensors]
         d_mods = [torch.zeros_like(t) if w else None for t, w in zip(mod_tensors, wants_mod_grad)]
+        run = ctx.plan.run
+        if run is not None:  # interior band rows are never fully masked: the LSE is finite there
+            rows = slice(run.q0, run.q1)
+            g_q, _, _ = run_backward(grad_out[:, :, rows], q, k, v, out[:, :, rows], lse[:, :, rows].to(acc_dtype),
+                                     run, ctx.scale, dk=dk, dv=dv)
+            dq[:, :, rows] += g_q
         # Fully masked rows: LSE +inf makes every probability exp(s - inf) = 0, so no NaN.
         lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
-        for blk in ctx.blocks:
+        for blk in ctx.plan.blocks:
             if not blk.pieces:
                 continue
             rows = slice(blk.q0, blk.q1)

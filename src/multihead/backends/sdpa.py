@@ -18,6 +18,8 @@ How a call is passed on, in order of preference:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -88,30 +90,13 @@ class _Arguments:
         elif offset is not None and offset >= Lk - 1:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
-            # Eagerly, the two fix-ups below are skipped when they change nothing; under
-            # torch.compile they always run, so that no data-dependent branch breaks the graph.
-            compiling = _compiling()
-            if mods is None:
-                dense = visible = mask.materialize(B, Hq, Lq, Lk, device=q.device)
-                empty = mask._empty_rows(B, Hq, Lq, Lk, device=q.device)
-            else:
-                dense, visible = additive_block(mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, q.device, q.dtype)
-                empty = ~visible.any(-1)
-            if compiling or bool(empty.any()):
-                self.empty_rows = empty
-                opened = empty.unsqueeze(-1)
-                dense = dense | opened if dense.dtype == torch.bool else \
-                    torch.where(opened, torch.zeros((), dtype=dense.dtype, device=q.device), dense)
-            self.attn_mask = dense
-            # Keys that no query may see can hold anything (NaN beyond a length): zero them, since
-            # the fused kernels compute 0 * value for them and 0 * NaN = NaN.
-            unseen = ~visible.any(dim=-2).any(dim=1, keepdim=True).unsqueeze(-1)  # (B|1, 1, Lk, 1)
-            if compiling or bool(unseen.any()):
+            prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype)
+            self.attn_mask, self.empty_rows, unseen, self.mask_note = prepared
+            if unseen is not None:
+                # Keys that no query may see can hold anything (NaN beyond a length): zero them,
+                # since the fused kernels compute 0 * value for them and 0 * NaN = NaN.
                 zero = torch.zeros((), dtype=q.dtype, device=q.device)
                 k, v = torch.where(unseen, zero, k), torch.where(unseen, zero, v)
-            kind = "bool" if dense.dtype == torch.bool else "additive"
-            what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
-            self.mask_note = f"{what}: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
         self.enable_gqa = False
         if Hq == Hkv:
             self.gqa_note = "heads: Hq == Hkv"
@@ -129,6 +114,54 @@ class _Arguments:
             self.gqa_note = (f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
                              "K/V repeated by the grouped mapping instead")
         self.q, self.k, self.v = q, k, v
+
+
+# Materialized structured masks, by (mask value, shape, device, dtype): a mask object reused across
+# calls (or rebuilt with the same value) is materialized once. Only small ones (the per-call
+# overhead matters for small calls; a large mask costs more to hold than to rebuild), and never
+# masks made of tensors (a tensor is already dense, and a fresh one per call would never hit).
+_MASKS: OrderedDict = OrderedDict()
+_MASK_CACHE_SIZE = 16
+_MASK_CACHE_ELEMENTS = 1 << 20
+
+
+def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype):
+    """``(attn_mask, empty_rows | None, unseen_keys | None, note)`` for a mask that must be
+    materialized: the dense mask with fully masked rows opened, the rows to zero after the call
+    and the keys to zero before it."""
+    cacheable = (not _compiling() and mods is None and "tensor" not in mask.kinds()
+                 and B * Hq * Lq * Lk <= _MASK_CACHE_ELEMENTS)
+    key = (mask, B, Hq, Lq, Lk, str(device), dtype)
+    if cacheable and key in _MASKS:
+        _MASKS.move_to_end(key)
+        return _MASKS[key]
+    # Eagerly, the two fix-ups below are skipped when they change nothing; under torch.compile
+    # they always run, so that no data-dependent branch breaks the graph.
+    compiling = _compiling()
+    if mods is None:
+        dense = visible = mask.materialize(B, Hq, Lq, Lk, device=device)
+        empty = mask._empty_rows(B, Hq, Lq, Lk, device=device)
+    else:
+        dense, visible = additive_block(mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, device, dtype)
+        empty = ~visible.any(-1)
+    empty_rows = None
+    if compiling or bool(empty.any()):
+        empty_rows = empty
+        opened = empty.unsqueeze(-1)
+        dense = dense | opened if dense.dtype == torch.bool else \
+            torch.where(opened, torch.zeros((), dtype=dense.dtype, device=device), dense)
+    unseen = ~visible.any(dim=-2).any(dim=1, keepdim=True).unsqueeze(-1)  # (B|1, 1, Lk, 1)
+    if not (compiling or bool(unseen.any())):
+        unseen = None
+    kind = "bool" if dense.dtype == torch.bool else "additive"
+    what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
+    note = f"{what}: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
+    prepared = (dense, empty_rows, unseen, note)
+    if cacheable:
+        _MASKS[key] = prepared
+        while len(_MASKS) > _MASK_CACHE_SIZE:
+            _MASKS.popitem(last=False)
+    return prepared
 
 
 # PyTorch's CPU flash kernel returns the log-sum-exp beside the output (its LSE carries no

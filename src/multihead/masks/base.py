@@ -74,14 +74,17 @@ class Mask(abc.ABC):
 
     # ----------------------------------------------------------------------------- value
     def _value(self) -> tuple:
-        fields = sorted((k, v) for k, v in vars(self).items() if not k.startswith("_"))
-        return (type(self),) + tuple((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields)
+        def compute():
+            fields = sorted((k, v) for k, v in vars(self).items() if not k.startswith("_"))
+            return (type(self),) + tuple((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields)
+
+        return self._cached("_value_cache", compute)  # immutable: computed once per object
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Mask) and self._value() == other._value()
+        return self is other or (isinstance(other, Mask) and self._value() == other._value())
 
     def __hash__(self) -> int:
-        return hash(self._value())
+        return self._cached("_hash_cache", lambda: hash(self._value()))
 
     def _cached(self, name: str, compute: Callable):
         """A derived value computed on first use (host synchronisation happens here, when a
