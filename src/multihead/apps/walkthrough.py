@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from multihead.attention import attention
+from multihead.conventions import repeat_kv
 from multihead.explain import Explanation, explain
 from multihead.layers import MultiHeadAttention
 from multihead.layers.heads import merge_heads, split_heads
@@ -124,8 +125,8 @@ def walkthrough(*, d_model: int = 512, heads: int = 8, kv_heads: int | None = No
     ), "head h = features [h*D, (h+1)*D) of the projection; views, no copy"))
 
     # 3. GQA grouping: query head h reads KV head h // G.
-    k_rep = k.repeat_interleave(G, dim=1)  # (B, Hq, L, D), for the spelled-out steps only
-    v_rep = v.repeat_interleave(G, dim=1)
+    k_rep = repeat_kv(k, Hq)  # (B, Hq, L, D), for the spelled-out steps only
+    v_rep = repeat_kv(v, Hq)
     if G > 1:
         steps.append(Step("group query heads onto key/value heads", (
             ("k.repeat_interleave(G, dim=1)", tuple(k_rep.shape), f"(B, Hq, L, D)  query head h reads KV head h // {G}"),

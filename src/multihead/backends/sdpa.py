@@ -26,7 +26,7 @@ from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities
 from multihead.call import AttentionCall, AttentionResult
-from multihead.conventions import lse_dtype
+from multihead.conventions import lse_dtype, repeat_kv
 from multihead.scores import ADDITIVE
 from multihead.scoring import additive_block
 
@@ -110,7 +110,7 @@ class _Arguments:
             k, v = k.expand(B, Hq, Lk, D), v.expand(B, Hq, Lk, Dv)
             self.gqa_note = f"heads: MQA, K/V expanded to {Hq} heads as a view (stride 0)"
         else:
-            k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+            k, v = repeat_kv(k, Hq), repeat_kv(v, Hq)
             self.gqa_note = (f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
                              "K/V repeated by the grouped mapping instead")
         self.q, self.k, self.v = q, k, v
