@@ -30,6 +30,32 @@ Where this class differs from PyTorch's, on purpose:
   recomputed block by block only when asked for;
 * like every `multihead` layer, its per-head weights ``(B, H, L, S)`` are recorded by
   :func:`multihead.capture_attention`.
+
+Inside ``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and ``nn.Transformer`` it
+works wherever PyTorch's class does:
+
+* **PyTorch's fast path.** In eval mode without autograd (``torch.no_grad()``,
+  ``torch.inference_mode()``), ``nn.TransformerEncoderLayer`` reads ``batch_first``,
+  ``_qkv_same_embed_dim``, ``num_heads``, ``embed_dim``, ``in_proj_weight``, ``in_proj_bias``
+  and ``out_proj`` of its ``self_attn``, calls :meth:`merge_masks`, and runs
+  ``torch._transformer_encoder_layer_fwd`` with these weights *instead of* ``self_attn.forward``,
+  exactly as it does with PyTorch's class. Those attributes mean what they mean there, so the
+  layer computes PyTorch's numbers, and the deliberate differences above are not in effect on
+  that path (it is PyTorch's kernel). ``nn.TransformerEncoder`` then also packs a padded batch
+  into a nested tensor and returns padded rows as 0, as PyTorch does.
+* **Nested inputs.** A layer that declines its fast path inside such an encoder (a hook,
+  for example) passes nested ``(B, ragged L, E)`` tensors to ``self_attn``. They are accepted here
+  with ``batch_first=True`` and no mask tensors (PyTorch's own conditions for nested inputs), run
+  as a padded batch with a key padding mask, and returned nested; weights come back padded,
+  ``0`` on padded rows and keys, as PyTorch returns them.
+* under ``torch.compile`` the ``O(L·S)`` recognition of a causal ``attn_mask`` (data-dependent,
+  a graph break) is skipped: the mask runs as a tensor. So it is for a float ``attn_mask`` that
+  requires grad, which always gets its gradient (PyTorch's ``is_causal`` hint may skip the mask
+  and leave its gradient ``None``).
+* ``torch.jit.script`` is refused with a ``TypeError`` that says why: ``forward`` runs the
+  `multihead` core (mask objects, backend dispatch), which TorchScript cannot compile. Script a
+  ``torch.nn.MultiheadAttention`` loaded with this module's ``state_dict()`` instead (the state
+  dicts are the same).
 """
 
 from __future__ import annotations
@@ -133,6 +159,9 @@ class MultiheadAttention(nn.Module):
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
         """PyTorch's contract (see the module docstring for masks and the deliberate differences)."""
+        if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                        average_attn_weights, is_causal)
         bf = self.batch_first
         check_inputs(_NAME, query, key, value, sizes=(self.embed_dim, self.kdim, self.vdim), batch_first=bf,
                      ranks=(2, 3))
@@ -171,7 +200,88 @@ class MultiheadAttention(nn.Module):
                 weights = weights.squeeze(0)  # (L, S+extra) or (H, L, S+extra)
         return out, weights
 
+    def merge_masks(self, attn_mask: Tensor | None, key_padding_mask: Tensor | None,
+                    query: Tensor) -> tuple[Tensor | None, int | None]:
+        """PyTorch's ``nn.MultiheadAttention.merge_masks``, with its meaning: the masks of a
+        self-attention in the form PyTorch's fused kernels take them.
+
+        ``nn.TransformerEncoderLayer`` calls it on its fast path (module docstring) with the masks
+        it has already made canonical (float, additive, PyTorch's polarity). Returns
+        ``(merged_mask, mask_type)``: ``(None, None)`` without masks; ``(key_padding_mask, 1)``
+        with only ``key_padding_mask (B, L)``; with ``attn_mask`` ``(L, L)`` or ``(B·H, L, L)``,
+        that mask viewed as ``(B, H, L, L)`` plus ``key_padding_mask`` viewed as
+        ``(B, 1, 1, L)`` if given, and type 2. ``query`` is ``(B, L, E)``.
+        """
+        mask_type: int | None = None
+        merged_mask: Tensor | None = None
+        if key_padding_mask is not None:
+            mask_type = 1
+            merged_mask = key_padding_mask  # (B, L)
+        if attn_mask is not None:
+            batch_size, seq_len, _ = query.shape
+            mask_type = 2
+            if attn_mask.dim() == 3:
+                attn_mask_expanded = attn_mask.view(batch_size, -1, seq_len, seq_len)  # (B, H, L, L)
+            else:
+                attn_mask_expanded = attn_mask.view(1, 1, seq_len, seq_len).expand(
+                    batch_size, self.num_heads, -1, -1)  # (B, H, L, L)
+            merged_mask = attn_mask_expanded
+            if key_padding_mask is not None:
+                key_padding_mask_expanded = key_padding_mask.view(batch_size, 1, 1, seq_len).expand(
+                    -1, self.num_heads, -1, -1)  # (B, H, 1, L)
+                merged_mask = attn_mask_expanded + key_padding_mask_expanded
+        return merged_mask, mask_type
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this before compiling a module, and for every submodule of a
+        # scripted model (e.g. an nn.TransformerEncoderLayer holding this module).
+        raise TypeError(
+            f"multihead.compat.{_NAME} cannot be compiled by torch.jit.script: its forward runs the multihead "
+            "core (mask objects, backend dispatch, weights recomputed by blocks), which is Python that "
+            "TorchScript cannot compile. Use torch.compile(module) instead, or script PyTorch's class with "
+            "the same weights: m = torch.nn.MultiheadAttention(embed_dim, num_heads, ..., batch_first=...); "
+            "m.load_state_dict(module.state_dict()); torch.jit.script(m) (PyTorch's semantics then apply, "
+            "e.g. NaN on query rows that see no key)")
+
     # ------------------------------------------------------------------------------ helpers
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights: bool, attn_mask,
+                        average_attn_weights: bool, is_causal: bool) -> tuple[Tensor, Tensor | None]:
+        """Nested ``(B, ragged L, E)`` inputs (what ``nn.TransformerEncoder`` passes on once it has
+        packed a padded batch) as a padded batch with a key padding mask, the output nested again."""
+        tensors = (query, key, value)
+        if not all(isinstance(t, Tensor) and t.is_nested for t in tensors):
+            raise TypeError(f"{_NAME}: query, key and value must be all nested tensors or none, got is_nested="
+                            f"{tuple(isinstance(t, Tensor) and t.is_nested for t in tensors)}")
+        if not self.batch_first:
+            raise ValueError(f"{_NAME}: nested tensors are (B, ragged L, E), batch first, but this module has "
+                             "batch_first=False; build it with batch_first=True (as PyTorch requires)")
+        if key_padding_mask is not None or attn_mask is not None:
+            raise ValueError(f"{_NAME}: nested inputs take no key_padding_mask or attn_mask (their padding is "
+                             "their ragged lengths, as in PyTorch); pass a padded tensor with masks instead")
+        q_lengths = [t.shape[0] for t in query.unbind()]
+        k_lengths = [t.shape[0] for t in key.unbind()]
+        v_lengths = [t.shape[0] for t in value.unbind()]
+        if k_lengths != v_lengths:
+            raise ValueError(f"{_NAME}: key and value must have the same lengths, got {k_lengths} and {v_lengths}")
+
+        def padded(t: Tensor) -> Tensor:
+            return torch.nested.to_padded_tensor(t, 0.0)  # (B, max L, features)
+
+        q = padded(query)  # (B, L, E)
+        k = q if key is query else padded(key)  # (B, S, kdim); `is` kept for the one-matmul projection
+        v = k if value is key else padded(value)  # (B, S, vdim)
+        S = k.shape[1]
+        keys = torch.arange(S, device=k.device)
+        padding = keys >= torch.tensor(k_lengths, device=k.device).unsqueeze(1)  # (B, S), True = padding
+        out, weights = self.forward(q, k, v, key_padding_mask=padding, need_weights=need_weights,
+                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
+        out = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out.unbind(), q_lengths)], layout=query.layout)
+        if weights is not None:  # (B, L, S+extra) or (B, H, L, S+extra): padded query rows to 0, as PyTorch
+            rows = torch.arange(q.shape[1], device=q.device) < torch.tensor(q_lengths, device=q.device).unsqueeze(1)
+            rows = rows.view(len(q_lengths), *([1] * (weights.dim() - 3)), -1, 1)  # (B, [1,] L, 1)
+            weights = weights.masked_fill(~rows, 0.0)
+        return out, weights
+
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         E, bias = self.embed_dim, self.in_proj_bias
         if self._qkv_same_embed_dim and key is query and value is query:
@@ -218,7 +328,11 @@ class MultiheadAttention(nn.Module):
             else:
                 raise ValueError(f"{_NAME}: attn_mask must have 2 dims (L, S) or 3 dims (B*num_heads, L, S), "
                                  f"got shape {tuple(am.shape)}")
-            if extra == 0 and _is_causal_pattern(am):
+            # Recognising the causal pattern reads the mask's values: a graph break under
+            # torch.compile, where the mask simply runs as a tensor; so does a mask that wants
+            # its gradient (a learned additive mask).
+            if extra == 0 and not am.requires_grad and not torch.compiler.is_compiling() \
+                    and _is_causal_pattern(am):
                 am, causal_mask = None, causal("top_left")  # the same mask, without a tensor
             if am is not None:
                 parts.append(am)
