@@ -83,7 +83,7 @@ MASK_KINDS = [
     "none", "causal_br", "causal_tl", "window_3", "window_5_2_tl", "key_padding", "document",
     "prefix_lm", "causal&padding", "document&causal", "window|prefix", "~causal", "custom",
     "bool_tensor", "bool_keys_only", "additive_tensor", "additive&causal", "shifted_causal",
-    "shifted_causal_br", "positions_window",
+    "shifted_causal_br", "positions_window", "window_per_sequence", "document_causal",
 ]
 
 HEADS = [(1, 1), (4, 4), (8, 2), (6, 3), (8, 1)]
@@ -140,6 +140,10 @@ def make_mask(kind: str, B: int, Hq: int, Lq: int, Lk: int, gen: torch.Generator
         "shifted_causal_br": lambda: mh.causal().shifted(Lq, 3, q_len=2 * Lq, kv_len=Lk + 3),
         "positions_window": lambda: mh.sliding_window(4).at(torch.arange(Lq) * 2, torch.arange(Lk) * 2,
                                                              q_len=2 * Lq, kv_len=2 * Lk),
+        # Issue 9, item 11: aligned per sequence of a padded batch, and per document.
+        "window_per_sequence": lambda: mh.sliding_window(5, kv_lengths=lengths, q_lengths=torch.clamp(lengths, max=Lq))
+        & mh.key_padding(lengths),
+        "document_causal": lambda: mh.document_causal(q_ids, kv_ids),
     }
     return table[kind]()
 

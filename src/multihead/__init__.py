@@ -14,7 +14,7 @@ from multihead.backends.registry import BackendRefusedError
 from multihead.explain import Explanation, explain
 from multihead.layers import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 from multihead.layers import compat
-from multihead.masks import causal, custom, document, key_padding, prefix_lm, sliding_window
+from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
 from multihead.call import AttentionResult
 from multihead.merge import merge_partials
 from multihead.reference import reference_attention
@@ -40,7 +40,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "attention", "capture_attention", "AttentionCapture", "explain", "Explanation", "reference_attention", "AttentionResult",
-    "merge_partials", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "prefix_lm", "custom",
+    "merge_partials", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "BackendRefusedError",
     "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
     "caches", "KVCache", "ConcatKVCache",

@@ -6,12 +6,15 @@ precision) are in :mod:`multihead.conventions`.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.blockwise import lse_by_blocks, weights_by_blocks
 from multihead.call import AttentionResult
+from multihead.conventions import lse_dtype
 from multihead.masks import Mask
+from multihead.nonfinite import apply_policy
 from multihead.scores import ScoreMod
 from multihead.validation import validate_call, validate_weights_selection
 
@@ -73,9 +76,13 @@ def attention(
     call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                          dropout_mask=dropout_mask, return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
+    if call.empty:  # Lq == 0 or Lk == 0: nothing to compute (every row sees no key: zeros, LSE -inf)
+        return _empty(call, return_weights, return_lse, heads, rows)
     chosen, _ = select_backend(call, backend)
     result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
+    result = apply_policy(call, result, chosen.forward)  # NaN/inf go exactly where the math puts them
     lse = result.lse
+    q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)
     if return_weights:
         # Weights on demand: exp(S - lse) recomputed from q, k, a block at a time, for the requested
         # heads/rows only (all by default); without a kernel LSE, the LSE comes from the same blocks.
@@ -89,3 +96,21 @@ def attention(
             lse = lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
         return AttentionResult(result.output, None, lse)
     return result.output
+
+
+def _empty(call, return_weights: bool, return_lse: bool, heads, rows) -> Tensor | AttentionResult:
+    """The result of an attention with ``Lq == 0`` or ``Lk == 0``: output zeros (every row is fully
+    masked), LSE ``-inf``, weights zeros, connected to the inputs so that gradients are zeros."""
+    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    q, k, v = call.q, call.k, call.v
+    anchor = (q.sum() + k.sum() + v.sum()) * 0  # a zero that carries the inputs' graph (empty sums are 0)
+    output = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
+    if not (return_weights or return_lse):
+        return output
+    lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device) if return_lse else None
+    weights = None
+    if return_weights:
+        nh = Hq if heads is None else len(heads)
+        nr = Lq if rows is None else len(rows)
+        weights = torch.zeros((B, nh, nr, Lk), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
+    return AttentionResult(output, weights, lse)

@@ -59,19 +59,24 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreM
     # Written into preallocated results: a list plus torch.cat would hold the slice twice.
     weights = lses = None
     done = 0
-    chunks = [row_ids[start:start + step] for start in range(0, len(row_ids), step)]
-    # Scattered rows (e.g. [0, 8000]) would make a chunk's row span, and its scores, large:
-    # such chunks are taken one row at a time, so memory stays at the slice plus one block.
-    chunks = [c for chunk in chunks
-              for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))]
-    for chunk in chunks:
-        q0, q1 = int(chunk.min()), int(chunk.max()) + 1
+    if rows is None:  # every row, in ranges: no value read back from a tensor (compiles in one graph)
+        chunks = [(q0, min(q0 + step, Lq), None) for q0 in range(0, Lq, step)]
+    else:
+        chunks = [row_ids[start:start + step] for start in range(0, len(row_ids), step)]
+        # Scattered rows (e.g. [0, 8000]) would make a chunk's row span, and its scores, large:
+        # such chunks are taken one row at a time, so memory stays at the slice plus one block.
+        chunks = [(int(c.min()), int(c.max()) + 1, c) for chunk in chunks
+                  for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))]
+    for q0, q1, chunk in chunks:
         scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, Lq, heads=heads)
-        scores = scores[:, :, chunk - q0]
+        n = q1 - q0 if chunk is None else len(chunk)
+        picked = slice(q0, q1) if chunk is None else chunk
+        if chunk is not None:
+            scores = scores[:, :, chunk - q0]
         if lse is None:
             block_lse = safe_logsumexp(scores).unsqueeze(-1)
         else:
-            block_lse = (lse if heads is None else lse[:, heads])[:, :, chunk].unsqueeze(-1).to(scores.dtype)
+            block_lse = (lse if heads is None else lse[:, heads])[:, :, picked].unsqueeze(-1).to(scores.dtype)
         # exp(-inf - (-inf)) would be NaN: fully masked rows are set to 0 explicitly.
         empty = torch.isneginf(block_lse)
         probs = torch.exp(scores - torch.where(empty, torch.zeros_like(block_lse), block_lse))
@@ -79,9 +84,9 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreM
         if weights is None:
             weights = probs.new_empty(probs.shape[0], probs.shape[1], len(row_ids), probs.shape[3])
             lses = block_lse.new_empty(probs.shape[0], probs.shape[1], len(row_ids))
-        weights[:, :, done:done + len(chunk)] = probs
-        lses[:, :, done:done + len(chunk)] = block_lse.squeeze(-1)
-        done += len(chunk)
+        weights[:, :, done:done + n] = probs
+        lses[:, :, done:done + n] = block_lse.squeeze(-1)
+        done += n
     return weights, lses
 
 

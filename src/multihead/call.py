@@ -43,6 +43,12 @@ class AttentionCall:
     dropout_p: float
     dropout_mask: Tensor | None
     return_lse: bool  # the LSE is wanted (for itself or for the weights); native if the kernel has one
+    scale_folded: bool = False  # a scale <= 0 was folded into q (q * scale, scale 1): see validation
+
+    @property
+    def empty(self) -> bool:
+        """``Lq == 0`` or ``Lk == 0``: the result is known without a kernel (fully masked rows)."""
+        return self.q.shape[2] == 0 or self.k.shape[2] == 0
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:

@@ -52,6 +52,17 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
     call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
+    mask_text = "none" if call.mask is None else call.mask._describe()
+    if call.score_mod is not None:
+        mask_text += f"; score_mod: {call.score_mod._describe()}"
+    notes = []
+    if call.scale_folded:
+        notes.append(f"scale {scale!r} <= 0 folded into q (q * scale, kernel scale 1): PyTorch's fused kernels "
+                     "compute -inf * scale for masked scores (NaN or +inf)")
+    if call.empty:
+        return Explanation("none", call.shape, str(q.dtype), str(q.device), mask_text, {},
+                           tuple(notes + ["Lq or Lk is 0: no kernel runs; every row sees no key (output 0, LSE -inf)"]),
+                           backend)
     chosen, refused = select_backend(call, backend)
     if backend == "auto":  # also say why backends after the chosen one would not do
         for name in available_backends():
@@ -59,10 +70,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
                 reasons = get_backend(name).refusals(call)
                 if reasons:
                     refused[name] = reasons
-    mask_text = "none" if call.mask is None else call.mask._describe()
-    if call.score_mod is not None:
-        mask_text += f"; score_mod: {call.score_mod._describe()}"
-    plan = list(chosen.plan(call))
+    plan = notes + list(chosen.plan(call))
     if return_weights:
         nh = q.shape[1] if heads is None else len(heads)
         nr = q.shape[2] if rows is None else len(rows)

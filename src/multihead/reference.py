@@ -97,11 +97,18 @@ def reference_attention(
             dropout_mask = torch.rand(weights.shape, device=q.device) >= dropout_p
         kept = weights * dropout_mask.to(dtype) / (1.0 - dropout_p)
 
-    # A value no query may see can hold anything, even NaN: 0 * NaN = NaN, so it is zeroed.
+    # Non-finite inputs (multihead.nonfinite): a row whose query holds NaN/inf, or that may see a
+    # key or value holding one, is NaN; other rows are untouched. The product P V would compute
+    # 0 * NaN = NaN for rows that may not see a bad value, so bad values are zeroed for it.
+    bad_key = repeat_kv((~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))).unsqueeze(-1),
+                        Hq).squeeze(-1)  # (B, Hq, Lk)
     v = repeat_kv(v.to(dtype), Hq)  # (B, Hq, Lk, Dv)
-    key_seen = visible.any(dim=-2).unsqueeze(-1)  # (B, Hq, Lk, 1)
-    v = torch.where(key_seen, v, torch.zeros((), dtype=dtype, device=v.device))
+    v = torch.where(bad_key.unsqueeze(-1), torch.zeros((), dtype=dtype, device=v.device), v)
+    poisoned = (visible & bad_key.unsqueeze(-2)).any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
+    poisoned = poisoned | (~torch.isfinite(q).all(dim=-1, keepdim=True) & row_has_key)
 
     # O = P V                                                             (B, Hq, Lq, Dv)
-    output = torch.matmul(kept, v)
+    output = torch.matmul(kept, v).masked_fill(poisoned, float("nan"))
+    lse = lse.masked_fill(poisoned.squeeze(-1), float("nan"))
+    weights = weights.masked_fill(poisoned, float("nan"))
     return AttentionResult(output.to(q.dtype), weights, lse)

@@ -67,21 +67,31 @@ def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | N
 
 
 def additive_block(mask: Mask | None, score_mod: ScoreMod | None, batch: int, heads: int, q0: int, q1: int,
-                   k0: int, k1: int, q_len: int, kv_len: int, device, dtype) -> tuple[Tensor, Tensor]:
+                   k0: int, k1: int, q_len: int, kv_len: int, device, dtype) -> tuple[Tensor, Tensor, Tensor | None]:
     """The additive ``attn_mask`` of queries ``[q0, q1)`` x keys ``[k0, k1)`` for a fused kernel:
-    the additive modifiers' bias, ``-inf`` where blocked; and the bool ``visible`` block. Both
-    broadcastable to ``(B, H, rows, keys)``."""
+    the additive modifiers' bias, ``-inf`` where blocked; the bool ``visible`` block; and a per-row
+    ``shift`` (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.
+
+    The bias is built in the softmax dtype (fp32, fp64 for fp64). An fp16 kernel gets it minus its largest visible value per row
+    (``shift``): a bias of -1e5 would be -inf in fp16 and block its key, where the softmax, which
+    is shift-invariant, only needs the differences. The kernel's LSE is then ``shift`` too small.
+    """
     bias = None
     if score_mod is not None:
         if score_mod.kind != ADDITIVE:
             raise TypeError(f"{score_mod._describe()} is not additive; a fused kernel cannot apply it")
-        bias = score_mod.bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
+        bias = score_mod.bias_block(batch, heads, q0, q1, k0, k1, device, softmax_dtype(dtype))
     visible = None if mask is None else mask.materialize_block(batch, heads, q0, q1, q_len, kv_len, device, k0, k1)
     if bias is not None:
         finite = ~torch.isneginf(bias)
         visible = finite if visible is None else visible & finite
     if visible is None:
         visible = torch.ones((1, 1, q1 - q0, k1 - k0), dtype=torch.bool, device=device)
+    shift = None
+    if bias is not None and dtype == torch.float16:
+        peak = torch.where(visible, bias, float("-inf")).amax(dim=-1).detach()  # (B|1, H|1, rows)
+        shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        bias = bias - shift.unsqueeze(-1)
     blocked = torch.full((), float("-inf"), dtype=dtype, device=device)
     zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(visible, zero if bias is None else bias, blocked), visible
+    return torch.where(visible, zero if bias is None else bias.to(dtype), blocked), visible, shift

@@ -27,8 +27,9 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
                              "hint: layers take (B, L, E), the functional core takes heads split out")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if 0 in t.shape:
-            raise ValueError(f"{name} has a zero-size dimension: shape {tuple(t.shape)}; expected all sizes >= 1")
+        if 0 in (t.shape[0], t.shape[1], t.shape[3]):
+            raise ValueError(f"{name} has a zero-size dimension: shape {tuple(t.shape)}; expected B, heads and head "
+                             "dims >= 1 (only the lengths Lq, Lk may be 0)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -36,7 +37,9 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
 
     B, Hq, Lq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q has B={B}, k has {k.shape[0]}, v has {v.shape[0]}")
+        raise ValueError(f"batch sizes differ: q has B={B}, k has {k.shape[0]}, v has {v.shape[0]}; batch "
+                         f"dimensions do not broadcast here: expand the smaller one (e.g. k.expand({B}, -1, -1, -1), "
+                         "a view)")
     if k.shape[3] != D:
         raise ValueError(f"head dims differ: q has D={D} but k has D={k.shape[3]} "
                          f"(q {tuple(q.shape)}, k {tuple(k.shape)}); q and k must share D, v may differ")
@@ -54,6 +57,7 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
         scale = default_scale(D)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
+    q, scale, folded = _fold_nonpositive_scale(q, float(scale))
 
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
@@ -76,10 +80,26 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
         mask.check(B, Hq, Lq, Lk)
     if score_mod is not None:
         score_mod.check(B, Hq, Lq, Lk)
+        for t in score_mod.tensors():
+            if t.device != q.device:
+                raise ValueError(f"score_mod {score_mod._describe()} holds a tensor on {t.device} but q is on "
+                                 f"{q.device}; move it with .to('{q.device}')")
 
+    # The fused kernels read rows of q, k, v with unit stride: a last dimension that is not
+    # contiguous (x.transpose(-1, -2), x[..., ::2]) gives garbage there, so such inputs are copied.
+    q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q, k, v))
     # return_weights is validated but not part of the call: weights come from q, k and the LSE.
-    return AttentionCall(q, k, v, mask, score_mod, float(scale), float(dropout_p), dropout_mask,
-                         return_lse or return_weights)
+    return AttentionCall(q, k, v, mask, score_mod, scale, float(dropout_p), dropout_mask,
+                         return_lse or return_weights, folded)
+
+
+def _fold_nonpositive_scale(q: Tensor, scale: float) -> tuple[Tensor, float, bool]:
+    """A scale <= 0 is folded into the queries (``q * scale``, kernel scale 1): PyTorch's fused
+    kernels compute ``-inf * scale`` for masked scores, which is NaN for 0 and +inf below it
+    (PyTorch 2.13, CPU flash and SDPA). The product is the same scores, so every backend agrees."""
+    if scale > 0:
+        return q, scale, False
+    return q * scale, 1.0, True
 
 
 def validate_weights_selection(weights_heads, weights_rows, *, q: Tensor,
@@ -97,7 +117,7 @@ def _index(name: str, value, size: int, what: str, device) -> Tensor | None:
     if value is None:
         return None
     if isinstance(value, slice):
-        ids = torch.arange(size)[value]
+        ids = torch.tensor(range(size)[value], dtype=torch.int64)  # any step, negative included
     elif isinstance(value, bool):
         raise TypeError(f"{name} must be an int, a sequence of ints, a slice or an integer tensor, got a bool")
     elif isinstance(value, int):

@@ -39,7 +39,27 @@ BAD = [
     ("return flag", dict(return_lse=1), TypeError, r"return_lse must be a bool, got int"),
     ("dropout_mask shape", dict(dropout_p=0.1, dropout_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError,
      r"dropout_mask must have shape \(B, Hq, Lq, Lk\) = \(2, 8, 5, 7\)"),
-    ("empty dim", dict(q=torch.randn(2, 8, 0, 16)), ValueError, r"q has a zero-size dimension"),
+    ("empty batch", dict(q=torch.randn(0, 8, 5, 16)), ValueError,
+     r"q has a zero-size dimension: shape \(0, 8, 5, 16\); expected B, heads and head dims >= 1 \(only the lengths"),
+    # Issue 9, item 10: batch dimensions do not broadcast; the message says how to expand.
+    ("broadcast batch", dict(k=torch.randn(1, 2, 7, 16)), ValueError,
+     r"batch sizes differ: q has B=2, k has 1.*expand the smaller one \(e.g. k.expand\(2, -1, -1, -1\)"),
+    ("3-D input", dict(q=torch.randn(8, 5, 16)), ValueError, r"q must have 4 dims \(B, Hq, Lq, D\).*hint"),
+    # Issue 9, item 8: what was silently accepted.
+    ("shifted key_padding, wrong batch", dict(mask=mh.key_padding([3, 4, 5]).shifted(0, 2)), ValueError,
+     r"key_padding: mask has 3 batch elements but the input has B=2"),
+    ("shifted tensor mask, wrong shape", dict(mask=mh.masks.as_mask(torch.ones(3, 6, 7, dtype=torch.bool)).shifted(1, 0)),
+     ValueError, r"mask of shape \(1, 3, 6, 7\) is not broadcastable to \(B, H, Lq, Lk\)"),
+    ("shifted document past its ids", dict(mask=mh.document(torch.zeros(2, 8, dtype=torch.long)).shifted(0, 2)),
+     ValueError, r"shifted: the block's Lk=7 at kv_offset=2 reads positions \[2, 9\), outside the whole attention's Lk=8"),
+    ("at positions past the whole", dict(mask=mh.causal().at(torch.arange(5) + 4, torch.arange(7), q_len=6, kv_len=7)),
+     ValueError, r"at: q_positions hold values in \[4, 8\], outside the whole attention's Lq=6"),
+    ("custom of the wrong shape", dict(mask=mh.custom(lambda b, h, i, j: torch.ones(3, dtype=torch.bool), name="bad")),
+     ValueError, r"custom mask 'bad' returned shape \(3,\), which does not broadcast to its index grid"),
+    ("score_mod list element", dict(score_mod=[mh.scores.softcap(2.0), "x"]), TypeError,
+     r"score_mod\[1\] must be a multihead.scores modifier, got str"),
+    ("bias on another device", dict(score_mod=mh.scores.bias(torch.zeros(5, 7, device="meta"))), ValueError,
+     r"score_mod bias\(.*\) holds a tensor on meta but q is on cpu"),
 ]
 
 
@@ -89,6 +109,10 @@ def test_masks_bias_moved_to_scores_with_a_clear_message():
         mh.attention(q, k, v, score_mod=torch.zeros(5, 7))
     with pytest.raises(ValueError, match=r"softcap: cap must be a finite number > 0, got 0"):
         mh.scores.softcap(0)
+    with pytest.raises(TypeError, match=r"softcap: cap must be a Python number \(int or float\), got Tensor; use float"):
+        mh.scores.softcap(torch.tensor(3.0))
+    with pytest.raises(ValueError, match=r"prefix_lm: prefix_len must be a non-negative int.*got -2"):
+        mh.prefix_lm(-2)
     with pytest.raises(ValueError, match=r"bias of shape \(1, 1, 4, 7\) is not broadcastable to \(B, Hq, Lq, Lk\)"):
         mh.attention(q, k, v, score_mod=mh.scores.bias(torch.zeros(4, 7)))
 

@@ -92,11 +92,16 @@ def test_masks_compare_and_hash_by_value_tensors_by_identity():
     assert mh.causal() == mh.causal() and hash(mh.causal()) == hash(mh.causal())
     assert mh.causal() & mh.sliding_window(3) == mh.causal() & mh.sliding_window(3)
     assert mh.causal() != mh.causal("top_left") and mh.sliding_window(3) != mh.sliding_window(4)
-    lengths = torch.tensor([3, 5])
-    assert mh.key_padding(lengths) == mh.key_padding(lengths)
-    assert mh.key_padding(lengths) != mh.key_padding(lengths.clone())  # a tensor is compared by identity
-    table = torch.ones(4, 4, dtype=torch.bool)
+    # Small CPU tensors (lengths, ids, positions) by content; the mask keeps its own copy.
+    assert mh.key_padding(torch.tensor([3, 5])) == mh.key_padding(torch.tensor([3, 5]))
+    assert mh.key_padding(torch.tensor([3, 5])) != mh.key_padding(torch.tensor([3, 6]))
+    # Large tensors by identity, and a tensor changed in place is another value (caches miss).
+    table = torch.ones(1, 1, 128, 128, dtype=torch.bool)
     assert mh.masks.as_mask(table) == mh.masks.as_mask(table)  # two views of one tensor: one mask
+    assert mh.masks.as_mask(table) != mh.masks.as_mask(table.clone())
+    before = hash(mh.masks.as_mask(table))
+    table[0, 0, 0, 0] = False
+    assert hash(mh.masks.as_mask(table)) != before  # plan caches miss after an in-place change
     assert len({mh.causal(), mh.causal(), mh.causal("top_left")}) == 2
 
 
@@ -187,3 +192,19 @@ def test_docs_conventions_draw_what_the_masks_print():
         rows = picture.splitlines()
         assert all(row in doc for row in rows)
     assert "h // G" in doc and "True` means may attend" in doc
+
+
+def test_changing_the_callers_tensor_in_place_changes_no_mask():
+    """Issue 9, item 7: masks are immutable; a plan cached for one must stay right."""
+    lengths, ids, pos = torch.tensor([3]), torch.tensor([0, 0, 1, 1]), torch.arange(4)
+    kp, doc, at = mh.key_padding(lengths), mh.document(ids), mh.causal("top_left").at(pos, pos)
+    want = [m.materialize(1, 1, 4, 4).clone() for m in (kp, doc, at)]
+    lengths.fill_(1), ids.fill_(7), pos.flip(0)
+    pos.copy_(pos.flip(0))
+    assert all(torch.equal(m.materialize(1, 1, 4, 4), w) for m, w in zip((kp, doc, at), want))
+    q = torch.randn(1, 2, 600, 8)
+    lengths = torch.tensor([100])
+    mask = mh.key_padding(lengths) & mh.causal()
+    first = mh.attention(q, q, q, mask=mask, backend="blocksparse")
+    lengths.fill_(500)
+    torch.testing.assert_close(mh.attention(q, q, q, mask=mask, backend="blocksparse"), first)

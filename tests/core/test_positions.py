@@ -29,6 +29,8 @@ def _masks(Lq, Lk):
         "window|prefix": mh.sliding_window(1) | mh.prefix_lm(2),
         "~causal_br": ~mh.causal(), "custom": mh.custom(lambda b, h, q, kv: (q + 2 * kv + b) % 3 != 0),
         "bool_tensor": table,
+        "window_per_sequence": mh.sliding_window(2, kv_lengths=[Lk, max(0, Lk - 3)], q_lengths=[Lq, max(0, Lq - 1)]),
+        "document_causal": mh.document_causal(q_ids, kv_ids),
     }
 
 

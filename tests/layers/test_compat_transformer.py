@@ -408,10 +408,6 @@ def test_compiles_fullgraph_without_weights(masks):
     _assert_same(*_compiled_pair(MultiheadAttention, False, masks))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "multihead/blockwise.py weights_by_blocks reads row ids back to the host (int(chunk.max()) - "
-    "int(chunk.min()), and int() for q0/q1): a data-dependent guard under torch.compile(fullgraph=True). "
-    "Remove this marker once blocks of all rows (rows=None) are iterated with Python ints"))
 @pytest.mark.parametrize("masks", ["none", "both"])
 def test_compiles_fullgraph_with_default_need_weights(masks):
     _assert_same(*_compiled_pair(MultiheadAttention, True, masks))

@@ -48,11 +48,27 @@ class Capabilities:
     native_lse: bool = False  # the kernel itself returns the LSE (else attention() recomputes it, one pass)
     grad: bool = True
     tolerance: tuple = field(default=DEFAULT_TOLERANCE)  # ((dtype, (F outputs, F gradients)), ...)
-    masks: str = "every mask"  # a short sentence for docs and explain()
+    masks: str = ""  # a short sentence for docs and explain(); default: the declared kinds
+
+    def __post_init__(self):
+        for name, declared, known in (("mask_kinds", self.mask_kinds, MASK_KINDS),
+                                      ("score_mods", self.score_mods, SCORE_MOD_KINDS)):
+            unknown = sorted(set(declared) - known)
+            if unknown:
+                raise ValueError(f"Capabilities: {name} has unknown kinds {unknown}; known: {sorted(known)}")
+        if not self.masks:
+            text = "every mask" if self.mask_kinds == MASK_KINDS else "masks of kinds " + ", ".join(sorted(self.mask_kinds))
+            object.__setattr__(self, "masks", text)
 
     def tolerance_factor(self, dtype: torch.dtype, gradients: bool = False) -> float:
-        """``F`` of the relative error rule for this dtype (outputs/LSE, or gradients)."""
-        return dict(self.tolerance)[dtype][1 if gradients else 0]
+        """``F`` of the relative error rule for this dtype (outputs/LSE, or gradients). fp64 has no
+        factor: it is compared with ``assert_close`` at about 1e-10 (1.0 is returned)."""
+        table = dict(self.tolerance)
+        if dtype not in table:
+            if dtype == torch.float64:
+                return 1.0
+            raise ValueError(f"Capabilities.tolerance_factor: no factor for {dtype}; declared: {sorted(map(str, table))}")
+        return table[dtype][1 if gradients else 0]
 
 
 class Backend(abc.ABC):

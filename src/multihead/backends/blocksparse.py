@@ -280,6 +280,8 @@ def _band_run(mask: Mask | None, q_len: int, kv_len: int, block: int) -> BandRun
     if mask is None or not all(isinstance(p, Band) for p in parts):
         return None
     windows = [p.window(q_len, kv_len) for p in parts]
+    if any(w is None for w in windows):  # aligned per sequence: no single relative pattern
+        return None
     los, his = [w.lo for w in windows if w.lo is not None], [w.hi for w in windows if w.hi is not None]
     if not los or not his:
         return None
@@ -318,14 +320,15 @@ def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryB
                 q_len: int, kv_len: int):
     """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype (``None``
     when the kernel needs none), the rows (``(B|1, Hq|1, rows)`` bool) that see no key of the
-    piece, and the keys (``(B|1, 1, keys, 1)``) that no row of the piece sees."""
+    piece, the keys (``(B|1, 1, keys, 1)``) that no row of the piece sees, and what the kernel's
+    LSE lacks per row (``None``, or the fp16 shift of :func:`multihead.scoring.additive_block`)."""
     if mods is None and piece.kind != _MASKED:
-        return None, None, None
+        return None, None, None, None
     # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
     piece_mask = None if piece.kind == _FULL else mask
-    bias, visible = additive_block(piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0, piece.k1,
-                                   q_len, kv_len, q.device, q.dtype)
-    return bias, ~visible.any(-1), ~visible.any(-2).any(1, keepdim=True).unsqueeze(-1)
+    bias, visible, shift = additive_block(piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0,
+                                          piece.k1, q_len, kv_len, q.device, q.dtype)
+    return bias, ~visible.any(-1), ~visible.any(-2).any(1, keepdim=True).unsqueeze(-1), shift
 
 
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -341,11 +344,13 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len):
     """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0:blk.q1]
     kb, vb = k[:, :, piece.k0:piece.k1], v[:, :, piece.k0:piece.k1]
-    bias, empty, unseen = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len)
+    bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len)
     if bias is None:
         return _flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale)
     kb, vb = _zero_unseen(kb, vb, unseen)
     out, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
+    if shift is not None:
+        lse = lse + shift.to(lse.dtype)
     if bool(empty.any()):  # the kernel gives such rows LSE 0; they must weigh nothing in the merge
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
@@ -418,15 +423,16 @@ class _BlockSparseAttention(torch.autograd.Function):
             for p in blk.pieces:
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
-                bias, _, unseen = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk)
+                bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk)
                 kb, vb = _zero_unseen(kb, vb, unseen)
                 causal = bias is None and p.kind == _CAUSAL
-                g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lb, 0.0, causal, attn_mask=bias, scale=ctx.scale)
+                lp = lb if shift is None else lb - shift.to(lb.dtype)  # the kernel saw the bias shifted down
+                g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lp, 0.0, causal, attn_mask=bias, scale=ctx.scale)
                 dq[:, :, rows] += g_q
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
                 if any(wants_mod_grad):
-                    _accumulate_mod_grads(mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lb, bias, ctx.scale),
+                    _accumulate_mod_grads(mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale),
                                           blk, p)
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]

@@ -31,6 +31,11 @@ except Exception:  # pragma: no cover - depends on the PyTorch build
 _compiled = None
 
 
+def _recompile_limit() -> int:
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+
+
 def _compiled_flex():
     global _compiled
     if _compiled is None:
@@ -50,6 +55,11 @@ class FlexBackend(Backend):
 
     def __init__(self):
         self._block_masks: OrderedDict = OrderedDict()
+        self._compiled: set = set()  # the calls compiled so far (shapes, dtype, mask, modifier), see refusals
+
+    @staticmethod
+    def _compile_key(call: AttentionCall) -> tuple:
+        return (call.shape, call.q.dtype, str(call.q.device), call.mask, call.score_mod)
 
     def refusals(self, call: AttentionCall) -> list[str]:
         reasons = super().refusals(call)
@@ -57,6 +67,14 @@ class FlexBackend(Backend):
             reasons.append("compiled flex_attention on CPU supports inference only (no backward)")
         if flex_attention is None:
             reasons.append("torch.nn.attention.flex_attention is not available in this PyTorch")
+        limit = _recompile_limit()
+        if self._compile_key(call) not in self._compiled and len(self._compiled) >= limit:
+            # PyTorch's fault, worked around here: past torch.compile's recompile limit the compiled
+            # flex_attention silently falls back to an unfused path that materializes every score.
+            reasons.append(f"this would be compile number {len(self._compiled) + 1} of flex_attention (a new shape, "
+                           f"mask or modifier); past torch.compile's recompile limit ({limit}) PyTorch falls back to "
+                           "an unfused path that materializes the full score matrix: use blocksparse or sdpa, or "
+                           "raise torch._dynamo.config.recompile_limit")
         return reasons
 
     def auto_refusals(self, call: AttentionCall) -> list[str]:
@@ -73,6 +91,7 @@ class FlexBackend(Backend):
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         block_mask = None if call.mask is None else self._block_mask(call.mask, B, Hq, Lq, Lk, call.q.device)
+        self._compiled.add(self._compile_key(call))
         # The kernel's LSE where it has one; compiled flex on CPU has none (PyTorch 2.13: "return_lse
         # is not supported yet"), and attention() then recomputes it in one blockwise pass.
         with_lse = call.return_lse and call.q.device.type != "cpu"

@@ -7,6 +7,8 @@ the choice of last resort.
 
 from __future__ import annotations
 
+import torch
+
 from multihead.backends.base import Backend, Capabilities
 from multihead.call import AttentionCall, AttentionResult
 from multihead.reference import reference_attention
@@ -21,8 +23,10 @@ class ReferenceBackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        precision = {torch.float16: "fp32 (inputs fp16)", torch.bfloat16: "fp32 (inputs bf16)"}.get(
+            call.q.dtype, str(call.q.dtype).replace("torch.", ""))
         return [f"materializes scores and weights: {B}x{Hq}x{Lq}x{Lk} elements",
-                "softmax accumulated in fp32 for fp16/bf16 inputs"]
+                f"softmax accumulated in {precision}"]
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         result = reference_attention(call.q, call.k, call.v, mask=call.mask, score_mod=call.score_mod,

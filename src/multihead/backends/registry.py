@@ -29,6 +29,9 @@ def register_backend(backend: Backend, *, priority: int | None = None) -> Backen
     order, lower first (ties by name); ``None``: never chosen automatically, only by name."""
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend expects a multihead Backend, got {type(backend).__name__}")
+    if backend.name == "auto" or not isinstance(backend.name, str) or not backend.name:
+        raise ValueError(f"register_backend: a backend cannot be named {backend.name!r}; 'auto' means "
+                         "'let the dispatcher choose' and a name must be a non-empty str")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise TypeError(f"register_backend: priority must be an int or None, got {priority!r}")
     _REGISTRY[backend.name] = backend

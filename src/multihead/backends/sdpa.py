@@ -61,6 +61,8 @@ class SDPABackend(Backend):
         args = _Arguments(call)
         if call.return_lse and _one_pass_lse(call):
             out, lse = _flash_cpu_with_lse(call, args)
+            if args.lse_shift is not None:
+                lse = lse + args.lse_shift.expand_as(lse)
         else:
             out = F.scaled_dot_product_attention(
                 args.q, args.k, args.v, attn_mask=args.attn_mask, dropout_p=call.dropout_p,
@@ -79,7 +81,7 @@ class _Arguments:
     def __init__(self, call: AttentionCall):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         q, k, v, mask = call.q, call.k, call.v, call.mask
-        self.is_causal, self.attn_mask, self.empty_rows = False, None, None
+        self.is_causal, self.attn_mask, self.empty_rows, self.lse_shift = False, None, None, None
         mods = call.score_mod
         offset = None if mask is None or mods is not None else mask.causal_offset(Lq, Lk)
         if mask is None and mods is None:
@@ -91,7 +93,7 @@ class _Arguments:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
             prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype)
-            self.attn_mask, self.empty_rows, unseen, self.mask_note = prepared
+            self.attn_mask, self.empty_rows, unseen, self.lse_shift, self.mask_note = prepared
             if unseen is not None:
                 # Keys that no query may see can hold anything (NaN beyond a length): zero them,
                 # since the fused kernels compute 0 * value for them and 0 * NaN = NaN.
@@ -126,9 +128,9 @@ _MASK_CACHE_ELEMENTS = 1 << 20
 
 
 def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype):
-    """``(attn_mask, empty_rows | None, unseen_keys | None, note)`` for a mask that must be
-    materialized: the dense mask with fully masked rows opened, the rows to zero after the call
-    and the keys to zero before it."""
+    """``(attn_mask, empty_rows | None, unseen_keys | None, lse_shift | None, note)`` for a mask that
+    must be materialized: the dense mask with fully masked rows opened, the rows to zero after the
+    call, the keys to zero before it, and what the kernel's LSE lacks (fp16 biases, additive_block)."""
     cacheable = (not _compiling() and mods is None and "tensor" not in mask.kinds()
                  and B * Hq * Lq * Lk <= _MASK_CACHE_ELEMENTS)
     key = (mask, B, Hq, Lq, Lk, str(device), dtype)
@@ -138,11 +140,12 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype):
     # Eagerly, the two fix-ups below are skipped when they change nothing; under torch.compile
     # they always run, so that no data-dependent branch breaks the graph.
     compiling = _compiling()
+    shift = None
     if mods is None:
         dense = visible = mask.materialize(B, Hq, Lq, Lk, device=device)
         empty = mask._empty_rows(B, Hq, Lq, Lk, device=device)
     else:
-        dense, visible = additive_block(mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, device, dtype)
+        dense, visible, shift = additive_block(mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, device, dtype)
         empty = ~visible.any(-1)
     empty_rows = None
     if compiling or bool(empty.any()):
@@ -156,7 +159,7 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype):
     kind = "bool" if dense.dtype == torch.bool else "additive"
     what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
     note = f"{what}: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
-    prepared = (dense, empty_rows, unseen, note)
+    prepared = (dense, empty_rows, unseen, shift, note)
     if cacheable:
         _MASKS[key] = prepared
         while len(_MASKS) > _MASK_CACHE_SIZE:

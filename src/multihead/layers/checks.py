@@ -6,6 +6,7 @@ wrong types and dtypes, ``ValueError`` for wrong values and shapes (see ``shared
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 __all__ = ["check_size", "check_optional_size", "check_flag", "check_dropout", "check_inputs", "layout_name", "dims"]
@@ -42,10 +43,11 @@ def layout_name(batch_first: bool, feature: str) -> str:
 
 
 def check_inputs(layer: str, query: Tensor, key: Tensor, value: Tensor, *, sizes: tuple[int, int, int],
-                 batch_first: bool, ranks: tuple[int, ...] = (3,)) -> None:
+                 batch_first: bool, ranks: tuple[int, ...] = (3,), weight: Tensor | None = None) -> None:
     """Check ``query``/``key``/``value``: tensors of one floating dtype and device, of an accepted
     rank, with feature sizes ``sizes = (E, kdim, vdim)``, one batch size, and ``key`` and
-    ``value`` of one length. Nothing is broadcast."""
+    ``value`` of one length; and, given the layer's ``weight``, of its dtype (outside autocast)
+    and device. Nothing is broadcast."""
     names = ("query", "key", "value")
     features = ("E", "kdim", "vdim")
     for name, t in zip(names, (query, key, value)):
@@ -73,10 +75,17 @@ def check_inputs(layer: str, query: Tensor, key: Tensor, value: Tensor, *, sizes
     if not (query.device == key.device == value.device):
         raise ValueError(f"{layer}: query, key and value must be on one device, "
                          f"got {query.device}, {key.device}, {value.device}")
+    if isinstance(weight, Tensor) and weight.is_floating_point():
+        if query.dtype != weight.dtype and not torch.is_autocast_enabled(query.device.type):
+            raise TypeError(f"{layer}: query has dtype {query.dtype} but the layer's weights are {weight.dtype}; "
+                            f"convert one of them (query.to({weight.dtype}) or layer.to({query.dtype}))")
+        if query.device != weight.device:
+            raise ValueError(f"{layer}: query is on {query.device} but the layer's weights are on {weight.device}; "
+                             f"move one of them (query.to('{weight.device}') or layer.to('{query.device}'))")
     if query.dim() == 3:
         b = 0 if batch_first else 1
         batches = (query.shape[b], key.shape[b], value.shape[b])
-        if len(set(batches)) != 1:
+        if not batches[0] == batches[1] == batches[2]:  # compared, not hashed: torch.jit.trace gives tensors
             raise ValueError(f"{layer}: batch sizes differ: query has B={batches[0]}, key {batches[1]}, "
                              f"value {batches[2]} (dim {b} with batch_first={batch_first}); they must be equal")
     seq = 0 if (query.dim() == 2 or not batch_first) else 1

@@ -170,7 +170,7 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         check_inputs(layer, query, key, value, sizes=(self.d_model, self.kdim, self.vdim),
-                     batch_first=self.batch_first)
+                     batch_first=self.batch_first, weight=getattr(self.q_proj, "weight", None))
         check_flag(layer, "need_weights", need_weights)
         B, Lq = dims(query, self.batch_first)
         past = 0 if kv_cache is None else kv_cache.length

@@ -7,12 +7,12 @@ Masks are read at absolute positions of the whole attention (:meth:`Mask.shifted
 
 from multihead.masks.band import Band, Window, causal, sliding_window
 from multihead.masks.base import And, BlockState, Mask, Not, Or, Positioned, register_coercion
-from multihead.masks.document import Document, document
+from multihead.masks.document import Document, DocumentCausal, document, document_causal
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
 from multihead.masks.tensor import Custom, TensorMask, as_mask, bias, custom
 
 __all__ = [
     "Mask", "BlockState", "And", "Or", "Not", "Positioned", "Window", "register_coercion",
-    "causal", "sliding_window", "key_padding", "prefix_lm", "document", "custom", "as_mask", "bias",
-    "Band", "KeyPadding", "Document", "TensorMask", "Custom",
+    "causal", "sliding_window", "key_padding", "prefix_lm", "document", "document_causal", "custom", "as_mask",
+    "bias", "Band", "KeyPadding", "Document", "DocumentCausal", "TensorMask", "Custom",
 ]

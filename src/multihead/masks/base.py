@@ -37,6 +37,8 @@ __all__ = ["Mask", "BlockState", "And", "Or", "Not", "Positioned", "UNBOUNDED", 
 # bounds the memory of those fallbacks to about this many booleans.
 _CHUNK_ELEMENTS = 1 << 22
 _PICTURE_SIZE = 8
+# Tensors up to this many elements on the CPU take part in a mask's value by content.
+_CONTENT_ELEMENTS = 4096
 #: "No limit" for an unbounded side of a key range, before clamping to ``[0, Lk)``.
 UNBOUNDED = 1 << 62
 
@@ -114,6 +116,11 @@ class Mask(abc.ABC):
         """The kinds of the leaf masks this mask is built from (backends declare which they run)."""
         return frozenset({self.kind})
 
+    def extent(self) -> tuple[int | None, int | None]:
+        """The ``(Lq, Lk)`` this mask is defined for by its own tensors (ids, tables), ``None``
+        where it applies to any length. A block read past it is refused by :meth:`check`."""
+        return None, None
+
     def mask_mod(self, b, h, q_idx, kv_idx, q_len: int | None = None, kv_len: int | None = None) -> Tensor:
         """``True`` where query ``q_idx`` of batch ``b``, head ``h`` may attend to ``kv_idx``.
 
@@ -135,8 +142,9 @@ class Mask(abc.ABC):
 
         return mask_mod
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        """Raise ``ValueError`` if this mask cannot apply to ``(B, H, Lq, Lk)``."""
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+        """Raise ``ValueError`` if this mask cannot apply to ``(B, H, Lq, Lk)`` (a length ``None``:
+        unknown, not checked)."""
 
     # ----------------------------------------------------------------------------- dense form
     def materialize(self, batch: int, heads: int, q_len: int, kv_len: int,
@@ -152,11 +160,12 @@ class Mask(abc.ABC):
         b, h, q, kv = _grid(batch, heads, q0, q1, k0, k1, device)
         return _as_4d(self._mod(b, h, q, kv, q_len, kv_len), q1 - q0, k1 - k0)
 
-    def to_string(self, q_len: int = _PICTURE_SIZE, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
+    def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
         """A picture of the mask for batch ``b``, head ``h``: rows are queries, columns keys.
 
         ``█`` may attend, ``·`` blocked.
         """
+        q_len = _PICTURE_SIZE if q_len is None else q_len
         kv_len = q_len if kv_len is None else kv_len
         bb, hh = torch.tensor(b).view(1, 1, 1, 1), torch.tensor(h).view(1, 1, 1, 1)
         q = torch.arange(q_len).view(1, 1, -1, 1)
@@ -214,7 +223,8 @@ class Mask(abc.ABC):
                 got = f"dtype {pos.dtype}, shape {tuple(pos.shape)}" if isinstance(pos, Tensor) else type(pos).__name__
                 raise TypeError(f"at: {name} must be an integer tensor of shape (L,) or (B, L), got {got}")
         q_len, kv_len = _check_whole_lengths(self, "at", q_len, kv_len)
-        return Positioned(self, q_positions, kv_positions, q_len, kv_len)
+        # Copied: a mask is immutable, whatever the caller does to its tensors afterwards.
+        return Positioned(self, q_positions.clone(), kv_positions.clone(), q_len, kv_len)
 
     # ----------------------------------------------------------------------------- structure
     def causal_offset(self, q_len: int, kv_len: int) -> int | None:
@@ -258,8 +268,8 @@ class Mask(abc.ABC):
         for q0 in range(0, q_len, step):
             rows = self.materialize_block(batch, heads, q0, min(q0 + step, q_len), q_len, kv_len, device)
             parts.append(~rows.any(-1))
-        shape = torch.broadcast_shapes(*(p.shape for p in parts))
-        return torch.cat([p.expand(*shape[:2], p.shape[-1]) for p in parts], dim=-1)
+        lead = torch.broadcast_shapes(*(p.shape[:2] for p in parts))  # (B|1, H|1): chunks differ in rows only
+        return torch.cat([p.expand(*lead, p.shape[-1]) for p in parts], dim=-1)
 
 
 # --------------------------------------------------------------------------------- combinators
@@ -285,6 +295,11 @@ class _Combination(Mask):
 
     def kinds(self):
         return frozenset().union(*(p.kinds() for p in self.parts))
+
+    def extent(self):
+        extents = [p.extent() for p in self.parts]
+        return (next((e[0] for e in extents if e[0] is not None), None),
+                next((e[1] for e in extents if e[1] is not None), None))
 
 
 class And(_Combination):
@@ -359,6 +374,9 @@ class Not(Mask):
     def kinds(self):
         return self.inner.kinds()
 
+    def extent(self):
+        return self.inner.extent()
+
     def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
         state = self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
         swap = {BlockState.FULL: BlockState.EMPTY, BlockState.EMPTY: BlockState.FULL}
@@ -402,13 +420,31 @@ class Positioned(Mask):
         return f"{inner}.at(<q_positions {tuple(self.q_pos.shape)}>, <kv_positions {tuple(self.kv_pos.shape)}>{lengths})"
 
     def check(self, batch, heads, q_len, kv_len):
-        for name, pos, length, what in (("q_positions", self.q_pos, q_len, "Lq"), ("kv_positions", self.kv_pos, kv_len, "Lk")):
+        whole = [w if w is not None else e for w, e in zip((self.q_len, self.kv_len), self.inner.extent())]
+        for name, pos, length, what, limit in (("q", self.q_pos, q_len, "Lq", whole[0]),
+                                                ("kv", self.kv_pos, kv_len, "Lk", whole[1])):
             if isinstance(pos, Tensor):
                 if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
-                    raise ValueError(f"at: {name} has shape {tuple(pos.shape)} but the call has B={batch}, "
+                    raise ValueError(f"at: {name}_positions has shape {tuple(pos.shape)} but the call has B={batch}, "
                                      f"{what}={length}; expected ({length},) or ({batch}, {length})")
-        if self.q_len is not None:  # without the whole lengths there is nothing to check them against
-            self.inner.check(batch, heads, self.q_len, self.kv_len)
+                # Positions on the host are checked against the whole attention (free there).
+                if limit is not None and pos.device.type == "cpu" and pos.numel() and \
+                        (int(pos.min()) < 0 or int(pos.max()) >= limit):
+                    raise ValueError(f"at: {name}_positions hold values in [{int(pos.min())}, {int(pos.max())}], "
+                                     f"outside the whole attention's {what}={limit}; expected 0 <= position < {limit}")
+            elif limit is not None and (pos < 0 or pos + length > limit):
+                raise ValueError(f"shifted: the block's {what}={length} at {name}_offset={pos} reads positions "
+                                 f"[{pos}, {pos + length}), outside the whole attention's {what}={limit}")
+        # The inner mask applies to the whole attention: its batch, heads and (when known) lengths.
+        self.inner.check(batch, heads, whole[0], whole[1])
+
+    def to_string(self, q_len=None, kv_len=None, b=0, h=0):
+        # A mask at explicit positions is drawn at its own size (its positions say how many).
+        if q_len is None:
+            q_len = self.q_pos.shape[-1] if isinstance(self.q_pos, Tensor) else _PICTURE_SIZE
+        if kv_len is None:
+            kv_len = self.kv_pos.shape[-1] if isinstance(self.kv_pos, Tensor) else q_len
+        return super().to_string(q_len, kv_len, b, h)
 
     def kinds(self):
         return self.inner.kinds() | ({"positions"} if not self._offsets else frozenset())
@@ -434,11 +470,15 @@ class Positioned(Mask):
 
 # --------------------------------------------------------------------------------- helpers
 def tensor_identity(t: Tensor) -> tuple:
-    """A tensor inside a mask or modifier compares by identity, not by content (no host sync):
-    the same memory, viewed the same way. Views made afresh of one tensor (a reshape per call)
-    are the same; a copy is not. Caches that key on it hold the mask, so the memory stays alive."""
+    """How a tensor inside a mask or modifier takes part in its value. Small CPU tensors (lengths,
+    ids, positions) by content, so that ``key_padding(torch.tensor([3, 5]))`` built twice is one
+    mask; others by identity (the same memory viewed the same way, and the same in-place version:
+    no host synchronisation, and a tensor changed in place is another value). Masks copy the small
+    tensors they are built from, so changing the caller's tensor afterwards changes no mask."""
+    if t.device.type == "cpu" and t.numel() <= _CONTENT_ELEMENTS and not t.requires_grad:
+        return ("values", t.dtype, tuple(t.shape), tuple(t.flatten().tolist()))
     return ("tensor", t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-            t.dtype, t.device)
+            t.dtype, t.device, t._version)
 
 
 def _read(pos, b: Tensor, idx: Tensor) -> Tensor:

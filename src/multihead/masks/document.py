@@ -19,7 +19,7 @@ from torch import Tensor
 
 from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
-__all__ = ["document", "Document"]
+__all__ = ["document", "document_causal", "Document", "DocumentCausal"]
 
 
 def document(q_ids: Tensor, kv_ids: Tensor | None = None) -> "Document":
@@ -29,8 +29,8 @@ def document(q_ids: Tensor, kv_ids: Tensor | None = None) -> "Document":
     (defaults to ``q_ids``, self-attention). Sorted ids (packed documents) let backends skip
     whole blocks without looking at the ids element by element.
     """
-    q_ids = _check_ids("q_ids", q_ids)
-    kv_ids = q_ids if kv_ids is None else _check_ids("kv_ids", kv_ids)
+    q_ids = _check_ids("q_ids", q_ids).clone()  # copied: the mask is immutable
+    kv_ids = q_ids if kv_ids is None else _check_ids("kv_ids", kv_ids).clone()
     if q_ids.shape[0] != kv_ids.shape[0] and 1 not in (q_ids.shape[0], kv_ids.shape[0]):
         raise ValueError(f"document: q_ids has {q_ids.shape[0]} batch rows and kv_ids {kv_ids.shape[0]}; "
                          "expected equal counts or one of them 1")
@@ -65,8 +65,11 @@ class Document(Mask):
         for name, ids, length, what in (("q_ids", self.q_ids, q_len, "Lq"), ("kv_ids", self.kv_ids, kv_len, "Lk")):
             if ids.shape[0] not in (1, batch):
                 raise ValueError(f"document: {name} has {ids.shape[0]} batch rows but B={batch}")
-            if ids.shape[1] != length:
+            if length is not None and ids.shape[1] != length:
                 raise ValueError(f"document: {name} has length {ids.shape[1]} but {what}={length}")
+
+    def extent(self):
+        return self.q_ids.shape[1], self.kv_ids.shape[1]
 
     def _mod(self, b, h, q, kv, q_len, kv_len):
         qi, ki = self.q_ids.to(q.device), self.kv_ids.to(kv.device)
@@ -134,3 +137,57 @@ def _check_ids(name: str, ids) -> Tensor:
     if ids.dim() not in (1, 2):
         raise ValueError(f"document: {name} must have shape (L,) or (B, L), got {tuple(ids.shape)}")
     return ids.reshape(1, -1) if ids.dim() == 1 else ids
+
+
+def document_causal(q_ids: Tensor, kv_ids: Tensor | None = None) -> "DocumentCausal":
+    """Causal within each document, aligned bottom-right *per document* (packed varlen training
+    and decoding): in a document with ``m`` queries and ``n`` keys, its query ``i`` (counted from
+    the document's first query) sees its keys ``0 .. i + n - m``. A document is a contiguous run of
+    equal ids. ``document(ids) & causal()`` instead aligns to the whole attention, which differs
+    as soon as documents have different query and key counts::
+
+        q_ids [0 0 1]   kv_ids [0 0 0 1 1]     document_causal     document & causal()
+                                               ██···               ███··   <- aligned to Lk - Lq = 2
+                                               ███··               ███··
+                                               ···██               ···██
+    """
+    mask = document(q_ids, kv_ids)
+    return DocumentCausal(mask.q_ids, mask.kv_ids)
+
+
+class DocumentCausal(Document):
+    """:func:`document_causal`. Position-in-document tables are computed on the ids' device."""
+
+    def _runs(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Per position: its index in its run of equal ids, and the run's length; ``(B|1, L)``."""
+        L = ids.shape[1]
+        idx = torch.arange(L, device=ids.device).expand_as(ids)
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+        ends = torch.ones_like(ids, dtype=torch.bool)
+        ends[:, :-1] = ids[:, 1:] != ids[:, :-1]
+        last = torch.where(ends, idx, torch.full_like(idx, L - 1)).flip(1).cummin(dim=1).values.flip(1)
+        return idx - first, last - first + 1
+
+    def _tables(self):
+        return self._cached("_tables_cache", lambda: (*self._runs(self.q_ids), *self._runs(self.kv_ids)))
+
+    def _mod(self, b, h, q, kv, q_len, kv_len):
+        same = super()._mod(b, h, q, kv, q_len, kv_len)
+        q_pos, q_count, kv_pos, kv_count = (t.to(q.device) for t in self._tables())
+        qb = b * 0 if q_pos.shape[0] == 1 else b
+        kb = b * 0 if kv_pos.shape[0] == 1 else b
+        # Key j of the same run is visible iff its place <= the query's place + (keys - queries).
+        return same & (kv_pos[kb, kv] <= q_pos[qb, q] + kv_count[kb, kv] - q_count[qb, q])
+
+    def _describe(self):
+        return "document_causal" + super()._describe()[len("document"):]
+
+    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+        if super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) is BlockState.EMPTY:
+            return BlockState.EMPTY  # other documents: skipped without looking at the positions
+        return Mask.block_state(self, q0, q1, k0, k1, q_len, kv_len, batch, heads)
+
+    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
+        return Mask._empty_rows(self, batch, heads, q_len, kv_len, device)

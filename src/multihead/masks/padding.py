@@ -23,13 +23,16 @@ __all__ = ["key_padding", "prefix_lm", "KeyPadding"]
 def key_padding(lengths) -> "KeyPadding":
     """Keys ``j < lengths[b]`` are visible.
 
+    A length may exceed ``Lk``: every key is then visible. This is on purpose: one mask built for
+    a whole sequence serves every step of a KV cache, when fewer keys exist yet.
+
     ``lengths``: an int, a sequence of ints or an integer tensor ``(B,)``; or a bool tensor
     ``(B, Lk)`` with ``True`` for keys that may be attended.
     """
     if isinstance(lengths, Tensor) and lengths.dtype == torch.bool:
         if lengths.dim() != 2:
             raise ValueError(f"key_padding: a bool table must have shape (B, Lk), got {tuple(lengths.shape)}")
-        return KeyPadding(valid=lengths)
+        return KeyPadding(valid=lengths.clone())  # copied: the mask is immutable
     if isinstance(lengths, bool):
         raise TypeError("key_padding: lengths must be ints or a bool (B, Lk) tensor, got a bool")
     if isinstance(lengths, int):
@@ -38,7 +41,7 @@ def key_padding(lengths) -> "KeyPadding":
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dim() > 1:
             raise TypeError(f"key_padding: lengths must be an integer tensor of shape (B,), got "
                             f"dtype {lengths.dtype} and shape {tuple(lengths.shape)}")
-        lengths = lengths.reshape(-1).to(torch.int64)
+        lengths = lengths.reshape(-1).to(torch.int64, copy=True)  # copied: the mask is immutable
     else:
         try:
             lengths = torch.tensor(list(lengths), dtype=torch.int64)
@@ -60,7 +63,13 @@ def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
     """
     from multihead.masks.band import causal
 
-    return causal(align) | key_padding(prefix_len)
+    if isinstance(prefix_len, bool) or (isinstance(prefix_len, int) and prefix_len < 0):
+        raise ValueError(f"prefix_lm: prefix_len must be a non-negative int or one per batch element, got {prefix_len!r}")
+    try:
+        padding = key_padding(prefix_len)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("key_padding: lengths", "prefix_lm: prefix_len")) from None
+    return causal(align) | padding
 
 
 class KeyPadding(Mask):
@@ -91,8 +100,10 @@ class KeyPadding(Mask):
         if n not in (1, batch):
             raise ValueError(f"key_padding: mask has {n} batch elements but the input has B={batch}; "
                              f"expected 1 or {batch}")
-        if self.valid is not None and self.valid.shape[1] != kv_len:
+        if self.valid is not None and kv_len is not None and self.valid.shape[1] != kv_len:
             raise ValueError(f"key_padding: bool table has {self.valid.shape[1]} keys but Lk={kv_len}")
+    def extent(self):
+        return None, (None if self.valid is None else self.valid.shape[1])
 
     def _mod(self, b, h, q, kv, q_len, kv_len):
         if self.lengths is not None:

@@ -69,9 +69,13 @@ class TensorMask(Mask):
 
     def check(self, batch, heads, q_len, kv_len):
         expected = (batch, heads, q_len, kv_len)
-        if any(s not in (1, e) for s, e in zip(self.tensor.shape, expected)):
+        if any(s not in (1, e) for s, e in zip(self.tensor.shape, expected) if e is not None):
             raise ValueError(f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
                              f"(B, H, Lq, Lk) = {expected}; each dim must be 1 or the matching size")
+
+    def extent(self):
+        _, _, lq, lk = self.tensor.shape
+        return (lq if lq > 1 else None), (lk if lk > 1 else None)
 
     def _mod(self, b, h, q, kv, q_len, kv_len):
         t = self.tensor.to(q.device)
@@ -120,6 +124,13 @@ class Custom(Mask):
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             raise TypeError(f"custom mask {self.name!r} must return a bool tensor, got "
                             f"{getattr(out, 'dtype', type(out).__name__)}")
+        grid = torch.broadcast_shapes(b.shape, h.shape, q.shape, kv.shape)
+        try:
+            torch.broadcast_shapes(out.shape, grid)
+        except RuntimeError:
+            raise ValueError(f"custom mask {self.name!r} returned shape {tuple(out.shape)}, which does not "
+                             f"broadcast to its index grid {tuple(grid)}; mask_mod(b, h, q_idx, kv_idx) must "
+                             "combine its (broadcastable) arguments elementwise") from None
         return out
 
     def _describe(self):

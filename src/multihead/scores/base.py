@@ -97,14 +97,16 @@ class Chain(ScoreMod):
         self.mods = tuple(flat)
         self.kind = ADDITIVE if all(m.kind == ADDITIVE for m in flat) else ELEMENTWISE
 
+    # A -inf produced by one modifier (a bias entry that blocks) stays -inf through the next ones:
+    # softcap(-inf) would be -cap, a visible score again.
     def __call__(self, score, b, h, q_idx, kv_idx):
         for m in self.mods:
-            score = m(score, b, h, q_idx, kv_idx)
+            score = _keep_blocked(score, m(score, b, h, q_idx, kv_idx))
         return score
 
     def apply_block(self, scores, q0, q1, k0, k1, heads=None):
         for m in self.mods:
-            scores = m.apply_block(scores, q0, q1, k0, k1, heads)
+            scores = _keep_blocked(scores, m.apply_block(scores, q0, q1, k0, k1, heads))
         return scores
 
     def bias_block(self, batch, heads, q0, q1, k0, k1, device=None, dtype=torch.float32):
@@ -126,11 +128,20 @@ class Chain(ScoreMod):
         return "[" + ", ".join(m._describe() for m in self.mods) + "]"
 
 
+def _keep_blocked(before: Tensor, after: Tensor) -> Tensor:
+    return torch.where(torch.isneginf(before), before, after)
+
+
 def as_score_mod(score_mod, name: str = "score_mod") -> ScoreMod | None:
     """``None``, a :class:`ScoreMod`, or a sequence of them (applied in order), as one modifier."""
     if score_mod is None or isinstance(score_mod, ScoreMod):
         return score_mod
-    if isinstance(score_mod, (list, tuple)) and all(isinstance(m, ScoreMod) for m in score_mod):
+    if isinstance(score_mod, (list, tuple)):
+        for i, m in enumerate(score_mod):
+            if not isinstance(m, ScoreMod):
+                raise TypeError(f"{name}[{i}] must be a multihead.scores modifier, got {type(m).__name__}"
+                                + ("; a plain function is not a modifier yet (the positions issue adds a user "
+                                   "score_mod)" if callable(m) else ""))
         return None if not score_mod else (score_mod[0] if len(score_mod) == 1 else Chain(score_mod))
     hint = ""
     if isinstance(score_mod, Tensor):

@@ -17,7 +17,10 @@ __all__ = ["softcap", "Softcap"]
 
 def softcap(cap: float) -> "Softcap":
     """Soft-capping of the (scaled) scores at ``cap > 0``."""
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+        raise TypeError(f"softcap: cap must be a Python number (int or float), got {type(cap).__name__}"
+                        + ("; use float(cap)" if hasattr(cap, "item") else ""))
+    if not math.isfinite(cap) or cap <= 0:
         raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
     return Softcap(float(cap))
 

@@ -1,0 +1,80 @@
+"""Non-finite inputs: what every backend gives, decided once (``docs/conventions.md``).
+
+A NaN or ``±inf`` reaches exactly the rows that read it: a query row holding one, or a row that
+may see a key or value holding one, gets output NaN (and LSE and weights NaN). Rows that may not
+see it are unaffected, and a key or value that no row may see can hold anything. A row that sees
+no key at all is fully masked: output 0, LSE ``-inf``, whatever its query holds. (IEEE arithmetic
+would sometimes give a finite row, e.g. ``q·k = -inf`` weighs a key 0; the rule is simpler to
+state and every backend, the reference included, follows it exactly.)
+
+Fused kernels do not follow this by themselves: PyTorch's flash kernels return 0 for a query row
+of NaN, and compute ``0 · NaN = NaN`` for rows that must not see a NaN value. So
+:func:`apply_policy` checks, after the kernel, the queries and the output (one pass over each,
+one host synchronisation per call); only when something is not finite does it run the call again
+on cleaned inputs and mark the rows the policy names. Under ``torch.compile`` the check is skipped
+(a data-dependent branch): compiled code gets what the kernel gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from multihead.call import AttentionCall, AttentionResult
+from multihead.conventions import repeat_kv
+
+__all__ = ["apply_policy"]
+
+# Rows x keys evaluated at a time when the policy looks for rows that see a bad key.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def apply_policy(call: AttentionCall, result: AttentionResult, run) -> AttentionResult:
+    """``result`` of ``call`` with the non-finite policy applied; ``run(call)`` reruns a call."""
+    if torch.compiler.is_compiling():
+        return result
+    bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
+    if not bool(bad_q.any() | ~torch.isfinite(result.output).all()):
+        return result
+    bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
+    clean = dataclasses.replace(call, q=_zeroed(call.q), k=_zeroed(call.k), v=_zeroed(call.v))
+    result = run(clean)
+    poisoned = (bad_q & ~_empty_rows(call)) | _rows_seeing(call, bad_kv)  # (B, Hq, Lq)
+    if not bool(poisoned.any()):
+        return result  # a non-finite output from finite inputs (an overflow): as the kernel gave it
+    nan = float("nan")
+    output = result.output.masked_fill(poisoned.unsqueeze(-1), nan)
+    lse = None if result.lse is None else result.lse.masked_fill(poisoned, nan)
+    return AttentionResult(output, result.weights, lse)
+
+
+def _zeroed(t: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _empty_rows(call: AttentionCall) -> Tensor:
+    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    if call.mask is None:
+        return torch.zeros((1, 1, 1), dtype=torch.bool, device=call.q.device)
+    return call.mask._empty_rows(B, Hq, Lq, Lk, device=call.q.device)
+
+
+def _rows_seeing(call: AttentionCall, bad_kv: Tensor) -> Tensor:
+    """``(B, Hq, Lq)``: rows that may see a key whose key or value is not finite."""
+    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    columns = bad_kv.any(dim=0).any(dim=0).nonzero().flatten()
+    if len(columns) == 0:
+        return torch.zeros((B, Hq, Lq), dtype=torch.bool, device=call.q.device)
+    k0, k1 = int(columns.min()), int(columns.max()) + 1
+    bad = repeat_kv(bad_kv[:, :, k0:k1].unsqueeze(-1), Hq).squeeze(-1).unsqueeze(2)  # (B, Hq, 1, span)
+    if call.mask is None:
+        return bad.any(dim=-1).expand(B, Hq, Lq)
+    step = max(1, _CHUNK_ELEMENTS // max(1, B * Hq * (k1 - k0)))
+    rows = []
+    for q0 in range(0, Lq, step):
+        q1 = min(q0 + step, Lq)
+        visible = call.mask.materialize_block(B, Hq, q0, q1, Lq, Lk, call.q.device, k0, k1)
+        rows.append((visible & bad).any(dim=-1).expand(B, Hq, q1 - q0))
+    return torch.cat(rows, dim=-1)

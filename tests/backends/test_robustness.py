@@ -1,0 +1,173 @@
+"""The reproducers of issue 9 ("every wrong number, NaN and silent acceptance"), one test each,
+named by item. Every backend is asked (a refusal is skipped with its reasons); answers are
+compared with the fp64 reference."""
+
+import pytest
+import torch
+
+import multihead as mh
+from matrix import backend_params, serve_or_skip
+
+BACKENDS = backend_params()
+
+
+def _ref(q, k, v, **kw):
+    return mh.reference_attention(q.double(), k.double(), v.double(), **kw)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "expanded"])
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item1_inputs_whose_last_dim_is_not_contiguous(backend, device, layout):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 2, 16, 600, generator=gen)
+    make = {"transposed": lambda t: t.transpose(-1, -2),  # (1, 2, 600, 16), stride 1 on the length
+            "strided": lambda t: t.transpose(-1, -2).contiguous()[..., ::2].repeat_interleave(2, -1)[..., ::2],
+            "expanded": lambda t: t[:, :, :1].transpose(-1, -2).expand(1, 2, 600, 16)}[layout]
+    x = make(base).to(device)
+    mask = mh.sliding_window(40) & mh.causal()
+    serve_or_skip(backend, x, x, x, mask=mask, return_weights=True, return_lse=True)
+    got = mh.attention(x, x, x, mask=mask, backend=backend, return_weights=True, return_lse=True)
+    want = _ref(x.cpu(), x.cpu(), x.cpu(), mask=mask)
+    torch.testing.assert_close(got.output.double().cpu(), want.output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse.double().cpu(), want.lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.weights.double().cpu(), want.weights, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item2_nan_in_keys_no_query_may_see(backend, device):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 6, 8, generator=gen, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, 4, 8, generator=gen).to(device) for _ in range(2))
+    k[0, :, 3], v[0, :, 3] = float("nan"), float("nan")
+    k, v = k.requires_grad_(), v.requires_grad_()
+    mask = mh.causal() & mh.key_padding([3])
+    serve_or_skip(backend, q, k, v, mask=mask)
+    out = mh.attention(q, k, v, mask=mask, backend=backend)
+    assert torch.isfinite(out).all()
+    for g in torch.autograd.grad(out.sum(), (q, k, v)):
+        assert torch.isfinite(g).all()
+
+
+def test_item3_the_oracle_with_every_visible_score_below_minus_88():
+    q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
+    b = torch.zeros(1, 1, 4, 4)
+    b[..., 0, :] = -1e4
+    res = mh.reference_attention(q, k, v, mask=mh.causal(), score_mod=mh.scores.bias(b))
+    want = mh.reference_attention(q, k, v, mask=mh.causal())  # the softmax is shift-invariant per row
+    assert torch.isfinite(res.output).all()
+    torch.testing.assert_close(res.output[..., 0, :], want.output[..., 0, :])
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item4_scale_at_most_zero_with_causal(backend, device, scale):
+    q = torch.randn(1, 2, 300, 8, device=device)
+    serve_or_skip(backend, q, q, q, mask=mh.causal(), scale=scale)
+    got = mh.attention(q, q, q, mask=mh.causal(), scale=scale, backend=backend)
+    torch.testing.assert_close(got.double().cpu(), _ref(q.cpu(), q.cpu(), q.cpu(), mask=mh.causal(), scale=scale).output,
+                               rtol=1e-5, atol=1e-5)
+    assert "folded into q" in str(mh.explain(q, q, q, mask=mh.causal(), scale=scale))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item5_fp16_inputs_with_a_large_negative_fp32_bias(backend, device):
+    gen = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(1, 1, 300, 8, generator=gen).half().to(device) for _ in range(2))
+    bias = torch.zeros(300, 300, device=device)
+    bias[0] = -1e5  # a whole row shifted: the softmax ignores it
+    bias[7, :5] = -7e4  # beyond fp16's range, relative to the rest of the row: blocked in effect
+    mods = mh.scores.bias(bias)
+    serve_or_skip(backend, q, k, k, mask=mh.sliding_window(40), score_mod=mods, return_lse=True)
+    got = mh.attention(q, k, k, mask=mh.sliding_window(40), score_mod=mods, backend=backend, return_lse=True)
+    want = _ref(q.cpu(), k.cpu(), k.cpu(), mask=mh.sliding_window(40), score_mod=mh.scores.bias(bias.cpu().double()))
+    torch.testing.assert_close(got.output.double().cpu(), want.output, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got.lse.double().cpu(), want.lse, rtol=1e-6, atol=1e-2)
+
+
+@pytest.mark.parametrize("where", ["query row", "visible key", "visible value", "unseen value"])
+@pytest.mark.parametrize("mask", [None, "causal", "window"])
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item6_non_finite_inputs_go_exactly_where_the_math_puts_them(backend, device, mask, where):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 300, 8, generator=gen)
+    k, v = torch.randn(1, 2, 310, 8, generator=gen), torch.randn(1, 2, 310, 8, generator=gen)
+    m = {None: None, "causal": mh.causal(), "window": mh.sliding_window(3)}[mask]
+    if where == "query row":
+        q[0, 1, 100] = float("nan")
+    elif where == "visible key":
+        k[0, 0, 150] = float("inf")
+    elif where == "visible value":
+        v[0, 1, 200] = float("nan")
+    else:  # key 0 is seen by no query of a window: it may hold anything
+        v[0, :, 0] = float("nan")
+    q, k, v = (t.to(device) for t in (q, k, v))
+    serve_or_skip(backend, q, k, v, mask=m, return_lse=True)
+    got = mh.attention(q, k, v, mask=m, backend=backend, return_lse=True)
+    want = _ref(q.cpu(), k.cpu(), v.cpu(), mask=m)
+    if where == "unseen value" and mask != "window":
+        pass  # with every key visible to some row, the value is visible: covered by "visible value"
+    assert torch.equal(torch.isnan(got.output).any(-1).cpu(), torch.isnan(want.output).any(-1))
+    assert torch.equal(torch.isnan(got.lse).cpu(), torch.isnan(want.lse))
+    finite = ~torch.isnan(want.output)
+    torch.testing.assert_close(got.output.double().cpu()[finite], want.output[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_item6_the_policy_is_written_down_and_rows_that_see_nothing_stay_zero():
+    q = torch.full((1, 1, 3, 4), float("nan"))
+    out = mh.attention(q, torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), mask=mh.key_padding([0]))
+    assert torch.equal(out, torch.zeros_like(out))  # fully masked: 0 whatever the query holds
+
+
+def test_item7_a_mask_does_not_follow_its_callers_tensor():
+    q = torch.randn(1, 2, 600, 8)
+    lengths = torch.tensor([100])
+    mask = mh.key_padding(lengths) & mh.causal()
+    before = mh.attention(q, q, q, mask=mask, backend="blocksparse")
+    lengths.fill_(500)
+    torch.testing.assert_close(mh.attention(q, q, q, mask=mask, backend="blocksparse"), before)
+    torch.testing.assert_close(mh.attention(q, q, q, mask=mask, backend="sdpa"), before, rtol=1e-5, atol=1e-5)
+
+
+def test_item8_weights_rows_with_a_negative_step_slice():
+    q = torch.randn(1, 2, 7, 8)
+    got = mh.attention(q, q, q, return_weights=True, weights_rows=slice(None, None, -1))
+    want = mh.attention(q, q, q, return_weights=True).weights.flip(2)
+    torch.testing.assert_close(got.weights, want)
+
+
+def test_item8_a_layer_input_of_another_dtype_names_it():
+    layer = mh.MultiHeadAttention(16, 4)
+    with pytest.raises(TypeError, match=r"query has dtype torch.float64 but the layer's weights are torch.float32"):
+        layer(torch.randn(1, 3, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item10_empty_lengths_are_accepted(backend, device):
+    q = torch.randn(2, 4, 5, 8, device=device, requires_grad=True)
+    none = torch.randn(2, 2, 0, 8, device=device, requires_grad=True)
+    res = mh.attention(q, none, none, backend=backend, return_lse=True, return_weights=True)
+    assert res.output.shape == (2, 4, 5, 8) and torch.equal(res.output, torch.zeros_like(res.output))
+    assert torch.isneginf(res.lse).all() and res.weights.shape == (2, 4, 5, 0)
+    res.output.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q.grad))
+    empty_q = torch.randn(2, 4, 0, 8, device=device)
+    assert mh.attention(empty_q, q[:, :2].detach(), q[:, :2].detach(), mask=mh.causal(), backend=backend).shape == (2, 4, 0, 8)
+    assert mh.explain(q, none, none).backend == "none"
+
+
+def test_item12_flex_refuses_a_call_past_the_recompile_limit_and_explain_says_why():
+    import torch._dynamo
+
+    flex = mh.get_backend("flex")
+    saved = set(flex._compiled)
+    limit = int(getattr(torch._dynamo.config, "recompile_limit", 8))
+    try:
+        flex._compiled.update(("an earlier compile", i) for i in range(limit))  # as if compiled already
+        q = torch.randn(1, 2, 64, 16)
+        with pytest.raises(mh.BackendRefusedError, match=r"past torch.compile's recompile limit"):
+            mh.attention(q, q, q, mask=mh.sliding_window(8), backend="flex")
+        assert "unfused path that materializes the full score matrix" in str(
+            mh.explain(q, q, q, mask=mh.sliding_window(8), backend="auto"))
+    finally:
+        flex._compiled.clear()
+        flex._compiled.update(saved)
