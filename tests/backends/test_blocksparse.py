@@ -139,11 +139,12 @@ def test_refusals_name_their_reason():
     q = torch.randn(1, 2, 8, 4)
     backend = mh.get_backend("blocksparse")
     assert any("tensor" in r for r in backend.refusals(_call(q, q, q, torch.ones(8, 8, dtype=torch.bool))))
-    call = validate_call(q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=None,
+    keep = torch.ones(1, 2, 8, 8, dtype=torch.bool)
+    call = validate_call(q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=keep,
                          return_weights=False, return_lse=False)
-    assert any("dropout" in r for r in backend.refusals(call))
-    with pytest.raises(mh.BackendRefusedError, match="dropout"):
-        mh.attention(q, q, q, dropout_p=0.1, backend="blocksparse")
+    assert any("dropout_mask" in r for r in backend.refusals(call))  # an injected keep mask: the oracle only
+    with pytest.raises(mh.BackendRefusedError, match="dropout_mask"):
+        mh.attention(q, q, q, dropout_p=0.1, dropout_mask=keep, backend="blocksparse")
 
 
 BANDS = {
@@ -204,3 +205,63 @@ def test_a_band_with_a_bias_is_not_batched_but_stays_exact():
     assert backend._plan(call).run is None  # the shared window mask cannot carry a per-position bias
     ref = mh.reference_attention(q, q, q, mask=mh.sliding_window(10), score_mod=bias)
     torch.testing.assert_close(backend.forward(call).output, ref.output, rtol=1e-10, atol=1e-10)
+
+
+def _replayed_keep(seed, mask, B, Hq, Lq, Lk, block, p):
+    """The keep mask the dropout path draws, replayed: one torch dropout per query block over the
+    key range it attends to, in order, from the seeded global generator."""
+    torch.manual_seed(seed)
+    keep = torch.ones(B, Hq, Lq, Lk, dtype=torch.bool)
+    for q0 in range(0, Lq, block):
+        q1 = min(q0 + block, Lq)
+        k0, k1 = mask.key_range(q0, q1, Lq, Lk)
+        if k0 < k1:
+            keep[:, :, q0:q1, k0:k1] = torch.nn.functional.dropout(torch.ones(B, Hq, q1 - q0, k1 - k0, dtype=torch.float64),
+                                                                  p) != 0
+    return keep
+
+
+@pytest.mark.parametrize("mask_kind", ["window", "causal", "document&causal", "padding&causal"])
+def test_dropout_runs_blockwise_and_equals_the_reference_with_the_same_draw(mask_kind):
+    """Issue 9, item 13: dropout stays on the structured path; with the draw replayed, output,
+    LSE and gradients equal the reference given the same keep mask."""
+    B, Hq, Hkv, Lq, Lk, D, p, block = 2, 4, 2, 300, 300, 8, 0.3, 64
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.sort(torch.randint(0, 3, (B, Lq), generator=gen)).values
+    mask = {"window": mh.sliding_window(40), "causal": mh.causal(), "document&causal": mh.document(ids) & mh.causal(),
+            "padding&causal": mh.key_padding([300, 0]) & mh.causal()}[mask_kind]
+    q, k, v = (torch.randn(B, h, L, D, generator=gen, dtype=torch.float64, requires_grad=True)
+               for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    backend = BlockSparseBackend(block)
+    call = validate_call(q, k, v, mask=mask, scale=None, dropout_p=p, dropout_mask=None, return_weights=False,
+                         return_lse=True)
+    torch.manual_seed(123)
+    got = backend.forward(call)
+    grads = torch.autograd.grad(got.output.square().sum(), (q, k, v))
+    keep = _replayed_keep(123, mask, B, Hq, Lq, Lk, block, p)
+    ref = mh.reference_attention(q, k, v, mask=mask, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got.lse, ref.lse, rtol=1e-10, atol=1e-10)
+    for g, r in zip(grads, torch.autograd.grad(ref.output.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
+
+
+def test_dropout_is_reproducible_keeps_1_minus_p_and_auto_takes_it_for_structured_masks():
+    q = torch.randn(1, 4, 512, 16)
+    mask = mh.causal() & mh.sliding_window(100)
+    torch.manual_seed(0)
+    a = mh.attention(q, q, q, mask=mask, dropout_p=0.25)
+    torch.manual_seed(0)
+    assert torch.equal(a, mh.attention(q, q, q, mask=mask, dropout_p=0.25))
+    # auto: sdpa's math kernel while the dense scores fit (faster, measured), blocksparse beyond
+    assert mh.explain(q, q, q, mask=mask, dropout_p=0.25).backend == "sdpa"
+    big = torch.randn(1, 16, 8192, 16)  # 16 x 8192^2 = 2^30 scores: 4 GiB dense
+    assert mh.explain(big, big, big, mask=mh.causal(), dropout_p=0.25).backend == "blocksparse"
+    assert mh.explain(q, q, q, mask=mask, dropout_p=0.25, backend="blocksparse").backend == "blocksparse"
+    keep = _replayed_keep(0, mask, 1, 4, 512, 512, DEFAULT_BLOCK_SIZE, 0.25)
+    visible = mask.materialize(1, 4, 512, 512).expand_as(keep)
+    assert abs(float(keep[visible].float().mean()) - 0.75) < 0.01
+    layer = mh.MultiHeadAttention(32, 4, causal=True, dropout=0.1).train()
+    x = torch.randn(2, 300, 32, requires_grad=True)
+    layer(x, mask=mh.sliding_window(64)).sum().backward()
+    assert torch.isfinite(x.grad).all()

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
+from multihead.backends.dropout_blocks import dropout_attention
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.masks import And, Band, BlockState, Mask
@@ -91,7 +92,6 @@ class BlockSparseBackend(Backend):
     summary = "structured masks as a few fused CPU flash-kernel calls per query block; cost ~ visible area"
     capabilities = Capabilities(
         device_types=frozenset({"cpu"}),
-        dropout=False,
         native_lse=True,
         # A plain tensor mask is already Lq x Lk: sdpa passes it to the kernel as it is.
         mask_kinds=MASK_KINDS - {"tensor"},
@@ -121,8 +121,13 @@ class BlockSparseBackend(Backend):
                     "the graph; sdpa traces into one"]
         if mask is None:
             return ["no mask: sdpa runs one fused call, as fast"]
+        if call.dropout_p > 0 and B * Hq * Lq * Lk < DROPOUT_DENSE_ELEMENTS:
+            return ["dropout: the blockwise path is slower than sdpa's math kernel with a dense mask while the "
+                    f"scores fit ({B * Hq * Lq * Lk} < {DROPOUT_DENSE_ELEMENTS} elements; benchmarks/dropout.py)"]
         offset = mask.causal_offset(Lq, Lk) if call.score_mod is None else None
-        if offset == 0 or (offset is not None and offset >= Lk - 1):
+        if call.dropout_p == 0 and (offset == 0 or (offset is not None and offset >= Lk - 1)):
+            # (with dropout, sdpa runs its math kernel on the whole square: blocksparse skips the
+            # blocked half; docs/performance.md)
             return ["causal diagonal that sdpa passes as is_causal: sdpa is as fast"]
         if Lq * Lk < SMALL_CALL_ELEMENTS:
             return [f"Lq*Lk = {Lq * Lk} < {SMALL_CALL_ELEMENTS}: per-block overhead exceeds the saving; "
@@ -140,6 +145,10 @@ class BlockSparseBackend(Backend):
                 computed += (blk.q1 - blk.q0) * (p.k1 - p.k0)
         skipped = sum(1 for b in plan.blocks if not b.pieces)
         lines = []
+        if call.dropout_p > 0:
+            return [f"dropout p={call.dropout_p}: the CPU flash kernel has none, so each block of {self.block_size} "
+                    "queries attends to its visible key range in PyTorch (activation checkpointing: memory of one "
+                    "block; the same random draw recomputed in the backward)"]
         if plan.run is not None:
             run = plan.run
             computed += (run.q1 - run.q0) * run.span
@@ -166,8 +175,11 @@ class BlockSparseBackend(Backend):
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
         mods = call.score_mod
-        out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, mods, call.scale, plan,
-                                               *(mods.tensors() if mods is not None else ()))
+        if call.dropout_p > 0:  # the CPU flash kernel has no dropout: a block at a time in PyTorch
+            out, lse = dropout_attention(q, k, v, call.mask, mods, call.scale, call.dropout_p, self.block_size)
+        else:
+            out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, mods, call.scale, plan,
+                                                   *(mods.tensors() if mods is not None else ()))
         if Dv < D:
             out = out[..., :Dv]
         return AttentionResult(out, None, lse if call.return_lse else None)
@@ -194,6 +206,11 @@ class BlockSparseBackend(Backend):
             self._plans.popitem(last=False)
         return plan
 
+
+#: With dropout, sdpa runs its math kernel on the dense scores: faster than the blockwise dropout
+#: path (3.1x at L=2048, benchmarks/dropout.py) but it holds B*Hq*Lq*Lk scores and probabilities.
+#: From this many (1 GiB of fp32 scores) on, auto takes the blockwise path, whose memory is a block.
+DROPOUT_DENSE_ELEMENTS = 1 << 28
 
 #: Below this many scores a single SDPA call with a materialized mask beats the per-block loop
 #: (measured, docs/performance.md).
