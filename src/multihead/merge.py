@@ -68,3 +68,6 @@ def _check(outputs, lses) -> None:
                              f"= {shape} like outputs[0]")
         if tuple(l.shape) != shape[:3]:
             raise ValueError(f"merge_partials: lses[{i}] has shape {tuple(l.shape)}; expected (B, H, Lq) = {shape[:3]}")
+        if o.dtype != outputs[0].dtype or o.device != outputs[0].device:
+            raise TypeError(f"merge_partials: outputs[{i}] is {o.dtype} on {o.device} but outputs[0] is "
+                            f"{outputs[0].dtype} on {outputs[0].device}; partial outputs share a dtype and device")

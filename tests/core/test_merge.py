@@ -76,6 +76,8 @@ def test_low_precision_outputs_merge_in_fp32_and_keep_their_dtype():
      r"outputs\[1\] has shape \(1, 1, 2, 4\); expected \(B, H, Lq, Dv\) = \(1, 1, 2, 3\)"),
     ([torch.zeros(1, 1, 2, 3)], [torch.zeros(1, 2)], ValueError, r"lses\[0\] has shape \(1, 2\); expected \(B, H, Lq\)"),
     (torch.zeros(1, 1, 2, 3), [torch.zeros(1, 1, 2)], TypeError, r"sequences of tensors, got Tensor and list"),
+    ([torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3, dtype=torch.float16)], [torch.zeros(1, 1, 2)] * 2, TypeError,
+     r"outputs\[1\] is torch.float16 on cpu but outputs\[0\] is torch.float32"),
 ])
 def test_bad_input_names_the_argument(outs, lses, exc, pattern):
     with pytest.raises(exc, match=pattern):
