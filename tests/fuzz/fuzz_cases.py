@@ -55,9 +55,6 @@ class Node:
         """Whether the meaning depends on the frame's lengths."""
         return False
 
-    def leaves(self) -> int:
-        return 1
-
 
 def _align_offset(align: str, Lq: int, Lk: int) -> int:
     return Lk - Lq if align == "bottom_right" else 0  # conventions: "Causal alignment"
@@ -246,9 +243,6 @@ class Op(Node):
     def bottom_right(self):
         return any(p.bottom_right() for p in self.parts)
 
-    def leaves(self):
-        return sum(p.leaves() for p in self.parts)
-
 
 @dataclass
 class Inv(Node):
@@ -265,9 +259,6 @@ class Inv(Node):
 
     def bottom_right(self):
         return self.inner.bottom_right()
-
-    def leaves(self):
-        return self.inner.leaves()
 
 
 @dataclass
@@ -296,9 +287,6 @@ class Shift(Node):
         # A block is read at the whole attention's positions and lengths, never its own.
         return self.inner.allowed(b, h, i + self.q0, j + self.k0, self.wq, self.wk)
 
-    def leaves(self):
-        return self.inner.leaves()
-
 
 @dataclass
 class At(Node):
@@ -325,9 +313,6 @@ class At(Node):
         qi = qp[b * 0 if qp.shape[0] == 1 else b, i]
         kj = kp[b * 0 if kp.shape[0] == 1 else b, j]
         return self.inner.allowed(b, h, qi, kj, self.wq, self.wk)
-
-    def leaves(self):
-        return self.inner.leaves()
 
 
 def _broadcast_shape(rng: random.Random, full: tuple) -> tuple:

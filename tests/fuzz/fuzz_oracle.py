@@ -194,7 +194,8 @@ def attend_flash(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, mods, scale: 
         kind, arg = mods[i]
         if kind == "bias":
             shape = arg.reshape((1,) * (4 - arg.dim()) + tuple(arg.shape)).shape
-            grads[i] = ds.sum(dim=[d for d in range(4) if shape[d] == 1], keepdim=True)
+            dims = [d for d in range(4) if shape[d] == 1]
+            grads[i] = ds.sum(dim=dims, keepdim=True) if dims else ds  # (an empty list sums all)
         else:
             pre = next(x for j, x, _ in caps if j == i)
             ds = ds * (1 - torch.tanh(pre / arg) ** 2)
