@@ -80,7 +80,7 @@ def attention(
         return _empty(call, return_weights, return_lse, heads, rows)
     chosen, _ = select_backend(call, backend)
     result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
-    result = apply_policy(call, result, chosen.forward)  # NaN/inf go exactly where the math puts them
+    result, poisoned = apply_policy(call, result, chosen.forward)  # NaN/inf reach exactly the rows that read them
     lse = result.lse
     q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)
     if return_weights:
@@ -90,10 +90,17 @@ def attention(
         if lse is None and return_lse:
             lse = block_lse if heads is None and rows is None else \
                 lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
+        if poisoned is not None:
+            selected = poisoned if heads is None else poisoned[:, heads]
+            selected = selected if rows is None else selected[:, :, rows]
+            weights = weights.masked_fill(selected.unsqueeze(-1), float("nan"))
+            lse = None if lse is None else lse.masked_fill(poisoned, float("nan"))
         return AttentionResult(result.output, weights.to(q.dtype), lse if return_lse else None)
     if return_lse:
         if lse is None:  # the kernel has none: one blockwise pass
             lse = lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
+            if poisoned is not None:
+                lse = lse.masked_fill(poisoned, float("nan"))
         return AttentionResult(result.output, None, lse)
     return result.output
 
@@ -103,7 +110,10 @@ def _empty(call, return_weights: bool, return_lse: bool, heads, rows) -> Tensor 
     masked), LSE ``-inf``, weights zeros, connected to the inputs so that gradients are zeros."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     q, k, v = call.q, call.k, call.v
-    anchor = (q.sum() + k.sum() + v.sum()) * 0  # a zero that carries the inputs' graph (empty sums are 0)
+    # A zero that carries the inputs' graph (zero gradients), finite whatever they hold: every row
+    # sees no key, so even a NaN query gives 0 (conventions: fully masked rows).
+    anchor = sum(torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).sum()
+                 for t in (q, k, v)) * 0
     output = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
     if not (return_weights or return_lse):
         return output

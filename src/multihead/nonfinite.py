@@ -31,23 +31,25 @@ __all__ = ["apply_policy"]
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def apply_policy(call: AttentionCall, result: AttentionResult, run) -> AttentionResult:
-    """``result`` of ``call`` with the non-finite policy applied; ``run(call)`` reruns a call."""
+def apply_policy(call: AttentionCall, result: AttentionResult, run) -> tuple[AttentionResult, Tensor | None]:
+    """``result`` of ``call`` with the non-finite policy applied, and the rows it made NaN
+    (``(B, Hq, Lq)`` bool, ``None`` when none): whatever is derived from the call afterwards (an LSE
+    or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call."""
     if torch.compiler.is_compiling():
-        return result
+        return result, None
     bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
     if not bool(bad_q.any() | ~torch.isfinite(result.output).all()):
-        return result
+        return result, None
     bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
     clean = dataclasses.replace(call, q=_zeroed(call.q), k=_zeroed(call.k), v=_zeroed(call.v))
     result = run(clean)
     poisoned = (bad_q & ~_empty_rows(call)) | _rows_seeing(call, bad_kv)  # (B, Hq, Lq)
     if not bool(poisoned.any()):
-        return result  # a non-finite output from finite inputs (an overflow): as the kernel gave it
+        return result, None  # a non-finite output from finite inputs (an overflow): as the kernel gave it
     nan = float("nan")
     output = result.output.masked_fill(poisoned.unsqueeze(-1), nan)
     lse = None if result.lse is None else result.lse.masked_fill(poisoned, nan)
-    return AttentionResult(output, result.weights, lse)
+    return AttentionResult(output, result.weights, lse), poisoned
 
 
 def _zeroed(t: Tensor) -> Tensor:

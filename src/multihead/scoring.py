@@ -21,7 +21,18 @@ from multihead.conventions import kv_head_of, softmax_dtype
 from multihead.masks import Mask
 from multihead.scores import ADDITIVE, ScoreMod
 
-__all__ = ["score_block", "additive_block"]
+__all__ = ["score_block", "additive_block", "unseen_keys"]
+
+
+def unseen_keys(visible: Tensor, num_kv_heads: int) -> Tensor:
+    """``(B|1, Hkv|1, Lk, 1)`` bool: keys of each KV head that no query head of its group may see
+    in ``visible (B|1, Hq|1, rows, Lk)``. Such keys can hold anything, even NaN, and are zeroed
+    before a product that would compute ``0 · NaN``; per KV head, since a key one group sees may be
+    garbage for another."""
+    seen = visible.any(dim=2)  # (B|1, Hq|1, Lk)
+    if seen.shape[1] > 1:  # query head h belongs to KV head h // G (conventions.kv_head_of)
+        seen = seen.view(seen.shape[0], num_kv_heads, seen.shape[1] // num_kv_heads, seen.shape[-1]).any(dim=2)
+    return (~seen).unsqueeze(-1)
 
 
 def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float,
@@ -44,8 +55,7 @@ def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | N
         if torch.is_grad_enabled() and q.requires_grad:
             # A key no query of the block sees may hold anything, even NaN; its score is blocked,
             # but dQ = dS · K would still compute 0 · NaN. Such keys are zeroed for the product.
-            unseen = ~visible.any(dim=1).any(dim=1)  # (B|1, Lk)
-            k = torch.where(unseen.view(unseen.shape[0], 1, Lk, 1), torch.zeros((), dtype=k.dtype, device=k.device), k)
+            k = torch.where(unseen_keys(visible, Hkv), torch.zeros((), dtype=k.dtype, device=k.device), k)
         if visible.shape[1] != 1 and heads is not None:
             visible = visible[:, heads]
     if heads is None:
@@ -72,9 +82,10 @@ def additive_block(mask: Mask | None, score_mod: ScoreMod | None, batch: int, he
     the additive modifiers' bias, ``-inf`` where blocked; the bool ``visible`` block; and a per-row
     ``shift`` (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.
 
-    The bias is built in the softmax dtype (fp32, fp64 for fp64). An fp16 kernel gets it minus its largest visible value per row
-    (``shift``): a bias of -1e5 would be -inf in fp16 and block its key, where the softmax, which
-    is shift-invariant, only needs the differences. The kernel's LSE is then ``shift`` too small.
+    The bias is built in the softmax dtype (fp32, fp64 for fp64). An fp16/bf16 kernel gets it minus
+    its largest visible value per row (``shift``): a bias of -1e5 would be -inf in fp16, and in bf16
+    -1e5 + x loses x to rounding, where the softmax, which is shift-invariant, only needs the
+    differences. The kernel's LSE is then ``shift`` too small.
     """
     bias = None
     if score_mod is not None:
@@ -88,7 +99,7 @@ def additive_block(mask: Mask | None, score_mod: ScoreMod | None, batch: int, he
     if visible is None:
         visible = torch.ones((1, 1, q1 - q0, k1 - k0), dtype=torch.bool, device=device)
     shift = None
-    if bias is not None and dtype == torch.float16:
+    if bias is not None and dtype in (torch.float16, torch.bfloat16):
         peak = torch.where(visible, bias, float("-inf")).amax(dim=-1).detach()  # (B|1, H|1, rows)
         shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         bias = bias - shift.unsqueeze(-1)

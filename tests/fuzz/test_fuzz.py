@@ -55,25 +55,12 @@ BACKENDS = ["reference", "sdpa", "blocksparse", "auto"]
 DEFAULT_SEEDS = range(0, 60)
 SLOW_SEEDS = range(1000, 3000)
 
-# Known failures, each one of the items of issue 9 (found by this fuzzer on the working tree of
-# the issue-9 fixes; reproducers in the issue thread). Strict: once fixed, the case passes, the
-# xfail fails, and its entry goes with the fix. Failures that are none of issue 9's items are
-# not listed: they fail.
-_ITEM2 = ("issue 9 item 2: NaN in keys no query may see (a head none of whose rows sees any key, "
-          "bool tensor mask) reaches dq on reference and dq, dk, dv on sdpa")
-_ITEM5 = ("issue 9 item 5: an fp32 bias or additive mask is cast to the input dtype (bf16) before "
-          "the kernel: its precision is lost (a -1e4/-1e5 row shift destroys the row)")
-_ITEM6 = ("issue 9 item 6: sdpa with Dv != D (no kernel LSE): LSE and weights of a row that sees a NaN "
-          "value are finite, where the non-finite policy says NaN")
-_ITEM6_10 = ("issue 9 items 6 and 10: Lk = 0 with a NaN in q: every row is NaN, where rows that see no "
-             "key stay 0 whatever their query holds")
-KNOWN: dict[tuple[int, str], str] = {
-    **{(1592, b): _ITEM2 for b in ("reference", "sdpa", "auto")},
-    **{(s, b): _ITEM5 for s in (1162, 1314, 2070, 2134) for b in ("sdpa", "blocksparse", "auto")},
-    **{(s, b): _ITEM5 for s in (1308, 1796, 1945, 2156, 2953) for b in ("sdpa", "auto")},
-    **{(s, b): _ITEM6 for s in (1517, 2550) for b in ("sdpa", "auto")},
-    **{(2389, b): _ITEM6_10 for b in BACKENDS},
-}
+# Known failures, each one of the items of issue 9, as strict xfails: once fixed, the case passes,
+# the xfail fails, and its entry goes with the fix. Failures that are none of issue 9's items are
+# never listed: they fail. Empty since the fixes of items 2, 5 (bf16), 6 and 10 that this fuzzer
+# found (seeds 1592, 1162, 1308, 1314, 1517, 1796, 1945, 2070, 2134, 2156, 2389, 2550, 2953) and of
+# the shifted .at() masks (seeds 1288, 1570, 1702, 1934, 1961, 2740).
+KNOWN: dict[tuple[int, str], str] = {}
 
 
 # ============================================================================ expectations

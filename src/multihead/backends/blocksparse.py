@@ -52,7 +52,7 @@ from multihead.conventions import lse_dtype
 from multihead.masks import And, Band, BlockState, Mask
 from multihead.merge import merge_partials
 from multihead.scores import ADDITIVE, ScoreMod
-from multihead.scoring import additive_block
+from multihead.scoring import additive_block, unseen_keys
 
 __all__ = ["BlockSparseBackend", "block_plan", "Plan", "DEFAULT_BLOCK_SIZE"]
 
@@ -334,7 +334,7 @@ _flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 
 
 def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece,
-                q_len: int, kv_len: int):
+                q_len: int, kv_len: int, k_heads: int):
     """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype (``None``
     when the kernel needs none), the rows (``(B|1, Hq|1, rows)`` bool) that see no key of the
     piece, the keys (``(B|1, 1, keys, 1)``) that no row of the piece sees, and what the kernel's
@@ -345,7 +345,7 @@ def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryB
     piece_mask = None if piece.kind == _FULL else mask
     bias, visible, shift = additive_block(piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0,
                                           piece.k1, q_len, kv_len, q.device, q.dtype)
-    return bias, ~visible.any(-1), ~visible.any(-2).any(1, keepdim=True).unsqueeze(-1), shift
+    return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
 
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -361,7 +361,7 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len):
     """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0:blk.q1]
     kb, vb = k[:, :, piece.k0:piece.k1], v[:, :, piece.k0:piece.k1]
-    bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len)
+    bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
     if bias is None:
         return _flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale)
     kb, vb = _zero_unseen(kb, vb, unseen)
@@ -440,7 +440,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             for p in blk.pieces:
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
-                bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk)
+                bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
                 causal = bias is None and p.kind == _CAUSAL
                 lp = lb if shift is None else lb - shift.to(lb.dtype)  # the kernel saw the bias shifted down

@@ -28,7 +28,7 @@ from multihead.backends.base import Backend, Capabilities
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, repeat_kv
 from multihead.scores import ADDITIVE
-from multihead.scoring import additive_block
+from multihead.scoring import additive_block, unseen_keys
 
 __all__ = ["SDPABackend", "pytorch_kernel"]
 
@@ -92,7 +92,7 @@ class _Arguments:
         elif offset is not None and offset >= Lk - 1:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
-            prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype)
+            prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype, Hkv)
             self.attn_mask, self.empty_rows, unseen, self.lse_shift, self.mask_note = prepared
             if unseen is not None:
                 # Keys that no query may see can hold anything (NaN beyond a length): zero them,
@@ -127,13 +127,13 @@ _MASK_CACHE_SIZE = 16
 _MASK_CACHE_ELEMENTS = 1 << 20
 
 
-def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype):
+def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
     """``(attn_mask, empty_rows | None, unseen_keys | None, lse_shift | None, note)`` for a mask that
     must be materialized: the dense mask with fully masked rows opened, the rows to zero after the
     call, the keys to zero before it, and what the kernel's LSE lacks (fp16 biases, additive_block)."""
     cacheable = (not _compiling() and mods is None and "tensor" not in mask.kinds()
                  and B * Hq * Lq * Lk <= _MASK_CACHE_ELEMENTS)
-    key = (mask, B, Hq, Lq, Lk, str(device), dtype)
+    key = (mask, B, Hq, num_kv_heads, Lq, Lk, str(device), dtype)
     if cacheable and key in _MASKS:
         _MASKS.move_to_end(key)
         return _MASKS[key]
@@ -153,7 +153,7 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype):
         opened = empty.unsqueeze(-1)
         dense = dense | opened if dense.dtype == torch.bool else \
             torch.where(opened, torch.zeros((), dtype=dense.dtype, device=device), dense)
-    unseen = ~visible.any(dim=-2).any(dim=1, keepdim=True).unsqueeze(-1)  # (B|1, 1, Lk, 1)
+    unseen = unseen_keys(visible, num_kv_heads)  # (B|1, Hkv|1, Lk, 1)
     if not (compiling or bool(unseen.any())):
         unseen = None
     kind = "bool" if dense.dtype == torch.bool else "additive"

@@ -424,7 +424,7 @@ class Positioned(Mask):
         for name, pos, length, what, limit in (("q", self.q_pos, q_len, "Lq", whole[0]),
                                                 ("kv", self.kv_pos, kv_len, "Lk", whole[1])):
             if isinstance(pos, Tensor):
-                if pos.shape[-1] != length or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
+                if (length is not None and pos.shape[-1] != length) or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
                     raise ValueError(f"at: {name}_positions has shape {tuple(pos.shape)} but the call has B={batch}, "
                                      f"{what}={length}; expected ({length},) or ({batch}, {length})")
                 # Positions on the host are checked against the whole attention (free there).
@@ -432,7 +432,7 @@ class Positioned(Mask):
                         (int(pos.min()) < 0 or int(pos.max()) >= limit):
                     raise ValueError(f"at: {name}_positions hold values in [{int(pos.min())}, {int(pos.max())}], "
                                      f"outside the whole attention's {what}={limit}; expected 0 <= position < {limit}")
-            elif limit is not None and (pos < 0 or pos + length > limit):
+            elif limit is not None and length is not None and (pos < 0 or pos + length > limit):
                 raise ValueError(f"shifted: the block's {what}={length} at {name}_offset={pos} reads positions "
                                  f"[{pos}, {pos + length}), outside the whole attention's {what}={limit}")
         # The inner mask applies to the whole attention: its batch, heads and (when known) lengths.
@@ -448,6 +448,10 @@ class Positioned(Mask):
 
     def kinds(self):
         return self.inner.kinds() | ({"positions"} if not self._offsets else frozenset())
+
+    def extent(self):
+        # Read at position tensors, a call has as many queries and keys as there are positions.
+        return tuple(p.shape[-1] if isinstance(p, Tensor) else None for p in (self.q_pos, self.kv_pos))
 
     def causal_offset(self, q_len, kv_len):
         if not self._offsets:
