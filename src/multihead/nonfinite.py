@@ -9,7 +9,7 @@ state and every backend, the reference included, follows it exactly.)
 
 Fused kernels do not follow this by themselves: PyTorch's flash kernels return 0 for a query row
 of NaN, and compute ``0 · NaN = NaN`` for rows that must not see a NaN value. So
-:func:`apply_policy` checks, after the kernel, the queries and the output (one pass over each,
+:func:`apply_policy` checks, after the kernel, the queries and the output (one sum over each,
 one host synchronisation per call); only when something is not finite does it run the call again
 on cleaned inputs and mark the rows the policy names. Under ``torch.compile`` the check is skipped
 (a data-dependent branch): compiled code gets what the kernel gives.
@@ -37,9 +37,12 @@ def apply_policy(call: AttentionCall, result: AttentionResult, run) -> tuple[Att
     or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call."""
     if torch.compiler.is_compiling():
         return result, None
-    bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
-    if not bool(bad_q.any() | ~torch.isfinite(result.output).all()):
+    # One sum each (accumulated in fp32: no overflow of finite fp16 values), one host sync: any NaN
+    # or inf in q or in the output makes the total non-finite. Only then is anything looked at.
+    total = call.q.sum(dtype=torch.float32) + result.output.sum(dtype=torch.float32)
+    if bool(torch.isfinite(total)):
         return result, None
+    bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
     bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
     clean = dataclasses.replace(call, q=_zeroed(call.q), k=_zeroed(call.k), v=_zeroed(call.v))
     result = run(clean)
