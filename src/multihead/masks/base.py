@@ -78,12 +78,13 @@ class Mask(abc.ABC):
     def _value(self) -> tuple:
         def compute():
             fields = sorted((k, v) for k, v in vars(self).items() if not k.startswith("_"))
-            return (type(self),) + tuple((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields)
+            return (type(self),) + tuple((k, _field_value(v)) for k, v in fields)
 
         return self._cached("_value_cache", compute)  # immutable: computed once per object
 
     def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Mask) and self._value() == other._value())
+        return self is other or (isinstance(other, Mask) and hash(self) == hash(other)
+                                 and self._value() == other._value())
 
     def __hash__(self) -> int:
         return self._cached("_hash_cache", lambda: hash(self._value()))
@@ -91,12 +92,10 @@ class Mask(abc.ABC):
     def _cached(self, name: str, compute: Callable):
         """A derived value computed on first use (host synchronisation happens here, when a
         structural question needs it, never when the mask is built)."""
-        try:
-            return object.__getattribute__(self, name)
-        except AttributeError:
-            value = compute()
-            object.__setattr__(self, name, value)
-            return value
+        cache = self.__dict__
+        if name not in cache:
+            object.__setattr__(self, name, compute())
+        return cache[name]
 
     # ----------------------------------------------------------------------------- meaning
     @abc.abstractmethod
@@ -473,6 +472,18 @@ class Positioned(Mask):
 
 
 # --------------------------------------------------------------------------------- helpers
+def _field_value(v):
+    """A field as plain data: nested masks by their values (compared without calling back into
+    ``__eq__``), tensors by :func:`tensor_identity`."""
+    if isinstance(v, Tensor):
+        return tensor_identity(v)
+    if isinstance(v, Mask):
+        return v._value()
+    if isinstance(v, tuple):
+        return tuple(_field_value(x) for x in v)
+    return v
+
+
 def tensor_identity(t: Tensor) -> tuple:
     """How a tensor inside a mask or modifier takes part in its value. Small CPU tensors (lengths,
     ids, positions) by content, so that ``key_padding(torch.tensor([3, 5]))`` built twice is one
