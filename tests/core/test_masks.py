@@ -199,12 +199,7 @@ def test_changing_the_callers_tensor_in_place_changes_no_mask():
     lengths, ids, pos = torch.tensor([3]), torch.tensor([0, 0, 1, 1]), torch.arange(4)
     kp, doc, at = mh.key_padding(lengths), mh.document(ids), mh.causal("top_left").at(pos, pos)
     want = [m.materialize(1, 1, 4, 4).clone() for m in (kp, doc, at)]
-    lengths.fill_(1), ids.fill_(7), pos.flip(0)
+    lengths.fill_(1), ids.fill_(7)
     pos.copy_(pos.flip(0))
     assert all(torch.equal(m.materialize(1, 1, 4, 4), w) for m, w in zip((kp, doc, at), want))
-    q = torch.randn(1, 2, 600, 8)
-    lengths = torch.tensor([100])
-    mask = mh.key_padding(lengths) & mh.causal()
-    first = mh.attention(q, q, q, mask=mask, backend="blocksparse")
-    lengths.fill_(500)
-    torch.testing.assert_close(mh.attention(q, q, q, mask=mask, backend="blocksparse"), first)
+    # The same through blocksparse's and sdpa's plan caches: tests/backends/test_robustness.py (item 7).
