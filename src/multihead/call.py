@@ -62,8 +62,11 @@ class AttentionCall:
                                             or (self.score_mod is not None and self.score_mod.requires_grad))
 
 
-def mask_and_score_mod(mask, score_mod, *, check_binary: bool = True) -> tuple[Mask | None, ScoreMod | None]:
-    """``mask=``/``score_mod=`` as given by a user, as a boolean mask and one modifier.
+def mask_and_score_mod(mask, score_mod, *, check_binary: bool = True, q_len: int | None = None,
+                       kv_len: int | None = None) -> tuple[Mask | None, ScoreMod | None]:
+    """``mask=``/``score_mod=`` as given by a user, as a boolean mask and one modifier, bound to
+    the lengths ``Lq, Lk`` when given (:meth:`ScoreMod.for_lengths`: a relative bias aligns its
+    positions as masks do).
 
     A float tensor passed as ``mask=`` (PyTorch's additive masks) becomes the bool mask of its
     entries that are not ``-inf`` and a :func:`multihead.scores.bias` applied before any other
@@ -71,6 +74,8 @@ def mask_and_score_mod(mask, score_mod, *, check_binary: bool = True) -> tuple[M
     scores is never what ``torch.tril(torch.ones(L, L))`` meant.
     """
     score_mod = as_score_mod(score_mod)
+    if score_mod is not None and q_len is not None:
+        score_mod = score_mod.for_lengths(q_len, kv_len)
     if mask is not None and not isinstance(mask, (Mask, Tensor)):
         raise TypeError(f"mask must be a multihead mask, a bool or float tensor, or None; got {type(mask).__name__}")
     if isinstance(mask, Tensor) and mask.is_floating_point():

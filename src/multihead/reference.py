@@ -61,7 +61,7 @@ def reference_attention(
     B, Hq, Lq, D = q.shape
     dtype = compute_dtype or softmax_dtype(q.dtype)
     scale = default_scale(D) if scale is None else scale
-    mask, score_mod = mask_and_score_mod(mask, score_mod, check_binary=False)
+    mask, score_mod = mask_and_score_mod(mask, score_mod, check_binary=False, q_len=Lq, kv_len=k.shape[2])
 
     # S = s * Q K^T, modified, -inf where blocked (multihead.scoring, shared with the blockwise
     # code). Query head h reads KV head h // G (G = Hq // Hkv).                 (B, Hq, Lq, Lk)

@@ -37,21 +37,26 @@ def unseen_keys(visible: Tensor, num_kv_heads: int) -> Tensor:
 
 def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float,
                 q0: int, q1: int, q_len: int, *, heads: Tensor | None = None,
-                dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-    """Scores of query rows ``[q0, q1)`` against every key: ``(B, h, rows, Lk)`` with ``-inf``
-    where blocked, and the bool ``visible`` block (``None`` when nothing is masked).
+                dtype: torch.dtype | None = None, k0: int = 0, k1: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Scores of query rows ``[q0, q1)`` against keys ``[k0, k1)`` (default every key):
+    ``(B, h, rows, keys)`` with ``-inf`` where blocked, and the bool ``visible`` block (``None``
+    when nothing is masked).
 
     ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``; ``heads`` selects query heads (default all);
     ``dtype`` defaults to the softmax dtype. For all heads K is not copied per group: the ``G``
     query heads of a KV head are folded into the rows of one matmul.
     """
     B, Hq, _, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    Hkv, kv_len = k.shape[1], k.shape[2]
+    k1 = kv_len if k1 is None else k1
+    if (k0, k1) != (0, kv_len):
+        k = k[:, :, k0:k1]
+    Lk = k1 - k0
     dtype = dtype or softmax_dtype(q.dtype)
     rows = q1 - q0
     visible = None
     if mask is not None:
-        visible = mask.materialize_block(B, Hq, q0, q1, q_len, Lk, device=q.device)
+        visible = mask.materialize_block(B, Hq, q0, q1, q_len, kv_len, q.device, k0, k1)
         if torch.is_grad_enabled() and q.requires_grad:
             # A key no query of the block sees may hold anything, even NaN; its score is blocked,
             # but dQ = dS · K would still compute 0 · NaN. Such keys are zeroed for the product.
@@ -67,7 +72,7 @@ def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | N
         kb = k[:, kv_head_of(heads, Hq, Hkv)].to(dtype)  # (B, h, Lk, D): only the KV heads the selection reads
         scores = torch.matmul(qb, kb.transpose(-2, -1)) * scale  # (B, h, rows, Lk)
     if score_mod is not None:
-        scores = score_mod.apply_block(scores, q0, q1, 0, Lk, heads)
+        scores = score_mod.apply_block(scores, q0, q1, k0, k1, heads)
     if score_mod is not None:  # a modifier may block too (a -inf bias entry)
         finite = ~torch.isneginf(scores)
         visible = finite if visible is None else visible & finite

@@ -75,7 +75,7 @@ def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weigh
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
-    mask, score_mod = mask_and_score_mod(mask, score_mod)
+    mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
     if mask is not None:
         mask.check(B, Hq, Lq, Lk)
     if score_mod is not None:

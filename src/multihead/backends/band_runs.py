@@ -131,7 +131,8 @@ def interior_run(q_len: int, kv_len: int, *, block: int, lo: int, hi: int) -> Ba
     return run
 
 
-def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float) -> tuple[Tensor, Tensor]:
+def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float, *,
+                bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Output and log-sum-exp of the rows ``[run.q0, run.q1)`` under the band, in one kernel call.
 
     Args:
@@ -140,6 +141,8 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float) -> 
             query head ``h`` reads KV head ``h // (Hq // Hkv)``. CPU, float32/float64/bfloat16/float16.
         run: the interior rows and the band (:class:`BandRun`, :func:`interior_run`).
         scale: multiplies ``q k^T`` (no default here: the caller has resolved it).
+        bias: optional ``(1, Hq|1, block, span)`` added to the scores of every block (row ``s``,
+            window column ``c``): a relative bias, the same for each interior block.
 
     Returns:
         ``out_rows (B, Hq, q1 - q0, D)`` in q's dtype and ``lse_rows (B, Hq, q1 - q0)`` (natural
@@ -148,12 +151,13 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float) -> 
     B, Hq, Lq, D = q.shape
     _check_inputs(q, k, v, run)
     qf, kf, vf = _fold_q(q, run), _fold_kv(k, run), _fold_kv(v, run)  # (n, B*Hq, block, D), (n, B*Hkv, span, D)
-    out, lse = _flash(qf, kf, vf, 0.0, False, attn_mask=_window_mask(run, q.dtype, q.device), scale=scale)
+    out, lse = _flash(qf, kf, vf, 0.0, False, attn_mask=_run_mask(run, q, bias), scale=scale)
     return _unfold_rows(out, B, Hq), _unfold_rows(lse, B, Hq)
 
 
 def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, run: BandRun,
-                 scale: float, *, dk: Tensor | None = None, dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 scale: float, *, dk: Tensor | None = None, dv: Tensor | None = None,
+                 bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of the rows ``[run.q0, run.q1)``: the flash backward in one kernel call.
 
     Args:
@@ -162,6 +166,7 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         out, lse: ``(B, Hq, q1 - q0, D)`` and ``(B, Hq, q1 - q0)``: what :func:`run_forward`
             returned for these rows (or, when these rows were merged with other pieces, the
             *merged* output and LSE: then the result is exactly this run's share of the gradients).
+        bias: the ``bias`` :func:`run_forward` was given (``None``: none).
         dk, dv: optional ``(B, Hkv, Lk, D)`` accumulators (any float dtype, e.g. fp32 for bf16
             inputs); the run's key gradients are *added* into them and they are returned.
 
@@ -176,7 +181,7 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     go, qf, of = _fold_q(grad_out, run, rows_only=True), _fold_q(q, run), _fold_q(out, run, rows_only=True)
     lf = _fold_q(lse.unsqueeze(-1), run, rows_only=True).squeeze(-1).contiguous()  # (n, B*Hq, block)
     dqf, dkf, dvf = _flash_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, 0.0, False,
-                                    attn_mask=_window_mask(run, q.dtype, q.device), scale=scale)
+                                    attn_mask=_run_mask(run, q, bias), scale=scale)
     dq = _unfold_rows(dqf, B, Hq)
     if dk is None:
         dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
@@ -233,6 +238,17 @@ def _overlap_add(acc: Tensor, windows: Tensor, run: BandRun) -> None:
         start = run.k0 + c
         target = acc[:, :, start:start + (n - 1) * block + width].unfold(2, width, block)  # (B, Hkv, n, D, width)
         target += windows[:, :, :, c:c + width].permute(1, 2, 0, 4, 3).to(acc.dtype)
+
+
+def _run_mask(run: BandRun, q: Tensor, bias: Tensor | None) -> Tensor:
+    """The kernel's ``attn_mask``: the window mask, plus ``bias`` per head when given, for the
+    folded heads ``b*Hq + h`` of the batch ``(1, B*Hq, block, span)``."""
+    mask = _window_mask(run, q.dtype, q.device)
+    if bias is None:
+        return mask
+    mask = mask + bias  # (1, Hq|1, block, span)
+    B = q.shape[0]
+    return mask.repeat(1, B, 1, 1) if mask.shape[1] > 1 and B > 1 else mask
 
 
 def _window_mask(run: BandRun, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -46,12 +46,13 @@ from torch import Tensor
 
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
-from multihead.backends.dropout_blocks import dropout_attention
+from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
-from multihead.conventions import lse_dtype
+from multihead.conventions import lse_dtype, softmax_dtype
 from multihead.masks import And, Band, BlockState, Mask
 from multihead.merge import merge_partials
-from multihead.scores import ADDITIVE, ScoreMod
+from multihead.scores import ADDITIVE, ELEMENTWISE, ScoreMod
+from multihead.scores.relative import toeplitz_view
 from multihead.scoring import additive_block, unseen_keys
 
 __all__ = ["BlockSparseBackend", "block_plan", "Plan", "DEFAULT_BLOCK_SIZE"]
@@ -95,7 +96,7 @@ class BlockSparseBackend(Backend):
         native_lse=True,
         # A plain tensor mask is already Lq x Lk: sdpa passes it to the kernel as it is.
         mask_kinds=MASK_KINDS - {"tensor"},
-        score_mods=frozenset({ADDITIVE}),
+        score_mods=frozenset({ADDITIVE, ELEMENTWISE}),
         masks="structured masks (causal, sliding window, document, prefix-LM, key padding, custom, "
               "positions, and & | ~ of them); not plain tensor masks",
     )
@@ -119,7 +120,8 @@ class BlockSparseBackend(Backend):
         if torch.compiler.is_compiling():
             return ["under torch.compile: the per-block plan is Python control flow that would break "
                     "the graph; sdpa traces into one"]
-        if mask is None:
+        relative = call.score_mod is not None and call.score_mod.relative
+        if mask is None and not relative and not _in_torch(call):
             return ["no mask: sdpa runs one fused call, as fast"]
         if call.dropout_p > 0 and B * Hq * Lq * Lk < DROPOUT_DENSE_ELEMENTS:
             return ["dropout: the blockwise path is slower than sdpa's math kernel with a dense mask while the "
@@ -129,7 +131,7 @@ class BlockSparseBackend(Backend):
             # (with dropout, sdpa runs its math kernel on the whole square: blocksparse skips the
             # blocked half; docs/performance.md)
             return ["causal diagonal that sdpa passes as is_causal: sdpa is as fast"]
-        if Lq * Lk < SMALL_CALL_ELEMENTS:
+        if Lq * Lk < SMALL_CALL_ELEMENTS and not _in_torch(call):
             return [f"Lq*Lk = {Lq * Lk} < {SMALL_CALL_ELEMENTS}: per-block overhead exceeds the saving; "
                     "sdpa with the mask materialized is faster"]
         return []
@@ -145,10 +147,12 @@ class BlockSparseBackend(Backend):
                 computed += (blk.q1 - blk.q0) * (p.k1 - p.k0)
         skipped = sum(1 for b in plan.blocks if not b.pieces)
         lines = []
-        if call.dropout_p > 0:
-            return [f"dropout p={call.dropout_p}: the CPU flash kernel has none, so each block of {self.block_size} "
-                    "queries attends to its visible key range in PyTorch (activation checkpointing: memory of one "
-                    "block; the same random draw recomputed in the backward)"]
+        if _in_torch(call):
+            why = (f"dropout p={call.dropout_p}: the CPU flash kernel has none" if call.dropout_p > 0 else
+                   f"score modifier {call.score_mod._describe()} is elementwise: the CPU flash kernel takes only an "
+                   "additive mask")
+            return [f"{why}, so each block of {self.block_size} queries attends to its visible key range in PyTorch "
+                    "(activation checkpointing: memory of one block, recomputed in the backward)"]
         if plan.run is not None:
             run = plan.run
             computed += (run.q1 - run.q0) * run.span
@@ -175,8 +179,8 @@ class BlockSparseBackend(Backend):
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
         mods = call.score_mod
-        if call.dropout_p > 0:  # the CPU flash kernel has no dropout: a block at a time in PyTorch
-            out, lse = dropout_attention(q, k, v, call.mask, mods, call.scale, call.dropout_p, self.block_size)
+        if _in_torch(call):  # no dropout, no elementwise modifier in the CPU flash kernel: a block at a time in PyTorch
+            out, lse = attention_by_blocks(q, k, v, call.mask, mods, call.scale, call.dropout_p, self.block_size)
         else:
             out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, mods, call.scale, plan,
                                                    *(mods.tensors() if mods is not None else ()))
@@ -186,7 +190,10 @@ class BlockSparseBackend(Backend):
 
     def _plan(self, call: AttentionCall) -> Plan:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        batched = call.score_mod is None  # one shared window mask: no per-position bias
+        # One shared window mask for the band's interior blocks; a relative bias is the same for
+        # each of them too (a function of j - i), unless it needs its gradient (per piece, below).
+        mods = call.score_mod
+        batched = mods is None or (mods.relative and not mods.requires_grad)
         key = (call.mask, B, Hq, Lq, Lk, self.block_size, batched)  # by value; holds the mask's tensors alive
         cached = self._plans.get(key)
         if cached is not None:
@@ -245,6 +252,11 @@ def block_plan(mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: in
             pieces = _classify(mask, q0, q1, lo, hi, q_len, kv_len, batch, heads, block_size)
         blocks.append(QueryBlock(q0, q1, tuple(_merge(pieces))))
     return _merge_query_blocks(blocks)
+
+
+def _in_torch(call: AttentionCall) -> bool:
+    """Dropout or an elementwise modifier: the fused kernel can do neither (torch_blocks runs it)."""
+    return call.dropout_p > 0 or (call.score_mod is not None and call.score_mod.kind == ELEMENTWISE)
 
 
 def _merge_query_blocks(blocks: list[QueryBlock]) -> tuple[QueryBlock, ...]:
@@ -348,6 +360,50 @@ def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryB
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
 
+def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece):
+    """A relative bias (:mod:`multihead.scores.relative`) on a FULL or CAUSAL piece, as the
+    kernel's ``attn_mask``: ``(1, H|1, R, K)``, a strided view of ``R + K - 1`` values for the
+    piece's rows in *reverse* order (strides cannot be negative; the caller flips q and the
+    results), with the causal diagonal as ``-inf``; and the per-head shift ``(1, H|1, 1)`` taken off
+    for fp16/bf16 (``None`` otherwise), which the kernel's LSE lacks. ``None`` for other pieces,
+    other modifiers, or a bias that blocks (a ``-inf`` of its own: the general path handles it)."""
+    if mods is None or piece.kind == _MASKED or not mods.relative:
+        return None
+    rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
+    d0 = piece.k0 - (blk.q1 - 1)  # the smallest distance j - i: last row, first key
+    vec = mods.distance_bias(d0, d0 + rows + keys - 1, q.device, softmax_dtype(q.dtype))  # (H|1, R + K - 1)
+    if not bool(torch.isfinite(vec).all()):
+        return None
+    if piece.kind == _CAUSAL:  # row r sees keys k0 .. k0 + r: distances up to k0 - q0
+        d = torch.arange(d0, d0 + rows + keys - 1, device=q.device)
+        vec = vec.masked_fill(d > piece.k0 - blk.q0, float("-inf"))
+    shift = None
+    if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
+        peak = vec.amax(dim=-1, keepdim=True)
+        vec, shift = vec - peak, peak.view(1, -1, 1)
+    return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift
+
+
+def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor):
+    """A relative bias on a band run: ``(1, H|1, block, span)`` for row ``s`` and window column
+    ``c`` of every interior block (distance ``lo + c - s``: the same for each block), and the
+    fp16/bf16 per-head shift ``(1, H|1, 1)`` as for :func:`_relative_piece`; ``(None, None)``
+    without a modifier."""
+    if mods is None:
+        return None, None
+    block, span = run.block, run.span
+    d0 = run.lo - (block - 1)
+    vec = mods.distance_bias(d0, d0 + block + span - 1, q.device, softmax_dtype(q.dtype))  # (H|1, block + span - 1)
+    s = torch.arange(block, device=q.device).view(-1, 1)
+    c = torch.arange(span, device=q.device).view(1, -1)
+    bias = vec[:, c - s + block - 1]  # (H|1, block, span)
+    shift = None
+    if q.dtype in (torch.float16, torch.bfloat16):
+        peak = vec.amax(dim=-1, keepdim=True).unsqueeze(-1)
+        bias, shift = bias - peak, peak.view(1, -1, 1)
+    return bias.unsqueeze(0).to(q.dtype), shift
+
+
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
     """Keys no query of a piece may see can hold anything (NaN beyond a length); the kernel
     computes ``0 * value`` for them and ``0 * NaN = NaN``, so they are zeroed."""
@@ -361,6 +417,12 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len):
     """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0:blk.q1]
     kb, vb = k[:, :, piece.k0:piece.k1], v[:, :, piece.k0:piece.k1]
+    relative = _relative_piece(mods, q, blk, piece)
+    if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
+        win, shift = relative
+        out, lse = _flash(qb.flip(2), kb, vb, 0.0, False, attn_mask=win, scale=scale)
+        out, lse = out.flip(2), lse.flip(2)
+        return out, (lse if shift is None else lse + shift.to(lse.dtype))
     bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
     if bias is None:
         return _flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale)
@@ -383,7 +445,10 @@ class _BlockSparseAttention(torch.autograd.Function):
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
         if plan.run is not None:
             rows = slice(plan.run.q0, plan.run.q1)
-            out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale)
+            bias, shift = _run_bias(mods, plan.run, q)
+            out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale, bias=bias)
+            if shift is not None:
+                lse[:, :, rows] += shift
         for blk in plan.blocks:
             parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk) for p in blk.pieces]
             if not parts:
@@ -426,8 +491,10 @@ class _BlockSparseAttention(torch.autograd.Function):
         run = ctx.plan.run
         if run is not None:  # interior band rows are never fully masked: the LSE is finite there
             rows = slice(run.q0, run.q1)
-            g_q, _, _ = run_backward(grad_out[:, :, rows], q, k, v, out[:, :, rows], lse[:, :, rows].to(acc_dtype),
-                                     run, ctx.scale, dk=dk, dv=dv)
+            bias, shift = _run_bias(mods, run, q)
+            run_lse = lse[:, :, rows].to(acc_dtype) - (0 if shift is None else shift)  # what the kernel saw
+            g_q, _, _ = run_backward(grad_out[:, :, rows], q, k, v, out[:, :, rows], run_lse,
+                                     run, ctx.scale, dk=dk, dv=dv, bias=bias)
             dq[:, :, rows] += g_q
         # Fully masked rows: LSE +inf makes every probability exp(s - inf) = 0, so no NaN.
         lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
@@ -440,6 +507,20 @@ class _BlockSparseAttention(torch.autograd.Function):
             for p in blk.pieces:
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
+                relative = _relative_piece(mods, q, blk, p)
+                if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
+                    win, shift = relative
+                    lp = (lb if shift is None else lb - shift.to(lb.dtype)).flip(2)
+                    go_r, qb_r, ob_r = go.flip(2), qb.flip(2), ob.flip(2)
+                    g_q, g_k, g_v = _flash_backward(go_r, qb_r, kb, vb, ob_r, lp, 0.0, False, attn_mask=win,
+                                                    scale=ctx.scale)
+                    dq[:, :, rows] += g_q.flip(2)
+                    dk[:, :, keys] += g_k
+                    dv[:, :, keys] += g_v
+                    if any(wants_mod_grad):
+                        ds = _piece_ds(go_r, qb_r, kb, vb, ob_r, lp, win, ctx.scale)
+                        _accumulate_relative_grads(mods, mod_tensors, d_mods, ds, blk, p)
+                    continue
                 bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
                 causal = bias is None and p.kind == _CAUSAL
@@ -470,6 +551,26 @@ def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
     dp = torch.matmul(fold(go), vb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys)
     delta = (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
     return p * (dp - delta)
+
+
+def _accumulate_relative_grads(mods, tensors, grads, ds, blk, piece) -> None:
+    """Add ``dS`` of one relative piece (rows reversed, as the forward ran it) to the gradients of
+    the tensors the bias reads, through the same strided view: memory of one piece."""
+    rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
+    d0 = piece.k0 - (blk.q1 - 1)
+    with torch.enable_grad():
+        vec = mods.distance_bias(d0, d0 + rows + keys - 1, ds.device, ds.dtype)  # (H|1, R + K - 1)
+        win = toeplitz_view(vec, rows, keys)  # (H|1, R, K)
+        g = ds.sum(dim=0)  # (Hq, R, K)
+        if win.shape[0] == 1:
+            g = g.sum(dim=0, keepdim=True)
+        needed = [t for t in tensors if t.requires_grad]
+        found = iter(torch.autograd.grad(win, needed, g, allow_unused=True))
+    for i, t in enumerate(tensors):
+        if t.requires_grad:
+            got = next(found)
+            if got is not None:
+                grads[i] += got.to(grads[i].dtype)
 
 
 def _accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:

@@ -213,7 +213,7 @@ class MultiHeadAttention(nn.Module):
         (``Lq = T``) and every later step (``Lq < T``), see :mod:`multihead.caches.base`. The
         combination is built once per distinct mask value (masks hash by value) and reused, so
         backends' plan caches see the same mask on every call."""
-        mask, score_mod = mask_and_score_mod(mask, score_mod)
+        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
         if mask is not None:
             mask.check(B, self.num_heads, Lq, Lk)
         if score_mod is not None:

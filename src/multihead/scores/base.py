@@ -50,6 +50,25 @@ class ScoreMod(abc.ABC):
     def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         """Raise ``ValueError`` if this modifier cannot apply to ``(B, Hq, Lq, Lk)``."""
 
+    def for_lengths(self, q_len: int, kv_len: int) -> "ScoreMod":
+        """This modifier for an attention of ``Lq`` queries and ``Lk`` keys. Modifiers whose value
+        depends on the alignment of queries and keys (a relative bias reads the distance between
+        aligned positions, see :mod:`multihead.scores.relative`) bind the lengths here; every
+        call is resolved once, before a backend sees it. Default: unchanged."""
+        return self
+
+    def distance_bias(self, d0: int, d1: int, device=None, dtype=torch.float32) -> Tensor | None:
+        """Additive modifiers that depend only on the head and on the distance
+        ``d = kv_idx - q_idx`` (call indices): the bias ``(H|1, d1 - d0)`` at ``d = d0 .. d1 - 1``.
+        Backends run such a bias on a block as a strided (Toeplitz) view of this vector, never a
+        ``rows x keys`` tensor. ``None`` (the default): not a function of the distance alone."""
+        return None
+
+    @property
+    def relative(self) -> bool:
+        """Whether :meth:`distance_bias` gives this modifier's whole bias."""
+        return False
+
     def tensors(self) -> tuple[Tensor, ...]:
         """The tensors the modifier reads (their gradients flow through every backend that runs it)."""
         return ()
@@ -121,6 +140,22 @@ class Chain(ScoreMod):
         for m in self.mods:
             m.check(batch, heads, q_len, kv_len)
 
+    def for_lengths(self, q_len, kv_len):
+        resolved = [m.for_lengths(q_len, kv_len) for m in self.mods]
+        return self if all(r is m for r, m in zip(resolved, self.mods)) else Chain(resolved)
+
+    @property
+    def relative(self):
+        return all(m.relative for m in self.mods)
+
+    def distance_bias(self, d0, d1, device=None, dtype=torch.float32):
+        if not self.relative:
+            return None
+        total = self.mods[0].distance_bias(d0, d1, device, dtype)
+        for m in self.mods[1:]:
+            total = total + m.distance_bias(d0, d1, device, dtype)
+        return total
+
     def tensors(self):
         return tuple(t for m in self.mods for t in m.tensors())
 
@@ -133,20 +168,27 @@ def _keep_blocked(before: Tensor, after: Tensor) -> Tensor:
 
 
 def as_score_mod(score_mod, name: str = "score_mod") -> ScoreMod | None:
-    """``None``, a :class:`ScoreMod`, or a sequence of them (applied in order), as one modifier."""
+    """``None``, a :class:`ScoreMod`, a function ``fn(score, b, h, q_idx, kv_idx) -> score``
+    (:class:`~multihead.scores.user.UserScoreMod`), or a sequence of them (applied in order), as
+    one modifier."""
+    from multihead.scores.user import UserScoreMod
+
     if score_mod is None or isinstance(score_mod, ScoreMod):
         return score_mod
     if isinstance(score_mod, (list, tuple)):
+        mods = []
         for i, m in enumerate(score_mod):
-            if not isinstance(m, ScoreMod):
-                raise TypeError(f"{name}[{i}] must be a multihead.scores modifier, got {type(m).__name__}"
-                                + ("; a plain function is not a modifier yet (the positions issue adds a user "
-                                   "score_mod)" if callable(m) else ""))
-        return None if not score_mod else (score_mod[0] if len(score_mod) == 1 else Chain(score_mod))
-    hint = ""
-    if isinstance(score_mod, Tensor):
-        hint = "; for a bias tensor use multihead.scores.bias(tensor)"
-    elif callable(score_mod):
-        hint = "; a plain function is not a modifier yet (the positions issue adds a user score_mod)"
-    raise TypeError(f"{name} must be a multihead.scores modifier, a list of them, or None; "
-                    f"got {type(score_mod).__name__}{hint}")
+            if isinstance(m, ScoreMod):
+                mods.append(m)
+            elif callable(m) and not isinstance(m, Tensor):
+                mods.append(UserScoreMod(m))
+            else:
+                hint = "; for a bias tensor use multihead.scores.bias(tensor)" if isinstance(m, Tensor) else ""
+                raise TypeError(f"{name}[{i}] must be a multihead.scores modifier or a function "
+                                f"fn(score, b, h, q_idx, kv_idx) -> score, got {type(m).__name__}{hint}")
+        return None if not mods else (mods[0] if len(mods) == 1 else Chain(mods))
+    if callable(score_mod) and not isinstance(score_mod, Tensor):
+        return UserScoreMod(score_mod)
+    hint = "; for a bias tensor use multihead.scores.bias(tensor)" if isinstance(score_mod, Tensor) else ""
+    raise TypeError(f"{name} must be a multihead.scores modifier, a function fn(score, b, h, q_idx, kv_idx) -> "
+                    f"score, a list of them, or None; got {type(score_mod).__name__}{hint}")

@@ -1,0 +1,24 @@
+"""Positions: rotary embeddings and position biases (floor 2, building on the core's score modifiers).
+
+* :mod:`~multihead.positions.rotary`: ``RotaryEmbedding`` and ``apply_rotary`` (RoPE, with the
+  linear, dynamic-NTK, YaRN and Llama-3 scalings), passed to a layer as ``rope=``;
+* :mod:`~multihead.positions.alibi`: ``ALiBi`` and ``alibi_slopes``, a score modifier;
+* :mod:`~multihead.positions.relative_bias`: ``RelativePositionBias``, T5's learned bucketed bias.
+
+The biases are :class:`multihead.scores.RelativeBias` modifiers: functions of the head and the
+distance between aligned positions, which blocked backends add a block at a time as a strided
+view of ``R + K - 1`` values. ``docs/positions.md`` has each scheme with a picture of its bias.
+"""
+
+from multihead.positions.alibi import ALiBi, alibi_slopes
+from multihead.positions.relative_bias import BucketedBias, RelativePositionBias, relative_position_bucket
+
+__all__ = ["ALiBi", "alibi_slopes", "RelativePositionBias", "BucketedBias", "relative_position_bucket"]
+
+try:  # the rotary module is written beside this one
+    from multihead.positions.rotary import *  # noqa: F401,F403
+    from multihead.positions import rotary as _rotary
+
+    __all__ += list(getattr(_rotary, "__all__", []))
+except ImportError:  # pragma: no cover
+    pass
