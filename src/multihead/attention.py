@@ -15,7 +15,8 @@ from multihead.call import AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
 from multihead.nonfinite import apply_policy
-from multihead.scores import ScoreMod
+from multihead.scores import ScoreMod, softcap as softcap_mod
+from multihead.sinks import apply_sinks, check_sinks
 from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["attention"]
@@ -28,6 +29,8 @@ def attention(
     *,
     mask: Mask | Tensor | None = None,
     score_mod: ScoreMod | list | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -50,7 +53,14 @@ def attention(
             bool (``True`` = may attend) or float (PyTorch's additive masks: split into the bool
             mask of its ``-inf`` entries and a :func:`multihead.scores.bias`).
         score_mod: a :mod:`multihead.scores` modifier applied to the scaled scores before the
-            softmax (``scores.bias(t)``, ``scores.softcap(cap)``), or a list applied in order.
+            softmax (``scores.bias(t)``, ``scores.softcap(cap)``, ``positions.ALiBi(Hq)``, ...),
+            a function ``fn(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature,
+            at absolute positions), or a list of them applied in order.
+        softcap: ``cap · tanh(s / cap)`` on the scores after ``score_mod`` (Gemma 2, Grok);
+            the same as appending ``scores.softcap(cap)`` to ``score_mod``.
+        sinks: ``(Hq,)`` per-head sink logits (gpt-oss): each joins its head's softmax
+            denominator and contributes no value (:mod:`multihead.sinks`); trainable. The
+            returned LSE and weights include the sink (weights then sum to less than 1).
         scale: multiplies ``q k^T``; default ``1 / sqrt(D)``.
         dropout_p: dropout on the attention probabilities. Applied whenever ``> 0`` (layers pass
             0 in eval mode); reproducible under ``torch.manual_seed``.
@@ -73,6 +83,26 @@ def attention(
         for what was not asked.
     """
     check_backend_name(backend)
+    if softcap is not None:
+        cap = softcap_mod(softcap)
+        score_mod = [cap] if score_mod is None else \
+            (list(score_mod) if isinstance(score_mod, (list, tuple)) else [score_mod]) + [cap]
+    check_sinks(sinks, q)
+    if sinks is not None:  # the sink joins through the LSE: it is needed whatever the caller asked for
+        output_only = not (return_weights or return_lse)
+        result = attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
+                           return_weights=return_weights, return_lse=True, backend=backend,
+                           dropout_mask=dropout_mask, weights_heads=weights_heads, weights_rows=weights_rows)
+        output, lse, factor = apply_sinks(result.output, result.lse, sinks)
+        if output_only:
+            return output
+        weights = result.weights
+        if weights is not None:
+            heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=True)
+            f = factor if heads is None else factor[:, heads]
+            f = f if rows is None else f[:, :, rows]
+            weights = weights * f.unsqueeze(-1).to(weights.dtype)
+        return AttentionResult(output, weights, lse if return_lse else None)
     call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                          dropout_mask=dropout_mask, return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)

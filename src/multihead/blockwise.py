@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from multihead.masks import Mask
 from multihead.scores import ScoreMod
@@ -35,11 +36,20 @@ def lse_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod |
     """Log-sum-exp of the scores: ``(B, Hq, Lq)``, ``-inf`` on fully masked rows."""
     Lq = q.shape[2]
     step = _row_step(q, k, q.shape[1])
+    # Under autograd (an LSE that is differentiated: sinks, a merge) each block is checkpointed:
+    # its scores are recomputed in the backward instead of kept, so memory stays at one block.
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                        or (score_mod is not None and score_mod.requires_grad))
     parts = []
     for q0 in range(0, Lq, step):
-        scores, _ = score_block(q, k, mask, score_mod, scale, q0, min(q0 + step, Lq), Lq)
-        parts.append(safe_logsumexp(scores))
+        args = (q, k, mask, score_mod, scale, q0, min(q0 + step, Lq), Lq)
+        parts.append(checkpoint(_block_lse, *args, use_reentrant=False) if grad else _block_lse(*args))
     return torch.cat(parts, dim=-1)
+
+
+def _block_lse(q, k, mask, score_mod, scale, q0, q1, q_len) -> Tensor:
+    scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, q_len)
+    return safe_logsumexp(scores)
 
 
 def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float,

@@ -44,7 +44,7 @@ def merge_heads(y: Tensor) -> Tensor:
 
 
 def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj: Callable[[Tensor], Tensor],
-                 mask=None, score_mod=None, dropout_p: float = 0.0, need_weights: bool = False,
+                 mask=None, score_mod=None, sinks=None, dropout_p: float = 0.0, need_weights: bool = False,
                  backend: str = "auto") -> tuple[Tensor, Tensor | None]:
     """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand.
 
@@ -53,7 +53,7 @@ def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj:
         q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``, already projected,
             rotated and taken from a cache as the layer needs.
         out_proj: ``(B, Lq, Hq·Dv) -> (B, Lq, E)``.
-        mask, score_mod, dropout_p, backend: passed to :func:`multihead.attention` as they are (the caller
+        mask, score_mod, sinks, dropout_p, backend: passed to :func:`multihead.attention` as they are (the caller
             decides whether it is training, and has checked the mask against ``(B, Hq, Lq, Lk)``).
         need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` (before dropout).
 
@@ -64,7 +64,8 @@ def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj:
     """
     capturing = is_capturing(layer)
     want_weights = need_weights or capturing
-    result = attention(q, k, v, mask=mask, score_mod=score_mod, dropout_p=dropout_p, return_weights=want_weights, backend=backend)
+    result = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
+                       return_weights=want_weights, backend=backend)
     y, weights = (result.output, result.weights) if want_weights else (result, None)  # (B, Hq, Lq, Dv)
     if capturing:
         record(layer, weights)

@@ -37,7 +37,7 @@ from multihead.layers.checks import check_dropout, check_flag, check_inputs, che
 from multihead.layers.heads import attend_heads, split_heads
 from multihead.call import mask_and_score_mod
 from multihead.masks import Mask
-from multihead.scores import ScoreMod
+from multihead.scores import ScoreMod, as_score_mod, softcap as softcap_mod
 from multihead.masks import causal as causal_mask
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
@@ -72,6 +72,14 @@ class MultiHeadAttention(nn.Module):
             The layer applies it to ``q`` at the query positions and to the *new* keys at the same
             positions before they enter a cache, so cached keys are rotated once, when stored.
             It needs self-attention (``key`` is ``None`` or ``query``).
+        score_mod: a score modifier applied on every call before the call's own
+            (:func:`multihead.attention`): a :mod:`multihead.scores` modifier such as
+            ``positions.ALiBi(num_heads)``, a function ``fn(score, b, h, q_idx, kv_idx)``, or an
+            ``nn.Module`` whose ``forward()`` returns one (``positions.RelativePositionBias``:
+            registered as the submodule ``score_mod``, so its table trains with the layer).
+        softcap: ``cap · tanh(s / cap)`` on the scores, after every modifier (Gemma 2).
+        sinks: ``True`` creates one learnable sink logit per query head, ``self.sinks (Hq,)``
+            (gpt-oss; :mod:`multihead.sinks`), initialised to 0.
         device, dtype: of the parameters.
 
     Parameters live in four ``nn.Linear`` submodules, ``q_proj`` (``E -> Hq·D``, head ``h`` at
@@ -85,6 +93,7 @@ class MultiHeadAttention(nn.Module):
                  qkv_bias: bool | tuple[bool, bool, bool] = True, out_bias: bool = True, dropout: float = 0.0,
                  causal: bool = False, batch_first: bool = True, backend: str = "auto",
                  rope: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 score_mod=None, softcap: float | None = None, sinks: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         layer = type(self).__name__
@@ -128,6 +137,11 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=v_bias, **factory)
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=out_bias, **factory)
         self.rope = rope  # an nn.Module is registered as a submodule (its buffers follow .to())
+        if score_mod is not None and not isinstance(score_mod, nn.Module):
+            as_score_mod(score_mod, name=f"{layer}: score_mod")  # refused now, not at the first forward
+        self.score_mod = score_mod  # an nn.Module (a RelativePositionBias) is registered as a submodule
+        self.softcap = None if softcap is None else softcap_mod(softcap).cap
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if check_flag(layer, "sinks", sinks) else None
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
@@ -175,7 +189,7 @@ class MultiHeadAttention(nn.Module):
         B, Lq = dims(query, self.batch_first)
         past = 0 if kv_cache is None else kv_cache.length
         Lk = dims(key, self.batch_first)[1] if kv_cache is None else past + Lq  # T with a cache
-        mask, score_mod = self._combined_mask(mask, score_mod, B, Lq, Lk)
+        mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
         if positions is not None:
             positions = _check_positions(layer, positions, B, Lq, query.device)
         elif self.rope is not None:
@@ -194,6 +208,7 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.update(k, v)  # (B, Hkv, T, D): the cached keys, then these
         try:
             out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
+                                        sinks=self.sinks,
                                         dropout_p=self.dropout if self.training else 0.0,
                                         need_weights=need_weights, backend=self.backend)  # (B, Lq, E)
         except BaseException:
@@ -205,6 +220,16 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if need_weights else out
 
     # ------------------------------------------------------------------------------ helpers
+    def _score_mods(self, call_mod) -> list | None:
+        """The layer's modifier (a module is called for it), then the call's, then the softcap."""
+        mods = []
+        for m in (self.score_mod() if isinstance(self.score_mod, nn.Module) else self.score_mod, call_mod):
+            if m is not None:
+                mods.extend(m if isinstance(m, (list, tuple)) else [m])
+        if self.softcap is not None:
+            mods.append(softcap_mod(self.softcap))
+        return mods or None
+
     def _combined_mask(self, mask, score_mod, B: int, Lq: int, Lk: int) -> tuple[Mask | None, ScoreMod | None]:
         """The call's mask (and score modifier), checked against ``(B, Hq, Lq, Lk)`` before any
         work, ``& causal()``. A float mask is split as :func:`multihead.attention` splits it.
@@ -271,6 +296,12 @@ class MultiHeadAttention(nn.Module):
             parts.append(f"backend={self.backend!r}")
         if self.rope is not None and not isinstance(self.rope, nn.Module):  # a module prints as a child
             parts.append(f"rope={getattr(self.rope, '__name__', type(self.rope).__name__)}")
+        if self.score_mod is not None and not isinstance(self.score_mod, nn.Module):
+            parts.append(f"score_mod={self.score_mod!r}")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap}")
+        if self.sinks is not None:
+            parts.append("sinks=True")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------ conversion
@@ -296,6 +327,10 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             raise ValueError(f"{type(self).__name__}.to_torch: this layer rotates queries and keys with "
                              f"rope={self.rope!r}, which torch.nn.MultiheadAttention cannot; needs rope=None")
+        for name in ("score_mod", "softcap", "sinks"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{type(self).__name__}.to_torch: this layer has {name}={getattr(self, name)!r}, "
+                                 f"which torch.nn.MultiheadAttention cannot express; needs {name}=None")
         return to_torch(self)
 
 
