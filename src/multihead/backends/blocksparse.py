@@ -70,6 +70,7 @@ class Piece:
     k0: int
     k1: int
     kind: str  # _FULL, _CAUSAL or _MASKED
+    diagonal: int | None = None  # _CAUSAL: the key where row 0's diagonal is (default k0)
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,12 @@ class BlockSparseBackend(Backend):
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         plan = self._plan(call)
+        mods = call.score_mod
+        relative = mods is not None and mods.relative
         counts = {_FULL: 0, _CAUSAL: 0, _MASKED: 0}
         computed = 0
         for blk in plan.blocks:
-            for p in blk.pieces:
+            for p in _pieces(blk, mods):
                 counts[p.kind] += 1
                 computed += (blk.q1 - blk.q0) * (p.k1 - p.k0)
         skipped = sum(1 for b in plan.blocks if not b.pieces)
@@ -158,11 +161,23 @@ class BlockSparseBackend(Backend):
             computed += (run.q1 - run.q0) * run.span
             lines.append(f"band interior: {run.blocks} query blocks (rows {run.q0}-{run.q1 - 1}) as one batched kernel "
                          f"call, each over a window of {run.span} keys")
+        if relative:
+            calls = (f"kernel calls: {counts[_FULL] + counts[_CAUSAL]} with the relative bias as a strided view of "
+                     f"R + K - 1 values per head (rows reversed; a causal diagonal as -inf in those values), "
+                     f"{counts[_MASKED]} with a block-sized mask")
+        else:
+            calls = (f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
+                     f"{counts[_MASKED]} with a block-sized mask")
         lines += [f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
-                  f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
-                  f"{counts[_MASKED]} with a block-sized mask",
+                  calls,
                   f"scores computed: {computed} of {Lq * Lk} ({100.0 * computed / max(1, Lq * Lk):.1f}% of the square)",
                   "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu, pieces merged by log-sum-exp"]
+        if relative and call.q.dtype != torch.float64:
+            lines.append("relative bias: entries that no row can weigh above fp32's underflow (by the bound "
+                         "scale·|q|·|k|) are -inf, so no denormal arithmetic; backward in PyTorch with probabilities "
+                         f"below {_TINY} set to 0")
+        elif mods is not None and mods.kind == ADDITIVE and not relative:
+            lines.append(f"score modifier {mods._describe()}: added per piece as a block-sized attn_mask")
         if Hq != Hkv:
             lines.append(f"heads: GQA {Hq}/{Hkv} passed natively to the kernel")
         if D != Dv:
@@ -360,13 +375,57 @@ def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryB
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
 
-def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece):
+#: exp(x) of fp32 is denormal (or 0) below x = -87.3: keys whose score is that far below the row's
+#: maximum weigh less than fp32 can add to the row's sum (see _underflow_cut).
+_UNDERFLOW = 88.0
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """``|scale · q_i · k_j| <= scale · |q_i| · |k_j|``: the norms of the query rows ``(B, Hq, Lq)``
+    and of the keys ``(B, Hkv, Lk)``, for :func:`_underflow_cut`."""
+
+    q: Tensor
+    k: Tensor
+    scale: float
+
+    @staticmethod
+    def of(q: Tensor, k: Tensor, scale: float, mods: ScoreMod | None) -> "Bounds | None":
+        if mods is None or not mods.relative or q.dtype == torch.float64:
+            return None  # fp64 kernels accumulate in fp64: nothing to cut
+        acc = softmax_dtype(q.dtype)
+        return Bounds(torch.linalg.vector_norm(q, dim=-1, dtype=acc), torch.linalg.vector_norm(k, dim=-1, dtype=acc),
+                      abs(scale))
+
+    def score(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+        """An upper bound of ``|scale · q·k|`` over rows ``[q0, q1)`` x keys ``[k0, k1)`` (a 0-dim tensor)."""
+        return self.scale * self.q[:, :, q0:q1].amax() * self.k[:, :, k0:k1].amax()
+
+
+def _underflow_cut(vec: Tensor, common: tuple[int, int], bound: Tensor) -> Tensor:
+    """``vec (H|1, n)`` of a relative bias with ``-inf`` where no row can give the entry a weight
+    that fp32 represents. Every row sees the entries ``vec[:, common[0]:common[1]]``, so its maximum
+    score is at least ``max(those) - bound``; an entry below that by more than ``bound + 88`` scores
+    below ``max - 88`` for every row that reads it: ``exp`` of it is a denormal or 0 in fp32, which
+    the kernel would spend time on (denormal arithmetic is about 100x slower on x86) to add nothing
+    the row's sum (``>= 1`` after its maximum is taken out) can hold. ALiBi at long context has many
+    such entries: the forward+backward of a causal ALiBi attention at L=4096 ran 2-4x slower
+    before this (benchmarks/positions.py)."""
+    lo, hi = common
+    if lo >= hi:
+        return vec
+    floor = vec[:, lo:hi].amax(dim=-1, keepdim=True) - 2 * bound - _UNDERFLOW  # (H|1, 1)
+    return vec.masked_fill(vec < floor, float("-inf"))  # NaN bounds compare False: nothing cut
+
+
+def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece, bounds: Bounds | None = None):
     """A relative bias (:mod:`multihead.scores.relative`) on a FULL or CAUSAL piece, as the
     kernel's ``attn_mask``: ``(1, H|1, R, K)``, a strided view of ``R + K - 1`` values for the
     piece's rows in *reverse* order (strides cannot be negative; the caller flips q and the
     results), with the causal diagonal as ``-inf``; and the per-head shift ``(1, H|1, 1)`` taken off
     for fp16/bf16 (``None`` otherwise), which the kernel's LSE lacks. ``None`` for other pieces,
-    other modifiers, or a bias that blocks (a ``-inf`` of its own: the general path handles it)."""
+    other modifiers, or a bias that blocks (a ``-inf`` of its own: the general path handles it).
+    With ``bounds`` (fp32/fp16/bf16 kernels), entries that can only underflow are ``-inf`` too."""
     if mods is None or piece.kind == _MASKED or not mods.relative:
         return None
     rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
@@ -374,9 +433,15 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     vec = mods.distance_bias(d0, d0 + rows + keys - 1, q.device, softmax_dtype(q.dtype))  # (H|1, R + K - 1)
     if not bool(torch.isfinite(vec).all()):
         return None
-    if piece.kind == _CAUSAL:  # row r sees keys k0 .. k0 + r: distances up to k0 - q0
+    if piece.kind == _CAUSAL:  # row r sees keys up to diagonal + r: distances up to diagonal - q0
+        diagonal = piece.k0 if piece.diagonal is None else piece.diagonal
         d = torch.arange(d0, d0 + rows + keys - 1, device=q.device)
-        vec = vec.masked_fill(d > piece.k0 - blk.q0, float("-inf"))
+        vec = vec.masked_fill(d > diagonal - blk.q0, float("-inf"))
+        common = (piece.k0 - blk.q0 - d0, diagonal - blk.q0 - d0 + 1)  # distances k0 - q0 .. diagonal - q0
+    else:  # every row sees distances k0 - q0 .. k1 - q0 - R
+        common = (piece.k0 - blk.q0 - d0, piece.k1 - blk.q0 - rows - d0 + 1)
+    if bounds is not None:
+        vec = _underflow_cut(vec, common, bounds.score(blk.q0, blk.q1, piece.k0, piece.k1))
     shift = None
     if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
         peak = vec.amax(dim=-1, keepdim=True)
@@ -384,7 +449,23 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift
 
 
-def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor):
+def _pieces(blk: QueryBlock, mods: ScoreMod | None) -> tuple[Piece, ...]:
+    """The kernel calls of a query block. With a relative bias, adjacent FULL and CAUSAL pieces
+    become one call: the bias is a strided view whatever its width, and the causal diagonal is
+    ``-inf`` in its values (:func:`_relative_piece`); one call instead of two and no merge."""
+    if mods is None or not mods.relative or len(blk.pieces) < 2:
+        return blk.pieces
+    out: list[Piece] = []
+    for p in blk.pieces:
+        prev = out[-1] if out else None
+        if p.kind != _MASKED and prev is not None and prev.kind == _FULL and prev.k1 == p.k0:
+            out[-1] = Piece(prev.k0, p.k1, p.kind, p.k0 if p.kind == _CAUSAL else None)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | None = None):
     """A relative bias on a band run: ``(1, H|1, block, span)`` for row ``s`` and window column
     ``c`` of every interior block (distance ``lo + c - s``: the same for each block), and the
     fp16/bf16 per-head shift ``(1, H|1, 1)`` as for :func:`_relative_piece`; ``(None, None)``
@@ -394,6 +475,8 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor):
     block, span = run.block, run.span
     d0 = run.lo - (block - 1)
     vec = mods.distance_bias(d0, d0 + block + span - 1, q.device, softmax_dtype(q.dtype))  # (H|1, block + span - 1)
+    if bounds is not None:  # every row sees the whole band, distances lo .. hi
+        vec = _underflow_cut(vec, (run.lo - d0, run.hi - d0 + 1), bounds.score(run.q0, run.q1, run.k0, run.k1))
     s = torch.arange(block, device=q.device).view(-1, 1)
     c = torch.arange(span, device=q.device).view(1, -1)
     bias = vec[:, c - s + block - 1]  # (H|1, block, span)
@@ -413,11 +496,11 @@ def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor,
     return torch.where(unseen, zero, kb), torch.where(unseen, zero, vb)
 
 
-def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len):
+def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=None):
     """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0:blk.q1]
     kb, vb = k[:, :, piece.k0:piece.k1], v[:, :, piece.k0:piece.k1]
-    relative = _relative_piece(mods, q, blk, piece)
+    relative = _relative_piece(mods, q, blk, piece, bounds)
     if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
         win, shift = relative
         out, lse = _flash(qb.flip(2), kb, vb, 0.0, False, attn_mask=win, scale=scale)
@@ -443,14 +526,15 @@ class _BlockSparseAttention(torch.autograd.Function):
         Lk, Dv = k.shape[2], v.shape[3]
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+        bounds = Bounds.of(q, k, scale, mods)
         if plan.run is not None:
             rows = slice(plan.run.q0, plan.run.q1)
-            bias, shift = _run_bias(mods, plan.run, q)
+            bias, shift = _run_bias(mods, plan.run, q, bounds)
             out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale, bias=bias)
             if shift is not None:
                 lse[:, :, rows] += shift
         for blk in plan.blocks:
-            parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk) for p in blk.pieces]
+            parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk, bounds) for p in _pieces(blk, mods)]
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
             if len(parts) == 1:
@@ -470,6 +554,7 @@ class _BlockSparseAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         mods = ctx.mods
+        bounds = Bounds.of(q, k, ctx.scale, mods)  # as in the forward: the same entries cut
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if grad_lse is not None:
@@ -491,7 +576,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         run = ctx.plan.run
         if run is not None:  # interior band rows are never fully masked: the LSE is finite there
             rows = slice(run.q0, run.q1)
-            bias, shift = _run_bias(mods, run, q)
+            bias, shift = _run_bias(mods, run, q, bounds)
             run_lse = lse[:, :, rows].to(acc_dtype) - (0 if shift is None else shift)  # what the kernel saw
             g_q, _, _ = run_backward(grad_out[:, :, rows], q, k, v, out[:, :, rows], run_lse,
                                      run, ctx.scale, dk=dk, dv=dv, bias=bias)
@@ -504,22 +589,20 @@ class _BlockSparseAttention(torch.autograd.Function):
             rows = slice(blk.q0, blk.q1)
             go, qb, ob = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows]
             lb = lse_b[:, :, rows].to(acc_dtype)
-            for p in blk.pieces:
+            for p in _pieces(blk, mods):
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
-                relative = _relative_piece(mods, q, blk, p)
+                relative = _relative_piece(mods, q, blk, p, bounds)
                 if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
                     win, shift = relative
                     lp = (lb if shift is None else lb - shift.to(lb.dtype)).flip(2)
-                    go_r, qb_r, ob_r = go.flip(2), qb.flip(2), ob.flip(2)
-                    g_q, g_k, g_v = _flash_backward(go_r, qb_r, kb, vb, ob_r, lp, 0.0, False, attn_mask=win,
-                                                    scale=ctx.scale)
+                    g_q, g_k, g_v, d_vec = _relative_backward(go.flip(2), qb.flip(2), kb, vb, ob.flip(2), lp, win,
+                                                              ctx.scale, want_bias_grad=any(wants_mod_grad))
                     dq[:, :, rows] += g_q.flip(2)
                     dk[:, :, keys] += g_k
                     dv[:, :, keys] += g_v
-                    if any(wants_mod_grad):
-                        ds = _piece_ds(go_r, qb_r, kb, vb, ob_r, lp, win, ctx.scale)
-                        _accumulate_relative_grads(mods, mod_tensors, d_mods, ds, blk, p)
+                    if d_vec is not None:
+                        _accumulate_relative_grads(mods, mod_tensors, d_mods, d_vec, blk, p)
                     continue
                 bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
@@ -553,19 +636,70 @@ def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
     return p * (dp - delta)
 
 
-def _accumulate_relative_grads(mods, tensors, grads, ds, blk, piece) -> None:
-    """Add ``dS`` of one relative piece (rows reversed, as the forward ran it) to the gradients of
-    the tensors the bias reads, through the same strided view: memory of one piece."""
+#: Keys per step of the relative backward: four (B, Hq, R, keys) fp32 blocks live at a time.
+_BACKWARD_KEYS = 1024
+#: Probabilities below this are set to 0 before the backward's matrix products (see _relative_backward).
+_TINY = 1e-30
+
+
+def _relative_backward(go: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Tensor, lse: Tensor, win: Tensor,
+                       scale: float, want_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The backward of one relative piece (rows reversed, as :func:`_relative_piece` ran it), in
+    PyTorch, ``_BACKWARD_KEYS`` keys at a time: ``dq (B, Hq, R, D)``, ``dk, dv (B, Hkv, K, ·)`` and,
+    when asked, ``d_vec (H|1, R + K - 1)``, the gradient of the bias values the view reads::
+
+        P = exp(S + bias - lse)     dV = Pᵀ dO     dS = P (dO Vᵀ - rowsum(dO O))
+        dQ = scale · dS K           dK = scale · dSᵀ Q          d_vec[n] = sum of dS over r' + c = n
+
+    Not the kernel's backward: with a bias that spans hundreds of units (ALiBi at long range), many
+    probabilities are fp32 denormals, and x86 arithmetic on denormals is about 100x slower; the
+    CPU flash backward spent 13x its forward time here. Probabilities below ``_TINY`` (far below
+    what the sums can hold) are set to 0 before the products. The gradients of the scores are
+    needed for the bias anyway, so a trainable bias costs no second pass."""
+    B, Hq, R, D = qb.shape
+    Hkv, K, Dv = kb.shape[1], kb.shape[2], vb.shape[3]
+    acc = lse.dtype
+    G = Hq // Hkv
+    fold = lambda x: x.to(acc).reshape(B, Hkv, G * R, x.shape[-1])  # query head h = kv * G + g -> KV head kv
+    qf, gof = fold(qb), fold(go)  # (B, Hkv, G*R, D), (B, Hkv, G*R, Dv)
+    delta = (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)  # (B, Hq, R, 1)
+    bias_rows = win.shape[1]
+    dq = torch.zeros((B, Hkv, G * R, D), dtype=acc, device=qb.device)
+    dk = torch.empty((B, Hkv, K, D), dtype=acc, device=qb.device)
+    dv = torch.empty((B, Hkv, K, Dv), dtype=acc, device=qb.device)
+    d_vec = None
+    if want_bias_grad:
+        leaf = torch.zeros(win.shape[1], R + K - 1, dtype=acc, device=qb.device, requires_grad=True)
+        d_vec = torch.zeros_like(leaf)
+    for c0 in range(0, K, _BACKWARD_KEYS):
+        c1 = min(c0 + _BACKWARD_KEYS, K)
+        n = c1 - c0
+        kc, vc = kb[:, :, c0:c1].to(acc), vb[:, :, c0:c1].to(acc)
+        s = torch.matmul(qf, kc.transpose(-2, -1)).view(B, Hq, R, n) * scale + win[..., c0:c1].to(acc)
+        p = torch.exp(s - lse.unsqueeze(-1))  # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+        p = p.masked_fill(p < _TINY, 0.0)
+        dv[:, :, c0:c1] = torch.matmul(p.view(B, Hkv, G * R, n).transpose(-2, -1), gof)
+        dp = torch.matmul(gof, vc.transpose(-2, -1)).view(B, Hq, R, n)
+        ds = p * (dp - delta)  # (B, Hq, R, n)
+        dsf = ds.view(B, Hkv, G * R, n)
+        dq += torch.matmul(dsf, kc)
+        dk[:, :, c0:c1] = torch.matmul(dsf.transpose(-2, -1), qf) * scale
+        if d_vec is not None:
+            g = ds.sum(dim=0) if bias_rows > 1 else ds.sum(dim=(0, 1)).unsqueeze(0)  # (H|1, R, n)
+            with torch.enable_grad():
+                d_vec += torch.autograd.grad(toeplitz_view(leaf, R, K)[..., c0:c1], leaf, g)[0]
+    return (dq * scale).view(B, Hq, R, D), dk, dv, d_vec
+
+
+def _accumulate_relative_grads(mods, tensors, grads, d_vec, blk, piece) -> None:
+    """Add ``d_vec``, the gradient of one relative piece's bias values, to the gradients of the
+    tensors the bias reads (through :meth:`ScoreMod.distance_bias`; memory of one vector)."""
     rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
     d0 = piece.k0 - (blk.q1 - 1)
     with torch.enable_grad():
-        vec = mods.distance_bias(d0, d0 + rows + keys - 1, ds.device, ds.dtype)  # (H|1, R + K - 1)
-        win = toeplitz_view(vec, rows, keys)  # (H|1, R, K)
-        g = ds.sum(dim=0)  # (Hq, R, K)
-        if win.shape[0] == 1:
-            g = g.sum(dim=0, keepdim=True)
+        vec = mods.distance_bias(d0, d0 + rows + keys - 1, d_vec.device, d_vec.dtype)  # (H|1, R + K - 1)
         needed = [t for t in tensors if t.requires_grad]
-        found = iter(torch.autograd.grad(win, needed, g, allow_unused=True))
+        found = iter(torch.autograd.grad(vec, needed, d_vec, allow_unused=True))
     for i, t in enumerate(tensors):
         if t.requires_grad:
             got = next(found)

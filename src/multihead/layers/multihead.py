@@ -297,7 +297,8 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None and not isinstance(self.rope, nn.Module):  # a module prints as a child
             parts.append(f"rope={getattr(self.rope, '__name__', type(self.rope).__name__)}")
         if self.score_mod is not None and not isinstance(self.score_mod, nn.Module):
-            parts.append(f"score_mod={self.score_mod!r}")
+            # described, not repr'd: a bound method of this layer would print the layer again
+            parts.append(f"score_mod={as_score_mod(self.score_mod)._describe()}")
         if self.softcap is not None:
             parts.append(f"softcap={self.softcap}")
         if self.sinks is not None:

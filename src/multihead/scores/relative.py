@@ -15,8 +15,9 @@ values, and a fused kernel can read them as an overlapping strided view (rows re
     vec = distance_bias(d0, d0 + R + K - 1)        (H, R + K - 1)
     vec.unfold(-1, K, 1)[h, r', c] = vec[h, r' + c] = bias(h, d0 + r' + c)   (H, R, K), no copy
 
-so the ``blocksparse`` backend never builds a ``rows x keys`` bias for it
-(:mod:`multihead.backends.blocksparse`), and trains its parameters through the same view.
+so the ``blocksparse`` backend builds no ``rows x keys`` bias for the blocks it sees whole or up
+to a causal diagonal (pieces that a mask cuts get a block-sized one; never ``Lq x Lk``), and
+trains its parameters through the same view (:mod:`multihead.backends.blocksparse`).
 """
 
 from __future__ import annotations

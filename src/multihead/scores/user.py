@@ -53,7 +53,8 @@ class UserScoreMod(ScoreMod):
                 raise ValueError(f"score_mod {self._describe()} returned shape {tuple(out.shape)} for scores of shape "
                                  f"{tuple(score.shape)}; it must keep the shape of the scores")
             out = out.expand(score.shape)
-        return out
+        # A function that reads a float64 table returns float64 scores: the block keeps its dtype.
+        return out.to(score.dtype)
 
     def check(self, batch, heads, q_len, kv_len):
         """Run the function once on a 2 x 3 block of zeros (on the device of the tensors it reads),
