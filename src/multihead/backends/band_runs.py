@@ -56,6 +56,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from multihead.backends.bias_backward import bias_backward
+
 __all__ = ["BandRun", "interior_run", "run_forward", "run_backward"]
 
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -166,7 +168,8 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         out, lse: ``(B, Hq, q1 - q0, D)`` and ``(B, Hq, q1 - q0)``: what :func:`run_forward`
             returned for these rows (or, when these rows were merged with other pieces, the
             *merged* output and LSE: then the result is exactly this run's share of the gradients).
-        bias: the ``bias`` :func:`run_forward` was given (``None``: none).
+        bias: the ``bias`` :func:`run_forward` was given (``None``: none). With a bias the backward
+            runs in PyTorch (:mod:`multihead.backends.bias_backward`), not the kernel.
         dk, dv: optional ``(B, Hkv, Lk, D)`` accumulators (any float dtype, e.g. fp32 for bf16
             inputs); the run's key gradients are *added* into them and they are returned.
 
@@ -180,8 +183,11 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     n = run.blocks
     go, qf, of = _fold_q(grad_out, run, rows_only=True), _fold_q(q, run), _fold_q(out, run, rows_only=True)
     lf = _fold_q(lse.unsqueeze(-1), run, rows_only=True).squeeze(-1).contiguous()  # (n, B*Hq, block)
-    dqf, dkf, dvf = _flash_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, 0.0, False,
-                                    attn_mask=_run_mask(run, q, bias), scale=scale)
+    if bias is None:
+        dqf, dkf, dvf = _flash_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, 0.0, False,
+                                        attn_mask=_window_mask(run, q.dtype, q.device), scale=scale)
+    else:  # a bias spanning many units makes the kernel's backward crawl through denormals (bias_backward)
+        dqf, dkf, dvf = bias_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, _run_mask(run, q, bias), scale)
     dq = _unfold_rows(dqf, B, Hq)
     if dk is None:
         dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)

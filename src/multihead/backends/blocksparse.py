@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
+from multihead.backends.bias_backward import LOG_TINY, bias_backward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
@@ -175,7 +176,7 @@ class BlockSparseBackend(Backend):
         if relative and call.q.dtype != torch.float64:
             lines.append("relative bias: entries that no row can weigh above fp32's underflow (by the bound "
                          "scale·|q|·|k|) are -inf, so no denormal arithmetic; backward in PyTorch with probabilities "
-                         f"below {_TINY} set to 0")
+                         f"below exp({LOG_TINY:g}) set to 0")
         elif mods is not None and mods.kind == ADDITIVE and not relative:
             lines.append(f"score modifier {mods._describe()}: added per piece as a block-sized attn_mask")
         if Hq != Hkv:
@@ -603,8 +604,12 @@ class _BlockSparseAttention(torch.autograd.Function):
                 if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
                     win, shift = relative
                     lp = _reversed(lb if shift is None else lb - shift.to(lb.dtype))
-                    g_q, g_k, g_v, d_vec = _relative_backward(_reversed(go), _reversed(qb), kb, vb, _reversed(ob), lp, win,
-                                                              ctx.scale, want_bias_grad=any(wants_mod_grad))
+                    d_vec = None
+                    on_ds = None
+                    if any(wants_mod_grad):  # dS summed along the view's diagonals: the bias values' gradient
+                        d_vec, on_ds = _diagonal_sums(win, rows=blk.q1 - blk.q0, keys=p.k1 - p.k0)
+                    g_q, g_k, g_v = bias_backward(_reversed(go), _reversed(qb), kb, vb, _reversed(ob), lp, win,
+                                                  ctx.scale, on_ds=on_ds)
                     dq[:, :, rows] += _reversed(g_q)
                     dk[:, :, keys] += g_k
                     dv[:, :, keys] += g_v
@@ -643,68 +648,20 @@ def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
     return p * (dp - delta)
 
 
-#: Keys per step of the relative backward: four (B, Hq, R, keys) fp32 blocks live at a time.
-_BACKWARD_KEYS = 1024
-#: log of the smallest normal fp32 (1.2e-38) is -87.3: probabilities below exp(-87) are set to 0
-#: before the backward's matrix products (see _relative_backward).
-_LOG_TINY = -87.0
-_TINY = 1.6e-38  # exp(_LOG_TINY), for explain()
+def _diagonal_sums(win: Tensor, rows: int, keys: int):
+    """A zero ``d_vec (H|1, R + K - 1)`` and the ``on_ds(ds, c0, c1)`` of :func:`bias_backward`
+    that adds the chunk's ``dS``, summed over the batch (and the heads for a head-less bias),
+    along the diagonals of the strided view: ``d_vec[n] += sum of dS over r' + c = n``."""
+    acc = torch.float64 if win.dtype == torch.float64 else torch.float32
+    leaf = torch.zeros(win.shape[1], rows + keys - 1, dtype=acc, device=win.device, requires_grad=True)
+    d_vec = torch.zeros_like(leaf)
 
+    def on_ds(ds: Tensor, c0: int, c1: int) -> None:
+        g = ds.sum(dim=0) if win.shape[1] > 1 else ds.sum(dim=(0, 1)).unsqueeze(0)  # (H|1, R, n)
+        with torch.enable_grad():
+            d_vec.add_(torch.autograd.grad(toeplitz_view(leaf, rows, keys)[..., c0:c1], leaf, g.to(acc))[0])
 
-def _relative_backward(go: Tensor, qb: Tensor, kb: Tensor, vb: Tensor, ob: Tensor, lse: Tensor, win: Tensor,
-                       scale: float, want_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The backward of one relative piece (rows reversed, as :func:`_relative_piece` ran it), in
-    PyTorch, ``_BACKWARD_KEYS`` keys at a time: ``dq (B, Hq, R, D)``, ``dk, dv (B, Hkv, K, ·)`` and,
-    when asked, ``d_vec (H|1, R + K - 1)``, the gradient of the bias values the view reads::
-
-        P = exp(S + bias - lse)     dV = Pᵀ dO     dS = P (dO Vᵀ - rowsum(dO O))
-        dQ = scale · dS K           dK = scale · dSᵀ Q          d_vec[n] = sum of dS over r' + c = n
-
-    Not the kernel's backward: with a bias that spans hundreds of units (ALiBi at long range), many
-    probabilities are fp32 denormals, and x86 arithmetic on denormals is about 100x slower; the
-    CPU flash backward spent 13x its forward time here. Probabilities below ``exp(-87)`` (far below
-    what the sums can hold) are set to 0 before the products, in place. The gradients of the scores are
-    needed for the bias anyway, so a trainable bias costs no second pass."""
-    B, Hq, R, D = qb.shape
-    Hkv, K, Dv = kb.shape[1], kb.shape[2], vb.shape[3]
-    acc = lse.dtype
-    G = Hq // Hkv
-    fold = lambda x: x.to(acc).reshape(B, Hkv, G * R, x.shape[-1])  # query head h = kv * G + g -> KV head kv
-    qf, gof = fold(qb), fold(go)  # (B, Hkv, G*R, D), (B, Hkv, G*R, Dv)
-    qs = qf * scale  # the scale folded into q: one pass over R x D instead of one over R x keys
-    delta = (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)  # (B, Hq, R, 1)
-    lse = lse.unsqueeze(-1)  # (B, Hq, R, 1)
-    bias_rows = win.shape[1]
-    dq = torch.zeros((B, Hkv, G * R, D), dtype=acc, device=qb.device)
-    dk = torch.empty((B, Hkv, K, D), dtype=acc, device=qb.device)
-    dv = torch.empty((B, Hkv, K, Dv), dtype=acc, device=qb.device)
-    d_vec = None
-    if want_bias_grad:
-        leaf = torch.zeros(win.shape[1], R + K - 1, dtype=acc, device=qb.device, requires_grad=True)
-        d_vec = torch.zeros_like(leaf)
-    for c0 in range(0, K, _BACKWARD_KEYS):
-        c1 = min(c0 + _BACKWARD_KEYS, K)
-        n = c1 - c0
-        kc, vc = kb[:, :, c0:c1].to(acc), vb[:, :, c0:c1].to(acc)
-        # P = exp(S - lse) in place; S - lse below -87 (exp would be an fp32 denormal, or 0) -> -inf -> 0.
-        # Blocked scores (-inf) and fully masked rows (lse +inf) give 0 too.
-        p = torch.matmul(qs, kc.transpose(-2, -1)).view(B, Hq, R, n)
-        p += win[..., c0:c1].to(acc)
-        p -= lse
-        F.threshold(p, _LOG_TINY, float("-inf"), inplace=True)
-        p.exp_()
-        dv[:, :, c0:c1] = torch.matmul(p.view(B, Hkv, G * R, n).transpose(-2, -1), gof)
-        ds = torch.matmul(gof, vc.transpose(-2, -1)).view(B, Hq, R, n)  # dP
-        ds -= delta
-        ds *= p  # dS = P (dP - rowsum(dO O))
-        dsf = ds.view(B, Hkv, G * R, n)
-        dq += torch.matmul(dsf, kc)
-        dk[:, :, c0:c1] = torch.matmul(dsf.transpose(-2, -1), qs)
-        if d_vec is not None:
-            g = ds.sum(dim=0) if bias_rows > 1 else ds.sum(dim=(0, 1)).unsqueeze(0)  # (H|1, R, n)
-            with torch.enable_grad():
-                d_vec += torch.autograd.grad(toeplitz_view(leaf, R, K)[..., c0:c1], leaf, g)[0]
-    return (dq * scale).view(B, Hq, R, D), dk, dv, d_vec
+    return d_vec, on_ds
 
 
 def _accumulate_relative_grads(mods, tensors, grads, d_vec, blk, piece) -> None:
