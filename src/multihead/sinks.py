@@ -40,7 +40,12 @@ def check_sinks(sinks, q: Tensor) -> None:
 def apply_sinks(output: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``output (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)`` of an attention without sinks -> with
     them, and the factor ``exp(lse - lse')`` ``(B, Hq, Lq)`` by which each row's probabilities shrink."""
-    s = sinks.to(lse.dtype).view(1, -1, 1)  # (1, Hq, 1)
+    # In float64: the sink's gradient sums sigmoid terms over every row (B·Lq of them); in fp32 that
+    # sum's rounding exceeded the relative rule (tests/backends/test_position_scores.py). (B, Hq, Lq) only.
+    out_lse_dtype = lse.dtype
+    wide = torch.float32 if lse.device.type == "mps" else torch.float64  # MPS has no float64
+    lse = lse.to(wide)
+    s = sinks.to(wide).view(1, -1, 1)  # (1, Hq, 1)
     # A fully masked row of a head without sink (lse = s = -inf) stays as it is: -inf - -inf would
     # be NaN, in the forward and in the gradients, so it is computed on zeros and put back.
     both_empty = torch.isneginf(lse) & torch.isneginf(s)
@@ -49,4 +54,4 @@ def apply_sinks(output: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Ten
     new_lse = torch.where(both_empty, lse, torch.logaddexp(lse_safe, s_safe))
     # sigmoid(lse - s) = exp(lse - lse'): 0 for a fully masked row (lse = -inf), 1 for a sink of -inf.
     factor = torch.where(both_empty, zero, torch.sigmoid(lse_safe - s_safe))
-    return output * factor.unsqueeze(-1).to(output.dtype), new_lse, factor
+    return output * factor.unsqueeze(-1).to(output.dtype), new_lse.to(out_lse_dtype), factor.to(out_lse_dtype)

@@ -438,7 +438,9 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
         diagonal = piece.k0 if piece.diagonal is None else piece.diagonal
         d = torch.arange(d0, d0 + rows + keys - 1, device=q.device)
         vec = vec.masked_fill(d > diagonal - blk.q0, float("-inf"))
-        common = (piece.k0 - blk.q0 - d0, diagonal - blk.q0 - d0 + 1)  # distances k0 - q0 .. diagonal - q0
+        # Row r sees keys k0 .. min(diagonal + r, k1 - 1): every row sees distances k0 - q0 ..
+        # min(diagonal - q0, k1 - q0 - R) (the keys may end before a late row's diagonal).
+        common = (piece.k0 - blk.q0 - d0, min(diagonal - blk.q0, piece.k1 - blk.q0 - rows) - d0 + 1)
     else:  # every row sees distances k0 - q0 .. k1 - q0 - R
         common = (piece.k0 - blk.q0 - d0, piece.k1 - blk.q0 - rows - d0 + 1)
     if bounds is not None:
