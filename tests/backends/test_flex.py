@@ -50,3 +50,28 @@ def test_flex_runs_score_modifiers_through_its_score_mod():
     base = naive_attention(q, k, v, mh.causal(), score_mod=mods)
     assert_relative(got.output, ref.output, base, factor("flex", torch.float32))
     torch.testing.assert_close(got.lse.double(), ref.lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["alibi", "t5", "user", "alibi+softcap+sinks"])
+def test_flex_runs_position_biases_and_user_functions_bottom_right(kind):
+    from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes
+
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, Lq, Lk, D = 1, 4, 2, 70, 150, 16  # Lq != Lk: the bias must use the bottom-right alignment
+    q, k, v = (torch.randn(B, h, L, D, generator=gen) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    slopes = alibi_slopes(Hq).float()
+    torch.manual_seed(0)
+    rel = RelativePositionBias(Hq, bidirectional=False)
+    mods, extra = {
+        "alibi": ([ALiBi(Hq)], {}),
+        "t5": ([rel()], {}),
+        "user": ([lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi - (Lk - Lq))], {}),
+        "alibi+softcap+sinks": ([ALiBi(Hq)], {"softcap": 3.0, "sinks": torch.linspace(-1.0, 1.0, Hq)}),
+    }[kind]
+    with torch.no_grad():
+        got = mh.attention(q, k, v, mask=mh.causal(), score_mod=mods, backend="flex", return_lse=True, **extra)
+        ref_extra = {n: (t.double() if isinstance(t, torch.Tensor) else t) for n, t in extra.items()}
+        ref = mh.attention(q.double(), k.double(), v.double(), mask=mh.causal(), score_mod=mods, backend="reference",
+                           return_lse=True, **ref_extra)
+    torch.testing.assert_close(got.output.double(), ref.output, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got.lse.double(), ref.lse, rtol=2e-5, atol=2e-5)
