@@ -655,13 +655,15 @@ def _diagonal_sums(win: Tensor, rows: int, keys: int):
     that adds the chunk's ``dS``, summed over the batch (and the heads for a head-less bias),
     along the diagonals of the strided view: ``d_vec[n] += sum of dS over r' + c = n``."""
     acc = torch.float64 if win.dtype == torch.float64 else torch.float32
-    leaf = torch.zeros(win.shape[1], rows + keys - 1, dtype=acc, device=win.device, requires_grad=True)
-    d_vec = torch.zeros_like(leaf)
+    d_vec = torch.zeros(win.shape[1], rows + keys - 1, dtype=acc, device=win.device)
 
     def on_ds(ds: Tensor, c0: int, c1: int) -> None:
         g = ds.sum(dim=0) if win.shape[1] > 1 else ds.sum(dim=(0, 1)).unsqueeze(0)  # (H|1, R, n)
+        # Keys [c0, c1) read the values [c0, c1 + R - 1): the unfold's backward over those only
+        # (one over the whole piece per chunk would cost O(K^2)).
+        part = torch.zeros(win.shape[1], c1 - c0 + rows - 1, dtype=acc, device=win.device, requires_grad=True)
         with torch.enable_grad():
-            d_vec.add_(torch.autograd.grad(toeplitz_view(leaf, rows, keys)[..., c0:c1], leaf, g.to(acc))[0])
+            d_vec[:, c0:c1 + rows - 1] += torch.autograd.grad(toeplitz_view(part, rows, c1 - c0), part, g.to(acc))[0]
 
     return d_vec, on_ds
 
