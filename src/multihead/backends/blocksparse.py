@@ -675,13 +675,7 @@ def _accumulate_relative_grads(mods, tensors, grads, d_vec, blk, piece) -> None:
     d0 = piece.k0 - (blk.q1 - 1)
     with torch.enable_grad():
         vec = mods.distance_bias(d0, d0 + rows + keys - 1, d_vec.device, d_vec.dtype)  # (H|1, R + K - 1)
-        needed = [t for t in tensors if t.requires_grad]
-        found = iter(torch.autograd.grad(vec, needed, d_vec, allow_unused=True))
-    for i, t in enumerate(tensors):
-        if t.requires_grad:
-            got = next(found)
-            if got is not None:
-                grads[i] += got.to(grads[i].dtype)
+        _add_grads(vec, d_vec, tensors, grads)
 
 
 def _accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:
@@ -690,9 +684,13 @@ def _accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:
     with torch.enable_grad():
         block = mods.bias_block(ds.shape[0], ds.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, ds.device, ds.dtype)
         reduce = [d for d in range(4) if block.shape[d] == 1 and ds.shape[d] != 1]
-        grad_block = ds.sum(dim=reduce, keepdim=True) if reduce else ds
-        needed = [t for t in tensors if t.requires_grad]
-        found = iter(torch.autograd.grad(block, needed, grad_block, allow_unused=True))
+        _add_grads(block, ds.sum(dim=reduce, keepdim=True) if reduce else ds, tensors, grads)
+
+
+def _add_grads(output: Tensor, grad: Tensor, tensors, grads) -> None:
+    """``grads[i] += d(output)/d(tensors[i]) · grad`` for the tensors that require grad."""
+    needed = [t for t in tensors if t.requires_grad]
+    found = iter(torch.autograd.grad(output, needed, grad, allow_unused=True))
     for i, t in enumerate(tensors):
         if t.requires_grad:
             g = next(found)
