@@ -5,7 +5,7 @@ The functional core is :func:`attention` with its masks (:mod:`multihead.masks`)
 fp64 oracle :func:`reference_attention`.
 """
 
-from multihead import caches, masks
+from multihead import caches, masks, positions, scores
 from multihead.attention import attention
 from multihead.caches import ConcatKVCache, KVCache
 from multihead.capture import AttentionCapture, capture_attention
@@ -43,5 +43,5 @@ __all__ = [
     "merge_partials", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "BackendRefusedError",
     "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
-    "caches", "KVCache", "ConcatKVCache",
+    "caches", "KVCache", "ConcatKVCache", "positions",
 ]

@@ -176,7 +176,7 @@ class YaRNScaling:
             raise TypeError(f"YaRNScaling: truncate must be a bool, got {type(self.truncate).__name__} {self.truncate!r}")
 
     def _frequencies(self, rotary_dim: int, base: float, seq_len: int | None) -> tuple[list[float], float]:
-        m, R = self.original_max_position_embeddings, rotary_dim // 2
+        m = self.original_max_position_embeddings
 
         def pair_of(turns: float) -> float:  # solves m · base^(-2i/rotary_dim) / 2π = turns for i
             return rotary_dim * math.log(m / (turns * 2 * math.pi)) / (2 * math.log(base))
