@@ -6,6 +6,8 @@ block; plus the run finder and the refusals of non-interior runs."""
 import pytest
 import torch
 
+import multihead as mh
+
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 
 # (B, Hq, Hkv, Lq, Lk, D, block, left, right, align)
@@ -156,3 +158,36 @@ def test_refuses_mismatched_shapes():
     q, k = torch.randn(1, 3, 32, 8), torch.randn(1, 2, 32, 8)
     with pytest.raises(ValueError, match="Hq % Hkv"):
         run_forward(q, k, k, BandRun(8, 24, 8, -4, 0), 1.0)
+
+
+def test_a_relative_bias_on_a_band_splits_its_backward_by_head_and_stays_exact(monkeypatch):
+    """ALiBi on a band: heads whose bias spans little over the window keep the kernel's backward,
+    the others (steep slopes: fp32 denormals in the kernel) run in bias_backward; both at once here."""
+    import multihead.backends.band_runs as band_runs
+    from multihead.positions import ALiBi
+
+    calls = {"kernel": 0, "torch": 0}
+    kernel, torch_path = band_runs._flash_backward, band_runs.bias_backward
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(band_runs, "_flash_backward", count("kernel", kernel))
+    monkeypatch.setattr(band_runs, "bias_backward", count("torch", torch_path))
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, L, D = 2, 4, 2, 1100, 16  # slopes 1/4 .. 1/256 over a window of 300: heads 2, 3 are calm
+    q, k, v = (torch.randn(B, h, L, D, generator=gen, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    mask = mh.causal() & mh.sliding_window(300)
+    out = mh.attention(q, k, v, mask=mask, score_mod=ALiBi(Hq), backend="blocksparse")
+    grad = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    assert calls["kernel"] >= 1 and calls["torch"] >= 1  # both halves of the split ran
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = mh.reference_attention(*ref_in, mask=mask, score_mod=ALiBi(Hq)).output
+    want = torch.autograd.grad(ref, ref_in, grad.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)

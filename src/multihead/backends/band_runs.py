@@ -159,7 +159,7 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float, *,
 
 def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, run: BandRun,
                  scale: float, *, dk: Tensor | None = None, dv: Tensor | None = None,
-                 bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 bias: Tensor | None = None, kernel_heads: list[bool] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of the rows ``[run.q0, run.q1)``: the flash backward in one kernel call.
 
     Args:
@@ -169,7 +169,9 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             returned for these rows (or, when these rows were merged with other pieces, the
             *merged* output and LSE: then the result is exactly this run's share of the gradients).
         bias: the ``bias`` :func:`run_forward` was given (``None``: none). With a bias the backward
-            runs in PyTorch (:mod:`multihead.backends.bias_backward`), not the kernel.
+            runs in PyTorch (:mod:`multihead.backends.bias_backward`), not the kernel, except for
+            the query heads ``kernel_heads`` (``(Hq,)`` bools) marks: heads whose probabilities
+            cannot be denormal, whose whole KV group then runs on the kernel.
         dk, dv: optional ``(B, Hkv, Lk, D)`` accumulators (any float dtype, e.g. fp32 for bf16
             inputs); the run's key gradients are *added* into them and they are returned.
 
@@ -187,7 +189,8 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         dqf, dkf, dvf = _flash_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, 0.0, False,
                                         attn_mask=_window_mask(run, q.dtype, q.device), scale=scale)
     else:  # a bias spanning many units makes the kernel's backward crawl through denormals (bias_backward)
-        dqf, dkf, dvf = bias_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, _run_mask(run, q, bias), scale)
+        dqf, dkf, dvf = _biased_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, _run_mask(run, q, bias),
+                                         scale, B, kernel_heads)
     dq = _unfold_rows(dqf, B, Hq)
     if dk is None:
         dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
@@ -199,6 +202,37 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 
 
 # ----------------------------------------------------------------------------------- helpers
+def _biased_backward(go, qf, kf, vf, of, lf, mask, scale, B: int, kernel_heads):
+    """The folded backward with a bias: the KV groups whose query heads are all in
+    ``kernel_heads`` on the kernel, the others in :func:`bias_backward`. Folded head ``b*H + h``."""
+    Hq, Hkv = qf.shape[1] // B, kf.shape[1] // B
+    G = Hq // Hkv
+    groups = [all(kernel_heads[kv * G:(kv + 1) * G]) for kv in range(Hkv)] if kernel_heads else [False] * Hkv
+    if not any(groups):
+        return bias_backward(go, qf, kf, vf, of, lf, mask, scale)
+    acc = lf.dtype
+    dq = torch.empty(qf.shape, dtype=acc, device=qf.device)
+    dk = torch.empty(kf.shape, dtype=acc, device=qf.device)
+    dv = torch.empty(vf.shape, dtype=acc, device=qf.device)
+    for on_kernel in (True, False):
+        kvs = [kv for kv in range(Hkv) if groups[kv] == on_kernel]
+        if not kvs:
+            continue
+        iq = torch.tensor([b * Hq + kv * G + g for b in range(B) for kv in kvs for g in range(G)], device=qf.device)
+        ikv = torch.tensor([b * Hkv + kv for b in range(B) for kv in kvs], device=qf.device)
+        pick = lambda x, i: x.index_select(1, i)
+        m = mask if mask.shape[1] == 1 else pick(mask, iq)
+        args = (pick(go, iq), pick(qf, iq), pick(kf, ikv), pick(vf, ikv), pick(of, iq), pick(lf, iq))
+        if on_kernel:
+            gq, gk, gv = _flash_backward(*args, 0.0, False, attn_mask=m, scale=scale)
+        else:
+            gq, gk, gv = bias_backward(*args, m, scale)
+        dq.index_copy_(1, iq, gq.to(acc))
+        dk.index_copy_(1, ikv, gk.to(acc))
+        dv.index_copy_(1, ikv, gv.to(acc))
+    return dq, dk, dv
+
+
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, run: BandRun) -> None:
     if _flash is None:
         raise RuntimeError("band_runs needs aten._scaled_dot_product_flash_attention_for_cpu (PyTorch >= 2.3)")

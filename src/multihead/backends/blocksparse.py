@@ -376,6 +376,8 @@ def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryB
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
 
+#: log of fp32's smallest normal number (1.18e-38).
+_LOG_NORMAL = -87.3
 #: exp(x) of fp32 is denormal (or 0) below x = -87.3: keys whose score is that far below the row's
 #: maximum weigh less than fp32 can add to the row's sum (see _underflow_cut).
 _UNDERFLOW = 88.0
@@ -477,16 +479,27 @@ def _pieces(blk: QueryBlock, mods: ScoreMod | None) -> tuple[Piece, ...]:
 
 def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | None = None):
     """A relative bias on a band run: ``(1, H|1, block, span)`` for row ``s`` and window column
-    ``c`` of every interior block (distance ``lo + c - s``: the same for each block), and the
-    fp16/bf16 per-head shift ``(1, H|1, 1)`` as for :func:`_relative_piece`; ``(None, None)``
-    without a modifier."""
+    ``c`` of every interior block (distance ``lo + c - s``: the same for each block), the
+    fp16/bf16 per-head shift ``(1, H|1, 1)`` as for :func:`_relative_piece`, and the query heads
+    whose backward may use the kernel (see below); ``(None, None, None)`` without a modifier.
+
+    Every row of the band sees every distance ``lo .. hi``, so a head whose bias spans less than
+    ``87 - 2·bound`` over them keeps every probability above ``e^-87`` (no fp32 denormal): its
+    backward can be the kernel's, which is faster than ``bias_backward``. Only with ``bounds``
+    (fp32/fp16/bf16 kernels); ``None`` means every head takes ``bias_backward``."""
     if mods is None:
-        return None, None
+        return None, None, None
     block, span = run.block, run.span
     d0 = run.lo - (block - 1)
     vec = mods.distance_bias(d0, d0 + block + span - 1, q.device, softmax_dtype(q.dtype))  # (H|1, block + span - 1)
+    kernel_heads = None
     if bounds is not None:  # every row sees the whole band, distances lo .. hi
-        vec = _underflow_cut(vec, (run.lo - d0, run.hi - d0 + 1), bounds.score(run.q0, run.q1, run.k0, run.k1))
+        bound = bounds.score(run.q0, run.q1, run.k0, run.k1)
+        vec = _underflow_cut(vec, (run.lo - d0, run.hi - d0 + 1), bound)
+        band = vec[:, run.lo - d0:run.hi - d0 + 1]
+        finite = torch.isfinite(band)
+        spread = torch.where(finite, band, -torch.inf).amax(-1) - torch.where(finite, band, torch.inf).amin(-1)
+        kernel_heads = (spread + 2 * bound < -_LOG_NORMAL).expand(q.shape[1]).tolist()  # (Hq,) bools
     s = torch.arange(block, device=q.device).view(-1, 1)
     c = torch.arange(span, device=q.device).view(1, -1)
     bias = vec[:, c - s + block - 1]  # (H|1, block, span)
@@ -494,7 +507,7 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
     if q.dtype in (torch.float16, torch.bfloat16):
         peak = vec.amax(dim=-1, keepdim=True).unsqueeze(-1)
         bias, shift = bias - peak, peak.view(1, -1, 1)
-    return bias.unsqueeze(0).to(q.dtype), shift
+    return bias.unsqueeze(0).to(q.dtype), shift, kernel_heads
 
 
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -539,7 +552,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         bounds = Bounds.of(q, k, scale, mods)
         if plan.run is not None:
             rows = slice(plan.run.q0, plan.run.q1)
-            bias, shift = _run_bias(mods, plan.run, q, bounds)
+            bias, shift, _ = _run_bias(mods, plan.run, q, bounds)
             out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale, bias=bias)
             if shift is not None:
                 lse[:, :, rows] += shift
@@ -586,10 +599,10 @@ class _BlockSparseAttention(torch.autograd.Function):
         run = ctx.plan.run
         if run is not None:  # interior band rows are never fully masked: the LSE is finite there
             rows = slice(run.q0, run.q1)
-            bias, shift = _run_bias(mods, run, q, bounds)
+            bias, shift, kernel_heads = _run_bias(mods, run, q, bounds)
             run_lse = lse[:, :, rows].to(acc_dtype) - (0 if shift is None else shift)  # what the kernel saw
             g_q, _, _ = run_backward(grad_out[:, :, rows], q, k, v, out[:, :, rows], run_lse,
-                                     run, ctx.scale, dk=dk, dv=dv, bias=bias)
+                                     run, ctx.scale, dk=dk, dv=dv, bias=bias, kernel_heads=kernel_heads)
             dq[:, :, rows] += g_q
         # Fully masked rows: LSE +inf makes every probability exp(s - inf) = 0, so no NaN.
         lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
