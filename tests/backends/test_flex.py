@@ -52,8 +52,16 @@ def test_flex_runs_score_modifiers_through_its_score_mod():
     torch.testing.assert_close(got.lse.double(), ref.lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def more_compiles():
+    """Each modifier is a new compile of flex_attention: after the other tests of this file the
+    default recompile limit (8) is reached and the backend refuses, as it should. Raised here."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
 @pytest.mark.parametrize("kind", ["alibi", "t5", "user", "alibi+softcap+sinks"])
-def test_flex_runs_position_biases_and_user_functions_bottom_right(kind):
+def test_flex_runs_position_biases_and_user_functions_bottom_right(kind, more_compiles):
     from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes
 
     gen = torch.Generator().manual_seed(3)
