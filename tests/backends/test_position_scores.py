@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import LargestAllocation, assert_relative
+from helpers import LargestAllocation, aligned_distance, assert_relative, loop_bucket, paper_slopes
 from matrix import backend_params, factor, serve_or_skip
 from multihead.positions import ALiBi, BucketedBias, RelativePositionBias, alibi_slopes, relative_position_bucket
 from multihead.scores import as_score_mod
@@ -32,46 +32,11 @@ DTYPES = [DT, torch.float32, torch.bfloat16]
 
 
 # ------------------------------------------------------------------ independent dense biases
-def aligned_distance(Lq: int, Lk: int, align: str) -> torch.Tensor:
-    """``(Lq, Lk)``: key position minus query position, query ``i`` at ``i + Lk - Lq``
-    (bottom-right) or at ``i`` (top-left)."""
-    offset = Lk - Lq if align == "bottom_right" else 0
-    return torch.arange(Lk).view(1, -1) - (torch.arange(Lq).view(-1, 1) + offset)
-
-
-def paper_slopes(n: int) -> list[float]:
-    """The ALiBi paper's ``get_slopes``, rewritten (tests/positions checks the library's against it)."""
-    def power_of_two(m):
-        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
-        return [start * start ** i for i in range(m)]
-
-    if math.log2(n).is_integer():
-        return power_of_two(n)
-    closest = 2 ** math.floor(math.log2(n))
-    return power_of_two(closest) + paper_slopes(2 * closest)[0::2][: n - closest]
-
-
 def dense_alibi(Hq: int, Lq: int, Lk: int, symmetric: bool, align: str) -> torch.Tensor:
     """``(1, Hq, Lq, Lk)`` fp64: ``m_h (j - i)`` or ``-m_h |j - i|``."""
     slopes = torch.tensor(paper_slopes(Hq), dtype=DT).view(-1, 1, 1)
     d = aligned_distance(Lq, Lk, align).to(DT)
     return (-slopes * d.abs() if symmetric else slopes * d).unsqueeze(0)
-
-
-def loop_bucket(d: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
-    """T5's bucket of one distance ``d = key - query``, plain Python."""
-    buckets, bucket = num_buckets, 0
-    if bidirectional:
-        buckets //= 2
-        bucket += buckets if d > 0 else 0
-        n = abs(d)
-    else:
-        n = max(-d, 0)
-    exact = buckets // 2
-    if n < exact:
-        return bucket + n
-    return bucket + min(exact + int(math.log(n / exact) / math.log(max_distance / exact) * (buckets - exact)),
-                        buckets - 1)
 
 
 def dense_t5(table: torch.Tensor, Lq: int, Lk: int, bidirectional: bool, num_buckets: int, max_distance: int,

@@ -16,48 +16,21 @@ from torch import nn
 import multihead as mh
 from multihead.caches import ConcatKVCache
 from multihead.positions import ALiBi, RelativePositionBias
+from helpers import aligned_distance, loop_bucket as t5_bucket, paper_slopes
 
 DT = torch.float64
 MHA = mh.MultiHeadAttention
 
 
 # --------------------------------------------------------------------- the plain computation
-def paper_slopes(n: int) -> list[float]:
-    """The ALiBi paper's slopes (tests/positions checks the library's against them)."""
-    def power_of_two(m):
-        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
-        return [start * start ** i for i in range(m)]
-
-    if math.log2(n).is_integer():
-        return power_of_two(n)
-    closest = 2 ** math.floor(math.log2(n))
-    return power_of_two(closest) + paper_slopes(2 * closest)[0::2][: n - closest]
-
-
 def distance(Lq, Lk):
-    """Key minus query position, bottom-right: query ``i`` sits at ``i + Lk - Lq``."""
-    return torch.arange(Lk).view(1, -1) - (torch.arange(Lq).view(-1, 1) + Lk - Lq)
+    return aligned_distance(Lq, Lk, "bottom_right")  # key minus query position, query i at i + Lk - Lq
 
 
 def alibi_bias(H, Lq, Lk, symmetric=False):
     m = torch.tensor(paper_slopes(H), dtype=DT).view(-1, 1, 1)
     d = distance(Lq, Lk).to(DT)
     return -m * d.abs() if symmetric else m * d  # (H, Lq, Lk)
-
-
-def t5_bucket(d: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
-    buckets, bucket = num_buckets, 0
-    if bidirectional:
-        buckets //= 2
-        bucket += buckets if d > 0 else 0
-        n = abs(d)
-    else:
-        n = max(-d, 0)
-    exact = buckets // 2
-    if n < exact:
-        return bucket + n
-    return bucket + min(exact + int(math.log(n / exact) / math.log(max_distance / exact) * (buckets - exact)),
-                        buckets - 1)
 
 
 def t5_bias(rel: RelativePositionBias, table, Lq, Lk):

@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 import multihead as mh
-from helpers import assert_relative
+from helpers import aligned_distance, assert_relative, loop_bucket, paper_slopes
 from backends.matrix import backend_params, factor, serve_or_skip  # tests/backends/matrix.py
 from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes, relative_position_bucket
 
@@ -27,51 +26,11 @@ DT = torch.float64
 
 
 # ------------------------------------------------------------------ the independent formulas
-def paper_slopes(n: int) -> list[float]:
-    """The ALiBi paper's ``get_slopes`` (Press et al., github.com/ofirpress/attention_with_linear_biases),
-    rewritten: a geometric sequence starting at ``2^(-8/n)`` for a power of two; otherwise the
-    slopes of the closest smaller power of two, then every other slope of twice that many heads."""
-    def power_of_two(m: int) -> list[float]:
-        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
-        return [start * start ** i for i in range(m)]
-
-    if math.log2(n).is_integer():
-        return power_of_two(n)
-    closest = 2 ** math.floor(math.log2(n))
-    return power_of_two(closest) + paper_slopes(2 * closest)[0::2][: n - closest]
-
-
-def aligned_distance(Lq: int, Lk: int, align: str) -> torch.Tensor:
-    """``(Lq, Lk)`` int64: key position minus query position, query ``i`` at ``i + Lk - Lq``
-    (bottom-right: the last query meets the last key) or at ``i`` (top-left)."""
-    offset = Lk - Lq if align == "bottom_right" else 0
-    q_pos = torch.arange(Lq).view(-1, 1) + offset
-    k_pos = torch.arange(Lk).view(1, -1)
-    return k_pos - q_pos
-
-
 def dense_alibi(slopes: list[float], Lq: int, Lk: int, symmetric: bool, align: str) -> torch.Tensor:
     """``(1, Hq, Lq, Lk)`` fp64: ``m_h (j - i)``, or ``-m_h |j - i|`` for the symmetric form."""
     d = aligned_distance(Lq, Lk, align).to(DT)
     m = torch.tensor(slopes, dtype=DT).view(-1, 1, 1)
     return (-m * d.abs() if symmetric else m * d).unsqueeze(0)
-
-
-def loop_bucket(d: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
-    """T5's bucket of one distance ``d = key - query``, in plain Python arithmetic."""
-    buckets, bucket = num_buckets, 0
-    if bidirectional:
-        buckets //= 2
-        if d > 0:
-            bucket += buckets  # keys after the query: the upper half
-        n = abs(d)
-    else:
-        n = max(-d, 0)  # keys after the query share bucket 0
-    exact = buckets // 2
-    if n < exact:
-        return bucket + n
-    log_part = int(math.log(n / exact) / math.log(max_distance / exact) * (buckets - exact))
-    return bucket + min(exact + log_part, buckets - 1)
 
 
 def dense_t5_bias(table: torch.Tensor, Lq: int, Lk: int, bidirectional: bool, num_buckets: int, max_distance: int,
