@@ -1,0 +1,21 @@
+"""Context parallelism: one sequence sharded across the ranks of a ``torch.distributed`` group.
+
+* :func:`ring_attention`: every rank keeps its queries; K/V shards travel point to point, and
+  the partial results merge by log-sum-exp. Any mask, read at absolute positions; blocks that a
+  mask hides are neither computed nor sent.
+* :func:`ulysses_attention`: two all-to-alls turn the sequence shards into head shards around
+  one local :func:`multihead.attention` over the whole sequence.
+* :func:`shard_sequence` / :func:`unshard_sequence` / :func:`shard_positions`: the ``zigzag`` and
+  ``contiguous`` layouts (:mod:`multihead.distributed.layout`).
+
+Both functions equal :func:`multihead.attention` on the whole sequence, outputs, LSE and
+gradients (``tests/distributed``). See ``docs/distributed.md``.
+"""
+
+from multihead.distributed.layout import LAYOUTS, shard_positions, shard_sequence, unshard_sequence
+from multihead.distributed.plan import RingPlan, plan_ring
+from multihead.distributed.ring import ring_attention
+from multihead.distributed.ulysses import ulysses_attention
+
+__all__ = ["ring_attention", "ulysses_attention", "shard_sequence", "unshard_sequence", "shard_positions", "plan_ring", "RingPlan",
+           "LAYOUTS"]

@@ -1,0 +1,162 @@
+"""Input checks for sharded attention, run on every rank *before* any other communication.
+
+A bad input on one rank must not leave the other ranks waiting forever in a send or an
+all-to-all. So each rank checks its own arguments, catches its own error, and then every rank
+takes part in one small ``all_gather_object`` of ``(error, summary)``: if any rank failed, or
+the ranks disagree (shapes, dtypes, layout, mask), every rank raises the same error, naming the
+rank and the argument. Only a process that never calls the function at all can still hang the
+others; the process group's ``timeout`` bounds that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from multihead.masks import Mask
+from multihead.masks.tensor import as_mask
+
+__all__ = ["Shards", "check_group", "check_qkv", "check_mask", "check_scale", "agree"]
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The shapes of one sharded call: every rank holds ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``,
+    ``v (B, Hkv, Sk, Dv)`` of a whole attention of ``Lq = P·Sq`` by ``Lk = P·Sk``."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    Sq: int
+    Sk: int
+    D: int
+    Dv: int
+    world: int
+
+    @property
+    def Lq(self) -> int:
+        return self.Sq * self.world
+
+    @property
+    def Lk(self) -> int:
+        return self.Sk * self.world
+
+
+def check_group(group, where: str) -> tuple[int, int]:
+    """``(P, rank)`` of this process in ``group``; raises at once (no communication) if there is
+    no process group or this process is not in it."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{where}: torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group(...) first (torchrun sets up the environment)")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{where}: this process (global rank {dist.get_rank()}) is not a member of group; "
+                         "call it only on the ranks of the group that shares the sequence")
+    return dist.get_world_size(group), rank
+
+
+def check_qkv(where: str, q, k, v, world: int) -> Shards:
+    for name, t, layout in (("q", q, "(B, Hq, Sq, D)"), ("k", k, "(B, Hkv, Sk, D)"), ("v", v, "(B, Hkv, Sk, Dv)")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor {layout} (this rank's shard), got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{where}: {name} must have 4 dims {layout} (this rank's shard of the sequence), "
+                             f"got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+        if 0 in t.shape:
+            raise ValueError(f"{where}: {name} has a zero-size dimension: shape {tuple(t.shape)}; expected every "
+                             "dimension >= 1 (each rank holds at least one token)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{where}: q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{where}: q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"{where}: batch sizes differ: q has B={B}, k has {k.shape[0]}, v has {v.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"{where}: head dims differ: q has D={D} but k has D={k.shape[3]}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"{where}: v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; expected "
+                         f"v (B, Hkv, Sk, Dv) = ({B}, {Hkv}, {Sk}, Dv)")
+    if Hq % Hkv != 0:
+        raise ValueError(f"{where}: q has Hq={Hq} heads, not divisible by Hkv={Hkv}; Hkv must divide Hq "
+                         f"(one of {[h for h in range(1, Hq + 1) if Hq % h == 0]})")
+    return Shards(B, Hq, Hkv, Sq, Sk, D, v.shape[3], world)
+
+
+def check_mask(where: str, mask, shards: Shards) -> Mask | None:
+    """The global mask as a :class:`Mask`, checked against the whole attention ``(B, Hq, Lq, Lk)``."""
+    if mask is None:
+        return None
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
+        raise TypeError(f"{where}: mask must be a multihead mask or a bool tensor over the whole sequence, got a "
+                        f"{mask.dtype} tensor; hint: additive float masks are not sharded, use a mask object "
+                        "(causal(), key_padding(...), document(...)) or mask != float('-inf')")
+    if not isinstance(mask, (Mask, Tensor)):
+        raise TypeError(f"{where}: mask must be None, a multihead mask or a bool tensor, got {type(mask).__name__}")
+    mask = as_mask(mask)
+    try:
+        mask.check(shards.B, shards.Hq, shards.Lq, shards.Lk)
+    except ValueError as e:
+        raise ValueError(f"{where}: mask does not fit the whole attention (B, Hq, Lq, Lk) = "
+                         f"({shards.B}, {shards.Hq}, {shards.Lq}, {shards.Lk}) of {shards.world} shards: {e}; "
+                         "hint: the mask describes the whole sequence, not this rank's shard") from None
+    return mask
+
+
+def check_scale(where: str, scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{where}: scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
+    return float(scale)
+
+
+def agree(where: str, group, rank: int, error: BaseException | None, summary: dict) -> None:
+    """Raise on every rank if any rank failed its own checks or the ranks' ``summary`` differ.
+
+    One ``all_gather_object``; every rank of ``group`` must call this (with or without an error)."""
+    gathered: list = [None] * dist.get_world_size(group)
+    mine = (None if error is None else (type(error).__name__, str(error)), summary)
+    dist.all_gather_object(gathered, mine, group=group)
+    for r, (err, _) in enumerate(gathered):
+        if err is not None:
+            kind, message = err
+            if r == rank and error is not None:
+                raise error
+            cls = TypeError if kind == "TypeError" else ValueError
+            raise cls(f"{where}: rank {r} received bad input, so every rank stops here: {message}")
+    first = gathered[0][1]
+    for r, (_, other) in enumerate(gathered[1:], start=1):
+        for name, expected in first.items():
+            if other.get(name) != expected:
+                raise ValueError(f"{where}: ranks disagree on {name}: rank {r} has {other.get(name)!r} but rank 0 "
+                                 f"has {expected!r}; expected every rank to pass a shard of the same shape, dtype "
+                                 "and arguments (one call, sharded)")
+
+
+def mask_fingerprint(mask: Mask | None) -> str | None:
+    """A mask's value as a short string that is equal across processes (tensors by content
+    summary, never by address)."""
+    if mask is None:
+        return None
+    return hashlib.sha1(repr(_portable(mask._value())).encode()).hexdigest()[:16]
+
+
+def _portable(value):
+    if isinstance(value, tuple):
+        if len(value) == 8 and value[0] == "tensor":  # tensor_identity of a large tensor: an address
+            return ("tensor", value[3], str(value[5]))
+        return tuple(_portable(v) for v in value)
+    if isinstance(value, type):
+        return value.__qualname__
+    if callable(value):  # a custom mask_mod: by name (functions have no value across processes)
+        return getattr(value, "__qualname__", type(value).__name__)
+    return value

@@ -1,0 +1,145 @@
+"""Which blocks of a sharded attention each rank computes, at which step, and who sends to whom.
+
+Rank ``r`` holds queries at the positions of its shard and keys at the positions of its shard
+(:mod:`multihead.distributed.layout`). At step ``s`` it attends to the keys of rank ``r - s``
+(mod ``P``), received directly from that rank; step 0 is its own keys. A step is a few calls of
+:func:`multihead.attention`, one per block of (a run of local query rows) x (a run of received
+keys), each read from the *global* mask at the block's absolute positions
+(``mask.shifted(q_start, kv_start, q_len=Lq, kv_len=Lk)``). The mask's structural answer
+(:meth:`Mask.block_state`) decides each block:
+
+* ``EMPTY``: not computed; a pair of ranks with no visible block never communicates;
+* ``FULL``: computed with no mask (neighbouring full blocks are joined into one call);
+* ``PARTIAL``: computed with the shifted mask.
+
+Causal, zigzag, ``P = 2`` (chunks of 2 positions; rank 0 holds chunks 0 and 3, rank 1 chunks 1
+and 2)::
+
+    rank 0, step 0 (own keys 0 1 | 6 7)   rank 0, step 1 (keys of rank 1: 2 3 | 4 5)
+    q 0 1  | partial  empty |              q 0 1  | empty  empty |
+    q 6 7  | full     partial|             q 6 7  | full   full  |   one call: rows 6 7 x keys 2..5
+
+Every rank computes the same plan for every rank from the same global mask, so the sends and
+receives of a step always match without any message about them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from multihead.distributed.layout import Piece, pieces
+from multihead.masks import BlockState, Mask
+
+__all__ = ["Call", "RingPlan", "plan_ring"]
+
+
+class Call(NamedTuple):
+    """One :func:`multihead.attention` call of a step: local query rows ``[q0, q1)`` x rows
+    ``[k0, k1)`` of the keys held at that step, read with ``mask`` (``None``: every key visible)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Mask | None
+    state: BlockState
+
+    @property
+    def elements(self) -> int:
+        """Query-key pairs scored (the work of the call)."""
+        return (self.q1 - self.q0) * (self.k1 - self.k0)
+
+
+class RingPlan(NamedTuple):
+    """The plan of one rank: ``calls[s]`` (a tuple of :class:`Call`, empty when step ``s`` is
+    skipped), ``recv[s]`` (keys are received from rank ``r - s``) and ``send[s]`` (this rank's
+    keys go to rank ``r + s``). Step 0 is local: ``recv[0] = send[0] = False``. ``steps``: the
+    steps ``s > 0`` at which *any* rank computes, the same on every rank; all ranks walk them in
+    the same order, so the messages between any two ranks are posted in the same order on both
+    sides (NCCL matches point-to-point messages by order)."""
+
+    world: int
+    rank: int
+    calls: tuple[tuple[Call, ...], ...]
+    recv: tuple[bool, ...]
+    send: tuple[bool, ...]
+    steps: tuple[int, ...]
+
+    @property
+    def elements(self) -> int:
+        """Query-key pairs this rank scores in the forward pass."""
+        return sum(c.elements for step in self.calls for c in step)
+
+    @property
+    def steps_computed(self) -> int:
+        return sum(1 for step in self.calls if step)
+
+    @property
+    def messages(self) -> int:
+        """K/V shards this rank receives in the forward pass (the backward receives as many again
+        and sends back as many gradients)."""
+        return sum(self.recv)
+
+
+def plan_ring(*, world: int, rank: int, batch: int, heads: int, q_shard: int, kv_shard: int,
+              mask: Mask | None, layout: str) -> RingPlan:
+    """The :class:`RingPlan` of ``rank`` for queries ``(B, Hq, q_shard)`` and keys ``kv_shard``
+    per rank, under the global ``mask`` (``None``: everything visible). Pure: no communication."""
+    Lq, Lk = q_shard * world, kv_shard * world
+    blocks = {}
+
+    def between(rq: int, rk: int) -> tuple[Call, ...]:
+        if (rq, rk) not in blocks:
+            blocks[(rq, rk)] = _calls(pieces(q_shard, rq, world, layout), pieces(kv_shard, rk, world, layout),
+                                      mask, Lq, Lk, batch, heads)
+        return blocks[(rq, rk)]
+
+    calls, recv, send = [], [], []
+    for s in range(world):
+        calls.append(between(rank, (rank - s) % world))
+        recv.append(s > 0 and bool(calls[-1]))
+        send.append(s > 0 and bool(between((rank + s) % world, rank)))
+    steps = tuple(s for s in range(1, world) if any(between(r, (r - s) % world) for r in range(world)))
+    return RingPlan(world, rank, tuple(calls), tuple(recv), tuple(send), steps)
+
+
+def _calls(qp: tuple[Piece, ...], kp: tuple[Piece, ...], mask: Mask | None, Lq: int, Lk: int,
+           batch: int, heads: int) -> tuple[Call, ...]:
+    """The calls covering queries ``qp`` x keys ``kp``: full blocks joined where they form a
+    rectangle of consecutive local rows, partial blocks one call each."""
+    state = [[_state(mask, q, k, Lq, Lk, batch, heads) for k in kp] for q in qp]
+    visible = [(i, j) for i in range(len(qp)) for j in range(len(kp)) if state[i][j] is not BlockState.EMPTY]
+    if not visible:
+        return ()
+    rows = sorted({i for i, _ in visible})
+    cols = sorted({j for _, j in visible})
+    if len(visible) == len(rows) * len(cols) and all(state[i][j] is BlockState.FULL for i, j in visible) \
+            and _consecutive(rows) and _consecutive(cols):
+        return (_joined(qp, kp, rows, cols),)
+    out = []
+    for i in rows:
+        js = [j for j in range(len(kp)) if state[i][j] is not BlockState.EMPTY]
+        if all(state[i][j] is BlockState.FULL for j in js) and _consecutive(js):
+            out.append(_joined(qp, kp, [i], js))
+            continue
+        for j in js:
+            q, k = qp[i], kp[j]
+            shifted = None if state[i][j] is BlockState.FULL else mask.shifted(q.start, k.start, q_len=Lq, kv_len=Lk)
+            out.append(Call(q.local, q.local + q.length, k.local, k.local + k.length, shifted, state[i][j]))
+    return tuple(out)
+
+
+def _state(mask, q: Piece, k: Piece, Lq, Lk, batch, heads) -> BlockState:
+    if mask is None:
+        return BlockState.FULL
+    return mask.block_state(q.start, q.start + q.length, k.start, k.start + k.length, Lq, Lk, batch, heads)
+
+
+def _joined(qp, kp, rows, cols) -> Call:
+    q0, q1 = qp[rows[0]].local, qp[rows[-1]].local + qp[rows[-1]].length
+    k0, k1 = kp[cols[0]].local, kp[cols[-1]].local + kp[cols[-1]].length
+    return Call(q0, q1, k0, k1, None, BlockState.FULL)
+
+
+def _consecutive(indices) -> bool:
+    return all(b == a + 1 for a, b in zip(indices, indices[1:]))

@@ -1,0 +1,159 @@
+"""``ulysses_attention``: head-parallel attention over a sequence sharded across ranks (DeepSpeed
+Ulysses).
+
+Two all-to-alls around one local :func:`multihead.attention`::
+
+    q (B, Hq, S, D) on each rank ──all-to-all──> (B, Hq/P, L, D): every position, Hq/P heads
+                                    local attention(mask=the global mask) over the whole sequence
+    out (B, Hq, S, Dv)    <──all-to-all── (B, Hq/P, L, Dv)
+
+Rank ``j`` attends with query heads ``[j·Hq/P, (j+1)·Hq/P)``. K/V go the same way with their
+``Hkv`` heads when ``P`` divides ``Hkv``; when ``P > Hkv`` (``Hkv`` divides ``P``) each KV head is
+first repeated ``P/Hkv`` times, so rank ``j`` receives exactly the KV head its query heads read
+(:func:`multihead.conventions.kv_head_of`). The sequence arrives in layout order (rank 0's shard,
+rank 1's, ...) and is put in position order before the local call, so the mask is the global one
+as it is. Communication per rank: ``(P-1)/P`` of its q, k, v and output shards, twice for the
+backward, independent of the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from multihead.attention import attention
+from multihead.call import AttentionResult
+from multihead.distributed.checks import agree, check_group, check_mask, check_qkv, check_scale, mask_fingerprint
+from multihead.distributed.layout import check_divisible, check_layout, layout_order
+from multihead.masks import Mask
+from multihead.masks.tensor import TensorMask
+
+__all__ = ["ulysses_attention"]
+
+_WHERE = "ulysses_attention"
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: Mask | Tensor | None = None,
+                      layout: str = "zigzag", scale: float | None = None, return_lse: bool = False,
+                      backend: str = "auto") -> Tensor | AttentionResult:
+    """Attention over a sequence sharded across ``group``, by exchanging sequence shards for head
+    shards; equal to :func:`multihead.attention` on the whole sequence.
+
+    Arguments and result as in :func:`multihead.distributed.ring_attention` (``q (B, Hq, S, D)``,
+    ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` in ``layout``; the mask of the whole attention),
+    with two more conditions: ``P`` divides ``Hq``, and ``P`` divides ``Hkv`` or ``Hkv`` divides
+    ``P`` (KV heads are then replicated). Any mask: the local call sees the whole sequence.
+    """
+    world, rank = check_group(group, _WHERE)
+    error, summary, shards = None, {}, None
+    try:
+        shards = check_qkv(_WHERE, q, k, v, world)
+        check_layout(layout, _WHERE)
+        if shards.Sq != shards.Sk:
+            raise ValueError(f"{_WHERE}: q holds {shards.Sq} positions but k holds {shards.Sk} on this rank; the "
+                             "all-to-all exchanges one sequence, so expected equal shards (use ring_attention for "
+                             "Lq != Lk)")
+        check_divisible(_WHERE, "L", shards.Lq, world, layout)
+        if shards.Hq % world:
+            raise ValueError(f"{_WHERE}: Hq={shards.Hq} query heads do not split over {world} ranks; expected a "
+                             f"multiple of {world}; hint: ring_attention has no condition on heads")
+        if shards.Hkv % world and world % shards.Hkv:
+            raise ValueError(f"{_WHERE}: Hkv={shards.Hkv} key/value heads neither split over {world} ranks nor divide "
+                             f"{world} (to be replicated); expected a multiple or a divisor of {world}")
+        mask = check_mask(_WHERE, mask, shards)
+        scale = check_scale(_WHERE, scale, shards.D)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
+        summary = {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": str(q.dtype),
+                   "layout": layout, "mask": mask_fingerprint(mask), "scale": scale, "return_lse": return_lse,
+                   "backend": backend}
+    except (TypeError, ValueError) as e:
+        error = e
+    agree(_WHERE, group, rank, error, summary)
+
+    S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
+    if Hkv % world:  # replicate: rank j then receives KV head kv_head_of(j·Hq/P)
+        k = k.repeat_interleave(world // Hkv, dim=1)  # (B, P, S, D)
+        v = v.repeat_interleave(world // Hkv, dim=1)  # (B, P, S, Dv)
+    order = layout_order(S, world, layout).to(q.device)  # the position of each gathered row
+    natural = None if layout == "contiguous" else torch.argsort(order)
+    qh = _to_heads(q, group, natural)  # (B, Hq/P, L, D)
+    kh = _to_heads(k, group, natural)  # (B, Hkv/P or 1, L, D)
+    vh = _to_heads(v, group, natural)  # (B, Hkv/P or 1, L, Dv)
+    local_mask = _heads_of(mask, rank * (Hq // world), Hq // world, Hq)
+    res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=True, backend=backend)
+    out = _to_sequence(res.output, group, order if natural is not None else None)  # (B, Hq, S, Dv)
+    if not return_lse:
+        return out
+    lse = _to_sequence(res.lse.unsqueeze(-1), group, order if natural is not None else None).squeeze(-1)
+    return AttentionResult(out, None, lse)  # lse (B, Hq, S)
+
+
+def _to_heads(x: Tensor, group, natural: Tensor | None) -> Tensor:
+    """``(B, H, S, ·)`` sequence shards -> ``(B, H/P, L, ·)`` head shards in position order."""
+    y = _AllToAll.apply(x, group, 1, 2)  # (B, H/P, L, ·) in layout order
+    return y if natural is None else y.index_select(2, natural)
+
+
+def _to_sequence(y: Tensor, group, order: Tensor | None) -> Tensor:
+    """``(B, H/P, L, ·)`` in position order -> ``(B, H, S, ·)`` this rank's sequence shard."""
+    y = y if order is None else y.index_select(2, order)  # layout order
+    return _AllToAll.apply(y, group, 2, 1)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split ``x`` along ``scatter`` into ``P`` parts, part ``j`` to rank ``j``; concatenate what
+    arrives along ``gather`` in rank order. Its gradient is the opposite exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter: int, gather: int):
+        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
+        return _all_to_all(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
+
+
+def _all_to_all(x: Tensor, group, scatter: int, gather: int) -> Tensor:
+    P = dist.get_world_size(group)
+    parts = [p.contiguous() for p in x.chunk(P, dim=scatter)]
+    received = [torch.empty_like(parts[0]) for _ in range(P)]
+    dist.all_to_all(received, parts, group=group)
+    return torch.cat(received, dim=gather)
+
+
+def _heads_of(mask: Mask | None, h0: int, count: int, Hq: int) -> Mask | None:
+    """The global mask read for query heads ``[h0, h0 + count)`` as heads ``0..count-1``. Masks
+    whose meaning cannot depend on the head (band, padding, documents) are returned as they are."""
+    if mask is None or not (mask.kinds() & {"tensor", "custom"}):
+        return mask
+    if isinstance(mask, TensorMask) and mask.tensor.shape[1] in (1, Hq):
+        return mask if mask.tensor.shape[1] == 1 else TensorMask(mask.tensor[:, h0:h0 + count], name=mask.name)
+    return _HeadSlice(mask, h0)
+
+
+class _HeadSlice(Mask):
+    """``inner`` with head ``h`` read as head ``h + h0`` (a rank's share of the heads)."""
+
+    kind = "custom"
+
+    def __init__(self, inner: Mask, h0: int):
+        self._set(inner=inner, h0=h0)
+
+    def _mod(self, b, h, q, kv, q_len, kv_len):
+        return self.inner._mod(b, h + self.h0, q, kv, q_len, kv_len)
+
+    def _describe(self):
+        return f"({self.inner._describe()}).heads_from({self.h0})"
+
+    def depends_on_lengths(self):
+        return self.inner.depends_on_lengths()
+
+    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+        # The inner answer covers every head up to ours: true of any subset of them too.
+        return self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads + self.h0)
+
+    def _key_range(self, q0, q1, q_len, kv_len):
+        return self.inner._key_range(q0, q1, q_len, kv_len)

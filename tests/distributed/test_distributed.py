@@ -1,0 +1,46 @@
+"""Ring and Ulysses attention in worlds of 2, 3 and 4 gloo processes, against single-process
+:func:`multihead.attention` (fp64: ``assert_close``; fp32: the relative rule of TESTING.md).
+
+Each world is started once per session (``dist_world.run_world``) and runs every check of
+``dist_checks`` for it; each test below reads the result of one check on every rank. The whole
+default tier costs about 30 s on two cores, most of it computing, not starting processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dist_checks  # noqa: E402
+from dist_world import report, run_world  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with the gloo backend is not available in this build")
+
+WORLD_TIMEOUT = 300.0  # seconds for a whole world; a hang fails every check it did not finish
+
+
+def names_for(world: int) -> list[str]:
+    # Halving the world (error growth) needs an even world.
+    return [n for n in dist_checks.CHECKS if not (n == "ring-error-does-not-grow" and world % 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def world_results(world: int) -> dict:
+    return run_world(world, names_for(world), timeout=WORLD_TIMEOUT)
+
+
+CASES = [(w, n) for w in (2, 3, 4) for n in names_for(w)]
+
+
+@pytest.mark.parametrize("world,name", CASES, ids=[f"P{w}-{n}" for w, n in CASES])
+def test_sharded_equals_single_process(world, name):
+    results = world_results(world)[name]
+    failures = report(results)
+    assert not failures, f"{name} failed in a world of {world}:\n{failures}"
