@@ -7,7 +7,7 @@ import torch
 
 from multihead import capture_attention
 from multihead.apps.demo import _decode_with_cache
-from multihead.caches import ConcatKVCache
+from multihead.caches import DynamicKVCache
 from multihead.models import CausalDecoder, DecoderConfig, RecallTask
 from multihead.models.decoder import DecoderCache
 from multihead.models.recall import IGNORE_INDEX
@@ -72,7 +72,7 @@ def test_the_model_cache_holds_one_layer_cache_per_block_and_resets():
     ids = torch.randint(13, (2, 7))
     cache = model.new_cache()
     assert isinstance(cache, DecoderCache) and len(cache) == 3
-    assert all(isinstance(layer, ConcatKVCache) for layer in cache.layers)
+    assert all(isinstance(layer, DynamicKVCache) for layer in cache.layers)
     with torch.no_grad():
         first = torch.cat([model(ids[:, :4], cache), model(ids[:, 4:], cache)], dim=1)
         assert [layer.length for layer in cache.layers] == [7, 7, 7]
@@ -83,13 +83,13 @@ def test_the_model_cache_holds_one_layer_cache_per_block_and_resets():
         full = model(ids)
     torch.testing.assert_close(first, full, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(again, full, rtol=1e-5, atol=1e-5)
-    assert repr(cache) == "DecoderCache(layers=3 x ConcatKVCache, length=7)"
+    assert repr(cache) == "DecoderCache(layers=3 x DynamicKVCache, length=7)"
 
 
 @pytest.mark.parametrize("cache, error, regex", [
-    (lambda: DecoderCache([ConcatKVCache()]), ValueError,
+    (lambda: DecoderCache([DynamicKVCache()]), ValueError,
      r"cache: expected a DecoderCache of 2 layers \(model.new_cache\(\)\), got 1 layers"),
-    (lambda: ConcatKVCache(), TypeError, r"cache: expected None or a DecoderCache \(model.new_cache\(\)\), got ConcatKVCache"),
+    (lambda: DynamicKVCache(), TypeError, r"cache: expected None or a DecoderCache \(model.new_cache\(\)\), got DynamicKVCache"),
 ])
 def test_decoder_refuses_a_cache_that_does_not_fit(cache, error, regex):
     model = CausalDecoder(DecoderConfig(vocab_size=5, max_len=8, d_model=8, num_layers=2, num_heads=2))

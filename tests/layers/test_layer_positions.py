@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
-from multihead.caches import ConcatKVCache
+from multihead.caches import DynamicKVCache
 from multihead.positions import ALiBi, RelativePositionBias
 from helpers import aligned_distance, loop_bucket as t5_bucket, paper_slopes
 
@@ -207,7 +207,7 @@ def test_layer_without_sinks_has_none():
 
 # ---------------------------------------------------------------------- cached decoding
 def _decode(layer, x, chunks):
-    cache, outs, t = ConcatKVCache(), [], 0
+    cache, outs, t = DynamicKVCache(), [], 0
     for n in chunks:
         outs.append(layer(x[:, t:t + n], kv_cache=cache))
         t += n

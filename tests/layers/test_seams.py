@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
-from multihead.caches import ConcatKVCache
+from multihead.caches import DynamicKVCache
 from multihead.layers.compat import MultiheadAttention
 from multihead.models import CausalDecoder, DecoderConfig
 
@@ -75,7 +75,7 @@ def _layer(Hq=4, Hkv=None, *, batch_first=True, dtype=DT, rope=False, E=24, **kw
 def _decode(layer, x, chunks, **kw):
     """Feed ``x`` (layer's layout) through a fresh cache in chunks of the given lengths; the outputs
     concatenated along L, and the cache."""
-    cache, outs, t = ConcatKVCache(), [], 0
+    cache, outs, t = DynamicKVCache(), [], 0
     seq = 1 if layer.batch_first else 0
     for n in chunks:
         outs.append(layer(x.narrow(seq, t, n), kv_cache=cache, **kw))
@@ -111,7 +111,7 @@ def test_cached_weights_are_the_rows_of_the_full_weights_and_are_captured():
     layer = _layer(4, 2).eval()
     x = torch.randn(2, 7, 24, dtype=DT)
     _, full = layer(x, need_weights=True)  # (B, Hq, 7, 7)
-    cache = ConcatKVCache()
+    cache = DynamicKVCache()
     layer(x[:, :4], kv_cache=cache)
     with mh.capture_attention(layer) as cap:
         out, w = layer(x[:, 4:6], kv_cache=cache, need_weights=True)
@@ -130,7 +130,7 @@ def test_a_call_mask_covers_all_cached_keys():
     torch.testing.assert_close(cached, full)
     dense = torch.rand(2, 1, 8, 8) > 0.3  # a tensor mask: each call passes the rows of its queries
     dense[..., 0] = True
-    cache, outs = ConcatKVCache(), []
+    cache, outs = DynamicKVCache(), []
     for q0, q1 in [(0, 5), (5, 6), (6, 8)]:
         outs.append(layer(x[:, q0:q1], kv_cache=cache, mask=dense[:, :, q0:q1, :q1]))
     torch.testing.assert_close(torch.cat(outs, dim=1), layer(x, mask=dense))
@@ -140,7 +140,7 @@ def test_without_causal_new_tokens_see_each_other_and_the_cache():
     torch.manual_seed(1)
     layer = mh.MultiHeadAttention(16, 2, dtype=DT).eval()  # causal=False
     x = torch.randn(1, 6, 16, dtype=DT)
-    cache = ConcatKVCache()
+    cache = DynamicKVCache()
     layer(x[:, :4], kv_cache=cache)
     out = layer(x[:, 4:], kv_cache=cache)
     torch.testing.assert_close(out, layer(x[:, 4:], x, x))  # queries 4, 5 over all six keys
@@ -181,7 +181,7 @@ def test_explicit_positions_with_a_cache_are_used_as_given():
     x = torch.randn(2, 6, 24, dtype=DT)
     positions = torch.tensor([[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])
     full = layer(x, positions=positions)
-    cache, outs = ConcatKVCache(), []
+    cache, outs = DynamicKVCache(), []
     for q0, q1 in [(0, 4), (4, 5), (5, 6)]:
         outs.append(layer(x[:, q0:q1], kv_cache=cache, positions=positions[:, q0:q1]))
     torch.testing.assert_close(torch.cat(outs, dim=1), full)
@@ -234,13 +234,13 @@ BAD = [  # (name, layer options, call(layer, cache), error, message); the cache 
     ("cross-attention, key is a copy", {}, lambda m, c: m(x1, x1.clone(), kv_cache=c), ValueError,
      r"kv_cache is only valid for self-attention"),
     ("not a cache", {}, lambda m, c: m(x1, kv_cache={"k": None}), TypeError,
-     r"kv_cache must be None or a multihead.caches.KVCache \(for example ConcatKVCache\(\)\), got dict"),
+     r"kv_cache must be None or a multihead.caches.KVCache \(for example DynamicKVCache\(\)\), got dict"),
     ("cache of other kv heads", {"Hkv": 4}, lambda m, c: m(x1, kv_cache=c), ValueError,
-     r"ConcatKVCache.update: new keys/values have Hkv=4 but the 5 stored tokens have Hkv=2"),
+     r"DynamicKVCache.update: new keys/values have Hkv=4 but the cache holds Hkv=2 \(5 tokens"),
     ("cache of other batch", {}, lambda m, c: m(torch.randn(3, 1, 24, dtype=DT), kv_cache=c), ValueError,
-     r"ConcatKVCache.update: new keys/values have B=3 but the 5 stored tokens have B=2"),
+     r"DynamicKVCache.update: new keys/values have B=3 but the cache holds B=2"),
     ("cache of other dtype", {"dtype": torch.float32}, lambda m, c: m(x1.float(), kv_cache=c), TypeError,
-     r"ConcatKVCache.update: new keys/values have dtype torch.float32 but the stored ones torch.float64"),
+     r"DynamicKVCache.update: new keys/values have dtype torch.float32 but the cache holds torch.float64"),
     ("mask over cached keys only", {}, lambda m, c: m(x1, kv_cache=c, mask=torch.ones(2, 1, 1, 5, dtype=torch.bool)),
      ValueError, r"\(2, 1, 1, 5\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 4, 1, 6\)"),
     ("rope with cross-attention", {"rope": True}, lambda m, c: m(x5, memory), ValueError,
@@ -258,14 +258,14 @@ def _with_rope(layer, rope):
 
 @pytest.mark.parametrize("options, call, error, pattern", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_a_bad_call_leaves_the_cache_unchanged(options, call, error, pattern):
-    cache = ConcatKVCache()
+    cache = DynamicKVCache()
     _layer(4, 2).eval()(x5, kv_cache=cache)  # 5 tokens of a GQA layer with 2 KV heads, fp64
-    keys, values = cache.keys, cache.values
+    keys, values = cache.keys.clone(), cache.values.clone()
     options = {"Hkv": 2, **options}
     layer = _layer(4, options.pop("Hkv"), **options).eval()
     with pytest.raises(error, match=pattern):
         call(layer, cache)
-    assert cache.length == 5 and cache.keys is keys and cache.values is values
+    assert cache.length == 5 and torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
 
 
 def test_constructor_refuses_a_rope_that_is_not_callable():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import multihead as mh
 from helpers import assert_relative
-from multihead.caches import ConcatKVCache
+from multihead.caches import DynamicKVCache
 from multihead.positions.rotary import (DynamicNTKScaling, Llama3Scaling, LinearScaling, RotaryEmbedding,
                                         YaRNScaling, apply_rotary)
 
@@ -331,7 +331,7 @@ def test_cached_decoding_equals_the_full_forward(rope, dtype, schedule, offset):
     positions = torch.arange(L) + offset
     with torch.no_grad():
         full = layer(x, positions=positions) if offset else layer(x)  # default positions: arange(L)
-        cache, outs, t = ConcatKVCache(), [], 0
+        cache, outs, t = DynamicKVCache(), [], 0
         for n in chunks:
             step = positions[t:t + n] if offset else None  # default with a cache: cache.length + arange(n)
             outs.append(layer(x[:, t:t + n], kv_cache=cache, positions=step))

@@ -1,19 +1,25 @@
 """Key/value caches for step-by-step decoding, behind one interface.
 
-A cache holds one attention layer's keys ``(B, Hkv, T, D)`` and values ``(B, Hkv, T, Dv)`` for
-the ``T`` tokens seen so far (notation of :mod:`multihead.conventions`). A layer hands it the
-keys and values of its new tokens and attends over everything it returns::
+A cache holds one attention layer's keys ``(B, Hkv, ·, D)`` and values ``(B, Hkv, ·, Dv)`` for
+the tokens seen so far (notation of :mod:`multihead.conventions`), ``Hkv`` heads only: GQA and MQA
+layers store ``Hq / Hkv`` times less. A layer hands it the new tokens' keys and values and attends
+over what it returns::
 
-    k_all, v_all = cache.update(k_new, v_new)   # (B, Hkv, Lnew, ·) in, (B, Hkv, T + Lnew, ·) out
+    read = cache.update(k_new, v_new)      # (B, Hkv, Lnew, ·) in; read.keys (B, Hkv, S, ·) out
+    mask = read.mask(call_mask, causal=True, heads=Hq)   # at absolute positions
 
-* :class:`KVCache`: the interface (``length``, ``update``, ``reset``) that
-  :class:`multihead.MultiHeadAttention` uses through its ``kv_cache=`` argument;
-* :class:`ConcatKVCache`: the simplest cache, grown by ``torch.cat``.
+* :class:`KVCache`: the interface :class:`multihead.MultiHeadAttention` uses through ``kv_cache=``;
+  :class:`CacheRead`, what an update returns;
+* :class:`DynamicKVCache`: grows as needed (eager decoding);
+* :class:`StaticKVCache`: preallocated, one length per row, compiles without recompiling;
+* :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention.
 
-Static, sliding-window and paged caches implement the same interface.
+``docs/inference.md`` shows each in use.
 """
 
-from multihead.caches.base import KVCache
-from multihead.caches.concat import ConcatKVCache
+from multihead.caches.base import CacheRead, KVCache
+from multihead.caches.dynamic import DynamicKVCache
+from multihead.caches.sliding import SlidingWindowKVCache
+from multihead.caches.static import StaticKVCache
 
-__all__ = ["KVCache", "ConcatKVCache"]
+__all__ = ["KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache"]

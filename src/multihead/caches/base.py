@@ -1,69 +1,164 @@
-"""``KVCache``: what an attention layer needs from a key/value cache, and nothing more.
+"""``KVCache``: what an attention layer needs from a key/value cache, and :class:`CacheRead`, what
+one update gives back.
 
-The layer projects only the new tokens, applies its rotary module to their keys, then calls
-:meth:`KVCache.update` and attends over what it returns. Queries at positions
-``length .. length + Lnew - 1`` see the ``T = length + Lnew`` keys through a bottom-right
-``causal()`` mask (see :mod:`multihead.conventions`)::
+The layer projects only the new tokens, rotates their keys at their positions, then calls
+:meth:`KVCache.update` and attends over the slots it returns. Positions are *absolute*: the
+``i``-th token of a sequence is at position ``i``, whatever slot of the cache holds it. Queries at
+positions ``p`` see the keys at positions ``<= p`` (causal), which is the bottom-right
+``causal()`` of the whole sequence (see :mod:`multihead.conventions`)::
 
-    length=3, Lnew=2:   k0 k1 k2 k3 k4
+    3 cached, 2 new:    k0 k1 k2 k3 k4
                    q3    1  1  1  1  .
                    q4    1  1  1  1  1
+
+Three caches implement the interface:
+
+* :class:`~multihead.caches.DynamicKVCache`: slot ``j`` holds position ``j``; grows as needed;
+* :class:`~multihead.caches.StaticKVCache`: preallocated ``max_len`` slots (slot ``j`` holds
+  position ``j``), each batch row with its own length, fixed shapes for ``torch.compile``;
+* :class:`~multihead.caches.SlidingWindowKVCache`: a ring buffer keeping the last ``window``
+  tokens, for a ``sliding_window(window)`` attention.
+
+A refused update, crop or reorder raises before anything changes. :meth:`KVCache.rollback`
+undoes the last update (a layer whose attention call fails after the update calls it).
 """
 
 from __future__ import annotations
 
 import abc
+from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
-__all__ = ["KVCache", "check_update", "check_truncate"]
+from multihead.masks import Mask, causal as causal_mask
+
+__all__ = ["KVCache", "CacheRead", "check_kv", "check_indices", "EMPTY_POSITION"]
+
+#: The position of a slot that holds no token: no query position reaches it, so a causal or
+#: window mask at absolute positions never shows it.
+EMPTY_POSITION = 1 << 62
+
+
+class CacheRead(NamedTuple):
+    """What :meth:`KVCache.update` returns: the slots to attend over and where their tokens sit.
+
+    ``keys (B, Hkv, S, D)``, ``values (B, Hkv, S, Dv)``: ``S`` slots, the new tokens included.
+    ``query_positions``: ``(Lq,)`` or ``(B, Lq)``, the absolute positions of the new tokens.
+    ``key_positions``: ``(S,)`` or ``(B, S)``, the absolute position of the token in each slot
+    (:data:`EMPTY_POSITION` for an empty slot); ``None`` when slot ``j`` holds position ``j`` and
+    every slot is filled (then the new tokens are the last ``Lq`` slots, rows alike).
+    ``window``: the cache keeps only the ``window`` keys before each query: a query sees
+    positions ``p - window .. p`` and no older one (``None``: no limit).
+    """
+
+    keys: Tensor
+    values: Tensor
+    query_positions: Tensor
+    key_positions: Tensor | None = None
+    window: int | None = None
+
+    @property
+    def contiguous(self) -> bool:
+        return self.key_positions is None
+
+    def mask(self, mask: Mask | Tensor | None, causal: bool, heads: int = 1) -> Mask | Tensor | None:
+        """The mask of the attention over these slots: the call's ``mask``, the causal rule if
+        ``causal``, the cache's window, and no empty slot.
+
+        A mask object means the same thing whatever the cache: it is read on the square attention
+        of the whole sequence, at the tokens' absolute positions. A tensor mask (or a mask built
+        on one) is over the call's ``(Lq, S)`` slots as returned. A contiguous read keeps mask objects (fast paths see
+        ``causal()``); other reads give a bool tensor ``(B|1, heads|1, Lq, S)``, small for the decode
+        steps such caches serve. ``heads`` is ``Hq``, for masks that differ per head.
+        """
+        Lq, S = self.query_positions.shape[-1], self.keys.shape[2]
+        whole = _whole_length(mask, S) if isinstance(mask, Mask) and not _call_frame(mask) else None
+        if self.contiguous:
+            if whole is not None and (S > Lq or whole != S):
+                mask = mask.shifted(S - Lq, 0, q_len=whole, kv_len=whole)  # the sequence's square, at the new tokens
+            if not causal:
+                return mask
+            return causal_mask() if mask is None else mask & causal_mask()
+        q = self.query_positions.view(-1, 1, Lq, 1)  # (B|1, 1, Lq, 1)
+        kv = self.key_positions.view(-1, 1, 1, S)  # (B|1, 1, 1, S)
+        stored = kv != EMPTY_POSITION
+        allowed = stored & (kv <= q) if causal else stored
+        if self.window is not None:
+            allowed = allowed & (kv >= q - self.window)
+        if isinstance(mask, Mask) and _call_frame(mask):
+            allowed = allowed & mask.materialize(self.keys.shape[0], heads, Lq, S, q.device)
+        elif isinstance(mask, Mask):
+            b = torch.arange(self.keys.shape[0], device=q.device).view(-1, 1, 1, 1)
+            h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
+            kv_read = torch.where(stored, kv, torch.zeros_like(kv))  # empty slots: hidden, read anywhere
+            if not torch.compiler.is_compiling() and whole != S and int(q.max()) >= whole:
+                raise ValueError(f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
+                                 f"position {int(q.max())}; build it over the whole sequence")
+            allowed = allowed & mask.mask_mod(b, h, q, kv_read)  # square: bottom-right reads as top-left
+        elif isinstance(mask, Tensor):
+            allowed = allowed & (mask if mask.dtype == torch.bool else mask != float("-inf"))
+        return allowed
 
 
 class KVCache(abc.ABC):
     """One attention layer's keys and values for the tokens seen so far.
 
-    A subclass stores them as it likes (concatenated, preallocated, in pages, a sliding window)
-    but answers the same three questions. :meth:`update` validates its inputs before it changes
-    anything: a refused update leaves the cache as it was.
+    A subclass stores them as it likes but answers the same questions. Every mutating method
+    validates its inputs first: a refused call leaves the cache as it was.
     """
 
     @property
     @abc.abstractmethod
     def length(self) -> int:
-        """``T``, the number of tokens stored (0 when empty)."""
+        """The number of tokens stored, the longest row's (0 when empty)."""
 
     @abc.abstractmethod
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def next_positions(self, new: int, device=None) -> Tensor:
+        """The absolute positions ``(new,)`` or ``(B, new)`` the next ``new`` tokens will take."""
+
+    @abc.abstractmethod
+    def slots(self, new: int) -> int:
+        """``S``, the number of slots :meth:`update` will return for ``new`` tokens."""
+
+    @abc.abstractmethod
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         """Store the keys ``k (B, Hkv, Lnew, D)`` and values ``v (B, Hkv, Lnew, Dv)`` of ``Lnew``
-        new tokens, placed after the ``length`` stored ones.
-
-        Returns every stored key and value, ``(B, Hkv, T, D)`` and ``(B, Hkv, T, Dv)`` with
-        ``T = length + Lnew``, oldest token first.
-        """
+        new tokens at ``positions`` (default :meth:`next_positions`) and return every slot to
+        attend over (:class:`CacheRead`)."""
 
     @abc.abstractmethod
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` tokens and forget the rest (``0 <= length <= self.length``):
-        a layer call that fails after :meth:`update` rolls back this way, and speculative
-        decoding drops rejected tokens this way."""
+    def rollback(self) -> None:
+        """Undo the last :meth:`update` (once): a layer whose attention call fails after it."""
+
+    @abc.abstractmethod
+    def crop(self, length: int | Tensor) -> None:
+        """Keep the first ``length`` tokens (an int, or ``(B,)`` one per row) and forget the rest:
+        speculative decoding drops rejected tokens this way."""
+
+    @abc.abstractmethod
+    def reorder(self, indices: Tensor) -> None:
+        """Batch row ``i`` becomes the old row ``indices[i]`` (beam search); ``indices (B',)``."""
 
     @abc.abstractmethod
     def reset(self) -> None:
-        """Forget every token: ``length`` becomes 0 and the next update may start a new sequence
-        (of any batch size, heads, head dims, dtype and device)."""
+        """Forget every token."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held for keys, values and bookkeeping (allocated, whether filled or not)."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(length={self.length})"
+        return f"{type(self).__name__}(length={self.length}, nbytes={self.nbytes})"
 
 
-def check_update(cache: str, k, v, stored_k: Tensor | None = None, stored_v: Tensor | None = None) -> None:
-    """Refuse an update that the cache could not store as the continuation of what it holds.
-
-    ``k (B, Hkv, Lnew, D)`` and ``v (B, Hkv, Lnew, Dv)`` must be 4-D tensors of one dtype and
-    device, agreeing on ``B, Hkv, Lnew``; against ``stored_k``/``stored_v`` (whatever the cache
-    keeps, ``(B, Hkv, ·, D)``/``(B, Hkv, ·, Dv)``) they must also agree on ``B, Hkv, D, Dv``,
-    dtype and device. Raises before anything is stored. ``cache`` names the caller in messages.
-    """
+# ------------------------------------------------------------------------------------ checks
+def check_kv(cache: str, k, v, *, batch: int | None = None, heads: int | None = None, head_dim: int | None = None,
+             value_dim: int | None = None, dtype=None, device=None, held: str = "") -> None:
+    """Refuse keys/values the cache could not store. ``k (B, Hkv, Lnew, D)``, ``v (B, Hkv, Lnew, Dv)``
+    must be 4-D tensors of one dtype and device agreeing on ``B, Hkv, Lnew``, and agree with what
+    the cache holds where given (``held`` describes it for messages)."""
     where = f"{cache}.update"
     for name, t, last in (("k", k, "D"), ("v", v, "Dv")):
         if not isinstance(t, Tensor):
@@ -77,27 +172,64 @@ def check_update(cache: str, k, v, stored_k: Tensor | None = None, stored_v: Ten
         raise TypeError(f"{where}: k and v must share a dtype, got {k.dtype} and {v.dtype}")
     if k.device != v.device:
         raise ValueError(f"{where}: k and v must be on one device, got {k.device} and {v.device}")
-    if stored_k is None:
-        return
-    B, Hkv, T, D = stored_k.shape
-    Dv = stored_v.shape[-1]
-    hint = "; hint: use one cache per layer, and reset() it before a new sequence"
-    for what, got, expected in (("B", k.shape[0], B), ("Hkv", k.shape[1], Hkv), ("D", k.shape[3], D),
-                                ("Dv", v.shape[3], Dv)):
-        if got != expected:
-            raise ValueError(f"{where}: new keys/values have {what}={got} but the {T} stored tokens have "
-                             f"{what}={expected} (stored k {tuple(stored_k.shape)}, v {tuple(stored_v.shape)}; "
-                             f"got k {tuple(k.shape)}, v {tuple(v.shape)}){hint}")
-    if k.dtype != stored_k.dtype:
-        raise TypeError(f"{where}: new keys/values have dtype {k.dtype} but the stored ones {stored_k.dtype}{hint}")
-    if k.device != stored_k.device:
-        raise ValueError(f"{where}: new keys/values are on {k.device} but the stored ones on {stored_k.device}{hint}")
+    hint = "; hint: use one cache per layer, and reset() it before a sequence of another shape"
+    for what, got, expected in (("B", k.shape[0], batch), ("Hkv", k.shape[1], heads), ("D", k.shape[3], head_dim),
+                                ("Dv", v.shape[3], value_dim)):
+        if expected is not None and got != expected:
+            raise ValueError(f"{where}: new keys/values have {what}={got} but the cache holds {what}={expected} "
+                             f"({held}; got k {tuple(k.shape)}, v {tuple(v.shape)}){hint}")
+    if dtype is not None and k.dtype != dtype:
+        raise TypeError(f"{where}: new keys/values have dtype {k.dtype} but the cache holds {dtype} ({held}){hint}")
+    if device is not None and k.device != torch.device(device):
+        raise ValueError(f"{where}: new keys/values are on {k.device} but the cache is on {device} ({held}){hint}")
 
 
-def check_truncate(cache: str, length, stored: int) -> int:
-    """``length`` as a valid argument of :meth:`KVCache.truncate` for a cache holding ``stored``."""
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise TypeError(f"{cache}.truncate: length must be an int, got {type(length).__name__}")
-    if not 0 <= length <= stored:
-        raise ValueError(f"{cache}.truncate: length must be in [0, {stored}] (the tokens stored), got {length}")
+def check_indices(cache: str, indices, batch: int, device) -> Tensor:
+    """``indices`` of :meth:`KVCache.reorder`: a 1-D integer tensor (or list) of rows in ``[0, batch)``."""
+    where = f"{cache}.reorder"
+    if isinstance(indices, (list, tuple)):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+            raise TypeError(f"{where}: indices must be ints, got {indices!r}")
+        indices = torch.tensor(indices, dtype=torch.int64)
+    if not isinstance(indices, Tensor) or indices.is_floating_point() or indices.dtype == torch.bool \
+            or indices.is_complex() or indices.dim() != 1:
+        got = f"dtype {indices.dtype}, shape {tuple(indices.shape)}" if isinstance(indices, Tensor) \
+            else type(indices).__name__
+        raise TypeError(f"{where}: indices must be a 1-D integer tensor of batch rows (beam search), got {got}")
+    if indices.numel() == 0:
+        raise ValueError(f"{where}: indices select no row; expected at least one row in [0, {batch})")
+    if not torch.compiler.is_compiling():
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= batch:
+            raise ValueError(f"{where}: indices must be rows in [0, {batch}), got values in [{low}, {high}]")
+    return indices.to(device=device, dtype=torch.int64)
+
+
+def check_crop(cache: str, length, batch: int | None) -> int | Tensor:
+    """``length`` of :meth:`KVCache.crop`: a non-negative int, or a ``(B,)`` integer tensor (per row)."""
+    where = f"{cache}.crop"
+    if isinstance(length, bool) or not isinstance(length, (int, Tensor)):
+        raise TypeError(f"{where}: length must be an int or a (B,) integer tensor, got {type(length).__name__}")
+    if isinstance(length, int):
+        if length < 0:
+            raise ValueError(f"{where}: length must be >= 0, got {length}")
+        return length
+    if length.is_floating_point() or length.dtype == torch.bool or length.dim() != 1 or \
+            (batch is not None and length.shape[0] != batch):
+        raise TypeError(f"{where}: a length tensor must be integers of shape (B,) = ({batch},), got dtype "
+                        f"{length.dtype}, shape {tuple(length.shape)}")
+    if not torch.compiler.is_compiling() and length.numel() and int(length.min()) < 0:
+        raise ValueError(f"{where}: lengths must be >= 0, got {length.tolist()}")
     return length
+
+
+def _call_frame(mask: Mask) -> bool:
+    """A mask holding a dense tensor is over the call's slots, not at positions."""
+    return "tensor" in mask.kinds()
+
+
+def _whole_length(mask: Mask, slots: int) -> int:
+    """The length of the whole sequence a mask object is read in: what its own tensors cover
+    (document ids, ...), else the slots (a square; bottom-right then reads as top-left)."""
+    q_extent, kv_extent = mask.extent()
+    return max(e for e in (q_extent, kv_extent, 0) if e is not None) or slots

@@ -14,7 +14,7 @@ KV head ``h // (Hq // Hkv)``), ``Hkv = 1`` multi-query. With ``batch_first=False
 
 Two seams sit between the split and :func:`multihead.attention`, for self-attention only::
 
-    q (B, Hq, Lq, D), k (B, Hkv, Lq, D) -rope(·, positions)-> -kv_cache.update(k, v)-> k, v (B, Hkv, T, ·)
+    q (B, Hq, Lq, D), k (B, Hkv, Lq, D) -rope(·, positions)-> -kv_cache.update(k, v)-> k, v (B, Hkv, S, ·)
 
 an injected rotary module (``rope=``) and a key/value cache (``kv_cache=``, a
 :class:`multihead.caches.KVCache`). The common end, ``attention() -> merge -> out_proj``, is
@@ -31,13 +31,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.backends.registry import check_backend_name
-from multihead.caches import KVCache
+from multihead.caches import CacheRead, KVCache
 from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
 from multihead.call import mask_and_score_mod
 from multihead.masks import Mask
 from multihead.scores import ScoreMod, as_score_mod, softcap as softcap_mod
+from multihead.scores.user import UserScoreMod
 from multihead.masks import causal as causal_mask
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
@@ -154,17 +155,23 @@ class MultiHeadAttention(nn.Module):
             value: ``(B, Lk, vdim)``; default ``key``.
             mask: a mask object (``multihead.causal()``, ``key_padding(lengths)``, ...) or a bool
                 (``True`` = may attend) or float (additive) tensor broadcastable to
-                ``(B, Hq, Lq, Lk)``, with ``Lk = T`` (all cached keys) when ``kv_cache`` is given.
-                With ``causal=True`` it is combined as ``mask & causal()``.
+                ``(B, Hq, Lq, Lk)``. With ``causal=True`` it is combined as ``mask & causal()``.
+                With ``kv_cache``, a mask object is read at the tokens' absolute positions in the
+                whole sequence (so ``sliding_window(w)`` or ``document(ids)`` mean what they mean
+                without a cache), and a tensor is over the ``S`` slots the cache returns
+                (:meth:`~multihead.caches.KVCache.slots`; ``S = T`` for a ``DynamicKVCache``).
             positions: ``(Lq,)`` or ``(B, Lq)`` integer tensor, the absolute positions of the query
-                tokens, handed to ``rope``; default ``kv_cache.length + arange(Lq)`` with a cache,
-                ``arange(Lq)`` without. Without ``rope`` it is checked and otherwise unused.
+                tokens, handed to ``rope`` and to the cache; default
+                ``kv_cache.next_positions(Lq)`` with a cache (each row continues after its own
+                cached tokens), ``arange(Lq)`` without. Without ``rope`` or cache it is checked and
+                otherwise unused.
             kv_cache: a :class:`multihead.caches.KVCache` holding the keys and values of the tokens
                 before ``query``; self-attention only. The layer projects only ``query``, rotates
                 its keys, stores them with :meth:`~multihead.caches.KVCache.update` and attends over
-                the ``T = kv_cache.length + Lq`` keys it returns. ``causal=True`` then means the
-                bottom-right ``causal()`` over ``(Lq, T)``: new token ``i`` sees every cached key and
-                the new keys up to itself. A call that raises leaves the cache unchanged.
+                the slots it returns. ``causal=True`` then means "keys at positions up to the
+                query's" (the bottom-right ``causal()`` of the whole sequence), per row for a
+                ``StaticKVCache`` whose rows differ in length. A call that raises leaves the cache
+                as it was (:meth:`~multihead.caches.KVCache.rollback`).
             need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` used for the output
                 (before dropout). Off by default: the fast path never computes them.
             score_mod: a :mod:`multihead.scores` modifier (or list) for this call, as in
@@ -187,15 +194,18 @@ class MultiHeadAttention(nn.Module):
                      batch_first=self.batch_first, weight=getattr(self.q_proj, "weight", None))
         check_flag(layer, "need_weights", need_weights)
         B, Lq = dims(query, self.batch_first)
-        past = 0 if kv_cache is None else kv_cache.length
-        Lk = dims(key, self.batch_first)[1] if kv_cache is None else past + Lq  # T with a cache
-        mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
+        if kv_cache is None:
+            Lk = dims(key, self.batch_first)[1]
+            mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
         if positions is not None:
             positions = _check_positions(layer, positions, B, Lq, query.device)
+        elif kv_cache is not None:
+            positions = kv_cache.next_positions(Lq, query.device)  # (Lq,) or (B, Lq): after the cached tokens
         elif self.rope is not None:
-            positions = torch.arange(past, past + Lq, device=query.device)  # (Lq,)
+            positions = torch.arange(Lq, device=query.device)  # (Lq,)
         # The arguments are checked. What is left to refuse (a rope result of the wrong shape, keys
-        # the cache cannot store) is refused before kv_cache.update changes anything.
+        # the cache cannot store) is refused before kv_cache.update changes anything; what fails
+        # after it (a mask over the cached keys, a backend) rolls the cache back.
 
         q, k, v = self._project(query, key, value)  # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, Lq, D)
@@ -204,22 +214,27 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             q = self._rotate(q, positions, "query")  # (B, Hq, Lq, D)
             k = self._rotate(k, positions, "key")  # (B, Hkv, Lq, D), rotated once, before it is cached
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)  # (B, Hkv, T, D): the cached keys, then these
-        try:
-            out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
-                                        sinks=self.sinks,
-                                        dropout_p=self.dropout if self.training else 0.0,
-                                        need_weights=need_weights, backend=self.backend)  # (B, Lq, E)
-        except BaseException:
-            if kv_cache is not None:  # e.g. a forced backend that refuses: the cache is as it was
-                kv_cache.truncate(past)
-            raise
+        if kv_cache is None:
+            out, weights = self._attend(q, k, v, mask, score_mod, need_weights)  # (B, Lq, E)
+        else:
+            read = kv_cache.update(k, v, positions)  # the cached keys and these, (B, Hkv, S, ·)
+            try:
+                mask, score_mod = self._cache_mask(read, mask, self._score_mods(score_mod), B, Lq)
+                out, weights = self._attend(q, read.keys, read.values, mask, score_mod, need_weights)
+            except BaseException:  # e.g. a forced backend that refuses: the cache is as it was
+                kv_cache.rollback()
+                raise
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
         return (out, weights) if need_weights else out
 
     # ------------------------------------------------------------------------------ helpers
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, score_mod, need_weights: bool):
+        """:func:`attend_heads` with this layer's projection, sinks, dropout and backend."""
+        return attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod, sinks=self.sinks,
+                            dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
+                            backend=self.backend)
+
     def _score_mods(self, call_mod) -> list | None:
         """The layer's modifier (a module is called for it), then the call's, then the softcap."""
         mods = []
@@ -234,10 +249,8 @@ class MultiHeadAttention(nn.Module):
         """The call's mask (and score modifier), checked against ``(B, Hq, Lq, Lk)`` before any
         work, ``& causal()``. A float mask is split as :func:`multihead.attention` splits it.
 
-        With a cache ``Lk = T``: the same bottom-right ``causal()`` object serves prefill
-        (``Lq = T``) and every later step (``Lq < T``), see :mod:`multihead.caches.base`. The
-        combination is built once per distinct mask value (masks hash by value) and reused, so
-        backends' plan caches see the same mask on every call."""
+        The combination is built once per distinct mask value (masks hash by value) and reused,
+        so backends' plan caches see the same mask on every call. (With a cache, :meth:`_cache_mask`.)"""
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
         if mask is not None:
             mask.check(B, self.num_heads, Lq, Lk)
@@ -256,6 +269,23 @@ class MultiHeadAttention(nn.Module):
                 self._combined.pop(next(iter(self._combined)))
             self._combined[mask] = combined
         return combined, score_mod
+
+    def _cache_mask(self, read: CacheRead, mask, score_mod, B: int, Lq: int) -> tuple[Mask | Tensor | None, ScoreMod | None]:
+        """The call's mask and modifiers over the slots a cache returned (:meth:`CacheRead.mask`):
+        mask objects at absolute positions, tensors over the ``(Lq, S)`` slots, ``causal=True``
+        as "keys at positions up to the query's"."""
+        S = read.keys.shape[2]
+        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
+        if mask is not None:
+            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(B, self.num_heads, None, None)
+        if score_mod is not None:
+            score_mod.check(B, self.num_heads, Lq, S)
+            if not read.contiguous and any(m.relative or isinstance(m, UserScoreMod)
+                                           for m in getattr(score_mod, "mods", [score_mod])):
+                raise ValueError(f"{type(self).__name__}: score_mod {score_mod._describe()} reads query and key "
+                                 f"indices, which this cache's slots (not in position order, or rows of different "
+                                 f"lengths) do not give as positions; hint: use DynamicKVCache with it")
+        return read.mask(mask, self.causal, self.num_heads), score_mod
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The three input projections, as one matmul where the inputs allow it.
@@ -372,7 +402,7 @@ def _qkv_biases(layer: str, qkv_bias) -> tuple[bool, bool, bool]:
 def _check_cache(layer: str, kv_cache, self_attention: bool, key) -> None:
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
-                        f"ConcatKVCache()), got {type(kv_cache).__name__}")
+                        f"DynamicKVCache()), got {type(kv_cache).__name__}")
     if not self_attention:
         raise ValueError(f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
                          f"stores the keys of the query tokens; got a separate key of shape {tuple(key.shape)}; "

@@ -4,22 +4,25 @@ decoding step by step through the layer's ``kv_cache=`` seam.
     ids (B, L) -> tok_emb + pos_emb -> [x = x + attn(norm1(x)); x = x + mlp(norm2(x))] * n_layers
                -> norm -> head -> logits (B, L, V)
 
-The attention layers are ``causal=True``. Without a cache each block calls its layer as is; with
-a :class:`DecoderCache` block ``i`` calls ``attn(h, kv_cache=cache[i])`` and the layer projects
-only the new tokens, stores their keys and values in that layer's
-:class:`~multihead.caches.ConcatKVCache` and attends over all of them with the bottom-right
-``causal()`` (see :mod:`multihead.conventions`), so prefill and one-token steps share one mask::
+The attention layers are ``causal=True`` (and ``sliding_window(window)`` when the config sets a
+window). Without a cache each block calls its layer as is; with a :class:`DecoderCache` block ``i``
+calls ``attn(h, kv_cache=cache[i])`` and the layer projects only the new tokens, stores their keys
+and values in that layer's :class:`~multihead.caches.KVCache` and attends over all of them at
+their absolute positions (see :mod:`multihead.caches`), so prefill and one-token steps share one
+mask::
 
     prefill Lq=Lk=3     step Lq=1, Lk=4
     1 . .               1 1 1 1
     1 1 .
     1 1 1
 
-``test_decoder.py`` checks that cached decoding equals the uncached forward.
+``test_decoder.py`` checks that cached decoding equals the uncached forward, and
+:meth:`CausalDecoder.generate` decodes with any of the three caches (compiled, for the static one).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.caches import ConcatKVCache, KVCache
+from multihead.caches import DynamicKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.layers import MultiHeadAttention
+from multihead.masks import sliding_window
 
 __all__ = ["DecoderConfig", "CausalDecoder", "DecoderCache"]
 
@@ -43,6 +47,7 @@ class DecoderConfig:
     num_kv_heads: int | None = None  # Hkv; None = num_heads
     mlp_ratio: int = 4
     dropout: float = 0.0
+    window: int | None = None  # sliding_window(window) attention; None: full causal
 
 
 class DecoderCache:
@@ -62,6 +67,24 @@ class DecoderCache:
     @property
     def length(self) -> int:
         return self.layers[0].length
+
+    def next_positions(self, new: int, device=None) -> Tensor:
+        """The positions ``(new,)`` or ``(B, new)`` the next tokens take (every layer agrees)."""
+        return self.layers[0].next_positions(new, device)
+
+    def crop(self, length) -> None:
+        """:meth:`~multihead.caches.KVCache.crop` every layer (an int, or one length per row)."""
+        for cache in self.layers:
+            cache.crop(length)
+
+    def reorder(self, indices) -> None:
+        """:meth:`~multihead.caches.KVCache.reorder` every layer (beam search)."""
+        for cache in self.layers:
+            cache.reorder(indices)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for cache in self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -84,11 +107,12 @@ class DecoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(E)
         self.attn = MultiHeadAttention(E, config.num_heads, num_kv_heads=config.num_kv_heads,
                                        dropout=config.dropout, causal=True)
+        self.window = None if config.window is None else sliding_window(config.window)
         self.norm2 = nn.LayerNorm(E)
         self.mlp = nn.Sequential(nn.Linear(E, config.mlp_ratio * E), nn.GELU(), nn.Linear(config.mlp_ratio * E, E))
 
     def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
-        x = x + self.attn(self.norm1(x), kv_cache=kv_cache)  # (B, L, E)
+        x = x + self.attn(self.norm1(x), kv_cache=kv_cache, mask=self.window)  # (B, L, E)
         return x + self.mlp(self.norm2(x))
 
 
@@ -109,14 +133,35 @@ class CausalDecoder(nn.Module):
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size)
 
-    def new_cache(self) -> DecoderCache:
-        """An empty cache for :meth:`forward`: one :class:`~multihead.caches.ConcatKVCache` per layer."""
-        return DecoderCache(ConcatKVCache() for _ in self.blocks)
+    def new_cache(self, kind: str = "dynamic", *, batch_size: int = 1, max_len: int | None = None) -> DecoderCache:
+        """An empty cache for :meth:`forward`, one per layer: ``kind="dynamic"``
+        (:class:`~multihead.caches.DynamicKVCache`), ``"static"`` (a
+        :class:`~multihead.caches.StaticKVCache` of ``batch_size`` rows and ``max_len`` slots,
+        default the model's ``max_len``) or ``"sliding"`` (a
+        :class:`~multihead.caches.SlidingWindowKVCache` of the config's ``window``)."""
+        c = self.config
+        Hkv = c.num_kv_heads or c.num_heads
+        D = c.d_model // c.num_heads
+        param = self.tok_emb.weight
+        if kind == "dynamic":
+            layers = [DynamicKVCache() for _ in self.blocks]
+        elif kind == "static":
+            slots = c.max_len if max_len is None else max_len
+            layers = [StaticKVCache(batch_size, slots, Hkv, D, dtype=param.dtype, device=param.device)
+                      for _ in self.blocks]
+        elif kind == "sliding":
+            if c.window is None:
+                raise ValueError("new_cache: kind='sliding' needs a model with a sliding window (DecoderConfig(window=...)); "
+                                 "this one attends to every earlier token: use 'dynamic' or 'static'")
+            layers = [SlidingWindowKVCache(c.window, batch_size, Hkv, D, dtype=param.dtype, device=param.device)
+                      for _ in self.blocks]
+        else:
+            raise ValueError(f"new_cache: kind must be 'dynamic', 'static' or 'sliding', got {kind!r}")
+        return DecoderCache(layers)
 
     def forward(self, ids: Tensor, cache: DecoderCache | None = None) -> Tensor:
-        """``ids (B, L)``; with ``cache``, the tokens come after the ``cache.length`` cached ones and
-        the cache is extended in place. Returns logits ``(B, L, V)``."""
-        start = 0
+        """``ids (B, L)``; with ``cache``, the tokens come after the cached ones (per row for a static
+        cache whose rows differ) and the cache is extended in place. Returns logits ``(B, L, V)``."""
         if cache is not None:
             if not isinstance(cache, DecoderCache):
                 raise TypeError(f"cache: expected None or a DecoderCache (model.new_cache()), "
@@ -124,16 +169,108 @@ class CausalDecoder(nn.Module):
             if len(cache) != len(self.blocks):
                 raise ValueError(f"cache: expected a DecoderCache of {len(self.blocks)} layers "
                                  f"(model.new_cache()), got {len(cache)} layers")
-            start = cache.length
-        if start + ids.shape[1] > self.config.max_len:
-            raise ValueError(f"ids: {start} cached + {ids.shape[1]} new tokens exceed max_len={self.config.max_len}")
-        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+            pos = cache.next_positions(ids.shape[1], ids.device)  # (L,) or (B, L)
+        else:
+            pos = torch.arange(ids.shape[1], device=ids.device)
+        if not torch.compiler.is_compiling() and pos.numel() and int(pos.max()) >= self.config.max_len:
+            raise ValueError(f"ids: {int(pos.min())} cached + {ids.shape[1]} new tokens exceed "
+                             f"max_len={self.config.max_len}")
         x = self.tok_emb(ids) + self.pos_emb(pos)  # (B, L, E)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
         return self.head(self.norm(x))
 
+    @torch.no_grad()
+    def generate(self, prompt_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, cache: str = "static", prompt_lengths: Tensor | None = None,
+                 compile: bool = False, generator: torch.Generator | None = None,
+                 progress: bool | None = None) -> Tensor:
+        """Continue ``prompt_ids (B, P)`` by ``max_new_tokens`` tokens; returns them, ``(B, max_new_tokens)``.
+
+        Args:
+            temperature: 0 picks the most likely token (greedy); otherwise sample from
+                ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely if given.
+            cache: ``"static"``, ``"dynamic"`` or ``"sliding"`` (:meth:`new_cache`).
+            prompt_lengths: ``(B,)`` real lengths of right-padded prompts (static cache): each row
+                continues after its own last real token.
+            compile: run the one-token step under ``torch.compile(fullgraph=True)`` (static cache:
+                fixed shapes, compiled once).
+            generator: for sampling.
+            progress: print a progress line to stderr; default: for runs of 256 tokens or more on
+                a terminal.
+        """
+        _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, prompt_lengths, self.config)
+        B, P = prompt_ids.shape
+        total = P + max_new_tokens
+        kv = self.new_cache(cache, batch_size=B, max_len=total) if cache != "dynamic" else self.new_cache(cache)
+        logits = self(prompt_ids, kv)  # (B, P, V)
+        if prompt_lengths is not None:
+            lengths = prompt_lengths.to(prompt_ids.device, torch.int64)
+            kv.crop(lengths)
+            last = logits[torch.arange(B, device=logits.device), lengths - 1]  # (B, V)
+        else:
+            last = logits[:, -1]
+        step = torch.compile(self._step, fullgraph=True) if compile else self._step
+        show = progress if progress is not None else (max_new_tokens >= 256 and sys.stderr.isatty())
+        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=prompt_ids.device)
+        for t in range(max_new_tokens):
+            token = _pick(last, temperature, top_k, generator)  # (B,)
+            out[:, t] = token
+            if t + 1 < max_new_tokens:
+                last = step(token.view(B, 1), kv)  # (B, V)
+            if show and (t + 1) % 64 == 0 or show and t + 1 == max_new_tokens:
+                print(f"\rgenerate: {t + 1}/{max_new_tokens} tokens", end="", file=sys.stderr, flush=True)
+        if show:
+            print(file=sys.stderr)
+        return out
+
+    def _step(self, token: Tensor, cache: DecoderCache) -> Tensor:
+        """One decode step: ``token (B, 1)`` -> next-token logits ``(B, V)``."""
+        return self(token, cache)[:, -1]
+
     def loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Cross-entropy over the scored targets (``-100`` elsewhere)."""
         logits = self(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _pick(logits: Tensor, temperature: float, top_k: int | None, generator) -> Tensor:
+    """The next token of each row from ``logits (B, V)``: greedy at temperature 0, else sampled."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).view(-1)
+
+
+def _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, prompt_lengths, config) -> None:
+    if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.is_floating_point():
+        got = f"dtype {prompt_ids.dtype}, shape {tuple(prompt_ids.shape)}" if isinstance(prompt_ids, Tensor) \
+            else type(prompt_ids).__name__
+        raise TypeError(f"generate: prompt_ids must be an integer tensor (B, P), got {got}")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("generate: prompt_ids must hold at least one token per row, got shape "
+                         f"{tuple(prompt_ids.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if prompt_ids.shape[1] + max_new_tokens > config.max_len:
+        raise ValueError(f"generate: {prompt_ids.shape[1]} prompt + {max_new_tokens} new tokens exceed the model's "
+                         f"max_len={config.max_len}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"generate: temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"generate: top_k must be None or a positive int, got {top_k!r}")
+    if cache not in ("static", "dynamic", "sliding"):
+        raise ValueError(f"generate: cache must be 'static', 'dynamic' or 'sliding', got {cache!r}")
+    if prompt_lengths is not None:
+        if cache != "static":
+            raise ValueError(f"generate: prompt_lengths (rows of different lengths) needs cache='static', got {cache!r}")
+        if not isinstance(prompt_lengths, Tensor) or prompt_lengths.shape != (prompt_ids.shape[0],) \
+                or prompt_lengths.is_floating_point():
+            raise ValueError(f"generate: prompt_lengths must be an integer tensor ({prompt_ids.shape[0]},), got "
+                             f"{prompt_lengths!r}")
+        if int(prompt_lengths.min()) < 1 or int(prompt_lengths.max()) > prompt_ids.shape[1]:
+            raise ValueError(f"generate: prompt_lengths must be in [1, {prompt_ids.shape[1]}], got "
+                             f"{prompt_lengths.tolist()}")

@@ -1,0 +1,128 @@
+"""``DynamicKVCache``: a cache that grows as tokens arrive, for eager decoding.
+
+Keys and values live in buffers ``(B, Hkv, capacity, D)`` whose first ``length`` slots are filled,
+slot ``j`` holding the token at call order ``j``. An update writes the new tokens after them and
+returns views of the filled slots; when the buffers are full they are reallocated at twice the
+size (amortised ``O(1)`` copying per token, not a ``torch.cat`` of everything per step). Every
+row has the same length; :class:`~multihead.caches.StaticKVCache` holds rows of different lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.caches.base import CacheRead, KVCache, check_crop, check_indices, check_kv
+
+__all__ = ["DynamicKVCache"]
+
+
+class DynamicKVCache(KVCache):
+    """One layer's keys ``(B, Hkv, T, D)`` and values ``(B, Hkv, T, Dv)``, grown by doubling.
+
+    Args:
+        capacity: slots allocated at the first update (at least the tokens it brings); later
+            growth doubles it. Shapes, dtype and device come from the first update and hold until
+            :meth:`reset`.
+
+    ``keys``/``values`` are views of the filled slots (``None`` while empty)::
+
+        cache = DynamicKVCache()
+        read = cache.update(k, v)     # prefill (B, Hkv, 5, D): read.keys (B, Hkv, 5, D)
+        read = cache.update(k1, v1)   # one step (B, Hkv, 1, D): read.keys (B, Hkv, 6, D)
+        cache.length                  # 6
+    """
+
+    def __init__(self, capacity: int = 256):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"DynamicKVCache: capacity must be a positive int, got {capacity!r}")
+        self.initial_capacity = capacity
+        self._k: Tensor | None = None  # (B, Hkv, capacity, D)
+        self._v: Tensor | None = None  # (B, Hkv, capacity, Dv)
+        self._length = 0
+        self._undo: int | None = None  # the length before the last update
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None else self._k.shape[2]
+
+    @property
+    def keys(self) -> Tensor | None:
+        return None if self._k is None else self._k[:, :, :self._length]
+
+    @property
+    def values(self) -> Tensor | None:
+        return None if self._v is None else self._v[:, :, :self._length]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
+
+    def next_positions(self, new: int, device=None) -> Tensor:
+        return torch.arange(self._length, self._length + new, device=device)
+
+    def slots(self, new: int) -> int:
+        return self._length + new
+
+    # ------------------------------------------------------------------------------ changes
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
+        name = type(self).__name__
+        if self._k is None:
+            check_kv(name, k, v)
+        else:
+            B, Hkv, _, D = self._k.shape
+            check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self._v.shape[3], dtype=self._k.dtype,
+                     device=self._k.device, held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}")
+        new = k.shape[2]
+        query_positions = self.next_positions(new, k.device) if positions is None else positions
+        end = self._length + new
+        if self._k is None or end > self.capacity:
+            self._grow(k, v, max(end, 2 * self.capacity, self.initial_capacity))
+        self._k[:, :, self._length:end] = k
+        self._v[:, :, self._length:end] = v
+        self._undo, self._length = self._length, end
+        return CacheRead(self._k[:, :, :end], self._v[:, :, :end], query_positions)
+
+    def _grow(self, k: Tensor, v: Tensor, capacity: int) -> None:
+        B, Hkv, _, D = k.shape
+        new_k = k.new_empty(B, Hkv, capacity, D)
+        new_v = v.new_empty(B, Hkv, capacity, v.shape[3])
+        if self._k is not None and self._length:
+            new_k[:, :, :self._length] = self._k[:, :, :self._length]
+            new_v[:, :, :self._length] = self._v[:, :, :self._length]
+        self._k, self._v = new_k, new_v
+
+    def rollback(self) -> None:
+        if self._undo is None:
+            raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
+        self._length, self._undo = self._undo, None
+
+    def crop(self, length: int | Tensor) -> None:
+        length = check_crop(type(self).__name__, length, None)
+        if isinstance(length, Tensor):
+            raise TypeError(f"{type(self).__name__}.crop: every row has the same length here, so length must be an "
+                            f"int, got a tensor {tuple(length.shape)}; hint: StaticKVCache keeps one length per row")
+        if length > self._length:
+            raise ValueError(f"{type(self).__name__}.crop: length must be in [0, {self._length}] (the tokens "
+                             f"stored), got {length}")
+        self._length, self._undo = length, None
+
+    def reorder(self, indices: Tensor) -> None:
+        if self._k is None:
+            raise ValueError(f"{type(self).__name__}.reorder: the cache is empty; nothing to reorder")
+        indices = check_indices(type(self).__name__, indices, self._k.shape[0], self._k.device)
+        self._k = self._k.index_select(0, indices)
+        self._v = self._v.index_select(0, indices)
+        self._undo = None
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self._length, self._undo = 0, None
+
+    def __repr__(self) -> str:
+        return f"DynamicKVCache(length={self._length}, capacity={self.capacity}, nbytes={self.nbytes})"

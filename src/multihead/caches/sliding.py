@@ -1,0 +1,161 @@
+"""``SlidingWindowKVCache``: a ring buffer holding what a ``sliding_window(window)`` mask can see.
+
+A query at position ``p`` under ``causal() & sliding_window(window)`` sees positions
+``p - window .. p``: ``window + 1`` tokens. The cache keeps the last ``window + 1`` tokens (plus
+``extra``) in ``capacity`` slots, the token at position ``p`` in slot ``p % capacity``, so memory
+stays fixed however long the sequence runs. Slots are not in position order; every slot carries
+its token's position and the mask (:meth:`CacheRead.mask`) reads them::
+
+    window=2, capacity 3, after 7 tokens:   slot  0  1  2
+                                           holds p6 p4 p5
+
+A one-token step writes its token first and attends over the ring (its oldest slot, the one
+overwritten, was out of its window). A step of several tokens (chunked prefill, speculative
+verification) attends over the ring *and* its own tokens, then keeps the newest ones; its first
+query still finds its ``window`` predecessors. The cache applies the window itself: a layer
+decoding with it computes ``causal() & sliding_window(window)`` (with whatever mask it is given).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.caches.base import EMPTY_POSITION, CacheRead, KVCache, check_crop, check_indices, check_kv
+
+__all__ = ["SlidingWindowKVCache"]
+
+
+class SlidingWindowKVCache(KVCache):
+    """The last ``window + 1 + extra`` tokens of each row, in a ring.
+
+    Args:
+        window: the ``left`` of ``sliding_window(window)``: a query sees the ``window`` tokens
+            before it and itself.
+        batch_size, num_kv_heads, head_dim: ``B``, ``Hkv``, ``D``; ``value_dim``: ``Dv`` (default ``D``).
+        extra: tokens kept beyond the window, so that :meth:`crop` may go back ``extra + 1``
+            tokens (speculative decoding); 0 keeps exactly what the window can see.
+        dtype, device: of the stored keys and values.
+    """
+
+    def __init__(self, window: int, batch_size: int, num_kv_heads: int, head_dim: int, *,
+                 value_dim: int | None = None, extra: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        value_dim = head_dim if value_dim is None else value_dim
+        for name, value, low in (("window", window, 0), ("batch_size", batch_size, 1), ("num_kv_heads", num_kv_heads, 1),
+                                 ("head_dim", head_dim, 1), ("value_dim", value_dim, 1), ("extra", extra, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"SlidingWindowKVCache: {name} must be an int >= {low}, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"SlidingWindowKVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self.window, self.extra = window, extra
+        capacity = window + 1 + extra
+        self.keys = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch_size, num_kv_heads, capacity, value_dim, dtype=dtype, device=device)
+        self.positions = torch.full((capacity,), EMPTY_POSITION, dtype=torch.int64, device=self.keys.device)
+        self._length = 0
+        self._undo = None  # (length, slots, keys, values, positions) overwritten by the last update
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def length(self) -> int:
+        """Tokens seen so far (the positions the next token continues from), not tokens held."""
+        return self._length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
+
+    def next_positions(self, new: int, device=None) -> Tensor:
+        return torch.arange(self._length, self._length + new, device=device)
+
+    def slots(self, new: int) -> int:
+        return self.capacity if new == 1 else self.capacity + new
+
+    # ------------------------------------------------------------------------------ changes
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
+        name = type(self).__name__
+        B, Hkv, C, D = self.keys.shape
+        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.values.shape[3], dtype=self.keys.dtype,
+                 device=self.keys.device,
+                 held=f"SlidingWindowKVCache(window={self.window}, batch_size={B}, num_kv_heads={Hkv}, head_dim={D})")
+        new = k.shape[2]
+        expected = self.next_positions(new, self.keys.device)
+        if positions is not None:
+            _check_positions(name, positions, expected, B)
+        if new == 1:
+            read_k = read_v = read_pos = None
+        else:  # the ring as it is, then the new tokens: the first new query's predecessors are all there
+            read_k, read_v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+            read_pos = torch.cat([self.positions, expected])
+        kept = min(new, C)  # only the newest C tokens can stay
+        kept_pos = expected[new - kept:]
+        slots = kept_pos % C
+        self._undo = (self._length, slots, self.keys[:, :, slots].clone(), self.values[:, :, slots].clone(),
+                      self.positions[slots].clone())
+        self.keys[:, :, slots] = k[:, :, new - kept:]
+        self.values[:, :, slots] = v[:, :, new - kept:]
+        self.positions[slots] = kept_pos
+        self._length += new
+        if new == 1:
+            return CacheRead(self.keys, self.values, expected, self.positions.clone(), self.window)
+        return CacheRead(read_k, read_v, expected, read_pos, self.window)
+
+    def rollback(self) -> None:
+        if self._undo is None:
+            raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
+        self._length, slots, keys, values, positions = self._undo
+        self.keys[:, :, slots], self.values[:, :, slots], self.positions[slots] = keys, values, positions
+        self._undo = None
+
+    def crop(self, length: int | Tensor) -> None:
+        name = type(self).__name__
+        length = check_crop(name, length, None)
+        if isinstance(length, Tensor):
+            raise TypeError(f"{name}.crop: every row has the same length here, so length must be an int, got a "
+                            f"tensor {tuple(length.shape)}")
+        if length > self._length:
+            raise ValueError(f"{name}.crop: length must be in [0, {self._length}] (the tokens seen), got {length}")
+        needed = max(0, length - self.window)  # the next query (at `length`) sees positions needed..length-1
+        held = self.positions[self.positions != EMPTY_POSITION]
+        oldest = int(held.min()) if held.numel() else 0
+        if needed < oldest and length > 0:
+            raise ValueError(f"{name}.crop: going back to {length} tokens needs positions {needed}..{length - 1}, but "
+                             f"the ring (capacity {self.capacity}) only holds {oldest}..{self._length - 1}; crop at most "
+                             f"{self.extra + 1} tokens back, or create the cache with a larger extra=")
+        self.positions.masked_fill_(self.positions >= length, EMPTY_POSITION)
+        self._length, self._undo = length, None
+
+    def reorder(self, indices: Tensor) -> None:
+        B = self.keys.shape[0]
+        indices = check_indices(type(self).__name__, indices, B, self.keys.device)
+        if indices.shape[0] != B:
+            raise ValueError(f"{type(self).__name__}.reorder: the cache keeps batch_size={B} rows, so indices must "
+                             f"hold {B} rows, got {indices.shape[0]}")
+        self.keys.copy_(self.keys.index_select(0, indices))
+        self.values.copy_(self.values.index_select(0, indices))
+        self._undo = None
+
+    def reset(self) -> None:
+        self.positions.fill_(EMPTY_POSITION)
+        self._length, self._undo = 0, None
+
+    def __repr__(self) -> str:
+        B, Hkv, C, D = self.keys.shape
+        return (f"SlidingWindowKVCache(window={self.window}, capacity={C}, batch_size={B}, num_kv_heads={Hkv}, "
+                f"head_dim={D}, length={self._length}, nbytes={self.nbytes})")
+
+
+def _check_positions(name: str, positions, expected: Tensor, B: int) -> None:
+    new = expected.shape[0]
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        raise TypeError(f"{name}.update: positions must be an integer tensor ({new},) or ({B}, {new})")
+    if tuple(positions.shape) not in ((new,), (B, new)):
+        raise ValueError(f"{name}.update: positions must have shape ({new},) or ({B}, {new}), got {tuple(positions.shape)}")
+    if not torch.equal(positions.to(expected.device).expand(B, new), expected.expand(B, new)):
+        raise ValueError(f"{name}.update: positions must continue the sequence: expected {expected.tolist()} after "
+                         f"{int(expected[0])} tokens, got {positions.tolist()}; going back needs crop() first")

@@ -1,0 +1,150 @@
+"""``StaticKVCache``: preallocated slots, one length per batch row, fixed shapes for ``torch.compile``.
+
+Slot ``j`` of row ``b`` holds the token at position ``j`` of that row's sequence; row ``b`` has
+``lengths[b]`` tokens (a tensor on the cache's device, FlashAttention's ``cache_seqlens``). An
+update writes row ``b``'s new tokens at slots ``lengths[b], lengths[b] + 1, ...`` with one
+scatter and returns *all* ``max_len`` slots; the mask (:meth:`CacheRead.mask`) hides the slots a
+query may not see, so causal and window masks align to each row's own length::
+
+    lengths = [3, 1], one new token each (x = new, . = hidden)
+    row 0:  k0 k1 k2 x  .  .      row 1:  k0 x  .  .  .  .
+
+A decode step therefore has the same shapes whatever the lengths, with no ``.item()`` and no
+Python branch on data: compiled once, it never recompiles. The checks that need the lengths on
+the host (writing past ``max_len``, positions that do not continue a row) run in eager mode and
+are skipped while compiling.
+
+Rows of different lengths come from a padded prefill: run the prompts right-padded to one length,
+then :meth:`crop` each row to its real length (the pads sit after the real tokens, so no real
+token saw them, and the next tokens overwrite them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.caches.base import EMPTY_POSITION, CacheRead, KVCache, check_crop, check_indices, check_kv
+
+__all__ = ["StaticKVCache"]
+
+
+class StaticKVCache(KVCache):
+    """Keys ``(B, Hkv, max_len, D)`` and values ``(B, Hkv, max_len, Dv)``, allocated once.
+
+    Args:
+        batch_size, max_len, num_kv_heads, head_dim: ``B``, the slots per row, ``Hkv`` and ``D``.
+        value_dim: ``Dv``; default ``head_dim``.
+        dtype, device: of the stored keys and values.
+    """
+
+    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
+                 value_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        for name, value in (("batch_size", batch_size), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("value_dim", head_dim if value_dim is None else value_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"StaticKVCache: {name} must be a positive int, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"StaticKVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        value_dim = head_dim if value_dim is None else value_dim
+        self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.keys.device)  # (B,)
+        self.max_len = max_len
+        self._undo: Tensor | None = None  # the lengths before the last update
+        self._slots = torch.arange(max_len, device=self.keys.device)  # (max_len,): slot j holds position j
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def length(self) -> int:
+        """The longest row's length (a host synchronisation: eager use only)."""
+        return int(self.lengths.max())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lengths))
+
+    def next_positions(self, new: int, device=None) -> Tensor:
+        return self.lengths.view(-1, 1) + torch.arange(new, device=self.lengths.device)  # (B, new)
+
+    def slots(self, new: int) -> int:
+        return self.max_len
+
+    def _held(self) -> str:
+        B, Hkv, S, D = self.keys.shape
+        return f"StaticKVCache(batch_size={B}, max_len={S}, num_kv_heads={Hkv}, head_dim={D})"
+
+    # ------------------------------------------------------------------------------ changes
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
+        name = type(self).__name__
+        B, Hkv, S, D = self.keys.shape
+        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.values.shape[3], dtype=self.keys.dtype,
+                 device=self.keys.device, held=self._held())
+        new = k.shape[2]
+        expected = self.next_positions(new)  # (B, new)
+        if positions is None:
+            positions = expected
+        elif not torch.compiler.is_compiling():
+            _check_positions(name, positions, expected, B, new)
+        if not torch.compiler.is_compiling():
+            longest = int(self.lengths.max())
+            if longest + new > S:
+                raise ValueError(f"{name}.update: writing {new} tokens after the {longest} stored in the longest row "
+                                 f"would pass max_len={S}; hint: allocate a larger cache or crop it first")
+        slots = expected.view(B, 1, new, 1)  # (B, 1, new, 1): row b's tokens at slots lengths[b]..
+        self.keys.scatter_(2, slots.expand(B, Hkv, new, D), k)
+        self.values.scatter_(2, slots.expand(B, Hkv, new, self.values.shape[3]), v)
+        self._undo = self.lengths.clone()
+        self.lengths += new
+        stored = torch.where(self._slots < self.lengths.view(-1, 1), self._slots, EMPTY_POSITION)  # (B, S)
+        return CacheRead(self.keys, self.values, expected, stored)
+
+    def rollback(self) -> None:
+        if self._undo is None:
+            raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
+        self.lengths.copy_(self._undo)
+        self._undo = None
+
+    def crop(self, length: int | Tensor) -> None:
+        B = self.keys.shape[0]
+        length = check_crop(type(self).__name__, length, B)
+        target = torch.full_like(self.lengths, length) if isinstance(length, int) else \
+            length.to(self.lengths.device, torch.int64)
+        if not torch.compiler.is_compiling() and bool((target > self.lengths).any()):
+            raise ValueError(f"{type(self).__name__}.crop: length must not exceed the tokens stored per row "
+                             f"{self.lengths.tolist()}, got {target.tolist()}")
+        self.lengths.copy_(target)
+        self._undo = None
+
+    def reorder(self, indices: Tensor) -> None:
+        B = self.keys.shape[0]
+        indices = check_indices(type(self).__name__, indices, B, self.keys.device)
+        if indices.shape[0] != B:
+            raise ValueError(f"{type(self).__name__}.reorder: a static cache keeps batch_size={B} rows, so indices "
+                             f"must hold {B} rows, got {indices.shape[0]}")
+        self.keys.copy_(self.keys.index_select(0, indices))
+        self.values.copy_(self.values.index_select(0, indices))
+        self.lengths.copy_(self.lengths.index_select(0, indices))
+        self._undo = None
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self._undo = None
+
+    def __repr__(self) -> str:
+        return f"{self._held()[:-1]}, lengths={self.lengths.tolist()}, nbytes={self.nbytes})"
+
+
+def _check_positions(name: str, positions, expected: Tensor, B: int, new: int) -> None:
+    """Positions given to a static cache must continue each row: slot = position."""
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        raise TypeError(f"{name}.update: positions must be an integer tensor (new,) or (B, new), got "
+                        f"{type(positions).__name__ if not isinstance(positions, Tensor) else positions.dtype}")
+    if tuple(positions.shape) not in ((new,), (B, new)):
+        raise ValueError(f"{name}.update: positions must have shape ({new},) or ({B}, {new}), got {tuple(positions.shape)}")
+    got = positions.to(expected.device).expand(B, new)
+    if not torch.equal(got, expected):
+        raise ValueError(f"{name}.update: positions must continue each row (slot = position): expected "
+                         f"{expected.tolist()} after the stored lengths {expected[:, 0].tolist()}, got {got.tolist()}; "
+                         f"positions going backwards need crop() first, and a gap would leave an empty slot")

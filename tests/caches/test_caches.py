@@ -1,0 +1,246 @@
+"""The three caches on their own: what an update stores and returns, growth, nbytes, crop,
+reorder, reset, rollback, and refused calls that change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead.caches import CacheRead, DynamicKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.caches.base import EMPTY_POSITION
+
+B, HKV, D, DV = 2, 3, 5, 7
+
+
+def _kv(L, B=B, Hkv=HKV, D=D, Dv=DV, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, Hkv, L, D, generator=g, dtype=dtype), torch.randn(B, Hkv, L, Dv, generator=g, dtype=dtype)
+
+
+def _static(max_len=12):
+    return StaticKVCache(B, max_len, HKV, D, value_dim=DV, dtype=torch.float64)
+
+
+def _sliding(window=3, extra=0):
+    return SlidingWindowKVCache(window, B, HKV, D, value_dim=DV, extra=extra, dtype=torch.float64)
+
+
+MAKERS = {"dynamic": DynamicKVCache, "static": _static, "sliding": _sliding}
+
+
+def _state(cache) -> list:
+    """Everything a cache holds, copied, to compare before and after a refused call."""
+    if isinstance(cache, DynamicKVCache):
+        return [cache.length, None if cache.keys is None else cache.keys.clone(),
+                None if cache.values is None else cache.values.clone()]
+    if isinstance(cache, StaticKVCache):
+        return [cache.keys.clone(), cache.values.clone(), cache.lengths.clone()]
+    return [cache.length, cache.keys.clone(), cache.values.clone(), cache.positions.clone()]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (isinstance(x, torch.Tensor) and torch.equal(x, y)) or x == y
+        for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------- storage
+def test_dynamic_cache_returns_every_token_oldest_first_and_grows_by_doubling():
+    cache = DynamicKVCache(capacity=4)
+    assert cache.length == 0 and cache.keys is None and cache.nbytes == 0
+    chunks = [_kv(L, seed=i) for i, L in enumerate([3, 1, 1, 3, 1])]
+    capacities = []
+    for n, (k, v) in enumerate(chunks, start=1):
+        read = cache.update(k, v)
+        expected_k = torch.cat([c[0] for c in chunks[:n]], dim=2)
+        assert isinstance(read, CacheRead) and read.contiguous
+        assert torch.equal(read.keys, expected_k) and torch.equal(read.values, torch.cat([c[1] for c in chunks[:n]], 2))
+        assert torch.equal(read.query_positions, torch.arange(expected_k.shape[2] - k.shape[2], expected_k.shape[2]))
+        capacities.append(cache.capacity)
+    assert capacities == [4, 4, 8, 8, 16]  # 3, 4, 5 (doubled), 8, 9 (doubled): amortised, not one cat per step
+    assert cache.nbytes == 16 * B * HKV * (D + DV) * 8
+
+
+def test_static_cache_writes_each_row_at_its_own_length_and_returns_all_slots():
+    cache = _static(max_len=6)
+    k, v = _kv(3)
+    cache.update(k, v)
+    cache.crop(torch.tensor([3, 1]))  # row 1 keeps one token
+    k1, v1 = _kv(1, seed=1)
+    read = cache.update(k1, v1)
+    assert read.keys is cache.keys and read.keys.shape == (B, HKV, 6, D)
+    assert torch.equal(read.query_positions, torch.tensor([[3], [1]]))
+    assert torch.equal(cache.keys[0, :, 3], k1[0, :, 0]) and torch.equal(cache.keys[1, :, 1], k1[1, :, 0])
+    assert torch.equal(cache.keys[0, :, :3], k[0]) and torch.equal(cache.keys[1, :, 0], k[1, :, 0])
+    assert cache.lengths.tolist() == [4, 2] and cache.length == 4
+    allowed = read.mask(None, causal=True)  # (B, 1, 1, 6): each row sees its own tokens only
+    assert allowed[:, 0, 0].tolist() == [[True] * 4 + [False] * 2, [True] * 2 + [False] * 4]
+    assert cache.nbytes == B * HKV * 6 * (D + DV) * 8 + B * 8
+
+
+def test_sliding_cache_keeps_the_last_window_plus_one_tokens_in_a_ring():
+    cache = _sliding(window=2)  # capacity 3
+    k, v = _kv(7)
+    for t in range(7):
+        read = cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert cache.positions.tolist() == [6, 4, 5]  # slot p % 3
+    assert torch.equal(read.keys[:, :, 0], k[:, :, 6]) and read.window == 2
+    assert read.mask(None, causal=True)[0, 0, 0].tolist() == [True, True, True]  # positions 4, 5, 6 for the query at 6
+    chunk_k, chunk_v = _kv(4, seed=3)  # a step of 4 tokens straddling the wrap: the ring, then them
+    read = cache.update(chunk_k, chunk_v)
+    assert read.keys.shape[2] == 3 + 4 and read.key_positions.tolist() == [6, 4, 5, 7, 8, 9, 10]
+    assert cache.positions.tolist() == [9, 10, 8] and cache.length == 11
+    visible = read.mask(None, causal=True)[0, 0]  # query 7 sees 5, 6, 7; query 10 sees 8, 9, 10
+    assert visible[0].tolist() == [True, False, True, True, False, False, False]
+    assert visible[3].tolist() == [False, False, False, False, True, True, True]
+
+
+def test_every_cache_is_a_kv_cache_and_the_interface_is_abstract():
+    assert all(isinstance(make(), KVCache) for make in MAKERS.values())
+    with pytest.raises(TypeError, match="abstract"):
+        KVCache()
+
+
+# ---------------------------------------------------------------------------- crop, reorder, reset, rollback
+@pytest.mark.parametrize("kind", MAKERS)
+def test_rollback_undoes_the_last_update_once(kind):
+    cache = MAKERS[kind]()
+    cache.update(*_kv(3))
+    before = _state(cache)
+    cache.update(*_kv(2, seed=1))
+    cache.rollback()
+    assert cache.length == 3
+    if kind != "static":  # a static cache keeps what was written past the lengths: hidden, overwritten next
+        assert _same(_state(cache), before)
+    with pytest.raises(RuntimeError, match=r"rollback: no update to undo \(once per update\)"):
+        cache.rollback()
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+def test_reset_empties_the_cache(kind):
+    cache = MAKERS[kind]()
+    cache.update(*_kv(3))
+    cache.reset()
+    assert cache.length == 0
+    read = cache.update(*_kv(1, seed=2))
+    assert read.query_positions.reshape(-1).tolist()[0] == 0 and cache.length == 1
+
+
+def test_sliding_crop_goes_back_as_far_as_the_ring_allows():
+    cache = _sliding(window=2, extra=2)  # capacity 5
+    k, v = _kv(8)
+    for t in range(8):
+        cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    with pytest.raises(ValueError, match=r"going back to 4 tokens needs positions 2..3, but the ring \(capacity 5\) only "
+                                         r"holds 3..7; crop at most 3 tokens back"):
+        cache.crop(4)
+    assert cache.length == 8
+    cache.crop(5)
+    assert cache.length == 5 and sorted(p for p in cache.positions.tolist() if p != EMPTY_POSITION) == [3, 4]
+
+
+BAD_CROPS = [
+    ("dynamic", DynamicKVCache, 4, ValueError, r"DynamicKVCache.crop: length must be in \[0, 3\]"),
+    ("dynamic", DynamicKVCache, torch.tensor([1, 2]), TypeError, r"same length here, so length must be an int"),
+    ("dynamic", DynamicKVCache, -1, ValueError, r"crop: length must be >= 0, got -1"),
+    ("dynamic", DynamicKVCache, 1.5, TypeError, r"crop: length must be an int or a \(B,\) integer tensor, got float"),
+    ("static", _static, torch.tensor([1, 4]), ValueError, r"must not exceed the tokens stored per row \[3, 3\], got \[1, 4\]"),
+    ("static", _static, torch.tensor([1.0, 2.0]), TypeError, r"must be integers of shape \(B,\) = \(2,\)"),
+    ("static", _static, torch.tensor([1, 2, 3]), TypeError, r"shape \(B,\) = \(2,\), got dtype torch.int64, shape \(3,\)"),
+    ("sliding", _sliding, 4, ValueError, r"length must be in \[0, 3\]"),
+]
+
+
+@pytest.mark.parametrize("kind, make, length, error, pattern", BAD_CROPS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CROPS)])
+def test_a_refused_crop_changes_nothing(kind, make, length, error, pattern):
+    cache = make()
+    cache.update(*_kv(3))
+    before = _state(cache)
+    with pytest.raises(error, match=pattern):
+        cache.crop(length)
+    assert _same(_state(cache), before)
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+def test_reorder_moves_rows_and_refuses_bad_indices(kind):
+    cache = MAKERS[kind]()
+    k, v = _kv(3)
+    cache.update(k, v)
+    before = _state(cache)
+    for bad, error, pattern in [(torch.tensor([0, 2]), ValueError, r"indices must be rows in \[0, 2\), got values in \[0, 2\]"),
+                                (torch.tensor([[0, 1]]), TypeError, r"indices must be a 1-D integer tensor"),
+                                (torch.tensor([0.0, 1.0]), TypeError, r"indices must be a 1-D integer tensor of batch rows .*float32"),
+                                ([True, False], TypeError, r"indices must be ints")]:
+        with pytest.raises(error, match=f"{type(cache).__name__}.reorder: " + pattern):
+            cache.reorder(bad)
+        assert _same(_state(cache), before)
+    cache.reorder(torch.tensor([1, 1]))
+    assert torch.equal(cache.keys[:, :, :3], k[[1, 1]])
+
+
+# ---------------------------------------------------------------------------- refused updates
+k1, v1 = _kv(1, seed=1)
+BAD_UPDATES = [  # (name, k, v, positions, error, message after "<Cache>.update: ")
+    ("k not a tensor", [[0.0]], v1, None, TypeError, r"k must be a torch.Tensor \(B, Hkv, Lnew, D\), got list"),
+    ("k 3-D", k1[0], v1, None, ValueError, r"k must have 4 dims \(B, Hkv, Lnew, D\), got shape \(3, 1, 5\); hint: split"),
+    ("k, v lengths", k1, _kv(2, seed=1)[1], None, ValueError, r"k and v must agree on \(B, Hkv, Lnew\)"),
+    ("k, v dtypes", k1, v1.float(), None, TypeError, r"k and v must share a dtype, got torch.float64 and torch.float32"),
+    ("k, v devices", k1, v1.to("meta"), None, ValueError, r"k and v must be on one device, got cpu and meta"),
+    ("batch", *_kv(1, B=1), None, ValueError, r"new keys/values have B=1 but the cache holds B=2"),
+    ("kv heads", *_kv(1, Hkv=1), None, ValueError, r"new keys/values have Hkv=1 but the cache holds Hkv=3"),
+    ("head dim", *_kv(1, D=6), None, ValueError, r"new keys/values have D=6 but the cache holds D=5"),
+    ("value dim", *_kv(1, Dv=5), None, ValueError, r"new keys/values have Dv=5 but the cache holds Dv=7"),
+    ("dtype", k1.float(), v1.float(), None, TypeError, r"new keys/values have dtype torch.float32 but the cache holds torch.float64"),
+    ("device", k1.to("meta"), v1.to("meta"), None, ValueError, r"new keys/values are on meta but the cache is on cpu"),
+]
+POSITION_UPDATES = [  # static and sliding check that positions continue the sequence
+    ("positions backwards", k1, v1, torch.tensor([2]), ValueError, r"positions must continue"),
+    ("positions with a gap", k1, v1, torch.tensor([4]), ValueError, r"positions must continue"),
+    ("positions shape", k1, v1, torch.tensor([3, 4]), ValueError, r"positions must have shape \(1,\) or \(2, 1\)"),
+    ("positions float", k1, v1, torch.tensor([3.0]), TypeError, r"positions must be an integer tensor"),
+]
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+@pytest.mark.parametrize("name, k, v, positions, error, pattern", BAD_UPDATES + POSITION_UPDATES,
+                         ids=[c[0] for c in BAD_UPDATES + POSITION_UPDATES])
+def test_a_refused_update_changes_nothing(kind, name, k, v, positions, error, pattern):
+    if kind == "dynamic" and name.startswith("positions"):
+        return  # a DynamicKVCache appends: positions only go to rope (left-padded prompts), see test_seams
+    cache = MAKERS[kind]()
+    cache.update(*_kv(3))
+    before = _state(cache)
+    with pytest.raises(error, match=rf"^{type(cache).__name__}\.update: " + pattern):
+        cache.update(k, v, positions)
+    assert _same(_state(cache), before)
+    cache.update(k1, v1)  # and it still works
+    assert cache.length == 4
+
+
+def test_static_cache_refuses_to_write_past_max_len():
+    cache = _static(max_len=4)
+    cache.update(*_kv(3))
+    before = _state(cache)
+    with pytest.raises(ValueError, match=r"StaticKVCache.update: writing 2 tokens after the 3 stored in the longest row "
+                                         r"would pass max_len=4"):
+        cache.update(*_kv(2))
+    assert _same(_state(cache), before)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: StaticKVCache(0, 4, 1, 8), r"StaticKVCache: batch_size must be a positive int, got 0"),
+    (lambda: StaticKVCache(1, 4, 1, 8, dtype=torch.int64), r"StaticKVCache: dtype must be a floating-point"),
+    (lambda: SlidingWindowKVCache(-1, 1, 1, 8), r"SlidingWindowKVCache: window must be an int >= 0, got -1"),
+    (lambda: DynamicKVCache(capacity=0), r"DynamicKVCache: capacity must be a positive int, got 0"),
+])
+def test_constructors_refuse_bad_sizes(make, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        make()
+
+
+def test_gqa_and_mqa_caches_hold_only_the_kv_heads():
+    """Cache bytes scale with Hkv: MQA (1 head) stores 1/8 of MHA's (8 heads)."""
+    mha, gqa, mqa = (StaticKVCache(1, 64, h, 16) for h in (8, 2, 1))
+    payload = [c.keys.nbytes + c.values.nbytes for c in (mha, gqa, mqa)]
+    assert payload == [2 * 64 * 16 * 4 * h for h in (8, 2, 1)]

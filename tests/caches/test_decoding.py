@@ -1,0 +1,210 @@
+"""Incremental decoding through ``MultiHeadAttention(..., kv_cache=)`` equals the full forward, for
+every cache: prefill of any length, one-token and multi-token steps, MHA/GQA/MQA, sliding windows
+around and far past the window, RoPE at cache positions, rows of different lengths, mask objects
+at absolute positions, crop and reorder, and a failed call that rolls the cache back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.caches import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.positions import RotaryEmbedding
+
+DT = torch.float64
+E, HQ = 32, 4
+
+
+def _layer(Hkv=2, dtype=DT, rope=False, seed=0, **options):
+    torch.manual_seed(seed)
+    return mh.MultiHeadAttention(E, HQ, num_kv_heads=Hkv, causal=True, dtype=dtype,
+                                 rope=RotaryEmbedding(E // HQ) if rope else None, **options).eval()
+
+
+def _x(B, L, dtype=DT, seed=1):
+    return torch.randn(B, L, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _cache(kind, layer, B, max_len=64, window=None, dtype=DT):
+    if kind == "dynamic":
+        return DynamicKVCache(capacity=4)  # small: the decoding below grows it several times
+    if kind == "static":
+        return StaticKVCache(B, max_len, layer.num_kv_heads, layer.head_dim, dtype=dtype)
+    return SlidingWindowKVCache(window, B, layer.num_kv_heads, layer.head_dim, dtype=dtype)
+
+
+def _decode(layer, x, cache, schedule, **kwargs):
+    outs, t = [], 0
+    for n in schedule:
+        outs.append(layer(x[:, t:t + n], kv_cache=cache, **kwargs))
+        t += n
+    assert t == x.shape[1]
+    return torch.cat(outs, dim=1)
+
+
+SCHEDULES = {"prefill+steps": [6] + [1] * 10,
+             "chunked": [3, 4, 1, 5, 1, 2],
+             "steps-only": [1] * 16}
+
+
+@pytest.mark.parametrize("dtype", [DT, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_cached_decoding_equals_the_full_causal_forward(kind, Hkv, schedule, dtype):
+    layer = _layer(Hkv, dtype)
+    x = _x(2, 16, dtype)
+    with torch.no_grad():
+        full = layer(x)
+        cached = _decode(layer, x, _cache(kind, layer, 2, dtype=dtype), SCHEDULES[schedule])
+        full64 = _layer(Hkv, DT)(x.double())
+    if dtype == DT:
+        torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
+    else:  # the relative rule: no further from the fp64 truth than the full fp32 forward, times 2
+        err, base = (cached.double() - full64).abs().max(), (full.double() - full64).abs().max()
+        assert err <= 2 * base + 4 * torch.finfo(dtype).eps, (err, base)
+
+
+@pytest.mark.parametrize("schedule", [[1] * 20, [5] + [1] * 15, [2, 3, 4, 1, 6, 4], [9, 11], [20]],
+                         ids=["steps", "prefill5+steps", "chunks-straddling-wraps", "two-chunks", "one-prefill"])
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 19])
+@pytest.mark.parametrize("kind", ["sliding", "dynamic", "static"])
+def test_windowed_decoding_equals_the_full_windowed_forward(kind, window, schedule):
+    """Lengths around and far past the window (window-1, window, window+1, many wraps), steps of
+    several tokens that straddle the wrap; the sliding cache applies its window itself."""
+    layer = _layer(2)
+    x = _x(2, 20)
+    band = mh.sliding_window(window)
+    with torch.no_grad():
+        full = layer(x, mask=band)
+        cache = _cache(kind, layer, 2, window=window)
+        cached = _decode(layer, x, cache, schedule, mask=band)
+        if kind == "sliding":  # the same without the mask: the cache's window is the mask
+            alone = _decode(layer, x, _cache(kind, layer, 2, window=window), schedule)
+            torch.testing.assert_close(alone, full, rtol=1e-12, atol=1e-12)
+            assert cache.keys.shape[2] == window + 1  # it holds what the window sees, no more
+    torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_rope_positions_come_from_the_cache(kind):
+    layer = _layer(2, rope=True)
+    x = _x(2, 16)
+    with torch.no_grad():
+        full = layer(x)
+        cached = _decode(layer, x, _cache(kind, layer, 2), SCHEDULES["chunked"])
+    torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
+
+
+def test_rows_of_different_lengths_each_decode_as_their_own_sequence():
+    """A right-padded prefill cropped to each row's length, then steps: row b's outputs equal
+    the full forward of row b alone (causal and window masks align to each row's own length)."""
+    lengths = [5, 2, 7]
+    for mask in (None, mh.sliding_window(2)):
+        layer = _layer(2, rope=True)
+        x = _x(3, 7 + 6)
+        cache = StaticKVCache(3, 16, 2, E // HQ, dtype=DT)
+        with torch.no_grad():
+            layer(x[:, :7], kv_cache=cache, mask=mask)  # pads after each row's prompt: no real token sees them
+            cache.crop(torch.tensor(lengths))
+            steps = []
+            for t in range(6):  # row b's step t is its token lengths[b] + t
+                token = torch.stack([x[b, lengths[b] + t] for b in range(3)])[:, None]  # (3, 1, E)
+                steps.append(layer(token, kv_cache=cache, mask=mask))
+            steps = torch.cat(steps, dim=1)  # (3, 6, E)
+            for b, n in enumerate(lengths):
+                alone = layer(x[b:b + 1, :n + 6], mask=mask)  # (1, n + 6, E)
+                torch.testing.assert_close(steps[b], alone[0, n:], rtol=1e-12, atol=1e-12)
+        assert cache.lengths.tolist() == [n + 6 for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_mask_objects_are_read_at_absolute_positions(kind):
+    """Documents and key padding mean with a cache what they mean without: ids and lengths index
+    the whole sequence."""
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2]] * 2)
+    mask = mh.document(ids) & mh.key_padding(torch.tensor([12, 9]))
+    if kind == "sliding":
+        mask = mask & mh.sliding_window(3)
+    layer = _layer(2)
+    x = _x(2, 12)
+    with torch.no_grad():
+        full = layer(x, mask=mask)
+        cached = _decode(layer, x, _cache(kind, layer, 2, window=3), [4, 1, 1, 3, 1, 1, 1], mask=mask)
+    torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_crop_then_decode_equals_decoding_the_cropped_sequence(kind):
+    """Speculative decoding: 3 drafted tokens verified in one step and rejected, then the real continuation."""
+    layer = _layer(2)
+    x, draft = _x(2, 12), _x(2, 3, seed=7)
+    window = 4
+    mask = mh.sliding_window(window) if kind == "sliding" else None
+    with torch.no_grad():
+        full = layer(x, mask=mask)
+        cache = _cache(kind, layer, 2, window=window)
+        if kind == "sliding":
+            cache = SlidingWindowKVCache(window, 2, 2, E // HQ, extra=2, dtype=DT)
+        first = layer(x[:, :6], kv_cache=cache, mask=mask)
+        layer(draft, kv_cache=cache, mask=mask)  # verify 3 drafted tokens at once
+        cache.crop(6 if kind != "static" else torch.tensor([6, 6]))  # back to before the draft
+        rest = _decode(layer, x[:, 6:], cache, [1, 2, 3], mask=mask)
+    torch.testing.assert_close(torch.cat([first, rest], 1), full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_reorder_then_decode_equals_decoding_the_reordered_batch(kind):
+    """Beam search: rows 0, 1, 2 become rows 2, 2, 0."""
+    layer = _layer(2)
+    x = _x(3, 10)
+    order = torch.tensor([2, 2, 0])
+    mask = mh.sliding_window(3) if kind == "sliding" else None
+    with torch.no_grad():
+        cache = _cache(kind, layer, 3, window=3)
+        layer(x[:, :6], kv_cache=cache, mask=mask)
+        cache.reorder(order)
+        rest = _decode(layer, x[order, 6:], cache, [1, 3], mask=mask)
+        full = layer(torch.cat([x[order, :6], x[order, 6:]], 1), mask=mask)
+    torch.testing.assert_close(rest, full[:, 6:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_a_call_that_fails_after_the_update_rolls_the_cache_back(kind):
+    """A forced backend that refuses the call raises after the keys were stored: the cache is as
+    it was, and decoding goes on exactly."""
+    layer = _layer(2)
+    x = _x(2, 8)
+    with torch.no_grad():
+        cache = _cache(kind, layer, 2, window=3)
+        mask = mh.sliding_window(3) if kind == "sliding" else None
+        layer(x[:, :5], kv_cache=cache, mask=mask)
+        refusing = _layer(2, backend="sdpa", softcap=2.0)
+        with pytest.raises(ValueError, match="sdpa"):
+            refusing(x[:, 5:6], kv_cache=cache, mask=mask)
+        assert cache.length == 5
+        rest = _decode(layer, x[:, 5:], cache, [1, 2], mask=mask)
+        full = layer(x, mask=mask)
+    torch.testing.assert_close(rest, full[:, 5:], rtol=1e-12, atol=1e-12)
+
+
+def test_a_distance_score_mod_needs_a_cache_whose_slots_are_positions():
+    layer = _layer(2, score_mod=mh.positions.ALiBi(HQ))
+    cache = StaticKVCache(2, 8, 2, E // HQ, dtype=DT)
+    with pytest.raises(ValueError, match=r"reads query and key indices, which this cache's slots .* use DynamicKVCache"):
+        layer(_x(2, 3), kv_cache=cache)
+    assert cache.length == 0
+
+
+def test_need_weights_over_a_static_cache_hides_the_empty_slots():
+    layer = _layer(2)
+    x = _x(1, 5)
+    cache = StaticKVCache(1, 9, 2, E // HQ, dtype=DT)
+    with torch.no_grad():
+        layer(x[:, :4], kv_cache=cache)
+        _, weights = layer(x[:, 4:], kv_cache=cache, need_weights=True)
+        _, full = layer(x, need_weights=True)
+    assert weights.shape == (1, HQ, 1, 9)
+    torch.testing.assert_close(weights[..., :5], full[:, :, 4:], rtol=1e-12, atol=1e-12)
+    assert torch.all(weights[..., 5:] == 0)
