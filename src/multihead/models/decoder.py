@@ -210,7 +210,7 @@ class CausalDecoder(nn.Module):
             last = logits[torch.arange(B, device=logits.device), lengths - 1]  # (B, V)
         else:
             last = logits[:, -1]
-        step = torch.compile(self._step, fullgraph=True) if compile else self._step
+        step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
         show = progress if progress is not None else (max_new_tokens >= 256 and sys.stderr.isatty())
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=prompt_ids.device)
         for t in range(max_new_tokens):
