@@ -141,6 +141,12 @@ for _layout in ("zigzag", "contiguous"):
             compare_fp64(ring_attention, mask_kind=kind, layout=layout, Lq=lq, Lk=lk)
         check(f"ring-{_layout}-{_kind}-Lq{_lq}-Lk{_lk}")(_ring_lengths)
 
+    # Another backend: the block backward through autograd (the CPU flash backward serves "auto")
+    for _kind in ("causal", "documents", "padding", "window_small", "bool_tensor"):
+        def _ring_reference(rank, world, kind=_kind, layout=_layout):
+            compare_fp64(ring_attention, mask_kind=kind, layout=layout, backend="reference")
+        check(f"ring-{_layout}-{_kind}-autograd-backward")(_ring_reference)
+
     def _ring_mqa(rank, world, layout=_layout):
         compare_fp64(ring_attention, mask_kind="causal", layout=layout, Hq=4, Hkv=1, D=16, Dv=16)
     check(f"ring-{_layout}-mqa-causal")(_ring_mqa)
@@ -389,3 +395,35 @@ for _name, (_fn, _exc, _pattern) in BAD_INPUTS.items():
 def _still_works(rank, world):
     """After every bad input above, the world is still in step: a correct call succeeds."""
     compare_fp64(ring_attention, mask_kind="causal", layout="zigzag")
+
+
+# ------------------------------------------------------------------------------------ a layer's pieces
+@check("context-parallel-layer")
+def _layer(rank, world):
+    """A MultiHeadAttention layer (GQA, RoPE, causal) run on a sequence-sharded input: its own
+    projections on the shard, RoPE at the shard's global positions, ContextParallel.attention,
+    its output projection; the output rows and the weight gradients (summed over ranks) equal the
+    layer on the whole sequence. This is what ``MultiHeadAttention(context_parallel=...)`` must do."""
+    from multihead.distributed import ContextParallel
+    from multihead.layers.heads import merge_heads, split_heads
+
+    torch.manual_seed(0)
+    E, H, Hkv = 16, 4, 2
+    layer = mh.MultiHeadAttention(E, H, num_kv_heads=Hkv, rope=RotaryEmbedding(E // H), causal=True).double()
+    x = torch.randn(2, L, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = layer(x)
+    want_grads = torch.autograd.grad((want * want).sum(), list(layer.parameters()))
+    for method in ("ring", "ulysses"):
+        cp = ContextParallel(layout="zigzag", method=method)
+        xs = cp.shard(x, dim=1)  # (B, L/P, E)
+        pos = cp.positions(xs.shape[1])
+        q = layer.rope(split_heads(layer.q_proj(xs), H, E // H, True), pos)  # (B, H, L/P, D)
+        k = layer.rope(split_heads(layer.k_proj(xs), Hkv, E // H, True), pos)
+        v = split_heads(layer.v_proj(xs), Hkv, E // H, True)
+        out = layer.out_proj(merge_heads(cp.attention(q, k, v, mask=masks.causal())))  # (B, L/P, E)
+        torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
+        grads = torch.autograd.grad((out * out).sum(), list(layer.parameters()))
+        for (name, _), g, w in zip(layer.named_parameters(), grads, want_grads):
+            g = g.clone()
+            dist.all_reduce(g)
+            torch.testing.assert_close(g, w, msg=lambda m: f"{method} {name}: {m}")

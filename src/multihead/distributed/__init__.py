@@ -7,15 +7,17 @@
   one local :func:`multihead.attention` over the whole sequence.
 * :func:`shard_sequence` / :func:`unshard_sequence` / :func:`shard_positions`: the ``zigzag`` and
   ``contiguous`` layouts (:mod:`multihead.distributed.layout`).
+* :class:`ContextParallel`: group, layout and method as one object, for layers and models.
 
 Both functions equal :func:`multihead.attention` on the whole sequence, outputs, LSE and
 gradients (``tests/distributed``). See ``docs/distributed.md``.
 """
 
+from multihead.distributed.context import METHODS, ContextParallel
 from multihead.distributed.layout import LAYOUTS, shard_positions, shard_sequence, unshard_sequence
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.ring import ring_attention
 from multihead.distributed.ulysses import ulysses_attention
 
 __all__ = ["ring_attention", "ulysses_attention", "shard_sequence", "unshard_sequence", "shard_positions", "plan_ring", "RingPlan",
-           "LAYOUTS"]
+           "LAYOUTS", "ContextParallel", "METHODS"]

@@ -178,7 +178,18 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
-    """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``."""
+    """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``: the
+    CPU flash backward where it applies (``backend`` "auto" or "sdpa"), else autograd through the
+    block's :func:`multihead.attention` call with that ``backend``."""
+    if backend in ("auto", "sdpa") and _FLASH_BACKWARD is not None and q.device.type == "cpu" \
+            and q.dtype in _FLASH_DTYPES:
+        return _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse)
+    return _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse)
+
+
+def _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
+    """Any device, backend and mask: the block recomputed with :func:`multihead.attention` under
+    autograd, and its output and LSE given the merge's gradients (module docstring)."""
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         res = attention(q, k, v, mask=mask, scale=scale, return_lse=True, backend=backend)
@@ -193,6 +204,62 @@ def _block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
                                          allow_unused=True)
     zero = torch.zeros_like
     return (zero(q) if gq is None else gq), (zero(k) if gk is None else gk), (zero(v) if gv is None else gv)
+
+
+# PyTorch's CPU flash backward takes the output and LSE as arguments: given the *merged* ones it
+# computes a block's share of the gradient directly (P = exp(S - lse), dS = P (dP - rowsum(dout·out))),
+# FlashAttention's ring backward, with no recomputed forward and no LSE of the block.
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse):
+    """The CPU flash backward of one block against the merged ``(out, lse)``.
+
+    The kernel wants one head size and equal head counts, and knows no LSE gradient, so::
+
+        q, k  (B, H, ·, D)  -> padded with zeros to E       (scores unchanged)
+        v     (B, H, ·, Dv) -> padded to E; with dlse, one column of 1s
+        dout  -> padded; with dlse, that column holds dlse   (dP gains + dlse: dS = P (dP - Δ + dlse))
+        out   -> padded with 0s                               (Δ = rowsum(dout·out) unchanged)
+
+    with ``E = max(D, Dv) (+1 with dlse)``; GQA K/V are repeated and their gradients summed per
+    group. Rows with no visible key anywhere (``lse = -inf``) get ``lse = +inf``: ``P = 0``."""
+    B, Hq, rows, D = q.shape
+    Hkv, keys, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    extra = dlse is not None
+    E = max(D, Dv) + int(extra)
+    dt = q.dtype
+    qp = _pad(q, E)
+    kp = _pad(k, E)
+    vp = _pad(v, E)
+    outp = _pad(out.to(dt), E)
+    doutp = _pad(dout.to(dt), E)
+    if extra:
+        vp[..., -1] = 1
+        doutp[..., -1] = dlse.to(dt)
+    if G > 1:  # (B, Hkv, keys, E) -> (B, Hq, keys, E): query head h reads KV head h // G
+        kp, vp = kp.repeat_interleave(G, dim=1), vp.repeat_interleave(G, dim=1)
+    glse = lse.masked_fill(torch.isneginf(lse), float("inf")).contiguous()
+    additive = None
+    if mask is not None:
+        allowed = mask.materialize(B, Hq, rows, keys, device=q.device)  # (B|1, Hq|1, rows, keys)
+        additive = torch.zeros(allowed.shape, dtype=dt, device=q.device).masked_fill_(~allowed, float("-inf"))
+    gq, gk, gv = _FLASH_BACKWARD(doutp.contiguous(), qp.contiguous(), kp.contiguous(), vp.contiguous(),
+                                 outp.contiguous(), glse, 0.0, False, attn_mask=additive, scale=scale)
+    gq, gk, gv = gq[..., :D], gk[..., :D], gv[..., :Dv]
+    if G > 1:
+        gk = gk.reshape(B, Hkv, G, keys, D).sum(2)
+        gv = gv.reshape(B, Hkv, G, keys, Dv).sum(2)
+    return gq, gk, gv
+
+
+def _pad(x: Tensor, E: int) -> Tensor:
+    """``x (…, d)`` as a new tensor ``(…, E)`` with zeros after it (always a copy: callers write into it)."""
+    padded = x.new_zeros(x.shape[:-1] + (E,))
+    padded[..., :x.shape[-1]] = x
+    return padded
 
 
 def _pack(k: Tensor, v: Tensor) -> Tensor:

@@ -1,0 +1,76 @@
+"""``ContextParallel``: how a layer shares one sequence with the other ranks of a group.
+
+An object, not flags: it carries the group, the layout and the method, and answers what a
+layer inside a sequence-sharded model needs besides the attention itself::
+
+    cp = ContextParallel(layout="zigzag")                 # the whole world, ring attention
+    x = cp.shard(tokens_embedded, dim=1)                  # (B, L/P, E): this rank's tokens
+    pos = cp.positions(x.shape[1])                        # their global positions, for RoPE
+    q, k = rope(q, pos), rope(k, pos)                     # (B, H, L/P, D) rotated at global positions
+    out = cp.attention(q, k, v, mask=causal())            # the mask of the whole sequence
+
+Everything position-wise (projections, MLPs, norms) runs on the shard unchanged; only attention
+and positions need the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from multihead.distributed.checks import check_group
+from multihead.distributed.layout import check_layout, shard_positions, shard_sequence, unshard_sequence
+from multihead.distributed.ring import ring_attention
+from multihead.distributed.ulysses import ulysses_attention
+
+__all__ = ["ContextParallel", "METHODS"]
+
+#: ``ring``: K/V travel, any heads, masks skip blocks; ``ulysses``: two all-to-alls, heads split.
+METHODS = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A sequence sharded over ``group`` (default: the whole world) in ``layout``, attended with
+    ``method`` (:func:`~multihead.distributed.ring_attention` or
+    :func:`~multihead.distributed.ulysses_attention`)."""
+
+    group: object = None
+    layout: str = "zigzag"
+    method: str = "ring"
+
+    def __post_init__(self):
+        check_layout(self.layout, "ContextParallel")
+        if self.method not in METHODS:
+            raise ValueError(f"ContextParallel: method must be one of {METHODS}, got {self.method!r}; hint: 'ring' "
+                             "has no condition on heads and skips masked blocks, 'ulysses' needs P to divide Hq")
+
+    @property
+    def world(self) -> int:
+        return check_group(self.group, "ContextParallel")[0]
+
+    def whole_length(self, shard_len: int) -> int:
+        """The length of the whole sequence of which this rank holds ``shard_len`` tokens."""
+        return shard_len * self.world
+
+    def positions(self, shard_len: int, device: torch.device | str | None = None) -> Tensor:
+        """``(shard_len,)`` int64: the global positions of this rank's tokens (what RoPE must see)."""
+        return shard_positions(shard_len, group=self.group, layout=self.layout, device=device)
+
+    def shard(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's shard of the whole sequence ``x`` (``dim=1`` for ``(B, L, E)``)."""
+        return shard_sequence(x, group=self.group, layout=self.layout, dim=dim)
+
+    def unshard(self, x: Tensor, dim: int = 1) -> Tensor:
+        """The whole sequence from every rank's shard (an all-gather; not differentiable)."""
+        return unshard_sequence(x, group=self.group, layout=self.layout, dim=dim)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None = None,
+                  return_lse: bool = False, backend: str = "auto"):
+        """Sharded attention of ``q (B, Hq, S, D)``, ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
+        under the mask of the whole sequence; same result as :func:`multihead.attention` on it."""
+        fn = ring_attention if self.method == "ring" else ulysses_attention
+        return fn(q, k, v, group=self.group, mask=mask, layout=self.layout, scale=scale, return_lse=return_lse,
+                  backend=backend)
