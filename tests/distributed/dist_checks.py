@@ -413,7 +413,8 @@ def _layer(rank, world):
     x = torch.randn(2, L, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     want = layer(x)
     want_grads = torch.autograd.grad((want * want).sum(), list(layer.parameters()))
-    for method in ("ring", "ulysses"):
+    ulysses_fits = H % world == 0 and (Hkv % world == 0 or world % Hkv == 0)
+    for method in ("ring", "ulysses") if ulysses_fits else ("ring",):
         cp = ContextParallel(layout="zigzag", method=method)
         xs = cp.shard(x, dim=1)  # (B, L/P, E)
         pos = cp.positions(xs.shape[1])

@@ -1,0 +1,94 @@
+"""One sequence over several processes: ring and Ulysses attention against one process.
+
+    torchrun --nproc-per-node 4 examples/context_parallel.py            # CPU: gloo
+    torchrun --nproc-per-node 4 examples/context_parallel.py --length 65536 --mask window
+
+On GPUs (one per process) it uses NCCL. Every rank builds the same whole sequence from a seed,
+keeps its shard (zigzag layout), runs ring attention (forward and backward) and Ulysses
+attention, checks its rows against single-process ``multihead.attention`` on the whole sequence
+(skipped with ``--no-check`` for lengths one process cannot hold), and prints its time and memory (of a second run; on CPU the peak is ``ru_maxrss`` growth, so
+only what the first run did not already reach).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import multihead as mh  # noqa: E402
+from multihead.distributed import ContextParallel, plan_ring  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=4096, help="whole sequence length L")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--mask", choices=["causal", "window", "documents", "none"], default="causal")
+    parser.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag")
+    parser.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+    L, H, Hkv, D = args.length, args.heads, args.kv_heads, args.head_dim
+    mask = {"causal": mh.causal(), "window": mh.sliding_window(1024), "none": None,
+            "documents": mh.document_causal(torch.arange(L).div(L // 7 + 1, rounding_mode="floor").view(1, L))}[args.mask]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, L, D, generator=g) for h in (H, Hkv, Hkv))  # the whole sequence, on every rank
+
+    for method in ("ring", "ulysses"):
+        if method == "ulysses" and (H % world or (Hkv % world and world % Hkv)):
+            if rank == 0:
+                print(f"ulysses: skipped (Hq={H}, Hkv={Hkv} do not split over {world} ranks)")
+            continue
+        cp = ContextParallel(layout=args.layout, method=method)
+        qs, ks, vs = (cp.shard(t, dim=2).to(device).requires_grad_() for t in (q, k, v))  # (1, H, L/P, D)
+        for _ in range(2):  # the first run pays for first-call imports and allocations: timed, not reported
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            dist.barrier()
+            start = time.perf_counter()
+            out = cp.attention(qs, ks, vs, mask=mask)
+            out.backward(torch.ones_like(out))
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            memory = torch.cuda.max_memory_allocated() / 2**20 if cuda else \
+                (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+        line = f"{method:8s} rank {rank}/{world}: forward+backward {seconds * 1e3:8.1f} ms, peak memory {memory:7.1f} MiB"
+        if method == "ring":
+            plan = plan_ring(world=world, rank=rank, batch=1, heads=H, q_shard=L // world, kv_shard=L // world,
+                             mask=mask, layout=args.layout)
+            line += f", {plan.steps_computed} of {world} steps computed, {plan.messages} K/V shards received"
+        if not args.no_check:
+            with torch.no_grad():
+                want = mh.attention(q, k, v, mask=mask)
+            err = float((out.detach().cpu() - cp.shard(want, dim=2)).abs().max())
+            line += f", max |out - one process| = {err:.1e}"
+        for r in range(world):  # one line per rank, in order
+            dist.barrier()
+            if r == rank:
+                print(line, flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
