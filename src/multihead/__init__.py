@@ -6,6 +6,7 @@ fp64 oracle :func:`reference_attention`.
 """
 
 from multihead import caches, masks, positions, scores
+from multihead import distributed  # context parallelism (ring, Ulysses): docs/distributed.md
 from multihead.attention import attention
 from multihead.caches import CacheRead, DynamicKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.capture import AttentionCapture, capture_attention
