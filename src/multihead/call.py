@@ -50,11 +50,16 @@ class AttentionCall:
         """``Lq == 0`` or ``Lk == 0``: the result is known without a kernel (fully masked rows)."""
         return self.q.shape[2] == 0 or self.k.shape[2] == 0
 
+    def __post_init__(self):
+        # Read by every backend's refusals: computed once. (Not functools.cached_property: its
+        # lock, on Python 3.11, is a context manager torch.compile cannot trace.)
+        B, Hq, Lq, D = self.q.shape
+        object.__setattr__(self, "_shape", (B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]))
+
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
         """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
-        B, Hq, Lq, D = self.q.shape
-        return B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]
+        return self._shape
 
     @property
     def requires_grad(self) -> bool:

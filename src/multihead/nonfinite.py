@@ -9,15 +9,18 @@ state and every backend, the reference included, follows it exactly.)
 
 Fused kernels do not follow this by themselves: PyTorch's flash kernels return 0 for a query row
 of NaN, and compute ``0 · NaN = NaN`` for rows that must not see a NaN value. So
-:func:`apply_policy` checks, after the kernel, the queries and the output (one sum over each,
-one host synchronisation per call); only when something is not finite does it run the call again
-on cleaned inputs and mark the rows the policy names. Under ``torch.compile`` the check is skipped
-(a data-dependent branch): compiled code gets what the kernel gives.
+:func:`apply_policy` checks, after the kernel, the queries and the output (:func:`all_finite`:
+one reduction over both, one host synchronisation per call); only when something is not finite
+does it run the call again on cleaned inputs and mark the rows the policy names. Under
+``torch.compile`` the check is skipped (a data-dependent branch): compiled code gets what the
+kernel gives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -25,7 +28,7 @@ from torch import Tensor
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import repeat_kv
 
-__all__ = ["apply_policy"]
+__all__ = ["apply_policy", "all_finite", "finite_check"]
 
 # Rows x keys evaluated at a time when the policy looks for rows that see a bad key.
 _CHUNK_ELEMENTS = 1 << 22
@@ -35,12 +38,7 @@ def apply_policy(call: AttentionCall, result: AttentionResult, run) -> tuple[Att
     """``result`` of ``call`` with the non-finite policy applied, and the rows it made NaN
     (``(B, Hq, Lq)`` bool, ``None`` when none): whatever is derived from the call afterwards (an LSE
     or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call."""
-    if torch.compiler.is_compiling():
-        return result, None
-    # One sum each (accumulated in fp32: no overflow of finite fp16 values), one host sync: any NaN
-    # or inf in q or in the output makes the total non-finite. Only then is anything looked at.
-    total = call.q.sum(dtype=torch.float32) + result.output.sum(dtype=torch.float32)
-    if bool(torch.isfinite(total)):
+    if torch.compiler.is_compiling() or all_finite(call.q, result.output):
         return result, None
     bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
     bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
@@ -53,6 +51,32 @@ def apply_policy(call: AttentionCall, result: AttentionResult, run) -> tuple[Att
     output = result.output.masked_fill(poisoned.unsqueeze(-1), nan)
     lse = None if result.lse is None else result.lse.masked_fill(poisoned, nan)
     return AttentionResult(output, result.weights, lse), poisoned
+
+
+def all_finite(q: Tensor, output: Tensor) -> bool:
+    """``False`` when ``q`` or ``output`` holds a NaN or an infinity (then the policy has work to
+    do); possibly ``False`` also for huge finite values (then the policy finds nothing: no harm).
+    One reduction and one host synchronisation (:func:`finite_check`)."""
+    return finite_check(q, output)(q, output)
+
+
+def finite_check(q: Tensor, output: Tensor) -> Callable[[Tensor, Tensor], bool]:
+    """The test :func:`all_finite` applies to tensors shaped like these (plans keep it).
+
+    This runs after every call, and on a small call each PyTorch op costs about half the attention
+    kernel itself, so it is one op: ``sum |q - output|`` is not finite exactly when a term is not
+    (``inf - x``, ``NaN - x`` and ``inf - inf`` are not; finite terms never cancel an infinite
+    one). fp16, and shapes that differ (``D != Dv``), take one fp32 sum of each instead: an fp16
+    difference or sum of large finite values would overflow."""
+    return _one_reduction if q.shape == output.shape and q.dtype is not torch.float16 else _two_sums
+
+
+def _one_reduction(q: Tensor, output: Tensor) -> bool:
+    return math.isfinite(torch.dist(q, output, 1).item())
+
+
+def _two_sums(q: Tensor, output: Tensor) -> bool:
+    return math.isfinite(q.sum(dtype=torch.float32).item()) and math.isfinite(output.sum(dtype=torch.float32).item())
 
 
 def _zeroed(t: Tensor) -> Tensor:
