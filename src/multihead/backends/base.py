@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from torch import Tensor
 
 from multihead.call import AttentionCall, AttentionResult
 from multihead.scores import ADDITIVE, ELEMENTWISE
@@ -118,6 +120,20 @@ class Backend(abc.ABC):
     def plan(self, call: AttentionCall) -> list[str]:
         """How this backend would run ``call``, one line per decision."""
         return []
+
+    def runner(self, call: AttentionCall) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """A function ``(q, k, v) -> output`` that runs calls like ``call`` (which is not refused),
+        differing only in the values of ``q, k, v``: same shapes, strides, dtypes, devices, autograd
+        state, mask value and scale. :mod:`multihead.plans` keeps it for calls that repeat
+        (only plain ones: no score modifier, dropout or LSE), so it must hold no tensor of
+        ``call``. The default runs :meth:`forward`; a backend overrides it to skip the work it
+        can decide once (sdpa: the mask tensor, the GQA choice)."""
+        mask, scale = call.mask, call.scale
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return self.forward(AttentionCall(q, k, v, mask, None, scale, 0.0, None, False)).output
+
+        return run
 
     @abc.abstractmethod
     def forward(self, call: AttentionCall) -> AttentionResult:

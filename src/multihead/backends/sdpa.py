@@ -44,12 +44,11 @@ class SDPABackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         args = _Arguments(call)
-        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         lines = [args.mask_note, args.gqa_note]
         if args.empty_rows is not None:
             lines.append(f"{int(args.empty_rows.sum())} fully masked query rows opened before the call and zeroed after")
-        kernel = pytorch_kernel(args.q, args.k, args.v, args.attn_mask, call.dropout_p, args.is_causal,
-                                call.scale, args.enable_gqa)
+        q, k, v = args.inputs(call.q, call.k, call.v)
+        kernel = pytorch_kernel(q, k, v, args.attn_mask, call.dropout_p, args.is_causal, call.scale, args.enable_gqa)
         lines.append(f"PyTorch kernel: {kernel}")
         if call.return_lse and _one_pass_lse(call):
             lines.append("log-sum-exp from the same kernel call (aten._scaled_dot_product_flash_attention_for_cpu)")
@@ -60,28 +59,40 @@ class SDPABackend(Backend):
     def forward(self, call: AttentionCall) -> AttentionResult:
         args = _Arguments(call)
         if call.return_lse and _one_pass_lse(call):
-            out, lse = _flash_cpu_with_lse(call, args)
+            out, lse = _flash_cpu_with_lse(call, args, *args.inputs(call.q, call.k, call.v))
             if args.lse_shift is not None:
                 lse = lse + args.lse_shift.expand_as(lse)
-        else:
-            out = F.scaled_dot_product_attention(
-                args.q, args.k, args.v, attn_mask=args.attn_mask, dropout_p=call.dropout_p,
-                is_causal=args.is_causal, scale=call.scale, enable_gqa=args.enable_gqa)
-            lse = None  # the public SDPA returns none: attention() recomputes it when asked for
-        if args.empty_rows is not None:
-            out = out.masked_fill(args.empty_rows.unsqueeze(-1), 0.0)
-            if lse is not None:
+            if args.empty_rows is not None:
+                out = out.masked_fill(args.empty_rows.unsqueeze(-1), 0.0)
                 lse = lse.masked_fill(args.empty_rows.expand_as(lse), float("-inf"))
-        return AttentionResult(out, None, lse)
+            return AttentionResult(out, None, lse)
+        # The public SDPA returns no LSE: attention() recomputes it when asked for.
+        return AttentionResult(args.run(call.q, call.k, call.v, call.dropout_p), None, None)
+
+    def runner(self, call: AttentionCall):
+        if call.return_lse or call.dropout_p > 0:
+            return super().runner(call)
+        args = _Arguments(call)  # the prepared mask and every decision; no tensor of the call
+        if not args.plain or args.enable_gqa:
+            return args.run
+        # The common cases with no more arguments than they need (each keyword costs a little,
+        # and on a small call the kernel itself takes a few microseconds).
+        sdpa, attn_mask, is_causal, scale = F.scaled_dot_product_attention, args.attn_mask, args.is_causal, args.scale
+        if attn_mask is None and not is_causal:
+            return lambda q, k, v: sdpa(q, k, v, scale=scale)
+        return lambda q, k, v: sdpa(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
 
 
 class _Arguments:
-    """The arguments SDPA receives for a call, and a note for each decision."""
+    """The arguments SDPA receives for a call, and a note for each decision. Holds no tensor of
+    the call (only the mask tensors prepared for it), so that :meth:`run` serves every call with
+    the same signature (:meth:`SDPABackend.runner`)."""
 
     def __init__(self, call: AttentionCall):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         q, k, v, mask = call.q, call.k, call.v, call.mask
-        self.is_causal, self.attn_mask, self.empty_rows, self.lse_shift = False, None, None, None
+        self.scale = call.scale
+        self.is_causal, self.attn_mask, self.empty_rows, self.lse_shift, self.unseen = False, None, None, None, None
         mods = call.score_mod
         offset = None if mask is None or mods is not None else mask.causal_offset(Lq, Lk)
         if mask is None and mods is None:
@@ -93,13 +104,11 @@ class _Arguments:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
             prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype, Hkv)
-            self.attn_mask, self.empty_rows, unseen, self.lse_shift, self.mask_note = prepared
-            if unseen is not None:
-                # Keys that no query may see can hold anything (NaN beyond a length): zero them,
-                # since the fused kernels compute 0 * value for them and 0 * NaN = NaN.
-                zero = torch.zeros((), dtype=q.dtype, device=q.device)
-                k, v = torch.where(unseen, zero, k), torch.where(unseen, zero, v)
-        self.enable_gqa = False
+            self.attn_mask, self.empty_rows, self.unseen, self.lse_shift, self.mask_note = prepared
+            if self.unseen is not None:
+                self.zero = torch.zeros((), dtype=q.dtype, device=q.device)
+                k, v = self._zero_unseen(k, v)
+        self.enable_gqa, self.expand = False, None
         if Hq == Hkv:
             self.gqa_note = "heads: Hq == Hkv"
         elif _compiling() or pytorch_kernel(q, k, v, self.attn_mask, call.dropout_p, self.is_causal, call.scale,
@@ -109,13 +118,39 @@ class _Arguments:
             self.enable_gqa = True
             self.gqa_note = f"heads: GQA {Hq}/{Hkv} passed natively (enable_gqa=True)"
         elif Hkv == 1:
-            k, v = k.expand(B, Hq, Lk, D), v.expand(B, Hq, Lk, Dv)
+            self.expand = ((B, Hq, Lk, D), (B, Hq, Lk, Dv))
             self.gqa_note = f"heads: MQA, K/V expanded to {Hq} heads as a view (stride 0)"
         else:
-            k, v = repeat_kv(k, Hq), repeat_kv(v, Hq)
+            self.expand = Hq
             self.gqa_note = (f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
                              "K/V repeated by the grouped mapping instead")
-        self.q, self.k, self.v = q, k, v
+        self.plain = self.unseen is None and self.expand is None and self.empty_rows is None
+
+    def _zero_unseen(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # Keys that no query may see can hold anything (NaN beyond a length): zero them, since
+        # the fused kernels compute 0 * value for them and 0 * NaN = NaN.
+        return torch.where(self.unseen, self.zero, k), torch.where(self.unseen, self.zero, v)
+
+    def inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` as SDPA receives them: unseen keys zeroed, K/V expanded for GQA if needed."""
+        if self.unseen is not None:
+            k, v = self._zero_unseen(k, v)
+        if isinstance(self.expand, int):
+            k, v = repeat_kv(k, self.expand), repeat_kv(v, self.expand)
+        elif self.expand is not None:
+            k, v = k.expand(self.expand[0]), v.expand(self.expand[1])
+        return q, k, v
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+        """The output of SDPA for these inputs (fully masked rows zeroed)."""
+        if self.plain:  # the common case, on the hot path of small calls: no work but the kernel
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, dropout_p=dropout_p,
+                                                  is_causal=self.is_causal, scale=self.scale,
+                                                  enable_gqa=self.enable_gqa)
+        q, k, v = self.inputs(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, dropout_p=dropout_p,
+                                             is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa)
+        return out if self.empty_rows is None else out.masked_fill(self.empty_rows.unsqueeze(-1), 0.0)
 
 
 # Materialized structured masks, by (mask value, shape, device, dtype): a mask object reused across
@@ -156,9 +191,15 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
     unseen = unseen_keys(visible, num_kv_heads)  # (B|1, Hkv|1, Lk, 1)
     if not (compiling or bool(unseen.any())):
         unseen = None
+    kept = ""
+    if cacheable:
+        # SDPA turns a bool mask into an additive one (0 / -inf) on every call; a kept mask is
+        # turned once. (Under torch.compile the bool mask stays: the compiler folds it.)
+        dense = torch.zeros(dense.shape, dtype=dtype, device=device).masked_fill_(~dense, float("-inf"))
+        kept = ", built once for this mask value"
     kind = "bool" if dense.dtype == torch.bool else "additive"
     what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
-    note = f"{what}: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort)"
+    note = f"{what}: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort{kept})"
     prepared = (dense, empty_rows, unseen, shift, note)
     if cacheable:
         _MASKS[key] = prepared
@@ -178,12 +219,12 @@ def _one_pass_lse(call: AttentionCall) -> bool:
             and call.dropout_p == 0.0 and D == Dv and not _compiling())
 
 
-def _flash_cpu_with_lse(call: AttentionCall, args: _Arguments) -> tuple[Tensor, Tensor]:
+def _flash_cpu_with_lse(call: AttentionCall, args: _Arguments, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Output and LSE in one call of the CPU flash kernel (it takes additive masks only)."""
     mask = args.attn_mask
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros((), dtype=call.q.dtype).masked_fill(~mask, float("-inf"))
-    out, lse = _FLASH_CPU(args.q, args.k, args.v, 0.0, args.is_causal, attn_mask=mask, scale=call.scale)
+    out, lse = _FLASH_CPU(q, k, v, 0.0, args.is_causal, attn_mask=mask, scale=call.scale)
     return out, lse.to(lse_dtype(call.q.dtype))
 
 
