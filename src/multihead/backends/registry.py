@@ -8,6 +8,7 @@ refuses a call raises an error that lists its reasons. No environment variable c
 
 from __future__ import annotations
 
+from multihead import plans
 from multihead.backends.base import Backend
 from multihead.call import AttentionCall
 
@@ -53,6 +54,7 @@ def unregister_backend(name: str) -> Backend:
 
 def _order() -> None:
     AUTO_ORDER[:] = sorted(_PRIORITY, key=lambda n: (_PRIORITY[n], n))
+    plans.clear()  # a stored plan names the backend auto chose among the old ones
 
 
 def available_backends() -> list[str]:

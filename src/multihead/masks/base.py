@@ -87,7 +87,17 @@ class Mask(abc.ABC):
                                  and self._value() == other._value())
 
     def __hash__(self) -> int:
-        return self._cached("_hash_cache", lambda: hash(self._value()))
+        # Read on every plan lookup (multihead.plans): the cached value without a closure or a call.
+        cached = self.__dict__.get("_hash_cache")
+        return self._cached("_hash_cache", lambda: hash(self._value())) if cached is None else cached
+
+    def by_value(self) -> bool:
+        """Whether the value says everything the mask means: every tensor inside is a small host
+        copy the mask owns, compared by content (:func:`tensor_identity`). A tensor taken by
+        identity could change in place after the value was computed (it is computed once), so
+        plan caches (:mod:`multihead.plans`) keep masks only when this is ``True``."""
+        return self._cached("_by_value_cache", lambda: all(
+            _by_content(v) for name, v in vars(self).items() if not name.startswith("_")))
 
     def _cached(self, name: str, compute: Callable):
         """A derived value computed on first use (host synchronisation happens here, when a
@@ -293,7 +303,7 @@ class _Combination(Mask):
         return any(p.depends_on_lengths() for p in self.parts)
 
     def kinds(self):
-        return frozenset().union(*(p.kinds() for p in self.parts))
+        return self._cached("_kinds_cache", lambda: frozenset().union(*(p.kinds() for p in self.parts)))
 
     def extent(self):
         extents = [p.extent() for p in self.parts]
@@ -484,13 +494,28 @@ def _field_value(v):
     return v
 
 
+def _by_content(v) -> bool:
+    """A field whose value is plain data (tensors by content, nested masks by value)."""
+    if isinstance(v, Tensor):
+        return _content_tensor(v)
+    if isinstance(v, Mask):
+        return v.by_value()
+    if isinstance(v, tuple):
+        return all(_by_content(x) for x in v)
+    return True
+
+
+def _content_tensor(t: Tensor) -> bool:
+    return t.device.type == "cpu" and t.numel() <= _CONTENT_ELEMENTS and not t.requires_grad
+
+
 def tensor_identity(t: Tensor) -> tuple:
     """How a tensor inside a mask or modifier takes part in its value. Small CPU tensors (lengths,
     ids, positions) by content, so that ``key_padding(torch.tensor([3, 5]))`` built twice is one
     mask; others by identity (the same memory viewed the same way, and the same in-place version:
     no host synchronisation, and a tensor changed in place is another value). Masks copy the small
     tensors they are built from, so changing the caller's tensor afterwards changes no mask."""
-    if t.device.type == "cpu" and t.numel() <= _CONTENT_ELEMENTS and not t.requires_grad:
+    if _content_tensor(t):
         return ("values", t.dtype, tuple(t.shape), tuple(t.flatten().tolist()))
     return ("tensor", t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
             t.dtype, t.device, t._version)

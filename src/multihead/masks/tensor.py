@@ -96,6 +96,9 @@ class TensorMask(Mask):
     def _describe(self):
         return f"{self.name}(<bool tensor {tuple(self.tensor.shape)}>)"
 
+    def by_value(self):
+        return False  # a view of the caller's tensor, not a copy: it may change in place
+
     def to_string(self, q_len=None, kv_len=None, b=0, h=0):
         q_len = self.tensor.shape[2] if q_len is None else q_len
         kv_len = self.tensor.shape[3] if kv_len is None else kv_len

@@ -1,0 +1,87 @@
+"""Plans of repeated calls: what :func:`multihead.attention` decided for a call signature.
+
+A *plain* call passes only ``q, k, v``, a mask object and a scale (no score modifier, softcap,
+sinks, dropout, weights or LSE). Everything validation and dispatch decide for it follows from
+facts that are cheap to read, and that :func:`signature` puts in one key::
+
+    q, k, v: type, shape, stride, dtype, device      (the checks of validation.py, the kernels' strides)
+    autograd records (grad mode and requires_grad)   (backends without a backward refuse it)
+    the mask's value (masks are immutable and compare by value), the scale, the backend name
+
+A call takes the whole path (validation, every refusal, the backend's own plan) until its
+signature has been seen once before; then it stores a *runner*, :meth:`Backend.runner`: a
+function of ``(q, k, v)`` that runs what was decided, holding the prepared mask tensors but no
+tensor of the call. A later call with an equal key runs it directly. (Waiting for the second
+sighting keeps one-off signatures, such as every step of a growing KV cache, from building
+runners that are never used and from pushing out the plans that are.) Nothing in a key depends on tensor *values*: the non-finite
+policy is still checked on every call, and a call that fails it takes the whole path again.
+
+Never stored (the whole path runs every time): masks holding a tensor taken by identity rather
+than by content (:meth:`Mask.by_value`), inputs that validation would copy or change (a strided
+last dimension, a scale <= 0), empty calls, and anything under ``torch.compile`` (dynamo traces
+the whole path into its graph instead). Registering or removing a backend clears every plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from multihead.masks import Mask
+
+__all__ = ["signature", "lookup", "repeated", "store", "clear", "MAX_PLANS"]
+
+#: At most this many signatures are kept; the oldest stored is dropped first.
+MAX_PLANS = 64
+_PLANS: dict = {}
+_SEEN: dict = {}  # signatures met once, oldest first (a dict as an ordered set)
+
+
+def signature(q, k, v, mask, scale, backend) -> tuple | None:
+    """The key of a plain call, or ``None`` when its arguments are not the kind a plan serves
+    (the whole path then validates them and raises where they are wrong)."""
+    if q.__class__ is not Tensor or k.__class__ is not Tensor or v.__class__ is not Tensor:
+        return None  # subclasses (Parameter, fake and functional tensors) and non-tensors
+    if mask is not None and not isinstance(mask, Mask):
+        return None  # tensors (values not hashed) and wrong types (validation names them)
+    if scale is not None and (scale.__class__ is not float or not 0.0 < scale < math.inf):
+        return None
+    if backend.__class__ is not str:
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    try:
+        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, grad, mask, scale, backend)
+    except RuntimeError:  # sparse and nested tensors have no strides: validation says what is wrong
+        return None
+
+
+#: ``lookup(key)``: the ``(runner, finite)`` pair stored for ``key``, or ``None``.
+lookup = _PLANS.get
+
+
+def repeated(key: tuple) -> bool:
+    """Whether ``key`` was met before (a plan is then worth building); records it otherwise."""
+    if key in _SEEN:
+        return True
+    _SEEN[key] = None
+    while len(_SEEN) > MAX_PLANS:
+        del _SEEN[next(iter(_SEEN))]
+    return False
+
+
+def store(key: tuple, runner, finite) -> None:
+    """Keep ``runner(q, k, v) -> output`` and ``finite(q, output) -> bool`` (the non-finite check
+    for these shapes, :func:`multihead.nonfinite.finite_check`) for ``key``, dropping the oldest
+    plan beyond :data:`MAX_PLANS`."""
+    _PLANS[key] = (runner, finite)
+    while len(_PLANS) > MAX_PLANS:
+        del _PLANS[next(iter(_PLANS))]
+
+
+def clear() -> None:
+    """Forget every plan (the registry calls this whenever the backends change)."""
+    _PLANS.clear()
+    _SEEN.clear()

@@ -1,0 +1,278 @@
+"""Plans of repeated calls (multihead.plans): a call that differs from a cached one in anything
+the key holds (dtype, shape, strides, device, autograd, mask value, scale, backend) gets its own
+right answer or its own error, never the cached decision."""
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead import plans
+from multihead.backends import Backend, Capabilities
+from multihead.call import AttentionResult
+from multihead.nonfinite import all_finite
+
+
+def _ref(q, k, v, **kw):
+    return mh.reference_attention(q.double(), k.double(), v.double(), **kw).output
+
+
+def _qkv(B=1, H=2, L=16, D=16, dtype=torch.float32, Hkv=None, Lk=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, Hkv or H, Lk or L, D, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _cached(q, k, v, **kw):
+    """Run a call three times (the second stores its plan, the third runs it) and check that the
+    plan was stored."""
+    plans.clear()
+    key = plans.signature(q, k, v, kw.get("mask"), kw.get("scale"), kw.get("backend", "auto"))
+    first = mh.attention(q, k, v, **kw)
+    assert plans.lookup(key) is None, "a signature met once has no plan yet"
+    assert torch.equal(mh.attention(q, k, v, **kw), first)
+    assert plans.lookup(key) is not None, "a plain call met twice stores its plan"
+    third = mh.attention(q, k, v, **kw)
+    assert torch.equal(first, third)
+    return third
+
+
+BAND = mh.causal() & mh.sliding_window(4)
+
+
+@pytest.mark.parametrize("mask", [None, mh.causal(), BAND, mh.key_padding(torch.tensor([9]))],
+                         ids=["none", "causal", "band", "key_padding"])
+def test_a_repeated_call_runs_its_plan_and_gives_the_reference(mask):
+    q, k, v = _qkv()
+    torch.testing.assert_close(_cached(q, k, v, mask=mask).double(), _ref(q, k, v, mask=mask), rtol=1e-5, atol=1e-5)
+    q2, k2, v2 = _qkv(seed=1)  # other values, same signature: the plan serves them
+    torch.testing.assert_close(mh.attention(q2, k2, v2, mask=mask).double(), _ref(q2, k2, v2, mask=mask),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_value_equal_mask_built_again_finds_the_plan():
+    q, k, v = _qkv()
+    _cached(q, k, v, mask=BAND)
+    stored = len(plans._PLANS)
+    mh.attention(q, k, v, mask=mh.causal() & mh.sliding_window(4))
+    assert len(plans._PLANS) == stored
+    for _ in range(2):
+        mh.attention(q, k, v, mask=mh.causal() & mh.sliding_window(2))  # another value: another plan
+    assert len(plans._PLANS) == stored + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_another_dtype_after_a_cached_call(dtype):
+    q, k, v = _qkv()
+    _cached(q, k, v, mask=BAND)
+    q2, k2, v2 = (t.to(dtype) for t in (q, k, v))
+    out = mh.attention(q2, k2, v2, mask=BAND)
+    assert out.dtype == dtype
+    tol = 1e-10 if dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(out.double(), _ref(q2, k2, v2, mask=BAND), rtol=tol, atol=tol)
+    with pytest.raises(TypeError, match=r"q, k and v must share a dtype, got q torch.float32, k torch.float64"):
+        mh.attention(q, k2 if dtype == torch.float64 else k.double(), v, mask=BAND)
+
+
+def test_another_shape_after_a_cached_call_gets_its_result_or_its_error():
+    q, k, v = _qkv(H=4, Hkv=2, Lk=20)
+    _cached(q, k, v, mask=BAND)
+    q2, k2, v2 = _qkv(H=4, Hkv=2, Lk=23, seed=3)
+    torch.testing.assert_close(mh.attention(q2, k2, v2, mask=BAND).double(), _ref(q2, k2, v2, mask=BAND),
+                               rtol=1e-5, atol=1e-5)
+    q3 = torch.randn(1, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"q has Hq=3 heads, not divisible by Hkv=2"):
+        mh.attention(q3, k, v, mask=BAND)
+    with pytest.raises(ValueError, match=r"q must have 4 dims"):
+        mh.attention(q[0], k, v, mask=BAND)
+    with pytest.raises(ValueError, match=r"head dims differ"):
+        mh.attention(q, k[..., :8], v, mask=BAND)
+    with pytest.raises(ValueError, match=r"mask .* not broadcastable|mask of shape"):
+        mh.attention(q, k, v, mask=torch.ones(1, 1, 16, 7, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("layout", ["transposed view", "last dim strided"])
+def test_other_strides_after_a_cached_call(layout):
+    q, k, v = _qkv(L=12, D=8)
+    _cached(q, k, v, mask=BAND)
+    if layout == "transposed view":  # (B, L, H, D) memory seen as (B, H, L, D): unit last stride
+        q2, k2, v2 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    else:  # a last dimension that is not contiguous: validation copies it (and no plan is kept)
+        q2, k2, v2 = (torch.randn(1, 2, 8, 12).transpose(-1, -2) for _ in range(3))
+    for _ in range(3):
+        torch.testing.assert_close(mh.attention(q2, k2, v2, mask=BAND).double(), _ref(q2, k2, v2, mask=BAND),
+                                   rtol=1e-5, atol=1e-5)
+    key = plans.signature(q2, k2, v2, BAND, None, "auto")
+    assert (plans.lookup(key) is None) == (layout == "last dim strided")
+
+
+def test_a_device_mismatch_after_a_cached_call_names_the_devices():
+    q, k, v = _qkv()
+    _cached(q, k, v)
+    with pytest.raises(ValueError, match=r"q, k and v must be on one device, got q cpu, k meta"):
+        mh.attention(q, k.to("meta"), v)
+
+
+def test_other_scales_and_bad_arguments_after_a_cached_call():
+    q, k, v = _qkv()
+    _cached(q, k, v, mask=BAND, scale=0.5)
+    for scale in (None, 0.25, -1.0, 0.0):
+        torch.testing.assert_close(mh.attention(q, k, v, mask=BAND, scale=scale).double(),
+                                   _ref(q, k, v, mask=BAND, scale=scale), rtol=1e-5, atol=1e-5)
+    for scale in (float("nan"), float("inf"), True, "0.5"):
+        with pytest.raises(ValueError, match=r"scale must be a finite number"):
+            mh.attention(q, k, v, mask=BAND, scale=scale)
+    for p in (False, 1.0, -0.1):
+        with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+            mh.attention(q, k, v, mask=BAND, dropout_p=p)
+    with pytest.raises(TypeError, match=r"return_lse must be a bool"):
+        mh.attention(q, k, v, mask=BAND, return_lse=0)
+    with pytest.raises(TypeError, match=r"mask must be a multihead mask"):
+        mh.attention(q, k, v, mask=[1, 2])
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'"):
+        mh.attention(q, k, v, mask=BAND, backend="nope")
+
+
+def test_autograd_after_a_cached_call_without_it():
+    q, k, v = _qkv(dtype=torch.float64)
+    with torch.no_grad():
+        _cached(q, k, v, mask=BAND)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    mh.reference_attention(qr, kr, vr, mask=BAND).output.sum().backward()
+    for _ in range(3):  # the whole path, the call that stores the plan, the plan
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = mh.attention(qg, kg, vg, mask=BAND)
+        assert out.requires_grad
+        out.sum().backward()
+        for got, want in ((qg, qr), (kg, kr), (vg, vr)):
+            torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_non_finite_inputs_after_a_cached_call_follow_the_policy():
+    q, k, v = _qkv(L=8)
+    mask = mh.causal() & mh.sliding_window(2)
+    _cached(q, k, v, mask=mask)
+    q2 = q.clone()
+    q2[0, 1, 3, 0] = float("nan")  # that row only
+    out = mh.attention(q2, k, v, mask=mask)
+    assert torch.equal(out.isnan().any(-1), _ref(q2, k, v, mask=mask).isnan().any(-1))
+    assert int(out.isnan().any(-1).sum()) == 1
+    v2 = v.clone()
+    v2[0, 0, 2, 0] = float("inf")  # value 2: seen by rows 2, 3 and 4 of head 0
+    want = _ref(q, k, v2, mask=mask)
+    out = mh.attention(q, k, v2, mask=mask)
+    assert torch.equal(out.isnan().any(-1), want.isnan().any(-1)) and int(want.isnan().any(-1).sum()) == 3
+    finite = ~want.isnan()
+    torch.testing.assert_close(out.double()[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_all_finite_sees_every_non_finite_entry_and_huge_values_only_cost_time():
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        q, out = torch.randn(1, 2, 5, 4, dtype=dtype), torch.randn(1, 2, 5, 4, dtype=dtype)
+        assert all_finite(q, out) and all_finite(q, out[..., :3])
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for which in (0, 1):
+                a, b = q.clone(), out.clone()
+                (a, b)[which][0, 1, 2, 3] = bad
+                assert not all_finite(a, b), (dtype, bad, which)
+        a, b = q.clone(), out.clone()
+        a[0, 0, 0, 0], b[0, 0, 0, 0] = float("inf"), float("inf")  # inf - inf = NaN: still seen
+        assert not all_finite(a, b)
+    q, huge = torch.randn(1, 1, 4, 4), torch.full((1, 1, 4, 4), 5e37)  # finite through the kernel
+    assert not all_finite(q, huge)  # sum |q - out| overflows: the policy looks and finds nothing
+    for _ in range(2):
+        out = mh.attention(q, q, huge)
+        torch.testing.assert_close(out, huge)
+
+
+def test_a_mask_holding_a_tensor_by_identity_is_never_cached():
+    q, k, v = _qkv(L=6)
+    table = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    mask = mh.masks.as_mask(table)
+    assert not mask.by_value() and not (mh.causal() & mask).by_value()
+    plans.clear()
+    before = mh.attention(q, k, v, mask=mask)
+    assert torch.equal(mh.attention(q, k, v, mask=mask), before) and not plans._PLANS
+    table[:, :, :, 0] = False  # the mask views this tensor: its meaning changes
+    table[:, :, 0, 0] = True
+    torch.testing.assert_close(mh.attention(q, k, v, mask=mh.masks.as_mask(table)).double(),
+                               _ref(q, k, v, mask=table), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(before, mh.attention(q, k, v, mask=mh.masks.as_mask(table)))
+
+
+def test_a_mask_keeps_its_own_lengths_so_its_plan_stays_right():
+    q, k, v = _qkv(L=10)
+    lengths = torch.tensor([4])
+    mask = mh.key_padding(lengths) & mh.causal()
+    assert mask.by_value()
+    before = _cached(q, k, v, mask=mask)
+    lengths.fill_(9)  # the caller's tensor, not the mask's copy
+    assert torch.equal(mh.attention(q, k, v, mask=mask), before)
+    other = mh.key_padding(lengths) & mh.causal()  # built from the changed tensor: another value
+    torch.testing.assert_close(mh.attention(q, k, v, mask=other).double(), _ref(q, k, v, mask=other),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.equal(mh.attention(q, k, v, mask=other), before)
+
+
+class _Doubling(Backend):
+    """Serves everything, returning twice the sdpa output: shows which backend ran."""
+
+    name = "doubling"
+    capabilities = Capabilities()
+
+    def forward(self, call):
+        return AttentionResult(2 * mh.attention(call.q, call.k, call.v, mask=call.mask, backend="sdpa"), None, None)
+
+
+def test_registering_a_backend_forgets_every_plan():
+    q, k, v = _qkv()
+    want = _cached(q, k, v, mask=BAND)
+    mh.register_backend(_Doubling(), priority=0)
+    try:
+        assert not plans._PLANS
+        for _ in range(3):  # the last from its own plan
+            torch.testing.assert_close(mh.attention(q, k, v, mask=BAND), 2 * want)
+        assert plans._PLANS
+    finally:
+        mh.unregister_backend("doubling")
+    assert torch.equal(mh.attention(q, k, v, mask=BAND), want)
+
+
+def test_a_forced_backend_that_refuses_is_never_cached():
+    q, k, v = _qkv()
+    _cached(q, k, v, mask=BAND)
+    mask = mh.masks.as_mask(torch.ones(16, 16, dtype=torch.bool))
+    for _ in range(2):
+        with pytest.raises(mh.BackendRefusedError, match=r"backend 'blocksparse' cannot serve this call"):
+            mh.attention(q, k, v, mask=mask, backend="blocksparse")
+
+
+def test_tensor_subclasses_and_the_bound_on_plans():
+    q, k, v = _qkv()
+    param = torch.nn.Parameter(q.clone())
+    torch.testing.assert_close(mh.attention(param, k, v).detach().double(), _ref(q, k, v), rtol=1e-5, atol=1e-5)
+    assert plans.signature(param, k, v, None, None, "auto") is None
+    plans.clear()
+    for L in range(1, plans.MAX_PLANS + 10):
+        for _ in range(2):
+            mh.attention(q[:, :, :1], k[:, :, :L % 16 + 1], v[:, :, :L % 16 + 1], scale=0.1 + L / 1000)
+    assert len(plans._PLANS) == len(plans._SEEN) == plans.MAX_PLANS
+
+
+def test_signatures_met_once_build_no_plan():
+    """A growing KV cache gives every step a new Lk: no runner is built for any of them."""
+    q, k, v = _qkv(L=1, Lk=40)
+    plans.clear()
+    for n in range(1, 41):
+        torch.testing.assert_close(mh.attention(q, k[:, :, :n], v[:, :, :n], mask=mh.causal()).double(),
+                                   _ref(q, k[:, :, :n], v[:, :, :n], mask=mh.causal()), rtol=1e-5, atol=1e-5)
+    assert not plans._PLANS and len(plans._SEEN) == 40
+
+
+def test_compiled_attention_after_plans_exist_is_one_graph():
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    want = _cached(q, k, v, mask=BAND)
+    compiled = torch.compile(lambda q, k, v: mh.attention(q, k, v, mask=BAND), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-6, atol=1e-6)
