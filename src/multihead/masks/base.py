@@ -76,11 +76,12 @@ class Mask(abc.ABC):
 
     # ----------------------------------------------------------------------------- value
     def _value(self) -> tuple:
-        def compute():
-            fields = sorted((k, v) for k, v in vars(self).items() if not k.startswith("_"))
-            return (type(self),) + tuple((k, _field_value(v)) for k, v in fields)
-
-        return self._cached("_value_cache", compute)  # immutable: computed once per object
+        value = self.__dict__.get("_value_cache")  # immutable: computed once per object
+        if value is None:
+            fields = vars(self)
+            value = (type(self),) + tuple((k, _field_value(fields[k])) for k in sorted(fields) if k[0] != "_")
+            object.__setattr__(self, "_value_cache", value)
+        return value
 
     def __eq__(self, other) -> bool:
         return self is other or (isinstance(other, Mask) and hash(self) == hash(other)
@@ -482,9 +483,14 @@ class Positioned(Mask):
 
 
 # --------------------------------------------------------------------------------- helpers
+_PLAIN = frozenset({int, float, str, bool})
+
+
 def _field_value(v):
     """A field as plain data: nested masks by their values (compared without calling back into
     ``__eq__``), tensors by :func:`tensor_identity`."""
+    if v is None or v.__class__ in _PLAIN:  # most fields (a mask rebuilt per call is hashed per call)
+        return v
     if isinstance(v, Tensor):
         return tensor_identity(v)
     if isinstance(v, Mask):
