@@ -300,3 +300,27 @@ def test_compiled_layer_with_padding_and_gqa_has_no_graph_breaks():
     assert report.graph_break_count == 0, report.break_reasons
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x, mask=mask), layer(x, mask=mask))
+
+
+def test_fused_projection_kept_between_no_grad_calls_follows_every_weight_change():
+    """Without gradients the concatenated q/k/v weights are kept between calls; an in-place update,
+    load_state_dict and a dtype change must each be seen (a stale copy would give the old output)."""
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True).eval()
+    fresh = lambda: mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True).eval()  # noqa: E731
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        before = layer(x)
+        assert torch.equal(layer(x), before)
+        layer.v_proj.weight.mul_(2.0)  # an optimizer step or a manual edit, in place
+        after = layer(x)
+    expected = fresh()
+    expected.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(after, expected(x))  # with gradients: the concatenation in the graph
+    assert not torch.allclose(after, before)
+    other = fresh()
+    with torch.no_grad():
+        layer.load_state_dict(other.state_dict())
+        torch.testing.assert_close(layer(x), other(x))
+        layer.double()
+        torch.testing.assert_close(layer(x.double()), other.double()(x.double()))
