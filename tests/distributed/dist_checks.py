@@ -403,7 +403,7 @@ def _layer(rank, world):
     """A MultiHeadAttention layer (GQA, RoPE, causal) run on a sequence-sharded input: its own
     projections on the shard, RoPE at the shard's global positions, ContextParallel.attention,
     its output projection; the output rows and the weight gradients (summed over ranks) equal the
-    layer on the whole sequence. This is what ``MultiHeadAttention(context_parallel=...)`` must do."""
+    layer on the whole sequence. Then the same through ``MultiHeadAttention(context_parallel=cp)``."""
     from multihead.distributed import ContextParallel
     from multihead.layers.heads import merge_heads, split_heads
 
@@ -428,3 +428,15 @@ def _layer(rank, world):
             g = g.clone()
             dist.all_reduce(g)
             torch.testing.assert_close(g, w, msg=lambda m: f"{method} {name}: {m}")
+        sharded = mh.MultiHeadAttention(E, H, num_kv_heads=Hkv, rope=RotaryEmbedding(E // H), causal=True,
+                                        context_parallel=cp).double()
+        sharded.load_state_dict(layer.state_dict())
+        out = sharded(xs)  # the layer itself, on the shard
+        torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
+        grads = torch.autograd.grad((out * out).sum(), list(sharded.parameters()))
+        for (name, _), g, w in zip(sharded.named_parameters(), grads, want_grads):
+            g = g.clone()
+            dist.all_reduce(g)
+            torch.testing.assert_close(g, w, msg=lambda m: f"layer {method} {name}: {m}")
+        window = masks.sliding_window(5)  # a call mask: the whole sequence's, combined with causal
+        torch.testing.assert_close(sharded(xs, mask=window), cp.shard(layer(x, mask=window).detach(), dim=1))

@@ -34,7 +34,7 @@ from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
 from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
-from multihead.layers.heads import attend_heads, split_heads
+from multihead.layers.heads import attend_heads, merge_heads, split_heads
 from multihead.call import mask_and_score_mod
 from multihead.masks import Mask
 from multihead.scores import ScoreMod, as_score_mod, softcap as softcap_mod
@@ -81,6 +81,12 @@ class MultiHeadAttention(nn.Module):
         softcap: ``cap · tanh(s / cap)`` on the scores, after every modifier (Gemma 2).
         sinks: ``True`` creates one learnable sink logit per query head, ``self.sinks (Hq,)``
             (gpt-oss; :mod:`multihead.sinks`), initialised to 0.
+        context_parallel: a :class:`multihead.distributed.ContextParallel`: the layer's input is
+            this rank's shard of a sequence split over a process group (``cp.shard(x)``); the
+            projections run on the shard, ``rope`` at the shard's global positions, and attention
+            over the whole sequence through ring or all-to-all attention
+            (``docs/distributed.md``). A mask is the whole sequence's. Self-attention only;
+            without caches, weights, score modifiers, sinks or dropout.
         device, dtype: of the parameters.
 
     Parameters live in four ``nn.Linear`` submodules, ``q_proj`` (``E -> Hq·D``, head ``h`` at
@@ -94,7 +100,7 @@ class MultiHeadAttention(nn.Module):
                  qkv_bias: bool | tuple[bool, bool, bool] = True, out_bias: bool = True, dropout: float = 0.0,
                  causal: bool = False, batch_first: bool = True, backend: str = "auto",
                  rope: Callable[[Tensor, Tensor], Tensor] | None = None,
-                 score_mod=None, softcap: float | None = None, sinks: bool = False,
+                 score_mod=None, softcap: float | None = None, sinks: bool = False, context_parallel=None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         layer = type(self).__name__
@@ -143,6 +149,7 @@ class MultiHeadAttention(nn.Module):
         self.score_mod = score_mod  # an nn.Module (a RelativePositionBias) is registered as a submodule
         self.softcap = None if softcap is None else softcap_mod(softcap).cap
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if check_flag(layer, "sinks", sinks) else None
+        self.context_parallel = _check_context_parallel(layer, context_parallel, self)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
@@ -182,6 +189,8 @@ class MultiHeadAttention(nn.Module):
         """
         layer = type(self).__name__
         self_attention = key is None or key is query
+        if self.context_parallel is not None:
+            _check_sharded_call(layer, self_attention, kv_cache, need_weights, score_mod, self.training and self.dropout)
         if kv_cache is not None:
             _check_cache(layer, kv_cache, self_attention, key)
         if self.rope is not None and not self_attention:
@@ -194,11 +203,16 @@ class MultiHeadAttention(nn.Module):
                      batch_first=self.batch_first, weight=getattr(self.q_proj, "weight", None))
         check_flag(layer, "need_weights", need_weights)
         B, Lq = dims(query, self.batch_first)
-        if kv_cache is None:
+        if self.context_parallel is not None:  # the mask is the whole sequence's
+            whole = self.context_parallel.whole_length(Lq)
+            mask, score_mod = self._combined_mask(mask, None, B, whole, whole)
+        elif kv_cache is None:
             Lk = dims(key, self.batch_first)[1]
             mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
         if positions is not None:
             positions = _check_positions(layer, positions, B, Lq, query.device)
+        elif self.context_parallel is not None:
+            positions = self.context_parallel.positions(Lq, query.device)  # (Lq,): this shard's global positions
         elif kv_cache is not None:
             positions = kv_cache.next_positions(Lq, query.device)  # (Lq,) or (B, Lq): after the cached tokens
         elif self.rope is not None:
@@ -230,7 +244,11 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------------------ helpers
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, score_mod, need_weights: bool):
-        """:func:`attend_heads` with this layer's projection, sinks, dropout and backend."""
+        """:func:`attend_heads` with this layer's projection, sinks, dropout and backend (or the
+        group's sharded attention, for a context-parallel layer)."""
+        if self.context_parallel is not None:
+            y = self.context_parallel.attention(q, k, v, mask=mask, backend=self.backend)  # (B, Hq, Lq, Dv)
+            return self.out_proj(merge_heads(y)), None
         return attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod, sinks=self.sinks,
                             dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
                             backend=self.backend)
@@ -423,6 +441,32 @@ def _check_cache(layer: str, kv_cache, self_attention: bool, key) -> None:
         raise ValueError(f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
                          f"stores the keys of the query tokens; got a separate key of shape {tuple(key.shape)}; "
                          f"hint: for cross-attention project the memory once and call without kv_cache")
+
+
+def _check_context_parallel(layer: str, cp, module: "MultiHeadAttention"):
+    if cp is None:
+        return None
+    from multihead.distributed import ContextParallel  # floor 3: imported only when used
+
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"{layer}: context_parallel must be None or a multihead.distributed.ContextParallel, "
+                        f"got {type(cp).__name__}")
+    for name in ("score_mod", "softcap", "sinks"):
+        if getattr(module, name) is not None:
+            raise ValueError(f"{layer}: context_parallel attention has no {name} yet (ring and all-to-all "
+                             f"attention take masks only); got {name}={getattr(module, name)!r}")
+    if module.dropout:
+        raise ValueError(f"{layer}: context_parallel attention has no dropout yet; got dropout={module.dropout}")
+    return cp
+
+
+def _check_sharded_call(layer: str, self_attention: bool, kv_cache, need_weights, score_mod, dropout) -> None:
+    for what, bad in (("kv_cache", kv_cache is not None), ("need_weights=True", need_weights is True),
+                      ("a call score_mod", score_mod is not None), ("dropout in training", bool(dropout)),
+                      ("a separate key (cross-attention)", not self_attention)):
+        if bad:
+            raise ValueError(f"{layer}: a context_parallel layer attends over a sharded sequence; it takes no "
+                             f"{what}; hint: run such calls on a layer without context_parallel")
 
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
