@@ -18,6 +18,7 @@ from multihead.layers import compat
 from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
 from multihead.call import AttentionResult
 from multihead.merge import merge_partials
+from multihead.cascade import cascade_attention
 from multihead.reference import reference_attention
 
 __version__ = "0.1.0"
@@ -41,7 +42,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "attention", "capture_attention", "AttentionCapture", "explain", "Explanation", "reference_attention", "AttentionResult",
-    "merge_partials", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
+    "merge_partials", "cascade_attention", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "BackendRefusedError",
     "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
     "caches", "KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "positions",
