@@ -161,17 +161,17 @@ def test_a_backend_declaring_cuda_only_is_skipped_on_cpu_not_passed():
 
 
 def test_auto_order_comes_from_priorities_not_import_order():
-    assert mh.backends.AUTO_ORDER == ["blocksparse", "sdpa", "flex", "reference"]
+    assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "sdpa", "flex", "reference"]
     probe = _CudaOnly()
     mh.register_backend(probe, priority=15)
     try:
-        assert mh.backends.AUTO_ORDER == ["blocksparse", "cuda_only_probe", "sdpa", "flex", "reference"]
+        assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "cuda_only_probe", "sdpa", "flex", "reference"]
         q = torch.randn(1, 2, 4, 8)
         refused = mh.explain(q, q, q).refused
         assert "cuda_only_probe" in refused and "device type 'cpu'" in refused["cuda_only_probe"][0]
     finally:
         mh.unregister_backend("cuda_only_probe")
-    assert mh.backends.AUTO_ORDER == ["blocksparse", "sdpa", "flex", "reference"]
+    assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "sdpa", "flex", "reference"]
 
 
 @pytest.mark.parametrize("backend", mh.available_backends())

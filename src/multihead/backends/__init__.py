@@ -12,12 +12,15 @@ from multihead.backends.registry import (
     unregister_backend,
 )
 from multihead.backends.blocksparse import BlockSparseBackend
+from multihead.backends.decode import DecodeBackend
 from multihead.backends.flex import FlexBackend
 from multihead.backends.sdpa import SDPABackend
 
-# The auto order, lower first (measured; docs/performance.md). blocksparse passes (auto_refusals)
+# The auto order, lower first (measured; docs/performance.md). decode takes calls of a few query
+# tokens (a decode step) and passes (auto_refusals) on longer ones. blocksparse passes (auto_refusals)
 # on what sdpa runs as well: no mask, causal diagonals, small calls. flex passes on CPU (a minute
 # to compile on 2 cores). The oracle is last.
+register_backend(DecodeBackend(), priority=5)
 register_backend(BlockSparseBackend(), priority=10)
 register_backend(SDPABackend(), priority=20)
 register_backend(FlexBackend(), priority=30)
@@ -26,5 +29,5 @@ register_backend(ReferenceBackend(), priority=100)
 __all__ = [
     "Backend", "Capabilities", "MASK_KINDS", "SCORE_MOD_KINDS", "BackendRefusedError", "AUTO_ORDER",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "select_backend",
-    "ReferenceBackend", "SDPABackend", "BlockSparseBackend", "FlexBackend",
+    "ReferenceBackend", "SDPABackend", "BlockSparseBackend", "FlexBackend", "DecodeBackend",
 ]

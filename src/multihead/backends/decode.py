@@ -1,0 +1,281 @@
+"""The ``decode`` backend: a few query tokens against a long KV cache, at the speed K/V are read.
+
+A decode step reads the whole cache for one new token per sequence: its cost is moving ``K`` and
+``V`` from memory, the arithmetic is a matrix-vector product. PyTorch's fused kernels are built
+for long query blocks; with ``Lq`` of a few tokens and ``enable_gqa`` they read K/V at well
+under half the memory bandwidth (``docs/performance.md``, "The decode path"). Here the
+``G = Hq / Hkv`` query heads of each KV head are folded into the rows of ONE matmul per KV head,
+so each KV head is read once, as it is, never expanded to ``Hq`` heads::
+
+    q (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D)      a view; query head h = kv·G + g (conventions.kv_head_of)
+    S = q Kᵀ            (B, Hkv, G·Lq, n)        one matmul per KV head over the n keys read
+    S[~visible] = -inf                           visible (B|1, H|1, Lq, n): a small row mask, never Lq x Lk
+    P = exp(S - max)    softmax dtype            fp32 for fp16/bf16 inputs (conventions.softmax_dtype)
+    l = Σ P,  lse = max + log l,  O = P V / l  (B, Hkv, G·Lq, Dv) -> (B, Hq, Lq, Dv)
+
+Which keys are read (``n`` above), decided once per call in :class:`_Plan`:
+
+* no mask: every key;
+* a structured mask (bands: ``causal``, ``sliding_window`` in either alignment or per sequence;
+  ``key_padding``; their ``shifted`` blocks, ``&``, ``|``, ``~``): only ``mask.key_range`` (a
+  window reads ``w + Lq`` keys, not ``Lk``); no mask at all when ``block_state`` says every key
+  there is visible (``causal()`` with ``Lq == 1``);
+* any other mask (a bool tensor such as a static cache's ``(B, 1, Lq, S)``, documents, positions,
+  custom): evaluated on the rows of this call only, then the keys from the first to the last
+  visible column are read (a static cache of ``S`` slots holding ``n`` tokens reads ``n`` keys).
+
+Long key ranges are split into chunks of ``chunk_size`` keys (split-K, as flash-decoding does):
+each chunk's scores stay in cache between the two matmuls, and the partial results are joined
+by their log-sum-exp (:func:`multihead.merge_partials`).
+
+Contract (:mod:`multihead.conventions`): fully masked rows give output 0 and LSE ``-inf``; the
+LSE is returned from the same pass. A NaN or inf in a key or value that no query may see: keys
+outside the range read are never touched; inside it, a blocked key's score is replaced by
+``-inf`` (``masked_fill``, NaN included), and a blocked value of NaN makes ``0 · NaN`` in
+``P V``, which :func:`multihead.nonfinite.apply_policy` catches after the call (one rerun on
+cleaned inputs, only when it happens). With autograd, keys no query sees are zeroed first, since
+``dQ = dS K`` would compute ``0 · NaN``. Under ``torch.compile`` there is no host
+synchronisation: every key is read with the mask evaluated on it, and (as for every backend,
+``nonfinite.py``) no policy runs, so unused cache slots must hold finite values (zeros).
+Score modifiers and dropout are refused (``sdpa``/``blocksparse`` run them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from multihead.backends.base import Backend, Capabilities
+from multihead.call import AttentionCall, AttentionResult
+from multihead.conventions import softmax_dtype
+from multihead.masks import BlockState, Mask
+from multihead.merge import merge_partials
+from multihead.scoring import unseen_keys
+
+__all__ = ["DecodeBackend", "MAX_QUERIES", "AUTO_MAX_QUERIES", "DEFAULT_CHUNK_SIZE"]
+
+#: The most query tokens a call may have: the scores of a chunk are ``B·Hq·Lq x chunk`` elements.
+MAX_QUERIES = 64
+#: ``auto`` takes this backend up to this many query tokens; measured (docs/performance.md).
+AUTO_MAX_QUERIES = 8
+#: Keys per chunk of the split-K loop; measured (docs/performance.md).
+DEFAULT_CHUNK_SIZE = 8192
+# Mask kinds whose key_range and block_state are answered from a few integers (no data read).
+_STRUCTURAL = frozenset({"band", "key_padding"})
+
+
+class DecodeBackend(Backend):
+    name = "decode"
+    summary = "few query tokens: each KV head's query heads folded into one matmul; K/V read once, never expanded"
+    capabilities = Capabilities(
+        score_mods=frozenset(),
+        dropout=False,
+        native_lse=True,
+        masks="every mask, as a row mask over the keys each call reads (bands and key padding by their key range)",
+    )
+
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"DecodeBackend: chunk_size must be a positive int (keys per chunk), got {chunk_size!r}")
+        self.chunk_size = chunk_size
+
+    # ------------------------------------------------------------------------------- dispatch
+    def refusals(self, call: AttentionCall) -> list[str]:
+        reasons = super().refusals(call)
+        Lq = call.shape[3]
+        if Lq > MAX_QUERIES:
+            reasons.append(f"Lq={Lq} > {MAX_QUERIES} query tokens: a decode path for a few new tokens; "
+                           "a prefill runs on a fused kernel (sdpa, blocksparse)")
+        return reasons
+
+    def auto_refusals(self, call: AttentionCall) -> list[str]:
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        if call.q.device.type != "cpu":
+            return [f"measured on CPU only; on {call.q.device.type} the fused kernels are the default"]
+        if Lq > AUTO_MAX_QUERIES:
+            return [f"Lq={Lq} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
+                    "(benchmarks/decode.py)"]
+        return []
+
+    def plan(self, call: AttentionCall) -> list[str]:
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        plan = _Plan(call, self.chunk_size)
+        G = Hq // plan.kv_heads
+        lines = []
+        if plan.kv_heads != Hkv:
+            lines.append(f"K/V heads are one head expanded (stride 0): read once as MQA, all {Hq} query heads folded")
+        lines.append(f"heads: the {G} query head(s) of each of the {plan.kv_heads} KV head(s) folded into the rows of "
+                     f"one matmul per KV head ({G}x{Lq} = {G * Lq} rows x {D}) by {D} x keys; K/V never expanded")
+        lines.append(plan.note.format(mask=call.mask._describe()) if call.mask is not None else plan.note)
+        n = plan.hi - plan.lo
+        if n > 0:
+            chunks = -(-n // self.chunk_size)
+            lines.append(f"keys read: {n} of {Lk} ([{plan.lo}, {plan.hi}))"
+                         + (f" in {chunks} chunks of <= {self.chunk_size}, joined by log-sum-exp (merge_partials)"
+                            if chunks > 1 else ""))
+        precision = {torch.float16: "fp32 (inputs fp16; matmuls in fp16, scores upcast)",
+                     torch.bfloat16: "fp32 (inputs bf16; matmuls in bf16, scores upcast)"}
+        lines.append("softmax in " + precision.get(call.q.dtype, str(call.q.dtype).replace("torch.", ""))
+                     + "; log-sum-exp from the same pass")
+        return lines
+
+    # ------------------------------------------------------------------------------- running
+    def forward(self, call: AttentionCall) -> AttentionResult:
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        plan = _Plan(call, self.chunk_size)
+        kv_heads, G = plan.kv_heads, Hq // plan.kv_heads
+        acc = softmax_dtype(call.q.dtype)
+        half = acc != call.q.dtype  # fp16/bf16: matmuls in the input dtype, softmax in fp32
+        # (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D): query head h = kv·G + g, rows ordered (g, i).
+        qg = call.q.reshape(B, kv_heads, G * Lq, D)
+        scale = call.scale
+        if not half:  # folded into the G·Lq query rows instead of the G·Lq·n scores
+            qg, scale = qg * scale, 1.0
+        k, v = plan.k, plan.v
+        blocked = plan.blocked  # (B|1, Hkv|1, G|1, Lq, n) bool, True = masked; None: nothing
+        if blocked is not None and call.requires_grad:
+            # dQ = dS · K computes 0 · NaN for a blocked key holding NaN: zero keys no query sees.
+            unseen = unseen_keys(~blocked.flatten(1, 2), kv_heads)  # (B|1, Hkv|1, n, 1)
+            k = torch.where(unseen, torch.zeros((), dtype=k.dtype, device=k.device), k)
+        n, step = k.shape[2], self.chunk_size
+        # Without autograd, each chunk runs on fused softmax/logsumexp passes; with it, a plain
+        # softmax whose backward stays finite on fully masked rows (softmax's own gives NaN there).
+        attend = _attend_with_grad if call.requires_grad else _attend
+        need_lse = call.return_lse or n > step
+        outs, lses = [], []
+        for c0 in range(0, n, step):
+            c1 = min(c0 + step, n)
+            kc, vc, bc = k, v, blocked
+            if c1 - c0 < n:  # (slicing costs a few microseconds: not done for the one chunk of a short cache)
+                kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
+                bc = None if blocked is None else blocked[..., c0:c1]
+            out, lse = attend(qg, kc, vc, bc, scale, acc, G, Lq, half, need_lse)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+        out = out.to(call.q.dtype).view(B, Hq, Lq, Dv)
+        return AttentionResult(out, None, lse.view(B, Hq, Lq) if call.return_lse else None)
+
+
+def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:
+    """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked."""
+    B, kv_heads, rows, _ = qg.shape
+    scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
+    if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once
+        scores = scores.to(acc)
+    if scale != 1.0:
+        scores = scores.mul_(scale)
+    if blocked is not None:  # masked_fill, not an additive -inf: a NaN score of a blocked key is replaced too
+        scores.view(B, kv_heads, G, Lq, k.shape[2]).masked_fill_(blocked, float("-inf"))
+    return scores
+
+
+def _attend(qg: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype,
+            G: int, Lq: int, half: bool, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """One chunk of keys, no autograd: the output ``(B, Hkv, G·Lq, Dv)`` normalised over these keys
+    (``acc`` dtype; 0 on rows that see none) and the LSE ``(B, Hkv, G·Lq)`` (``-inf`` there) when
+    ``need_lse``. Fused passes: the per-call cost of a one-token step is a handful of ops."""
+    scores = _scores(qg, k, blocked, scale, acc, G, Lq)
+    lse = torch.logsumexp(scores, dim=-1) if need_lse else None  # -inf on rows that see no key
+    probs = torch.softmax(scores, dim=-1)  # NaN on rows that see no key: zeroed below
+    if blocked is not None:
+        B, kv_heads, rows, n = probs.shape
+        empty = blocked.all(dim=-1, keepdim=True)  # (B|1, Hkv|1, G|1, Lq, 1)
+        probs.view(B, kv_heads, G, Lq, n).masked_fill_(empty, 0.0)
+    out = torch.matmul(probs.to(v.dtype) if half else probs, v)  # V read once
+    return (out.to(acc) if half else out), lse
+
+
+def _attend_with_grad(qg: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype,
+                      G: int, Lq: int, half: bool, need_lse: bool) -> tuple[Tensor, Tensor]:
+    """:func:`_attend` for autograd: exact zeros (never NaN) in the backward of fully masked rows."""
+    scores = _scores(qg, k, blocked, scale, acc, G, Lq)
+    peak = scores.amax(dim=-1, keepdim=True).detach()  # (B, Hkv, G·Lq, 1)
+    peak = peak.masked_fill(torch.isneginf(peak), 0.0)  # rows that see no key: exp(-inf - 0) = 0
+    probs = scores.sub_(peak).exp_()  # in place: autograd keeps exp's output, nothing changes it after
+    total = probs.sum(dim=-1, keepdim=True)
+    empty = total == 0
+    safe = total.masked_fill(empty, 1.0)  # fully masked rows: 0 / 1, no 0/0
+    lse = torch.where(empty, float("-inf"), peak + torch.log(safe)).squeeze(-1)
+    if half:  # normalised before the cast: the output is rounded once, by the matmul
+        out = torch.matmul((probs / safe).to(v.dtype), v).to(acc)
+    else:
+        out = torch.matmul(probs, v) / safe
+    return out, lse
+
+
+@dataclass
+class _Plan:
+    """The keys one call reads and the mask on them, decided once (``forward`` and ``plan`` agree).
+
+    ``k``/``v`` are ``(B, kv_heads, n, ·)`` views of keys ``[lo, hi)``; ``blocked`` is ``None`` or
+    ``(B|1, kv_heads|1, G|1, Lq, n)``, True where a query row may not see the key."""
+
+    k: Tensor
+    v: Tensor
+    lo: int
+    hi: int
+    blocked: Tensor | None
+    kv_heads: int
+    note: str
+
+    def __init__(self, call: AttentionCall, chunk_size: int):
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        k, v = call.k, call.v
+        self.kv_heads = Hkv
+        if Hkv > 1 and k.stride(1) == 0 and v.stride(1) == 0:
+            # K/V expanded from one head (k1.expand(B, Hkv, ...)): every KV head is the same memory,
+            # so it is MQA: one head read once, all Hq query heads folded into its rows.
+            k, v, self.kv_heads = k[:, :1], v[:, :1], 1
+        self.lo, self.hi, visible, self.note = _visible_keys(call.mask, B, Hq, Lq, Lk, call.q.device)
+        empty = self.hi <= self.lo
+        if empty:  # no row sees any key: one key, all blocked, so the result (0, -inf) keeps the graph
+            self.lo, self.hi = 0, 1
+            visible = torch.zeros((1, 1, Lq, 1), dtype=torch.bool, device=call.q.device)
+        if (self.lo, self.hi) != (0, Lk):
+            k, v = k[:, :, self.lo:self.hi], v[:, :, self.lo:self.hi]
+        self.k, self.v = k, v
+        self.blocked = None
+        if visible is not None:
+            G = Hq // self.kv_heads
+            b, h = visible.shape[:2]
+            # (B|1, H|1, Lq, n) -> (B|1, Hkv|1, G|1, Lq, n): query head h = kv·G + g
+            shape = (b, 1, 1) if h == 1 else (b, self.kv_heads, G)
+            self.blocked = (~visible).reshape(*shape, Lq, visible.shape[-1])
+        if empty:
+            self.lo = self.hi = 0
+
+
+def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) -> tuple[int, int, Tensor | None, str]:
+    """``(lo, hi, visible, note)``: the keys ``[lo, hi)`` any row of the call may see (``lo >= hi``:
+    none), the bool mask on them (``(B|1, H|1, Lq, hi - lo)``, ``None`` when all are visible), and
+    a line for ``explain()``."""
+    if mask is None:
+        return 0, Lk, None, "mask: none"
+    what = "{mask}"  # filled in by plan() only: describing a mask may read its tensors (a host sync)
+    if torch.compiler.is_compiling():  # no host synchronisation, no data-dependent range
+        return 0, Lk, mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device), \
+            f"mask {what}: evaluated on every key (under torch.compile)"
+    lo, hi = mask.key_range(0, Lq, Lq, Lk)
+    if hi <= lo:
+        return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
+    if mask.kinds() <= _STRUCTURAL:
+        state = mask.block_state(0, Lq, lo, hi, Lq, Lk, B, Hq)
+        if state is BlockState.EMPTY:
+            return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
+        if state is BlockState.FULL:
+            return lo, hi, None, f"mask {what}: every key in its range [{lo}, {hi}) visible: no mask"
+        visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+        return lo, hi, visible, (f"mask {what}: keys [{lo}, {hi}) from its structure; a row mask of shape "
+                                 f"{tuple(visible.shape)} on them")
+    visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+    seen = visible.any(dim=2).any(dim=1).any(dim=0).nonzero()  # columns some row may see
+    if seen.numel() == 0:
+        return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
+    first, last = seen[[0, -1], 0].tolist()
+    visible = visible[..., first:last + 1]
+    return lo + first, lo + last + 1, visible, (
+        f"mask {what}: evaluated on these {Lq} row(s); keys [{lo + first}, {lo + last + 1}) from the first to the "
+        f"last visible one; a row mask of shape {tuple(visible.shape)} on them")

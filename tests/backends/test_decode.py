@@ -1,0 +1,360 @@
+"""The ``decode`` backend (a few query tokens, each KV head's query heads folded into one matmul)
+against the fp64 reference, by the relative rule of shared/TESTING.md: Lq 1..4, MHA/GQA/MQA,
+fp64/fp32/bf16/fp16, every mask a decode step meets, NaN in keys nobody sees, fully masked rows,
+non-contiguous and expanded inputs, chunk boundaries, and the ``auto`` decision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from helpers import LargestAllocation, assert_relative, naive_attention
+from multihead.backends.decode import AUTO_MAX_QUERIES, MAX_QUERIES
+from multihead.call import mask_and_score_mod
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+HEADS = [(4, 4), (8, 2), (6, 3), (8, 1)]
+CHUNK = 16  # a small chunk for the split-K tests: lengths around it cross chunk boundaries
+
+
+def _mask(kind: str, B: int, Hq: int, Lq: int, Lk: int, gen: torch.Generator):
+    """A mask of a decode step; several leave some rows (or a batch element) fully masked."""
+    lengths = torch.randint(1, Lk + 1, (B,), generator=gen)
+    lengths[0] = Lk
+    table = {
+        "none": lambda: None,
+        "causal": lambda: mh.causal(),
+        "causal_top_left": lambda: mh.causal("top_left"),
+        "window": lambda: mh.sliding_window(5),
+        "window_top_left": lambda: mh.sliding_window(3, 1, align="top_left"),
+        "window_per_sequence": lambda: mh.sliding_window(4, kv_lengths=lengths) & mh.key_padding(lengths),
+        "causal_per_sequence": lambda: mh.causal(kv_lengths=lengths) & mh.key_padding(lengths),
+        "key_padding": lambda: mh.key_padding(lengths),
+        "key_padding_empty_batch": lambda: mh.key_padding([Lk] + [0] * (B - 1)),
+        # the first Lq queries of a longer attention, read shifted (short caches: first rows fully masked)
+        "shifted_causal": lambda: mh.causal().shifted(0, 0, q_len=Lq + 5, kv_len=Lk),
+        "shifted_top_left": lambda: mh.causal("top_left").shifted(-2, 0),  # rows before key 0: fully masked
+        # a static cache's mask: (B, 1, Lq, S) bool, True = may attend; slots past each row's length unused
+        "static_cache": lambda: (torch.arange(Lk).view(1, 1, 1, Lk) < lengths.view(B, 1, 1, 1)).expand(B, 1, Lq, Lk),
+        "bool_per_head": lambda: torch.rand(B, Hq, Lq, Lk, generator=gen) > 0.3,
+        "bool_rows": lambda: torch.rand(1, 1, Lq, Lk, generator=gen) > 0.5,
+        "document": lambda: mh.document(torch.zeros(B, Lq, dtype=torch.long) + 1,
+                                        (torch.arange(Lk) >= Lk // 3).long().expand(B, Lk)),
+    }
+    return table[kind]()
+
+
+MASKS = ["none", "causal", "causal_top_left", "window", "window_top_left", "window_per_sequence",
+         "causal_per_sequence", "key_padding", "key_padding_empty_batch", "shifted_causal", "shifted_top_left",
+         "static_cache", "bool_per_head", "bool_rows", "document"]
+LENGTHS = [1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 300]
+
+
+def _cases():
+    """Each mask with every Lq in 1..4, heads and lengths rotated through, plus every dtype."""
+    cases = []
+    i = 0
+    for mask in MASKS:
+        for Lq in (1, 2, 3, 4):
+            Hq, Hkv = HEADS[i % len(HEADS)]
+            Lk = max(LENGTHS[i % len(LENGTHS)], Lq if "top_left" in mask else 1)
+            cases.append((mask, 1 + 2 * (i % 2), Hq, Hkv, Lq, Lk, i))
+            i += 1
+    return cases
+
+
+CASES = _cases()
+
+
+def _inputs(B, Hq, Hkv, Lq, Lk, seed, D=16, Dv=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Lk, Dv or D, generator=gen, dtype=torch.float64)
+    return q, k, v, gen
+
+
+def _baseline_lse(q, k, mask, scale=None):
+    """The naive LSE in the input dtype (the baseline of the rule for the LSE)."""
+    B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    scores = (q @ k.repeat_interleave(Hq // k.shape[1], 1).transpose(-2, -1)) * (D ** -0.5 if scale is None else scale)
+    m, mod = mask_and_score_mod(mask, None, check_binary=False)
+    if mod is not None:
+        scores = mod.apply_block(scores, 0, Lq, 0, Lk)
+    if m is not None:
+        scores = scores.masked_fill(~m.materialize(B, Hq, Lq, Lk), float("-inf"))
+    return torch.logsumexp(scores, -1)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """The registered decode backend with chunks of CHUNK keys: long ranges run split-K."""
+    monkeypatch.setattr(mh.get_backend("decode"), "chunk_size", CHUNK)
+
+
+def _check(q64, k64, v64, mask, dtype, scale=None, what=""):
+    q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+    got = mh.attention(q, k, v, mask=mask, scale=scale, backend="decode", return_lse=True)
+    ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mask, scale=scale)
+    assert got.output.dtype == dtype and got.output.shape == ref.output.shape
+    assert got.lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    empty = torch.isneginf(ref.lse)
+    assert torch.equal(torch.isneginf(got.lse), empty), f"{what}: LSE must be -inf exactly on fully masked rows"
+    assert torch.equal(got.output[empty], torch.zeros_like(got.output[empty])), f"{what}: fully masked rows give 0"
+    if dtype == torch.float64:
+        torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got.lse, ref.lse, rtol=1e-10, atol=1e-10)
+        return
+    F = mh.get_backend("decode").capabilities.tolerance_factor(dtype)
+    assert_relative(got.output, ref.output, naive_attention(q, k, v, mask, scale=scale), F, f"{what} output")
+    seen = ~empty
+    base_lse = _baseline_lse(q, k, mask, scale)
+    assert_relative(got.lse[seen].to(dtype), ref.lse[seen], base_lse[seen], F, f"{what} lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-B{c[1]}-H{c[2]}x{c[3]}-L{c[4]}x{c[5]}")
+def test_matches_reference(case, dtype, small_chunks):
+    mask_kind, B, Hq, Hkv, Lq, Lk, seed = case
+    q, k, v, gen = _inputs(B, Hq, Hkv, Lq, Lk, seed)
+    mask = _mask(mask_kind, B, Hq, Lq, Lk, gen)
+    assert mh.explain(q, k, v, mask=mask, backend="decode").backend == "decode"
+    _check(q, k, v, mask, dtype, what=mask_kind)
+
+
+@pytest.mark.parametrize("Lk", [CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1])
+@pytest.mark.parametrize("mask_kind", ["none", "window", "static_cache", "key_padding_empty_batch"])
+def test_chunk_boundaries(Lk, mask_kind, small_chunks):
+    """Key ranges of a chunk size ± 1 (one chunk, a chunk and one key, ...), merged by LSE."""
+    q, k, v, gen = _inputs(3, 8, 2, 2, Lk, Lk)
+    mask = _mask(mask_kind, 3, 8, 2, Lk, gen)
+    for dtype in (torch.float64, torch.float32):
+        _check(q, k, v, mask, dtype, what=f"{mask_kind} Lk={Lk}")
+
+
+@pytest.mark.parametrize("Lk", [8191, 8192, 8193])
+def test_default_chunk_size_boundaries(Lk):
+    q, k, v, _ = _inputs(1, 4, 1, 1, Lk, 5)
+    _check(q, k, v, mh.causal(), torch.float32, what=f"Lk={Lk}")
+
+
+@pytest.mark.parametrize("scale", [None, 0.37, 0.0, -0.5])
+def test_scale_and_head_dims(scale):
+    q, k, v, gen = _inputs(2, 6, 3, 3, 41, 7, D=40, Dv=24)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        _check(q, k, v, mh.causal(), dtype, scale=scale, what=f"scale={scale}")
+
+
+@pytest.mark.parametrize("mask_kind", ["key_padding", "static_cache", "window_per_sequence", "window"])
+def test_nan_in_keys_no_query_may_see_does_not_leak(mask_kind, small_chunks):
+    """Keys and values no query may see hold NaN (a cache's unused slots, padding, keys left of a
+    window): outputs and gradients equal those with finite values there."""
+    B, Hq, Hkv, Lq, Lk = 3, 8, 2, 2, 3 * CHUNK + 3
+    q, k, v, gen = _inputs(B, Hq, Hkv, Lq, Lk, 11)
+    mask = _mask(mask_kind, B, Hq, Lq, Lk, gen)
+    if mask_kind == "window":
+        lengths = torch.full((B,), Lk)
+    else:
+        lengths = torch.tensor([Lk, 5, CHUNK + 2])  # rows 1, 2: keys past 5 and CHUNK + 2 unseen
+        mask = {"key_padding": mh.key_padding(lengths),
+                "static_cache": (torch.arange(Lk).view(1, 1, 1, Lk) < lengths.view(B, 1, 1, 1)).expand(B, 1, Lq, Lk),
+                "window_per_sequence": mh.sliding_window(4, kv_lengths=lengths) & mh.key_padding(lengths)}[mask_kind]
+    visible = mh.masks.as_mask(mask).materialize(B, Hq, Lq, Lk).any(2).any(1).expand(B, Lk)  # keys some row sees
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for b in range(B):
+        poisoned_k[b, :, ~visible[b]] = float("nan")
+        poisoned_v[b, :, ~visible[b]] = float("nan")
+    want = mh.attention(q, k, v, mask=mask, backend="reference")
+    for dtype in (torch.float64, torch.float32):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, poisoned_k, poisoned_v)]
+        got = mh.attention(*leaves, mask=mask, backend="decode")
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        for name, g in zip("qkv", torch.autograd.grad(got.sum(), leaves)):
+            assert torch.isfinite(g).all(), f"d{name} read the NaN of a key nobody sees"
+        with torch.no_grad():  # the path without autograd (fused softmax) as well
+            torch.testing.assert_close(mh.attention(*leaves, mask=mask, backend="decode").double(), want,
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_nan_in_a_seen_key_reaches_exactly_the_rows_that_see_it():
+    B, Hq, Hkv, Lq, Lk = 2, 4, 2, 1, 20
+    q, k, v, _ = _inputs(B, Hq, Hkv, Lq, Lk, 12)
+    v = v.clone()
+    v[1, 0, 3] = float("nan")  # batch 1, KV head 0: seen by query heads 0 and 1 of batch 1 only
+    out = mh.attention(q, k, v, mask=mh.key_padding([20, 10]), backend="decode")
+    bad = torch.zeros(B, Hq, dtype=torch.bool)
+    bad[1, :2] = True
+    assert torch.isnan(out[bad]).all() and torch.isfinite(out[~bad]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_kind", ["key_padding_empty_batch", "shifted_top_left", "bool_per_head", "window"])
+def test_gradients_match_reference_and_are_zero_on_fully_masked_rows(mask_kind, dtype, small_chunks):
+    B, Hq, Hkv, Lq, Lk = 2, 6, 3, 3, 2 * CHUNK + 3
+    q64, k64, v64, gen = _inputs(B, Hq, Hkv, Lq, Lk, 13)
+    mask = _mask(mask_kind, B, Hq, Lq, Lk, gen)
+    grad_out = torch.randn(B, Hq, Lq, 16, generator=gen, dtype=torch.float64)
+
+    def grads(fn, dt):
+        leaves = [t.to(dtype).to(dt).requires_grad_() for t in (q64, k64, v64)]
+        out = fn(*leaves)
+        out.backward(grad_out.to(out.dtype))
+        return out, [t.grad for t in leaves]
+
+    out, got = grads(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend="decode"), dtype)
+    ref_out, ref = grads(lambda q, k, v: mh.reference_attention(q, k, v, mask=mask).output, torch.float64)
+    for g in got:
+        assert torch.isfinite(g).all()
+    empty = (ref_out == 0).all(-1)
+    assert torch.equal(got[0][empty], torch.zeros_like(got[0][empty])), "dQ of fully masked rows is exactly 0"
+    if dtype == torch.float64:
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
+        return
+    _, base = grads(lambda q, k, v: naive_attention(q, k, v, mask), dtype)
+    magnitude = max(float(r.abs().max()) for r in ref)
+    F = mh.get_backend("decode").capabilities.tolerance_factor(dtype, gradients=True)
+    for name, g, r, b in zip("qkv", got, ref, base):
+        assert_relative(g, r, b, F, f"grad {name}", magnitude=magnitude)
+
+
+def test_fully_masked_everywhere_gives_zeros_minus_inf_and_zero_grads():
+    q, k, v, _ = _inputs(2, 4, 2, 2, 9, 14)
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    for mask in (torch.zeros(2, 9, dtype=torch.bool), mh.key_padding([0, 0])):
+        res = mh.attention(q, k, v, mask=mask, backend="decode", return_lse=True)
+        assert torch.equal(res.output, torch.zeros_like(res.output)) and torch.isneginf(res.lse).all()
+        assert "no query sees any key" in str(mh.explain(q, k, v, mask=mask, backend="decode"))
+        for g in torch.autograd.grad(res.output.sum(), (q, k, v)):
+            assert torch.equal(g, torch.zeros_like(g))
+
+
+@pytest.mark.parametrize("layout", ["transposed_q", "packed_kv", "expanded_heads", "expanded_batch", "strided_len"])
+def test_non_contiguous_and_expanded_inputs(layout):
+    B, Hq, Hkv, Lq, Lk, D = 2, 8, 2, 3, 37, 16
+
+    def make(dtype):
+        gen = torch.Generator().manual_seed(15)
+        q = torch.randn(B, Lq, Hq, D, generator=gen, dtype=dtype).transpose(1, 2)  # (B, Hq, Lq, D) view
+        packed = torch.randn(B, Lk, 2, Hkv, D, generator=gen, dtype=dtype)  # a fused KV projection
+        k, v = packed[:, :, 0].transpose(1, 2), packed[:, :, 1].transpose(1, 2)
+        if layout == "expanded_heads":  # one KV head expanded with stride 0: read once, as MQA
+            k, v = k[:, :1].expand(B, Hkv, Lk, D), v[:, :1].expand(B, Hkv, Lk, D)
+        elif layout == "expanded_batch":  # a shared prefix for every sequence
+            k, v = k[:1].expand(B, Hkv, Lk, D), v[:1].expand(B, Hkv, Lk, D)
+        elif layout == "strided_len":  # every other slot of a longer buffer
+            k, v = torch.cat([k, k], 2)[:, :, ::2], torch.cat([v, v], 2)[:, :, ::2]
+        elif layout == "transposed_q":  # last dim of stride Lq: copied by validation
+            q = q.contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
+        return q, k, v
+
+    mask = mh.sliding_window(20)
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = make(dtype)
+        _check(q, k, v, mask, dtype, what=layout)
+        report = str(mh.explain(q, k, v, mask=mask, backend="decode"))
+        assert ("read once as MQA" in report) == (layout == "expanded_heads"), report
+
+
+def test_band_masks_read_only_their_key_range_and_structure_needs_no_mask():
+    q, k, v, _ = _inputs(1, 8, 2, 1, 1000, 16)
+    report = str(mh.explain(q, k, v, mask=mh.sliding_window(63)))
+    assert "backend: decode" in report and "keys read: 64 of 1000 ([936, 1000))" in report
+    assert "no mask" in report  # every key in the window is visible to the one query
+    report = str(mh.explain(q, k, v, mask=mh.causal()))
+    assert "keys read: 1000 of 1000" in report and "no mask" in report
+
+
+def test_a_static_cache_mask_reads_only_up_to_the_last_visible_slot():
+    S, lengths = 4096, torch.tensor([700, 1200])
+    q = torch.randn(2, 8, 1, 16)
+    k, v = torch.randn(2, 2, S, 16), torch.randn(2, 2, S, 16)
+    k[:, :, 1200:] = float("nan")  # unused slots: never read
+    mask = (torch.arange(S).view(1, 1, 1, S) < lengths.view(2, 1, 1, 1))  # (B, 1, Lq, S)
+    report = str(mh.explain(q, k, v, mask=mask))
+    assert "backend: decode" in report and "keys read: 1200 of 4096 ([0, 1200))" in report
+    got = mh.attention(q, k, v, mask=mask)
+    want = mh.reference_attention(q.double(), k[:, :, :1200].double(), v[:, :, :1200].double(),
+                                  mask=mask[..., :1200]).output
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_scores_stay_within_one_chunk_and_no_dense_mask_is_built(small_chunks):
+    """The largest tensor any op returns is a view of K/V, a chunk of scores or one row mask,
+    never the B x Hq x Lq x Lk scores or mask of the whole call (4x the size of K here)."""
+    B, Hq, Hkv, Lq, Lk, D = 2, 16, 2, 4, 4096, 16
+    q, k, v = torch.randn(B, Hq, Lq, D), torch.randn(B, Hkv, Lk, D), torch.randn(B, Hkv, Lk, D)
+    for mask in (None, mh.causal(), mh.sliding_window(1000) & mh.key_padding([4000, 3000]),
+                 torch.ones(B, 1, Lq, Lk, dtype=torch.bool)):
+        with torch.no_grad(), LargestAllocation() as probe:
+            mh.attention(q, k, v, mask=mask)
+        assert probe.largest <= max(k.numel(), B * Lq * Lk) < B * Hq * Lq * Lk, (mask, probe.largest)
+
+
+def test_auto_takes_decode_shaped_calls_and_explain_names_it():
+    k, v = torch.randn(2, 2, 500, 16), torch.randn(2, 2, 500, 16)
+    for Lq in range(1, AUTO_MAX_QUERIES + 1):
+        q = torch.randn(2, 8, Lq, 16)
+        for mask in (None, mh.causal(), mh.sliding_window(64), mh.key_padding([500, 300]),
+                     torch.ones(2, 1, Lq, 500, dtype=torch.bool)):
+            report = mh.explain(q, k, v, mask=mask)
+            assert report.backend == "decode", str(report)
+            assert "backend: decode (chosen by auto)" in str(report) and "folded into the rows" in str(report)
+
+
+def test_auto_leaves_prefill_shaped_calls_to_the_fused_kernels():
+    q = torch.randn(1, 8, AUTO_MAX_QUERIES + 1, 16)
+    k = v = torch.randn(1, 2, 500, 16)
+    report = mh.explain(q, k, v, mask=mh.causal())
+    assert report.backend != "decode" and "prefill-shaped" in "; ".join(report.refused["decode"])
+    square = torch.randn(1, 8, 128, 16)
+    assert mh.explain(square, square, square, mask=mh.causal()).backend != "decode"
+    # forcing still serves it up to MAX_QUERIES, and refuses past it with the reason
+    q = torch.randn(1, 8, MAX_QUERIES, 16)
+    _check(q.double(), k.double(), v.double(), mh.causal(), torch.float32, what="Lq=MAX_QUERIES")
+    q = torch.randn(1, 8, MAX_QUERIES + 1, 16)
+    with pytest.raises(mh.BackendRefusedError, match=rf"decode.*Lq={MAX_QUERIES + 1} > {MAX_QUERIES}"):
+        mh.attention(q, k, v, backend="decode")
+
+
+def test_refusals_name_their_reason_and_auto_goes_on():
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 50, 16)
+    with pytest.raises(mh.BackendRefusedError, match=r"decode.*softcap\(5.0\).*runs none"):
+        mh.attention(q, k, k, softcap=5.0, backend="decode")
+    with pytest.raises(mh.BackendRefusedError, match=r"decode.*dropout not supported"):
+        mh.attention(q, k, k, dropout_p=0.1, backend="decode")
+    report = mh.explain(q, k, k, score_mod=mh.scores.softcap(5.0))
+    assert report.backend != "decode" and "decode" in report.refused
+
+
+def test_prefill_then_steps_equal_the_full_causal_forward():
+    """Steps of 1 to 3 tokens against the growing cache (bottom-right causal) equal the rows of
+    one causal attention over the whole sequence."""
+    B, Hq, Hkv, L, D = 2, 8, 2, 40, 16
+    q, k, v, _ = _inputs(B, Hq, Hkv, L, L, 17, D=D)
+    q, k, v = q.float(), k.float(), v.float()
+    full = mh.attention(q, k, v, mask=mh.causal(), backend="reference")
+    t, steps = 10, []
+    while t < L:
+        n = min(1 + len(steps) % 3, L - t)
+        steps.append(mh.attention(q[:, :, t:t + n], k[:, :, :t + n], v[:, :, :t + n], mask=mh.causal()))
+        assert mh.explain(q[:, :, t:t + n], k[:, :, :t + n], v[:, :, :t + n], mask=mh.causal()).backend == "decode"
+        t += n
+    torch.testing.assert_close(torch.cat(steps, 2), full[:, :, 10:], rtol=1e-5, atol=1e-5)
+
+
+def test_compiles_without_graph_breaks():
+    """Under torch.compile the plan asks no data-dependent question: one graph, and the same answer."""
+    q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    mask = torch.arange(64).view(1, 1, 1, 64) < torch.tensor([64, 40]).view(2, 1, 1, 1)
+
+    def step(q, k, v, mask):
+        return mh.attention(q, k, v, mask=mask, backend="decode")
+
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(step)(q, k, v, mask)
+    assert report.graph_break_count == 0, [(r.reason, [str(f) for f in r.user_stack]) for r in report.break_reasons]
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, mask), step(q, k, v, mask))
