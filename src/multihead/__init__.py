@@ -8,7 +8,7 @@ fp64 oracle :func:`reference_attention`.
 from multihead import caches, masks, positions, scores
 from multihead import distributed  # context parallelism (ring, Ulysses): docs/distributed.md
 from multihead.attention import attention
-from multihead.caches import CacheRead, DynamicKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.caches import CacheRead, DynamicKVCache, KVCache, PagedKVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.capture import AttentionCapture, capture_attention
 from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
@@ -45,5 +45,5 @@ __all__ = [
     "merge_partials", "cascade_attention", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "BackendRefusedError",
     "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
-    "caches", "KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "positions",
+    "caches", "KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache", "positions",
 ]

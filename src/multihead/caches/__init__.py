@@ -12,14 +12,16 @@ over what it returns::
   :class:`CacheRead`, what an update returns;
 * :class:`DynamicKVCache`: grows as needed (eager decoding);
 * :class:`StaticKVCache`: preallocated, one length per row, compiles without recompiling;
-* :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention.
+* :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention;
+* :class:`PagedKVCache`: pages from one pool addressed by block tables (serving).
 
 ``docs/inference.md`` shows each in use.
 """
 
 from multihead.caches.base import CacheRead, KVCache
 from multihead.caches.dynamic import DynamicKVCache
+from multihead.caches.paged import PagedKVCache
 from multihead.caches.sliding import SlidingWindowKVCache
 from multihead.caches.static import StaticKVCache
 
-__all__ = ["KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache"]
+__all__ = ["KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache"]

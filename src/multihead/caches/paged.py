@@ -1,0 +1,226 @@
+"""``PagedKVCache``: keys and values in fixed-size pages from one pool, addressed by block tables.
+
+Serving systems (vLLM, FlashInfer) keep every sequence's cache in pages of ``page_size`` tokens
+taken from one preallocated pool, so memory is claimed as sequences grow and given back when they
+finish, with no fragmentation and no copy when a sequence grows. Each batch row has a *block
+table*, the list of its pages in order: token ``t`` of row ``b`` lives in page
+``table[b][t // page_size]`` at offset ``t % page_size``::
+
+    page_size 4, pool of 6 pages        row 0: 6 tokens -> pages [2, 5]
+                                        row 1: 3 tokens -> pages [0]
+                                        free:  [1, 3, 4]
+
+An update claims pages from the free list as rows cross a page boundary, then writes every row's
+new tokens with one scatter into the pool. :meth:`release` gives a finished row's pages back (the
+row may then start a new sequence). Attention reads a row's pages in table order: this CPU path
+gathers them into ``(B, Hkv, pages·page_size, D)`` for the call (GPU kernels read through the
+table instead); slots past a row's length are hidden by the mask (:meth:`CacheRead.mask`).
+Running out of pages raises before anything is claimed or written.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.caches.base import EMPTY_POSITION, CacheRead, KVCache, check_crop, check_indices, check_kv
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache(KVCache):
+    """``batch_size`` sequences sharing a pool of ``num_pages`` pages of ``page_size`` tokens.
+
+    Args:
+        num_pages, page_size: the pool: ``num_pages · page_size`` tokens in all.
+        num_kv_heads, head_dim: ``Hkv``, ``D``; ``value_dim``: ``Dv`` (default ``D``).
+        batch_size: the rows (sequences) this cache serves at once; each may hold any number of
+            pages the pool can give.
+        dtype, device: of the pool.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *, batch_size: int = 1,
+                 value_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        value_dim = head_dim if value_dim is None else value_dim
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("value_dim", value_dim), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"PagedKVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self.page_size = page_size
+        self.key_pages = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, dtype=dtype, device=device)
+        self.value_pages = torch.zeros(num_pages, num_kv_heads, page_size, value_dim, dtype=dtype, device=device)
+        self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in order
+        self.lengths: list[int] = [0] * batch_size
+        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
+        self._undo = None  # (tables, lengths, free) before the last update
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def num_pages(self) -> int:
+        return self.key_pages.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tables)
+
+    @property
+    def length(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        return self.key_pages.nbytes + self.value_pages.nbytes
+
+    def next_positions(self, new: int, device=None) -> Tensor:
+        start = torch.tensor(self.lengths, dtype=torch.int64, device=device).view(-1, 1)
+        return start + torch.arange(new, device=device)  # (B, new)
+
+    def slots(self, new: int) -> int:
+        return self.page_size * max(self._pages_for(n + new) for n in self.lengths)
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _held(self) -> str:
+        N, Hkv, ps, D = self.key_pages.shape
+        return f"PagedKVCache(num_pages={N}, page_size={ps}, num_kv_heads={Hkv}, head_dim={D}, batch_size={self.batch_size})"
+
+    # ------------------------------------------------------------------------------ changes
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
+        name = type(self).__name__
+        N, Hkv, ps, D = self.key_pages.shape
+        B = self.batch_size
+        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.value_pages.shape[3],
+                 dtype=self.key_pages.dtype, device=self.key_pages.device, held=self._held())
+        new = k.shape[2]
+        expected = self.next_positions(new, k.device)  # (B, new)
+        if positions is not None:
+            _check_positions(name, positions, expected, B, new)
+        needed = [self._pages_for(n + new) - len(t) for n, t in zip(self.lengths, self.tables)]
+        if sum(needed) > len(self.free):
+            raise ValueError(f"{name}.update: {new} new tokens per row need {sum(needed)} more pages of "
+                             f"{ps} tokens but {len(self.free)} of {N} are free (rows hold {self.lengths} tokens); "
+                             f"hint: release() finished rows, or allocate a larger pool")
+        self._undo = ([list(t) for t in self.tables], list(self.lengths), list(self.free))
+        for table, count in zip(self.tables, needed):
+            table.extend(self.free.pop() for _ in range(count))
+        # Every new token's page and offset, then one scatter per tensor into the pool.
+        table = self._table_tensor(k.device)  # (B, max pages), -1 padded
+        page = table.gather(1, torch.div(expected, ps, rounding_mode="floor"))  # (B, new)
+        flat = (page * ps + expected % ps).view(-1)  # (B·new,) slots of the pool seen as (N·ps)
+        _scatter(self.key_pages, flat, k)
+        _scatter(self.value_pages, flat, v)
+        self.lengths = [n + new for n in self.lengths]
+        return self._read(expected, table)
+
+    def _table_tensor(self, device) -> Tensor:
+        width = max(1, max(len(t) for t in self.tables))
+        return torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.int64, device=device)
+
+    def _read(self, query_positions: Tensor, table: Tensor) -> CacheRead:
+        """Each row's pages in table order, gathered: keys ``(B, Hkv, pages·ps, D)``."""
+        B, width = table.shape
+        ps = self.page_size
+        pages = table.clamp(min=0)  # padding reads page 0: hidden below
+        keys = self.key_pages[pages]  # (B, width, Hkv, ps, D)
+        values = self.value_pages[pages]
+        keys = keys.permute(0, 2, 1, 3, 4).reshape(B, keys.shape[2], width * ps, keys.shape[-1])
+        values = values.permute(0, 2, 1, 3, 4).reshape(B, values.shape[2], width * ps, values.shape[-1])
+        slot = torch.arange(width * ps, device=table.device).view(1, -1)  # (1, S): position of the slot
+        lengths = torch.tensor(self.lengths, dtype=torch.int64, device=table.device).view(-1, 1)
+        key_positions = torch.where(slot < lengths, slot, EMPTY_POSITION)  # (B, S)
+        return CacheRead(keys, values, query_positions, key_positions)
+
+    def rollback(self) -> None:
+        if self._undo is None:
+            raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
+        self.tables, self.lengths, self.free = self._undo
+        self._undo = None
+
+    def release(self, rows) -> None:
+        """Give the pages of ``rows`` (an int or a sequence of ints) back to the pool; those rows
+        are empty again and may start new sequences."""
+        rows = [rows] if isinstance(rows, int) and not isinstance(rows, bool) else rows
+        try:
+            rows = [int(r) for r in rows if not isinstance(r, bool)] if not isinstance(rows, Tensor) else rows.tolist()
+        except TypeError as exc:
+            raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}") from exc
+        bad = [r for r in rows if not 0 <= r < self.batch_size]
+        if bad:
+            raise ValueError(f"PagedKVCache.release: rows must be in [0, {self.batch_size}), got {bad}")
+        for r in rows:
+            self.free.extend(reversed(self.tables[r]))
+            self.tables[r], self.lengths[r] = [], 0
+        self._undo = None
+
+    def crop(self, length: int | Tensor) -> None:
+        name = type(self).__name__
+        length = check_crop(name, length, self.batch_size)
+        target = [length] * self.batch_size if isinstance(length, int) else [int(n) for n in length.tolist()]
+        if any(t > n for t, n in zip(target, self.lengths)):
+            raise ValueError(f"{name}.crop: length must not exceed the tokens stored per row {self.lengths}, "
+                             f"got {target}")
+        for r, t in enumerate(target):
+            keep = self._pages_for(t)
+            self.free.extend(reversed(self.tables[r][keep:]))
+            self.tables[r], self.lengths[r] = self.tables[r][:keep], t
+        self._undo = None
+
+    def reorder(self, indices: Tensor) -> None:
+        """Row ``i`` becomes a copy of the old row ``indices[i]``. A row taken twice needs its pages
+        copied (pages are not shared): refused before any change when the pool lacks them."""
+        name = type(self).__name__
+        indices = check_indices(name, indices, self.batch_size, "cpu").tolist()
+        if len(indices) != self.batch_size:
+            raise ValueError(f"{name}.reorder: the cache serves batch_size={self.batch_size} rows, so indices must "
+                             f"hold {self.batch_size} rows, got {len(indices)}")
+        taken: set[int] = set()
+        copies = [i in taken or taken.add(i) for i in indices]  # the first use of a row keeps its pages
+        needed = sum(len(self.tables[i]) for i, c in zip(indices, copies) if c)
+        freed = sum(len(t) for r, t in enumerate(self.tables) if r not in taken)
+        if needed > len(self.free) + freed:
+            raise ValueError(f"{name}.reorder: copying rows {sorted(set(indices))} needs {needed} pages but "
+                             f"{len(self.free) + freed} are free")
+        old_tables, old_lengths = self.tables, self.lengths
+        for r in range(self.batch_size):
+            if r not in taken:
+                self.free.extend(reversed(old_tables[r]))
+        tables = []
+        for i, copy in zip(indices, copies):
+            if not copy:
+                tables.append(list(old_tables[i]))
+                continue
+            pages = [self.free.pop() for _ in old_tables[i]]
+            src = torch.tensor(old_tables[i], dtype=torch.int64, device=self.key_pages.device)
+            dst = torch.tensor(pages, dtype=torch.int64, device=self.key_pages.device)
+            self.key_pages[dst] = self.key_pages[src]
+            self.value_pages[dst] = self.value_pages[src]
+            tables.append(pages)
+        self.tables, self.lengths = tables, [old_lengths[i] for i in indices]
+        self._undo = None
+
+    def reset(self) -> None:
+        self.release(range(self.batch_size))
+
+    def __repr__(self) -> str:
+        return f"{self._held()[:-1]}, lengths={self.lengths}, free_pages={len(self.free)})"
+
+
+def _scatter(pages: Tensor, flat: Tensor, x: Tensor) -> None:
+    """Write ``x (B, Hkv, new, ·)`` to the pool's token slots ``flat (B·new,)`` (page · ps + offset)."""
+    ps = pages.shape[2]
+    tokens = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # (B·new, Hkv, ·), row-major like flat
+    pages[flat // ps, :, flat % ps] = tokens  # advanced indices on (page, offset) around the heads
+
+
+def _check_positions(name: str, positions, expected: Tensor, B: int, new: int) -> None:
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        raise TypeError(f"{name}.update: positions must be an integer tensor ({new},) or ({B}, {new})")
+    if tuple(positions.shape) not in ((new,), (B, new)):
+        raise ValueError(f"{name}.update: positions must have shape ({new},) or ({B}, {new}), got {tuple(positions.shape)}")
+    if not torch.equal(positions.to(expected.device).expand(B, new), expected):
+        raise ValueError(f"{name}.update: positions must continue each row: expected {expected.tolist()}, got "
+                         f"{positions.tolist()}; going back needs crop() first")

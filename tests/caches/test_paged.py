@@ -1,0 +1,138 @@
+"""``PagedKVCache``: random interleavings of appends, releases, crops and new sequences always read
+back what a contiguous cache of the same tokens holds; running out of pages changes nothing; a
+layer decoding through it equals the full forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.caches import PagedKVCache
+from multihead.caches.base import EMPTY_POSITION
+
+HKV, D, DV = 2, 3, 4
+
+
+def _kv(B, L, gen):
+    return (torch.randn(B, HKV, L, D, generator=gen, dtype=torch.float64),
+            torch.randn(B, HKV, L, DV, generator=gen, dtype=torch.float64))
+
+
+def _check_read(read, rows: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Row ``b`` of the read holds exactly ``rows[b]`` at positions 0.. and nothing visible after."""
+    for b, (k, v) in enumerate(rows):
+        n = k.shape[1]
+        assert torch.equal(read.keys[b, :, :n], k) and torch.equal(read.values[b, :, :n], v), b
+        positions = read.key_positions[b]
+        assert positions[:n].tolist() == list(range(n)) and bool((positions[n:] == EMPTY_POSITION).all()), b
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_interleavings_equal_a_contiguous_cache(seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    B, page_size = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 4, 8])
+    cache = PagedKVCache(40, page_size, HKV, D, value_dim=DV, batch_size=B, dtype=torch.float64)
+    rows = [(torch.zeros(HKV, 0, D, dtype=torch.float64), torch.zeros(HKV, 0, DV, dtype=torch.float64))] * B
+    for _ in range(30):
+        action = rng.random()
+        if action < 0.6:
+            new = rng.choice([1, 1, 1, 2, 3, 5])
+            k, v = _kv(B, new, gen)
+            free_before, tables_before = len(cache.free), [list(t) for t in cache.tables]
+            try:
+                read = cache.update(k, v)
+            except ValueError as error:  # out of pages: nothing claimed, nothing written
+                assert "free" in str(error)
+                assert len(cache.free) == free_before and cache.tables == tables_before
+                cache.release(rng.randrange(B))
+                rows = [(r[0][:, :cache.lengths[b]], r[1][:, :cache.lengths[b]]) for b, r in enumerate(rows)]
+                continue
+            rows = [(torch.cat([r[0], k[b]], 1), torch.cat([r[1], v[b]], 1)) for b, r in enumerate(rows)]
+            _check_read(read, rows)
+        elif action < 0.75:
+            row = rng.randrange(B)
+            cache.release(row)
+            rows[row] = (rows[row][0][:, :0], rows[row][1][:, :0])
+        elif action < 0.9:
+            target = [rng.randint(0, cache.lengths[b]) for b in range(B)]
+            cache.crop(torch.tensor(target))
+            rows = [(r[0][:, :t], r[1][:, :t]) for r, t in zip(rows, target)]
+        else:
+            order = [rng.randrange(B) for _ in range(B)]
+            try:
+                cache.reorder(torch.tensor(order))
+            except ValueError as error:
+                assert "pages" in str(error)
+                continue
+            rows = [rows[i] for i in order]
+        # the pool is accounted for: every page is free or in exactly one table
+        owned = [p for t in cache.tables for p in t]
+        assert sorted(owned + cache.free) == list(range(40))
+        assert all(len(t) == -(-n // page_size) for t, n in zip(cache.tables, cache.lengths))
+    k, v = _kv(B, 1, gen)
+    if sum(1 for n, t in zip(cache.lengths, cache.tables) if n % page_size == 0) <= len(cache.free):
+        read = cache.update(k, v)
+        _check_read(read, [(torch.cat([r[0], k[b]], 1), torch.cat([r[1], v[b]], 1)) for b, r in enumerate(rows)])
+
+
+def test_out_of_pages_is_a_clear_error_with_nothing_claimed():
+    cache = PagedKVCache(3, 4, HKV, D, value_dim=DV, batch_size=2, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    cache.update(*_kv(2, 4, gen))  # one full page per row; one page free
+    pool_k, free = cache.key_pages.clone(), list(cache.free)
+    with pytest.raises(ValueError, match=r"PagedKVCache.update: 1 new tokens per row need 2 more pages of 4 tokens but 1 of "
+                                         r"3 are free \(rows hold \[4, 4\] tokens\); hint: release\(\) finished rows"):
+        cache.update(*_kv(2, 1, gen))
+    assert torch.equal(cache.key_pages, pool_k) and cache.free == free and cache.lengths == [4, 4]
+
+
+@pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_a_layer_decoding_through_pages_equals_the_full_forward(Hkv):
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=Hkv, causal=True, dtype=torch.float64).eval()
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    cache = PagedKVCache(16, 3, Hkv, 8, batch_size=2, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        parts, t = [], 0
+        for n in [5, 1, 1, 4, 1, 1]:
+            parts.append(layer(x[:, t:t + n], kv_cache=cache))
+            t += n
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-12, atol=1e-12)
+
+
+def test_a_released_row_starts_a_new_sequence_beside_a_running_one():
+    """Row 1 finishes and a new request starts there while row 0 goes on: each row decodes as its
+    own sequence (masks and positions per row)."""
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, dtype=torch.float64).eval()
+    a, b, c = (torch.randn(1, 10, 32, dtype=torch.float64) for _ in range(3))
+    cache = PagedKVCache(12, 2, 2, 8, batch_size=2, dtype=torch.float64)
+    with torch.no_grad():
+        first = layer(torch.cat([a[:, :4], b[:, :4]]), kv_cache=cache)
+        cache.release(1)  # b is done; c starts in row 1, at position 0
+        steps = [layer(torch.cat([a[:, 4 + t:5 + t], c[:, t:t + 1]]), kv_cache=cache) for t in range(5)]
+        steps = torch.cat(steps, 1)
+        torch.testing.assert_close(steps[0], layer(a[:, :9])[0, 4:], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(steps[1], layer(c[:, :5])[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(first[0], layer(a[:, :4])[0], rtol=1e-12, atol=1e-12)
+    assert cache.lengths == [9, 5]
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: PagedKVCache(0, 4, 1, 8), r"PagedKVCache: num_pages must be a positive int, got 0"),
+    (lambda: PagedKVCache(4, 4, 1, 8, dtype=torch.int8), r"PagedKVCache: dtype must be a floating-point"),
+])
+def test_constructor_refuses_bad_sizes(make, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        make()
+
+
+def test_release_refuses_rows_outside_the_batch():
+    cache = PagedKVCache(4, 4, 1, 8, batch_size=2)
+    with pytest.raises(ValueError, match=r"PagedKVCache.release: rows must be in \[0, 2\), got \[2\]"):
+        cache.release(2)
