@@ -13,13 +13,16 @@ signature has been seen once before; then it stores a *runner*, :meth:`Backend.r
 function of ``(q, k, v)`` that runs what was decided, holding the prepared mask tensors but no
 tensor of the call. A later call with an equal key runs it directly. (Waiting for the second
 sighting keeps one-off signatures, such as every step of a growing KV cache, from building
-runners that are never used and from pushing out the plans that are.) Nothing in a key depends on tensor *values*: the non-finite
-policy is still checked on every call, and a call that fails it takes the whole path again.
+runners that are never used and from pushing out the plans that are.) Nothing in a key depends
+on tensor *values*: the non-finite policy is still checked on every call, and a call that fails
+it takes the whole path again.
 
 Never stored (the whole path runs every time): masks holding a tensor taken by identity rather
 than by content (:meth:`Mask.by_value`), inputs that validation would copy or change (a strided
 last dimension, a scale <= 0), empty calls, and anything under ``torch.compile`` (dynamo traces
-the whole path into its graph instead). Registering or removing a backend clears every plan.
+the whole path into its graph instead). Registering or removing a backend clears every plan; a
+backend changed in place so that it refuses other calls (its ``capabilities`` replaced) must be
+registered again, or :func:`clear` called.
 """
 
 from __future__ import annotations
@@ -67,8 +70,7 @@ def repeated(key: tuple) -> bool:
     if key in _SEEN:
         return True
     _SEEN[key] = None
-    while len(_SEEN) > MAX_PLANS:
-        del _SEEN[next(iter(_SEEN))]
+    _trim(_SEEN)
     return False
 
 
@@ -77,8 +79,15 @@ def store(key: tuple, runner, finite) -> None:
     for these shapes, :func:`multihead.nonfinite.finite_check`) for ``key``, dropping the oldest
     plan beyond :data:`MAX_PLANS`."""
     _PLANS[key] = (runner, finite)
-    while len(_PLANS) > MAX_PLANS:
-        del _PLANS[next(iter(_PLANS))]
+    _trim(_PLANS)
+
+
+def _trim(table: dict) -> None:
+    while len(table) > MAX_PLANS:
+        try:
+            del table[next(iter(table))]
+        except (KeyError, StopIteration, RuntimeError):  # another thread trimmed it first
+            return
 
 
 def clear() -> None:

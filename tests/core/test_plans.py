@@ -50,6 +50,15 @@ def test_a_repeated_call_runs_its_plan_and_gives_the_reference(mask):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("D", [8, 40, 59, 64, 128])
+@pytest.mark.parametrize("mask", [None, mh.causal("top_left"), BAND], ids=["none", "is_causal", "band"])
+def test_a_plan_gives_the_whole_paths_output_bit_for_bit(D, mask):
+    """The sdpa runner leaves out arguments equal to SDPA's defaults (the scale 1/sqrt(D))."""
+    q, k, v = _qkv(L=7, D=D, Lk=9, H=4, Hkv=4)
+    _cached(q, k, v, mask=mask)  # asserts the plan's output equals the first call's
+    _cached(q, k, v, mask=mask, scale=0.3)
+
+
 def test_a_value_equal_mask_built_again_finds_the_plan():
     q, k, v = _qkv()
     _cached(q, k, v, mask=BAND)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities
 from multihead.call import AttentionCall, AttentionResult
-from multihead.conventions import lse_dtype, repeat_kv
+from multihead.conventions import default_scale, lse_dtype, repeat_kv
 from multihead.scores import ADDITIVE
 from multihead.scoring import additive_block, unseen_keys
 
@@ -77,10 +77,16 @@ class SDPABackend(Backend):
             return args.run
         # The common cases with no more arguments than they need (each keyword costs a little,
         # and on a small call the kernel itself takes a few microseconds).
-        sdpa, attn_mask, is_causal, scale = F.scaled_dot_product_attention, args.attn_mask, args.is_causal, args.scale
+        # (F.scaled_dot_product_attention is looked up on every call: a wrapper installed later,
+        # a profiler's or a test's, still sees it.)
+        attn_mask, is_causal, scale = args.attn_mask, args.is_causal, args.scale
+        if scale == default_scale(call.shape[5]):  # SDPA's own default, the same double: left out
+            if attn_mask is None and not is_causal:
+                return lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal)
         if attn_mask is None and not is_causal:
-            return lambda q, k, v: sdpa(q, k, v, scale=scale)
-        return lambda q, k, v: sdpa(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
 
 
 class _Arguments:
