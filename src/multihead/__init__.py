@@ -8,12 +8,13 @@ fp64 oracle :func:`reference_attention`.
 from multihead import caches, masks, positions, scores
 from multihead import distributed  # context parallelism (ring, Ulysses): docs/distributed.md
 from multihead.attention import attention
-from multihead.caches import CacheRead, DynamicKVCache, KVCache, PagedKVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.caches import (CacheRead, DynamicKVCache, KVCache, LatentKVCache, PagedKVCache, SlidingWindowKVCache,
+                              StaticKVCache)
 from multihead.capture import AttentionCapture, capture_attention
 from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
 from multihead.explain import Explanation, explain
-from multihead.layers import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
+from multihead.layers import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention, MultiQueryAttention
 from multihead.layers import compat
 from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
 from multihead.call import AttentionResult
@@ -45,5 +46,6 @@ __all__ = [
     "merge_partials", "cascade_attention", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "BackendRefusedError",
     "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
-    "caches", "KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache", "positions",
+    "caches", "KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache", "LatentKVCache",
+    "positions",
 ]

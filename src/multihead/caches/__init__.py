@@ -13,15 +13,18 @@ over what it returns::
 * :class:`DynamicKVCache`: grows as needed (eager decoding);
 * :class:`StaticKVCache`: preallocated, one length per row, compiles without recompiling;
 * :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention;
-* :class:`PagedKVCache`: pages from one pool addressed by block tables (serving).
+* :class:`PagedKVCache`: pages from one pool addressed by block tables (serving);
+* :class:`LatentKVCache`: one latent row per token for multi-head latent attention (MLA).
 
 ``docs/inference.md`` shows each in use.
 """
 
 from multihead.caches.base import CacheRead, KVCache
 from multihead.caches.dynamic import DynamicKVCache
+from multihead.caches.latent import LatentKVCache
 from multihead.caches.paged import PagedKVCache
 from multihead.caches.sliding import SlidingWindowKVCache
 from multihead.caches.static import StaticKVCache
 
-__all__ = ["KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache"]
+__all__ = ["KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache",
+           "LatentKVCache"]

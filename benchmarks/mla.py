@@ -1,0 +1,201 @@
+"""Multi-head latent attention: cache bytes per token, and one decode step at caches of 4k-32k tokens.
+
+Layer dims like DeepSeek-V2-Lite, scaled to this CPU: ``d_model=2048``, 16 heads,
+``kv_lora_rank=512``, ``qk_rope_head_dim=64``, ``qk_nope_head_dim=128``, ``v_head_dim=128``, no
+query latent; fp32, batch 1, one new token per step. Contenders, on caches of the same length:
+
+* ``MLA absorbed``: :class:`multihead.MultiHeadLatentAttention` with ``mode="absorbed"`` over a
+  :class:`multihead.LatentKVCache` (MQA over the latent rows, ``D = 576, Dv = 512``);
+* ``MLA naive``: the same layer and cache with ``mode="naive"``: every step up-projects every
+  cached latent to per-head K/V (``16 · (128 + 64 + 128)`` floats per token) and runs MHA;
+* ``GQA``: :class:`multihead.MultiHeadAttention` with the same ``d_model``, 16 query heads of 128,
+  8 KV heads, RoPE, no biases, over a ``DynamicKVCache``.
+
+Every step runs the whole layer (projections, RoPE, cache write, attention, output projection);
+the cache is cropped back after each step so every timed call sees the same length. Before
+timing, each contender is checked against a float64 copy of itself on the same cache, and naive
+against absorbed (BENCHMARKS.md rule 1). Contenders run in interleaved rounds keeping each one's
+fastest (:func:`common.fastest_ms`); the load average is printed before and after.
+
+"cache MB read" is what the step reads from the cache (``S`` tokens times the bytes per cached
+token); naive mode in addition builds (writes, then reads) ``K/V built MB`` of up-projected keys
+and values per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import check_close, context, fastest_ms, machine_state, mh, print_table, write_csv
+from multihead.positions import RotaryEmbedding
+
+E, H, C, R, N, V = 2048, 16, 512, 64, 128, 128  # d_model, heads, kv_lora_rank, rope, nope, v
+GQA_KV_HEADS, HEAD_DIM = 8, E // H
+
+
+def cache_bytes_per_token(d_model: int = E, num_heads: int = H, *, kv_lora_rank: int = C, rope_dim: int = R,
+                          dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Bytes one token takes in one layer's cache (one sequence), for MHA, GQA (8 KV heads), MQA
+    of head dim ``d_model // num_heads`` and MLA, each measured from a real cache after a prefill
+    and checked against its formula (``2 · Hkv · D`` and ``C + R`` elements)."""
+    T, size = 64, torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(1, T, d_model, dtype=dtype)
+    rows = []
+    with torch.no_grad():
+        for name, kv_heads in (("MHA", num_heads), (f"GQA ({GQA_KV_HEADS} KV heads)", GQA_KV_HEADS), ("MQA", 1)):
+            cache = mh.DynamicKVCache(capacity=T)
+            mh.MultiHeadAttention(d_model, num_heads, num_kv_heads=kv_heads, causal=True, dtype=dtype)(x, kv_cache=cache)
+            rows.append({"layer": name, "elements": 2 * kv_heads * (d_model // num_heads), "bytes": cache.nbytes // T})
+        mla = _mla(d_model, num_heads, dtype=dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+        cache = mh.LatentKVCache(capacity=T)
+        mla(x, kv_cache=cache)
+        rows.append({"layer": "MLA", "elements": kv_lora_rank + rope_dim, "bytes": cache.nbytes // T})
+    mla_bytes = rows[-1]["bytes"]
+    for row in rows:
+        if row["bytes"] != row["elements"] * size:
+            raise AssertionError(f"{row['layer']}: the cache holds {row['bytes']} bytes per token, the formula "
+                                 f"says {row['elements'] * size}")
+        row["bf16 bytes"] = row["elements"] * 2
+        row["x MLA"] = row["bytes"] / mla_bytes
+    return rows
+
+
+def _mla(d_model=E, num_heads=H, *, dtype=torch.float32, kv_lora_rank=C, rope_dim=R):
+    return MLA(d_model, num_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=N, qk_rope_head_dim=rope_dim,
+               v_head_dim=V, dtype=dtype).eval()
+
+
+MLA = mh.MultiHeadLatentAttention
+
+
+def _filled(layer, S: int, capacity: int, gen) -> mh.KVCache:
+    """A cache of ``S`` tokens for ``layer`` (random contents of the right scale; filling it by a
+    real prefill would cost more than the whole benchmark)."""
+    if isinstance(layer, MLA):
+        latent = layer.kv_a_layernorm(torch.randn(1, 1, S, C, generator=gen))  # normalised, as stored
+        rows = torch.cat([latent, torch.randn(1, 1, S, R, generator=gen)], -1)  # (1, 1, S, C + R)
+        cache = mh.LatentKVCache(capacity=capacity)
+        cache.update(rows, rows[..., :C])
+        return cache
+    cache = mh.DynamicKVCache(capacity=capacity)
+    cache.update(torch.randn(1, GQA_KV_HEADS, S, HEAD_DIM, generator=gen),
+                 torch.randn(1, GQA_KV_HEADS, S, HEAD_DIM, generator=gen))
+    return cache
+
+
+def _copy64(cache: mh.KVCache) -> mh.KVCache:
+    """A float64 copy of a filled cache, for the check against the float64 layer."""
+    if isinstance(cache, mh.LatentKVCache):
+        copy = mh.LatentKVCache(capacity=cache.length + 1)
+        rows = cache.keys.double()
+        copy.update(rows, rows[..., :C])
+        return copy
+    copy = mh.DynamicKVCache(capacity=cache.length + 1)
+    copy.update(cache.keys.double(), cache.values.double())
+    return copy
+
+
+def _step(layer, x, cache, S: int, mode: str | None = None):
+    def run():
+        if mode is not None:
+            layer.mode = mode
+        out = layer(x, kv_cache=cache)
+        cache.crop(S)  # the next timed call sees the same S tokens
+        return out
+    return run
+
+
+def _explained(layer, x, cache, mode: str) -> str:
+    layer.mode = mode
+    report = layer.explain(x, kv_cache=cache)
+    B, Hq, Hkv, Lq, Lk, D, Dv = report.shape
+    kernel = next((line.split(": ", 1)[1] for line in report.plan if line.startswith("PyTorch kernel")), None)
+    return f"{mode}: Hq={Hq} Hkv={Hkv} D={D} Dv={Dv} -> backend {report.backend}" + (f" (kernel {kernel})" if kernel else "")
+
+
+def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bool) -> dict:
+    gen = torch.Generator().manual_seed(S)
+    mla, gqa = layers["mla"], layers["gqa"]
+    x = torch.randn(1, 1, E, generator=gen)  # the new token
+    with torch.no_grad():
+        latent, kv = _filled(mla, S, S + 8, gen), _filled(gqa, S, S + 8, gen)
+        fns = {"MLA absorbed": _step(mla, x, latent, S, "absorbed"), "MLA naive": _step(mla, x, latent, S, "naive"),
+               "GQA": _step(gqa, x, kv, S)}
+        outs = {name: fn() for name, fn in fns.items()}
+        check_close("MLA naive vs absorbed", outs["MLA naive"], outs["MLA absorbed"], atol=1e-4)
+        if check64:  # each contender against a float64 copy of itself on the same cache
+            for name, layer, cache in (("MLA absorbed", mla, latent), ("MLA naive", mla, latent), ("GQA", gqa, kv)):
+                layer64 = layers[f"{'mla' if layer is mla else 'gqa'}64"]
+                if layer is mla:
+                    layer64.mode = name.split()[1]
+                want = layer64(x.double(), kv_cache=_copy64(cache))
+                check_close(f"{name} vs float64", outs[name], want, atol=1e-4)
+        notes = [_explained(mla, x, latent, "absorbed"), _explained(mla, x, latent, "naive")]
+        best = fastest_ms(fns, rounds=rounds, min_run_time=min_run_time)
+    mla_token, gqa_token = (C + R) * 4, 2 * GQA_KV_HEADS * HEAD_DIM * 4
+    read = {"MLA absorbed": S * mla_token, "MLA naive": S * mla_token, "GQA": S * gqa_token}
+    row = {"cache": S}
+    for name, ms in best.items():
+        row[f"{name} ms"] = ms
+    for name, ms in best.items():
+        row[f"{name} tok/s"] = 1e3 / ms
+    for name in best:
+        row[f"{name} cache MB read"] = read[name] / 1e6
+    row["MLA naive K/V built MB"] = S * H * (N + R + V) * 4 / 1e6
+    row["naive / absorbed"] = best["MLA naive"] / best["MLA absorbed"]
+    row["GQA / absorbed"] = best["GQA"] / best["MLA absorbed"]
+    row["notes"] = "; ".join(notes)
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="caches 4k and 8k, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
+    args = parser.parse_args(argv)
+    lengths = (4096, 8192) if args.quick else (4096, 8192, 16384, 32768)
+    rounds = args.rounds or (2 if args.quick else 3)
+    torch.manual_seed(0)
+    print(f"# MLA decode ({context()})")
+    print(f"d_model={E}, heads={H}, kv_lora_rank={C}, rope={R}, nope={N}, v={V}; GQA: {H} heads of {HEAD_DIM}, "
+          f"{GQA_KV_HEADS} KV heads; fp32, batch 1, one token per step")
+
+    sizes = cache_bytes_per_token()
+    print_table(f"Cache bytes per token and layer (d_model={E}, {H} heads of {HEAD_DIM}; MLA: C={C}, R={R})", sizes)
+    gqa_row = next(r for r in sizes if r["layer"].startswith("GQA"))
+    print(f"MLA cache is {gqa_row['x MLA']:.2f}x smaller per token than GQA with {GQA_KV_HEADS} KV heads "
+          f"(target >= 4)")
+
+    layers = {"mla": _mla(), "gqa": mh.MultiHeadAttention(E, H, num_kv_heads=GQA_KV_HEADS, causal=True, qkv_bias=False,
+                                                           out_bias=False, rope=RotaryEmbedding(HEAD_DIM)).eval()}
+    layers["mla64"] = _mla(dtype=torch.float64)
+    layers["mla64"].load_state_dict(layers["mla"].state_dict())
+    layers["gqa64"] = mh.MultiHeadAttention(E, H, num_kv_heads=GQA_KV_HEADS, causal=True, qkv_bias=False,
+                                            out_bias=False, rope=RotaryEmbedding(HEAD_DIM), dtype=torch.float64).eval()
+    layers["gqa64"].load_state_dict(layers["gqa"].state_dict())
+    print(f"before: {machine_state()}")
+    rows = []
+    for i, S in enumerate(lengths):
+        row = run_case(S, layers, rounds, min_run_time=0.3 if args.quick else 0.5, check64=i == 0)
+        rows.append(row)
+        print(f"cache {S}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if isinstance(v, float)), flush=True)
+    after = machine_state()
+    print(f"after: {after}")
+    print("dispatch: " + rows[0]["notes"])
+    table = [{"cache": r["cache"],
+              **{f"{name} tok/s": r[f"{name} tok/s"] for name in ("MLA absorbed", "MLA naive", "GQA")},
+              "MLA MB read": r["MLA absorbed cache MB read"], "naive K/V built MB": r["MLA naive K/V built MB"],
+              "GQA MB read": r["GQA cache MB read"],
+              "naive / absorbed": r["naive / absorbed"], "GQA / absorbed": r["GQA / absorbed"]} for r in rows]
+    print_table(f"Decode step, tokens/s (batch 1), fastest of {rounds} interleaved rounds; {after}", table)
+    for r in rows:
+        print(f"cache {r['cache']}: absorbed {r['naive / absorbed']:.1f}x faster than naive (target > 1 at >= 4k), "
+              f"{r['GQA / absorbed']:.2f}x the GQA layer's speed")
+    write_csv("mla" + ("_quick" if args.quick else ""), [{k: v for k, v in r.items() if k != "notes"} for r in rows])
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""``MultiHeadLatentAttention``: DeepSeek-V2/V3's multi-head latent attention (MLA).
+
+Notation of :mod:`multihead.conventions`, with ``E = d_model``, ``H = num_heads``,
+``C = kv_lora_rank``, ``Cq = q_lora_rank``, ``N = qk_nope_head_dim``, ``R = qk_rope_head_dim``,
+``V = v_head_dim``. Per token ``x (E)`` (DeepSeek-V2, section 2.1, in row-vector form)::
+
+    queries   c_q = RMSNorm(x W_DQ)             (Cq)       q_a_proj, q_a_layernorm  (or q = x W_Q: q_proj)
+              q   = c_q W_UQ -> H heads of N+R   (H, N+R)   q_b_proj;  q_h = [q_nope_h | q_rope_h]
+    keys/vals [c_kv | k_rope] = x W_DKV          (C + R)    kv_a_proj_with_mqa
+              c_kv = RMSNorm(c_kv)               (C)        kv_a_layernorm
+              [k_nope_h | v_h] = c_kv W_UKV_h    (H, N+V)   kv_b_proj (no bias)
+    RoPE      q_rope_h = rope(q_rope_h, p),  k_rope = rope(k_rope, p)   k_rope shared by every head
+    attention o_h = softmax(q_h · [k_nope_h | k_rope]ᵀ / sqrt(N + R)) v_h
+    output    y = [o_1 .. o_H] W_O                (E)        o_proj
+
+The cache holds ``[c_kv | k_rope]``, ``C + R`` features per token (:class:`LatentKVCache`). Two
+ways to run the same parameters (``mode``):
+
+* ``"naive"``: up-project the (cached) latent to per-head ``K (B, H, S, N+R)`` and
+  ``V (B, H, S, V)`` and run multi-head attention. With a cache, every step up-projects every
+  cached token again (correct; the cost grows with the cache).
+* ``"absorbed"``: ``q_nope_h · k_nope_h = (q_nope_h W_UK_hᵀ) · c_kv``, so the K up-projection is
+  folded into the query, and ``Σ_t p_t (c_kv,t W_UV_hᵀ) = (Σ_t p_t c_kv,t) W_UV_hᵀ``, so the V
+  up-projection is applied after attention, before ``o_proj``. Attention then runs against the
+  cache rows themselves, as multi-query attention (one KV head)::
+
+      q (B, H, Lq, C + R) = [q_nope_h W_UK_h | q_rope_h]      k = [c_kv | k_rope]  (B, 1, S, C + R)
+      o (B, H, Lq, C)  -> o_h W_UV_hᵀ (B, H, Lq, V) -> o_proj   v = c_kv             (B, 1, S, C)
+
+  ``D = C + R``, ``Dv = C``: more arithmetic per key than naive, but each cached token is read
+  once as it is stored, never up-projected. For decoding; naive is cheaper for long prefills.
+
+Parameter names are those of Hugging Face's DeepSeek-V2/V3 attention (``q_proj`` or ``q_a_proj``,
+``q_a_layernorm``, ``q_b_proj``; ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``;
+``o_proj``), so their ``state_dict`` loads. The rotary embedding pairs features ``(2i, 2i+1)``
+like DeepSeek's ``apply_rotary_emb`` (``interleaved=True``; HF permutes the features to its
+half-split layout first, which gives the same scores).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from multihead.backends.registry import check_backend_name
+from multihead.caches import CacheRead, KVCache
+from multihead.call import mask_and_score_mod
+from multihead.explain import Explanation, explain
+from multihead.layers.checks import check_flag, check_size
+from multihead.layers.heads import attend_heads, merge_heads
+from multihead.layers.multihead import _check_positions
+from multihead.masks import Mask, causal as causal_mask
+from multihead.positions.rotary import RotaryEmbedding
+
+__all__ = ["MultiHeadLatentAttention", "MODES"]
+
+MODES = ("naive", "absorbed")
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), self-attention, ``(B, L, E)`` in and out.
+
+    Args:
+        d_model: ``E``.
+        num_heads: ``H``.
+        kv_lora_rank: ``C``, the features of the key/value latent ``c_kv`` (512 in DeepSeek-V2/V3).
+        q_lora_rank: ``Cq``, the features of the query latent, or ``None`` for a full-rank
+            ``q_proj`` (DeepSeek-V2-Lite; V2 and V3 use 1536).
+        qk_nope_head_dim: ``N``, the query/key features per head without position (128).
+        qk_rope_head_dim: ``R``, the rotary features per head (64); even. The key's rotary part
+            is one vector per token, shared by every head.
+        v_head_dim: ``V``, the value features per head (128).
+        mode: ``"naive"`` or ``"absorbed"`` (module docstring); the same parameters serve both,
+            and ``layer.mode = ...`` switches at any time.
+        rope: the rotary embedding of the ``R`` features, a callable ``rope(x (B, H, L, R),
+            positions) -> x`` such as :class:`multihead.positions.RotaryEmbedding` (for example
+            with ``scaling=YaRNScaling(...)``); default ``RotaryEmbedding(R, base=rope_base,
+            interleaved=True)``.
+        rope_base: ``θ`` of the default rotary embedding (``rope_theta``; default 10000). Give
+            ``rope`` or ``rope_base``, not both.
+        softmax_scale: the score scale; default ``1 / sqrt(N + R)``. DeepSeek's YaRN checkpoints
+            multiply it by ``mscale²`` (``0.1 · mscale_all_dim · ln(factor) + 1``, squared).
+        causal: keys at positions up to the query's (a bottom-right ``causal()``, at absolute
+            positions with a cache), on top of any call mask.
+        bias: biases of ``q_proj``/``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``
+            (``attention_bias`` in HF configs); ``q_b_proj`` and ``kv_b_proj`` never have one.
+        norm_eps: ``ε`` of the two RMSNorms.
+        backend: the :func:`multihead.attention` backend, ``"auto"`` or a registered name.
+        device, dtype: of the parameters.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, mode: str = "naive",
+                 rope: Callable[[Tensor, Tensor], Tensor] | None = None, rope_base: float | None = None,
+                 softmax_scale: float | None = None, causal: bool = True, bias: bool = False,
+                 norm_eps: float = 1e-6, backend: str = "auto",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        layer = type(self).__name__
+        self.d_model = check_size(layer, "d_model", d_model)
+        self.num_heads = check_size(layer, "num_heads", num_heads)
+        self.kv_lora_rank = check_size(layer, "kv_lora_rank", kv_lora_rank)
+        self.q_lora_rank = None if q_lora_rank is None else check_size(layer, "q_lora_rank", q_lora_rank)
+        self.qk_nope_head_dim = check_size(layer, "qk_nope_head_dim", qk_nope_head_dim)
+        self.qk_rope_head_dim = check_size(layer, "qk_rope_head_dim", qk_rope_head_dim)
+        self.v_head_dim = check_size(layer, "v_head_dim", v_head_dim)
+        if qk_rope_head_dim % 2:
+            raise ValueError(f"{layer}: qk_rope_head_dim must be even (rotary features turn in pairs), got "
+                             f"{qk_rope_head_dim}; DeepSeek-V2/V3 use 64")
+        self.mode = mode
+        self.causal = check_flag(layer, "causal", causal)
+        bias = check_flag(layer, "bias", bias)
+        if not isinstance(backend, str):
+            raise TypeError(f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}")
+        check_backend_name(backend)
+        self.backend = backend
+        self.softmax_scale = None if softmax_scale is None else _positive(layer, "softmax_scale", softmax_scale)
+        norm_eps = _positive(layer, "norm_eps", norm_eps)
+        self.rope = _make_rope(layer, rope, rope_base, qk_rope_head_dim, device)
+        self._causal_mask = causal_mask() if causal else None
+
+        H, C, N, R, V = num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        factory = {"device": device, "dtype": dtype}
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(d_model, H * (N + R), bias=bias, **factory)
+        else:
+            self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=bias, **factory)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps, **factory)
+            self.q_b_proj = nn.Linear(q_lora_rank, H * (N + R), bias=False, **factory)
+        self.kv_a_proj_with_mqa = nn.Linear(d_model, C + R, bias=bias, **factory)
+        self.kv_a_layernorm = RMSNorm(C, eps=norm_eps, **factory)
+        self.kv_b_proj = nn.Linear(C, H * (N + V), bias=False, **factory)  # head h: rows [h(N+V), h(N+V)+N) k, then v
+        self.o_proj = nn.Linear(H * V, d_model, bias=bias, **factory)
+
+    # ------------------------------------------------------------------------------ mode
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"{type(self).__name__}: mode must be one of {MODES} (up-project the latent to per-head "
+                             f"K/V, or attend to it directly as MQA), got {mode!r}")
+        self._mode = mode
+
+    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes one token takes in a :class:`~multihead.caches.LatentKVCache` of this layer (one
+        batch row): ``(kv_lora_rank + qk_rope_head_dim) · element size`` (default: the parameters' dtype)."""
+        dtype = self.kv_b_proj.weight.dtype if dtype is None else dtype
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * torch.empty((), dtype=dtype).element_size()
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
+                kv_cache: KVCache | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from the tokens ``x`` to the cached tokens and themselves.
+
+        Args:
+            x: ``(B, L, E)``.
+            mask: a mask object or a bool/float tensor broadcastable to ``(B, H, L, S)``, as for
+                :class:`multihead.MultiHeadAttention` (with a cache: objects at absolute positions,
+                tensors over the ``S`` slots returned); combined with ``causal()`` when ``causal``.
+            positions: ``(L,)`` or ``(B, L)`` integer absolute positions for the rotary embedding;
+                default ``kv_cache.next_positions(L)`` with a cache, ``arange(L)`` without.
+            kv_cache: a :class:`~multihead.caches.KVCache` of this layer's rows
+                ``[c_kv | k_rope] (B, 1, ·, C + R)``, usually a :class:`~multihead.caches.LatentKVCache`
+                (any cache works; others store the latent twice). The same cache serves both modes.
+                A call that raises leaves it as it was.
+            need_weights: also return the probabilities ``(B, H, L, S)`` (the same in both modes).
+
+        Returns:
+            ``(B, L, E)``, or ``(output, weights)`` when ``need_weights``.
+        """
+        check_flag(type(self).__name__, "need_weights", need_weights)
+        return self._run(x, mask, positions, kv_cache, lambda *call: self._attend(*call, need_weights))
+
+    def explain(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
+                kv_cache: KVCache | None = None) -> Explanation:
+        """:func:`multihead.explain` for the attention call ``forward`` would make in this mode:
+        its shapes (absorbed: ``Hkv = 1, D = C + R, Dv = C``; naive: ``Hkv = H, D = N + R, Dv = V``),
+        the backend and the kernel. A cache is updated and rolled back: it ends as it was."""
+
+        def report(q, k, v, mask, score_mod, out_proj):
+            return explain(q, k, v, mask=mask, score_mod=score_mod, backend=self.backend)
+
+        return self._run(x, mask, positions, kv_cache, report, keep=False)
+
+    def _run(self, x, mask, positions, kv_cache, attend, keep: bool = True):
+        """Project, rotate, cache, then ``attend(q, k, v, mask, score_mod, out_proj)``."""
+        layer = type(self).__name__
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise TypeError(f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
+                            f"LatentKVCache()), got {type(kv_cache).__name__}")
+        _check_x(layer, x, self.d_model, self.kv_b_proj.weight)
+        B, L, _ = x.shape
+        if positions is not None:
+            positions = _check_positions(layer, positions, B, L, x.device)
+        elif kv_cache is not None:
+            positions = kv_cache.next_positions(L, x.device)  # (L,) or (B, L): after the cached tokens
+        else:
+            positions = torch.arange(L, device=x.device)  # (L,)
+        if kv_cache is None:
+            mask, score_mod = self._call_mask(mask, B, L, L)
+
+        q_nope, q_rope = self._queries(x, positions)  # (B, H, L, N), (B, H, L, R), scaled
+        rows = self._latent_rows(x, positions)  # (B, 1, L, C + R): [c_kv | k_rope], what a cache stores
+        C = self.kv_lora_rank
+        if kv_cache is None:
+            return self._attend_rows(attend, q_nope, q_rope, rows, mask, score_mod)
+        read = kv_cache.update(rows, rows[..., :C], positions)  # every cached row and these, (B, 1, S, ·)
+        try:
+            mask, score_mod = self._cache_mask(read, mask, B, L)
+            result = self._attend_rows(attend, q_nope, q_rope, read.keys, mask, score_mod)
+        except BaseException:
+            kv_cache.rollback()
+            raise
+        if not keep:
+            kv_cache.rollback()
+        return result
+
+    def _attend_rows(self, attend, q_nope: Tensor, q_rope: Tensor, rows: Tensor, mask, score_mod):
+        """Attention of the queries over the latent rows ``(B, 1, S, C + R)`` in this mode."""
+        H, C, N = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
+        if self._mode == "absorbed":
+            w_uk = self._up_projections()[0]  # (H, N, C), a view of kv_b_proj.weight
+            q = torch.cat([q_nope @ w_uk, q_rope], dim=-1)  # (B, H, L, C + R): q_nope_h W_UK_h, then the rope part
+            # MQA over the rows: k (B, 1, S, C + R), v (B, 1, S, C) a view of k
+            return attend(q, rows, rows[..., :C], mask, score_mod, self._absorbed_out)
+        latent, k_rope = rows[..., :C], rows[..., C:]  # (B, 1, S, C), (B, 1, S, R)
+        kv = self.kv_b_proj(latent.squeeze(1))  # (B, S, H·(N+V)): every cached token up-projected
+        B, S = kv.shape[:2]
+        k_nope, v = kv.view(B, S, H, -1).transpose(1, 2).split([N, self.v_head_dim], -1)  # (B, H, S, N), (B, H, S, V)
+        k = torch.cat([k_nope, k_rope.expand(B, H, S, -1)], dim=-1)  # (B, H, S, N + R)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, N + R)
+        return attend(q, k, v, mask, score_mod, self.o_proj)
+
+    def _attend(self, q, k, v, mask, score_mod, out_proj, need_weights: bool):
+        out, weights = attend_heads(self, q, k, v, out_proj=out_proj, mask=mask, score_mod=score_mod,
+                                    need_weights=need_weights, backend=self.backend)
+        return (out, weights) if need_weights else out
+
+    # ------------------------------------------------------------------------------ pieces
+    def _queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``q_nope (B, H, L, N)`` and the rotated ``q_rope (B, H, L, R)``, times the scale fold.
+
+        :func:`~multihead.layers.heads.attend_heads` runs attention at the default scale
+        ``1 / sqrt(q.shape[-1])``; the wanted scale differs from it in absorbed mode
+        (``D = C + R``, scale ``1 / sqrt(N + R)``) or with ``softmax_scale``, so the queries are
+        multiplied by ``scale · sqrt(D)`` here (rotation is linear: before or after is the same)."""
+        B, L, _ = x.shape
+        H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)  # (B, L, H·(N+R))
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, L, Cq) -> (B, L, H·(N+R))
+        q = q.view(B, L, H, N + R).transpose(1, 2)  # (B, H, L, N + R)
+        scale = 1 / math.sqrt(N + R) if self.softmax_scale is None else self.softmax_scale
+        D = self.kv_lora_rank + R if self._mode == "absorbed" else N + R  # the head dim attention sees
+        fold = scale * math.sqrt(D)
+        if fold != 1.0:
+            q = q * fold
+        q_nope, q_rope = q.split([N, R], dim=-1)  # (B, H, L, N), (B, H, L, R)
+        return q_nope, self._rotate(q_rope, positions, "query")
+
+    def _latent_rows(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``[RMSNorm(c_kv) | rope(k_rope)] (B, 1, L, C + R)``, the rows a cache stores."""
+        kv_a = self.kv_a_proj_with_mqa(x)  # (B, L, C + R)
+        c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, L, C), (B, L, R)
+        k_rope = self._rotate(k_rope.unsqueeze(1), positions, "key")  # (B, 1, L, R): one rotary key for every head
+        return torch.cat([self.kv_a_layernorm(c_kv).unsqueeze(1), k_rope], dim=-1)  # (B, 1, L, C + R)
+
+    def _up_projections(self) -> tuple[Tensor, Tensor]:
+        """``W_UK (H, N, C)`` and ``W_UV (H, V, C)``, views of ``kv_b_proj.weight (H·(N+V), C)``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def _absorbed_out(self, y: Tensor) -> Tensor:
+        """``(B, L, H·C)`` attention over the latent -> ``o_h W_UV_hᵀ`` per head -> ``o_proj``, ``(B, L, E)``."""
+        o = y.unflatten(-1, (self.num_heads, self.kv_lora_rank)).transpose(1, 2)  # (B, H, L, C)
+        return self.o_proj(merge_heads(o @ self._up_projections()[1].transpose(1, 2)))  # (B, H, L, V) -> (B, L, E)
+
+    def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
+        rotated = self.rope(x, positions)
+        if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
+            got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
+            raise ValueError(f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
+                             f"{name} (B, H, L, R) = {tuple(x.shape)} it returned {got}")
+        return rotated
+
+    def _call_mask(self, mask, B: int, Lq: int, Lk: int):
+        """The call's mask checked against ``(B, H, Lq, Lk)``, ``& causal()``; a float mask split
+        into its ``-inf`` pattern and a bias (as :func:`multihead.attention` does)."""
+        mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=Lk)
+        if mask is not None:
+            mask.check(B, self.num_heads, Lq, Lk)
+        if score_mod is not None:
+            score_mod.check(B, self.num_heads, Lq, Lk)
+        if self._causal_mask is not None:
+            mask = self._causal_mask if mask is None else mask & self._causal_mask
+        return mask, score_mod
+
+    def _cache_mask(self, read: CacheRead, mask, B: int, Lq: int):
+        """The call's mask over the slots a cache returned (:meth:`CacheRead.mask`)."""
+        S = read.keys.shape[2]
+        mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=S)
+        if mask is not None:
+            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(B, self.num_heads, None, None)
+        if score_mod is not None:
+            score_mod.check(B, self.num_heads, Lq, S)
+        return read.mask(mask, self.causal, self.num_heads), score_mod
+
+    def extra_repr(self) -> str:
+        parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}", f"kv_lora_rank={self.kv_lora_rank}"]
+        if self.q_lora_rank is not None:
+            parts.append(f"q_lora_rank={self.q_lora_rank}")
+        parts += [f"qk_nope_head_dim={self.qk_nope_head_dim}", f"qk_rope_head_dim={self.qk_rope_head_dim}",
+                  f"v_head_dim={self.v_head_dim}", f"mode={self._mode!r}", f"causal={self.causal}"]
+        if self.softmax_scale is not None:
+            parts.append(f"softmax_scale={self.softmax_scale}")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + ε) · weight`` over the last dim, computed in fp32 (fp64 for fp64
+    inputs) and rounded once to the input dtype, as DeepSeek's and Hugging Face's RMSNorm."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = x.to(compute)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _check_x(layer: str, x, d_model: int, weight: Tensor) -> None:
+    """``x``: a floating ``(B, L, E)`` tensor with ``E = d_model``, of the weights' dtype (outside
+    autocast) and device."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{layer}: x must be a torch.Tensor (B, L, E), got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{layer}: x must be a floating-point tensor (B, L, E), got dtype {x.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"{layer}: x must have 3 dims (B, L, E), got shape {tuple(x.shape)}"
+                         f"{'; hint: add a batch dim with .unsqueeze(0)' if x.dim() == 2 else ''}")
+    if x.shape[-1] != d_model:
+        raise ValueError(f"{layer}: x has {x.shape[-1]} features (last dim of shape {tuple(x.shape)}) but the layer "
+                         f"expects d_model={d_model}")
+    if 0 in x.shape:
+        raise ValueError(f"{layer}: x has a zero-size dimension, shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{layer}: x has dtype {x.dtype} but the layer's weights are {weight.dtype}; convert one of "
+                        f"them (x.to({weight.dtype}) or layer.to({x.dtype}))")
+    if x.device != weight.device:
+        raise ValueError(f"{layer}: x is on {x.device} but the layer's weights are on {weight.device}; move one of "
+                         f"them (x.to('{weight.device}') or layer.to('{x.device}'))")
+
+
+def _positive(layer: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{layer}: {name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _make_rope(layer: str, rope, rope_base, dim: int, device):
+    if rope is None:
+        base = 10000.0 if rope_base is None else _positive(layer, "rope_base", rope_base)
+        return RotaryEmbedding(dim, base=base, interleaved=True, device=device)
+    if rope_base is not None:
+        raise ValueError(f"{layer}: give rope or rope_base, not both (rope_base={rope_base!r} would be ignored by "
+                         f"rope={rope!r}); hint: RotaryEmbedding({dim}, base={rope_base!r}, interleaved=True)")
+    if not callable(rope):
+        raise TypeError(f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an nn.Module), "
+                        f"got {type(rope).__name__} {rope!r}")
+    rope_dim = getattr(rope, "dim", None)
+    if isinstance(rope_dim, int) and rope_dim != dim:
+        raise ValueError(f"{layer}: rope rotates heads of dim={rope_dim} but qk_rope_head_dim={dim}; expected "
+                         f"RotaryEmbedding({dim}, ...): only the rotary features of each head are rotated")
+    return rope
