@@ -208,3 +208,15 @@ def test_need_weights_over_a_static_cache_hides_the_empty_slots():
     assert weights.shape == (1, HQ, 1, 9)
     torch.testing.assert_close(weights[..., :5], full[:, :, 4:], rtol=1e-12, atol=1e-12)
     assert torch.all(weights[..., 5:] == 0)
+
+
+def test_gradients_through_cached_steps_equal_the_full_forward():
+    """Backpropagating through prefill and steps of a DynamicKVCache (under autograd it never writes
+    into keys an earlier step saved) gives the full forward's gradients."""
+    layer = _layer(2)
+    x = _x(2, 9).requires_grad_()
+    out = _decode(layer, x, DynamicKVCache(capacity=2), [4, 1, 3, 1])
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    want = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)

@@ -5,6 +5,8 @@ slot ``j`` holding the token at call order ``j``. An update writes the new token
 returns views of the filled slots; when the buffers are full they are reallocated at twice the
 size (amortised ``O(1)`` copying per token, not a ``torch.cat`` of everything per step). Every
 row has the same length; :class:`~multihead.caches.StaticKVCache` holds rows of different lengths.
+Under autograd (keys that require grad: backpropagating through cached steps) an update
+concatenates instead, so that no step's saved keys are overwritten in place.
 """
 
 from __future__ import annotations
@@ -81,10 +83,18 @@ class DynamicKVCache(KVCache):
         new = k.shape[2]
         query_positions = self.next_positions(new, k.device) if positions is None else positions
         end = self._length + new
-        if self._k is None or end > self.capacity:
-            self._grow(k, v, max(end, 2 * self.capacity, self.initial_capacity))
-        self._k[:, :, self._length:end] = k
-        self._v[:, :, self._length:end] = v
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or
+                                        (self._k is not None and (self._k.requires_grad or self._v.requires_grad))):
+            # Under autograd an earlier step's keys are saved for backward: never write into them in
+            # place; concatenate (the graph keeps what each step read).
+            old_k, old_v = (self._k[:, :, :self._length], self._v[:, :, :self._length]) if self._k is not None \
+                else (k[:, :, :0], v[:, :, :0])
+            self._k, self._v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        else:
+            if self._k is None or end > self.capacity:
+                self._grow(k, v, max(end, 2 * self.capacity, self.initial_capacity))
+            self._k[:, :, self._length:end] = k
+            self._v[:, :, self._length:end] = v
         self._undo, self._length = self._length, end
         return CacheRead(self._k[:, :, :end], self._v[:, :, :end], query_positions)
 
