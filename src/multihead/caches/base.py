@@ -33,7 +33,7 @@ from torch import Tensor
 
 from multihead.masks import Mask, causal as causal_mask
 
-__all__ = ["KVCache", "CacheRead", "check_kv", "check_indices", "EMPTY_POSITION"]
+__all__ = ["KVCache", "CacheRead", "check_kv", "check_indices", "check_crop", "check_continuation", "EMPTY_POSITION"]
 
 #: The position of a slot that holds no token: no query position reaches it, so a causal or
 #: window mask at absolute positions never shows it.
@@ -233,3 +233,21 @@ def _whole_length(mask: Mask, slots: int) -> int:
     (document ids, ...), else the slots (a square; bottom-right then reads as top-left)."""
     q_extent, kv_extent = mask.extent()
     return max(e for e in (q_extent, kv_extent, 0) if e is not None) or slots
+
+
+def check_continuation(cache: str, positions, expected: Tensor, batch: int) -> None:
+    """Positions given to a cache whose slots follow positions must continue each row exactly:
+    ``expected`` ``(new,)`` or ``(B, new)`` (eager only: the comparison reads the values)."""
+    new = expected.shape[-1]
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        got = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
+        raise TypeError(f"{cache}.update: positions must be an integer tensor ({new},) or ({batch}, {new}), got {got}")
+    if tuple(positions.shape) not in ((new,), (batch, new)):
+        raise ValueError(f"{cache}.update: positions must have shape ({new},) or ({batch}, {new}), got "
+                         f"{tuple(positions.shape)}")
+    want = expected.expand(batch, new)
+    got = positions.to(expected.device).expand(batch, new)
+    if not torch.equal(got, want):
+        raise ValueError(f"{cache}.update: positions must continue each row (each row's next positions "
+                         f"{want.tolist()}), got {got.tolist()}; going back needs crop() first, and a gap would "
+                         f"leave an empty slot")

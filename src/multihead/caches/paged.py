@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import EMPTY_POSITION, CacheRead, KVCache, check_crop, check_indices, check_kv
+from multihead.caches.base import (EMPTY_POSITION, CacheRead, KVCache, check_continuation, check_crop, check_indices,
+                                   check_kv)
 
 __all__ = ["PagedKVCache"]
 
@@ -98,7 +99,7 @@ class PagedKVCache(KVCache):
         new = k.shape[2]
         expected = self.next_positions(new, k.device)  # (B, new)
         if positions is not None:
-            _check_positions(name, positions, expected, B, new)
+            check_continuation(name, positions, expected, B)
         needed = [self._pages_for(n + new) - len(t) for n, t in zip(self.lengths, self.tables)]
         if sum(needed) > len(self.free):
             raise ValueError(f"{name}.update: {new} new tokens per row need {sum(needed)} more pages of "
@@ -214,13 +215,3 @@ def _scatter(pages: Tensor, flat: Tensor, x: Tensor) -> None:
     ps = pages.shape[2]
     tokens = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # (B·new, Hkv, ·), row-major like flat
     pages[flat // ps, :, flat % ps] = tokens  # advanced indices on (page, offset) around the heads
-
-
-def _check_positions(name: str, positions, expected: Tensor, B: int, new: int) -> None:
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
-        raise TypeError(f"{name}.update: positions must be an integer tensor ({new},) or ({B}, {new})")
-    if tuple(positions.shape) not in ((new,), (B, new)):
-        raise ValueError(f"{name}.update: positions must have shape ({new},) or ({B}, {new}), got {tuple(positions.shape)}")
-    if not torch.equal(positions.to(expected.device).expand(B, new), expected):
-        raise ValueError(f"{name}.update: positions must continue each row: expected {expected.tolist()}, got "
-                         f"{positions.tolist()}; going back needs crop() first")

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import EMPTY_POSITION, CacheRead, KVCache, check_crop, check_indices, check_kv
+from multihead.caches.base import (EMPTY_POSITION, CacheRead, KVCache, check_continuation, check_crop, check_indices,
+                                   check_kv)
 
 __all__ = ["SlidingWindowKVCache"]
 
@@ -86,7 +87,7 @@ class SlidingWindowKVCache(KVCache):
         new = k.shape[2]
         expected = self.next_positions(new, self.keys.device)
         if positions is not None:
-            _check_positions(name, positions, expected, B)
+            check_continuation(name, positions, expected, B)
         if new == 1:
             read_k = read_v = read_pos = None
         else:  # the ring as it is, then the new tokens: the first new query's predecessors are all there
@@ -148,14 +149,3 @@ class SlidingWindowKVCache(KVCache):
         B, Hkv, C, D = self.keys.shape
         return (f"SlidingWindowKVCache(window={self.window}, capacity={C}, batch_size={B}, num_kv_heads={Hkv}, "
                 f"head_dim={D}, length={self._length}, nbytes={self.nbytes})")
-
-
-def _check_positions(name: str, positions, expected: Tensor, B: int) -> None:
-    new = expected.shape[0]
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
-        raise TypeError(f"{name}.update: positions must be an integer tensor ({new},) or ({B}, {new})")
-    if tuple(positions.shape) not in ((new,), (B, new)):
-        raise ValueError(f"{name}.update: positions must have shape ({new},) or ({B}, {new}), got {tuple(positions.shape)}")
-    if not torch.equal(positions.to(expected.device).expand(B, new), expected.expand(B, new)):
-        raise ValueError(f"{name}.update: positions must continue the sequence: expected {expected.tolist()} after "
-                         f"{int(expected[0])} tokens, got {positions.tolist()}; going back needs crop() first")

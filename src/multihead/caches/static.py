@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import EMPTY_POSITION, CacheRead, KVCache, check_crop, check_indices, check_kv
+from multihead.caches.base import (EMPTY_POSITION, CacheRead, KVCache, check_continuation, check_crop, check_indices,
+                                   check_kv)
 
 __all__ = ["StaticKVCache"]
 
@@ -86,7 +87,7 @@ class StaticKVCache(KVCache):
         if positions is None:
             positions = expected
         elif not torch.compiler.is_compiling():
-            _check_positions(name, positions, expected, B, new)
+            check_continuation(name, positions, expected, B)
         if not torch.compiler.is_compiling():
             longest = int(self.lengths.max())
             if longest + new > S:
@@ -134,17 +135,3 @@ class StaticKVCache(KVCache):
 
     def __repr__(self) -> str:
         return f"{self._held()[:-1]}, lengths={self.lengths.tolist()}, nbytes={self.nbytes})"
-
-
-def _check_positions(name: str, positions, expected: Tensor, B: int, new: int) -> None:
-    """Positions given to a static cache must continue each row: slot = position."""
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
-        raise TypeError(f"{name}.update: positions must be an integer tensor (new,) or (B, new), got "
-                        f"{type(positions).__name__ if not isinstance(positions, Tensor) else positions.dtype}")
-    if tuple(positions.shape) not in ((new,), (B, new)):
-        raise ValueError(f"{name}.update: positions must have shape ({new},) or ({B}, {new}), got {tuple(positions.shape)}")
-    got = positions.to(expected.device).expand(B, new)
-    if not torch.equal(got, expected):
-        raise ValueError(f"{name}.update: positions must continue each row (slot = position): expected "
-                         f"{expected.tolist()} after the stored lengths {expected[:, 0].tolist()}, got {got.tolist()}; "
-                         f"positions going backwards need crop() first, and a gap would leave an empty slot")

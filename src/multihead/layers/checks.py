@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_size", "check_optional_size", "check_flag", "check_dropout", "check_inputs", "layout_name", "dims"]
+__all__ = ["check_size", "check_optional_size", "check_flag", "check_dropout", "check_inputs", "check_positions", "layout_name",
+           "dims"]
 
 
 def check_size(layer: str, name: str, value) -> int:
@@ -98,3 +99,21 @@ def dims(t: Tensor, batch_first: bool) -> tuple[int, int]:
     """``(B, L)`` of a 3-dim input in the given layout."""
     return (t.shape[0], t.shape[1]) if batch_first else (t.shape[1], t.shape[0])
 
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_positions(layer: str, positions, B: int, Lq: int, device: torch.device) -> Tensor:
+    """``positions`` as an ``int64`` tensor ``(Lq,)`` or ``(B, Lq)`` on the device of the query."""
+    expected = f"(Lq,) = ({Lq},) or (B, Lq) = ({B}, {Lq})"
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"{layer}: positions must be None or an integer tensor {expected} of absolute token "
+                        f"positions, got {type(positions).__name__}")
+    if positions.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"{layer}: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
+                        f"hint: positions count tokens, e.g. torch.arange(Lq)")
+    if tuple(positions.shape) not in ((Lq,), (B, Lq)):
+        raise ValueError(f"{layer}: positions must have shape {expected}, got {tuple(positions.shape)}")
+    if positions.device != device:
+        raise ValueError(f"{layer}: positions must be on the device of query, {device}, got {positions.device}")
+    return positions.long()

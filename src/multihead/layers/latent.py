@@ -51,7 +51,7 @@ from multihead.call import mask_and_score_mod
 from multihead.explain import Explanation, explain
 from multihead.layers.checks import check_flag, check_size
 from multihead.layers.heads import attend_heads, merge_heads
-from multihead.layers.multihead import _check_positions
+from multihead.layers.checks import check_positions
 from multihead.masks import Mask, causal as causal_mask
 from multihead.positions.rotary import RotaryEmbedding
 
@@ -197,7 +197,7 @@ class MultiHeadLatentAttention(nn.Module):
         _check_x(layer, x, self.d_model, self.kv_b_proj.weight)
         B, L, _ = x.shape
         if positions is not None:
-            positions = _check_positions(layer, positions, B, L, x.device)
+            positions = check_positions(layer, positions, B, L, x.device)
         elif kv_cache is not None:
             positions = kv_cache.next_positions(L, x.device)  # (L,) or (B, L): after the cached tokens
         else:

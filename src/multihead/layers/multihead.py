@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
 from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
+from multihead.layers.checks import (check_dropout, check_flag, check_inputs, check_optional_size, check_positions,
+                                     check_size, dims)
 from multihead.layers.heads import attend_heads, merge_heads, split_heads
 from multihead.call import mask_and_score_mod
 from multihead.masks import Mask
@@ -210,7 +211,7 @@ class MultiHeadAttention(nn.Module):
             Lk = dims(key, self.batch_first)[1]
             mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
         if positions is not None:
-            positions = _check_positions(layer, positions, B, Lq, query.device)
+            positions = check_positions(layer, positions, B, Lq, query.device)
         elif self.context_parallel is not None:
             positions = self.context_parallel.positions(Lq, query.device)  # (Lq,): this shard's global positions
         elif kv_cache is not None:
@@ -467,25 +468,6 @@ def _check_sharded_call(layer: str, self_attention: bool, kv_cache, need_weights
         if bad:
             raise ValueError(f"{layer}: a context_parallel layer attends over a sharded sequence; it takes no "
                              f"{what}; hint: run such calls on a layer without context_parallel")
-
-
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def _check_positions(layer: str, positions, B: int, Lq: int, device: torch.device) -> Tensor:
-    """``positions`` as an ``int64`` tensor ``(Lq,)`` or ``(B, Lq)`` on the device of the query."""
-    expected = f"(Lq,) = ({Lq},) or (B, Lq) = ({B}, {Lq})"
-    if not isinstance(positions, Tensor):
-        raise TypeError(f"{layer}: positions must be None or an integer tensor {expected} of absolute token "
-                        f"positions, got {type(positions).__name__}")
-    if positions.dtype not in _INTEGER_DTYPES:
-        raise TypeError(f"{layer}: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
-                        f"hint: positions count tokens, e.g. torch.arange(Lq)")
-    if tuple(positions.shape) not in ((Lq,), (B, Lq)):
-        raise ValueError(f"{layer}: positions must have shape {expected}, got {tuple(positions.shape)}")
-    if positions.device != device:
-        raise ValueError(f"{layer}: positions must be on the device of query, {device}, got {positions.device}")
-    return positions.long()
 
 
 def _divisors(n: int) -> list[int]:
