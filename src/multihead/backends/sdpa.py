@@ -44,7 +44,7 @@ class SDPABackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         args = _Arguments(call)
-        lines = [args.mask_note, args.gqa_note]
+        lines = [args.mask_note, args.gqa_note] + ([args.fit_note] if args.fit_note else [])
         if args.empty_rows is not None:
             lines.append(f"{int(args.empty_rows.sum())} fully masked query rows opened before the call and zeroed after")
         q, k, v = args.inputs(call.q, call.k, call.v)
@@ -114,6 +114,9 @@ class _Arguments:
             if self.unseen is not None:
                 self.zero = torch.zeros((), dtype=q.dtype, device=q.device)
                 k, v = self._zero_unseen(k, v)
+        self.fit, self.fit_note = _head_fit(call, self.attn_mask, self.is_causal)
+        if self.fit is not None:
+            q, k, v = self._fitted(q, k, v)
         self.enable_gqa, self.expand = False, None
         if Hq == Hkv:
             self.gqa_note = "heads: Hq == Hkv"
@@ -130,17 +133,35 @@ class _Arguments:
             self.expand = Hq
             self.gqa_note = (f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
                              "K/V repeated by the grouped mapping instead")
-        self.plain = self.unseen is None and self.expand is None and self.empty_rows is None
+        self.plain = self.unseen is None and self.expand is None and self.empty_rows is None and self.fit is None
 
     def _zero_unseen(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # Keys that no query may see can hold anything (NaN beyond a length): zero them, since
         # the fused kernels compute 0 * value for them and 0 * NaN = NaN.
         return torch.where(self.unseen, self.zero, k), torch.where(self.unseen, self.zero, v)
 
+    def _fitted(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``Dv != D`` brought to one head size, so that a fused kernel serves the call: V that is
+        the first ``Dv`` features of K is replaced by K itself (no copy), a narrower V is padded
+        with zeros to ``D``, narrower Q and K to ``Dv`` (zeros change no dot product). The output
+        keeps its first ``Dv`` features (:meth:`run`)."""
+        D, Dv = q.shape[-1], v.shape[-1]
+        if self.fit == "prefix":
+            return q, k, k
+        if self.fit == "pad_v":
+            return q, k, F.pad(v, (0, D - Dv))
+        return F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D)), v
+
     def inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``q, k, v`` as SDPA receives them: unseen keys zeroed, K/V expanded for GQA if needed."""
+        """``q, k, v`` as SDPA receives them: unseen keys zeroed, one head size (``Dv != D``), K/V
+        expanded for GQA if needed."""
         if self.unseen is not None:
+            prefix = self.fit == "prefix"
             k, v = self._zero_unseen(k, v)
+            if prefix:  # zeroed alike, so V is still K's first features
+                v = k[..., :v.shape[-1]]
+        if self.fit is not None:
+            q, k, v = self._fitted(q, k, v)
         if isinstance(self.expand, int):
             k, v = repeat_kv(k, self.expand), repeat_kv(v, self.expand)
         elif self.expand is not None:
@@ -153,9 +174,12 @@ class _Arguments:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, dropout_p=dropout_p,
                                                   is_causal=self.is_causal, scale=self.scale,
                                                   enable_gqa=self.enable_gqa)
+        Dv = v.shape[-1]
         q, k, v = self.inputs(q, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, dropout_p=dropout_p,
                                              is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa)
+        if self.fit is not None:
+            out = out[..., :Dv]
         return out if self.empty_rows is None else out.masked_fill(self.empty_rows.unsqueeze(-1), 0.0)
 
 
@@ -217,6 +241,27 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
 # PyTorch's CPU flash kernel returns the log-sum-exp beside the output (its LSE carries no
 # gradient, so it serves calls that need none: inference with weights, capture_attention).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _head_fit(call: AttentionCall, attn_mask, is_causal: bool) -> tuple[str | None, str | None]:
+    """How a call with ``Dv != D`` reaches a fused kernel, with a note for ``explain()``: PyTorch's
+    CPU flash kernel wants one head size and silently takes the math path (``B·H·Lq·Lk`` scores
+    materialized) otherwise. ``None`` when the head sizes agree, the kernel is fused anyway, or
+    under compile (the kernel query is a Python value)."""
+    q, k, v = call.q, call.k, call.v
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D == Dv or _compiling():
+        return None, None
+    if pytorch_kernel(q, k, v, attn_mask, call.dropout_p, is_causal, call.scale, False) not in ("MATH",):
+        return None, None
+    if Dv < D and v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:3] == k.shape[:3]:
+        return "prefix", (f"head sizes: V is the first Dv={Dv} features of K (MLA's latent): the fused kernel "
+                          f"runs with v=k and keeps the first {Dv} output features (no copy)")
+    if Dv < D:
+        return "pad_v", (f"head sizes: Dv={Dv} < D={D}: V padded with zeros to D so the fused kernel serves "
+                         f"it (the math kernel would materialize the scores); the output keeps {Dv} features")
+    return "pad_qk", (f"head sizes: D={D} < Dv={Dv}: Q and K padded with zeros to Dv (no dot product "
+                      f"changes) so the fused kernel serves it")
 
 
 def _one_pass_lse(call: AttentionCall) -> bool:
