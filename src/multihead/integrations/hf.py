@@ -1,0 +1,180 @@
+"""`multihead` as a Hugging Face ``transformers`` attention implementation.
+
+    import multihead.integrations.hf as mh_hf
+    mh_hf.register()                                   # once per process
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="multihead")
+    model.set_attn_implementation("multihead")         # or switch a loaded model
+
+:func:`register` registers two functions under one name, because ``transformers`` asks for two:
+
+* the **mask function** (``AttentionMaskInterface``): called once per forward by the model's
+  ``create_causal_mask`` / ``create_sliding_window_causal_mask`` / ``create_bidirectional_mask``
+  with HF's mask description (a ``mask_function`` closure, the 2-D padding mask, the cache's
+  offsets); it returns the `multihead` mask object (:mod:`multihead.integrations.hf_masks`) in
+  an :class:`HFMask`, which the model hands unchanged to every attention layer. Without it
+  ``transformers`` skips mask creation for an unknown name and every layer receives
+  ``attention_mask=None``: causal masking silently gone.
+* the **attention function** (``AttentionInterface``): called by every attention layer with
+  ``(module, query, key, value, attention_mask, scaling=, dropout=, sliding_window=, softcap=,
+  s_aux=, ...)``, in HF's layout ``(B, H, L, D)``, which is `multihead`'s; it runs
+  :func:`multihead.attention` and returns ``(output (B, Lq, Hq, Dv), weights or None)``.
+
+What arrives and how it is passed on:
+
+==============================  ====================================================================
+HF                              :func:`multihead.attention`
+==============================  ====================================================================
+GQA (``Hkv < Hq``)              ``k``, ``v`` as they are (no ``repeat_kv`` copies)
+``scaling``                     ``scale=``
+``dropout`` (0 in eval)         ``dropout_p=``
+``softcap`` (Gemma 2)           ``softcap=``
+``s_aux`` (gpt-oss sinks)       ``sinks=``
+``position_bias`` (T5 style)    ``score_mod=scores.bias(position_bias)``
+``output_attentions=True``      ``return_weights=True``: probabilities before dropout, sinks included
+``HFMask`` (the mask function)  ``mask=`` its mask object (``None``: nothing blocked)
+dense 4-D mask (a user's)       recognised (``hf_masks.from_dense``): band / documents / padding, or
+                                the bool tensor; additive entries ``<= finfo.min / 2`` are blocked
+``attention_mask=None``         the module's ``is_causal`` (as HF's ``sdpa`` reads it):
+                                ``causal()`` (& ``sliding_window(w - 1)``), else no mask
+==============================  ====================================================================
+
+``sliding_window`` is part of the mask object when one arrives (HF builds it into the mask) and is
+read only when none does. Continuous batching's paged cache (``cache=``) is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import multihead
+from multihead import scores
+from multihead.backends.registry import check_backend_name
+from multihead.integrations.hf_masks import from_dense, from_mask_function
+from multihead.masks import Mask, causal, sliding_window as sliding_window_mask
+
+__all__ = ["register", "unregister", "attention_forward", "mask_interface", "HFMask", "NAME"]
+
+NAME = "multihead"
+
+
+def register(name: str = NAME, *, backend: str = "auto") -> str:
+    """Register ``name`` with ``transformers``' attention interface and its mask interface.
+
+    ``backend`` is passed to every :func:`multihead.attention` call (``"auto"``, or a backend
+    name such as ``"sdpa"`` or ``"reference"``). Registering again replaces the functions.
+    Returns ``name``, for ``attn_implementation=register()``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    check_backend_name(backend)
+    AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
+    AttentionMaskInterface.register(name, mask_interface)
+    return name
+
+
+def unregister(name: str = NAME) -> None:
+    """Remove ``name`` from both interfaces (models already set to it stop working)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface._global_mapping.pop(name, None)
+    AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+class HFMask:
+    """What :func:`mask_interface` returns and the model hands to its layers: the `multihead`
+    mask of the call (``mask``; ``None`` when nothing is blocked), with the little of a 4-D
+    tensor's interface that ``transformers`` reads on the way (``ndim``, ``shape``,
+    ``contiguous()``: ``generate`` with a static cache builds the masks ahead and calls them).
+    The attention function unwraps it; :func:`multihead.attention` receives ``mask``."""
+
+    __slots__ = ("mask", "shape")
+    ndim = 4
+
+    def __init__(self, mask: Mask | None, shape: tuple[int, int, int, int]):
+        self.mask, self.shape = mask, torch.Size(shape)  # (B, 1, Lq, Lk)
+
+    def contiguous(self) -> "HFMask":
+        return self
+
+    def __repr__(self) -> str:
+        return f"HFMask(shape={tuple(self.shape)}, mask={self.mask!r})"
+
+
+def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                   mask_function=None, attention_mask: Tensor | HFMask | None = None, use_vmap: bool = False,
+                   device: torch.device | str = "cpu", **kwargs: Any) -> HFMask:
+    """The mask function of the ``AttentionMaskInterface`` (the signature of HF's ``sdpa_mask``):
+    HF's mask description -> an :class:`HFMask` holding the `multihead` mask object for
+    ``Lq = q_length``, ``Lk = kv_length`` (``None`` inside when nothing is blocked). The other
+    keywords HF passes (``allow_is_causal_skip``, ``local_size``, ``dtype``, ``config``) are not
+    needed: the mask object is never materialised."""
+    if isinstance(attention_mask, HFMask):  # built ahead by generate() (static cache): already this call's
+        return attention_mask
+    if mask_function is None:
+        from transformers.masking_utils import causal_mask_function as mask_function
+    mask = from_mask_function(mask_function, batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                              q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                              use_vmap=use_vmap, device=device)
+    return HFMask(mask, (int(batch_size), 1, int(q_length), int(kv_length)))
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Mask | Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
+                      *, backend: str = "auto", **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """The attention function of the ``AttentionInterface``.
+
+    Args:
+        module: the calling attention layer (read for ``is_causal`` when no mask arrives, and for
+            ``config.output_attentions``).
+        query: ``(B, Hq, Lq, D)``; key: ``(B, Hkv, Lk, D)``; value: ``(B, Hkv, Lk, Dv)``.
+        attention_mask: the mask object of :func:`mask_interface`, a dense 4-D mask
+            ``(B|1, 1, Lq, >= Lk)`` (bool or additive), or ``None``.
+        scaling, dropout, sliding_window, softcap, s_aux: as HF passes them (module docstring).
+
+    Returns:
+        ``(output (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``.
+    """
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError("multihead: continuous batching's paged cache (cache=) is not supported; "
+                                  "use generate() with its default DynamicCache or a StaticCache")
+    Lk = key.shape[2]
+    score_mod: list = []
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        score_mod.append(scores.bias(position_bias[..., :Lk]))
+    if isinstance(attention_mask, HFMask):
+        mask = attention_mask.mask
+    elif attention_mask is None or isinstance(attention_mask, Mask):
+        mask = attention_mask if attention_mask is not None else \
+            _mask_without_one(module, kwargs.get("is_causal"), sliding_window)
+    elif isinstance(attention_mask, Tensor):
+        mask, bias = from_dense(attention_mask, Lk)
+        if bias is not None:
+            score_mod.append(scores.bias(bias))
+    else:
+        raise TypeError(f"multihead: attention_mask must be a multihead mask, a 4-D tensor or None, got "
+                        f"{type(attention_mask).__name__}; hint: build the model with attn_implementation="
+                        f"'multihead' after multihead.integrations.hf.register(), so that its masks are mask objects")
+    want_weights = bool(kwargs.get("output_attentions", False)
+                        or getattr(getattr(module, "config", None), "output_attentions", False))
+    result = multihead.attention(query, key, value, mask=mask, score_mod=score_mod or None, softcap=softcap,
+                                 sinks=s_aux, scale=scaling, dropout_p=float(dropout), return_weights=want_weights,
+                                 backend=backend)
+    output, weights = (result.output, result.weights) if want_weights else (result, None)
+    return output.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv), as HF's attention functions return
+
+
+def _mask_without_one(module, is_causal: bool | None, window: int | None) -> Mask | None:
+    """No mask arrived: causal (bottom-right, so a decoding step sees its cache) when the module
+    is causal, as HF's ``sdpa`` decides, with HF's window of ``w`` keys (``w - 1`` before)."""
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not is_causal:
+        return None
+    return causal() if window is None else sliding_window_mask(window - 1)

@@ -1,0 +1,377 @@
+"""Hugging Face masks as `multihead` mask objects.
+
+``transformers`` describes a mask by a function ``mask_function(b, h, q_idx, kv_idx) -> bool``
+built from a few factories in ``transformers.masking_utils`` (``causal_mask_function``,
+``sliding_window_overlay(w)``, ``and_masks(...)``, ...) plus a 2-D padding mask, and asks the
+mask interface registered for the attention implementation to turn them into whatever its
+attention function reads. :func:`from_mask_function` is that translation for `multihead`: each
+factory's closure is recognised by its code object and becomes the mask object that means the
+same, in the coordinates of the call:
+
+==========================================  ==============================================
+``transformers``                            ``multihead``
+==========================================  ==============================================
+``causal_mask_function``                    ``causal()``
+``sliding_window_overlay(w)`` & causal      ``sliding_window(w - 1)``
+``sliding_window_bidirectional_overlay(w)``  ``sliding_window(w, w)``
+``bidirectional_mask_function``             nothing blocked
+2-D ``attention_mask`` (padding)            ``key_padding(lengths)`` or ``key_padding(table)``
+``packed_sequence_mask_function(ids)``      ``document(ids)`` (position ids restarting)
+``chunked_overlay(c, left_padding)``        ``document(chunk of each position)``
+``blockwise_overlay(ids)``                  ``document(ids)`` (negative ids see nothing)
+``and_masks`` / ``or_masks``                ``&`` / ``|``
+anything else (a model's own function)      its bool tensor, evaluated by ``transformers``
+==========================================  ==============================================
+
+Positions: ``transformers`` evaluates a mask at absolute positions ``q_idx = q_offset + i`` and
+``kv_idx = kv_offset + j`` of the call's query ``i`` and key ``j`` (``q_offset`` = tokens already
+in the cache). Its causal rule ``kv_idx <= q_idx`` is therefore ``j <= i + d`` with
+``d = q_offset - kv_offset``: bottom-right ``causal()`` when ``d = Lk - Lq`` (a dynamic cache),
+top-left when ``d = 0`` (an empty static cache), and a top-left band read ``shifted`` by ``d``
+otherwise (a static cache part-filled).
+
+:func:`from_dense` reads a dense 4-D mask a user passed instead (bool, or additive with
+``finfo(dtype).min`` or ``-inf`` for blocked entries) and recognises band, padding and document
+structure in it where it is there exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from multihead.masks import Band, Mask, as_mask, causal, document, key_padding, sliding_window
+
+__all__ = ["from_mask_function", "from_dense", "padding_mask"]
+
+
+class _Frame(NamedTuple):
+    """The call a mask is built for: ``B``, ``Lq``, ``Lk`` and HF's absolute offsets."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    q_offset: int
+    kv_offset: int
+    use_vmap: bool
+    device: torch.device | str
+
+
+class _Full:
+    """A part that blocks nothing (``bidirectional_mask_function``)."""
+
+    def __repr__(self) -> str:
+        return "FULL"
+
+
+FULL = _Full()
+
+
+class _BandSpec(NamedTuple):
+    """Query ``i`` sees keys ``i + d - left .. i + d + right`` (``d`` of the frame); ``None`` is
+    unbounded. Kept apart until a whole ``and``/``or`` is read, so that causal & window is one band."""
+
+    left: int | None
+    right: int | None
+
+
+def from_mask_function(mask_function: Callable, *, batch_size: int, q_length: int, kv_length: int,
+                       q_offset=0, kv_offset=0, attention_mask: Tensor | None = None, use_vmap: bool = False,
+                       device: torch.device | str = "cpu") -> Mask | None:
+    """The `multihead` mask of HF's ``mask_function`` plus its 2-D padding ``attention_mask``
+    ``(B, >= kv_offset + Lk)`` (``True`` = a real token), for a call of ``Lq = q_length`` queries
+    and ``Lk = kv_length`` keys; ``None`` when nothing is blocked."""
+    # A static cache passes its offset as a 0-d tensor (no graph break in HF's own code).
+    frame = _Frame(int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset), use_vmap, device)
+    mask = _finish(_read(mask_function, frame, packed=False), frame)
+    pad = padding_mask(attention_mask, frame.kv_offset, frame.kv_len)
+    if pad is None:
+        return mask
+    return pad if mask is None else mask & pad
+
+
+def padding_mask(attention_mask: Tensor | None, kv_offset: int, kv_len: int) -> Mask | None:
+    """``key_padding`` of the keys ``[kv_offset, kv_offset + Lk)`` of HF's 2-D mask ``(B, L)``
+    (``True``/``1`` = a real token; a mask shorter than the keys blocks the keys past its end, as
+    ``transformers.masking_utils.prepare_padding_mask`` does); ``None`` when no key is padding."""
+    if attention_mask is None:
+        return None
+    table = attention_mask.bool()
+    if table.shape[-1] < kv_offset + kv_len:
+        table = torch.nn.functional.pad(table, (0, kv_offset + kv_len - table.shape[-1]))
+    table = table[:, kv_offset:kv_offset + kv_len]
+    if bool(table.all()):
+        return None
+    # Right padding (each row's real keys first) is a length per row: a cheaper structure for backends.
+    lengths = table.sum(dim=-1)
+    if torch.equal(table, torch.arange(kv_len, device=table.device) < lengths[:, None]):
+        return key_padding(lengths)
+    return key_padding(table)
+
+
+# ------------------------------------------------------------------------- reading HF's closures
+_KINDS: dict | None = None
+
+
+def _kinds() -> dict:
+    """The code object of every closure ``transformers.masking_utils`` builds -> its kind (made
+    once; a factory missing from the installed version is skipped, its closures read densely)."""
+    global _KINDS
+    if _KINDS is None:
+        from transformers import masking_utils as mu
+
+        t = torch.zeros(1, 1, dtype=torch.long)
+        f = mu.causal_mask_function
+        makers = {
+            "and": lambda: mu.and_masks(f), "or": lambda: mu.or_masks(f),
+            "causal": lambda: f, "full": lambda: mu.bidirectional_mask_function,
+            "window": lambda: mu.sliding_window_overlay(1),
+            "window_both": lambda: mu.sliding_window_bidirectional_overlay(1),
+            "chunks": lambda: mu.chunked_overlay(1, t[0]), "padding": lambda: mu.padding_mask_function(t),
+            "packed": lambda: mu.packed_sequence_mask_function(t),
+            "remap": lambda: mu.remap_positions_for_packed_sequence(f, t),
+            "blocks": lambda: mu.blockwise_overlay(t),
+        }
+        kinds = {}
+        for kind, make in makers.items():
+            try:
+                kinds[make().__code__] = kind
+            except (AttributeError, TypeError):
+                continue
+        _KINDS = kinds
+    return _KINDS
+
+
+def _closure(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def _read(fn, frame: _Frame, packed: bool):
+    """``fn`` as FULL, a ``_BandSpec`` or a ``Mask``; a closure not recognised becomes the bool
+    tensor ``transformers`` itself evaluates (the meaning is kept, the structure is not)."""
+    kind = _kinds().get(getattr(fn, "__code__", None))
+    try:
+        env = _closure(fn) if kind is not None else {}
+        if kind == "and":
+            parts = env["mask_functions"]
+            is_packed = any(_kinds().get(getattr(p, "__code__", None)) == "packed" for p in parts)
+            return _and([_read(p, frame, packed=is_packed) for p in parts], frame)
+        if kind == "or":
+            return _or([_read(p, frame, packed=False) for p in env["mask_functions"]], frame)
+        if kind == "causal":
+            return _BandSpec(None, 0)
+        if kind == "full":
+            return FULL
+        if kind == "window":  # kv_idx > q_idx - w: the w - 1 keys before the aligned one, no right limit
+            return _BandSpec(int(env["sliding_window"]) - 1, None)
+        if kind == "window_both":  # |q_idx - kv_idx| <= w
+            w = int(env["sliding_window"])
+            return _BandSpec(w, w)
+        if kind == "padding":
+            pad = padding_mask(env["padding_mask"], frame.kv_offset, frame.kv_len)
+            return FULL if pad is None else pad
+        if kind == "packed":
+            return _documents(env["packed_sequence_mask"], frame)
+        if kind == "chunks":
+            return _chunks(int(env["chunk_size"]), env["left_padding"], frame)
+        if kind == "blocks":
+            return _blocks(env["block_sequence_ids"], frame)
+        if kind == "remap" and packed:
+            # Inside one packed document its position ids step by 1 (that is how HF finds the
+            # documents), so a band of position ids is the band of indices: and-ed with the
+            # document mask (``packed``) the remapping changes nothing. Anything else is read densely.
+            inner = _read(env["mask_function"], frame, packed=False)
+            if inner is FULL or isinstance(inner, _BandSpec):
+                return inner
+    except (KeyError, ValueError, TypeError):
+        pass  # a closure of another shape than the one this version of the factory builds
+    return _dense(fn, frame)
+
+
+def _and(parts: list, frame: _Frame):
+    bands = [p for p in parts if isinstance(p, _BandSpec)]
+    masks = [p for p in parts if isinstance(p, Mask)]
+    if bands:  # the intersection of bands that contain their aligned key is a band
+        left = [b.left for b in bands if b.left is not None]
+        right = [b.right for b in bands if b.right is not None]
+        band = _BandSpec(min(left) if left else None, min(right) if right else None)
+        if not masks:
+            return band
+        masks.insert(0, _band(band, frame))
+    if not masks:
+        return FULL
+    return _combine(masks, "&")
+
+
+def _or(parts: list, frame: _Frame):
+    if any(p is FULL for p in parts):
+        return FULL
+    bands = [p for p in parts if isinstance(p, _BandSpec)]
+    masks = [p for p in parts if isinstance(p, Mask)]
+    if bands:  # every band holds its aligned key, so their union is the widest band
+        band = _BandSpec(None if any(b.left is None for b in bands) else max(b.left for b in bands),
+                         None if any(b.right is None for b in bands) else max(b.right for b in bands))
+        if not masks:
+            return band
+        masks.insert(0, _band(band, frame))
+    return _combine(masks, "|")
+
+
+def _combine(masks: list, op: str) -> Mask:
+    out = masks[0]
+    for m in masks[1:]:
+        out = out & m if op == "&" else out | m
+    return out
+
+
+def _finish(part, frame: _Frame) -> Mask | None:
+    if part is FULL:
+        return None
+    return _band(part, frame) if isinstance(part, _BandSpec) else part
+
+
+def _band(spec: _BandSpec, frame: _Frame) -> Mask | None:
+    """The band ``spec`` at HF's positions: key ``j`` lines up with query ``i`` when
+    ``j + kv_offset == i + q_offset``."""
+    if spec.left is None and spec.right is None:
+        return None
+    d = frame.q_offset - frame.kv_offset
+    align = "bottom_right" if d == frame.kv_len - frame.q_len else "top_left"
+    if spec.right == 0 and spec.left is None:
+        band = causal(align)
+    elif spec.left is not None:
+        band = sliding_window(spec.left, spec.right, align)
+    else:
+        band = Band(None, spec.right, align)
+    if align == "bottom_right" or d == 0:
+        return band
+    # A static cache part-filled: top-left read at the call's positions of the whole attention.
+    return band.shifted(max(d, 0), max(-d, 0))
+
+
+def _slice_ids(ids: Tensor, frame: _Frame) -> tuple[Tensor, Tensor]:
+    ids = ids.expand(frame.batch, -1) if ids.shape[0] == 1 else ids
+    q_ids = ids[:, frame.q_offset:frame.q_offset + frame.q_len]
+    kv_ids = ids[:, frame.kv_offset:frame.kv_offset + frame.kv_len]
+    if q_ids.shape[-1] != frame.q_len or kv_ids.shape[-1] != frame.kv_len:
+        raise ValueError("ids shorter than the call")
+    return q_ids, kv_ids
+
+
+def _documents(ids: Tensor, frame: _Frame) -> Mask:
+    return document(*_slice_ids(ids, frame))
+
+
+def _blocks(ids: Tensor, frame: _Frame) -> Mask:
+    # (q_group == kv_group) & (q_group >= 0): every negative id becomes -1 on the query side and -2
+    # on the key side, so it matches nothing.
+    q_ids, kv_ids = _slice_ids(ids, frame)
+    return document(q_ids.clamp(min=-1), torch.where(kv_ids < 0, -2, kv_ids))
+
+
+def _chunks(chunk_size: int, left_padding: Tensor, frame: _Frame) -> Mask:
+    # Same chunk iff (pos - left_padding[b]) // c agree: the chunk index is a document id.
+    lp = left_padding.reshape(-1, 1).to(torch.long)
+    q_pos = torch.arange(frame.q_len, device=lp.device) + frame.q_offset
+    kv_pos = torch.arange(frame.kv_len, device=lp.device) + frame.kv_offset
+    return document(torch.div(q_pos - lp, chunk_size, rounding_mode="floor"),
+                    torch.div(kv_pos - lp, chunk_size, rounding_mode="floor"))
+
+
+def _dense(fn, frame: _Frame) -> Mask:
+    """A closure we do not know, evaluated by ``transformers`` itself: ``(B, 1, Lq, Lk)`` bool."""
+    from transformers.masking_utils import sdpa_mask
+
+    table = sdpa_mask(batch_size=frame.batch, q_length=frame.q_len, kv_length=frame.kv_len,
+                      q_offset=frame.q_offset, kv_offset=frame.kv_offset, mask_function=fn, attention_mask=None,
+                      allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=frame.use_vmap,
+                      device=frame.device)
+    return as_mask(table.contiguous(), name=f"hf:{getattr(fn, '__qualname__', 'mask_function')}")
+
+
+# ------------------------------------------------------------------------------ dense 4-D masks
+def from_dense(mask: Tensor, kv_len: int) -> tuple[Mask | None, Tensor | None]:
+    """A user's 4-D mask ``(B|1, H|1, Lq, >= Lk)`` -> ``(mask object, additive bias or None)``.
+
+    Bool: ``True`` = may attend. Float: additive, as ``eager`` adds it; entries at or below
+    ``finfo(dtype).min / 2`` (HF writes ``finfo.min``, sums of two give ``-inf``) are blocked, the
+    other non-zero entries are a bias. Columns past ``Lk`` are dropped (a static cache's mask is
+    as long as the cache). Band, key-padding and document structure is recognised where the mask
+    is exactly that; otherwise the bool tensor is passed on.
+    """
+    if mask.dim() != 4:
+        raise ValueError(f"attention_mask: expected a 4-D mask (B, 1, Lq, Lk), got shape {tuple(mask.shape)}")
+    mask = mask[..., :kv_len]
+    bias = None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        blocked = mask <= torch.finfo(mask.dtype).min / 2  # -inf included
+        allowed = ~blocked
+        rest = mask.masked_fill(blocked, 0.0)
+        bias = rest if bool(rest.ne(0).any()) else None
+    else:
+        raise TypeError(f"attention_mask: a 4-D mask must be bool (True = attend) or additive float, got "
+                        f"dtype {mask.dtype}; hint: pass mask.bool() for 1 = attend")
+    return recognise(allowed), bias
+
+
+def recognise(allowed: Tensor) -> Mask | None:
+    """The mask object equal to the bool ``(B|1, 1, Lq, Lk)`` tensor ``allowed``: a band (causal,
+    sliding window, either alignment) & documents & key padding where one is exactly equal;
+    otherwise the tensor itself. ``None`` when nothing is blocked."""
+    if bool(allowed.all()):
+        return None
+    if allowed.shape[1] != 1 or allowed.shape[-2] == 0 or allowed.shape[-1] == 0:
+        return as_mask(allowed)
+    B, _, Lq, Lk = allowed.shape
+    rows = allowed[:, 0]  # (B, Lq, Lk)
+    seen = rows.any(dim=0)  # (Lq, Lk)
+    keys = rows.any(dim=1)  # (B, Lk): keys some query sees; the others are padding
+    pad = None if bool(keys.all()) else _padding_of(keys)
+    diagonal = torch.arange(Lk, device=rows.device)[None, :] - torch.arange(Lq, device=rows.device)[:, None]
+    present = diagonal[seen]
+    candidates = []
+    if present.numel():
+        band = _band_of(int(present.min()), int(present.max()), Lq, Lk)
+        if band is not False:
+            candidates.append(band)
+            if Lq == Lk:  # packed documents: each row's first visible key starts its document
+                first = torch.where(rows.any(dim=-1), rows.int().argmax(dim=-1), torch.arange(Lq, device=rows.device))
+                starts = first == torch.arange(Lq, device=rows.device)
+                candidates.append(_and_all([band, document(starts.long().cumsum(dim=-1))]))
+    for candidate in candidates:
+        mask = _and_all([candidate, pad])
+        if mask is not None and torch.equal(mask.materialize(B, 1, Lq, Lk, device=rows.device).expand(B, 1, Lq, Lk),
+                                            allowed.expand(B, 1, Lq, Lk)):
+            return mask
+    return as_mask(allowed)
+
+
+def _padding_of(keys: Tensor) -> Mask:
+    lengths = keys.sum(dim=-1)
+    if torch.equal(keys, torch.arange(keys.shape[-1], device=keys.device) < lengths[:, None]):
+        return key_padding(lengths)
+    return key_padding(keys)
+
+
+def _band_of(lo: int, hi: int, Lq: int, Lk: int):
+    """The band whose diagonals ``j - i`` run from ``lo`` to ``hi``; ``None`` for all of them,
+    ``False`` when no band holds its aligned diagonal."""
+    left_open, right_open = lo <= -(Lq - 1), hi >= Lk - 1
+    if left_open and right_open:
+        return None
+    for align, off in (("bottom_right", Lk - Lq), ("top_left", 0)):
+        if lo <= off <= hi:
+            left, right = None if left_open else off - lo, None if right_open else hi - off
+            if left is None:
+                return causal(align) if right == 0 else Band(None, right, align)
+            return sliding_window(left, right, align)
+    return False
+
+
+def _and_all(parts: list) -> Mask | None:
+    parts = [p for p in parts if p is not None]
+    return _combine(parts, "&") if parts else None

@@ -1,0 +1,500 @@
+"""The Hugging Face backend (``multihead.integrations.hf``) against ``transformers``' own ``eager``.
+
+Tiny random models (2 layers, hidden 64; no downloads) of several architectures. Each comparison
+makes two checks on the fp32 model with ``attn_implementation="multihead"``:
+
+* the relative rule of ``shared/TESTING.md``: its error against an fp64 reference is at most
+  ``F32`` times the error of the fp32 ``eager`` model (the baseline);
+* equal to fp32 ``eager`` at a relative 1e-5.
+
+The fp64 reference is the same model in float64 with a test-only attention implementation,
+``oracle64``: plain fp64 attention over the bool masks HF's own ``sdpa_mask`` builds (so it shares
+no mask code with the backend under test). ``eager`` itself is no fp64 reference: it takes its
+softmax in fp32, where ``finfo(float64).min`` becomes ``-inf`` and a left-padded row that sees no
+key turns into NaN, which reaches every row of the next layer.
+
+Padded queries are compared only where ``eager`` defines them: ``eager`` gives a query that sees no
+key a uniform average of the values, ``multihead`` gives it 0 (conventions: fully masked rows).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face backend needs transformers (extra 'hf')")
+
+import multihead  # noqa: E402
+from helpers import assert_relative  # noqa: E402
+from multihead import masks  # noqa: E402
+from multihead.integrations import hf as mh_hf  # noqa: E402
+from multihead.integrations.hf_masks import from_dense, from_mask_function, recognise  # noqa: E402
+
+# fp32 factor of the relative rule (TESTING.md: "about 10 in fp32"; an online softmax and other
+# kernels reorder sums); logits pass through two layers of it.
+F32 = 10.0
+VOCAB = 97
+
+
+def _common(**extra):
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, **extra)
+
+
+def _configs():
+    t = transformers
+    out = {
+        "llama": lambda: t.LlamaConfig(**_common()),  # GQA 4 x 2, RoPE
+        "mistral": lambda: t.MistralConfig(**_common(sliding_window=5)),  # every layer a window of 5
+        "qwen2": lambda: t.Qwen2Config(**_common(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+        # alternating sliding / global layers, attention softcap
+        "gemma2": lambda: t.Gemma2Config(**_common(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0,
+                                                   query_pre_attn_scalar=20)),
+    }
+    if hasattr(t, "GptOssConfig"):  # sinks
+        out["gpt_oss"] = lambda: t.GptOssConfig(**{**_common(head_dim=16, sliding_window=4, num_local_experts=4,
+                                                            num_experts_per_tok=2), "intermediate_size": 32})
+    return out
+
+
+CONFIGS = _configs()
+DECODERS = list(CONFIGS)
+ENCODERS = ["bert"]
+
+
+def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
+             **kwargs):
+    """fp64 attention written out: ``attention_mask`` is HF's bool ``(B, 1, Lq, Lk)`` (True = attend)."""
+    q, k, v = query.double(), key.double(), value.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if attention_mask is None:
+        allowed = torch.ones_like(s, dtype=torch.bool)
+    elif attention_mask.dtype == torch.bool:
+        allowed = attention_mask[..., :k.shape[2]].expand_as(s)
+    else:  # a user's additive 4-D mask: finfo.min blocks, the rest is added
+        m = attention_mask[..., :k.shape[2]]
+        allowed = (m > torch.finfo(m.dtype).min / 2).expand_as(s)
+        s = s + m.double().masked_fill(~allowed, 0.0)
+    if s_aux is not None:  # a sink joins each head's denominator and carries no value
+        s = torch.cat([s, s_aux.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+        allowed = torch.cat([allowed, allowed.any(-1, keepdim=True)], dim=-1)
+    seen = allowed.any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~allowed, -1e300), dim=-1).masked_fill(~seen, 0.0)
+    p = p[..., :v.shape[2]]
+    return (p @ v).to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
+
+
+def _dense_hf_mask(**kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("oracle64", oracle64)
+    AttentionMaskInterface.register("oracle64", _dense_hf_mask)
+    name = mh_hf.register()
+    yield name
+    AttentionInterface._global_mapping.pop("oracle64", None)
+    AttentionMaskInterface._global_mapping.pop("oracle64", None)
+
+
+_MODELS: dict = {}
+
+
+def model_pair(arch: str):
+    """``(model fp32, model fp64)``, eval mode, eager; built once per architecture."""
+    if arch not in _MODELS:
+        torch.manual_seed(0)
+        if arch == "bert":
+            config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                             attention_probs_dropout_prob=0.0)
+            model = transformers.AutoModel.from_config(config, attn_implementation="eager")
+        else:
+            # gpt-oss: experts as plain matmuls (the grouped kernel has no float64)
+            extra = {"experts_implementation": "eager"} if arch == "gpt_oss" else {}
+            model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](), attn_implementation="eager", **extra)
+        if arch == "gpt_oss":  # sinks start at 0: make them matter
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.normal_()
+        model.eval()
+        _MODELS[arch] = (model, copy.deepcopy(model).double())
+    return _MODELS[arch]
+
+
+def run(model, impl: str, grad: bool = False, **inputs):
+    model.set_attn_implementation(impl)
+    with torch.set_grad_enabled(grad):
+        return model(**inputs)
+
+
+def out_of(result):
+    return result.logits if hasattr(result, "logits") else result.last_hidden_state
+
+
+def three(arch: str, **inputs):
+    """``(multihead fp32, oracle fp64, eager fp32)`` outputs of the same inputs."""
+    m32, m64 = model_pair(arch)
+    x = run(m32, "multihead", **inputs)
+    base = run(m32, "eager", **inputs)
+    ref = run(m64, "oracle64", **inputs)
+    return x, ref, base
+
+
+def compare(x, ref, base, what: str, magnitude: float | None = None):
+    """The relative rule against the fp64 reference, and equal to fp32 eager at 1e-5 relative."""
+    assert_relative(x, ref, base, F32, what, magnitude=magnitude)
+    scale = float(base.abs().max()) if magnitude is None else magnitude
+    torch.testing.assert_close(x, base, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{what} vs eager: {m}")
+
+
+def left_padded(batch=3, length=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    attention_mask[1, :4] = 0
+    attention_mask[2, :1] = 0
+    return ids, attention_mask
+
+
+class Spy:
+    """Records the keyword arguments of every :func:`multihead.attention` call the backend makes."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = multihead.attention
+
+        def spy(q, k, v, **kwargs):
+            self.calls.append(dict(kwargs, q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
+            return original(q, k, v, **kwargs)
+
+        monkeypatch.setattr(multihead, "attention", spy)
+
+
+# ------------------------------------------------------------------------------------ structure
+@pytest.mark.parametrize("arch", DECODERS)
+def test_masks_arrive_as_objects_and_are_causal(arch, monkeypatch):
+    spy = Spy(monkeypatch)
+    m32, _ = model_pair(arch)
+    ids, am = left_padded()
+    run(m32, "multihead", input_ids=ids, attention_mask=am)
+    assert len(spy.calls) == 2  # one per layer
+    config = m32.config
+    for i, call in enumerate(spy.calls):
+        mask = call["mask"]
+        assert isinstance(mask, masks.Mask), f"layer {i}: mask {type(mask).__name__}, not a multihead mask object"
+        B, Hq, Lq, _ = call["q_shape"]
+        Lk = call["k_shape"][2]
+        assert call["k_shape"][1] == config.num_key_value_heads  # GQA passed as it is: no repeat_kv copies
+        dense = mask.materialize(B, 1, Lq, Lk)
+        future = torch.ones(Lq, Lk, dtype=torch.bool).triu(1 + Lk - Lq)
+        assert not dense[..., future].any(), f"layer {i}: a query sees a future key: {mask!r}"
+        assert not dense[1, :, :, :4].any() and not dense[2, :, :, :1].any(), "padding keys visible"
+        assert "band" in mask.kinds() and "key_padding" in mask.kinds()
+        layer_type = getattr(config, "layer_types", None)
+        windowed = (layer_type[i] == "sliding_attention") if layer_type else getattr(config, "sliding_window", None)
+        window = mask.materialize(B, 1, Lq, Lk)[0, 0].sum(-1).max()
+        if windowed:
+            assert int(window) == config.sliding_window, f"layer {i}: {mask!r}"
+        else:
+            assert int(window) == Lk
+
+
+def test_without_the_mask_function_the_backend_gets_none_and_stays_causal(monkeypatch):
+    """The trap of issue 13: an attention function registered alone receives ``attention_mask=None``
+    (``transformers`` skips mask creation for a name its mask interface does not know)."""
+    from transformers import AttentionInterface
+
+    seen = []
+
+    def attention_only(module, q, k, v, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        return mh_hf.attention_forward(module, q, k, v, attention_mask, **kwargs)
+
+    AttentionInterface.register("multihead_no_masks", attention_only)
+    try:
+        m32, m64 = model_pair("llama")
+        ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+        x = out_of(run(m32, "multihead_no_masks", input_ids=ids))
+        assert seen and all(s is None for s in seen)
+        # register() registers the mask function too: a mask object arrives ...
+        spy = Spy(monkeypatch)
+        run(m32, "multihead", input_ids=ids)
+        assert all(isinstance(c["mask"], masks.Mask) for c in spy.calls)
+        # ... and even without it the backend falls back on the module's is_causal, as HF's sdpa does.
+        compare(x, out_of(run(m64, "oracle64", input_ids=ids)), out_of(run(m32, "eager", input_ids=ids)),
+                "logits without a mask function")
+    finally:
+        AttentionInterface._global_mapping.pop("multihead_no_masks", None)
+
+
+# ------------------------------------------------------------------------- logits equal to eager
+@pytest.mark.parametrize("arch", DECODERS)
+def test_left_padded_batch(arch):
+    ids, am = left_padded()
+    x, ref, base = (out_of(r) for r in three(arch, input_ids=ids, attention_mask=am))
+    real = am.bool()
+    assert torch.isfinite(x).all()
+    compare(x[real], ref[real], base[real], f"{arch} logits (left padding)")
+
+
+def test_encoder_right_padded_batch():
+    ids, _ = left_padded()
+    am = torch.ones_like(ids)
+    am[1, 7:] = 0
+    am[2, 10:] = 0
+    x, ref, base = (out_of(r) for r in three("bert", input_ids=ids, attention_mask=am))
+    real = am.bool()
+    compare(x[real], ref[real], base[real], "bert hidden states (right padding)")
+
+
+def test_encoder_mask_objects(monkeypatch):
+    spy = Spy(monkeypatch)
+    m32, _ = model_pair("bert")
+    ids, _ = left_padded()
+    am = torch.ones_like(ids)
+    am[1, 7:] = 0
+    run(m32, "multihead", input_ids=ids, attention_mask=am)
+    assert [c["mask"] for c in spy.calls] == [masks.key_padding([11, 7, 11])] * 2  # no causal part, lengths
+    spy.calls.clear()
+    run(m32, "multihead", input_ids=ids)
+    assert [c["mask"] for c in spy.calls] == [None, None]  # nothing blocked
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_packed_batch(arch, monkeypatch):
+    """Position ids restarting inside a row: documents, as HF detects them (no cache, no 2-D mask)."""
+    spy = Spy(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], list(range(12))])
+    x, ref, base = (out_of(r) for r in three(arch, input_ids=ids, position_ids=position_ids, use_cache=False))
+    compare(x, ref, base, f"{arch} logits (packed)")
+    if arch == "gpt_oss":  # its model passes no position_ids to HF's mask creation: no documents (eager neither)
+        return
+    docs = spy.calls[0]["mask"]
+    assert "document" in docs.kinds()
+    # The second document does not see the first; the unpacked row sees all of its past.
+    dense = docs.materialize(2, 1, 12, 12)
+    assert not dense[0, 0, 5:8, :5].any() and dense[1, 0, 2, :3].all()
+
+
+@pytest.mark.parametrize("arch", DECODERS + ENCODERS)
+def test_output_attentions(arch):
+    ids, am = left_padded()
+    if arch == "bert":
+        am = torch.ones_like(ids)
+        am[1, 7:] = 0
+    x, ref, base = three(arch, input_ids=ids, attention_mask=am, output_attentions=True)
+    assert len(x.attentions) == 2
+    real = am.bool()
+    for layer, (w, r, b) in enumerate(zip(x.attentions, ref.attentions, base.attentions)):
+        assert w.shape == r.shape
+        rows = real[:, None, :, None].expand_as(w)  # queries that are real tokens
+        compare(w[rows], r[rows], b[rows], f"{arch} weights of layer {layer}")
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_generate_same_tokens(arch):
+    m32, _ = model_pair(arch)
+    ids, am = left_padded(length=7)
+    with torch.no_grad():
+        m32.set_attn_implementation("eager")
+        expected = m32.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, do_sample=False)
+        m32.set_attn_implementation("multihead")
+        got = m32.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_generate_static_cache(arch, monkeypatch):
+    """A static cache: generate() builds the masks ahead (HFMask passes through the model's mask
+    creation), keys are the whole cache, and a part-filled cache reads a top-left band shifted."""
+    m32, _ = model_pair(arch)
+    ids, am = left_padded(length=7)
+    kwargs = dict(input_ids=ids, attention_mask=am, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        m32.set_attn_implementation("eager")
+        expected = m32.generate(**kwargs)
+        m32.set_attn_implementation("multihead")
+        spy = Spy(monkeypatch)
+        got = m32.generate(**kwargs)
+    assert torch.equal(got, expected)
+    assert all(isinstance(c["mask"], masks.Mask) for c in spy.calls)
+
+
+@pytest.mark.parametrize("arch", DECODERS + ENCODERS)
+def test_training_gradients(arch):
+    """Training mode (dropout 0 in these configs): the same gradients as eager."""
+    m32, m64 = model_pair(arch)
+    ids, am = left_padded()
+    if arch == "bert":
+        am = torch.ones_like(ids)
+        am[1, 7:] = 0
+    real = am.bool()
+
+    def grads(model, impl):
+        model.train()
+        model.zero_grad()
+        out = out_of(run(model, impl, grad=True, input_ids=ids, attention_mask=am))
+        (out[real].sin().sum()).backward()  # a loss that weighs every output differently
+        model.eval()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    x, base, ref = grads(m32, "multihead"), grads(m32, "eager"), grads(m64, "oracle64")
+    assert x.keys() == ref.keys() and len(x) > 4
+    scale = max(float(g.abs().max()) for g in ref.values())
+    for name in ref:
+        compare(x[name], ref[name], base[name], f"{arch} grad {name}", magnitude=scale)
+
+
+def test_dropout_in_training(monkeypatch):
+    """``dropout`` reaches multihead as ``dropout_p`` in training (0 in eval) and is applied."""
+    config = transformers.LlamaConfig(**_common(attention_dropout=0.5))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="multihead")
+    spy = Spy(monkeypatch)
+    ids, am = left_padded()
+    model.eval()
+    with torch.no_grad():
+        clean = model(input_ids=ids, attention_mask=am).logits
+        model.train()
+        torch.manual_seed(5)
+        first = model(input_ids=ids, attention_mask=am).logits
+        torch.manual_seed(5)
+        again = model(input_ids=ids, attention_mask=am).logits
+    assert [c["dropout_p"] for c in spy.calls] == [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]
+    assert torch.equal(first, again)
+    assert not torch.allclose(first, clean)
+
+
+# ----------------------------------------------------------------------- dense 4-D masks (a user's)
+def _causal_padded_4d(am: torch.Tensor) -> torch.Tensor:
+    L = am.shape[1]
+    return (torch.ones(L, L, dtype=torch.bool).tril()[None] & am.bool()[:, None, :])[:, None]
+
+
+def test_dense_additive_mask_is_recognised(monkeypatch):
+    ids, am = left_padded()
+    allowed = _causal_padded_4d(am)
+    additive = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)  # HF's convention, not -inf
+    spy = Spy(monkeypatch)
+    x = out_of(run(model_pair("llama")[0], "multihead", input_ids=ids, attention_mask=additive))
+    assert spy.calls[0]["mask"] == masks.causal() & masks.key_padding(am.bool())
+    _, ref, base = three("llama", input_ids=ids, attention_mask=additive)
+    real = am.bool()
+    compare(x[real], out_of(ref)[real], out_of(base)[real], "logits (dense additive mask)")
+    # A bool 4-D mask means the same to multihead (True = attend; eager would add it).
+    y = out_of(run(model_pair("llama")[0], "multihead", input_ids=ids, attention_mask=allowed))
+    assert torch.equal(x[real], y[real])
+
+
+def test_dense_mask_without_structure_and_with_bias(monkeypatch):
+    ids, _ = left_padded()
+    g = torch.Generator().manual_seed(4)
+    allowed = torch.rand(3, 1, 11, 11, generator=g) < 0.6
+    allowed |= torch.eye(11, dtype=torch.bool)  # every query sees a key
+    additive = torch.where(allowed, 0.1 * torch.randn(3, 1, 11, 11, generator=g), torch.finfo(torch.float32).min)
+    spy = Spy(monkeypatch)
+    x, ref, base = (out_of(r) for r in three("llama", input_ids=ids, attention_mask=additive))
+    assert isinstance(spy.calls[0]["mask"], masks.TensorMask)
+    assert spy.calls[0]["score_mod"] is not None  # the non-zero entries are a bias
+    compare(x, ref, base, "logits (dense mask with a bias)")
+
+
+@pytest.mark.parametrize("case", ["causal", "causal_br", "window", "window_tl", "pad", "pad_left", "documents",
+                                  "bidirectional_window", "none", "random"])
+def test_recognise(case):
+    Lq, Lk, B = (5, 9, 2) if case in ("causal_br", "window") else (8, 8, 2)
+    lengths = torch.tensor([Lk, Lk - 3])
+    left = torch.ones(B, Lk, dtype=torch.bool)
+    left[1, :2] = False
+    expected = {
+        "causal": masks.causal(), "causal_br": masks.causal() & masks.key_padding(lengths),
+        "window": masks.sliding_window(2), "window_tl": masks.sliding_window(3, align="top_left") & masks.key_padding(left),
+        "pad": masks.key_padding(lengths), "pad_left": masks.key_padding(left),
+        "documents": masks.causal() & masks.document(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])),
+        "bidirectional_window": masks.sliding_window(2, 2), "none": None, "random": "random",
+    }[case]
+    if expected == "random":
+        allowed = torch.rand(B, 1, Lq, Lk, generator=torch.Generator().manual_seed(0)) < 0.5
+        assert isinstance(recognise(allowed), masks.TensorMask)
+        return
+    allowed = torch.ones(B, 1, Lq, Lk, dtype=torch.bool) if expected is None else \
+        expected.materialize(B, 1, Lq, Lk).expand(B, 1, Lq, Lk)
+    got = recognise(allowed)
+    if expected is None:
+        assert got is None
+        return
+    assert not isinstance(got, masks.TensorMask), f"{case}: structure not recognised"
+    assert torch.equal(got.materialize(B, 1, Lq, Lk).expand(B, 1, Lq, Lk), allowed)
+
+
+def test_dense_refuses_integer_masks():
+    with pytest.raises(TypeError, match="bool .* or additive float"):
+        from_dense(torch.ones(1, 1, 3, 3, dtype=torch.long), 3)
+
+
+# ----------------------------------------------- every HF mask factory, against HF's own bool mask
+def _factories():
+    from transformers import masking_utils as mu
+
+    lp = torch.tensor([0, 2])
+    blocks = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1, 2, 2, 2, 2, -1, -1], [0, 0, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 3, 3]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3], list(range(14))])
+    packed = mu.find_packed_sequence_indices(pos)
+
+    def user_fn(b, h, q, kv):  # a model's own closure: read densely
+        return (q + kv) % 3 != 0
+
+    return {
+        "causal": mu.causal_mask_function,
+        "bidirectional": mu.bidirectional_mask_function,
+        "sliding": mu.sliding_window_causal_mask_function(3),
+        "sliding_bidirectional": mu.sliding_window_bidirectional_mask_function(2),
+        "chunked": mu.chunked_causal_mask_function(4, lp),
+        "packed": mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(3), pos, packed),
+        "blockwise": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks)),
+        "user_or": mu.or_masks(mu.causal_mask_function, user_fn),
+        "user_and": mu.and_masks(mu.sliding_window_causal_mask_function(4), user_fn),
+    }
+
+
+@pytest.mark.parametrize("name", list(_factories()))
+@pytest.mark.parametrize("frame", [(14, 14, 0, 0), (1, 14, 13, 0), (3, 14, 11, 0), (4, 14, 2, 0), (2, 5, 12, 9)],
+                         ids=["prefill", "decode", "chunk", "static", "window_cache"])
+@pytest.mark.parametrize("padding", [False, True])
+def test_mask_function_equals_hf(name, frame, padding):
+    from transformers.masking_utils import sdpa_mask
+
+    fn = _factories()[name]
+    Lq, Lk, q_offset, kv_offset = frame
+    if name == "packed" and frame != (14, 14, 0, 0):
+        pytest.skip("HF builds packed masks only without a cache (q_offset = kv_offset = 0)")
+    am = None
+    if padding:
+        am = torch.ones(2, 14, dtype=torch.bool)
+        am[1, :3] = False
+    expected = sdpa_mask(batch_size=2, q_length=Lq, kv_length=Lk, q_offset=q_offset, kv_offset=kv_offset,
+                         mask_function=fn, attention_mask=am, allow_is_causal_skip=False, use_vmap=True)
+    got = from_mask_function(fn, batch_size=2, q_length=Lq, kv_length=Lk, q_offset=q_offset, kv_offset=kv_offset,
+                             attention_mask=am, use_vmap=True)
+    if got is None:
+        assert expected is None or bool(expected.all())
+        return
+    assert torch.equal(got.materialize(2, 1, Lq, Lk).expand(2, 1, Lq, Lk), expected.expand(2, 1, Lq, Lk)), \
+        f"{name} {frame}: {got!r}"
+    if not name.startswith("user"):  # HF's own factories become structure, never a dense tensor
+        assert "tensor" not in got.kinds(), f"{name}: read densely: {got!r}"
