@@ -498,3 +498,17 @@ def test_mask_function_equals_hf(name, frame, padding):
         f"{name} {frame}: {got!r}"
     if not name.startswith("user"):  # HF's own factories become structure, never a dense tensor
         assert "tensor" not in got.kinds(), f"{name}: read densely: {got!r}"
+
+
+def test_the_docs_usage_runs():
+    from pathlib import Path
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S)
+    namespace: dict = {}
+    exec(compile(block.group(1), "docs/integrations.md", "exec"), namespace)
+    model = namespace["model"]
+    assert model.config._attn_implementation == "multihead"
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
