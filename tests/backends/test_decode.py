@@ -134,9 +134,18 @@ def test_chunk_boundaries(Lk, mask_kind, small_chunks):
         _check(q, k, v, mask, dtype, what=f"{mask_kind} Lk={Lk}")
 
 
-@pytest.mark.parametrize("Lk", [8191, 8192, 8193])
-def test_default_chunk_size_boundaries(Lk):
-    q, k, v, _ = _inputs(1, 4, 1, 1, Lk, 5)
+@pytest.mark.parametrize("Lk", [19, 20, 21, 41])
+def test_default_chunks_bound_the_scores(Lk, monkeypatch):
+    """Without a chunk_size, a chunk holds at most SCORES_PER_CHUNK scores (B·Hq·Lq rows x keys)."""
+    import multihead.backends.decode as decode
+
+    B, Hq, Lq = 2, 4, 3
+    monkeypatch.setattr(decode, "SCORES_PER_CHUNK", B * Hq * Lq * 20)
+    monkeypatch.setattr(decode, "_MIN_CHUNK", 1)
+    q, k, v, _ = _inputs(B, Hq, 1, Lq, Lk, 5)
+    chunks = -(-Lk // 20)
+    report = str(mh.explain(q, k, v, mask=mh.causal(), backend="decode"))
+    assert (f"in {chunks} chunks of <= 20" in report) == (chunks > 1), report
     _check(q, k, v, mh.causal(), torch.float32, what=f"Lk={Lk}")
 
 

@@ -24,9 +24,9 @@ Which keys are read (``n`` above), decided once per call in :class:`_Plan`:
   custom): evaluated on the rows of this call only, then the keys from the first to the last
   visible column are read (a static cache of ``S`` slots holding ``n`` tokens reads ``n`` keys).
 
-Long key ranges are split into chunks of ``chunk_size`` keys (split-K, as flash-decoding does):
-each chunk's scores stay in cache between the two matmuls, and the partial results are joined
-by their log-sum-exp (:func:`multihead.merge_partials`).
+Long key ranges with many query rows are split into chunks (split-K, as flash-decoding does) so
+that the scores of a chunk stay within :data:`SCORES_PER_CHUNK` elements; the partial results
+are joined by their log-sum-exp (:func:`multihead.merge_partials`).
 
 Contract (:mod:`multihead.conventions`): fully masked rows give output 0 and LSE ``-inf``; the
 LSE is returned from the same pass. A NaN or inf in a key or value that no query may see: keys
@@ -35,8 +35,9 @@ outside the range read are never touched; inside it, a blocked key's score is re
 ``P V``, which :func:`multihead.nonfinite.apply_policy` catches after the call (one rerun on
 cleaned inputs, only when it happens). With autograd, keys no query sees are zeroed first, since
 ``dQ = dS K`` would compute ``0 · NaN``. Under ``torch.compile`` there is no host
-synchronisation: every key is read with the mask evaluated on it, and (as for every backend,
-``nonfinite.py``) no policy runs, so unused cache slots must hold finite values (zeros).
+synchronisation: every key is read, with the mask evaluated on it, and no policy runs
+(``nonfinite.py``), so unused cache slots must hold finite values (zeros). (``sdpa`` zeroes
+unseen keys there instead: one more pass over K/V, which a memory-bound step cannot afford.)
 Score modifiers and dropout are refused (``sdpa``/``blocksparse`` run them).
 """
 
@@ -54,14 +55,17 @@ from multihead.masks import BlockState, Mask
 from multihead.merge import merge_partials
 from multihead.scoring import unseen_keys
 
-__all__ = ["DecodeBackend", "MAX_QUERIES", "AUTO_MAX_QUERIES", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["DecodeBackend", "MAX_QUERIES", "AUTO_MAX_QUERIES", "SCORES_PER_CHUNK"]
 
 #: The most query tokens a call may have: the scores of a chunk are ``B·Hq·Lq x chunk`` elements.
 MAX_QUERIES = 64
 #: ``auto`` takes this backend up to this many query tokens; measured (docs/performance.md).
 AUTO_MAX_QUERIES = 8
-#: Keys per chunk of the split-K loop; measured (docs/performance.md).
-DEFAULT_CHUNK_SIZE = 8192
+#: Score elements (``B·Hq·Lq`` rows x keys) per chunk of the split-K loop: 64 MiB of fp32. Chunks
+#: bound memory only: at one token the scores are ~2% of the K/V bytes, and each chunk adds a few
+#: parallel regions, which cost more than they save on a shared machine (docs/performance.md).
+SCORES_PER_CHUNK = 1 << 24
+_MIN_CHUNK = 1024
 # Mask kinds whose key_range and block_state are answered from a few integers (no data read).
 _STRUCTURAL = frozenset({"band", "key_padding"})
 
@@ -76,10 +80,17 @@ class DecodeBackend(Backend):
         masks="every mask, as a row mask over the keys each call reads (bands and key padding by their key range)",
     )
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"DecodeBackend: chunk_size must be a positive int (keys per chunk), got {chunk_size!r}")
+    def __init__(self, chunk_size: int | None = None):
+        """``chunk_size``: keys per chunk; ``None``: as many as keep a chunk's scores within
+        :data:`SCORES_PER_CHUNK` elements (at least 1024 keys)."""
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"DecodeBackend: chunk_size must be a positive int (keys per chunk) or None, "
+                             f"got {chunk_size!r}")
         self.chunk_size = chunk_size
+
+    def _chunk(self, call: AttentionCall) -> int:
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        return self.chunk_size or max(_MIN_CHUNK, SCORES_PER_CHUNK // (B * Hq * Lq))
 
     # ------------------------------------------------------------------------------- dispatch
     def refusals(self, call: AttentionCall) -> list[str]:
@@ -101,7 +112,7 @@ class DecodeBackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        plan = _Plan(call, self.chunk_size)
+        plan = _Plan(call)
         G = Hq // plan.kv_heads
         lines = []
         if plan.kv_heads != Hkv:
@@ -111,9 +122,10 @@ class DecodeBackend(Backend):
         lines.append(plan.note.format(mask=call.mask._describe()) if call.mask is not None else plan.note)
         n = plan.hi - plan.lo
         if n > 0:
-            chunks = -(-n // self.chunk_size)
+            step = self._chunk(call)
+            chunks = -(-n // step)
             lines.append(f"keys read: {n} of {Lk} ([{plan.lo}, {plan.hi}))"
-                         + (f" in {chunks} chunks of <= {self.chunk_size}, joined by log-sum-exp (merge_partials)"
+                         + (f" in {chunks} chunks of <= {step}, joined by log-sum-exp (merge_partials)"
                             if chunks > 1 else ""))
         precision = {torch.float16: "fp32 (inputs fp16; matmuls in fp16, scores upcast)",
                      torch.bfloat16: "fp32 (inputs bf16; matmuls in bf16, scores upcast)"}
@@ -124,7 +136,7 @@ class DecodeBackend(Backend):
     # ------------------------------------------------------------------------------- running
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        plan = _Plan(call, self.chunk_size)
+        plan = _Plan(call)
         kv_heads, G = plan.kv_heads, Hq // plan.kv_heads
         acc = softmax_dtype(call.q.dtype)
         half = acc != call.q.dtype  # fp16/bf16: matmuls in the input dtype, softmax in fp32
@@ -139,7 +151,7 @@ class DecodeBackend(Backend):
             # dQ = dS · K computes 0 · NaN for a blocked key holding NaN: zero keys no query sees.
             unseen = unseen_keys(~blocked.flatten(1, 2), kv_heads)  # (B|1, Hkv|1, n, 1)
             k = torch.where(unseen, torch.zeros((), dtype=k.dtype, device=k.device), k)
-        n, step = k.shape[2], self.chunk_size
+        n, step = k.shape[2], self._chunk(call)
         # Without autograd, each chunk runs on fused softmax/logsumexp passes; with it, a plain
         # softmax whose backward stays finite on fully masked rows (softmax's own gives NaN there).
         attend = _attend_with_grad if call.requires_grad else _attend
@@ -221,7 +233,7 @@ class _Plan:
     kv_heads: int
     note: str
 
-    def __init__(self, call: AttentionCall, chunk_size: int):
+    def __init__(self, call: AttentionCall):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         k, v = call.k, call.v
         self.kv_heads = Hkv
