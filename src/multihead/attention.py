@@ -127,9 +127,7 @@ def attention(
     chosen, _ = select_backend(call, backend)
     result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
     result, poisoned = apply_policy(call, result, chosen.forward)  # NaN/inf reach exactly the rows that read them
-    if key is not None and call.q is q and call.k is k and call.v is v and (call.mask is None or call.mask.by_value()) \
-            and plans.repeated(key):
-        # Validation changed nothing (no copy, no folded scale): calls like this one can skip it.
+    if key is not None and plans.worth_keeping(key, call, q, k, v):  # calls like this one skip the above
         plans.store(key, chosen.runner(call), finite_check(q, result.output))
     lse = result.lse
     q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)

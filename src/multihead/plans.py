@@ -19,8 +19,9 @@ it takes the whole path again.
 
 Never stored (the whole path runs every time): masks holding a tensor taken by identity rather
 than by content (:meth:`Mask.by_value`), inputs that validation would copy or change (a strided
-last dimension, a scale <= 0), empty calls, and anything under ``torch.compile`` (dynamo traces
-the whole path into its graph instead). Registering or removing a backend clears every plan; a
+last dimension, a scale <= 0), inputs that share their first address (``attention(x, x, x)``,
+a V that views K: :func:`worth_keeping`), empty calls, and anything under ``torch.compile``
+(dynamo traces the whole path into its graph instead). Registering or removing a backend clears every plan; a
 backend changed in place so that it refuses other calls (its ``capabilities`` replaced) must be
 registered again, or :func:`clear` called.
 """
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from multihead.masks import Mask
 
-__all__ = ["signature", "lookup", "repeated", "store", "clear", "MAX_PLANS"]
+__all__ = ["signature", "lookup", "worth_keeping", "repeated", "store", "clear", "MAX_PLANS"]
 
 #: At most this many signatures are kept; the oldest stored is dropped first.
 MAX_PLANS = 64
@@ -63,6 +64,23 @@ def signature(q, k, v, mask, scale, backend) -> tuple | None:
 
 #: ``lookup(key)``: the ``(runner, finite)`` pair stored for ``key``, or ``None``.
 lookup = _PLANS.get
+
+
+def worth_keeping(key: tuple, call, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a plan made from ``call`` (validated from ``q, k, v``) is safe for every call with
+    ``key``, and likely to be used: validation changed nothing (no copy of a strided last
+    dimension, no folded scale), the mask's value says all it means (:meth:`Mask.by_value`), no
+    two of ``q, k, v`` start at one address (a backend may decide on that: sdpa runs a V that is
+    K's first features as K itself, which a V of the same shape elsewhere must not inherit), and
+    the signature was met before (:func:`repeated`)."""
+    if call.q is not q or call.k is not k or call.v is not v:
+        return False
+    if call.mask is not None and not call.mask.by_value():
+        return False
+    pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if pq == pk or pq == pv or pk == pv:
+        return False
+    return repeated(key)
 
 
 def repeated(key: tuple) -> bool:

@@ -223,6 +223,28 @@ def test_a_mask_keeps_its_own_lengths_so_its_plan_stays_right():
     assert not torch.equal(mh.attention(q, k, v, mask=other), before)
 
 
+@pytest.mark.parametrize("first", ["view of k", "separate"])
+def test_a_value_viewing_the_keys_leaves_no_plan_for_a_separate_value(first):
+    """MLA passes V as the first Dv features of K, and sdpa may run such a V as K itself (no copy).
+    A separate V of the same shape and strides must never inherit that decision, nor the reverse."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, elsewhere = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(3))
+    views = {"view of k": k[..., :8], "separate": elsewhere[..., :8]}  # (1, 2, 12, 8), equal strides
+    order = [first] + [name for name in views if name != first]
+    plans.clear()
+    for name in order:
+        v = views[name]
+        for _ in range(3):
+            torch.testing.assert_close(mh.attention(q, k, v, mask=BAND).double(), _ref(q, k, v, mask=BAND),
+                                       rtol=1e-5, atol=1e-5)
+    key = plans.signature(q, k, views["separate"], BAND, None, "auto")
+    assert plans.lookup(key) is not None  # the separate V's plan, which serves the view as well
+    plans.clear()
+    for _ in range(3):
+        mh.attention(q, q, q)  # self-attention on one tensor: always the whole path
+    assert not plans._PLANS
+
+
 class _Doubling(Backend):
     """Serves everything, returning twice the sdpa output: shows which backend ran."""
 
