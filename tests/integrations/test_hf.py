@@ -26,8 +26,9 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face backend needs transformers (extra 'hf')")
 
-import multihead  # noqa: E402
 from helpers import assert_relative  # noqa: E402
+
+import multihead  # noqa: E402
 from multihead import masks  # noqa: E402
 from multihead.integrations import hf as mh_hf  # noqa: E402
 from multihead.integrations.hf_masks import from_dense, from_mask_function, recognise  # noqa: E402
@@ -117,7 +118,8 @@ def model_pair(arch: str):
     if arch not in _MODELS:
         torch.manual_seed(0)
         if arch == "bert":
-            config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2,
                                              num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                              attention_probs_dropout_prob=0.0)
             model = transformers.AutoModel.from_config(config, attn_implementation="eager")
@@ -195,7 +197,7 @@ def test_masks_arrive_as_objects_and_are_causal(arch, monkeypatch):
     for i, call in enumerate(spy.calls):
         mask = call["mask"]
         assert isinstance(mask, masks.Mask), f"layer {i}: mask {type(mask).__name__}, not a multihead mask object"
-        B, Hq, Lq, _ = call["q_shape"]
+        B, _, Lq, _ = call["q_shape"]
         Lk = call["k_shape"][2]
         assert call["k_shape"][1] == config.num_key_value_heads  # GQA passed as it is: no repeat_kv copies
         dense = mask.materialize(B, 1, Lq, Lk)
@@ -300,7 +302,7 @@ def test_output_attentions(arch):
     x, ref, base = three(arch, input_ids=ids, attention_mask=am, output_attentions=True)
     assert len(x.attentions) == 2
     real = am.bool()
-    for layer, (w, r, b) in enumerate(zip(x.attentions, ref.attentions, base.attentions)):
+    for layer, (w, r, b) in enumerate(zip(x.attentions, ref.attentions, base.attentions, strict=True)):
         assert w.shape == r.shape
         rows = real[:, None, :, None].expand_as(w)  # queries that are real tokens
         compare(w[rows], r[rows], b[rows], f"{arch} weights of layer {layer}")
@@ -423,7 +425,8 @@ def test_recognise(case):
     left[1, :2] = False
     expected = {
         "causal": masks.causal(), "causal_br": masks.causal() & masks.key_padding(lengths),
-        "window": masks.sliding_window(2), "window_tl": masks.sliding_window(3, align="top_left") & masks.key_padding(left),
+        "window": masks.sliding_window(2),
+        "window_tl": masks.sliding_window(3, align="top_left") & masks.key_padding(left),
         "pad": masks.key_padding(lengths), "pad_left": masks.key_padding(left),
         "documents": masks.causal() & masks.document(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])),
         "bidirectional_window": masks.sliding_window(2, 2), "none": None, "random": "random",
@@ -452,7 +455,8 @@ def _factories():
     from transformers import masking_utils as mu
 
     lp = torch.tensor([0, 2])
-    blocks = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1, 2, 2, 2, 2, -1, -1], [0, 0, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 3, 3]])
+    blocks = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1, 2, 2, 2, 2, -1, -1],
+                           [0, 0, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 3, 3]])
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3], list(range(14))])
     packed = mu.find_packed_sequence_indices(pos)
 
@@ -501,11 +505,11 @@ def test_mask_function_equals_hf(name, frame, padding):
 
 
 def test_the_docs_usage_runs():
-    from pathlib import Path
     import re
+    from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
-    block = re.search(r"```python\n(.*?)```", text, re.S)
+    block = re.search(r"```python\n(.*?)```", text, re.DOTALL)
     namespace: dict = {}
     exec(compile(block.group(1), "docs/integrations.md", "exec"), namespace)
     model = namespace["model"]

@@ -53,10 +53,12 @@ from torch import Tensor
 import multihead
 from multihead import scores
 from multihead.backends.registry import check_backend_name
-from multihead.integrations.hf_masks import from_dense, from_mask_function
-from multihead.masks import Mask, causal, sliding_window as sliding_window_mask
+from multihead.call import AttentionResult
+from multihead.integrations.hf_masks import MaskFunction, from_dense, from_mask_function
+from multihead.masks import Mask, causal
+from multihead.masks import sliding_window as sliding_window_mask
 
-__all__ = ["register", "unregister", "attention_forward", "mask_interface", "HFMask", "NAME"]
+__all__ = ["NAME", "HFMask", "attention_forward", "mask_interface", "register", "unregister"]
 
 NAME = "multihead"
 
@@ -99,15 +101,16 @@ class HFMask:
     def __init__(self, mask: Mask | None, shape: tuple[int, int, int, int]):
         self.mask, self.shape = mask, torch.Size(shape)  # (B, 1, Lq, Lk)
 
-    def contiguous(self) -> "HFMask":
+    def contiguous(self) -> HFMask:
         return self
 
     def __repr__(self) -> str:
         return f"HFMask(shape={tuple(self.shape)}, mask={self.mask!r})"
 
 
-def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-                   mask_function=None, attention_mask: Tensor | HFMask | None = None, use_vmap: bool = False,
+def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor = 0,
+                   kv_offset: int | Tensor = 0, mask_function: MaskFunction | None = None,
+                   attention_mask: Tensor | HFMask | None = None, use_vmap: bool = False,
                    device: torch.device | str = "cpu", **kwargs: Any) -> HFMask:
     """The mask function of the ``AttentionMaskInterface`` (the signature of HF's ``sdpa_mask``):
     HF's mask description -> an :class:`HFMask` holding the `multihead` mask object for
@@ -116,8 +119,10 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     needed: the mask object is never materialised."""
     if isinstance(attention_mask, HFMask):  # built ahead by generate() (static cache): already this call's
         return attention_mask
-    if mask_function is None:
-        from transformers.masking_utils import causal_mask_function as mask_function
+    if mask_function is None:  # HF's default
+        from transformers.masking_utils import causal_mask_function
+
+        mask_function = causal_mask_function
     mask = from_mask_function(mask_function, batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                               q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
                               use_vmap=use_vmap, device=device)
@@ -125,7 +130,7 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                      attention_mask: Mask | Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      attention_mask: HFMask | Mask | Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       sliding_window: int | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
                       *, backend: str = "auto", **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """The attention function of the ``AttentionInterface``.
@@ -145,7 +150,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         raise NotImplementedError("multihead: continuous batching's paged cache (cache=) is not supported; "
                                   "use generate() with its default DynamicCache or a StaticCache")
     Lk = key.shape[2]
-    score_mod: list = []
+    score_mod: list[scores.ScoreMod] = []
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         score_mod.append(scores.bias(position_bias[..., :Lk]))
@@ -167,11 +172,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     result = multihead.attention(query, key, value, mask=mask, score_mod=score_mod or None, softcap=softcap,
                                  sinks=s_aux, scale=scaling, dropout_p=float(dropout), return_weights=want_weights,
                                  backend=backend)
-    output, weights = (result.output, result.weights) if want_weights else (result, None)
+    output, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
     return output.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv), as HF's attention functions return
 
 
-def _mask_without_one(module, is_causal: bool | None, window: int | None) -> Mask | None:
+def _mask_without_one(module: torch.nn.Module, is_causal: bool | None, window: int | None) -> Mask | None:
     """No mask arrived: causal (bottom-right, so a decoding step sees its cache) when the module
     is causal, as HF's ``sdpa`` decides, with HF's window of ``w`` keys (``w - 1`` before)."""
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal

@@ -37,14 +37,18 @@ structure in it where it is there exactly.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from types import CodeType
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from multihead.masks import Band, Mask, as_mask, causal, document, key_padding, sliding_window
 
-__all__ = ["from_mask_function", "from_dense", "padding_mask"]
+__all__ = ["from_dense", "from_mask_function", "padding_mask", "recognise"]
+
+MaskFunction = Callable[..., Any]  # HF's mask_function(batch_idx, head_idx, q_idx, kv_idx) -> bool tensor
 
 
 class _Frame(NamedTuple):
@@ -77,9 +81,12 @@ class _BandSpec(NamedTuple):
     right: int | None
 
 
-def from_mask_function(mask_function: Callable, *, batch_size: int, q_length: int, kv_length: int,
-                       q_offset=0, kv_offset=0, attention_mask: Tensor | None = None, use_vmap: bool = False,
-                       device: torch.device | str = "cpu") -> Mask | None:
+_Part = _Full | _BandSpec | Mask  # what one closure reads as
+
+
+def from_mask_function(mask_function: MaskFunction, *, batch_size: int, q_length: int, kv_length: int,
+                       q_offset: int | Tensor = 0, kv_offset: int | Tensor = 0, attention_mask: Tensor | None = None,
+                       use_vmap: bool = False, device: torch.device | str = "cpu") -> Mask | None:
     """The `multihead` mask of HF's ``mask_function`` plus its 2-D padding ``attention_mask``
     ``(B, >= kv_offset + Lk)`` (``True`` = a real token), for a call of ``Lq = q_length`` queries
     and ``Lk = kv_length`` keys; ``None`` when nothing is blocked."""
@@ -112,10 +119,10 @@ def padding_mask(attention_mask: Tensor | None, kv_offset: int, kv_len: int) -> 
 
 
 # ------------------------------------------------------------------------- reading HF's closures
-_KINDS: dict | None = None
+_KINDS: dict[CodeType, str] | None = None
 
 
-def _kinds() -> dict:
+def _kinds() -> dict[CodeType, str]:
     """The code object of every closure ``transformers.masking_utils`` builds -> its kind (made
     once; a factory missing from the installed version is skipped, its closures read densely)."""
     global _KINDS
@@ -124,7 +131,7 @@ def _kinds() -> dict:
 
         t = torch.zeros(1, 1, dtype=torch.long)
         f = mu.causal_mask_function
-        makers = {
+        makers: dict[str, Callable[[], MaskFunction]] = {
             "and": lambda: mu.and_masks(f), "or": lambda: mu.or_masks(f),
             "causal": lambda: f, "full": lambda: mu.bidirectional_mask_function,
             "window": lambda: mu.sliding_window_overlay(1),
@@ -134,7 +141,7 @@ def _kinds() -> dict:
             "remap": lambda: mu.remap_positions_for_packed_sequence(f, t),
             "blocks": lambda: mu.blockwise_overlay(t),
         }
-        kinds = {}
+        kinds: dict[CodeType, str] = {}
         for kind, make in makers.items():
             try:
                 kinds[make().__code__] = kind
@@ -144,19 +151,24 @@ def _kinds() -> dict:
     return _KINDS
 
 
-def _closure(fn) -> dict:
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+def _kind_of(fn: object) -> str | None:
+    code = getattr(fn, "__code__", None)
+    return _kinds().get(code) if isinstance(code, CodeType) else None
 
 
-def _read(fn, frame: _Frame, packed: bool):
+def _closure(fn: MaskFunction) -> dict[str, Any]:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=True))
+
+
+def _read(fn: MaskFunction, frame: _Frame, packed: bool) -> _Part:
     """``fn`` as FULL, a ``_BandSpec`` or a ``Mask``; a closure not recognised becomes the bool
     tensor ``transformers`` itself evaluates (the meaning is kept, the structure is not)."""
-    kind = _kinds().get(getattr(fn, "__code__", None))
+    kind = _kind_of(fn)
     try:
         env = _closure(fn) if kind is not None else {}
         if kind == "and":
             parts = env["mask_functions"]
-            is_packed = any(_kinds().get(getattr(p, "__code__", None)) == "packed" for p in parts)
+            is_packed = any(_kind_of(p) == "packed" for p in parts)
             return _and([_read(p, frame, packed=is_packed) for p in parts], frame)
         if kind == "or":
             return _or([_read(p, frame, packed=False) for p in env["mask_functions"]], frame)
@@ -185,12 +197,12 @@ def _read(fn, frame: _Frame, packed: bool):
             inner = _read(env["mask_function"], frame, packed=False)
             if inner is FULL or isinstance(inner, _BandSpec):
                 return inner
-    except (KeyError, ValueError, TypeError):
+    except (KeyError, IndexError, ValueError, TypeError, RuntimeError):
         pass  # a closure of another shape than the one this version of the factory builds
     return _dense(fn, frame)
 
 
-def _and(parts: list, frame: _Frame):
+def _and(parts: list[_Part], frame: _Frame) -> _Part:
     bands = [p for p in parts if isinstance(p, _BandSpec)]
     masks = [p for p in parts if isinstance(p, Mask)]
     if bands:  # the intersection of bands that contain their aligned key is a band
@@ -200,45 +212,45 @@ def _and(parts: list, frame: _Frame):
         if not masks:
             return band
         masks.insert(0, _band(band, frame))
-    if not masks:
-        return FULL
-    return _combine(masks, "&")
+    return _combine(masks, "&") if masks else FULL
 
 
-def _or(parts: list, frame: _Frame):
-    if any(p is FULL for p in parts):
+def _or(parts: list[_Part], frame: _Frame) -> _Part:
+    if any(isinstance(p, _Full) for p in parts):
         return FULL
     bands = [p for p in parts if isinstance(p, _BandSpec)]
     masks = [p for p in parts if isinstance(p, Mask)]
     if bands:  # every band holds its aligned key, so their union is the widest band
-        band = _BandSpec(None if any(b.left is None for b in bands) else max(b.left for b in bands),
-                         None if any(b.right is None for b in bands) else max(b.right for b in bands))
+        lefts, rights = [b.left for b in bands], [b.right for b in bands]
+        band = _BandSpec(None if None in lefts else max(x for x in lefts if x is not None),
+                         None if None in rights else max(x for x in rights if x is not None))
+        if band.left is None and band.right is None:
+            return FULL
         if not masks:
             return band
         masks.insert(0, _band(band, frame))
     return _combine(masks, "|")
 
 
-def _combine(masks: list, op: str) -> Mask:
+def _combine(masks: list[Mask], op: str) -> Mask:
     out = masks[0]
     for m in masks[1:]:
         out = out & m if op == "&" else out | m
     return out
 
 
-def _finish(part, frame: _Frame) -> Mask | None:
-    if part is FULL:
+def _finish(part: _Part, frame: _Frame) -> Mask | None:
+    if isinstance(part, _Full):
         return None
     return _band(part, frame) if isinstance(part, _BandSpec) else part
 
 
-def _band(spec: _BandSpec, frame: _Frame) -> Mask | None:
-    """The band ``spec`` at HF's positions: key ``j`` lines up with query ``i`` when
-    ``j + kv_offset == i + q_offset``."""
-    if spec.left is None and spec.right is None:
-        return None
+def _band(spec: _BandSpec, frame: _Frame) -> Mask:
+    """The band ``spec`` (not unbounded on both sides) at HF's positions: key ``j`` lines up with
+    query ``i`` when ``j + kv_offset == i + q_offset``."""
     d = frame.q_offset - frame.kv_offset
     align = "bottom_right" if d == frame.kv_len - frame.q_len else "top_left"
+    band: Mask
     if spec.right == 0 and spec.left is None:
         band = causal(align)
     elif spec.left is not None:
@@ -280,7 +292,7 @@ def _chunks(chunk_size: int, left_padding: Tensor, frame: _Frame) -> Mask:
                     torch.div(kv_pos - lp, chunk_size, rounding_mode="floor"))
 
 
-def _dense(fn, frame: _Frame) -> Mask:
+def _dense(fn: MaskFunction, frame: _Frame) -> Mask:
     """A closure we do not know, evaluated by ``transformers`` itself: ``(B, 1, Lq, Lk)`` bool."""
     from transformers.masking_utils import sdpa_mask
 
@@ -288,7 +300,11 @@ def _dense(fn, frame: _Frame) -> Mask:
                       q_offset=frame.q_offset, kv_offset=frame.kv_offset, mask_function=fn, attention_mask=None,
                       allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=frame.use_vmap,
                       device=frame.device)
-    return as_mask(table.contiguous(), name=f"hf:{getattr(fn, '__qualname__', 'mask_function')}")
+    if table is None:  # "nothing blocked" (not expected: both of HF's skips are off)
+        table = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=frame.device)
+    mask = as_mask(table.contiguous(), name=f"hf:{getattr(fn, '__qualname__', 'mask_function')}")
+    assert mask is not None  # a tensor in, a mask out
+    return mask
 
 
 # ------------------------------------------------------------------------------ dense 4-D masks
@@ -333,10 +349,10 @@ def recognise(allowed: Tensor) -> Mask | None:
     pad = None if bool(keys.all()) else _padding_of(keys)
     diagonal = torch.arange(Lk, device=rows.device)[None, :] - torch.arange(Lq, device=rows.device)[:, None]
     present = diagonal[seen]
-    candidates = []
+    candidates: list[Mask | None] = []
     if present.numel():
-        band = _band_of(int(present.min()), int(present.max()), Lq, Lk)
-        if band is not False:
+        found, band = _band_of(int(present.min()), int(present.max()), Lq, Lk)
+        if found:
             candidates.append(band)
             if Lq == Lk:  # packed documents: each row's first visible key starts its document
                 first = torch.where(rows.any(dim=-1), rows.int().argmax(dim=-1), torch.arange(Lq, device=rows.device))
@@ -357,21 +373,21 @@ def _padding_of(keys: Tensor) -> Mask:
     return key_padding(keys)
 
 
-def _band_of(lo: int, hi: int, Lq: int, Lk: int):
-    """The band whose diagonals ``j - i`` run from ``lo`` to ``hi``; ``None`` for all of them,
-    ``False`` when no band holds its aligned diagonal."""
+def _band_of(lo: int, hi: int, Lq: int, Lk: int) -> tuple[bool, Mask | None]:
+    """``(found, band)``: the band whose diagonals ``j - i`` run from ``lo`` to ``hi`` (``None``
+    for all of them); not found when no band holds its aligned diagonal."""
     left_open, right_open = lo <= -(Lq - 1), hi >= Lk - 1
     if left_open and right_open:
-        return None
+        return True, None
     for align, off in (("bottom_right", Lk - Lq), ("top_left", 0)):
         if lo <= off <= hi:
             left, right = None if left_open else off - lo, None if right_open else hi - off
             if left is None:
-                return causal(align) if right == 0 else Band(None, right, align)
-            return sliding_window(left, right, align)
-    return False
+                return True, (causal(align) if right == 0 else Band(None, right, align))
+            return True, sliding_window(left, right, align)
+    return False, None
 
 
-def _and_all(parts: list) -> Mask | None:
-    parts = [p for p in parts if p is not None]
-    return _combine(parts, "&") if parts else None
+def _and_all(parts: list[Mask | None]) -> Mask | None:
+    present = [p for p in parts if p is not None]
+    return _combine(present, "&") if present else None
