@@ -471,6 +471,7 @@ def _factories():
         "chunked": mu.chunked_causal_mask_function(4, lp),
         "packed": mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(3), pos, packed),
         "blockwise": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks)),
+        "or_full": mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay(3)),  # nothing blocked
         "user_or": mu.or_masks(mu.causal_mask_function, user_fn),
         "user_and": mu.and_masks(mu.sliding_window_causal_mask_function(4), user_fn),
     }
