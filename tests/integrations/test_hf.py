@@ -74,6 +74,8 @@ def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.
     s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    if kwargs.get("position_bias") is not None:  # T5
+        s = s + kwargs["position_bias"][..., :k.shape[2]].double()
     if attention_mask is None:
         allowed = torch.ones_like(s, dtype=torch.bool)
     elif attention_mask.dtype == torch.bool:
@@ -380,6 +382,28 @@ def test_dropout_in_training(monkeypatch):
     assert [c["dropout_p"] for c in spy.calls] == [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]
     assert torch.equal(first, again)
     assert not torch.allclose(first, clean)
+
+
+def test_encoder_decoder_position_bias():
+    """T5: a relative position_bias in every self-attention, bidirectional encoder masks with
+    padding, cross-attention masks over the encoder's keys, a causal decoder; and generate()."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+    m32 = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    m64 = copy.deepcopy(m32).double()
+    g = torch.Generator().manual_seed(6)
+    ids, dec = torch.randint(1, VOCAB, (2, 9), generator=g), torch.randint(1, VOCAB, (2, 5), generator=g)
+    am = torch.ones_like(ids)
+    am[1, 6:] = 0
+    inputs = {"input_ids": ids, "attention_mask": am, "decoder_input_ids": dec}
+    x, base, ref = run(m32, "multihead", **inputs), run(m32, "eager", **inputs), run(m64, "oracle64", **inputs)
+    compare(x.logits, ref.logits, base.logits, "t5 logits")
+    with torch.no_grad():
+        m32.set_attn_implementation("eager")
+        expected = m32.generate(input_ids=ids, attention_mask=am, max_new_tokens=6, do_sample=False)
+        m32.set_attn_implementation("multihead")
+        assert torch.equal(m32.generate(input_ids=ids, attention_mask=am, max_new_tokens=6, do_sample=False), expected)
 
 
 # ----------------------------------------------------------------------- dense 4-D masks (a user's)
