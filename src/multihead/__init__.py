@@ -31,7 +31,7 @@ _sys.modules[__name__ + ".compat"] = compat
 
 # Floor-4 packages (models, viz, demo) import optional dependencies; they load on first use so
 # that `import multihead` stays light: `multihead.models.SentenceEncoder` works after a plain import.
-_LAZY = ("models", "viz", "apps")
+_LAZY = ("models", "viz", "apps", "integrations")
 
 
 def __getattr__(name: str):
