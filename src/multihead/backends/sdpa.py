@@ -229,7 +229,8 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
         kept = ", built once for this mask value"
     kind = "bool" if dense.dtype == torch.bool else "additive"
     what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
-    note = f"{what}: materialized as a {kind} tensor of shape {tuple(dense.shape)} (last resort{kept})"
+    article = "an" if kind[0] in "aeiou" else "a"
+    note = f"{what}: materialized as {article} {kind} tensor of shape {tuple(dense.shape)} (last resort{kept})"
     prepared = (dense, empty_rows, unseen, shift, note)
     if cacheable:
         _MASKS[key] = prepared
