@@ -189,25 +189,39 @@ def test_a_call_that_fails_after_the_update_rolls_the_cache_back(kind):
     torch.testing.assert_close(rest, full[:, 5:], rtol=1e-12, atol=1e-12)
 
 
-def test_a_distance_score_mod_needs_a_cache_whose_slots_are_positions():
+def test_a_distance_score_mod_needs_slots_in_position_order():
+    """ALiBi decodes exactly through a static cache while its rows share one length (slots read in
+    order); once rows differ, the layer refuses it with the reason, and the cache is unchanged."""
     layer = _layer(2, score_mod=mh.positions.ALiBi(HQ))
+    x = _x(2, 7)
     cache = StaticKVCache(2, 8, 2, E // HQ, dtype=DT)
-    with pytest.raises(ValueError, match=r"reads query and key indices, which this cache's slots .* use DynamicKVCache"):
-        layer(_x(2, 3), kv_cache=cache)
-    assert cache.length == 0
+    with torch.no_grad():
+        out = _decode(layer, x, cache, [4, 1, 2])
+        torch.testing.assert_close(out, layer(x), rtol=1e-12, atol=1e-12)
+        cache.crop(torch.tensor([7, 5]))
+        with pytest.raises(ValueError, match=r"reads query and key indices, which this cache's slots .* use "
+                                             r"DynamicKVCache"):
+            layer(_x(2, 1), kv_cache=cache)
+    assert cache.lengths.tolist() == [7, 5]
 
 
 def test_need_weights_over_a_static_cache_hides_the_empty_slots():
+    """Rows of one length: weights over the filled slots. Rows that differ: weights over all
+    max_len slots, zero on the empty ones."""
     layer = _layer(2)
-    x = _x(1, 5)
-    cache = StaticKVCache(1, 9, 2, E // HQ, dtype=DT)
+    x = _x(2, 5)
+    cache = StaticKVCache(2, 9, 2, E // HQ, dtype=DT)
     with torch.no_grad():
         layer(x[:, :4], kv_cache=cache)
         _, weights = layer(x[:, 4:], kv_cache=cache, need_weights=True)
         _, full = layer(x, need_weights=True)
-    assert weights.shape == (1, HQ, 1, 9)
-    torch.testing.assert_close(weights[..., :5], full[:, :, 4:], rtol=1e-12, atol=1e-12)
-    assert torch.all(weights[..., 5:] == 0)
+        assert weights.shape == (2, HQ, 1, 5)
+        torch.testing.assert_close(weights, full[:, :, 4:], rtol=1e-12, atol=1e-12)
+        cache.crop(torch.tensor([5, 3]))  # row 1 goes back to 3 tokens: its next token is x[1, 3]
+        _, weights = layer(torch.stack([_x(1, 1, seed=5)[0], x[1, 3:4]]), kv_cache=cache, need_weights=True)
+    assert weights.shape == (2, HQ, 1, 9)
+    torch.testing.assert_close(weights[1:, :, :, :4], full[1:, :, 3:4, :4], rtol=1e-12, atol=1e-12)
+    assert torch.all(weights[0, ..., 6:] == 0) and torch.all(weights[1, ..., 4:] == 0)
 
 
 def test_gradients_through_cached_steps_equal_the_full_forward():

@@ -10,7 +10,9 @@ query may not see, so causal and window masks align to each row's own length::
     row 0:  k0 k1 k2 x  .  .      row 1:  k0 x  .  .  .  .
 
 A decode step therefore has the same shapes whatever the lengths, with no ``.item()`` and no
-Python branch on data: compiled once, it never recompiles. The checks that need the lengths on
+Python branch on data: compiled once, it never recompiles. In eager mode, while every row has one
+length known on the host, a step reads only the filled slots in order (like a dynamic cache, with
+``causal()`` instead of a mask tensor); the result is the same. The checks that need the lengths on
 the host (writing past ``max_len``, positions that do not continue a row) run in eager mode and
 are skipped while compiling.
 
@@ -54,6 +56,9 @@ class StaticKVCache(KVCache):
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.keys.device)  # (B,)
         self.max_len = max_len
         self._undo: Tensor | None = None  # the lengths before the last update
+        # The lengths as host ints while eager code knows them (None: unknown, e.g. after compiled
+        # steps): an eager step with every row at one length reads only the filled slots, in order.
+        self._host: list[int] | None = [0] * batch_size
         self._slots = torch.arange(max_len, device=self.keys.device)  # (max_len,): slot j holds position j
 
     # ------------------------------------------------------------------------------ state
@@ -83,6 +88,12 @@ class StaticKVCache(KVCache):
         check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.values.shape[3], dtype=self.keys.dtype,
                  device=self.keys.device, held=self._held())
         new = k.shape[2]
+        if not torch.compiler.is_compiling() and positions is None:
+            if self._host is None:
+                self._host = self.lengths.tolist()  # one synchronisation, eager only
+            T = self._host[0]
+            if all(n == T for n in self._host) and T + new <= S:
+                return self._update_uniform(k, v, T, new)
         expected = self.next_positions(new)  # (B, new)
         if positions is None:
             positions = expected
@@ -98,14 +109,26 @@ class StaticKVCache(KVCache):
         self.values.scatter_(2, slots.expand(B, Hkv, new, self.values.shape[3]), v)
         self._undo = self.lengths.clone()
         self.lengths += new
+        self._host = None if torch.compiler.is_compiling() or self._host is None else [n + new for n in self._host]
         stored = torch.where(self._slots < self.lengths.view(-1, 1), self._slots, EMPTY_POSITION)  # (B, S)
         return CacheRead(self.keys, self.values, expected, stored)
+
+    def _update_uniform(self, k: Tensor, v: Tensor, T: int, new: int) -> CacheRead:
+        """Every row at length ``T`` (known on the host): write the slots ``T..T+new`` and read the
+        filled ones in order, like a dynamic cache (no mask tensor: ``causal()`` serves)."""
+        self.keys[:, :, T:T + new] = k
+        self.values[:, :, T:T + new] = v
+        self._undo = self.lengths.clone()
+        self.lengths += new
+        self._host = [T + new] * len(self._host)
+        positions = torch.arange(T, T + new, device=k.device)
+        return CacheRead(self.keys[:, :, :T + new], self.values[:, :, :T + new], positions)
 
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
         self.lengths.copy_(self._undo)
-        self._undo = None
+        self._undo, self._host = None, None
 
     def crop(self, length: int | Tensor) -> None:
         B = self.keys.shape[0]
@@ -116,7 +139,7 @@ class StaticKVCache(KVCache):
             raise ValueError(f"{type(self).__name__}.crop: length must not exceed the tokens stored per row "
                              f"{self.lengths.tolist()}, got {target.tolist()}")
         self.lengths.copy_(target)
-        self._undo = None
+        self._undo, self._host = None, None
 
     def reorder(self, indices: Tensor) -> None:
         B = self.keys.shape[0]
@@ -127,11 +150,11 @@ class StaticKVCache(KVCache):
         self.keys.copy_(self.keys.index_select(0, indices))
         self.values.copy_(self.values.index_select(0, indices))
         self.lengths.copy_(self.lengths.index_select(0, indices))
-        self._undo = None
+        self._undo, self._host = None, None
 
     def reset(self) -> None:
         self.lengths.zero_()
-        self._undo = None
+        self._undo, self._host = None, [0] * self.lengths.shape[0]
 
     def __repr__(self) -> str:
         return f"{self._held()[:-1]}, lengths={self.lengths.tolist()}, nbytes={self.nbytes})"

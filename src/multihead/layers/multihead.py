@@ -210,7 +210,8 @@ class MultiHeadAttention(nn.Module):
         elif kv_cache is None:
             Lk = dims(key, self.batch_first)[1]
             mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
-        if positions is not None:
+        given = positions is not None  # a cache continues its rows itself unless told where
+        if given:
             positions = check_positions(layer, positions, B, Lq, query.device)
         elif self.context_parallel is not None:
             positions = self.context_parallel.positions(Lq, query.device)  # (Lq,): this shard's global positions
@@ -232,7 +233,7 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is None:
             out, weights = self._attend(q, k, v, mask, score_mod, need_weights)  # (B, Lq, E)
         else:
-            read = kv_cache.update(k, v, positions)  # the cached keys and these, (B, Hkv, S, ·)
+            read = kv_cache.update(k, v, positions if given else None)  # the cached keys and these, (B, Hkv, S, ·)
             try:
                 mask, score_mod = self._cache_mask(read, mask, self._score_mods(score_mod), B, Lq)
                 out, weights = self._attend(q, read.keys, read.values, mask, score_mod, need_weights)
