@@ -8,6 +8,7 @@ The loss reads the output and the LSE (random weights), so the LSE's gradient pa
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -91,20 +92,25 @@ def loss_of(out, lse, gout, glse):
     return (out * gout).sum() + (lse.masked_fill(torch.isneginf(lse), 0).to(glse.dtype) * glse).sum()
 
 
-def sharded_run(fn, q, k, v, gout, glse, *, mask, layout, group=None, **kw):
-    """The sharded function on this rank's shards: ``(out, lse, dq, dk, dv)`` of this rank."""
+def sharded_run(fn, q, k, v, gout, glse, *, mask, layout, group=None, lse=True, **kw):
+    """The sharded function on this rank's shards: ``(out, lse, dq, dk, dv)`` of this rank.
+    ``lse=False``: called without ``return_lse`` (the loss reads the output only; lse is None)."""
     shard = lambda t: shard_sequence(t, layout=layout, dim=2, group=group)  # noqa: E731
     qs, ks, vs = (shard(t).detach().requires_grad_() for t in (q, k, v))
+    if not lse:
+        out = fn(qs, ks, vs, mask=mask, layout=layout, group=group, **kw)
+        return (out, None) + torch.autograd.grad((out * shard(gout)).sum(), (qs, ks, vs))
     res = fn(qs, ks, vs, mask=mask, layout=layout, return_lse=True, group=group, **kw)
     grads = torch.autograd.grad(loss_of(res.output, res.lse, shard(gout), shard(glse)), (qs, ks, vs))
     return (res.output, res.lse) + tuple(grads)
 
 
-def expected_run(q, k, v, gout, glse, *, mask, layout, group=None):
+def expected_run(q, k, v, gout, glse, *, mask, layout, group=None, lse=True):
     """Single-process attention over the whole sequence, cut into this rank's shard."""
     qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
     res = mh.attention(qf, kf, vf, mask=mask, return_lse=True)
-    grads = torch.autograd.grad(loss_of(res.output, res.lse, gout, glse), (qf, kf, vf))
+    loss = loss_of(res.output, res.lse, gout, glse) if lse else (res.output * gout).sum()
+    grads = torch.autograd.grad(loss, (qf, kf, vf))
     shard = lambda t: shard_sequence(t, layout=layout, dim=2, group=group)  # noqa: E731
     return tuple(shard(t) for t in (res.output, res.lse) + tuple(grads))
 
@@ -112,13 +118,16 @@ def expected_run(q, k, v, gout, glse, *, mask, layout, group=None):
 NAMES = ("output", "lse", "dq", "dk", "dv")
 
 
-def compare_fp64(fn, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=None, D=8, Dv=6, world=None, **kw):
+def compare_fp64(fn, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=None, D=8, Dv=6, world=None, lse=True,
+                 seed=0, **kw):
     Lk = Lq if Lk is None else Lk
-    q, k, v, gout, glse = inputs(B, Hq, Hkv, Lq, Lk, D, Dv, torch.float64)
+    q, k, v, gout, glse = inputs(B, Hq, Hkv, Lq, Lk, D, Dv, torch.float64, seed=seed)
     mask = make_mask(mask_kind, B, Lq, Lk)
-    got = sharded_run(fn, q, k, v, gout, glse, mask=mask, layout=layout, **kw)
-    want = expected_run(q, k, v, gout, glse, mask=mask, layout=layout)
+    got = sharded_run(fn, q, k, v, gout, glse, mask=mask, layout=layout, lse=lse, **kw)
+    want = expected_run(q, k, v, gout, glse, mask=mask, layout=layout, lse=lse)
     for name, x, y in zip(NAMES, got, want):
+        if x is None:  # the LSE of a call without return_lse
+            continue
         assert torch.isfinite(x).all() or name == "lse", f"{name}: non-finite values"
         assert not torch.isnan(x).any(), f"{name}: NaN"
         torch.testing.assert_close(x, y, msg=lambda m: f"{name} ({mask_kind}, {layout}): {m}")
@@ -155,6 +164,34 @@ for _layout in ("zigzag", "contiguous"):
         compare_fp64(ring_attention, mask_kind="window_small", layout=layout, B=1, Hq=3, Hkv=3)
     check(f"ring-{_layout}-mha-window")(_ring_mha)
 
+    # No LSE in the loss: its gradient reaches the backward as None, and with D == Dv the flash
+    # backward runs on the blocks as they are (no padded copies); D != Dv pads without the column.
+    for _kind, _d, _dv in (("causal", 8, 8), ("window_small", 8, 8), ("documents", 8, 6), ("padding", 8, 8),
+                           ("bool_tensor", 6, 8)):
+        def _ring_no_lse(rank, world, kind=_kind, layout=_layout, d=_d, dv=_dv):
+            compare_fp64(ring_attention, mask_kind=kind, layout=layout, D=d, Dv=dv, lse=False)
+        check(f"ring-{_layout}-{_kind}-D{_d}-Dv{_dv}-no-lse")(_ring_no_lse)
+
+    # A masked block's backward runs tile by tile of query rows (ring._TILE, 512): tiles of 5 rows
+    # here, so blocks split into several tiles, some fully visible, some hidden, a last short one.
+    for _kind in ("window_small", "window_two_sided", "documents", "causal_padding", "padding", "bool_tensor"):
+        def _ring_tiles(rank, world, kind=_kind, layout=_layout):
+            with small_tiles(5):
+                compare_fp64(ring_attention, mask_kind=kind, layout=layout, Lq=2 * L, Lk=2 * L)
+                compare_fp64(ring_attention, mask_kind=kind, layout=layout, Lq=2 * L, Lk=2 * L, lse=False, D=8, Dv=8)
+        check(f"ring-{_layout}-{_kind}-backward-tiles")(_ring_tiles)
+
+
+@contextlib.contextmanager
+def small_tiles(rows: int):
+    from multihead.distributed import ring
+
+    saved, ring._TILE = ring._TILE, rows
+    try:
+        yield
+    finally:
+        ring._TILE = saved
+
 
 # ------------------------------------------------------------------------------------ ulysses, fp64
 ULYSSES_MASKS = ("none", "causal", "window_small", "documents", "padding", "causal_padding", "bool_tensor")
@@ -168,6 +205,11 @@ for _layout in ("zigzag", "contiguous"):
     def _ulysses_replicated(rank, world, layout=_layout):  # Hkv = 1 < P: the KV head is replicated
         compare_fp64(ulysses_attention, mask_kind="causal", layout=layout, Hq=2 * world, Hkv=1)
     check(f"ulysses-{_layout}-mqa-replicated")(_ulysses_replicated)
+
+    def _ulysses_no_lse(rank, world, layout=_layout):  # the local call without return_lse
+        for kind in ("causal", "documents", "padding"):
+            compare_fp64(ulysses_attention, mask_kind=kind, layout=layout, Hq=2 * world, Hkv=world, lse=False)
+    check(f"ulysses-{_layout}-no-lse")(_ulysses_no_lse)
 
 
 @check("ulysses-head-dependent-masks")
@@ -440,3 +482,35 @@ def _layer(rank, world):
             torch.testing.assert_close(g, w, msg=lambda m: f"layer {method} {name}: {m}")
         window = masks.sliding_window(5)  # a call mask: the whole sequence's, combined with causal
         torch.testing.assert_close(sharded(xs, mask=window), cp.shard(layer(x, mask=window).detach(), dim=1))
+
+
+# ------------------------------------------------------------------------------------ memory
+@check("ring-memory-per-rank")
+def _ring_memory(rank, world):
+    """What one rank allocates scales with its shard, not with the whole sequence: in units of one
+    shard of q (``u = B·H·S·D`` elements), the forward holds at most its output (1), two K/V
+    shards in flight (4: the one computed on and the next arriving) and one block's output (1);
+    forward+backward at most the output (1), dq, dk, dv (3), two K/V shards (4), the gradients of
+    the keys held now, of those sent one step ago and of this rank's keys arriving (6) and one
+    block's kernel gradients (3). A copy of a whole shard (packing K/V, padded copies, a merge
+    out of place) breaks these bounds; so do sent gradients kept until the end of the ring, from
+    eight ranks on (the slow tier)."""
+    from multihead.distributed.memory import TensorMemory
+
+    B, H, D, Lw = 1, 4, 32, 384  # 384 splits into zigzag chunks over 2, 3 and 4 ranks
+    q, k, v, gout, _ = inputs(B, H, H, Lw, Lw, D, D, torch.float64, seed=2)
+    unit = B * H * (Lw // world) * D * 8  # bytes of one shard of q
+    small = 0.5 * unit  # LSE-sized tensors (u / D each) and the merge's row weights
+    for layout in ("zigzag", "contiguous"):
+        # contiguous shards: a strided k or v costs one more copy of it, to send
+        qs, ks, vs = (shard_sequence(t, layout=layout).contiguous().requires_grad_() for t in (q, k, v))
+        grad = shard_sequence(gout, layout=layout)
+        with TensorMemory() as memory:
+            out = ring_attention(qs, ks, vs, mask=masks.causal(), layout=layout)
+            forward = memory.peak
+            out.backward(grad)
+        assert forward <= 6 * unit + small, f"{layout}: forward peak {forward / unit:.2f} shards of q, expected <= 6.5"
+        assert memory.peak <= 17 * unit + small, \
+            f"{layout}: forward+backward peak {memory.peak / unit:.2f} shards of q, expected <= 17.5; " \
+            f"alive then: {memory.at_peak(12)}"
+        assert forward >= unit, "the meter saw less than the output itself: it measures nothing"

@@ -5,20 +5,28 @@ of a sequence of ``Lq = P·Sq`` queries and ``Lk = P·Sk`` keys, in the ``zigzag
 ``contiguous`` layout (:mod:`multihead.distributed.layout`). At step ``s`` rank ``r`` attends to
 the keys of rank ``r - s``, received point to point while the previous step computes; each block
 is one :func:`multihead.attention` call with the global mask read at the block's absolute
-positions, and the partial results are joined by log-sum-exp (:func:`multihead.merge_partials`)
-in fp32 (fp64 for fp64 inputs). Which blocks are computed, skipped or joined is decided once by
-:func:`multihead.distributed.plan.plan_ring` from the mask's structure.
+positions, and the partial results are joined by log-sum-exp (the weights of
+:func:`multihead.merge_partials`, updated in place) in fp32 (fp64 for fp64 inputs). Which blocks
+are computed, skipped or joined is decided once by :func:`multihead.distributed.plan.plan_ring`
+from the mask's structure.
 
-Backward (the custom ``autograd.Function`` below) receives the K/V shards again, recomputes each
-block with :func:`multihead.attention` under autograd, and sends each block's ``dK``/``dV`` back to
-the rank that owns those keys. For a block with partial result ``(o_i, lse_i)`` inside the merged
-``(out, lse)``, with ``w_i = exp(lse_i - lse)``::
+Backward (the custom ``autograd.Function`` below) receives the K/V shards again, computes each
+block's share of the gradient against the *merged* output and LSE, and sends each block's
+``dK``/``dV`` back to the rank that owns those keys. On CPU that is PyTorch's flash backward given
+the merged ``(out, lse)``; elsewhere the block is recomputed with :func:`multihead.attention` under
+autograd and given the merge's gradients: for a block with partial result ``(o_i, lse_i)`` inside
+the merged ``(out, lse)``, with ``w_i = exp(lse_i - lse)``::
 
     dL/do_i   = w_i · dout
     dL/dlse_i = w_i · (rowsum(dout · (o_i - out)) + dlse)
 
 which is the derivative of :func:`~multihead.merge_partials`; the block's own backward (whatever
 backend runs it) takes it from there. Rows that see none of a block's keys have ``w_i = 0``.
+
+Memory per rank (``docs/distributed.md``, Measured): the merged output and LSE, one block's
+output, and the K/V in flight (this rank's shard as sent, the one computed on, the next one
+arriving); the backward adds ``dq``, ``dk``, ``dv``, the gradients of the keys held at a step, one
+sent gradient and one arriving. Nothing is of the whole sequence's size.
 """
 
 from __future__ import annotations
@@ -34,8 +42,7 @@ from multihead.distributed.checks import (Shards, agree, check_group, check_mask
                                           mask_fingerprint)
 from multihead.distributed.layout import check_divisible, check_layout, chunks_per_rank
 from multihead.distributed.plan import RingPlan, plan_ring
-from multihead.masks import Mask
-from multihead.merge import merge_partials
+from multihead.masks import BlockState, Mask
 
 __all__ = ["ring_attention"]
 
@@ -127,22 +134,19 @@ def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str) -> Ri
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, plan: RingPlan, scale: float, group, backend: str):
+        # An output the caller does not use reaches backward as None, not as zeros: an unused LSE
+        # then costs no padded column in the flash backward.
+        ctx.set_materialize_grads(False)
         acc = lse_dtype(q.dtype)
         B, Hq, Sq, _ = q.shape
-        D = k.shape[3]
         out = torch.zeros(B, Hq, Sq, v.shape[3], dtype=acc, device=q.device)  # (B, Hq, Sq, Dv), merged so far
         lse = torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device)  # (B, Hq, Sq)
-        own = _pack(k, v) if any(plan.send) else None  # (B, Hkv, Sk, D + Dv): one message per step
-        for s, held in _Rotation(plan, group, own, _pack_like(k, v)):
-            if not plan.calls[s]:
-                continue
-            kv_k, kv_v = (k, v) if s == 0 else (held[..., :D], held[..., D:])
-            for c in plan.calls[s]:
-                res = attention(q[:, :, c.q0:c.q1], kv_k[:, :, c.k0:c.k1], kv_v[:, :, c.k0:c.k1], mask=c.mask,
-                                scale=scale, return_lse=True, backend=backend)
-                o, l = merge_partials([out[:, :, c.q0:c.q1], res.output.to(acc)], [lse[:, :, c.q0:c.q1], res.lse])
-                out[:, :, c.q0:c.q1] = o
-                lse[:, :, c.q0:c.q1] = l
+        own = (k.contiguous(), v.contiguous()) if any(plan.send) else None  # what travels: no copy when dense
+        for s, held in _Rotation(plan, group, own, _buffers_like(k, v)):
+            if plan.calls[s]:
+                _step_forward(plan.calls[s], q, *((k, v) if s == 0 else held), out, lse, scale, backend)
+            if held is not None:
+                held.clear()  # freed before the shard after next arrives
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.mask, ctx.scale, ctx.group, ctx.backend = plan, mask, scale, group, backend
         return out.to(q.dtype), lse
@@ -152,29 +156,60 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale, group, backend = ctx.plan, ctx.scale, ctx.group, ctx.backend
         acc = lse.dtype
-        D = k.shape[3]
         dout = torch.zeros_like(out) if dout is None else dout.to(acc)  # (B, Hq, Sq, Dv)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv_own = torch.zeros(k.shape[:3] + (D + v.shape[3],), dtype=acc, device=q.device)  # (B, Hkv, Sk, D + Dv)
-        own = _pack(k, v) if any(plan.send) else None
+        dkv_own = [torch.zeros(k.shape, dtype=acc, device=q.device),  # (B, Hkv, Sk, D)
+                   torch.zeros(v.shape, dtype=acc, device=q.device)]  # (B, Hkv, Sk, Dv)
+        own = (k.contiguous(), v.contiguous()) if any(plan.send) else None
         returns = _GradientReturn(plan, group, dkv_own)
-        for s, held in _Rotation(plan, group, own, _pack_like(k, v)):
+        for s, held in _Rotation(plan, group, own, _buffers_like(k, v)):
             dkv = None
             if plan.calls[s]:
-                kv_k, kv_v = (k, v) if s == 0 else (held[..., :D], held[..., D:])
-                dkv = dkv_own if s == 0 else torch.zeros_like(dkv_own)  # gradients of the keys held at step s
-            for c in plan.calls[s]:
-                rows = slice(c.q0, c.q1)
-                gq, gk, gv = _block_backward(q[:, :, rows], kv_k[:, :, c.k0:c.k1], kv_v[:, :, c.k0:c.k1], c.mask, scale,
-                                             backend, out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
-                                             None if dlse is None else dlse[:, :, rows])
-                dq[:, :, rows] += gq
-                dkv[:, :, c.k0:c.k1, :D] += gk
-                dkv[:, :, c.k0:c.k1, D:] += gv
+                # gradients of the keys held at step s
+                dkv = dkv_own if s == 0 else [torch.zeros_like(dkv_own[0]), torch.zeros_like(dkv_own[1])]
+                _step_backward(plan.calls[s], q, *((k, v) if s == 0 else held), dq, *dkv, out, lse, dout, dlse,
+                               scale, backend)
+            if held is not None:
+                held.clear()  # these keys are done with: freed before the gradients travel
             if s > 0:
                 returns.exchange(s, dkv)  # back to the owner of these keys, rank r - s
         returns.finish()
-        return dq.to(q.dtype), dkv_own[..., :D].to(k.dtype), dkv_own[..., D:].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None, None, None, None, None
+
+
+def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
+    """``(out, lse) <- merge_partials([out, part], [lse, part_lse])``, written into ``out`` and
+    ``lse`` (views of the merged result) with no temporary of ``out``'s size, so the forward's
+    peak is the merged result, one block's output and the K/V in flight. The same weights as
+    :func:`multihead.merge_partials` (``test_ring_pieces`` compares the two):
+    ``w = exp(lse_i - lse_new)``, exactly 0 for a part a row cannot see; a row that sees neither
+    keeps output 0 and LSE ``-inf``."""
+    new = torch.logaddexp(lse, part_lse.to(lse.dtype))  # (B, H, rows); -inf only where both are
+    safe = new.masked_fill(torch.isneginf(new), 0.0)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).addcmul_(part, torch.exp(part_lse - safe).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _step_forward(calls, q, k, v, out, lse, scale, backend) -> None:
+    """One step of the forward: each call's partial result merged into ``(out, lse)``, one at a time."""
+    for c in calls:
+        res = attention(q[:, :, c.q0:c.q1], k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1], mask=c.mask, scale=scale,
+                        return_lse=True, backend=backend)
+        _merge_into(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], res.output.to(out.dtype), res.lse)
+        del res  # before the next call's output exists
+
+
+def _step_backward(calls, q, k, v, dq, dk, dv, out, lse, dout, dlse, scale, backend) -> None:
+    """One step of the backward: each call's gradients added to ``dq`` (this rank's queries) and
+    ``dk, dv`` (the keys ``k, v`` held at this step)."""
+    for c in calls:
+        rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+        gq, gk, gv = _block_backward(q[:, :, rows], k[:, :, keys], v[:, :, keys], c.mask, scale, backend,
+                                     out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
+                                     None if dlse is None else dlse[:, :, rows])
+        dq[:, :, rows] += gq
+        dk[:, :, keys] += gk
+        dv[:, :, keys] += gv
 
 
 def _block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
@@ -216,7 +251,9 @@ _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 def _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse):
     """The CPU flash backward of one block against the merged ``(out, lse)``.
 
-    The kernel wants one head size and equal head counts, and knows no LSE gradient, so::
+    The kernel takes strided views (the block's rows of ``q``, ``out``, ``dout``, ``lse`` are
+    passed as they are), but wants one head size and equal head counts, and knows no LSE
+    gradient. Where ``Dv != D`` or the LSE has a gradient, copies are padded::
 
         q, k  (B, H, ·, D)  -> padded with zeros to E       (scores unchanged)
         v     (B, H, ·, Dv) -> padded to E; with dlse, one column of 1s
@@ -224,35 +261,69 @@ def _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse):
         out   -> padded with 0s                               (Δ = rowsum(dout·out) unchanged)
 
     with ``E = max(D, Dv) (+1 with dlse)``; GQA K/V are repeated and their gradients summed per
-    group. Rows with no visible key anywhere (``lse = -inf``) get ``lse = +inf``: ``P = 0``."""
+    group. A causal diagonal runs as ``is_causal`` (no mask tensor). Rows with no visible key
+    anywhere (``lse = -inf``) get ``lse = +inf``: ``P = 0``."""
     B, Hq, rows, D = q.shape
     Hkv, keys, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     extra = dlse is not None
     E = max(D, Dv) + int(extra)
     dt = q.dtype
-    qp = _pad(q, E)
-    kp = _pad(k, E)
-    vp = _pad(v, E)
-    outp = _pad(out.to(dt), E)
-    doutp = _pad(dout.to(dt), E)
-    if extra:
-        vp[..., -1] = 1
-        doutp[..., -1] = dlse.to(dt)
+    out, dout = out.to(dt), dout.to(dt)
+    if E != D or E != Dv:
+        q, k, v, out, dout = _pad(q, E), _pad(k, E), _pad(v, E), _pad(out, E), _pad(dout, E)
+        if extra:
+            v[..., -1] = 1
+            dout[..., -1] = dlse.to(dt)
     if G > 1:  # (B, Hkv, keys, E) -> (B, Hq, keys, E): query head h reads KV head h // G
-        kp, vp = kp.repeat_interleave(G, dim=1), vp.repeat_interleave(G, dim=1)
-    glse = lse.masked_fill(torch.isneginf(lse), float("inf")).contiguous()
-    additive = None
-    if mask is not None:
-        allowed = mask.materialize(B, Hq, rows, keys, device=q.device)  # (B|1, Hq|1, rows, keys)
-        additive = torch.zeros(allowed.shape, dtype=dt, device=q.device).masked_fill_(~allowed, float("-inf"))
-    gq, gk, gv = _FLASH_BACKWARD(doutp.contiguous(), qp.contiguous(), kp.contiguous(), vp.contiguous(),
-                                 outp.contiguous(), glse, 0.0, False, attn_mask=additive, scale=scale)
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    glse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    q, k, v, out, dout = (_unit_stride(t) for t in (q, k, v, out, dout))
+    if mask is None or mask.causal_offset(rows, keys) == 0:
+        gq, gk, gv = _FLASH_BACKWARD(dout, q, k, v, out, glse, 0.0, mask is not None, scale=scale)
+    else:
+        gq, gk, gv = _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout)
     gq, gk, gv = gq[..., :D], gk[..., :D], gv[..., :Dv]
     if G > 1:
         gk = gk.reshape(B, Hkv, G, keys, D).sum(2)
         gv = gv.reshape(B, Hkv, G, keys, Dv).sum(2)
     return gq, gk, gv
+
+
+#: Query rows per kernel call of a masked block's backward: each tile reads only the keys its
+#: rows can see and a mask of that size, not the whole block (a window of 512 inside a shard of
+#: 4096 would otherwise compute, and materialize a mask for, all 4096 x 4096 pairs).
+_TILE = 512
+
+
+def _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout):
+    """The flash backward of a block under a (non-causal-diagonal) ``mask``, tile by tile of query
+    rows: keys outside ``mask.key_range`` of a tile are skipped, a tile that sees no key is skipped
+    (its rows' gradient from this block is 0), a fully visible tile runs with no mask."""
+    B, H, rows, _ = q.shape
+    keys = k.shape[2]
+    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r0 in range(0, rows, _TILE):
+        r1 = min(rows, r0 + _TILE)
+        lo, hi = mask.key_range(r0, r1, rows, keys)
+        state = BlockState.EMPTY if lo >= hi else mask.block_state(r0, r1, lo, hi, rows, keys, B, H)
+        if state is BlockState.EMPTY:
+            continue
+        additive = None
+        if state is BlockState.PARTIAL:
+            allowed = mask.materialize_block(B, H, r0, r1, rows, keys, q.device, lo, hi)  # (B|1, H|1, r, k)
+            additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        tq, tk, tv = _FLASH_BACKWARD(dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi],
+                                     out[:, :, r0:r1], glse[:, :, r0:r1], 0.0, False, attn_mask=additive, scale=scale)
+        gq[:, :, r0:r1] = tq
+        gk[:, :, lo:hi] += tk
+        gv[:, :, lo:hi] += tv
+    return gq, gk, gv
+
+
+def _unit_stride(x: Tensor) -> Tensor:
+    """The kernel reads any strides of the batch, head and position dims, the head dim densely."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _pad(x: Tensor, E: int) -> Tensor:
@@ -262,26 +333,25 @@ def _pad(x: Tensor, E: int) -> Tensor:
     return padded
 
 
-def _pack(k: Tensor, v: Tensor) -> Tensor:
-    return torch.cat([k, v], dim=-1).contiguous()  # (B, Hkv, Sk, D + Dv)
-
-
-def _pack_like(k: Tensor, v: Tensor):
-    shape = k.shape[:3] + (k.shape[3] + v.shape[3],)
-    return lambda: torch.empty(shape, dtype=k.dtype, device=k.device)
+def _buffers_like(k: Tensor, v: Tensor):
+    """Receive buffers for another rank's ``k (B, Hkv, Sk, D)`` and ``v (B, Hkv, Sk, Dv)``."""
+    return lambda: [torch.empty(k.shape, dtype=k.dtype, device=k.device),
+                    torch.empty(v.shape, dtype=v.dtype, device=v.device)]
 
 
 class _Rotation:
     """Iterate ``(s, keys held at step s)`` over step 0 and the plan's ``steps``, receiving the
     next step's shard (and sending this rank's to whoever needs it) while the current step computes.
 
-    At step ``s`` rank ``r`` receives from ``r - s`` and sends to ``r + s``, only where the plan
-    says the receiving side has a visible block. Every rank walks the same steps and posts its
-    messages at the same points, so each send meets its receive in order (``held`` is ``None``
-    at a step where this rank receives nothing)."""
+    At step ``s`` rank ``r`` receives ``(k, v)`` from ``r - s`` and sends its own to ``r + s``,
+    only where the plan says the receiving side has a visible block. Every rank walks the same
+    steps and posts its messages at the same points, so each send meets its receive in order
+    (``held`` is ``None`` at a step where this rank receives nothing). ``held`` is a list
+    ``[k, v]`` the caller may empty once done with it (the rotation keeps no other reference),
+    so at most two received shards are alive: the one computed on and the next one arriving."""
 
-    def __init__(self, plan: RingPlan, group, own: Tensor | None, new_buffer):
-        self.plan, self.group, self.own, self.new_buffer = plan, group, own, new_buffer
+    def __init__(self, plan: RingPlan, group, own: tuple[Tensor, Tensor] | None, new_buffers):
+        self.plan, self.group, self.own, self.new_buffers = plan, group, own, new_buffers
 
     def __iter__(self):
         steps = (0,) + self.plan.steps
@@ -290,9 +360,10 @@ class _Rotation:
         for i, s in enumerate(steps):
             held = None
             if s > 0:
-                held, work = pending
-                if work is not None:
+                held, works = pending
+                for work in works:
                     work.wait()
+                del works  # a finished receive keeps its buffer alive
                 pending = self._start(steps[i + 1], sends) if i + 1 < len(steps) else None
             yield s, held
         for w in sends:
@@ -300,48 +371,65 @@ class _Rotation:
 
     def _start(self, s: int, sends: list):
         P, r, plan = self.plan.world, self.plan.rank, self.plan
-        buffer, recv = None, None
+        buffers, works = None, []
         if plan.send[s]:
-            sends.append(dist.isend(self.own, _peer(self.group, (r + s) % P), self.group, tag=2 * s))
+            to = _peer(self.group, (r + s) % P)
+            sends += [dist.isend(t, to, self.group, tag=_tag(s, i)) for i, t in enumerate(self.own)]
         if plan.recv[s]:
-            buffer = self.new_buffer()
-            recv = dist.irecv(buffer, _peer(self.group, (r - s) % P), self.group, tag=2 * s)
-        return buffer, recv
+            buffers = self.new_buffers()
+            source = _peer(self.group, (r - s) % P)
+            works = [dist.irecv(t, source, self.group, tag=_tag(s, i)) for i, t in enumerate(buffers)]
+        return buffers, works
 
 
 class _GradientReturn:
-    """After step ``s`` of the backward: the gradient of the keys held at step ``s`` goes back to
-    their owner ``r - s``, and the gradient of this rank's keys comes back from ``r + s`` (posted
-    at the same point on both sides). Received gradients are added to ``dkv_own`` one step later
-    (overlapped with the next step) in step order: the same sum order on every run."""
+    """After step ``s`` of the backward: the gradients ``[dk, dv]`` of the keys held at step ``s``
+    go back to their owner ``r - s``, and those of this rank's keys come back from ``r + s``
+    (posted at the same point on both sides). Received gradients are added to ``dkv_own`` one step
+    later (overlapped with the next step) in step order: the same sum order on every run. A sent
+    gradient is released one step later too, so at most one is in flight whatever ``P``."""
 
-    def __init__(self, plan: RingPlan, group, dkv_own: Tensor):
+    def __init__(self, plan: RingPlan, group, dkv_own: list[Tensor]):
         self.plan, self.group, self.dkv_own = plan, group, dkv_own
-        self.sends: list = []
+        self.sent: list = []
         self.pending: tuple | None = None
 
-    def exchange(self, s: int, dkv: Tensor | None) -> None:
+    def exchange(self, s: int, dkv: list[Tensor] | None) -> None:
         P, r, plan = self.plan.world, self.plan.rank, self.plan
+        sent = []
         if plan.recv[s]:
-            self.sends.append((dkv, dist.isend(dkv, _peer(self.group, (r - s) % P), self.group, tag=2 * s + 1)))
+            to = _peer(self.group, (r - s) % P)
+            sent = [(g, dist.isend(g, to, self.group, tag=_tag(s, 2 + i))) for i, g in enumerate(dkv)]
         incoming = None
         if plan.send[s]:
-            buffer = torch.empty_like(self.dkv_own)
-            incoming = (buffer, dist.irecv(buffer, _peer(self.group, (r + s) % P), self.group, tag=2 * s + 1))
+            buffers = [torch.empty_like(g) for g in self.dkv_own]
+            source = _peer(self.group, (r + s) % P)
+            incoming = (buffers, [dist.irecv(g, source, self.group, tag=_tag(s, 2 + i)) for i, g in enumerate(buffers)])
+        self._release_sent()
         self._add_pending()
-        self.pending = incoming
+        self.sent, self.pending = sent, incoming
 
     def finish(self) -> None:
+        self._release_sent()
         self._add_pending()
-        for _, work in self.sends:
+
+    def _release_sent(self) -> None:
+        for _, work in self.sent:
             work.wait()
+        self.sent = []
 
     def _add_pending(self) -> None:
         if self.pending is not None:
-            buffer, work = self.pending
-            work.wait()
-            self.dkv_own += buffer
+            buffers, works = self.pending
+            for own, buffer, work in zip(self.dkv_own, buffers, works):
+                work.wait()
+                own += buffer
             self.pending = None
+
+
+def _tag(s: int, i: int) -> int:
+    """Message tags of step ``s``: ``k`` (0), ``v`` (1), their gradients ``dk`` (2) and ``dv`` (3)."""
+    return 4 * s + i
 
 
 def _peer(group, group_rank: int) -> int:

@@ -82,10 +82,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: Mask
     kh = _to_heads(k, group, natural)  # (B, Hkv/P or 1, L, D)
     vh = _to_heads(v, group, natural)  # (B, Hkv/P or 1, L, Dv)
     local_mask = _heads_of(mask, rank * (Hq // world), Hq // world, Hq)
-    res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=True, backend=backend)
-    out = _to_sequence(res.output, group, order if natural is not None else None)  # (B, Hq, S, Dv)
+    # The LSE only when asked for: under autograd a kernel without a differentiable LSE would
+    # have it recomputed from the weights (row blocks of scores: memory and time for nothing).
+    res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=return_lse, backend=backend)
     if not return_lse:
-        return out
+        return _to_sequence(res, group, order if natural is not None else None)  # (B, Hq, S, Dv)
+    out = _to_sequence(res.output, group, order if natural is not None else None)  # (B, Hq, S, Dv)
     lse = _to_sequence(res.lse.unsqueeze(-1), group, order if natural is not None else None).squeeze(-1)
     return AttentionResult(out, None, lse)  # lse (B, Hq, S)
 
