@@ -36,7 +36,8 @@ def start_method() -> str:
         return "spawn"
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first backward through a checkpoint imports it (seconds per process)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "multihead", "dist_checks"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "multihead", "dist_checks",
+                                "dist_checks_slow"])
     return "forkserver"
 
 
@@ -90,6 +91,7 @@ def _worker(rank: int, world: int, folder: str, names: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     import dist_checks
+    import dist_checks_slow  # noqa: F401 (registers the slow tier's checks)
 
     try:
         for name in names:

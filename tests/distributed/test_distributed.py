@@ -4,6 +4,10 @@
 Each world is started once per session (``dist_world.run_world``) and runs every check of
 ``dist_checks`` for it; each test below reads the result of one check on every rank. The whole
 default tier costs about 30 s on two cores, most of it computing, not starting processes.
+
+The slow tier (``pytest -m slow tests/distributed``; ``dist_checks_slow``) runs its own worlds
+of 2, 3, 4 and 8 processes: odd head dims, three batch rows, fp32 at longer lengths, seeded
+random cases, and the per-rank memory bound at eight ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_checks  # noqa: E402
+import dist_checks_slow  # noqa: E402
 from dist_world import report, run_world  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -28,7 +33,18 @@ WORLD_TIMEOUT = 300.0  # seconds for a whole world; a hang fails every check it 
 
 def names_for(world: int) -> list[str]:
     # Halving the world (error growth) needs an even world.
-    return [n for n in dist_checks.CHECKS if not (n == "ring-error-does-not-grow" and world % 2)]
+    return [n for n in dist_checks.CHECKS
+            if not n.startswith("slow-") and not (n == "ring-error-does-not-grow" and world % 2)]
+
+
+SLOW_WORLDS = (2, 3, 4, 8)
+SLOW_TIMEOUT = 900.0
+
+
+def slow_names_for(world: int) -> list[str]:
+    # Eight ranks: the memory bound also catches sent gradients kept until the end of the ring.
+    extra = ["ring-memory-per-rank"] if world == 8 else []
+    return [n for n in dist_checks.CHECKS if n.startswith("slow-")] + extra
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,5 +58,27 @@ CASES = [(w, n) for w in (2, 3, 4) for n in names_for(w)]
 @pytest.mark.parametrize("world,name", CASES, ids=[f"P{w}-{n}" for w, n in CASES])
 def test_sharded_equals_single_process(world, name):
     results = world_results(world)[name]
+    failures = report(results)
+    assert not failures, f"{name} failed in a world of {world}:\n{failures}"
+
+
+@functools.lru_cache(maxsize=None)
+def slow_world_results(world: int) -> dict:
+    return run_world(world, slow_names_for(world), timeout=SLOW_TIMEOUT)
+
+
+def _slow_id(world: int, name: str) -> str:
+    if name.startswith("slow-random-"):
+        return f"P{world}-{name}-{dist_checks_slow.describe(dist_checks_slow.random_case(int(name[-2:]), world))}"
+    return f"P{world}-{name}"
+
+
+SLOW_CASES = [(w, n) for w in SLOW_WORLDS for n in slow_names_for(w)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name", SLOW_CASES, ids=[_slow_id(w, n) for w, n in SLOW_CASES])
+def test_sharded_equals_single_process_slow(world, name):
+    results = slow_world_results(world)[name]
     failures = report(results)
     assert not failures, f"{name} failed in a world of {world}:\n{failures}"
