@@ -4,17 +4,22 @@ For each configuration a fresh world of ``P`` processes (``torch.multiprocessing
 file rendezvous) runs after a correctness check of its output against single-process
 :func:`multihead.attention` on rank 0. Per rank it records:
 
-* forward and forward+backward time (median of ``--reps``, after a warm-up), and the time
-  spent inside the block :func:`multihead.attention` calls of the forward (its compute, without
-  waiting for messages);
+* **memory**: the peak bytes of tensors alive at once during the forward, and during forward
+  and backward (:class:`multihead.distributed.memory.TensorMemory`: every storage an ATen op
+  creates, from its creation until it is freed; the inputs and the output gradient exist before
+  and are not counted), for one process and for each rank. Not ``ru_maxrss``: at these sizes the
+  resident size is mostly the allocator, gloo and the interpreter;
+* **time**: forward and forward+backward wall time (median of ``--reps``, after a warm-up), and
+  the **compute** of the forward's and the backward's block calls, as CPU time of the calling
+  thread (``time.thread_time``; each rank runs one thread, so this is the work done, whatever
+  else the machine runs and however long the rank waits for messages);
 * the pairs of queries and keys the plan scores (``RingPlan.elements``), the steps it walks and
-  the K/V messages it receives;
-* peak activation memory: ``ru_maxrss`` after forward+backward minus ``ru_maxrss`` before it (the
-  inputs and a warm-up already counted), in a process that ran nothing else of this size.
+  the K/V messages it receives.
 
-``P = 1`` is plain :func:`multihead.attention` in one process with the same thread budget.
-Usage: ``python benchmarks/distributed.py [--quick] [--length 8192]``; writes
-``benchmarks/results/distributed[_quick].csv``.
+``P = 1`` is plain :func:`multihead.attention` in one process (one thread for the compute
+column, all cores for the times). The load average is printed before and after every world.
+Usage: ``python benchmarks/distributed.py [--quick] [--length 8192] [--reps 5] [--only memory] [--worlds 2,4,8]``;
+writes ``benchmarks/results/distributed[_quick|_L<length>].csv``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -36,90 +40,126 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context, machine_state, print_table, write_csv  # noqa: E402
 
 import multihead as mh  # noqa: E402
-from multihead.distributed import ring, ring_attention, shard_sequence, ulysses_attention  # noqa: E402
+from multihead.distributed import ring, ring_attention, shard_sequence, ulysses, ulysses_attention  # noqa: E402
+from multihead.distributed.checks import Shards  # noqa: E402
+from multihead.distributed.memory import TensorMemory  # noqa: E402
 from multihead.distributed.ring import _cached_plan  # noqa: E402
 
 CORES = os.cpu_count() or 1
+MIB = 2 ** 20
 
 
-def mask_of(name: str, L: int):
+def mask_of(name: str):
     return {"causal": mh.causal(), "none": None, "window": mh.sliding_window(512)}[name]
 
 
 def inputs(B, H, L, D, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    return tuple(torch.randn(B, H, L, D, generator=g) for _ in range(4))  # q, k, v, the output gradient
+
+
+class ComputeClock:
+    """CPU seconds of this thread inside the block calls of the forward (``attention``) and of the
+    backward (the ring's ``_block_backward``): patched into the modules for the timed runs."""
+
+    def __init__(self):
+        self.forward = self.backward = 0.0
+        self._originals = (ring.attention, ulysses.attention, ring._block_backward)
+
+    def _wrap(self, fn, field):
+        def timed(*a, **kw):
+            t = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                setattr(self, field, getattr(self, field) + time.thread_time() - t)
+        return timed
+
+    def __enter__(self):
+        self.forward = self.backward = 0.0
+        ring.attention = ulysses.attention = self._wrap(self._originals[0], "forward")
+        ring._block_backward = self._wrap(self._originals[2], "backward")
+        return self
+
+    def __exit__(self, *exc):
+        ring.attention, ulysses.attention, ring._block_backward = self._originals
 
 
 def _worker(rank, world, folder, cfg, out_queue):
-    threads = max(1, CORES // world)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(max(1, CORES // world))
     dist.init_process_group("gloo", init_method=f"file://{folder}/rdzv", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+                            timeout=datetime.timedelta(seconds=900))
     B, H, L, D, reps = cfg["B"], cfg["H"], cfg["L"], cfg["D"], cfg["reps"]
     fn = {"ring": ring_attention, "ulysses": ulysses_attention}[cfg["method"]]
-    layout, mask = cfg["layout"], mask_of(cfg["mask"], L)
-    q, k, v = inputs(B, H, L, D)
-    qs, ks, vs = (shard_sequence(t, layout=layout).contiguous() for t in (q, k, v))
-    del q, k, v
-    # warm-up on a small sequence (first-call imports and allocations), then the memory baseline
-    small = [shard_sequence(t, layout=layout).requires_grad_() for t in inputs(B, H, 64 * world, D)]
+    layout, mask = cfg["layout"], mask_of(cfg["mask"])
+    qs, ks, vs, gs = (shard_sequence(t, layout=layout).contiguous() for t in inputs(B, H, L, D))
+    # warm-up on a small sequence: first-call imports and allocations
+    small = [shard_sequence(t, layout=layout).requires_grad_() for t in inputs(B, H, 64 * world, D)[:3]]
     fn(*small, mask=mask, layout=layout).sum().backward()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    qs, ks, vs = (t.requires_grad_() for t in (qs, ks, vs))
-    out = fn(qs, ks, vs, mask=mask, layout=layout)
-    out.backward(torch.ones_like(out))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-
-    # compute inside the block attention() calls of the forward (ring only)
-    spent = [0.0]
-    original = ring.attention
-
-    def timed(*a, **kw):
-        t = time.perf_counter()
-        r = original(*a, **kw)
-        spent[0] += time.perf_counter() - t
-        return r
-
-    fwd, both, compute = [], [], []
-    for _ in range(reps):
-        dist.barrier()
-        ring.attention = timed
-        spent[0] = 0.0
-        t = time.perf_counter()
-        with torch.no_grad():
-            fn(qs, ks, vs, mask=mask, layout=layout)
-        fwd.append(time.perf_counter() - t)
-        compute.append(spent[0])
-        ring.attention = original
-        dist.barrier()
-        t = time.perf_counter()
-        out = fn(qs, ks, vs, mask=mask, layout=layout)
-        out.backward(torch.ones_like(out))
-        both.append(time.perf_counter() - t)
-    row = {"rank": rank, "fwd_s": statistics.median(fwd), "fwd_bwd_s": statistics.median(both),
-           "compute_s": statistics.median(compute), "peak_mib": peak_kib / 1024, "threads": threads}
+    row = {"rank": rank}
+    if cfg["only"] in (None, "memory"):
+        row.update(_memory(lambda q, k, v: fn(q, k, v, mask=mask, layout=layout), qs, ks, vs, gs))
+    if cfg["only"] in (None, "time"):
+        row.update(_times(lambda q, k, v: fn(q, k, v, mask=mask, layout=layout), qs, ks, vs, gs, reps,
+                          barrier=dist.barrier, threads=max(1, CORES // world)))
+    if cfg["method"] == "ulysses":
+        row.pop("compute_bwd_s", None)  # its backward is autograd through one local call: not clocked
     if cfg["method"] == "ring":
-        from multihead.distributed.checks import Shards
-
         S = L // world
         plan = _cached_plan(world, rank, Shards(B, H, H, S, S, D, D, world), mask, layout)
         row.update(elements=plan.elements, steps=len(plan.steps) + 1, computed=plan.steps_computed,
                    messages=plan.messages)
-    # correctness: rank 0's rows against single-process attention
-    with torch.no_grad():
-        got = fn(qs.detach(), ks.detach(), vs.detach(), mask=mask, layout=layout)
+    with torch.no_grad():  # correctness: rank 0's rows against single-process attention
+        got = fn(qs, ks, vs, mask=mask, layout=layout)
     if rank == 0:
-        q, k, v = inputs(B, H, L, D)
-        want = shard_sequence(mh.attention(q, k, v, mask=mask), layout=layout)
-        row["max_err"] = float((got - want).abs().max())
+        q, k, v, _ = inputs(B, H, L, D)
+        with torch.no_grad():
+            row["max_err"] = float((got - shard_sequence(mh.attention(q, k, v, mask=mask), layout=layout)).abs().max())
     out_queue.put(row)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _memory(run, q, k, v, grad) -> dict:
+    """Peak tensor bytes of one forward, and of forward+backward, and what was alive at the peak."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with TensorMemory() as memory:
+        out = run(q, k, v)
+        forward = memory.peak
+        out.backward(grad)
+        del out
+    top = ", ".join(f"{b / MIB:.0f} {op}{list(shape)}" for b, op, shape in memory.at_peak(8) if b >= MIB)
+    return {"fwd_mib": forward / MIB, "fwd_bwd_mib": memory.peak / MIB, "at_peak": top}
+
+
+def _times(run, q, k, v, grad, reps, barrier, threads) -> dict:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    fwd, both, compute_f, compute_b = [], [], [], []
+    clock = ComputeClock()
+    for _ in range(reps):
+        barrier()
+        t = time.perf_counter()
+        with torch.no_grad():
+            run(q, k, v)
+        fwd.append(time.perf_counter() - t)
+        barrier()
+        t = time.perf_counter()
+        run(q, k, v).backward(grad)
+        both.append(time.perf_counter() - t)
+        if threads == 1:  # thread CPU time is the work only where one thread does all of it
+            barrier()
+            with clock:
+                run(q, k, v).backward(grad)
+            compute_f.append(clock.forward)
+            compute_b.append(clock.backward)
+    row = {"fwd_s": statistics.median(fwd), "fwd_bwd_s": statistics.median(both)}
+    if compute_f:
+        row.update(compute_fwd_s=statistics.median(compute_f), compute_bwd_s=statistics.median(compute_b))
+    return row
+
+
 def single(cfg) -> dict:
-    """P = 1: attention() in a fresh process with every core."""
+    """P = 1: attention() in a fresh process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     p = ctx.Process(target=_single_worker, args=(cfg, queue))
@@ -130,28 +170,30 @@ def single(cfg) -> dict:
 
 
 def _single_worker(cfg, queue):
-    torch.set_num_threads(CORES)
     B, H, L, D, reps = cfg["B"], cfg["H"], cfg["L"], cfg["D"], cfg["reps"]
-    mask = mask_of(cfg["mask"], L)
-    small = [t.requires_grad_() for t in inputs(B, H, 64, D)]
+    mask = mask_of(cfg["mask"])
+    small = [t.requires_grad_() for t in inputs(B, H, 64, D)[:3]]
     mh.attention(*small, mask=mask).sum().backward()
-    q, k, v = (t.requires_grad_() for t in inputs(B, H, L, D))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = mh.attention(q, k, v, mask=mask)
-    out.backward(torch.ones_like(out))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    fwd, both = [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        with torch.no_grad():
-            mh.attention(q, k, v, mask=mask)
-        fwd.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        out = mh.attention(q, k, v, mask=mask)
-        out.backward(torch.ones_like(out))
-        both.append(time.perf_counter() - t)
-    queue.put({"rank": 0, "fwd_s": statistics.median(fwd), "fwd_bwd_s": statistics.median(both),
-               "compute_s": statistics.median(fwd), "peak_mib": peak_kib / 1024, "threads": CORES})
+    q, k, v, grad = inputs(B, H, L, D)
+    run = lambda q, k, v: mh.attention(q, k, v, mask=mask)  # noqa: E731
+    row = {"rank": 0}
+    if cfg["only"] in (None, "memory"):
+        row.update(_memory(run, q, k, v, grad))
+    if cfg["only"] in (None, "time"):
+        torch.set_num_threads(CORES)
+        row.update(_times(run, q, k, v, grad, reps, barrier=lambda: None, threads=CORES))
+        torch.set_num_threads(1)  # the compute of one thread, comparable with a rank's
+        qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+        fwd, bwd = [], []
+        for _ in range(reps):
+            t = time.thread_time()
+            out = run(qd, kd, vd)
+            fwd.append(time.thread_time() - t)
+            t = time.thread_time()
+            out.backward(grad)
+            bwd.append(time.thread_time() - t)
+        row.update(compute_fwd_s=statistics.median(fwd), compute_bwd_s=statistics.median(bwd))
+    queue.put(row)
 
 
 def world_run(world: int, cfg: dict) -> list[dict]:
@@ -165,56 +207,82 @@ def world_run(world: int, cfg: dict) -> list[dict]:
     return sorted(rows, key=lambda r: r["rank"])
 
 
+CONFIGS = [("single", 1, "-", "causal"),
+           ("ring", 2, "zigzag", "causal"), ("ring", 2, "contiguous", "causal"),
+           ("ring", 4, "zigzag", "causal"), ("ring", 4, "contiguous", "causal"),
+           ("ulysses", 2, "zigzag", "causal"), ("ulysses", 4, "zigzag", "causal"),
+           ("single", 1, "-", "window"),
+           ("ring", 2, "contiguous", "window"), ("ring", 2, "zigzag", "window"),
+           ("ring", 4, "contiguous", "window"), ("ring", 4, "zigzag", "window"),
+           ("ulysses", 4, "zigzag", "window"),
+           ("ring", 8, "zigzag", "causal"), ("ring", 8, "contiguous", "window")]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short length and one repetition")
-    parser.add_argument("--length", type=int, default=None, help="total sequence length L")
-    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="L = 2048, one repetition, fewer worlds")
+    parser.add_argument("--length", type=int, default=None, help="total sequence length L (default 8192)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per timing (default 3)")
+    parser.add_argument("--only", choices=["memory", "time"], default=None, help="measure only this")
+    parser.add_argument("--worlds", default="2,4", help="world sizes, e.g. 2,4,8 (8 processes share the cores)")
     args = parser.parse_args()
     L = args.length or (2048 if args.quick else 8192)
     reps = args.reps or (1 if args.quick else 3)
-    base = {"B": 1, "H": 8, "D": 64, "L": L, "reps": reps}
+    base = {"B": 1, "H": 8, "D": 64, "L": L, "reps": reps, "only": args.only}
     print(context())
     print(machine_state())
-    print(f"B=1, H=8, D=64, L={L}, fp32; P processes get {CORES}//P threads each (P=1: {CORES} threads)\n")
+    print(f"B=1, H=8, D=64, L={L}, fp32; P processes get {CORES}//P threads each (P=1: {CORES} threads; "
+          f"compute columns: one thread)\n")
 
-    configs = [("single", 1, "-", "causal"),
-               ("ring", 2, "zigzag", "causal"), ("ring", 2, "contiguous", "causal"),
-               ("ring", 4, "zigzag", "causal"), ("ring", 4, "contiguous", "causal"),
-               ("ulysses", 2, "zigzag", "causal"), ("ulysses", 4, "zigzag", "causal"),
-               ("single", 1, "-", "window"),
-               ("ring", 4, "contiguous", "window"), ("ring", 4, "zigzag", "window")]
-    if args.quick:
-        configs = [c for c in configs if c[1] <= 2 or c[0] == "ring"]
-    table, summary = [], []
-    single_rows = {}
+    worlds = {1} | {int(w) for w in args.worlds.split(",")}
+    configs = [c for c in CONFIGS if c[1] in worlds and (not args.quick or c[1] <= 2 or c[0] == "ring")]
+    table, summary, single_rows = [], [], {}
     for method, world, layout, mask in configs:
         cfg = dict(base, method=method, layout=layout, mask=mask)
+        load_before = os.getloadavg()[0]
         rows = [single(cfg)] if method == "single" else world_run(world, cfg)
+        load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
+        print(f"{method} P={world} {layout} {mask}: {machine_state()}")
         if method == "single":
             single_rows[mask] = rows[0]
         for r in rows:
-            table.append({"method": method, "P": world, "layout": layout, "mask": mask, **r})
-        ref = single_rows.get(mask)
-        worst = max(rows, key=lambda r: r["fwd_bwd_s"])
-        line = {"method": method, "P": world, "layout": layout, "mask": mask,
-                "fwd_s": max(r["fwd_s"] for r in rows), "fwd_bwd_s": worst["fwd_bwd_s"],
-                "vs_1proc_fwd_bwd": (ref["fwd_bwd_s"] / worst["fwd_bwd_s"]) if ref else None,
-                "peak_mib_max": max(r["peak_mib"] for r in rows),
-                "peak_vs_1proc": (max(r["peak_mib"] for r in rows) / ref["peak_mib"]) if ref and ref["peak_mib"] else None}
-        if "elements" in rows[0]:
-            el = [r["elements"] for r in rows]
-            comp = [r["compute_s"] for r in rows]
-            line.update(work_max_min=max(el) / min(el), compute_max_min=max(comp) / max(min(comp), 1e-9),
-                        steps_walked=rows[0]["steps"], steps_computed="/".join(str(r["computed"]) for r in rows),
-                        messages="/".join(str(r["messages"]) for r in rows))
-        if "max_err" in rows[0]:
-            line["max_err"] = rows[0]["max_err"]
-        summary.append(line)
-        print_table(f"{method} P={world} {layout} {mask}", _uniform(rows))
-    print_table("summary (times: slowest rank; ratios vs one process with all cores)", _uniform(summary))
-    name = "distributed_quick" if args.quick else "distributed"
-    print("wrote", write_csv(name, _uniform(table)))
+            table.append({"method": method, "P": world, "layout": layout, "mask": mask, "load": load, **r})
+        summary.append(_summary_line(method, world, layout, mask, load, rows, single_rows.get(mask)))
+        if rows[0].get("at_peak"):
+            print(f"  rank 0, alive at the forward+backward peak (MiB op[shape]): {rows[0]['at_peak']}")
+    print_table("summary (memory: the largest rank; times: the slowest rank; ratios vs one process)",
+                _uniform(summary))
+    name = "distributed_quick" if args.quick else f"distributed_L{L}" + (f"_{args.only}" if args.only else "")
+    write_csv(name, _uniform(table))
+
+
+def _summary_line(method, world, layout, mask, load, rows, ref) -> dict:
+    def worst(key):
+        values = [r[key] for r in rows if key in r]
+        return max(values) if values else None
+
+    def ratio(key):
+        return worst(key) / ref[key] if ref and worst(key) is not None and ref.get(key) else None
+
+    line = {"method": method, "P": world, "layout": layout, "mask": mask, "load": load,
+            "fwd_mib": worst("fwd_mib"), "fwd_vs_1": ratio("fwd_mib"),
+            "fwd_bwd_mib": worst("fwd_bwd_mib"), "fwd_bwd_vs_1": ratio("fwd_bwd_mib"),
+            "fwd_bwd_s": worst("fwd_bwd_s"),
+            "speed_vs_1": (ref["fwd_bwd_s"] / worst("fwd_bwd_s")) if ref and worst("fwd_bwd_s") else None}
+    for key, short in (("compute_fwd_s", "fwd"), ("compute_bwd_s", "bwd")):
+        if key in rows[0]:
+            values = [r[key] for r in rows]
+            line[key] = "/".join(f"{x:.2f}" for x in values)
+            if world > 1:
+                line[f"{short}_max_min"] = max(values) / max(min(values), 1e-9)
+    if "elements" in rows[0]:
+        el = [r["elements"] for r in rows]
+        line.update(work_max_min=max(el) / min(el), steps_walked=rows[0]["steps"],
+                    steps_computed="/".join(str(r["computed"]) for r in rows),
+                    messages="/".join(str(r["messages"]) for r in rows))
+    if "max_err" in rows[0]:
+        line["max_err"] = rows[0]["max_err"]
+    return line
 
 
 def _uniform(rows: list[dict]) -> list[dict]:

@@ -6,15 +6,17 @@
 On GPUs (one per process) it uses NCCL. Every rank builds the same whole sequence from a seed,
 keeps its shard (zigzag layout), runs ring attention (forward and backward) and Ulysses
 attention, checks its rows against single-process ``multihead.attention`` on the whole sequence
-(skipped with ``--no-check`` for lengths one process cannot hold), and prints its time and memory (of a second run; on CPU the peak is ``ru_maxrss`` growth, so
-only what the first run did not already reach).
+(skipped with ``--no-check`` for lengths one process cannot hold), and prints its time and peak
+memory of a second run (the first pays for first-call imports): on GPUs
+``torch.cuda.max_memory_allocated``, on CPUs the peak bytes of the tensors it created
+(:class:`multihead.distributed.memory.TensorMemory`; the inputs are not counted).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import resource
 import sys
 import time
 
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import multihead as mh  # noqa: E402
 from multihead.distributed import ContextParallel, plan_ring  # noqa: E402
+from multihead.distributed.memory import TensorMemory  # noqa: E402
 
 
 def main():
@@ -60,19 +63,20 @@ def main():
             continue
         cp = ContextParallel(layout=args.layout, method=method)
         qs, ks, vs = (cp.shard(t, dim=2).to(device).requires_grad_() for t in (q, k, v))  # (1, H, L/P, D)
+        grad = torch.ones(qs.shape[:3] + (vs.shape[3],), device=device)  # (1, H, L/P, D)
         for _ in range(2):  # the first run pays for first-call imports and allocations: timed, not reported
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            meter = contextlib.nullcontext() if cuda else TensorMemory()
             dist.barrier()
             start = time.perf_counter()
-            out = cp.attention(qs, ks, vs, mask=mask)
-            out.backward(torch.ones_like(out))
+            with meter:
+                out = cp.attention(qs, ks, vs, mask=mask)
+                out.backward(grad)
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            memory = torch.cuda.max_memory_allocated() / 2**20 if cuda else \
-                (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+            memory = (torch.cuda.max_memory_allocated() if cuda else meter.peak) / 2**20
         line = f"{method:8s} rank {rank}/{world}: forward+backward {seconds * 1e3:8.1f} ms, peak memory {memory:7.1f} MiB"
         if method == "ring":
             plan = plan_ring(world=world, rank=rank, batch=1, heads=H, q_shard=L // world, kv_shard=L // world,
