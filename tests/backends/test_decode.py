@@ -268,7 +268,7 @@ def test_non_contiguous_and_expanded_inputs(layout):
 
 
 def test_band_masks_read_only_their_key_range_and_structure_needs_no_mask():
-    q, k, v, _ = _inputs(1, 8, 2, 1, 1000, 16)
+    q, k, v, _ = _inputs(1, 8, 2, 1, 1000, 16, D=64)
     report = str(mh.explain(q, k, v, mask=mh.sliding_window(63)))
     assert "backend: decode" in report and "keys read: 64 of 1000 ([936, 1000))" in report
     assert "no mask" in report  # every key in the window is visible to the one query
@@ -303,9 +303,9 @@ def test_scores_stay_within_one_chunk_and_no_dense_mask_is_built(small_chunks):
 
 
 def test_auto_takes_decode_shaped_calls_and_explain_names_it():
-    k, v = torch.randn(2, 2, 500, 16), torch.randn(2, 2, 500, 16)
+    k, v = torch.randn(2, 2, 500, 64), torch.randn(2, 2, 500, 64)
     for Lq in range(1, AUTO_MAX_QUERIES + 1):
-        q = torch.randn(2, 8, Lq, 16)
+        q = torch.randn(2, 8, Lq, 64)
         for mask in (None, mh.causal(), mh.sliding_window(64), mh.key_padding([500, 300]),
                      torch.ones(2, 1, Lq, 500, dtype=torch.bool)):
             report = mh.explain(q, k, v, mask=mask)
@@ -313,17 +313,20 @@ def test_auto_takes_decode_shaped_calls_and_explain_names_it():
             assert "backend: decode (chosen by auto)" in str(report) and "folded into the rows" in str(report)
 
 
-def test_auto_leaves_prefill_shaped_calls_to_the_fused_kernels():
-    q = torch.randn(1, 8, AUTO_MAX_QUERIES + 1, 16)
-    k = v = torch.randn(1, 2, 500, 16)
+def test_auto_leaves_prefill_shaped_and_tiny_calls_to_the_fused_kernels():
+    tiny = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 64, 16)
+    report = mh.explain(tiny[0], tiny[1], tiny[1], mask=mh.causal())
+    assert report.backend != "decode" and "a tiny call" in "; ".join(report.refused["decode"])
+    q = torch.randn(1, 8, AUTO_MAX_QUERIES + 1, 64)
+    k = v = torch.randn(1, 2, 500, 64)
     report = mh.explain(q, k, v, mask=mh.causal())
     assert report.backend != "decode" and "prefill-shaped" in "; ".join(report.refused["decode"])
     square = torch.randn(1, 8, 128, 16)
     assert mh.explain(square, square, square, mask=mh.causal()).backend != "decode"
     # forcing still serves it up to MAX_QUERIES, and refuses past it with the reason
-    q = torch.randn(1, 8, MAX_QUERIES, 16)
+    q = torch.randn(1, 8, MAX_QUERIES, 64)
     _check(q.double(), k.double(), v.double(), mh.causal(), torch.float32, what="Lq=MAX_QUERIES")
-    q = torch.randn(1, 8, MAX_QUERIES + 1, 16)
+    q = torch.randn(1, 8, MAX_QUERIES + 1, 64)
     with pytest.raises(mh.BackendRefusedError, match=rf"decode.*Lq={MAX_QUERIES + 1} > {MAX_QUERIES}"):
         mh.attention(q, k, v, backend="decode")
 
@@ -348,8 +351,8 @@ def test_prefill_then_steps_equal_the_full_causal_forward():
     t, steps = 10, []
     while t < L:
         n = min(1 + len(steps) % 3, L - t)
-        steps.append(mh.attention(q[:, :, t:t + n], k[:, :, :t + n], v[:, :, :t + n], mask=mh.causal()))
-        assert mh.explain(q[:, :, t:t + n], k[:, :, :t + n], v[:, :, :t + n], mask=mh.causal()).backend == "decode"
+        steps.append(mh.attention(q[:, :, t:t + n], k[:, :, :t + n], v[:, :, :t + n], mask=mh.causal(),
+                                  backend="decode"))
         t += n
     torch.testing.assert_close(torch.cat(steps, 2), full[:, :, 10:], rtol=1e-5, atol=1e-5)
 
@@ -367,3 +370,28 @@ def test_compiles_without_graph_breaks():
     assert report.graph_break_count == 0, [(r.reason, [str(f) for f in r.user_stack]) for r in report.break_reasons]
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, mask), step(q, k, v, mask))
+
+
+@pytest.mark.parametrize("mask", [None, mh.causal(), mh.sliding_window(40) & mh.key_padding([1500, 900]),
+                                  torch.arange(1500).view(1, 1, 1, 1500) < 1200],
+                         ids=["none", "causal", "window&padding", "bool"])
+def test_a_repeated_decode_call_runs_its_plan(mask):
+    """multihead.plans keeps the decode runner for a repeated signature (key range, row mask and
+    padding decided once); other values of the same signature get their own right answer."""
+    from multihead import plans
+
+    q, k, v, _ = _inputs(2, 8, 2, 1, 1500, 18)
+    q, k, v = q.float(), k.float(), v.float()
+    plans.clear()
+    first = mh.attention(q, k, v, mask=mask)
+    assert torch.equal(mh.attention(q, k, v, mask=mask), first)
+    key = plans.signature(q, k, v, mh.masks.as_mask(mask) if isinstance(mask, torch.Tensor) else mask, None, "auto")
+    assert isinstance(mask, torch.Tensor) or plans.lookup(key) is not None, "the plan was stored"
+    assert torch.equal(mh.attention(q, k, v, mask=mask), first)
+    q2, k2, v2, _ = _inputs(2, 8, 2, 1, 1500, 19)
+    q2, k2, v2 = q2.float(), k2.float(), v2.float()
+    want = mh.reference_attention(q2.double(), k2.double(), v2.double(), mask=mask).output
+    torch.testing.assert_close(mh.attention(q2, k2, v2, mask=mask).double(), want, rtol=1e-5, atol=1e-5)
+    q2.requires_grad_()  # autograd is part of the signature: its own plan, gradients that flow
+    mh.attention(q2, k2, v2, mask=mask).sum().backward()
+    assert torch.isfinite(q2.grad).all()

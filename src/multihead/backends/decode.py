@@ -43,8 +43,6 @@ Score modifiers and dropout are refused (``sdpa``/``blocksparse`` run them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -55,17 +53,25 @@ from multihead.masks import BlockState, Mask
 from multihead.merge import merge_partials
 from multihead.scoring import unseen_keys
 
-__all__ = ["DecodeBackend", "MAX_QUERIES", "AUTO_MAX_QUERIES", "SCORES_PER_CHUNK"]
+__all__ = ["DecodeBackend", "MAX_QUERIES", "AUTO_MAX_QUERIES", "AUTO_MIN_WORK", "SCORES_PER_CHUNK"]
 
 #: The most query tokens a call may have: the scores of a chunk are ``B·Hq·Lq x chunk`` elements.
 MAX_QUERIES = 64
 #: ``auto`` takes this backend up to this many query tokens; measured (docs/performance.md).
 AUTO_MAX_QUERIES = 8
+#: ... and from this much work, ``B·Hq·Lk·D`` elements of K read per query head: below it a call
+#: takes tens of microseconds either way, and SDPA's one fused call costs less than the fold's ops.
+AUTO_MIN_WORK = 1 << 18
 #: Score elements (``B·Hq·Lq`` rows x keys) per chunk of the split-K loop: 64 MiB of fp32. Chunks
 #: bound memory only: at one token the scores are ~2% of the K/V bytes, and each chunk adds a few
 #: parallel regions, which cost more than they save on a shared machine (docs/performance.md).
 SCORES_PER_CHUNK = 1 << 24
 _MIN_CHUNK = 1024
+#: fp32 query rows per KV head (``G·Lq``) padded with zero rows up to 6 before ``q Kᵀ``: MKL's fp32
+#: GEMM against a transposed K runs 3 to 5 rows slower than 6 here (docs/performance.md, measured
+#: with benchmarks/decode.py); 1 and 2 rows take its matrix-vector path, at memory speed.
+_PADDED_ROWS = {3: 6, 4: 6, 5: 6}
+_PAD_MIN_KEYS = 1024  # below this, the two ops of the padding cost more than they save
 # Mask kinds whose key_range and block_state are answered from a few integers (no data read).
 _STRUCTURAL = frozenset({"band", "key_padding"})
 
@@ -108,11 +114,14 @@ class DecodeBackend(Backend):
         if Lq > AUTO_MAX_QUERIES:
             return [f"Lq={Lq} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
                     "(benchmarks/decode.py)"]
+        if B * Hq * Lk * D < AUTO_MIN_WORK:
+            return [f"a tiny call (B·Hq·Lk·D = {B * Hq * Lk * D} < {AUTO_MIN_WORK}): one fused SDPA call costs less "
+                    "than the fold's few ops"]
         return []
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        plan = _Plan(call)
+        plan = _Plan(call, self._chunk(call))
         G = Hq // plan.kv_heads
         lines = []
         if plan.kv_heads != Hkv:
@@ -122,11 +131,13 @@ class DecodeBackend(Backend):
         lines.append(plan.note.format(mask=call.mask._describe()) if call.mask is not None else plan.note)
         n = plan.hi - plan.lo
         if n > 0:
-            step = self._chunk(call)
-            chunks = -(-n // step)
+            chunks = -(-n // plan.chunk)
             lines.append(f"keys read: {n} of {Lk} ([{plan.lo}, {plan.hi}))"
-                         + (f" in {chunks} chunks of <= {step}, joined by log-sum-exp (merge_partials)"
+                         + (f" in {chunks} chunks of <= {plan.chunk}, joined by log-sum-exp (merge_partials)"
                             if chunks > 1 else ""))
+        if plan.pad:
+            lines.append(f"{G * Lq} query rows padded with {plan.pad} zero rows for q Kᵀ: MKL's fp32 GEMM runs "
+                         f"{G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)")
         precision = {torch.float16: "fp32 (inputs fp16; matmuls in fp16, scores upcast)",
                      torch.bfloat16: "fp32 (inputs bf16; matmuls in bf16, scores upcast)"}
         lines.append("softmax in " + precision.get(call.q.dtype, str(call.q.dtype).replace("torch.", ""))
@@ -135,52 +146,32 @@ class DecodeBackend(Backend):
 
     # ------------------------------------------------------------------------------- running
     def forward(self, call: AttentionCall) -> AttentionResult:
-        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        plan = _Plan(call)
-        kv_heads, G = plan.kv_heads, Hq // plan.kv_heads
-        acc = softmax_dtype(call.q.dtype)
-        half = acc != call.q.dtype  # fp16/bf16: matmuls in the input dtype, softmax in fp32
-        # (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D): query head h = kv·G + g, rows ordered (g, i).
-        qg = call.q.reshape(B, kv_heads, G * Lq, D)
-        scale = call.scale
-        if not half:  # folded into the G·Lq query rows instead of the G·Lq·n scores
-            qg, scale = qg * scale, 1.0
-        k, v = plan.k, plan.v
-        blocked = plan.blocked  # (B|1, Hkv|1, G|1, Lq, n) bool, True = masked; None: nothing
-        if blocked is not None and call.requires_grad:
-            # dQ = dS · K computes 0 · NaN for a blocked key holding NaN: zero keys no query sees.
-            unseen = unseen_keys(~blocked.flatten(1, 2), kv_heads)  # (B|1, Hkv|1, n, 1)
-            k = torch.where(unseen, torch.zeros((), dtype=k.dtype, device=k.device), k)
-        n, step = k.shape[2], self._chunk(call)
-        # Without autograd, each chunk runs on fused softmax/logsumexp passes; with it, a plain
-        # softmax whose backward stays finite on fully masked rows (softmax's own gives NaN there).
-        attend = _attend_with_grad if call.requires_grad else _attend
-        need_lse = call.return_lse or n > step
-        outs, lses = [], []
-        for c0 in range(0, n, step):
-            c1 = min(c0 + step, n)
-            kc, vc, bc = k, v, blocked
-            if c1 - c0 < n:  # (slicing costs a few microseconds: not done for the one chunk of a short cache)
-                kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
-                bc = None if blocked is None else blocked[..., c0:c1]
-            out, lse = attend(qg, kc, vc, bc, scale, acc, G, Lq, half, need_lse)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
-        out = out.to(call.q.dtype).view(B, Hq, Lq, Dv)
-        return AttentionResult(out, None, lse.view(B, Hq, Lq) if call.return_lse else None)
+        plan = _Plan(call, self._chunk(call))
+        out, lse = plan.run(call.q, call.k, call.v, call.scale, call.requires_grad, call.return_lse)
+        return AttentionResult(out, None, lse)
+
+    def runner(self, call: AttentionCall):
+        """Calls that repeat (same shapes, strides, mask value, scale: :mod:`multihead.plans`) reuse
+        the plan: the key range, the row mask and the padding are decided once."""
+        plan, scale, grad = _Plan(call, self._chunk(call)), call.scale, call.requires_grad
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return plan.run(q, k, v, scale, grad, False)[0]
+
+        return run
 
 
 def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:
     """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked."""
-    B, kv_heads, rows, _ = qg.shape
     scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
+    if scores.shape[2] != G * Lq:  # zero rows padded for the GEMM's sake (_PADDED_ROWS)
+        scores = scores[:, :, :G * Lq]
     if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once
         scores = scores.to(acc)
     if scale != 1.0:
         scores = scores.mul_(scale)
     if blocked is not None:  # masked_fill, not an additive -inf: a NaN score of a blocked key is replaced too
-        scores.view(B, kv_heads, G, Lq, k.shape[2]).masked_fill_(blocked, float("-inf"))
+        scores.unflatten(2, (G, Lq)).masked_fill_(blocked, float("-inf"))
     return scores
 
 
@@ -218,37 +209,25 @@ def _attend_with_grad(qg: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None, 
     return out, lse
 
 
-@dataclass
 class _Plan:
-    """The keys one call reads and the mask on them, decided once (``forward`` and ``plan`` agree).
+    """What one call reads and how, decided once (``forward``, ``runner`` and ``plan`` agree); it
+    holds no tensor of the call, only the row mask derived from the mask's value.
 
-    ``k``/``v`` are ``(B, kv_heads, n, ·)`` views of keys ``[lo, hi)``; ``blocked`` is ``None`` or
+    Keys ``[lo, hi)`` are read (``lo == hi``: no row sees any key); ``blocked`` is ``None`` or
     ``(B|1, kv_heads|1, G|1, Lq, n)``, True where a query row may not see the key."""
 
-    k: Tensor
-    v: Tensor
-    lo: int
-    hi: int
-    blocked: Tensor | None
-    kv_heads: int
-    note: str
-
-    def __init__(self, call: AttentionCall):
+    def __init__(self, call: AttentionCall, chunk: int):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        k, v = call.k, call.v
-        self.kv_heads = Hkv
-        if Hkv > 1 and k.stride(1) == 0 and v.stride(1) == 0:
-            # K/V expanded from one head (k1.expand(B, Hkv, ...)): every KV head is the same memory,
-            # so it is MQA: one head read once, all Hq query heads folded into its rows.
-            k, v, self.kv_heads = k[:, :1], v[:, :1], 1
+        self.shape, self.chunk = call.shape, chunk
+        # K/V expanded from one head (k1.expand(B, Hkv, ...)): every KV head is the same memory,
+        # so it is MQA: one head read once, all Hq query heads folded into its rows.
+        self.kv_heads = 1 if Hkv > 1 and call.k.stride(1) == 0 and call.v.stride(1) == 0 else Hkv
         self.lo, self.hi, visible, self.note = _visible_keys(call.mask, B, Hq, Lq, Lk, call.q.device)
-        empty = self.hi <= self.lo
-        if empty:  # no row sees any key: one key, all blocked, so the result (0, -inf) keeps the graph
-            self.lo, self.hi = 0, 1
+        self.read = (self.lo, self.hi)
+        if self.hi <= self.lo:  # no row sees any key: one key, all blocked, so the result (0, -inf) keeps the graph
+            self.lo = self.hi = 0
+            self.read = (0, 1)
             visible = torch.zeros((1, 1, Lq, 1), dtype=torch.bool, device=call.q.device)
-        if (self.lo, self.hi) != (0, Lk):
-            k, v = k[:, :, self.lo:self.hi], v[:, :, self.lo:self.hi]
-        self.k, self.v = k, v
         self.blocked = None
         if visible is not None:
             G = Hq // self.kv_heads
@@ -256,8 +235,53 @@ class _Plan:
             # (B|1, H|1, Lq, n) -> (B|1, Hkv|1, G|1, Lq, n): query head h = kv·G + g
             shape = (b, 1, 1) if h == 1 else (b, self.kv_heads, G)
             self.blocked = (~visible).reshape(*shape, Lq, visible.shape[-1])
-        if empty:
-            self.lo = self.hi = 0
+        # MKL's fp32 GEMM: 3 to 5 query rows padded with zero rows (_PADDED_ROWS), on long key ranges
+        rows = (Hq // self.kv_heads) * Lq
+        self.pad = _PADDED_ROWS.get(rows, rows) - rows if (
+            call.q.dtype == torch.float32 and self.read[1] - self.read[0] >= _PAD_MIN_KEYS) else 0
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, scale: float, requires_grad: bool,
+            return_lse: bool) -> tuple[Tensor, Tensor | None]:
+        """``(output (B, Hq, Lq, Dv), lse (B, Hq, Lq) | None)``."""
+        B, Hq, Hkv, Lq, Lk, D, Dv = self.shape
+        kv_heads = self.kv_heads
+        G = Hq // kv_heads
+        if kv_heads != Hkv:
+            k, v = k[:, :1], v[:, :1]
+        lo, hi = self.read
+        if (lo, hi) != (0, Lk):
+            k, v = k[:, :, lo:hi], v[:, :, lo:hi]
+        acc = softmax_dtype(q.dtype)
+        half = acc != q.dtype  # fp16/bf16: matmuls in the input dtype, softmax in fp32
+        # (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D): query head h = kv·G + g, rows ordered (g, i).
+        qg = q.reshape(B, kv_heads, G * Lq, D)
+        if not half:  # folded into the G·Lq query rows instead of the G·Lq·n scores
+            qg, scale = qg * scale, 1.0
+        if self.pad:  # zero rows, dropped from the scores
+            qg = torch.cat([qg, qg.new_zeros(B, kv_heads, self.pad, D)], dim=2)
+        blocked = self.blocked  # (B|1, Hkv|1, G|1, Lq, n) bool, True = masked; None: nothing
+        if blocked is not None and requires_grad:
+            # dQ = dS · K computes 0 · NaN for a blocked key holding NaN: zero keys no query sees.
+            unseen = unseen_keys(~blocked.flatten(1, 2), kv_heads)  # (B|1, Hkv|1, n, 1)
+            k = torch.where(unseen, torch.zeros((), dtype=k.dtype, device=k.device), k)
+        n, step = k.shape[2], self.chunk
+        # Without autograd, each chunk runs on fused softmax/logsumexp passes; with it, a plain
+        # softmax whose backward stays finite on fully masked rows (softmax's own gives NaN there).
+        attend = _attend_with_grad if requires_grad else _attend
+        need_lse = return_lse or n > step
+        outs, lses = [], []
+        for c0 in range(0, n, step):
+            c1 = min(c0 + step, n)
+            kc, vc, bc = k, v, blocked
+            if c1 - c0 < n:  # (slicing costs a few microseconds: not done for the one chunk of a short cache)
+                kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
+                bc = None if blocked is None else blocked[..., c0:c1]
+            out, lse = attend(qg, kc, vc, bc, scale, acc, G, Lq, half, need_lse)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+        out = (out if out.dtype == q.dtype else out.to(q.dtype)).view(B, Hq, Lq, Dv)
+        return out, (lse.view(B, Hq, Lq) if return_lse else None)
 
 
 def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) -> tuple[int, int, Tensor | None, str]:
@@ -267,6 +291,9 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
     if mask is None:
         return 0, Lk, None, "mask: none"
     what = "{mask}"  # filled in by plan() only: describing a mask may read its tensors (a host sync)
+    offset = mask.causal_offset(Lq, Lk)  # the common decode step, answered first: O(1), no tensor
+    if offset is not None and offset >= Lk - 1:
+        return 0, Lk, None, f"mask {what}: a causal diagonal at or past the last key for every row: no mask"
     if torch.compiler.is_compiling():  # no host synchronisation, no data-dependent range
         return 0, Lk, mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device), \
             f"mask {what}: evaluated on every key (under torch.compile)"
