@@ -395,3 +395,25 @@ def test_a_repeated_decode_call_runs_its_plan(mask):
     q2.requires_grad_()  # autograd is part of the signature: its own plan, gradients that flow
     mh.attention(q2, k2, v2, mask=mask).sum().backward()
     assert torch.isfinite(q2.grad).all()
+
+
+@pytest.mark.parametrize("heads,Lq", [((6, 2), 1), ((8, 2), 1), ((10, 2), 1), ((4, 2), 2), ((8, 8), 4)],
+                         ids=["rows3", "rows4", "rows5", "rows4_two_tokens", "rows4_mha"])
+def test_padded_query_rows_change_nothing(heads, Lq, monkeypatch):
+    """3 to 5 fp32 query rows per KV head run padded to 6 on large K/V (forced here on small ones):
+    outputs, LSE, fully masked rows and gradients as without."""
+    import multihead.backends.decode as decode
+
+    monkeypatch.setattr(decode, "_PAD_MIN_BYTES", 0)
+    (Hq, Hkv), B, Lk = heads, 2, 37
+    q, k, v, gen = _inputs(B, Hq, Hkv, Lq, Lk, 20)
+    for kind in ("none", "key_padding_empty_batch", "bool_per_head", "window"):
+        mask = _mask(kind, B, Hq, Lq, Lk, gen)
+        assert "zero rows for q Kᵀ" in str(mh.explain(q.float(), k.float(), v.float(), mask=mask, backend="decode"))
+        _check(q, k, v, mask, torch.float32, what=f"padded {kind}")
+        leaves = [t.float().requires_grad_() for t in (q, k, v)]
+        mh.attention(*leaves, mask=mask, backend="decode").sum().backward()
+        ref = [t.detach().requires_grad_() for t in (q, k, v)]
+        mh.reference_attention(*ref, mask=mask).output.sum().backward()
+        for got, want in zip(leaves, ref):
+            torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)

@@ -67,11 +67,12 @@ AUTO_MIN_WORK = 1 << 18
 #: parallel regions, which cost more than they save on a shared machine (docs/performance.md).
 SCORES_PER_CHUNK = 1 << 24
 _MIN_CHUNK = 1024
-#: fp32 query rows per KV head (``G·Lq``) padded with zero rows up to 6 before ``q Kᵀ``: MKL's fp32
-#: GEMM against a transposed K runs 3 to 5 rows slower than 6 here (docs/performance.md, measured
-#: with benchmarks/decode.py); 1 and 2 rows take its matrix-vector path, at memory speed.
+#: fp32 query rows per KV head (``G·Lq``) padded with zero rows up to 6 before ``q Kᵀ`` when the
+#: K/V of the call stream from memory: there MKL's fp32 GEMM against a transposed K reads 6 rows
+#: faster than 4 (B=1, 32k keys: +18-30%; B=8: +5%), while on K/V that stay in cache the padding
+#: costs 10-25% (docs/performance.md, "The decode path"). 1 and 2 rows run at memory speed as they are.
 _PADDED_ROWS = {3: 6, 4: 6, 5: 6}
-_PAD_MIN_KEYS = 1024  # below this, the two ops of the padding cost more than they save
+_PAD_MIN_BYTES = 128 << 20  # K/V bytes read by the call
 # Mask kinds whose key_range and block_state are answered from a few integers (no data read).
 _STRUCTURAL = frozenset({"band", "key_padding"})
 
@@ -136,8 +137,8 @@ class DecodeBackend(Backend):
                          + (f" in {chunks} chunks of <= {plan.chunk}, joined by log-sum-exp (merge_partials)"
                             if chunks > 1 else ""))
         if plan.pad:
-            lines.append(f"{G * Lq} query rows padded with {plan.pad} zero rows for q Kᵀ: MKL's fp32 GEMM runs "
-                         f"{G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)")
+            lines.append(f"{G * Lq} query rows padded with {plan.pad} zero rows for q Kᵀ: on K/V streamed from memory "
+                         f"MKL's fp32 GEMM reads {G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)")
         precision = {torch.float16: "fp32 (inputs fp16; matmuls in fp16, scores upcast)",
                      torch.bfloat16: "fp32 (inputs bf16; matmuls in bf16, scores upcast)"}
         lines.append("softmax in " + precision.get(call.q.dtype, str(call.q.dtype).replace("torch.", ""))
@@ -235,10 +236,11 @@ class _Plan:
             # (B|1, H|1, Lq, n) -> (B|1, Hkv|1, G|1, Lq, n): query head h = kv·G + g
             shape = (b, 1, 1) if h == 1 else (b, self.kv_heads, G)
             self.blocked = (~visible).reshape(*shape, Lq, visible.shape[-1])
-        # MKL's fp32 GEMM: 3 to 5 query rows padded with zero rows (_PADDED_ROWS), on long key ranges
+        # MKL's fp32 GEMM: 3 to 5 query rows padded with zero rows (_PADDED_ROWS) when K/V stream from memory
         rows = (Hq // self.kv_heads) * Lq
+        kv_bytes = B * self.kv_heads * (self.read[1] - self.read[0]) * (D + Dv) * call.k.element_size()
         self.pad = _PADDED_ROWS.get(rows, rows) - rows if (
-            call.q.dtype == torch.float32 and self.read[1] - self.read[0] >= _PAD_MIN_KEYS) else 0
+            call.q.dtype == torch.float32 and kv_bytes >= _PAD_MIN_BYTES) else 0
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, scale: float, requires_grad: bool,
             return_lse: bool) -> tuple[Tensor, Tensor | None]:
