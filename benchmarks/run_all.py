@@ -14,7 +14,7 @@ sys.path.insert(0, str(HERE))
 
 from common import context  # noqa: E402
 
-SUITE = ["core", "overhead", "sliding_window", "documents", "gqa", "dropout", "memory", "layers"]
+SUITE = ["core", "overhead", "sliding_window", "documents", "gqa", "decode", "dropout", "memory", "layers"]
 
 
 def main(argv=None) -> None:
@@ -57,6 +57,11 @@ def _headlines(results) -> None:
             print(f"sliding window L={r['L']} w={r['window']}, load {r['load']} ({r['load_cores_used']:.1f} cores used "
                   f"by it): multihead {r['dense/multihead']:.1f}x (one call per block: {r['dense/per_block']:.1f}x) "
                   f"faster than SDPA + dense mask  (target >= 8 under load, at L=16384)")
+    for r in results.get("decode") or []:
+        if r["Lk"] >= 4096:
+            print(f"decode step B={r['B']} Lk={r['Lk']}: multihead decode {r['decode/sdpa_gqa']:.2f}x SDPA enable_gqa "
+                  f"(target >= 2), {r['multihead decode %read']:.0f}% of the measured read bandwidth "
+                  f"(target >= 60% where K/V exceed the LLC: {r['KV_vs_LLC']})")
     for r in results.get("dropout") or []:
         print(f"dropout 0.1, fwd+bwd, {r['case']}: {r['dropout / no dropout']:.1f}x the call without dropout "
               f"(target <= 1.5; auto with dropout: {r['backend with dropout']})")
