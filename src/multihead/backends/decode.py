@@ -70,7 +70,7 @@ _MIN_CHUNK = 1024
 #: fp32 query rows per KV head (``G·Lq``) padded with zero rows up to 6 before ``q Kᵀ`` when the
 #: K/V of the call stream from memory: there MKL's fp32 GEMM against a transposed K reads 6 rows
 #: faster than 4 (B=1, 32k keys: +18-30%; B=8: +5%), while on K/V that stay in cache the padding
-#: costs 10-25% (docs/performance.md, "The decode path"). 1 and 2 rows run at memory speed as they are.
+#: costs 11-26% (docs/performance.md, "The decode path"). 1 and 2 rows run at memory speed as they are.
 _PADDED_ROWS = {3: 6, 4: 6, 5: 6}
 _PAD_MIN_BYTES = 128 << 20  # K/V bytes read by the call
 # Mask kinds whose key_range and block_state are answered from a few integers (no data read).
@@ -114,7 +114,7 @@ class DecodeBackend(Backend):
             return [f"measured on CPU only; on {call.q.device.type} the fused kernels are the default"]
         if Lq > AUTO_MAX_QUERIES:
             return [f"Lq={Lq} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
-                    "(benchmarks/decode.py)"]
+                    "(docs/performance.md, the decode path)"]
         if B * Hq * Lk * D < AUTO_MIN_WORK:
             return [f"a tiny call (B·Hq·Lk·D = {B * Hq * Lk * D} < {AUTO_MIN_WORK}): one fused SDPA call costs less "
                     "than the fold's few ops"]
