@@ -63,3 +63,15 @@ def test_explain_names_the_fit_and_a_fused_kernel(case, note):
 def test_equal_head_sizes_are_left_alone():
     q, k, v = (t.detach() for t in _inputs(32, 32, False, torch.float32))
     assert "head sizes" not in str(mh.explain(q, k, v, backend="sdpa"))
+
+
+@pytest.mark.parametrize("D, Dv", [(16, 8), (8, 16)])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_mqa_with_different_head_sizes(D, Dv, mask):
+    """MQA with different head sizes stays exact on sdpa (the slow fuzz seeds 1284 and 1298 reproduce the expand-shape bug this guards)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 40, D, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 1, 50, D, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 1, 50, Dv, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(mh.attention(q, k, v, mask=MASKS[mask], backend="sdpa"),
+                               mh.attention(q, k, v, mask=MASKS[mask], backend="reference"), rtol=1e-10, atol=1e-10)

@@ -127,7 +127,7 @@ class _Arguments:
             self.enable_gqa = True
             self.gqa_note = f"heads: GQA {Hq}/{Hkv} passed natively (enable_gqa=True)"
         elif Hkv == 1:
-            self.expand = ((B, Hq, Lk, D), (B, Hq, Lk, Dv))
+            self.expand = ((B, Hq, Lk, k.shape[-1]), (B, Hq, Lk, v.shape[-1]))  # after any head-size fit
             self.gqa_note = f"heads: MQA, K/V expanded to {Hq} heads as a view (stride 0)"
         else:
             self.expand = Hq
