@@ -147,8 +147,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         ``(output (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``.
     """
     if kwargs.get("cache") is not None:
-        raise NotImplementedError("multihead: continuous batching's paged cache (cache=) is not supported; "
-                                  "use generate() with its default DynamicCache or a StaticCache")
+        raise ValueError(f"multihead: cache= (continuous batching's paged cache) is refused: got "
+                         f"{type(kwargs['cache']).__name__}, expected none (generate() with its default DynamicCache "
+                         f"or a StaticCache passes keys and values directly)")
     Lk = key.shape[2]
     score_mod: list[scores.ScoreMod] = []
     position_bias = kwargs.get("position_bias")
