@@ -4,7 +4,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip install -q -c constraints.txt
-EXTRAS  ?= test,test-demo,demo,viz,models,hf
+EXTRAS  ?= test,test-demo,demo,viz,models,hf,onnx
 
 .PHONY: help setup test test-slow test-all demo bench bench-quick clean
 
