@@ -4,12 +4,13 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip install -q -c constraints.txt
-EXTRAS  ?= test,test-demo,demo,viz,models,hf,onnx
+EXTRAS  ?= test,test-demo,demo,viz,models,hf,check,onnx
 
-.PHONY: help setup test test-slow test-all demo bench bench-quick clean
+.PHONY: help setup check test test-slow test-all demo bench bench-quick clean
 
 help:
 	@echo "make test        set up .venv and run the default test tier"
+	@echo "make check       lint (ruff check), formatting (ruff format --check) and types (mypy)"
 	@echo "make demo        set up .venv and run 'multihead demo'"
 	@echo "make test-slow   the opt-in slow tier"
 	@echo "make bench       the full benchmark suite; make bench-quick for a short one"
@@ -25,6 +26,14 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The habits: lint, formatting and types (configured in pyproject.toml).
+LINTED  := src tests benchmarks examples
+
+check: setup
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
 
 test: setup
 	$(BIN)/python -m pytest -m "not slow"
