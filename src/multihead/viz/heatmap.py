@@ -1,4 +1,10 @@
-"""Attention heatmaps as PNG with matplotlib: a layer x head grid, and one head with its tokens.
+"""Attention heatmaps as PNG with matplotlib: a layer x head grid, one head, and heads side by side.
+
+Every figure reads at a glance: tokens on both axes at :data:`FONT` points (queries down the
+left, keys along the bottom), the axis titles "query" and "key", a colour bar of the weight
+(0 to 1), and a title naming the model, layer and head. Layers are named ``layer i`` everywhere,
+with the module's name under it when one is given (``layer 0`` / ``layers.0.attention``), as the
+HTML viewer names them.
 
 matplotlib is imported inside the functions (it is an optional dependency) and figures are
 drawn on an Agg canvas directly, so no global backend is switched and no window opens.
@@ -11,7 +17,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["plot_attention_grid", "plot_attention"]
+__all__ = ["plot_attention_grid", "plot_attention", "plot_attention_panels", "layer_label", "FONT"]
+
+FONT = 8  # points, for token labels: at the 100 dpi of these figures, 11 pixels
+DPI = 100
+MAX_LABELS = 48  # more tokens than this: every k-th is labelled
+QUERY, KEY = "query (attending)", "key (attended to)"
+
+
+def layer_label(index: int, name: str | None = None) -> str:
+    """``layer i``, with the module's name on a second line when given: the one naming rule."""
+    return f"layer {index}" + (f"\n{name}" if name and name != f"layer {index}" else "")
 
 
 def plot_attention_grid(weights: Tensor | list[Tensor], path: str | Path, *, tokens: list[str] | None = None,
@@ -19,39 +35,51 @@ def plot_attention_grid(weights: Tensor | list[Tensor], path: str | Path, *, tok
     """Write a PNG grid: one heatmap per layer (rows) and head (columns).
 
     ``weights``: ``(layers, H, Lq, Lk)`` or per-layer ``(H, Lq, Lk)`` / ``(1, H, Lq, Lk)``.
-    ``tokens`` label the axes of the first column and the last row when there are few enough.
+    ``tokens`` (``Lq == Lk``) label the query axis of every row and the key axis of every column;
+    without them positions are labelled. ``title`` should name the model (rows name the layer,
+    columns the head).
     """
+    return _save(grid_figure(weights, tokens=tokens, title=title, layer_names=layer_names), path)
+
+
+def grid_figure(weights, *, tokens=None, title="", layer_names=None):
+    """The :func:`plot_attention_grid` figure, unsaved (tests read its labels)."""
     from matplotlib.figure import Figure
 
     w = _stack(weights)
     layers, heads, lq, lk = w.shape
-    cell = 1.3
-    fig = Figure(figsize=(1.2 + cell * heads, 0.8 + cell * layers), dpi=110)
+    q_tokens, k_tokens = _tokens(tokens, lq, "query"), _tokens(tokens, lk, "key")
+    if layer_names is not None and len(layer_names) != layers:
+        raise ValueError(f"plot_attention_grid: {len(layer_names)} layer names for {layers} layers")
+    side = max(1.7, 0.15 * max(lq, lk))  # inches per heatmap: room for one label per row at FONT points
+    fig = Figure(figsize=(1.9 + side * heads + 0.9, 1.6 + side * layers + (0.5 if title else 0)), dpi=DPI,
+                 layout="constrained")
     axes = fig.subplots(layers, heads, squeeze=False)
-    label_ticks = tokens is not None and max(lq, lk) <= 24
+    image = None
     for l in range(layers):
         for h in range(heads):
             ax = axes[l][h]
-            ax.imshow(w[l, h].numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
-            ax.set_xticks([])
-            ax.set_yticks([])
+            image = ax.imshow(w[l, h].numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
+            _ticks(ax, q_tokens, k_tokens, show_q=h == 0, show_k=l == layers - 1)
             if l == 0:
-                ax.set_title(f"head {h}", fontsize=7)
+                ax.set_title(f"head {h}", fontsize=FONT + 1)
             if h == 0:
-                name = layer_names[l] if layer_names else f"layer {l}"
-                ax.set_ylabel(name, fontsize=6)
-            if label_ticks and l == layers - 1 and h == 0:
-                ax.set_xticks(range(lk), tokens[:lk], rotation=90, fontsize=4)
+                ax.set_ylabel(layer_label(l, layer_names[l] if layer_names else None), fontsize=FONT + 1)
+    fig.supylabel(QUERY, fontsize=FONT + 2)
+    fig.supxlabel(KEY, fontsize=FONT + 2)
+    bar = fig.colorbar(image, ax=axes, fraction=0.02, pad=0.01, shrink=min(1.0, 4 / layers + 0.2))
+    bar.set_label("attention weight", fontsize=FONT)
+    bar.ax.tick_params(labelsize=FONT)
     if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+        fig.suptitle(title, fontsize=FONT + 4)
+    return fig
 
 
 def plot_attention(weights: Tensor, path: str | Path, *, q_tokens: list[str], k_tokens: list[str],
                    title: str = "", marks: list[tuple[int, int]] | None = None) -> Path:
-    """Write a PNG of one head ``(Lq, Lk)`` with its tokens on both axes; ``marks`` circles
-    ``(query, key)`` cells (e.g. where a lookup should land)."""
+    """Write a PNG of one head ``(Lq, Lk)`` with its tokens on both axes and a colour bar;
+    ``marks`` circles ``(query, key)`` cells (e.g. where a lookup should land). ``title`` should
+    name the model, layer and head."""
     from matplotlib.figure import Figure
 
     w = weights.detach().float().cpu()
@@ -59,20 +87,84 @@ def plot_attention(weights: Tensor, path: str | Path, *, q_tokens: list[str], k_
         raise ValueError(f"plot_attention: weights must be (Lq, Lk) = ({len(q_tokens)}, {len(k_tokens)}), "
                          f"got shape {tuple(w.shape)}")
     lq, lk = w.shape
-    fig = Figure(figsize=(2 + 0.22 * lk, 1.5 + 0.22 * lq), dpi=120)
+    fig = Figure(figsize=(2.6 + 0.17 * lk, 1.8 + 0.17 * lq), dpi=DPI, layout="constrained")
     ax = fig.subplots()
     im = ax.imshow(w.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
-    ax.set_xticks(range(lk), k_tokens, rotation=90, fontsize=7)
-    ax.set_yticks(range(lq), q_tokens, fontsize=7)
-    ax.set_xlabel("key (attended to)")
-    ax.set_ylabel("query (attending)")
+    _ticks(ax, list(q_tokens), list(k_tokens))
+    ax.set_xlabel(KEY, fontsize=FONT + 1)
+    ax.set_ylabel(QUERY, fontsize=FONT + 1)
     for q, k in marks or []:
         ax.scatter([k], [q], s=60, facecolors="none", edgecolors="#e0892b", linewidths=1.2)
-    fig.colorbar(im, ax=ax, fraction=0.03)
+    bar = fig.colorbar(im, ax=ax, fraction=0.04)
+    bar.set_label("attention weight", fontsize=FONT)
+    bar.ax.tick_params(labelsize=FONT)
     if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
+        ax.set_title(title, fontsize=FONT + 1)
     return _save(fig, path)
+
+
+def plot_attention_panels(panels: list[dict], path: str | Path, *, title: str = "") -> Path:
+    """Write a PNG of several heads side by side, one colour bar for all.
+
+    Each panel is a dict: ``weights`` ``(L, L)``, ``tokens`` (``L``), ``title`` (name the layer
+    and head), and optionally ``row``, a query row to outline (e.g. the pronoun's).
+    """
+    return _save(panels_figure(panels, title=title), path)
+
+
+def panels_figure(panels: list[dict], *, title: str = ""):
+    """The :func:`plot_attention_panels` figure, unsaved (tests read its labels)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    if not panels:
+        raise ValueError("plot_attention_panels: expected at least one panel, got none")
+    longest = max(len(p["tokens"]) for p in panels)
+    side = max(2.4, 0.19 * longest)
+    fig = Figure(figsize=(1.2 + (side + 0.9) * len(panels) + 0.8, 1.9 + side + (0.6 if title else 0)), dpi=DPI,
+                 layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    image = None
+    for ax, panel in zip(axes, panels):
+        w = panel["weights"].detach().float().cpu()
+        tokens = list(panel["tokens"])
+        if w.shape != (len(tokens), len(tokens)):
+            raise ValueError(f"plot_attention_panels: weights must be (L, L) = ({len(tokens)}, {len(tokens)}), "
+                             f"got shape {tuple(w.shape)}")
+        image = ax.imshow(w.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
+        _ticks(ax, tokens, tokens)
+        ax.set_xlabel(KEY, fontsize=FONT + 1)
+        ax.set_ylabel(QUERY, fontsize=FONT + 1)
+        ax.set_title(panel.get("title", ""), fontsize=FONT + 1)
+        if panel.get("row") is not None:
+            ax.add_patch(Rectangle((-0.5, panel["row"] - 0.5), len(tokens), 1, fill=False, edgecolor="#e0892b",
+                                   linewidth=1.6))
+    bar = fig.colorbar(image, ax=list(axes), fraction=0.02, pad=0.01)
+    bar.set_label("attention weight", fontsize=FONT)
+    bar.ax.tick_params(labelsize=FONT)
+    if title:
+        fig.suptitle(title, fontsize=FONT + 3)
+    return fig
+
+
+def _ticks(ax, q_tokens: list[str], k_tokens: list[str], *, show_q: bool = True, show_k: bool = True) -> None:
+    """Token labels on both axes (every k-th past MAX_LABELS tokens)."""
+    for tokens, axis in ((q_tokens, ax.yaxis), (k_tokens, ax.xaxis)):
+        step = -(-len(tokens) // MAX_LABELS)
+        positions = list(range(0, len(tokens), step))
+        axis.set_ticks(positions, [tokens[i] for i in positions])
+        axis.set_tick_params(labelsize=FONT, length=2, pad=1)
+    ax.tick_params(axis="x", labelrotation=90, labelbottom=show_k)
+    ax.tick_params(axis="y", labelleft=show_q)
+
+
+def _tokens(tokens, n: int, axis: str) -> list[str]:
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    if len(tokens) != n:
+        raise ValueError(f"plot_attention_grid: {len(tokens)} tokens for a {axis} axis of {n}; the grid's tokens "
+                         "label both axes, so Lq == Lk == len(tokens)")
+    return list(tokens)
 
 
 def _stack(weights) -> Tensor:

@@ -1,44 +1,66 @@
-// multihead attention viewer: head view (lines between query and key tokens), a heatmap of the
-// selected head, and a model view (thumbnails of every layer x head). Inlined into the HTML file.
+// multihead attention viewer: head view (lines between query and key tokens, one colour per head,
+// a legend of head toggles), a token-labelled heatmap, a model view (thumbnails of every layer x
+// head, enlargeable), a neuron view (one query's scores split into q_d * k_d * scale terms) and a
+// step slider for generations. Inlined into the HTML file; everything is drawn on canvases.
 //
 // Data (the JSON in #attention-data): {title, sources: [{name, caption, q_tokens, k_tokens,
-// layers, heads, lq, lk, weights[layer][head], thumbs[layer][head], thumb_q, thumb_k, highlight}]}.
-// weights are base64 uint8 matrices (Lq x Lk, row-major, value = round(255 * weight)); they are
-// decoded only when a head is shown, so a 512-token model with 72 heads opens at once.
-// Only the rows inside the scroll window are drawn, so 512 tokens stay responsive.
+// layers, heads, lq, lk, weights[layer][head], thumbs[layer][head], thumb_q, thumb_k, highlight,
+// [dim, scale, queries[layer][head], keys[layer][head]], [prompt_len, generated]}]}.
+// weights are base64 uint8 matrices (Lq x Lk, row-major, value = round(255 * weight)), queries and
+// keys base64 float32 (L x D); all are decoded only when a head is shown.
+// Only the rows inside a scroll window are drawn, so 1024 tokens stay responsive.
 "use strict";
 window.__viewerErrors = [];
 window.addEventListener("error", (e) => window.__viewerErrors.push(String(e.message)));
 
 const DATA = JSON.parse(document.getElementById("attention-data").textContent);
-const ROW = 18;            // px per token row in the head view
-const MIN_WEIGHT = 3;      // lines below 3/255 ~ 0.012 are not drawn: invisible, and costly at 512 tokens
+const ROW = 18;            // px per token row in the head and neuron views
+const MIN_WEIGHT = 3;      // lines below 3/255 ~ 0.012 are not drawn: invisible, and costly at 1024 tokens
+const HEAT = 320;          // px of the heatmap's longer side
 const HEAD_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                      "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#843c39", "#7b4173", "#3182bd"];
-const state = { source: 0, layer: 0, head: 0, hover: null, view: "head" };  // head: index or "all"
-const cache = new Map();   // "source/layer/head" -> Uint8Array
+const MONO = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
+const state = {
+  source: 0, layer: 0, heads: new Set(), focus: 0, view: "head",
+  hover: null,         // head view: {side: "q"|"k", index}
+  cell: null,          // heatmap: {i, j}
+  nkey: null,          // neuron view: hovered key
+  pin: { q: null, k: null },
+  step: null,          // generation: decode step shown, or null for the whole sequence
+};
+// What the last frame drew, for tests and for anyone curious (window.__viewerStats in the console).
+const stats = window.__viewerStats = { renders: 0, lastMs: 0, lines: 0, linesByHead: {}, heatmapLabels: { q: [], k: [] },
+                                       neuron: null };
+const cache = new Map();   // "kind/source/layer/head" -> typed array
 
 const $ = (id) => document.getElementById(id);
 const src = () => DATA.sources[state.source];
+const color = (head) => HEAD_COLORS[head % HEAD_COLORS.length];
+const shown = () => [...state.heads].sort((a, b) => a - b);
+const quote = (t) => JSON.stringify(t);
 
-function decode(b64) {
+function bytes(b64) {
   const bin = atob(b64);
   const out = new Uint8Array(bin.length);
   for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
   return out;
 }
 
-function matrix(layer, head) {
-  const key = `${state.source}/${layer}/${head}`;
-  if (!cache.has(key)) cache.set(key, decode(src().weights[layer][head]));
+function cached(kind, layer, head, make) {
+  const key = `${kind}/${state.source}/${layer}/${head}`;
+  if (!cache.has(key)) cache.set(key, make());
   return cache.get(key);
 }
 
-function shownHeads() {
-  return state.head === "all" ? [...Array(src().heads).keys()] : [state.head];
-}
+const matrix = (layer, head) => cached("w", layer, head, () => bytes(src().weights[layer][head]));
+const vectors = (kind, layer, head) =>
+  cached(kind, layer, head, () => new Float32Array(bytes(src()[kind][layer][head]).buffer));
 
-function color(head) { return HEAD_COLORS[head % HEAD_COLORS.length]; }
+// Generation: the row of the shown step (null: the whole sequence), and how many keys exist then.
+const isGeneration = () => src().prompt_len !== undefined;
+const stepRow = () => (isGeneration() && state.step !== null ? src().prompt_len - 1 + state.step : null);
+const keyCount = () => (stepRow() === null ? src().lk : stepRow() + 1);
+const queryCount = () => (stepRow() === null ? src().lq : stepRow() + 1);
 
 // ------------------------------------------------------------------------------ controls
 function fillSelect(select, items, value) {
@@ -55,33 +77,106 @@ function fillSelect(select, items, value) {
 function setSource(index) {
   state.source = index;
   const s = src();
-  const hl = s.highlight || { layer: 0, head: 0 };
-  state.layer = hl.layer;
-  state.head = hl.head;
-  state.hover = null;
+  const hl = s.highlight;
+  state.layer = hl ? hl.layer : 0;
+  state.heads = new Set(hl ? [hl.head] : [...Array(s.heads).keys()]);  // bertviz opens on every head
+  state.focus = hl ? hl.head : 0;
+  state.hover = state.cell = state.nkey = null;
+  state.pin = { q: null, k: null };
+  state.step = isGeneration() ? 0 : null;
   fillSelect($("layer"), s.layers.map((name, i) => [i, `${i}: ${name}`]), state.layer);
-  const heads = [...Array(s.heads).keys()].map((h) => [h, `head ${h}`]);
-  heads.push(["all", "all heads"]);
-  fillSelect($("head"), heads, state.head);
+  fillSelect($("neuron-query"), s.q_tokens.map((t, i) => [i, `${i}: ${t}`]), 0);
   $("caption").textContent = s.caption || "";
   const rowsHeight = Math.max(s.lq, s.lk) * ROW + 2 * ROW;
   $("spacer").style.height = `${rowsHeight}px`;
-  $("scroller").style.height = `min(70vh, ${rowsHeight + 4}px)`;
+  $("scroller").style.height = `min(68vh, ${rowsHeight + 4}px)`;
   $("scroller").scrollTop = 0;
+  $("neuron-spacer").style.height = `${(s.lk + 2) * ROW}px`;
+  $("neuron-scroller").style.height = `min(46vh, ${(s.lk + 2) * ROW + 4}px)`;
+  $("stepbar").hidden = !isGeneration();
+  if (isGeneration()) {
+    $("step").max = String(s.lq - s.prompt_len);
+    $("step").value = "0";
+  }
+  buildLegend();
   buildGrid();
+  setStep(state.step);
+}
+
+function buildLegend() {
+  const legend = $("legend");
+  legend.innerHTML = "";
+  for (let h = 0; h < src().heads; h++) {
+    const button = document.createElement("button");
+    button.className = "head-toggle";
+    button.dataset.head = h;
+    button.title = `head ${h}: click to show or hide, double-click to show only this head`;
+    button.innerHTML = `<span class="swatch" style="background:${color(h)}"></span>${h}`;
+    button.addEventListener("click", () => toggleHead(h));
+    button.addEventListener("dblclick", () => showHeads([h], h));
+    legend.appendChild(button);
+  }
+  syncLegend();
+}
+
+function syncLegend() {
+  for (const b of document.querySelectorAll(".head-toggle")) {
+    const h = Number(b.dataset.head);
+    b.setAttribute("aria-pressed", String(state.heads.has(h)));
+    b.classList.toggle("focus", h === state.focus);
+  }
+}
+
+function toggleHead(h) {
+  if (state.heads.has(h)) {
+    state.heads.delete(h);
+    if (state.focus === h && state.heads.size) state.focus = shown()[0];
+  } else {
+    state.heads.add(h);
+    state.focus = h;
+  }
+  syncLegend();
+  render();
+}
+
+function showHeads(heads, focus) {
+  state.heads = new Set(heads);
+  state.focus = focus;
+  syncLegend();
+  render();
+}
+
+function setStep(step) {
+  state.step = isGeneration() ? step : null;
+  const row = stepRow();
+  if (row !== null) {
+    $("step").value = String(state.step);
+    state.pin.q = row;
+    $("neuron-query").value = String(row);
+    const scroller = $("scroller");  // keep the step's row in the scroll window
+    if (row * ROW < scroller.scrollTop || (row + 3) * ROW > scroller.scrollTop + scroller.clientHeight) {
+      scroller.scrollTop = Math.max(0, (row - 4) * ROW);
+    }
+  }
+  if (isGeneration()) {
+    const s = src();
+    $("step-label").textContent = row === null ? `whole sequence (${s.lq} tokens, prompt ${s.prompt_len})`
+      : `step ${state.step + 1}/${s.lq - s.prompt_len + 1}: ${quote(s.q_tokens[row])} ` +
+        `reads ${row + 1} keys → generates ${quote(s.generated[state.step])}`;
+  }
   render();
 }
 
 function setView(view) {
   state.view = view;
-  $("head-panel").hidden = view !== "head";
-  $("model-panel").hidden = view !== "model";
-  $("tab-head").classList.toggle("active", view === "head");
-  $("tab-model").classList.toggle("active", view === "model");
+  for (const v of ["head", "model", "neuron"]) {
+    $(`${v}-panel`).hidden = view !== v;
+    $(`tab-${v}`).classList.toggle("active", view === v);
+  }
   render();
 }
 
-// ------------------------------------------------------------------------------ head view
+// ------------------------------------------------------------------------------ drawing helpers
 function sizeCanvas(canvas, width, height) {
   const dpr = window.devicePixelRatio || 1;
   if (canvas.width !== Math.round(width * dpr) || canvas.height !== Math.round(height * dpr)) {
@@ -92,62 +187,97 @@ function sizeCanvas(canvas, width, height) {
   }
   const ctx = canvas.getContext("2d");
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.clearRect(0, 0, width, height);
   return ctx;
 }
 
 function label(token, max) { return token.length > max ? token.slice(0, max - 1) + "…" : token; }
 
+function blues(img, p, w) {  // weight 0..255 -> white..blue
+  img.data[4 * p] = 255 - w * 0.82;
+  img.data[4 * p + 1] = 255 - w * 0.57;
+  img.data[4 * p + 2] = 255 - w * 0.13;
+  img.data[4 * p + 3] = 255;
+}
+
+function diverging(v) {  // -1..1 -> red..white..blue
+  const a = Math.min(1, Math.abs(v));
+  return v >= 0 ? `rgb(${255 - 208 * a},${255 - 144 * a},${255 - 75 * a})`
+    : `rgb(${255 - 41 * a},${255 - 216 * a},${255 - 215 * a})`;
+}
+
+// The best entry of row i (over keys < nk) or of column j (over queries < nq) of one head.
+function best(m, lk, along, index, n) {
+  let arg = -1, top = -1;
+  for (let t = 0; t < n; t++) {
+    const w = along === "row" ? m[index * lk + t] : m[t * lk + index];
+    if (w > top) { top = w; arg = t; }
+  }
+  return [arg, top / 255];
+}
+
+// ------------------------------------------------------------------------------ head view
 function drawHeadView() {
   const s = src();
   const scroller = $("scroller");
   const width = scroller.clientWidth, height = scroller.clientHeight;
   const ctx = sizeCanvas($("lines"), width, height);
-  ctx.clearRect(0, 0, width, height);
   const top = scroller.scrollTop;
   const xLeft = Math.round(width * 0.32), xRight = Math.round(width * 0.68);
   const y = (i) => ROW + i * ROW - top + ROW / 2;      // row centre in canvas coordinates
   const first = Math.max(0, Math.floor(top / ROW) - 1);
   const last = Math.ceil((top + height) / ROW) + 1;
+  const nq = queryCount(), nk = keyCount(), row = stepRow(), hover = state.hover;
 
-  // Lines: from each visible query row (or, when a key is hovered, from every query to it).
-  const hover = state.hover;
+  // Which rows and columns get lines: a hovered query's row; every row into a hovered key (the
+  // step's row only, in a generation); otherwise the step's row or the rows in the window.
+  let rows, cols = null;
+  if (hover && hover.side === "q") rows = hover.index < nq ? [hover.index] : [];
+  else if (hover && hover.side === "k") {
+    cols = hover.index < nk ? [hover.index] : [];
+    rows = row !== null ? [row] : [...Array(nq).keys()];
+  } else if (row !== null) rows = [row];
+  else rows = [...Array(Math.max(0, Math.min(last, nq) - first)).keys()].map((i) => i + first);
+
   ctx.lineCap = "round";
-  for (const head of shownHeads()) {
+  const heads = shown();
+  stats.lines = 0;
+  stats.linesByHead = {};
+  for (const head of heads) {
     const m = matrix(state.layer, head);
+    let count = 0;
     ctx.strokeStyle = color(head);
-    const rows = [];
-    if (hover && hover.side === "q") rows.push(hover.index);
-    else if (hover && hover.side === "k") for (let i = 0; i < s.lq; i++) rows.push(i);
-    else for (let i = first; i < Math.min(last, s.lq); i++) rows.push(i);
     for (const i of rows) {
       const base = i * s.lk;
-      const cols = hover && hover.side === "k" ? [hover.index] : null;
-      const n = cols ? 1 : s.lk;
+      const n = cols ? cols.length : nk;
       for (let c = 0; c < n; c++) {
-        const j = cols ? cols[0] : c;
+        const j = cols ? cols[c] : c;
         const w = m[base + j];
         if (w < MIN_WEIGHT) continue;
-        ctx.globalAlpha = Math.min(1, (w / 255) * (state.head === "all" ? 0.8 : 1.0));
+        ctx.globalAlpha = Math.min(1, (w / 255) * (heads.length > 1 ? 0.8 : 1.0));
         ctx.lineWidth = 0.5 + 2.5 * (w / 255);
         ctx.beginPath();
         ctx.moveTo(xLeft + 6, y(i));
         ctx.lineTo(xRight - 6, y(j));
         ctx.stroke();
+        count++;
       }
     }
+    stats.linesByHead[head] = count;
+    stats.lines += count;
   }
   ctx.globalAlpha = 1;
 
-  // Tokens: only the visible ones.
-  ctx.font = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
+  // Tokens: only the visible ones (and in a generation only those that exist at the step).
   ctx.textBaseline = "middle";
   const maxChars = Math.max(4, Math.floor((xLeft - 12) / 7.2));
-  for (const [tokens, x, align, side] of [[s.q_tokens, xLeft, "right", "q"], [s.k_tokens, xRight, "left", "k"]]) {
+  for (const [tokens, x, align, side, n] of [[s.q_tokens, xLeft, "right", "q", nq], [s.k_tokens, xRight, "left", "k", nk]]) {
     ctx.textAlign = align;
-    for (let i = first; i < Math.min(last, tokens.length); i++) {
-      const focused = hover && hover.side === side && hover.index === i;
-      ctx.fillStyle = focused ? "#2f6fde" : "#1d1d1f";
-      ctx.font = (focused ? "bold " : "") + "12px ui-monospace, SFMono-Regular, Menlo, monospace";
+    for (let i = first; i < Math.min(last, n); i++) {
+      const focused = (hover && hover.side === side && hover.index === i) || (row === i && side === "q");
+      const pinned = state.pin[side] === i;
+      ctx.fillStyle = focused ? "#2f6fde" : pinned ? "#e0892b" : "#1d1d1f";
+      ctx.font = (focused || pinned ? "bold " : "") + MONO;
       ctx.fillText(label(tokens[i], maxChars), x, y(i));
     }
   }
@@ -158,63 +288,174 @@ function drawHeadView() {
     ctx.fillText("queries", xLeft - 30, ROW / 2 - top);
     ctx.fillText("keys", xRight + 20, ROW / 2 - top);
   }
+  if (!heads.length) {
+    ctx.fillText("no head shown: pick one in the legend", width / 2, height / 2);
+  }
 }
 
-function drawHeatmap() {
+function hoverAt(event) {
   const s = src();
-  const canvas = $("heatmap");
-  const size = 280;
-  const ctx = sizeCanvas(canvas, size, size);
-  ctx.clearRect(0, 0, size, size);
-  // One pixel per weight in an offscreen canvas, scaled up (or down, for 512 tokens) when drawn.
+  const rect = $("lines").getBoundingClientRect();
+  const x = event.clientX - rect.left, yy = event.clientY - rect.top + $("scroller").scrollTop;
+  const index = Math.floor((yy - ROW) / ROW);
+  const side = x < rect.width / 2 ? "q" : "k";
+  const n = side === "q" ? queryCount() : keyCount();
+  return index >= 0 && index < n && s ? { side, index } : null;
+}
+
+// ------------------------------------------------------------------------------ heatmap
+const heatImages = new Map();  // "source/layer/heads" -> canvas of one pixel per weight
+
+function heatImage() {
+  const s = src();
+  const heads = shown();
+  const key = `${state.source}/${state.layer}/${heads.join(",")}`;
+  if (heatImages.has(key)) return heatImages.get(key);
   const off = document.createElement("canvas");
   off.width = s.lk;
   off.height = s.lq;
   const octx = off.getContext("2d");
   const img = octx.createImageData(s.lk, s.lq);
-  const heads = shownHeads();
   const mats = heads.map((h) => matrix(state.layer, h));
-  for (let p = 0; p < s.lq * s.lk; p++) {
-    let w = 0;
-    for (const m of mats) w += m[p];
-    w = Math.min(255, w / mats.length);
-    img.data[4 * p] = 255 - w * 0.82;
-    img.data[4 * p + 1] = 255 - w * 0.57;
-    img.data[4 * p + 2] = 255 - w * 0.13;
-    img.data[4 * p + 3] = 255;
-  }
+  const sum = new Float32Array(s.lq * s.lk);
+  for (const m of mats) for (let p = 0; p < sum.length; p++) sum[p] += m[p];
+  for (let p = 0; p < sum.length; p++) blues(img, p, mats.length ? sum[p] / mats.length : 0);
   octx.putImageData(img, 0, 0);
-  const scale = Math.min(size / s.lk, size / s.lq);
-  ctx.imageSmoothingEnabled = scale < 1;
-  ctx.drawImage(off, 0, 0, s.lk * scale, s.lq * scale);
-  if (state.hover) {  // outline the hovered row or column
-    ctx.strokeStyle = "#e0892b";
-    ctx.lineWidth = 1.5;
-    if (state.hover.side === "q") ctx.strokeRect(0, state.hover.index * scale, s.lk * scale, Math.max(1, scale));
-    else ctx.strokeRect(state.hover.index * scale, 0, Math.max(1, scale), s.lq * scale);
+  if (heatImages.size > 24) heatImages.delete(heatImages.keys().next().value);
+  heatImages.set(key, off);
+  return off;
+}
+
+function heatGeometry() {
+  const s = src();
+  const cell = Math.min(HEAT / s.lk, HEAT / s.lq, 28);
+  const longest = Math.max(...s.q_tokens.map((t) => Math.min(t.length, 10)), ...s.k_tokens.map((t) => Math.min(t.length, 10)));
+  const margin = cell >= 6 ? 14 + 7 * longest : 34;  // room for labels, or for an axis note
+  return { cell, left: margin, top: margin, width: margin + s.lk * cell + 6, height: margin + s.lq * cell + 6 };
+}
+
+function drawHeatmap() {
+  const s = src();
+  const g = heatGeometry();
+  const ctx = sizeCanvas($("heatmap"), g.width, g.height);
+  const pw = s.lk * g.cell, ph = s.lq * g.cell;
+  ctx.imageSmoothingEnabled = g.cell < 1;
+  ctx.drawImage(heatImage(), g.left, g.top, pw, ph);
+  const row = stepRow();
+  if (row !== null) {  // keys and queries that do not exist yet at this step
+    ctx.fillStyle = "rgba(255,255,255,0.8)";
+    ctx.fillRect(g.left, g.top + (row + 1) * g.cell, pw, ph - (row + 1) * g.cell);
+    ctx.fillRect(g.left + (row + 1) * g.cell, g.top, pw - (row + 1) * g.cell, (row + 1) * g.cell);
+  }
+  // Token labels: every token when cells are tall enough for text, else every n-th.
+  const every = Math.max(1, Math.ceil(11 / g.cell));
+  stats.heatmapLabels = { q: [], k: [] };
+  ctx.fillStyle = "#1d1d1f";
+  ctx.font = "11px ui-monospace, SFMono-Regular, Menlo, monospace";
+  ctx.textBaseline = "middle";
+  ctx.textAlign = "right";
+  for (let i = 0; i < s.lq; i += every) {
+    const text = g.cell >= 6 ? label(s.q_tokens[i], 10) : String(i);
+    ctx.fillText(text, g.left - 4, g.top + (i + 0.5) * g.cell);
+    stats.heatmapLabels.q.push(text);
+  }
+  ctx.save();
+  ctx.textAlign = "left";
+  for (let j = 0; j < s.lk; j += every) {
+    const text = g.cell >= 6 ? label(s.k_tokens[j], 10) : String(j);
+    const dpr = window.devicePixelRatio || 1;
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.translate(g.left + (j + 0.5) * g.cell, g.top - 4);
+    ctx.rotate(-Math.PI / 2);
+    ctx.fillText(text, 0, 0);
+    stats.heatmapLabels.k.push(text);
+  }
+  ctx.restore();
+  if (g.cell < 6) {
+    ctx.fillStyle = "#6b6b70";
+    ctx.textAlign = "left";
+    ctx.fillText("rows: queries, columns: keys (token numbers)", 4, 10);
+  }
+  // Outlines: the hovered token's row or column, the hovered cell, the step's row.
+  ctx.strokeStyle = "#e0892b";
+  ctx.lineWidth = 1.5;
+  const c = Math.max(1, g.cell);
+  if (state.hover && state.view === "head") {
+    if (state.hover.side === "q") ctx.strokeRect(g.left, g.top + state.hover.index * g.cell, pw, c);
+    else ctx.strokeRect(g.left + state.hover.index * g.cell, g.top, c, ph);
+  }
+  if (row !== null) { ctx.strokeStyle = "#2f6fde"; ctx.strokeRect(g.left, g.top + row * g.cell, (row + 1) * g.cell, c); }
+  if (state.cell) {
+    ctx.strokeStyle = "#d62728";
+    ctx.strokeRect(g.left + state.cell.j * g.cell, g.top + state.cell.i * g.cell, c, c);
   }
 }
 
-function describeHover() {
+function cellAt(event) {
   const s = src();
+  const g = heatGeometry();
+  const rect = $("heatmap").getBoundingClientRect();
+  const j = Math.floor((event.clientX - rect.left - g.left) / g.cell);
+  const i = Math.floor((event.clientY - rect.top - g.top) / g.cell);
+  return i >= 0 && i < queryCount() && j >= 0 && j < Math.min(s.lk, keyCount()) ? { i, j } : null;
+}
+
+// ------------------------------------------------------------------------------ status line
+function describe() {
+  const s = src();
+  const heads = shown();
+  const row = stepRow();
+  const layer = `layer ${state.layer} (${s.layers[state.layer]})`;
+  const which = heads.length === 1 ? `head ${heads[0]}` : heads.length === s.heads ? `all ${s.heads} heads`
+    : `heads ${heads.join(", ")} (${heads.length} of ${s.heads})`;
+  if (!heads.length) return `${layer}: no head shown; click a head in the legend`;
+  const perHead = (fn) => heads.map((h) => fn(h, matrix(state.layer, h)));
+  const one = heads.length === 1;
+  if (state.view === "head" && state.cell) {
+    const { i, j } = state.cell;
+    const ws = perHead((h, m) => [h, m[i * s.lk + j] / 255]);
+    const mean = ws.reduce((a, [, w]) => a + w, 0) / ws.length;
+    return `query ${i} ${quote(s.q_tokens[i])} → key ${j} ${quote(s.k_tokens[j])}: weight ${mean.toFixed(2)} ` +
+      (one ? `(${which})` : `(mean of ${heads.length} heads; ${ws.map(([h, w]) => `head ${h} ${w.toFixed(2)}`).join(", ")})`);
+  }
   const hover = state.hover;
-  if (!hover || state.head === "all") {
-    $("status").textContent = `layer ${state.layer} (${s.layers[state.layer]}), ` +
-      (state.head === "all" ? "all heads" : `head ${state.head}`) + `: ${s.lq} queries x ${s.lk} keys`;
-    return;
+  if (state.view === "head" && hover && hover.side === "q") {
+    const i = hover.index;
+    const parts = perHead((h, m) => { const [j, w] = best(m, s.lk, "row", i, keyCount()); return [h, j, w]; });
+    if (one) { const [, j, w] = parts[0]; return `query ${i} ${quote(s.q_tokens[i])} attends most to key ${j} ${quote(s.k_tokens[j])} (${w.toFixed(2)}), ${which}`; }
+    return `query ${i} ${quote(s.q_tokens[i])} attends most to: ` +
+      parts.map(([h, j, w]) => `head ${h} → ${j} ${quote(s.k_tokens[j])} (${w.toFixed(2)})`).join("; ");
   }
-  const m = matrix(state.layer, state.head);
-  let best = -1, bestW = -1;
-  if (hover.side === "q") {
-    for (let j = 0; j < s.lk; j++) if (m[hover.index * s.lk + j] > bestW) { bestW = m[hover.index * s.lk + j]; best = j; }
-    $("status").textContent = `query ${hover.index} "${s.q_tokens[hover.index]}" attends most to key ${best} "${s.k_tokens[best]}" (${(bestW / 255).toFixed(2)})`;
-  } else {
-    for (let i = 0; i < s.lq; i++) if (m[i * s.lk + hover.index] > bestW) { bestW = m[i * s.lk + hover.index]; best = i; }
-    $("status").textContent = `key ${hover.index} "${s.k_tokens[hover.index]}" is read most by query ${best} "${s.q_tokens[best]}" (${(bestW / 255).toFixed(2)})`;
+  if (state.view === "head" && hover && hover.side === "k") {
+    const j = hover.index;
+    if (row !== null) {
+      const parts = perHead((h, m) => [h, m[row * s.lk + j] / 255]);
+      return `step ${state.step + 1}: query ${row} ${quote(s.q_tokens[row])} gives key ${j} ${quote(s.k_tokens[j])} weight ` +
+        parts.map(([h, w]) => (one ? w.toFixed(2) : `${w.toFixed(2)} (head ${h})`)).join(", ");
+    }
+    const parts = perHead((h, m) => { const [i, w] = best(m, s.lk, "col", j, queryCount()); return [h, i, w]; });
+    if (one) { const [, i, w] = parts[0]; return `key ${j} ${quote(s.k_tokens[j])} is read most by query ${i} ${quote(s.q_tokens[i])} (${w.toFixed(2)}), ${which}`; }
+    return `key ${j} ${quote(s.k_tokens[j])} is read most by: ` +
+      parts.map(([h, i, w]) => `head ${h} ← ${i} ${quote(s.q_tokens[i])} (${w.toFixed(2)})`).join("; ");
   }
+  let text = `${layer}, ${which}: ${s.lq} queries x ${s.lk} keys`;
+  if (row !== null) {
+    const parts = perHead((h, m) => { const [j, w] = best(m, s.lk, "row", row, row + 1); return [h, j, w]; });
+    text += `\nstep ${state.step + 1}: ${quote(s.q_tokens[row])} attends most to ` +
+      parts.map(([h, j, w]) => `${quote(s.k_tokens[j])} (${w.toFixed(2)}${one ? "" : `, head ${h}`})`).join(", ") +
+      ` and generates ${quote(s.generated[state.step])}`;
+  }
+  return text;
 }
 
 // ------------------------------------------------------------------------------ model view
+function paintThumb(canvas, pix) {
+  const ctx = canvas.getContext("2d");
+  const img = ctx.createImageData(canvas.width, canvas.height);
+  for (let p = 0; p < pix.length; p++) blues(img, p, pix[p]);
+  ctx.putImageData(img, 0, 0);
+}
+
 function buildGrid() {
   const s = src();
   const table = $("grid");
@@ -224,6 +465,7 @@ function buildGrid() {
   for (let h = 0; h < s.heads; h++) {
     const th = document.createElement("th");
     th.textContent = `head ${h}`;
+    th.style.color = color(h);
     head.appendChild(th);
   }
   s.layers.forEach((name, l) => {
@@ -243,79 +485,265 @@ function buildGrid() {
         canvas.classList.add("highlight");
         canvas.title += ` (${s.highlight.label})`;
       }
-      const ctx = canvas.getContext("2d");
-      const pix = decode(s.thumbs[l][h]);
-      const img = ctx.createImageData(s.thumb_k, s.thumb_q);
-      for (let p = 0; p < pix.length; p++) {
-        img.data[4 * p] = 255 - pix[p] * 0.82;
-        img.data[4 * p + 1] = 255 - pix[p] * 0.57;
-        img.data[4 * p + 2] = 255 - pix[p] * 0.13;
-        img.data[4 * p + 3] = 255;
-      }
-      ctx.putImageData(img, 0, 0);
+      paintThumb(canvas, bytes(s.thumbs[l][h]));
+      canvas.addEventListener("mouseenter", () => drawPreview(l, h));
       canvas.addEventListener("click", () => {
         state.layer = l;
-        state.head = h;
         $("layer").value = String(l);
-        $("head").value = String(h);
+        showHeads([h], h);
         setView("head");
       });
       row.insertCell().appendChild(canvas);
     }
   });
+  drawPreview(state.layer, state.focus);
+}
+
+// The full-resolution matrix of one head, as large as the preview allows (thumbnails are pooled).
+function drawPreview(layer, head) {
+  const s = src();
+  const canvas = $("preview");
+  const cell = Math.max(1, Math.min(Math.floor(360 / Math.max(s.lq, s.lk)), 30));
+  const fit = Math.min(360 / s.lk, 360 / s.lq);
+  const w = Math.round(s.lk * (s.lk * cell > 360 ? fit : cell)), h = Math.round(s.lq * (s.lq * cell > 360 ? fit : cell));
+  const ctx = sizeCanvas(canvas, w, h);
+  const off = document.createElement("canvas");
+  off.width = s.lk;
+  off.height = s.lq;
+  const octx = off.getContext("2d");
+  const img = octx.createImageData(s.lk, s.lq);
+  const m = matrix(layer, head);
+  let top = 1;
+  for (let p = 0; p < m.length; p++) top = Math.max(top, m[p]);
+  for (let p = 0; p < m.length; p++) blues(img, p, (m[p] * 255) / top);  // scaled like the thumbnails
+  octx.putImageData(img, 0, 0);
+  ctx.imageSmoothingEnabled = w < s.lk;
+  ctx.drawImage(off, 0, 0, w, h);
+  canvas.dataset.layer = layer;
+  canvas.dataset.head = head;
+  $("preview-label").textContent = `layer ${layer} (${s.layers[layer]}), head ${head}: ${s.lq} x ${s.lk}, full resolution`;
+  if (state.view === "model") $("status").textContent = `layer ${layer}, head ${head}: click to open it in the head view`;
 }
 
 function markSelected() {
   for (const c of document.querySelectorAll("#grid canvas")) {
-    c.classList.toggle("selected", Number(c.dataset.layer) === state.layer &&
-      (state.head === "all" || Number(c.dataset.head) === state.head));
+    c.classList.toggle("selected", Number(c.dataset.layer) === state.layer && state.heads.has(Number(c.dataset.head)));
   }
 }
 
-// ------------------------------------------------------------------------------ events
+// ------------------------------------------------------------------------------ neuron view
+function neuronQuery() {
+  const row = stepRow();
+  return row !== null ? row : state.pin.q !== null ? state.pin.q : 0;
+}
+
+function neuronKey(terms) {
+  if (state.nkey !== null && state.nkey < terms.nk) return state.nkey;
+  if (state.pin.k !== null && state.pin.k < terms.nk) return state.pin.k;
+  return terms.top;
+}
+
+// Every key's terms q_d * k_d * scale for the query, the scores, and the head's weights.
+function neuronTerms() {
+  const s = src();
+  const head = state.focus, D = s.dim, i = neuronQuery();
+  const q = vectors("queries", state.layer, head).subarray(i * D, (i + 1) * D);
+  const k = vectors("keys", state.layer, head);
+  const m = matrix(state.layer, head);
+  const nk = isGeneration() ? Math.min(s.lk, i + 1) : s.lk;  // a generation is causal
+  const terms = new Float32Array(nk * D), scores = new Float32Array(nk);
+  let maxTerm = 1e-12, top = 0;
+  for (let j = 0; j < nk; j++) {
+    let sum = 0;
+    for (let d = 0; d < D; d++) {
+      const t = q[d] * k[j * D + d] * s.scale;
+      terms[j * D + d] = t;
+      sum += t;
+      maxTerm = Math.max(maxTerm, Math.abs(t));
+    }
+    scores[j] = sum;
+    if (m[i * s.lk + j] > m[i * s.lk + top]) top = j;
+  }
+  return { head, i, q, k, m, nk, D, terms, scores, maxTerm, top };
+}
+
+function drawNeuron() {
+  const s = src();
+  const has = s.queries !== undefined;
+  $("neuron-empty").hidden = has;
+  $("neuron-body").hidden = !has;
+  if (!has) { stats.neuron = null; return; }
+  const t = neuronTerms();
+  const scroller = $("neuron-scroller");
+  const width = scroller.clientWidth, height = scroller.clientHeight;
+  const ctx = sizeCanvas($("neuron"), width, height);
+  const top = scroller.scrollTop;
+  const labelW = 110, numW = 70, barW = 90;
+  const cw = Math.max(2, Math.min(14, Math.floor((width - labelW - numW - barW - 20) / t.D)));
+  const x0 = labelW, xNum = x0 + cw * t.D + 8, xBar = xNum + numW;
+  const key = neuronKey(t);
+  ctx.textBaseline = "middle";
+  ctx.font = MONO;
+  const first = Math.max(0, Math.floor(top / ROW) - 2), last = Math.min(t.nk, Math.ceil((top + height) / ROW));
+  for (let j = first; j < last; j++) {
+    const y = (j + 1) * ROW - top;   // row 0 of the canvas is the query's strip
+    if (y < ROW - 1 || y > height) continue;
+    if (j === key) { ctx.fillStyle = "#fff3e0"; ctx.fillRect(0, y, width, ROW); }
+    ctx.fillStyle = "#1d1d1f";
+    ctx.textAlign = "right";
+    ctx.fillText(label(`${j} ${s.k_tokens[j]}`, 14), labelW - 6, y + ROW / 2);
+    for (let d = 0; d < t.D; d++) {
+      ctx.fillStyle = diverging(t.terms[j * t.D + d] / t.maxTerm);
+      ctx.fillRect(x0 + d * cw, y + 2, cw - (cw > 3 ? 1 : 0), ROW - 4);
+    }
+    ctx.fillStyle = "#1d1d1f";
+    ctx.textAlign = "right";
+    ctx.fillText(t.scores[j].toFixed(2), xNum + numW - 10, y + ROW / 2);
+    const w = t.m[t.i * s.lk + j] / 255;
+    ctx.fillStyle = color(t.head);
+    ctx.fillRect(xBar, y + 4, Math.max(0.5, w * barW), ROW - 8);
+  }
+  // The query's own vector on top (sticky), scaled to its largest |q_d|.
+  ctx.fillStyle = "#f4f4f6";
+  ctx.fillRect(0, 0, width, ROW);
+  let qmax = 1e-12;
+  for (let d = 0; d < t.D; d++) qmax = Math.max(qmax, Math.abs(t.q[d]));
+  ctx.fillStyle = "#2f6fde";
+  ctx.textAlign = "right";
+  ctx.fillText(label(`q ${t.i} ${s.q_tokens[t.i]}`, 14), labelW - 6, ROW / 2);
+  for (let d = 0; d < t.D; d++) { ctx.fillStyle = diverging(t.q[d] / qmax); ctx.fillRect(x0 + d * cw, 2, cw - (cw > 3 ? 1 : 0), ROW - 4); }
+  ctx.fillStyle = "#6b6b70";
+  ctx.textAlign = "left";
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.fillText("score", xNum + 8, ROW / 2);
+  ctx.fillText("weight", xBar, ROW / 2);
+  drawPair(t, key);
+}
+
+// One query-key pair: q_d, k_d and their scaled product for every dimension d, as bars.
+function drawPair(t, j) {
+  const s = src();
+  const D = t.D;
+  const bw = Math.max(2, Math.min(16, Math.floor(760 / D)));
+  const width = Math.max(640, 130 + bw * D + 10), band = 46;
+  const ctx = sizeCanvas($("pair"), width, band * 3 + 30);
+  const kj = t.k.subarray(j * D, (j + 1) * D), prod = t.terms.subarray(j * D, (j + 1) * D);
+  const rows = [["q (query " + t.i + ")", t.q], ["k (key " + j + ")", kj], ["q·k·scale", prod]];
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.textBaseline = "middle";
+  rows.forEach(([name, vec], r) => {
+    const mid = 10 + r * band + band / 2;
+    let vmax = 1e-12;
+    for (let d = 0; d < D; d++) vmax = Math.max(vmax, Math.abs(vec[d]));
+    ctx.fillStyle = "#1d1d1f";
+    ctx.textAlign = "right";
+    ctx.fillText(name, 122, mid);
+    ctx.strokeStyle = "#d9d9de";
+    ctx.beginPath(); ctx.moveTo(130, mid); ctx.lineTo(130 + bw * D, mid); ctx.stroke();
+    for (let d = 0; d < D; d++) {
+      const h = (vec[d] / vmax) * (band / 2 - 4);
+      ctx.fillStyle = vec[d] >= 0 ? "#2f6fde" : "#d62728";
+      ctx.fillRect(130 + d * bw, Math.min(mid, mid - h), Math.max(1, bw - 1), Math.abs(h));
+    }
+  });
+  const weight = t.m[t.i * s.lk + j] / 255;
+  const order = [...prod.keys()].sort((a, b) => Math.abs(prod[b]) - Math.abs(prod[a])).slice(0, 3);
+  ctx.fillStyle = "#1d1d1f";
+  ctx.textAlign = "left";
+  ctx.fillText(`score = Σ_d q_d k_d · scale = ${t.scores[j].toFixed(3)}   weight ${weight.toFixed(2)}   ` +
+    `(head ${t.head}, D = ${D}, scale = ${s.scale.toPrecision(3)})`, 8, 10 + 3 * band + 10);
+  stats.neuron = { head: t.head, query: t.i, key: j, score: t.scores[j], weight, dim: D, keys: t.nk,
+                   terms: Array.from(prod) };
+  $("status").textContent = `head ${t.head}, query ${t.i} ${quote(s.q_tokens[t.i])} · key ${j} ${quote(s.k_tokens[j])}: ` +
+    `score ${t.scores[j].toFixed(3)} = sum of ${D} terms q_d·k_d·scale, weight ${weight.toFixed(2)}; largest terms ` +
+    order.map((d) => `d${d} ${prod[d] >= 0 ? "+" : ""}${prod[d].toFixed(3)}`).join(", ");
+}
+
+function neuronRowAt(event) {
+  const rect = $("neuron").getBoundingClientRect();
+  const j = Math.floor((event.clientY - rect.top + $("neuron-scroller").scrollTop) / ROW) - 1;
+  const nk = isGeneration() ? Math.min(src().lk, neuronQuery() + 1) : src().lk;
+  return j >= 0 && j < nk ? j : null;
+}
+
+// ------------------------------------------------------------------------------ render loop
 let pending = false;
 function render() {
   if (pending) return;
   pending = true;
   requestAnimationFrame(() => {
     pending = false;
+    const t0 = performance.now();
     markSelected();
+    syncLegend();
     if (state.view === "head") {
       drawHeadView();
       drawHeatmap();
-      describeHover();
+      $("status").textContent = describe();
+    } else if (state.view === "neuron") {
+      drawNeuron();
+      if (!src().queries) $("status").textContent = describe();
+    } else if (state.view === "model") {
+      drawPreview(Number($("preview").dataset.layer || state.layer), Number($("preview").dataset.head || state.focus));
     }
+    stats.lastMs = performance.now() - t0;
+    stats.renders++;
   });
 }
 
-function hoverAt(event) {
-  const s = src();
-  const scroller = $("scroller");
-  const rect = $("lines").getBoundingClientRect();
-  const x = event.clientX - rect.left, yy = event.clientY - rect.top + scroller.scrollTop;
-  const index = Math.floor((yy - ROW) / ROW);
-  const side = x < rect.width / 2 ? "q" : "k";
-  const n = side === "q" ? s.lq : s.lk;
-  return index >= 0 && index < n ? { side, index } : null;
-}
+function same(a, b) { return JSON.stringify(a) === JSON.stringify(b); }
 
 $("lines").addEventListener("mousemove", (event) => {
   const next = hoverAt(event);
-  const same = (next === null && state.hover === null) ||
-    (next && state.hover && next.side === state.hover.side && next.index === state.hover.index);
-  if (!same) { state.hover = next; render(); }
+  if (!same(next, state.hover)) { state.hover = next; state.cell = null; render(); }
 });
 $("lines").addEventListener("mouseleave", () => { state.hover = null; render(); });
+$("lines").addEventListener("click", (event) => {
+  const at = hoverAt(event);
+  if (at) { state.pin[at.side] = state.pin[at.side] === at.index ? null : at.index; render(); }
+});
+$("heatmap").addEventListener("mousemove", (event) => {
+  const next = cellAt(event);
+  if (!same(next, state.cell)) { state.cell = next; state.hover = null; render(); }
+});
+$("heatmap").addEventListener("mouseleave", () => { state.cell = null; render(); });
+$("heatmap").addEventListener("click", (event) => {
+  const at = cellAt(event);
+  if (at) { state.pin = { q: at.i, k: at.j }; $("neuron-query").value = String(at.i); render(); }
+});
+$("neuron").addEventListener("mousemove", (event) => {
+  const j = neuronRowAt(event);
+  if (j !== state.nkey) { state.nkey = j; render(); }
+});
+$("neuron").addEventListener("mouseleave", () => { state.nkey = null; render(); });
+$("neuron").addEventListener("click", (event) => {
+  const j = neuronRowAt(event);
+  if (j !== null) { state.pin.k = j; render(); }
+});
+$("neuron-query").addEventListener("change", (e) => {
+  const i = Number(e.target.value);
+  state.pin.q = i;
+  if (isGeneration()) {  // a query of the generated part is a step; one of the prompt shows the whole sequence
+    const step = i - (src().prompt_len - 1);
+    setStep(step >= 0 ? step : null);
+    state.pin.q = i;
+  }
+  render();
+});
 $("scroller").addEventListener("scroll", render, { passive: true });
+$("neuron-scroller").addEventListener("scroll", render, { passive: true });
 window.addEventListener("resize", render);
 $("source").addEventListener("change", (e) => setSource(Number(e.target.value)));
 $("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); render(); });
-$("head").addEventListener("change", (e) => {
-  state.head = e.target.value === "all" ? "all" : Number(e.target.value);
-  render();
-});
-$("tab-head").addEventListener("click", () => setView("head"));
-$("tab-model").addEventListener("click", () => setView("model"));
+$("heads-all").addEventListener("click", () => showHeads([...Array(src().heads).keys()], state.focus));
+$("heads-none").addEventListener("click", () => showHeads([], state.focus));
+$("step").addEventListener("input", (e) => setStep(Number(e.target.value)));
+$("step-prev").addEventListener("click", () => setStep(Math.max(0, (state.step === null ? 1 : state.step) - 1)));
+$("step-next").addEventListener("click", () =>
+  setStep(Math.min(src().lq - src().prompt_len, state.step === null ? 0 : state.step + 1)));
+$("step-all").addEventListener("click", () => setStep(null));
+$("thumb-size").addEventListener("input", (e) => document.documentElement.style.setProperty("--thumb", `${e.target.value}px`));
+for (const v of ["head", "model", "neuron"]) $(`tab-${v}`).addEventListener("click", () => setView(v));
 
 fillSelect($("source"), DATA.sources.map((s, i) => [i, s.name]), 0);
 setSource(0);

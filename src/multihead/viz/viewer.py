@@ -2,16 +2,27 @@
 
     source = ViewerSource("MiniLM", tokens, tokens, weights, layer_names)  # weights (layers, H, Lq, Lk)
     write_viewer("attention.html", [source], title="Attention")
+    Viewer([source])                     # in Jupyter: shown inline (``_repr_html_``), or .save(path)
 
-The page has a *head view* (query tokens on the left, key tokens on the right, a line per
-weight, layer and head selectors, hover a token to focus it, plus the selected head's heatmap)
-and a *model view* (a thumbnail per layer x head; click one to open it). Several sources (e.g.
-an encoder and a decoder) share one file with a selector.
+The page has three views (``docs/demo.md``, "The viewer"):
+
+* **head view**: query tokens on the left, key tokens on the right, a line per weight in the
+  colour of its head; a legend with one toggle per head (click: show or hide, double-click: only
+  this one); hover a token to focus it in any mode, click it to pin it. Beside it the shown heads'
+  matrix as a heatmap with its tokens on the axes (hover a cell for its weight).
+* **model view**: a thumbnail per layer x head, enlargeable (size slider, full-resolution preview
+  on hover); click one to open it in the head view.
+* **neuron view** (sources with ``queries`` and ``keys``): one query against every key of the
+  focused head, each score split into its ``D`` elementwise terms ``q_d · k_d · scale``.
+
+A source with ``prompt_len`` is a generation: row ``prompt_len - 1 + s`` is decode step ``s``, one
+query against the keys up to it, and the page shows a step slider.
 
 Weights are stored as base64 ``uint8`` (``round(255 * w)``: 1/255 resolution, which a line's
 opacity cannot show anyway) and decoded in the browser per head on demand; thumbnails are
-average-pooled here to at most 48 x 48. The head view draws only the rows in its scroll window,
-so 512 tokens stay responsive (a 6-layer, 12-head model at 512 tokens is a ~25 MB file).
+average-pooled here to at most 48 x 48; query and key vectors as base64 float32. Everything is
+drawn on canvases and the head view draws only the rows in its scroll window, so 1024 tokens stay
+responsive (a 6-layer, 12-head model at 512 tokens is a ~25 MB file).
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ViewerSource", "render_viewer", "write_viewer"]
+from multihead.conventions import default_scale, repeat_kv
+
+__all__ = ["ViewerSource", "Viewer", "render_viewer", "write_viewer"]
 
 THUMB = 48  # max thumbnail side, in cells
 
@@ -37,9 +50,26 @@ THUMB = 48  # max thumbnail side, in cells
 class ViewerSource:
     """The attention of one model on one input.
 
-    ``weights``: ``(layers, H, Lq, Lk)`` or a list of per-layer ``(H, Lq, Lk)`` / ``(1, H, Lq, Lk)``
-    tensors (what :func:`multihead.capture_attention` records for one sequence). ``highlight``:
-    ``(layer, head, label)`` of a head to open first and mark in the model view.
+    Args:
+        name: shown in the model selector.
+        q_tokens, k_tokens: ``Lq`` and ``Lk`` strings.
+        weights: ``(layers, H, Lq, Lk)`` or a list of per-layer ``(H, Lq, Lk)`` / ``(1, H, Lq, Lk)``
+            tensors (what :func:`multihead.capture_attention` records for one sequence).
+        layer_names: one per layer; default ``layer 0``, ``layer 1``, ...
+        caption: a line shown above the views.
+        highlight: ``(layer, head, label)`` of a head to open first and mark in the model view.
+        queries, keys: for the neuron view, the query and key vectors each score was computed
+            from, after positions (rotary) and scaling aside: ``(layers, H, Lq, D)`` and
+            ``(layers, H or Hkv, Lk, D)``, or per-layer lists like ``weights``. Keys of ``Hkv``
+            heads are read by query heads as :func:`multihead.conventions.kv_head_of` maps them.
+            :func:`multihead.viz.record_attention` records them with the weights.
+        scale: the softmax scale of the scores (default ``1 / sqrt(D)``): score = ``sum_d q_d k_d scale``
+            (plus what a mask or score modifier adds, which the neuron view does not split).
+        prompt_len: makes the source a generation: ``q_tokens`` and ``k_tokens`` are the same
+            sequence, rows before ``prompt_len - 1`` are the prompt's, and row ``prompt_len - 1 + s``
+            is decode step ``s`` (the token fed in, attending to the keys up to it).
+        generated: the token each decode step produced, one per step (``Lq - prompt_len + 1``);
+            default: the next token of ``q_tokens``, and ``""`` for the last step.
     """
 
     name: str
@@ -49,9 +79,14 @@ class ViewerSource:
     layer_names: list[str] | None = None
     caption: str = ""
     highlight: tuple[int, int, str] | None = None
+    queries: Tensor | list[Tensor] | None = None
+    keys: Tensor | list[Tensor] | None = None
+    scale: float | None = None
+    prompt_len: int | None = None
+    generated: list[str] | None = None
 
     def to_json(self) -> dict:
-        w = _stack(self.weights, self.name)  # (layers, H, Lq, Lk)
+        w = _stack(self.weights, self.name, "weights")  # (layers, H, Lq, Lk)
         layers, heads, lq, lk = w.shape
         if len(self.q_tokens) != lq or len(self.k_tokens) != lk:
             raise ValueError(f"ViewerSource {self.name!r}: weights are (layers, H, Lq, Lk) = {tuple(w.shape)} but "
@@ -78,7 +113,51 @@ class ViewerSource:
                 raise ValueError(f"ViewerSource {self.name!r}: highlight (layer={layer}, head={head}) is outside "
                                  f"{layers} layers x {heads} heads")
             data["highlight"] = {"layer": int(layer), "head": int(head), "label": str(label)}
+        data.update(self._vectors_json(layers, heads, lq, lk))
+        data.update(self._generation_json(lq, lk))
         return data
+
+    def _vectors_json(self, layers: int, heads: int, lq: int, lk: int) -> dict:
+        if self.queries is None and self.keys is None:
+            return {}
+        if self.queries is None or self.keys is None:
+            raise ValueError(f"ViewerSource {self.name!r}: the neuron view needs both queries and keys, got only "
+                             f"{'queries' if self.keys is None else 'keys'}")
+        q = _stack(self.queries, self.name, "queries")  # (layers, H, Lq, D)
+        k = _stack(self.keys, self.name, "keys")  # (layers, H or Hkv, Lk, D)
+        D = q.shape[-1]
+        if q.shape != (layers, heads, lq, D):
+            raise ValueError(f"ViewerSource {self.name!r}: queries must be (layers, H, Lq, D) = "
+                             f"({layers}, {heads}, {lq}, D) like the weights, got {tuple(q.shape)}")
+        if k.shape[0] != layers or k.shape[2:] != (lk, D) or k.shape[1] < 1 or heads % k.shape[1]:
+            raise ValueError(f"ViewerSource {self.name!r}: keys must be (layers, Hkv, Lk, D) = ({layers}, Hkv, {lk}, "
+                             f"{D}) with Hkv dividing H={heads}, got {tuple(k.shape)}")
+        k = repeat_kv(k, heads)  # (layers, H, Lk, D): query head h reads KV head kv_head_of(h)
+        scale = default_scale(D) if self.scale is None else float(self.scale)
+        return {
+            "dim": D, "scale": scale,
+            "queries": [[_b64(q[l, h].contiguous()) for h in range(heads)] for l in range(layers)],
+            "keys": [[_b64(k[l, h].contiguous()) for h in range(heads)] for l in range(layers)],
+        }
+
+    def _generation_json(self, lq: int, lk: int) -> dict:
+        if self.prompt_len is None:
+            if self.generated is not None:
+                raise ValueError(f"ViewerSource {self.name!r}: generated tokens need prompt_len (where decoding began)")
+            return {}
+        P = self.prompt_len
+        if lq != lk or list(self.q_tokens) != list(self.k_tokens):
+            raise ValueError(f"ViewerSource {self.name!r}: a generation (prompt_len={P}) attends a sequence to itself; "
+                             f"got {lq} query tokens and {lk} different key tokens")
+        if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= lq:
+            raise ValueError(f"ViewerSource {self.name!r}: prompt_len must be an int in [1, {lq}], got {P!r}")
+        steps = lq - P + 1
+        generated = ([str(t) for t in self.q_tokens[P:]] + [""]) if self.generated is None else \
+            [str(t) for t in self.generated]
+        if len(generated) != steps:
+            raise ValueError(f"ViewerSource {self.name!r}: {len(generated)} generated tokens for {steps} decode steps "
+                             f"(rows {P - 1}..{lq - 1}); expected one per step")
+        return {"prompt_len": P, "generated": generated}
 
 
 def render_viewer(sources: list[ViewerSource], *, title: str = "multihead attention viewer") -> str:
@@ -105,21 +184,59 @@ def write_viewer(path: str | Path, sources: list[ViewerSource], *, title: str = 
     return path
 
 
+class Viewer:
+    """The viewer as an object: shown inline by Jupyter (``_repr_html_``), saved with :meth:`save`.
+
+    Inline, the page sits in an ``<iframe srcdoc>``: its ids, styles and script are its own, so
+    several viewers in one notebook do not interfere, and the notebook needs no extension.
+    The sources are rendered once, here, so a bad source raises at construction.
+    """
+
+    def __init__(self, sources: ViewerSource | list[ViewerSource], *, title: str = "multihead attention viewer",
+                 height: int = 760):
+        if isinstance(sources, ViewerSource):
+            sources = [sources]
+        if isinstance(height, bool) or not isinstance(height, int) or height < 200:
+            raise ValueError(f"Viewer: height must be an int >= 200 (pixels of the inline frame), got {height!r}")
+        self.title, self.height = title, height
+        self.html = render_viewer(list(sources), title=title)  # the standalone page
+
+    def save(self, path: str | Path) -> Path:
+        """Write the standalone page to ``path`` and return the path."""
+        path = Path(path)
+        path.write_text(self.html, encoding="utf-8")
+        return path
+
+    def _repr_html_(self) -> str:
+        # srcdoc is an attribute: escaping & and " (html.escape) is all it needs.
+        return (f'<iframe class="multihead-viewer" title="{html.escape(self.title)}" srcdoc="{html.escape(self.html)}" '
+                f'style="width: 100%; height: {self.height}px; border: 1px solid #d9d9de;" '
+                f'sandbox="allow-scripts"></iframe>')
+
+    def show(self) -> None:
+        """``IPython.display.display(self)`` (in a notebook, the same as ending a cell with it)."""
+        from IPython.display import display
+
+        display(self)
+
+
 def _template(name: str) -> str:
     return resources.files("multihead.viz").joinpath(name).read_text(encoding="utf-8")
 
 
-def _stack(weights, name: str) -> Tensor:
-    if isinstance(weights, Tensor):
-        w = weights
+def _stack(tensors, name: str, what: str) -> Tensor:
+    """``(layers, H, L, ·)`` from a tensor or a list of per-layer ``(H, L, ·)`` / ``(1, H, L, ·)``."""
+    shape = "(layers, H, Lq, Lk)" if what == "weights" else "(layers, H, L, D)"
+    if isinstance(tensors, Tensor):
+        w = tensors
     else:
-        layers = [t[0] if t.dim() == 4 else t for t in weights]
+        layers = [t[0] if t.dim() == 4 else t for t in tensors]
         if len({tuple(t.shape) for t in layers}) > 1:
-            raise ValueError(f"ViewerSource {name!r}: layers have different shapes "
-                             f"{sorted({tuple(t.shape) for t in layers})}; expected one (H, Lq, Lk)")
+            raise ValueError(f"ViewerSource {name!r}: {what} of the layers have different shapes "
+                             f"{sorted({tuple(t.shape) for t in layers})}; expected one ({shape[9:]}")
         w = torch.stack(layers)
     if w.dim() != 4:
-        raise ValueError(f"ViewerSource {name!r}: weights must be (layers, H, Lq, Lk), got shape {tuple(w.shape)}")
+        raise ValueError(f"ViewerSource {name!r}: {what} must be {shape}, got shape {tuple(w.shape)}")
     return w.detach().float().cpu()
 
 
@@ -128,4 +245,5 @@ def _to_uint8(w: Tensor) -> Tensor:
 
 
 def _b64(t: Tensor) -> str:
+    """Raw bytes, little-endian as JavaScript's typed arrays read them on every platform we target."""
     return base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii")

@@ -1,0 +1,144 @@
+"""Viewer sources recorded from a model: the weights with the query and key vectors of every
+head (for the neuron view), and the attention of each decode step of a generation.
+
+    source = record_attention(model, ids, tokens=names, name="encoder")       # one forward
+    source = record_generation(decoder, prompt_ids, 12, token_names=names)  # prefill + 11 steps
+    write_viewer("attention.html", [source])
+
+Weights come from :func:`multihead.capture_attention`. Query and key vectors come from
+:func:`record_vectors`: a forward pre-hook on each :class:`~multihead.MultiHeadAttention` that
+applies the layer's own projections and rotary embedding to its inputs, since the layer hands
+its rotated ``q`` and ``k`` to no hook of its own (they exist only inside ``forward``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from multihead.capture import capture_attention
+from multihead.layers import MultiHeadAttention
+from multihead.layers.checks import dims
+from multihead.layers.heads import split_heads
+from multihead.viz.viewer import ViewerSource
+
+__all__ = ["record_vectors", "QueryKeyCapture", "record_attention", "record_generation"]
+
+
+@dataclass
+class QueryKeyCapture:
+    """The vectors each attention call scored, in call order: ``queries[i] (B, Hq, Lq, D)`` and the
+    *new* keys of that call ``keys[i] (B, Hkv, Lk, D)`` (with a KV cache, the keys of the tokens
+    fed in; the cached ones were recorded by earlier calls), after rotary positions."""
+
+    names: list[str] = field(default_factory=list)
+    queries: list[Tensor] = field(default_factory=list)
+    keys: list[Tensor] = field(default_factory=list)
+
+
+@contextmanager
+def record_vectors(model: nn.Module):
+    """Record the query and key vectors of every :class:`~multihead.MultiHeadAttention` in
+    ``model`` called inside the ``with`` block (layers with ``context_parallel`` are skipped)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"record_vectors: model must be an nn.Module, got {type(model).__name__}")
+    capture = QueryKeyCapture()
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, MultiHeadAttention) and module.context_parallel is None:
+            handles.append(module.register_forward_pre_hook(_hook(capture, name or type(module).__name__),
+                                                            with_kwargs=True))
+    try:
+        yield capture
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hook(capture: QueryKeyCapture, name: str):
+    @torch.no_grad()
+    def hook(layer: MultiHeadAttention, args, kwargs):
+        query = args[0] if args else kwargs["query"]
+        key = args[1] if len(args) > 1 else kwargs.get("key")
+        key = query if key is None else key
+        q = split_heads(layer.q_proj(query), layer.num_heads, layer.head_dim, layer.batch_first)  # (B, Hq, Lq, D)
+        k = split_heads(layer.k_proj(key), layer.num_kv_heads, layer.head_dim, layer.batch_first)  # (B, Hkv, Lk, D)
+        if layer.rope is not None:  # self-attention only, so the keys are at the queries' positions
+            positions, cache = kwargs.get("positions"), kwargs.get("kv_cache")
+            if positions is None:
+                Lq = dims(query, layer.batch_first)[1]
+                positions = cache.next_positions(Lq, query.device) if cache is not None \
+                    else torch.arange(Lq, device=query.device)  # (Lq,) or (B, Lq): where the layer puts them
+            q, k = layer.rope(q, positions), layer.rope(k, positions)
+        capture.names.append(name)
+        capture.queries.append(q.detach().float().cpu())
+        capture.keys.append(k.detach().float().cpu())
+        return None
+
+    return hook
+
+
+@torch.no_grad()
+def record_attention(model: nn.Module, *inputs, tokens: list[str], k_tokens: list[str] | None = None,
+                     name: str = "model", caption: str = "", highlight=None, **kwargs) -> ViewerSource:
+    """One forward ``model(*inputs, **kwargs)`` as a :class:`ViewerSource` with queries and keys
+    (the neuron view), for the first sequence of the batch. ``tokens`` name its query tokens,
+    ``k_tokens`` its keys when they differ (cross-attention)."""
+    with capture_attention(model) as cap, record_vectors(model) as vec:
+        model(*inputs, **kwargs)
+    if not cap.weights:
+        raise ValueError(f"record_attention: {type(model).__name__} called no multihead attention layer")
+    if len(vec.queries) != len(cap.weights):
+        raise ValueError(f"record_attention: {len(cap.weights)} attention calls recorded weights but {len(vec.queries)} "
+                         "recorded vectors; only multihead.MultiHeadAttention layers give their vectors")
+    return ViewerSource(name, tokens, tokens if k_tokens is None else k_tokens, [w[0] for w in cap.weights],
+                        list(cap.names), caption=caption, highlight=highlight,
+                        queries=[q[0] for q in vec.queries], keys=[k[0] for k in vec.keys])
+
+
+@torch.no_grad()
+def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, *,
+                      token_names: Callable[[list[int]], list[str]], name: str = "generation",
+                      caption: str = "", **generate_kwargs) -> ViewerSource:
+    """Greedy (or sampled, through ``generate_kwargs``) decoding of one prompt ``(1, P)`` by a
+    model with ``generate(prompt_ids, max_new_tokens, cache=...)`` (:class:`~multihead.models.CausalDecoder`),
+    recorded step by step: the prefill's rows, then one query row per decode step against the
+    keys so far. Returns a generation source (``prompt_len=P``): ``P + max_new_tokens - 1`` rows
+    (the last token produced is never fed back), ``generated`` the ``max_new_tokens`` tokens."""
+    if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+        got = tuple(prompt_ids.shape) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"record_generation: prompt_ids must be one prompt (1, P), got {got}")
+    generate_kwargs.setdefault("cache", "dynamic")  # a step reads exactly the tokens so far: one row of T keys
+    with capture_attention(model) as cap, record_vectors(model) as vec:
+        out = model.generate(prompt_ids, max_new_tokens, **generate_kwargs)  # (1, N)
+    layer_names = list(dict.fromkeys(cap.names))
+    n_layers, P = len(layer_names), prompt_ids.shape[1]
+    L = P + max_new_tokens - 1  # rows fed in: the prompt, then every produced token but the last
+    calls = len(cap.weights) // max(1, n_layers)
+    if n_layers == 0 or calls != max_new_tokens or len(vec.queries) != len(cap.weights):
+        raise ValueError(f"record_generation: expected a prefill and {max_new_tokens - 1} one-token steps through "
+                         f"{n_layers} multihead attention layers, recorded {len(cap.weights)} weight and "
+                         f"{len(vec.queries)} vector calls")
+    H = cap.weights[0].shape[1]
+    weights = torch.zeros(n_layers, H, L, L)  # causal: zeros above the diagonal
+    queries, keys = [[] for _ in range(n_layers)], [[] for _ in range(n_layers)]
+    row = 0
+    for call in range(calls):
+        for layer in range(n_layers):
+            i = call * n_layers + layer
+            w = cap.weights[i][0].float()  # (H, rows, T)
+            weights[layer, :, row: row + w.shape[1], : w.shape[2]] = w
+            queries[layer].append(vec.queries[i][0])  # (H, rows, D)
+            keys[layer].append(vec.keys[i][0])  # (Hkv, rows, D)
+        row += cap.weights[call * n_layers][0].shape[1]
+    ids = torch.cat([prompt_ids[0], out[0]]).tolist()
+    tokens = list(token_names(ids))
+    if len(tokens) != len(ids):
+        raise ValueError(f"record_generation: token_names gave {len(tokens)} names for {len(ids)} ids")
+    return ViewerSource(name, tokens[:L], tokens[:L], weights, layer_names, caption=caption,
+                        queries=[torch.cat(q, dim=1) for q in queries], keys=[torch.cat(k, dim=1) for k in keys],
+                        prompt_len=P, generated=tokens[P:])
