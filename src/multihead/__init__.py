@@ -5,28 +5,45 @@ The functional core is :func:`attention` with its masks (:mod:`multihead.masks`)
 fp64 oracle :func:`reference_attention`.
 """
 
-from multihead import caches, masks, positions, scores
-from multihead import distributed  # context parallelism (ring, Ulysses): docs/distributed.md
+import sys as _sys
+from types import ModuleType as _ModuleType
+
+from multihead import (
+    caches,
+    distributed,  # context parallelism (ring, Ulysses): docs/distributed.md
+    masks,
+    positions,
+    scores,
+)
+from multihead._version import __version__ as __version__  # written once, there
 from multihead.attention import attention
-from multihead.caches import (CacheRead, DynamicKVCache, KVCache, LatentKVCache, PagedKVCache, SlidingWindowKVCache,
-                              StaticKVCache)
-from multihead.capture import AttentionCapture, capture_attention
 from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
-from multihead.explain import Explanation, explain
-from multihead.layers import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention, MultiQueryAttention
-from multihead.layers import compat
-from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
+from multihead.caches import (
+    CacheRead,
+    DynamicKVCache,
+    KVCache,
+    LatentKVCache,
+    PagedKVCache,
+    SlidingWindowKVCache,
+    StaticKVCache,
+)
 from multihead.call import AttentionResult
-from multihead.merge import merge_partials
+from multihead.capture import AttentionCapture, capture_attention
 from multihead.cascade import cascade_attention
+from multihead.explain import Explanation, explain
+from multihead.layers import (
+    GroupedQueryAttention,
+    MultiHeadAttention,
+    MultiHeadLatentAttention,
+    MultiQueryAttention,
+    compat,
+)
+from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
+from multihead.merge import merge_partials
 from multihead.reference import reference_attention
 
-__version__ = "0.1.0"
-
 # The nn.MultiheadAttention drop-in lives with the layers; `import multihead.compat` keeps working.
-import sys as _sys
-
 _sys.modules[__name__ + ".compat"] = compat
 
 # Floor-4 packages (models, viz, demo) import optional dependencies; they load on first use so
@@ -34,18 +51,20 @@ _sys.modules[__name__ + ".compat"] = compat
 _LAZY = ("models", "viz", "apps", "integrations")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _ModuleType:
     if name in _LAZY:
         import importlib
 
         return importlib.import_module(f"multihead.{name}")
     raise AttributeError(f"module 'multihead' has no attribute {name!r}")
 
+
 __all__ = [
-    "attention", "capture_attention", "AttentionCapture", "explain", "Explanation", "reference_attention", "AttentionResult",
-    "merge_partials", "cascade_attention", "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
+    "attention", "capture_attention", "AttentionCapture", "explain", "Explanation", "reference_attention",
+    "AttentionResult", "merge_partials", "cascade_attention",
+    "scores", "masks", "causal", "sliding_window", "key_padding", "document", "document_causal", "prefix_lm", "custom",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "BackendRefusedError",
-    "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "compat",
-    "caches", "KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache", "LatentKVCache",
-    "positions",
+    "MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "MultiHeadLatentAttention", "compat",
+    "caches", "KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache",
+    "LatentKVCache", "positions", "distributed",
 ]
