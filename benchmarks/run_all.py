@@ -14,7 +14,7 @@ sys.path.insert(0, str(HERE))
 
 from common import context  # noqa: E402
 
-SUITE = ["core", "overhead", "sliding_window", "documents", "gqa", "decode", "dropout", "memory", "layers"]
+SUITE = ["core", "overhead", "sliding_window", "documents", "gqa", "decode", "dropout", "memory", "layers", "hf"]
 
 
 def main(argv=None) -> None:
@@ -67,6 +67,11 @@ def _headlines(results) -> None:
               f"(target <= 1.5; auto with dropout: {r['backend with dropout']})")
     for r in results.get("documents") or []:
         print(f"packed documents: {r['speedup']:.1f}x faster than padded + dense mask  (target >= 3)")
+    for r in results.get("hf") or []:
+        target = ("<= 1.05, and eager/multihead >= 1.3" if r["case"].startswith("prefill 1024") else
+                  "<= 1" if r["case"].startswith("decode") else "< 1")
+        print(f"Hugging Face {r['case']}: multihead / sdpa = {r['multihead/sdpa']:.3f}, eager / multihead = "
+              f"{r['eager/multihead']:.2f}  (target {target})")
     for r in results.get("memory") or []:
         if "16384" in r["configuration"] and "baseline" not in r["configuration"]:
             print(f"{r['configuration']}: extra {r['extra_MiB']:.0f} MiB")
