@@ -1,8 +1,15 @@
-"""Shared fixtures of the demo tests: the real MiniLM folder, one loaded encoder, one quick demo run."""
+"""Shared fixtures of the demo tests: the real MiniLM folder, one loaded encoder, one quick demo run,
+and the headless browser of the viewer's tests (Debian's Chromium, driven by Selenium).
+
+Browser tests are skipped when Chromium, its driver or Selenium is missing, and the end of the
+run says so, with how to enable them (a skip hidden among hundreds of dots is easy to miss).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,3 +55,59 @@ def quick_demo(tmp_path_factory):
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main(["demo", "--quick", "--out", str(out), "--no-progress"])
     return code, stdout.getvalue(), stderr.getvalue(), out
+
+
+# ---------------------------------------------------------------------------------------- browser
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+ENABLE_BROWSER = ("apt-get install chromium chromium-driver (Debian's packages; never a downloaded browser), "
+                  "and selenium from the test-demo extra (make setup installs it)")
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, or ``None`` when they can."""
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    if missing:
+        return f"{' and '.join(missing)} not found"
+    if importlib.util.find_spec("selenium") is None:
+        return "selenium is not installed"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = browser_missing()
+    if reason is not None:
+        skip = pytest.mark.skip(reason=f"browser test: {reason}; to enable: {ENABLE_BROWSER}")
+        for item in items:
+            if "browser" in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    reason = browser_missing()
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "browser" in getattr(r, "keywords", {})]
+    if reason is not None and skipped:
+        terminalreporter.section("browser tests skipped")
+        terminalreporter.line(f"{len(skipped)} browser test(s) of the attention viewer did not run: {reason}.")
+        terminalreporter.line(f"To run them: {ENABLE_BROWSER}.")
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the session: the system's chromium and chromedriver, a fresh
+    profile, no network services, a 1280 x 900 window, the console log kept."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    profile = tempfile.mkdtemp(prefix="multihead-chromium-")
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1280,900"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
