@@ -9,6 +9,10 @@ capture nothing changes on the fast path.
     cap.names         # ['encoder.layer.0.attention', ...]
     cap.weights[0]    # (B, H, Lq, Lk) of the first layer called
     cap.as_bertviz()  # tuple of per-layer tensors, the format bertviz's head_view reads
+
+On long inputs, select what to keep as :func:`multihead.attention` does: with
+``capture_attention(model, weights_heads=0, weights_rows=slice(-1, None))`` each layer computes
+only head 0's last row, ``(B, 1, 1, Lk)``, one block at a time, never the whole square.
 """
 
 from __future__ import annotations
@@ -19,17 +23,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-__all__ = ["capture_attention", "AttentionCapture", "is_capturing", "record"]
+from multihead.validation import validate_weights_selection
+
+__all__ = ["capture_attention", "AttentionCapture", "is_capturing", "captures_of", "record"]
 
 _ACTIVE: list["AttentionCapture"] = []
 
 
 @dataclass
 class AttentionCapture:
-    """What a capture recorded, in call order."""
+    """What a capture recorded, in call order. ``weights_heads``/``weights_rows`` are the
+    selections it was opened with (``None``: all)."""
 
     names: list[str] = field(default_factory=list)
     weights: list[Tensor] = field(default_factory=list)
+    weights_heads: object = None
+    weights_rows: object = None
     _module_names: dict = field(default_factory=dict, repr=False)
     _modules: tuple | None = field(default=None, repr=False)
 
@@ -55,12 +64,18 @@ class AttentionCapture:
 
 
 @contextmanager
-def capture_attention(model: nn.Module | None = None, *, detach: bool = True):
+def capture_attention(model: nn.Module | None = None, *, detach: bool = True, weights_heads=None,
+                      weights_rows=None):
     """Record the weights of every `multihead` attention layer (of ``model`` if given, else of
-    any model) called inside the ``with`` block. Names come from ``model.named_modules()``."""
+    any model) called inside the ``with`` block. Names come from ``model.named_modules()``.
+
+    ``weights_heads``, ``weights_rows``: keep only these query heads and rows of each layer (an
+    int, a sequence of ints, a slice or an integer tensor, as for :func:`multihead.attention`):
+    weights ``(B, len(heads), len(rows), Lk)``, computed for the selection alone. They are checked
+    against each layer's ``Hq`` and ``Lq`` when it runs."""
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"capture_attention: model must be an nn.Module or None, got {type(model).__name__}")
-    capture = AttentionCapture()
+    capture = AttentionCapture(weights_heads=weights_heads, weights_rows=weights_rows)
     if model is not None:
         capture._module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         capture._modules = frozenset(capture._module_names)
@@ -77,10 +92,42 @@ def is_capturing(module: nn.Module) -> bool:
     return bool(_ACTIVE) and any(c._wants(module) for c in _ACTIVE)
 
 
-def record(module: nn.Module, weights: Tensor) -> None:
-    """Hand ``weights (B, H, Lq, Lk)`` of ``module`` to every active capture that wants them."""
-    for capture in _ACTIVE:
-        if capture._wants(module):
-            name = capture._module_names.get(id(module), f"{type(module).__name__}_{len(capture)}")
-            capture.names.append(name)
-            capture.weights.append(weights.detach() if capture._detach else weights)
+def captures_of(module: nn.Module) -> list[AttentionCapture]:
+    """The active captures that want ``module``'s weights."""
+    return [c for c in _ACTIVE if c._wants(module)]
+
+
+def record(module: nn.Module, weights: Tensor, *, q: Tensor | None = None,
+           held: tuple[Tensor | None, Tensor | None] = (None, None)) -> None:
+    """Hand ``weights (B, h, r, Lk)`` of ``module`` to every active capture that wants them, each
+    taking its own selection of heads and rows. ``held`` says which query heads and rows
+    ``weights`` hold (sorted indices, ``None``: all; :func:`union` of what was asked); ``q`` is the
+    call's ``(B, Hq, Lq, D)`` queries, against which selections are checked (needed with any)."""
+    for capture in captures_of(module):
+        name = capture._module_names.get(id(module), f"{type(module).__name__}_{len(capture)}")
+        mine = weights
+        if capture.weights_heads is not None or capture.weights_rows is not None:
+            mine = take(weights, held, validate_weights_selection(capture.weights_heads, capture.weights_rows,
+                                                                  q=q, return_weights=True))
+        capture.names.append(name)
+        capture.weights.append(mine.detach() if capture._detach else mine)
+
+
+# ------------------------------------------------------------- selections shared by several asks
+def union(selections: list[Tensor | None]) -> Tensor | None:
+    """Sorted unique indices selected by any of ``selections`` (``None``: all, which wins)."""
+    if not selections or any(s is None for s in selections):
+        return None
+    return torch.unique(torch.cat(selections))
+
+
+def take(weights: Tensor, held: tuple[Tensor | None, Tensor | None],
+         wanted: tuple[Tensor | None, Tensor | None]) -> Tensor:
+    """From ``weights (B, h, r, Lk)`` holding the heads and rows ``held`` (sorted indices or
+    ``None``: all), the heads and rows ``wanted``, in the order asked (``wanted`` lies within ``held``)."""
+    for dim, have, want in ((1, held[0], wanted[0]), (2, held[1], wanted[1])):
+        if want is None or (have is not None and have.shape == want.shape and bool((have == want).all())):
+            continue
+        where = want if have is None else torch.searchsorted(have, want)
+        weights = weights.index_select(dim, where.to(weights.device))
+    return weights

@@ -68,6 +68,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
+from multihead.hooks import HookPoints
 from multihead.call import mask_and_score_mod
 from multihead.masks import Mask, as_mask, causal
 from multihead.scores import ScoreMod
@@ -77,7 +78,7 @@ __all__ = ["MultiheadAttention"]
 _NAME = "MultiheadAttention"
 
 
-class MultiheadAttention(nn.Module):
+class MultiheadAttention(HookPoints, nn.Module):
     """``torch.nn.MultiheadAttention`` on the `multihead` core; arguments as in PyTorch.
 
     Shapes (``E = embed_dim``, ``H = num_heads``, ``L`` target and ``S`` source length):
@@ -149,6 +150,8 @@ class MultiheadAttention(nn.Module):
         if self.bias_k is not None:
             xavier_normal_(self.bias_k)
             xavier_normal_(self.bias_v)
+
+    __init__.__doc__ = __doc__  # help(MultiheadAttention.__init__): not nn.Module.__init__'s text
 
     def __setstate__(self, state):
         # Pickles of PyTorch 1.1 modules lack this flag, as PyTorch's own class handles.

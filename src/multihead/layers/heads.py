@@ -12,8 +12,9 @@ The fused kernels write their output ``(B, H, L, D)`` with ``(B, L, H, D)`` stri
 
 :func:`attend_heads` is the one place where a layer turns its heads into its output:
 ``attention() -> merge -> out_proj``, with the weights computed only when asked for or captured
-(:mod:`multihead.capture`). Every layer and model calls it between its own projections (and
-rotary embedding, cache, appended keys) and its output; none re-writes it.
+(:mod:`multihead.capture`), and the layer's hook points (:mod:`multihead.hooks`). Every layer and
+model calls it between its own projections (and rotary embedding, cache, appended keys) and its
+output; none re-writes it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Callable
 from torch import Tensor, nn
 
 from multihead.attention import attention
-from multihead.capture import is_capturing, record
+from multihead.capture import captures_of, is_capturing, record, take, union
+from multihead.hooks import ATTRIBUTE as HOOKS, explicit_attention, run_hooks
+from multihead.validation import validate_weights_selection
 
 __all__ = ["split_heads", "merge_heads", "attend_heads"]
 
@@ -45,29 +48,56 @@ def merge_heads(y: Tensor) -> Tensor:
 
 def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj: Callable[[Tensor], Tensor],
                  mask=None, score_mod=None, sinks=None, dropout_p: float = 0.0, need_weights: bool = False,
-                 backend: str = "auto") -> tuple[Tensor, Tensor | None]:
-    """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand.
+                 backend: str = "auto", weights_heads=None, weights_rows=None) -> tuple[Tensor, Tensor | None]:
+    """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand and its
+    hook points (:mod:`multihead.hooks`).
 
     Args:
-        layer: the module whose weights :func:`multihead.capture_attention` records under its name.
+        layer: the module whose weights :func:`multihead.capture_attention` records under its name,
+            and whose hooks run.
         q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``, already projected,
             rotated and taken from a cache as the layer needs.
         out_proj: ``(B, Lq, Hq·Dv) -> (B, Lq, E)``.
         mask, score_mod, sinks, dropout_p, backend: passed to :func:`multihead.attention` as they are (the caller
             decides whether it is training, and has checked the mask against ``(B, Hq, Lq, Lk)``).
         need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` (before dropout).
+        weights_heads, weights_rows: with ``need_weights``, only these query heads and rows, as
+            for :func:`multihead.attention`: ``(B, len(heads), len(rows), Lk)``.
 
     Returns:
         ``(out, weights)``: ``out (B, Lq, E)`` batch first whatever the layer's layout (the caller
         transposes), ``weights`` ``None`` unless ``need_weights``. Weights are computed when
-        ``need_weights`` or while a capture wants ``layer``, and then only once.
+        ``need_weights`` or while a capture wants ``layer``, and then only once, for the heads and
+        rows that the call and the captures select together.
     """
-    capturing = is_capturing(layer)
-    want_weights = need_weights or capturing
-    result = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
-                       return_weights=want_weights, backend=backend)
-    y, weights = (result.output, result.weights) if want_weights else (result, None)  # (B, Hq, Lq, Dv)
-    if capturing:
-        record(layer, weights)
+    hooks = layer.__dict__.get(HOOKS)  # None unless a hook is set: the one test the fast path pays
+    captures = captures_of(layer) if is_capturing(layer) else ()
+    if hooks is None and not captures and not need_weights:
+        y = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
+                      return_weights=False, backend=backend)  # (B, Hq, Lq, Dv): the call made before hooks existed
+        return out_proj(merge_heads(y)), None
+    asked = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=need_weights)
+    if hooks is not None:
+        q, k, v = run_hooks(hooks, "q", q), run_hooks(hooks, "k", k), run_hooks(hooks, "v", v)
+    wanted = ([asked] if need_weights else []) + [
+        validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures]
+    held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
+    weights = None
+    if hooks is not None and ("scores" in hooks or "pattern" in hooks):
+        y, pattern = explicit_attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
+                                        hooks=hooks)  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
+        if wanted:
+            weights = take(pattern, (None, None), held).to(q.dtype)
+    elif wanted:
+        result = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
+                           return_weights=True, backend=backend, weights_heads=held[0], weights_rows=held[1])
+        y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
+    else:
+        y = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
+                      return_weights=False, backend=backend)
+    if hooks is not None:
+        y = run_hooks(hooks, "output", y)  # (B, Hq, Lq, Dv): head h at y[:, h]
+    if captures:
+        record(layer, weights, q=q, held=held)
     out = out_proj(merge_heads(y))  # (B, Lq, E)
-    return out, (weights if need_weights else None)
+    return out, (take(weights, held, asked) if need_weights else None)

@@ -51,6 +51,7 @@ from multihead.call import mask_and_score_mod
 from multihead.explain import Explanation, explain
 from multihead.layers.checks import check_flag, check_size
 from multihead.layers.heads import attend_heads, merge_heads
+from multihead.hooks import HookPoints
 from multihead.layers.checks import check_positions
 from multihead.masks import Mask, causal as causal_mask
 from multihead.positions.rotary import RotaryEmbedding
@@ -60,7 +61,7 @@ __all__ = ["MultiHeadLatentAttention", "MODES"]
 MODES = ("naive", "absorbed")
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(HookPoints, nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3), self-attention, ``(B, L, E)`` in and out.
 
     Args:
@@ -155,7 +156,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
-                kv_cache: KVCache | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                kv_cache: KVCache | None = None, need_weights: bool = False, weights_heads=None,
+                weights_rows=None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from the tokens ``x`` to the cached tokens and themselves.
 
         Args:
@@ -170,12 +172,18 @@ class MultiHeadLatentAttention(nn.Module):
                 (any cache works; others store the latent twice). The same cache serves both modes.
                 A call that raises leaves it as it was.
             need_weights: also return the probabilities ``(B, H, L, S)`` (the same in both modes).
+            weights_heads, weights_rows: with ``need_weights``, only these heads and query rows,
+                ``(B, len(heads), len(rows), S)``, as for :meth:`multihead.MultiHeadAttention.forward`.
 
         Returns:
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights``.
         """
         check_flag(type(self).__name__, "need_weights", need_weights)
-        return self._run(x, mask, positions, kv_cache, lambda *call: self._attend(*call, need_weights))
+        if (weights_heads is not None or weights_rows is not None) and not need_weights:
+            raise ValueError(f"{type(self).__name__}: weights_heads/weights_rows select which weights to return; "
+                             f"they need need_weights=True, got need_weights=False")
+        selection = (weights_heads, weights_rows)
+        return self._run(x, mask, positions, kv_cache, lambda *call: self._attend(*call, need_weights, selection))
 
     def explain(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
                 kv_cache: KVCache | None = None) -> Explanation:
@@ -237,9 +245,10 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, N + R)
         return attend(q, k, v, mask, score_mod, self.o_proj)
 
-    def _attend(self, q, k, v, mask, score_mod, out_proj, need_weights: bool):
+    def _attend(self, q, k, v, mask, score_mod, out_proj, need_weights: bool, selection=(None, None)):
         out, weights = attend_heads(self, q, k, v, out_proj=out_proj, mask=mask, score_mod=score_mod,
-                                    need_weights=need_weights, backend=self.backend)
+                                    need_weights=need_weights, backend=self.backend,
+                                    weights_heads=selection[0], weights_rows=selection[1])
         return (out, weights) if need_weights else out
 
     # ------------------------------------------------------------------------------ pieces
@@ -323,6 +332,10 @@ class MultiHeadLatentAttention(nn.Module):
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
+
+
+# help(MultiHeadLatentAttention.__init__) shows the arguments, not nn.Module.__init__'s text.
+MultiHeadLatentAttention.__init__.__doc__ = MultiHeadLatentAttention.__doc__
 
 
 class RMSNorm(nn.Module):

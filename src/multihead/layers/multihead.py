@@ -36,6 +36,7 @@ from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.checks import (check_dropout, check_flag, check_inputs, check_optional_size, check_positions,
                                      check_size, dims)
 from multihead.layers.heads import attend_heads, merge_heads, split_heads
+from multihead.hooks import HookPoints
 from multihead.call import mask_and_score_mod
 from multihead.masks import Mask
 from multihead.scores import ScoreMod, as_score_mod, softcap as softcap_mod
@@ -45,7 +46,7 @@ from multihead.masks import causal as causal_mask
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(HookPoints, nn.Module):
     """Multi-head attention with ``Hq`` query heads and ``Hkv`` key/value heads.
 
     Args:
@@ -154,7 +155,8 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
-                need_weights: bool = False, score_mod: ScoreMod | list | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                need_weights: bool = False, score_mod: ScoreMod | list | None = None, weights_heads=None,
+                weights_rows=None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``, or to the cached tokens and ``query`` itself.
 
         Args:
@@ -182,6 +184,11 @@ class MultiHeadAttention(nn.Module):
                 as it was (:meth:`~multihead.caches.KVCache.rollback`).
             need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` used for the output
                 (before dropout). Off by default: the fast path never computes them.
+            weights_heads, weights_rows: with ``need_weights``, return only these query heads and
+                rows (an int, a sequence of ints, a slice or an integer tensor), weights
+                ``(B, len(heads), len(rows), Lk)`` recomputed for the selection alone, as
+                :func:`multihead.attention` does (``weights_heads=0, weights_rows=slice(-1, None)``:
+                head 0's last row, never the whole square).
             score_mod: a :mod:`multihead.scores` modifier (or list) for this call, as in
                 :func:`multihead.attention`.
 
@@ -203,6 +210,10 @@ class MultiHeadAttention(nn.Module):
         check_inputs(layer, query, key, value, sizes=(self.d_model, self.kdim, self.vdim),
                      batch_first=self.batch_first, weight=getattr(self.q_proj, "weight", None))
         check_flag(layer, "need_weights", need_weights)
+        if (weights_heads is not None or weights_rows is not None) and not need_weights:
+            raise ValueError(f"{layer}: weights_heads/weights_rows select which weights to return; they need "
+                             f"need_weights=True, got need_weights=False")
+        selection = (weights_heads, weights_rows)
         B, Lq = dims(query, self.batch_first)
         if self.context_parallel is not None:  # the mask is the whole sequence's
             whole = self.context_parallel.whole_length(Lq)
@@ -231,12 +242,12 @@ class MultiHeadAttention(nn.Module):
             q = self._rotate(q, positions, "query")  # (B, Hq, Lq, D)
             k = self._rotate(k, positions, "key")  # (B, Hkv, Lq, D), rotated once, before it is cached
         if kv_cache is None:
-            out, weights = self._attend(q, k, v, mask, score_mod, need_weights)  # (B, Lq, E)
+            out, weights = self._attend(q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
         else:
             read = kv_cache.update(k, v, positions if given else None)  # the cached keys and these, (B, Hkv, S, ·)
             try:
                 mask, score_mod = self._cache_mask(read, mask, self._score_mods(score_mod), B, Lq)
-                out, weights = self._attend(q, read.keys, read.values, mask, score_mod, need_weights)
+                out, weights = self._attend(q, read.keys, read.values, mask, score_mod, need_weights, selection)
             except BaseException:  # e.g. a forced backend that refuses: the cache is as it was
                 kv_cache.rollback()
                 raise
@@ -245,7 +256,7 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if need_weights else out
 
     # ------------------------------------------------------------------------------ helpers
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, score_mod, need_weights: bool):
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, score_mod, need_weights: bool, selection=(None, None)):
         """:func:`attend_heads` with this layer's projection, sinks, dropout and backend (or the
         group's sharded attention, for a context-parallel layer)."""
         if self.context_parallel is not None:
@@ -253,7 +264,7 @@ class MultiHeadAttention(nn.Module):
             return self.out_proj(merge_heads(y)), None
         return attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod, sinks=self.sinks,
                             dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
-                            backend=self.backend)
+                            backend=self.backend, weights_heads=selection[0], weights_rows=selection[1])
 
     def _score_mods(self, call_mod) -> list | None:
         """The layer's modifier (a module is called for it), then the call's, then the softcap."""
@@ -424,6 +435,12 @@ class MultiQueryAttention(MultiHeadAttention):
             raise TypeError("MultiQueryAttention has exactly one K/V head; use GroupedQueryAttention "
                             f"for num_kv_heads={options['num_kv_heads']!r}")
         super().__init__(d_model, num_heads, num_kv_heads=1, **options)
+
+
+# help(MultiHeadAttention.__init__) shows the arguments, not the text of nn.Module.__init__
+# (a method without a docstring inherits its parent's in help() and inspect.getdoc).
+for _layer in (MultiHeadAttention, GroupedQueryAttention, MultiQueryAttention):
+    _layer.__init__.__doc__ = _layer.__doc__
 
 
 # ---------------------------------------------------------------------------------- helpers
