@@ -215,6 +215,19 @@ def test_prefill_and_decode_with_the_latent_cache_equal_the_full_forward(mode, q
     assert cache.length == L and cache.keys.shape == (2, 1, L, C + R)
 
 
+@pytest.mark.parametrize("mode", ["naive", "absorbed"])
+def test_gradients_through_cached_steps_equal_the_full_forward(mode):
+    """Backpropagating through prefill and steps of a LatentKVCache (under autograd it concatenates,
+    like DynamicKVCache, instead of writing into rows an earlier step saved) gives the full forward's
+    gradients."""
+    layer, x = _layer(mode=mode), _x().requires_grad_()
+    out = _decode(layer, x, LatentKVCache(capacity=2), [4, 1, 3, 1, 4])
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    want = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
 def test_a_cache_filled_in_one_mode_serves_the_other():
     layer, x = _layer(), _x()
     with torch.no_grad():

@@ -59,7 +59,7 @@ class DynamicKVCache(KVCache):
 
     @property
     def values(self) -> Tensor | None:
-        return None if self._v is None else self._v[:, :, :self._length]
+        return None if self._k is None else self._values(self._length)
 
     @property
     def nbytes(self) -> int:
@@ -73,39 +73,59 @@ class DynamicKVCache(KVCache):
 
     # ------------------------------------------------------------------------------ changes
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
-        name = type(self).__name__
-        if self._k is None:
-            check_kv(name, k, v)
-        else:
-            B, Hkv, _, D = self._k.shape
-            check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self._v.shape[3], dtype=self._k.dtype,
-                     device=self._k.device, held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}")
+        self._check_update(k, v)
         new = k.shape[2]
         query_positions = self.next_positions(new, k.device) if positions is None else positions
         end = self._length + new
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or
-                                        (self._k is not None and (self._k.requires_grad or self._v.requires_grad))):
+                                        (self._k is not None and self._k.requires_grad) or
+                                        (self._v is not None and self._v.requires_grad)):
             # Under autograd an earlier step's keys are saved for backward: never write into them in
             # place; concatenate (the graph keeps what each step read).
-            old_k, old_v = (self._k[:, :, :self._length], self._v[:, :, :self._length]) if self._k is not None \
-                else (k[:, :, :0], v[:, :, :0])
-            self._k, self._v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+            old_k = self._k[:, :, :self._length] if self._k is not None else k[:, :, :0]
+            self._k = torch.cat([old_k, k], dim=2)
+            if self._separate_values:
+                old_v = self._v[:, :, :self._length] if self._v is not None else v[:, :, :0]
+                self._v = torch.cat([old_v, v], dim=2)
         else:
             if self._k is None or end > self.capacity:
                 self._grow(k, v, max(end, 2 * self.capacity, self.initial_capacity))
             self._k[:, :, self._length:end] = k
-            self._v[:, :, self._length:end] = v
+            if self._separate_values:
+                self._v[:, :, self._length:end] = v
         self._undo, self._length = self._length, end
-        return CacheRead(self._k[:, :, :end], self._v[:, :, :end], query_positions)
+        return CacheRead(self._k[:, :, :end], self._values(end), query_positions)
+
+    # Values are stored in their own buffer here; a subclass whose values are the first ``Dv``
+    # features of the keys (:class:`~multihead.caches.LatentKVCache`) sets this to False and reads
+    # them back through :meth:`_values`.
+    _separate_values = True
+
+    def _values(self, end: int) -> Tensor:
+        """``(B, Hkv, end, Dv)``: the values of the first ``end`` slots."""
+        return self._v[:, :, :end]
+
+    def _check_update(self, k: Tensor, v: Tensor) -> None:
+        name = type(self).__name__
+        if self._k is None:
+            check_kv(name, k, v)
+            return
+        B, Hkv, _, D = self._k.shape
+        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self._values(0).shape[3],
+                 dtype=self._k.dtype, device=self._k.device,
+                 held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}")
 
     def _grow(self, k: Tensor, v: Tensor, capacity: int) -> None:
         B, Hkv, _, D = k.shape
         new_k = k.new_empty(B, Hkv, capacity, D)
-        new_v = v.new_empty(B, Hkv, capacity, v.shape[3])
         if self._k is not None and self._length:
             new_k[:, :, :self._length] = self._k[:, :, :self._length]
-            new_v[:, :, :self._length] = self._v[:, :, :self._length]
-        self._k, self._v = new_k, new_v
+        if self._separate_values:
+            new_v = v.new_empty(B, Hkv, capacity, v.shape[3])
+            if self._v is not None and self._length:
+                new_v[:, :, :self._length] = self._v[:, :, :self._length]
+            self._v = new_v
+        self._k = new_k
 
     def rollback(self) -> None:
         if self._undo is None:
@@ -127,7 +147,8 @@ class DynamicKVCache(KVCache):
             raise ValueError(f"{type(self).__name__}.reorder: the cache is empty; nothing to reorder")
         indices = check_indices(type(self).__name__, indices, self._k.shape[0], self._k.device)
         self._k = self._k.index_select(0, indices)
-        self._v = self._v.index_select(0, indices)
+        if self._separate_values:
+            self._v = self._v.index_select(0, indices)
         self._undo = None
 
     def reset(self) -> None:
@@ -135,4 +156,4 @@ class DynamicKVCache(KVCache):
         self._length, self._undo = 0, None
 
     def __repr__(self) -> str:
-        return f"DynamicKVCache(length={self._length}, capacity={self.capacity}, nbytes={self.nbytes})"
+        return f"{type(self).__name__}(length={self._length}, capacity={self.capacity}, nbytes={self.nbytes})"

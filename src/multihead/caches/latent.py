@@ -16,9 +16,9 @@ so the latent is stored once and read as both. That is ``(C + R) · bytes`` per 
 The interface is :class:`~multihead.caches.KVCache`'s, so the layer's masks and positions go
 through :meth:`CacheRead.mask` as for every cache. ``update(k, v)`` takes the rows ``k`` and the
 latent ``v``, which must be ``k[..., :Dv]`` (the layer passes that view; any other tensor is
-compared with it and refused when it differs): only ``k`` is written. Storage grows like
-:class:`~multihead.caches.DynamicKVCache`'s: slot ``j`` holds position ``j``, one length for every
-row, buffers reallocated at twice the size when full.
+compared with it and refused when it differs): only ``k`` is written. It is a
+:class:`~multihead.caches.DynamicKVCache` whose values are a view of its keys: growth, crop,
+rollback, reorder and the autograd-safe update are that class's; slot ``j`` holds position ``j``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import CacheRead, KVCache, check_crop, check_indices, check_kv
+from multihead.caches.dynamic import DynamicKVCache
 
 __all__ = ["LatentKVCache"]
 
 
-class LatentKVCache(KVCache):
+class LatentKVCache(DynamicKVCache):
     """One MLA layer's latent rows ``(B, Hkv, T, C + R)`` (``Hkv = 1`` for MLA), grown by doubling.
 
     Args:
@@ -48,23 +48,11 @@ class LatentKVCache(KVCache):
         cache.nbytes                                # capacity · B · (C + R) · element size
     """
 
+    _separate_values = False  # the values are the first C features of the keys
+
     def __init__(self, capacity: int = 256):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"LatentKVCache: capacity must be a positive int, got {capacity!r}")
-        self.initial_capacity = capacity
-        self._rows: Tensor | None = None  # (B, Hkv, capacity, C + R)
+        super().__init__(capacity)
         self._latent_dim: int | None = None  # C
-        self._length = 0
-        self._undo: int | None = None  # the length before the last update
-
-    # ------------------------------------------------------------------------------ state
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self._rows is None else self._rows.shape[2]
 
     @property
     def latent_dim(self) -> int | None:
@@ -74,93 +62,44 @@ class LatentKVCache(KVCache):
     @property
     def keys(self) -> Tensor | None:
         """``(B, Hkv, T, C + R)``: latent and rotary key of each stored token."""
-        return None if self._rows is None else self._rows[:, :, :self._length]
+        return super().keys
 
     @property
     def values(self) -> Tensor | None:
         """``(B, Hkv, T, C)``: the latent, a view of the first ``C`` features of :attr:`keys`."""
-        return None if self._rows is None else self._rows[:, :, :self._length, :self._latent_dim]
+        return super().values
 
     latent = values
 
     @property
     def rope_keys(self) -> Tensor | None:
         """``(B, Hkv, T, R)``: the rotated rotary key shared by the heads, a view."""
-        return None if self._rows is None else self._rows[:, :, :self._length, self._latent_dim:]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._rows is None else self._rows.numel() * self._rows.element_size()
+        return None if self._k is None else self._k[:, :, :self._length, self._latent_dim:]
 
     def bytes_per_token(self) -> int:
         """Bytes one stored token takes (every row of the batch): ``B · Hkv · (C + R) · element size``."""
-        if self._rows is None:
+        if self._k is None:
             return 0
-        B, Hkv, _, F = self._rows.shape
-        return B * Hkv * F * self._rows.element_size()
+        B, Hkv, _, F = self._k.shape
+        return B * Hkv * F * self._k.element_size()
 
-    def next_positions(self, new: int, device=None) -> Tensor:
-        return torch.arange(self._length, self._length + new, device=device)
-
-    def slots(self, new: int) -> int:
-        return self._length + new
-
-    # ------------------------------------------------------------------------------ changes
-    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None):
         """Store ``k (B, Hkv, Lnew, C + R)``, whose first ``C`` features ``v (B, Hkv, Lnew, C)`` are
         (``v`` is not stored: it is read back as a view of ``k``), and return every stored row."""
-        name = type(self).__name__
-        if self._rows is None:
-            check_kv(name, k, v)
-        else:
-            B, Hkv, _, F = self._rows.shape
-            check_kv(name, k, v, batch=B, heads=Hkv, head_dim=F, value_dim=self._latent_dim, dtype=self._rows.dtype,
-                     device=self._rows.device, held=f"{self._length} tokens, rows {(B, Hkv, self._length, F)} with "
-                                                   f"a latent of C={self._latent_dim}")
-        _check_prefix(name, k, v)
-        new = k.shape[2]
-        query_positions = self.next_positions(new, k.device) if positions is None else positions
-        end = self._length + new
-        if self._rows is None or end > self.capacity:
-            self._grow(k, max(end, 2 * self.capacity, self.initial_capacity))
-        self._latent_dim = v.shape[3]
-        self._rows[:, :, self._length:end] = k
-        self._undo, self._length = self._length, end
-        rows = self._rows[:, :, :end]  # (B, Hkv, S, C + R)
-        return CacheRead(rows, rows[..., :self._latent_dim], query_positions)
+        return super().update(k, v, positions)
 
-    def _grow(self, k: Tensor, capacity: int) -> None:
-        B, Hkv, _, F = k.shape
-        rows = k.new_empty(B, Hkv, capacity, F)
-        if self._rows is not None and self._length:
-            rows[:, :, :self._length] = self._rows[:, :, :self._length]
-        self._rows = rows
+    def _values(self, end: int) -> Tensor:
+        return self._k[:, :, :end, :self._latent_dim if self._latent_dim is not None else 0]
 
-    def rollback(self) -> None:
-        if self._undo is None:
-            raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        self._length, self._undo = self._undo, None
-
-    def crop(self, length: int | Tensor) -> None:
-        length = check_crop(type(self).__name__, length, None)
-        if isinstance(length, Tensor):
-            raise TypeError(f"{type(self).__name__}.crop: every row has the same length here, so length must be an "
-                            f"int, got a tensor {tuple(length.shape)}")
-        if length > self._length:
-            raise ValueError(f"{type(self).__name__}.crop: length must be in [0, {self._length}] (the tokens "
-                             f"stored), got {length}")
-        self._length, self._undo = length, None
-
-    def reorder(self, indices: Tensor) -> None:
-        if self._rows is None:
-            raise ValueError(f"{type(self).__name__}.reorder: the cache is empty; nothing to reorder")
-        indices = check_indices(type(self).__name__, indices, self._rows.shape[0], self._rows.device)
-        self._rows = self._rows.index_select(0, indices)
-        self._undo = None
+    def _check_update(self, k: Tensor, v: Tensor) -> None:
+        super()._check_update(k, v)
+        _check_prefix(type(self).__name__, k, v)
+        if self._latent_dim is None:  # the first update fixes C; _values reads it from here on
+            self._latent_dim = v.shape[3]
 
     def reset(self) -> None:
-        self._rows, self._latent_dim = None, None
-        self._length, self._undo = 0, None
+        super().reset()
+        self._latent_dim = None
 
     def __repr__(self) -> str:
         return (f"LatentKVCache(length={self._length}, capacity={self.capacity}, latent_dim={self._latent_dim}, "
