@@ -17,7 +17,8 @@ top-left; see :mod:`multihead.conventions`) and may see keys ``j`` with::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, TypeAlias
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
 __all__ = ["causal", "sliding_window", "Band", "Window"]
 
+#: Per-sequence lengths: one int, a sequence of ints (one per batch element) or an integer tensor ``(B,)``.
+Lengths: TypeAlias = "int | Sequence[int] | Tensor | None"
+
 
 class Window(NamedTuple):
     """Query ``i`` sees keys ``i + lo .. i + hi`` (inclusive); ``None`` is unbounded."""
@@ -35,7 +39,7 @@ class Window(NamedTuple):
     hi: int | None
 
 
-def causal(align: str = "bottom_right", *, q_lengths=None, kv_lengths=None) -> "Band":
+def causal(align: str = "bottom_right", *, q_lengths: Lengths = None, kv_lengths: Lengths = None) -> Band:
     """Each query sees its aligned key and every key before it.
 
     ``align="bottom_right"`` (default): the last query sees the last key (KV caches).
@@ -47,8 +51,8 @@ def causal(align: str = "bottom_right", *, q_lengths=None, kv_lengths=None) -> "
     return Band(None, 0, check_align(align), name="causal", **_lengths(align, q_lengths, kv_lengths))
 
 
-def sliding_window(left: int, right: int | None = 0, align: str = "bottom_right", *, q_lengths=None,
-                   kv_lengths=None) -> "Band":
+def sliding_window(left: int, right: int | None = 0, align: str = "bottom_right", *, q_lengths: Lengths = None,
+                   kv_lengths: Lengths = None) -> Band:
     """Query ``i`` sees the ``left`` keys before its aligned key, that key, and ``right`` after.
 
     ``left + 1 + right`` keys at most, the convention of FlashAttention's ``window_size``.
@@ -65,6 +69,12 @@ class Band(Mask):
     offset is that of the alignment, per batch element when ``q_lengths``/``kv_lengths`` are set."""
 
     kind = "band"
+    left: int | None
+    right: int | None
+    align: str
+    name: str
+    q_lengths: Tensor | None  # (B|1,) int64 on the host
+    kv_lengths: Tensor | None
 
     def __init__(self, left: int | None, right: int | None, align: str, name: str = "band",
                  q_lengths: Tensor | None = None, kv_lengths: Tensor | None = None):
@@ -72,6 +82,7 @@ class Band(Mask):
 
     @property
     def per_sequence(self) -> bool:
+        """Whether the alignment is per batch element (``q_lengths``/``kv_lengths`` given)."""
         return self.q_lengths is not None or self.kv_lengths is not None
 
     def depends_on_lengths(self) -> bool:
@@ -79,7 +90,7 @@ class Band(Mask):
             return self.q_lengths is None or self.kv_lengths is None
         return self.align == "bottom_right"
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         for name, lengths, whole, what in (("q_lengths", self.q_lengths, q_len, "Lq"),
                                            ("kv_lengths", self.kv_lengths, kv_len, "Lk")):
             if lengths is None:
@@ -116,14 +127,14 @@ class Band(Mask):
             return off, off
         return int(offs.min()), int(offs.max())
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         offs = self._offsets(q_len, kv_len)
         if offs is None:
             center = q + self._offset(q_len, kv_len)
         else:
             offs = offs.to(q.device)
             center = q + offs[b * 0 if offs.shape[0] == 1 else b]
-        allowed = None
+        allowed: Tensor | None = None
         if self.left is not None:
             allowed = kv >= center - self.left
         if self.right is not None:
@@ -133,25 +144,26 @@ class Band(Mask):
             allowed = (kv >= 0) | (kv < 0)
         return allowed
 
-    def _describe(self):
+    def _describe(self) -> str:
         per_seq = "".join(f", {n}={t.tolist()}" for n, t in (("q_lengths", self.q_lengths),
                                                               ("kv_lengths", self.kv_lengths)) if t is not None)
         if self.name == "causal":
             return f"causal(align={self.align!r}{per_seq})"
         return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r}{per_seq})"
 
-    def causal_offset(self, q_len, kv_len):
+    def causal_offset(self, q_len: int, kv_len: int) -> int | None:
         if self.left is None and self.right is not None and not self.per_sequence:
             return self._offset(q_len, kv_len) + self.right
         return None
 
-    def _key_range(self, q0, q1, q_len, kv_len):
+    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
         low, high = self._offset_range(q_len, kv_len)
         lo = -UNBOUNDED if self.left is None else q0 + low - self.left
         hi = UNBOUNDED if self.right is None else q1 - 1 + high + self.right + 1
         return lo, hi
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
+                    heads: int = 1) -> BlockState:
         low, high = self._offset_range(q_len, kv_len)  # the same offset unless aligned per sequence
         if self.right is not None and k0 > q1 - 1 + high + self.right:
             return BlockState.EMPTY
@@ -161,7 +173,8 @@ class Band(Mask):
         right_ok = self.right is None or k1 - 1 <= q0 + low + self.right
         return BlockState.FULL if left_ok and right_ok else BlockState.PARTIAL
 
-    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
         offs = self._offsets(q_len, kv_len)
         offs = torch.tensor([self._offset(q_len, kv_len)]) if offs is None else offs
         center = torch.arange(q_len).view(1, -1) + offs.view(-1, 1)  # (B|1, Lq)
@@ -170,9 +183,9 @@ class Band(Mask):
         return (hi <= lo).view(center.shape[0], 1, q_len).to(device)
 
 
-def _lengths(align: str, q_lengths, kv_lengths) -> dict:
+def _lengths(align: str, q_lengths: Lengths, kv_lengths: Lengths) -> dict[str, Tensor | None]:
     """``q_lengths``/``kv_lengths`` as int64 host copies (``None`` where not given)."""
-    out = {}
+    out: dict[str, Tensor | None] = {}
     for name, value in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
         if value is None:
             out[name] = None
@@ -182,7 +195,8 @@ def _lengths(align: str, q_lengths, kv_lengths) -> dict:
                              "(top-left needs no lengths: every sequence starts at position 0)")
         if isinstance(value, Tensor):
             if value.is_floating_point() or value.dtype == torch.bool or value.dim() != 1:
-                raise TypeError(f"{name} must be an integer tensor (B,), got dtype {value.dtype}, shape {tuple(value.shape)}")
+                raise TypeError(f"{name} must be an integer tensor (B,), got dtype {value.dtype}, "
+                                f"shape {tuple(value.shape)}")
             value = value.detach().to("cpu", torch.int64, copy=True)
         else:
             try:
@@ -195,7 +209,7 @@ def _lengths(align: str, q_lengths, kv_lengths) -> dict:
     return out
 
 
-def _check_extent(name: str, value, *, allow_none: bool) -> None:
+def _check_extent(name: str, value: object, *, allow_none: bool) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -44,10 +45,11 @@ UNBOUNDED = 1 << 62
 
 # How objects that are not masks (a bool tensor) become one on either side of ``& |``. Filled by
 # the modules that define such masks (masks/tensor.py), so this module imports none of them.
-_COERCIONS: list[tuple[type, Callable]] = []
+_COERCIONS: list[tuple[type, Callable[..., Mask]]] = []
+_T = TypeVar("_T")
 
 
-def register_coercion(kind: type, to_mask: Callable[[object], "Mask"]) -> None:
+def register_coercion(kind: type, to_mask: Callable[..., Mask]) -> None:
     """Let objects of ``kind`` stand for a mask in ``&``/``|`` (``to_mask`` converts them)."""
     _COERCIONS.append((kind, to_mask))
 
@@ -67,29 +69,29 @@ class Mask(abc.ABC):
 
     kind: str = "mask"
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable; build a new mask instead")
 
-    def _set(self, **fields) -> None:
+    def _set(self, **fields: Any) -> None:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
     # ----------------------------------------------------------------------------- value
-    def _value(self) -> tuple:
-        value = self.__dict__.get("_value_cache")  # immutable: computed once per object
+    def _value(self) -> tuple[object, ...]:
+        value: tuple[object, ...] | None = self.__dict__.get("_value_cache")  # immutable: computed once per object
         if value is None:
             fields = vars(self)
-            value = (type(self),) + tuple((k, _field_value(fields[k])) for k in sorted(fields) if k[0] != "_")
+            value = (type(self), *((k, _field_value(fields[k])) for k in sorted(fields) if k[0] != "_"))
             object.__setattr__(self, "_value_cache", value)
         return value
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, Mask) and hash(self) == hash(other)
                                  and self._value() == other._value())
 
     def __hash__(self) -> int:
         # Read on every plan lookup (multihead.plans): the cached value without a closure or a call.
-        cached = self.__dict__.get("_hash_cache")
+        cached: int | None = self.__dict__.get("_hash_cache")
         return self._cached("_hash_cache", lambda: hash(self._value())) if cached is None else cached
 
     def by_value(self) -> bool:
@@ -100,13 +102,13 @@ class Mask(abc.ABC):
         return self._cached("_by_value_cache", lambda: all(
             _by_content(v) for name, v in vars(self).items() if not name.startswith("_")))
 
-    def _cached(self, name: str, compute: Callable):
+    def _cached(self, name: str, compute: Callable[[], _T]) -> _T:
         """A derived value computed on first use (host synchronisation happens here, when a
         structural question needs it, never when the mask is built)."""
         cache = self.__dict__
         if name not in cache:
             object.__setattr__(self, name, compute())
-        return cache[name]
+        return cast(_T, cache[name])
 
     # ----------------------------------------------------------------------------- meaning
     @abc.abstractmethod
@@ -131,7 +133,8 @@ class Mask(abc.ABC):
         where it applies to any length. A block read past it is refused by :meth:`check`."""
         return None, None
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_len: int | None = None, kv_len: int | None = None) -> Tensor:
+    def mask_mod(self, b: int | Tensor, h: int | Tensor, q_idx: int | Tensor, kv_idx: int | Tensor,
+                 q_len: int | None = None, kv_len: int | None = None) -> Tensor:
         """``True`` where query ``q_idx`` of batch ``b``, head ``h`` may attend to ``kv_idx``.
 
         Arguments are integers or broadcastable integer tensors. ``q_len``/``kv_len`` resolve
@@ -139,20 +142,20 @@ class Mask(abc.ABC):
         """
         if (q_len is None) != (kv_len is None):
             raise ValueError("mask_mod: give both q_len and kv_len, or neither (square)")
-        if q_len is None:
+        if q_len is None or kv_len is None:
             q_len = kv_len = 0
         idx = [x if isinstance(x, Tensor) else torch.tensor(x) for x in (b, h, q_idx, kv_idx)]
-        return self._mod(*idx, q_len, kv_len)
+        return self._mod(idx[0], idx[1], idx[2], idx[3], q_len, kv_len)
 
     def as_mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         """A FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx)`` for these lengths."""
 
-        def mask_mod(b, h, q_idx, kv_idx):
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return self._mod(b, h, q_idx, kv_idx, q_len, kv_len)
 
         return mask_mod
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:  # noqa: B027 (a default)
         """Raise ``ValueError`` if this mask cannot apply to ``(B, H, Lq, Lk)`` (a length ``None``:
         unknown, not checked)."""
 
@@ -163,7 +166,8 @@ class Mask(abc.ABC):
         does not depend on have size 1."""
         return self.materialize_block(batch, heads, 0, q_len, q_len, kv_len, device)
 
-    def materialize_block(self, batch, heads, q0, q1, q_len, kv_len, device=None, k0=0, k1=None) -> Tensor:
+    def materialize_block(self, batch: int, heads: int, q0: int, q1: int, q_len: int, kv_len: int,
+                          device: torch.device | str | None = None, k0: int = 0, k1: int | None = None) -> Tensor:
         """Queries ``[q0, q1)`` x keys ``[k0, k1)`` of :meth:`materialize`, built from the block's
         indices only (memory proportional to the block)."""
         k1 = kv_len if k1 is None else k1
@@ -188,23 +192,23 @@ class Mask(abc.ABC):
         return f"{self._describe()}\n{self.to_string()}"
 
     # ----------------------------------------------------------------------------- composition
-    def __and__(self, other) -> "Mask":
+    def __and__(self, other: object) -> Mask:
         return And(self, _coerce(other, "&"))
 
-    def __rand__(self, other) -> "Mask":
+    def __rand__(self, other: object) -> Mask:
         return And(_coerce(other, "&"), self)
 
-    def __or__(self, other) -> "Mask":
+    def __or__(self, other: object) -> Mask:
         return Or(self, _coerce(other, "|"))
 
-    def __ror__(self, other) -> "Mask":
+    def __ror__(self, other: object) -> Mask:
         return Or(_coerce(other, "|"), self)
 
-    def __invert__(self) -> "Mask":
+    def __invert__(self) -> Mask:
         return Not(self)
 
     def shifted(self, q_offset: int = 0, kv_offset: int = 0, *, q_len: int | None = None,
-                kv_len: int | None = None) -> "Mask":
+                kv_len: int | None = None) -> Mask:
         """The block of this mask whose query ``i`` is position ``i + q_offset`` and key ``j``
         position ``j + kv_offset`` of the whole attention of ``q_len x kv_len``.
 
@@ -222,7 +226,7 @@ class Mask(abc.ABC):
         return Positioned(self, q_offset, kv_offset, q_len, kv_len)
 
     def at(self, q_positions: Tensor, kv_positions: Tensor, *, q_len: int | None = None,
-           kv_len: int | None = None) -> "Mask":
+           kv_len: int | None = None) -> Mask:
         """This mask read at explicit positions: query ``i`` of a call is position
         ``q_positions[i]`` (or ``q_positions[b, i]``), key ``j`` is ``kv_positions[j]`` (or
         ``[b, j]``), within a whole attention of ``q_len x kv_len`` (required when the mask depends
@@ -248,7 +252,7 @@ class Mask(abc.ABC):
         lo, hi = max(lo, 0), min(hi, kv_len)
         return (lo, hi) if lo < hi else (0, 0)
 
-    def _key_range(self, q0, q1, q_len, kv_len) -> tuple[int, int]:
+    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
         """Unclamped range in this mask's own key coordinates (``UNBOUNDED`` where unknown)."""
         return -UNBOUNDED, UNBOUNDED
 
@@ -270,7 +274,8 @@ class Mask(abc.ABC):
         empty = self._empty_rows(batch, heads, q_len, kv_len, device)
         return empty if bool(empty.any()) else None
 
-    def _empty_rows(self, batch, heads, q_len, kv_len, device=None) -> Tensor:
+    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
         """:meth:`empty_rows` as a tensor always (no data-dependent branch: compiles in one graph).
         The fallback evaluates the mask a chunk of rows at a time."""
         step = max(1, _CHUNK_ELEMENTS // max(1, kv_len * batch * heads))
@@ -284,29 +289,32 @@ class Mask(abc.ABC):
 
 # --------------------------------------------------------------------------------- combinators
 class _Combination(Mask):
+    parts: tuple[Mask, ...]
+
     def __init__(self, *parts: Mask):
-        flat = []
+        flat: list[Mask] = []
         for p in parts:
-            flat.extend(p.parts if type(p) is type(self) else [p])
+            flat.extend(p.parts if isinstance(p, _Combination) and type(p) is type(self) else [p])
         self._set(parts=tuple(flat))
 
-    def _reduce(self, b, h, q, kv, q_len, kv_len, op):
+    def _reduce(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int,
+                op: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         out = self.parts[0]._mod(b, h, q, kv, q_len, kv_len)
         for p in self.parts[1:]:
             out = op(out, p._mod(b, h, q, kv, q_len, kv_len))
         return out
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         for p in self.parts:
             p.check(batch, heads, q_len, kv_len)
 
-    def depends_on_lengths(self):
+    def depends_on_lengths(self) -> bool:
         return any(p.depends_on_lengths() for p in self.parts)
 
-    def kinds(self):
-        return self._cached("_kinds_cache", lambda: frozenset().union(*(p.kinds() for p in self.parts)))
+    def kinds(self) -> frozenset[str]:
+        return self._cached("_kinds_cache", lambda: frozenset[str]().union(*(p.kinds() for p in self.parts)))
 
-    def extent(self):
+    def extent(self) -> tuple[int | None, int | None]:
         extents = [p.extent() for p in self.parts]
         return (next((e[0] for e in extents if e[0] is not None), None),
                 next((e[1] for e in extents if e[1] is not None), None))
@@ -315,22 +323,23 @@ class _Combination(Mask):
 class And(_Combination):
     """Visible where every part is visible."""
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         return self._reduce(b, h, q, kv, q_len, kv_len, torch.logical_and)
 
-    def _describe(self):
+    def _describe(self) -> str:
         return " & ".join(_paren(p, Or) for p in self.parts)
 
-    def causal_offset(self, q_len, kv_len):
+    def causal_offset(self, q_len: int, kv_len: int) -> int | None:
         # causal & (something that blocks nothing structurally) is not provable here: only
         # a single causal part qualifies.
         return self.parts[0].causal_offset(q_len, kv_len) if len(self.parts) == 1 else None
 
-    def _key_range(self, q0, q1, q_len, kv_len):
+    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
         ranges = [p._key_range(q0, q1, q_len, kv_len) for p in self.parts]
         return max(r[0] for r in ranges), min(r[1] for r in ranges)
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
+                    batch: int = 1, heads: int = 1) -> BlockState:
         states = [p.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) for p in self.parts]
         if BlockState.EMPTY in states:
             return BlockState.EMPTY
@@ -342,19 +351,20 @@ class And(_Combination):
 class Or(_Combination):
     """Visible where any part is visible."""
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         return self._reduce(b, h, q, kv, q_len, kv_len, torch.logical_or)
 
-    def _describe(self):
+    def _describe(self) -> str:
         return " | ".join(_paren(p, And) for p in self.parts)
 
-    def _key_range(self, q0, q1, q_len, kv_len):
+    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
         ranges = [r for r in (p._key_range(q0, q1, q_len, kv_len) for p in self.parts) if r[0] < r[1]]
         if not ranges:
             return 0, 0
         return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
+                    batch: int = 1, heads: int = 1) -> BlockState:
         states = [p.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) for p in self.parts]
         if BlockState.FULL in states:
             return BlockState.FULL
@@ -366,28 +376,31 @@ class Or(_Combination):
 class Not(Mask):
     """Visible where the inner mask is blocked."""
 
+    inner: Mask
+
     def __init__(self, inner: Mask):
         self._set(inner=inner)
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         return ~self.inner._mod(b, h, q, kv, q_len, kv_len)
 
-    def _describe(self):
+    def _describe(self) -> str:
         return f"~{_paren(self.inner, (And, Or))}"
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         self.inner.check(batch, heads, q_len, kv_len)
 
-    def depends_on_lengths(self):
+    def depends_on_lengths(self) -> bool:
         return self.inner.depends_on_lengths()
 
-    def kinds(self):
+    def kinds(self) -> frozenset[str]:
         return self.inner.kinds()
 
-    def extent(self):
+    def extent(self) -> tuple[int | None, int | None]:
         return self.inner.extent()
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
+                    batch: int = 1, heads: int = 1) -> BlockState:
         state = self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
         swap = {BlockState.FULL: BlockState.EMPTY, BlockState.EMPTY: BlockState.FULL}
         return swap.get(state, BlockState.PARTIAL)
@@ -403,9 +416,16 @@ class Positioned(Mask):
     """
 
     kind = "positions"
+    inner: Mask
+    q_pos: int | Tensor  # an offset, or positions (L,) / (B, L)
+    kv_pos: int | Tensor
+    q_len: int | None
+    kv_len: int | None
 
-    def __init__(self, inner: Mask, q_pos, kv_pos, q_len: int | None, kv_len: int | None):
-        if isinstance(inner, Positioned) and all(isinstance(x, int) for x in (q_pos, kv_pos, inner.q_pos, inner.kv_pos)):
+    def __init__(self, inner: Mask, q_pos: int | Tensor, kv_pos: int | Tensor, q_len: int | None,
+                 kv_len: int | None):
+        if isinstance(inner, Positioned) and isinstance(q_pos, int) and isinstance(kv_pos, int) \
+                and isinstance(inner.q_pos, int) and isinstance(inner.kv_pos, int):
             # Offsets compose: the outer block is read in the inner block's coordinates.
             q_pos, kv_pos = q_pos + inner.q_pos, kv_pos + inner.kv_pos
             q_len, kv_len, inner = inner.q_len, inner.kv_len, inner.inner
@@ -415,26 +435,34 @@ class Positioned(Mask):
     def _offsets(self) -> bool:
         return isinstance(self.q_pos, int) and isinstance(self.kv_pos, int)
 
-    def _whole(self):
+    def _int_offsets(self) -> tuple[int, int] | None:
+        """``(q_offset, kv_offset)`` when read at offsets, ``None`` when read at position tensors."""
+        q_pos, kv_pos = self.q_pos, self.kv_pos
+        return (q_pos, kv_pos) if isinstance(q_pos, int) and isinstance(kv_pos, int) else None
+
+    def _whole(self) -> tuple[int, int]:
         # A mask that does not depend on the lengths ignores them; 0 keeps that explicit.
         return (self.q_len or 0, self.kv_len or 0)
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         return self.inner._mod(b, h, _read(self.q_pos, b, q), _read(self.kv_pos, b, kv), *self._whole())
 
-    def _describe(self):
+    def _describe(self) -> str:
         inner = _paren(self.inner, (And, Or, Not))
         lengths = "" if self.q_len is None else f", q_len={self.q_len}, kv_len={self.kv_len}"
-        if self._offsets:
-            return f"{inner}.shifted(q_offset={self.q_pos}, kv_offset={self.kv_pos}{lengths})"
-        return f"{inner}.at(<q_positions {tuple(self.q_pos.shape)}>, <kv_positions {tuple(self.kv_pos.shape)}>{lengths})"
+        q_pos, kv_pos = self.q_pos, self.kv_pos
+        if isinstance(q_pos, Tensor) or isinstance(kv_pos, Tensor):
+            q_shape, kv_shape = (tuple(p.shape) if isinstance(p, Tensor) else p for p in (q_pos, kv_pos))
+            return f"{inner}.at(<q_positions {q_shape}>, <kv_positions {kv_shape}>{lengths})"
+        return f"{inner}.shifted(q_offset={q_pos}, kv_offset={kv_pos}{lengths})"
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         whole = [w if w is not None else e for w, e in zip((self.q_len, self.kv_len), self.inner.extent())]
         for name, pos, length, what, limit in (("q", self.q_pos, q_len, "Lq", whole[0]),
                                                 ("kv", self.kv_pos, kv_len, "Lk", whole[1])):
             if isinstance(pos, Tensor):
-                if (length is not None and pos.shape[-1] != length) or (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
+                if (length is not None and pos.shape[-1] != length) or \
+                        (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
                     raise ValueError(f"at: {name}_positions has shape {tuple(pos.shape)} but the call has B={batch}, "
                                      f"{what}={length}; expected ({length},) or ({batch}, {length})")
                 # Positions on the host are checked against the whole attention (free there).
@@ -448,7 +476,7 @@ class Positioned(Mask):
         # The inner mask applies to the whole attention: its batch, heads and (when known) lengths.
         self.inner.check(batch, heads, whole[0], whole[1])
 
-    def to_string(self, q_len=None, kv_len=None, b=0, h=0):
+    def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
         # A mask at explicit positions is drawn at its own size (its positions say how many).
         if q_len is None:
             q_len = self.q_pos.shape[-1] if isinstance(self.q_pos, Tensor) else _PICTURE_SIZE
@@ -456,29 +484,35 @@ class Positioned(Mask):
             kv_len = self.kv_pos.shape[-1] if isinstance(self.kv_pos, Tensor) else q_len
         return super().to_string(q_len, kv_len, b, h)
 
-    def kinds(self):
+    def kinds(self) -> frozenset[str]:
         return self.inner.kinds() | ({"positions"} if not self._offsets else frozenset())
 
-    def extent(self):
+    def extent(self) -> tuple[int | None, int | None]:
         # Read at position tensors, a call has as many queries and keys as there are positions.
-        return tuple(p.shape[-1] if isinstance(p, Tensor) else None for p in (self.q_pos, self.kv_pos))
+        q_pos, kv_pos = self.q_pos, self.kv_pos
+        return (q_pos.shape[-1] if isinstance(q_pos, Tensor) else None,
+                kv_pos.shape[-1] if isinstance(kv_pos, Tensor) else None)
 
-    def causal_offset(self, q_len, kv_len):
-        if not self._offsets:
+    def causal_offset(self, q_len: int, kv_len: int) -> int | None:
+        offsets = self._int_offsets()
+        if offsets is None:
             return None
         inner = self.inner.causal_offset(*self._whole())
-        return None if inner is None else inner + self.q_pos - self.kv_pos
+        return None if inner is None else inner + offsets[0] - offsets[1]
 
-    def _key_range(self, q0, q1, q_len, kv_len):
-        if not self._offsets:
+    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
+        offsets = self._int_offsets()
+        if offsets is None:
             return -UNBOUNDED, UNBOUNDED
-        lo, hi = self.inner._key_range(q0 + self.q_pos, q1 + self.q_pos, *self._whole())
-        return lo - self.kv_pos, hi - self.kv_pos
+        lo, hi = self.inner._key_range(q0 + offsets[0], q1 + offsets[0], *self._whole())
+        return lo - offsets[1], hi - offsets[1]
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
-        if not self._offsets:
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
+                    batch: int = 1, heads: int = 1) -> BlockState:
+        offsets = self._int_offsets()
+        if offsets is None:
             return super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
-        qo, ko = self.q_pos, self.kv_pos
+        qo, ko = offsets
         return self.inner.block_state(q0 + qo, q1 + qo, k0 + ko, k1 + ko, *self._whole(), batch, heads)
 
 
@@ -486,7 +520,7 @@ class Positioned(Mask):
 _PLAIN = frozenset({int, float, str, bool})
 
 
-def _field_value(v):
+def _field_value(v: object) -> object:
     """A field as plain data: nested masks by their values (compared without calling back into
     ``__eq__``), tensors by :func:`tensor_identity`."""
     if v is None or v.__class__ in _PLAIN:  # most fields (a mask rebuilt per call is hashed per call)
@@ -500,7 +534,7 @@ def _field_value(v):
     return v
 
 
-def _by_content(v) -> bool:
+def _by_content(v: object) -> bool:
     """A field whose value is plain data (tensors by content, nested masks by value)."""
     if isinstance(v, Tensor):
         return _content_tensor(v)
@@ -515,7 +549,7 @@ def _content_tensor(t: Tensor) -> bool:
     return t.device.type == "cpu" and t.numel() <= _CONTENT_ELEMENTS and not t.requires_grad
 
 
-def tensor_identity(t: Tensor) -> tuple:
+def tensor_identity(t: Tensor) -> tuple[object, ...]:
     """How a tensor inside a mask or modifier takes part in its value. Small CPU tensors (lengths,
     ids, positions) by content, so that ``key_padding(torch.tensor([3, 5]))`` built twice is one
     mask; others by identity (the same memory viewed the same way, and the same in-place version:
@@ -527,7 +561,7 @@ def tensor_identity(t: Tensor) -> tuple:
             t.dtype, t.device, t._version)
 
 
-def _read(pos, b: Tensor, idx: Tensor) -> Tensor:
+def _read(pos: int | Tensor, b: Tensor, idx: Tensor) -> Tensor:
     """Positions of call indices ``idx``: an offset added, or a tensor gathered (per batch row)."""
     if isinstance(pos, int):
         return idx + pos
@@ -537,10 +571,11 @@ def _read(pos, b: Tensor, idx: Tensor) -> Tensor:
     return pos[b * 0 if pos.shape[0] == 1 else b, idx]
 
 
-def _check_whole_lengths(mask: Mask, method: str, q_len, kv_len):
+def _check_whole_lengths(mask: Mask, method: str, q_len: object, kv_len: object) -> tuple[int | None, int | None]:
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise TypeError(f"{method}: {name} must be a non-negative int (the whole attention's length), got {value!r}")
+            raise TypeError(f"{method}: {name} must be a non-negative int (the whole attention's length), "
+                            f"got {value!r}")
     if (q_len is None) != (kv_len is None):
         raise ValueError(f"{method}: give both q_len and kv_len (the whole attention's lengths), or neither")
     if q_len is None and mask.depends_on_lengths():
@@ -548,10 +583,11 @@ def _check_whole_lengths(mask: Mask, method: str, q_len, kv_len):
             f"{method}: {mask._describe()} depends on the whole attention's lengths (its bottom-right "
             f"diagonal sits at Lk - Lq); pass q_len= and kv_len= of the whole attention, e.g. "
             f"mask.{method}(..., q_len=Lq, kv_len=Lk)")
-    return q_len, kv_len
+    return cast("int | None", q_len), cast("int | None", kv_len)
 
 
-def _grid(batch, heads, q0, q1, k0, k1, device):
+def _grid(batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
+          device: torch.device | str | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Broadcastable index tensors ``b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), kv (1,1,1,Lk)``."""
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
@@ -567,7 +603,7 @@ def _as_4d(allowed: Tensor, q_len: int, kv_len: int) -> Tensor:
     return allowed.expand(allowed.shape[0], allowed.shape[1], q_len, kv_len)
 
 
-def _coerce(other, op: str) -> Mask:
+def _coerce(other: object, op: str) -> Mask:
     if isinstance(other, Mask):
         return other
     for kind, to_mask in _COERCIONS:
@@ -577,6 +613,6 @@ def _coerce(other, op: str) -> Mask:
                     "expected a multihead mask or a bool tensor")
 
 
-def _paren(mask: Mask, kinds) -> str:
+def _paren(mask: Mask, kinds: type | tuple[type, ...]) -> str:
     text = mask._describe()
     return f"({text})" if isinstance(mask, kinds) else text

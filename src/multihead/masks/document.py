@@ -22,7 +22,7 @@ from multihead.masks.base import UNBOUNDED, BlockState, Mask
 __all__ = ["document", "document_causal", "Document", "DocumentCausal"]
 
 
-def document(q_ids: Tensor, kv_ids: Tensor | None = None) -> "Document":
+def document(q_ids: Tensor, kv_ids: Tensor | None = None) -> Document:
     """Query ``i`` may see key ``j`` iff ``q_ids[b, i] == kv_ids[b, j]``.
 
     ``q_ids``: integer tensor ``(Lq,)`` or ``(B, Lq)``; ``kv_ids`` likewise with ``Lk``
@@ -38,7 +38,12 @@ def document(q_ids: Tensor, kv_ids: Tensor | None = None) -> "Document":
 
 
 class Document(Mask):
+    """Query ``i`` sees key ``j`` iff their document ids are equal; ids ``(B|1, Lq)`` and
+    ``(B|1, Lk)``. Built by :func:`document`."""
+
     kind = "document"
+    q_ids: Tensor  # (B|1, Lq)
+    kv_ids: Tensor  # (B|1, Lk)
 
     def __init__(self, q_ids: Tensor, kv_ids: Tensor):
         self._set(q_ids=q_ids, kv_ids=kv_ids)
@@ -61,40 +66,40 @@ class Document(Mask):
         return self._cached("_sorted_cache", lambda: bool((self._q_cpu.diff(dim=-1) >= 0).all())
                             and bool((self._kv_cpu.diff(dim=-1) >= 0).all()))
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         for name, ids, length, what in (("q_ids", self.q_ids, q_len, "Lq"), ("kv_ids", self.kv_ids, kv_len, "Lk")):
             if ids.shape[0] not in (1, batch):
                 raise ValueError(f"document: {name} has {ids.shape[0]} batch rows but B={batch}")
             if length is not None and ids.shape[1] != length:
                 raise ValueError(f"document: {name} has length {ids.shape[1]} but {what}={length}")
 
-    def extent(self):
+    def extent(self) -> tuple[int | None, int | None]:
         return self.q_ids.shape[1], self.kv_ids.shape[1]
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         qi, ki = self.q_ids.to(q.device), self.kv_ids.to(kv.device)
         q_doc = qi[b * 0 if qi.shape[0] == 1 else b, q]
         kv_doc = ki[b * 0 if ki.shape[0] == 1 else b, kv]
         return q_doc == kv_doc
 
-    def _describe(self):
+    def _describe(self) -> str:
         shown = self._q_cpu[0].tolist()
         text = str(shown) if len(shown) <= 16 else f"<{len(shown)} ids>"
         return f"document(q_ids={text}{'' if self.kv_ids is self.q_ids else ', kv_ids=...'})"
 
-    def to_string(self, q_len=None, kv_len=None, b=0, h=0):
+    def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
         q_len = self._q_cpu.shape[1] if q_len is None else q_len
         kv_len = self._kv_cpu.shape[1] if kv_len is None else kv_len
         return super().to_string(q_len, kv_len, b, h)
 
-    def _id_span(self, ids: Tensor, i0: int, i1: int):
+    def _id_span(self, ids: Tensor, i0: int, i1: int) -> tuple[Tensor, Tensor] | None:
         """Smallest and largest id in positions ``[i0, i1)`` per batch row (ids sorted)."""
         i0, i1 = max(i0, 0), min(i1, ids.shape[1])
         if i0 >= i1:
             return None
         return ids[:, i0], ids[:, i1 - 1]
 
-    def _key_range(self, q0, q1, q_len, kv_len):
+    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
         if not self._sorted:
             return -UNBOUNDED, UNBOUNDED
         span = self._id_span(self._q_cpu, q0, q1)
@@ -107,7 +112,8 @@ class Document(Mask):
         hi = torch.searchsorted(kv, hi_id.unsqueeze(-1).contiguous(), right=True)
         return int(lo.min()), int(hi.max())
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
+                    heads: int = 1) -> BlockState:
         if not self._sorted:
             return super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
         qs, ks = self._id_span(self._q_cpu, q0, q1), self._id_span(self._kv_cpu, k0, k1)
@@ -120,7 +126,8 @@ class Document(Mask):
             return BlockState.FULL
         return BlockState.PARTIAL
 
-    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
         q, kv = self._q_cpu, self._kv_cpu
         rows = max(q.shape[0], kv.shape[0])
         empty = torch.stack([
@@ -129,7 +136,7 @@ class Document(Mask):
         return empty.view(rows, 1, -1).to(device)
 
 
-def _check_ids(name: str, ids) -> Tensor:
+def _check_ids(name: str, ids: object) -> Tensor:
     if not isinstance(ids, Tensor):
         raise TypeError(f"document: {name} must be an integer tensor, got {type(ids).__name__}")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
@@ -139,7 +146,7 @@ def _check_ids(name: str, ids) -> Tensor:
     return ids.reshape(1, -1) if ids.dim() == 1 else ids
 
 
-def document_causal(q_ids: Tensor, kv_ids: Tensor | None = None) -> "DocumentCausal":
+def document_causal(q_ids: Tensor, kv_ids: Tensor | None = None) -> DocumentCausal:
     """Causal within each document, aligned bottom-right *per document* (packed varlen training
     and decoding): in a document with ``m`` queries and ``n`` keys, its query ``i`` (counted from
     the document's first query) sees its keys ``0 .. i + n - m``. A document is a contiguous run of
@@ -170,10 +177,10 @@ class DocumentCausal(Document):
         last = torch.where(ends, idx, torch.full_like(idx, L - 1)).flip(1).cummin(dim=1).values.flip(1)
         return idx - first, last - first + 1
 
-    def _tables(self):
+    def _tables(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return self._cached("_tables_cache", lambda: (*self._runs(self.q_ids), *self._runs(self.kv_ids)))
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         same = super()._mod(b, h, q, kv, q_len, kv_len)
         q_pos, q_count, kv_pos, kv_count = (t.to(q.device) for t in self._tables())
         qb = b * 0 if q_pos.shape[0] == 1 else b
@@ -181,13 +188,15 @@ class DocumentCausal(Document):
         # Key j of the same run is visible iff its place <= the query's place + (keys - queries).
         return same & (kv_pos[kb, kv] <= q_pos[qb, q] + kv_count[kb, kv] - q_count[qb, q])
 
-    def _describe(self):
+    def _describe(self) -> str:
         return "document_causal" + super()._describe()[len("document"):]
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
+                    heads: int = 1) -> BlockState:
         if super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) is BlockState.EMPTY:
             return BlockState.EMPTY  # other documents: skipped without looking at the positions
         return Mask.block_state(self, q0, q1, k0, k1, q_len, kv_len, batch, heads)
 
-    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
         return Mask._empty_rows(self, batch, heads, q_len, kv_len, device)

@@ -12,6 +12,8 @@ of ``nn.MultiheadAttention``'s ``key_padding_mask``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -20,7 +22,7 @@ from multihead.masks.base import UNBOUNDED, BlockState, Mask
 __all__ = ["key_padding", "prefix_lm", "KeyPadding"]
 
 
-def key_padding(lengths) -> "KeyPadding":
+def key_padding(lengths: int | Sequence[int] | Tensor) -> KeyPadding:
     """Keys ``j < lengths[b]`` are visible.
 
     A length may exceed ``Lk``: every key is then visible. This is on purpose: one mask built for
@@ -55,7 +57,7 @@ def key_padding(lengths) -> "KeyPadding":
     return KeyPadding(lengths=lengths)
 
 
-def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
+def prefix_lm(prefix_len: int | Sequence[int] | Tensor, align: str = "bottom_right") -> Mask:
     """Prefix-LM: keys in the prefix are visible to every query; after it, causal.
 
     ``prefix_len`` is an int or one length per batch element. Equal to
@@ -64,7 +66,8 @@ def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
     from multihead.masks.band import causal
 
     if isinstance(prefix_len, bool) or (isinstance(prefix_len, int) and prefix_len < 0):
-        raise ValueError(f"prefix_lm: prefix_len must be a non-negative int or one per batch element, got {prefix_len!r}")
+        raise ValueError("prefix_lm: prefix_len must be a non-negative int or one per batch element, "
+                         f"got {prefix_len!r}")
     try:
         padding = key_padding(prefix_len)
     except (TypeError, ValueError) as exc:
@@ -73,7 +76,12 @@ def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
 
 
 class KeyPadding(Mask):
+    """Keys ``j < lengths[b]`` visible (``lengths`` ``(B|1,)``), or the keys a bool table ``valid``
+    ``(B|1, Lk)`` marks ``True``: exactly one of the two is set. Built by :func:`key_padding`."""
+
     kind = "key_padding"
+    lengths: Tensor | None  # (B|1,) int64
+    valid: Tensor | None  # (B|1, Lk) bool
 
     def __init__(self, lengths: Tensor | None = None, valid: Tensor | None = None):
         self._set(lengths=lengths, valid=valid)
@@ -84,54 +92,64 @@ class KeyPadding(Mask):
 
     # Host copies for structural questions, made on first use (never when the mask is built).
     def _min(self) -> int:
-        return self._cached("_min_cache", lambda: int(self.lengths.detach().min()))
+        return self._cached("_min_cache", lambda: int(self._lengths().detach().min()))
 
     def _max(self) -> int:
-        return self._cached("_max_cache", lambda: int(self.lengths.detach().max()))
+        return self._cached("_max_cache", lambda: int(self._lengths().detach().max()))
 
     def _table(self) -> Tensor:
-        return self._cached("_table_cache", lambda: self.valid.detach().cpu())
+        return self._cached("_table_cache", lambda: self._valid().detach().cpu())
+
+    def _lengths(self) -> Tensor:
+        assert self.lengths is not None, "a KeyPadding built from lengths"  # internal: callers check which
+        return self.lengths
+
+    def _valid(self) -> Tensor:
+        assert self.valid is not None, "a KeyPadding built from a bool table"  # internal: callers check which
+        return self.valid
 
     def _batch(self) -> int:
-        return (self.lengths if self.lengths is not None else self.valid).shape[0]
+        return self.lengths.shape[0] if self.lengths is not None else self._valid().shape[0]
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         n = self._batch()
         if n not in (1, batch):
             raise ValueError(f"key_padding: mask has {n} batch elements but the input has B={batch}; "
                              f"expected 1 or {batch}")
         if self.valid is not None and kv_len is not None and self.valid.shape[1] != kv_len:
             raise ValueError(f"key_padding: bool table has {self.valid.shape[1]} keys but Lk={kv_len}")
-    def extent(self):
+
+    def extent(self) -> tuple[int | None, int | None]:
         return None, (None if self.valid is None else self.valid.shape[1])
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         if self.lengths is not None:
             lengths = self.lengths.to(kv.device)
             b = b * 0 if lengths.shape[0] == 1 else b
             return kv < lengths[b]
-        valid = self.valid.to(kv.device)
+        valid = self._valid().to(kv.device)
         b = b * 0 if valid.shape[0] == 1 else b
         inside = (kv >= 0) & (kv < valid.shape[1])
         return valid[b, kv.clamp(0, valid.shape[1] - 1)] & inside
 
-    def _describe(self):
+    def _describe(self) -> str:
         if self.lengths is not None:
             return f"key_padding(lengths={self.lengths.tolist()})"
-        return f"key_padding(valid=<bool {tuple(self.valid.shape)}>)"
+        return f"key_padding(valid=<bool {tuple(self._valid().shape)}>)"
 
-    def to_string(self, q_len=8, kv_len=None, b=0, h=0):
+    def to_string(self, q_len: int | None = 8, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
         if kv_len is None and self.valid is not None:
             kv_len = self.valid.shape[1]
         return super().to_string(q_len, kv_len, b, h)
 
-    def _key_range(self, q0, q1, q_len, kv_len):
+    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
         if self.lengths is not None:
             return -UNBOUNDED, self._max()
         columns = self._table().any(0).nonzero()
         return (int(columns.min()), int(columns.max()) + 1) if len(columns) else (0, 0)
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
+                    heads: int = 1) -> BlockState:
         if self.lengths is None:
             cols = self._table()[:, max(k0, 0):max(k1, 0)]
             if cols.numel() and bool(cols.all()):
@@ -145,9 +163,10 @@ class KeyPadding(Mask):
             return BlockState.EMPTY
         return BlockState.PARTIAL
 
-    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
         if self.lengths is not None:
             empty = self.lengths.to(device) <= 0
         else:
-            empty = ~self.valid.to(device).any(-1)
+            empty = ~self._valid().to(device).any(-1)
         return empty.view(-1, 1, 1).expand(-1, 1, q_len)

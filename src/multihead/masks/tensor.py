@@ -9,7 +9,8 @@ score modifier. Integer and uint8 tensors are refused: ``1`` means "attend" in s
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import NoReturn, overload
 
 import torch
 from torch import Tensor
@@ -19,7 +20,15 @@ from multihead.masks.base import BlockState, Mask, register_coercion
 __all__ = ["as_mask", "bias", "custom", "TensorMask", "Custom"]
 
 
-def as_mask(mask, name: str = "mask") -> Mask | None:
+@overload
+def as_mask(mask: None, name: str = "mask") -> None: ...
+@overload
+def as_mask(mask: Mask | Tensor, name: str = "mask") -> Mask: ...
+@overload
+def as_mask(mask: object, name: str = "mask") -> Mask | None: ...
+
+
+def as_mask(mask: object, name: str = "mask") -> Mask | None:
     """``None``, a :class:`Mask`, or a bool tensor, as a :class:`Mask` (or ``None``)."""
     if mask is None or isinstance(mask, Mask):
         return mask
@@ -33,13 +42,13 @@ def as_mask(mask, name: str = "mask") -> Mask | None:
     raise TypeError(f"{name} must be a multihead mask, a bool tensor, or None; got {type(mask).__name__}")
 
 
-def bias(tensor: Tensor, name: str = "bias"):
+def bias(tensor: Tensor, name: str = "bias") -> NoReturn:
     """Moved: an additive bias is a score modifier now, ``multihead.scores.bias(tensor)``."""
     raise TypeError("multihead.masks.bias moved: an additive bias is a score modifier, not a mask. "
                     "Use score_mod=multihead.scores.bias(tensor) (with mask= for what is blocked)")
 
 
-def custom(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str | None = None) -> "Custom":
+def custom(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str | None = None) -> Custom:
     """A mask from a function ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``.
 
     The function receives broadcastable integer index tensors and must broadcast its result
@@ -47,13 +56,15 @@ def custom(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: s
     """
     if not callable(mask_mod):
         raise TypeError(f"custom: mask_mod must be callable, got {type(mask_mod).__name__}")
-    return Custom(mask_mod, name or getattr(mask_mod, "__name__", "mask_mod"))
+    return Custom(mask_mod, name or str(getattr(mask_mod, "__name__", "mask_mod")))
 
 
 class TensorMask(Mask):
     """A bool tensor broadcastable to ``(B, H, Lq, Lk)``."""
 
     kind = "tensor"
+    tensor: Tensor  # (B|1, H|1, Lq|1, Lk|1) bool
+    name: str
 
     def __init__(self, tensor: Tensor, name: str = "mask"):
         if tensor.dtype != torch.bool:
@@ -67,25 +78,27 @@ class TensorMask(Mask):
         t4 = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
         self._set(tensor=t4, name=name)
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         expected = (batch, heads, q_len, kv_len)
         if any(s not in (1, e) for s, e in zip(self.tensor.shape, expected) if e is not None):
             raise ValueError(f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
                              f"(B, H, Lq, Lk) = {expected}; each dim must be 1 or the matching size")
 
-    def extent(self):
+    def extent(self) -> tuple[int | None, int | None]:
         _, _, lq, lk = self.tensor.shape
         return (lq if lq > 1 else None), (lk if lk > 1 else None)
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         t = self.tensor.to(q.device)
         idx = [i * 0 if size == 1 else i for i, size in zip((b, h, q, kv), t.shape)]
         return t[idx[0], idx[1], idx[2], idx[3]]
 
-    def materialize(self, batch, heads, q_len, kv_len, device=None):
+    def materialize(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
         return self.tensor.to(device) if device is not None else self.tensor
 
-    def materialize_block(self, batch, heads, q0, q1, q_len, kv_len, device=None, k0=0, k1=None):
+    def materialize_block(self, batch: int, heads: int, q0: int, q1: int, q_len: int, kv_len: int,
+                          device: torch.device | str | None = None, k0: int = 0, k1: int | None = None) -> Tensor:
         k1 = kv_len if k1 is None else k1
         t = self.tensor
         rows = slice(q0, q1) if t.shape[2] > 1 else slice(0, 1)
@@ -93,36 +106,43 @@ class TensorMask(Mask):
         block = t[:, :, rows, cols].expand(t.shape[0], t.shape[1], q1 - q0, k1 - k0)
         return block.to(device) if device is not None else block
 
-    def _describe(self):
+    def _describe(self) -> str:
         return f"{self.name}(<bool tensor {tuple(self.tensor.shape)}>)"
 
-    def by_value(self):
+    def by_value(self) -> bool:
         return False  # a view of the caller's tensor, not a copy: it may change in place
 
-    def to_string(self, q_len=None, kv_len=None, b=0, h=0):
+    def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
         q_len = self.tensor.shape[2] if q_len is None else q_len
         kv_len = self.tensor.shape[3] if kv_len is None else kv_len
         return super().to_string(min(q_len, 32), min(kv_len, 64), b, h)
 
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
+    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
+                    heads: int = 1) -> BlockState:
         block = self.materialize_block(1, 1, q0, q1, q_len, kv_len, k0=k0, k1=k1)
         if bool(block.all()):
             return BlockState.FULL
         return BlockState.PARTIAL if bool(block.any()) else BlockState.EMPTY
 
-    def _empty_rows(self, batch, heads, q_len, kv_len, device=None):
+    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> Tensor:
         t = self.tensor.to(device) if device is not None else self.tensor
         empty = ~t.any(-1)
         return empty.expand(empty.shape[0], empty.shape[1], q_len)
 
 
 class Custom(Mask):
-    kind = "custom"
+    """A mask whose meaning is a user function ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on
+    broadcastable index tensors. Built by :func:`custom`."""
 
-    def __init__(self, fn, name: str):
+    kind = "custom"
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    name: str
+
+    def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str):
         self._set(fn=fn, name=name)
 
-    def _mod(self, b, h, q, kv, q_len, kv_len):
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         out = self.fn(b, h, q, kv)
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             raise TypeError(f"custom mask {self.name!r} must return a bool tensor, got "
@@ -136,8 +156,12 @@ class Custom(Mask):
                              "combine its (broadcastable) arguments elementwise") from None
         return out
 
-    def _describe(self):
+    def _describe(self) -> str:
         return f"custom({self.name})"
 
 
-register_coercion(Tensor, as_mask)
+def _tensor_as_mask(tensor: Tensor, name: str) -> Mask:
+    return as_mask(tensor, name)
+
+
+register_coercion(Tensor, _tensor_as_mask)
