@@ -30,7 +30,7 @@ __all__ = ["capture_attention", "AttentionCapture", "is_capturing", "captures_of
 _ACTIVE: list["AttentionCapture"] = []
 
 
-@dataclass
+@dataclass(eq=False)  # one capture is itself, whatever it recorded (removed by identity)
 class AttentionCapture:
     """What a capture recorded, in call order. ``weights_heads``/``weights_rows`` are the
     selections it was opened with (``None``: all)."""
