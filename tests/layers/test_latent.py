@@ -272,6 +272,37 @@ def test_other_caches_work_through_the_interface(mode):
     torch.testing.assert_close(out[1], layer(x[1:, :5])[0, 4:5])
 
 
+@pytest.mark.parametrize("mode", ["naive", "absorbed"])
+def test_a_paged_cache_with_values_in_keys_stores_the_latent_once(mode):
+    """PagedKVCache(values_in_keys=True) keeps the rows [c_kv | k_rope] once in its pages and reads the
+    latent back as a view: the same outputs as the full forward, half-full pages, crop and reorder,
+    with the pool's bytes those of the keys alone."""
+    layer, x = _layer(mode=mode), _x()
+    shared = PagedKVCache(8, 4, 1, C + R, value_dim=C, values_in_keys=True, batch_size=2, dtype=torch.float64)
+    twice = PagedKVCache(8, 4, 1, C + R, value_dim=C, batch_size=2, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        torch.testing.assert_close(_decode(layer, x, shared, [5, 1, 7]), full)
+        assert shared.value_pages.data_ptr() == shared.key_pages.data_ptr()
+        assert shared.nbytes == shared.key_pages.nbytes == twice.nbytes * (C + R) // (2 * C + R)
+        shared.crop(9)
+        shared.reorder(torch.tensor([1, 1]))  # row 1 twice: its pages are copied, latent included
+        out = layer(x[1:, 9:10].expand(2, 1, E), kv_cache=shared)
+    torch.testing.assert_close(out, full[1:, 9:10].expand(2, 1, E))
+
+
+def test_a_paged_cache_with_values_in_keys_refuses_values_that_are_not_the_key_prefix():
+    cache = PagedKVCache(4, 4, 1, C + R, value_dim=C, values_in_keys=True, dtype=torch.float64)
+    k = torch.randn(1, 1, 3, C + R, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"v must equal k\[\.\.\., :%d\]" % C):
+        cache.update(k, torch.zeros(1, 1, 3, C, dtype=torch.float64))
+    assert cache.lengths == [0] and len(cache.free) == 4
+    with pytest.raises(ValueError, match=r"value_dim <= head_dim; got value_dim=9, head_dim=8"):
+        PagedKVCache(4, 4, 1, 8, value_dim=9, values_in_keys=True)
+    with pytest.raises(TypeError, match=r"values_in_keys must be a bool, got 1"):
+        PagedKVCache(4, 4, 1, 8, values_in_keys=1)
+
+
 def test_the_cache_stores_each_token_once_as_latent_and_rotary_key():
     layer, x = _layer(), _x()
     cache = LatentKVCache(capacity=16)

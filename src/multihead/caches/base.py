@@ -33,7 +33,8 @@ from torch import Tensor
 
 from multihead.masks import Mask, causal as causal_mask
 
-__all__ = ["KVCache", "CacheRead", "check_kv", "check_indices", "check_crop", "check_continuation", "EMPTY_POSITION"]
+__all__ = ["KVCache", "CacheRead", "check_kv", "check_indices", "check_crop", "check_continuation", "check_prefix",
+           "EMPTY_POSITION"]
 
 #: The position of a slot that holds no token: no query position reaches it, so a causal or
 #: window mask at absolute positions never shows it.
@@ -251,3 +252,17 @@ def check_continuation(cache: str, positions, expected: Tensor, batch: int) -> N
         raise ValueError(f"{cache}.update: positions must continue each row (each row's next positions "
                          f"{want.tolist()}), got {got.tolist()}; going back needs crop() first, and a gap would "
                          f"leave an empty slot")
+
+
+def check_prefix(name: str, k: Tensor, v: Tensor) -> None:
+    """``v`` must be ``k[..., :Dv]``: a view of it (free to check), or equal to it."""
+    Dv = v.shape[3]
+    if Dv > k.shape[3]:
+        raise ValueError(f"{name}.update: v must be the first Dv features of k (the latent, stored once), so "
+                         f"Dv <= D; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if v.data_ptr() == k.data_ptr() and v.stride() == k.stride():
+        return
+    if not torch.equal(v, k[..., :Dv]):
+        raise ValueError(f"{name}.update: v must equal k[..., :{Dv}] (the latent, stored once and read back as a "
+                         f"view of k), got a different tensor; hint: pass rows = cat([latent, k_rope], -1) and "
+                         f"rows[..., :{Dv}]")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.caches.base import check_prefix
 from multihead.caches.dynamic import DynamicKVCache
 
 __all__ = ["LatentKVCache"]
@@ -93,7 +94,7 @@ class LatentKVCache(DynamicKVCache):
 
     def _check_update(self, k: Tensor, v: Tensor) -> None:
         super()._check_update(k, v)
-        _check_prefix(type(self).__name__, k, v)
+        check_prefix(type(self).__name__, k, v)
         if self._latent_dim is None:  # the first update fixes C; _values reads it from here on
             self._latent_dim = v.shape[3]
 
@@ -104,17 +105,3 @@ class LatentKVCache(DynamicKVCache):
     def __repr__(self) -> str:
         return (f"LatentKVCache(length={self._length}, capacity={self.capacity}, latent_dim={self._latent_dim}, "
                 f"nbytes={self.nbytes})")
-
-
-def _check_prefix(name: str, k: Tensor, v: Tensor) -> None:
-    """``v`` must be ``k[..., :Dv]``: a view of it (free to check), or equal to it."""
-    Dv = v.shape[3]
-    if Dv > k.shape[3]:
-        raise ValueError(f"{name}.update: v must be the first Dv features of k (the latent, stored once), so "
-                         f"Dv <= D; got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if v.data_ptr() == k.data_ptr() and v.stride() == k.stride():
-        return
-    if not torch.equal(v, k[..., :Dv]):
-        raise ValueError(f"{name}.update: v must equal k[..., :{Dv}] (the latent, stored once and read back as a "
-                         f"view of k), got a different tensor; hint: pass rows = cat([latent, k_rope], -1) and "
-                         f"rows[..., :{Dv}]")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from multihead.caches.base import (EMPTY_POSITION, CacheRead, KVCache, check_continuation, check_crop, check_indices,
-                                   check_kv)
+                                   check_kv, check_prefix)
 
 __all__ = ["PagedKVCache"]
 
@@ -37,22 +37,33 @@ class PagedKVCache(KVCache):
         num_kv_heads, head_dim: ``Hkv``, ``D``; ``value_dim``: ``Dv`` (default ``D``).
         batch_size: the rows (sequences) this cache serves at once; each may hold any number of
             pages the pool can give.
+        values_in_keys: the values are the first ``value_dim`` features of the keys, stored once
+            (multi-head latent attention's rows ``[c_kv | k_rope]``: ``head_dim = C + R``,
+            ``value_dim = C``, as in :class:`~multihead.caches.LatentKVCache`); an update's ``v``
+            must then be ``k[..., :value_dim]``.
         dtype, device: of the pool.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *, batch_size: int = 1,
-                 value_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                 value_dim: int | None = None, values_in_keys: bool = False, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
         value_dim = head_dim if value_dim is None else value_dim
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("value_dim", value_dim), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
+        if not isinstance(values_in_keys, bool):
+            raise TypeError(f"PagedKVCache: values_in_keys must be a bool, got {values_in_keys!r}")
+        if values_in_keys and value_dim > head_dim:
+            raise ValueError(f"PagedKVCache: with values_in_keys the values are the first value_dim features of "
+                             f"the keys, so value_dim <= head_dim; got value_dim={value_dim}, head_dim={head_dim}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"PagedKVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.page_size = page_size
         self.key_pages = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, dtype=dtype, device=device)
-        self.value_pages = torch.zeros(num_pages, num_kv_heads, page_size, value_dim, dtype=dtype, device=device)
+        self.values_in_keys = values_in_keys
+        self.value_pages = self.key_pages[..., :value_dim] if values_in_keys else \
+            torch.zeros(num_pages, num_kv_heads, page_size, value_dim, dtype=dtype, device=device)
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in order
         self.lengths: list[int] = [0] * batch_size
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
@@ -73,7 +84,7 @@ class PagedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return self.key_pages.nbytes + self.value_pages.nbytes
+        return self.key_pages.nbytes + (0 if self.values_in_keys else self.value_pages.nbytes)
 
     def next_positions(self, new: int, device=None) -> Tensor:
         start = torch.tensor(self.lengths, dtype=torch.int64, device=device).view(-1, 1)
@@ -96,6 +107,8 @@ class PagedKVCache(KVCache):
         B = self.batch_size
         check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.value_pages.shape[3],
                  dtype=self.key_pages.dtype, device=self.key_pages.device, held=self._held())
+        if self.values_in_keys:
+            check_prefix(name, k, v)
         new = k.shape[2]
         expected = self.next_positions(new, k.device)  # (B, new)
         if positions is not None:
@@ -113,7 +126,8 @@ class PagedKVCache(KVCache):
         page = table.gather(1, torch.div(expected, ps, rounding_mode="floor"))  # (B, new)
         flat = (page * ps + expected % ps).view(-1)  # (B·new,) slots of the pool seen as (N·ps)
         _scatter(self.key_pages, flat, k)
-        _scatter(self.value_pages, flat, v)
+        if not self.values_in_keys:
+            _scatter(self.value_pages, flat, v)
         self.lengths = [n + new for n in self.lengths]
         return self._read(expected, table)
 
@@ -127,9 +141,12 @@ class PagedKVCache(KVCache):
         ps = self.page_size
         pages = table.clamp(min=0)  # padding reads page 0: hidden below
         keys = self.key_pages[pages]  # (B, width, Hkv, ps, D)
-        values = self.value_pages[pages]
         keys = keys.permute(0, 2, 1, 3, 4).reshape(B, keys.shape[2], width * ps, keys.shape[-1])
-        values = values.permute(0, 2, 1, 3, 4).reshape(B, values.shape[2], width * ps, values.shape[-1])
+        if self.values_in_keys:
+            values = keys[..., :self.value_pages.shape[-1]]
+        else:
+            values = self.value_pages[pages]
+            values = values.permute(0, 2, 1, 3, 4).reshape(B, values.shape[2], width * ps, values.shape[-1])
         slot = torch.arange(width * ps, device=table.device).view(1, -1)  # (1, S): position of the slot
         lengths = torch.tensor(self.lengths, dtype=torch.int64, device=table.device).view(-1, 1)
         key_positions = torch.where(slot < lengths, slot, EMPTY_POSITION)  # (B, S)
@@ -198,7 +215,8 @@ class PagedKVCache(KVCache):
             src = torch.tensor(old_tables[i], dtype=torch.int64, device=self.key_pages.device)
             dst = torch.tensor(pages, dtype=torch.int64, device=self.key_pages.device)
             self.key_pages[dst] = self.key_pages[src]
-            self.value_pages[dst] = self.value_pages[src]
+            if not self.values_in_keys:
+                self.value_pages[dst] = self.value_pages[src]
             tables.append(pages)
         self.tables, self.lengths = tables, [old_lengths[i] for i in indices]
         self._undo = None
