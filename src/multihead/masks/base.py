@@ -277,7 +277,10 @@ class Mask(abc.ABC):
     def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
                     device: torch.device | str | None = None) -> Tensor:
         """:meth:`empty_rows` as a tensor always (no data-dependent branch: compiles in one graph).
-        The fallback evaluates the mask a chunk of rows at a time."""
+        The fallback evaluates the mask a chunk of rows at a time; traced (torch.compile,
+        torch.export), all rows at once, since a loop over a symbolic ``Lq`` would fix its value."""
+        if torch.compiler.is_compiling():
+            return ~self.materialize_block(batch, heads, 0, q_len, q_len, kv_len, device).any(-1)
         step = max(1, _CHUNK_ELEMENTS // max(1, kv_len * batch * heads))
         parts = []
         for q0 in range(0, q_len, step):
@@ -312,7 +315,9 @@ class _Combination(Mask):
         return any(p.depends_on_lengths() for p in self.parts)
 
     def kinds(self) -> frozenset[str]:
-        return self._cached("_kinds_cache", lambda: frozenset[str]().union(*(p.kinds() for p in self.parts)))
+        # (frozenset(...) over a generator, not frozenset[str]().union(...): dynamo cannot call a
+        # subscripted generic, and this runs in every refusal under torch.compile.)
+        return self._cached("_kinds_cache", lambda: frozenset(k for p in self.parts for k in p.kinds()))
 
     def extent(self) -> tuple[int | None, int | None]:
         extents = [p.extent() for p in self.parts]
