@@ -103,7 +103,10 @@ class DecodeBackend(Backend):
     def refusals(self, call: AttentionCall) -> list[str]:
         reasons = super().refusals(call)
         Lq = call.shape[3]
-        if Lq > MAX_QUERIES:
+        if not isinstance(Lq, int):  # a torch.SymInt: comparing it would fix the length of the traced graph
+            reasons.append(f"Lq={Lq} is symbolic (torch.export's Dim, dynamic torch.compile): one graph for "
+                           "every length, and this path is for a few query tokens; sdpa traces into one")
+        elif Lq > MAX_QUERIES:
             reasons.append(f"Lq={Lq} > {MAX_QUERIES} query tokens: a decode path for a few new tokens; "
                            "a prefill runs on a fused kernel (sdpa, blocksparse)")
         return reasons

@@ -51,8 +51,9 @@ def key_padding(lengths: int | Sequence[int] | Tensor) -> KeyPadding:
             raise TypeError(f"key_padding: lengths must be ints or a bool (B, Lk) tensor, got {lengths!r}") from exc
     if lengths.numel() == 0:
         raise ValueError("key_padding: lengths is empty; expected one length per batch element")
-    # Checked where it costs no host synchronisation; on an accelerator a negative length reads as 0.
-    if lengths.device.type == "cpu" and bool((lengths < 0).any()):
+    # Checked where it costs no host synchronisation and no data-dependent branch (torch.compile and
+    # torch.export trace one graph for every value); elsewhere a negative length reads as 0.
+    if lengths.device.type == "cpu" and not torch.compiler.is_compiling() and bool((lengths < 0).any()):
         raise ValueError(f"key_padding: lengths must be >= 0, got {lengths.tolist()}")
     return KeyPadding(lengths=lengths)
 
