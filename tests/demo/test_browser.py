@@ -333,7 +333,8 @@ def test_stepping_through_generation(browser, generation, tmp_path):
     # Keys after the step are greyed out in the heatmap: a cell of the last row is almost white.
     g = browser.execute_script("return heatGeometry()")
     last = browser.execute_script("""const c = document.getElementById('heatmap'), r = window.devicePixelRatio || 1;
-        return Array.from(c.getContext('2d').getImageData(Math.round((arguments[0]) * r), Math.round(arguments[1] * r), 1, 1).data)""",
+        const x = Math.round(arguments[0] * r), y = Math.round(arguments[1] * r);
+        return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data)""",
                                   g["left"] + 0.5 * g["cell"], g["top"] + (L - 0.5) * g["cell"])
     assert min(last[:3]) > 235, last
     # Hovering a key in a generation reads the step's row.
@@ -342,7 +343,8 @@ def test_stepping_through_generation(browser, generation, tmp_path):
     assert f'step 4: query {row} "{src.q_tokens[row]}" gives key 1 "{src.k_tokens[1]}" weight {", ".join(w)}' \
         in _status(browser)
     # The slider, back a step, and the neuron view follows the step's query.
-    browser.execute_script("const s = document.getElementById('step'); s.value = 6; s.dispatchEvent(new Event('input'))")
+    browser.execute_script("const s = document.getElementById('step'); s.value = 6;"
+                           "s.dispatchEvent(new Event('input'))")
     _frame(browser)
     assert "step 7/7" in browser.find_element("id", "step-label").text
     _click(browser, "#step-prev")
@@ -370,7 +372,8 @@ def test_repr_html_works_inline_next_to_another_viewer(browser, tmp_path):
     try:
         _ready(browser)
         _click(browser, ".head-toggle[data-head='1']")
-        assert browser.find_element("css selector", ".head-toggle[data-head='1']").get_attribute("aria-pressed") == "false"
+        toggle = browser.find_element("css selector", ".head-toggle[data-head='1']")
+        assert toggle.get_attribute("aria-pressed") == "false"
         assert "head 0:" in _status(browser)
         assert browser.execute_script("return window.__viewerErrors") == []
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 
@@ -83,3 +84,139 @@ def test_heatmaps_are_pngs(tmp_path):
         assert path.read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(ValueError, match=r"weights must be \(Lq, Lk\) = \(2, 4\)"):
         plot_attention(w[0, 0], tmp_path / "bad.png", q_tokens=list("ab"), k_tokens=list("abcd"))
+
+
+# ------------------------------------------------------------------ neuron view, generation, Jupyter
+def _floats(b64: str, *shape) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.float32).view(*shape)
+
+
+def test_viewer_stores_queries_and_keys_with_gqa_keys_read_by_their_query_heads():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)  # Hq=4, Hkv=2
+    tokens = list("abcde")
+    data = _data(render_viewer([ViewerSource("m", tokens, tokens, _weights(heads=4), queries=q, keys=k)]))["sources"][0]
+    assert (data["dim"], data["scale"]) == (8, pytest.approx(8 ** -0.5))
+    torch.testing.assert_close(_floats(data["queries"][1][3], 5, 8), q[1, 3], rtol=0, atol=0)
+    for h in range(4):  # query heads 0, 1 read KV head 0; 2, 3 read KV head 1
+        torch.testing.assert_close(_floats(data["keys"][1][h], 5, 8), k[1, h // 2], rtol=0, atol=0)
+    data = _data(render_viewer([ViewerSource("m", tokens, tokens, _weights(heads=4), queries=q, keys=k, scale=0.5)]))
+    assert data["sources"][0]["scale"] == 0.5
+
+
+def test_record_attention_vectors_reproduce_the_weights_with_rotary_positions():
+    import multihead as mh
+    from multihead.positions import RotaryEmbedding
+    from multihead.viz import record_attention
+
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=RotaryEmbedding(8), causal=True).eval()
+    src = record_attention(layer, torch.randn(1, 7, 32), tokens=list("abcdefg"))
+    q, k = src.queries[0], src.keys[0].repeat_interleave(2, dim=0)  # (H, L, D)
+    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(scores.softmax(-1), src.weights[0], atol=1e-6, rtol=1e-5)
+
+
+def test_record_generation_rows_equal_the_uncached_forward_and_the_tokens_generate_returns():
+    from multihead.capture import capture_attention
+    from multihead.models import CausalDecoder, DecoderConfig
+    from multihead.viz import record_generation
+
+    torch.manual_seed(0)
+    model = CausalDecoder(DecoderConfig(20, 32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)).eval()
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    src = record_generation(model, prompt, 6, token_names=lambda ids: [f"t{i}" for i in ids])
+    expected = model.generate(prompt, 6, cache="dynamic")[0].tolist()
+    assert src.generated == [f"t{i}" for i in expected] and src.prompt_len == 5
+    assert src.q_tokens == [f"t{i}" for i in [1, 2, 3, 4, 5] + expected[:-1]]  # the last token is never fed in
+    with capture_attention(model) as cap:
+        model(torch.tensor([[1, 2, 3, 4, 5] + expected[:-1]]))
+    torch.testing.assert_close(src.weights, torch.stack([w[0] for w in cap.weights]), atol=1e-6, rtol=1e-5)
+    data = _data(render_viewer([src]))["sources"][0]
+    assert (data["prompt_len"], data["generated"], data["lq"]) == (5, src.generated, 10)
+    q, k = torch.stack(src.queries), torch.stack(src.keys).repeat_interleave(2, dim=1)  # (layers, H, L, D)
+    scores = (q @ k.transpose(-1, -2) * data["scale"]).masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1),
+                                                                   float("-inf"))
+    torch.testing.assert_close(scores.softmax(-1), src.weights, atol=1e-6, rtol=1e-5)
+
+
+def test_generation_source_names_each_steps_token():
+    tokens = list("abcdef")
+    w = torch.tril(torch.ones(1, 1, 6, 6))
+    w = w / w.sum(-1, keepdim=True)
+    data = _data(render_viewer([ViewerSource("g", tokens, tokens, w, prompt_len=3)]))["sources"][0]
+    assert data["generated"] == ["d", "e", "f", ""]  # steps read rows 2..5; the last step's token is unknown
+    data = _data(render_viewer([ViewerSource("g", tokens, tokens, w, prompt_len=3, generated=list("defg"))]))
+    assert data["sources"][0]["generated"] == list("defg")
+
+
+def test_viewer_repr_html_is_the_page_in_an_isolated_frame(tmp_path):
+    from multihead.viz import Viewer
+
+    tokens = ['"quoted" & <b>', "b", "c", "d", "e"]
+    viewer = Viewer([ViewerSource("m", tokens, tokens, _weights())], title='a "title"', height=500)
+    frame = viewer._repr_html_()
+    assert frame.startswith('<iframe class="multihead-viewer"') and 'sandbox="allow-scripts"' in frame
+    assert "height: 500px" in frame
+    srcdoc = re.search(r'srcdoc="([^"]*)"', frame).group(1)  # escaped: no raw quote ends the attribute early
+    assert html.unescape(srcdoc) == viewer.html
+    assert not re.search(r"https?://", frame)
+    assert viewer.save(tmp_path / "v.html").read_text(encoding="utf-8") == viewer.html == render_viewer(
+        [ViewerSource("m", tokens, tokens, _weights())], title='a "title"')
+
+
+@pytest.mark.parametrize("make, regex", [
+    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), queries=torch.ones(2, 3, 5, 4)),
+     r"needs both queries and keys, got only queries"),
+    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), queries=torch.ones(2, 3, 4, 4),
+                          keys=torch.ones(2, 3, 5, 4)), r"queries must be \(layers, H, Lq, D\) = \(2, 3, 5, D\)"),
+    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), queries=torch.ones(2, 3, 5, 4),
+                          keys=torch.ones(2, 2, 5, 4)), r"Hkv dividing H=3, got \(2, 2, 5, 4\)"),
+    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), prompt_len=0),
+     r"prompt_len must be an int in \[1, 5\]"),
+    (lambda: ViewerSource("m", list("abcde"), list("abcdx"), _weights(), prompt_len=2),
+     r"attends a sequence to itself"),
+    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), prompt_len=2, generated=["x"]),
+     r"1 generated tokens for 4 decode steps"),
+    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), generated=["x"]), r"need prompt_len"),
+])
+def test_viewer_rejects_bad_vectors_and_generations(make, regex):
+    with pytest.raises(ValueError, match=regex):
+        render_viewer([make()])
+
+
+def test_viewer_and_recorders_reject_bad_arguments():
+    from multihead.models import CausalDecoder, DecoderConfig
+    from multihead.viz import Viewer, record_generation, record_vectors
+
+    source = ViewerSource("m", list("abcde"), list("abcde"), _weights())
+    with pytest.raises(ValueError, match=r"height must be an int >= 200 .* got 50"):
+        Viewer(source, height=50)
+    with pytest.raises(TypeError, match=r"model must be an nn.Module, got str"):
+        with record_vectors("model"):
+            pass
+    model = CausalDecoder(DecoderConfig(10, 16, d_model=16, num_layers=1, num_heads=2))
+    with pytest.raises(ValueError, match=r"one prompt \(1, P\), got \(2, 3\)"):
+        record_generation(model, torch.ones(2, 3, dtype=torch.long), 2, token_names=str)
+
+
+def test_make_test_says_why_browser_tests_were_skipped(tmp_path):
+    """A run where Chromium is missing ends with the reason and how to enable the browser tests."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    conftest = (Path(__file__).parent / "conftest.py").read_text(encoding="utf-8")
+    assert 'CHROMIUM = Path("/usr/bin/chromium")' in conftest
+    missing = conftest.replace('Path("/usr/bin/chromium")', 'Path("/nonexistent/chromium")')
+    (tmp_path / "conftest.py").write_text(missing, encoding="utf-8")
+    (tmp_path / "test_page.py").write_text("import pytest\n\n@pytest.mark.browser\ndef test_page(browser):\n"
+                                           "    raise AssertionError('must not run')\n\ndef test_other():\n    pass\n",
+                                           encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed, 1 skipped" in done.stdout
+    assert "browser tests skipped" in done.stdout
+    assert "/nonexistent/chromium not found" in done.stdout
+    assert "apt-get install chromium chromium-driver" in done.stdout

@@ -13,9 +13,9 @@ its rotated ``q`` and ``k`` to no hook of its own (they exist only inside ``forw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -93,8 +93,9 @@ def record_attention(model: nn.Module, *inputs, tokens: list[str], k_tokens: lis
     if not cap.weights:
         raise ValueError(f"record_attention: {type(model).__name__} called no multihead attention layer")
     if len(vec.queries) != len(cap.weights):
-        raise ValueError(f"record_attention: {len(cap.weights)} attention calls recorded weights but {len(vec.queries)} "
-                         "recorded vectors; only multihead.MultiHeadAttention layers give their vectors")
+        raise ValueError(f"record_attention: {len(cap.weights)} attention calls recorded weights but "
+                         f"{len(vec.queries)} recorded vectors; only multihead.MultiHeadAttention layers give "
+                         "their vectors")
     return ViewerSource(name, tokens, tokens if k_tokens is None else k_tokens, [w[0] for w in cap.weights],
                         list(cap.names), caption=caption, highlight=highlight,
                         queries=[q[0] for q in vec.queries], keys=[k[0] for k in vec.keys])
