@@ -68,7 +68,9 @@ class FlexBackend(Backend):
         if flex_attention is None:
             reasons.append("torch.nn.attention.flex_attention is not available in this PyTorch")
         limit = _recompile_limit()
-        if self._compile_key(call) not in self._compiled and len(self._compiled) >= limit:
+        if torch.compiler.is_compiling():
+            pass  # inside a caller's torch.compile: flex_attention is traced into that graph, no compile of its own
+        elif self._compile_key(call) not in self._compiled and len(self._compiled) >= limit:
             # PyTorch's fault, worked around here: past torch.compile's recompile limit the compiled
             # flex_attention silently falls back to an unfused path that materializes every score.
             reasons.append(f"this would be compile number {len(self._compiled) + 1} of flex_attention (a new shape, "
@@ -90,16 +92,23 @@ class FlexBackend(Backend):
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        # Inside a caller's torch.compile, flex_attention and create_block_mask are traced into the
+        # caller's graph: no compile of their own, no BlockMask cache (a dict keyed by a mask object),
+        # and the fully masked rows zeroed without asking first whether there are any (a host sync).
+        compiling = torch.compiler.is_compiling()
         block_mask = None if call.mask is None else self._block_mask(call.mask, B, Hq, Lq, Lk, call.q.device)
-        self._compiled.add(self._compile_key(call))
+        if not compiling:
+            self._compiled.add(self._compile_key(call))
         # The kernel's LSE where it has one; compiled flex on CPU has none (PyTorch 2.13: "return_lse
         # is not supported yet"), and attention() then recomputes it in one blockwise pass.
         with_lse = call.return_lse and call.q.device.type != "cpu"
-        result = _compiled_flex()(call.q, call.k, call.v, score_mod=call.score_mod, block_mask=block_mask,
-                                  scale=call.scale, enable_gqa=Hq != Hkv, return_lse=with_lse)
+        result = (flex_attention if compiling else _compiled_flex())(
+            call.q, call.k, call.v, score_mod=call.score_mod, block_mask=block_mask,
+            scale=call.scale, enable_gqa=Hq != Hkv, return_lse=with_lse)
         out, lse = result if with_lse else (result, None)
         if call.mask is not None:
-            empty = call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
+            empty = call.mask._empty_rows(B, Hq, Lq, Lk, device=call.q.device) if compiling else \
+                call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
             if empty is not None:  # fully masked rows: exactly 0, LSE -inf
                 out = out.masked_fill(empty.unsqueeze(-1), 0.0)
                 if lse is not None:
@@ -107,17 +116,23 @@ class FlexBackend(Backend):
         return AttentionResult(out, None, None if lse is None else lse.to(lse_dtype(call.q.dtype)))
 
     def _block_mask(self, mask: Mask, B, Hq, Lq, Lk, device):
+        if torch.compiler.is_compiling():
+            return self._new_block_mask(mask, B, Hq, Lq, Lk, device)
         key = (mask, B, Hq, Lq, Lk, str(device))  # by value; the key holds the mask's tensors alive
         hit = self._block_masks.get(key)
         if hit is not None:
             self._block_masks.move_to_end(key)
             return hit
-        # Dimensions the mask does not depend on are passed as None (one BlockMask row for all).
-        probe = mask.materialize_block(B, Hq, 0, 1, Lq, Lk, device, 0, 1)
-        b = B if probe.shape[0] > 1 else None
-        h = Hq if probe.shape[1] > 1 else None
-        block_mask = create_block_mask(mask.as_mask_mod(Lq, Lk), b, h, Lq, Lk, device=str(device))
+        block_mask = self._new_block_mask(mask, B, Hq, Lq, Lk, device)
         self._block_masks[key] = block_mask
         while len(self._block_masks) > 16:
             self._block_masks.popitem(last=False)
         return block_mask
+
+    @staticmethod
+    def _new_block_mask(mask: Mask, B, Hq, Lq, Lk, device):
+        # Dimensions the mask does not depend on are passed as None (one BlockMask row for all).
+        probe = mask.materialize_block(B, Hq, 0, 1, Lq, Lk, device, 0, 1)
+        b = B if probe.shape[0] > 1 else None
+        h = Hq if probe.shape[1] > 1 else None
+        return create_block_mask(mask.as_mask_mod(Lq, Lk), b, h, Lq, Lk, device=str(device))

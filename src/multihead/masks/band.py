@@ -98,7 +98,7 @@ class Band(Mask):
             if lengths.shape[0] not in (1, batch):
                 raise ValueError(f"{self.name}: {name} has {lengths.shape[0]} batch elements but B={batch}; "
                                  f"expected 1 or {batch}")
-            if whole is not None and int(lengths.max()) > whole:
+            if whole is not None and not torch.compiler.is_compiling() and int(lengths.max()) > whole:
                 raise ValueError(f"{self.name}: {name} {lengths.tolist()} exceed {what}={whole}")
 
     def window(self, q_len: int, kv_len: int) -> Window | None:
@@ -203,7 +203,9 @@ def _lengths(align: str, q_lengths: Lengths, kv_lengths: Lengths) -> dict[str, T
                 value = torch.tensor([value] if isinstance(value, int) else list(value), dtype=torch.int64)
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"{name} must be ints, one per batch element, got {value!r}") from exc
-        if value.numel() == 0 or bool((value < 0).any()):
+        # (Under torch.compile the sign is not checked: a data-dependent branch; a negative length
+        # then reads as an empty sequence, as key_padding's does.)
+        if value.numel() == 0 or (not torch.compiler.is_compiling() and bool((value < 0).any())):
             raise ValueError(f"{name} must be non-negative, one per batch element, got {value.tolist()}")
         out[name] = value
     return out

@@ -339,9 +339,18 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding: x must have the head dim D={self.dim} as its last dim, got shape "
                              f"{tuple(x.shape)}; hint: rotate after the head split, (B, L, H·D) -> (B, H, L, D), "
                              f"with RotaryEmbedding(head_dim)")
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if torch.compiler.is_compiling() and not isinstance(self.scaling, DynamicNTKScaling):
+            # Traced: max(positions) is not read (a host value would break the graph, and a table
+            # grown to it would be a buffer mutation); the angles at these positions are computed
+            # directly, the same float64 products the tables hold, so the result is the same.
+            _check_positions(positions, x, values=False)
+            angle = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq  # (L, R) or (B, L, R)
+            cos = (angle.cos() * self.attention_factor).to(compute)
+            sin = (angle.sin() * self.attention_factor).to(compute)
+            return apply_rotary(x, cos, sin, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
         seq_len = _check_positions(positions, x)  # max(positions) + 1
         positions = positions.long()  # int64 indices (a uint8 index would be read as a boolean mask)
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         if isinstance(self.scaling, DynamicNTKScaling) and seq_len > self.scaling.original_max_position_embeddings:
             cos, sin = self._angles(positions, compute, seq_len)  # (L, R) or (B, L, R)
         else:
@@ -485,8 +494,9 @@ def _check_table(where: str, name: str, t, x: Tensor, L: int, R: int) -> None:
                      f"x (B, H, L, D); pass rotary_dim= when only part of each head rotates")
 
 
-def _check_positions(positions, x: Tensor) -> int:
-    """Check ``positions`` against ``x (..., L, D)``; return ``max(positions) + 1`` (0 when empty)."""
+def _check_positions(positions, x: Tensor, values: bool = True) -> int:
+    """Check ``positions`` against ``x (..., L, D)``; return ``max(positions) + 1`` (0 when empty).
+    ``values=False``: type, shape and device only (no host read; returns -1)."""
     L = x.shape[-2]
     expected = f"(L,) = ({L},)" + (f" or (B, L) = ({x.shape[0]}, {L})" if x.dim() == 4 else "")
     if not isinstance(positions, Tensor):
@@ -500,6 +510,8 @@ def _check_positions(positions, x: Tensor) -> int:
                          f"got {tuple(positions.shape)}")
     if positions.device != x.device:
         raise ValueError(f"RotaryEmbedding: positions must be on the device of x, {x.device}, got {positions.device}")
+    if not values:
+        return -1
     if positions.numel() == 0:
         return 0
     low, high = (int(v) for v in torch.aminmax(positions))
