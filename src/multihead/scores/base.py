@@ -18,7 +18,7 @@ Every modifier has a ``kind`` that backends declare support for:
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -47,17 +47,18 @@ class ScoreMod(abc.ABC):
     def __repr__(self) -> str:
         return self._describe()
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:  # noqa: B027 (a default)
         """Raise ``ValueError`` if this modifier cannot apply to ``(B, Hq, Lq, Lk)``."""
 
-    def for_lengths(self, q_len: int, kv_len: int) -> "ScoreMod":
+    def for_lengths(self, q_len: int, kv_len: int) -> ScoreMod:
         """This modifier for an attention of ``Lq`` queries and ``Lk`` keys. Modifiers whose value
         depends on the alignment of queries and keys (a relative bias reads the distance between
         aligned positions, see :mod:`multihead.scores.relative`) bind the lengths here; every
         call is resolved once, before a backend sees it. Default: unchanged."""
         return self
 
-    def distance_bias(self, d0: int, d1: int, device=None, dtype=torch.float32) -> Tensor | None:
+    def distance_bias(self, d0: int, d1: int, device: torch.device | str | None = None,
+                      dtype: torch.dtype = torch.float32) -> Tensor | None:
         """Additive modifiers that depend only on the head and on the distance
         ``d = kv_idx - q_idx`` (call indices): the bias ``(H|1, d1 - d0)`` at ``d = d0 .. d1 - 1``.
         Backends run such a bias on a block as a strided (Toeplitz) view of this vector, never a
@@ -75,9 +76,11 @@ class ScoreMod(abc.ABC):
 
     @property
     def requires_grad(self) -> bool:
+        """Whether a tensor the modifier reads needs a gradient (and autograd is on)."""
         return torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors())
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
+                    heads: Tensor | None = None) -> Tensor:
         """``scores (B, H|h, q1-q0, k1-k0)`` of queries ``[q0, q1)`` x keys ``[k0, k1)``, modified.
         ``heads`` selects query heads (default all). Subclasses may slice instead of gathering."""
         B, H = scores.shape[0], scores.shape[1]
@@ -89,17 +92,17 @@ class ScoreMod(abc.ABC):
         return self(scores, b, h, q, kv)
 
     def bias_block(self, batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
-                   device=None, dtype=torch.float32) -> Tensor:
+                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """Additive modifiers: the bias of queries ``[q0, q1)`` x keys ``[k0, k1)``, broadcastable
         to ``(B, H, rows, keys)`` (size 1 where it does not vary)."""
         raise TypeError(f"{self._describe()} is not additive: it has no bias to add")
 
     # Values and hashing: modifiers are immutable, compared by value (tensors by identity).
-    def _value(self) -> tuple:
+    def _value(self) -> tuple[object, ...]:
         fields = sorted(vars(self).items())
-        return (type(self),) + tuple((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields)
+        return (type(self), *((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields))
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, ScoreMod) and self._value() == other._value()
 
     def __hash__(self) -> int:
@@ -108,6 +111,8 @@ class ScoreMod(abc.ABC):
 
 class Chain(ScoreMod):
     """Modifiers applied one after the other (``[bias(t), softcap(30)]`` adds, then caps)."""
+
+    mods: tuple[ScoreMod, ...]
 
     def __init__(self, mods: Sequence[ScoreMod]):
         flat: list[ScoreMod] = []
@@ -118,17 +123,19 @@ class Chain(ScoreMod):
 
     # A -inf produced by one modifier (a bias entry that blocks) stays -inf through the next ones:
     # softcap(-inf) would be -cap, a visible score again.
-    def __call__(self, score, b, h, q_idx, kv_idx):
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         for m in self.mods:
             score = _keep_blocked(score, m(score, b, h, q_idx, kv_idx))
         return score
 
-    def apply_block(self, scores, q0, q1, k0, k1, heads=None):
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
+                    heads: Tensor | None = None) -> Tensor:
         for m in self.mods:
             scores = _keep_blocked(scores, m.apply_block(scores, q0, q1, k0, k1, heads))
         return scores
 
-    def bias_block(self, batch, heads, q0, q1, k0, k1, device=None, dtype=torch.float32):
+    def bias_block(self, batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
+                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         if self.kind != ADDITIVE:
             return super().bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
         total = self.mods[0].bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
@@ -136,30 +143,32 @@ class Chain(ScoreMod):
             total = total + m.bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
         return total
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         for m in self.mods:
             m.check(batch, heads, q_len, kv_len)
 
-    def for_lengths(self, q_len, kv_len):
+    def for_lengths(self, q_len: int, kv_len: int) -> ScoreMod:
         resolved = [m.for_lengths(q_len, kv_len) for m in self.mods]
         return self if all(r is m for r, m in zip(resolved, self.mods)) else Chain(resolved)
 
     @property
-    def relative(self):
+    def relative(self) -> bool:
         return all(m.relative for m in self.mods)
 
-    def distance_bias(self, d0, d1, device=None, dtype=torch.float32):
+    def distance_bias(self, d0: int, d1: int, device: torch.device | str | None = None,
+                      dtype: torch.dtype = torch.float32) -> Tensor | None:
         if not self.relative:
             return None
         total = self.mods[0].distance_bias(d0, d1, device, dtype)
         for m in self.mods[1:]:
-            total = total + m.distance_bias(d0, d1, device, dtype)
+            part = m.distance_bias(d0, d1, device, dtype)
+            total = None if total is None or part is None else total + part  # never None: all are relative
         return total
 
-    def tensors(self):
+    def tensors(self) -> tuple[Tensor, ...]:
         return tuple(t for m in self.mods for t in m.tensors())
 
-    def _describe(self):
+    def _describe(self) -> str:
         return "[" + ", ".join(m._describe() for m in self.mods) + "]"
 
 
@@ -167,7 +176,7 @@ def _keep_blocked(before: Tensor, after: Tensor) -> Tensor:
     return torch.where(torch.isneginf(before), before, after)
 
 
-def as_score_mod(score_mod, name: str = "score_mod") -> ScoreMod | None:
+def as_score_mod(score_mod: object, name: str = "score_mod") -> ScoreMod | None:
     """``None``, a :class:`ScoreMod`, a function ``fn(score, b, h, q_idx, kv_idx) -> score``
     (:class:`~multihead.scores.user.UserScoreMod`), or a sequence of them (applied in order), as
     one modifier."""
@@ -176,7 +185,7 @@ def as_score_mod(score_mod, name: str = "score_mod") -> ScoreMod | None:
     if score_mod is None or isinstance(score_mod, ScoreMod):
         return score_mod
     if isinstance(score_mod, (list, tuple)):
-        mods = []
+        mods: list[ScoreMod] = []
         for i, m in enumerate(score_mod):
             if isinstance(m, ScoreMod):
                 mods.append(m)

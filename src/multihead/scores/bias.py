@@ -15,48 +15,53 @@ from multihead.scores.base import ADDITIVE, ScoreMod
 __all__ = ["bias", "Bias"]
 
 
-def bias(tensor: Tensor, name: str = "bias") -> "Bias":
+def bias(tensor: Tensor, name: str = "bias") -> Bias:
     """An additive bias broadcastable to ``(B, Hq, Lq, Lk)`` (2 to 4 dims, right-aligned)."""
     if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
         got = f"a tensor of dtype {tensor.dtype}" if isinstance(tensor, Tensor) else type(tensor).__name__
         raise TypeError(f"bias: expected a float tensor broadcastable to (B, Hq, Lq, Lk), got {got}")
     if tensor.dim() > 4 or tensor.dim() < 2:
-        raise ValueError(f"{name} must have 2 to 4 dims broadcastable to (B, Hq, Lq, Lk), got shape {tuple(tensor.shape)}")
+        raise ValueError(f"{name} must have 2 to 4 dims broadcastable to (B, Hq, Lq, Lk), "
+                         f"got shape {tuple(tensor.shape)}")
     return Bias(tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape)), name)
 
 
 class Bias(ScoreMod):
+    """A dense bias ``(B|1, H|1, Lq|1, Lk|1)`` added to the scores; built by :func:`bias`."""
+
     kind = ADDITIVE
 
     def __init__(self, tensor: Tensor, name: str = "bias"):
         self.tensor, self.name = tensor, name  # (B|1, H|1, Lq|1, Lk|1)
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         expected = (batch, heads, q_len, kv_len)
         if any(s not in (1, e) for s, e in zip(self.tensor.shape, expected)):
             raise ValueError(f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
                              f"(B, Hq, Lq, Lk) = {expected}; each dim must be 1 or the matching size")
 
-    def tensors(self):
+    def tensors(self) -> tuple[Tensor, ...]:
         return (self.tensor,)
 
-    def __call__(self, score, b, h, q_idx, kv_idx):
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         t = self.tensor
         idx = [i * 0 if size == 1 else i for i, size in zip((b, h, q_idx, kv_idx), t.shape)]
         return score + t[idx[0], idx[1], idx[2], idx[3]]
 
-    def bias_block(self, batch, heads, q0, q1, k0, k1, device=None, dtype=torch.float32):
+    def bias_block(self, batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
+                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         t = self.tensor
         rows = slice(q0, q1) if t.shape[2] > 1 else slice(0, 1)
         cols = slice(k0, k1) if t.shape[3] > 1 else slice(0, 1)
         block = t[:, :, rows, cols]
         return block.to(device=device if device is not None else block.device, dtype=dtype)
 
-    def apply_block(self, scores, q0, q1, k0, k1, heads=None):
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
+                    heads: Tensor | None = None) -> Tensor:
         block = self.bias_block(1, 1, q0, q1, k0, k1, scores.device, scores.dtype)
         if heads is not None and block.shape[1] > 1:
             block = block[:, heads]
         return scores + block
 
-    def _describe(self):
+    def _describe(self) -> str:
         return f"{self.name}(<{str(self.tensor.dtype).replace('torch.', '')} tensor {tuple(self.tensor.shape)}>)"

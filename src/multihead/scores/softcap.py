@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from multihead.scores.base import ELEMENTWISE, ScoreMod
 
 __all__ = ["softcap", "Softcap"]
 
 
-def softcap(cap: float) -> "Softcap":
+def softcap(cap: float) -> Softcap:
     """Soft-capping of the (scaled) scores at ``cap > 0``."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float)):
         raise TypeError(f"softcap: cap must be a Python number (int or float), got {type(cap).__name__}"
@@ -26,16 +27,19 @@ def softcap(cap: float) -> "Softcap":
 
 
 class Softcap(ScoreMod):
+    """``cap · tanh(s / cap)`` on the scaled scores; built by :func:`softcap`."""
+
     kind = ELEMENTWISE
 
     def __init__(self, cap: float):
         self.cap = cap
 
-    def __call__(self, score, b, h, q_idx, kv_idx):
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.cap * torch.tanh(score / self.cap)
 
-    def apply_block(self, scores, q0, q1, k0, k1, heads=None):
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
+                    heads: Tensor | None = None) -> Tensor:
         return self.cap * torch.tanh(scores / self.cap)
 
-    def _describe(self):
+    def _describe(self) -> str:
         return f"softcap({self.cap})"

@@ -20,6 +20,7 @@ arguments, so a backend without a backward can refuse instead of silently giving
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -34,12 +35,13 @@ class UserScoreMod(ScoreMod):
 
     kind = ELEMENTWISE
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]):
         if not callable(fn):
-            raise TypeError(f"score_mod: expected a function fn(score, b, h, q_idx, kv_idx) -> score, got {type(fn).__name__}")
+            raise TypeError("score_mod: expected a function fn(score, b, h, q_idx, kv_idx) -> score, "
+                            f"got {type(fn).__name__}")
         self.fn = fn
 
-    def __call__(self, score, b, h, q_idx, kv_idx):
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = self.fn(score, b, h, q_idx, kv_idx)
         if not isinstance(out, Tensor):
             raise TypeError(f"score_mod {self._describe()} returned {type(out).__name__}; it must return the modified "
@@ -56,33 +58,36 @@ class UserScoreMod(ScoreMod):
         # A function that reads a float64 table returns float64 scores: the block keeps its dtype.
         return out.to(score.dtype)
 
-    def check(self, batch, heads, q_len, kv_len):
+    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         """Run the function once on a 2 x 3 block of zeros (on the device of the tensors it reads),
         so a function that returns the wrong thing fails here, before any work or state change."""
         if torch.compiler.is_compiling():
             return
         devices = {t.device for t in self.tensors()}
         device = next(iter(devices)) if len(devices) == 1 else None
-        index = lambda n, dim: torch.arange(n, device=device).view([n if d == dim else 1 for d in range(4)])
+
+        def index(n: int, dim: int) -> Tensor:
+            return torch.arange(n, device=device).view([n if d == dim else 1 for d in range(4)])
+
         with torch.no_grad():
             self(torch.zeros(1, 1, 2, 3, device=device), index(1, 0), index(1, 1), index(2, 2), index(3, 3))
 
-    def tensors(self):
+    def tensors(self) -> tuple[Tensor, ...]:
         return tuple(_captured_tensors(self.fn))
 
-    def _describe(self):
+    def _describe(self) -> str:
         fn = self.fn
         name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None) \
             or type(fn).__name__
         return f"score_mod({name})"
 
 
-def _captured_tensors(fn, depth: int = 0) -> list[Tensor]:
+def _captured_tensors(fn: object, depth: int = 0) -> list[Tensor]:
     """Tensors (and module parameters) ``fn`` reads through its closure, the globals its code
     names, a bound ``nn.Module``, or ``functools.partial`` arguments; by identity, no repeats."""
     found: dict[int, Tensor] = {}
 
-    def visit(obj, level):
+    def visit(obj: object, level: int) -> None:
         if level > 3 or obj is None:
             return
         if isinstance(obj, Tensor):
@@ -104,7 +109,7 @@ def _captured_tensors(fn, depth: int = 0) -> list[Tensor]:
             visit(obj.__self__, level + 1)
             visit(obj.__func__, level + 1)
         elif hasattr(obj, "__code__"):  # a function: its closure and the globals it names
-            for cell in obj.__closure__ or ():
+            for cell in getattr(obj, "__closure__", None) or ():
                 try:
                     visit(cell.cell_contents, level + 1)
                 except ValueError:  # an empty cell
