@@ -322,7 +322,7 @@ def test_stepping_through_generation(browser, generation, tmp_path):
         _click(browser, "#step-next")
     row = P - 1 + 3
     label = browser.find_element("id", "step-label").text
-    assert f'step 4/7: "{src.q_tokens[row]}" reads {row + 1} keys → generates "{src.generated[3]}"' == label
+    assert f'step 4/7: "{src.q_tokens[row]}" reads {row + 1} keys → next "{src.generated[3]}"' == label
     # Only the step's query row has lines, to keys that exist at that step.
     lines = _stats(browser)["linesByHead"]
     assert 0 < sum(lines.values()) <= 2 * (row + 1)

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from multihead.apps.findings import describe_findings, measure_heads, plot_findings
 from multihead.capture import capture_attention
 from multihead.models import CausalDecoder, DecoderConfig, RecallTask, SentenceEncoder, find_minilm
 from multihead.models.recall import IGNORE_INDEX
-from multihead.apps.findings import describe_findings, measure_heads, plot_findings
+from multihead.viz.record import record_vectors
 from multihead.viz.viewer import ViewerSource, write_viewer
 
 __all__ = ["DemoOptions", "DemoError", "run_demo"]
@@ -159,8 +160,12 @@ def _encoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
                               f"{options.text!r}")
     say(f"      drew {len(maps.weights)} layers x {maps.weights[0].shape[1]} heads for {options.text!r} "
         f"({len(maps.tokens)} tokens)")
+    input_ids, mask, _ = encoder.tokenize([options.text])
+    with torch.no_grad(), record_vectors(encoder.model) as vectors:  # every head's q and k: the neuron view
+        encoder.model(input_ids, mask)
     return ViewerSource(f"{model_name} (pretrained encoder)", maps.tokens, maps.tokens, maps.weights, maps.names,
-                        caption=f"The pretrained sentence encoder on {options.text!r}: bidirectional attention.")
+                        caption=f"The pretrained sentence encoder on {options.text!r}: bidirectional attention.",
+                        queries=[q[0] for q in vectors.queries], keys=[k[0] for k in vectors.keys])
 
 
 def _model_name(options: DemoOptions, folder: Path) -> str:
@@ -230,7 +235,12 @@ def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
     return ViewerSource("recall decoder (trained from scratch)", tokens, tokens, weights, layer_names,
                         caption="Multi-query associative recall, decoded with a KV cache: at each query key the "
                                 "lookup head attends to the value whose key matches.",
-                        highlight=(layer, head, "lookup head"))
+                        highlight=(layer, head, "lookup head"),
+                        # Decode steps in the viewer: after the prefill (the pairs and the first asked key) each
+                        # row is one token fed in; the model writes the answers, the asked keys come from the data.
+                        prompt_len=task.prompt_len + 1,
+                        generated=[tokens[r + 1] if (r - task.prompt_len) % 2 == 0 else f"{tokens[r + 1]} (asked)"
+                                   for r in range(task.prompt_len, len(tokens) - 1)] + [""])
 
 
 def _train(model: CausalDecoder, task: RecallTask, recipe: _Recipe, max_steps: int, train_gen: torch.Generator,

@@ -162,7 +162,7 @@ function setStep(step) {
     const s = src();
     $("step-label").textContent = row === null ? `whole sequence (${s.lq} tokens, prompt ${s.prompt_len})`
       : `step ${state.step + 1}/${s.lq - s.prompt_len + 1}: ${quote(s.q_tokens[row])} ` +
-        `reads ${row + 1} keys → generates ${quote(s.generated[state.step])}`;
+        `reads ${row + 1} keys → next ${s.generated[state.step] ? quote(s.generated[state.step]) : "(none: the last step)"}`;
   }
   render();
 }
@@ -443,7 +443,7 @@ function describe() {
     const parts = perHead((h, m) => { const [j, w] = best(m, s.lk, "row", row, row + 1); return [h, j, w]; });
     text += `\nstep ${state.step + 1}: ${quote(s.q_tokens[row])} attends most to ` +
       parts.map(([h, j, w]) => `${quote(s.k_tokens[j])} (${w.toFixed(2)}${one ? "" : `, head ${h}`})`).join(", ") +
-      ` and generates ${quote(s.generated[state.step])}`;
+      (s.generated[state.step] ? ` → next ${quote(s.generated[state.step])}` : "");
   }
   return text;
 }
