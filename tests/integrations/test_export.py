@@ -14,6 +14,8 @@ Default tier: one export of the layer itself, one of the padding wrapper, one ON
 from __future__ import annotations
 
 import collections
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +26,17 @@ import multihead as mh
 from helpers import assert_relative, naive_attention
 from multihead.integrations.export import ExportableAttention, export, to_onnx
 
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 F32 = 10.0  # the rule's factor in fp32 (shared/TESTING.md): fused kernels reorder the sums
 
 
 # ------------------------------------------------------------------------------ references
-def by_hand(layer: mh.MultiHeadAttention, x, mask, dtype):
+def by_hand_cross(layer: mh.MultiHeadAttention, x, kv, dtype):
+    """Cross-attention from ``x`` to ``kv`` (batch first), no mask, computed plainly in ``dtype``."""
+    return by_hand(layer, x, None, dtype, kv=kv)
+
+
+def by_hand(layer: mh.MultiHeadAttention, x, mask, dtype, kv=None):
     """The layer computed plainly in ``dtype``: the fp64 oracle (``reference_attention``) or, in
     fp32, the naive baseline (no upcast). ``mask`` is the call's mask object, causality added here."""
     if not layer.batch_first:
@@ -38,13 +46,14 @@ def by_hand(layer: mh.MultiHeadAttention, x, mask, dtype):
     def linear(t, proj):
         return F.linear(t.to(dtype), proj.weight.to(dtype), None if proj.bias is None else proj.bias.to(dtype))
 
-    def heads(proj, n):
-        return linear(x, proj).unflatten(-1, (n, D)).transpose(1, 2)  # (B, n, L, D)
+    def heads(t, proj, n):
+        return linear(t, proj).unflatten(-1, (n, D)).transpose(1, 2)  # (B, n, L, D)
 
+    kv = x if kv is None else kv
     q, k, v = (
-        heads(layer.q_proj, layer.num_heads),
-        heads(layer.k_proj, layer.num_kv_heads),
-        heads(layer.v_proj, layer.num_kv_heads),
+        heads(x, layer.q_proj, layer.num_heads),
+        heads(kv, layer.k_proj, layer.num_kv_heads),
+        heads(kv, layer.v_proj, layer.num_kv_heads),
     )
     if layer.causal:
         mask = mh.causal() if mask is None else mask & mh.causal()
@@ -143,14 +152,28 @@ def test_torch_export_with_padding_lengths_as_an_input():
         check_padded(layer, run(x, lengths), x, lengths)
 
 
-def test_onnx_program_is_one_attention_node_and_matches_in_onnxruntime():
-    """``torch.onnx.export(..., dynamo=True)`` at opset 23: SDPA becomes ONNX's ``Attention``
-    (GQA's 2 KV heads passed as they are, the padding as its mask input, no ``Softmax`` written
-    out), and onnxruntime's outputs at two other lengths follow the relative rule."""
-    torch.manual_seed(2)
+@pytest.fixture(scope="module")
+def page() -> dict:
+    """The ``Export and ONNX`` section of docs/integrations.md, its python blocks run in order in one
+    namespace (they assert their own claims): a GQA causal layer, its program with ``lengths``, and
+    that program in ONNX, run in onnxruntime."""
+    text = DOC.read_text()
+    section = text[text.index("## Export and ONNX") :]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "docs/integrations.md: the Export section has no python block"
+    namespace: dict = {}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/integrations.md [Export and ONNX, block {i}]", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_onnx_program_is_one_attention_node_and_matches_in_onnxruntime(page):
+    """The page's ``to_onnx(program)`` at opset 23: SDPA becomes ONNX's ``Attention`` (GQA's 2 KV
+    heads passed as they are, the padding as its mask input, no ``Softmax`` written out), and
+    onnxruntime's outputs at other batch sizes and lengths follow the relative rule."""
     gen = torch.Generator().manual_seed(2)
-    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True).eval()
-    model = to_onnx(layer, torch.randn(2, 9, 32), lengths=torch.tensor([9, 5])).model_proto
+    layer, model = page["layer"], page["onnx_program"].model_proto
+    assert (layer.num_heads, layer.num_kv_heads, layer.causal) == (8, 2, True)
     assert opset(model) == 23
     counts = ops(model)
     assert counts["Attention"] == 1 and counts["Softmax"] == 0, counts
@@ -158,11 +181,12 @@ def test_onnx_program_is_one_attention_node_and_matches_in_onnxruntime():
     assert len(node.input) >= 4 and node.input[3], "the padding mask is the Attention node's mask input"
     assert attrs.get("is_causal", 0) == 0  # causal & padding arrive as one materialized mask
     assert [i.name for i in model.graph.input] == ["x", "lengths"]
+    assert [o.name for o in model.graph.output] == ["out"]
     dims = [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim[:2]]
     assert all(dims), f"batch and length are symbolic: {dims}"
     session = ort_session(model)
     for B, n in ((1, 1), (3, 23)):
-        x, lengths = padded_inputs(B, n, 32, gen)
+        x, lengths = padded_inputs(B, n, 64, gen)
         (out,) = session.run(None, {"x": x.numpy(), "lengths": lengths.numpy()})
         check_padded(layer, out, x, lengths)
 
@@ -185,10 +209,20 @@ BAD = [
         ValueError,
         r"mask= is given twice",
     ),
+    (lambda: to_onnx(mh.MultiHeadAttention(8, 2)), ValueError, r"a layer needs an example input x"),
+    (
+        lambda: to_onnx(torch.export.export(torch.nn.Identity(), (torch.zeros(1),)), torch.zeros(1)),
+        ValueError,
+        r"an ExportedProgram is converted as it was exported",
+    ),
 ]
 
 
-@pytest.mark.parametrize("make, error, message", BAD, ids=["not-a-layer", "mask-not-a-mask", "mask-twice"])
+@pytest.mark.parametrize(
+    "make, error, message",
+    BAD,
+    ids=["not-a-layer", "mask-not-a-mask", "mask-twice", "onnx-without-x", "onnx-program-and-x"],
+)
 def test_bad_input(make, error, message):
     with pytest.raises(error, match=message):
         make()
@@ -254,3 +288,33 @@ def test_export_and_onnx_matrix(heads, mask_name, opset_version, batch_first):
             ref, base = by_hand(layer, x, fixed, torch.float64), by_hand(layer, x, fixed, torch.float32)
             assert_relative(torch.from_numpy(out), ref, base, F32, f"onnxruntime B={B} L={n}")
             assert_relative(run(x), ref, base, F32, f"exported program B={B} L={n}")
+
+
+@pytest.mark.slow
+def test_the_layer_itself_exports_a_bool_mask_tensor_and_cross_attention():
+    """What docs/integrations.md says exports without the wrapper: a bool mask tensor as the
+    layer's ``mask=`` input (dynamic in both lengths) and cross-attention with its own key length."""
+    torch.manual_seed(4)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    L, S = torch.export.Dim("L", min=1, max=1024), torch.export.Dim("S", min=1, max=1024)
+    x = torch.randn(2, 9, 32)
+    masked = torch.export.export(
+        layer,
+        (x,),
+        kwargs={"mask": torch.rand(2, 1, 9, 9) > 0.3},
+        dynamic_shapes={"query": {1: L}, "mask": {2: L, 3: L}},
+    ).module()
+    cross = torch.export.export(
+        layer, (x, torch.randn(2, 7, 32)), dynamic_shapes={"query": {1: L}, "key": {1: S}}
+    ).module()
+    for n, s in ((1, 5), (13, 30)):
+        x2, kv = torch.randn(2, n, 32), torch.randn(2, s, 32)
+        m = torch.rand(2, 1, n, n) > 0.3
+        m[..., 0] = True  # no row without a key (the naive baseline's convention is checked elsewhere)
+        ref, base = (
+            by_hand(layer, x2, mh.masks.as_mask(m), torch.float64),
+            by_hand(layer, x2, mh.masks.as_mask(m), torch.float32),
+        )
+        assert_relative(masked(x2, mask=m), ref, base, F32, f"bool mask L={n}")
+        ref, base = by_hand_cross(layer, x2, kv, torch.float64), by_hand_cross(layer, x2, kv, torch.float32)
+        assert_relative(cross(x2, kv), ref, base, F32, f"cross L={n} S={s}")

@@ -3,8 +3,8 @@
     from multihead.integrations.export import export, to_onnx
 
     layer = MultiHeadAttention(64, 8, num_kv_heads=2, causal=True).eval()
-    program = export(layer, x, lengths=lengths)        # torch.export.ExportedProgram, inputs (x, lengths)
-    onnx_program = to_onnx(layer, x, lengths=lengths)  # torch.onnx.ONNXProgram, opset 23
+    program = export(layer, x, lengths=lengths)  # torch.export.ExportedProgram, inputs (x, lengths)
+    onnx_program = to_onnx(program)               # torch.onnx.ONNXProgram, opset 23 (or to_onnx(layer, x, ...))
 
 **How a mask travels.** An exported program takes tensors, while a `multihead` mask is a Python
 object (``causal()``, ``key_padding(lengths)``): ``torch.export`` refuses it as an input. So the
@@ -141,8 +141,8 @@ def export(
 
 
 def to_onnx(
-    layer: MultiHeadAttention | ExportableAttention,
-    x: Tensor,
+    model: MultiHeadAttention | ExportableAttention | torch.export.ExportedProgram,
+    x: Tensor | None = None,
     *,
     lengths: Tensor | None = None,
     mask: Mask | None = None,
@@ -152,32 +152,44 @@ def to_onnx(
     dynamic_batch: bool = True,
     optimize: bool = True,
 ) -> torch.onnx.ONNXProgram:
-    """``torch.onnx.export(..., dynamo=True)`` of ``layer``'s self-attention, with the dynamic
-    shapes of :func:`export`: a ``torch.onnx.ONNXProgram`` whose inputs are ``x`` (and
-    ``lengths``), named so, and whose output is ``out``. ``program.model_proto`` is the ONNX
-    model, ``program.save(path)`` writes it. From opset 23 each attention is one ``Attention`` node.
-    Needs ``onnx`` and ``onnxscript`` (``pip install "multihead[onnx]"``)."""
-    module = _exportable(layer, mask)
-    args = (x,) if lengths is None else (x, lengths)
-    shapes = dynamic_shapes(
-        module, lengths is not None, min_length=min_length, max_length=max_length, dynamic_batch=dynamic_batch
-    )
-    names = ["x"] if lengths is None else ["x", "lengths"]
-    with warnings.catch_warnings():
-        # x's batch and lengths' are one Dim, named once: the exporter says so for the second.
-        warnings.filterwarnings("ignore", message=r".*The axis name: \w+ will not be used")
-        program = torch.onnx.export(
-            module,
-            args,
-            dynamo=True,
-            opset_version=opset_version,
-            dynamic_shapes=shapes,
-            input_names=names,
-            output_names=["out"],
-            optimize=optimize,
-            verbose=False,
+    """``torch.onnx.export(..., dynamo=True)`` of a program of :func:`export` (``model`` an
+    ``ExportedProgram``: no second trace), or of ``model``'s self-attention exported with the
+    arguments of :func:`export`. Returns a ``torch.onnx.ONNXProgram`` whose inputs are ``x`` (and
+    ``lengths``) and whose output is ``out``, batch and length symbolic (named ``B`` and ``L`` when
+    ``model`` is a layer; as the exporter names them for a program): ``program.model_proto``
+    is the ONNX model, ``program.save(path)`` writes it. From opset 23 each attention is one
+    ``Attention`` node. Needs ``onnx`` and ``onnxscript`` (``pip install "multihead[onnx]"``)."""
+    if isinstance(model, torch.export.ExportedProgram):
+        if x is not None or lengths is not None or mask is not None:
+            raise ValueError(
+                "to_onnx: an ExportedProgram is converted as it was exported; x=, lengths= and mask= "
+                "are for a layer (pass the layer instead, or leave them out)"
+            )
+        onnx_program = torch.onnx.export(
+            model, dynamo=True, opset_version=opset_version, output_names=["out"], optimize=optimize, verbose=False
         )
-    return cast(torch.onnx.ONNXProgram, program)  # None only for the TorchScript exporter (dynamo=False)
+    else:
+        if x is None:
+            raise ValueError("to_onnx: a layer needs an example input x (B, L, E); got x=None")
+        module = _exportable(model, mask)
+        args = (x,) if lengths is None else (x, lengths)
+        shapes = dynamic_shapes(
+            module, lengths is not None, min_length=min_length, max_length=max_length, dynamic_batch=dynamic_batch
+        )
+        with warnings.catch_warnings():
+            # x's batch and lengths' are one Dim, named once: the exporter says so for the second.
+            warnings.filterwarnings("ignore", message=r".*The axis name: \w+ will not be used")
+            onnx_program = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=opset_version,
+                dynamic_shapes=shapes,  # the axes are named B and L in the ONNX model
+                output_names=["out"],
+                optimize=optimize,
+                verbose=False,
+            )
+    return cast(torch.onnx.ONNXProgram, onnx_program)  # None only for the TorchScript exporter (dynamo=False)
 
 
 def _exportable(layer: MultiHeadAttention | ExportableAttention, mask: Mask | None) -> ExportableAttention:
