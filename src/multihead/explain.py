@@ -1,13 +1,26 @@
-"""``multihead.explain``: which backend runs a call, why the others were refused, and how."""
+"""``multihead.explain``: which backend runs a call, why the others were refused, how, and
+what would run faster.
+
+The advice (:func:`advise`) names every slow-path cause it sees with its fix: a dense mask tensor
+that a mask object spells out (recognised by :func:`multihead.masks.recognize.recognize`, with the
+speed-up measured by a quick probe or estimated from the blocks the object skips, and said which),
+dropout (no fused CPU kernel has it), PyTorch's math kernel, a dense additive bias, the reference
+backend, and full weights where a selection would do.
+"""
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from multihead.backends.registry import AUTO_ORDER, available_backends, check_backend_name, get_backend, select_backend
-from multihead.masks import Mask
+from multihead.masks import BlockState, Mask
+from multihead.masks.recognize import recognize
+from multihead.scores import Bias
 from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["explain", "Explanation"]
@@ -25,6 +38,7 @@ class Explanation:
     refused: dict = field(default_factory=dict)  # backend name -> reasons
     plan: tuple = ()  # how the chosen backend runs the call
     requested: str = "auto"
+    advice: tuple = ()  # what would run faster, each with its fix (advise)
 
     def __str__(self) -> str:
         B, Hq, Hkv, Lq, Lk, D, Dv = self.shape
@@ -39,6 +53,9 @@ class Explanation:
             lines += [f"  {name}: {'; '.join(reasons)}" for name, reasons in self.refused.items()]
         if self.requested == "auto":
             lines.append("auto order: " + " > ".join(AUTO_ORDER))
+        if self.advice:
+            lines.append("advice:")
+            lines += [f"  - {line}" for line in self.advice]
         return "\n".join(lines)
 
 
@@ -46,8 +63,14 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
             scale: float | None = None,
             dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
             backend: str = "auto", dropout_mask: Tensor | None = None, weights_heads=None,
-            weights_rows=None) -> Explanation:
-    """Explain what :func:`multihead.attention` would do with these arguments, without running it."""
+            weights_rows=None, probe: bool | None = None) -> Explanation:
+    """Explain what :func:`multihead.attention` would do with these arguments, and advise.
+
+    Nothing runs, except with ``probe``: where a dense mask tensor is a mask object written out,
+    ``probe=True`` times both (a warm-up and the best of two runs each, on these inputs) to say how
+    much faster the object is here; ``probe=None`` (default) does so only when one call is cheap
+    (``B·Hq·Lq·Lk·D <= 2^27``) and otherwise estimates from the blocks the object skips;
+    ``probe=False`` always estimates. The report says which it did."""
     check_backend_name(backend)
     call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
@@ -75,5 +98,116 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
         nh = q.shape[1] if heads is None else len(heads)
         nr = q.shape[2] if rows is None else len(rows)
         plan.append(f"weights: {nh} head(s) x {nr} row(s) recomputed block by block from q, k and the LSE")
+    advice = advise(call, chosen.name, plan, mask, score_mod, dict(scale=scale, dropout_p=dropout_p, backend=backend),
+                    probe, return_weights and heads is None and rows is None)
     return Explanation(chosen.name, call.shape, str(q.dtype), str(q.device), mask_text, refused,
-                       tuple(plan), backend)
+                       tuple(plan), backend, tuple(advice))
+
+
+# ---------------------------------------------------------------------------------- advice
+#: A probe runs by default when one call is at most this many multiply-adds (B·Hq·Lq·Lk·D).
+PROBE_ELEMENTS = 1 << 27
+_BLOCK = 256  # blocksparse's default query/key block (docs/performance.md)
+
+
+def advise(call, chosen: str, plan: list[str], mask, score_mod, options: dict, probe: bool | None,
+           full_weights: bool) -> list[str]:
+    """The slow-path causes of ``call`` that explain can see, each with its fix."""
+    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    advice = []
+    if isinstance(mask, Tensor):
+        advice += _dense_mask_advice(call, mask, score_mod, options, probe)
+    if call.dropout_p > 0:
+        kernel = "PyTorch's math kernel, which materialises the (B, Hq, Lq, Lk) scores" if chosen == "sdpa" else \
+            f"the {chosen} backend's dropout path"
+        advice.append(f"dropout_p={call.dropout_p}: no fused CPU kernel applies dropout, so this call runs {kernel}; "
+                      "fix: dropout only while training (layers pass 0 in eval mode), or dropout=0.0 (attention "
+                      "dropout is off in most current LLMs)")
+    elif any(line.endswith("PyTorch kernel: MATH") for line in plan):
+        advice.append(f"PyTorch's math kernel runs (it materialises the (B, Hq, Lq, Lk) scores) for {call.q.dtype} "
+                      f"on {call.q.device.type} with D={D}; fix: a dtype and head dim its fused kernels take "
+                      "(CPU flash: fp32/bf16/fp16/fp64; CUDA flash: fp16/bf16, D <= 256)")
+    bias = [m for m in getattr(call.score_mod, "mods", (call.score_mod,)) if isinstance(m, Bias)]
+    for b in bias:
+        dense = b.tensor.shape[2] > 1 and b.tensor.shape[3] > 1
+        if dense and not (isinstance(mask, Tensor) and mask.is_floating_point() and b.name == "mask"):
+            advice.append(f"a dense additive bias {tuple(b.tensor.shape)} ({b.name}) is read on every call and "
+                          "keeps the scores from being skipped; fix: a bias of the head and the distance alone is "
+                          "a scores.RelativeBias (positions.ALiBi, RelativePositionBias: a strided view per block), "
+                          "and a bias of 0 and -inf is a mask (a mask object or a bool tensor)")
+    if chosen == "reference":
+        advice.append("the reference backend runs (plain math in the softmax dtype, the slowest): every other "
+                      "backend refused, see 'refused:'" + ("; fix: drop dropout_mask (a testing aid)"
+                                                           if call.dropout_mask is not None else ""))
+    if full_weights and B * Hq * Lq * Lk * 4 >= 1 << 26:
+        advice.append(f"return_weights materialises all of (B, Hq, Lq, Lk) = {(B, Hq, Lq, Lk)}, "
+                      f"{B * Hq * Lq * Lk * call.q.element_size() / 2**20:.0f} MiB; fix: weights_heads=/weights_rows= "
+                      "compute only the heads and rows you read, one block at a time")
+    return advice
+
+
+def _dense_mask_advice(call, mask: Tensor, score_mod, options: dict, probe: bool | None) -> list[str]:
+    """What a dense mask tensor is, as an object, and how much faster the object runs."""
+    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    found = recognize(mask)
+    kind = "float (additive)" if mask.is_floating_point() else "bool"
+    if found is None:
+        return []
+    if found.mask is None:
+        what = f"this {kind} mask lets every query see every key: pass mask=None"
+        other = None
+    else:
+        what = f"this dense {kind} mask is `{found.expression}`" + (f" ({found.where})" if found.where else "")
+        what += "; pass that object instead"
+        other = found.mask
+    if found.bias:
+        return [what + ", with its finite entries as score_mod=multihead.scores.bias(...) (they add a bias, not "
+                "only 0): backends can then skip the blocks the object blocks"]
+    if mask.is_floating_point():
+        what += " (its finite entries are all 0: the float tensor adds a dense bias of zeros besides)"
+    cheap = B * Hq * Lq * Lk * D <= PROBE_ELEMENTS
+    if probe or (probe is None and cheap):
+        factor = _probe(call, mask, other, score_mod, options)
+        how = "measured on these inputs: best of 2 runs each, after a warm-up"
+        if factor < 1.1:
+            return [what + f": no faster at this size ({factor:.2f}x, {how}); it saves the {Lq}x{Lk} tensor's "
+                    "memory and reads, and gains as L grows"]
+        return [what + f": {factor:.1f}x faster here ({how})"]
+    fraction = _visible_fraction(other, B, Lq, Lk)
+    if fraction >= 0.9:
+        return [what + f": it needs no {Lq}x{Lk} tensor (estimated: the object blocks too little of the "
+                "square to skip work; explain(..., probe=True) measures)"]
+    return [what + f": about {1 / fraction:.1f}x less work (estimated: the object's backends compute "
+            f"{fraction:.0%} of the {_BLOCK}x{_BLOCK} blocks; explain(..., probe=True) measures)"]
+
+
+def _probe(call, mask: Tensor, other: Mask | None, score_mod, options: dict) -> float:
+    """Time attention with the dense ``mask`` and with ``other``: the dense time over the object's."""
+    from multihead.attention import attention  # the entry point imports nothing from here
+
+    q, k, v = (t.detach() for t in (call.q, call.k, call.v))
+    times = []
+    with torch.no_grad():
+        for m in (mask, other):
+            def run():
+                attention(q, k, v, mask=m, score_mod=score_mod, **options)
+                if q.device.type == "cuda":
+                    torch.cuda.synchronize(q.device)
+            run()  # warm-up: plans, caches
+            best = math.inf
+            for _ in range(2):
+                start = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - start)
+            times.append(best)
+    return times[0] / max(times[1], 1e-9)
+
+
+def _visible_fraction(mask: Mask | None, B: int, Lq: int, Lk: int) -> float:
+    """The fraction of ``_BLOCK``-square blocks that ``mask`` does not block entirely."""
+    if mask is None:
+        return 1.0
+    size = max(_BLOCK, math.ceil(max(Lq, Lk) / 64))  # at most 64 x 64 blocks to ask about
+    blocks = [(q0, min(q0 + size, Lq), k0, min(k0 + size, Lk)) for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)]
+    visible = sum(mask.block_state(q0, q1, k0, k1, Lq, Lk, batch=B) != BlockState.EMPTY for q0, q1, k0, k1 in blocks)
+    return max(visible, 1) / len(blocks)

@@ -1,5 +1,7 @@
 """explain(): which backend runs, why others were refused, and which PyTorch kernel."""
 
+import re
+
 import torch
 
 import multihead as mh
@@ -40,3 +42,60 @@ def test_lse_comes_from_the_kernel_call_for_inference_and_is_recomputed_for_trai
     qg = q.clone().requires_grad_()
     assert "recomputed with the weights in one blockwise pass" in str(
         mh.explain(qg, qg, qg, mask=mh.causal(), return_lse=True, backend="sdpa"))
+
+
+# ------------------------------------------------------------------ advice (issue 15, item 5)
+def _band(L: int, w: int) -> torch.Tensor:
+    i = torch.arange(L)
+    return (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= w)  # (L, L) causal band of w + 1 keys
+
+
+def test_a_dense_sliding_window_is_named_with_the_object_and_a_factor():
+    """Regression: a dense bool sliding window got 'plain tensor masks are already Lq x Lk'."""
+    q = torch.randn(1, 2, 1024, 16)
+    estimated = mh.explain(q, q, q, mask=_band(1024, 128), probe=False)
+    [line] = estimated.advice
+    assert "is `sliding_window(128)`; pass that object instead" in line
+    assert re.search(r"about \d+\.\dx less work \(estimated: .* 44% of the 256x256 blocks", line)
+    assert "advice:\n  - this dense bool mask is `sliding_window(128)`" in str(estimated)
+    small = torch.randn(1, 1, 64, 8)
+    measured = mh.explain(small, small, small, mask=_band(64, 8), probe=True)
+    assert re.search(r"(\d+\.\dx faster here \(|no faster at this size \(\d\.\d\dx, )measured on these inputs", measured.advice[0])
+
+
+def test_a_float_causal_mask_from_torch_is_recognised_as_causal():
+    """Regression: nn.Transformer.generate_square_subsequent_mask was not recognised as causal."""
+    q = torch.randn(1, 2, 300, 8)
+    fm = torch.nn.Transformer.generate_square_subsequent_mask(300)
+    [line] = mh.explain(q, q, q, mask=fm, probe=False).advice
+    assert "dense float (additive) mask is `causal()`" in line and "finite entries are all 0" in line
+    lq = torch.randn(1, 2, 200, 8)  # Lq != Lk: the alignment is named
+    [line] = mh.explain(lq, q, q, mask=torch.ones(200, 300, dtype=torch.bool).tril(), probe=False).advice
+    assert "`causal('top_left')`" in line
+
+
+def test_dropout_and_other_slow_paths_are_flagged_with_their_fix():
+    """Regression: dropout's fall to the math kernel was not flagged."""
+    q = torch.randn(1, 2, 64, 16)
+    advice = mh.explain(q, q, q, mask=mh.causal(), dropout_p=0.1, backend="sdpa").advice
+    assert any("dropout_p=0.1: no fused CPU kernel applies dropout, so this call runs PyTorch's math kernel" in a
+               and "fix: dropout only while training" in a for a in advice)
+    bias = torch.randn(1, 2, 64, 64)
+    advice = mh.explain(q, q, q, score_mod=mh.scores.bias(bias)).advice
+    assert any("dense additive bias (1, 2, 64, 64)" in a and "scores.RelativeBias" in a for a in advice)
+    keep = torch.ones(1, 2, 64, 64, dtype=torch.bool)
+    advice = mh.explain(q, q, q, dropout_p=0.5, dropout_mask=keep).advice
+    assert any("reference backend runs" in a and "drop dropout_mask" in a for a in advice)
+    big = torch.randn(1, 8, 2048, 8)
+    advice = mh.explain(big, big, big, mask=mh.causal(), return_weights=True).advice
+    assert any("weights_heads=/weights_rows=" in a for a in advice)
+    assert mh.explain(big, big, big, mask=mh.causal(), return_weights=True, weights_heads=0).advice == ()
+    assert mh.explain(q, q, q, mask=mh.causal()).advice == ()  # nothing to say: no advice
+
+
+def test_a_random_or_per_head_mask_gets_no_object_advice():
+    q = torch.randn(1, 2, 32, 8)
+    torch.manual_seed(0)
+    assert mh.explain(q, q, q, mask=torch.rand(32, 32) > 0.5).advice == ()
+    per_head = torch.stack([torch.ones(32, 32, dtype=torch.bool).tril(), torch.ones(32, 32, dtype=torch.bool)])
+    assert mh.explain(q, q, q, mask=per_head.unsqueeze(0)).advice == ()

@@ -40,6 +40,13 @@ def key_padding(lengths: int | Sequence[int] | Tensor) -> KeyPadding:
     if isinstance(lengths, int):
         lengths = [lengths]
     if isinstance(lengths, Tensor):
+        if lengths.dim() == 2 and not (lengths.is_floating_point() or lengths.is_complex()):
+            # (B, Lk) of 0/1: a Hugging Face attention_mask, say, whose polarity only the caller knows
+            raise TypeError(f"key_padding: got an integer {lengths.dtype} tensor of shape {tuple(lengths.shape)}, "
+                            "read as a (B, Lk) table of keys; expected a bool (B, Lk) table (True = a real key) "
+                            "or integer lengths of shape (B,). If 1 marks a real token (Hugging Face's "
+                            "attention_mask), pass key_padding(mask.bool()), or key_padding(mask.sum(-1)) for "
+                            "right padding; if 1 marks padding, key_padding(mask == 0)")
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dim() > 1:
             raise TypeError(f"key_padding: lengths must be an integer tensor of shape (B,), got "
                             f"dtype {lengths.dtype} and shape {tuple(lengths.shape)}")

@@ -1,0 +1,164 @@
+"""Recognising a dense mask tensor as the mask object it spells out.
+
+A bool ``(Lq, Lk)`` ... ``(B, H, Lq, Lk)`` tensor (``True`` = may attend), or a float one read as
+PyTorch's additive masks (``-inf`` blocks), is often a structure written out in full: a causal
+triangle (``torch.tril``, ``nn.Transformer.generate_square_subsequent_mask``), a band, padded
+keys, packed documents. :func:`recognize` finds the object that means exactly the same
+(candidates from the tensor's rows, each checked against the whole tensor, never guessed)::
+
+    recognize(torch.ones(4, 4, dtype=torch.bool).tril())
+    Recognized(mask=causal(align='bottom_right'), expression='causal()', bias=False, where='')
+
+    x  x  ·  ·     first and last visible key of each row, relative to the row's aligned key,
+    x  x  x  ·     give the band's left and right extents in each alignment (bottom-right
+    ·  x  x  x     offset Lk - Lq, top-left 0); a key no row sees on the right of a batch element
+    ·  ·  x  x     is padding; equal rows in blocks on the diagonal are documents.
+
+Objects let backends skip blocked blocks and pass causal diagonals as ``is_causal`` instead of
+reading a tensor: :func:`multihead.explain` uses this to advise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from multihead.masks.band import causal, sliding_window
+from multihead.masks.base import Mask
+from multihead.masks.document import document, document_causal
+from multihead.masks.padding import key_padding
+
+__all__ = ["recognize", "Recognized", "MAX_ELEMENTS"]
+
+#: Patterns larger than this (``B · Lq · Lk`` after dropping equal heads) are not analysed:
+#: each candidate is checked against the whole tensor.
+MAX_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class Recognized:
+    """A dense mask recognised: ``mask`` means exactly what the tensor's pattern means (``None``:
+    every query sees every key), ``expression`` is how to write it (``where`` says what the names
+    in it hold: the ids of documents, a padding table), and ``bias`` says whether a float tensor
+    also adds something other than 0 to the scores it lets through."""
+
+    mask: Mask | None
+    expression: str
+    bias: bool = False
+    where: str = ""
+
+
+def recognize(mask: Tensor) -> Recognized | None:
+    """The mask object equal to the dense ``mask`` (module docstring), or ``None`` when it has
+    no structure the objects express (per-head patterns, random masks) or is too large to check
+    (over :data:`MAX_ELEMENTS`). Integer tensors are not read (their polarity is unknown)."""
+    if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        return None
+    if not 2 <= mask.dim() <= 4:
+        return None
+    pattern = mask if mask.dtype == torch.bool else mask != float("-inf")
+    bias = mask.dtype != torch.bool and bool(torch.where(pattern, mask, torch.zeros((), dtype=mask.dtype)).any())
+    p = pattern.detach().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).cpu()  # (B|1, H|1, Lq, Lk)
+    if p.shape[1] > 1:
+        if not bool((p == p[:, :1]).all()):
+            return None  # a pattern per head: no mask object is one
+        p = p[:, :1]
+    if p.shape[0] > 1 and bool((p == p[:1]).all()):
+        p = p[:1]
+    B, _, Lq, Lk = p.shape
+    if B * Lq * Lk > MAX_ELEMENTS or Lq == 0 or Lk == 0:
+        return None
+    if bool(p.all()):
+        return Recognized(None, "None", bias)
+    padding = _padding(p[:, 0])  # (mask, expression, where) or None
+    for structure, text, where in _structures(p[:, 0]):
+        for extra, extra_text, extra_where in [(None, "", "")] + ([padding] if padding else []):
+            candidate = structure if extra is None else (extra if structure is None else structure & extra)
+            if candidate is None:
+                continue
+            if _agrees(candidate, p):
+                expression = " & ".join(t for t in (text, extra_text) if t)
+                return Recognized(candidate, expression, bias, "; ".join(w for w in (where, extra_where) if w))
+    return None
+
+
+def _agrees(candidate: Mask, p: Tensor) -> bool:
+    """``candidate`` materialised equals ``p (B, 1, Lq, Lk)``: a few rows at each end first (most
+    wrong candidates differ there, cheaply), then the whole square."""
+    B, _, Lq, Lk = p.shape
+    for q0, q1 in ((0, min(Lq, 16)), (max(0, Lq - 16), Lq), (0, Lq)):
+        block = candidate.materialize_block(B, 1, q0, q1, Lq, Lk, "cpu").expand(B, 1, q1 - q0, Lk)
+        if not torch.equal(block, p[:, :, q0:q1]):
+            return False
+    return True
+
+
+def _padding(p: Tensor) -> tuple[Mask, str, str] | None:
+    """``key_padding`` of the keys no query of a batch element sees, when some are."""
+    valid = p.any(dim=1)  # (B, Lk)
+    if bool(valid.all()):
+        return None
+    lengths = valid.sum(dim=1)  # (B,)
+    prefix = torch.arange(p.shape[-1]).unsqueeze(0) < lengths.unsqueeze(1)
+    if torch.equal(prefix, valid):
+        return key_padding(lengths), f"key_padding(torch.tensor({lengths.tolist()}))", ""
+    return key_padding(valid), "key_padding(valid)", "valid: (B, Lk) bool, True = a key some query sees"
+
+
+def _structures(p: Tensor):
+    """Candidate ``(mask, expression, where)`` for ``p (B, Lq, Lk)``, simplest first; ``None`` is
+    "no structure" (padding alone)."""
+    B, Lq, Lk = p.shape
+    yield None, "", ""
+    rows = p.any(dim=2)  # (B, Lq): rows that see a key
+    if not bool(rows.any()):
+        return
+    bytes_ = p.to(torch.uint8)
+    first = bytes_.argmax(dim=2)  # (B, Lq) first visible key of each row (argmax: the first maximum)
+    last = Lk - 1 - bytes_.flip(2).argmax(dim=2)  # (B, Lq) last visible key
+    i = torch.arange(Lq).unsqueeze(0)
+    lo_rel, hi_rel = (first - i)[rows], (last - i)[rows]
+    a, b = int(lo_rel.min()), int(hi_rel.max())  # the rows the edges of the square clip least
+    starts_at_zero = bool((first[rows] == 0).all())
+    seen = set()
+    for align in ("bottom_right", "top_left"):
+        offset = Lk - Lq if align == "bottom_right" else 0
+        suffix = "" if align == "bottom_right" else "'top_left'"
+        lefts = [None] + ([offset - a] if not starts_at_zero and offset - a >= 0 else [])
+        rights = [0] + ([b - offset] if b - offset > 0 else []) + [None]
+        for left in lefts:
+            for right in rights:
+                if left is None:
+                    if right != 0:
+                        continue  # an unbounded left with a right extent is no public mask
+                    mask, text = causal(align), f"causal({suffix})"
+                else:
+                    mask = sliding_window(left, right, align)
+                    args = [str(left)] + ([] if right == 0 else [f"right={right}"]) + \
+                        ([] if align == "bottom_right" else ["align='top_left'"])
+                    text = f"sliding_window({', '.join(args)})"
+                if mask not in seen:
+                    seen.add(mask)
+                    yield mask, text, ""
+    # documents: each row's visible keys are one run, shared by the rows of its document
+    union = p.any(dim=0)  # (Lq, Lk)
+    yield from _documents(union, document, "document(ids)")
+    if Lq == Lk:
+        yield from _documents(union | union.T, document_causal, "document_causal(ids)")
+
+
+def _documents(p: Tensor, build, text: str):
+    """``build(q_ids, kv_ids)`` with ids read from ``p (Lq, Lk)``: a query's id is the first key
+    it sees, a key's the id of the first query that sees it (-1 / -2 where none)."""
+    Lq, Lk = p.shape
+    bytes_ = p.to(torch.uint8)
+    q_ids = torch.where(p.any(dim=1), bytes_.argmax(dim=1), -1)  # (Lq,): first key each query sees
+    first_query = bytes_.argmax(dim=0)  # (Lk,): first query that sees each key
+    kv_ids = torch.where(p.any(dim=0), q_ids[first_query], -2)
+    if Lq == Lk and torch.equal(q_ids, kv_ids):
+        yield build(q_ids), text, "ids: (L,) int, the document of each token"
+    else:
+        yield build(q_ids, kv_ids), text.replace("(ids)", "(q_ids, kv_ids)"), \
+            "q_ids (Lq,), kv_ids (Lk,): the document of each query and key"
