@@ -117,6 +117,18 @@ def test_record_attention_vectors_reproduce_the_weights_with_rotary_positions():
     torch.testing.assert_close(scores.softmax(-1), src.weights[0], atol=1e-6, rtol=1e-5)
 
 
+def test_record_vectors_reads_the_drop_in_layer_through_its_hook_points():
+    from multihead.layers.compat import MultiheadAttention
+    from multihead.viz import record_attention
+
+    torch.manual_seed(0)
+    layer = MultiheadAttention(24, 3, batch_first=True).eval()
+    x = torch.randn(1, 5, 24)
+    src = record_attention(layer, x, x, x, tokens=list("abcde"))
+    q, k = src.queries[0], src.keys[0]  # (H, L, D)
+    torch.testing.assert_close((q @ k.transpose(-1, -2) / 8 ** 0.5).softmax(-1), src.weights[0], atol=1e-6, rtol=1e-5)
+
+
 def test_record_generation_rows_equal_the_uncached_forward_and_the_tokens_generate_returns():
     from multihead.capture import capture_attention
     from multihead.models import CausalDecoder, DecoderConfig

@@ -5,10 +5,9 @@ head (for the neuron view), and the attention of each decode step of a generatio
     source = record_generation(decoder, prompt_ids, 12, token_names=names)  # prefill + 11 steps
     write_viewer("attention.html", [source])
 
-Weights come from :func:`multihead.capture_attention`. Query and key vectors come from
-:func:`record_vectors`: a forward pre-hook on each :class:`~multihead.MultiHeadAttention` that
-applies the layer's own projections and rotary embedding to its inputs, since the layer hands
-its rotated ``q`` and ``k`` to no hook of its own (they exist only inside ``forward``).
+Weights come from :func:`multihead.capture_attention`, query and key vectors from the layers'
+``q`` and ``k`` hook points (:mod:`multihead.hooks`: after the head split, the rotary embedding
+and the cache, as attention reads them), so every `multihead` layer gives them.
 """
 
 from __future__ import annotations
@@ -21,9 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.capture import capture_attention
-from multihead.layers import MultiHeadAttention
-from multihead.layers.checks import dims
-from multihead.layers.heads import split_heads
+from multihead.hooks import HookPoints, add_hook
 from multihead.viz.viewer import ViewerSource
 
 __all__ = ["record_vectors", "QueryKeyCapture", "record_attention", "record_generation"]
@@ -31,9 +28,9 @@ __all__ = ["record_vectors", "QueryKeyCapture", "record_attention", "record_gene
 
 @dataclass
 class QueryKeyCapture:
-    """The vectors each attention call scored, in call order: ``queries[i] (B, Hq, Lq, D)`` and the
-    *new* keys of that call ``keys[i] (B, Hkv, Lk, D)`` (with a KV cache, the keys of the tokens
-    fed in; the cached ones were recorded by earlier calls), after rotary positions."""
+    """The vectors each attention call scored, in call order: ``queries[i] (B, Hq, Lq, D)`` and
+    ``keys[i] (B, Hkv, Lk, D)``, every key the call read (with a cache: every slot), after rotary
+    positions; ``names[i]`` the layer's module name."""
 
     names: list[str] = field(default_factory=list)
     queries: list[Tensor] = field(default_factory=list)
@@ -42,44 +39,30 @@ class QueryKeyCapture:
 
 @contextmanager
 def record_vectors(model: nn.Module):
-    """Record the query and key vectors of every :class:`~multihead.MultiHeadAttention` in
-    ``model`` called inside the ``with`` block (layers with ``context_parallel`` are skipped)."""
+    """Record the query and key vectors of every `multihead` attention layer in ``model`` called
+    inside the ``with`` block, through their ``q`` and ``k`` hook points (layers with
+    ``context_parallel``, which have none, are skipped)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"record_vectors: model must be an nn.Module, got {type(model).__name__}")
     capture = QueryKeyCapture()
+
+    def on_q(q: Tensor, name: str) -> None:
+        capture.names.append(name)
+        capture.queries.append(q.detach().float().cpu())
+
+    def on_k(k: Tensor, name: str) -> None:  # a layer's k hook runs right after its q hook
+        capture.keys.append(k.detach().float().cpu())
+
     handles = []
-    for name, module in model.named_modules():
-        if isinstance(module, MultiHeadAttention) and module.context_parallel is None:
-            handles.append(module.register_forward_pre_hook(_hook(capture, name or type(module).__name__),
-                                                            with_kwargs=True))
     try:
+        for name, module in model.named_modules():
+            if isinstance(module, HookPoints) and getattr(module, "context_parallel", None) is None:
+                label = name or type(module).__name__
+                handles += [add_hook(module, "q", on_q, name=label), add_hook(module, "k", on_k, name=label)]
         yield capture
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _hook(capture: QueryKeyCapture, name: str):
-    @torch.no_grad()
-    def hook(layer: MultiHeadAttention, args, kwargs):
-        query = args[0] if args else kwargs["query"]
-        key = args[1] if len(args) > 1 else kwargs.get("key")
-        key = query if key is None else key
-        q = split_heads(layer.q_proj(query), layer.num_heads, layer.head_dim, layer.batch_first)  # (B, Hq, Lq, D)
-        k = split_heads(layer.k_proj(key), layer.num_kv_heads, layer.head_dim, layer.batch_first)  # (B, Hkv, Lk, D)
-        if layer.rope is not None:  # self-attention only, so the keys are at the queries' positions
-            positions, cache = kwargs.get("positions"), kwargs.get("kv_cache")
-            if positions is None:
-                Lq = dims(query, layer.batch_first)[1]
-                positions = cache.next_positions(Lq, query.device) if cache is not None \
-                    else torch.arange(Lq, device=query.device)  # (Lq,) or (B, Lq): where the layer puts them
-            q, k = layer.rope(q, positions), layer.rope(k, positions)
-        capture.names.append(name)
-        capture.queries.append(q.detach().float().cpu())
-        capture.keys.append(k.detach().float().cpu())
-        return None
-
-    return hook
 
 
 @torch.no_grad()
@@ -94,8 +77,7 @@ def record_attention(model: nn.Module, *inputs, tokens: list[str], k_tokens: lis
         raise ValueError(f"record_attention: {type(model).__name__} called no multihead attention layer")
     if len(vec.queries) != len(cap.weights):
         raise ValueError(f"record_attention: {len(cap.weights)} attention calls recorded weights but "
-                         f"{len(vec.queries)} recorded vectors; only multihead.MultiHeadAttention layers give "
-                         "their vectors")
+                         f"{len(vec.queries)} recorded vectors; only multihead attention layers give their vectors")
     return ViewerSource(name, tokens, tokens if k_tokens is None else k_tokens, [w[0] for w in cap.weights],
                         list(cap.names), caption=caption, highlight=highlight,
                         queries=[q[0] for q in vec.queries], keys=[k[0] for k in vec.keys])
@@ -126,7 +108,7 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
                          f"{len(vec.queries)} vector calls")
     H = cap.weights[0].shape[1]
     weights = torch.zeros(n_layers, H, L, L)  # causal: zeros above the diagonal
-    queries, keys = [[] for _ in range(n_layers)], [[] for _ in range(n_layers)]
+    queries, keys = [[] for _ in range(n_layers)], [None] * n_layers
     row = 0
     for call in range(calls):
         for layer in range(n_layers):
@@ -134,12 +116,12 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
             w = cap.weights[i][0].float()  # (H, rows, T)
             weights[layer, :, row: row + w.shape[1], : w.shape[2]] = w
             queries[layer].append(vec.queries[i][0])  # (H, rows, D)
-            keys[layer].append(vec.keys[i][0])  # (Hkv, rows, D)
+            keys[layer] = vec.keys[i][0]  # (Hkv, T, D): every key so far, in position order (dynamic cache)
         row += cap.weights[call * n_layers][0].shape[1]
     ids = torch.cat([prompt_ids[0], out[0]]).tolist()
     tokens = list(token_names(ids))
     if len(tokens) != len(ids):
         raise ValueError(f"record_generation: token_names gave {len(tokens)} names for {len(ids)} ids")
     return ViewerSource(name, tokens[:L], tokens[:L], weights, layer_names, caption=caption,
-                        queries=[torch.cat(q, dim=1) for q in queries], keys=[torch.cat(k, dim=1) for k in keys],
+                        queries=[torch.cat(q, dim=1) for q in queries], keys=keys,
                         prompt_len=P, generated=tokens[P:])
