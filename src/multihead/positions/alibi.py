@@ -19,7 +19,7 @@ as a strided view of ``R + K - 1`` values per block, never an ``Lq x Lk`` tensor
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -77,7 +77,7 @@ class ALiBi(RelativeBias):
         d = distance.to(dtype)
         return -m * d.abs() if self.symmetric else m * d
 
-    def _describe(self):
+    def _describe(self) -> str:
         extra = ", symmetric=True" if self.symmetric else ""
         extra += "" if self.align == "bottom_right" else f", align={self.align!r}"
         return f"ALiBi({self.num_heads}{extra})"

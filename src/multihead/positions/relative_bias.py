@@ -62,10 +62,10 @@ class BucketedBias(RelativeBias):
                                           max_distance=self.max_distance)
         return self.weight[bucket, h].to(dtype)
 
-    def tensors(self):
+    def tensors(self) -> tuple[Tensor, ...]:
         return (self.weight,)
 
-    def _describe(self):
+    def _describe(self) -> str:
         return (f"relative_position_bias(num_heads={self.num_heads}, num_buckets={self.num_buckets}, "
                 f"max_distance={self.max_distance}, bidirectional={self.bidirectional})")
 
@@ -88,9 +88,11 @@ class RelativePositionBias(nn.Module):
     """
 
     def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True,
-                 align: str = "bottom_right", device=None, dtype=None):
+                 align: str = "bottom_right", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
-        for name, value, low in (("num_heads", num_heads, 1), ("num_buckets", num_buckets, 2 if not bidirectional else 4),
+        for name, value, low in (("num_heads", num_heads, 1),
+                                 ("num_buckets", num_buckets, 2 if not bidirectional else 4),
                                  ("max_distance", max_distance, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"RelativePositionBias: {name} must be an int >= {low}, got {value!r}")

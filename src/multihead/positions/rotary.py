@@ -25,8 +25,9 @@ rounded once to the dtype of ``x``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -98,7 +99,7 @@ class LinearScaling:
 
     factor: float
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_number(self, "factor", self.factor, minimum=0.0, strict=True)
 
     def _frequencies(self, rotary_dim: int, base: float, seq_len: int | None) -> tuple[list[float], float]:
@@ -115,7 +116,7 @@ class DynamicNTKScaling:
     factor: float
     original_max_position_embeddings: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_number(self, "factor", self.factor, minimum=0.0, strict=True)
         _check_count(self, "original_max_position_embeddings", self.original_max_position_embeddings)
 
@@ -154,14 +155,15 @@ class YaRNScaling:
     attention_factor: float | None = None
     truncate: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_number(self, "factor", self.factor, minimum=0.0, strict=True)
         _check_count(self, "original_max_position_embeddings", self.original_max_position_embeddings)
         _check_number(self, "beta_fast", self.beta_fast, minimum=0.0, strict=True)
         _check_number(self, "beta_slow", self.beta_slow, minimum=0.0, strict=True)
         if self.beta_fast <= self.beta_slow:
             raise ValueError(f"YaRNScaling: beta_fast must be greater than beta_slow (turns over the original "
-                             f"context: fast pairs extrapolate, slow ones interpolate), got beta_fast={self.beta_fast!r}, "
+                             f"context: fast pairs extrapolate, slow ones interpolate), "
+                             f"got beta_fast={self.beta_fast!r}, "
                              f"beta_slow={self.beta_slow!r}; the paper's values are 32 and 1")
         for name in ("mscale", "mscale_all_dim", "attention_factor"):
             if getattr(self, name) is not None:
@@ -173,7 +175,8 @@ class YaRNScaling:
                              f"{given}={getattr(self, given)!r}; hint: give both, or neither for 0.1·ln(factor) + 1, "
                              f"or attention_factor= for an explicit value")
         if not isinstance(self.truncate, bool):
-            raise TypeError(f"YaRNScaling: truncate must be a bool, got {type(self.truncate).__name__} {self.truncate!r}")
+            raise TypeError(f"YaRNScaling: truncate must be a bool, "
+                            f"got {type(self.truncate).__name__} {self.truncate!r}")
 
     def _frequencies(self, rotary_dim: int, base: float, seq_len: int | None) -> tuple[list[float], float]:
         m = self.original_max_position_embeddings
@@ -222,7 +225,7 @@ class Llama3Scaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_number(self, "factor", self.factor, minimum=0.0, strict=True)
         _check_number(self, "low_freq_factor", self.low_freq_factor, minimum=0.0, strict=True)
         _check_number(self, "high_freq_factor", self.high_freq_factor, minimum=0.0, strict=True)
@@ -248,8 +251,9 @@ class Llama3Scaling:
         return thetas, 1.0
 
 
-RopeScaling = Union[LinearScaling, DynamicNTKScaling, YaRNScaling, Llama3Scaling]
-_SCALINGS = {"linear": LinearScaling, "dynamic": DynamicNTKScaling, "yarn": YaRNScaling, "llama3": Llama3Scaling}
+RopeScaling = LinearScaling | DynamicNTKScaling | YaRNScaling | Llama3Scaling
+_SCALINGS: dict[str, type[LinearScaling] | type[DynamicNTKScaling] | type[YaRNScaling] | type[Llama3Scaling]] = {
+    "linear": LinearScaling, "dynamic": DynamicNTKScaling, "yarn": YaRNScaling, "llama3": Llama3Scaling}
 
 
 # ------------------------------------------------------------------------------------ the module
@@ -288,8 +292,12 @@ class RotaryEmbedding(nn.Module):
     Each call validates ``positions`` with one ``aminmax`` (a host sync on accelerators).
     """
 
+    inv_freq: Tensor  # (R,)
+    cos_cached: Tensor  # (N, R)
+    sin_cached: Tensor  # (N, R)
+
     def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False, rotary_dim: int | None = None,
-                 scaling: RopeScaling | dict | None = None, max_position_embeddings: int | None = None,
+                 scaling: RopeScaling | dict[str, Any] | None = None, max_position_embeddings: int | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int):
@@ -299,7 +307,8 @@ class RotaryEmbedding(nn.Module):
                              f"pairs), got {dim}; hint: dim is the head dim, d_model // num_heads")
         self.dim = dim
         self.rotary_dim = dim if rotary_dim is None else _check_rotary_dim("RotaryEmbedding", rotary_dim, dim)
-        _check_number("RotaryEmbedding", "base", base, minimum=1.0, strict=True)  # rope_theta: 1e4 (Llama 2), 5e5 (Llama 3)
+        # base is rope_theta: 1e4 (Llama 2), 5e5 (Llama 3)
+        _check_number("RotaryEmbedding", "base", base, minimum=1.0, strict=True)
         self.base = float(base)
         if not isinstance(interleaved, bool):
             raise TypeError(f"RotaryEmbedding: interleaved must be a bool (True: pairs (2i, 2i+1), GPT-J; False: "
@@ -392,10 +401,10 @@ class RotaryEmbedding(nn.Module):
         angle = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (L, R) or (B, L, R)
         return (angle.cos() * factor).to(compute), (angle.sin() * factor).to(compute)
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RotaryEmbedding:
         # .half()/.to(dtype) would round inv_freq to the model dtype; the angles need it exact, so
         # it is recomputed in float64 on its new device, and the tables are rebuilt on next use.
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch's Module._apply is unannotated
         device = self.inv_freq.device
         if self.inv_freq.dtype != _math_dtype(device):
             self.inv_freq = self.frequencies()[0].to(device=device, dtype=_math_dtype(device))
@@ -415,9 +424,10 @@ def _math_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _parse_scaling(scaling, dim: int, rotary_dim: int, base: float, max_position_embeddings: int | None):
+def _parse_scaling(scaling: object, dim: int, rotary_dim: int, base: float,
+                   max_position_embeddings: int | None) -> RopeScaling | None:
     """A scaling dataclass (or ``None``) from a dataclass or a Hugging Face ``rope_scaling`` dict."""
-    if scaling is None or isinstance(scaling, tuple(_SCALINGS.values())):
+    if scaling is None or isinstance(scaling, (LinearScaling, DynamicNTKScaling, YaRNScaling, Llama3Scaling)):
         return scaling
     if not isinstance(scaling, dict):
         raise TypeError(f"RotaryEmbedding: scaling must be None, a LinearScaling, DynamicNTKScaling, YaRNScaling, "
@@ -432,7 +442,8 @@ def _parse_scaling(scaling, dim: int, rotary_dim: int, base: float, max_position
     supported = ["default", *_SCALINGS]
     if kind not in supported:
         raise ValueError(f"RotaryEmbedding: unknown scaling rope_type {kind!r} in {scaling!r}; expected one of "
-                         f"{supported}" + ("; hint: the dict needs a 'rope_type' (or 'type') key" if kind is None else ""))
+                         f"{supported}"
+                         + ("; hint: the dict needs a 'rope_type' (or 'type') key" if kind is None else ""))
     # HF (v5) keeps rope_theta and partial_rotary_factor in the same dict: accepted when they agree.
     if "rope_theta" in config and float(config.pop("rope_theta")) != base:
         raise ValueError(f"RotaryEmbedding: scaling has rope_theta={scaling['rope_theta']!r} but base={base!r}; "
@@ -454,7 +465,8 @@ def _parse_scaling(scaling, dim: int, rotary_dim: int, base: float, max_position
         if max_position_embeddings is None:
             raise ValueError(f"RotaryEmbedding: a {kind!r} scaling needs original_max_position_embeddings (the "
                              f"pretraining context length), got neither it in {scaling!r} nor "
-                             f"max_position_embeddings=; hint: pass max_position_embeddings=config.max_position_embeddings")
+                             "max_position_embeddings=; hint: pass "
+                             "max_position_embeddings=config.max_position_embeddings")
         config["original_max_position_embeddings"] = max_position_embeddings
     unknown = sorted(set(config) - set(accepted))
     if unknown:
@@ -463,7 +475,7 @@ def _parse_scaling(scaling, dim: int, rotary_dim: int, base: float, max_position
     return cls(**config)
 
 
-def _check_tensor(where: str, name: str, t, shape: str, *, min_dim: int) -> None:
+def _check_tensor(where: str, name: str, t: object, shape: str, *, min_dim: int) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor {shape}, got {type(t).__name__}")
     if not t.is_floating_point():
@@ -472,7 +484,7 @@ def _check_tensor(where: str, name: str, t, shape: str, *, min_dim: int) -> None
         raise ValueError(f"{where}: {name} must have at least {min_dim} dims {shape}, got shape {tuple(t.shape)}")
 
 
-def _check_rotary_dim(where: str, rotary_dim, D: int) -> int:
+def _check_rotary_dim(where: str, rotary_dim: object, D: int) -> int:
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
         raise TypeError(f"{where}: rotary_dim must be None or an int, got {type(rotary_dim).__name__} {rotary_dim!r}")
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
@@ -482,7 +494,7 @@ def _check_rotary_dim(where: str, rotary_dim, D: int) -> int:
     return rotary_dim
 
 
-def _check_table(where: str, name: str, t, x: Tensor, L: int, R: int) -> None:
+def _check_table(where: str, name: str, t: Tensor, x: Tensor, L: int, R: int) -> None:
     _check_tensor(where, name, t, f"(L, R) = ({L}, {R}) or (B, L, R)", min_dim=2)
     if t.dim() == 2 and tuple(t.shape) == (L, R):
         return
@@ -494,7 +506,7 @@ def _check_table(where: str, name: str, t, x: Tensor, L: int, R: int) -> None:
                      f"x (B, H, L, D); pass rotary_dim= when only part of each head rotates")
 
 
-def _check_positions(positions, x: Tensor, values: bool = True) -> int:
+def _check_positions(positions: object, x: Tensor, values: bool = True) -> int:
     """Check ``positions`` against ``x (..., L, D)``; return ``max(positions) + 1`` (0 when empty).
     ``values=False``: type, shape and device only (no host read; returns -1)."""
     L = x.shape[-2]
@@ -521,15 +533,16 @@ def _check_positions(positions, x: Tensor, values: bool = True) -> int:
     return high + 1
 
 
-def _check_number(owner, name: str, value, *, minimum: float, strict: bool) -> None:
+def _check_number(owner: object, name: str, value: object, *, minimum: float, strict: bool) -> None:
     where = owner if isinstance(owner, str) else type(owner).__name__
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        raise ValueError(f"{where}: {name} must be a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}")
+        raise ValueError(f"{where}: {name} must be a finite number {'>' if strict else '>='} {minimum:g}, "
+                         f"got {value!r}")
 
 
-def _check_count(owner, name: str, value) -> None:
+def _check_count(owner: object, name: str, value: object) -> None:
     where = owner if isinstance(owner, str) else type(owner).__name__
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{where}: {name} must be an int (a number of positions), got {type(value).__name__} {value!r}")
