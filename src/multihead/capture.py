@@ -48,7 +48,8 @@ class AttentionCapture:
     def __getitem__(self, name: str) -> Tensor:
         return self.weights[self.names.index(name)]
 
-    def items(self):
+    def items(self) -> list[tuple[str, Tensor]]:
+        """``(layer name, weights (B, H, Lq, Lk))`` pairs, in call order."""
         return list(zip(self.names, self.weights))
 
     def as_bertviz(self) -> tuple[Tensor, ...]:

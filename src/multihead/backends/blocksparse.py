@@ -91,6 +91,9 @@ class Plan:
 
 
 class BlockSparseBackend(Backend):
+    """The ``blocksparse`` backend: structured masks as a few fused CPU flash-kernel calls per query block; cost
+    ~ visible area. What it runs is declared in its ``capabilities``; why it refuses a call, in ``explain()``."""
+
     name = "blocksparse"
     summary = "structured masks as a few fused CPU flash-kernel calls per query block; cost ~ visible area"
     capabilities = Capabilities(

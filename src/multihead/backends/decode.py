@@ -78,6 +78,10 @@ _STRUCTURAL = frozenset({"band", "key_padding"})
 
 
 class DecodeBackend(Backend):
+    """The ``decode`` backend: few query tokens: each KV head's query heads folded into one matmul; K/V read
+    once, never expanded. What it runs is declared in its ``capabilities``; why it refuses a call, in
+    ``explain()``."""
+
     name = "decode"
     summary = "few query tokens: each KV head's query heads folded into one matmul; K/V read once, never expanded"
     capabilities = Capabilities(

@@ -44,6 +44,9 @@ def _compiled_flex():
 
 
 class FlexBackend(Backend):
+    """The ``flex`` backend: torch.nn.attention.flex_attention, compiled once; BlockMask cached per mask and
+    shape. What it runs is declared in its ``capabilities``; why it refuses a call, in ``explain()``."""
+
     name = "flex"
     summary = "torch.nn.attention.flex_attention, compiled once; BlockMask cached per mask and shape"
     capabilities = Capabilities(

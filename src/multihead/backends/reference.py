@@ -17,6 +17,9 @@ __all__ = ["ReferenceBackend"]
 
 
 class ReferenceBackend(Backend):
+    """The ``reference`` backend: plain PyTorch, every feature, O(Lq*Lk) memory; the oracle. What it runs is
+    declared in its ``capabilities``; why it refuses a call, in ``explain()``."""
+
     name = "reference"
     summary = "plain PyTorch, every feature, O(Lq*Lk) memory; the oracle"
     capabilities = Capabilities(injected_dropout=True, native_lse=True)

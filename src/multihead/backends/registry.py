@@ -63,6 +63,7 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str) -> Backend:
+    """The registered backend called ``name``; ``ValueError`` listing the known names otherwise."""
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; known backends: 'auto', "
                          + ", ".join(repr(n) for n in _REGISTRY))

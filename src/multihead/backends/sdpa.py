@@ -34,6 +34,9 @@ __all__ = ["SDPABackend", "pytorch_kernel"]
 
 
 class SDPABackend(Backend):
+    """The ``sdpa`` backend: torch.nn.functional.scaled_dot_product_attention (fused kernels). What it runs is
+    declared in its ``capabilities``; why it refuses a call, in ``explain()``."""
+
     name = "sdpa"
     summary = "torch.nn.functional.scaled_dot_product_attention (fused kernels)"
     capabilities = Capabilities(

@@ -61,6 +61,7 @@ class CacheRead(NamedTuple):
 
     @property
     def contiguous(self) -> bool:
+        """Whether slot ``j`` holds position ``j`` (no ``key_positions`` table)."""
         return self.key_positions is None
 
     def mask(self, mask: Mask | Tensor | None, causal: bool, heads: int = 1) -> Mask | Tensor | None:

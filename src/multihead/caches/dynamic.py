@@ -51,14 +51,17 @@ class DynamicKVCache(KVCache):
 
     @property
     def capacity(self) -> int:
+        """Slots allocated (grows by doubling); 0 before the first update."""
         return 0 if self._k is None else self._k.shape[2]
 
     @property
     def keys(self) -> Tensor | None:
+        """The cached keys ``(B, Hkv, length, D)``, or ``None`` before the first update."""
         return None if self._k is None else self._k[:, :, :self._length]
 
     @property
     def values(self) -> Tensor | None:
+        """The cached values ``(B, Hkv, length, Dv)``, or ``None`` before the first update."""
         return None if self._k is None else self._values(self._length)
 
     @property

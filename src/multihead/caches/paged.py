@@ -30,7 +30,9 @@ __all__ = ["PagedKVCache"]
 
 
 class PagedKVCache(KVCache):
-    """``batch_size`` sequences sharing a pool of ``num_pages`` pages of ``page_size`` tokens.
+    """``batch_size`` sequences sharing a pool of ``num_pages`` pages of ``page_size`` tokens: key pages
+    ``(num_pages, Hkv, page_size, D)``, value pages ``(num_pages, Hkv, page_size, Dv)``; a read gives each
+    row's slots gathered as ``(B, Hkv, S, D)``.
 
     Args:
         num_pages, page_size: the pool: ``num_pages · page_size`` tokens in all.
@@ -72,10 +74,12 @@ class PagedKVCache(KVCache):
     # ------------------------------------------------------------------------------ state
     @property
     def num_pages(self) -> int:
+        """Pages in the pool, free or claimed."""
         return self.key_pages.shape[0]
 
     @property
     def batch_size(self) -> int:
+        """Rows (sequences) served at once, each with its block table."""
         return len(self.tables)
 
     @property

@@ -28,7 +28,8 @@ __all__ = ["SlidingWindowKVCache"]
 
 
 class SlidingWindowKVCache(KVCache):
-    """The last ``window + 1 + extra`` tokens of each row, in a ring.
+    """The last ``window + 1 + extra`` tokens of each row, in a ring: keys ``(B, Hkv, S, D)`` and
+    values ``(B, Hkv, S, Dv)`` with ``S = window + 1 + extra`` slots.
 
     Args:
         window: the ``left`` of ``sliding_window(window)``: a query sees the ``window`` tokens
@@ -60,6 +61,7 @@ class SlidingWindowKVCache(KVCache):
     # ------------------------------------------------------------------------------ state
     @property
     def capacity(self) -> int:
+        """Slots of the ring: ``window + 1 + extra``."""
         return self.keys.shape[2]
 
     @property

@@ -49,6 +49,7 @@ class ContextParallel:
 
     @property
     def world(self) -> int:
+        """The number of ranks in the group."""
         return check_group(self.group, "ContextParallel")[0]
 
     def whole_length(self, shard_len: int) -> int:

@@ -72,6 +72,7 @@ class RingPlan(NamedTuple):
 
     @property
     def steps_computed(self) -> int:
+        """Ring steps whose block is computed (the others are hidden by the mask and skipped)."""
         return sum(1 for step in self.calls if step)
 
     @property

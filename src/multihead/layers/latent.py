@@ -139,6 +139,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
     # ------------------------------------------------------------------------------ mode
     @property
     def mode(self) -> str:
+        """``"naive"`` (latent up-projected to per-head K/V) or ``"absorbed"`` (attend to the latent as MQA)."""
         return self._mode
 
     @mode.setter

@@ -63,7 +63,9 @@ class BlockState(enum.Enum):
 
 
 class Mask(abc.ABC):
-    """Base class of all masks. Subclasses implement :meth:`_mod` and :meth:`_describe` and set
+    """Base class of all masks, predicates over the ``(B, H, Lq, Lk)`` positions of an attention.
+
+    Subclasses implement :meth:`_mod` and :meth:`_describe` and set
     ``kind`` (the name backends declare support for). Fields set with :meth:`_set` are the mask's
     value; names starting with ``_`` are derived caches, not part of the value."""
 

@@ -66,6 +66,7 @@ class DecoderCache:
 
     @property
     def length(self) -> int:
+        """Tokens cached (the same in every layer)."""
         return self.layers[0].length
 
     def next_positions(self, new: int, device=None) -> Tensor:
@@ -84,6 +85,7 @@ class DecoderCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by the caches of all layers."""
         return sum(cache.nbytes for cache in self.layers)
 
     def __len__(self) -> int:
@@ -93,6 +95,7 @@ class DecoderCache:
         return self.layers[index]
 
     def reset(self) -> None:
+        """Empty every layer's cache."""
         for cache in self.layers:
             cache.reset()
 

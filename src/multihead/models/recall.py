@@ -48,10 +48,12 @@ class RecallTask:
 
     @property
     def vocab_size(self) -> int:
+        """Keys and values: the tokens a sequence is made of."""
         return self.num_keys + self.num_values
 
     @property
     def seq_len(self) -> int:
+        """Tokens per sequence: the pairs, then the queries with their answers."""
         return 2 * (self.num_pairs + self.num_queries)
 
     @property
@@ -96,6 +98,7 @@ class RecallTask:
         return 2 * pair + 1
 
     def describe(self) -> str:
+        """The task in one line."""
         return (f"{self.num_pairs} key-value pairs, {self.num_queries} queries, {self.num_keys} keys x "
                 f"{self.num_values} values, {self.seq_len} tokens")
 

@@ -44,6 +44,7 @@ class AttentionMaps:
     weights: list[Tensor]
 
     def stacked(self) -> Tensor:
+        """The first sentence's weights of every layer, ``(layers, H, L, L)``."""
         return torch.stack([w[0] for w in self.weights])
 
 
@@ -87,10 +88,12 @@ class SentenceEncoder:
 
     @property
     def device(self) -> torch.device:
+        """The device of the model's parameters."""
         return next(self.model.parameters()).device
 
     @property
     def dim(self) -> int:
+        """``E``, the size of a sentence embedding."""
         return self.model.config.hidden_size
 
     def tokenize(self, texts: list[str], *, truncate: bool = False) -> tuple[Tensor, Tensor, list[list[str]]]:

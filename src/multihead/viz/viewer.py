@@ -86,6 +86,7 @@ class ViewerSource:
     generated: list[str] | None = None
 
     def to_json(self) -> dict:
+        """The source as the viewer's JSON: tokens, weights ``(layers, H, Lq, Lk)`` rounded, names."""
         w = _stack(self.weights, self.name, "weights")  # (layers, H, Lq, Lk)
         layers, heads, lq, lk = w.shape
         if len(self.q_tokens) != lq or len(self.k_tokens) != lk:
