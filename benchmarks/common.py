@@ -20,7 +20,7 @@ from torch.utils.benchmark import Timer
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-IMAGES = ROOT / "docs" / "img"
+IMAGES = ROOT / "docs" / "img"  # plots land here only when asked (--update-docs): the files are tracked
 sys.path.insert(0, str(ROOT / "src"))  # runnable from a fresh clone without installing
 
 import multihead as mh  # noqa: E402
@@ -176,8 +176,10 @@ def write_csv(name: str, rows: list[dict]) -> Path:
 
 
 def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
-         logx: bool = True, logy: bool = True) -> Path | None:
-    """A PNG line plot in docs/img/ (matplotlib optional: skipped with a note when absent)."""
+         logx: bool = True, logy: bool = True, *, update_docs: bool = False) -> Path | None:
+    """A PNG line plot in ``benchmarks/results/`` (untracked), or in ``docs/img/`` with
+    ``update_docs`` (a benchmark's ``--update-docs``: replaces the figure the docs show).
+    matplotlib is optional: the plot is skipped with a note when it is absent."""
     try:
         import matplotlib
 
@@ -186,7 +188,8 @@ def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tupl
     except ImportError:
         print("matplotlib not installed: plot skipped (pip install -e '.[bench]')")
         return None
-    IMAGES.mkdir(parents=True, exist_ok=True)
+    folder = IMAGES if update_docs else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label)
@@ -200,11 +203,15 @@ def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tupl
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path = IMAGES / f"{name}.png"
+    path = folder / f"{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {_shown(path)}")
     return path
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _fmt(x) -> str:

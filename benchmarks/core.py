@@ -19,6 +19,8 @@ from common import check_close, context, gflops, mh, plot, print_table, time_ms,
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the plot to docs/img/core.png (default: benchmarks/results/core.png)")
     args = parser.parse_args(argv)
     lengths = [512, 2048] if args.quick else [128, 256, 512, 1024, 2048, 4096, 8192]
     print(f"# core sweep  ({context()})")
@@ -54,7 +56,8 @@ def main(argv=None) -> list[dict]:
             series[f"math path, {tag}"] = ([r["L"] for r in sel if r["math_ms"] == r["math_ms"]],
                                            [gflops(4 * 8 * r["L"] ** 2 * 64 / (2 if causal else 1), r["math_ms"])
                                             for r in sel if r["math_ms"] == r["math_ms"]])
-        plot("core", "Core sweep, B=1 H=8 D=64 fp32 forward", "L", "GFLOP/s", series, logy=False)
+        plot("core", "Core sweep, B=1 H=8 D=64 fp32 forward", "L", "GFLOP/s", series, logy=False,
+             update_docs=args.update_docs)
     return rows
 
 

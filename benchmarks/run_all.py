@@ -14,6 +14,7 @@ sys.path.insert(0, str(HERE))
 
 from common import context  # noqa: E402
 
+PLOTS = {"core", "sliding_window"}  # the benchmarks that draw a plot (and take --update-docs)
 SUITE = ["core", "overhead", "sliding_window", "documents", "gqa", "decode", "dropout", "memory", "layers", "hf"]
 
 
@@ -21,6 +22,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short version (a few minutes)")
     parser.add_argument("--only", nargs="*", choices=SUITE, help="run only these benchmarks")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the plots to docs/img/ (tracked; default: benchmarks/results/)")
     args = parser.parse_args(argv)
     print(f"# multihead benchmarks ({'quick' if args.quick else 'full'}): {context()}")
     results, started = {}, time.time()
@@ -33,7 +36,8 @@ def main(argv=None) -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         t0 = time.time()
-        results[name] = module.main(["--quick"] if args.quick else [])
+        flags = (["--quick"] if args.quick else []) + (["--update-docs"] if args.update_docs and name in PLOTS else [])
+        results[name] = module.main(flags)
         print(f"({name}: {time.time() - t0:.0f} s)")
     _headlines(results)
     print(f"\ntotal {time.time() - started:.0f} s")

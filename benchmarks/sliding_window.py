@@ -77,7 +77,8 @@ def _sweep(args, lengths, windows, llc) -> list[dict]:
             series[f"multihead, window {window}"] = ([r["L"] for r in sel], [r["multihead_ms"] for r in sel])
         sel = [r for r in rows if r["window"] == 512 and r["sdpa_dense_mask_ms"] == r["sdpa_dense_mask_ms"]]
         series["SDPA + dense bool mask, window 512"] = ([r["L"] for r in sel], [r["sdpa_dense_mask_ms"] for r in sel])
-        plot("sliding_window", "Sliding window, B=1 H=8 D=64 fp32 forward", "L", "ms", series)
+        plot("sliding_window", "Sliding window, B=1 H=8 D=64 fp32 forward", "L", "ms", series,
+             update_docs=args.update_docs)
     return rows
 
 
@@ -149,6 +150,8 @@ def _parse(argv):
     parser.add_argument("--no-sweep", action="store_true", help="only the idle vs loaded comparison")
     parser.add_argument("--load", choices=["python", "torch"], default="python",
                         help="what the background children run (default: a pure-Python loop per core)")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the plot to docs/img/sliding_window.png (default: benchmarks/results/)")
     return parser.parse_args(argv)
 
 

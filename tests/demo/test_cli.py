@@ -13,7 +13,7 @@ import pytest
 from multihead.apps.cli import main
 from multihead.apps.demo import MARKER
 
-DEMO_FILES = {"viewer.html", "encoder_attention.png", "recall_attention.png", "recall_lookup_head.png", "similarity.txt"}
+DEMO_FILES = {"viewer.html", "encoder_heads.png", "encoder_attention.png", "recall_attention.png", "recall_lookup_head.png", "similarity.txt"}
 
 
 def test_quick_demo_end_to_end(quick_demo):
@@ -27,6 +27,12 @@ def test_quick_demo_end_to_end(quick_demo):
     accuracy = float(re.search(r"held-out accuracy ([\d.]+)% after \d+ steps: reached", stdout).group(1))
     assert accuracy >= 99.0
     assert "(all correct)" in stdout
+    # Piped output (no bar): a line per evaluation, up to the step where training stopped.
+    steps = int(re.search(r"after (\d+) steps: reached", stdout).group(1))
+    evals = [int(s) for s in re.findall(r"^      step (\d+): loss [\d.]+, held-out accuracy [\d.]+%$", stdout, re.M)]
+    assert evals and evals == list(range(50, steps + 1, 50)) and evals[-1] == steps
+    # The headline claims are printed with their numbers.
+    assert "previous-token head: layer 0, head 2" in stdout and "no head of 72 follows what 'it' refers to" in stdout
     diff = float(re.search(r"max \|logits - uncached\| = ([\d.e+-]+)", stdout).group(1))
     assert diff < 1e-4
     # The similarity table pairs the sentences on the same topic.
@@ -172,3 +178,59 @@ def test_bad_input_gives_one_line_and_writes_nothing(make, regex, tmp_path, mode
 def test_debug_shows_the_traceback(tmp_path):
     with pytest.raises(Exception, match="does not exist"):
         main(["demo", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--debug"])
+
+
+# ------------------------------------------------------------------- issue 15's small defects
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["walkthrough", "--help"]])
+def test_help_shows_percent_signs_once(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    text = capsys.readouterr().out
+    assert "%%" not in text
+    if argv[0] == "demo":
+        assert "99%" in " ".join(text.split())
+
+
+def test_window_help_says_what_the_mask_is_and_the_mask_agrees(capsys):
+    with pytest.raises(SystemExit):
+        main(["walkthrough", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "sliding_window(left=N)" in help_text and "N + 1 keys" in help_text
+    assert main(["walkthrough", "--d-model", "16", "--heads", "2", "--seq", "8", "--window", "4", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    row = re.search(r"query  7 ([1.]+)", out).group(1)
+    assert row == "...11111"  # query 7: itself and the 4 keys before it, none after
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    # `multihead walkthrough | head -3`: the reader is gone before the command writes.
+    proc = subprocess.Popen([sys.executable, "-m", "multihead", "walkthrough", "--d-model", "16", "--heads", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    proc.stderr.close()
+    assert proc.returncode == 141, err
+    assert "BrokenPipe" not in err and "Traceback" not in err and "error" not in err
+
+
+def test_training_bar_ends_at_the_steps_actually_run(capsys):
+    import torch
+
+    from multihead.apps.demo import _Recipe, _train
+    from multihead.models import CausalDecoder, DecoderConfig, RecallTask
+
+    task = RecallTask(num_pairs=2, num_queries=2, num_keys=4, num_values=4)
+    recipe = _Recipe(task, 16, 1, 2, max_steps=2000, batch=4, eval_every=3, eval_size=8)
+    torch.manual_seed(0)
+    model = CausalDecoder(DecoderConfig(task.vocab_size, task.seq_len, d_model=16, num_layers=1, num_heads=2))
+    held_out = task.sample(8, torch.Generator().manual_seed(1))
+    said = []
+    accuracy, steps = _train(model, task, recipe, 2000, torch.Generator().manual_seed(0), held_out, progress=True,
+                             say=said.append, device="cpu", target=0.0)
+    assert steps == 3 and said == []  # a bar was shown, so no progress lines
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "3/3" in bar and "2000" not in bar.split("steps)")[-1], bar  # no total of max_steps, no ETA to it
+    _, steps = _train(model, task, recipe, 7, torch.Generator().manual_seed(0), held_out, progress=False,
+                      say=said.append, device="cpu", target=2.0)
+    assert steps == 7 and [line.split(":")[0].strip() for line in said] == ["step 3", "step 6", "step 7"]

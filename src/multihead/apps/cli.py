@@ -6,6 +6,9 @@
 
 ``multihead.explain()`` in Python is something else: the dispatch report of one call.
 
+Output piped into a reader that stops early (``multihead walkthrough | head -3``) ends the command
+quietly with status 141 (128 + SIGPIPE), as other command-line tools do.
+
 Bad input (a missing model folder, a text too long, an unwritable output folder, sizes that do
 not divide) prints one line ``multihead <command>: error: ...`` and exits with status 1; ``--debug``
 shows the traceback instead. Usage errors exit with status 2, as argparse does.
@@ -14,6 +17,7 @@ shows the traceback instead. Usage errors exit with status 2, as argparse does.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", parents=[common], help="run a pretrained encoder and train a decoder, draw their attention",
         description="Encode sentences with all-MiniLM-L6-v2 built from multihead layers, train a small causal decoder "
-                    "on associative recall to >= 99%%, decode it with a KV cache, and write PNG heatmaps and an HTML viewer.")
+                    "on associative recall to >= 99%, decode it with a KV cache, and write PNG heatmaps and an HTML viewer.")
     demo.add_argument("--out", type=Path, default=Path("multihead-demo"), help="output folder (default: ./multihead-demo)")
     demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
@@ -60,13 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
     walk.add_argument("--seq", type=int, default=10, help="L, tokens (default: 10)")
     walk.add_argument("--batch", type=int, default=2, help="B (default: 2)")
     walk.add_argument("--causal", action="store_true", help="causal mask: a token sees only itself and earlier ones")
-    walk.add_argument("--window", type=int, default=None, help="sliding-window mask of this width")
+    walk.add_argument("--window", type=int, default=None, metavar="N",
+                      help="sliding-window mask sliding_window(left=N): each query sees its own key and the N keys "
+                           "before it (N + 1 keys), none after")
     walk.add_argument("--backend", default="auto", help="auto (default) or a backend name")
     walk.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that left shows up here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        # The reader of our output stopped (`| head`): nothing more can be said. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again, and exit as SIGPIPE would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -79,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise
     except Exception as exc:  # one line for the user; the traceback with --debug
         if args.debug:
             raise

@@ -171,7 +171,8 @@ def describe_findings(f: HeadFindings) -> list[str]:
     pairs = ", ".join("/".join(pair.nouns) for pair in MINIMAL_PAIRS)
     if followers:
         found = "; ".join(f"layer {l}, head {h} in {'/'.join(MINIMAL_PAIRS[i].nouns)}" for i, l, h in followers)
-        lines.append(f"  pronoun: heads that follow what 'it' refers to (margin >= {FOLLOW_MARGIN}) in {pairs}: {found}")
+        lines.append(f"  pronoun: heads that follow what 'it' refers to (margin >= {FOLLOW_MARGIN}) in {pairs}: "
+                     f"{found}")
     else:
         best = [f.best_margin(i) for i in range(len(MINIMAL_PAIRS))]
         closest = ", ".join(f"{'/'.join(pair.nouns)} {m:+.3f} (layer {l}, head {h})"
@@ -181,10 +182,11 @@ def describe_findings(f: HeadFindings) -> list[str]:
                      f"sentences, >= {FOLLOW_MARGIN}); closest: {closest}")
     subjects = [pair.nouns[0] for pair in MINIMAL_PAIRS for _ in range(2)]
     on_subject = sum(r.top_key == s for r, s in zip(f.lookalike_reads, subjects))
-    lines.append(f"  the head sending 'it' most to '{first.referent}' in {first.sentence!r} (layer {layer}, head {head}, "
-                 f"{first.on_referent:.2f}) sends it to '{control.top_key}' in the control {control.sentence!r} too "
-                 f"({control.on_top:.2f}; '{control.referent}' {control.on_referent:.2f}); its top key from 'it' is the subject "
-                 f"noun ({'/'.join(pair.nouns[0] for pair in MINIMAL_PAIRS)}) in {on_subject} of the "
+    too = " too" if control.top_key == first.referent else ""
+    lines.append(f"  the head sending 'it' most to '{first.referent}' in {first.sentence!r} (layer {layer}, "
+                 f"head {head}, {first.on_referent:.2f}) sends it to '{control.top_key}' in the control "
+                 f"{control.sentence!r}{too} ({control.on_top:.2f}; '{control.referent}' {control.on_referent:.2f}); "
+                 f"its top key from 'it' is the subject noun ({'/'.join(subjects[::2])}) in {on_subject} of the "
                  f"{len(f.lookalike_reads)} sentences of the pairs")
     return lines
 

@@ -76,7 +76,7 @@ def grid_figure(weights, *, tokens=None, title="", layer_names=None):
              fontsize=FONT + 2)
     fig.text((left + heads * side / 2) / width, 0.08 / height, KEY, ha="center", va="bottom", fontsize=FONT + 2)
     bar_ax = fig.add_axes(((width - right + 0.2) / width, bottom / height, 0.18 / width,
-                           min(3.0, layers * side) / height))
+                           min(3.0, layers * side) / height), label="<colorbar>")
     bar = fig.colorbar(image, cax=bar_ax)
     bar.set_label("attention weight", fontsize=FONT)
     bar.ax.tick_params(labelsize=FONT)
