@@ -6,30 +6,103 @@ precision) are in :mod:`multihead.conventions`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeAlias, cast, overload
+
 import torch
 from torch import Tensor
 
 from multihead import plans
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.blockwise import lse_by_blocks, weights_by_blocks
-from multihead.call import AttentionResult
+from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
 from multihead.nonfinite import apply_policy, finite_check
-from multihead.scores import ScoreMod, softcap as softcap_mod
+from multihead.scores import ScoreMod
+from multihead.scores import softcap as softcap_mod
 from multihead.sinks import apply_sinks, check_sinks
 from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["attention"]
 
+#: What ``score_mod=`` takes: a modifier, a function ``fn(score, b, h, q_idx, kv_idx) -> score``, or a list of them.
+ScoreModArg: TypeAlias = "ScoreMod | Callable[..., Tensor] | Sequence[ScoreMod | Callable[..., Tensor]] | None"
+#: What ``weights_heads=``/``weights_rows=`` take: an int, a sequence of ints, a slice or an integer tensor.
+Selection: TypeAlias = "int | Sequence[int] | slice | Tensor | None"
 
+
+@overload
 def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
     mask: Mask | Tensor | None = None,
-    score_mod: ScoreMod | list | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: Literal[False] = False,
+    return_lse: Literal[False] = False,
+    backend: str = "auto",
+    dropout_mask: Tensor | None = None,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+) -> Tensor: ...
+
+
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: Literal[True],
+    return_lse: bool = False,
+    backend: str = "auto",
+    dropout_mask: Tensor | None = None,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+) -> AttentionResult: ...
+
+
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_lse: Literal[True],
+    backend: str = "auto",
+    dropout_mask: Tensor | None = None,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+) -> AttentionResult: ...
+
+
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
     scale: float | None = None,
@@ -38,8 +111,28 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     dropout_mask: Tensor | None = None,
-    weights_heads=None,
-    weights_rows=None,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+) -> Tensor | AttentionResult: ...
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+    dropout_mask: Tensor | None = None,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
 ) -> Tensor | AttentionResult:
     """Scaled dot-product attention.
 
@@ -101,15 +194,22 @@ def attention(
     check_backend_name(backend)
     if softcap is not None:
         cap = softcap_mod(softcap)
-        score_mod = [cap] if score_mod is None else \
-            (list(score_mod) if isinstance(score_mod, (list, tuple)) else [score_mod]) + [cap]
+        mods: list[ScoreMod | Callable[..., Tensor]]
+        if score_mod is None:
+            mods = []
+        elif isinstance(score_mod, (list, tuple)):
+            mods = list(score_mod)
+        else:  # one modifier or function
+            mods = [cast("ScoreMod | Callable[..., Tensor]", score_mod)]
+        score_mod = [*mods, cap]
     check_sinks(sinks, q)
     if sinks is not None:  # the sink joins through the LSE: it is needed whatever the caller asked for
         output_only = not (return_weights or return_lse)
         result = attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                            return_weights=return_weights, return_lse=True, backend=backend,
                            dropout_mask=dropout_mask, weights_heads=weights_heads, weights_rows=weights_rows)
-        output, lse, factor = apply_sinks(result.output, result.lse, sinks)
+        assert result.lse is not None  # asked for with return_lse=True
+        output, sink_lse, factor = apply_sinks(result.output, result.lse, sinks)
         if output_only:
             return output
         weights = result.weights
@@ -118,7 +218,7 @@ def attention(
             f = factor if heads is None else factor[:, heads]
             f = f if rows is None else f[:, :, rows]
             weights = weights * f.unsqueeze(-1).to(weights.dtype)
-        return AttentionResult(output, weights, lse if return_lse else None)
+        return AttentionResult(output, weights, sink_lse if return_lse else None)
     call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                          dropout_mask=dropout_mask, return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
@@ -153,15 +253,16 @@ def attention(
     return result.output
 
 
-def _empty(call, return_weights: bool, return_lse: bool, heads, rows) -> Tensor | AttentionResult:
+def _empty(call: AttentionCall, return_weights: bool, return_lse: bool, heads: Tensor | None,
+           rows: Tensor | None) -> Tensor | AttentionResult:
     """The result of an attention with ``Lq == 0`` or ``Lk == 0``: output zeros (every row is fully
     masked), LSE ``-inf``, weights zeros, connected to the inputs so that gradients are zeros."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     q, k, v = call.q, call.k, call.v
     # A zero that carries the inputs' graph (zero gradients), finite whatever they hold: every row
     # sees no key, so even a NaN query gives 0 (conventions: fully masked rows).
-    anchor = sum(torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).sum()
-                 for t in (q, k, v)) * 0
+    anchor = cast(Tensor, sum(torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).sum()
+                               for t in (q, k, v))) * 0
     output = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
     if not (return_weights or return_lse):
         return output

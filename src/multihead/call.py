@@ -50,7 +50,7 @@ class AttentionCall:
         """``Lq == 0`` or ``Lk == 0``: the result is known without a kernel (fully masked rows)."""
         return self.q.shape[2] == 0 or self.k.shape[2] == 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Read by every backend's refusals: computed once. (Not functools.cached_property: its
         # lock, on Python 3.11, is a context manager torch.compile cannot trace.)
         B, Hq, Lq, D = self.q.shape
@@ -59,15 +59,17 @@ class AttentionCall:
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
         """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
-        return self._shape
+        shape: tuple[int, int, int, int, int, int, int] = self.__dict__["_shape"]  # set by __post_init__
+        return shape
 
     @property
     def requires_grad(self) -> bool:
+        """Whether a gradient will be asked of q, k, v or the modifier's tensors."""
         return torch.is_grad_enabled() and (any(t.requires_grad for t in (self.q, self.k, self.v))
                                             or (self.score_mod is not None and self.score_mod.requires_grad))
 
 
-def mask_and_score_mod(mask, score_mod, *, check_binary: bool = True, q_len: int | None = None,
+def mask_and_score_mod(mask: object, score_mod: object, *, check_binary: bool = True, q_len: int | None = None,
                        kv_len: int | None = None) -> tuple[Mask | None, ScoreMod | None]:
     """``mask=``/``score_mod=`` as given by a user, as a boolean mask and one modifier, bound to
     the lengths ``Lq, Lk`` when given (:meth:`ScoreMod.for_lengths`: a relative bias aligns its
@@ -79,7 +81,7 @@ def mask_and_score_mod(mask, score_mod, *, check_binary: bool = True, q_len: int
     scores is never what ``torch.tril(torch.ones(L, L))`` meant.
     """
     score_mod = as_score_mod(score_mod)
-    if score_mod is not None and q_len is not None:
+    if score_mod is not None and q_len is not None and kv_len is not None:
         score_mod = score_mod.for_lengths(q_len, kv_len)
     if mask is not None and not isinstance(mask, (Mask, Tensor)):
         raise TypeError(f"mask must be a multihead mask, a bool or float tensor, or None; got {type(mask).__name__}")
@@ -90,7 +92,8 @@ def mask_and_score_mod(mask, score_mod, *, check_binary: bool = True, q_len: int
                 "some scores instead of masking. Use `mask.bool()` if 1 means attend, `mask == 0` if 1 means "
                 "blocked, or score_mod=multihead.scores.bias(tensor) if you really mean an additive bias")
         if mask.dim() > 4 or mask.dim() < 2:
-            raise ValueError(f"mask must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), got shape {tuple(mask.shape)}")
+            raise ValueError("mask must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), "
+                             f"got shape {tuple(mask.shape)}")
         additive = Bias(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), name="mask")
         score_mod = additive if score_mod is None else Chain([additive, score_mod])
         return TensorMask(mask != float("-inf"), name="mask"), score_mod

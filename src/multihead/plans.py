@@ -29,21 +29,31 @@ registered again, or :func:`clear` called.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import Tensor
 
 from multihead.masks import Mask
 
+if TYPE_CHECKING:
+    from multihead.call import AttentionCall
+
 __all__ = ["signature", "lookup", "worth_keeping", "repeated", "store", "clear", "MAX_PLANS"]
 
 #: At most this many signatures are kept; the oldest stored is dropped first.
 MAX_PLANS = 64
-_PLANS: dict = {}
-_SEEN: dict = {}  # signatures met once, oldest first (a dict as an ordered set)
+#: A plain call's signature: shapes, strides, dtypes, devices, autograd, mask, scale, backend.
+Key: TypeAlias = "tuple[object, ...]"
+#: ``runner(q, k, v) -> output``, and ``finite(q, output) -> bool``, the non-finite check.
+Runner: TypeAlias = "Callable[[Tensor, Tensor, Tensor], Tensor]"
+Finite: TypeAlias = "Callable[[Tensor, Tensor], bool]"
+_PLANS: dict[Key, tuple[Runner, Finite]] = {}
+_SEEN: dict[Key, None] = {}  # signatures met once, oldest first (a dict as an ordered set)
 
 
-def signature(q, k, v, mask, scale, backend) -> tuple | None:
+def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
     """The key of a plain call, or ``None`` when its arguments are not the kind a plan serves
     (the whole path then validates them and raises where they are wrong)."""
     if q.__class__ is not Tensor or k.__class__ is not Tensor or v.__class__ is not Tensor:
@@ -66,7 +76,7 @@ def signature(q, k, v, mask, scale, backend) -> tuple | None:
 lookup = _PLANS.get
 
 
-def worth_keeping(key: tuple, call, q: Tensor, k: Tensor, v: Tensor) -> bool:
+def worth_keeping(key: Key, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether a plan made from ``call`` (validated from ``q, k, v``) is safe for every call with
     ``key``, and likely to be used: validation changed nothing (no copy of a strided last
     dimension, no folded scale), the mask's value says all it means (:meth:`Mask.by_value`), no
@@ -83,7 +93,7 @@ def worth_keeping(key: tuple, call, q: Tensor, k: Tensor, v: Tensor) -> bool:
     return repeated(key)
 
 
-def repeated(key: tuple) -> bool:
+def repeated(key: Key) -> bool:
     """Whether ``key`` was met before (a plan is then worth building); records it otherwise."""
     if key in _SEEN:
         return True
@@ -92,7 +102,7 @@ def repeated(key: tuple) -> bool:
     return False
 
 
-def store(key: tuple, runner, finite) -> None:
+def store(key: Key, runner: Runner, finite: Finite) -> None:
     """Keep ``runner(q, k, v) -> output`` and ``finite(q, output) -> bool`` (the non-finite check
     for these shapes, :func:`multihead.nonfinite.finite_check`) for ``key``, dropping the oldest
     plan beyond :data:`MAX_PLANS`."""
@@ -100,7 +110,7 @@ def store(key: tuple, runner, finite) -> None:
     _trim(_PLANS)
 
 
-def _trim(table: dict) -> None:
+def _trim(table: dict[Key, Any]) -> None:
     while len(table) > MAX_PLANS:
         try:
             del table[next(iter(table))]
