@@ -82,6 +82,8 @@ class ExportableAttention(nn.Module):
         self.train(layer.training)  # the layer's mode (call .eval() before export: dropout is traced as it is)
 
     def forward(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """``layer(x, mask=mask & key_padding(lengths))``: ``x`` ``(B, L, E)``, ``lengths`` ``(B,)``
+        or ``None``; returns ``(B, L, E)`` (``(L, B, E)`` for a layer with ``batch_first=False``)."""
         mask = self.mask
         if lengths is not None:
             padding = key_padding(lengths)
