@@ -160,6 +160,10 @@ def test_demo_viewer_switches_heads_layers_and_models(browser, quick_demo, tmp_p
     assert _region_spread(browser, "heatmap") > 0.01, "the heatmap is blank"
     _hover_token(browser, "q", 2)
     assert "attends most to key" in _status(browser)
+    _click(browser, "#tab-neuron")  # the encoder carries its q and k: 12 heads of 32 dimensions
+    neuron = _stats(browser)["neuron"]
+    assert (neuron["head"], neuron["dim"]) == (7, 32) and len(neuron["terms"]) == 32
+    _click(browser, "#tab-head")
 
     # The recall decoder opens on its lookup head alone; the model view has a thumbnail per layer x head.
     _select(browser, "source", "1")
@@ -167,6 +171,8 @@ def test_demo_viewer_switches_heads_layers_and_models(browser, quick_demo, tmp_p
     assert [b.get_attribute("data-head") for b in
             browser.find_elements("css selector", ".head-toggle[aria-pressed='true']")] == [lookup]
     assert "lookup" in browser.find_element("css selector", "#grid canvas.highlight").get_attribute("title")
+    assert browser.find_element("id", "stepbar").is_displayed()  # decoded step by step: a generation
+    assert browser.find_element("id", "step-label").text.startswith("step 1/")
     _click(browser, "#tab-model")
     assert len(browser.find_elements("css selector", "#grid canvas")) == 2 * 4
     assert _region_spread(browser, "grid") > 0.02, "the model view is blank"

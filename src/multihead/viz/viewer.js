@@ -48,7 +48,10 @@ function bytes(b64) {
 
 function cached(kind, layer, head, make) {
   const key = `${kind}/${state.source}/${layer}/${head}`;
-  if (!cache.has(key)) cache.set(key, make());
+  if (!cache.has(key)) {
+    if (cache.size >= 256) cache.delete(cache.keys().next().value);  // bounded: 1024 tokens x 72 heads is 72 MB
+    cache.set(key, make());
+  }
   return cache.get(key);
 }
 
@@ -294,13 +297,12 @@ function drawHeadView() {
 }
 
 function hoverAt(event) {
-  const s = src();
   const rect = $("lines").getBoundingClientRect();
   const x = event.clientX - rect.left, yy = event.clientY - rect.top + $("scroller").scrollTop;
   const index = Math.floor((yy - ROW) / ROW);
   const side = x < rect.width / 2 ? "q" : "k";
   const n = side === "q" ? queryCount() : keyCount();
-  return index >= 0 && index < n && s ? { side, index } : null;
+  return index >= 0 && index < n ? { side, index } : null;
 }
 
 // ------------------------------------------------------------------------------ heatmap
