@@ -6,8 +6,8 @@ precision) are in :mod:`multihead.conventions`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Literal, TypeAlias, cast, overload
+from collections.abc import Callable
+from typing import Literal, cast, overload
 
 import torch
 from torch import Tensor
@@ -15,7 +15,7 @@ from torch import Tensor
 from multihead import plans
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.blockwise import lse_by_blocks, weights_by_blocks
-from multihead.call import AttentionCall, AttentionResult
+from multihead.call import AttentionCall, AttentionResult, ScoreModArg, Selection
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
 from multihead.nonfinite import apply_policy, finite_check
@@ -26,10 +26,6 @@ from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["attention"]
 
-#: What ``score_mod=`` takes: a modifier, a function ``fn(score, b, h, q_idx, kv_idx) -> score``, or a list of them.
-ScoreModArg: TypeAlias = "ScoreMod | Callable[..., Tensor] | Sequence[ScoreMod | Callable[..., Tensor]] | None"
-#: What ``weights_heads=``/``weights_rows=`` take: an int, a sequence of ints, a slice or an integer tensor.
-Selection: TypeAlias = "int | Sequence[int] | slice | Tensor | None"
 
 
 @overload

@@ -47,7 +47,8 @@ def lse_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod |
     return torch.cat(parts, dim=-1)
 
 
-def _block_lse(q, k, mask, score_mod, scale, q0, q1, q_len) -> Tensor:
+def _block_lse(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float, q0: int, q1: int,
+               q_len: int) -> Tensor:
     scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, q_len)
     return safe_logsumexp(scores)
 
@@ -67,15 +68,17 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreM
     row_ids = torch.arange(Lq, device=q.device) if rows is None else rows
     step = _row_step(q, k, n_heads)
     # Written into preallocated results: a list plus torch.cat would hold the slice twice.
-    weights = lses = None
+    weights: Tensor | None = None
+    lses: Tensor | None = None
     done = 0
+    chunks: list[tuple[int, int, Tensor | None]]
     if rows is None:  # every row, in ranges: no value read back from a tensor (compiles in one graph)
         chunks = [(q0, min(q0 + step, Lq), None) for q0 in range(0, Lq, step)]
     else:
-        chunks = [row_ids[start:start + step] for start in range(0, len(row_ids), step)]
+        pieces = [row_ids[start:start + step] for start in range(0, len(row_ids), step)]
         # Scattered rows (e.g. [0, 8000]) would make a chunk's row span, and its scores, large:
         # such chunks are taken one row at a time, so memory stays at the slice plus one block.
-        chunks = [(int(c.min()), int(c.max()) + 1, c) for chunk in chunks
+        chunks = [(int(c.min()), int(c.max()) + 1, c) for chunk in pieces
                   for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))]
     for q0, q1, chunk in chunks:
         scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, Lq, heads=heads)
@@ -91,12 +94,13 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreM
         empty = torch.isneginf(block_lse)
         probs = torch.exp(scores - torch.where(empty, torch.zeros_like(block_lse), block_lse))
         probs = torch.where(empty, torch.zeros_like(probs), probs)
-        if weights is None:
+        if weights is None or lses is None:
             weights = probs.new_empty(probs.shape[0], probs.shape[1], len(row_ids), probs.shape[3])
             lses = block_lse.new_empty(probs.shape[0], probs.shape[1], len(row_ids))
         weights[:, :, done:done + n] = probs
         lses[:, :, done:done + n] = block_lse.squeeze(-1)
         done += n
+    assert weights is not None and lses is not None  # Lq >= 1 (empty calls return earlier): one chunk at least
     return weights, lses
 
 

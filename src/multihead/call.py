@@ -8,8 +8,9 @@ the entry point. :func:`mask_and_score_mod` is the one place that turns what a u
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import torch
 from torch import Tensor
@@ -18,7 +19,12 @@ from multihead.masks import Mask, TensorMask, as_mask
 from multihead.scores import Bias, ScoreMod, as_score_mod
 from multihead.scores.base import Chain
 
-__all__ = ["AttentionCall", "AttentionResult", "mask_and_score_mod"]
+__all__ = ["AttentionCall", "AttentionResult", "mask_and_score_mod", "ScoreModArg", "Selection"]
+
+#: What ``score_mod=`` takes: a modifier, a function ``fn(score, b, h, q_idx, kv_idx) -> score``, or a list of them.
+ScoreModArg: TypeAlias = "ScoreMod | Callable[..., Tensor] | Sequence[ScoreMod | Callable[..., Tensor]] | None"
+#: What ``weights_heads=``/``weights_rows=`` take: an int, a sequence of ints, a slice or an integer tensor.
+Selection: TypeAlias = "int | Sequence[int] | slice | Tensor | None"
 
 
 class AttentionResult(NamedTuple):

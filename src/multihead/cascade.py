@@ -20,12 +20,14 @@ from torch import Tensor
 
 from multihead.attention import attention
 from multihead.call import AttentionResult
+from multihead.masks import Mask
 from multihead.merge import merge_partials
 
 __all__ = ["cascade_attention"]
 
 
-def cascade_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, k: Tensor, v: Tensor, *, mask=None,
+def cascade_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, k: Tensor, v: Tensor, *,
+                      mask: Mask | Tensor | None = None,
                       scale: float | None = None, return_lse: bool = False,
                       backend: str = "auto") -> Tensor | AttentionResult:
     """Attention of ``B`` requests over one shared prefix and their own suffixes.
@@ -49,21 +51,23 @@ def cascade_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, k: Tensor, 
     B, Hq, Lq, D = q.shape
     rows = q.transpose(0, 1).reshape(1, Hq, B * Lq, D)  # (1, Hq, B·Lq, D): every request's queries as rows
     shared = attention(rows, prefix_k, prefix_v, scale=scale, return_lse=True, backend=backend)
+    assert shared.lse is not None  # asked for: return_lse=True
     Dv = prefix_v.shape[-1]
     shared_out = shared.output.view(Hq, B, Lq, Dv).transpose(0, 1)  # (B, Hq, Lq, Dv), a view
     shared_lse = shared.lse.view(Hq, B, Lq).transpose(0, 1)  # (B, Hq, Lq)
     own = attention(q, k, v, mask=mask, scale=scale, return_lse=True, backend=backend)
+    assert own.lse is not None  # asked for: return_lse=True
     output, lse = merge_partials([shared_out, own.output], [shared_lse, own.lse])
     return AttentionResult(output, None, lse) if return_lse else output
 
 
-def _one_copy(name: str, t) -> Tensor:
+def _one_copy(name: str, t: Tensor) -> Tensor:
     if isinstance(t, Tensor) and t.dim() == 3:
         return t.unsqueeze(0)
     return t
 
 
-def _check(q, prefix_k, prefix_v, k, v) -> None:
+def _check(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t, layout in (("q", q, "(B, Hq, Lq, D)"), ("prefix_k", prefix_k, "(1, Hkv, P, D)"),
                             ("prefix_v", prefix_v, "(1, Hkv, P, Dv)"), ("k", k, "(B, Hkv, Ls, D)"),
                             ("v", v, "(B, Hkv, Ls, Dv)")):

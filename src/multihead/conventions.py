@@ -73,6 +73,7 @@ ones by ``1 / (1 - p)`` on the path to the output only; it is reproducible under
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 
@@ -94,7 +95,13 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def kv_head_of(query_head, num_q_heads: int, num_kv_heads: int):
+@overload
+def kv_head_of(query_head: int, num_q_heads: int, num_kv_heads: int) -> int: ...
+@overload
+def kv_head_of(query_head: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> torch.Tensor: ...
+
+
+def kv_head_of(query_head: int | torch.Tensor, num_q_heads: int, num_kv_heads: int) -> int | torch.Tensor:
     """The KV head read by ``query_head`` (an int or an integer tensor of heads):
     ``h // (Hq // Hkv)`` (contiguous groups). Every other place that maps heads calls this."""
     return query_head // (num_q_heads // num_kv_heads)

@@ -13,7 +13,7 @@ and chunked prefill (cached keys and new keys) join theirs. Parts a row cannot s
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -52,7 +52,7 @@ def merge_partials(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[T
     return output.to(outputs[0].dtype), lse
 
 
-def _check(outputs, lses) -> None:
+def _check(outputs: object, lses: object) -> None:
     if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
         raise TypeError(f"merge_partials: outputs and lses must be sequences of tensors, got "
                         f"{type(outputs).__name__} and {type(lses).__name__}")

@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.call import AttentionResult, mask_and_score_mod
+from multihead.call import AttentionResult, ScoreModArg, mask_and_score_mod
 from multihead.conventions import default_scale, repeat_kv, softmax_dtype
 from multihead.masks import Mask
-from multihead.scores import ScoreMod
 from multihead.scoring import score_block
 
 __all__ = ["reference_attention", "AttentionResult"]

@@ -82,7 +82,8 @@ def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | N
 
 
 def additive_block(mask: Mask | None, score_mod: ScoreMod | None, batch: int, heads: int, q0: int, q1: int,
-                   k0: int, k1: int, q_len: int, kv_len: int, device, dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+                   k0: int, k1: int, q_len: int, kv_len: int, device: torch.device | str | None,
+                   dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
     """The additive ``attn_mask`` of queries ``[q0, q1)`` x keys ``[k0, k1)`` for a fused kernel:
     the additive modifiers' bias, ``-inf`` where blocked; the bool ``visible`` block; and a per-row
     ``shift`` (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.

@@ -20,7 +20,7 @@ from torch import Tensor
 __all__ = ["apply_sinks", "check_sinks"]
 
 
-def check_sinks(sinks, q: Tensor) -> None:
+def check_sinks(sinks: object, q: Tensor) -> None:
     """Raise unless ``sinks`` is a float tensor ``(Hq,)`` on q's device (``None`` passes)."""
     if sinks is None:
         return

@@ -7,6 +7,7 @@ exists. ``ValueError`` for wrong values and shapes, ``TypeError`` for wrong type
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -17,8 +18,9 @@ from multihead.conventions import default_scale
 __all__ = ["AttentionCall", "validate_call", "validate_weights_selection"]
 
 
-def validate_call(q, k, v, *, mask, scale, dropout_p, dropout_mask, return_weights, return_lse,
-                  score_mod=None) -> AttentionCall:
+def validate_call(q: Tensor, k: Tensor, v: Tensor, *, mask: object, scale: float | None, dropout_p: float,
+                  dropout_mask: Tensor | None, return_weights: bool, return_lse: bool,
+                  score_mod: object = None) -> AttentionCall:
     for name, t, layout in (("q", q, "(B, Hq, Lq, D)"), ("k", k, "(B, Hkv, Lk, D)"), ("v", v, "(B, Hkv, Lk, Dv)")):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
@@ -102,7 +104,7 @@ def _fold_nonpositive_scale(q: Tensor, scale: float) -> tuple[Tensor, float, boo
     return q * scale, 1.0, True
 
 
-def validate_weights_selection(weights_heads, weights_rows, *, q: Tensor,
+def validate_weights_selection(weights_heads: object, weights_rows: object, *, q: Tensor,
                                return_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """``weights_heads`` / ``weights_rows`` of :func:`multihead.attention` as 1-D int64 index
     tensors (``None``: all). Each may be an int, a sequence of ints, a slice or an integer tensor."""
@@ -113,7 +115,7 @@ def validate_weights_selection(weights_heads, weights_rows, *, q: Tensor,
             _index("weights_rows", weights_rows, q.shape[2], "Lq", q.device))
 
 
-def _index(name: str, value, size: int, what: str, device) -> Tensor | None:
+def _index(name: str, value: object, size: int, what: str, device: torch.device) -> Tensor | None:
     if value is None:
         return None
     if isinstance(value, slice):
@@ -129,6 +131,8 @@ def _index(name: str, value, size: int, what: str, device) -> Tensor | None:
         ids = value.reshape(-1).to(torch.int64)
     else:
         try:
+            if not isinstance(value, Iterable):
+                raise TypeError
             items = list(value)
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
                 raise TypeError
