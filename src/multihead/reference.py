@@ -35,7 +35,7 @@ def reference_attention(
     v: Tensor,
     *,
     mask: Mask | Tensor | None = None,
-    score_mod: ScoreMod | list | None = None,
+    score_mod: ScoreModArg = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Tensor | None = None,
