@@ -78,8 +78,17 @@ def main(page: Path) -> None:
         click("#step-next")
     move("step-label", 5, 5)
     d.save_screenshot(str(OUT / "viewer_generation.png"))
+
+    # Model view of the recall decoder: thumbnails enlarged to 160 px, the mouse on the lookup head.
+    click("#tab-model")
+    d.execute_script("const s = document.getElementById('thumb-size'); s.value = 160;"
+                     "s.dispatchEvent(new Event('input'))")
+    settle()
+    ActionChains(d).move_to_element(d.find_element("css selector", "#grid canvas.highlight")).perform()
+    settle()
+    d.save_screenshot(str(OUT / "viewer_model.png"))
     d.quit()
-    for name in ("viewer_heads", "viewer_neuron", "viewer_generation"):
+    for name in ("viewer_heads", "viewer_neuron", "viewer_generation", "viewer_model"):
         print(OUT / f"{name}.png")
 
 
