@@ -254,3 +254,16 @@ def test_help_on_layer_constructors_shows_their_arguments():
                           (mh.MultiHeadLatentAttention, "kv_lora_rank"), (mh.compat.MultiheadAttention, "batch_first")):
         doc = inspect.getdoc(cls.__init__)
         assert argument in doc and "Initialize internal Module state" not in doc, cls
+
+
+def test_the_torch_drop_in_selects_weights_too():
+    torch.manual_seed(6)
+    drop_in = mh.compat.MultiheadAttention(16, 4, batch_first=True).eval()
+    y = torch.randn(2, 7, 16)
+    _, full = drop_in(y, y, y, average_attn_weights=False)
+    _, one = drop_in(y, y, y, average_attn_weights=False, weights_heads=[2], weights_rows=slice(3, 5))
+    torch.testing.assert_close(one, full[:, [2], 3:5])
+    _, mean = drop_in(y, y, y, weights_heads=[0, 3])  # averaged over the selected heads
+    torch.testing.assert_close(mean, full[:, [0, 3]].mean(1))
+    with pytest.raises(ValueError, match="weights_heads/weights_rows .* need need_weights=True"):
+        drop_in(y, y, y, need_weights=False, weights_heads=0)

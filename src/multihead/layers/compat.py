@@ -160,9 +160,19 @@ class MultiheadAttention(HookPoints, nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
-        """PyTorch's contract (see the module docstring for masks and the deliberate differences)."""
+                is_causal: bool = False, *, weights_heads=None, weights_rows=None) -> tuple[Tensor, Tensor | None]:
+        """PyTorch's contract (see the module docstring for masks and the deliberate differences).
+
+        Beyond it, ``weights_heads``/``weights_rows`` (with ``need_weights``, batched padded inputs):
+        return the weights of these heads and query rows only, computed for them alone, as
+        :func:`multihead.attention` does; ``average_attn_weights`` then averages the selected heads."""
+        if (weights_heads is not None or weights_rows is not None) and not need_weights:
+            raise ValueError(f"{_NAME}: weights_heads/weights_rows select which weights to return; they need "
+                             f"need_weights=True, got need_weights=False")
         if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+            if weights_heads is not None or weights_rows is not None:
+                raise ValueError(f"{_NAME}: weights_heads/weights_rows need padded inputs, got nested tensors; "
+                                 "hint: select from the returned weights instead")
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
                                         average_attn_weights, is_causal)
         bf = self.batch_first
@@ -191,7 +201,8 @@ class MultiheadAttention(HookPoints, nn.Module):
 
         out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
                                     dropout_p=self.dropout if self.training else 0.0,
-                                    need_weights=need_weights)  # (B, L, E), (B, H, L, S+extra) or None
+                                    need_weights=need_weights, weights_heads=weights_heads,
+                                    weights_rows=weights_rows)  # (B, L, E), (B, H, L, S+extra) or None
         if not batched:
             out = out.squeeze(0)  # (L, E)
         elif not bf:
