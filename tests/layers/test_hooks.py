@@ -267,3 +267,19 @@ def test_the_torch_drop_in_selects_weights_too():
     torch.testing.assert_close(mean, full[:, [0, 3]].mean(1))
     with pytest.raises(ValueError, match="weights_heads/weights_rows .* need need_weights=True"):
         drop_in(y, y, y, need_weights=False, weights_heads=0)
+
+
+def test_hooks_see_what_attention_reads_while_decoding_with_a_cache():
+    torch.manual_seed(7)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, rope=mh.positions.RotaryEmbedding(8),
+                                  dtype=DT).eval()
+    x = torch.randn(2, 6, 32, dtype=DT)
+    plain, hooked_cache = mh.DynamicKVCache(), mh.DynamicKVCache()
+    layer(x[:, :5], kv_cache=plain)
+    expected = layer(x[:, 5:], kv_cache=plain)
+    layer(x[:, :5], kv_cache=hooked_cache)
+    seen = []
+    with hooks.hooked(layer, {"k": _identity(seen), "pattern": _identity(seen)}):
+        step = layer(x[:, 5:], kv_cache=hooked_cache)
+    assert seen == [("k", (2, 2, 6, 8)), ("pattern", (2, 4, 1, 6))]  # every cached key and the new one
+    torch.testing.assert_close(step, expected)
