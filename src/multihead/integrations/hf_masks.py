@@ -37,6 +37,7 @@ structure in it where it is there exactly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import CodeType
 from typing import Any, NamedTuple
@@ -250,13 +251,21 @@ def _band(spec: _BandSpec, frame: _Frame) -> Mask:
     query ``i`` when ``j + kv_offset == i + q_offset``."""
     d = frame.q_offset - frame.kv_offset
     align = "bottom_right" if d == frame.kv_len - frame.q_len else "top_left"
+    return _band_mask(spec.left, spec.right, align, 0 if align == "bottom_right" else d)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_mask(left: int | None, right: int | None, align: str, d: int) -> Mask:
+    """The band object of :func:`_band`: one per value (masks are immutable), made once, because
+    ``transformers`` asks for the mask on every forward, a decode step included, and making a
+    band costs a few microseconds. ``d`` is only read for top-left alignment (a static cache)."""
     band: Mask
-    if spec.right == 0 and spec.left is None:
+    if right == 0 and left is None:
         band = causal(align)
-    elif spec.left is not None:
-        band = sliding_window(spec.left, spec.right, align)
+    elif left is not None:
+        band = sliding_window(left, right, align)
     else:
-        band = Band(None, spec.right, align)
+        band = Band(None, right, align)
     if align == "bottom_right" or d == 0:
         return band
     # A static cache part-filled: top-left read at the call's positions of the whole attention.
