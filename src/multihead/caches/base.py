@@ -31,7 +31,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from multihead.masks import Mask, causal as causal_mask
+from multihead.masks import Mask
+from multihead.masks import causal as causal_mask
 
 __all__ = ["KVCache", "CacheRead", "check_kv", "check_indices", "check_crop", "check_continuation", "check_prefix",
            "EMPTY_POSITION"]
@@ -77,13 +78,15 @@ class CacheRead(NamedTuple):
         Lq, S = self.query_positions.shape[-1], self.keys.shape[2]
         whole = _whole_length(mask, S) if isinstance(mask, Mask) and not _call_frame(mask) else None
         if self.contiguous:
-            if whole is not None and (S > Lq or whole != S):
+            if whole is not None and isinstance(mask, Mask) and (S > Lq or whole != S):
                 mask = mask.shifted(S - Lq, 0, q_len=whole, kv_len=whole)  # the sequence's square, at the new tokens
             if not causal:
                 return mask
             return causal_mask() if mask is None else mask & causal_mask()
+        key_positions = self.key_positions
+        assert key_positions is not None  # not contiguous
         q = self.query_positions.view(-1, 1, Lq, 1)  # (B|1, 1, Lq, 1)
-        kv = self.key_positions.view(-1, 1, 1, S)  # (B|1, 1, 1, S)
+        kv = key_positions.view(-1, 1, 1, S)  # (B|1, 1, 1, S)
         stored = kv != EMPTY_POSITION
         allowed = stored & (kv <= q) if causal else stored
         if self.window is not None:
@@ -94,7 +97,7 @@ class CacheRead(NamedTuple):
             b = torch.arange(self.keys.shape[0], device=q.device).view(-1, 1, 1, 1)
             h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
             kv_read = torch.where(stored, kv, torch.zeros_like(kv))  # empty slots: hidden, read anywhere
-            if not torch.compiler.is_compiling() and whole != S and int(q.max()) >= whole:
+            if not torch.compiler.is_compiling() and whole is not None and whole != S and int(q.max()) >= whole:
                 raise ValueError(f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
                                  f"position {int(q.max())}; build it over the whole sequence")
             allowed = allowed & mask.mask_mod(b, h, q, kv_read)  # square: bottom-right reads as top-left
@@ -116,7 +119,7 @@ class KVCache(abc.ABC):
         """The number of tokens stored, the longest row's (0 when empty)."""
 
     @abc.abstractmethod
-    def next_positions(self, new: int, device=None) -> Tensor:
+    def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
         """The absolute positions ``(new,)`` or ``(B, new)`` the next ``new`` tokens will take."""
 
     @abc.abstractmethod
@@ -156,8 +159,9 @@ class KVCache(abc.ABC):
 
 
 # ------------------------------------------------------------------------------------ checks
-def check_kv(cache: str, k, v, *, batch: int | None = None, heads: int | None = None, head_dim: int | None = None,
-             value_dim: int | None = None, dtype=None, device=None, held: str = "") -> None:
+def check_kv(cache: str, k: Tensor, v: Tensor, *, batch: int | None = None, heads: int | None = None,
+             head_dim: int | None = None, value_dim: int | None = None, dtype: torch.dtype | None = None,
+             device: torch.device | str | None = None, held: str = "") -> None:
     """Refuse keys/values the cache could not store. ``k (B, Hkv, Lnew, D)``, ``v (B, Hkv, Lnew, Dv)``
     must be 4-D tensors of one dtype and device agreeing on ``B, Hkv, Lnew``, and agree with what
     the cache holds where given (``held`` describes it for messages)."""
@@ -169,7 +173,8 @@ def check_kv(cache: str, k, v, *, batch: int | None = None, heads: int | None = 
             raise ValueError(f"{where}: {name} must have 4 dims (B, Hkv, Lnew, {last}), got shape {tuple(t.shape)}; "
                              f"hint: split the heads first, (B, Lnew, Hkv·{last}) -> (B, Hkv, Lnew, {last})")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{where}: k and v must agree on (B, Hkv, Lnew), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(f"{where}: k and v must agree on (B, Hkv, Lnew), "
+                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if k.dtype != v.dtype:
         raise TypeError(f"{where}: k and v must share a dtype, got {k.dtype} and {v.dtype}")
     if k.device != v.device:
@@ -186,7 +191,7 @@ def check_kv(cache: str, k, v, *, batch: int | None = None, heads: int | None = 
         raise ValueError(f"{where}: new keys/values are on {k.device} but the cache is on {device} ({held}){hint}")
 
 
-def check_indices(cache: str, indices, batch: int, device) -> Tensor:
+def check_indices(cache: str, indices: object, batch: int, device: torch.device | str | None) -> Tensor:
     """``indices`` of :meth:`KVCache.reorder`: a 1-D integer tensor (or list) of rows in ``[0, batch)``."""
     where = f"{cache}.reorder"
     if isinstance(indices, (list, tuple)):
@@ -207,7 +212,7 @@ def check_indices(cache: str, indices, batch: int, device) -> Tensor:
     return indices.to(device=device, dtype=torch.int64)
 
 
-def check_crop(cache: str, length, batch: int | None) -> int | Tensor:
+def check_crop(cache: str, length: object, batch: int | None) -> int | Tensor:
     """``length`` of :meth:`KVCache.crop`: a non-negative int, or a ``(B,)`` integer tensor (per row)."""
     where = f"{cache}.crop"
     if isinstance(length, bool) or not isinstance(length, (int, Tensor)):
@@ -237,7 +242,7 @@ def _whole_length(mask: Mask, slots: int) -> int:
     return max(e for e in (q_extent, kv_extent, 0) if e is not None) or slots
 
 
-def check_continuation(cache: str, positions, expected: Tensor, batch: int) -> None:
+def check_continuation(cache: str, positions: object, expected: Tensor, batch: int) -> None:
     """Positions given to a cache whose slots follow positions must continue each row exactly:
     ``expected`` ``(new,)`` or ``(B, new)`` (eager only: the comparison reads the values)."""
     new = expected.shape[-1]
@@ -248,10 +253,10 @@ def check_continuation(cache: str, positions, expected: Tensor, batch: int) -> N
         raise ValueError(f"{cache}.update: positions must have shape ({new},) or ({batch}, {new}), got "
                          f"{tuple(positions.shape)}")
     want = expected.expand(batch, new)
-    got = positions.to(expected.device).expand(batch, new)
-    if not torch.equal(got, want):
+    given = positions.to(expected.device).expand(batch, new)
+    if not torch.equal(given, want):
         raise ValueError(f"{cache}.update: positions must continue each row (each row's next positions "
-                         f"{want.tolist()}), got {got.tolist()}; going back needs crop() first, and a gap would "
+                         f"{want.tolist()}), got {given.tolist()}; going back needs crop() first, and a gap would "
                          f"leave an empty slot")
 
 

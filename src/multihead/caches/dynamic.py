@@ -68,7 +68,7 @@ class DynamicKVCache(KVCache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
 
-    def next_positions(self, new: int, device=None) -> Tensor:
+    def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
         return torch.arange(self._length, self._length + new, device=device)
 
     def slots(self, new: int) -> int:
@@ -93,8 +93,10 @@ class DynamicKVCache(KVCache):
         else:
             if self._k is None or end > self.capacity:
                 self._grow(k, v, max(end, 2 * self.capacity, self.initial_capacity))
+            assert self._k is not None  # grown above
             self._k[:, :, self._length:end] = k
             if self._separate_values:
+                assert self._v is not None
                 self._v[:, :, self._length:end] = v
         self._undo, self._length = self._length, end
         return CacheRead(self._k[:, :, :end], self._values(end), query_positions)
@@ -106,6 +108,7 @@ class DynamicKVCache(KVCache):
 
     def _values(self, end: int) -> Tensor:
         """``(B, Hkv, end, Dv)``: the values of the first ``end`` slots."""
+        assert self._v is not None  # read once something is stored
         return self._v[:, :, :end]
 
     def _check_update(self, k: Tensor, v: Tensor) -> None:
@@ -150,7 +153,7 @@ class DynamicKVCache(KVCache):
             raise ValueError(f"{type(self).__name__}.reorder: the cache is empty; nothing to reorder")
         indices = check_indices(type(self).__name__, indices, self._k.shape[0], self._k.device)
         self._k = self._k.index_select(0, indices)
-        if self._separate_values:
+        if self._separate_values and self._v is not None:
             self._v = self._v.index_select(0, indices)
         self._undo = None
 

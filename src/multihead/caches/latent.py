@@ -23,10 +23,9 @@ rollback, reorder and the autograd-safe update are that class's; slot ``j`` hold
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from multihead.caches.base import check_prefix
+from multihead.caches.base import CacheRead, check_prefix
 from multihead.caches.dynamic import DynamicKVCache
 
 __all__ = ["LatentKVCache"]
@@ -84,12 +83,13 @@ class LatentKVCache(DynamicKVCache):
         B, Hkv, _, F = self._k.shape
         return B * Hkv * F * self._k.element_size()
 
-    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None):
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         """Store ``k (B, Hkv, Lnew, C + R)``, whose first ``C`` features ``v (B, Hkv, Lnew, C)`` are
         (``v`` is not stored: it is read back as a view of ``k``), and return every stored row."""
         return super().update(k, v, positions)
 
     def _values(self, end: int) -> Tensor:
+        assert self._k is not None  # read once something is stored
         return self._k[:, :, :end, :self._latent_dim if self._latent_dim is not None else 0]
 
     def _check_update(self, k: Tensor, v: Tensor) -> None:

@@ -20,11 +20,21 @@ Running out of pages raises before anything is claimed or written.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from multihead.caches.base import (EMPTY_POSITION, CacheRead, KVCache, check_continuation, check_crop, check_indices,
-                                   check_kv, check_prefix)
+from multihead.caches.base import (
+    EMPTY_POSITION,
+    CacheRead,
+    KVCache,
+    check_continuation,
+    check_crop,
+    check_indices,
+    check_kv,
+    check_prefix,
+)
 
 __all__ = ["PagedKVCache"]
 
@@ -69,7 +79,8 @@ class PagedKVCache(KVCache):
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in order
         self.lengths: list[int] = [0] * batch_size
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
-        self._undo = None  # (tables, lengths, free) before the last update
+        # (tables, lengths, free) before the last update
+        self._undo: tuple[list[list[int]], list[int], list[int]] | None = None
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -90,7 +101,7 @@ class PagedKVCache(KVCache):
     def nbytes(self) -> int:
         return self.key_pages.nbytes + (0 if self.values_in_keys else self.value_pages.nbytes)
 
-    def next_positions(self, new: int, device=None) -> Tensor:
+    def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
         start = torch.tensor(self.lengths, dtype=torch.int64, device=device).view(-1, 1)
         return start + torch.arange(new, device=device)  # (B, new)
 
@@ -102,7 +113,8 @@ class PagedKVCache(KVCache):
 
     def _held(self) -> str:
         N, Hkv, ps, D = self.key_pages.shape
-        return f"PagedKVCache(num_pages={N}, page_size={ps}, num_kv_heads={Hkv}, head_dim={D}, batch_size={self.batch_size})"
+        return (f"PagedKVCache(num_pages={N}, page_size={ps}, num_kv_heads={Hkv}, head_dim={D}, "
+                f"batch_size={self.batch_size})")
 
     # ------------------------------------------------------------------------------ changes
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
@@ -123,8 +135,8 @@ class PagedKVCache(KVCache):
                              f"{ps} tokens but {len(self.free)} of {N} are free (rows hold {self.lengths} tokens); "
                              f"hint: release() finished rows, or allocate a larger pool")
         self._undo = ([list(t) for t in self.tables], list(self.lengths), list(self.free))
-        for table, count in zip(self.tables, needed):
-            table.extend(self.free.pop() for _ in range(count))
+        for row_table, count in zip(self.tables, needed):
+            row_table.extend(self.free.pop() for _ in range(count))
         # Every new token's page and offset, then one scatter per tensor into the pool.
         table = self._table_tensor(k.device)  # (B, max pages), -1 padded
         page = table.gather(1, torch.div(expected, ps, rounding_mode="floor"))  # (B, new)
@@ -135,7 +147,7 @@ class PagedKVCache(KVCache):
         self.lengths = [n + new for n in self.lengths]
         return self._read(expected, table)
 
-    def _table_tensor(self, device) -> Tensor:
+    def _table_tensor(self, device: torch.device | str | None) -> Tensor:
         width = max(1, max(len(t) for t in self.tables))
         return torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.int64, device=device)
 
@@ -162,18 +174,21 @@ class PagedKVCache(KVCache):
         self.tables, self.lengths, self.free = self._undo
         self._undo = None
 
-    def release(self, rows) -> None:
+    def release(self, rows: int | Sequence[int] | Tensor) -> None:
         """Give the pages of ``rows`` (an int or a sequence of ints) back to the pool; those rows
         are empty again and may start new sequences."""
-        rows = [rows] if isinstance(rows, int) and not isinstance(rows, bool) else rows
+        if isinstance(rows, bool):
+            raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}")
+        given = [rows] if isinstance(rows, int) else rows
         try:
-            rows = [int(r) for r in rows if not isinstance(r, bool)] if not isinstance(rows, Tensor) else rows.tolist()
+            ids: list[int] = [int(r) for r in given if not isinstance(r, bool)] if not isinstance(given, Tensor) \
+                else given.tolist()
         except TypeError as exc:
             raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}") from exc
-        bad = [r for r in rows if not 0 <= r < self.batch_size]
+        bad = [r for r in ids if not 0 <= r < self.batch_size]
         if bad:
             raise ValueError(f"PagedKVCache.release: rows must be in [0, {self.batch_size}), got {bad}")
-        for r in rows:
+        for r in ids:
             self.free.extend(reversed(self.tables[r]))
             self.tables[r], self.lengths[r] = [], 0
         self._undo = None
@@ -195,23 +210,26 @@ class PagedKVCache(KVCache):
         """Row ``i`` becomes a copy of the old row ``indices[i]``. A row taken twice needs its pages
         copied (pages are not shared): refused before any change when the pool lacks them."""
         name = type(self).__name__
-        indices = check_indices(name, indices, self.batch_size, "cpu").tolist()
-        if len(indices) != self.batch_size:
+        order: list[int] = check_indices(name, indices, self.batch_size, "cpu").tolist()
+        if len(order) != self.batch_size:
             raise ValueError(f"{name}.reorder: the cache serves batch_size={self.batch_size} rows, so indices must "
-                             f"hold {self.batch_size} rows, got {len(indices)}")
+                             f"hold {self.batch_size} rows, got {len(order)}")
         taken: set[int] = set()
-        copies = [i in taken or taken.add(i) for i in indices]  # the first use of a row keeps its pages
-        needed = sum(len(self.tables[i]) for i, c in zip(indices, copies) if c)
+        copies: list[bool] = []  # the first use of a row keeps its pages
+        for i in order:
+            copies.append(i in taken)
+            taken.add(i)
+        needed = sum(len(self.tables[i]) for i, c in zip(order, copies) if c)
         freed = sum(len(t) for r, t in enumerate(self.tables) if r not in taken)
         if needed > len(self.free) + freed:
-            raise ValueError(f"{name}.reorder: copying rows {sorted(set(indices))} needs {needed} pages but "
+            raise ValueError(f"{name}.reorder: copying rows {sorted(set(order))} needs {needed} pages but "
                              f"{len(self.free) + freed} are free")
         old_tables, old_lengths = self.tables, self.lengths
         for r in range(self.batch_size):
             if r not in taken:
                 self.free.extend(reversed(old_tables[r]))
-        tables = []
-        for i, copy in zip(indices, copies):
+        tables: list[list[int]] = []
+        for i, copy in zip(order, copies):
             if not copy:
                 tables.append(list(old_tables[i]))
                 continue
@@ -222,7 +240,7 @@ class PagedKVCache(KVCache):
             if not self.values_in_keys:
                 self.value_pages[dst] = self.value_pages[src]
             tables.append(pages)
-        self.tables, self.lengths = tables, [old_lengths[i] for i in indices]
+        self.tables, self.lengths = tables, [old_lengths[i] for i in order]
         self._undo = None
 
     def reset(self) -> None:

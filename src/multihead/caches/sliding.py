@@ -21,8 +21,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import (EMPTY_POSITION, CacheRead, KVCache, check_continuation, check_crop, check_indices,
-                                   check_kv)
+from multihead.caches.base import (
+    EMPTY_POSITION,
+    CacheRead,
+    KVCache,
+    check_continuation,
+    check_crop,
+    check_indices,
+    check_kv,
+)
 
 __all__ = ["SlidingWindowKVCache"]
 
@@ -44,8 +51,9 @@ class SlidingWindowKVCache(KVCache):
                  value_dim: int | None = None, extra: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
         value_dim = head_dim if value_dim is None else value_dim
-        for name, value, low in (("window", window, 0), ("batch_size", batch_size, 1), ("num_kv_heads", num_kv_heads, 1),
-                                 ("head_dim", head_dim, 1), ("value_dim", value_dim, 1), ("extra", extra, 0)):
+        for name, value, low in (("window", window, 0), ("batch_size", batch_size, 1),
+                                 ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1),
+                                 ("value_dim", value_dim, 1), ("extra", extra, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SlidingWindowKVCache: {name} must be an int >= {low}, got {value!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -56,7 +64,8 @@ class SlidingWindowKVCache(KVCache):
         self.values = torch.zeros(batch_size, num_kv_heads, capacity, value_dim, dtype=dtype, device=device)
         self.positions = torch.full((capacity,), EMPTY_POSITION, dtype=torch.int64, device=self.keys.device)
         self._length = 0
-        self._undo = None  # (length, slots, keys, values, positions) overwritten by the last update
+        # (length, slots, keys, values, positions) overwritten by the last update
+        self._undo: tuple[int, Tensor, Tensor, Tensor, Tensor] | None = None
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -73,7 +82,7 @@ class SlidingWindowKVCache(KVCache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
 
-    def next_positions(self, new: int, device=None) -> Tensor:
+    def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
         return torch.arange(self._length, self._length + new, device=device)
 
     def slots(self, new: int) -> int:
@@ -90,9 +99,10 @@ class SlidingWindowKVCache(KVCache):
         expected = self.next_positions(new, self.keys.device)
         if positions is not None:
             check_continuation(name, positions, expected, B)
-        if new == 1:
-            read_k = read_v = read_pos = None
-        else:  # the ring as it is, then the new tokens: the first new query's predecessors are all there
+        read_k: Tensor | None = None
+        read_v: Tensor | None = None
+        read_pos: Tensor | None = None
+        if new > 1:  # the ring as it is, then the new tokens: the first new query's predecessors are all there
             read_k, read_v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
             read_pos = torch.cat([self.positions, expected])
         kept = min(new, C)  # only the newest C tokens can stay
@@ -106,6 +116,7 @@ class SlidingWindowKVCache(KVCache):
         self._length += new
         if new == 1:
             return CacheRead(self.keys, self.values, expected, self.positions.clone(), self.window)
+        assert read_k is not None and read_v is not None and read_pos is not None  # new > 1: read above
         return CacheRead(read_k, read_v, expected, read_pos, self.window)
 
     def rollback(self) -> None:
@@ -128,7 +139,8 @@ class SlidingWindowKVCache(KVCache):
         oldest = int(held.min()) if held.numel() else 0
         if needed < oldest and length > 0:
             raise ValueError(f"{name}.crop: going back to {length} tokens needs positions {needed}..{length - 1}, but "
-                             f"the ring (capacity {self.capacity}) only holds {oldest}..{self._length - 1}; crop at most "
+                             f"the ring (capacity {self.capacity}) only holds {oldest}..{self._length - 1}; "
+                             "crop at most "
                              f"{self.extra + 1} tokens back, or create the cache with a larger extra=")
         self.positions.masked_fill_(self.positions >= length, EMPTY_POSITION)
         self._length, self._undo = length, None

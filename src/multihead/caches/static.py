@@ -26,8 +26,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import (EMPTY_POSITION, CacheRead, KVCache, check_continuation, check_crop, check_indices,
-                                   check_kv)
+from multihead.caches.base import (
+    EMPTY_POSITION,
+    CacheRead,
+    KVCache,
+    check_continuation,
+    check_crop,
+    check_indices,
+    check_kv,
+)
 
 __all__ = ["StaticKVCache"]
 
@@ -71,7 +78,7 @@ class StaticKVCache(KVCache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lengths))
 
-    def next_positions(self, new: int, device=None) -> Tensor:
+    def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
         return self.lengths.view(-1, 1) + torch.arange(new, device=self.lengths.device)  # (B, new)
 
     def slots(self, new: int) -> int:
@@ -120,7 +127,7 @@ class StaticKVCache(KVCache):
         self.values[:, :, T:T + new] = v
         self._undo = self.lengths.clone()
         self.lengths += new
-        self._host = [T + new] * len(self._host)
+        self._host = [T + new] * self.lengths.shape[0]
         positions = torch.arange(T, T + new, device=k.device)
         return CacheRead(self.keys[:, :, :T + new], self.values[:, :, :T + new], positions)
 
