@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -38,28 +38,30 @@ class Capabilities:
     """What a backend supports, declared once as data: the dispatcher refuses calls outside it
     and the backend test matrix is generated from it (a refusal there is a skip with reasons)."""
 
-    device_types: frozenset = frozenset({"cpu", "cuda", "mps", "xpu"})
-    dtypes: frozenset = FLOAT_DTYPES
+    device_types: frozenset[str] = frozenset({"cpu", "cuda", "mps", "xpu"})
+    dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
     max_head_dim: int | None = None  # the largest D and Dv; None: any
-    mask_kinds: frozenset = MASK_KINDS
-    score_mods: frozenset = SCORE_MOD_KINDS
+    mask_kinds: frozenset[str] = MASK_KINDS
+    score_mods: frozenset[str] = SCORE_MOD_KINDS
     score_mod_grad: bool = True  # gradients of tensors a modifier reads (a trainable bias)
     gqa: bool = True
     dropout: bool = True
     injected_dropout: bool = False  # accepts dropout_mask=
     native_lse: bool = False  # the kernel itself returns the LSE (else attention() recomputes it, one pass)
     grad: bool = True
-    tolerance: tuple = field(default=DEFAULT_TOLERANCE)  # ((dtype, (F outputs, F gradients)), ...)
+    # ((dtype, (F outputs, F gradients)), ...)
+    tolerance: tuple[tuple[torch.dtype, tuple[float, float]], ...] = field(default=DEFAULT_TOLERANCE)
     masks: str = ""  # a short sentence for docs and explain(); default: the declared kinds
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name, declared, known in (("mask_kinds", self.mask_kinds, MASK_KINDS),
                                       ("score_mods", self.score_mods, SCORE_MOD_KINDS)):
             unknown = sorted(set(declared) - known)
             if unknown:
                 raise ValueError(f"Capabilities: {name} has unknown kinds {unknown}; known: {sorted(known)}")
         if not self.masks:
-            text = "every mask" if self.mask_kinds == MASK_KINDS else "masks of kinds " + ", ".join(sorted(self.mask_kinds))
+            text = "every mask" if self.mask_kinds == MASK_KINDS \
+                else "masks of kinds " + ", ".join(sorted(self.mask_kinds))
             object.__setattr__(self, "masks", text)
 
     def tolerance_factor(self, dtype: torch.dtype, gradients: bool = False) -> float:
@@ -69,8 +71,9 @@ class Capabilities:
         if dtype not in table:
             if dtype == torch.float64:
                 return 1.0
-            raise ValueError(f"Capabilities.tolerance_factor: no factor for {dtype}; declared: {sorted(map(str, table))}")
-        return table[dtype][1 if gradients else 0]
+            raise ValueError(f"Capabilities.tolerance_factor: no factor for {dtype}; "
+                             f"declared: {sorted(map(str, table))}")
+        return float(table[dtype][1 if gradients else 0])
 
 
 class Backend(abc.ABC):

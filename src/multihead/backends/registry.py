@@ -8,6 +8,8 @@ refuses a call raises an error that lists its reasons. No environment variable c
 
 from __future__ import annotations
 
+from typing import cast
+
 from multihead import plans
 from multihead.backends.base import Backend
 from multihead.call import AttentionCall
@@ -70,9 +72,10 @@ def get_backend(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-def check_backend_name(name) -> None:
+def check_backend_name(name: object) -> None:
+    """Raise ``ValueError`` unless ``name`` is ``"auto"`` or a registered backend's name."""
     if name != "auto":
-        get_backend(name)
+        get_backend(cast(str, name))  # get_backend refuses what is not a str, naming the backends
 
 
 def select_backend(call: AttentionCall, name: str = "auto") -> tuple[Backend, dict[str, list[str]]]:
