@@ -17,17 +17,19 @@ only head 0's last row, ``(B, 1, 1, Lk)``, one block at a time, never the whole 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from multihead.call import Selection
 from multihead.validation import validate_weights_selection
 
 __all__ = ["capture_attention", "AttentionCapture", "is_capturing", "captures_of", "record"]
 
-_ACTIVE: list["AttentionCapture"] = []
+_ACTIVE: list[AttentionCapture] = []
 
 
 @dataclass(eq=False)  # one capture is itself, whatever it recorded (removed by identity)
@@ -37,10 +39,11 @@ class AttentionCapture:
 
     names: list[str] = field(default_factory=list)
     weights: list[Tensor] = field(default_factory=list)
-    weights_heads: object = None
-    weights_rows: object = None
-    _module_names: dict = field(default_factory=dict, repr=False)
-    _modules: tuple | None = field(default=None, repr=False)
+    weights_heads: Selection = None
+    weights_rows: Selection = None
+    _module_names: dict[int, str] = field(default_factory=dict, repr=False)
+    _modules: frozenset[int] | None = field(default=None, repr=False)
+    _detach: bool = field(default=True, repr=False)
 
     def __len__(self) -> int:
         return len(self.weights)
@@ -65,8 +68,8 @@ class AttentionCapture:
 
 
 @contextmanager
-def capture_attention(model: nn.Module | None = None, *, detach: bool = True, weights_heads=None,
-                      weights_rows=None):
+def capture_attention(model: nn.Module | None = None, *, detach: bool = True, weights_heads: Selection = None,
+                      weights_rows: Selection = None) -> Iterator[AttentionCapture]:
     """Record the weights of every `multihead` attention layer (of ``model`` if given, else of
     any model) called inside the ``with`` block. Names come from ``model.named_modules()``.
 
@@ -80,7 +83,7 @@ def capture_attention(model: nn.Module | None = None, *, detach: bool = True, we
     if model is not None:
         capture._module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         capture._modules = frozenset(capture._module_names)
-    capture._detach = detach  # type: ignore[attr-defined]
+    capture._detach = detach
     _ACTIVE.append(capture)
     try:
         yield capture
@@ -98,16 +101,20 @@ def captures_of(module: nn.Module) -> list[AttentionCapture]:
     return [c for c in _ACTIVE if c._wants(module)]
 
 
-def record(module: nn.Module, weights: Tensor, *, q: Tensor | None = None,
+def record(module: nn.Module, weights: Tensor | None, *, q: Tensor | None = None,
            held: tuple[Tensor | None, Tensor | None] = (None, None)) -> None:
     """Hand ``weights (B, h, r, Lk)`` of ``module`` to every active capture that wants them, each
     taking its own selection of heads and rows. ``held`` says which query heads and rows
     ``weights`` hold (sorted indices, ``None``: all; :func:`union` of what was asked); ``q`` is the
     call's ``(B, Hq, Lq, D)`` queries, against which selections are checked (needed with any)."""
+    if weights is None:
+        raise ValueError(f"record: {type(module).__name__} handed no weights to the active captures")
     for capture in captures_of(module):
         name = capture._module_names.get(id(module), f"{type(module).__name__}_{len(capture)}")
         mine = weights
         if capture.weights_heads is not None or capture.weights_rows is not None:
+            if q is None:
+                raise ValueError("record: q (B, Hq, Lq, D) is needed to read a capture's weights_heads/weights_rows")
             mine = take(weights, held, validate_weights_selection(capture.weights_heads, capture.weights_rows,
                                                                   q=q, return_weights=True))
         capture.names.append(name)
@@ -117,9 +124,11 @@ def record(module: nn.Module, weights: Tensor, *, q: Tensor | None = None,
 # ------------------------------------------------------------- selections shared by several asks
 def union(selections: list[Tensor | None]) -> Tensor | None:
     """Sorted unique indices selected by any of ``selections`` (``None``: all, which wins)."""
-    if not selections or any(s is None for s in selections):
+    chosen = [s for s in selections if s is not None]
+    if not selections or len(chosen) < len(selections):
         return None
-    return torch.unique(torch.cat(selections))
+    indices: Tensor = torch.unique(torch.cat(chosen))  # sorted
+    return indices
 
 
 def take(weights: Tensor, held: tuple[Tensor | None, Tensor | None],

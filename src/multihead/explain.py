@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from multihead.backends.registry import AUTO_ORDER, available_backends, check_backend_name, get_backend, select_backend
+from multihead.call import AttentionCall, ScoreModArg, Selection
 from multihead.masks import BlockState, Mask
 from multihead.masks.recognize import recognize
 from multihead.scores import Bias
@@ -31,14 +32,14 @@ class Explanation:
     """The dispatch decision for one call. ``str()`` gives the readable report."""
 
     backend: str  # the backend that runs
-    shape: tuple  # (B, Hq, Hkv, Lq, Lk, D, Dv)
+    shape: tuple[int, ...]  # (B, Hq, Hkv, Lq, Lk, D, Dv)
     dtype: str
     device: str
     mask: str
-    refused: dict = field(default_factory=dict)  # backend name -> reasons
-    plan: tuple = ()  # how the chosen backend runs the call
+    refused: dict[str, list[str]] = field(default_factory=dict)  # backend name -> reasons
+    plan: tuple[str, ...] = ()  # how the chosen backend runs the call
     requested: str = "auto"
-    advice: tuple = ()  # what would run faster, each with its fix (advise)
+    advice: tuple[str, ...] = ()  # what would run faster, each with its fix (advise)
 
     def __str__(self) -> str:
         B, Hq, Hkv, Lq, Lk, D, Dv = self.shape
@@ -59,11 +60,11 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, score_mod=None,
+def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, score_mod: ScoreModArg = None,
             scale: float | None = None,
             dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
-            backend: str = "auto", dropout_mask: Tensor | None = None, weights_heads=None,
-            weights_rows=None, probe: bool | None = None) -> Explanation:
+            backend: str = "auto", dropout_mask: Tensor | None = None, weights_heads: Selection = None,
+            weights_rows: Selection = None, probe: bool | None = None) -> Explanation:
     """Explain what :func:`multihead.attention` would do with these arguments, and advise.
 
     Nothing runs, except with ``probe``: where a dense mask tensor is a mask object written out,
@@ -72,7 +73,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
     (``B·Hq·Lq·Lk·D <= 2^27``) and otherwise estimates from the blocks the object skips;
     ``probe=False`` always estimates. The report says which it did."""
     check_backend_name(backend)
-    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
+    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
+                         dropout_mask=dropout_mask,
                          return_weights=return_weights, return_lse=return_lse)
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
     mask_text = "none" if call.mask is None else call.mask._describe()
@@ -98,8 +100,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
         nh = q.shape[1] if heads is None else len(heads)
         nr = q.shape[2] if rows is None else len(rows)
         plan.append(f"weights: {nh} head(s) x {nr} row(s) recomputed block by block from q, k and the LSE")
-    advice = advise(call, chosen.name, plan, mask, score_mod, dict(scale=scale, dropout_p=dropout_p, backend=backend),
-                    probe, return_weights and heads is None and rows is None)
+    advice = advise(call, chosen.name, plan, mask, score_mod, scale, backend, probe,
+                    return_weights and heads is None and rows is None)
     return Explanation(chosen.name, call.shape, str(q.dtype), str(q.device), mask_text, refused,
                        tuple(plan), backend, tuple(advice))
 
@@ -110,13 +112,13 @@ PROBE_ELEMENTS = 1 << 27
 _BLOCK = 256  # blocksparse's default query/key block (docs/performance.md)
 
 
-def advise(call, chosen: str, plan: list[str], mask, score_mod, options: dict, probe: bool | None,
-           full_weights: bool) -> list[str]:
+def advise(call: AttentionCall, chosen: str, plan: list[str], mask: Mask | Tensor | None, score_mod: ScoreModArg,
+           scale: float | None, backend: str, probe: bool | None, full_weights: bool) -> list[str]:
     """The slow-path causes of ``call`` that explain can see, each with its fix."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     advice = []
     if isinstance(mask, Tensor):
-        advice += _dense_mask_advice(call, mask, score_mod, options, probe)
+        advice += _dense_mask_advice(call, mask, score_mod, scale, backend, probe)
     if call.dropout_p > 0:
         kernel = "PyTorch's math kernel, which materialises the (B, Hq, Lq, Lk) scores" if chosen == "sdpa" else \
             f"the {chosen} backend's dropout path"
@@ -146,7 +148,8 @@ def advise(call, chosen: str, plan: list[str], mask, score_mod, options: dict, p
     return advice
 
 
-def _dense_mask_advice(call, mask: Tensor, score_mod, options: dict, probe: bool | None) -> list[str]:
+def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg, scale: float | None, backend: str,
+                       probe: bool | None) -> list[str]:
     """What a dense mask tensor is, as an object, and how much faster the object runs."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     found = recognize(mask)
@@ -167,7 +170,7 @@ def _dense_mask_advice(call, mask: Tensor, score_mod, options: dict, probe: bool
         what += " (its finite entries are all 0: the float tensor adds a dense bias of zeros besides)"
     cheap = B * Hq * Lq * Lk * D <= PROBE_ELEMENTS
     if probe or (probe is None and cheap):
-        factor = _probe(call, mask, other, score_mod, options)
+        factor = _probe(call, mask, other, score_mod, scale, backend)
         how = "measured on these inputs: best of 2 runs each, after a warm-up"
         if factor < 1.1:
             return [what + f": no faster at this size ({factor:.2f}x, {how}); it saves the {Lq}x{Lk} tensor's "
@@ -181,7 +184,8 @@ def _dense_mask_advice(call, mask: Tensor, score_mod, options: dict, probe: bool
             f"{fraction:.0%} of the {_BLOCK}x{_BLOCK} blocks; explain(..., probe=True) measures)"]
 
 
-def _probe(call, mask: Tensor, other: Mask | None, score_mod, options: dict) -> float:
+def _probe(call: AttentionCall, mask: Tensor, other: Mask | None, score_mod: ScoreModArg, scale: float | None,
+           backend: str) -> float:
     """Time attention with the dense ``mask`` and with ``other``: the dense time over the object's."""
     from multihead.attention import attention  # the entry point imports nothing from here
 
@@ -189,16 +193,14 @@ def _probe(call, mask: Tensor, other: Mask | None, score_mod, options: dict) -> 
     times = []
     with torch.no_grad():
         for m in (mask, other):
-            def run():
-                attention(q, k, v, mask=m, score_mod=score_mod, **options)
+            best = math.inf
+            for run in range(3):  # a warm-up (plans, caches), then the best of two
+                start = time.perf_counter()
+                attention(q, k, v, mask=m, score_mod=score_mod, scale=scale, dropout_p=call.dropout_p, backend=backend)
                 if q.device.type == "cuda":
                     torch.cuda.synchronize(q.device)
-            run()  # warm-up: plans, caches
-            best = math.inf
-            for _ in range(2):
-                start = time.perf_counter()
-                run()
-                best = min(best, time.perf_counter() - start)
+                if run:
+                    best = min(best, time.perf_counter() - start)
             times.append(best)
     return times[0] / max(times[1], 1e-9)
 
@@ -208,6 +210,7 @@ def _visible_fraction(mask: Mask | None, B: int, Lq: int, Lk: int) -> float:
     if mask is None:
         return 1.0
     size = max(_BLOCK, math.ceil(max(Lq, Lk) / 64))  # at most 64 x 64 blocks to ask about
-    blocks = [(q0, min(q0 + size, Lq), k0, min(k0 + size, Lk)) for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)]
+    blocks = [(q0, min(q0 + size, Lq), k0, min(k0 + size, Lk))
+              for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)]
     visible = sum(mask.block_state(q0, q1, k0, k1, Lq, Lk, batch=B) != BlockState.EMPTY for q0, q1, k0, k1 in blocks)
     return max(visible, 1) / len(blocks)

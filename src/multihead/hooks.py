@@ -34,13 +34,15 @@ as the hooks left it.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
+from multihead.call import ScoreModArg
 from multihead.conventions import repeat_kv
+from multihead.masks import Mask
 from multihead.scoring import score_block
 from multihead.validation import validate_call
 
@@ -54,6 +56,8 @@ POINTS = ("q", "k", "v", "scores", "pattern", "output")
 ATTRIBUTE = "_multihead_hooks"
 
 Hook = Callable[[Tensor, str], "Tensor | None"]
+#: A layer's hooks: point -> [(fn, the name it is called with, its handle's id)].
+Hooks = dict[str, list[tuple[Hook, str, int]]]
 
 
 class HookHandle:
@@ -62,7 +66,7 @@ class HookHandle:
 
     _next_id = 0
 
-    def __init__(self, layer: nn.Module, point: str):
+    def __init__(self, layer: HookPoints, point: str):
         self.layer, self.point = layer, point
         HookHandle._next_id += 1
         self.id = HookHandle._next_id
@@ -77,17 +81,17 @@ class HookHandle:
         if not hooks:  # no hook left: the fast path's one lookup finds nothing again
             del self.layer.__dict__[ATTRIBUTE]
 
-    def __enter__(self) -> "HookHandle":
+    def __enter__(self) -> HookHandle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:
         return f"HookHandle({type(self.layer).__name__}.{self.point}, id={self.id})"
 
 
-def add_hook(layer: nn.Module, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
+def add_hook(layer: HookPoints, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
     """Call ``fn(tensor, name)`` at ``point`` of ``layer`` on every forward (module docstring);
     hooks at one point run in the order they were added. Returns a :class:`HookHandle`."""
     if not isinstance(layer, HookPoints):
@@ -135,10 +139,9 @@ def hooked(model: nn.Module, hooks: dict[str, Hook]) -> Iterator[list[HookHandle
     pattern). A name that matches no point raises, listing the points there are."""
     if not isinstance(hooks, dict):
         raise TypeError(f"hooked: hooks must be a dict {{'<module name>.<point>': fn}}, got {type(hooks).__name__}")
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, HookPoints)} \
-        if isinstance(model, nn.Module) else None
-    if layers is None:
+    if not isinstance(model, nn.Module):
         raise TypeError(f"hooked: model must be an nn.Module, got {type(model).__name__}")
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, HookPoints)}
     handles: list[HookHandle] = []
     try:
         for pattern, fn in hooks.items():
@@ -157,7 +160,7 @@ def hooked(model: nn.Module, hooks: dict[str, Hook]) -> Iterator[list[HookHandle
 
 
 # ----------------------------------------------------------------------- used by attend_heads
-def run_hooks(hooks: dict, point: str, tensor: Tensor) -> Tensor:
+def run_hooks(hooks: Hooks, point: str, tensor: Tensor) -> Tensor:
     """``tensor`` through every hook at ``point`` in order; a replacement must keep the shape."""
     for fn, name, _ in hooks.get(point, ()):
         out = fn(tensor, name)
@@ -171,8 +174,9 @@ def run_hooks(hooks: dict, point: str, tensor: Tensor) -> Tensor:
     return tensor
 
 
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, score_mod=None, sinks: Tensor | None = None,
-                       dropout_p: float = 0.0, hooks: dict | None = None) -> tuple[Tensor, Tensor]:
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
+                       score_mod: ScoreModArg = None, sinks: Tensor | None = None, dropout_p: float = 0.0,
+                       hooks: Hooks | None = None) -> tuple[Tensor, Tensor]:
     """Attention with the scores and the pattern materialised, through the ``scores`` and
     ``pattern`` hooks: ``(output (B, Hq, Lq, Dv) in q's dtype, pattern (B, Hq, Lq, Lk))``.
 

@@ -9,10 +9,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
+from helpers import LargestAllocation
 from multihead import hooks
 from multihead.conventions import repeat_kv
-
-from helpers import LargestAllocation
 
 DT = torch.float64
 
@@ -152,7 +151,7 @@ def test_without_hooks_the_fast_path_allocates_nothing_extra(monkeypatch):
     torch.manual_seed(2)
     layer = mh.MultiHeadAttention(64, 4, causal=True).eval()
     x = torch.randn(1, 128, 64)
-    square = 4 * 128 * 128  # the (B, Hq, Lq, Lk) scores; the largest tensor of the fast path is the (B, L, 3E) projection
+    square = 4 * 128 * 128  # the (B, Hq, Lq, Lk) scores; the fast path's largest is the (B, L, 3E) projection
 
     def trace():
         with torch.no_grad(), _Trace() as t:
@@ -233,7 +232,8 @@ def test_hooked_names_points_by_module_name_and_wildcard():
 @pytest.mark.parametrize("call,error,message", [
     (lambda l: l.add_hook("weights", lambda t, n: None), ValueError, r"point must be one of \('q', .*got 'weights'"),
     (lambda l: l.add_hook("q", 3), TypeError, "fn must be callable .* got int"),
-    (lambda l: hooks.add_hook(nn.Linear(2, 2), "q", lambda t, n: None), TypeError, "multihead attention layer .* Linear"),
+    (lambda l: hooks.add_hook(nn.Linear(2, 2), "q", lambda t, n: None), TypeError,
+     "multihead attention layer .* Linear"),
     (lambda l: hooks.hooked(l, ["q"]).__enter__(), TypeError, "hooks must be a dict"),
 ])
 def test_bad_hook_arguments(call, error, message):

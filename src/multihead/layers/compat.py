@@ -69,7 +69,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
 from multihead.hooks import HookPoints
-from multihead.call import mask_and_score_mod
+from multihead.call import Selection, mask_and_score_mod
 from multihead.masks import Mask, as_mask, causal
 from multihead.scores import ScoreMod
 
@@ -160,7 +160,8 @@ class MultiheadAttention(HookPoints, nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, weights_heads=None, weights_rows=None) -> tuple[Tensor, Tensor | None]:
+                is_causal: bool = False, *, weights_heads: Selection = None,
+                weights_rows: Selection = None) -> tuple[Tensor, Tensor | None]:
         """PyTorch's contract (see the module docstring for masks and the deliberate differences).
 
         Beyond it, ``weights_heads``/``weights_rows`` (with ``need_weights``, batched padded inputs):

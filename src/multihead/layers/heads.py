@@ -19,13 +19,16 @@ output; none re-writes it.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
 from multihead.attention import attention
+from multihead.call import ScoreModArg, Selection
 from multihead.capture import captures_of, is_capturing, record, take, union
-from multihead.hooks import ATTRIBUTE as HOOKS, explicit_attention, run_hooks
+from multihead.hooks import ATTRIBUTE as HOOKS
+from multihead.hooks import explicit_attention, run_hooks
+from multihead.masks import Mask
 from multihead.validation import validate_weights_selection
 
 __all__ = ["split_heads", "merge_heads", "attend_heads"]
@@ -47,8 +50,10 @@ def merge_heads(y: Tensor) -> Tensor:
 
 
 def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj: Callable[[Tensor], Tensor],
-                 mask=None, score_mod=None, sinks=None, dropout_p: float = 0.0, need_weights: bool = False,
-                 backend: str = "auto", weights_heads=None, weights_rows=None) -> tuple[Tensor, Tensor | None]:
+                 mask: Mask | Tensor | None = None, score_mod: ScoreModArg = None, sinks: Tensor | None = None,
+                 dropout_p: float = 0.0, need_weights: bool = False,
+                 backend: str = "auto", weights_heads: Selection = None,
+                 weights_rows: Selection = None) -> tuple[Tensor, Tensor | None]:
     """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand and its
     hook points (:mod:`multihead.hooks`).
 
@@ -100,4 +105,4 @@ def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj:
     if captures:
         record(layer, weights, q=q, held=held)
     out = out_proj(merge_heads(y))  # (B, Lq, E)
-    return out, (take(weights, held, asked) if need_weights else None)
+    return out, (take(weights, held, asked) if need_weights and weights is not None else None)

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
-from multihead.call import mask_and_score_mod
+from multihead.call import Selection, mask_and_score_mod
 from multihead.explain import Explanation, explain
 from multihead.layers.checks import check_flag, check_size
 from multihead.layers.heads import attend_heads, merge_heads
@@ -157,8 +157,8 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
-                kv_cache: KVCache | None = None, need_weights: bool = False, weights_heads=None,
-                weights_rows=None) -> Tensor | tuple[Tensor, Tensor]:
+                kv_cache: KVCache | None = None, need_weights: bool = False, weights_heads: Selection = None,
+                weights_rows: Selection = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from the tokens ``x`` to the cached tokens and themselves.
 
         Args:

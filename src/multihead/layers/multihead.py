@@ -37,7 +37,7 @@ from multihead.layers.checks import (check_dropout, check_flag, check_inputs, ch
                                      check_size, dims)
 from multihead.layers.heads import attend_heads, merge_heads, split_heads
 from multihead.hooks import HookPoints
-from multihead.call import mask_and_score_mod
+from multihead.call import Selection, mask_and_score_mod
 from multihead.masks import Mask
 from multihead.scores import ScoreMod, as_score_mod, softcap as softcap_mod
 from multihead.scores.user import UserScoreMod
@@ -155,8 +155,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
-                need_weights: bool = False, score_mod: ScoreMod | list | None = None, weights_heads=None,
-                weights_rows=None) -> Tensor | tuple[Tensor, Tensor]:
+                need_weights: bool = False, score_mod: ScoreMod | list | None = None, weights_heads: Selection = None,
+                weights_rows: Selection = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``, or to the cached tokens and ``query`` itself.
 
         Args:

@@ -20,6 +20,7 @@ reading a tensor: :func:`multihead.explain` uses this to advise.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,7 @@ def _padding(p: Tensor) -> tuple[Mask, str, str] | None:
     return key_padding(valid), "key_padding(valid)", "valid: (B, Lk) bool, True = a key some query sees"
 
 
-def _structures(p: Tensor):
+def _structures(p: Tensor) -> Iterator[tuple[Mask | None, str, str]]:
     """Candidate ``(mask, expression, where)`` for ``p (B, Lq, Lk)``, simplest first; ``None`` is
     "no structure" (padding alone)."""
     B, Lq, Lk = p.shape
@@ -149,7 +150,7 @@ def _structures(p: Tensor):
         yield from _documents(union | union.T, document_causal, "document_causal(ids)")
 
 
-def _documents(p: Tensor, build, text: str):
+def _documents(p: Tensor, build: Callable[..., Mask], text: str) -> Iterator[tuple[Mask | None, str, str]]:
     """``build(q_ids, kv_ids)`` with ids read from ``p (Lq, Lk)``: a query's id is the first key
     it sees, a key's the id of the first query that sees it (-1 / -2 where none)."""
     Lq, Lk = p.shape
