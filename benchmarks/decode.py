@@ -31,8 +31,17 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import (THREADS, context, fastest_ms, last_level_cache_bytes, machine_state, mh, print_table,
-                    used_backend, write_csv)
+from common import (
+    THREADS,
+    context,
+    fastest_ms,
+    last_level_cache_bytes,
+    machine_state,
+    mh,
+    print_table,
+    used_backend,
+    write_csv,
+)
 
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV

@@ -37,9 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import context, machine_state, print_table, write_csv  # noqa: E402
-
 import multihead as mh  # noqa: E402
+from common import context, machine_state, print_table, write_csv  # noqa: E402
 from multihead.distributed import ring, ring_attention, shard_sequence, ulysses, ulysses_attention  # noqa: E402
 from multihead.distributed.checks import Shards  # noqa: E402
 from multihead.distributed.memory import TensorMemory  # noqa: E402

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from common import THREADS, check_close, context, fastest_ms, machine_state, mh, print_table, write_csv
 from memory import measure
-
 from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes, relative_position_bucket
 
 H, D = 8, 64

@@ -24,8 +24,22 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from common import (THREADS, background_load, check_close, context, fastest_ms, last_level_cache_bytes, machine_state,
-                    memory_read_gbps, mh, plot, print_table, time_ms, used_backend, write_csv)
+from common import (
+    THREADS,
+    background_load,
+    check_close,
+    context,
+    fastest_ms,
+    last_level_cache_bytes,
+    machine_state,
+    memory_read_gbps,
+    mh,
+    plot,
+    print_table,
+    time_ms,
+    used_backend,
+    write_csv,
+)
 
 MiB = 1 << 20
 

@@ -12,7 +12,6 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
-from multihead import masks
 
 # The relative factor F of the rule "err(x) <= F * err(naive) + floor" lives with each backend:
 # mh.get_backend(name).capabilities.tolerance_factor(dtype, gradients) (tests/backends/matrix.py).

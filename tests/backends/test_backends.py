@@ -5,10 +5,10 @@ after proving that forcing it raises, never a silent pass."""
 
 import pytest
 import torch
+from matrix import backend_params, factor, serve_or_skip
 
 import multihead as mh
 from helpers import Case, assert_relative, covering_cases, make_inputs, naive_attention
-from matrix import backend_params, factor, serve_or_skip
 
 BACKENDS = backend_params()
 CASES = covering_cases(n_random=24)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import multihead as mh
-
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 
 # (B, Hq, Hkv, Lq, Lk, D, block, left, right, align)

@@ -4,12 +4,12 @@ fully masked rows, and a guard that no ``Lq x Lk`` tensor is ever allocated."""
 
 import pytest
 import torch
+from matrix import factor
 
 import multihead as mh
-from helpers import LargestAllocation, Case, assert_relative, covering_cases, make_inputs, naive_attention
+from helpers import LargestAllocation, assert_relative, covering_cases, make_inputs, naive_attention
 from multihead.backends.blocksparse import DEFAULT_BLOCK_SIZE, BlockSparseBackend, block_plan
 from multihead.validation import validate_call
-from matrix import factor
 
 STRUCTURED = ["none", "causal_br", "causal_tl", "window_3", "window_5_2_tl", "key_padding", "document",
               "prefix_lm", "causal&padding", "document&causal", "window|prefix", "~causal", "custom",

@@ -3,10 +3,10 @@
 
 import pytest
 import torch
+from matrix import factor
 
 import multihead as mh
 from helpers import assert_relative, naive_attention
-from matrix import factor
 
 pytestmark = pytest.mark.slow
 

@@ -19,10 +19,10 @@ import zlib
 
 import pytest
 import torch
+from matrix import backend_params, factor, serve_or_skip
 
 import multihead as mh
 from helpers import LargestAllocation, aligned_distance, assert_relative, loop_bucket, paper_slopes
-from matrix import backend_params, factor, serve_or_skip
 from multihead.positions import ALiBi, BucketedBias, RelativePositionBias, alibi_slopes, relative_position_bucket
 from multihead.scores import as_score_mod
 

@@ -4,9 +4,9 @@ compared with the fp64 reference."""
 
 import pytest
 import torch
+from matrix import backend_params, serve_or_skip
 
 import multihead as mh
-from matrix import backend_params, serve_or_skip
 
 BACKENDS = backend_params()
 

@@ -5,10 +5,10 @@ with its reasons (after proving that forcing it raises)."""
 
 import pytest
 import torch
+from matrix import backend_params, factor, serve_or_skip
 
 import multihead as mh
 from helpers import assert_relative, naive_attention
-from matrix import backend_params, factor, serve_or_skip
 
 BACKENDS = backend_params()
 # (B, Hq, Hkv, Lq, Lk, D): GQA, Lq != Lk both ways, lengths across blocksparse's 256 block.

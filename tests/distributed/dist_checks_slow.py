@@ -15,9 +15,19 @@ from __future__ import annotations
 import random
 
 import torch
+from dist_checks import (
+    NAMES,
+    check,
+    compare_fp64,
+    expected_run,
+    inputs,
+    loss_of,
+    make_mask,
+    naive_fp32,
+    sharded_run,
+    small_tiles,
+)
 
-from dist_checks import (check, compare_fp64, expected_run, inputs, loss_of, naive_fp32, small_tiles, NAMES,
-                         make_mask, sharded_run)
 from multihead.distributed import ring_attention, shard_sequence, ulysses_attention
 
 FUNCTIONS = {"ring": ring_attention, "ulysses": ulysses_attention}

@@ -47,7 +47,7 @@ def slow_names_for(world: int) -> list[str]:
     return [n for n in dist_checks.CHECKS if n.startswith("slow-")] + extra
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world_results(world: int) -> dict:
     return run_world(world, names_for(world), timeout=WORLD_TIMEOUT)
 
@@ -62,7 +62,7 @@ def test_sharded_equals_single_process(world, name):
     assert not failures, f"{name} failed in a world of {world}:\n{failures}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def slow_world_results(world: int) -> dict:
     return run_world(world, slow_names_for(world), timeout=SLOW_TIMEOUT)
 

@@ -480,7 +480,7 @@ class Case:
             parts.append(f"nan_in_{self.nan_input}")
         return "-".join(parts)
 
-    def build(self) -> "Built":
+    def build(self) -> Built:
         return _build(self)
 
 
@@ -663,7 +663,6 @@ def _build(case: Case) -> Built:
         leaves[name] = x.to(T).requires_grad_(case.grad)
     dout = torch.randn(B, Hq, Lq, Dv, generator=gen, dtype=torch.float64).to(T) if case.grad else None
 
-    full = (B, Hq, Lq, Lk)
     if case.mask_kind == "none":
         mask = None
     elif case.mask_kind == "object":

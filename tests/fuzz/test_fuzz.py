@@ -47,9 +47,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # also when run as a script
 
-import multihead as mh  # noqa: E402
-from fuzz_cases import Case, make_case, layout, resolve_index  # noqa: E402
+from fuzz_cases import Case, layout, make_case, resolve_index  # noqa: E402
 from fuzz_oracle import attend, attend_flash, mods_of, visible  # noqa: E402
+
+import multihead as mh  # noqa: E402
 
 BACKENDS = ["reference", "sdpa", "blocksparse", "auto"]
 DEFAULT_SEEDS = range(0, 60)

@@ -26,9 +26,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face backend needs transformers (extra 'hf')")
 
-from helpers import assert_relative  # noqa: E402
-
 import multihead  # noqa: E402
+from helpers import assert_relative  # noqa: E402
 from multihead import masks  # noqa: E402
 from multihead.integrations import hf as mh_hf  # noqa: E402
 from multihead.integrations.hf_masks import from_dense, from_mask_function, recognise  # noqa: E402

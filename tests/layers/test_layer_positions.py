@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
+from helpers import aligned_distance, paper_slopes
+from helpers import loop_bucket as t5_bucket
 from multihead.caches import DynamicKVCache
 from multihead.positions import ALiBi, RelativePositionBias
-from helpers import aligned_distance, loop_bucket as t5_bucket, paper_slopes
 
 DT = torch.float64
 MHA = mh.MultiHeadAttention

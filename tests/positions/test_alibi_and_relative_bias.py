@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import multihead as mh
-from helpers import aligned_distance, assert_relative, loop_bucket, paper_slopes
 from backends.matrix import backend_params, factor, serve_or_skip  # tests/backends/matrix.py
+from helpers import aligned_distance, assert_relative, loop_bucket, paper_slopes
 from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes, relative_position_bucket
 
 BACKENDS = backend_params()

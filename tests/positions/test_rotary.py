@@ -9,13 +9,18 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import multihead as mh
 from helpers import assert_relative
 from multihead.caches import DynamicKVCache
-from multihead.positions.rotary import (DynamicNTKScaling, Llama3Scaling, LinearScaling, RotaryEmbedding,
-                                        YaRNScaling, apply_rotary)
+from multihead.positions.rotary import (
+    DynamicNTKScaling,
+    LinearScaling,
+    Llama3Scaling,
+    RotaryEmbedding,
+    YaRNScaling,
+    apply_rotary,
+)
 
 DT = torch.float64
 

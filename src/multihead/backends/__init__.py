@@ -1,6 +1,9 @@
 """Backends: each declares what it supports, says why it refuses, and explains its plan."""
 
 from multihead.backends.base import MASK_KINDS, SCORE_MOD_KINDS, Backend, Capabilities
+from multihead.backends.blocksparse import BlockSparseBackend
+from multihead.backends.decode import DecodeBackend
+from multihead.backends.flex import FlexBackend
 from multihead.backends.reference import ReferenceBackend
 from multihead.backends.registry import (
     AUTO_ORDER,
@@ -11,9 +14,6 @@ from multihead.backends.registry import (
     select_backend,
     unregister_backend,
 )
-from multihead.backends.blocksparse import BlockSparseBackend
-from multihead.backends.decode import DecodeBackend
-from multihead.backends.flex import FlexBackend
 from multihead.backends.sdpa import SDPABackend
 
 # The auto order, lower first (measured; docs/performance.md). decode takes calls of a few query

@@ -23,7 +23,7 @@ at no second pass. Grouped-query heads fold into the rows of one matmul per KV h
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -38,8 +38,15 @@ from torch import Tensor
 from multihead.attention import attention
 from multihead.call import AttentionResult
 from multihead.conventions import lse_dtype
-from multihead.distributed.checks import (Shards, agree, check_group, check_mask, check_qkv, check_scale,
-                                          mask_fingerprint)
+from multihead.distributed.checks import (
+    Shards,
+    agree,
+    check_group,
+    check_mask,
+    check_qkv,
+    check_scale,
+    mask_fingerprint,
+)
 from multihead.distributed.layout import check_divisible, check_layout, chunks_per_rank
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.masks import BlockState, Mask

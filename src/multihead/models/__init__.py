@@ -10,8 +10,8 @@
 ``safetensors`` and ``tokenizers`` are imported only when a model is loaded.
 """
 
-from multihead.models.bert import BertConfig, BertEncoder, load_bert
 from multihead.caches import KVCache
+from multihead.models.bert import BertConfig, BertEncoder, load_bert
 from multihead.models.decoder import CausalDecoder, DecoderCache, DecoderConfig
 from multihead.models.errors import ModelFolderError
 from multihead.models.locate import find_minilm

@@ -56,7 +56,7 @@ class BertConfig:
     hidden_dropout_prob: float = 0.0
 
     @classmethod
-    def from_json(cls, path: Path) -> "BertConfig":
+    def from_json(cls, path: Path) -> BertConfig:
         """Read and check ``config.json``; every problem is a :class:`ModelFolderError`."""
         try:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -64,7 +64,7 @@ class SentenceEncoder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: torch.device | str | None = None,
-                        dtype: torch.dtype = torch.float32) -> "SentenceEncoder":
+                        dtype: torch.dtype = torch.float32) -> SentenceEncoder:
         """Load a sentence-transformers folder (e.g. :func:`multihead.models.find_minilm`)."""
         from tokenizers import Tokenizer
 
