@@ -283,3 +283,20 @@ def test_hooks_see_what_attention_reads_while_decoding_with_a_cache():
         step = layer(x[:, 5:], kv_cache=hooked_cache)
     assert seen == [("k", (2, 2, 6, 8)), ("pattern", (2, 4, 1, 6))]  # every cached key and the new one
     torch.testing.assert_close(step, expected)
+
+
+def test_inside_torch_encoder_layers_hooks_run_where_pytorch_calls_the_drop_in():
+    """As docs/hooks.md says: nn.TransformerEncoderLayer's own fast path (eval, no autograd) runs
+    PyTorch's kernel instead of self_attn.forward, so no hook runs there; with autograd they do."""
+    torch.manual_seed(8)
+    block = nn.TransformerEncoderLayer(16, 4, batch_first=True)
+    block.self_attn = mh.compat.MultiheadAttention(16, 4, batch_first=True)
+    block.eval()
+    seen = []
+    block.self_attn.add_hook("pattern", _identity(seen))
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        block(x)
+    assert seen == []
+    block(x)
+    assert seen == [("pattern", (2, 4, 5, 5))]
