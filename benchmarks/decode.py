@@ -19,7 +19,8 @@ fp64 reference (batch element 0):
 Every call is timed in interleaved rounds keeping its fastest (:func:`common.fastest_ms`): on a
 shared machine other processes only ever add time. Threads: the suite's (``BENCH_THREADS=1`` for
 one; that run writes ``decode_1threads.csv``): with two, a parallel region waits for a thread the
-scheduler took away, which on a loaded 2-core machine turns milliseconds into tens of them. The K/V of the short caches fit in the
+scheduler took away, which on a loaded 2-core machine turns milliseconds into tens of them. The K/V
+of the short caches fit in the
 last-level cache (printed): there a contender can read faster than memory, and "% of read
 bandwidth" exceeds 100; the 32k caches (256 MiB per sequence) are the memory-bound case.
 """

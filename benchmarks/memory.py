@@ -1,7 +1,8 @@
 """Peak memory of each configuration, one subprocess per configuration: the child's own
 high-water mark ``VmHWM`` from ``/proc/self/status`` (reset by ``exec``), falling back to
 ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` where there is no ``/proc``. On Linux ``ru_maxrss``
-is kept across fork+exec, so a child of a large benchmark process would report the parent's size. "extra" = peak minus the peak of the same
+is kept across fork+exec, so a child of a large benchmark process would report the parent's size.
+"extra" = peak minus the peak of the same
 process that only built the inputs. ``--quick``: the headline configurations only."""
 
 from __future__ import annotations

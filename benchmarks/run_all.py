@@ -47,7 +47,8 @@ def _headlines(results) -> None:
     print("\n# headline ratios (same run)")
     for r in results.get("core") or []:
         if r["causal"] and r["L"] >= 1024:
-            print(f"dense causal L={r['L']}: auto ({r['backend']}) / raw SDPA = {r['multihead/sdpa']:.3f}  (target <= 1.05)")
+            print(f"dense causal L={r['L']}: auto ({r['backend']}) / raw SDPA = {r['multihead/sdpa']:.3f}  "
+                  "(target <= 1.05)")
     overhead = {r["case"]: r for r in results.get("overhead") or []}
     for case, before in (("no mask", "about 3x"), ("causal() & sliding_window(w) built once", "about 77x"),
                          ("causal() & sliding_window(w) rebuilt per call", "should fall to the built-once cost")):

@@ -68,7 +68,8 @@ def test_equal_head_sizes_are_left_alone():
 @pytest.mark.parametrize("D, Dv", [(16, 8), (8, 16)])
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_mqa_with_different_head_sizes(D, Dv, mask):
-    """MQA with different head sizes stays exact on sdpa (the slow fuzz seeds 1284 and 1298 reproduce the expand-shape bug this guards)."""
+    """MQA with different head sizes stays exact on sdpa (the slow fuzz seeds 1284 and 1298 reproduce the
+    expand-shape bug this guards)."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 40, D, generator=g, dtype=torch.float64)
     k = torch.randn(2, 1, 50, D, generator=g, dtype=torch.float64)

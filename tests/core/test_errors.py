@@ -57,7 +57,8 @@ BAD = [
     ("custom of the wrong shape", dict(mask=mh.custom(lambda b, h, i, j: torch.ones(3, dtype=torch.bool), name="bad")),
      ValueError, r"custom mask 'bad' returned shape \(3,\), which does not broadcast to its index grid"),
     ("score_mod list element", dict(score_mod=[mh.scores.softcap(2.0), "x"]), TypeError,
-     r"score_mod\[1\] must be a multihead.scores modifier or a function fn\(score, b, h, q_idx, kv_idx\) -> score, got str"),
+     r"score_mod\[1\] must be a multihead.scores modifier or a function "
+     r"fn\(score, b, h, q_idx, kv_idx\) -> score, got str"),
     ("score_mod function of the wrong shape", dict(score_mod=lambda s, b, h, qi, ki: s.sum(-1)), ValueError,
      r"score_mod\(<lambda>\) returned shape .* for scores of shape .*; it must keep the shape of the scores"),
     ("score_mod function returning None", dict(score_mod=lambda s, b, h, qi, ki: None), TypeError,

@@ -13,7 +13,8 @@ of the arguments:
 
 For each ``(b, h, i)``: query head ``h`` reads KV head ``h // (Hq // Hkv)``; the softmax runs over
 the keys the row may see; a row that sees none gives output 0, LSE ``-inf``, weights 0 and zero
-gradients; a row that reads a non-finite input is NaN (the policy of docs/conventions.md). Blocked scores never enter an ``exp`` (no ``inf · 0`` in forward or backward), and the
+gradients; a row that reads a non-finite input is NaN (the policy of docs/conventions.md). Blocked
+scores never enter an ``exp`` (no ``inf · 0`` in forward or backward), and the
 row maximum is taken over visible scores only, so rows whose scores are all very negative are exact.
 
 :func:`attend` runs in any dtype: in float64 it is the oracle; in the inputs' own dtype, with no

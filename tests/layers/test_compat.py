@@ -72,7 +72,8 @@ CONFIGS = [  # (batch_first, kdim, vdim, bias, add_bias_kv, add_zero_attn)
 
 def _config_id(c):
     bf, kd, vd, bias, bkv, zero = c
-    return f"{'bf' if bf else 'sf'}-k{kd}v{vd}-{'bias' if bias else 'nobias'}{'-biaskv' if bkv else ''}{'-zero' if zero else ''}"
+    return (f"{'bf' if bf else 'sf'}-k{kd}v{vd}-{'bias' if bias else 'nobias'}"
+            f"{'-biaskv' if bkv else ''}{'-zero' if zero else ''}")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)

@@ -294,7 +294,7 @@ def test_a_paged_cache_with_values_in_keys_stores_the_latent_once(mode):
 def test_a_paged_cache_with_values_in_keys_refuses_values_that_are_not_the_key_prefix():
     cache = PagedKVCache(4, 4, 1, C + R, value_dim=C, values_in_keys=True, dtype=torch.float64)
     k = torch.randn(1, 1, 3, C + R, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"v must equal k\[\.\.\., :%d\]" % C):
+    with pytest.raises(ValueError, match=rf"v must equal k\[\.\.\., :{C}\]"):
         cache.update(k, torch.zeros(1, 1, 3, C, dtype=torch.float64))
     assert cache.lengths == [0] and len(cache.free) == 4
     with pytest.raises(ValueError, match=r"value_dim <= head_dim; got value_dim=9, head_dim=8"):

@@ -270,7 +270,8 @@ BAD = [
     ("sinks str", lambda: MHA(16, 4, sinks="yes"), TypeError, r"MultiHeadAttention: sinks must be a bool, got str 'yes'"),
     ("sinks int", lambda: MHA(16, 4, sinks=1), TypeError, r"MultiHeadAttention: sinks must be a bool, got int 1"),
     ("score_mod int", lambda: MHA(16, 4, score_mod=42), TypeError,
-     r"MultiHeadAttention: score_mod must be a multihead.scores modifier, a function fn\(score, b, h, q_idx, kv_idx\) "
+     r"MultiHeadAttention: score_mod must be a multihead.scores modifier, "
+     r"a function fn\(score, b, h, q_idx, kv_idx\) "
      r"-> score, a list of them, or None; got int"),
     ("score_mod tensor", lambda: MHA(16, 4, score_mod=torch.zeros(4, 5, 5)), TypeError,
      r"score_mod must be .* got Tensor; for a bias tensor use multihead.scores.bias\(tensor\)"),

@@ -230,7 +230,8 @@ BAD = [  # (name, layer options, call(layer, cache), error, message); the cache 
     ("positions 3-D", {}, lambda m, c: m(x1, kv_cache=c, positions=torch.zeros(2, 1, 1, dtype=torch.long)), ValueError,
      r"positions must have shape .* got \(2, 1, 1\)"),
     ("cross-attention", {}, lambda m, c: m(x1, memory, kv_cache=c), ValueError,
-     r"kv_cache is only valid for self-attention \(key=None or key=query\).*got a separate key of shape \(2, 7, 24\)"),
+     r"kv_cache is only valid for self-attention \(key=None or key=query\)"
+     r".*got a separate key of shape \(2, 7, 24\)"),
     ("cross-attention, key is a copy", {}, lambda m, c: m(x1, x1.clone(), kv_cache=c), ValueError,
      r"kv_cache is only valid for self-attention"),
     ("not a cache", {}, lambda m, c: m(x1, kv_cache={"k": None}), TypeError,

@@ -133,7 +133,8 @@ def _encoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
     encoder = SentenceEncoder.from_pretrained(folder, device=device)
     encoder.tokenize([options.text])  # a text that is too long fails here, before any work
     cfg = encoder.model.config
-    say(f"      BERT with {cfg.num_hidden_layers} layers x {cfg.num_attention_heads} heads of multihead.MultiHeadAttention, "
+    say(f"      BERT with {cfg.num_hidden_layers} layers x {cfg.num_attention_heads} heads of "
+        "multihead.MultiHeadAttention, "
         f"E={cfg.hidden_size}, pooling={encoder.pooling}, normalize={encoder.normalize}")
 
     emb = encoder.encode(SENTENCES)  # (N, E), unit norm when the folder normalizes
