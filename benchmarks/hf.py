@@ -9,6 +9,8 @@ The models come from random configs (no downloads), fp32, batch 1:
 * **Mistral**, the same sizes with ``sliding_window=w`` in every layer: prefill of 4096 tokens
   (``w`` = 1024 and 512; ``--quick``: 1024). ``multihead`` receives ``sliding_window(w - 1)``
   and skips the blocks outside the band; ``sdpa`` gets HF's dense ``(1, 1, L, L)`` bool mask.
+  ``eager`` (its ``(8, 4096, 4096)`` scores per layer: 10 s of CPU here) is timed once, not in
+  every round.
 
 Each model is built once and switched with ``model.set_attn_implementation(...)``: the three
 implementations run the same weights on the same tokens. Before timing, every implementation's
@@ -19,9 +21,11 @@ implementation does the same work. Prefill asks for the logits of the last posit
 (``logits_to_keep=1``, as ``generate`` does): the 1024 x 32000 LM head would otherwise be a
 third of the time and the same for all three.
 
-Timing (shared/BENCHMARKS.md): interleaved rounds, each implementation timed once per round
-(prefill: one forward; decode: the 64 steps, then the cache cropped back to the prefix), the
-median of the rounds reported, and ratios of the medians: of wall time, of process CPU time
+Timing (shared/BENCHMARKS.md): interleaved rounds, the implementations in turn, the order
+rotating. Prefill: one forward of each per round. Decode: the three caches advance together and
+every step is timed for each implementation in turn; after each round of 64 steps the caches are
+cropped back to the prefix. The median sample is reported (one forward, one step), and ratios
+of the medians: of wall time, of process CPU time
 (all threads; it leaves out the time spent waiting for a core) and of the least wall times. On
 a shared machine other processes only add time, and each round hits all three alike. The load
 average is printed before and after every table.
@@ -92,14 +96,17 @@ Samples = dict[str, list[float]]
 
 def timed_rounds(fns: dict, rounds: int, device: str, log=None) -> tuple[Samples, Samples]:
     """Wall seconds and process CPU seconds of each ``fns[impl]()`` in ``rounds`` interleaved
-    rounds (after one warm-up each). CPU time (all threads) does not count the time the process
-    waits for a core, so it moves less with the load of a shared machine than wall time does."""
+    rounds (after one warm-up each), the order rotating. CPU time (all threads) does not count
+    the time the process waits for a core, so it moves less with the load than wall time does."""
     for fn in fns.values():
         fn()
     wall: Samples = {key: [] for key in fns}
     cpu: Samples = {key: [] for key in fns}
+    keys = list(fns)
     for r in range(rounds):
-        for key, fn in fns.items():
+        for i in range(len(keys)):
+            key = keys[(r + i) % len(keys)]
+            fn = fns[key]
             _sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
@@ -111,13 +118,22 @@ def timed_rounds(fns: dict, rounds: int, device: str, log=None) -> tuple[Samples
     return wall, cpu
 
 
-def prefill_fns(model, ids: torch.Tensor) -> dict:
+def prefill_fns(model, ids: torch.Tensor, impls=IMPLS) -> dict:
     def run(impl):
         def fn():
             model.set_attn_implementation(impl)
             return model(ids, logits_to_keep=1, use_cache=False)
         return fn
-    return {impl: run(impl) for impl in IMPLS}
+    return {impl: run(impl) for impl in impls}
+
+
+def timed_once(fn, device: str) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``fn()``."""
+    _sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 class Decoder:
@@ -148,23 +164,40 @@ class Decoder:
         cache.crop(-self.steps)  # back to the prefix
         return torch.cat(picked, dim=1)[0], torch.cat(all_logits)
 
-    def forced(self, impl: str, forced: torch.Tensor):
-        """A run of the steps on the given tokens (what is timed)."""
-        def fn():
-            self.model.set_attn_implementation(impl)
-            cache = self.caches[impl][0]
+    def lockstep(self, forced: torch.Tensor, rounds: int, device: str, log=None) -> tuple[Samples, Samples]:
+        """Wall and CPU seconds of every step of every implementation: the three caches advance
+        together, each step timed for each implementation in turn (the order rotating), so that
+        the load of a shared machine at that moment falls on all three alike. After each round
+        of the steps every cache is cropped back to the prefix."""
+        wall: Samples = {impl: [] for impl in IMPLS}
+        cpu: Samples = {impl: [] for impl in IMPLS}
+        for r in range(rounds + 1):  # round 0 warms up (allocator, plans) and is not kept
             for t in range(self.steps):
-                self.model(forced[t].view(1, 1), past_key_values=cache, use_cache=True)
-            cache.crop(-self.steps)  # back to the prefix
-        return fn
+                token = forced[t].view(1, 1)
+                for i in range(len(IMPLS)):
+                    impl = IMPLS[(t + r + i) % len(IMPLS)]
+                    self.model.set_attn_implementation(impl)
+                    _sync(device)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    self.model(token, past_key_values=self.caches[impl][0], use_cache=True)
+                    _sync(device)
+                    if r > 0:
+                        wall[impl].append(time.perf_counter() - t0)
+                        cpu[impl].append(time.process_time() - c0)
+            for cache, _ in self.caches.values():
+                cache.crop(-self.steps)  # back to the prefix
+            if log is not None and r > 0:
+                n = self.steps
+                log(r - 1, {impl: (sum(wall[impl][-n:]) / n, sum(cpu[impl][-n:]) / n) for impl in IMPLS})
+        return wall, cpu
 
 
-def summarise(case: str, samples: tuple[Samples, Samples], per: int = 1) -> dict:
-    """Medians (ms, per step when ``per`` > 1) of wall time, and the ratios of the medians, of
-    wall time and of CPU time."""
+def summarise(case: str, samples: tuple[Samples, Samples]) -> dict:
+    """Median wall milliseconds of one sample (a forward, a step), and the ratios of the medians,
+    of wall time and of CPU time."""
     wall, cpu = samples
-    med = {impl: statistics.median(s) / per * 1e3 for impl, s in wall.items()}
-    med_cpu = {impl: statistics.median(s) / per * 1e3 for impl, s in cpu.items()}
+    med = {impl: statistics.median(s) * 1e3 for impl, s in wall.items()}
+    med_cpu = {impl: statistics.median(s) * 1e3 for impl, s in cpu.items()}
     row: dict = {"case": case}
     for impl in IMPLS:
         row[f"{impl} ms"] = med[impl]
@@ -174,7 +207,7 @@ def summarise(case: str, samples: tuple[Samples, Samples], per: int = 1) -> dict
     row["cpu multihead/sdpa"] = med_cpu["multihead"] / med_cpu["sdpa"]
     row["cpu eager/multihead"] = med_cpu["eager"] / med_cpu["multihead"]
     row["least multihead/sdpa"] = min(wall["multihead"]) / min(wall["sdpa"])
-    row["rounds"] = len(wall["sdpa"])
+    row["rounds"] = len(wall["sdpa"])  # eager: one run in the window cases
     return row
 
 
@@ -231,9 +264,9 @@ def main(argv=None) -> list[dict]:
                                              f"{torch.equal(got_tokens, picked)}, logits {err:.2e} relative)")
                     print(f"decode {steps} steps, {impl}: the same greedy tokens as eager, logits {err:.1e} relative")
                 print(f"decode {steps} steps from 1024 tokens, {rounds} rounds; {machine_state()}")
-                samples = timed_rounds({impl: decoder.forced(impl, picked) for impl in IMPLS}, rounds, args.device, log)
-                rows.append(summarise(f"decode step (x{steps}) after 1024", samples, per=steps)
-                            | {"load": machine_state()})
+                samples = decoder.lockstep(picked, rounds, args.device, log)
+                case = f"decode step ({steps} x {rounds}) after 1024"
+                rows.append(summarise(case, samples) | {"load": machine_state()})
                 print(f"after: {machine_state()}")
             del model
         if "window" in parts:
@@ -243,9 +276,11 @@ def main(argv=None) -> list[dict]:
                 errors = check_hidden(model, ids)
                 print(f"\nMistral sliding_window={w}, 4096 tokens: hidden states vs eager: "
                       + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-                print(f"prefill 4096 tokens, window {w}, {rounds} rounds; {machine_state()}")
-                samples = timed_rounds(prefill_fns(model, ids), rounds, args.device, log)
-                rows.append(summarise(f"prefill 4096, window {w}", samples) | {"load": machine_state()})
+                print(f"prefill 4096 tokens, window {w}, {rounds} rounds of sdpa and multihead; {machine_state()}")
+                wall, cpu = timed_rounds(prefill_fns(model, ids, IMPLS[1:]), rounds, args.device, log)
+                wall["eager"], cpu["eager"] = ([x] for x in timed_once(prefill_fns(model, ids)["eager"], args.device))
+                print(f"  eager, once: {wall['eager'][0] * 1e3:.0f} ms (cpu {cpu['eager'][0] * 1e3:.0f})")
+                rows.append(summarise(f"prefill 4096, window {w}", (wall, cpu)) | {"load": machine_state()})
                 print(f"after: {machine_state()}")
                 del model
     table = [{k: v for k, v in r.items() if k != "load"} for r in rows]
