@@ -13,7 +13,7 @@ __all__ = ["check_size", "check_optional_size", "check_flag", "check_dropout", "
            "dims"]
 
 
-def check_size(layer: str, name: str, value) -> int:
+def check_size(layer: str, name: str, value: object) -> int:
     """A positive ``int`` (``bool`` is refused: ``True`` is not a size)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{layer}: {name} must be a positive int, got {type(value).__name__} {value!r}")
@@ -22,18 +22,18 @@ def check_size(layer: str, name: str, value) -> int:
     return value
 
 
-def check_optional_size(layer: str, name: str, value, default: int) -> int:
+def check_optional_size(layer: str, name: str, value: object, default: int) -> int:
     """``None`` (meaning ``default``) or a positive ``int``."""
     return default if value is None else check_size(layer, name, value)
 
 
-def check_flag(layer: str, name: str, value) -> bool:
+def check_flag(layer: str, name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{layer}: {name} must be a bool, got {type(value).__name__} {value!r}")
     return value
 
 
-def check_dropout(layer: str, value) -> float:
+def check_dropout(layer: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{layer}: dropout must be a probability in [0, 1), got {value!r}")
     return float(value)
@@ -103,7 +103,7 @@ def dims(t: Tensor, batch_first: bool) -> tuple[int, int]:
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def check_positions(layer: str, positions, B: int, Lq: int, device: torch.device) -> Tensor:
+def check_positions(layer: str, positions: object, B: int, Lq: int, device: torch.device) -> Tensor:
     """``positions`` as an ``int64`` tensor ``(Lq,)`` or ``(B, Lq)`` on the device of the query."""
     expected = f"(Lq,) = ({Lq},) or (B, Lq) = ({B}, {Lq})"
     if not isinstance(positions, Tensor):

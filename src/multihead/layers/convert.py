@@ -9,15 +9,20 @@ query, ``[E, 2E)`` the key, ``[2E, 3E)`` the value) when ``kdim == vdim == E``, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from multihead.layers.compat import MultiheadAttention as CompatMHA
+
+if TYPE_CHECKING:  # the layer imports this module: no import at run time
+    from multihead.layers.multihead import MultiHeadAttention
 
 __all__ = ["from_torch", "to_torch"]
 
 
-def from_torch(module: nn.Module, layer_class: type) -> nn.Module:
+def from_torch(module: nn.Module, layer_class: type[MultiHeadAttention]) -> MultiHeadAttention:
     """See :meth:`MultiHeadAttention.from_torch`; ``layer_class`` is the class to build (the layer
     passes itself, so this module never imports the layer: no import cycle)."""
     if not isinstance(module, (nn.MultiheadAttention, CompatMHA)):
@@ -33,11 +38,12 @@ def from_torch(module: nn.Module, layer_class: type) -> nn.Module:
                                out_bias=module.out_proj.bias is not None, dropout=float(module.dropout),
                                batch_first=module.batch_first, device=reference.device, dtype=reference.dtype)
     with torch.no_grad():
+        weights: tuple[Tensor, ...]
         if module._qkv_same_embed_dim:
             weights = module.in_proj_weight.chunk(3)
         else:
             weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-        biases = module.in_proj_bias.chunk(3) if has_in_bias else (None, None, None)
+        biases: tuple[Tensor | None, ...] = module.in_proj_bias.chunk(3) if has_in_bias else (None, None, None)
         for proj, weight, bias in zip((layer.q_proj, layer.k_proj, layer.v_proj), weights, biases):
             proj.weight.copy_(weight)
             if bias is not None:
@@ -48,7 +54,7 @@ def from_torch(module: nn.Module, layer_class: type) -> nn.Module:
     return layer.train(module.training)
 
 
-def to_torch(layer: nn.Module) -> nn.MultiheadAttention:
+def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
     """See :meth:`MultiHeadAttention.to_torch`."""
     problems = []
     if layer.num_kv_heads != layer.num_heads:
@@ -70,15 +76,16 @@ def to_torch(layer: nn.Module) -> nn.MultiheadAttention:
                                    kdim=layer.kdim, vdim=layer.vdim, batch_first=layer.batch_first,
                                    device=reference.device, dtype=reference.dtype)
     with torch.no_grad():
+        weights: tuple[Tensor, ...]
         if module._qkv_same_embed_dim:
-            targets = module.in_proj_weight.chunk(3)  # views: writing them fills in_proj_weight
+            weights = module.in_proj_weight.chunk(3)  # views: writing them fills in_proj_weight
         else:
-            targets = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-        for target, proj in zip(targets, projections):
+            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        for target, proj in zip(weights, projections):
             target.copy_(proj.weight)
         if bias:
-            sources = [p.bias for p in projections] + [layer.out_proj.bias]
-            targets = list(module.in_proj_bias.chunk(3)) + [module.out_proj.bias]
+            sources: list[Tensor | None] = [*(p.bias for p in projections), layer.out_proj.bias]
+            targets = [*module.in_proj_bias.chunk(3), module.out_proj.bias]
             for target, source in zip(targets, sources):
                 target.copy_(source if source is not None else torch.zeros_like(target))
         module.out_proj.weight.copy_(layer.out_proj.weight)
