@@ -24,7 +24,8 @@ and the models.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +33,27 @@ from torch import Tensor, nn
 
 from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
-from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.checks import (check_dropout, check_flag, check_inputs, check_optional_size, check_positions,
-                                     check_size, dims)
-from multihead.layers.heads import attend_heads, merge_heads, split_heads
+from multihead.call import ScoreModArg, Selection, mask_and_score_mod
 from multihead.hooks import HookPoints
-from multihead.call import Selection, mask_and_score_mod
+from multihead.layers.checks import (
+    check_dropout,
+    check_flag,
+    check_inputs,
+    check_optional_size,
+    check_positions,
+    check_size,
+    dims,
+)
+from multihead.layers.convert import from_torch, to_torch
+from multihead.layers.heads import attend_heads, merge_heads, split_heads
 from multihead.masks import Mask
-from multihead.scores import ScoreMod, as_score_mod, softcap as softcap_mod
-from multihead.scores.user import UserScoreMod
 from multihead.masks import causal as causal_mask
+from multihead.scores import ScoreMod, as_score_mod
+from multihead.scores import softcap as softcap_mod
+from multihead.scores.user import UserScoreMod
+
+if TYPE_CHECKING:  # floor 3 beside the layers: imported only when a layer is given one
+    from multihead.distributed import ContextParallel
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
 
@@ -102,7 +114,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
                  qkv_bias: bool | tuple[bool, bool, bool] = True, out_bias: bool = True, dropout: float = 0.0,
                  causal: bool = False, batch_first: bool = True, backend: str = "auto",
                  rope: Callable[[Tensor, Tensor], Tensor] | None = None,
-                 score_mod=None, softcap: float | None = None, sinks: bool = False, context_parallel=None,
+                 score_mod: ScoreModArg | nn.Module = None, softcap: float | None = None, sinks: bool = False,
+                 context_parallel: ContextParallel | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         layer = type(self).__name__
@@ -138,24 +151,24 @@ class MultiHeadAttention(HookPoints, nn.Module):
         # Masks are immutable, so the causal mask is built once (no object creation per call,
         # nothing for torch.compile to trace).
         self._causal_mask = causal_mask() if causal else None
-        self._combined: dict = {}  # call mask -> call mask & causal(), by value (_combined_mask)
+        self._combined: dict[Mask, Mask] = {}  # call mask -> call mask & causal(), by value (_combined_mask)
 
-        factory = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=q_bias, **factory)
-        self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=k_bias, **factory)
-        self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=v_bias, **factory)
-        self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=out_bias, **factory)
+        self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=q_bias, device=device, dtype=dtype)
+        self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=k_bias, device=device, dtype=dtype)
+        self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=v_bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=out_bias, device=device, dtype=dtype)
         self.rope = rope  # an nn.Module is registered as a submodule (its buffers follow .to())
         if score_mod is not None and not isinstance(score_mod, nn.Module):
             as_score_mod(score_mod, name=f"{layer}: score_mod")  # refused now, not at the first forward
         self.score_mod = score_mod  # an nn.Module (a RelativePositionBias) is registered as a submodule
         self.softcap = None if softcap is None else softcap_mod(softcap).cap
-        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if check_flag(layer, "sinks", sinks) else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) \
+            if check_flag(layer, "sinks", sinks) else None
         self.context_parallel = _check_context_parallel(layer, context_parallel, self)
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
-                need_weights: bool = False, score_mod: ScoreMod | list | None = None, weights_heads: Selection = None,
+                need_weights: bool = False, score_mod: ScoreModArg = None, weights_heads: Selection = None,
                 weights_rows: Selection = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``, or to the cached tokens and ``query`` itself.
 
@@ -203,7 +216,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
             _check_cache(layer, kv_cache, self_attention, key)
         if self.rope is not None and not self_attention:
             raise ValueError(f"{layer}: rope rotates the keys at the query positions, so it needs self-attention "
-                             f"(key=None or key=query), got a separate key of shape {tuple(key.shape)}; hint: use "
+                             f"(key=None or key=query), got a separate key of shape "
+                             f"{tuple(key.shape) if key is not None else None}; hint: use "
                              f"a layer with rope=None for cross-attention")
         key = query if key is None else key
         value = key if value is None else value
@@ -239,6 +253,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D); Lk = Lq with a cache
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
         if self.rope is not None:
+            assert positions is not None  # set above whenever there is a rope
             q = self._rotate(q, positions, "query")  # (B, Hq, Lq, D)
             k = self._rotate(k, positions, "key")  # (B, Hkv, Lq, D), rotated once, before it is cached
         if kv_cache is None:
@@ -253,10 +268,15 @@ class MultiHeadAttention(HookPoints, nn.Module):
                 raise
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
-        return (out, weights) if need_weights else out
+        if need_weights:
+            assert weights is not None  # attend_heads returns them when asked (context_parallel refuses need_weights)
+            return out, weights
+        return out
 
     # ------------------------------------------------------------------------------ helpers
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, score_mod, need_weights: bool, selection=(None, None)):
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreModArg,
+                need_weights: bool,
+                selection: tuple[Selection, Selection] = (None, None)) -> tuple[Tensor, Tensor | None]:
         """:func:`attend_heads` with this layer's projection, sinks, dropout and backend (or the
         group's sharded attention, for a context-parallel layer)."""
         if self.context_parallel is not None:
@@ -266,9 +286,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
                             dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
                             backend=self.backend, weights_heads=selection[0], weights_rows=selection[1])
 
-    def _score_mods(self, call_mod) -> list | None:
+    def _score_mods(self, call_mod: ScoreModArg) -> list[Any] | None:
         """The layer's modifier (a module is called for it), then the call's, then the softcap."""
-        mods = []
+        mods: list[Any] = []
         for m in (self.score_mod() if isinstance(self.score_mod, nn.Module) else self.score_mod, call_mod):
             if m is not None:
                 mods.extend(m if isinstance(m, (list, tuple)) else [m])
@@ -276,7 +296,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
             mods.append(softcap_mod(self.softcap))
         return mods or None
 
-    def _combined_mask(self, mask, score_mod, B: int, Lq: int, Lk: int) -> tuple[Mask | None, ScoreMod | None]:
+    def _combined_mask(self, mask: object, score_mod: object, B: int, Lq: int,
+                       Lk: int) -> tuple[Mask | None, ScoreMod | None]:
         """The call's mask (and score modifier), checked against ``(B, Hq, Lq, Lk)`` before any
         work, ``& causal()``. A float mask is split as :func:`multihead.attention` splits it.
 
@@ -301,7 +322,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
             self._combined[mask] = combined
         return combined, score_mod
 
-    def _cache_mask(self, read: CacheRead, mask, score_mod, B: int, Lq: int) -> tuple[Mask | Tensor | None, ScoreMod | None]:
+    def _cache_mask(self, read: CacheRead, mask: object, score_mod: object, B: int,
+                    Lq: int) -> tuple[Mask | Tensor | None, ScoreMod | None]:
         """The call's mask and modifiers over the slots a cache returned (:meth:`CacheRead.mask`):
         mask objects at absolute positions, tensors over the ``(Lq, S)`` slots, ``causal=True``
         as "keys at positions up to the query's"."""
@@ -329,7 +351,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
         ``torch.compile`` the three projections run apart (nothing to keep between graphs).
         """
         if key is query and value is query and _fusable(self.q_proj, self.k_proj, self.v_proj):
-            return self._fused(query, (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = self._fused(query, (self.q_proj, self.k_proj, self.v_proj))
+            return q, k, v
         q = self.q_proj(query)
         if value is key and _fusable(self.k_proj, self.v_proj):
             k, v = self._fused(key, (self.k_proj, self.v_proj))
@@ -352,6 +375,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
     def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
         """``rope(x, positions)``, refusing a result of another shape than ``x (B, H, L, D)``."""
+        assert self.rope is not None  # called only with a rope
         rotated = self.rope(x, positions)
         if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
             got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
@@ -375,7 +399,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
             parts.append(f"rope={getattr(self.rope, '__name__', type(self.rope).__name__)}")
         if self.score_mod is not None and not isinstance(self.score_mod, nn.Module):
             # described, not repr'd: a bound method of this layer would print the layer again
-            parts.append(f"score_mod={as_score_mod(self.score_mod)._describe()}")
+            described = as_score_mod(self.score_mod)
+            parts.append(f"score_mod={described._describe() if described is not None else None}")
         if self.softcap is not None:
             parts.append(f"softcap={self.softcap}")
         if self.sinks is not None:
@@ -384,7 +409,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
     # ------------------------------------------------------------------------------ conversion
     @classmethod
-    def from_torch(cls, module: nn.Module) -> "MultiHeadAttention":
+    def from_torch(cls, module: nn.Module) -> MultiHeadAttention:
         """A :class:`MultiHeadAttention` computing what ``module`` computes.
 
         ``module`` is a ``torch.nn.MultiheadAttention`` (or :class:`multihead.compat.MultiheadAttention`);
@@ -420,7 +445,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     Other keyword arguments as in :class:`MultiHeadAttention`.
     """
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, **options):
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, **options: Any):
         super().__init__(d_model, num_heads, num_kv_heads=num_kv_heads, **options)
 
 
@@ -430,7 +455,7 @@ class MultiQueryAttention(MultiHeadAttention):
     Other keyword arguments as in :class:`MultiHeadAttention`.
     """
 
-    def __init__(self, d_model: int, num_heads: int, **options):
+    def __init__(self, d_model: int, num_heads: int, **options: Any):
         if "num_kv_heads" in options:
             raise TypeError("MultiQueryAttention has exactly one K/V head; use GroupedQueryAttention "
                             f"for num_kv_heads={options['num_kv_heads']!r}")
@@ -444,7 +469,7 @@ for _layer in (MultiHeadAttention, GroupedQueryAttention, MultiQueryAttention):
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _qkv_biases(layer: str, qkv_bias) -> tuple[bool, bool, bool]:
+def _qkv_biases(layer: str, qkv_bias: object) -> tuple[bool, bool, bool]:
     if isinstance(qkv_bias, bool):
         return qkv_bias, qkv_bias, qkv_bias
     if isinstance(qkv_bias, tuple) and len(qkv_bias) == 3 and all(isinstance(b, bool) for b in qkv_bias):
@@ -452,17 +477,18 @@ def _qkv_biases(layer: str, qkv_bias) -> tuple[bool, bool, bool]:
     raise TypeError(f"{layer}: qkv_bias must be a bool or a tuple of three bools (q, k, v), got {qkv_bias!r}")
 
 
-def _check_cache(layer: str, kv_cache, self_attention: bool, key) -> None:
+def _check_cache(layer: str, kv_cache: object, self_attention: bool, key: Tensor | None) -> None:
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
                         f"DynamicKVCache()), got {type(kv_cache).__name__}")
     if not self_attention:
         raise ValueError(f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
-                         f"stores the keys of the query tokens; got a separate key of shape {tuple(key.shape)}; "
+                         f"stores the keys of the query tokens; got a separate key of shape "
+                         f"{tuple(key.shape) if key is not None else None}; "
                          f"hint: for cross-attention project the memory once and call without kv_cache")
 
 
-def _check_context_parallel(layer: str, cp, module: "MultiHeadAttention"):
+def _check_context_parallel(layer: str, cp: object, module: MultiHeadAttention) -> ContextParallel | None:
     if cp is None:
         return None
     from multihead.distributed import ContextParallel  # floor 3: imported only when used
@@ -479,7 +505,8 @@ def _check_context_parallel(layer: str, cp, module: "MultiHeadAttention"):
     return cp
 
 
-def _check_sharded_call(layer: str, self_attention: bool, kv_cache, need_weights, score_mod, dropout) -> None:
+def _check_sharded_call(layer: str, self_attention: bool, kv_cache: object, need_weights: object, score_mod: object,
+                        dropout: object) -> None:
     for what, bad in (("kv_cache", kv_cache is not None), ("need_weights=True", need_weights is True),
                       ("a call score_mod", score_mod is not None), ("dropout in training", bool(dropout)),
                       ("a separate key (cross-attention)", not self_attention)):
@@ -510,4 +537,4 @@ def _concatenated(linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor | None
 
 
 def _fused_linear(x: Tensor, linears: tuple[nn.Linear, ...], weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
-    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
+    return tuple(F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1))
