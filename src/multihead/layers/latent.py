@@ -40,7 +40,8 @@ half-split layout first, which gives the same scores).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -49,14 +50,17 @@ from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
 from multihead.call import Selection, mask_and_score_mod
 from multihead.explain import Explanation, explain
-from multihead.layers.checks import check_flag, check_size
-from multihead.layers.heads import attend_heads, merge_heads
 from multihead.hooks import HookPoints
-from multihead.layers.checks import check_positions
-from multihead.masks import Mask, causal as causal_mask
+from multihead.layers.checks import check_flag, check_positions, check_size
+from multihead.layers.heads import attend_heads, merge_heads
+from multihead.masks import Mask
+from multihead.masks import causal as causal_mask
 from multihead.positions.rotary import RotaryEmbedding
+from multihead.scores import ScoreMod
 
 __all__ = ["MultiHeadLatentAttention", "MODES"]
+
+_R = TypeVar("_R")  # what a _run's attend gives back: the output (and weights), or an Explanation
 
 MODES = ("naive", "absorbed")
 
@@ -129,10 +133,10 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             self.q_proj = nn.Linear(d_model, H * (N + R), bias=bias, **factory)
         else:
             self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=bias, **factory)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps, **factory)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps, device=device, dtype=dtype)
             self.q_b_proj = nn.Linear(q_lora_rank, H * (N + R), bias=False, **factory)
         self.kv_a_proj_with_mqa = nn.Linear(d_model, C + R, bias=bias, **factory)
-        self.kv_a_layernorm = RMSNorm(C, eps=norm_eps, **factory)
+        self.kv_a_layernorm = RMSNorm(C, eps=norm_eps, device=device, dtype=dtype)
         self.kv_b_proj = nn.Linear(C, H * (N + V), bias=False, **factory)  # head h: rows [h(N+V), h(N+V)+N) k, then v
         self.o_proj = nn.Linear(H * V, d_model, bias=bias, **factory)
 
@@ -184,7 +188,12 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             raise ValueError(f"{type(self).__name__}: weights_heads/weights_rows select which weights to return; "
                              f"they need need_weights=True, got need_weights=False")
         selection = (weights_heads, weights_rows)
-        return self._run(x, mask, positions, kv_cache, lambda *call: self._attend(*call, need_weights, selection))
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreMod | None,
+                   out_proj: Callable[[Tensor], Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+            return self._attend(q, k, v, mask, score_mod, out_proj, need_weights, selection)
+
+        return self._run(x, mask, positions, kv_cache, attend)
 
     def explain(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
                 kv_cache: KVCache | None = None) -> Explanation:
@@ -192,12 +201,14 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         its shapes (absorbed: ``Hkv = 1, D = C + R, Dv = C``; naive: ``Hkv = H, D = N + R, Dv = V``),
         the backend and the kernel. A cache is updated and rolled back: it ends as it was."""
 
-        def report(q, k, v, mask, score_mod, out_proj):
+        def report(q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreMod | None,
+                   out_proj: Callable[[Tensor], Tensor]) -> Explanation:
             return explain(q, k, v, mask=mask, score_mod=score_mod, backend=self.backend)
 
         return self._run(x, mask, positions, kv_cache, report, keep=False)
 
-    def _run(self, x, mask, positions, kv_cache, attend, keep: bool = True):
+    def _run(self, x: Tensor, mask: Mask | Tensor | None, positions: Tensor | None, kv_cache: KVCache | None,
+             attend: Callable[..., _R], keep: bool = True) -> _R:
         """Project, rotate, cache, then ``attend(q, k, v, mask, score_mod, out_proj)``."""
         layer = type(self).__name__
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
@@ -230,7 +241,8 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             kv_cache.rollback()
         return result
 
-    def _attend_rows(self, attend, q_nope: Tensor, q_rope: Tensor, rows: Tensor, mask, score_mod):
+    def _attend_rows(self, attend: Callable[..., _R], q_nope: Tensor, q_rope: Tensor, rows: Tensor,
+                     mask: Mask | Tensor | None, score_mod: ScoreMod | None) -> _R:
         """Attention of the queries over the latent rows ``(B, 1, S, C + R)`` in this mode."""
         H, C, N = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
         if self._mode == "absorbed":
@@ -246,11 +258,16 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, N + R)
         return attend(q, k, v, mask, score_mod, self.o_proj)
 
-    def _attend(self, q, k, v, mask, score_mod, out_proj, need_weights: bool, selection=(None, None)):
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreMod | None,
+                out_proj: Callable[[Tensor], Tensor], need_weights: bool,
+                selection: tuple[Selection, Selection] = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
         out, weights = attend_heads(self, q, k, v, out_proj=out_proj, mask=mask, score_mod=score_mod,
                                     need_weights=need_weights, backend=self.backend,
                                     weights_heads=selection[0], weights_rows=selection[1])
-        return (out, weights) if need_weights else out
+        if need_weights:
+            assert weights is not None  # attend_heads returns them when asked
+            return out, weights
+        return out
 
     # ------------------------------------------------------------------------------ pieces
     def _queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -290,7 +307,9 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
     def _absorbed_out(self, y: Tensor) -> Tensor:
         """``(B, L, H·C)`` attention over the latent -> ``o_h W_UV_hᵀ`` per head -> ``o_proj``, ``(B, L, E)``."""
         o = y.unflatten(-1, (self.num_heads, self.kv_lora_rank)).transpose(1, 2)  # (B, H, L, C)
-        return self.o_proj(merge_heads(o @ self._up_projections()[1].transpose(1, 2)))  # (B, H, L, V) -> (B, L, E)
+        # (B, H, L, V) -> (B, L, E)
+        out: Tensor = self.o_proj(merge_heads(o @ self._up_projections()[1].transpose(1, 2)))
+        return out
 
     def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
         rotated = self.rope(x, positions)
@@ -300,7 +319,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
                              f"{name} (B, H, L, R) = {tuple(x.shape)} it returned {got}")
         return rotated
 
-    def _call_mask(self, mask, B: int, Lq: int, Lk: int):
+    def _call_mask(self, mask: object, B: int, Lq: int, Lk: int) -> tuple[Mask | None, ScoreMod | None]:
         """The call's mask checked against ``(B, H, Lq, Lk)``, ``& causal()``; a float mask split
         into its ``-inf`` pattern and a bias (as :func:`multihead.attention` does)."""
         mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=Lk)
@@ -312,7 +331,8 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             mask = self._causal_mask if mask is None else mask & self._causal_mask
         return mask, score_mod
 
-    def _cache_mask(self, read: CacheRead, mask, B: int, Lq: int):
+    def _cache_mask(self, read: CacheRead, mask: object, B: int,
+                    Lq: int) -> tuple[Mask | Tensor | None, ScoreMod | None]:
         """The call's mask over the slots a cache returned (:meth:`CacheRead.mask`)."""
         S = read.keys.shape[2]
         mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=S)
@@ -343,7 +363,8 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x²) + ε) · weight`` over the last dim, computed in fp32 (fp64 for fp64
     inputs) and rounded once to the input dtype, as DeepSeek's and Hugging Face's RMSNorm."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None):
+    def __init__(self, dim: int, *, eps: float = 1e-6, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
@@ -359,7 +380,7 @@ class RMSNorm(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _check_x(layer: str, x, d_model: int, weight: Tensor) -> None:
+def _check_x(layer: str, x: object, d_model: int, weight: Tensor) -> None:
     """``x``: a floating ``(B, L, E)`` tensor with ``E = d_model``, of the weights' dtype (outside
     autocast) and device."""
     if not isinstance(x, Tensor):
@@ -382,13 +403,14 @@ def _check_x(layer: str, x, d_model: int, weight: Tensor) -> None:
                          f"them (x.to('{weight.device}') or layer.to('{x.device}'))")
 
 
-def _positive(layer: str, name: str, value) -> float:
+def _positive(layer: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{layer}: {name} must be a positive finite number, got {value!r}")
     return float(value)
 
 
-def _make_rope(layer: str, rope, rope_base, dim: int, device):
+def _make_rope(layer: str, rope: object, rope_base: object, dim: int,
+               device: torch.device | str | None) -> Callable[[Tensor, Tensor], Tensor]:
     if rope is None:
         base = 10000.0 if rope_base is None else _positive(layer, "rope_base", rope_base)
         return RotaryEmbedding(dim, base=base, interleaved=True, device=device)
