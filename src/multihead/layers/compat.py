@@ -60,17 +60,19 @@ works wherever PyTorch's class does:
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from multihead.call import Selection, mask_and_score_mod
+from multihead.hooks import HookPoints
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
-from multihead.hooks import HookPoints
-from multihead.call import Selection, mask_and_score_mod
-from multihead.masks import Mask, as_mask, causal
+from multihead.masks import Mask, causal
 from multihead.scores import ScoreMod
 
 __all__ = ["MultiheadAttention"]
@@ -94,7 +96,8 @@ class MultiheadAttention(HookPoints, nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
-                 vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
+                 vdim: int | None = None, batch_first: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         embed_dim = check_size(_NAME, "embed_dim", embed_dim)
         num_heads = check_size(_NAME, "num_heads", num_heads)
@@ -102,7 +105,7 @@ class MultiheadAttention(HookPoints, nn.Module):
             divisors = [d for d in range(1, embed_dim + 1) if embed_dim % d == 0]
             raise ValueError(f"{_NAME}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
                              f"num_heads must be one of {divisors}")
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = embed_dim if kdim is None else check_size(_NAME, "kdim", kdim)
         self.vdim = embed_dim if vdim is None else check_size(_NAME, "vdim", vdim)
@@ -129,8 +132,8 @@ class MultiheadAttention(HookPoints, nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
         if check_flag(_NAME, "add_bias_kv", add_bias_kv):
-            self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
-            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
+            self.bias_k: nn.Parameter | None = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
+            self.bias_v: nn.Parameter | None = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = check_flag(_NAME, "add_zero_attn", add_zero_attn)
@@ -147,16 +150,16 @@ class MultiheadAttention(HookPoints, nn.Module):
         if self.in_proj_bias is not None:
             constant_(self.in_proj_bias, 0.0)
             constant_(self.out_proj.bias, 0.0)
-        if self.bias_k is not None:
+        if self.bias_k is not None and self.bias_v is not None:
             xavier_normal_(self.bias_k)
             xavier_normal_(self.bias_v)
 
     __init__.__doc__ = __doc__  # help(MultiheadAttention.__init__): not nn.Module.__init__'s text
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickles of PyTorch 1.1 modules lack this flag, as PyTorch's own class handles.
         state.setdefault("_qkv_same_embed_dim", True)
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]  # torch's Module.__setstate__ is unannotated
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
@@ -192,6 +195,7 @@ class MultiheadAttention(HookPoints, nn.Module):
 
         q, k, v = self._project(query, key, value)  # (B, L, E), (B, S, E), (B, S, E); L, S first if not bf
         if self.bias_k is not None:
+            assert self.bias_v is not None  # set together with bias_k
             k, v = _append_key(k, self.bias_k, bf), _append_key(v, self.bias_v, bf)  # (B, S+1, E)
         if self.add_zero_attn:
             zero = torch.zeros((1, 1, self.embed_dim), dtype=k.dtype, device=k.device)
@@ -247,7 +251,7 @@ class MultiheadAttention(HookPoints, nn.Module):
                 merged_mask = attn_mask_expanded + key_padding_mask_expanded
         return merged_mask, mask_type
 
-    def __prepare_scriptable__(self):
+    def __prepare_scriptable__(self) -> NoReturn:
         # torch.jit.script calls this before compiling a module, and for every submodule of a
         # scripted model (e.g. an nn.TransformerEncoderLayer holding this module).
         raise TypeError(
@@ -259,8 +263,9 @@ class MultiheadAttention(HookPoints, nn.Module):
             "e.g. NaN on query rows that see no key)")
 
     # ------------------------------------------------------------------------------ helpers
-    def _forward_nested(self, query, key, value, key_padding_mask, need_weights: bool, attn_mask,
-                        average_attn_weights: bool, is_causal: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+                        need_weights: bool, attn_mask: Tensor | None, average_attn_weights: bool,
+                        is_causal: bool) -> tuple[Tensor, Tensor | None]:
         """Nested ``(B, ragged L, E)`` inputs (what ``nn.TransformerEncoder`` passes on once it has
         packed a padded batch) as a padded batch with a key padding mask, the output nested again."""
         tensors = (query, key, value)
@@ -280,7 +285,8 @@ class MultiheadAttention(HookPoints, nn.Module):
             raise ValueError(f"{_NAME}: key and value must have the same lengths, got {k_lengths} and {v_lengths}")
 
         def padded(t: Tensor) -> Tensor:
-            return torch.nested.to_padded_tensor(t, 0.0)  # (B, max L, features)
+            out: Tensor = torch.nested.to_padded_tensor(t, 0.0)  # (B, max L, features)
+            return out
 
         q = padded(query)  # (B, L, E)
         k = q if key is query else padded(key)  # (B, S, kdim); `is` kept for the one-matmul projection
@@ -309,7 +315,8 @@ class MultiheadAttention(HookPoints, nn.Module):
         bq, bk, bv = (None, None, None) if bias is None else bias.split(E)
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
-    def _mask(self, key_padding_mask, attn_mask, is_causal: bool, B: int, L: int, S: int, extra: int,
+    def _mask(self, key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, B: int, L: int, S: int,
+              extra: int,
               batched: bool, device: torch.device) -> tuple[Mask | None, ScoreMod | None]:
         """PyTorch's masks as one `multihead` mask over ``(B, H, L, S + extra)``, and the additive
         bias of a float mask as a score modifier.
@@ -318,6 +325,7 @@ class MultiheadAttention(HookPoints, nn.Module):
         the appended ``bias_k``/zero keys are visible to every query, as in PyTorch.
         """
         H, parts = self.num_heads, []
+        expected: tuple[int, ...]
         if key_padding_mask is not None:
             kpm = _mask_tensor("key_padding_mask", key_padding_mask)
             expected = (B, S) if batched else (S,)
@@ -348,24 +356,26 @@ class MultiheadAttention(HookPoints, nn.Module):
             # its gradient (a learned additive mask).
             if extra == 0 and not am.requires_grad and not torch.compiler.is_compiling() \
                     and _is_causal_pattern(am):
-                am, causal_mask = None, causal("top_left")  # the same mask, without a tensor
-            if am is not None:
+                causal_mask = causal("top_left")  # the same mask, without a tensor
+            else:
                 parts.append(am)
         if causal_mask is not None and extra:
             # The causal pattern covers the S given keys only; appended keys stay visible.
             parts.append(torch.ones((L, S), dtype=torch.bool, device=device).tril().view(1, 1, L, S))
             causal_mask = None
-        combined = _combine([_pad_keys(p, extra) for p in parts])
-        if combined is None:
+        dense = _combine([_pad_keys(p, extra) for p in parts])
+        if dense is None:
             return causal_mask, None
         # PyTorch's float masks are additive whatever their values (a 0/1 float attn_mask keeps
         # PyTorch's meaning here instead of being refused): its -inf pattern and a bias.
-        combined, score_mod = mask_and_score_mod(combined, None, check_binary=False)
-        return (combined if causal_mask is None else combined & causal_mask), score_mod
+        combined, score_mod = mask_and_score_mod(dense, None, check_binary=False)
+        if combined is None or causal_mask is None:
+            return combined if combined is not None else causal_mask, score_mod
+        return combined & causal_mask, score_mod
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _mask_tensor(name: str, mask) -> Tensor:
+def _mask_tensor(name: str, mask: object) -> Tensor:
     if not isinstance(mask, Tensor):
         raise TypeError(f"{_NAME}: {name} must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
@@ -412,13 +422,13 @@ def _combine(parts: list[Tensor]) -> Tensor | None:
             out = out & p
         return out
     dtype = next(p.dtype for p in parts if p.dtype != torch.bool)
-    out = None
+    total: Tensor | None = None
     for p in parts:
         if p.dtype == torch.bool:
             zero = torch.zeros((), dtype=dtype, device=p.device)
             p = torch.where(p, zero, torch.full((), float("-inf"), dtype=dtype, device=p.device))
-        out = p if out is None else out + p
-    return out
+        total = p if total is None else total + p
+    return total
 
 
 def _append_key(x: Tensor, row: Tensor, batch_first: bool) -> Tensor:
