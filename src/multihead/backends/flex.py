@@ -26,7 +26,7 @@ __all__ = ["FlexBackend"]
 try:  # absent on old PyTorch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except Exception:  # pragma: no cover - depends on the PyTorch build
-    create_block_mask = flex_attention = None
+    create_block_mask = flex_attention = None  # type: ignore[assignment]  # refused in capabilities instead
 
 _compiled = None
 
@@ -56,7 +56,7 @@ class FlexBackend(Backend):
         masks="every mask, as a BlockMask from its mask_mod",
     )
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._block_masks: OrderedDict = OrderedDict()
         self._compiled: set = set()  # the calls compiled so far (shapes, dtype, mask, modifier), see refusals
 

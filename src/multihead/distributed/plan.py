@@ -125,7 +125,8 @@ def _calls(qp: tuple[Piece, ...], kp: tuple[Piece, ...], mask: Mask | None, Lq: 
             continue
         for j in js:
             q, k = qp[i], kp[j]
-            shifted = None if state[i][j] is BlockState.FULL else mask.shifted(q.start, k.start, q_len=Lq, kv_len=Lk)
+            shifted = None if state[i][j] is BlockState.FULL or mask is None \
+                else mask.shifted(q.start, k.start, q_len=Lq, kv_len=Lk)
             out.append(Call(q.local, q.local + q.length, k.local, k.local + k.length, shifted, state[i][j]))
     return tuple(out)
 

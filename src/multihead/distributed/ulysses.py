@@ -71,6 +71,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: Mask
     except (TypeError, ValueError) as e:
         error = e
     agree(_WHERE, group, rank, error, summary)
+    assert shards is not None and not isinstance(mask, Tensor)  # checked above: agree() raised on every rank otherwise
 
     S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
     if Hkv % world:  # replicate: rank j then receives KV head kv_head_of(j·Hq/P)
@@ -85,8 +86,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: Mask
     # The LSE only when asked for: under autograd a kernel without a differentiable LSE would
     # have it recomputed from the weights (row blocks of scores: memory and time for nothing).
     res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=return_lse, backend=backend)
-    if not return_lse:
+    if isinstance(res, Tensor):  # return_lse=False
         return _to_sequence(res, group, order if natural is not None else None)  # (B, Hq, S, Dv)
+    assert res.lse is not None  # asked for
     out = _to_sequence(res.output, group, order if natural is not None else None)  # (B, Hq, S, Dv)
     lse = _to_sequence(res.lse.unsqueeze(-1), group, order if natural is not None else None).squeeze(-1)
     return AttentionResult(out, None, lse)  # lse (B, Hq, S)
@@ -140,6 +142,8 @@ class _HeadSlice(Mask):
     """``inner`` with head ``h`` read as head ``h + h0`` (a rank's share of the heads)."""
 
     kind = "custom"
+    inner: Mask
+    h0: int
 
     def __init__(self, inner: Mask, h0: int):
         self._set(inner=inner, h0=h0)

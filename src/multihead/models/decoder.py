@@ -146,6 +146,7 @@ class CausalDecoder(nn.Module):
         Hkv = c.num_kv_heads or c.num_heads
         D = c.d_model // c.num_heads
         param = self.tok_emb.weight
+        layers: list[KVCache]
         if kind == "dynamic":
             layers = [DynamicKVCache() for _ in self.blocks]
         elif kind == "static":
