@@ -70,6 +70,9 @@ def test_viewer_downsamples_thumbnails_for_long_inputs():
     (lambda: ViewerSource("m", ["a"], ["a"], torch.ones(1, 1, 1)), r"must be \(layers, H, Lq, Lk\)"),
     (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), ["only one"]), r"1 layer names for 2 layers"),
     (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), highlight=(5, 0, "x")), r"outside 2 layers x 3 heads"),
+    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), highlight=(1, 0)),
+     r"highlight must be \(layer, head, label\), got \(1, 0\)"),
+    (lambda: ViewerSource("m", [], [], []), r"weights is an empty list; expected one \(H, Lq, Lk\) per layer"),
 ])
 def test_viewer_rejects_mismatched_sources(source, regex):
     with pytest.raises(ValueError, match=regex):
@@ -102,6 +105,20 @@ def test_viewer_stores_queries_and_keys_with_gqa_keys_read_by_their_query_heads(
         torch.testing.assert_close(_floats(data["keys"][1][h], 5, 8), k[1, h // 2], rtol=0, atol=0)
     data = _data(render_viewer([ViewerSource("m", tokens, tokens, _weights(heads=4), queries=q, keys=k, scale=0.5)]))
     assert data["sources"][0]["scale"] == 0.5
+
+
+def test_record_attention_takes_a_model_mixing_mha_and_gqa_layers():
+    import multihead as mh
+    from multihead.viz import Viewer, record_attention
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(mh.MultiHeadAttention(32, 4, causal=True),
+                                mh.MultiHeadAttention(32, 4, num_kv_heads=2)).eval()  # Hkv 4, then 2
+    source = record_attention(model, torch.randn(1, 5, 32), tokens=list("abcde"))
+    data = _data(Viewer(source).html)["sources"][0]
+    for h in range(4):  # layer 1: query heads 0, 1 read KV head 0; 2, 3 read KV head 1
+        torch.testing.assert_close(_floats(data["keys"][1][h], 5, 8), source.keys[1][h // 2], rtol=0, atol=0)
+        torch.testing.assert_close(_floats(data["keys"][0][h], 5, 8), source.keys[0][h], rtol=0, atol=0)
 
 
 def test_record_attention_vectors_reproduce_the_weights_with_rotary_positions():
@@ -204,6 +221,9 @@ def test_viewer_and_recorders_reject_bad_arguments():
     source = ViewerSource("m", list("abcde"), list("abcde"), _weights())
     with pytest.raises(ValueError, match=r"height must be an int >= 200 .* got 50"):
         Viewer(source, height=50)
+    with pytest.raises(TypeError, match=r"sources must be a ViewerSource or a list of them, got Tensor"):
+        Viewer([_weights()])
+    assert render_viewer(source) == render_viewer([source])  # one source need not be a list
     with pytest.raises(TypeError, match=r"model must be an nn.Module, got str"):
         with record_vectors("model"):
             pass

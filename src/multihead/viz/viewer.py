@@ -109,6 +109,9 @@ class ViewerSource:
             "thumbs": [[_b64(t8[l, h]) for h in range(heads)] for l in range(layers)],
         }
         if self.highlight is not None:
+            if not isinstance(self.highlight, (tuple, list)) or len(self.highlight) != 3:
+                raise ValueError(f"ViewerSource {self.name!r}: highlight must be (layer, head, label), got "
+                                 f"{self.highlight!r}")
             layer, head, label = self.highlight
             if not (0 <= layer < layers and 0 <= head < heads):
                 raise ValueError(f"ViewerSource {self.name!r}: highlight (layer={layer}, head={head}) is outside "
@@ -125,7 +128,7 @@ class ViewerSource:
             raise ValueError(f"ViewerSource {self.name!r}: the neuron view needs both queries and keys, got only "
                              f"{'queries' if self.keys is None else 'keys'}")
         q = _stack(self.queries, self.name, "queries")  # (layers, H, Lq, D)
-        k = _stack(self.keys, self.name, "keys")  # (layers, H or Hkv, Lk, D)
+        k = _stack(_keys_per_query_head(self.keys, heads), self.name, "keys")  # (layers, H or Hkv, Lk, D)
         D = q.shape[-1]
         if q.shape != (layers, heads, lq, D):
             raise ValueError(f"ViewerSource {self.name!r}: queries must be (layers, H, Lq, D) = "
@@ -161,11 +164,16 @@ class ViewerSource:
         return {"prompt_len": P, "generated": generated}
 
 
-def render_viewer(sources: list[ViewerSource], *, title: str = "multihead attention viewer") -> str:
+def render_viewer(sources: ViewerSource | list[ViewerSource], *, title: str = "multihead attention viewer") -> str:
     """The viewer page as one HTML string."""
-    if not sources:
+    items = [sources] if isinstance(sources, ViewerSource) else list(sources)
+    wrong = [type(s).__name__ for s in items if not isinstance(s, ViewerSource)]
+    if wrong:
+        raise TypeError(f"sources must be a ViewerSource or a list of them, got {', '.join(wrong)}; wrap "
+                        "weights in ViewerSource(name, q_tokens, k_tokens, weights)")
+    if not items:
         raise ValueError("render_viewer: sources is empty; expected at least one ViewerSource")
-    payload = json.dumps({"title": title, "sources": [s.to_json() for s in sources]}, separators=(",", ":"))
+    payload = json.dumps({"title": title, "sources": [s.to_json() for s in items]}, separators=(",", ":"))
     # Inside <script> only "</" can end the element early; "<\/" is the same string to JSON.
     payload = payload.replace("</", "<\\/")
     parts = {
@@ -178,7 +186,8 @@ def render_viewer(sources: list[ViewerSource], *, title: str = "multihead attent
     return re.sub(r"\{\{(TITLE|CSS|JS|DATA)\}\}", lambda m: parts[m.group(1)], _template("viewer.html"))
 
 
-def write_viewer(path: str | Path, sources: list[ViewerSource], *, title: str = "multihead attention viewer") -> Path:
+def write_viewer(path: str | Path, sources: ViewerSource | list[ViewerSource], *,
+                 title: str = "multihead attention viewer") -> Path:
     """Write :func:`render_viewer` to ``path`` (UTF-8) and return the path."""
     path = Path(path)
     path.write_text(render_viewer(sources, title=title), encoding="utf-8")
@@ -195,12 +204,10 @@ class Viewer:
 
     def __init__(self, sources: ViewerSource | list[ViewerSource], *, title: str = "multihead attention viewer",
                  height: int = 760):
-        if isinstance(sources, ViewerSource):
-            sources = [sources]
         if isinstance(height, bool) or not isinstance(height, int) or height < 200:
             raise ValueError(f"Viewer: height must be an int >= 200 (pixels of the inline frame), got {height!r}")
         self.title, self.height = title, height
-        self.html = render_viewer(list(sources), title=title)  # the standalone page
+        self.html = render_viewer(sources, title=title)  # the standalone page
 
     def save(self, path: str | Path) -> Path:
         """Write the standalone page to ``path`` and return the path."""
@@ -232,6 +239,8 @@ def _stack(tensors, name: str, what: str) -> Tensor:
         w = tensors
     else:
         layers = [t[0] if t.dim() == 4 else t for t in tensors]
+        if not layers:
+            raise ValueError(f"ViewerSource {name!r}: {what} is an empty list; expected one ({shape[9:]} per layer")
         if len({tuple(t.shape) for t in layers}) > 1:
             raise ValueError(f"ViewerSource {name!r}: {what} of the layers have different shapes "
                              f"{sorted({tuple(t.shape) for t in layers})}; expected one ({shape[9:]}")
@@ -239,6 +248,20 @@ def _stack(tensors, name: str, what: str) -> Tensor:
     if w.dim() != 4:
         raise ValueError(f"ViewerSource {name!r}: {what} must be {shape}, got shape {tuple(w.shape)}")
     return w.detach().float().cpu()
+
+
+def _keys_per_query_head(keys, heads: int):
+    """Per-layer keys with each KV head copied to the query heads that read it, so that layers of
+    different ``Hkv`` (an MHA layer beside a GQA one) stack; a tensor is returned as it is."""
+    if isinstance(keys, Tensor):
+        return keys
+    out = []
+    for k in keys:
+        k = k[0] if k.dim() == 4 else k  # (Hkv, Lk, D)
+        if k.dim() == 3 and 1 <= k.shape[0] < heads and heads % k.shape[0] == 0:
+            k = k.repeat_interleave(heads // k.shape[0], dim=0)  # query head h reads kv_head_of(h)
+        out.append(k)
+    return out
 
 
 def _to_uint8(w: Tensor) -> Tensor:
