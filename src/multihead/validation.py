@@ -142,6 +142,8 @@ def _index(name: str, value: object, size: int, what: str, device: torch.device)
                             f"got {value!r}") from exc
     if ids.numel() == 0:
         raise ValueError(f"{name} selects nothing; expected at least one index in [0, {what}={size})")
-    if bool(((ids < -size) | (ids >= size)).any()):
-        raise ValueError(f"{name} has indices {ids.tolist()[:8]} outside [0, {what}={size})")
+    outside = (ids < -size) | (ids >= size)
+    if bool(outside.any()):
+        raise ValueError(f"{name} has indices {ids[outside].tolist()[:8]} outside [0, {what}={size}) "
+                         f"(or [-{size}, 0), counting from the end)")
     return (ids % size).to(device)

@@ -193,6 +193,9 @@ def test_layer_weights_for_one_head_and_row_without_the_whole_square():
         layer(x, weights_heads=0)
     with pytest.raises(ValueError, match=r"weights_heads has indices \[7\] outside \[0, Hq=4\)"):
         layer(x, need_weights=True, weights_heads=7)
+    # only the indices outside are named, and the message admits the negative ones it accepts
+    with pytest.raises(ValueError, match=r"has indices \[-5, 4\] outside \[0, Hq=4\) \(or \[-4, 0\), counting from"):
+        layer(x, need_weights=True, weights_heads=[0, -5, -1, 4])
 
 
 def test_capture_with_selections_records_only_them():
