@@ -156,6 +156,11 @@ def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg
     kind = "float (additive)" if mask.is_floating_point() else "bool"
     if found is None:
         return []
+    stand_in = _stand_in(mask) if found.bias else None
+    if stand_in is not None:  # -1e9 or finfo.min written for -inf: read the 0 entries as the pattern
+        found = recognize(mask == 0)
+        if found is None or found.mask is None:
+            return []
     if found.mask is None:
         what = f"this {kind} mask lets every query see every key: pass mask=None"
         other = None
@@ -165,8 +170,13 @@ def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg
         other = found.mask
     if found.bias:
         return [what + ", with its finite entries as score_mod=multihead.scores.bias(...) (they add a bias, not "
-                "only 0): backends can then skip the blocks the object blocks"]
-    if mask.is_floating_point():
+                "only 0)" + ("" if other is None else ": backends can then skip the blocks the object blocks")]
+    if stand_in is not None:
+        blocked_rows = not bool((mask == 0).reshape(-1, *mask.shape[-2:]).any(dim=-1).all())
+        what += (f" (it writes {stand_in:g} where -inf blocks: exp() underflows to 0 there, so the weights are the "
+                 "object's" + (", except in rows that block every key: a uniform average with the tensor, zeros "
+                               "with the object" if blocked_rows else "") + ")")
+    elif mask.is_floating_point():
         what += " (its finite entries are all 0: the float tensor adds a dense bias of zeros besides)"
     cheap = B * Hq * Lq * Lk * D <= PROBE_ELEMENTS
     if probe or (probe is None and cheap):
@@ -182,6 +192,21 @@ def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg
                 "square to skip work; explain(..., probe=True) measures)"]
     return [what + f": about {1 / fraction:.1f}x less work (estimated: the object's backends compute "
             f"{fraction:.0%} of the {_BLOCK}x{_BLOCK} blocks; explain(..., probe=True) measures)"]
+
+
+#: A float mask whose finite entries are 0 or at most this uses them for "blocked": -1e4 (BERT in
+#: fp16), -1e9 (many tutorials) and torch.finfo(dtype).min (Hugging Face) all underflow exp() to 0.
+STAND_IN = -1e4
+
+
+def _stand_in(mask: Tensor) -> float | None:
+    """The largest finite value a float ``mask`` writes for "blocked" (``-1e9``, ``finfo.min``), when
+    every finite entry is 0 or at most :data:`STAND_IN`; else ``None``."""
+    finite = mask[torch.isfinite(mask)]
+    low = finite[finite != 0]
+    if low.numel() == 0 or bool((low > STAND_IN).any()):
+        return None
+    return float(low.max())
 
 
 def _probe(call: AttentionCall, mask: Tensor, other: Mask | None, score_mod: ScoreModArg, scale: float | None,

@@ -75,6 +75,26 @@ def test_a_float_causal_mask_from_torch_is_recognised_as_causal():
     assert "`causal('top_left')`" in line
 
 
+def test_a_float_mask_writing_a_large_negative_for_blocked_is_recognised():
+    """Regression: -1e9 (tutorials) or finfo.min (Hugging Face) in place of -inf was advised as
+    'lets every query see every key: pass mask=None' with a bias, 'skipping the blocks the object blocks'."""
+    q = torch.randn(1, 2, 300, 8)
+    causal = torch.ones(300, 300, dtype=torch.bool).tril()
+    for blocked in (-1e9, torch.finfo(torch.float32).min, -1e4):
+        fm = torch.zeros(300, 300).masked_fill(~causal, blocked)
+        [line] = mh.explain(q, q, q, mask=fm, probe=False).advice
+        assert "dense float (additive) mask is `causal()`; pass that object instead" in line, line
+        assert f"it writes {blocked:g} where -inf blocks" in line and "except in rows" not in line
+    # Lq=300 > Lk=200, bottom-right: queries 0..99 see no key; the tensor gives them a uniform
+    # average, the object zeros
+    k = torch.randn(1, 2, 200, 8)
+    late = torch.zeros(300, 200).masked_fill(torch.arange(300)[:, None] - 100 < torch.arange(200), -1e9)
+    [line] = mh.explain(q, k, k, mask=late, probe=False).advice
+    assert "is `causal()`" in line and "except in rows that block every key" in line
+    assert mh.explain(q, q, q, mask=torch.zeros(300, 300).masked_fill(~causal, -100.0), probe=False).advice[0] \
+        .endswith("(they add a bias, not only 0)")  # -100 is a bias a softmax still feels: no object, no skipping
+
+
 def test_dropout_and_other_slow_paths_are_flagged_with_their_fix():
     """Regression: dropout's fall to the math kernel was not flagged."""
     q = torch.randn(1, 2, 64, 16)
