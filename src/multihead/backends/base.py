@@ -9,8 +9,8 @@ call (empty list = it can), and :meth:`Backend.plan` says how it would run it. T
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from torch import Tensor
 from multihead.call import AttentionCall, AttentionResult
 from multihead.scores import ADDITIVE, ELEMENTWISE
 
-__all__ = ["Backend", "Capabilities", "MASK_KINDS", "SCORE_MOD_KINDS"]
+__all__ = ["Backend", "Capabilities", "MASK_KINDS", "SCORE_MOD_KINDS", "named"]
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 #: Every leaf mask kind (``Mask.kind``): bands, key padding, documents, bool tensors, custom
@@ -31,6 +31,13 @@ SCORE_MOD_KINDS = frozenset({ADDITIVE, ELEMENTWISE})
 # (shared TESTING.md), for (outputs and LSE, gradients): 2 and 3 in fp16/bf16; fp32 about 10,
 # since online softmaxes and fused kernels reorder the sums. fp64 is compared with assert_close.
 DEFAULT_TOLERANCE = ((torch.float16, (2.0, 3.0)), (torch.bfloat16, (2.0, 3.0)), (torch.float32, (10.0, 10.0)))
+
+
+def named(name: str, value: object) -> str:
+    """``"Lq=100"`` for a reason or a note; just ``"Lq"`` under ``torch.compile``, where formatting
+    a size fixes it in the graph (a symbolic length of ``dynamic=True`` would recompile for every
+    value). A refusal that is not raised (``auto`` passing over a backend) is built there too."""
+    return name if torch.compiler.is_compiling() else f"{name}={value}"
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,11 @@ class Capabilities:
     # ((dtype, (F outputs, F gradients)), ...)
     tolerance: tuple[tuple[torch.dtype, tuple[float, float]], ...] = field(default=DEFAULT_TOLERANCE)
     masks: str = ""  # a short sentence for docs and explain(); default: the declared kinds
+    # torch.compile(fullgraph=True) traces what the backend serves (forward, and backward where
+    # it has one) into one graph; when False, compile_note says why (auto passes over it while
+    # tracing; forcing it there breaks the graph). tests/integrations/test_compile.py reads both.
+    compiles: bool = True
+    compile_note: str = ""
 
     def __post_init__(self) -> None:
         for name, declared, known in (("mask_kinds", self.mask_kinds, MASK_KINDS),
@@ -59,6 +71,8 @@ class Capabilities:
             unknown = sorted(set(declared) - known)
             if unknown:
                 raise ValueError(f"Capabilities: {name} has unknown kinds {unknown}; known: {sorted(known)}")
+        if not self.compiles and not self.compile_note:
+            raise ValueError("Capabilities: compiles=False needs a compile_note saying why")
         if not self.masks:
             text = "every mask" if self.mask_kinds == MASK_KINDS \
                 else "masks of kinds " + ", ".join(sorted(self.mask_kinds))

@@ -104,6 +104,9 @@ class BlockSparseBackend(Backend):
         score_mods=frozenset({ADDITIVE, ELEMENTWISE}),
         masks="structured masks (causal, sliding window, document, prefix-LM, key padding, custom, "
               "positions, and & | ~ of them); not plain tensor masks",
+        compiles=False,
+        compile_note="its per-block plan is Python control flow over the mask's values (key ranges, block states "
+                     "read on the host: lengths, document ids), which breaks the graph; sdpa traces into one",
     )
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
@@ -122,9 +125,6 @@ class BlockSparseBackend(Backend):
         in docs/performance.md)."""
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         mask = call.mask
-        if torch.compiler.is_compiling():
-            return ["under torch.compile: the per-block plan is Python control flow that would break "
-                    "the graph; sdpa traces into one"]
         relative = call.score_mod is not None and call.score_mod.relative
         if mask is None and not relative and not _in_torch(call):
             return ["no mask: sdpa runs one fused call, as fast"]

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.backends.base import Backend, Capabilities
+from multihead.backends.base import Backend, Capabilities, named
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import softmax_dtype
 from multihead.masks import BlockState, Mask
@@ -111,7 +111,7 @@ class DecodeBackend(Backend):
             reasons.append(f"Lq={Lq} is symbolic (torch.export's Dim, dynamic torch.compile): one graph for "
                            "every length, and this path is for a few query tokens; sdpa traces into one")
         elif Lq > MAX_QUERIES:
-            reasons.append(f"Lq={Lq} > {MAX_QUERIES} query tokens: a decode path for a few new tokens; "
+            reasons.append(f"{named('Lq', Lq)} > {MAX_QUERIES} query tokens: a decode path for a few new tokens; "
                            "a prefill runs on a fused kernel (sdpa, blocksparse)")
         return reasons
 
@@ -120,10 +120,11 @@ class DecodeBackend(Backend):
         if call.q.device.type != "cpu":
             return [f"measured on CPU only; on {call.q.device.type} the fused kernels are the default"]
         if Lq > AUTO_MAX_QUERIES:
-            return [f"Lq={Lq} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
+            return [f"{named('Lq', Lq)} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
                     "(docs/performance.md, the decode path)"]
         if B * Hq * Lk * D < AUTO_MIN_WORK:
-            return [f"a tiny call (B·Hq·Lk·D = {B * Hq * Lk * D} < {AUTO_MIN_WORK}): one fused SDPA call costs less "
+            work = named("B·Hq·Lk·D", B * Hq * Lk * D)
+            return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less "
                     "than the fold's few ops"]
         return []
 
@@ -278,17 +279,17 @@ class _Plan:
         # softmax whose backward stays finite on fully masked rows (softmax's own gives NaN there).
         attend = _attend_with_grad if requires_grad else _attend
         need_lse = return_lse or n > step
-        outs, lses = [], []
-        for c0 in range(0, n, step):
-            c1 = min(c0 + step, n)
-            kc, vc, bc = k, v, blocked
-            if c1 - c0 < n:  # (slicing costs a few microseconds: not done for the one chunk of a short cache)
-                kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
+        if n <= step:  # one chunk, unsliced (a guard on n when traced with a symbolic Lk: no loop over it)
+            out, lse = attend(qg, k, v, blocked, scale, acc, G, Lq, half, need_lse)
+        else:
+            outs, lses = [], []
+            for c0 in range(0, n, step):
+                c1 = min(c0 + step, n)
                 bc = None if blocked is None else blocked[..., c0:c1]
-            out, lse = attend(qg, kc, vc, bc, scale, acc, G, Lq, half, need_lse)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+                out, lse = attend(qg, k[:, :, c0:c1], v[:, :, c0:c1], bc, scale, acc, G, Lq, half, need_lse)
+                outs.append(out)
+                lses.append(lse)
+            out, lse = merge_partials(outs, lses)
         out = (out if out.dtype == q.dtype else out.to(q.dtype)).view(B, Hq, Lq, Dv)
         return out, (lse.view(B, Hq, Lq) if return_lse else None)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
+
 from multihead import plans
 from multihead.backends.base import Backend
 from multihead.call import AttentionCall
@@ -88,10 +90,15 @@ def select_backend(call: AttentionCall, name: str = "auto") -> tuple[Backend, di
                                       + ". Use backend='auto' or see multihead.explain(...)")
         return backend, {}
     refused: dict[str, list[str]] = {}
+    compiling = torch.compiler.is_compiling()
     for candidate in AUTO_ORDER:
         backend = _REGISTRY[candidate]
         # auto_refusals: the decision table, reasons to prefer a later backend although this one
         # could serve the call (measured; docs/performance.md). Forcing a backend ignores them.
+        # Under torch.compile a backend that does not trace into one graph is passed over too.
+        if compiling and not backend.capabilities.compiles:
+            refused[candidate] = [f"under torch.compile: {backend.capabilities.compile_note}"]
+            continue
         reasons = backend.refusals(call) or backend.auto_refusals(call)
         if not reasons:
             return backend, refused

@@ -233,7 +233,9 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
     kind = "bool" if dense.dtype == torch.bool else "additive"
     what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
     article = "an" if kind[0] in "aeiou" else "a"
-    note = f"{what}: materialized as {article} {kind} tensor of shape {tuple(dense.shape)} (last resort{kept})"
+    # (Under torch.compile without its shape: formatting a symbolic size would fix it in the graph.)
+    shape = "" if compiling else f" of shape {tuple(dense.shape)}"
+    note = f"{what}: materialized as {article} {kind} tensor{shape} (last resort{kept})"
     prepared = (dense, empty_rows, unseen, shift, note)
     if cacheable:
         _MASKS[key] = prepared

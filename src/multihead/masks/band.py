@@ -95,7 +95,8 @@ class Band(Mask):
                                            ("kv_lengths", self.kv_lengths, kv_len, "Lk")):
             if lengths is None:
                 continue
-            if lengths.shape[0] not in (1, batch):
+            # (not `in (1, B)`: dynamo, torch 2.13, answers it False for a symbolic B)
+            if lengths.shape[0] != 1 and lengths.shape[0] != batch:
                 raise ValueError(f"{self.name}: {name} has {lengths.shape[0]} batch elements but B={batch}; "
                                  f"expected 1 or {batch}")
             if whole is not None and not torch.compiler.is_compiling() and int(lengths.max()) > whole:

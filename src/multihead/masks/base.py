@@ -469,7 +469,7 @@ class Positioned(Mask):
                                                 ("kv", self.kv_pos, kv_len, "Lk", whole[1])):
             if isinstance(pos, Tensor):
                 if (length is not None and pos.shape[-1] != length) or \
-                        (pos.dim() == 2 and pos.shape[0] not in (1, batch)):
+                        (pos.dim() == 2 and pos.shape[0] != 1 and pos.shape[0] != batch):  # not `in (1, B)`: dynamo
                     raise ValueError(f"at: {name}_positions has shape {tuple(pos.shape)} but the call has B={batch}, "
                                      f"{what}={length}; expected ({length},) or ({batch}, {length})")
                 # Positions on the host are checked against the whole attention (free there).

@@ -68,7 +68,8 @@ class Document(Mask):
 
     def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         for name, ids, length, what in (("q_ids", self.q_ids, q_len, "Lq"), ("kv_ids", self.kv_ids, kv_len, "Lk")):
-            if ids.shape[0] not in (1, batch):
+            # (not `in (1, B)`: dynamo, torch 2.13, answers it False for a symbolic B)
+            if ids.shape[0] != 1 and ids.shape[0] != batch:
                 raise ValueError(f"document: {name} has {ids.shape[0]} batch rows but B={batch}")
             if length is not None and ids.shape[1] != length:
                 raise ValueError(f"document: {name} has length {ids.shape[1]} but {what}={length}")

@@ -121,7 +121,8 @@ class KeyPadding(Mask):
 
     def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         n = self._batch()
-        if n not in (1, batch):
+        # (not `in (1, B)`: dynamo, torch 2.13, answers it False for a symbolic B)
+        if n != 1 and n != batch:
             raise ValueError(f"key_padding: mask has {n} batch elements but the input has B={batch}; "
                              f"expected 1 or {batch}")
         if self.valid is not None and kv_len is not None and self.valid.shape[1] != kv_len:

@@ -80,7 +80,8 @@ class TensorMask(Mask):
 
     def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         expected = (batch, heads, q_len, kv_len)
-        if any(s not in (1, e) for s, e in zip(self.tensor.shape, expected) if e is not None):
+        # (not `s not in (1, e)`: dynamo, torch 2.13, answers it True for a symbolic size e)
+        if any(s != 1 and s != e for s, e in zip(self.tensor.shape, expected) if e is not None):
             raise ValueError(f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
                              f"(B, H, Lq, Lk) = {expected}; each dim must be 1 or the matching size")
 

@@ -495,7 +495,9 @@ def _check_rotary_dim(where: str, rotary_dim: object, D: int) -> int:
 
 
 def _check_table(where: str, name: str, t: Tensor, x: Tensor, L: int, R: int) -> None:
-    _check_tensor(where, name, t, f"(L, R) = ({L}, {R}) or (B, L, R)", min_dim=2)
+    # (Traced, without the sizes: formatting a symbolic L would fix it in the graph.)
+    sizes = "(L, R)" if torch.compiler.is_compiling() else f"(L, R) = ({L}, {R})"
+    _check_tensor(where, name, t, f"{sizes} or (B, L, R)", min_dim=2)
     if t.dim() == 2 and tuple(t.shape) == (L, R):
         return
     if t.dim() == 3 and tuple(t.shape[1:]) == (L, R) and x.dim() == 4 and t.shape[0] == x.shape[0]:
@@ -510,15 +512,18 @@ def _check_positions(positions: object, x: Tensor, values: bool = True) -> int:
     """Check ``positions`` against ``x (..., L, D)``; return ``max(positions) + 1`` (0 when empty).
     ``values=False``: type, shape and device only (no host read; returns -1)."""
     L = x.shape[-2]
-    expected = f"(L,) = ({L},)" + (f" or (B, L) = ({x.shape[0]}, {L})" if x.dim() == 4 else "")
+
+    def expected() -> str:  # written only for an error: formatting a traced size would fix it in the graph
+        return f"(L,) = ({L},)" + (f" or (B, L) = ({x.shape[0]}, {L})" if x.dim() == 4 else "")
+
     if not isinstance(positions, Tensor):
-        raise TypeError(f"RotaryEmbedding: positions must be an integer tensor {expected} of absolute token "
+        raise TypeError(f"RotaryEmbedding: positions must be an integer tensor {expected()} of absolute token "
                         f"positions, got {type(positions).__name__}; hint: torch.arange(L)")
     if positions.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"RotaryEmbedding: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
                         f"hint: positions count tokens, e.g. torch.arange(L); a fractional position is a scaling")
     if not (tuple(positions.shape) == (L,) or (x.dim() == 4 and tuple(positions.shape) == (x.shape[0], L))):
-        raise ValueError(f"RotaryEmbedding: positions must have shape {expected} for x of shape {tuple(x.shape)}, "
+        raise ValueError(f"RotaryEmbedding: positions must have shape {expected()} for x of shape {tuple(x.shape)}, "
                          f"got {tuple(positions.shape)}")
     if positions.device != x.device:
         raise ValueError(f"RotaryEmbedding: positions must be on the device of x, {x.device}, got {positions.device}")

@@ -36,7 +36,8 @@ class Bias(ScoreMod):
 
     def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         expected = (batch, heads, q_len, kv_len)
-        if any(s not in (1, e) for s, e in zip(self.tensor.shape, expected)):
+        # (not `s not in (1, e)`: dynamo, torch 2.13, answers it True for a symbolic size e)
+        if any(s != 1 and s != e for s, e in zip(self.tensor.shape, expected)):
             raise ValueError(f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
                              f"(B, Hq, Lq, Lk) = {expected}; each dim must be 1 or the matching size")
 
