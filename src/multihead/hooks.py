@@ -161,7 +161,8 @@ def hooked(model: nn.Module, hooks: dict[str, Hook]) -> Iterator[list[HookHandle
 
 # ----------------------------------------------------------------------- used by attend_heads
 def run_hooks(hooks: Hooks, point: str, tensor: Tensor) -> Tensor:
-    """``tensor`` through every hook at ``point`` in order; a replacement must keep the shape."""
+    """``tensor`` through every hook at ``point`` in order; a replacement must keep the shape, the
+    dtype and the device."""
     for fn, name, _ in hooks.get(point, ()):
         out = fn(tensor, name)
         if out is None:
@@ -170,6 +171,10 @@ def run_hooks(hooks: Hooks, point: str, tensor: Tensor) -> Tensor:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
             raise ValueError(f"hook {getattr(fn, '__name__', fn)!r} at {name!r} returned {got}; expected None "
                              f"or a tensor of the shape it was given, {tuple(tensor.shape)}")
+        if out.dtype != tensor.dtype or out.device != tensor.device:
+            raise TypeError(f"hook {getattr(fn, '__name__', fn)!r} at {name!r} returned a {out.dtype} tensor on "
+                            f"{out.device}; expected None or a tensor of the dtype and device it was given, "
+                            f"{tensor.dtype} on {tensor.device} (cast it back: .to(tensor))")
         tensor = out
     return tensor
 

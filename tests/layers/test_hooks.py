@@ -250,6 +250,12 @@ def test_a_replacement_of_another_shape_is_refused_with_the_point_named():
         with pytest.raises(ValueError, match=r"at 'output' returned \(1, 1, 3, 4\); expected None or a tensor .* "
                                              r"\(1, 6, 3, 4\)"):
             layer(torch.randn(1, 3, 24, dtype=DT))
+    # Regression: a q hook giving another dtype failed later with "q, k and v must share a dtype".
+    other = torch.float32 if DT != torch.float32 else torch.float64
+    with layer.add_hook("q", lambda q, n: q.to(other)):
+        with pytest.raises(TypeError, match=rf"at 'q' returned a {other} tensor on cpu; expected None or a tensor "
+                                            rf"of the dtype and device it was given, {DT} on cpu"):
+            layer(torch.randn(1, 3, 24, dtype=DT))
 
 
 def test_help_on_layer_constructors_shows_their_arguments():
