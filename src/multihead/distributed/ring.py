@@ -118,6 +118,7 @@ def _prepare(q, k, v, group, mask, layout, scale, return_lse, backend):
     except (TypeError, ValueError) as e:
         error = e
     agree(_WHERE, group, rank, error, summary)
+    assert shards is not None  # checked above: agree() raised on every rank otherwise
     plan = _cached_plan(world, rank, shards, mask, layout)
     return shards, mask, plan, scale
 
@@ -151,7 +152,9 @@ class _RingAttention(torch.autograd.Function):
         own = (k.contiguous(), v.contiguous()) if any(plan.send) else None  # what travels: no copy when dense
         for s, held in _Rotation(plan, group, own, _buffers_like(k, v)):
             if plan.calls[s]:
-                _step_forward(plan.calls[s], q, *((k, v) if s == 0 else held), out, lse, scale, backend)
+                kv = (k, v) if s == 0 else held
+                assert kv is not None  # a step with calls has its shard
+                _step_forward(plan.calls[s], q, kv[0], kv[1], out, lse, scale, backend)
             if held is not None:
                 held.clear()  # freed before the shard after next arrives
         ctx.save_for_backward(q, k, v, out, lse)
@@ -174,8 +177,9 @@ class _RingAttention(torch.autograd.Function):
             if plan.calls[s]:
                 # gradients of the keys held at step s
                 dkv = dkv_own if s == 0 else [torch.zeros_like(dkv_own[0]), torch.zeros_like(dkv_own[1])]
-                _step_backward(plan.calls[s], q, *((k, v) if s == 0 else held), dq, *dkv, out, lse, dout, dlse,
-                               scale, backend)
+                kv = (k, v) if s == 0 else held
+                assert kv is not None  # a step with calls has its shard
+                _step_backward(plan.calls[s], q, kv[0], kv[1], dq, dkv[0], dkv[1], out, lse, dout, dlse, scale, backend)
             if held is not None:
                 held.clear()  # these keys are done with: freed before the gradients travel
             if s > 0:
@@ -202,6 +206,7 @@ def _step_forward(calls, q, k, v, out, lse, scale, backend) -> None:
     for c in calls:
         res = attention(q[:, :, c.q0:c.q1], k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1], mask=c.mask, scale=scale,
                         return_lse=True, backend=backend)
+        assert res.lse is not None  # asked for
         _merge_into(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], res.output.to(out.dtype), res.lse)
         del res  # before the next call's output exists
 
@@ -235,6 +240,7 @@ def _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         res = attention(q, k, v, mask=mask, scale=scale, return_lse=True, backend=backend)
+        assert res.lse is not None  # asked for
         part_lse = res.lse.detach()
         # w = exp(lse_i - lse): 0 where the block has no key for the row (also when no block has any)
         w = torch.where(torch.isneginf(part_lse), torch.zeros_like(part_lse), torch.exp(part_lse - lse))
@@ -286,6 +292,7 @@ def _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse):
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     glse = lse.masked_fill(torch.isneginf(lse), float("inf"))
     q, k, v, out, dout = (_unit_stride(t) for t in (q, k, v, out, dout))
+    assert _FLASH_BACKWARD is not None  # chosen only where PyTorch has it
     if mask is None or mask.causal_offset(rows, keys) == 0:
         gq, gk, gv = _FLASH_BACKWARD(dout, q, k, v, out, glse, 0.0, mask is not None, scale=scale)
     else:
@@ -320,6 +327,7 @@ def _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout):
         if state is BlockState.PARTIAL:
             allowed = mask.materialize_block(B, H, r0, r1, rows, keys, q.device, lo, hi)  # (B|1, H|1, r, k)
             additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        assert _FLASH_BACKWARD is not None  # chosen only where PyTorch has it
         tq, tk, tv = _FLASH_BACKWARD(dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi],
                                      out[:, :, r0:r1], glse[:, :, r0:r1], 0.0, False, attn_mask=additive, scale=scale)
         gq[:, :, r0:r1] = tq
@@ -367,6 +375,7 @@ class _Rotation:
         for i, s in enumerate(steps):
             held = None
             if s > 0:
+                assert pending is not None  # started at the previous step
                 held, works = pending
                 for work in works:
                     work.wait()
@@ -381,6 +390,7 @@ class _Rotation:
         buffers, works = None, []
         if plan.send[s]:
             to = _peer(self.group, (r + s) % P)
+            assert self.own is not None  # a rank that sends holds its own shard
             sends += [dist.isend(t, to, self.group, tag=_tag(s, i)) for i, t in enumerate(self.own)]
         if plan.recv[s]:
             buffers = self.new_buffers()
@@ -406,6 +416,7 @@ class _GradientReturn:
         sent = []
         if plan.recv[s]:
             to = _peer(self.group, (r - s) % P)
+            assert dkv is not None  # a step that received keys computed their gradients
             sent = [(g, dist.isend(g, to, self.group, tag=_tag(s, 2 + i))) for i, g in enumerate(dkv)]
         incoming = None
         if plan.send[s]:
