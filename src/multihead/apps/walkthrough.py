@@ -170,6 +170,7 @@ def walkthrough(*, d_model: int = 512, heads: int = 8, kv_heads: int | None = No
     # weights come from a second call, which may be served by another backend.
     core = attention(q, k, v, mask=full_mask, backend=backend)
     core_weights = attention(q, k, v, mask=full_mask, backend=backend, return_weights=True).weights
+    assert core_weights is not None  # asked for
     checks = {
         "multihead.attention(q, k, v) vs step 'weighted sum'": _compare(core, y),
         "multihead.attention(..., return_weights=True) vs step 'softmax'": _compare(core_weights, weights),

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,8 +61,9 @@ from multihead.backends.bias_backward import bias_backward
 
 __all__ = ["BandRun", "interior_run", "run_forward", "run_backward"]
 
-_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# torch.ops entries have no annotations (Any); None on a build without them (capabilities refuse then).
+_flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_backward: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 @dataclass(frozen=True)
