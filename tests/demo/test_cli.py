@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from multihead.apps.cli import main
 from multihead.apps.demo import MARKER
@@ -41,6 +43,19 @@ def test_quick_demo_end_to_end(quick_demo):
     for i in range(0, 6, 2):
         assert sim[i][i + 1] > max(sim[i][j] for j in range(6) if j not in (i, i + 1))
     assert not list(out.parent.glob(f".{out.name}-*")), "staging folder left behind"
+    # Both models carry their q and k (the neuron view); the recall decoder's reproduce its cached weights.
+    page = (out / "viewer.html").read_text(encoding="utf-8")
+    data = json.loads(re.search(r'<script id="attention-data" type="application/json">(.*?)</script>', page, re.S)[1])
+    encoder, recall = data["sources"]
+    assert "queries" in encoder and "queries" in recall
+    L, D = recall["lq"], recall["dim"]
+    for layer in range(len(recall["layers"])):
+        for head in range(recall["heads"]):
+            q, k = (torch.frombuffer(bytearray(base64.b64decode(recall[kind][layer][head])), dtype=torch.float32)
+                    .view(L, D) for kind in ("queries", "keys"))
+            scores = (q @ k.T * recall["scale"]).masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+            w = torch.frombuffer(bytearray(base64.b64decode(recall["weights"][layer][head])), dtype=torch.uint8)
+            torch.testing.assert_close(scores.softmax(-1), w.view(L, L).float() / 255, rtol=0, atol=0.6 / 255)
 
 
 def test_move_into_place_replaces_a_previous_run(tmp_path):

@@ -233,10 +233,15 @@ def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
     plot_attention_grid(weights, staging / "recall_attention.png", tokens=tokens, layer_names=layer_names,
                         title="recall decoder trained from scratch (causal, decoded with a KV cache): every layer and head")
 
+    # The neuron view's vectors: q and k of an uncached forward over the decoded tokens are those the
+    # cached steps read (the same positions), and the weights above equal its own to ~1e-6.
+    with torch.no_grad(), record_vectors(model) as vectors:
+        model(decoded.unsqueeze(0))
     return ViewerSource("recall decoder (trained from scratch)", tokens, tokens, weights, layer_names,
                         caption="Multi-query associative recall, decoded with a KV cache: at each query key the "
                                 "lookup head attends to the value whose key matches.",
                         highlight=(layer, head, "lookup head"),
+                        queries=[q[0] for q in vectors.queries], keys=[k[0] for k in vectors.keys],
                         # Decode steps in the viewer: after the prefill (the pairs and the first asked key) each
                         # row is one token fed in; the model writes the answers, the asked keys come from the data.
                         prompt_len=task.prompt_len + 1,
@@ -407,7 +412,7 @@ def print_summary(result: DemoResult, say=print) -> None:
     say("")
     say(f"done in {result.seconds:.0f} s. Outputs in {result.out}:")
     descriptions = {
-        "viewer.html": "open in a browser: head view and model view of both models",
+        "viewer.html": "open in a browser: head, model and neuron views of both models",
         "encoder_heads.png": "four heads of the encoder, with the numbers the demo measured (the docs' claims)",
         "encoder_attention.png": "every layer x head of the pretrained encoder on one sentence",
         "recall_attention.png": "every layer x head of the recall decoder",
