@@ -230,6 +230,11 @@ def test_viewer_and_recorders_reject_bad_arguments():
     model = CausalDecoder(DecoderConfig(10, 16, d_model=16, num_layers=1, num_heads=2))
     with pytest.raises(ValueError, match=r"one prompt \(1, P\), got \(2, 3\)"):
         record_generation(model, torch.ones(2, 3, dtype=torch.long), 2, token_names=str)
+    # Regression: a sliding window's ring buffer holds slots, not positions: its weights were wrong (by 1.0).
+    windowed = CausalDecoder(DecoderConfig(10, 16, d_model=16, num_layers=1, num_heads=2, window=2)).eval()
+    with pytest.raises(ValueError, match=r"read \d+ cached keys for \d+ tokens so far; .* cache='dynamic' "
+                                         r"\(the default\) or 'static', got cache='sliding'"):
+        record_generation(windowed, torch.ones(1, 3, dtype=torch.long), 6, token_names=str, cache="sliding")
 
 
 def test_make_test_says_why_browser_tests_were_skipped(tmp_path):

@@ -114,6 +114,12 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
         for layer in range(n_layers):
             i = call * n_layers + layer
             w = cap.weights[i][0].float()  # (H, rows, T)
+            if w.shape[2] != row + w.shape[1]:  # a ring buffer (cache="sliding") holds slots, not positions
+                when = "the prefill" if call == 0 else f"decode step {call}"
+                raise ValueError(f"record_generation: {when} of {layer_names[layer]!r} read {w.shape[2]} cached "
+                                 f"keys for {row + w.shape[1]} tokens so far; the viewer needs every key in position "
+                                 f"order: cache='dynamic' (the default) or 'static', got "
+                                 f"cache={generate_kwargs['cache']!r}")
             weights[layer, :, row: row + w.shape[1], : w.shape[2]] = w
             queries[layer].append(vec.queries[i][0])  # (H, rows, D)
             keys[layer] = vec.keys[i][0]  # (Hkv, T, D): every key so far, in position order (dynamic cache)
