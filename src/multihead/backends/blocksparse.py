@@ -39,14 +39,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
-from multihead.backends.bias_backward import LOG_TINY, bias_backward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
+from multihead.backends.bias_backward import LOG_TINY, bias_backward
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
@@ -131,7 +132,7 @@ class BlockSparseBackend(Backend):
         if call.dropout_p > 0 and B * Hq * Lq * Lk < DROPOUT_DENSE_ELEMENTS:
             return ["dropout: the blockwise path is slower than sdpa's math kernel with a dense mask while the "
                     f"scores fit ({B * Hq * Lq * Lk} < {DROPOUT_DENSE_ELEMENTS} elements; benchmarks/dropout.py)"]
-        offset = mask.causal_offset(Lq, Lk) if call.score_mod is None else None
+        offset = mask.causal_offset(Lq, Lk) if call.score_mod is None and mask is not None else None
         if call.dropout_p == 0 and (offset == 0 or (offset is not None and offset >= Lk - 1)):
             # (with dropout, sdpa runs its math kernel on the whole square: blocksparse skips the
             # blocked half; docs/performance.md)
@@ -156,7 +157,8 @@ class BlockSparseBackend(Backend):
         lines = []
         if _in_torch(call):
             why = (f"dropout p={call.dropout_p}: the CPU flash kernel has none" if call.dropout_p > 0 else
-                   f"score modifier {call.score_mod._describe()} is elementwise: the CPU flash kernel takes only an "
+                   f"score modifier {call.score_mod._describe() if call.score_mod else None} is elementwise: "
+                   "the CPU flash kernel takes only an "
                    "additive mask")
             return [f"{why}, so each block of {self.block_size} queries attends to its visible key range in PyTorch "
                     "(activation checkpointing: memory of one block, recomputed in the backward)"]
@@ -324,13 +326,17 @@ def _merge(pieces: list[Piece]) -> list[Piece]:
 def _band_run(mask: Mask | None, q_len: int, kv_len: int, block: int) -> BandRun | None:
     """The interior query blocks of a band (a ``Band`` or an ``&`` of them, bounded on both
     sides) as one batched run, when there are at least two of them; else ``None``."""
-    parts = mask.parts if isinstance(mask, And) else (mask,)
-    if mask is None or not all(isinstance(p, Band) for p in parts):
+    if mask is None:
         return None
-    windows = [p.window(q_len, kv_len) for p in parts]
+    parts = mask.parts if isinstance(mask, And) else (mask,)
+    bands = [p for p in parts if isinstance(p, Band)]
+    if len(bands) != len(parts):
+        return None
+    windows = [p.window(q_len, kv_len) for p in bands]
     if any(w is None for w in windows):  # aligned per sequence: no single relative pattern
         return None
-    los, his = [w.lo for w in windows if w.lo is not None], [w.hi for w in windows if w.hi is not None]
+    los = [w.lo for w in windows if w is not None and w.lo is not None]
+    his = [w.hi for w in windows if w is not None and w.hi is not None]
     if not los or not his:
         return None
     run = interior_run(q_len, kv_len, block=block, lo=max(los), hi=min(his))
@@ -344,10 +350,11 @@ def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
     if mask is None:
         return None
     parts = mask.parts if isinstance(mask, And) else (mask,)
-    uppers, rest = [], []
+    uppers: list[int] = []
+    rest: list[Mask] = []
     for p in parts:
         window = p.window(q_len, kv_len) if isinstance(p, Band) else None
-        if window is not None and window.hi is not None:
+        if isinstance(p, Band) and window is not None and window.hi is not None:
             uppers.append(window.hi)
             if p.left is not None:
                 rest.append(Band(p.left, None, p.align, name="sliding_window"))
@@ -360,8 +367,9 @@ def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
 
 
 # ----------------------------------------------------------------------------------- kernels
-_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# torch.ops entries have no annotations (Any); None on a build without them (refusals say so).
+_flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_backward: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece,
@@ -396,7 +404,7 @@ class Bounds:
     scale: float
 
     @staticmethod
-    def of(q: Tensor, k: Tensor, scale: float, mods: ScoreMod | None) -> "Bounds | None":
+    def of(q: Tensor, k: Tensor, scale: float, mods: ScoreMod | None) -> Bounds | None:
         if mods is None or not mods.relative or q.dtype == torch.float64:
             return None  # fp64 kernels accumulate in fp64: nothing to cut
         acc = softmax_dtype(q.dtype)
@@ -437,6 +445,7 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
     d0 = piece.k0 - (blk.q1 - 1)  # the smallest distance j - i: last row, first key
     vec = mods.distance_bias(d0, d0 + rows + keys - 1, q.device, softmax_dtype(q.dtype))  # (H|1, R + K - 1)
+    assert vec is not None  # a relative modifier: its bias is a function of the distance
     if not bool(torch.isfinite(vec).all()):
         return None
     if piece.kind == _CAUSAL:  # row r sees keys up to diagonal + r: distances up to diagonal - q0
@@ -495,6 +504,7 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
     block, span = run.block, run.span
     d0 = run.lo - (block - 1)
     vec = mods.distance_bias(d0, d0 + block + span - 1, q.device, softmax_dtype(q.dtype))  # (H|1, block + span - 1)
+    assert vec is not None  # a relative modifier: its bias is a function of the distance
     kernel_heads = None
     if bounds is not None:  # every row sees the whole band, distances lo .. hi
         bound = bounds.score(run.q0, run.q1, run.k0, run.k1)
