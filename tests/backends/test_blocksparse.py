@@ -265,3 +265,12 @@ def test_dropout_is_reproducible_keeps_1_minus_p_and_auto_takes_it_for_structure
     x = torch.randn(2, 300, 32, requires_grad=True)
     layer(x, mask=mh.sliding_window(64)).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_auto_refusals_of_a_long_dropout_call_without_a_mask():
+    """Past the dense-size threshold a dropout call with no mask reaches the causal-offset question,
+    which must not be asked of a missing mask (it raised AttributeError)."""
+    q = torch.randn(1, 1, 16384, 8)  # B·Hq·Lq·Lk = 2^28 scores: no longer "fits"
+    call = validate_call(q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=None, return_weights=False,
+                         return_lse=False)
+    assert BlockSparseBackend().auto_refusals(call) == []
