@@ -307,6 +307,22 @@ def test_neuron_view_without_vectors_says_how_to_get_them(browser, tmp_path):
     _click(browser, "#tab-neuron")
     assert browser.find_element("id", "neuron-empty").is_displayed()
     assert "record_attention" in browser.find_element("id", "neuron-empty").text
+    assert "record_generation" in browser.find_element("id", "neuron-empty").text
+    assert _errors(browser) == []
+
+
+def test_default_layer_names_are_not_said_twice(browser, tmp_path):
+    """Regression: a source without layer_names read "layer 1 (layer 1)" in the status and preview."""
+    named = ViewerSource("named", TOKENS, TOKENS, _peaked(2, 2, 6), ["blocks.0.attn", "blocks.1.attn"])
+    _load(browser, write_viewer(tmp_path / "v.html", [ViewerSource("m", TOKENS, TOKENS, _peaked(2, 2, 6)), named]))
+    _select(browser, "layer", "1")
+    assert _status(browser).startswith("layer 1, all 2 heads")
+    _click(browser, "#tab-model")
+    _click(browser, "#grid canvas")  # layer 0, head 0: opens it in the head view, after its preview
+    assert browser.find_element("id", "preview-label").get_attribute("textContent").startswith("layer 0, head 0: 6 x 6")
+    _select(browser, "source", "1")
+    _select(browser, "layer", "1")
+    assert _status(browser).startswith("layer 1 (blocks.1.attn)")
     assert _errors(browser) == []
 
 

@@ -38,6 +38,8 @@ const src = () => DATA.sources[state.source];
 const color = (head) => HEAD_COLORS[head % HEAD_COLORS.length];
 const shown = () => [...state.heads].sort((a, b) => a - b);
 const quote = (t) => JSON.stringify(t);
+// "layer 1 (blocks.1.attn)", or "layer 1" when the source named its layers by number (the default)
+const layerName = (i) => (src().layers[i] === `layer ${i}` ? `layer ${i}` : `layer ${i} (${src().layers[i]})`);
 
 function bytes(b64) {
   const bin = atob(b64);
@@ -407,7 +409,7 @@ function describe() {
   const s = src();
   const heads = shown();
   const row = stepRow();
-  const layer = `layer ${state.layer} (${s.layers[state.layer]})`;
+  const layer = layerName(state.layer);
   const which = heads.length === 1 ? `head ${heads[0]}` : heads.length === s.heads ? `all ${s.heads} heads`
     : `heads ${heads.join(", ")} (${heads.length} of ${s.heads})`;
   if (!heads.length) return `${layer}: no head shown; click a head in the legend`;
@@ -523,7 +525,7 @@ function drawPreview(layer, head) {
   ctx.drawImage(off, 0, 0, w, h);
   canvas.dataset.layer = layer;
   canvas.dataset.head = head;
-  $("preview-label").textContent = `layer ${layer} (${s.layers[layer]}), head ${head}: ${s.lq} x ${s.lk}, full resolution`;
+  $("preview-label").textContent = `${layerName(layer)}, head ${head}: ${s.lq} x ${s.lk}, full resolution`;
   if (state.view === "model") $("status").textContent = `layer ${layer}, head ${head}: click to open it in the head view`;
 }
 
