@@ -282,16 +282,18 @@ class _Plan:
         if n <= step:  # one chunk, unsliced (a guard on n when traced with a symbolic Lk: no loop over it)
             out, lse = attend(qg, k, v, blocked, scale, acc, G, Lq, half, need_lse)
         else:
-            outs, lses = [], []
+            outs: list[Tensor] = []
+            lses: list[Tensor] = []
             for c0 in range(0, n, step):
                 c1 = min(c0 + step, n)
                 bc = None if blocked is None else blocked[..., c0:c1]
                 out, lse = attend(qg, k[:, :, c0:c1], v[:, :, c0:c1], bc, scale, acc, G, Lq, half, need_lse)
+                assert lse is not None  # need_lse: chunks are merged by their LSE
                 outs.append(out)
                 lses.append(lse)
             out, lse = merge_partials(outs, lses)
         out = (out if out.dtype == q.dtype else out.to(q.dtype)).view(B, Hq, Lq, Dv)
-        return out, (lse.view(B, Hq, Lq) if return_lse else None)
+        return out, (lse.view(B, Hq, Lq) if return_lse and lse is not None else None)
 
 
 def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) -> tuple[int, int, Tensor | None, str]:

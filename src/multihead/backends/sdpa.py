@@ -19,6 +19,7 @@ How a call is passed on, in order of preference:
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,9 @@ class _Arguments:
         self.fit, self.fit_note = _head_fit(call, self.attn_mask, self.is_causal)
         if self.fit is not None:
             q, k, v = self._fitted(q, k, v)
-        self.enable_gqa, self.expand = False, None
+        self.enable_gqa = False
+        # MQA: the expanded K and V shapes; GQA on the math kernel: Hq; None: neither
+        self.expand: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | int | None = None
         if Hq == Hkv:
             self.gqa_note = "heads: Hq == Hkv"
         elif _compiling() or pytorch_kernel(q, k, v, self.attn_mask, call.dropout_p, self.is_causal, call.scale,
@@ -141,6 +144,7 @@ class _Arguments:
     def _zero_unseen(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # Keys that no query may see can hold anything (NaN beyond a length): zero them, since
         # the fused kernels compute 0 * value for them and 0 * NaN = NaN.
+        assert self.unseen is not None  # called only when some keys are unseen
         return torch.where(self.unseen, self.zero, k), torch.where(self.unseen, self.zero, v)
 
     def _fitted(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -221,9 +225,8 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
         opened = empty.unsqueeze(-1)
         dense = dense | opened if dense.dtype == torch.bool else \
             torch.where(opened, torch.zeros((), dtype=dense.dtype, device=device), dense)
-    unseen = unseen_keys(visible, num_kv_heads)  # (B|1, Hkv|1, Lk, 1)
-    if not (compiling or bool(unseen.any())):
-        unseen = None
+    found = unseen_keys(visible, num_kv_heads)  # (B|1, Hkv|1, Lk, 1)
+    unseen = found if compiling or bool(found.any()) else None
     kept = ""
     if cacheable:
         # SDPA turns a bool mask into an additive one (0 / -inf) on every call; a kept mask is
@@ -246,7 +249,8 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
 
 # PyTorch's CPU flash kernel returns the log-sum-exp beside the output (its LSE carries no
 # gradient, so it serves calls that need none: inference with weights, capture_attention).
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# torch.ops entries have no annotations (Any); None on a build without it (refusals say so).
+_FLASH_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _head_fit(call: AttentionCall, attn_mask, is_causal: bool) -> tuple[str | None, str | None]:
