@@ -56,7 +56,15 @@ class AttentionCapture:
         return list(zip(self.names, self.weights))
 
     def as_bertviz(self) -> tuple[Tensor, ...]:
-        """Per-layer ``(B, H, Lq, Lk)`` tensors in call order (bertviz ``head_view(attention=...)``)."""
+        """Per-layer ``(B, H, Lq, Lk)`` tensors in call order (bertviz ``head_view(attention=...)``).
+        bertviz reads every head and row against the tokens, so a capture with selections is refused."""
+        if self.weights_heads is not None or self.weights_rows is not None:
+            raise ValueError(f"as_bertviz: bertviz draws every head and row, but this capture kept only "
+                             f"weights_heads={self.weights_heads!r}, weights_rows={self.weights_rows!r}; "
+                             "open capture_attention(model) without selections for bertviz")
+        if not self.weights:
+            raise ValueError("as_bertviz: the capture recorded no layer; call the model inside the "
+                             "'with capture_attention(...)' block")
         return tuple(self.weights)
 
     def stacked(self) -> Tensor:

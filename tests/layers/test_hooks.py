@@ -217,6 +217,23 @@ def test_capture_with_selections_records_only_them():
     assert mem.largest < 256 * 256
 
 
+def test_as_bertviz_refuses_a_capture_bertviz_cannot_read():
+    """Regression: a selection's (B, 1, 1, Lk) tensors went to bertviz, which reads every head and row."""
+    layer = mh.MultiHeadAttention(16, 2).eval()
+    with mh.capture_attention(layer, weights_rows=-1) as cap:
+        layer(torch.randn(1, 5, 16))
+    with pytest.raises(ValueError, match=r"as_bertviz: .* kept only weights_heads=None, weights_rows=-1; open "
+                                         r"capture_attention\(model\) without selections"):
+        cap.as_bertviz()
+    with mh.capture_attention(layer) as cap:
+        pass
+    with pytest.raises(ValueError, match=r"recorded no layer; call the model inside"):
+        cap.as_bertviz()
+    with mh.capture_attention(layer) as cap:
+        layer(torch.randn(1, 5, 16))
+    assert [w.shape for w in cap.as_bertviz()] == [(1, 2, 5, 5)]
+
+
 # ------------------------------------------------------------------ names, handles, bad input
 def test_hooked_names_points_by_module_name_and_wildcard():
     torch.manual_seed(5)
