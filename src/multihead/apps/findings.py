@@ -110,7 +110,7 @@ class HeadFindings:
     @property
     def following(self) -> list[tuple[int, int, int]]:
         """``(pair, layer, head)`` for every head that follows the referent in a pair."""
-        return [tuple(int(x) for x in idx) for idx in (self.margins >= FOLLOW_MARGIN).nonzero()]
+        return [(int(p), int(layer), int(h)) for p, layer, h in (self.margins >= FOLLOW_MARGIN).nonzero().tolist()]
 
     def best_margin(self, pair: int) -> tuple[int, int, float]:
         """``(layer, head, margin)`` of the head that comes closest to following pair ``pair``."""

@@ -77,6 +77,7 @@ def grid_figure(weights, *, tokens=None, title="", layer_names=None):
     fig.text((left + heads * side / 2) / width, 0.08 / height, KEY, ha="center", va="bottom", fontsize=FONT + 2)
     bar_ax = fig.add_axes(((width - right + 0.2) / width, bottom / height, 0.18 / width,
                            min(3.0, layers * side) / height), label="<colorbar>")
+    assert image is not None  # one image per layer and head was drawn
     bar = fig.colorbar(image, cax=bar_ax)
     bar.set_label("attention weight", fontsize=FONT)
     bar.ax.tick_params(labelsize=FONT)
@@ -149,6 +150,7 @@ def panels_figure(panels: list[dict], *, title: str = ""):
         if panel.get("row") is not None:
             ax.add_patch(Rectangle((-0.5, panel["row"] - 0.5), len(tokens), 1, fill=False, edgecolor="#e0892b",
                                    linewidth=1.6))
+    assert image is not None  # one image per panel was drawn (no panel is refused above)
     bar = fig.colorbar(image, ax=list(axes), fraction=0.02, pad=0.01)
     bar.set_label("attention weight", fontsize=FONT)
     bar.ax.tick_params(labelsize=FONT)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -97,7 +98,8 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
         raise ValueError(f"record_generation: prompt_ids must be one prompt (1, P), got {got}")
     generate_kwargs.setdefault("cache", "dynamic")  # a step reads exactly the tokens so far: one row of T keys
     with capture_attention(model) as cap, record_vectors(model) as vec:
-        out = model.generate(prompt_ids, max_new_tokens, **generate_kwargs)  # (1, N)
+        generate = cast("Callable[..., Tensor]", model.generate)  # a multihead.models.CausalDecoder's
+        out = generate(prompt_ids, max_new_tokens, **generate_kwargs)  # (1, N)
     layer_names = list(dict.fromkeys(cap.names))
     n_layers, P = len(layer_names), prompt_ids.shape[1]
     L = P + max_new_tokens - 1  # rows fed in: the prompt, then every produced token but the last
@@ -108,7 +110,8 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
                          f"{len(vec.queries)} vector calls")
     H = cap.weights[0].shape[1]
     weights = torch.zeros(n_layers, H, L, L)  # causal: zeros above the diagonal
-    queries, keys = [[] for _ in range(n_layers)], [None] * n_layers
+    queries: list[list[Tensor]] = [[] for _ in range(n_layers)]
+    keys: list[Tensor | None] = [None] * n_layers  # set by every call below
     row = 0
     for call in range(calls):
         for layer in range(n_layers):
@@ -129,5 +132,5 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
     if len(tokens) != len(ids):
         raise ValueError(f"record_generation: token_names gave {len(tokens)} names for {len(ids)} ids")
     return ViewerSource(name, tokens[:L], tokens[:L], weights, layer_names, caption=caption,
-                        queries=[torch.cat(q, dim=1) for q in queries], keys=keys,
+                        queries=[torch.cat(q, dim=1) for q in queries], keys=[k for k in keys if k is not None],
                         prompt_len=P, generated=tokens[P:])
