@@ -147,6 +147,7 @@ BAD_INPUT = [
      r"intermediate\.dense\.bias. has shape \(1536,\) but config\.json implies \(1024,\)"),
     ("text longer than the positions", lambda tmp, model: ["demo", "--text", "word " * 600],
      r"text 0 has \d+ tokens but the model reads at most 256; shorten it"),
+    ("empty text", lambda tmp, model: ["demo", "--text", " "], r"--text must hold a sentence, got ' '; leave it out"),
     ("output folder under a file", lambda tmp, model: ((tmp / "a-file").write_text("x"),
                                                        ["demo", "--out", str(tmp / "a-file" / "out")])[-1],
      r"cannot write the output folder .*a-file/out .*pass --out to a writable folder"),

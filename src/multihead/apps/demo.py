@@ -105,6 +105,8 @@ def run_demo(options: DemoOptions, say=print) -> DemoResult:
     device = _check_device(options.device)
     if options.steps is not None and options.steps < 1:
         raise DemoError(f"--steps must be >= 1, got {options.steps}")
+    if not options.text.strip():  # an unset shell variable: the viewer would draw [CLS] [SEP] alone
+        raise DemoError(f"--text must hold a sentence, got {options.text!r}; leave it out for {ATTENTION_TEXT!r}")
     out = Path(options.out).expanduser().absolute()
     staging = _staging_folder(out)
     try:
