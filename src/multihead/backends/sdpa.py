@@ -234,11 +234,12 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
         dense = torch.zeros(dense.shape, dtype=dtype, device=device).masked_fill_(~dense, float("-inf"))
         kept = ", built once for this mask value"
     kind = "bool" if dense.dtype == torch.bool else "additive"
-    what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
-    article = "an" if kind[0] in "aeiou" else "a"
-    # (Under torch.compile without its shape: formatting a symbolic size would fix it in the graph.)
-    shape = "" if compiling else f" of shape {tuple(dense.shape)}"
-    note = f"{what}: materialized as {article} {kind} tensor{shape} (last resort{kept})"
+    if compiling:  # (no description while tracing: formatting a symbolic size would fix it in the graph)
+        note = f"mask: materialized as {'a bool' if kind == 'bool' else 'an additive'} tensor (traced)"
+    else:
+        what = "mask" if mods is None else ("mask and " if mask is not None else "") + mods._describe()
+        article = "an" if kind[0] in "aeiou" else "a"
+        note = f"{what}: materialized as {article} {kind} tensor of shape {tuple(dense.shape)} (last resort{kept})"
     prepared = (dense, empty_rows, unseen, shift, note)
     if cacheable:
         _MASKS[key] = prepared

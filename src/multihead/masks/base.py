@@ -473,8 +473,9 @@ class Positioned(Mask):
                     raise ValueError(f"at: {name}_positions has shape {tuple(pos.shape)} but the call has B={batch}, "
                                      f"{what}={length}; expected ({length},) or ({batch}, {length})")
                 # Positions on the host are checked against the whole attention (free there).
+                # (Not while tracing: a data-dependent branch.)
                 if limit is not None and pos.device.type == "cpu" and pos.numel() and \
-                        (int(pos.min()) < 0 or int(pos.max()) >= limit):
+                        not torch.compiler.is_compiling() and (int(pos.min()) < 0 or int(pos.max()) >= limit):
                     raise ValueError(f"at: {name}_positions hold values in [{int(pos.min())}, {int(pos.max())}], "
                                      f"outside the whole attention's {what}={limit}; expected 0 <= position < {limit}")
             elif limit is not None and length is not None and (pos < 0 or pos + length > limit):
