@@ -187,8 +187,8 @@ def test_all_finite_sees_every_non_finite_entry_and_huge_values_only_cost_time()
         a, b = q.clone(), out.clone()
         a[0, 0, 0, 0], b[0, 0, 0, 0] = float("inf"), float("inf")  # inf - inf = NaN: still seen
         assert not all_finite(a, b)
-    q, huge = torch.randn(1, 1, 4, 4), torch.full((1, 1, 4, 4), 5e37)  # finite through the kernel
-    assert not all_finite(q, huge)  # sum |q - out| overflows: the policy looks and finds nothing
+    q, huge = torch.full((1, 1, 4, 4), 2.0), torch.full((1, 1, 4, 4), 5e37)  # finite through the kernel
+    assert not all_finite(q, huge)  # sum q · out overflows (4 · 2 · 5e37): the policy looks and finds nothing
     for _ in range(2):
         out = mh.attention(q, q, huge)
         torch.testing.assert_close(out, huge)
