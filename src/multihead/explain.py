@@ -178,17 +178,18 @@ def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg
                                "with the object" if blocked_rows else "") + ")")
     elif mask.is_floating_point():
         what += " (its finite entries are all 0: the float tensor adds a dense bias of zeros besides)"
+    dense = "x".join(str(n) for n in mask.shape)  # the user's tensor, which may broadcast (B, 1, 1, Lk)
     cheap = B * Hq * Lq * Lk * D <= PROBE_ELEMENTS
     if probe or (probe is None and cheap):
         factor = _probe(call, mask, other, score_mod, scale, backend)
         how = "measured on these inputs: best of 2 runs each, after a warm-up"
         if factor < 1.1:
-            return [what + f": no faster at this size ({factor:.2f}x, {how}); it saves the {Lq}x{Lk} tensor's "
+            return [what + f": no faster at this size ({factor:.2f}x, {how}); it saves the {dense} tensor's "
                     "memory and reads, and gains as L grows"]
         return [what + f": {factor:.1f}x faster here ({how})"]
     fraction = _visible_fraction(other, B, Lq, Lk)
     if fraction >= 0.9:
-        return [what + f": it needs no {Lq}x{Lk} tensor (estimated: the object blocks too little of the "
+        return [what + f": it needs no {dense} tensor (estimated: the object blocks too little of the "
                 "square to skip work; explain(..., probe=True) measures)"]
     return [what + f": about {1 / fraction:.1f}x less work (estimated: the object's backends compute "
             f"{fraction:.0%} of the {_BLOCK}x{_BLOCK} blocks; explain(..., probe=True) measures)"]

@@ -95,6 +95,14 @@ def test_a_float_mask_writing_a_large_negative_for_blocked_is_recognised():
         .endswith("(they add a bias, not only 0)")  # -100 is a bias a softmax still feels: no object, no skipping
 
 
+def test_the_advice_names_the_shape_of_the_tensor_it_was_given():
+    """Regression: a (B, 1, 1, Lk) padding mask was said to be a 512x512 tensor."""
+    q = torch.randn(1, 2, 512, 16)
+    padding = (torch.arange(512) < 400).reshape(1, 1, 1, 512)
+    [line] = mh.explain(q, q, q, mask=padding, probe=False).advice
+    assert "is `key_padding(torch.tensor([400]))`" in line and "needs no 1x1x1x512 tensor" in line
+
+
 def test_dropout_and_other_slow_paths_are_flagged_with_their_fix():
     """Regression: dropout's fall to the math kernel was not flagged."""
     q = torch.randn(1, 2, 64, 16)
