@@ -295,7 +295,8 @@ def main(argv=None) -> list[dict]:
         else:
             print(f"{r['case']}: multihead {r['multihead/sdpa']:.3f}x sdpa (target < 1: faster)")
     if rows:
-        write_csv("hf" + ("_quick" if args.quick else "") + ("" if args.device == "cpu" else f"_{args.device}"), rows)
+        write_csv("hf" + ("_quick" if args.quick else "") + ("" if args.device == "cpu" else f"_{args.device}")
+                  + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
     return rows
 
 
