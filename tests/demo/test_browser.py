@@ -311,6 +311,24 @@ def test_neuron_view_without_vectors_says_how_to_get_them(browser, tmp_path):
     assert _errors(browser) == []
 
 
+def test_hovering_with_many_heads_moves_nothing_and_a_click_pins_the_hovered_token(browser, tmp_path):
+    """Regression: with 12 heads the status grew a line on hover, pushing the head view down under the
+    mouse, so a click pinned the query above the one hovered."""
+    tokens = [f"token{i}" for i in range(10)]
+    _load(browser, write_viewer(tmp_path / "v.html", [ViewerSource("m", tokens, tokens, _peaked(1, 12, 10))]))
+    top = "return document.getElementById('lines').getBoundingClientRect().top"
+    before = browser.execute_script(top)
+    _hover_token(browser, "q", 8)
+    assert _status(browser).startswith('query 8 "token8" attends most to: head 0')
+    assert browser.execute_script(top) == before
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(browser).click().perform()  # where the mouse is
+    _frame(browser)
+    assert browser.execute_script("return state.pin.q") == 8
+    assert _errors(browser) == []
+
+
 def test_default_layer_names_are_not_said_twice(browser, tmp_path):
     """Regression: a source without layer_names read "layer 1 (layer 1)" in the status and preview."""
     named = ViewerSource("named", TOKENS, TOKENS, _peaked(2, 2, 6), ["blocks.0.attn", "blocks.1.attn"])
