@@ -383,3 +383,33 @@ def test_inductor_flex_forward():
     step, counter = compiled(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend="flex"), compiler="inductor")
     check_relative(run(step, q, k, v), q, k, v, mask, None, "flex", False, "inductor flex")
     assert counter.frame_count == 1
+
+
+@pytest.mark.slow
+def test_the_docs_example(monkeypatch):
+    """The python block of docs/integrations.md's torch.compile section, run with the compile
+    counter (aot_eager) in place of Inductor: one graph for the first length, at most one more."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    section = text[text.index("## `torch.compile`"):text.index("## Export and ONNX")]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    counter, counts, real = CompileCounterWithBackend("aot_eager"), [], torch.compile
+
+    def counted(fn, **options):
+        compiled_fn = real(fn, backend=counter, **options)
+
+        def call(*args, **kwargs):
+            out = compiled_fn(*args, **kwargs)
+            counts.append(counter.frame_count)
+            return out
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", counted)
+    torch._dynamo.reset()
+    namespace: dict = {}
+    exec(compile(block, "docs/integrations.md [torch.compile]", "exec"), namespace)  # noqa: S102
+    assert namespace["out"].shape == (4, 173, 512) and len(counts) == 2
+    assert counts[1] - counts[0] <= 1, counts
