@@ -73,6 +73,9 @@ def test_viewer_downsamples_thumbnails_for_long_inputs():
     (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), highlight=(1, 0)),
      r"highlight must be \(layer, head, label\), got \(1, 0\)"),
     (lambda: ViewerSource("m", [], [], []), r"weights is an empty list; expected one \(H, Lq, Lk\) per layer"),
+    (lambda: ViewerSource("m", ["a", "b"], ["a", "b"], torch.tensor([[[[2.0, -1.0], [0.5, 0.5]]]])),
+     r"weights must be attention probabilities in \[0, 1\], got values in \[-1, 2\]; pass the softmax"),
+    (lambda: ViewerSource("m", ["a"], ["a"], torch.full((1, 1, 1, 1), float("nan"))), r"\[0, 0\] with NaN or inf"),
 ])
 def test_viewer_rejects_mismatched_sources(source, regex):
     with pytest.raises(ValueError, match=regex):

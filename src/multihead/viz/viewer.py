@@ -92,6 +92,12 @@ class ViewerSource:
         if len(self.q_tokens) != lq or len(self.k_tokens) != lk:
             raise ValueError(f"ViewerSource {self.name!r}: weights are (layers, H, Lq, Lk) = {tuple(w.shape)} but "
                              f"got {len(self.q_tokens)} query tokens and {len(self.k_tokens)} key tokens")
+        if w.numel() and not (bool(torch.isfinite(w).all()) and w.min() >= 0 and w.max() <= 1 + 1e-3):
+            # stored as round(255 * w) clamped to [0, 1]: scores or NaN would be drawn as something else
+            raise ValueError(f"ViewerSource {self.name!r}: weights must be attention probabilities in [0, 1], got "
+                             f"values in [{float(w.nan_to_num().min()):.3g}, {float(w.nan_to_num().max()):.3g}]"
+                             f"{' with NaN or inf' if not bool(torch.isfinite(w).all()) else ''}; pass the softmax "
+                             "of the scores (need_weights=True or capture_attention record it)")
         names = list(self.layer_names) if self.layer_names is not None else [f"layer {i}" for i in range(layers)]
         if len(names) != layers:
             raise ValueError(f"ViewerSource {self.name!r}: {len(names)} layer names for {layers} layers")
