@@ -54,7 +54,8 @@ class ViewerSource:
         name: shown in the model selector.
         q_tokens, k_tokens: ``Lq`` and ``Lk`` strings.
         weights: ``(layers, H, Lq, Lk)`` or a list of per-layer ``(H, Lq, Lk)`` / ``(1, H, Lq, Lk)``
-            tensors (what :func:`multihead.capture_attention` records for one sequence).
+            tensors (what :func:`multihead.capture_attention` records for one sequence): probabilities
+            in ``[0, 1]``, not scores.
         layer_names: one per layer; default ``layer 0``, ``layer 1``, ...
         caption: a line shown above the views.
         highlight: ``(layer, head, label)`` of a head to open first and mark in the model view.
