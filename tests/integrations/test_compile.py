@@ -373,11 +373,17 @@ def test_inductor_layer_and_decode_step():
 
 
 @pytest.mark.slow
-def test_inductor_flex_forward():
+@pytest.mark.parametrize("name", [
+    "causal",
+    pytest.param("window&key_padding", marks=pytest.mark.xfail(
+        strict=True, reason="torch 2.13, Inductor on CPU: create_block_mask of a mask_mod that reads a tensor "
+                            "(lengths[b]) fails in C++ code generation (VecMask<int> vs VecMask<float> in ?:)")),
+])
+def test_inductor_flex_forward(name):
     """flex in a caller's Inductor graph: flex_attention lowered by the caller's compile."""
     if "flex" not in COMPILING:
         pytest.skip("no flex backend")
-    mask = mh.sliding_window(8) & mh.key_padding(_lengths(53))
+    mask = mh.causal() if name == "causal" else mh.sliding_window(8) & mh.key_padding(_lengths(53))
     q, k, v = qkv(37, 53, 0, grad=False)
     skip_if_refused("flex", q, k, v, mask, None)
     step, counter = compiled(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend="flex"), compiler="inductor")

@@ -113,7 +113,10 @@ class FlexBackend(Backend):
             empty = call.mask._empty_rows(B, Hq, Lq, Lk, device=call.q.device) if compiling else \
                 call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
             if empty is not None:  # fully masked rows: exactly 0, LSE -inf
-                out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+                # Traced, the output is left as flex_attention gives it (0 on a row that sees no key:
+                # eager, aot_eager and Inductor, torch 2.13 CPU): Inductor's CPU flex template
+                # refuses an epilogue ("Unsupported for `epilogue_nodes` in CppFlexAttentionTemplate").
+                out = out if compiling else out.masked_fill(empty.unsqueeze(-1), 0.0)
                 if lse is not None:
                     lse = lse.masked_fill(empty.expand_as(lse), float("-inf"))
         return AttentionResult(out, None, None if lse is None else lse.to(lse_dtype(call.q.dtype)))
