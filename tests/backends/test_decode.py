@@ -268,12 +268,12 @@ def test_non_contiguous_and_expanded_inputs(layout):
 
 
 def test_band_masks_read_only_their_key_range_and_structure_needs_no_mask():
-    q, k, v, _ = _inputs(1, 8, 2, 1, 1000, 16, D=64)
+    q, k, v, _ = _inputs(1, 8, 2, 1, 2048, 16, D=64)  # B·Hq·Lk·D = 2^20: AUTO_MIN_WORK
     report = str(mh.explain(q, k, v, mask=mh.sliding_window(63)))
-    assert "backend: decode" in report and "keys read: 64 of 1000 ([936, 1000))" in report
+    assert "backend: decode" in report and "keys read: 64 of 2048 ([1984, 2048))" in report
     assert "no mask" in report  # every key in the window is visible to the one query
     report = str(mh.explain(q, k, v, mask=mh.causal()))
-    assert "keys read: 1000 of 1000" in report and "no mask" in report
+    assert "keys read: 2048 of 2048" in report and "no mask" in report
 
 
 def test_a_static_cache_mask_reads_only_up_to_the_last_visible_slot():
@@ -303,11 +303,11 @@ def test_scores_stay_within_one_chunk_and_no_dense_mask_is_built(small_chunks):
 
 
 def test_auto_takes_decode_shaped_calls_and_explain_names_it():
-    k, v = torch.randn(2, 2, 500, 64), torch.randn(2, 2, 500, 64)
+    k, v = torch.randn(2, 2, 1024, 64), torch.randn(2, 2, 1024, 64)  # B·Hq·Lk·D = 2^20: AUTO_MIN_WORK
     for Lq in range(1, AUTO_MAX_QUERIES + 1):
         q = torch.randn(2, 8, Lq, 64)
-        for mask in (None, mh.causal(), mh.sliding_window(64), mh.key_padding([500, 300]),
-                     torch.ones(2, 1, Lq, 500, dtype=torch.bool)):
+        for mask in (None, mh.causal(), mh.sliding_window(64), mh.key_padding([1024, 300]),
+                     torch.ones(2, 1, Lq, 1024, dtype=torch.bool)):
             report = mh.explain(q, k, v, mask=mask)
             assert report.backend == "decode", str(report)
             assert "backend: decode (chosen by auto)" in str(report) and "folded into the rows" in str(report)
