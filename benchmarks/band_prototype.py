@@ -54,7 +54,7 @@ def band_run_attention(q, k, v, window: int, block: int = 256):
         if rows.stop > rows.start:  # an edge: a (1, 1, rows, keys) bool mask, bottom-right in the edge's lengths
             edge = mask.materialize(1, 1, rows.stop - rows.start, keys.stop - keys.start)
             parts.append(F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], attn_mask=edge))
-    parts.insert(1 if run.q0 > 0 else 0, _InteriorRun.apply(q, k, v, run, D ** -0.5))  # (B, H, q1 - q0, D)
+    parts.insert(1 if run.q0 > 0 else 0, _InteriorRun.apply(q, k, v, run, D**-0.5))  # (B, H, q1 - q0, D)
     return torch.cat(parts, dim=2)  # (B, H, Lq, D)
 
 
@@ -73,16 +73,25 @@ class _InteriorRun(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq_rows, dk, dv = run_backward(grad_out, q, k, v, out, lse, ctx.run, ctx.scale)
         dq = torch.zeros_like(q)
-        dq[:, :, ctx.run.q0:ctx.run.q1] = dq_rows
+        dq[:, :, ctx.run.q0 : ctx.run.q1] = dq_rows
         return dq, dk, dv, None, None
 
 
 def per_block_forward(q, k, v, run: BandRun, scale: float):
     """The same rows with one kernel call per block (same mask, same arithmetic)."""
     mask = _mask(run, q.dtype)
-    outs = [_flash(q[:, :, r:r + run.block], k[:, :, r + run.lo:r + run.lo + run.span],
-                   v[:, :, r + run.lo:r + run.lo + run.span], 0.0, False, attn_mask=mask, scale=scale)
-            for r in range(run.q0, run.q1, run.block)]
+    outs = [
+        _flash(
+            q[:, :, r : r + run.block],
+            k[:, :, r + run.lo : r + run.lo + run.span],
+            v[:, :, r + run.lo : r + run.lo + run.span],
+            0.0,
+            False,
+            attn_mask=mask,
+            scale=scale,
+        )
+        for r in range(run.q0, run.q1, run.block)
+    ]
     return torch.cat([o for o, _ in outs], dim=2), torch.cat([lse for _, lse in outs], dim=2)
 
 
@@ -90,10 +99,23 @@ def per_block_backward(grad_out, q, k, v, out, lse, run: BandRun, scale: float):
     mask = _mask(run, q.dtype)
     dq, dk, dv = torch.zeros_like(out), torch.zeros_like(k), torch.zeros_like(v)
     for t, r in enumerate(range(run.q0, run.q1, run.block)):
-        rows, local, keys = slice(r, r + run.block), slice(t * run.block, (t + 1) * run.block), \
-            slice(r + run.lo, r + run.lo + run.span)
-        g_q, g_k, g_v = _flash_backward(grad_out[:, :, local], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                        out[:, :, local], lse[:, :, local], 0.0, False, attn_mask=mask, scale=scale)
+        rows, local, keys = (
+            slice(r, r + run.block),
+            slice(t * run.block, (t + 1) * run.block),
+            slice(r + run.lo, r + run.lo + run.span),
+        )
+        g_q, g_k, g_v = _flash_backward(
+            grad_out[:, :, local],
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            out[:, :, local],
+            lse[:, :, local],
+            0.0,
+            False,
+            attn_mask=mask,
+            scale=scale,
+        )
         dq[:, :, local] = g_q
         dk[:, :, keys] += g_k
         dv[:, :, keys] += g_v
@@ -118,7 +140,7 @@ def main(argv=None) -> list[dict]:
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, L, 64, generator=gen) for _ in range(3))
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     run = interior_run(L, L, block=block, lo=-window, hi=0)
     print(f"# interior run: rows [{run.q0}, {run.q1}), {run.blocks} blocks, keys [{run.k0}, {run.k1}), span {run.span}")
     mask = mh.sliding_window(window)
@@ -129,11 +151,13 @@ def main(argv=None) -> list[dict]:
 
     # correctness first, on the inputs that are timed
     want = mh.attention(q, k, v, mask=mask, backend="blocksparse")
-    check_close("one call vs blocksparse", out, want[:, :, run.q0:run.q1])
+    check_close("one call vs blocksparse", out, want[:, :, run.q0 : run.q1])
     check_close("per-block loop vs one call", per_block_forward(q, k, v, run, scale)[0], out)
     check_close("band_run_attention vs blocksparse", band_run_attention(q, k, v, window), want)
-    one, loop = run_backward(grad_rows, q, k, v, out, lse, run, scale), \
-        per_block_backward(grad_rows, q, k, v, out, lse, run, scale)
+    one, loop = (
+        run_backward(grad_rows, q, k, v, out, lse, run, scale),
+        per_block_backward(grad_rows, q, k, v, out, lse, run, scale),
+    )
     for name, a, b in zip(("dq", "dk", "dv"), one, loop):
         check_close(f"backward {name}: one call vs per-block loop", a, b, atol=1e-3)
     g_bs = torch.autograd.grad(mh.attention(qg, kg, vg, mask=mask, backend="blocksparse"), (qg, kg, vg), grad_full)
@@ -145,44 +169,65 @@ def main(argv=None) -> list[dict]:
         ("forward, interior rows", "one call"): lambda: run_forward(q, k, v, run, scale),
         ("forward, interior rows", "per-block loop"): lambda: per_block_forward(q, k, v, run, scale),
         ("backward, interior rows", "one call"): lambda: run_backward(grad_rows, q, k, v, out, lse, run, scale),
-        ("backward, interior rows", "per-block loop"):
-            lambda: per_block_backward(grad_rows, q, k, v, out, lse, run, scale),
+        ("backward, interior rows", "per-block loop"): lambda: per_block_backward(
+            grad_rows, q, k, v, out, lse, run, scale
+        ),
         ("forward, whole attention", "band_run_attention"): lambda: band_run_attention(q, k, v, window),
-        ("forward, whole attention", "blocksparse today"):
-            lambda: mh.attention(q, k, v, mask=mask, backend="blocksparse"),
-        ("fwd+bwd, whole attention", "band_run_attention"):
-            lambda: band_run_attention(qg, kg, vg, window).backward(grad_full),
-        ("fwd+bwd, whole attention", "blocksparse today"):
-            lambda: mh.attention(qg, kg, vg, mask=mask, backend="blocksparse").backward(grad_full),
+        ("forward, whole attention", "blocksparse today"): lambda: mh.attention(
+            q, k, v, mask=mask, backend="blocksparse"
+        ),
+        ("fwd+bwd, whole attention", "band_run_attention"): lambda: band_run_attention(qg, kg, vg, window).backward(
+            grad_full
+        ),
+        ("fwd+bwd, whole attention", "blocksparse today"): lambda: mh.attention(
+            qg, kg, vg, mask=mask, backend="blocksparse"
+        ).backward(grad_full),
     }
     for b in args.blocks:
         r = interior_run(L, L, block=b, lo=-window, hi=0)
-        contenders[("forward, interior rows", f"one call, block {b}")] = \
-            lambda r=r: run_forward(q, k, v, r, scale)
+        contenders[("forward, interior rows", f"one call, block {b}")] = lambda r=r: run_forward(q, k, v, r, scale)
 
     times, load_used = {}, {}
     for loaded in (False, True):
         condition = f"{args.load} x2" if loaded else "none added"
         print(f"# {condition}: {machine_state()}", flush=True)
         with background_load(args.load) if loaded else contextlib.nullcontext({}) as report:
-            best = fastest_ms(contenders, rounds, min_run_time, log=lambda key, ms: print(
-                f"  {condition:10s} {key[0]:26s} {key[1]:22s} {ms:9.1f} ms", flush=True))
+            best = fastest_ms(
+                contenders,
+                rounds,
+                min_run_time,
+                log=lambda key, ms: print(f"  {condition:10s} {key[0]:26s} {key[1]:22s} {ms:9.1f} ms", flush=True),
+            )
         times.update({(key, loaded): ms for key, ms in best.items()})
         load_used[loaded] = report.get("load_cpu", 0.0)
 
     rows = []
-    for (pass_, name) in contenders:
+    for pass_, name in contenders:
         base = "one call" if "interior" in pass_ else "band_run_attention"
-        rows.append({"pass": pass_, "contender": name,
-                     "idle_ms": times[(pass_, name), False], "loaded_ms": times[(pass_, name), True],
-                     "idle / band run": times[(pass_, name), False] / times[(pass_, base), False],
-                     "loaded / band run": times[(pass_, name), True] / times[(pass_, base), True],
-                     "load_cores_used": load_used[True], "L": L, "window": window, "block": block,
-                     "threads": THREADS, "torch": torch.__version__})
-    print_table(f"band runs, L={L} w={window}: fastest of {rounds} interleaved rounds, ms and ratio to the band-run "
-                f"contender of the same pass (load: {args.load} x2, {load_used[True]:.2f} cores used by it)",
-                [{c: r[c] for c in ("pass", "contender", "idle_ms", "loaded_ms", "idle / band run", "loaded / band run")}
-                 for r in rows])
+        rows.append(
+            {
+                "pass": pass_,
+                "contender": name,
+                "idle_ms": times[(pass_, name), False],
+                "loaded_ms": times[(pass_, name), True],
+                "idle / band run": times[(pass_, name), False] / times[(pass_, base), False],
+                "loaded / band run": times[(pass_, name), True] / times[(pass_, base), True],
+                "load_cores_used": load_used[True],
+                "L": L,
+                "window": window,
+                "block": block,
+                "threads": THREADS,
+                "torch": torch.__version__,
+            }
+        )
+    print_table(
+        f"band runs, L={L} w={window}: fastest of {rounds} interleaved rounds, ms and ratio to the band-run "
+        f"contender of the same pass (load: {args.load} x2, {load_used[True]:.2f} cores used by it)",
+        [
+            {c: r[c] for c in ("pass", "contender", "idle_ms", "loaded_ms", "idle / band run", "loaded / band run")}
+            for r in rows
+        ],
+    )
     write_csv("band_prototype" + ("_quick" if args.quick else ""), rows)
     return rows
 

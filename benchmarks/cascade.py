@@ -30,8 +30,10 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     prefix = 1024 if args.quick else PREFIX
     rounds, min_run_time = (2, 0.2) if args.quick else (4, 0.5)
-    print(f"# cascade: {REQUESTS} requests, shared prefix {prefix}, suffix {SUFFIX}, H={H}, D={D}, fp32 "
-          f"({context()}); {machine_state()}")
+    print(
+        f"# cascade: {REQUESTS} requests, shared prefix {prefix}, suffix {SUFFIX}, H={H}, D={D}, fp32 "
+        f"({context()}); {machine_state()}"
+    )
     g = torch.Generator().manual_seed(0)
     pk, pv = (torch.randn(1, H, prefix, D, generator=g) for _ in range(2))
     k, v = (torch.randn(REQUESTS, H, SUFFIX, D, generator=g) for _ in range(2))
@@ -48,11 +50,20 @@ def main(argv=None) -> list[dict]:
         check_close(f"cascade {shape}", fns["cascade"](), fns["concatenated"](), atol=1e-4)
         with torch.no_grad():
             ms = fastest_ms(fns, rounds, min_run_time)
-        kv_bytes = {"cascade": (pk.numel() + pv.numel() + k.numel() + v.numel()) * 4,
-                    "concatenated": (full_k.numel() + full_v.numel()) * 4}
+        kv_bytes = {
+            "cascade": (pk.numel() + pv.numel() + k.numel() + v.numel()) * 4,
+            "concatenated": (full_k.numel() + full_v.numel()) * 4,
+        }
         for name in fns:
-            rows.append({"shape": shape, "method": name, "ms": ms[name], "K/V MB read": kv_bytes[name] / 2**20,
-                         "x concatenated": ms["concatenated"] / ms[name]})
+            rows.append(
+                {
+                    "shape": shape,
+                    "method": name,
+                    "ms": ms[name],
+                    "K/V MB read": kv_bytes[name] / 2**20,
+                    "x concatenated": ms["concatenated"] / ms[name],
+                }
+            )
     print_table(f"fastest of {rounds} interleaved rounds; {machine_state()}", rows)
     write_csv("cascade" + ("_quick" if args.quick else ""), rows)
     return rows

@@ -31,8 +31,10 @@ torch.set_num_threads(THREADS)
 
 def context() -> str:
     """torch version, threads, machine: printed at the top of every benchmark."""
-    return (f"torch {torch.__version__}, {THREADS} threads, {platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} cores visible, python {platform.python_version()}")
+    return (
+        f"torch {torch.__version__}, {THREADS} threads, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores visible, python {platform.python_version()}"
+    )
 
 
 def machine_state() -> str:
@@ -65,8 +67,9 @@ def memory_read_gbps(min_bytes: int = 256 << 20, min_run_time: float = 0.3) -> f
     llc = last_level_cache_bytes() or 0
     nbytes = min(max(min_bytes, 2 * llc), 1 << 30)
     x = torch.ones(nbytes // 4)
-    seconds = Timer("x.sum()", globals={"x": x}, num_threads=THREADS).blocked_autorange(
-        min_run_time=min_run_time).median
+    seconds = (
+        Timer("x.sum()", globals={"x": x}, num_threads=THREADS).blocked_autorange(min_run_time=min_run_time).median
+    )
     return nbytes / seconds / 1e9
 
 
@@ -74,8 +77,10 @@ def memory_read_gbps(min_bytes: int = 256 << 20, min_run_time: float = 0.3) -> f
 # single-threaded 256x256 fp32 matmuls ("torch", which also uses caches and memory bandwidth).
 _LOAD_CHILD = {
     "python": "print('ready', flush=True)\nx = 0\nwhile True:\n    x = (x + 1) & 0xFFFF",
-    "torch": ("import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nprint('ready', flush=True)\n"
-              "while True:\n    b = a @ a"),
+    "torch": (
+        "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nprint('ready', flush=True)\n"
+        "while True:\n    b = a @ a"
+    ),
 }
 
 
@@ -86,8 +91,10 @@ def background_load(kind: str = "python", procs: int | None = None):
     also on error. Yields a dict that, after the block, holds ``load_cpu``: the cores the
     children actually used on average (e.g. 1.4 of 2 while the benchmark competed with them)."""
     procs = procs or os.cpu_count() or 1
-    children = [subprocess.Popen([sys.executable, "-c", _LOAD_CHILD[kind]], stdout=subprocess.PIPE, text=True)
-                for _ in range(procs)]
+    children = [
+        subprocess.Popen([sys.executable, "-c", _LOAD_CHILD[kind]], stdout=subprocess.PIPE, text=True)
+        for _ in range(procs)
+    ]
     report = {"kind": kind, "procs": procs}
     try:
         for child in children:
@@ -114,8 +121,9 @@ def _cpu_ticks(pid: int) -> int:
 def time_ms(fn, min_run_time: float = 0.5) -> float:
     """Median milliseconds of ``fn()`` with ``torch.utils.benchmark.Timer.blocked_autorange``."""
     fn()  # warm-up (plans, caches, allocator)
-    return Timer("fn()", globals={"fn": fn}, num_threads=THREADS).blocked_autorange(
-        min_run_time=min_run_time).median * 1e3
+    return (
+        Timer("fn()", globals={"fn": fn}, num_threads=THREADS).blocked_autorange(min_run_time=min_run_time).median * 1e3
+    )
 
 
 def fastest_ms(fns: dict, rounds: int, min_run_time: float = 0.5, log=None, threads: int = THREADS) -> dict:
@@ -129,8 +137,12 @@ def fastest_ms(fns: dict, rounds: int, min_run_time: float = 0.5, log=None, thre
     best = {key: float("inf") for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
-            ms = Timer("fn()", globals={"fn": fn}, num_threads=threads).blocked_autorange(
-                min_run_time=min_run_time).median * 1e3
+            ms = (
+                Timer("fn()", globals={"fn": fn}, num_threads=threads)
+                .blocked_autorange(min_run_time=min_run_time)
+                .median
+                * 1e3
+            )
             best[key] = min(best[key], ms)
             if log is not None:
                 log(key, ms)
@@ -175,8 +187,17 @@ def write_csv(name: str, rows: list[dict]) -> Path:
     return path
 
 
-def plot(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
-         logx: bool = True, logy: bool = True, *, update_docs: bool = False) -> Path | None:
+def plot(
+    name: str,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: dict[str, tuple[list, list]],
+    logx: bool = True,
+    logy: bool = True,
+    *,
+    update_docs: bool = False,
+) -> Path | None:
     """A PNG line plot in ``benchmarks/results/`` (untracked), or in ``docs/img/`` with
     ``update_docs`` (a benchmark's ``--update-docs``: replaces the figure the docs show).
     matplotlib is optional: the plot is skipped with a note when it is absent."""

@@ -54,7 +54,7 @@ def grouped_matmul(q, k, v):
     B, Hq, Lq, Dh = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, (Hq // Hkv) * Lq, Dh)  # (B, Hkv, G·Lq, D)
-    probs = torch.softmax(torch.matmul(qg, k.transpose(-2, -1)) * Dh ** -0.5, dim=-1)  # (B, Hkv, G·Lq, Lk)
+    probs = torch.softmax(torch.matmul(qg, k.transpose(-2, -1)) * Dh**-0.5, dim=-1)  # (B, Hkv, G·Lq, Lk)
     return torch.matmul(probs, v).view(B, Hq, Lq, v.shape[-1])
 
 
@@ -77,7 +77,8 @@ def run_case(B: int, Lk: int, read_buffer: torch.Tensor, rounds: int, min_run_ti
         "memory read": lambda: read_buffer.sum(),
         "sdpa gqa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "repeat_kv + sdpa": lambda: F.scaled_dot_product_attention(
-            q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)),
+            q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        ),
         "grouped matmul": lambda: grouped_matmul(q, k, v),
         "multihead auto": lambda: mh.attention(q, k, v, mask=mask),
         "multihead decode": lambda: mh.attention(q, k, v, mask=mask, backend="decode"),
@@ -92,8 +93,13 @@ def run_case(B: int, Lk: int, read_buffer: torch.Tensor, rounds: int, min_run_ti
         best = fastest_ms(fns, rounds=rounds, min_run_time=min_run_time)
     read_gbps = read_buffer.numel() * read_buffer.element_size() / best.pop("memory read") / 1e6
     llc = last_level_cache_bytes()
-    row = {"B": B, "Lk": Lk, "KV_MiB": kv_bytes / 2**20, "KV_vs_LLC": "n/a" if llc is None else
-           ("beyond" if kv_bytes > llc else "within"), "read_GBps": read_gbps}
+    row = {
+        "B": B,
+        "Lk": Lk,
+        "KV_MiB": kv_bytes / 2**20,
+        "KV_vs_LLC": "n/a" if llc is None else ("beyond" if kv_bytes > llc else "within"),
+        "read_GBps": read_gbps,
+    }
     for name, ms in best.items():
         row[f"{name} GB/s"] = kv_bytes / ms / 1e6
     for name in best:
@@ -113,17 +119,24 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="three cases, fewer and shorter rounds")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5, quick 3)")
     args = parser.parse_args(argv)
-    cases = ([(1, 4096), (1, 32768), (8, 8192)] if args.quick else
-             [(B, Lk) for B in (1, 8) for Lk in (1024, 4096, 8192, 32768)])
+    cases = (
+        [(1, 4096), (1, 32768), (8, 8192)]
+        if args.quick
+        else [(B, Lk) for B in (1, 8) for Lk in (1024, 4096, 8192, 32768)]
+    )
     rounds = args.rounds or (3 if args.quick else 5)
     llc = last_level_cache_bytes()
     print(f"# decode step  ({context()})")
-    print(f"Hq={HQ} Hkv={HKV} D={D} fp32, Lq=1, {THREADS} threads; last-level cache "
-          f"{'unknown' if llc is None else f'{llc / 2**20:.0f} MiB'} (sysfs, cpu0; on a VM the host's, shared)")
+    print(
+        f"Hq={HQ} Hkv={HKV} D={D} fp32, Lq=1, {THREADS} threads; last-level cache "
+        f"{'unknown' if llc is None else f'{llc / 2**20:.0f} MiB'} (sysfs, cpu0; on a VM the host's, shared)"
+    )
     # Twice the last-level cache (at least 256 MiB, at most 1 GiB): x.sum() streams it from memory.
     read_buffer = torch.ones(min(max(256 << 20, 2 * (llc or 0)), 1 << 30) // 4)
-    print(f"memory read bandwidth: x.sum() over {read_buffer.numel() * 4 / 2**20:.0f} MiB fp32, "
-          f"in the same interleaved rounds as each case")
+    print(
+        f"memory read bandwidth: x.sum() over {read_buffer.numel() * 4 / 2**20:.0f} MiB fp32, "
+        f"in the same interleaved rounds as each case"
+    )
     print(f"before: {machine_state()}")
     rows = []
     for B, Lk in cases:
@@ -131,18 +144,31 @@ def main(argv=None) -> list[dict]:
         rows.append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     print(f"after: {machine_state()}")
-    table = [{"B": r["B"], "Lk": r["Lk"], "K/V MiB": r["KV_MiB"], "K/V vs LLC": r["KV_vs_LLC"],
-              "read GB/s": r["read_GBps"],
-              **{name: (None if r[f"{name} GB/s"] is None else f"{r[f'{name} GB/s']:.1f} ({r[f'{name} %read']:.0f}%)")
-                 for name in ("sdpa gqa", "repeat_kv + sdpa", "grouped matmul", "multihead auto", "multihead decode")},
-              "decode / sdpa gqa": r["decode/sdpa_gqa"], "decode / grouped": r["decode/grouped"],
-              "auto backend": r["auto backend"]} for r in rows]
+    table = [
+        {
+            "B": r["B"],
+            "Lk": r["Lk"],
+            "K/V MiB": r["KV_MiB"],
+            "K/V vs LLC": r["KV_vs_LLC"],
+            "read GB/s": r["read_GBps"],
+            **{
+                name: (None if r[f"{name} GB/s"] is None else f"{r[f'{name} GB/s']:.1f} ({r[f'{name} %read']:.0f}%)")
+                for name in ("sdpa gqa", "repeat_kv + sdpa", "grouped matmul", "multihead auto", "multihead decode")
+            },
+            "decode / sdpa gqa": r["decode/sdpa_gqa"],
+            "decode / grouped": r["decode/grouped"],
+            "auto backend": r["auto backend"],
+        }
+        for r in rows
+    ]
     print_table("Decode step: K/V GB/s (% of the measured read bandwidth)", table)
     for r in rows:
         if r["Lk"] >= 4096:
-            print(f"B={r['B']} Lk={r['Lk']}: decode {r['decode/sdpa_gqa']:.2f}x sdpa gqa (target >= 2); "
-                  f"{r['multihead decode %read']:.0f}% of read bandwidth"
-                  + (" (target >= 60%: K/V beyond the LLC)" if r["KV_vs_LLC"] == "beyond" else ""))
+            print(
+                f"B={r['B']} Lk={r['Lk']}: decode {r['decode/sdpa_gqa']:.2f}x sdpa gqa (target >= 2); "
+                f"{r['multihead decode %read']:.0f}% of read bandwidth"
+                + (" (target >= 60%: K/V beyond the LLC)" if r["KV_vs_LLC"] == "beyond" else "")
+            )
     write_csv("decode" + ("_quick" if args.quick else "") + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
     return rows
 

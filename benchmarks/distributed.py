@@ -45,7 +45,7 @@ from multihead.distributed.memory import TensorMemory  # noqa: E402
 from multihead.distributed.ring import _cached_plan  # noqa: E402
 
 CORES = os.cpu_count() or 1
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def mask_of(name: str):
@@ -72,6 +72,7 @@ class ComputeClock:
                 return fn(*a, **kw)
             finally:
                 setattr(self, field, getattr(self, field) + time.thread_time() - t)
+
         return timed
 
     def __enter__(self):
@@ -86,8 +87,13 @@ class ComputeClock:
 
 def _worker(rank, world, folder, cfg, out_queue):
     torch.set_num_threads(max(1, CORES // world))
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rdzv", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{folder}/rdzv",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=900),
+    )
     B, H, L, D, reps = cfg["B"], cfg["H"], cfg["L"], cfg["D"], cfg["reps"]
     fn = {"ring": ring_attention, "ulysses": ulysses_attention}[cfg["method"]]
     layout, mask = cfg["layout"], mask_of(cfg["mask"])
@@ -99,15 +105,26 @@ def _worker(rank, world, folder, cfg, out_queue):
     if cfg["only"] in (None, "memory"):
         row.update(_memory(lambda q, k, v: fn(q, k, v, mask=mask, layout=layout), qs, ks, vs, gs))
     if cfg["only"] in (None, "time"):
-        row.update(_times(lambda q, k, v: fn(q, k, v, mask=mask, layout=layout), qs, ks, vs, gs, reps,
-                          barrier=dist.barrier, threads=max(1, CORES // world)))
+        row.update(
+            _times(
+                lambda q, k, v: fn(q, k, v, mask=mask, layout=layout),
+                qs,
+                ks,
+                vs,
+                gs,
+                reps,
+                barrier=dist.barrier,
+                threads=max(1, CORES // world),
+            )
+        )
     if cfg["method"] == "ulysses":
         row.pop("compute_bwd_s", None)  # its backward is autograd through one local call: not clocked
     if cfg["method"] == "ring":
         S = L // world
         plan = _cached_plan(world, rank, Shards(B, H, H, S, S, D, D, world), mask, layout)
-        row.update(elements=plan.elements, steps=len(plan.steps) + 1, computed=plan.steps_computed,
-                   messages=plan.messages)
+        row.update(
+            elements=plan.elements, steps=len(plan.steps) + 1, computed=plan.steps_computed, messages=plan.messages
+        )
     with torch.no_grad():  # correctness: rank 0's rows against single-process attention
         got = fn(qs, ks, vs, mask=mask, layout=layout)
     if rank == 0:
@@ -199,22 +216,31 @@ def world_run(world: int, cfg: dict) -> list[dict]:
     folder = tempfile.mkdtemp(prefix="multihead_bench_")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = mp.start_processes(_worker, args=(world, folder, cfg, queue), nprocs=world, join=False,
-                               start_method="spawn")
+    procs = mp.start_processes(
+        _worker, args=(world, folder, cfg, queue), nprocs=world, join=False, start_method="spawn"
+    )
     rows = [queue.get() for _ in range(world)]
     procs.join()
     return sorted(rows, key=lambda r: r["rank"])
 
 
-CONFIGS = [("single", 1, "-", "causal"),
-           ("ring", 2, "zigzag", "causal"), ("ring", 2, "contiguous", "causal"),
-           ("ring", 4, "zigzag", "causal"), ("ring", 4, "contiguous", "causal"),
-           ("ulysses", 2, "zigzag", "causal"), ("ulysses", 4, "zigzag", "causal"),
-           ("single", 1, "-", "window"),
-           ("ring", 2, "contiguous", "window"), ("ring", 2, "zigzag", "window"),
-           ("ring", 4, "contiguous", "window"), ("ring", 4, "zigzag", "window"),
-           ("ulysses", 4, "zigzag", "window"),
-           ("ring", 8, "zigzag", "causal"), ("ring", 8, "contiguous", "window")]
+CONFIGS = [
+    ("single", 1, "-", "causal"),
+    ("ring", 2, "zigzag", "causal"),
+    ("ring", 2, "contiguous", "causal"),
+    ("ring", 4, "zigzag", "causal"),
+    ("ring", 4, "contiguous", "causal"),
+    ("ulysses", 2, "zigzag", "causal"),
+    ("ulysses", 4, "zigzag", "causal"),
+    ("single", 1, "-", "window"),
+    ("ring", 2, "contiguous", "window"),
+    ("ring", 2, "zigzag", "window"),
+    ("ring", 4, "contiguous", "window"),
+    ("ring", 4, "zigzag", "window"),
+    ("ulysses", 4, "zigzag", "window"),
+    ("ring", 8, "zigzag", "causal"),
+    ("ring", 8, "contiguous", "window"),
+]
 
 
 def main():
@@ -230,8 +256,10 @@ def main():
     base = {"B": 1, "H": 8, "D": 64, "L": L, "reps": reps, "only": args.only}
     print(context())
     print(machine_state())
-    print(f"B=1, H=8, D=64, L={L}, fp32; P processes get {CORES}//P threads each (P=1: {CORES} threads; "
-          f"compute columns: one thread)\n")
+    print(
+        f"B=1, H=8, D=64, L={L}, fp32; P processes get {CORES}//P threads each (P=1: {CORES} threads; "
+        f"compute columns: one thread)\n"
+    )
 
     worlds = {1} | {int(w) for w in args.worlds.split(",")}
     configs = [c for c in CONFIGS if c[1] in worlds and (not args.quick or c[1] <= 2 or c[0] == "ring")]
@@ -249,8 +277,7 @@ def main():
         summary.append(_summary_line(method, world, layout, mask, load, rows, single_rows.get(mask)))
         if rows[0].get("at_peak"):
             print(f"  rank 0, alive at the forward+backward peak (MiB op[shape]): {rows[0]['at_peak']}")
-    print_table("summary (memory: the largest rank; times: the slowest rank; ratios vs one process)",
-                _uniform(summary))
+    print_table("summary (memory: the largest rank; times: the slowest rank; ratios vs one process)", _uniform(summary))
     name = "distributed_quick" if args.quick else f"distributed_L{L}" + (f"_{args.only}" if args.only else "")
     write_csv(name, _uniform(table))
 
@@ -263,11 +290,19 @@ def _summary_line(method, world, layout, mask, load, rows, ref) -> dict:
     def ratio(key):
         return worst(key) / ref[key] if ref and worst(key) is not None and ref.get(key) else None
 
-    line = {"method": method, "P": world, "layout": layout, "mask": mask, "load": load,
-            "fwd_mib": worst("fwd_mib"), "fwd_vs_1": ratio("fwd_mib"),
-            "fwd_bwd_mib": worst("fwd_bwd_mib"), "fwd_bwd_vs_1": ratio("fwd_bwd_mib"),
-            "fwd_bwd_s": worst("fwd_bwd_s"),
-            "speed_vs_1": (ref["fwd_bwd_s"] / worst("fwd_bwd_s")) if ref and worst("fwd_bwd_s") else None}
+    line = {
+        "method": method,
+        "P": world,
+        "layout": layout,
+        "mask": mask,
+        "load": load,
+        "fwd_mib": worst("fwd_mib"),
+        "fwd_vs_1": ratio("fwd_mib"),
+        "fwd_bwd_mib": worst("fwd_bwd_mib"),
+        "fwd_bwd_vs_1": ratio("fwd_bwd_mib"),
+        "fwd_bwd_s": worst("fwd_bwd_s"),
+        "speed_vs_1": (ref["fwd_bwd_s"] / worst("fwd_bwd_s")) if ref and worst("fwd_bwd_s") else None,
+    }
     for key, short in (("compute_fwd_s", "fwd"), ("compute_bwd_s", "bwd")):
         if key in rows[0]:
             values = [r[key] for r in rows]
@@ -276,9 +311,12 @@ def _summary_line(method, world, layout, mask, load, rows, ref) -> dict:
                 line[f"{short}_max_min"] = max(values) / max(min(values), 1e-9)
     if "elements" in rows[0]:
         el = [r["elements"] for r in rows]
-        line.update(work_max_min=max(el) / min(el), steps_walked=rows[0]["steps"],
-                    steps_computed="/".join(str(r["computed"]) for r in rows),
-                    messages="/".join(str(r["messages"]) for r in rows))
+        line.update(
+            work_max_min=max(el) / min(el),
+            steps_walked=rows[0]["steps"],
+            steps_computed="/".join(str(r["computed"]) for r in rows),
+            messages="/".join(str(r["messages"]) for r in rows),
+        )
     if "max_err" in rows[0]:
         line["max_err"] = rows[0]["max_err"]
     return line

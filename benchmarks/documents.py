@@ -35,7 +35,7 @@ def main(argv=None) -> list[dict]:
     def pad(x):
         out = x.new_zeros(n, H, Lmax, D)
         for i, (s, length) in enumerate(zip(starts, LENGTHS)):
-            out[i, :, :length] = x[0, :, s:s + length]
+            out[i, :, :length] = x[0, :, s : s + length]
         return out
 
     qp, kp, vp = pad(q), pad(k), pad(v)
@@ -47,11 +47,17 @@ def main(argv=None) -> list[dict]:
 
     out_packed, out_padded = packed(), padded()
     for i, (s, length) in enumerate(zip(starts, LENGTHS)):
-        check_close(f"document {i}", out_packed[0, :, s:s + length], out_padded[i, :, :length])
+        check_close(f"document {i}", out_packed[0, :, s : s + length], out_padded[i, :, :length])
     mrt = 0.5 if args.quick else 2.0
     t_packed, t_padded = time_ms(packed, mrt), time_ms(padded, mrt)
-    row = {"docs": n, "tokens": total, "backend": used_backend(q, k, v, mask=mask),
-           "packed_multihead_ms": t_packed, "padded_sdpa_dense_mask_ms": t_padded, "speedup": t_padded / t_packed}
+    row = {
+        "docs": n,
+        "tokens": total,
+        "backend": used_backend(q, k, v, mask=mask),
+        "packed_multihead_ms": t_packed,
+        "padded_sdpa_dense_mask_ms": t_padded,
+        "speedup": t_padded / t_packed,
+    }
     print_table("packed documents vs padded batch + dense mask", [row])
     write_csv("documents" + ("_quick" if args.quick else ""), [row])
     return [row]

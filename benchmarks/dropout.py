@@ -34,6 +34,7 @@ def _step(fn, *leaves):
         for t in leaves:
             t.grad = None
         fn().sum().backward()
+
     return run
 
 
@@ -47,10 +48,14 @@ def _window(L: int) -> dict:
         "dropout 0.1": _step(lambda: mh.attention(q, k, v, mask=mask, dropout_p=0.1, backend="blocksparse"), q, k, v),
         "dropout 0.1, auto": _step(lambda: mh.attention(q, k, v, mask=mask, dropout_p=0.1), q, k, v),
         "sdpa dense mask, dropout 0.1": _step(
-            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=0.1), q, k, v),
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=0.1), q, k, v
+        ),
     }
-    return _row(f"attention, sliding_window(512), B=1 H=8 L={L} D=64 (dropout: blocksparse forced)", fns,
-                mh.explain(q.detach(), k.detach(), v.detach(), mask=mask, dropout_p=0.1).backend)
+    return _row(
+        f"attention, sliding_window(512), B=1 H=8 L={L} D=64 (dropout: blocksparse forced)",
+        fns,
+        mh.explain(q.detach(), k.detach(), v.detach(), mask=mask, dropout_p=0.1).backend,
+    )
 
 
 def _layer(L: int) -> dict:
@@ -60,15 +65,21 @@ def _layer(L: int) -> dict:
     plain.load_state_dict(layer.state_dict())
     x = torch.randn(1, L, 512, requires_grad=True)
     fns = {"no dropout": _step(lambda: plain(x), x), "dropout 0.1": _step(lambda: layer(x), x)}
-    backend = mh.explain(torch.randn(1, 8, L, 64), torch.randn(1, 8, L, 64), torch.randn(1, 8, L, 64),
-                         mask=mh.causal(), dropout_p=0.1).backend
+    backend = mh.explain(
+        torch.randn(1, 8, L, 64), torch.randn(1, 8, L, 64), torch.randn(1, 8, L, 64), mask=mh.causal(), dropout_p=0.1
+    ).backend
     return _row(f"MultiHeadAttention(512, 8, causal=True), B=1 L={L} (auto)", fns, backend)
 
 
 def _row(case: str, fns: dict, backend: str) -> dict:
     ms = fastest_ms(fns, rounds=2, min_run_time=0.5)
-    row = {"case": case, "backend with dropout": backend, **{f"{n}_ms": t for n, t in ms.items()},
-           "dropout / no dropout": ms["dropout 0.1"] / ms["no dropout"], "threads": THREADS}
+    row = {
+        "case": case,
+        "backend with dropout": backend,
+        **{f"{n}_ms": t for n, t in ms.items()},
+        "dropout / no dropout": ms["dropout 0.1"] / ms["no dropout"],
+        "threads": THREADS,
+    }
     if "sdpa dense mask, dropout 0.1" in ms:
         row["sdpa dropout / blocksparse dropout"] = ms["sdpa dense mask, dropout 0.1"] / ms["dropout 0.1"]
         row["auto dropout / no dropout"] = ms["dropout 0.1, auto"] / ms["no dropout"]

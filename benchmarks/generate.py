@@ -25,7 +25,7 @@ def greedy_without_cache(model, prompt, n):
     ids = prompt
     for _ in range(n):
         ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[:, prompt.shape[1]:]
+    return ids[:, prompt.shape[1] :]
 
 
 def main(argv=None) -> list[dict]:
@@ -39,8 +39,10 @@ def main(argv=None) -> list[dict]:
     config = DecoderConfig(vocab_size=4096, max_len=16 + new, d_model=768, num_layers=layers, num_heads=12)
     model = CausalDecoder(config).eval()
     prompt = torch.randint(4096, (1, 16), generator=torch.Generator().manual_seed(1))
-    print(f"# generation: {layers} layers, d_model 768, 12 heads, fp32, batch 1, prompt 16, {new} new tokens "
-          f"({context()}); {machine_state()}")
+    print(
+        f"# generation: {layers} layers, d_model 768, 12 heads, fp32, batch 1, prompt 16, {new} new tokens "
+        f"({context()}); {machine_state()}"
+    )
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -61,13 +63,22 @@ def main(argv=None) -> list[dict]:
                 best[name] = min(best[name], time.perf_counter() - t)
                 if not torch.equal(tokens, expected):
                     raise AssertionError(f"{name}: generated other tokens than the compiled static cache")
-    rows = [{"method": name, "tokens/s": new / s, "x no cache": best["no cache"] / s,
-             "x dynamic": best["DynamicKVCache"] / s, "x static eager": best["StaticKVCache eager"] / s}
-            for name, s in best.items()]
+    rows = [
+        {
+            "method": name,
+            "tokens/s": new / s,
+            "x no cache": best["no cache"] / s,
+            "x dynamic": best["DynamicKVCache"] / s,
+            "x static eager": best["StaticKVCache eager"] / s,
+        }
+        for name, s in best.items()
+    ]
     print_table(f"tokens/s, fastest of {rounds} interleaved rounds; {machine_state()}", rows)
     static, compiled = rows[2]["x dynamic"], rows[3]["x static eager"]
-    print(f"static / dynamic eager: {static:.2f}x (target >= 1.15); compiled / static eager: {compiled:.2f}x "
-          f"(target >= 1.5)")
+    print(
+        f"static / dynamic eager: {static:.2f}x (target >= 1.15); compiled / static eager: {compiled:.2f}x "
+        f"(target >= 1.5)"
+    )
     write_csv("generate" + ("_quick" if args.quick else ""), rows)
     return rows
 

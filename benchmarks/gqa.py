@@ -26,18 +26,37 @@ def main(argv=None) -> list[dict]:
             mask = mh.causal() if window is None else mh.sliding_window(window)
             ours = lambda: mh.attention(q, k, v, mask=mask)  # noqa: E731
             dense = None if window is None else mask.materialize(1, 32, L, L)
-            native = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, is_causal=dense is None,  # noqa: E731
-                                                            enable_gqa=True)
+            native = lambda: F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=dense,
+                is_causal=dense is None,  # noqa: E731
+                enable_gqa=True,
+            )
             rep = lambda: F.scaled_dot_product_attention(  # noqa: E731
-                q, k.repeat_interleave(32 // Hkv, 1), v.repeat_interleave(32 // Hkv, 1), attn_mask=dense,
-                is_causal=dense is None)
+                q,
+                k.repeat_interleave(32 // Hkv, 1),
+                v.repeat_interleave(32 // Hkv, 1),
+                attn_mask=dense,
+                is_causal=dense is None,
+            )
             check_close(f"Hkv={Hkv}", ours(), native())
             check_close(f"Hkv={Hkv} repeat", ours(), rep())
             t_ours, t_native, t_rep = time_ms(ours), time_ms(native), time_ms(rep)
-            rows.append({"mask": "causal" if window is None else f"window {window}", "Hq": 32, "Hkv": Hkv, "L": L,
-                         "backend": used_backend(q, k, v, mask=mask), "multihead_ms": t_ours,
-                         "sdpa_enable_gqa_ms": t_native, "sdpa_repeat_kv_ms": t_rep,
-                         "multihead/sdpa_gqa": t_ours / t_native})
+            rows.append(
+                {
+                    "mask": "causal" if window is None else f"window {window}",
+                    "Hq": 32,
+                    "Hkv": Hkv,
+                    "L": L,
+                    "backend": used_backend(q, k, v, mask=mask),
+                    "multihead_ms": t_ours,
+                    "sdpa_enable_gqa_ms": t_native,
+                    "sdpa_repeat_kv_ms": t_rep,
+                    "multihead/sdpa_gqa": t_ours / t_native,
+                }
+            )
             print(rows[-1], flush=True)
     print_table("GQA / MQA", rows)
     write_csv("gqa" + ("_quick" if args.quick else ""), rows)

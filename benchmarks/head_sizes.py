@@ -25,20 +25,30 @@ def main(argv=None) -> list[dict]:
     print(f"# Dv != D prefill, L={L}, fp32, causal ({context()}); {machine_state()}")
     g = torch.Generator().manual_seed(0)
     rows = []
-    for name, H, Hkv, D, Dv, prefix in (("MLA absorbed (v = k[..., :512])", 16, 1, 576, 512, True),
-                                        ("MLA naive", 16, 16, 192, 128, False),
-                                        ("wider V", 8, 8, 64, 96, False)):
+    for name, H, Hkv, D, Dv, prefix in (
+        ("MLA absorbed (v = k[..., :512])", 16, 1, 576, 512, True),
+        ("MLA naive", 16, 16, 192, 128, False),
+        ("wider V", 8, 8, 64, 96, False),
+    ):
         q = torch.randn(1, H, L, D, generator=g)
         k = torch.randn(1, Hkv, L, D, generator=g)
         v = k[..., :Dv] if prefix else torch.randn(1, Hkv, L, Dv, generator=g)
         ke, ve = k.expand(1, H, L, D), v.expand(1, H, L, Dv)  # raw SDPA: heads expanded as views
-        fns = {"raw SDPA (math kernel)": lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True),
-               "multihead sdpa": lambda: mh.attention(q, k, v, mask=mh.causal(), backend="sdpa")}
+        fns = {
+            "raw SDPA (math kernel)": lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True),
+            "multihead sdpa": lambda: mh.attention(q, k, v, mask=mh.causal(), backend="sdpa"),
+        }
         with torch.no_grad():
             check_close(name, fns["multihead sdpa"](), fns["raw SDPA (math kernel)"](), atol=1e-4)
             ms = fastest_ms(fns, rounds, 0.3)
-        rows.append({"case": name, "raw SDPA ms": ms["raw SDPA (math kernel)"], "multihead ms": ms["multihead sdpa"],
-                     "x raw": ms["raw SDPA (math kernel)"] / ms["multihead sdpa"]})
+        rows.append(
+            {
+                "case": name,
+                "raw SDPA ms": ms["raw SDPA (math kernel)"],
+                "multihead ms": ms["multihead sdpa"],
+                "x raw": ms["raw SDPA (math kernel)"] / ms["multihead sdpa"],
+            }
+        )
     print_table(f"fastest of {rounds} interleaved rounds; {machine_state()}", rows)
     write_csv("head_sizes" + ("_quick" if args.quick else ""), rows)
     return rows

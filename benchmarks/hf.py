@@ -46,8 +46,15 @@ import torch
 from common import THREADS, context, machine_state, print_table, write_csv
 
 IMPLS = ("eager", "sdpa", "multihead")
-SIZES = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, max_position_embeddings=8192)
+SIZES = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+)
 TOLERANCE = 1e-4  # relative max difference to eager (fp32; 4 layers of reordered sums)
 
 
@@ -86,8 +93,10 @@ def check_hidden(model, ids: torch.Tensor) -> dict[str, float]:
     errors = {impl: _relative(out[impl], out["eager"]) for impl in IMPLS[1:]}
     for impl, err in errors.items():
         if not err <= TOLERANCE:
-            raise AssertionError(f"{impl}: hidden states differ from eager by {err:.2e} (relative) > {TOLERANCE:.0e}; "
-                                 f"not timing a wrong result")
+            raise AssertionError(
+                f"{impl}: hidden states differ from eager by {err:.2e} (relative) > {TOLERANCE:.0e}; "
+                f"not timing a wrong result"
+            )
     return errors
 
 
@@ -123,7 +132,9 @@ def prefill_fns(model, ids: torch.Tensor, impls=IMPLS) -> dict:
         def fn():
             model.set_attn_implementation(impl)
             return model(ids, logits_to_keep=1, use_cache=False)
+
         return fn
+
     return {impl: run(impl) for impl in impls}
 
 
@@ -232,13 +243,17 @@ def main(argv=None) -> list[dict]:
     steps = 16 if args.quick else 64
     windows = (1024,) if args.quick else (1024, 512)
     parts = args.only or ("prefill", "decode", "window")
-    print(f"# Hugging Face models, attn_implementation eager / sdpa / multihead ({context()}; "
-          f"transformers {transformers.__version__}; device {args.device}, fp32, batch 1)")
+    print(
+        f"# Hugging Face models, attn_implementation eager / sdpa / multihead ({context()}; "
+        f"transformers {transformers.__version__}; device {args.device}, fp32, batch 1)"
+    )
     print(f"sizes: {SIZES}")
 
     def log(r, times):
-        print(f"  round {r}: " + ", ".join(f"{k} {w * 1e3:.1f} ms (cpu {c * 1e3:.0f})" for k, (w, c) in times.items()),
-              flush=True)
+        print(
+            f"  round {r}: " + ", ".join(f"{k} {w * 1e3:.1f} ms (cpu {c * 1e3:.0f})" for k, (w, c) in times.items()),
+            flush=True,
+        )
 
     rows = []
     with torch.no_grad():
@@ -246,8 +261,10 @@ def main(argv=None) -> list[dict]:
             model = build("llama", args.device)
             ids = tokens(1024, args.device)
             errors = check_hidden(model, ids)
-            print("\nLlama, 1024 tokens: hidden states vs eager (relative max difference): "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+            print(
+                "\nLlama, 1024 tokens: hidden states vs eager (relative max difference): "
+                + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+            )
             if "prefill" in parts:
                 print(f"prefill 1024 tokens, {rounds} rounds; {machine_state()}")
                 samples = timed_rounds(prefill_fns(model, ids), rounds, args.device, log)
@@ -260,8 +277,10 @@ def main(argv=None) -> list[dict]:
                     got_tokens, got = decoder.greedy(impl)
                     err = _relative(got, want)
                     if not torch.equal(got_tokens, picked) or not err <= TOLERANCE:
-                        raise AssertionError(f"{impl}: decode steps differ from eager (tokens equal: "
-                                             f"{torch.equal(got_tokens, picked)}, logits {err:.2e} relative)")
+                        raise AssertionError(
+                            f"{impl}: decode steps differ from eager (tokens equal: "
+                            f"{torch.equal(got_tokens, picked)}, logits {err:.2e} relative)"
+                        )
                     print(f"decode {steps} steps, {impl}: the same greedy tokens as eager, logits {err:.1e} relative")
                 print(f"decode {steps} steps from 1024 tokens, {rounds} rounds; {machine_state()}")
                 samples = decoder.lockstep(picked, rounds, args.device, log)
@@ -274,8 +293,10 @@ def main(argv=None) -> list[dict]:
             for w in windows:
                 model = build("mistral", args.device, window=w)
                 errors = check_hidden(model, ids)
-                print(f"\nMistral sliding_window={w}, 4096 tokens: hidden states vs eager: "
-                      + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+                print(
+                    f"\nMistral sliding_window={w}, 4096 tokens: hidden states vs eager: "
+                    + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+                )
                 print(f"prefill 4096 tokens, window {w}, {rounds} rounds of sdpa and multihead; {machine_state()}")
                 wall, cpu = timed_rounds(prefill_fns(model, ids, IMPLS[1:]), rounds, args.device, log)
                 wall["eager"], cpu["eager"] = ([x] for x in timed_once(prefill_fns(model, ids)["eager"], args.device))
@@ -284,19 +305,29 @@ def main(argv=None) -> list[dict]:
                 print(f"after: {machine_state()}")
                 del model
     table = [{k: v for k, v in r.items() if k != "load"} for r in rows]
-    print_table(f"Hugging Face model, median ms of {rounds} interleaved rounds ({THREADS} threads, {args.device}); "
-                f"{machine_state()}", table)
+    print_table(
+        f"Hugging Face model, median ms of {rounds} interleaved rounds ({THREADS} threads, {args.device}); "
+        f"{machine_state()}",
+        table,
+    )
     for r in rows:
         if r["case"].startswith("prefill 1024"):
-            print(f"prefill 1024: multihead {r['multihead/sdpa']:.3f}x sdpa (target <= 1.05), "
-                  f"{r['eager/multihead']:.2f}x faster than eager (target >= 1.3; sdpa: {r['eager/sdpa']:.2f}x)")
+            print(
+                f"prefill 1024: multihead {r['multihead/sdpa']:.3f}x sdpa (target <= 1.05), "
+                f"{r['eager/multihead']:.2f}x faster than eager (target >= 1.3; sdpa: {r['eager/sdpa']:.2f}x)"
+            )
         elif r["case"].startswith("decode"):
             print(f"decode step: multihead {r['multihead/sdpa']:.3f}x sdpa (target <= 1: no slower)")
         else:
             print(f"{r['case']}: multihead {r['multihead/sdpa']:.3f}x sdpa (target < 1: faster)")
     if rows:
-        write_csv("hf" + ("_quick" if args.quick else "") + ("" if args.device == "cpu" else f"_{args.device}")
-                  + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
+        write_csv(
+            "hf"
+            + ("_quick" if args.quick else "")
+            + ("" if args.device == "cpu" else f"_{args.device}")
+            + ("" if THREADS == 2 else f"_{THREADS}threads"),
+            rows,
+        )
     return rows
 
 

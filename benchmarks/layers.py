@@ -80,18 +80,21 @@ def build(E: int, H: int, L: int) -> dict[str, callable]:
         floor.qkv.weight.copy_(torch.cat([Wq, Wk, Wv]))
         floor.qkv.bias.copy_(torch.cat([bq, bk, bv]))
         floor.out.load_state_dict(ours.out_proj.state_dict())
-        for dst, src in zip((naive.W_q, naive.W_k, naive.W_v, naive.W_o),
-                            (ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj)):
+        for dst, src in zip(
+            (naive.W_q, naive.W_k, naive.W_v, naive.W_o), (ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj)
+        ):
             dst.load_state_dict(src.state_dict())
     causal_mask = torch.ones(L, L, dtype=torch.bool).triu(1)  # PyTorch's polarity: True = blocked
     contenders = {
         "multihead": ours,
         "floor": floor,
         "torch_mha(need_weights=True)": lambda x: torch_mha(x, x, x, attn_mask=causal_mask, is_causal=True)[0],
-        "torch_mha(need_weights=False)": lambda x: torch_mha(x, x, x, attn_mask=causal_mask, is_causal=True,
-                                                             need_weights=False)[0],
-        "compat(need_weights=False)": lambda x: compat(x, x, x, attn_mask=causal_mask, is_causal=True,
-                                                       need_weights=False)[0],
+        "torch_mha(need_weights=False)": lambda x: torch_mha(
+            x, x, x, attn_mask=causal_mask, is_causal=True, need_weights=False
+        )[0],
+        "compat(need_weights=False)": lambda x: compat(
+            x, x, x, attn_mask=causal_mask, is_causal=True, need_weights=False
+        )[0],
         "naive": naive,
     }
     xt = _x_transformers(E, H)
@@ -119,8 +122,12 @@ def _x_transformers(E: int, H: int):
         xt = Attention(E, heads=H, dim_head=E // H, causal=True, flash=True)
         twin = mh.MultiHeadAttention(E, H, causal=True, qkv_bias=False, out_bias=False)
         with torch.no_grad():
-            for dst, src in ((twin.q_proj, xt.to_q), (twin.k_proj, xt.to_k), (twin.v_proj, xt.to_v),
-                             (twin.out_proj, xt.to_out)):
+            for dst, src in (
+                (twin.q_proj, xt.to_q),
+                (twin.k_proj, xt.to_k),
+                (twin.v_proj, xt.to_v),
+                (twin.out_proj, xt.to_out),
+            ):
                 dst.weight.copy_(src.weight)
         x = torch.randn(2, 64, E)
         check_close("x_transformers vs bias-free multihead", xt(x), twin(x))
@@ -141,7 +148,10 @@ def main(argv=None) -> list[dict]:
     x = torch.randn(B, L, E, generator=torch.Generator().manual_seed(2))
     D = E // H
     q = torch.randn(B, H, L, D)
-    print("multihead dispatch for this layer's call:\n  " + str(mh.explain(q, q, q, mask=mh.causal())).replace("\n", "\n  "))
+    print(
+        "multihead dispatch for this layer's call:\n  "
+        + str(mh.explain(q, q, q, mask=mh.causal())).replace("\n", "\n  ")
+    )
 
     with torch.no_grad():  # correctness first, on the inputs that are timed
         want = contenders["floor"](x)
@@ -154,7 +164,10 @@ def main(argv=None) -> list[dict]:
     # processes on a shared machine falls on all of them; interference only ever adds time, so
     # each contender's fastest run is its least disturbed one.
     xg = x.clone().requires_grad_(True)
-    passes = {"forward": lambda fn: _no_grad(lambda: fn(x)), "forward+backward": lambda fn: lambda: fn(xg).sum().backward()}
+    passes = {
+        "forward": lambda fn: _no_grad(lambda: fn(x)),
+        "forward+backward": lambda fn: lambda: fn(xg).sum().backward(),
+    }
     for fn in contenders.values():
         for make in passes.values():
             make(fn)()
@@ -163,8 +176,11 @@ def main(argv=None) -> list[dict]:
         for name, fn in contenders.items():
             for p, make in passes.items():
                 runs[name, p] += _time(make(fn), min_run_time)
-            print(f"  round {r + 1}/{rounds}  {name:32s} " + "   ".join(
-                f"{p} {min(runs[name, p][-3:]):8.1f} ms" for p in passes), flush=True)
+            print(
+                f"  round {r + 1}/{rounds}  {name:32s} "
+                + "   ".join(f"{p} {min(runs[name, p][-3:]):8.1f} ms" for p in passes),
+                flush=True,
+            )
     best = {key: min(times) for key, times in runs.items()}
     median = {key: statistics.median(times) for key, times in runs.items()}
 
@@ -173,22 +189,47 @@ def main(argv=None) -> list[dict]:
         floor_ms = best["floor", p]
         for name in contenders:
             ms = best[name, p]
-            rows.append({"pass": p, "contender": name, "ms": round(ms, 1), "tokens_per_s": round(B * L / ms * 1e3),
-                         "vs_floor": round(ms / floor_ms, 3), "median_ms": round(median[name, p], 1),
-                         "median_vs_floor": round(median[name, p] / median["floor", p], 3), "runs": len(runs[name, p]),
-                         "threads": THREADS, "torch": torch.__version__,
-                         "B": B, "L": L, "E": E, "H": H, "dtype": "float32"})
-    print_table(f"layers, B={B} L={L} E={E} H={H} causal fp32, fastest run of {rounds} round(s), {THREADS} threads",
-                [{k: r[k] for k in ("pass", "contender", "ms", "tokens_per_s", "vs_floor", "median_ms", "median_vs_floor", "runs")}
-                 for r in rows])
+            rows.append(
+                {
+                    "pass": p,
+                    "contender": name,
+                    "ms": round(ms, 1),
+                    "tokens_per_s": round(B * L / ms * 1e3),
+                    "vs_floor": round(ms / floor_ms, 3),
+                    "median_ms": round(median[name, p], 1),
+                    "median_vs_floor": round(median[name, p] / median["floor", p], 3),
+                    "runs": len(runs[name, p]),
+                    "threads": THREADS,
+                    "torch": torch.__version__,
+                    "B": B,
+                    "L": L,
+                    "E": E,
+                    "H": H,
+                    "dtype": "float32",
+                }
+            )
+    print_table(
+        f"layers, B={B} L={L} E={E} H={H} causal fp32, fastest run of {rounds} round(s), {THREADS} threads",
+        [
+            {
+                k: r[k]
+                for k in ("pass", "contender", "ms", "tokens_per_s", "vs_floor", "median_ms", "median_vs_floor", "runs")
+            }
+            for r in rows
+        ],
+    )
     for p in ("forward", "forward+backward"):
         ours = best["multihead", p]
-        print(f"{p}: multihead is {ours / best['floor', p]:.3f}x the floor (target <= 1.10), "
-              f"{best['torch_mha(need_weights=True)', p] / ours:.2f}x faster than nn.MultiheadAttention's default "
-              f"and {best['naive', p] / ours:.2f}x faster than the naive MHA (target >= 1.5)")
+        print(
+            f"{p}: multihead is {ours / best['floor', p]:.3f}x the floor (target <= 1.10), "
+            f"{best['torch_mha(need_weights=True)', p] / ours:.2f}x faster than nn.MultiheadAttention's default "
+            f"and {best['naive', p] / ours:.2f}x faster than the naive MHA (target >= 1.5)"
+        )
     if args.quick:  # at L=256 the projections dominate and every contender is close
-        print("(the targets are set for the full B=8 L=1024 run, `make bench`; this quick shape only checks "
-              "that every contender runs and agrees)")
+        print(
+            "(the targets are set for the full B=8 L=1024 run, `make bench`; this quick shape only checks "
+            "that every contender runs and agrees)"
+        )
     write_csv("layers" + ("_quick" if args.quick else ""), rows)
     return rows
 

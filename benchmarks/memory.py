@@ -22,15 +22,23 @@ CONFIGS = {
     "inputs only (baseline) L=16384": (16384, "pass"),
     "sliding window 512, multihead, L=16384": (16384, "mh.attention(q, k, v, mask=mh.sliding_window(512))"),
     "sliding window 512, SDPA + dense bool mask, L=16384": (
-        16384, "F.scaled_dot_product_attention(q, k, v, attn_mask=mh.sliding_window(512).materialize(1, 8, L, L))"),
+        16384,
+        "F.scaled_dot_product_attention(q, k, v, attn_mask=mh.sliding_window(512).materialize(1, 8, L, L))",
+    ),
     "inputs only (baseline) L=8192": (8192, "pass"),
     "weights of 1 head, causal, weights_heads=0, L=8192": (
-        8192, "mh.attention(q, k, v, mask=mh.causal(), return_weights=True, weights_heads=0)"),
+        8192,
+        "mh.attention(q, k, v, mask=mh.causal(), return_weights=True, weights_heads=0)",
+    ),
     "sliding window 512 fwd+bwd, multihead, L=8192": (
-        8192, "q.requires_grad_(); mh.attention(q, k, v, mask=mh.sliding_window(512)).sum().backward()"),
+        8192,
+        "q.requires_grad_(); mh.attention(q, k, v, mask=mh.sliding_window(512)).sum().backward()",
+    ),
     "sliding window 512 fwd+bwd, SDPA + dense bool mask, L=8192": (
-        8192, "q.requires_grad_(); F.scaled_dot_product_attention(q, k, v, "
-              "attn_mask=mh.sliding_window(512).materialize(1, 8, L, L)).sum().backward()"),
+        8192,
+        "q.requires_grad_(); F.scaled_dot_product_attention(q, k, v, "
+        "attn_mask=mh.sliding_window(512).materialize(1, 8, L, L)).sum().backward()",
+    ),
     "causal, multihead auto, L=8192": (8192, "mh.attention(q, k, v, mask=mh.causal())"),
 }
 QUICK = [n for n in CONFIGS if "16384" in n or "weights" in n or "L=8192" in n and "baseline" in n]
@@ -56,8 +64,12 @@ print(json.dumps(peak))
 
 def measure(L: int, code: str) -> float:
     """Peak resident MiB of a fresh process running ``code``."""
-    out = subprocess.run([sys.executable, "-c", CHILD.format(src=str(HERE.parent / "src"), L=L, code=code)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(src=str(HERE.parent / "src"), L=L, code=code)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -83,8 +95,10 @@ def main(argv=None) -> list[dict]:
         print(f"sliding window L=16384: extra memory multihead / dense-mask SDPA = {extra[ours] / extra[dense]:.3f}")
     w = "weights of 1 head, causal, weights_heads=0, L=8192"
     if w in extra:
-        print(f"weights of one head at L=8192: extra {extra[w]:.0f} MiB; all heads B*H*L^2 fp32 would be "
-              f"{8 * 8192 * 8192 * 4 / 2**20:.0f} MiB")
+        print(
+            f"weights of one head at L=8192: extra {extra[w]:.0f} MiB; all heads B*H*L^2 fp32 would be "
+            f"{8 * 8192 * 8192 * 4 / 2**20:.0f} MiB"
+        )
     print_table("peak memory (MiB, one subprocess per configuration)", rows)
     write_csv("memory" + ("_quick" if args.quick else ""), rows)
     return rows

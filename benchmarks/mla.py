@@ -35,8 +35,14 @@ E, H, C, R, N, V = 2048, 16, 512, 64, 128, 128  # d_model, heads, kv_lora_rank, 
 GQA_KV_HEADS, HEAD_DIM = 8, E // H
 
 
-def cache_bytes_per_token(d_model: int = E, num_heads: int = H, *, kv_lora_rank: int = C, rope_dim: int = R,
-                          dtype: torch.dtype = torch.float32) -> list[dict]:
+def cache_bytes_per_token(
+    d_model: int = E,
+    num_heads: int = H,
+    *,
+    kv_lora_rank: int = C,
+    rope_dim: int = R,
+    dtype: torch.dtype = torch.float32,
+) -> list[dict]:
     """Bytes one token takes in one layer's cache (one sequence), for MHA, GQA (8 KV heads), MQA
     of head dim ``d_model // num_heads`` and MLA, each measured from a real cache after a prefill
     and checked against its formula (``2 · Hkv · D`` and ``C + R`` elements)."""
@@ -46,7 +52,9 @@ def cache_bytes_per_token(d_model: int = E, num_heads: int = H, *, kv_lora_rank:
     with torch.no_grad():
         for name, kv_heads in (("MHA", num_heads), (f"GQA ({GQA_KV_HEADS} KV heads)", GQA_KV_HEADS), ("MQA", 1)):
             cache = mh.DynamicKVCache(capacity=T)
-            mh.MultiHeadAttention(d_model, num_heads, num_kv_heads=kv_heads, causal=True, dtype=dtype)(x, kv_cache=cache)
+            mh.MultiHeadAttention(d_model, num_heads, num_kv_heads=kv_heads, causal=True, dtype=dtype)(
+                x, kv_cache=cache
+            )
             rows.append({"layer": name, "elements": 2 * kv_heads * (d_model // num_heads), "bytes": cache.nbytes // T})
         mla = _mla(d_model, num_heads, dtype=dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
         cache = mh.LatentKVCache(capacity=T)
@@ -55,16 +63,25 @@ def cache_bytes_per_token(d_model: int = E, num_heads: int = H, *, kv_lora_rank:
     mla_bytes = rows[-1]["bytes"]
     for row in rows:
         if row["bytes"] != row["elements"] * size:
-            raise AssertionError(f"{row['layer']}: the cache holds {row['bytes']} bytes per token, the formula "
-                                 f"says {row['elements'] * size}")
+            raise AssertionError(
+                f"{row['layer']}: the cache holds {row['bytes']} bytes per token, the formula "
+                f"says {row['elements'] * size}"
+            )
         row["bf16 bytes"] = row["elements"] * 2
         row["x MLA"] = row["bytes"] / mla_bytes
     return rows
 
 
 def _mla(d_model=E, num_heads=H, *, dtype=torch.float32, kv_lora_rank=C, rope_dim=R):
-    return MLA(d_model, num_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=N, qk_rope_head_dim=rope_dim,
-               v_head_dim=V, dtype=dtype).eval()
+    return MLA(
+        d_model,
+        num_heads,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=N,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=V,
+        dtype=dtype,
+    ).eval()
 
 
 MLA = mh.MultiHeadLatentAttention
@@ -80,8 +97,10 @@ def _filled(layer, S: int, capacity: int, gen) -> mh.KVCache:
         cache.update(rows, rows[..., :C])
         return cache
     cache = mh.DynamicKVCache(capacity=capacity)
-    cache.update(torch.randn(1, GQA_KV_HEADS, S, HEAD_DIM, generator=gen),
-                 torch.randn(1, GQA_KV_HEADS, S, HEAD_DIM, generator=gen))
+    cache.update(
+        torch.randn(1, GQA_KV_HEADS, S, HEAD_DIM, generator=gen),
+        torch.randn(1, GQA_KV_HEADS, S, HEAD_DIM, generator=gen),
+    )
     return cache
 
 
@@ -104,6 +123,7 @@ def _step(layer, x, cache, S: int, mode: str | None = None):
         out = layer(x, kv_cache=cache)
         cache.crop(S)  # the next timed call sees the same S tokens
         return out
+
     return run
 
 
@@ -112,7 +132,9 @@ def _explained(layer, x, cache, mode: str) -> str:
     report = layer.explain(x, kv_cache=cache)
     B, Hq, Hkv, Lq, Lk, D, Dv = report.shape
     kernel = next((line.split(": ", 1)[1] for line in report.plan if line.startswith("PyTorch kernel")), None)
-    return f"{mode}: Hq={Hq} Hkv={Hkv} D={D} Dv={Dv} -> backend {report.backend}" + (f" (kernel {kernel})" if kernel else "")
+    return f"{mode}: Hq={Hq} Hkv={Hkv} D={D} Dv={Dv} -> backend {report.backend}" + (
+        f" (kernel {kernel})" if kernel else ""
+    )
 
 
 def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bool) -> dict:
@@ -121,8 +143,11 @@ def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bo
     x = torch.randn(1, 1, E, generator=gen)  # the new token
     with torch.no_grad():
         latent, kv = _filled(mla, S, S + 8, gen), _filled(gqa, S, S + 8, gen)
-        fns = {"MLA absorbed": _step(mla, x, latent, S, "absorbed"), "MLA naive": _step(mla, x, latent, S, "naive"),
-               "GQA": _step(gqa, x, kv, S)}
+        fns = {
+            "MLA absorbed": _step(mla, x, latent, S, "absorbed"),
+            "MLA naive": _step(mla, x, latent, S, "naive"),
+            "GQA": _step(gqa, x, kv, S),
+        }
         outs = {name: fn() for name, fn in fns.items()}
         check_close("MLA naive vs absorbed", outs["MLA naive"], outs["MLA absorbed"], atol=1e-4)
         if check64:  # each contender against a float64 copy of itself on the same cache
@@ -159,21 +184,34 @@ def main(argv=None) -> list[dict]:
     rounds = args.rounds or (2 if args.quick else 3)
     torch.manual_seed(0)
     print(f"# MLA decode ({context()})")
-    print(f"d_model={E}, heads={H}, kv_lora_rank={C}, rope={R}, nope={N}, v={V}; GQA: {H} heads of {HEAD_DIM}, "
-          f"{GQA_KV_HEADS} KV heads; fp32, batch 1, one token per step")
+    print(
+        f"d_model={E}, heads={H}, kv_lora_rank={C}, rope={R}, nope={N}, v={V}; GQA: {H} heads of {HEAD_DIM}, "
+        f"{GQA_KV_HEADS} KV heads; fp32, batch 1, one token per step"
+    )
 
     sizes = cache_bytes_per_token()
     print_table(f"Cache bytes per token and layer (d_model={E}, {H} heads of {HEAD_DIM}; MLA: C={C}, R={R})", sizes)
     gqa_row = next(r for r in sizes if r["layer"].startswith("GQA"))
-    print(f"MLA cache is {gqa_row['x MLA']:.2f}x smaller per token than GQA with {GQA_KV_HEADS} KV heads "
-          f"(target >= 4)")
+    print(f"MLA cache is {gqa_row['x MLA']:.2f}x smaller per token than GQA with {GQA_KV_HEADS} KV heads (target >= 4)")
 
-    layers = {"mla": _mla(), "gqa": mh.MultiHeadAttention(E, H, num_kv_heads=GQA_KV_HEADS, causal=True, qkv_bias=False,
-                                                           out_bias=False, rope=RotaryEmbedding(HEAD_DIM)).eval()}
+    layers = {
+        "mla": _mla(),
+        "gqa": mh.MultiHeadAttention(
+            E, H, num_kv_heads=GQA_KV_HEADS, causal=True, qkv_bias=False, out_bias=False, rope=RotaryEmbedding(HEAD_DIM)
+        ).eval(),
+    }
     layers["mla64"] = _mla(dtype=torch.float64)
     layers["mla64"].load_state_dict(layers["mla"].state_dict())
-    layers["gqa64"] = mh.MultiHeadAttention(E, H, num_kv_heads=GQA_KV_HEADS, causal=True, qkv_bias=False,
-                                            out_bias=False, rope=RotaryEmbedding(HEAD_DIM), dtype=torch.float64).eval()
+    layers["gqa64"] = mh.MultiHeadAttention(
+        E,
+        H,
+        num_kv_heads=GQA_KV_HEADS,
+        causal=True,
+        qkv_bias=False,
+        out_bias=False,
+        rope=RotaryEmbedding(HEAD_DIM),
+        dtype=torch.float64,
+    ).eval()
     layers["gqa64"].load_state_dict(layers["gqa"].state_dict())
     print(f"before: {machine_state()}")
     rows = []
@@ -184,15 +222,24 @@ def main(argv=None) -> list[dict]:
     after = machine_state()
     print(f"after: {after}")
     print("dispatch: " + rows[0]["notes"])
-    table = [{"cache": r["cache"],
-              **{f"{name} tok/s": r[f"{name} tok/s"] for name in ("MLA absorbed", "MLA naive", "GQA")},
-              "MLA MB read": r["MLA absorbed cache MB read"], "naive K/V built MB": r["MLA naive K/V built MB"],
-              "GQA MB read": r["GQA cache MB read"],
-              "naive / absorbed": r["naive / absorbed"], "GQA / absorbed": r["GQA / absorbed"]} for r in rows]
+    table = [
+        {
+            "cache": r["cache"],
+            **{f"{name} tok/s": r[f"{name} tok/s"] for name in ("MLA absorbed", "MLA naive", "GQA")},
+            "MLA MB read": r["MLA absorbed cache MB read"],
+            "naive K/V built MB": r["MLA naive K/V built MB"],
+            "GQA MB read": r["GQA cache MB read"],
+            "naive / absorbed": r["naive / absorbed"],
+            "GQA / absorbed": r["GQA / absorbed"],
+        }
+        for r in rows
+    ]
     print_table(f"Decode step, tokens/s (batch 1), fastest of {rounds} interleaved rounds; {after}", table)
     for r in rows:
-        print(f"cache {r['cache']}: absorbed {r['naive / absorbed']:.1f}x faster than naive (target > 1 at >= 4k), "
-              f"{r['GQA / absorbed']:.2f}x the GQA layer's speed")
+        print(
+            f"cache {r['cache']}: absorbed {r['naive / absorbed']:.1f}x faster than naive (target > 1 at >= 4k), "
+            f"{r['GQA / absorbed']:.2f}x the GQA layer's speed"
+        )
     write_csv("mla" + ("_quick" if args.quick else ""), [{k: v for k, v in r.items() if k != "notes"} for r in rows])
     return rows
 

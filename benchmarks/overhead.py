@@ -49,7 +49,9 @@ class HandWritten(nn.Module):
 
     def forward(self, x, attn_mask=None):
         Bx, Lx, E = x.shape
-        q, k, v = (p(x).view(Bx, Lx, self.H, E // self.H).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, L, D)
+        q, k, v = (
+            p(x).view(Bx, Lx, self.H, E // self.H).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )  # (B, H, L, D)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
         return self.out(y.transpose(1, 2).reshape(Bx, Lx, E))
 
@@ -76,41 +78,86 @@ def main(argv=None) -> list[dict]:
     raw_band = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=band_dense)  # noqa: E731
     cases = [  # (case, multihead call, matching raw call, backend note)
         ("no mask", lambda: mh.attention(q, k, v), raw, used_backend(q, k, v)),
-        ("causal() built once", lambda: mh.attention(q, k, v, mask=causal),
-         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), used_backend(q, k, v, mask=causal)),
-        ("causal() & sliding_window(w) built once", lambda: mh.attention(q, k, v, mask=band), raw_band,
-         used_backend(q, k, v, mask=band)),
-        ("causal() & sliding_window(w) rebuilt per call",
-         lambda: mh.attention(q, k, v, mask=mh.causal() & mh.sliding_window(WINDOW)), raw_band,
-         used_backend(q, k, v, mask=band)),
+        (
+            "causal() built once",
+            lambda: mh.attention(q, k, v, mask=causal),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            used_backend(q, k, v, mask=causal),
+        ),
+        (
+            "causal() & sliding_window(w) built once",
+            lambda: mh.attention(q, k, v, mask=band),
+            raw_band,
+            used_backend(q, k, v, mask=band),
+        ),
+        (
+            "causal() & sliding_window(w) rebuilt per call",
+            lambda: mh.attention(q, k, v, mask=mh.causal() & mh.sliding_window(WINDOW)),
+            raw_band,
+            used_backend(q, k, v, mask=band),
+        ),
         ("  building that mask only", lambda: mh.causal() & mh.sliding_window(WINDOW), None, "-"),
         ("layer causal=True, no mask", lambda: layer(x), lambda: hand(x), "layer"),
-        ("layer causal=True, sliding_window(w) reused", lambda: layer(x, mask=window),
-         lambda: hand(x, attn_mask=band_dense), "layer"),
+        (
+            "layer causal=True, sliding_window(w) reused",
+            lambda: layer(x, mask=window),
+            lambda: hand(x, attn_mask=band_dense),
+            "layer",
+        ),
     ]
 
     with torch.no_grad():
         for name, ours, theirs, _ in cases:  # correctness first, on the inputs that are timed
             if theirs is not None:
                 check_close(name, ours(), theirs(), atol=1e-5)
-        timed = {fn: fn for fn in [ours for _, ours, _, _ in cases] + [raw] + [theirs for _, _, theirs, _ in cases]
-                 if fn is not None}  # each distinct call once
+        timed = {
+            fn: fn
+            for fn in [ours for _, ours, _, _ in cases] + [raw] + [theirs for _, _, theirs, _ in cases]
+            if fn is not None
+        }  # each distinct call once
         best = fastest_ms(timed, rounds, min_run_time, threads=TIMED_THREADS)
         fastest = lambda fn: best[fn] if fn is not None else float("nan")  # noqa: E731
         t_raw, t_raw_suite = fastest(raw), fastest_ms({raw: raw}, 1, min_run_time)[raw]
         rows = []
         for name, ours, theirs, backend in cases:
             t_ours, t_theirs = fastest(ours), fastest(theirs)
-            rows.append({"case": name, "backend": backend, "multihead_us": t_ours * 1e3,
-                         "matching_raw_us": t_theirs * 1e3, "/ matching raw": t_ours / t_theirs,
-                         "/ raw no mask": t_ours / t_raw, "overhead_us": (t_ours - t_theirs) * 1e3,
-                         "threads": TIMED_THREADS, "rounds": rounds, "torch": torch.__version__})
-    print_table(f"per-call overhead, fastest of {rounds} interleaved rounds (raw SDPA without mask: "
-                f"{t_raw * 1e3:.1f} us; ratios from one run)",
-                [{c: r[c] for c in ("case", "backend", "multihead_us", "matching_raw_us", "/ matching raw",
-                                    "/ raw no mask", "overhead_us")} for r in rows])
-    print(f"raw SDPA without mask with {THREADS} threads: {t_raw_suite * 1e3:.1f} us "
-          f"({t_raw_suite / t_raw:.1f}x the 1-thread call: the parallel region's wake-up)")
+            rows.append(
+                {
+                    "case": name,
+                    "backend": backend,
+                    "multihead_us": t_ours * 1e3,
+                    "matching_raw_us": t_theirs * 1e3,
+                    "/ matching raw": t_ours / t_theirs,
+                    "/ raw no mask": t_ours / t_raw,
+                    "overhead_us": (t_ours - t_theirs) * 1e3,
+                    "threads": TIMED_THREADS,
+                    "rounds": rounds,
+                    "torch": torch.__version__,
+                }
+            )
+    print_table(
+        f"per-call overhead, fastest of {rounds} interleaved rounds (raw SDPA without mask: "
+        f"{t_raw * 1e3:.1f} us; ratios from one run)",
+        [
+            {
+                c: r[c]
+                for c in (
+                    "case",
+                    "backend",
+                    "multihead_us",
+                    "matching_raw_us",
+                    "/ matching raw",
+                    "/ raw no mask",
+                    "overhead_us",
+                )
+            }
+            for r in rows
+        ],
+    )
+    print(
+        f"raw SDPA without mask with {THREADS} threads: {t_raw_suite * 1e3:.1f} us "
+        f"({t_raw_suite / t_raw:.1f}x the 1-thread call: the parallel region's wake-up)"
+    )
     write_csv("overhead" + ("_quick" if args.quick else ""), rows)
     return rows
 

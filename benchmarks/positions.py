@@ -69,6 +69,7 @@ def _step(fn, leaves):
         for t in leaves:
             t.grad = None
         fn().sum().backward()
+
     return run
 
 
@@ -85,13 +86,21 @@ def _alibi(L: int, flex: bool) -> dict:
     ours = lambda: mh.attention(q, k, v, mask=causal, score_mod=alibi)
     fwd = {"multihead": lambda: mh.attention(q.detach(), k.detach(), v.detach(), mask=causal, score_mod=alibi)}
     fb = {"multihead": _step(ours, (q, k, v))}
-    row = {"case": f"causal + ALiBi, L={L}", "backend": mh.explain(q.detach(), k.detach(), v.detach(), mask=causal,
-                                                                    score_mod=alibi).backend}
+    row = {
+        "case": f"causal + ALiBi, L={L}",
+        "backend": mh.explain(q.detach(), k.detach(), v.detach(), mask=causal, score_mod=alibi).backend,
+    }
     if L <= DENSE_LIMIT:
         dense = _alibi_dense(L)
-        check_close(f"ALiBi L={L}", fwd["multihead"](), F.scaled_dot_product_attention(
-            q.detach(), k.detach(), v.detach(), attn_mask=dense), atol=2e-4)
-        fwd["sdpa dense bias"] = lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=dense)
+        check_close(
+            f"ALiBi L={L}",
+            fwd["multihead"](),
+            F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=dense),
+            atol=2e-4,
+        )
+        fwd["sdpa dense bias"] = lambda: F.scaled_dot_product_attention(
+            q.detach(), k.detach(), v.detach(), attn_mask=dense
+        )
         fb["sdpa dense bias"] = _step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), (q, k, v))
     if flex:
         fwd["flex compiled"] = _flex_forward(q.detach(), k.detach(), v.detach(), L)
@@ -114,36 +123,46 @@ def _relative(L: int) -> dict:
     torch.manual_seed(0)
     rel = RelativePositionBias(H, bidirectional=False)
     causal = mh.causal()
-    row = {"case": f"causal + T5 relative bias (table trains), L={L}",
-           "backend": mh.explain(q.detach(), k.detach(), v.detach(), mask=causal, score_mod=rel()).backend}
+    row = {
+        "case": f"causal + T5 relative bias (table trains), L={L}",
+        "backend": mh.explain(q.detach(), k.detach(), v.detach(), mask=causal, score_mod=rel()).backend,
+    }
     fwd = {"multihead": lambda: mh.attention(q.detach(), k.detach(), v.detach(), mask=causal, score_mod=rel())}
     fb = {"multihead": _step(lambda: mh.attention(q, k, v, mask=causal, score_mod=rel()), (q, k, v, rel.weight))}
     if L <= DENSE_LIMIT:
         i = torch.arange(L)
         bucket = relative_position_bucket(i.view(1, L) - i.view(L, 1), bidirectional=False)  # (L, L), built once
-        blocked = (i.view(1, L) > i.view(L, 1))
+        blocked = i.view(1, L) > i.view(L, 1)
 
         def dense():  # gathered from the table in every step: the table is differentiated through it
             return rel.weight[bucket].permute(2, 0, 1).unsqueeze(0).masked_fill(blocked, float("-inf"))
 
         with torch.no_grad():
             check_close(f"T5 L={L}", fwd["multihead"](), F.scaled_dot_product_attention(q, k, v, attn_mask=dense()))
-        fwd["sdpa dense bias"] = lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(),
-                                                                        attn_mask=dense().detach())
-        fb["sdpa dense bias"] = _step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense()),
-                                      (q, k, v, rel.weight))
+        fwd["sdpa dense bias"] = lambda: F.scaled_dot_product_attention(
+            q.detach(), k.detach(), v.detach(), attn_mask=dense().detach()
+        )
+        fb["sdpa dense bias"] = _step(
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense()), (q, k, v, rel.weight)
+        )
     return _row(row, fwd, fb)
 
 
 def _window(L: int) -> dict:
     q, k, v = _inputs(L, grad=True)
     mask, alibi = mh.sliding_window(512), ALiBi(H)
-    fwd = {"multihead": lambda: mh.attention(q.detach(), k.detach(), v.detach(), mask=mask, score_mod=alibi),
-           "window alone": lambda: mh.attention(q.detach(), k.detach(), v.detach(), mask=mask)}
-    fb = {"multihead": _step(lambda: mh.attention(q, k, v, mask=mask, score_mod=alibi), (q, k, v)),
-          "window alone": _step(lambda: mh.attention(q, k, v, mask=mask), (q, k, v))}
-    row = {"case": f"sliding_window(512) + ALiBi vs window alone, L={L} (target <= 1.3)",
-           "backend": mh.explain(q.detach(), k.detach(), v.detach(), mask=mask, score_mod=alibi).backend}
+    fwd = {
+        "multihead": lambda: mh.attention(q.detach(), k.detach(), v.detach(), mask=mask, score_mod=alibi),
+        "window alone": lambda: mh.attention(q.detach(), k.detach(), v.detach(), mask=mask),
+    }
+    fb = {
+        "multihead": _step(lambda: mh.attention(q, k, v, mask=mask, score_mod=alibi), (q, k, v)),
+        "window alone": _step(lambda: mh.attention(q, k, v, mask=mask), (q, k, v)),
+    }
+    row = {
+        "case": f"sliding_window(512) + ALiBi vs window alone, L={L} (target <= 1.3)",
+        "backend": mh.explain(q.detach(), k.detach(), v.detach(), mask=mask, score_mod=alibi).backend,
+    }
     return _row(row, fwd, fb)
 
 
@@ -156,8 +175,14 @@ def _row(row: dict, fwd: dict, fb: dict) -> dict:
             ratio = "window+ALiBi / window" if name == "window alone" else "dense / multihead"
             val_f = f["multihead"] / f[name] if name == "window alone" else f[name] / f["multihead"]
             val_b = b["multihead"] / b[name] if name == "window alone" else b[name] / b["multihead"]
-            row.update({f"{name} fwd_ms": f[name], f"{name} fwd+bwd_ms": b[name],
-                        f"{ratio} fwd": val_f, f"{ratio} fwd+bwd": val_b})
+            row.update(
+                {
+                    f"{name} fwd_ms": f[name],
+                    f"{name} fwd+bwd_ms": b[name],
+                    f"{ratio} fwd": val_f,
+                    f"{ratio} fwd+bwd": val_b,
+                }
+            )
     if "flex compiled" in f:
         row.update({"flex fwd_ms": f["flex compiled"], "flex / multihead fwd": f["flex compiled"] / f["multihead"]})
     row["threads"] = THREADS
@@ -175,11 +200,13 @@ def _memory() -> list[dict]:
         (16384, "multihead causal + T5 bias", "mh.attention(q, k, v, mask=mh.causal(), score_mod=rel())"),
         (16384, "multihead causal (no bias)", "mh.attention(q, k, v, mask=mh.causal())"),
     ]
-    prelude = ("from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes\n"
-               "rel = RelativePositionBias(8, bidirectional=False)\n"
-               "def dense_alibi(L):\n"
-               "    i = torch.arange(L); d = (i.view(1, L) - i.view(L, 1)).float()\n"
-               "    return (alibi_slopes(8).float().view(8, 1, 1) * d).masked_fill(d > 0, float('-inf')).unsqueeze(0)\n")
+    prelude = (
+        "from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes\n"
+        "rel = RelativePositionBias(8, bidirectional=False)\n"
+        "def dense_alibi(L):\n"
+        "    i = torch.arange(L); d = (i.view(1, L) - i.view(L, 1)).float()\n"
+        "    return (alibi_slopes(8).float().view(8, 1, 1) * d).masked_fill(d > 0, float('-inf')).unsqueeze(0)\n"
+    )
     rows = []
     for L, name, code in configs:
         peak = measure(L, prelude + step.format(code))

@@ -22,8 +22,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short version (a few minutes)")
     parser.add_argument("--only", nargs="*", choices=SUITE, help="run only these benchmarks")
-    parser.add_argument("--update-docs", action="store_true",
-                        help="write the plots to docs/img/ (tracked; default: benchmarks/results/)")
+    parser.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="write the plots to docs/img/ (tracked; default: benchmarks/results/)",
+    )
     args = parser.parse_args(argv)
     print(f"# multihead benchmarks ({'quick' if args.quick else 'full'}): {context()}")
     results, started = {}, time.time()
@@ -47,36 +50,56 @@ def _headlines(results) -> None:
     print("\n# headline ratios (same run)")
     for r in results.get("core") or []:
         if r["causal"] and r["L"] >= 1024:
-            print(f"dense causal L={r['L']}: auto ({r['backend']}) / raw SDPA = {r['multihead/sdpa']:.3f}  "
-                  "(target <= 1.05)")
+            print(
+                f"dense causal L={r['L']}: auto ({r['backend']}) / raw SDPA = {r['multihead/sdpa']:.3f}  "
+                "(target <= 1.05)"
+            )
     overhead = {r["case"]: r for r in results.get("overhead") or []}
-    for case, before in (("no mask", "about 3x"), ("causal() & sliding_window(w) built once", "about 77x"),
-                         ("causal() & sliding_window(w) rebuilt per call", "should fall to the built-once cost")):
+    for case, before in (
+        ("no mask", "about 3x"),
+        ("causal() & sliding_window(w) built once", "about 77x"),
+        ("causal() & sliding_window(w) rebuilt per call", "should fall to the built-once cost"),
+    ):
         if case in overhead:
-            print(f"per-call overhead, {case}: {overhead[case]['/ raw no mask']:.1f}x a raw SDPA call without mask "
-                  f"(before issue 8: {before})")
+            print(
+                f"per-call overhead, {case}: {overhead[case]['/ raw no mask']:.1f}x a raw SDPA call without mask "
+                f"(before issue 8: {before})"
+            )
     for r in results.get("sliding_window") or []:
         if r["L"] == 16384 and r["window"] == 512 and "speedup" in r:
             print(f"sliding window L=16384 w=512: {r['speedup']:.1f}x faster than SDPA + dense mask  (target >= 8)")
         if "dense/multihead" in r:
-            print(f"sliding window L={r['L']} w={r['window']}, load {r['load']} ({r['load_cores_used']:.1f} cores used "
-                  f"by it): multihead {r['dense/multihead']:.1f}x (one call per block: {r['dense/per_block']:.1f}x) "
-                  f"faster than SDPA + dense mask  (target >= 8 under load, at L=16384)")
+            print(
+                f"sliding window L={r['L']} w={r['window']}, load {r['load']} ({r['load_cores_used']:.1f} cores used "
+                f"by it): multihead {r['dense/multihead']:.1f}x (one call per block: {r['dense/per_block']:.1f}x) "
+                f"faster than SDPA + dense mask  (target >= 8 under load, at L=16384)"
+            )
     for r in results.get("decode") or []:
         if r["Lk"] >= 4096:
-            print(f"decode step B={r['B']} Lk={r['Lk']}: multihead decode {r['decode/sdpa_gqa']:.2f}x SDPA enable_gqa "
-                  f"(target >= 2), {r['multihead decode %read']:.0f}% of the measured read bandwidth "
-                  f"(target >= 60% where K/V exceed the LLC: {r['KV_vs_LLC']})")
+            print(
+                f"decode step B={r['B']} Lk={r['Lk']}: multihead decode {r['decode/sdpa_gqa']:.2f}x SDPA enable_gqa "
+                f"(target >= 2), {r['multihead decode %read']:.0f}% of the measured read bandwidth "
+                f"(target >= 60% where K/V exceed the LLC: {r['KV_vs_LLC']})"
+            )
     for r in results.get("dropout") or []:
-        print(f"dropout 0.1, fwd+bwd, {r['case']}: {r['dropout / no dropout']:.1f}x the call without dropout "
-              f"(target <= 1.5; auto with dropout: {r['backend with dropout']})")
+        print(
+            f"dropout 0.1, fwd+bwd, {r['case']}: {r['dropout / no dropout']:.1f}x the call without dropout "
+            f"(target <= 1.5; auto with dropout: {r['backend with dropout']})"
+        )
     for r in results.get("documents") or []:
         print(f"packed documents: {r['speedup']:.1f}x faster than padded + dense mask  (target >= 3)")
     for r in results.get("hf") or []:
-        target = ("<= 1.05, and eager/multihead >= 1.3" if r["case"].startswith("prefill 1024") else
-                  "<= 1" if r["case"].startswith("decode") else "< 1")
-        print(f"Hugging Face {r['case']}: multihead / sdpa = {r['multihead/sdpa']:.3f}, eager / multihead = "
-              f"{r['eager/multihead']:.2f}  (target {target})")
+        target = (
+            "<= 1.05, and eager/multihead >= 1.3"
+            if r["case"].startswith("prefill 1024")
+            else "<= 1"
+            if r["case"].startswith("decode")
+            else "< 1"
+        )
+        print(
+            f"Hugging Face {r['case']}: multihead / sdpa = {r['multihead/sdpa']:.3f}, eager / multihead = "
+            f"{r['eager/multihead']:.2f}  (target {target})"
+        )
     for r in results.get("memory") or []:
         if "16384" in r["configuration"] and "baseline" not in r["configuration"]:
             print(f"{r['configuration']}: extra {r['extra_MiB']:.0f} MiB")

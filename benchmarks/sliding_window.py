@@ -50,8 +50,10 @@ def main(argv=None) -> list[dict]:
     windows = [512] if args.quick else [256, 512, 1024]
     print(f"# sliding window  ({context()})")
     llc = last_level_cache_bytes()
-    print(f"# {machine_state()}; last-level cache {llc / MiB if llc else float('nan'):.0f} MiB (cpu0, sysfs; "
-          f"on a VM the host's, shared), memory read bandwidth {memory_read_gbps():.1f} GB/s ({THREADS} threads)")
+    print(
+        f"# {machine_state()}; last-level cache {llc / MiB if llc else float('nan'):.0f} MiB (cpu0, sysfs; "
+        f"on a VM the host's, shared), memory read bandwidth {memory_read_gbps():.1f} GB/s ({THREADS} threads)"
+    )
     rows = [] if args.no_sweep else _sweep(args, lengths, windows, llc)
     loaded = _idle_and_loaded(4096 if args.quick else 16384, 512, args.load, *((0.3, 2) if args.quick else (1.0, 2)))
     return rows + loaded
@@ -67,8 +69,15 @@ def _sweep(args, lengths, windows, llc) -> list[dict]:
             ours = lambda: mh.attention(q, k, v, mask=mask)  # noqa: E731
             dense_ok = L <= 16384  # at 32k the dense bool mask alone is 1 GiB and SDPA's math path far more
             qkvo = 4 * q.numel() * q.element_size()  # q, k, v and the output
-            row = {"window": window, "L": L, "backend": used_backend(q, k, v, mask=mask), "load": "none added",
-                   "qkvo_MiB": qkvo / MiB, "qkvo_in_LLC": bool(llc and qkvo <= llc), "dense_mask_MiB": L * L / MiB}
+            row = {
+                "window": window,
+                "L": L,
+                "backend": used_backend(q, k, v, mask=mask),
+                "load": "none added",
+                "qkvo_MiB": qkvo / MiB,
+                "qkvo_in_LLC": bool(llc and qkvo <= llc),
+                "dense_mask_MiB": L * L / MiB,
+            }
             if dense_ok:
                 dense = mask.materialize(1, 8, L, L)  # (1, 1, L, L) bool
                 sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # noqa: E731
@@ -78,8 +87,14 @@ def _sweep(args, lengths, windows, llc) -> list[dict]:
             else:
                 t_dense = float("nan")
             t_ours = time_ms(ours)
-            row.update({"multihead_ms": t_ours, "sdpa_dense_mask_ms": t_dense, "speedup": t_dense / t_ours,
-                        "ms_per_1k_tokens": t_ours / (L / 1024)})
+            row.update(
+                {
+                    "multihead_ms": t_ours,
+                    "sdpa_dense_mask_ms": t_dense,
+                    "speedup": t_dense / t_ours,
+                    "ms_per_1k_tokens": t_ours / (L / 1024),
+                }
+            )
             rows.append(row)
             print(row, flush=True)
     print_table("sliding window, all", rows)
@@ -91,8 +106,14 @@ def _sweep(args, lengths, windows, llc) -> list[dict]:
             series[f"multihead, window {window}"] = ([r["L"] for r in sel], [r["multihead_ms"] for r in sel])
         sel = [r for r in rows if r["window"] == 512 and r["sdpa_dense_mask_ms"] == r["sdpa_dense_mask_ms"]]
         series["SDPA + dense bool mask, window 512"] = ([r["L"] for r in sel], [r["sdpa_dense_mask_ms"] for r in sel])
-        plot("sliding_window", "Sliding window, B=1 H=8 D=64 fp32 forward", "L", "ms", series,
-             update_docs=args.update_docs)
+        plot(
+            "sliding_window",
+            "Sliding window, B=1 H=8 D=64 fp32 forward",
+            "L",
+            "ms",
+            series,
+            update_docs=args.update_docs,
+        )
     return rows
 
 
@@ -140,20 +161,42 @@ def _time_idle_and_loaded(contenders, L, window, load, min_run_time, rounds) -> 
         with background_load(load) if loaded else contextlib.nullcontext({}) as report:
             bandwidth = memory_read_gbps()
             ms = fastest_ms(contenders, rounds, min_run_time)
-        row = {"load": f"{load} x{report['procs']}" if loaded else "none added", "L": L, "window": window,
-               "load_cores_used": report.get("load_cpu", 0.0), "read_GBps": bandwidth,
-               **{f"{name}_ms": t for name, t in ms.items()},
-               "dense/multihead": ms["sdpa_dense_mask"] / ms["multihead"],
-               "dense/per_block": ms["sdpa_dense_mask"] / ms["per_block"],
-               "per_block/multihead": ms["per_block"] / ms["multihead"],
-               "threads": THREADS, "machine_before": state}
+        row = {
+            "load": f"{load} x{report['procs']}" if loaded else "none added",
+            "L": L,
+            "window": window,
+            "load_cores_used": report.get("load_cpu", 0.0),
+            "read_GBps": bandwidth,
+            **{f"{name}_ms": t for name, t in ms.items()},
+            "dense/multihead": ms["sdpa_dense_mask"] / ms["multihead"],
+            "dense/per_block": ms["sdpa_dense_mask"] / ms["per_block"],
+            "per_block/multihead": ms["per_block"] / ms["multihead"],
+            "threads": THREADS,
+            "machine_before": state,
+        }
         rows.append(row)
         print(row, flush=True)
-    print_table(f"sliding window L={L} w={window}, fastest of {rounds} interleaved rounds: idle vs loaded "
-                "(speed-ups over SDPA + dense mask; target >= 8 loaded)",
-                [{c: r[c] for c in ("load", "load_cores_used", "read_GBps", "multihead_ms", "per_block_ms",
-                                    "sdpa_dense_mask_ms", "dense/multihead", "dense/per_block", "per_block/multihead")}
-                 for r in rows])
+    print_table(
+        f"sliding window L={L} w={window}, fastest of {rounds} interleaved rounds: idle vs loaded "
+        "(speed-ups over SDPA + dense mask; target >= 8 loaded)",
+        [
+            {
+                c: r[c]
+                for c in (
+                    "load",
+                    "load_cores_used",
+                    "read_GBps",
+                    "multihead_ms",
+                    "per_block_ms",
+                    "sdpa_dense_mask_ms",
+                    "dense/multihead",
+                    "dense/per_block",
+                    "per_block/multihead",
+                )
+            }
+            for r in rows
+        ],
+    )
     write_csv(f"sliding_window_loaded_L{L}_{load}", rows)
     return rows
 
@@ -162,10 +205,17 @@ def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short version for make bench-quick")
     parser.add_argument("--no-sweep", action="store_true", help="only the idle vs loaded comparison")
-    parser.add_argument("--load", choices=["python", "torch"], default="python",
-                        help="what the background children run (default: a pure-Python loop per core)")
-    parser.add_argument("--update-docs", action="store_true",
-                        help="write the plot to docs/img/sliding_window.png (default: benchmarks/results/)")
+    parser.add_argument(
+        "--load",
+        choices=["python", "torch"],
+        default="python",
+        help="what the background children run (default: a pure-Python loop per core)",
+    )
+    parser.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="write the plot to docs/img/sliding_window.png (default: benchmarks/results/)",
+    )
     return parser.parse_args(argv)
 
 

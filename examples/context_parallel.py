@@ -51,8 +51,12 @@ def main():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     L, H, Hkv, D = args.length, args.heads, args.kv_heads, args.head_dim
-    mask = {"causal": mh.causal(), "window": mh.sliding_window(1024), "none": None,
-            "documents": mh.document_causal(torch.arange(L).div(L // 7 + 1, rounding_mode="floor").view(1, L))}[args.mask]
+    mask = {
+        "causal": mh.causal(),
+        "window": mh.sliding_window(1024),
+        "none": None,
+        "documents": mh.document_causal(torch.arange(L).div(L // 7 + 1, rounding_mode="floor").view(1, L)),
+    }[args.mask]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, L, D, generator=g) for h in (H, Hkv, Hkv))  # the whole sequence, on every rank
 
@@ -77,10 +81,20 @@ def main():
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             memory = (torch.cuda.max_memory_allocated() if cuda else meter.peak) / 2**20
-        line = f"{method:8s} rank {rank}/{world}: forward+backward {seconds * 1e3:8.1f} ms, peak memory {memory:7.1f} MiB"
+        line = (
+            f"{method:8s} rank {rank}/{world}: forward+backward {seconds * 1e3:8.1f} ms, peak memory {memory:7.1f} MiB"
+        )
         if method == "ring":
-            plan = plan_ring(world=world, rank=rank, batch=1, heads=H, q_shard=L // world, kv_shard=L // world,
-                             mask=mask, layout=args.layout)
+            plan = plan_ring(
+                world=world,
+                rank=rank,
+                batch=1,
+                heads=H,
+                q_shard=L // world,
+                kv_shard=L // world,
+                mask=mask,
+                layout=args.layout,
+            )
             line += f", {plan.steps_computed} of {world} steps computed, {plan.messages} K/V shards received"
         if not args.no_check:
             with torch.no_grad():

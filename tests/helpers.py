@@ -23,7 +23,7 @@ def naive_attention(q, k, v, mask, scale=None, score_mod=None):
 
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     k = k.repeat_interleave(Hq // Hkv, dim=1)
     v = v.repeat_interleave(Hq // Hkv, dim=1)
     scores = (q @ k.transpose(-2, -1)) * scale
@@ -43,8 +43,9 @@ def ulp_floor(dtype: torch.dtype, magnitude: float) -> float:
     return 4 * torch.finfo(dtype).eps * max(1.0, magnitude)
 
 
-def assert_relative(x: Tensor, ref: Tensor, baseline: Tensor, factor: float, what: str = "output",
-                    magnitude: float | None = None) -> None:
+def assert_relative(
+    x: Tensor, ref: Tensor, baseline: Tensor, factor: float, what: str = "output", magnitude: float | None = None
+) -> None:
     """``max|x - ref| <= factor * max|baseline - ref| + floor``, plus the same on the mean error.
 
     ``magnitude`` sets the floor's scale when ``ref`` alone understates it (a gradient that is
@@ -56,8 +57,10 @@ def assert_relative(x: Tensor, ref: Tensor, baseline: Tensor, factor: float, wha
     err_x = (x.double() - ref).abs()
     err_b = (baseline.double() - ref).abs()
     floor = ulp_floor(x.dtype, float(ref.abs().max()) if magnitude is None else magnitude)
-    msg = (f"{what}: max err {float(err_x.max()):.3e}, baseline max err {float(err_b.max()):.3e}, "
-           f"mean err {float(err_x.mean()):.3e} vs baseline mean {float(err_b.mean()):.3e}, floor {floor:.1e}")
+    msg = (
+        f"{what}: max err {float(err_x.max()):.3e}, baseline max err {float(err_b.max()):.3e}, "
+        f"mean err {float(err_x.mean()):.3e} vs baseline mean {float(err_b.mean()):.3e}, floor {floor:.1e}"
+    )
     assert float(err_x.max()) <= factor * float(err_b.max()) + floor, msg
     assert float(err_x.mean()) <= factor * float(err_b.mean()) + floor, msg
 
@@ -80,10 +83,28 @@ class Case:
 
 
 MASK_KINDS = [
-    "none", "causal_br", "causal_tl", "window_3", "window_5_2_tl", "key_padding", "document",
-    "prefix_lm", "causal&padding", "document&causal", "window|prefix", "~causal", "custom",
-    "bool_tensor", "bool_keys_only", "additive_tensor", "additive&causal", "shifted_causal",
-    "shifted_causal_br", "positions_window", "window_per_sequence", "document_causal",
+    "none",
+    "causal_br",
+    "causal_tl",
+    "window_3",
+    "window_5_2_tl",
+    "key_padding",
+    "document",
+    "prefix_lm",
+    "causal&padding",
+    "document&causal",
+    "window|prefix",
+    "~causal",
+    "custom",
+    "bool_tensor",
+    "bool_keys_only",
+    "additive_tensor",
+    "additive&causal",
+    "shifted_causal",
+    "shifted_causal_br",
+    "positions_window",
+    "window_per_sequence",
+    "document_causal",
 ]
 
 HEADS = [(1, 1), (4, 4), (8, 2), (6, 3), (8, 1)]
@@ -130,19 +151,23 @@ def make_mask(kind: str, B: int, Hq: int, Lq: int, Lk: int, gen: torch.Generator
         "~causal": lambda: ~mh.causal(),
         "custom": lambda: mh.custom(lambda b, h, q, kv: (q + kv + h) % 3 != 0),
         "bool_tensor": lambda: torch.rand(B, Hq, Lq, Lk, generator=gen) > 0.3,
-        "bool_keys_only": lambda: (torch.rand(B, 1, 1, Lk, generator=gen) > 0.5),
-        "additive_tensor": lambda: torch.where(torch.rand(1, Hq, Lq, Lk, generator=gen) > 0.3,
-                                               torch.randn(1, Hq, Lq, Lk, generator=gen), float("-inf")),
+        "bool_keys_only": lambda: torch.rand(B, 1, 1, Lk, generator=gen) > 0.5,
+        "additive_tensor": lambda: torch.where(
+            torch.rand(1, Hq, Lq, Lk, generator=gen) > 0.3, torch.randn(1, Hq, Lq, Lk, generator=gen), float("-inf")
+        ),
         # A float mask is split by attention() into its -inf pattern (here causal) and a bias.
         "additive&causal": lambda: torch.randn(Lq, Lk, generator=gen).masked_fill(
-            ~mh.causal().materialize(1, 1, Lq, Lk)[0, 0], float("-inf")),
+            ~mh.causal().materialize(1, 1, Lq, Lk)[0, 0], float("-inf")
+        ),
         "shifted_causal": lambda: mh.causal("top_left").shifted(q_offset=-2, kv_offset=0),
         "shifted_causal_br": lambda: mh.causal().shifted(Lq, 3, q_len=2 * Lq, kv_len=Lk + 3),
-        "positions_window": lambda: mh.sliding_window(4).at(torch.arange(Lq) * 2, torch.arange(Lk) * 2,
-                                                             q_len=2 * Lq, kv_len=2 * Lk),
+        "positions_window": lambda: mh.sliding_window(4).at(
+            torch.arange(Lq) * 2, torch.arange(Lk) * 2, q_len=2 * Lq, kv_len=2 * Lk
+        ),
         # Issue 9, item 11: aligned per sequence of a padded batch, and per document.
-        "window_per_sequence": lambda: mh.sliding_window(5, kv_lengths=lengths, q_lengths=torch.clamp(lengths, max=Lq))
-        & mh.key_padding(lengths),
+        "window_per_sequence": lambda: (
+            mh.sliding_window(5, kv_lengths=lengths, q_lengths=torch.clamp(lengths, max=Lq)) & mh.key_padding(lengths)
+        ),
         "document_causal": lambda: mh.document_causal(q_ids, kv_ids),
     }
     return table[kind]()
@@ -165,9 +190,17 @@ def refuses(backend: str, q, k, v, **kwargs) -> bool:
 
     from multihead.validation import validate_call
 
-    call = validate_call(q, k, v, mask=kwargs.get("mask"), scale=kwargs.get("scale"),
-                         dropout_p=kwargs.get("dropout_p", 0.0), dropout_mask=kwargs.get("dropout_mask"),
-                         return_weights=kwargs.get("return_weights", False), return_lse=kwargs.get("return_lse", False))
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=kwargs.get("mask"),
+        scale=kwargs.get("scale"),
+        dropout_p=kwargs.get("dropout_p", 0.0),
+        dropout_mask=kwargs.get("dropout_mask"),
+        return_weights=kwargs.get("return_weights", False),
+        return_lse=kwargs.get("return_lse", False),
+    )
     reasons = mh.get_backend(backend).refusals(call)
     if reasons:
         assert all(isinstance(r, str) and r for r in reasons)
@@ -199,9 +232,10 @@ def paper_slopes(n: int) -> list[float]:
     """The ALiBi paper's ``get_slopes`` (Press et al., github.com/ofirpress/attention_with_linear_biases),
     rewritten: a geometric sequence starting at ``2^(-8/n)`` for a power of two; otherwise the
     slopes of the closest smaller power of two, then every other slope of twice that many heads."""
+
     def power_of_two(m: int) -> list[float]:
         start = 2 ** (-(2 ** -(math.log2(m) - 3)))
-        return [start * start ** i for i in range(m)]
+        return [start * start**i for i in range(m)]
 
     if math.log2(n).is_integer():
         return power_of_two(n)

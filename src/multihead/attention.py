@@ -27,7 +27,6 @@ from multihead.validation import validate_call, validate_weights_selection
 __all__ = ["attention"]
 
 
-
 @overload
 def attention(
     q: Tensor,
@@ -174,10 +173,19 @@ def attention(
     """
     # A plain call whose signature was served before runs its stored plan (multihead.plans): the
     # validation it passed and the dispatch it got depend on nothing the key does not hold.
-    plain = (score_mod is None and softcap is None and sinks is None and dropout_mask is None
-             and return_weights is False and return_lse is False and weights_heads is None
-             and weights_rows is None and dropout_p.__class__ is float and dropout_p == 0.0
-             and not torch.compiler.is_compiling())
+    plain = (
+        score_mod is None
+        and softcap is None
+        and sinks is None
+        and dropout_mask is None
+        and return_weights is False
+        and return_lse is False
+        and weights_heads is None
+        and weights_rows is None
+        and dropout_p.__class__ is float
+        and dropout_p == 0.0
+        and not torch.compiler.is_compiling()
+    )
     key = plans.signature(q, k, v, mask, scale, backend) if plain else None
     if key is not None:
         plan = plans.lookup(key)
@@ -201,9 +209,21 @@ def attention(
     check_sinks(sinks, q)
     if sinks is not None:  # the sink joins through the LSE: it is needed whatever the caller asked for
         output_only = not (return_weights or return_lse)
-        result = attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
-                           return_weights=return_weights, return_lse=True, backend=backend,
-                           dropout_mask=dropout_mask, weights_heads=weights_heads, weights_rows=weights_rows)
+        result = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            dropout_p=dropout_p,
+            return_weights=return_weights,
+            return_lse=True,
+            backend=backend,
+            dropout_mask=dropout_mask,
+            weights_heads=weights_heads,
+            weights_rows=weights_rows,
+        )
         assert result.lse is not None  # asked for with return_lse=True
         output, sink_lse, factor = apply_sinks(result.output, result.lse, sinks)
         if output_only:
@@ -215,8 +235,18 @@ def attention(
             f = f if rows is None else f[:, :, rows]
             weights = weights * f.unsqueeze(-1).to(weights.dtype)
         return AttentionResult(output, weights, sink_lse if return_lse else None)
-    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
-                         dropout_mask=dropout_mask, return_weights=return_weights, return_lse=return_lse)
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
     if call.empty:  # Lq == 0 or Lk == 0: nothing to compute (every row sees no key: zeros, LSE -inf)
         return _empty(call, return_weights, return_lse, heads, rows)
@@ -232,8 +262,11 @@ def attention(
         # heads/rows only (all by default); without a kernel LSE, the LSE comes from the same blocks.
         weights, block_lse = weights_by_blocks(q, k, call.mask, call.score_mod, call.scale, lse, heads, rows)
         if lse is None and return_lse:
-            lse = block_lse if heads is None and rows is None else \
-                lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
+            lse = (
+                block_lse
+                if heads is None and rows is None
+                else lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
+            )
         if poisoned is not None:
             selected = poisoned if heads is None else poisoned[:, heads]
             selected = selected if rows is None else selected[:, :, rows]
@@ -249,16 +282,25 @@ def attention(
     return result.output
 
 
-def _empty(call: AttentionCall, return_weights: bool, return_lse: bool, heads: Tensor | None,
-           rows: Tensor | None) -> Tensor | AttentionResult:
+def _empty(
+    call: AttentionCall, return_weights: bool, return_lse: bool, heads: Tensor | None, rows: Tensor | None
+) -> Tensor | AttentionResult:
     """The result of an attention with ``Lq == 0`` or ``Lk == 0``: output zeros (every row is fully
     masked), LSE ``-inf``, weights zeros, connected to the inputs so that gradients are zeros."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     q, k, v = call.q, call.k, call.v
     # A zero that carries the inputs' graph (zero gradients), finite whatever they hold: every row
     # sees no key, so even a NaN query gives 0 (conventions: fully masked rows).
-    anchor = cast(Tensor, sum(torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).sum()
-                               for t in (q, k, v))) * 0
+    anchor = (
+        cast(
+            Tensor,
+            sum(
+                torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).sum()
+                for t in (q, k, v)
+            ),
+        )
+        * 0
+    )
     output = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
     if not (return_weights or return_lse):
         return output

@@ -38,8 +38,9 @@ def lse_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod |
     step = _row_step(q, k, q.shape[1])
     # Under autograd (an LSE that is differentiated: sinks, a merge) each block is checkpointed:
     # its scores are recomputed in the backward instead of kept, so memory stays at one block.
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                        or (score_mod is not None and score_mod.requires_grad))
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or (score_mod is not None and score_mod.requires_grad)
+    )
     parts = []
     for q0 in range(0, Lq, step):
         args = (q, k, mask, score_mod, scale, q0, min(q0 + step, Lq), Lq)
@@ -47,15 +48,23 @@ def lse_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod |
     return torch.cat(parts, dim=-1)
 
 
-def _block_lse(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float, q0: int, q1: int,
-               q_len: int) -> Tensor:
+def _block_lse(
+    q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float, q0: int, q1: int, q_len: int
+) -> Tensor:
     scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, q_len)
     return safe_logsumexp(scores)
 
 
-def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float,
-                      lse: Tensor | None, heads: Tensor | None = None,
-                      rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def weights_by_blocks(
+    q: Tensor,
+    k: Tensor,
+    mask: Mask | None,
+    score_mod: ScoreMod | None,
+    scale: float,
+    lse: Tensor | None,
+    heads: Tensor | None = None,
+    rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Attention probabilities ``exp(S - lse)`` for the requested query heads and rows.
 
     Returns ``(weights, lse)``: weights ``(B, len(heads), len(rows), Lk)`` (all heads / rows by
@@ -75,11 +84,14 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreM
     if rows is None:  # every row, in ranges: no value read back from a tensor (compiles in one graph)
         chunks = [(q0, min(q0 + step, Lq), None) for q0 in range(0, Lq, step)]
     else:
-        pieces = [row_ids[start:start + step] for start in range(0, len(row_ids), step)]
+        pieces = [row_ids[start : start + step] for start in range(0, len(row_ids), step)]
         # Scattered rows (e.g. [0, 8000]) would make a chunk's row span, and its scores, large:
         # such chunks are taken one row at a time, so memory stays at the slice plus one block.
-        chunks = [(int(c.min()), int(c.max()) + 1, c) for chunk in pieces
-                  for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))]
+        chunks = [
+            (int(c.min()), int(c.max()) + 1, c)
+            for chunk in pieces
+            for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))
+        ]
     for q0, q1, chunk in chunks:
         scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, Lq, heads=heads)
         n = q1 - q0 if chunk is None else len(chunk)
@@ -97,8 +109,8 @@ def weights_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreM
         if weights is None or lses is None:
             weights = probs.new_empty(probs.shape[0], probs.shape[1], len(row_ids), probs.shape[3])
             lses = block_lse.new_empty(probs.shape[0], probs.shape[1], len(row_ids))
-        weights[:, :, done:done + n] = probs
-        lses[:, :, done:done + n] = block_lse.squeeze(-1)
+        weights[:, :, done : done + n] = probs
+        lses[:, :, done : done + n] = block_lse.squeeze(-1)
         done += n
     assert weights is not None and lses is not None  # Lq >= 1 (empty calls return earlier): one chunk at least
     return weights, lses

@@ -71,12 +71,15 @@ class AttentionCall:
     @property
     def requires_grad(self) -> bool:
         """Whether a gradient will be asked of q, k, v or the modifier's tensors."""
-        return torch.is_grad_enabled() and (any(t.requires_grad for t in (self.q, self.k, self.v))
-                                            or (self.score_mod is not None and self.score_mod.requires_grad))
+        return torch.is_grad_enabled() and (
+            any(t.requires_grad for t in (self.q, self.k, self.v))
+            or (self.score_mod is not None and self.score_mod.requires_grad)
+        )
 
 
-def mask_and_score_mod(mask: object, score_mod: object, *, check_binary: bool = True, q_len: int | None = None,
-                       kv_len: int | None = None) -> tuple[Mask | None, ScoreMod | None]:
+def mask_and_score_mod(
+    mask: object, score_mod: object, *, check_binary: bool = True, q_len: int | None = None, kv_len: int | None = None
+) -> tuple[Mask | None, ScoreMod | None]:
     """``mask=``/``score_mod=`` as given by a user, as a boolean mask and one modifier, bound to
     the lengths ``Lq, Lk`` when given (:meth:`ScoreMod.for_lengths`: a relative bias aligns its
     positions as masks do).
@@ -96,10 +99,12 @@ def mask_and_score_mod(mask: object, score_mod: object, *, check_binary: bool = 
             raise ValueError(
                 "mask is a float tensor of only 0s and 1s; float masks are additive, so this would add 1 to "
                 "some scores instead of masking. Use `mask.bool()` if 1 means attend, `mask == 0` if 1 means "
-                "blocked, or score_mod=multihead.scores.bias(tensor) if you really mean an additive bias")
+                "blocked, or score_mod=multihead.scores.bias(tensor) if you really mean an additive bias"
+            )
         if mask.dim() > 4 or mask.dim() < 2:
-            raise ValueError("mask must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), "
-                             f"got shape {tuple(mask.shape)}")
+            raise ValueError(
+                f"mask must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), got shape {tuple(mask.shape)}"
+            )
         additive = Bias(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), name="mask")
         score_mod = additive if score_mod is None else Chain([additive, score_mod])
         return TensorMask(mask != float("-inf"), name="mask"), score_mod

@@ -59,12 +59,16 @@ class AttentionCapture:
         """Per-layer ``(B, H, Lq, Lk)`` tensors in call order (bertviz ``head_view(attention=...)``).
         bertviz reads every head and row against the tokens, so a capture with selections is refused."""
         if self.weights_heads is not None or self.weights_rows is not None:
-            raise ValueError(f"as_bertviz: bertviz draws every head and row, but this capture kept only "
-                             f"weights_heads={self.weights_heads!r}, weights_rows={self.weights_rows!r}; "
-                             "open capture_attention(model) without selections for bertviz")
+            raise ValueError(
+                f"as_bertviz: bertviz draws every head and row, but this capture kept only "
+                f"weights_heads={self.weights_heads!r}, weights_rows={self.weights_rows!r}; "
+                "open capture_attention(model) without selections for bertviz"
+            )
         if not self.weights:
-            raise ValueError("as_bertviz: the capture recorded no layer; call the model inside the "
-                             "'with capture_attention(...)' block")
+            raise ValueError(
+                "as_bertviz: the capture recorded no layer; call the model inside the "
+                "'with capture_attention(...)' block"
+            )
         return tuple(self.weights)
 
     def stacked(self) -> Tensor:
@@ -76,8 +80,13 @@ class AttentionCapture:
 
 
 @contextmanager
-def capture_attention(model: nn.Module | None = None, *, detach: bool = True, weights_heads: Selection = None,
-                      weights_rows: Selection = None) -> Iterator[AttentionCapture]:
+def capture_attention(
+    model: nn.Module | None = None,
+    *,
+    detach: bool = True,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+) -> Iterator[AttentionCapture]:
     """Record the weights of every `multihead` attention layer (of ``model`` if given, else of
     any model) called inside the ``with`` block. Names come from ``model.named_modules()``.
 
@@ -109,8 +118,13 @@ def captures_of(module: nn.Module) -> list[AttentionCapture]:
     return [c for c in _ACTIVE if c._wants(module)]
 
 
-def record(module: nn.Module, weights: Tensor | None, *, q: Tensor | None = None,
-           held: tuple[Tensor | None, Tensor | None] = (None, None)) -> None:
+def record(
+    module: nn.Module,
+    weights: Tensor | None,
+    *,
+    q: Tensor | None = None,
+    held: tuple[Tensor | None, Tensor | None] = (None, None),
+) -> None:
     """Hand ``weights (B, h, r, Lk)`` of ``module`` to every active capture that wants them, each
     taking its own selection of heads and rows. ``held`` says which query heads and rows
     ``weights`` hold (sorted indices, ``None``: all; :func:`union` of what was asked); ``q`` is the
@@ -123,8 +137,11 @@ def record(module: nn.Module, weights: Tensor | None, *, q: Tensor | None = None
         if capture.weights_heads is not None or capture.weights_rows is not None:
             if q is None:
                 raise ValueError("record: q (B, Hq, Lq, D) is needed to read a capture's weights_heads/weights_rows")
-            mine = take(weights, held, validate_weights_selection(capture.weights_heads, capture.weights_rows,
-                                                                  q=q, return_weights=True))
+            mine = take(
+                weights,
+                held,
+                validate_weights_selection(capture.weights_heads, capture.weights_rows, q=q, return_weights=True),
+            )
         capture.names.append(name)
         capture.weights.append(mine.detach() if capture._detach else mine)
 
@@ -139,8 +156,9 @@ def union(selections: list[Tensor | None]) -> Tensor | None:
     return indices
 
 
-def take(weights: Tensor, held: tuple[Tensor | None, Tensor | None],
-         wanted: tuple[Tensor | None, Tensor | None]) -> Tensor:
+def take(
+    weights: Tensor, held: tuple[Tensor | None, Tensor | None], wanted: tuple[Tensor | None, Tensor | None]
+) -> Tensor:
     """From ``weights (B, h, r, Lk)`` holding the heads and rows ``held`` (sorted indices or
     ``None``: all), the heads and rows ``wanted``, in the order asked (``wanted`` lies within ``held``)."""
     for dim, have, want in ((1, held[0], wanted[0]), (2, held[1], wanted[1])):

@@ -26,10 +26,18 @@ from multihead.merge import merge_partials
 __all__ = ["cascade_attention"]
 
 
-def cascade_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, k: Tensor, v: Tensor, *,
-                      mask: Mask | Tensor | None = None,
-                      scale: float | None = None, return_lse: bool = False,
-                      backend: str = "auto") -> Tensor | AttentionResult:
+def cascade_attention(
+    q: Tensor,
+    prefix_k: Tensor,
+    prefix_v: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | AttentionResult:
     """Attention of ``B`` requests over one shared prefix and their own suffixes.
 
     Args:
@@ -68,16 +76,24 @@ def _one_copy(name: str, t: Tensor) -> Tensor:
 
 
 def _check(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t, layout in (("q", q, "(B, Hq, Lq, D)"), ("prefix_k", prefix_k, "(1, Hkv, P, D)"),
-                            ("prefix_v", prefix_v, "(1, Hkv, P, Dv)"), ("k", k, "(B, Hkv, Ls, D)"),
-                            ("v", v, "(B, Hkv, Ls, Dv)")):
+    for name, t, layout in (
+        ("q", q, "(B, Hq, Lq, D)"),
+        ("prefix_k", prefix_k, "(1, Hkv, P, D)"),
+        ("prefix_v", prefix_v, "(1, Hkv, P, Dv)"),
+        ("k", k, "(B, Hkv, Ls, D)"),
+        ("v", v, "(B, Hkv, Ls, Dv)"),
+    ):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"cascade_attention: {name} must be a 4-D tensor {layout}, got {got}")
     if prefix_k.shape[0] != 1 or prefix_v.shape[0] != 1:
-        raise ValueError(f"cascade_attention: the prefix is shared, one copy: prefix_k/prefix_v must have batch 1, "
-                         f"got {tuple(prefix_k.shape)} and {tuple(prefix_v.shape)}; hint: pass prefix_k[:1]")
+        raise ValueError(
+            f"cascade_attention: the prefix is shared, one copy: prefix_k/prefix_v must have batch 1, "
+            f"got {tuple(prefix_k.shape)} and {tuple(prefix_v.shape)}; hint: pass prefix_k[:1]"
+        )
     if prefix_k.shape[1] != k.shape[1] or prefix_k.shape[3] != k.shape[3] or prefix_v.shape[3] != v.shape[3]:
-        raise ValueError(f"cascade_attention: prefix and suffix must agree on Hkv, D and Dv, got prefix_k "
-                         f"{tuple(prefix_k.shape)}, prefix_v {tuple(prefix_v.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+        raise ValueError(
+            f"cascade_attention: prefix and suffix must agree on Hkv, D and Dv, got prefix_k "
+            f"{tuple(prefix_k.shape)}, prefix_v {tuple(prefix_v.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )

@@ -60,11 +60,23 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, score_mod: ScoreModArg = None,
-            scale: float | None = None,
-            dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
-            backend: str = "auto", dropout_mask: Tensor | None = None, weights_heads: Selection = None,
-            weights_rows: Selection = None, probe: bool | None = None) -> Explanation:
+def explain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+    dropout_mask: Tensor | None = None,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+    probe: bool | None = None,
+) -> Explanation:
     """Explain what :func:`multihead.attention` would do with these arguments, and advise.
 
     Nothing runs, except with ``probe``: where a dense mask tensor is a mask object written out,
@@ -73,21 +85,39 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
     (``B·Hq·Lq·Lk·D <= 2^27``) and otherwise estimates from the blocks the object skips;
     ``probe=False`` always estimates. The report says which it did."""
     check_backend_name(backend)
-    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
-                         dropout_mask=dropout_mask,
-                         return_weights=return_weights, return_lse=return_lse)
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
     mask_text = "none" if call.mask is None else call.mask._describe()
     if call.score_mod is not None:
         mask_text += f"; score_mod: {call.score_mod._describe()}"
     notes = []
     if call.scale_folded:
-        notes.append(f"scale {scale!r} <= 0 folded into q (q * scale, kernel scale 1): PyTorch's fused kernels "
-                     "compute -inf * scale for masked scores (NaN or +inf)")
+        notes.append(
+            f"scale {scale!r} <= 0 folded into q (q * scale, kernel scale 1): PyTorch's fused kernels "
+            "compute -inf * scale for masked scores (NaN or +inf)"
+        )
     if call.empty:
-        return Explanation("none", call.shape, str(q.dtype), str(q.device), mask_text, {},
-                           tuple(notes + ["Lq or Lk is 0: no kernel runs; every row sees no key (output 0, LSE -inf)"]),
-                           backend)
+        return Explanation(
+            "none",
+            call.shape,
+            str(q.dtype),
+            str(q.device),
+            mask_text,
+            {},
+            tuple(notes + ["Lq or Lk is 0: no kernel runs; every row sees no key (output 0, LSE -inf)"]),
+            backend,
+        )
     chosen, refused = select_backend(call, backend)
     if backend == "auto":  # also say why backends after the chosen one would not do
         for name in available_backends():
@@ -100,10 +130,20 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
         nh = q.shape[1] if heads is None else len(heads)
         nr = q.shape[2] if rows is None else len(rows)
         plan.append(f"weights: {nh} head(s) x {nr} row(s) recomputed block by block from q, k and the LSE")
-    advice = advise(call, chosen.name, plan, mask, score_mod, scale, backend, probe,
-                    return_weights and heads is None and rows is None)
-    return Explanation(chosen.name, call.shape, str(q.dtype), str(q.device), mask_text, refused,
-                       tuple(plan), backend, tuple(advice))
+    advice = advise(
+        call,
+        chosen.name,
+        plan,
+        mask,
+        score_mod,
+        scale,
+        backend,
+        probe,
+        return_weights and heads is None and rows is None,
+    )
+    return Explanation(
+        chosen.name, call.shape, str(q.dtype), str(q.device), mask_text, refused, tuple(plan), backend, tuple(advice)
+    )
 
 
 # ---------------------------------------------------------------------------------- advice
@@ -112,44 +152,67 @@ PROBE_ELEMENTS = 1 << 27
 _BLOCK = 256  # blocksparse's default query/key block (docs/performance.md)
 
 
-def advise(call: AttentionCall, chosen: str, plan: list[str], mask: Mask | Tensor | None, score_mod: ScoreModArg,
-           scale: float | None, backend: str, probe: bool | None, full_weights: bool) -> list[str]:
+def advise(
+    call: AttentionCall,
+    chosen: str,
+    plan: list[str],
+    mask: Mask | Tensor | None,
+    score_mod: ScoreModArg,
+    scale: float | None,
+    backend: str,
+    probe: bool | None,
+    full_weights: bool,
+) -> list[str]:
     """The slow-path causes of ``call`` that explain can see, each with its fix."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     advice = []
     if isinstance(mask, Tensor):
         advice += _dense_mask_advice(call, mask, score_mod, scale, backend, probe)
     if call.dropout_p > 0:
-        kernel = "PyTorch's math kernel, which materialises the (B, Hq, Lq, Lk) scores" if chosen == "sdpa" else \
-            f"the {chosen} backend's dropout path"
-        advice.append(f"dropout_p={call.dropout_p}: no fused CPU kernel applies dropout, so this call runs {kernel}; "
-                      "fix: dropout only while training (layers pass 0 in eval mode), or dropout=0.0 (attention "
-                      "dropout is off in most current LLMs)")
+        kernel = (
+            "PyTorch's math kernel, which materialises the (B, Hq, Lq, Lk) scores"
+            if chosen == "sdpa"
+            else f"the {chosen} backend's dropout path"
+        )
+        advice.append(
+            f"dropout_p={call.dropout_p}: no fused CPU kernel applies dropout, so this call runs {kernel}; "
+            "fix: dropout only while training (layers pass 0 in eval mode), or dropout=0.0 (attention "
+            "dropout is off in most current LLMs)"
+        )
     elif any(line.endswith("PyTorch kernel: MATH") for line in plan):
-        advice.append(f"PyTorch's math kernel runs (it materialises the (B, Hq, Lq, Lk) scores) for {call.q.dtype} "
-                      f"on {call.q.device.type} with D={D}; fix: a dtype and head dim its fused kernels take "
-                      "(CPU flash: fp32/bf16/fp16/fp64; CUDA flash: fp16/bf16, D <= 256)")
+        advice.append(
+            f"PyTorch's math kernel runs (it materialises the (B, Hq, Lq, Lk) scores) for {call.q.dtype} "
+            f"on {call.q.device.type} with D={D}; fix: a dtype and head dim its fused kernels take "
+            "(CPU flash: fp32/bf16/fp16/fp64; CUDA flash: fp16/bf16, D <= 256)"
+        )
     bias = [m for m in getattr(call.score_mod, "mods", (call.score_mod,)) if isinstance(m, Bias)]
     for b in bias:
         dense = b.tensor.shape[2] > 1 and b.tensor.shape[3] > 1
         if dense and not (isinstance(mask, Tensor) and mask.is_floating_point() and b.name == "mask"):
-            advice.append(f"a dense additive bias {tuple(b.tensor.shape)} ({b.name}) is read on every call and "
-                          "keeps the scores from being skipped; fix: a bias of the head and the distance alone is "
-                          "a scores.RelativeBias (positions.ALiBi, RelativePositionBias: a strided view per block), "
-                          "and a bias of 0 and -inf is a mask (a mask object or a bool tensor)")
+            advice.append(
+                f"a dense additive bias {tuple(b.tensor.shape)} ({b.name}) is read on every call and "
+                "keeps the scores from being skipped; fix: a bias of the head and the distance alone is "
+                "a scores.RelativeBias (positions.ALiBi, RelativePositionBias: a strided view per block), "
+                "and a bias of 0 and -inf is a mask (a mask object or a bool tensor)"
+            )
     if chosen == "reference":
-        advice.append("the reference backend runs (plain math in the softmax dtype, the slowest): every other "
-                      "backend refused, see 'refused:'" + ("; fix: drop dropout_mask (a testing aid)"
-                                                           if call.dropout_mask is not None else ""))
+        advice.append(
+            "the reference backend runs (plain math in the softmax dtype, the slowest): every other "
+            "backend refused, see 'refused:'"
+            + ("; fix: drop dropout_mask (a testing aid)" if call.dropout_mask is not None else "")
+        )
     if full_weights and B * Hq * Lq * Lk * 4 >= 1 << 26:
-        advice.append(f"return_weights materialises all of (B, Hq, Lq, Lk) = {(B, Hq, Lq, Lk)}, "
-                      f"{B * Hq * Lq * Lk * call.q.element_size() / 2**20:.0f} MiB; fix: weights_heads=/weights_rows= "
-                      "compute only the heads and rows you read, one block at a time")
+        advice.append(
+            f"return_weights materialises all of (B, Hq, Lq, Lk) = {(B, Hq, Lq, Lk)}, "
+            f"{B * Hq * Lq * Lk * call.q.element_size() / 2**20:.0f} MiB; fix: weights_heads=/weights_rows= "
+            "compute only the heads and rows you read, one block at a time"
+        )
     return advice
 
 
-def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg, scale: float | None, backend: str,
-                       probe: bool | None) -> list[str]:
+def _dense_mask_advice(
+    call: AttentionCall, mask: Tensor, score_mod: ScoreModArg, scale: float | None, backend: str, probe: bool | None
+) -> list[str]:
     """What a dense mask tensor is, as an object, and how much faster the object runs."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     found = recognize(mask)
@@ -169,13 +232,22 @@ def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg
         what += "; pass that object instead"
         other = found.mask
     if found.bias:
-        return [what + ", with its finite entries as score_mod=multihead.scores.bias(...) (they add a bias, not "
-                "only 0)" + ("" if other is None else ": backends can then skip the blocks the object blocks")]
+        return [
+            what + ", with its finite entries as score_mod=multihead.scores.bias(...) (they add a bias, not "
+            "only 0)" + ("" if other is None else ": backends can then skip the blocks the object blocks")
+        ]
     if stand_in is not None:
         blocked_rows = not bool((mask == 0).reshape(-1, *mask.shape[-2:]).any(dim=-1).all())
-        what += (f" (it writes {stand_in:g} where -inf blocks: exp() underflows to 0 there, so the weights are the "
-                 "object's" + (", except in rows that block every key: a uniform average with the tensor, zeros "
-                               "with the object" if blocked_rows else "") + ")")
+        what += (
+            f" (it writes {stand_in:g} where -inf blocks: exp() underflows to 0 there, so the weights are the "
+            "object's"
+            + (
+                ", except in rows that block every key: a uniform average with the tensor, zeros with the object"
+                if blocked_rows
+                else ""
+            )
+            + ")"
+        )
     elif mask.is_floating_point():
         what += " (its finite entries are all 0: the float tensor adds a dense bias of zeros besides)"
     dense = "x".join(str(n) for n in mask.shape)  # the user's tensor, which may broadcast (B, 1, 1, Lk)
@@ -184,15 +256,21 @@ def _dense_mask_advice(call: AttentionCall, mask: Tensor, score_mod: ScoreModArg
         factor = _probe(call, mask, other, score_mod, scale, backend)
         how = "measured on these inputs: best of 2 runs each, after a warm-up"
         if factor < 1.1:
-            return [what + f": no faster at this size ({factor:.2f}x, {how}); it saves the {dense} tensor's "
-                    "memory and reads, and gains as L grows"]
+            return [
+                what + f": no faster at this size ({factor:.2f}x, {how}); it saves the {dense} tensor's "
+                "memory and reads, and gains as L grows"
+            ]
         return [what + f": {factor:.1f}x faster here ({how})"]
     fraction = _visible_fraction(other, B, Lq, Lk)
     if fraction >= 0.9:
-        return [what + f": it needs no {dense} tensor (estimated: the object blocks too little of the "
-                "square to skip work; explain(..., probe=True) measures)"]
-    return [what + f": about {1 / fraction:.1f}x less work (estimated: the object's backends compute "
-            f"{fraction:.0%} of the {_BLOCK}x{_BLOCK} blocks; explain(..., probe=True) measures)"]
+        return [
+            what + f": it needs no {dense} tensor (estimated: the object blocks too little of the "
+            "square to skip work; explain(..., probe=True) measures)"
+        ]
+    return [
+        what + f": about {1 / fraction:.1f}x less work (estimated: the object's backends compute "
+        f"{fraction:.0%} of the {_BLOCK}x{_BLOCK} blocks; explain(..., probe=True) measures)"
+    ]
 
 
 #: A float mask whose finite entries are 0 or at most this uses them for "blocked": -1e4 (BERT in
@@ -210,8 +288,9 @@ def _stand_in(mask: Tensor) -> float | None:
     return float(low.max())
 
 
-def _probe(call: AttentionCall, mask: Tensor, other: Mask | None, score_mod: ScoreModArg, scale: float | None,
-           backend: str) -> float:
+def _probe(
+    call: AttentionCall, mask: Tensor, other: Mask | None, score_mod: ScoreModArg, scale: float | None, backend: str
+) -> float:
     """Time attention with the dense ``mask`` and with ``other``: the dense time over the object's."""
     from multihead.attention import attention  # the entry point imports nothing from here
 
@@ -236,7 +315,8 @@ def _visible_fraction(mask: Mask | None, B: int, Lq: int, Lk: int) -> float:
     if mask is None:
         return 1.0
     size = max(_BLOCK, math.ceil(max(Lq, Lk) / 64))  # at most 64 x 64 blocks to ask about
-    blocks = [(q0, min(q0 + size, Lq), k0, min(k0 + size, Lk))
-              for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)]
+    blocks = [
+        (q0, min(q0 + size, Lq), k0, min(k0 + size, Lk)) for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)
+    ]
     visible = sum(mask.block_state(q0, q1, k0, k1, Lq, Lk, batch=B) != BlockState.EMPTY for q0, q1, k0, k1 in blocks)
     return max(visible, 1) / len(blocks)

@@ -95,16 +95,19 @@ def add_hook(layer: HookPoints, point: str, fn: Hook, *, name: str | None = None
     """Call ``fn(tensor, name)`` at ``point`` of ``layer`` on every forward (module docstring);
     hooks at one point run in the order they were added. Returns a :class:`HookHandle`."""
     if not isinstance(layer, HookPoints):
-        raise TypeError(f"add_hook: layer must be a multihead attention layer (MultiHeadAttention, "
-                        f"MultiHeadLatentAttention, compat.MultiheadAttention), got {type(layer).__name__}")
+        raise TypeError(
+            f"add_hook: layer must be a multihead attention layer (MultiHeadAttention, "
+            f"MultiHeadLatentAttention, compat.MultiheadAttention), got {type(layer).__name__}"
+        )
     if point not in POINTS:
         raise ValueError(f"add_hook: point must be one of {POINTS}, got {point!r}")
     if not callable(fn):
-        raise TypeError(f"add_hook: fn must be callable as fn(tensor, name) -> tensor or None, got "
-                        f"{type(fn).__name__}")
+        raise TypeError(f"add_hook: fn must be callable as fn(tensor, name) -> tensor or None, got {type(fn).__name__}")
     if getattr(layer, "context_parallel", None) is not None:
-        raise ValueError(f"add_hook: {type(layer).__name__} has context_parallel set: its attention runs "
-                         "sharded over a process group, where no hook point exists; hint: hook a layer without it")
+        raise ValueError(
+            f"add_hook: {type(layer).__name__} has context_parallel set: its attention runs "
+            "sharded over a process group, where no hook point exists; hint: hook a layer without it"
+        )
     handle = HookHandle(layer, point)
     layer.__dict__.setdefault(ATTRIBUTE, {}).setdefault(point, []).append((fn, name or point, handle.id))
     return handle
@@ -128,8 +131,9 @@ def hook_points(model: nn.Module) -> list[str]:
     itself included, named by its point alone)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hook_points: model must be an nn.Module, got {type(model).__name__}")
-    return [f"{name}.{p}" if name else p for name, m in model.named_modules() if isinstance(m, HookPoints)
-            for p in POINTS]
+    return [
+        f"{name}.{p}" if name else p for name, m in model.named_modules() if isinstance(m, HookPoints) for p in POINTS
+    ]
 
 
 @contextmanager
@@ -145,12 +149,18 @@ def hooked(model: nn.Module, hooks: dict[str, Hook]) -> Iterator[list[HookHandle
     handles: list[HookHandle] = []
     try:
         for pattern, fn in hooks.items():
-            matched = [(name, m, p) for name, m in layers.items() for p in POINTS
-                       if fnmatch.fnmatchcase(f"{name}.{p}" if name else p, pattern)]
+            matched = [
+                (name, m, p)
+                for name, m in layers.items()
+                for p in POINTS
+                if fnmatch.fnmatchcase(f"{name}.{p}" if name else p, pattern)
+            ]
             if not matched:
                 known = hook_points(model)
-                raise ValueError(f"hooked: {pattern!r} names no hook point of this model; expected one of "
-                                 f"{known[:12]}{' ...' if len(known) > 12 else ''} (wildcards allowed: '*.pattern')")
+                raise ValueError(
+                    f"hooked: {pattern!r} names no hook point of this model; expected one of "
+                    f"{known[:12]}{' ...' if len(known) > 12 else ''} (wildcards allowed: '*.pattern')"
+                )
             for name, m, p in matched:
                 handles.append(add_hook(m, p, fn, name=f"{name}.{p}" if name else p))
         yield handles
@@ -169,19 +179,31 @@ def run_hooks(hooks: Hooks, point: str, tensor: Tensor) -> Tensor:
             continue
         if not isinstance(out, Tensor) or out.shape != tensor.shape:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(f"hook {getattr(fn, '__name__', fn)!r} at {name!r} returned {got}; expected None "
-                             f"or a tensor of the shape it was given, {tuple(tensor.shape)}")
+            raise ValueError(
+                f"hook {getattr(fn, '__name__', fn)!r} at {name!r} returned {got}; expected None "
+                f"or a tensor of the shape it was given, {tuple(tensor.shape)}"
+            )
         if out.dtype != tensor.dtype or out.device != tensor.device:
-            raise TypeError(f"hook {getattr(fn, '__name__', fn)!r} at {name!r} returned a {out.dtype} tensor on "
-                            f"{out.device}; expected None or a tensor of the dtype and device it was given, "
-                            f"{tensor.dtype} on {tensor.device} (cast it back: .to(tensor))")
+            raise TypeError(
+                f"hook {getattr(fn, '__name__', fn)!r} at {name!r} returned a {out.dtype} tensor on "
+                f"{out.device}; expected None or a tensor of the dtype and device it was given, "
+                f"{tensor.dtype} on {tensor.device} (cast it back: .to(tensor))"
+            )
         tensor = out
     return tensor
 
 
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
-                       score_mod: ScoreModArg = None, sinks: Tensor | None = None, dropout_p: float = 0.0,
-                       hooks: Hooks | None = None) -> tuple[Tensor, Tensor]:
+def explicit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    hooks: Hooks | None = None,
+) -> tuple[Tensor, Tensor]:
     """Attention with the scores and the pattern materialised, through the ``scores`` and
     ``pattern`` hooks: ``(output (B, Hq, Lq, Dv) in q's dtype, pattern (B, Hq, Lq, Lk))``.
 
@@ -190,8 +212,18 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor |
     softmax dtype. Dropout, when ``dropout_p > 0``, is drawn here (not the fast path's stream).
     """
     hooks = hooks or {}
-    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=None, dropout_p=dropout_p,
-                         dropout_mask=None, return_weights=False, return_lse=False)
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=None,
+        dropout_p=dropout_p,
+        dropout_mask=None,
+        return_weights=False,
+        return_lse=False,
+    )
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     scores, _ = score_block(call.q, call.k, call.mask, call.score_mod, call.scale, 0, Lq, Lq)  # (B, Hq, Lq, Lk)
     scores = run_hooks(hooks, "scores", scores)

@@ -54,20 +54,28 @@ def merge_partials(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[T
 
 def _check(outputs: object, lses: object) -> None:
     if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
-        raise TypeError(f"merge_partials: outputs and lses must be sequences of tensors, got "
-                        f"{type(outputs).__name__} and {type(lses).__name__}")
+        raise TypeError(
+            f"merge_partials: outputs and lses must be sequences of tensors, got "
+            f"{type(outputs).__name__} and {type(lses).__name__}"
+        )
     if len(outputs) == 0 or len(outputs) != len(lses):
-        raise ValueError(f"merge_partials: expected as many outputs as lses (at least one), got "
-                         f"{len(outputs)} outputs and {len(lses)} lses")
+        raise ValueError(
+            f"merge_partials: expected as many outputs as lses (at least one), got "
+            f"{len(outputs)} outputs and {len(lses)} lses"
+        )
     shape = tuple(outputs[0].shape)
     for i, (o, l) in enumerate(zip(outputs, lses)):
         if not isinstance(o, Tensor) or not isinstance(l, Tensor):
             raise TypeError(f"merge_partials: outputs[{i}] and lses[{i}] must be tensors")
         if o.dim() != 4 or tuple(o.shape) != shape:
-            raise ValueError(f"merge_partials: outputs[{i}] has shape {tuple(o.shape)}; expected (B, H, Lq, Dv) "
-                             f"= {shape} like outputs[0]")
+            raise ValueError(
+                f"merge_partials: outputs[{i}] has shape {tuple(o.shape)}; expected (B, H, Lq, Dv) "
+                f"= {shape} like outputs[0]"
+            )
         if tuple(l.shape) != shape[:3]:
             raise ValueError(f"merge_partials: lses[{i}] has shape {tuple(l.shape)}; expected (B, H, Lq) = {shape[:3]}")
         if o.dtype != outputs[0].dtype or o.device != outputs[0].device:
-            raise TypeError(f"merge_partials: outputs[{i}] is {o.dtype} on {o.device} but outputs[0] is "
-                            f"{outputs[0].dtype} on {outputs[0].device}; partial outputs share a dtype and device")
+            raise TypeError(
+                f"merge_partials: outputs[{i}] is {o.dtype} on {o.device} but outputs[0] is "
+                f"{outputs[0].dtype} on {outputs[0].device}; partial outputs share a dtype and device"
+            )

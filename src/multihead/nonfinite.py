@@ -34,8 +34,9 @@ __all__ = ["apply_policy", "all_finite", "finite_check"]
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def apply_policy(call: AttentionCall, result: AttentionResult,
-                 run: Callable[[AttentionCall], AttentionResult]) -> tuple[AttentionResult, Tensor | None]:
+def apply_policy(
+    call: AttentionCall, result: AttentionResult, run: Callable[[AttentionCall], AttentionResult]
+) -> tuple[AttentionResult, Tensor | None]:
     """``result`` of ``call`` with the non-finite policy applied, and the rows it made NaN
     (``(B, Hq, Lq)`` bool, ``None`` when none): whatever is derived from the call afterwards (an LSE
     or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call."""

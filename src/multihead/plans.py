@@ -66,8 +66,24 @@ def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, back
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
-        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                q.device, k.device, v.device, grad, mask, scale, backend)
+        return (
+            q.shape,
+            k.shape,
+            v.shape,
+            q.stride(),
+            k.stride(),
+            v.stride(),
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            k.device,
+            v.device,
+            grad,
+            mask,
+            scale,
+            backend,
+        )
     except RuntimeError:  # sparse and nested tensors have no strides: validation says what is wrong
         return None
 

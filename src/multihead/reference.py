@@ -99,8 +99,9 @@ def reference_attention(
     # Non-finite inputs (multihead.nonfinite): a row whose query holds NaN/inf, or that may see a
     # key or value holding one, is NaN; other rows are untouched. The product P V would compute
     # 0 * NaN = NaN for rows that may not see a bad value, so bad values are zeroed for it.
-    bad_key = repeat_kv((~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))).unsqueeze(-1),
-                        Hq).squeeze(-1)  # (B, Hq, Lk)
+    bad_key = repeat_kv((~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))).unsqueeze(-1), Hq).squeeze(
+        -1
+    )  # (B, Hq, Lk)
     v = repeat_kv(v.to(dtype), Hq)  # (B, Hq, Lk, Dv)
     v = torch.where(bad_key.unsqueeze(-1), torch.zeros((), dtype=dtype, device=v.device), v)
     poisoned = (visible & bad_key.unsqueeze(-2)).any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)

@@ -35,9 +35,21 @@ def unseen_keys(visible: Tensor, num_kv_heads: int) -> Tensor:
     return (~seen).unsqueeze(-1)
 
 
-def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float,
-                q0: int, q1: int, q_len: int, *, heads: Tensor | None = None,
-                dtype: torch.dtype | None = None, k0: int = 0, k1: int | None = None) -> tuple[Tensor, Tensor | None]:
+def score_block(
+    q: Tensor,
+    k: Tensor,
+    mask: Mask | None,
+    score_mod: ScoreMod | None,
+    scale: float,
+    q0: int,
+    q1: int,
+    q_len: int,
+    *,
+    heads: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    k0: int = 0,
+    k1: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Scores of query rows ``[q0, q1)`` against keys ``[k0, k1)`` (default every key):
     ``(B, h, rows, keys)`` with ``-inf`` where blocked, and the bool ``visible`` block (``None``
     when nothing is masked).
@@ -81,9 +93,20 @@ def score_block(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | N
     return scores.masked_fill(~visible, float("-inf")), visible
 
 
-def additive_block(mask: Mask | None, score_mod: ScoreMod | None, batch: int, heads: int, q0: int, q1: int,
-                   k0: int, k1: int, q_len: int, kv_len: int, device: torch.device | str | None,
-                   dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+def additive_block(
+    mask: Mask | None,
+    score_mod: ScoreMod | None,
+    batch: int,
+    heads: int,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """The additive ``attn_mask`` of queries ``[q0, q1)`` x keys ``[k0, k1)`` for a fused kernel:
     the additive modifiers' bias, ``-inf`` where blocked; the bool ``visible`` block; and a per-row
     ``shift`` (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.

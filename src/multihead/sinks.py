@@ -33,8 +33,10 @@ def check_sinks(sinks: object, q: Tensor) -> None:
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on the device of q, {q.device}, got {sinks.device}")
     if not torch.compiler.is_compiling() and bool(torch.isnan(sinks).any() | torch.isposinf(sinks).any()):
-        raise ValueError("sinks must not hold NaN or +inf (a sink of +inf would take every row's whole mass); "
-                         "-inf means no sink for that head")
+        raise ValueError(
+            "sinks must not hold NaN or +inf (a sink of +inf would take every row's whole mass); "
+            "-inf means no sink for that head"
+        )
 
 
 def apply_sinks(output: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -18,20 +18,34 @@ from multihead.conventions import default_scale
 __all__ = ["AttentionCall", "validate_call", "validate_weights_selection"]
 
 
-def validate_call(q: Tensor, k: Tensor, v: Tensor, *, mask: object, scale: float | None, dropout_p: float,
-                  dropout_mask: Tensor | None, return_weights: bool, return_lse: bool,
-                  score_mod: object = None) -> AttentionCall:
+def validate_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: object,
+    scale: float | None,
+    dropout_p: float,
+    dropout_mask: Tensor | None,
+    return_weights: bool,
+    return_lse: bool,
+    score_mod: object = None,
+) -> AttentionCall:
     for name, t, layout in (("q", q, "(B, Hq, Lq, D)"), ("k", k, "(B, Hkv, Lk, D)"), ("v", v, "(B, Hkv, Lk, Dv)")):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}; "
-                             "hint: layers take (B, L, E), the functional core takes heads split out")
+            raise ValueError(
+                f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}; "
+                "hint: layers take (B, L, E), the functional core takes heads split out"
+            )
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
         if 0 in (t.shape[0], t.shape[1], t.shape[3]):
-            raise ValueError(f"{name} has a zero-size dimension: shape {tuple(t.shape)}; expected B, heads and head "
-                             "dims >= 1 (only the lengths Lq, Lk may be 0)")
+            raise ValueError(
+                f"{name} has a zero-size dimension: shape {tuple(t.shape)}; expected B, heads and head "
+                "dims >= 1 (only the lengths Lq, Lk may be 0)"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -39,12 +53,16 @@ def validate_call(q: Tensor, k: Tensor, v: Tensor, *, mask: object, scale: float
 
     B, Hq, Lq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q has B={B}, k has {k.shape[0]}, v has {v.shape[0]}; batch "
-                         f"dimensions do not broadcast here: expand the smaller one (e.g. k.expand({B}, -1, -1, -1), "
-                         "a view)")
+        raise ValueError(
+            f"batch sizes differ: q has B={B}, k has {k.shape[0]}, v has {v.shape[0]}; batch "
+            f"dimensions do not broadcast here: expand the smaller one (e.g. k.expand({B}, -1, -1, -1), "
+            "a view)"
+        )
     if k.shape[3] != D:
-        raise ValueError(f"head dims differ: q has D={D} but k has D={k.shape[3]} "
-                         f"(q {tuple(q.shape)}, k {tuple(k.shape)}); q and k must share D, v may differ")
+        raise ValueError(
+            f"head dims differ: q has D={D} but k has D={k.shape[3]} "
+            f"(q {tuple(q.shape)}, k {tuple(k.shape)}); q and k must share D, v may differ"
+        )
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v lengths differ: k has Lk={k.shape[2]}, v has {v.shape[2]}")
     if k.shape[1] != v.shape[1]:
@@ -52,8 +70,9 @@ def validate_call(q: Tensor, k: Tensor, v: Tensor, *, mask: object, scale: float
     Hkv, Lk = k.shape[1], k.shape[2]
     if Hq % Hkv != 0:
         valid = [h for h in range(1, Hq + 1) if Hq % h == 0]
-        raise ValueError(f"q has Hq={Hq} heads, not divisible by Hkv={Hkv} key/value heads; "
-                         f"Hkv must divide Hq (one of {valid})")
+        raise ValueError(
+            f"q has Hq={Hq} heads, not divisible by Hkv={Hkv} key/value heads; Hkv must divide Hq (one of {valid})"
+        )
 
     if scale is None:
         scale = default_scale(D)
@@ -65,11 +84,14 @@ def validate_call(q: Tensor, k: Tensor, v: Tensor, *, mask: object, scale: float
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if dropout_mask is not None:
         if not isinstance(dropout_mask, Tensor) or dropout_mask.dtype != torch.bool:
-            raise TypeError(f"dropout_mask must be a bool tensor (True = kept), got {type(dropout_mask).__name__}"
-                            f"{'' if not isinstance(dropout_mask, Tensor) else ' of dtype ' + str(dropout_mask.dtype)}")
+            raise TypeError(
+                f"dropout_mask must be a bool tensor (True = kept), got {type(dropout_mask).__name__}"
+                f"{'' if not isinstance(dropout_mask, Tensor) else ' of dtype ' + str(dropout_mask.dtype)}"
+            )
         if tuple(dropout_mask.shape) != (B, Hq, Lq, Lk):
-            raise ValueError(f"dropout_mask must have shape (B, Hq, Lq, Lk) = {(B, Hq, Lq, Lk)}, "
-                             f"got {tuple(dropout_mask.shape)}")
+            raise ValueError(
+                f"dropout_mask must have shape (B, Hq, Lq, Lk) = {(B, Hq, Lq, Lk)}, got {tuple(dropout_mask.shape)}"
+            )
         if dropout_p == 0.0:
             raise ValueError("dropout_mask was given with dropout_p=0; give the p it was drawn with")
 
@@ -84,15 +106,18 @@ def validate_call(q: Tensor, k: Tensor, v: Tensor, *, mask: object, scale: float
         score_mod.check(B, Hq, Lq, Lk)
         for t in score_mod.tensors():
             if t.device != q.device:
-                raise ValueError(f"score_mod {score_mod._describe()} holds a tensor on {t.device} but q is on "
-                                 f"{q.device}; move it with .to('{q.device}')")
+                raise ValueError(
+                    f"score_mod {score_mod._describe()} holds a tensor on {t.device} but q is on "
+                    f"{q.device}; move it with .to('{q.device}')"
+                )
 
     # The fused kernels read rows of q, k, v with unit stride: a last dimension that is not
     # contiguous (x.transpose(-1, -2), x[..., ::2]) gives garbage there, so such inputs are copied.
     q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q, k, v))
     # return_weights is validated but not part of the call: weights come from q, k and the LSE.
-    return AttentionCall(q, k, v, mask, score_mod, scale, float(dropout_p), dropout_mask,
-                         return_lse or return_weights, folded)
+    return AttentionCall(
+        q, k, v, mask, score_mod, scale, float(dropout_p), dropout_mask, return_lse or return_weights, folded
+    )
 
 
 def _fold_nonpositive_scale(q: Tensor, scale: float) -> tuple[Tensor, float, bool]:
@@ -104,15 +129,17 @@ def _fold_nonpositive_scale(q: Tensor, scale: float) -> tuple[Tensor, float, boo
     return q * scale, 1.0, True
 
 
-def validate_weights_selection(weights_heads: object, weights_rows: object, *, q: Tensor,
-                               return_weights: bool) -> tuple[Tensor | None, Tensor | None]:
+def validate_weights_selection(
+    weights_heads: object, weights_rows: object, *, q: Tensor, return_weights: bool
+) -> tuple[Tensor | None, Tensor | None]:
     """``weights_heads`` / ``weights_rows`` of :func:`multihead.attention` as 1-D int64 index
     tensors (``None``: all). Each may be an int, a sequence of ints, a slice or an integer tensor."""
     if (weights_heads is not None or weights_rows is not None) and not return_weights:
-        raise ValueError("weights_heads/weights_rows select which weights to return; "
-                         "they need return_weights=True")
-    return (_index("weights_heads", weights_heads, q.shape[1], "Hq", q.device),
-            _index("weights_rows", weights_rows, q.shape[2], "Lq", q.device))
+        raise ValueError("weights_heads/weights_rows select which weights to return; they need return_weights=True")
+    return (
+        _index("weights_heads", weights_heads, q.shape[1], "Hq", q.device),
+        _index("weights_rows", weights_rows, q.shape[2], "Lq", q.device),
+    )
 
 
 def _index(name: str, value: object, size: int, what: str, device: torch.device) -> Tensor | None:
@@ -126,8 +153,9 @@ def _index(name: str, value: object, size: int, what: str, device: torch.device)
         ids = torch.tensor([value])
     elif isinstance(value, Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() > 1:
-            raise TypeError(f"{name} must be a 1-D integer tensor, got dtype {value.dtype} and shape "
-                            f"{tuple(value.shape)}")
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor, got dtype {value.dtype} and shape {tuple(value.shape)}"
+            )
         ids = value.reshape(-1).to(torch.int64)
     else:
         try:
@@ -138,12 +166,15 @@ def _index(name: str, value: object, size: int, what: str, device: torch.device)
                 raise TypeError
             ids = torch.tensor(items, dtype=torch.int64)
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"{name} must be an int, a sequence of ints, a slice or an integer tensor, "
-                            f"got {value!r}") from exc
+            raise TypeError(
+                f"{name} must be an int, a sequence of ints, a slice or an integer tensor, got {value!r}"
+            ) from exc
     if ids.numel() == 0:
         raise ValueError(f"{name} selects nothing; expected at least one index in [0, {what}={size})")
     outside = (ids < -size) | (ids >= size)
     if bool(outside.any()):
-        raise ValueError(f"{name} has indices {ids[outside].tolist()[:8]} outside [0, {what}={size}) "
-                         f"(or [-{size}, 0), counting from the end)")
+        raise ValueError(
+            f"{name} has indices {ids[outside].tolist()[:8]} outside [0, {what}={size}) "
+            f"(or [-{size}, 0), counting from the end)"
+        )
     return (ids % size).to(device)

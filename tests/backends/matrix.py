@@ -21,18 +21,29 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def backend_params(include_slow: bool = False) -> list:
     """``pytest.param(name, device)`` for every registered backend and every device present."""
-    return [pytest.param(name, device, id=f"{name}-{device}")
-            for name in mh.available_backends() if include_slow or name not in SLOW_BACKENDS
-            for device in DEVICES]
+    return [
+        pytest.param(name, device, id=f"{name}-{device}")
+        for name in mh.available_backends()
+        if include_slow or name not in SLOW_BACKENDS
+        for device in DEVICES
+    ]
 
 
 def serve_or_skip(backend: str, q, k, v, **kwargs) -> None:
     """Skip (with the backend's reasons) unless ``backend`` declares it can serve this call; a
     declared refusal must also make a forced call raise."""
-    call = validate_call(q, k, v, mask=kwargs.get("mask"), score_mod=kwargs.get("score_mod"),
-                         scale=kwargs.get("scale"), dropout_p=kwargs.get("dropout_p", 0.0),
-                         dropout_mask=kwargs.get("dropout_mask"), return_weights=kwargs.get("return_weights", False),
-                         return_lse=kwargs.get("return_lse", False))
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=kwargs.get("mask"),
+        score_mod=kwargs.get("score_mod"),
+        scale=kwargs.get("scale"),
+        dropout_p=kwargs.get("dropout_p", 0.0),
+        dropout_mask=kwargs.get("dropout_mask"),
+        return_weights=kwargs.get("return_weights", False),
+        return_lse=kwargs.get("return_lse", False),
+    )
     reasons = mh.get_backend(backend).refusals(call)
     if not reasons:
         return

@@ -23,7 +23,7 @@ def _masked_scores(q, k, mask, case, dtype):
     """The naive baseline's scores in the input dtype (for its LSE error)."""
     from multihead.call import mask_and_score_mod
 
-    scores = (q @ k.repeat_interleave(case.Hq // case.Hkv, 1).transpose(-2, -1)) * case.D ** -0.5
+    scores = (q @ k.repeat_interleave(case.Hq // case.Hkv, 1).transpose(-2, -1)) * case.D**-0.5
     m, mod = mask_and_score_mod(mask, None, check_binary=False)
     if mod is not None:
         scores = mod.apply_block(scores, 0, case.Lq, 0, case.Lk)
@@ -64,8 +64,9 @@ GRAD_CASES = [c for c in CASES if c.Lq * c.Lk <= 128 * 128][::2]
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_gradients_match_reference(backend, device, case, dtype):
     q64, k64, v64, mask = make_inputs(case)
-    grad_out = torch.randn(case.B, case.Hq, case.Lq, case.Dv, dtype=torch.float64,
-                           generator=torch.Generator().manual_seed(case.seed + 1))
+    grad_out = torch.randn(
+        case.B, case.Hq, case.Lq, case.Dv, dtype=torch.float64, generator=torch.Generator().manual_seed(case.seed + 1)
+    )
     probe = [t.to(dtype).to(device).requires_grad_() for t in (q64, k64, v64)]
     serve_or_skip(backend, *probe, mask=mask)
 
@@ -92,7 +93,9 @@ FULLY_MASKED = {
     "every_row": lambda B, H, Lq, Lk: torch.zeros(Lq, Lk, dtype=torch.bool),
     "batch_element": lambda B, H, Lq, Lk: mh.key_padding([Lk, 0]),
     "causal_lq_gt_lk": lambda B, H, Lq, Lk: mh.causal(),
-    "additive_rows": lambda B, H, Lq, Lk: torch.zeros(Lq, Lk).masked_fill(torch.arange(Lq).view(-1, 1) == 0, float("-inf")),
+    "additive_rows": lambda B, H, Lq, Lk: torch.zeros(Lq, Lk).masked_fill(
+        torch.arange(Lq).view(-1, 1) == 0, float("-inf")
+    ),
 }
 
 
@@ -102,8 +105,10 @@ FULLY_MASKED = {
 def test_fully_masked_rows_are_exact_zeros_with_zero_grads(backend, device, kind, dtype):
     B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 9, 6, 16
     mask = FULLY_MASKED[kind](B, Hq, Lq, Lk)
-    q, k, v = (torch.randn(B, h, L, D, dtype=dtype, device=device, requires_grad=True)
-               for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    q, k, v = (
+        torch.randn(B, h, L, D, dtype=dtype, device=device, requires_grad=True)
+        for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    )
     serve_or_skip(backend, q, k, v, mask=mask, return_weights=True, return_lse=True)
     res = mh.attention(q, k, v, mask=mask, backend=backend, return_weights=True, return_lse=True)
     ref = mh.reference_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask=mask)

@@ -11,13 +11,13 @@ from multihead.backends.band_runs import BandRun, interior_run, run_backward, ru
 
 # (B, Hq, Hkv, Lq, Lk, D, block, left, right, align)
 CASES = [
-    (1, 2, 2, 64, 64, 16, 8, 16, 0, "bottom_right"),   # window a multiple of the block
-    (2, 4, 2, 61, 61, 13, 8, 11, 0, "bottom_right"),   # GQA 4/2, window not a multiple, odd sizes
-    (2, 3, 1, 45, 70, 8, 8, 5, 0, "bottom_right"),     # MQA, Lq < Lk, window smaller than a block
-    (1, 4, 4, 40, 97, 16, 8, 20, 3, "bottom_right"),   # Lq < Lk, a right extent as well
-    (2, 6, 2, 80, 90, 8, 16, 19, 2, "top_left"),       # top-left alignment, larger blocks
-    (1, 2, 1, 72, 72, 32, 4, 0, 0, "bottom_right"),    # left = right = 0: the diagonal only
-    (1, 2, 2, 48, 48, 8, 8, 9, 0, "bottom_right"),     # span 17: the last window chunk is one key wide
+    (1, 2, 2, 64, 64, 16, 8, 16, 0, "bottom_right"),  # window a multiple of the block
+    (2, 4, 2, 61, 61, 13, 8, 11, 0, "bottom_right"),  # GQA 4/2, window not a multiple, odd sizes
+    (2, 3, 1, 45, 70, 8, 8, 5, 0, "bottom_right"),  # MQA, Lq < Lk, window smaller than a block
+    (1, 4, 4, 40, 97, 16, 8, 20, 3, "bottom_right"),  # Lq < Lk, a right extent as well
+    (2, 6, 2, 80, 90, 8, 16, 19, 2, "top_left"),  # top-left alignment, larger blocks
+    (1, 2, 1, 72, 72, 32, 4, 0, 0, "bottom_right"),  # left = right = 0: the diagonal only
+    (1, 2, 2, 48, 48, 8, 8, 9, 0, "bottom_right"),  # span 17: the last window chunk is one key wide
 ]
 
 
@@ -41,8 +41,10 @@ def _reference(q, k, v, visible, scale):
 def _inputs(case, dtype, seed=0):
     B, Hq, Hkv, Lq, Lk, D, *_ = case
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-            for shape in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D))]
+    return [
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        for shape in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D))
+    ]
 
 
 # The relative rule: error against the fp64 reference at most FACTOR times that of the same math
@@ -74,7 +76,7 @@ def test_forward_and_backward_match_reference(case, dtype):
     run = interior_run(Lq, Lk, block=block, lo=lo, hi=hi)
     assert run is not None and run.blocks >= 3, run  # the case must exercise several folded blocks
     rows = slice(run.q0, run.q1)
-    scale = D ** -0.5
+    scale = D**-0.5
     q, k, v = _inputs(case, dtype)
 
     out, lse = run_forward(q, k, v, run, scale)
@@ -98,7 +100,7 @@ def test_forward_and_backward_match_reference(case, dtype):
     _assert_accurate(dk, ref_grads[1], plain_grads[1], "dk", magnitude)
     _assert_accurate(dv, ref_grads[2], plain_grads[2], "dv", magnitude)
     outside = torch.ones(Lk, dtype=torch.bool)
-    outside[run.k0:run.k1] = False
+    outside[run.k0 : run.k1] = False
     assert not dk[:, :, outside].any() and not dv[:, :, outside].any()  # keys the run never reads
 
 
@@ -118,11 +120,18 @@ def test_backward_adds_into_accumulators():
     torch.testing.assert_close(acc_v, dv.double() + 2, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("Lq,Lk,block,left,right,align", [
-    (64, 64, 8, 16, 0, "bottom_right"), (61, 61, 8, 11, 0, "bottom_right"), (45, 70, 8, 5, 0, "bottom_right"),
-    (40, 97, 8, 20, 3, "bottom_right"), (80, 90, 16, 19, 2, "top_left"), (300, 40, 8, 3, 0, "bottom_right"),
-    (70, 70, 8, 7, 70, "top_left"),
-])
+@pytest.mark.parametrize(
+    "Lq,Lk,block,left,right,align",
+    [
+        (64, 64, 8, 16, 0, "bottom_right"),
+        (61, 61, 8, 11, 0, "bottom_right"),
+        (45, 70, 8, 5, 0, "bottom_right"),
+        (40, 97, 8, 20, 3, "bottom_right"),
+        (80, 90, 16, 19, 2, "top_left"),
+        (300, 40, 8, 3, 0, "bottom_right"),
+        (70, 70, 8, 7, 70, "top_left"),
+    ],
+)
 def test_interior_run_is_the_longest_interior_run_on_the_grid(Lq, Lk, block, left, right, align):
     (lo, hi), _ = _band(Lq, Lk, left, right, align)
 
@@ -139,14 +148,17 @@ def test_interior_run_is_the_longest_interior_run_on_the_grid(Lq, Lk, block, lef
     assert run.k0 == run.q0 + lo and run.k1 == run.q1 + hi
 
 
-@pytest.mark.parametrize("run,why", [  # BandRun(q0, q1, block, lo, hi) at Lq = Lk = 32
-    (BandRun(0, 24, 8, -4, 0), "not interior"),          # block 0 reads key -4
-    (BandRun(8, 40, 8, -4, 0), "inside \\[0, Lq=32\\)"),  # 40 > Lq
-    (BandRun(8, 20, 8, -4, 0), "multiple of block"),     # 12 rows
-    (BandRun(8, 24, 8, -4, 20), "not interior"),         # reads keys up to 44 > Lk
-    (BandRun(8, 24, 0, -4, 0), "block must be"),
-    (BandRun(8, 24, 8, 1, 0), "without keys"),           # lo > hi
-])
+@pytest.mark.parametrize(
+    "run,why",
+    [  # BandRun(q0, q1, block, lo, hi) at Lq = Lk = 32
+        (BandRun(0, 24, 8, -4, 0), "not interior"),  # block 0 reads key -4
+        (BandRun(8, 40, 8, -4, 0), "inside \\[0, Lq=32\\)"),  # 40 > Lq
+        (BandRun(8, 20, 8, -4, 0), "multiple of block"),  # 12 rows
+        (BandRun(8, 24, 8, -4, 20), "not interior"),  # reads keys up to 44 > Lk
+        (BandRun(8, 24, 0, -4, 0), "block must be"),
+        (BandRun(8, 24, 8, 1, 0), "without keys"),  # lo > hi
+    ],
+)
 def test_refuses_runs_that_are_not_interior(run, why):
     q = torch.randn(1, 2, 32, 8)
     with pytest.raises(ValueError, match=why):
@@ -172,6 +184,7 @@ def test_a_relative_bias_on_a_band_splits_its_backward_by_head_and_stays_exact(m
         def wrapped(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(band_runs, "_flash_backward", count("kernel", kernel))

@@ -11,23 +11,46 @@ from helpers import LargestAllocation, assert_relative, covering_cases, make_inp
 from multihead.backends.blocksparse import DEFAULT_BLOCK_SIZE, BlockSparseBackend, block_plan
 from multihead.validation import validate_call
 
-STRUCTURED = ["none", "causal_br", "causal_tl", "window_3", "window_5_2_tl", "key_padding", "document",
-              "prefix_lm", "causal&padding", "document&causal", "window|prefix", "~causal", "custom",
-              "shifted_causal"]
+STRUCTURED = [
+    "none",
+    "causal_br",
+    "causal_tl",
+    "window_3",
+    "window_5_2_tl",
+    "key_padding",
+    "document",
+    "prefix_lm",
+    "causal&padding",
+    "document&causal",
+    "window|prefix",
+    "~causal",
+    "custom",
+    "shifted_causal",
+]
 CASES = [c for c in covering_cases(n_random=40, seed=4) if c.mask in STRUCTURED]
 
 
 def _call(q, k, v, mask, **kw):
-    return validate_call(q, k, v, mask=mask, scale=kw.get("scale"), dropout_p=0.0, dropout_mask=None,
-                         return_weights=kw.get("return_weights", False), return_lse=True)
+    return validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=kw.get("scale"),
+        dropout_p=0.0,
+        dropout_mask=None,
+        return_weights=kw.get("return_weights", False),
+        return_lse=True,
+    )
 
 
 def _grads(out, inputs, grad_out):
     return torch.autograd.grad(out, inputs, grad_out)
 
 
-@pytest.mark.parametrize("dtype,block", [(torch.float64, 8), (torch.float64, 32), (torch.float32, 16),
-                                         (torch.bfloat16, 16)], ids=str)
+@pytest.mark.parametrize(
+    "dtype,block", [(torch.float64, 8), (torch.float64, 32), (torch.float32, 16), (torch.bfloat16, 16)], ids=str
+)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_reference_across_blocks(case, dtype, block):
     q64, k64, v64, mask = make_inputs(case)
@@ -65,12 +88,19 @@ BOUNDARY = [
     (3 * DEFAULT_BLOCK_SIZE + 1, 3 * DEFAULT_BLOCK_SIZE + 1, lambda L, S: mh.sliding_window(DEFAULT_BLOCK_SIZE // 4)),
     (3 * DEFAULT_BLOCK_SIZE - 1, 3 * DEFAULT_BLOCK_SIZE - 1, lambda L, S: mh.sliding_window(DEFAULT_BLOCK_SIZE + 37)),
     (2 * DEFAULT_BLOCK_SIZE, 3 * DEFAULT_BLOCK_SIZE, lambda L, S: mh.sliding_window(300, 17, align="top_left")),
-    (3 * DEFAULT_BLOCK_SIZE, 3 * DEFAULT_BLOCK_SIZE,
-     lambda L, S: mh.document(torch.repeat_interleave(torch.arange(4), torch.tensor([100, 300, 5, L - 405])))
-     & mh.causal()),
+    (
+        3 * DEFAULT_BLOCK_SIZE,
+        3 * DEFAULT_BLOCK_SIZE,
+        lambda L, S: (
+            mh.document(torch.repeat_interleave(torch.arange(4), torch.tensor([100, 300, 5, L - 405]))) & mh.causal()
+        ),
+    ),
     (2 * DEFAULT_BLOCK_SIZE + 1, 2 * DEFAULT_BLOCK_SIZE + 1, lambda L, S: mh.prefix_lm(DEFAULT_BLOCK_SIZE + 3)),
-    (DEFAULT_BLOCK_SIZE + 1, 2 * DEFAULT_BLOCK_SIZE + 1,
-     lambda L, S: mh.key_padding(torch.tensor([S, DEFAULT_BLOCK_SIZE - 1, 0])) & mh.causal()),
+    (
+        DEFAULT_BLOCK_SIZE + 1,
+        2 * DEFAULT_BLOCK_SIZE + 1,
+        lambda L, S: mh.key_padding(torch.tensor([S, DEFAULT_BLOCK_SIZE - 1, 0])) & mh.causal(),
+    ),
 ]
 
 
@@ -109,9 +139,15 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_grads():
     assert bool((k.grad[1] == 0).all()) and bool((v.grad[1] == 0).all())
 
 
-@pytest.mark.parametrize("mask", [mh.sliding_window(128), mh.causal() & mh.key_padding(torch.tensor([4000])),
-                                  mh.document(torch.repeat_interleave(torch.arange(4), 1024)) & mh.causal()],
-                         ids=["window", "causal&padding", "documents"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        mh.sliding_window(128),
+        mh.causal() & mh.key_padding(torch.tensor([4000])),
+        mh.document(torch.repeat_interleave(torch.arange(4), 1024)) & mh.causal(),
+    ],
+    ids=["window", "causal&padding", "documents"],
+)
 def test_no_tensor_of_lq_by_lk_is_allocated(mask):
     """A regression to materializing the mask (or the scores) makes this fail."""
     B, H, L, D = 1, 2, 4096, 16
@@ -140,8 +176,9 @@ def test_refusals_name_their_reason():
     backend = mh.get_backend("blocksparse")
     assert any("tensor" in r for r in backend.refusals(_call(q, q, q, torch.ones(8, 8, dtype=torch.bool))))
     keep = torch.ones(1, 2, 8, 8, dtype=torch.bool)
-    call = validate_call(q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=keep,
-                         return_weights=False, return_lse=False)
+    call = validate_call(
+        q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=keep, return_weights=False, return_lse=False
+    )
     assert any("dropout_mask" in r for r in backend.refusals(call))  # an injected keep mask: the oracle only
     with pytest.raises(mh.BackendRefusedError, match="dropout_mask"):
         mh.attention(q, q, q, dropout_p=0.1, dropout_mask=keep, backend="blocksparse")
@@ -155,8 +192,11 @@ BANDS = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(2, 4, 2, 203, 203, 24), (1, 3, 1, 150, 211, 16), (1, 2, 2, 64, 203, 8)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 203, 203, 24), (1, 3, 1, 150, 211, 16), (1, 2, 2, 64, 203, 8)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 @pytest.mark.parametrize("band", list(BANDS))
 def test_band_interior_runs_as_one_batched_call_and_matches_the_reference(band, shape, dtype):
     """The interior query blocks of a band run as one kernel call (plan says so); forward, LSE and
@@ -165,7 +205,9 @@ def test_band_interior_runs_as_one_batched_call_and_matches_the_reference(band, 
     backend = BlockSparseBackend(16)
     mask = BANDS[band]()
     gen = torch.Generator().manual_seed(Lq)
-    q64, k64, v64 = (torch.randn(B, h, L, D, generator=gen, dtype=torch.float64) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    q64, k64, v64 = (
+        torch.randn(B, h, L, D, generator=gen, dtype=torch.float64) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    )
     q, k, v = (t.to(dtype).requires_grad_() for t in (q64, k64, v64))
     call = _call(q, k, v, mask)
     plan = backend._plan(call)
@@ -200,8 +242,18 @@ def test_a_band_with_a_bias_is_not_batched_but_stays_exact():
     backend = BlockSparseBackend(16)
     q = torch.randn(1, 2, 100, 8, dtype=torch.float64)
     bias = mh.scores.bias(torch.randn(1, 2, 100, 100, dtype=torch.float64))
-    call = validate_call(q, q, q, mask=mh.sliding_window(10), score_mod=bias, scale=None, dropout_p=0.0,
-                         dropout_mask=None, return_weights=False, return_lse=True)
+    call = validate_call(
+        q,
+        q,
+        q,
+        mask=mh.sliding_window(10),
+        score_mod=bias,
+        scale=None,
+        dropout_p=0.0,
+        dropout_mask=None,
+        return_weights=False,
+        return_lse=True,
+    )
     assert backend._plan(call).run is None  # the shared window mask cannot carry a per-position bias
     ref = mh.reference_attention(q, q, q, mask=mh.sliding_window(10), score_mod=bias)
     torch.testing.assert_close(backend.forward(call).output, ref.output, rtol=1e-10, atol=1e-10)
@@ -216,8 +268,9 @@ def _replayed_keep(seed, mask, B, Hq, Lq, Lk, block, p):
         q1 = min(q0 + block, Lq)
         k0, k1 = mask.key_range(q0, q1, Lq, Lk)
         if k0 < k1:
-            keep[:, :, q0:q1, k0:k1] = torch.nn.functional.dropout(torch.ones(B, Hq, q1 - q0, k1 - k0, dtype=torch.float64),
-                                                                  p) != 0
+            keep[:, :, q0:q1, k0:k1] = (
+                torch.nn.functional.dropout(torch.ones(B, Hq, q1 - q0, k1 - k0, dtype=torch.float64), p) != 0
+            )
     return keep
 
 
@@ -228,13 +281,20 @@ def test_dropout_runs_blockwise_and_equals_the_reference_with_the_same_draw(mask
     B, Hq, Hkv, Lq, Lk, D, p, block = 2, 4, 2, 300, 300, 8, 0.3, 64
     gen = torch.Generator().manual_seed(9)
     ids = torch.sort(torch.randint(0, 3, (B, Lq), generator=gen)).values
-    mask = {"window": mh.sliding_window(40), "causal": mh.causal(), "document&causal": mh.document(ids) & mh.causal(),
-            "padding&causal": mh.key_padding([300, 0]) & mh.causal()}[mask_kind]
-    q, k, v = (torch.randn(B, h, L, D, generator=gen, dtype=torch.float64, requires_grad=True)
-               for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    mask = {
+        "window": mh.sliding_window(40),
+        "causal": mh.causal(),
+        "document&causal": mh.document(ids) & mh.causal(),
+        "padding&causal": mh.key_padding([300, 0]) & mh.causal(),
+    }[mask_kind]
+    q, k, v = (
+        torch.randn(B, h, L, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    )
     backend = BlockSparseBackend(block)
-    call = validate_call(q, k, v, mask=mask, scale=None, dropout_p=p, dropout_mask=None, return_weights=False,
-                         return_lse=True)
+    call = validate_call(
+        q, k, v, mask=mask, scale=None, dropout_p=p, dropout_mask=None, return_weights=False, return_lse=True
+    )
     torch.manual_seed(123)
     got = backend.forward(call)
     grads = torch.autograd.grad(got.output.square().sum(), (q, k, v))
@@ -271,6 +331,7 @@ def test_auto_refusals_of_a_long_dropout_call_without_a_mask():
     """Past the dense-size threshold a dropout call with no mask reaches the causal-offset question,
     which must not be asked of a missing mask (it raised AttributeError)."""
     q = torch.randn(1, 1, 16384, 8)  # B·Hq·Lq·Lk = 2^28 scores: no longer "fits"
-    call = validate_call(q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=None, return_weights=False,
-                         return_lse=False)
+    call = validate_call(
+        q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=None, return_weights=False, return_lse=False
+    )
     assert BlockSparseBackend().auto_refusals(call) == []

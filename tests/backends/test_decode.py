@@ -39,15 +39,30 @@ def _mask(kind: str, B: int, Hq: int, Lq: int, Lk: int, gen: torch.Generator):
         "static_cache": lambda: (torch.arange(Lk).view(1, 1, 1, Lk) < lengths.view(B, 1, 1, 1)).expand(B, 1, Lq, Lk),
         "bool_per_head": lambda: torch.rand(B, Hq, Lq, Lk, generator=gen) > 0.3,
         "bool_rows": lambda: torch.rand(1, 1, Lq, Lk, generator=gen) > 0.5,
-        "document": lambda: mh.document(torch.zeros(B, Lq, dtype=torch.long) + 1,
-                                        (torch.arange(Lk) >= Lk // 3).long().expand(B, Lk)),
+        "document": lambda: mh.document(
+            torch.zeros(B, Lq, dtype=torch.long) + 1, (torch.arange(Lk) >= Lk // 3).long().expand(B, Lk)
+        ),
     }
     return table[kind]()
 
 
-MASKS = ["none", "causal", "causal_top_left", "window", "window_top_left", "window_per_sequence",
-         "causal_per_sequence", "key_padding", "key_padding_empty_batch", "shifted_causal", "shifted_top_left",
-         "static_cache", "bool_per_head", "bool_rows", "document"]
+MASKS = [
+    "none",
+    "causal",
+    "causal_top_left",
+    "window",
+    "window_top_left",
+    "window_per_sequence",
+    "causal_per_sequence",
+    "key_padding",
+    "key_padding_empty_batch",
+    "shifted_causal",
+    "shifted_top_left",
+    "static_cache",
+    "bool_per_head",
+    "bool_rows",
+    "document",
+]
 LENGTHS = [1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 300]
 
 
@@ -79,7 +94,7 @@ def _baseline_lse(q, k, mask, scale=None):
     """The naive LSE in the input dtype (the baseline of the rule for the LSE)."""
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
-    scores = (q @ k.repeat_interleave(Hq // k.shape[1], 1).transpose(-2, -1)) * (D ** -0.5 if scale is None else scale)
+    scores = (q @ k.repeat_interleave(Hq // k.shape[1], 1).transpose(-2, -1)) * (D**-0.5 if scale is None else scale)
     m, mod = mask_and_score_mod(mask, None, check_binary=False)
     if mod is not None:
         scores = mod.apply_block(scores, 0, Lq, 0, Lk)
@@ -167,9 +182,11 @@ def test_nan_in_keys_no_query_may_see_does_not_leak(mask_kind, small_chunks):
         lengths = torch.full((B,), Lk)
     else:
         lengths = torch.tensor([Lk, 5, CHUNK + 2])  # rows 1, 2: keys past 5 and CHUNK + 2 unseen
-        mask = {"key_padding": mh.key_padding(lengths),
-                "static_cache": (torch.arange(Lk).view(1, 1, 1, Lk) < lengths.view(B, 1, 1, 1)).expand(B, 1, Lq, Lk),
-                "window_per_sequence": mh.sliding_window(4, kv_lengths=lengths) & mh.key_padding(lengths)}[mask_kind]
+        mask = {
+            "key_padding": mh.key_padding(lengths),
+            "static_cache": (torch.arange(Lk).view(1, 1, 1, Lk) < lengths.view(B, 1, 1, 1)).expand(B, 1, Lq, Lk),
+            "window_per_sequence": mh.sliding_window(4, kv_lengths=lengths) & mh.key_padding(lengths),
+        }[mask_kind]
     visible = mh.masks.as_mask(mask).materialize(B, Hq, Lq, Lk).any(2).any(1).expand(B, Lk)  # keys some row sees
     poisoned_k, poisoned_v = k.clone(), v.clone()
     for b in range(B):
@@ -183,8 +200,9 @@ def test_nan_in_keys_no_query_may_see_does_not_leak(mask_kind, small_chunks):
         for name, g in zip("qkv", torch.autograd.grad(got.sum(), leaves)):
             assert torch.isfinite(g).all(), f"d{name} read the NaN of a key nobody sees"
         with torch.no_grad():  # the path without autograd (fused softmax) as well
-            torch.testing.assert_close(mh.attention(*leaves, mask=mask, backend="decode").double(), want,
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                mh.attention(*leaves, mask=mask, backend="decode").double(), want, rtol=1e-5, atol=1e-5
+            )
 
 
 def test_nan_in_a_seen_key_reaches_exactly_the_rows_that_see_it():
@@ -281,12 +299,13 @@ def test_a_static_cache_mask_reads_only_up_to_the_last_visible_slot():
     q = torch.randn(2, 8, 1, 16)
     k, v = torch.randn(2, 2, S, 16), torch.randn(2, 2, S, 16)
     k[:, :, 1200:] = float("nan")  # unused slots: never read
-    mask = (torch.arange(S).view(1, 1, 1, S) < lengths.view(2, 1, 1, 1))  # (B, 1, Lq, S)
+    mask = torch.arange(S).view(1, 1, 1, S) < lengths.view(2, 1, 1, 1)  # (B, 1, Lq, S)
     report = str(mh.explain(q, k, v, mask=mask))
     assert "backend: decode" in report and "keys read: 1200 of 4096 ([0, 1200))" in report
     got = mh.attention(q, k, v, mask=mask)
-    want = mh.reference_attention(q.double(), k[:, :, :1200].double(), v[:, :, :1200].double(),
-                                  mask=mask[..., :1200]).output
+    want = mh.reference_attention(
+        q.double(), k[:, :, :1200].double(), v[:, :, :1200].double(), mask=mask[..., :1200]
+    ).output
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -295,8 +314,12 @@ def test_scores_stay_within_one_chunk_and_no_dense_mask_is_built(small_chunks):
     never the B x Hq x Lq x Lk scores or mask of the whole call (4x the size of K here)."""
     B, Hq, Hkv, Lq, Lk, D = 2, 16, 2, 4, 4096, 16
     q, k, v = torch.randn(B, Hq, Lq, D), torch.randn(B, Hkv, Lk, D), torch.randn(B, Hkv, Lk, D)
-    for mask in (None, mh.causal(), mh.sliding_window(1000) & mh.key_padding([4000, 3000]),
-                 torch.ones(B, 1, Lq, Lk, dtype=torch.bool)):
+    for mask in (
+        None,
+        mh.causal(),
+        mh.sliding_window(1000) & mh.key_padding([4000, 3000]),
+        torch.ones(B, 1, Lq, Lk, dtype=torch.bool),
+    ):
         with torch.no_grad(), LargestAllocation() as probe:
             mh.attention(q, k, v, mask=mask)
         assert probe.largest <= max(k.numel(), B * Lq * Lk) < B * Hq * Lq * Lk, (mask, probe.largest)
@@ -306,8 +329,13 @@ def test_auto_takes_decode_shaped_calls_and_explain_names_it():
     k, v = torch.randn(2, 2, 1024, 64), torch.randn(2, 2, 1024, 64)  # B·Hq·Lk·D = 2^20: AUTO_MIN_WORK
     for Lq in range(1, AUTO_MAX_QUERIES + 1):
         q = torch.randn(2, 8, Lq, 64)
-        for mask in (None, mh.causal(), mh.sliding_window(64), mh.key_padding([1024, 300]),
-                     torch.ones(2, 1, Lq, 1024, dtype=torch.bool)):
+        for mask in (
+            None,
+            mh.causal(),
+            mh.sliding_window(64),
+            mh.key_padding([1024, 300]),
+            torch.ones(2, 1, Lq, 1024, dtype=torch.bool),
+        ):
             report = mh.explain(q, k, v, mask=mask)
             assert report.backend == "decode", str(report)
             assert "backend: decode (chosen by auto)" in str(report) and "folded into the rows" in str(report)
@@ -351,8 +379,9 @@ def test_prefill_then_steps_equal_the_full_causal_forward():
     t, steps = 10, []
     while t < L:
         n = min(1 + len(steps) % 3, L - t)
-        steps.append(mh.attention(q[:, :, t:t + n], k[:, :, :t + n], v[:, :, :t + n], mask=mh.causal(),
-                                  backend="decode"))
+        steps.append(
+            mh.attention(q[:, :, t : t + n], k[:, :, : t + n], v[:, :, : t + n], mask=mh.causal(), backend="decode")
+        )
         t += n
     torch.testing.assert_close(torch.cat(steps, 2), full[:, :, 10:], rtol=1e-5, atol=1e-5)
 
@@ -372,9 +401,16 @@ def test_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled(q, k, v, mask), step(q, k, v, mask))
 
 
-@pytest.mark.parametrize("mask", [None, mh.causal(), mh.sliding_window(40) & mh.key_padding([1500, 900]),
-                                  torch.arange(1500).view(1, 1, 1, 1500) < 1200],
-                         ids=["none", "causal", "window&padding", "bool"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,
+        mh.causal(),
+        mh.sliding_window(40) & mh.key_padding([1500, 900]),
+        torch.arange(1500).view(1, 1, 1, 1500) < 1200,
+    ],
+    ids=["none", "causal", "window&padding", "bool"],
+)
 def test_a_repeated_decode_call_runs_its_plan(mask):
     """multihead.plans keeps the decode runner for a repeated signature (key range, row mask and
     padding decided once); other values of the same signature get their own right answer."""
@@ -397,8 +433,11 @@ def test_a_repeated_decode_call_runs_its_plan(mask):
     assert torch.isfinite(q2.grad).all()
 
 
-@pytest.mark.parametrize("heads,Lq", [((6, 2), 1), ((8, 2), 1), ((10, 2), 1), ((4, 2), 2), ((8, 8), 4)],
-                         ids=["rows3", "rows4", "rows5", "rows4_two_tokens", "rows4_mha"])
+@pytest.mark.parametrize(
+    "heads,Lq",
+    [((6, 2), 1), ((8, 2), 1), ((10, 2), 1), ((4, 2), 2), ((8, 8), 4)],
+    ids=["rows3", "rows4", "rows5", "rows4_two_tokens", "rows4_mha"],
+)
 def test_padded_query_rows_change_nothing(heads, Lq, monkeypatch):
     """3 to 5 fp32 query rows per KV head run padded to 6 on large K/V (forced here on small ones):
     outputs, LSE, fully masked rows and gradients as without."""

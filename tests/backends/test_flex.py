@@ -14,7 +14,10 @@ MASKS = {
     "causal": lambda B, L: mh.causal(),
     "window": lambda B, L: mh.sliding_window(30),
     "padding_with_empty_batch": lambda B, L: mh.key_padding(torch.tensor([L, 0])),
-    "documents&causal": lambda B, L: mh.document(torch.sort(torch.randint(0, 3, (B, L), generator=torch.Generator().manual_seed(0))).values) & mh.causal(),
+    "documents&causal": lambda B, L: (
+        mh.document(torch.sort(torch.randint(0, 3, (B, L), generator=torch.Generator().manual_seed(0))).values)
+        & mh.causal()
+    ),
 }
 
 
@@ -45,8 +48,13 @@ def test_flex_runs_score_modifiers_through_its_score_mod():
     bias = torch.randn(1, Hq, L, L, generator=gen)
     mods = [mh.scores.bias(bias), mh.scores.softcap(2.0)]
     got = mh.attention(q, k, v, mask=mh.causal(), score_mod=mods, backend="flex", return_lse=True)
-    ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mh.causal(),
-                                 score_mod=[mh.scores.bias(bias.double()), mh.scores.softcap(2.0)])
+    ref = mh.reference_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        mask=mh.causal(),
+        score_mod=[mh.scores.bias(bias.double()), mh.scores.softcap(2.0)],
+    )
     base = naive_attention(q, k, v, mh.causal(), score_mod=mods)
     assert_relative(got.output, ref.output, base, factor("flex", torch.float32))
     torch.testing.assert_close(got.lse.double(), ref.lse, rtol=1e-5, atol=1e-5)
@@ -79,7 +87,15 @@ def test_flex_runs_position_biases_and_user_functions_bottom_right(kind, more_co
     with torch.no_grad():
         got = mh.attention(q, k, v, mask=mh.causal(), score_mod=mods, backend="flex", return_lse=True, **extra)
         ref_extra = {n: (t.double() if isinstance(t, torch.Tensor) else t) for n, t in extra.items()}
-        ref = mh.attention(q.double(), k.double(), v.double(), mask=mh.causal(), score_mod=mods, backend="reference",
-                           return_lse=True, **ref_extra)
+        ref = mh.attention(
+            q.double(),
+            k.double(),
+            v.double(),
+            mask=mh.causal(),
+            score_mod=mods,
+            backend="reference",
+            return_lse=True,
+            **ref_extra,
+        )
     torch.testing.assert_close(got.output.double(), ref.output, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got.lse.double(), ref.lse, rtol=2e-5, atol=2e-5)

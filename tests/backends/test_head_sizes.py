@@ -14,8 +14,12 @@ CASES = {  # name: (D, Dv, V is K's prefix)
     "v wider": (32, 40, False),
     "v is k's prefix (MLA absorbed)": (72, 64, True),
 }
-MASKS = {"none": None, "causal": mh.causal(), "padding": mh.key_padding(torch.tensor([50, 17])),
-         "window": mh.sliding_window(9)}
+MASKS = {
+    "none": None,
+    "causal": mh.causal(),
+    "padding": mh.key_padding(torch.tensor([50, 17])),
+    "window": mh.sliding_window(9),
+}
 
 
 def _inputs(D, Dv, prefix, dtype):
@@ -48,11 +52,14 @@ def test_one_head_size_is_exact(case, mask):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case, note", [
-    ("v narrower", "V padded with zeros to D"),
-    ("v wider", "Q and K padded with zeros to Dv"),
-    ("v is k's prefix (MLA absorbed)", "V is the first Dv=64 features of K"),
-])
+@pytest.mark.parametrize(
+    "case, note",
+    [
+        ("v narrower", "V padded with zeros to D"),
+        ("v wider", "Q and K padded with zeros to Dv"),
+        ("v is k's prefix (MLA absorbed)", "V is the first Dv=64 features of K"),
+    ],
+)
 def test_explain_names_the_fit_and_a_fused_kernel(case, note):
     D, Dv, prefix = CASES[case]
     q, k, v = (t.detach() for t in _inputs(D, Dv, prefix, torch.float32))
@@ -74,5 +81,9 @@ def test_mqa_with_different_head_sizes(D, Dv, mask):
     q = torch.randn(2, 4, 40, D, generator=g, dtype=torch.float64)
     k = torch.randn(2, 1, 50, D, generator=g, dtype=torch.float64)
     v = torch.randn(2, 1, 50, Dv, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(mh.attention(q, k, v, mask=MASKS[mask], backend="sdpa"),
-                               mh.attention(q, k, v, mask=MASKS[mask], backend="reference"), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        mh.attention(q, k, v, mask=MASKS[mask], backend="sdpa"),
+        mh.attention(q, k, v, mask=MASKS[mask], backend="reference"),
+        rtol=1e-10,
+        atol=1e-10,
+    )

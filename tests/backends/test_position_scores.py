@@ -39,26 +39,33 @@ def dense_alibi(Hq: int, Lq: int, Lk: int, symmetric: bool, align: str) -> torch
     return (-slopes * d.abs() if symmetric else slopes * d).unsqueeze(0)
 
 
-def dense_t5(table: torch.Tensor, Lq: int, Lk: int, bidirectional: bool, num_buckets: int, max_distance: int,
-             align: str) -> torch.Tensor:
+def dense_t5(
+    table: torch.Tensor, Lq: int, Lk: int, bidirectional: bool, num_buckets: int, max_distance: int, align: str
+) -> torch.Tensor:
     """``(1, Hq, Lq, Lk)``: ``table[bucket(j - i), h]`` by indexing (differentiable in ``table``)."""
     d = aligned_distance(Lq, Lk, align)
     lo = int(d.min())
-    lookup = torch.tensor([loop_bucket(x, bidirectional, num_buckets, max_distance) for x in range(lo, int(d.max()) + 1)])
+    lookup = torch.tensor(
+        [loop_bucket(x, bidirectional, num_buckets, max_distance) for x in range(lo, int(d.max()) + 1)]
+    )
     return table[lookup[d - lo]].permute(2, 0, 1).unsqueeze(0)
 
 
 # ------------------------------------------------------------------------ the modifier atoms
 CAP = 2.0
-T5_SETTINGS = {"t5": dict(bidirectional=True, num_buckets=16, max_distance=40, align="bottom_right"),
-               "t5_causal_tl": dict(bidirectional=False, num_buckets=12, max_distance=30, align="top_left")}
+T5_SETTINGS = {
+    "t5": dict(bidirectional=True, num_buckets=16, max_distance=40, align="bottom_right"),
+    "t5_causal_tl": dict(bidirectional=False, num_buckets=12, max_distance=30, align="top_left"),
+}
 
 
 def user_fn(w):
     """A user's modifier closing over ``w (Hq, 2)``: a per-head temperature and a term of the
     *absolute* positions (so a block evaluated at the wrong offset shows)."""
+
     def fn(score, b, h, q_idx, kv_idx):
         return score * (1 + 0.25 * torch.tanh(w[h, 0])) + w[h, 1] * ((q_idx * 3 + kv_idx) % 7 - 3).to(score.dtype) / 3
+
     return fn
 
 
@@ -73,8 +80,14 @@ class Built:
         for a in atoms:
             if a in T5_SETTINGS:
                 s = T5_SETTINGS[a]
-                rel = RelativePositionBias(Hq, num_buckets=s["num_buckets"], max_distance=s["max_distance"],
-                                           bidirectional=s["bidirectional"], align=s["align"], dtype=dtype)
+                rel = RelativePositionBias(
+                    Hq,
+                    num_buckets=s["num_buckets"],
+                    max_distance=s["max_distance"],
+                    bidirectional=s["bidirectional"],
+                    align=s["align"],
+                    dtype=dtype,
+                )
                 with torch.no_grad():  # std 1 (not T5's 0.02): the bias matters
                     rel.weight.copy_(torch.randn(s["num_buckets"], Hq, generator=gen, dtype=DT))
                 self.mods.append(rel())
@@ -97,8 +110,11 @@ class Built:
 
     @staticmethod
     def _fixed(a):
-        return {"alibi": lambda H: ALiBi(H), "alibi_sym_tl": lambda H: ALiBi(H, symmetric=True, align="top_left"),
-                "softcap": lambda H: mh.scores.softcap(CAP)}[a]
+        return {
+            "alibi": lambda H: ALiBi(H),
+            "alibi_sym_tl": lambda H: ALiBi(H, symmetric=True, align="top_left"),
+            "softcap": lambda H: mh.scores.softcap(CAP),
+        }[a]
 
     def call_kwargs(self):
         """``mods`` (the score_mod list), softcap=, sinks= for mh.attention."""
@@ -120,8 +136,19 @@ class Built:
                 out.append(mh.scores.bias(dense_alibi(self.Hq, self.Lq, self.Lk, True, "top_left")))
             elif a in T5_SETTINGS:
                 s = T5_SETTINGS[a]
-                out.append(mh.scores.bias(dense_t5(by_name[f"table[{a}]"], self.Lq, self.Lk, s["bidirectional"],
-                                                   s["num_buckets"], s["max_distance"], s["align"])))
+                out.append(
+                    mh.scores.bias(
+                        dense_t5(
+                            by_name[f"table[{a}]"],
+                            self.Lq,
+                            self.Lk,
+                            s["bidirectional"],
+                            s["num_buckets"],
+                            s["max_distance"],
+                            s["align"],
+                        )
+                    )
+                )
             elif a == "user":
                 out.append(user_fn(by_name["user w"]))
             elif a == "softcap":
@@ -138,8 +165,19 @@ class Built:
         for a in self.atoms:
             if a in T5_SETTINGS:
                 s = T5_SETTINGS[a]
-                out.append(mh.scores.bias(dense_t5(by_name[f"table[{a}]"], self.Lq, self.Lk, s["bidirectional"],
-                                                   s["num_buckets"], s["max_distance"], s["align"])))
+                out.append(
+                    mh.scores.bias(
+                        dense_t5(
+                            by_name[f"table[{a}]"],
+                            self.Lq,
+                            self.Lk,
+                            s["bidirectional"],
+                            s["num_buckets"],
+                            s["max_distance"],
+                            s["align"],
+                        )
+                    )
+                )
             elif a == "user":
                 out.append(user_fn(by_name["user w"]))
             elif a in ("alibi", "alibi_sym_tl", "softcap"):
@@ -203,7 +241,7 @@ def naive(q, k, v, mask, mods, sinks):
     Lk = k.shape[2]
     G = Hq // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    s = (q @ k.transpose(-2, -1)) * D ** -0.5
+    s = (q @ k.transpose(-2, -1)) * D**-0.5
     mod = as_score_mod(mods)
     if mod is not None:
         s = mod.for_lengths(Lq, Lk).apply_block(s, 0, Lq, 0, Lk)
@@ -234,8 +272,10 @@ def run_case(backend, shape, mod_name, mask_kind, dtype):
     B = BATCH
     seed = zlib.crc32(f"{shape}-{mod_name}-{mask_kind}".encode()) % 10_000  # stable across processes
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).requires_grad_()
-               for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    q, k, v = (
+        torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).requires_grad_()
+        for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    )
     mask = _mask(mask_kind, B, Lq, Lk, seed)
     built = Built(MODS[mod_name], Hq, Lq, Lk, dtype, seed)
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=built.declared_mods(), return_lse=True)
@@ -281,15 +321,28 @@ def run_case(backend, shape, mod_name, mask_kind, dtype):
     assert_relative(got.lse[fin], ref_lse[fin], base_lse[fin], F, "lse")
     magnitude = max(float(r.abs().max()) for r in g_ref[:3])
     for name, g, r, b in zip(names, g_got, g_ref, g_base):
-        assert_relative(g, r, b, factor(backend, dtype, gradients=True), f"grad {name}",
-                        magnitude=max(magnitude, float(r.abs().max())))
+        assert_relative(
+            g,
+            r,
+            b,
+            factor(backend, dtype, gradients=True),
+            f"grad {name}",
+            magnitude=max(magnitude, float(r.abs().max())),
+        )
 
 
 # ----------------------------------------------------------------------- the matrix, two tiers
 def _param(backend, device, shape, mod, mask, dtype, marks=()):
     dtype_name = str(dtype).replace("torch.", "")
-    return pytest.param(backend, shape, mod, mask, dtype, marks=marks,
-                        id=f"{backend}-{device}-{_shape_id((BATCH,) + shape)}-{mod}-{mask}-{dtype_name}")
+    return pytest.param(
+        backend,
+        shape,
+        mod,
+        mask,
+        dtype,
+        marks=marks,
+        id=f"{backend}-{device}-{_shape_id((BATCH,) + shape)}-{mod}-{mask}-{dtype_name}",
+    )
 
 
 def _covering(seed=0):
@@ -311,8 +364,14 @@ def _covering(seed=0):
 
 
 def _full():
-    return [_param(*p.values, shape, mod, mask, dtype, marks=pytest.mark.slow)
-            for p in BACKENDS for shape in SHAPES for mod in MODS for mask in MASKS for dtype in DTYPES]
+    return [
+        _param(*p.values, shape, mod, mask, dtype, marks=pytest.mark.slow)
+        for p in BACKENDS
+        for shape in SHAPES
+        for mod in MODS
+        for mask in MASKS
+        for dtype in DTYPES
+    ]
 
 
 @pytest.mark.parametrize("backend,shape,mod,mask_kind,dtype", _covering())
@@ -348,8 +407,17 @@ def test_a_sink_is_an_extra_softmax_column_with_no_value(backend, device):
     w = mh.attention(q, k, v, mask=mask, sinks=sinks, backend=backend, return_weights=True).weights
     torch.testing.assert_close(w[0], p[..., :Lk], rtol=1e-12, atol=1e-12)
     assert torch.equal(w[1], torch.zeros_like(w[1]))
-    part = mh.attention(q, k, v, mask=mask, sinks=sinks, backend=backend, return_weights=True,
-                        weights_heads=[2, 0], weights_rows=slice(1, 4)).weights
+    part = mh.attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        sinks=sinks,
+        backend=backend,
+        return_weights=True,
+        weights_heads=[2, 0],
+        weights_rows=slice(1, 4),
+    ).weights
     torch.testing.assert_close(part, w[:, [2, 0], 1:4], rtol=1e-12, atol=1e-12)
     # gradients: finite everywhere (a -inf sink, a fully masked row), none for the absent sink
     sinks_leaf = sinks.clone().requires_grad_()
@@ -466,9 +534,14 @@ def _t5_fn(rel, Lq, Lk):
     off = Lk - Lq  # bottom-right: query i sits at key position i + Lk - Lq
 
     def fn(score, b, h, q_idx, kv_idx):
-        bucket = relative_position_bucket(kv_idx - q_idx - off, bidirectional=rel.bidirectional,
-                                          num_buckets=rel.num_buckets, max_distance=rel.max_distance)
+        bucket = relative_position_bucket(
+            kv_idx - q_idx - off,
+            bidirectional=rel.bidirectional,
+            num_buckets=rel.num_buckets,
+            max_distance=rel.max_distance,
+        )
         return score + rel.weight[bucket, h]
+
     return fn
 
 
@@ -477,6 +550,7 @@ def _alibi_fn(Hq, Lq, Lk):
 
     def fn(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx - off)
+
     return fn
 
 
@@ -490,12 +564,17 @@ def _softcap_fn(score, b, h, q_idx, kv_idx):
 def test_a_user_function_equals_each_builtin(backend, device, shape, builtin):
     B, Hq, Hkv, Lq, Lk, D = shape
     gen = torch.Generator().manual_seed(Lq)
-    q, k, v = (torch.randn(B, h, L, D, generator=gen, dtype=DT).requires_grad_() for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    q, k, v = (
+        torch.randn(B, h, L, D, generator=gen, dtype=DT).requires_grad_() for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    )
     rel = RelativePositionBias(Hq, num_buckets=16, max_distance=50, dtype=DT)
     with torch.no_grad():
         rel.weight.normal_(generator=gen)
-    builtin_mod, fn = {"alibi": (ALiBi(Hq), _alibi_fn(Hq, Lq, Lk)), "t5": (rel(), _t5_fn(rel, Lq, Lk)),
-                       "softcap": (mh.scores.softcap(CAP), _softcap_fn)}[builtin]
+    builtin_mod, fn = {
+        "alibi": (ALiBi(Hq), _alibi_fn(Hq, Lq, Lk)),
+        "t5": (rel(), _t5_fn(rel, Lq, Lk)),
+        "softcap": (mh.scores.softcap(CAP), _softcap_fn),
+    }[builtin]
     mask = mh.causal()
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=fn, return_lse=True)
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=builtin_mod, return_lse=True)
@@ -543,8 +622,11 @@ def test_the_blocked_path_never_allocates_lq_by_lk_with_a_relative_bias(kind):
     assert bwd.largest < Lq * Lk // 4, bwd.largest
     # and the answer is right
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref_mod = ALiBi(Hq) if kind == "alibi" else \
-        BucketedBias(ref_leaves[3], bidirectional=False, num_buckets=32, max_distance=128)
+    ref_mod = (
+        ALiBi(Hq)
+        if kind == "alibi"
+        else BucketedBias(ref_leaves[3], bidirectional=False, num_buckets=32, max_distance=128)
+    )
     ref = mh.attention(*ref_leaves[:3], mask=mask, score_mod=ref_mod, backend="reference")
     ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
@@ -563,8 +645,11 @@ def test_nan_and_huge_keys_beyond_the_padding_do_not_leak(backend, device, mask_
     lengths = torch.tensor([Lk, 260, 0])
     hidden = torch.arange(Lk).view(1, 1, -1, 1) >= lengths.view(-1, 1, 1, 1)  # (B, 1, Lk, 1)
     k_bad = torch.where(hidden, torch.tensor(float("nan"), dtype=DT), k)
-    v_bad = torch.where(hidden & (torch.arange(D) % 2 == 0), torch.tensor(1e30, dtype=DT),
-                        torch.where(hidden, torch.tensor(float("nan"), dtype=DT), v))
+    v_bad = torch.where(
+        hidden & (torch.arange(D) % 2 == 0),
+        torch.tensor(1e30, dtype=DT),
+        torch.where(hidden, torch.tensor(float("nan"), dtype=DT), v),
+    )
     w = torch.randn(Hq, 2, generator=gen, dtype=DT).requires_grad_()
     mod = ALiBi(Hq) if kind == "alibi" else user_fn(w)
     mask = mh.key_padding(lengths) & mh.causal() if mask_kind == "padding&causal" else mh.key_padding(lengths)
@@ -573,8 +658,7 @@ def test_nan_and_huge_keys_beyond_the_padding_do_not_leak(backend, device, mask_
     def run(kk, vv):
         leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
         res = mh.attention(*leaves, mask=mask, score_mod=mod, backend=backend, return_lse=True)
-        grads = torch.autograd.grad(res.output, leaves + ([w] if kind == "user" else []),
-                                    torch.ones_like(res.output))
+        grads = torch.autograd.grad(res.output, leaves + ([w] if kind == "user" else []), torch.ones_like(res.output))
         return res, grads
 
     clean, g_clean = run(k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0))

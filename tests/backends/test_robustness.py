@@ -20,9 +20,11 @@ def _ref(q, k, v, **kw):
 def test_item1_inputs_whose_last_dim_is_not_contiguous(backend, device, layout):
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(1, 2, 16, 600, generator=gen)
-    make = {"transposed": lambda t: t.transpose(-1, -2),  # (1, 2, 600, 16), stride 1 on the length
-            "strided": lambda t: t.transpose(-1, -2).contiguous()[..., ::2].repeat_interleave(2, -1)[..., ::2],
-            "expanded": lambda t: t[:, :, :1].transpose(-1, -2).expand(1, 2, 600, 16)}[layout]
+    make = {
+        "transposed": lambda t: t.transpose(-1, -2),  # (1, 2, 600, 16), stride 1 on the length
+        "strided": lambda t: t.transpose(-1, -2).contiguous()[..., ::2].repeat_interleave(2, -1)[..., ::2],
+        "expanded": lambda t: t[:, :, :1].transpose(-1, -2).expand(1, 2, 600, 16),
+    }[layout]
     x = make(base).to(device)
     mask = mh.sliding_window(40) & mh.causal()
     serve_or_skip(backend, x, x, x, mask=mask, return_weights=True, return_lse=True)
@@ -64,8 +66,9 @@ def test_item4_scale_at_most_zero_with_causal(backend, device, scale):
     q = torch.randn(1, 2, 300, 8, device=device)
     serve_or_skip(backend, q, q, q, mask=mh.causal(), scale=scale)
     got = mh.attention(q, q, q, mask=mh.causal(), scale=scale, backend=backend)
-    torch.testing.assert_close(got.double().cpu(), _ref(q.cpu(), q.cpu(), q.cpu(), mask=mh.causal(), scale=scale).output,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got.double().cpu(), _ref(q.cpu(), q.cpu(), q.cpu(), mask=mh.causal(), scale=scale).output, rtol=1e-5, atol=1e-5
+    )
     assert "folded into q" in str(mh.explain(q, q, q, mask=mh.causal(), scale=scale))
 
 
@@ -151,7 +154,12 @@ def test_item10_empty_lengths_are_accepted(backend, device):
     res.output.sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q.grad))
     empty_q = torch.randn(2, 4, 0, 8, device=device)
-    assert mh.attention(empty_q, q[:, :2].detach(), q[:, :2].detach(), mask=mh.causal(), backend=backend).shape == (2, 4, 0, 8)
+    assert mh.attention(empty_q, q[:, :2].detach(), q[:, :2].detach(), mask=mh.causal(), backend=backend).shape == (
+        2,
+        4,
+        0,
+        8,
+    )
     assert mh.explain(q, none, none).backend == "none"
 
 
@@ -167,7 +175,8 @@ def test_item12_flex_refuses_a_call_past_the_recompile_limit_and_explain_says_wh
         with pytest.raises(mh.BackendRefusedError, match=r"past torch.compile's recompile limit"):
             mh.attention(q, q, q, mask=mh.sliding_window(8), backend="flex")
         assert "unfused path that materializes the full score matrix" in str(
-            mh.explain(q, q, q, mask=mh.sliding_window(8), backend="auto"))
+            mh.explain(q, q, q, mask=mh.sliding_window(8), backend="auto")
+        )
     finally:
         flex._compiled.clear()
         flex._compiled.update(saved)

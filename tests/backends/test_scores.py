@@ -34,7 +34,10 @@ def _mods(kind, B, Hq, Lq, Lk, gen, dtype):
 def _inputs(shape, dtype, seed):
     B, Hq, Hkv, Lq, Lk, D = shape
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, L, D, generator=gen, dtype=torch.float64).to(dtype) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))]
+    return [
+        torch.randn(B, h, L, D, generator=gen, dtype=torch.float64).to(dtype)
+        for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    ]
 
 
 def _bias_leaf(mods):

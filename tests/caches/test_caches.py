@@ -31,8 +31,11 @@ MAKERS = {"dynamic": DynamicKVCache, "static": _static, "sliding": _sliding}
 def _state(cache) -> list:
     """Everything a cache holds, copied, to compare before and after a refused call."""
     if isinstance(cache, DynamicKVCache):
-        return [cache.length, None if cache.keys is None else cache.keys.clone(),
-                None if cache.values is None else cache.values.clone()]
+        return [
+            cache.length,
+            None if cache.keys is None else cache.keys.clone(),
+            None if cache.values is None else cache.values.clone(),
+        ]
     if isinstance(cache, StaticKVCache):
         return [cache.keys.clone(), cache.values.clone(), cache.lengths.clone()]
     return [cache.length, cache.keys.clone(), cache.values.clone(), cache.positions.clone()]
@@ -40,8 +43,8 @@ def _state(cache) -> list:
 
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(
-        (x is None and y is None) or (isinstance(x, torch.Tensor) and torch.equal(x, y)) or x == y
-        for x, y in zip(a, b))
+        (x is None and y is None) or (isinstance(x, torch.Tensor) and torch.equal(x, y)) or x == y for x, y in zip(a, b)
+    )
 
 
 # ---------------------------------------------------------------------------- storage
@@ -82,7 +85,7 @@ def test_sliding_cache_keeps_the_last_window_plus_one_tokens_in_a_ring():
     cache = _sliding(window=2)  # capacity 3
     k, v = _kv(7)
     for t in range(7):
-        read = cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        read = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     assert cache.positions.tolist() == [6, 4, 5]  # slot p % 3
     assert torch.equal(read.keys[:, :, 0], k[:, :, 6]) and read.window == 2
     assert read.mask(None, causal=True)[0, 0, 0].tolist() == [True, True, True]  # positions 4, 5, 6 for the query at 6
@@ -130,9 +133,12 @@ def test_sliding_crop_goes_back_as_far_as_the_ring_allows():
     cache = _sliding(window=2, extra=2)  # capacity 5
     k, v = _kv(8)
     for t in range(8):
-        cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
-    with pytest.raises(ValueError, match=r"going back to 4 tokens needs positions 2..3, but the ring \(capacity 5\) only "
-                                         r"holds 3..7; crop at most 3 tokens back"):
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    with pytest.raises(
+        ValueError,
+        match=r"going back to 4 tokens needs positions 2..3, but the ring \(capacity 5\) only "
+        r"holds 3..7; crop at most 3 tokens back",
+    ):
         cache.crop(4)
     assert cache.length == 8
     cache.crop(5)
@@ -144,15 +150,28 @@ BAD_CROPS = [
     ("dynamic", DynamicKVCache, torch.tensor([1, 2]), TypeError, r"same length here, so length must be an int"),
     ("dynamic", DynamicKVCache, -1, ValueError, r"crop: length must be >= 0, got -1"),
     ("dynamic", DynamicKVCache, 1.5, TypeError, r"crop: length must be an int or a \(B,\) integer tensor, got float"),
-    ("static", _static, torch.tensor([1, 4]), ValueError, r"must not exceed the tokens stored per row \[3, 3\], got \[1, 4\]"),
+    (
+        "static",
+        _static,
+        torch.tensor([1, 4]),
+        ValueError,
+        r"must not exceed the tokens stored per row \[3, 3\], got \[1, 4\]",
+    ),
     ("static", _static, torch.tensor([1.0, 2.0]), TypeError, r"must be integers of shape \(B,\) = \(2,\)"),
-    ("static", _static, torch.tensor([1, 2, 3]), TypeError, r"shape \(B,\) = \(2,\), got dtype torch.int64, shape \(3,\)"),
+    (
+        "static",
+        _static,
+        torch.tensor([1, 2, 3]),
+        TypeError,
+        r"shape \(B,\) = \(2,\), got dtype torch.int64, shape \(3,\)",
+    ),
     ("sliding", _sliding, 4, ValueError, r"length must be in \[0, 3\]"),
 ]
 
 
-@pytest.mark.parametrize("kind, make, length, error, pattern", BAD_CROPS,
-                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CROPS)])
+@pytest.mark.parametrize(
+    "kind, make, length, error, pattern", BAD_CROPS, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CROPS)]
+)
 def test_a_refused_crop_changes_nothing(kind, make, length, error, pattern):
     cache = make()
     cache.update(*_kv(3))
@@ -168,10 +187,12 @@ def test_reorder_moves_rows_and_refuses_bad_indices(kind):
     k, v = _kv(3)
     cache.update(k, v)
     before = _state(cache)
-    for bad, error, pattern in [(torch.tensor([0, 2]), ValueError, r"indices must be rows in \[0, 2\), got values in \[0, 2\]"),
-                                (torch.tensor([[0, 1]]), TypeError, r"indices must be a 1-D integer tensor"),
-                                (torch.tensor([0.0, 1.0]), TypeError, r"indices must be a 1-D integer tensor of batch rows .*float32"),
-                                ([True, False], TypeError, r"indices must be ints")]:
+    for bad, error, pattern in [
+        (torch.tensor([0, 2]), ValueError, r"indices must be rows in \[0, 2\), got values in \[0, 2\]"),
+        (torch.tensor([[0, 1]]), TypeError, r"indices must be a 1-D integer tensor"),
+        (torch.tensor([0.0, 1.0]), TypeError, r"indices must be a 1-D integer tensor of batch rows .*float32"),
+        ([True, False], TypeError, r"indices must be ints"),
+    ]:
         with pytest.raises(error, match=f"{type(cache).__name__}.reorder: " + pattern):
             cache.reorder(bad)
         assert _same(_state(cache), before)
@@ -183,15 +204,36 @@ def test_reorder_moves_rows_and_refuses_bad_indices(kind):
 k1, v1 = _kv(1, seed=1)
 BAD_UPDATES = [  # (name, k, v, positions, error, message after "<Cache>.update: ")
     ("k not a tensor", [[0.0]], v1, None, TypeError, r"k must be a torch.Tensor \(B, Hkv, Lnew, D\), got list"),
-    ("k 3-D", k1[0], v1, None, ValueError, r"k must have 4 dims \(B, Hkv, Lnew, D\), got shape \(3, 1, 5\); hint: split"),
+    (
+        "k 3-D",
+        k1[0],
+        v1,
+        None,
+        ValueError,
+        r"k must have 4 dims \(B, Hkv, Lnew, D\), got shape \(3, 1, 5\); hint: split",
+    ),
     ("k, v lengths", k1, _kv(2, seed=1)[1], None, ValueError, r"k and v must agree on \(B, Hkv, Lnew\)"),
-    ("k, v dtypes", k1, v1.float(), None, TypeError, r"k and v must share a dtype, got torch.float64 and torch.float32"),
+    (
+        "k, v dtypes",
+        k1,
+        v1.float(),
+        None,
+        TypeError,
+        r"k and v must share a dtype, got torch.float64 and torch.float32",
+    ),
     ("k, v devices", k1, v1.to("meta"), None, ValueError, r"k and v must be on one device, got cpu and meta"),
     ("batch", *_kv(1, B=1), None, ValueError, r"new keys/values have B=1 but the cache holds B=2"),
     ("kv heads", *_kv(1, Hkv=1), None, ValueError, r"new keys/values have Hkv=1 but the cache holds Hkv=3"),
     ("head dim", *_kv(1, D=6), None, ValueError, r"new keys/values have D=6 but the cache holds D=5"),
     ("value dim", *_kv(1, Dv=5), None, ValueError, r"new keys/values have Dv=5 but the cache holds Dv=7"),
-    ("dtype", k1.float(), v1.float(), None, TypeError, r"new keys/values have dtype torch.float32 but the cache holds torch.float64"),
+    (
+        "dtype",
+        k1.float(),
+        v1.float(),
+        None,
+        TypeError,
+        r"new keys/values have dtype torch.float32 but the cache holds torch.float64",
+    ),
     ("device", k1.to("meta"), v1.to("meta"), None, ValueError, r"new keys/values are on meta but the cache is on cpu"),
 ]
 POSITION_UPDATES = [  # static and sliding check that positions continue the sequence
@@ -203,8 +245,11 @@ POSITION_UPDATES = [  # static and sliding check that positions continue the seq
 
 
 @pytest.mark.parametrize("kind", MAKERS)
-@pytest.mark.parametrize("name, k, v, positions, error, pattern", BAD_UPDATES + POSITION_UPDATES,
-                         ids=[c[0] for c in BAD_UPDATES + POSITION_UPDATES])
+@pytest.mark.parametrize(
+    "name, k, v, positions, error, pattern",
+    BAD_UPDATES + POSITION_UPDATES,
+    ids=[c[0] for c in BAD_UPDATES + POSITION_UPDATES],
+)
 def test_a_refused_update_changes_nothing(kind, name, k, v, positions, error, pattern):
     if kind == "dynamic" and name.startswith("positions"):
         return  # a DynamicKVCache appends: positions only go to rope (left-padded prompts), see test_seams
@@ -222,18 +267,24 @@ def test_static_cache_refuses_to_write_past_max_len():
     cache = _static(max_len=4)
     cache.update(*_kv(3))
     before = _state(cache)
-    with pytest.raises(ValueError, match=r"StaticKVCache.update: writing 2 tokens after the 3 stored in the longest row "
-                                         r"would pass max_len=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"StaticKVCache.update: writing 2 tokens after the 3 stored in the longest row "
+        r"would pass max_len=4",
+    ):
         cache.update(*_kv(2))
     assert _same(_state(cache), before)
 
 
-@pytest.mark.parametrize("make, pattern", [
-    (lambda: StaticKVCache(0, 4, 1, 8), r"StaticKVCache: batch_size must be a positive int, got 0"),
-    (lambda: StaticKVCache(1, 4, 1, 8, dtype=torch.int64), r"StaticKVCache: dtype must be a floating-point"),
-    (lambda: SlidingWindowKVCache(-1, 1, 1, 8), r"SlidingWindowKVCache: window must be an int >= 0, got -1"),
-    (lambda: DynamicKVCache(capacity=0), r"DynamicKVCache: capacity must be a positive int, got 0"),
-])
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda: StaticKVCache(0, 4, 1, 8), r"StaticKVCache: batch_size must be a positive int, got 0"),
+        (lambda: StaticKVCache(1, 4, 1, 8, dtype=torch.int64), r"StaticKVCache: dtype must be a floating-point"),
+        (lambda: SlidingWindowKVCache(-1, 1, 1, 8), r"SlidingWindowKVCache: window must be an int >= 0, got -1"),
+        (lambda: DynamicKVCache(capacity=0), r"DynamicKVCache: capacity must be a positive int, got 0"),
+    ],
+)
 def test_constructors_refuse_bad_sizes(make, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         make()

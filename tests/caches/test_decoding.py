@@ -18,8 +18,9 @@ E, HQ = 32, 4
 
 def _layer(Hkv=2, dtype=DT, rope=False, seed=0, **options):
     torch.manual_seed(seed)
-    return mh.MultiHeadAttention(E, HQ, num_kv_heads=Hkv, causal=True, dtype=dtype,
-                                 rope=RotaryEmbedding(E // HQ) if rope else None, **options).eval()
+    return mh.MultiHeadAttention(
+        E, HQ, num_kv_heads=Hkv, causal=True, dtype=dtype, rope=RotaryEmbedding(E // HQ) if rope else None, **options
+    ).eval()
 
 
 def _x(B, L, dtype=DT, seed=1):
@@ -37,15 +38,13 @@ def _cache(kind, layer, B, max_len=64, window=None, dtype=DT):
 def _decode(layer, x, cache, schedule, **kwargs):
     outs, t = [], 0
     for n in schedule:
-        outs.append(layer(x[:, t:t + n], kv_cache=cache, **kwargs))
+        outs.append(layer(x[:, t : t + n], kv_cache=cache, **kwargs))
         t += n
     assert t == x.shape[1]
     return torch.cat(outs, dim=1)
 
 
-SCHEDULES = {"prefill+steps": [6] + [1] * 10,
-             "chunked": [3, 4, 1, 5, 1, 2],
-             "steps-only": [1] * 16}
+SCHEDULES = {"prefill+steps": [6] + [1] * 10, "chunked": [3, 4, 1, 5, 1, 2], "steps-only": [1] * 16}
 
 
 @pytest.mark.parametrize("dtype", [DT, torch.float32], ids=["fp64", "fp32"])
@@ -66,8 +65,11 @@ def test_cached_decoding_equals_the_full_causal_forward(kind, Hkv, schedule, dty
         assert err <= 2 * base + 4 * torch.finfo(dtype).eps, (err, base)
 
 
-@pytest.mark.parametrize("schedule", [[1] * 20, [5] + [1] * 15, [2, 3, 4, 1, 6, 4], [9, 11], [20]],
-                         ids=["steps", "prefill5+steps", "chunks-straddling-wraps", "two-chunks", "one-prefill"])
+@pytest.mark.parametrize(
+    "schedule",
+    [[1] * 20, [5] + [1] * 15, [2, 3, 4, 1, 6, 4], [9, 11], [20]],
+    ids=["steps", "prefill5+steps", "chunks-straddling-wraps", "two-chunks", "one-prefill"],
+)
 @pytest.mark.parametrize("window", [1, 3, 4, 5, 19])
 @pytest.mark.parametrize("kind", ["sliding", "dynamic", "static"])
 def test_windowed_decoding_equals_the_full_windowed_forward(kind, window, schedule):
@@ -114,7 +116,7 @@ def test_rows_of_different_lengths_each_decode_as_their_own_sequence():
                 steps.append(layer(token, kv_cache=cache, mask=mask))
             steps = torch.cat(steps, dim=1)  # (3, 6, E)
             for b, n in enumerate(lengths):
-                alone = layer(x[b:b + 1, :n + 6], mask=mask)  # (1, n + 6, E)
+                alone = layer(x[b : b + 1, : n + 6], mask=mask)  # (1, n + 6, E)
                 torch.testing.assert_close(steps[b], alone[0, n:], rtol=1e-12, atol=1e-12)
         assert cache.lengths.tolist() == [n + 6 for n in lengths]
 
@@ -199,8 +201,11 @@ def test_a_distance_score_mod_needs_slots_in_position_order():
         out = _decode(layer, x, cache, [4, 1, 2])
         torch.testing.assert_close(out, layer(x), rtol=1e-12, atol=1e-12)
         cache.crop(torch.tensor([7, 5]))
-        with pytest.raises(ValueError, match=r"reads query and key indices, which this cache's slots .* use "
-                                             r"DynamicKVCache"):
+        with pytest.raises(
+            ValueError,
+            match=r"reads query and key indices, which this cache's slots .* use "
+            r"DynamicKVCache",
+        ):
             layer(_x(2, 1), kv_cache=cache)
     assert cache.lengths.tolist() == [7, 5]
 

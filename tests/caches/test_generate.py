@@ -14,8 +14,9 @@ V = 37
 
 def _model(window=None, num_kv_heads=2, seed=0):
     torch.manual_seed(seed)
-    config = DecoderConfig(vocab_size=V, max_len=96, d_model=32, num_layers=2, num_heads=4,
-                           num_kv_heads=num_kv_heads, window=window)
+    config = DecoderConfig(
+        vocab_size=V, max_len=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads, window=window
+    )
     return CausalDecoder(config).eval()
 
 
@@ -25,7 +26,7 @@ def _greedy_without_cache(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[:, prompt.shape[1]:]
+    return ids[:, prompt.shape[1] :]
 
 
 @pytest.mark.parametrize("cache", ["static", "dynamic", "sliding"])
@@ -43,7 +44,7 @@ def test_prompts_of_different_lengths_continue_after_their_own_last_token():
     lengths = torch.tensor([9, 4, 6])
     out = model.generate(prompt, 12, prompt_lengths=lengths)
     for b, n in enumerate(lengths.tolist()):
-        assert torch.equal(out[b], _greedy_without_cache(model, prompt[b:b + 1, :n], 12)[0]), b
+        assert torch.equal(out[b], _greedy_without_cache(model, prompt[b : b + 1, :n], 12)[0]), b
 
 
 def test_sampling_is_reproducible_and_top_k_restricts_it():
@@ -63,17 +64,28 @@ def test_progress_is_printed_when_asked(capsys):
     assert "generate: 64/70 tokens" in err and "generate: 70/70 tokens" in err
 
 
-@pytest.mark.parametrize("kwargs, error, pattern", [
-    (dict(prompt_ids=torch.zeros(2, 3)), TypeError, r"prompt_ids must be an integer tensor \(B, P\), got dtype torch.float32"),
-    (dict(max_new_tokens=0), ValueError, r"max_new_tokens must be a positive int, got 0"),
-    (dict(max_new_tokens=95), ValueError, r"3 prompt \+ 95 new tokens exceed the model's max_len=96"),
-    (dict(temperature=-1.0), ValueError, r"temperature must be a number >= 0, got -1.0"),
-    (dict(top_k=0), ValueError, r"top_k must be None or a positive int, got 0"),
-    (dict(cache="paged"), ValueError, r"cache must be 'static', 'dynamic' or 'sliding', got 'paged'"),
-    (dict(cache="sliding"), ValueError, r"kind='sliding' needs a model with a sliding window"),
-    (dict(prompt_lengths=torch.tensor([3, 4])), ValueError, r"prompt_lengths must be in \[1, 3\], got \[3, 4\]"),
-    (dict(prompt_lengths=torch.tensor([3, 3]), cache="dynamic"), ValueError, r"prompt_lengths .* needs cache='static'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (
+            dict(prompt_ids=torch.zeros(2, 3)),
+            TypeError,
+            r"prompt_ids must be an integer tensor \(B, P\), got dtype torch.float32",
+        ),
+        (dict(max_new_tokens=0), ValueError, r"max_new_tokens must be a positive int, got 0"),
+        (dict(max_new_tokens=95), ValueError, r"3 prompt \+ 95 new tokens exceed the model's max_len=96"),
+        (dict(temperature=-1.0), ValueError, r"temperature must be a number >= 0, got -1.0"),
+        (dict(top_k=0), ValueError, r"top_k must be None or a positive int, got 0"),
+        (dict(cache="paged"), ValueError, r"cache must be 'static', 'dynamic' or 'sliding', got 'paged'"),
+        (dict(cache="sliding"), ValueError, r"kind='sliding' needs a model with a sliding window"),
+        (dict(prompt_lengths=torch.tensor([3, 4])), ValueError, r"prompt_lengths must be in \[1, 3\], got \[3, 4\]"),
+        (
+            dict(prompt_lengths=torch.tensor([3, 3]), cache="dynamic"),
+            ValueError,
+            r"prompt_lengths .* needs cache='static'",
+        ),
+    ],
+)
 def test_generate_refuses_bad_arguments(kwargs, error, pattern):
     args = dict(prompt_ids=torch.zeros(2, 3, dtype=torch.long), max_new_tokens=4)
     args.update(kwargs)

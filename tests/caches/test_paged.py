@@ -17,8 +17,10 @@ HKV, D, DV = 2, 3, 4
 
 
 def _kv(B, L, gen):
-    return (torch.randn(B, HKV, L, D, generator=gen, dtype=torch.float64),
-            torch.randn(B, HKV, L, DV, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(B, HKV, L, D, generator=gen, dtype=torch.float64),
+        torch.randn(B, HKV, L, DV, generator=gen, dtype=torch.float64),
+    )
 
 
 def _check_read(read, rows: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -49,7 +51,7 @@ def test_random_interleavings_equal_a_contiguous_cache(seed):
                 assert "free" in str(error)
                 assert len(cache.free) == free_before and cache.tables == tables_before
                 cache.release(rng.randrange(B))
-                rows = [(r[0][:, :cache.lengths[b]], r[1][:, :cache.lengths[b]]) for b, r in enumerate(rows)]
+                rows = [(r[0][:, : cache.lengths[b]], r[1][:, : cache.lengths[b]]) for b, r in enumerate(rows)]
                 continue
             rows = [(torch.cat([r[0], k[b]], 1), torch.cat([r[1], v[b]], 1)) for b, r in enumerate(rows)]
             _check_read(read, rows)
@@ -84,8 +86,11 @@ def test_out_of_pages_is_a_clear_error_with_nothing_claimed():
     gen = torch.Generator().manual_seed(0)
     cache.update(*_kv(2, 4, gen))  # one full page per row; one page free
     pool_k, free = cache.key_pages.clone(), list(cache.free)
-    with pytest.raises(ValueError, match=r"PagedKVCache.update: 1 new tokens per row need 2 more pages of 4 tokens but 1 of "
-                                         r"3 are free \(rows hold \[4, 4\] tokens\); hint: release\(\) finished rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"PagedKVCache.update: 1 new tokens per row need 2 more pages of 4 tokens but 1 of "
+        r"3 are free \(rows hold \[4, 4\] tokens\); hint: release\(\) finished rows",
+    ):
         cache.update(*_kv(2, 1, gen))
     assert torch.equal(cache.key_pages, pool_k) and cache.free == free and cache.lengths == [4, 4]
 
@@ -100,7 +105,7 @@ def test_a_layer_decoding_through_pages_equals_the_full_forward(Hkv):
         full = layer(x)
         parts, t = [], 0
         for n in [5, 1, 1, 4, 1, 1]:
-            parts.append(layer(x[:, t:t + n], kv_cache=cache))
+            parts.append(layer(x[:, t : t + n], kv_cache=cache))
             t += n
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-12, atol=1e-12)
 
@@ -115,7 +120,7 @@ def test_a_released_row_starts_a_new_sequence_beside_a_running_one():
     with torch.no_grad():
         first = layer(torch.cat([a[:, :4], b[:, :4]]), kv_cache=cache)
         cache.release(1)  # b is done; c starts in row 1, at position 0
-        steps = [layer(torch.cat([a[:, 4 + t:5 + t], c[:, t:t + 1]]), kv_cache=cache) for t in range(5)]
+        steps = [layer(torch.cat([a[:, 4 + t : 5 + t], c[:, t : t + 1]]), kv_cache=cache) for t in range(5)]
         steps = torch.cat(steps, 1)
         torch.testing.assert_close(steps[0], layer(a[:, :9])[0, 4:], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(steps[1], layer(c[:, :5])[0], rtol=1e-12, atol=1e-12)
@@ -123,10 +128,13 @@ def test_a_released_row_starts_a_new_sequence_beside_a_running_one():
     assert cache.lengths == [9, 5]
 
 
-@pytest.mark.parametrize("make, pattern", [
-    (lambda: PagedKVCache(0, 4, 1, 8), r"PagedKVCache: num_pages must be a positive int, got 0"),
-    (lambda: PagedKVCache(4, 4, 1, 8, dtype=torch.int8), r"PagedKVCache: dtype must be a floating-point"),
-])
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda: PagedKVCache(0, 4, 1, 8), r"PagedKVCache: num_pages must be a positive int, got 0"),
+        (lambda: PagedKVCache(4, 4, 1, 8, dtype=torch.int8), r"PagedKVCache: dtype must be a floating-point"),
+    ],
+)
 def test_constructor_refuses_bad_sizes(make, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         make()

@@ -23,15 +23,21 @@ def _concatenated(q, pk, pv, k, v, mask):
     P, Ls = pk.shape[2], k.shape[2]
     full_k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
     full_v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
-    suffix = torch.ones(B, Hq, Lq, Ls, dtype=torch.bool) if mask is None else \
-        mh.masks.as_mask(mask).materialize(B, Hq, Lq, Ls).expand(B, Hq, Lq, Ls)
+    suffix = (
+        torch.ones(B, Hq, Lq, Ls, dtype=torch.bool)
+        if mask is None
+        else mh.masks.as_mask(mask).materialize(B, Hq, Lq, Ls).expand(B, Hq, Lq, Ls)
+    )
     allowed = torch.cat([torch.ones(B, Hq, Lq, P, dtype=torch.bool), suffix], dim=-1)
-    return mh.attention(q, full_k, full_v, mask=allowed, return_lse=True,
-                        backend="reference")
+    return mh.attention(q, full_k, full_v, mask=allowed, return_lse=True, backend="reference")
 
 
-MASKS = {"none": None, "causal": mh.causal(), "padding": mh.key_padding(torch.tensor([6, 0, 3])),
-         "causal+padding": mh.causal() & mh.key_padding(torch.tensor([6, 2, 0]))}
+MASKS = {
+    "none": None,
+    "causal": mh.causal(),
+    "padding": mh.key_padding(torch.tensor([6, 0, 3])),
+    "causal+padding": mh.causal() & mh.key_padding(torch.tensor([6, 2, 0])),
+}
 
 
 @pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -72,11 +78,17 @@ def test_a_three_dim_prefix_is_one_copy():
     torch.testing.assert_close(mh.cascade_attention(q, pk[0], pv[0], k, v), mh.cascade_attention(q, pk, pv, k, v))
 
 
-@pytest.mark.parametrize("change, pattern", [
-    (lambda t: (t[0], t[1].expand(3, -1, -1, -1), t[2], t[3], t[4]), r"the prefix is shared, one copy: prefix_k/prefix_v must have batch 1"),
-    (lambda t: (t[0], t[1][:, :1], t[2][:, :1], t[3], t[4]), r"prefix and suffix must agree on Hkv, D and Dv"),
-    (lambda t: (t[0][0], *t[1:]), r"q must be a 4-D tensor \(B, Hq, Lq, D\), got shape \(4, 5, 8\)"),
-])
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (
+            lambda t: (t[0], t[1].expand(3, -1, -1, -1), t[2], t[3], t[4]),
+            r"the prefix is shared, one copy: prefix_k/prefix_v must have batch 1",
+        ),
+        (lambda t: (t[0], t[1][:, :1], t[2][:, :1], t[3], t[4]), r"prefix and suffix must agree on Hkv, D and Dv"),
+        (lambda t: (t[0][0], *t[1:]), r"q must be a 4-D tensor \(B, Hq, Lq, D\), got shape \(4, 5, 8\)"),
+    ],
+)
 def test_bad_shapes_are_refused(change, pattern):
     with pytest.raises(ValueError, match=r"cascade_attention: " + pattern):
         mh.cascade_attention(*change(_inputs()))

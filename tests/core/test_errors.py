@@ -11,60 +11,145 @@ k = torch.randn(2, 2, 7, 16)
 v = torch.randn(2, 2, 7, 12)
 
 BAD = [
-    ("q rank", dict(q=torch.randn(2, 5, 16)), ValueError, r"q must have 4 dims \(B, Hq, Lq, D\), got shape \(2, 5, 16\)"),
+    (
+        "q rank",
+        dict(q=torch.randn(2, 5, 16)),
+        ValueError,
+        r"q must have 4 dims \(B, Hq, Lq, D\), got shape \(2, 5, 16\)",
+    ),
     ("k rank", dict(k=torch.randn(7, 16)), ValueError, r"k must have 4 dims"),
     ("not a tensor", dict(v=[[1.0]]), TypeError, r"v must be a torch.Tensor .* got list"),
-    ("integer q", dict(q=torch.ones(2, 8, 5, 16, dtype=torch.int64)), TypeError, r"q must be a floating-point tensor, got dtype torch.int64"),
+    (
+        "integer q",
+        dict(q=torch.ones(2, 8, 5, 16, dtype=torch.int64)),
+        TypeError,
+        r"q must be a floating-point tensor, got dtype torch.int64",
+    ),
     ("head dim", dict(k=torch.randn(2, 2, 7, 8)), ValueError, r"head dims differ: q has D=16 but k has D=8"),
     ("k/v length", dict(v=torch.randn(2, 2, 6, 12)), ValueError, r"k and v lengths differ: k has Lk=7, v has 6"),
     ("k/v heads", dict(v=torch.randn(2, 1, 7, 12)), ValueError, r"k and v head counts differ: k has Hkv=2, v has 1"),
-    ("Hq % Hkv", dict(k=torch.randn(2, 3, 7, 16), v=torch.randn(2, 3, 7, 12)), ValueError,
-     r"Hq=8 heads, not divisible by Hkv=3 .*one of \[1, 2, 4, 8\]"),
+    (
+        "Hq % Hkv",
+        dict(k=torch.randn(2, 3, 7, 16), v=torch.randn(2, 3, 7, 12)),
+        ValueError,
+        r"Hq=8 heads, not divisible by Hkv=3 .*one of \[1, 2, 4, 8\]",
+    ),
     ("batch", dict(k=torch.randn(3, 2, 7, 16)), ValueError, r"batch sizes differ: q has B=2, k has 3"),
-    ("dtype mismatch", dict(k=torch.randn(2, 2, 7, 16, dtype=torch.float64)), TypeError,
-     r"share a dtype, got q torch.float32, k torch.float64"),
+    (
+        "dtype mismatch",
+        dict(k=torch.randn(2, 2, 7, 16, dtype=torch.float64)),
+        TypeError,
+        r"share a dtype, got q torch.float32, k torch.float64",
+    ),
     ("device mismatch", dict(k=torch.randn(2, 2, 7, 16, device="meta")), ValueError, r"one device, got q cpu, k meta"),
-    ("mask shape", dict(mask=torch.ones(5, 6, dtype=torch.bool)), ValueError,
-     r"mask of shape \(1, 1, 5, 6\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 8, 5, 7\)"),
+    (
+        "mask shape",
+        dict(mask=torch.ones(5, 6, dtype=torch.bool)),
+        ValueError,
+        r"mask of shape \(1, 1, 5, 6\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 8, 5, 7\)",
+    ),
     ("mask rank", dict(mask=torch.ones(1, 1, 1, 5, 7, dtype=torch.bool)), ValueError, r"mask must have 2 to 4 dims"),
     ("mask int dtype", dict(mask=torch.ones(5, 7, dtype=torch.int32)), TypeError, r"mask has dtype torch.int32"),
     ("mask uint8", dict(mask=torch.ones(5, 7, dtype=torch.uint8)), TypeError, r"polarity"),
-    ("mask type", dict(mask="causal"), TypeError, r"mask must be a multihead mask, a bool or float tensor, or None; got str"),
-    ("key_padding batch", dict(mask=mh.key_padding([7, 7, 7])), ValueError, r"key_padding: mask has 3 batch elements but the input has B=2"),
-    ("document length", dict(mask=mh.document(torch.zeros(4, dtype=torch.long))), ValueError, r"document: q_ids has length 4 but Lq=5"),
+    (
+        "mask type",
+        dict(mask="causal"),
+        TypeError,
+        r"mask must be a multihead mask, a bool or float tensor, or None; got str",
+    ),
+    (
+        "key_padding batch",
+        dict(mask=mh.key_padding([7, 7, 7])),
+        ValueError,
+        r"key_padding: mask has 3 batch elements but the input has B=2",
+    ),
+    (
+        "document length",
+        dict(mask=mh.document(torch.zeros(4, dtype=torch.long))),
+        ValueError,
+        r"document: q_ids has length 4 but Lq=5",
+    ),
     ("dropout high", dict(dropout_p=1.0), ValueError, r"dropout_p must be a number in \[0, 1\), got 1.0"),
     ("dropout negative", dict(dropout_p=-0.1), ValueError, r"dropout_p must be a number in \[0, 1\), got -0.1"),
     ("scale", dict(scale=float("nan")), ValueError, r"scale must be a finite number or None"),
     ("backend", dict(backend="flash9"), ValueError, r"unknown backend 'flash9'; known backends: 'auto', .*'sdpa'"),
     ("return flag", dict(return_lse=1), TypeError, r"return_lse must be a bool, got int"),
-    ("dropout_mask shape", dict(dropout_p=0.1, dropout_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError,
-     r"dropout_mask must have shape \(B, Hq, Lq, Lk\) = \(2, 8, 5, 7\)"),
-    ("empty batch", dict(q=torch.randn(0, 8, 5, 16)), ValueError,
-     r"q has a zero-size dimension: shape \(0, 8, 5, 16\); expected B, heads and head dims >= 1 \(only the lengths"),
+    (
+        "dropout_mask shape",
+        dict(dropout_p=0.1, dropout_mask=torch.ones(5, 7, dtype=torch.bool)),
+        ValueError,
+        r"dropout_mask must have shape \(B, Hq, Lq, Lk\) = \(2, 8, 5, 7\)",
+    ),
+    (
+        "empty batch",
+        dict(q=torch.randn(0, 8, 5, 16)),
+        ValueError,
+        r"q has a zero-size dimension: shape \(0, 8, 5, 16\); expected B, heads and head dims >= 1 \(only the lengths",
+    ),
     # Issue 9, item 10: batch dimensions do not broadcast; the message says how to expand.
-    ("broadcast batch", dict(k=torch.randn(1, 2, 7, 16)), ValueError,
-     r"batch sizes differ: q has B=2, k has 1.*expand the smaller one \(e.g. k.expand\(2, -1, -1, -1\)"),
+    (
+        "broadcast batch",
+        dict(k=torch.randn(1, 2, 7, 16)),
+        ValueError,
+        r"batch sizes differ: q has B=2, k has 1.*expand the smaller one \(e.g. k.expand\(2, -1, -1, -1\)",
+    ),
     ("3-D input", dict(q=torch.randn(8, 5, 16)), ValueError, r"q must have 4 dims \(B, Hq, Lq, D\).*hint"),
     # Issue 9, item 8: what was silently accepted.
-    ("shifted key_padding, wrong batch", dict(mask=mh.key_padding([3, 4, 5]).shifted(0, 2)), ValueError,
-     r"key_padding: mask has 3 batch elements but the input has B=2"),
-    ("shifted tensor mask, wrong shape", dict(mask=mh.masks.as_mask(torch.ones(3, 6, 7, dtype=torch.bool)).shifted(1, 0)),
-     ValueError, r"mask of shape \(1, 3, 6, 7\) is not broadcastable to \(B, H, Lq, Lk\)"),
-    ("shifted document past its ids", dict(mask=mh.document(torch.zeros(2, 8, dtype=torch.long)).shifted(0, 2)),
-     ValueError, r"shifted: the block's Lk=7 at kv_offset=2 reads positions \[2, 9\), outside the whole attention's Lk=8"),
-    ("at positions past the whole", dict(mask=mh.causal().at(torch.arange(5) + 4, torch.arange(7), q_len=6, kv_len=7)),
-     ValueError, r"at: q_positions hold values in \[4, 8\], outside the whole attention's Lq=6"),
-    ("custom of the wrong shape", dict(mask=mh.custom(lambda b, h, i, j: torch.ones(3, dtype=torch.bool), name="bad")),
-     ValueError, r"custom mask 'bad' returned shape \(3,\), which does not broadcast to its index grid"),
-    ("score_mod list element", dict(score_mod=[mh.scores.softcap(2.0), "x"]), TypeError,
-     r"score_mod\[1\] must be a multihead.scores modifier or a function "
-     r"fn\(score, b, h, q_idx, kv_idx\) -> score, got str"),
-    ("score_mod function of the wrong shape", dict(score_mod=lambda s, b, h, qi, ki: s.sum(-1)), ValueError,
-     r"score_mod\(<lambda>\) returned shape .* for scores of shape .*; it must keep the shape of the scores"),
-    ("score_mod function returning None", dict(score_mod=lambda s, b, h, qi, ki: None), TypeError,
-     r"score_mod\(<lambda>\) returned NoneType; it must return the modified scores"),
-    ("bias on another device", dict(score_mod=mh.scores.bias(torch.zeros(5, 7, device="meta"))), ValueError,
-     r"score_mod bias\(.*\) holds a tensor on meta but q is on cpu"),
+    (
+        "shifted key_padding, wrong batch",
+        dict(mask=mh.key_padding([3, 4, 5]).shifted(0, 2)),
+        ValueError,
+        r"key_padding: mask has 3 batch elements but the input has B=2",
+    ),
+    (
+        "shifted tensor mask, wrong shape",
+        dict(mask=mh.masks.as_mask(torch.ones(3, 6, 7, dtype=torch.bool)).shifted(1, 0)),
+        ValueError,
+        r"mask of shape \(1, 3, 6, 7\) is not broadcastable to \(B, H, Lq, Lk\)",
+    ),
+    (
+        "shifted document past its ids",
+        dict(mask=mh.document(torch.zeros(2, 8, dtype=torch.long)).shifted(0, 2)),
+        ValueError,
+        r"shifted: the block's Lk=7 at kv_offset=2 reads positions \[2, 9\), outside the whole attention's Lk=8",
+    ),
+    (
+        "at positions past the whole",
+        dict(mask=mh.causal().at(torch.arange(5) + 4, torch.arange(7), q_len=6, kv_len=7)),
+        ValueError,
+        r"at: q_positions hold values in \[4, 8\], outside the whole attention's Lq=6",
+    ),
+    (
+        "custom of the wrong shape",
+        dict(mask=mh.custom(lambda b, h, i, j: torch.ones(3, dtype=torch.bool), name="bad")),
+        ValueError,
+        r"custom mask 'bad' returned shape \(3,\), which does not broadcast to its index grid",
+    ),
+    (
+        "score_mod list element",
+        dict(score_mod=[mh.scores.softcap(2.0), "x"]),
+        TypeError,
+        r"score_mod\[1\] must be a multihead.scores modifier or a function "
+        r"fn\(score, b, h, q_idx, kv_idx\) -> score, got str",
+    ),
+    (
+        "score_mod function of the wrong shape",
+        dict(score_mod=lambda s, b, h, qi, ki: s.sum(-1)),
+        ValueError,
+        r"score_mod\(<lambda>\) returned shape .* for scores of shape .*; it must keep the shape of the scores",
+    ),
+    (
+        "score_mod function returning None",
+        dict(score_mod=lambda s, b, h, qi, ki: None),
+        TypeError,
+        r"score_mod\(<lambda>\) returned NoneType; it must return the modified scores",
+    ),
+    (
+        "bias on another device",
+        dict(score_mod=mh.scores.bias(torch.zeros(5, 7, device="meta"))),
+        ValueError,
+        r"score_mod bias\(.*\) holds a tensor on meta but q is on cpu",
+    ),
 ]
 
 
@@ -96,8 +181,11 @@ def test_mask_constructors_validate_their_arguments():
         mh.document(torch.zeros(3))
     with pytest.raises(TypeError, match=r"shifted: q_offset must be an int"):
         mh.causal().shifted(1.5, 0)
-    with pytest.raises(ValueError, match=r"shifted: causal\(align='bottom_right'\) depends on the whole attention's "
-                                         r"lengths.*pass q_len= and kv_len="):
+    with pytest.raises(
+        ValueError,
+        match=r"shifted: causal\(align='bottom_right'\) depends on the whole attention's "
+        r"lengths.*pass q_len= and kv_len=",
+    ):
         mh.causal().shifted(2, 4)  # the block's own lengths would put the diagonal in the wrong place
     with pytest.raises(TypeError, match=r"at: q_positions must be an integer tensor of shape \(L,\) or \(B, L\)"):
         mh.causal("top_left").at(torch.zeros(3), torch.arange(3))
@@ -114,7 +202,9 @@ def test_masks_bias_moved_to_scores_with_a_clear_message():
         mh.attention(q, k, v, score_mod=torch.zeros(5, 7))
     with pytest.raises(ValueError, match=r"softcap: cap must be a finite number > 0, got 0"):
         mh.scores.softcap(0)
-    with pytest.raises(TypeError, match=r"softcap: cap must be a Python number \(int or float\), got Tensor; use float"):
+    with pytest.raises(
+        TypeError, match=r"softcap: cap must be a Python number \(int or float\), got Tensor; use float"
+    ):
         mh.scores.softcap(torch.tensor(3.0))
     with pytest.raises(ValueError, match=r"prefix_lm: prefix_len must be a non-negative int.*got -2"):
         mh.prefix_lm(-2)

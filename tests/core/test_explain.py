@@ -41,7 +41,8 @@ def test_lse_comes_from_the_kernel_call_for_inference_and_is_recomputed_for_trai
     assert "from the same kernel call" in str(mh.explain(q, q, q, mask=mh.causal(), return_lse=True, backend="sdpa"))
     qg = q.clone().requires_grad_()
     assert "recomputed with the weights in one blockwise pass" in str(
-        mh.explain(qg, qg, qg, mask=mh.causal(), return_lse=True, backend="sdpa"))
+        mh.explain(qg, qg, qg, mask=mh.causal(), return_lse=True, backend="sdpa")
+    )
 
 
 # ------------------------------------------------------------------ advice (issue 15, item 5)
@@ -91,8 +92,11 @@ def test_a_float_mask_writing_a_large_negative_for_blocked_is_recognised():
     late = torch.zeros(300, 200).masked_fill(torch.arange(300)[:, None] - 100 < torch.arange(200), -1e9)
     [line] = mh.explain(q, k, k, mask=late, probe=False).advice
     assert "is `causal()`" in line and "except in rows that block every key" in line
-    assert mh.explain(q, q, q, mask=torch.zeros(300, 300).masked_fill(~causal, -100.0), probe=False).advice[0] \
-        .endswith("(they add a bias, not only 0)")  # -100 is a bias a softmax still feels: no object, no skipping
+    assert (
+        mh.explain(q, q, q, mask=torch.zeros(300, 300).masked_fill(~causal, -100.0), probe=False)
+        .advice[0]
+        .endswith("(they add a bias, not only 0)")
+    )  # -100 is a bias a softmax still feels: no object, no skipping
 
 
 def test_the_advice_names_the_shape_of_the_tensor_it_was_given():
@@ -107,8 +111,11 @@ def test_dropout_and_other_slow_paths_are_flagged_with_their_fix():
     """Regression: dropout's fall to the math kernel was not flagged."""
     q = torch.randn(1, 2, 64, 16)
     advice = mh.explain(q, q, q, mask=mh.causal(), dropout_p=0.1, backend="sdpa").advice
-    assert any("dropout_p=0.1: no fused CPU kernel applies dropout, so this call runs PyTorch's math kernel" in a
-               and "fix: dropout only while training" in a for a in advice)
+    assert any(
+        "dropout_p=0.1: no fused CPU kernel applies dropout, so this call runs PyTorch's math kernel" in a
+        and "fix: dropout only while training" in a
+        for a in advice
+    )
     bias = torch.randn(1, 2, 64, 64)
     advice = mh.explain(q, q, q, score_mod=mh.scores.bias(bias)).advice
     assert any("dense additive bias (1, 2, 64, 64)" in a and "scores.RelativeBias" in a for a in advice)

@@ -21,7 +21,9 @@ def test_causal_alignments_match_the_drawn_conventions():
 
 def test_repr_draws_a_picture_and_names_the_mask():
     text = repr(mh.causal() & mh.sliding_window(2))
-    assert text.splitlines()[0] == "causal(align='bottom_right') & sliding_window(left=2, right=0, align='bottom_right')"
+    assert (
+        text.splitlines()[0] == "causal(align='bottom_right') & sliding_window(left=2, right=0, align='bottom_right')"
+    )
     assert text.splitlines()[4] == "·███····"
 
 
@@ -187,8 +189,12 @@ def test_docs_conventions_draw_what_the_masks_print():
     from pathlib import Path
 
     doc = (Path(__file__).parents[2] / "docs" / "conventions.md").read_text()
-    for picture in (mh.causal().to_string(5, 2), mh.causal("top_left").to_string(2, 5),
-                    mh.prefix_lm(3).to_string(6, 6), mh.sliding_window(2).to_string(6, 6)):
+    for picture in (
+        mh.causal().to_string(5, 2),
+        mh.causal("top_left").to_string(2, 5),
+        mh.prefix_lm(3).to_string(6, 6),
+        mh.sliding_window(2).to_string(6, 6),
+    ):
         rows = picture.splitlines()
         assert all(row in doc for row in rows)
     assert "h // G" in doc and "True` means may attend" in doc

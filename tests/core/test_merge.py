@@ -21,7 +21,9 @@ def _split_attention(q, k, v, mask, cuts):
 
 CUTS = {"two": [0, 9, 23], "three_uneven": [0, 1, 20, 23], "every_key": list(range(24)), "one": [0, 23]}
 MASKS = {
-    "none": None, "causal": mh.causal(), "window": mh.sliding_window(3),
+    "none": None,
+    "causal": mh.causal(),
+    "window": mh.sliding_window(3),
     # Batch element 1 sees only its first 2 keys: parts beyond them are fully masked for it;
     # with causal, the first rows see nothing of the later parts.
     "causal&padding": mh.causal() & mh.key_padding(torch.tensor([23, 2])),
@@ -69,16 +71,37 @@ def test_low_precision_outputs_merge_in_fp32_and_keep_their_dtype():
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("outs,lses,exc,pattern", [
-    ([], [], ValueError, r"as many outputs as lses \(at least one\), got 0 outputs and 0 lses"),
-    ([torch.zeros(1, 1, 2, 3)], [torch.zeros(1, 1, 2), torch.zeros(1, 1, 2)], ValueError, r"got 1 outputs and 2 lses"),
-    ([torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 4)], [torch.zeros(1, 1, 2)] * 2, ValueError,
-     r"outputs\[1\] has shape \(1, 1, 2, 4\); expected \(B, H, Lq, Dv\) = \(1, 1, 2, 3\)"),
-    ([torch.zeros(1, 1, 2, 3)], [torch.zeros(1, 2)], ValueError, r"lses\[0\] has shape \(1, 2\); expected \(B, H, Lq\)"),
-    (torch.zeros(1, 1, 2, 3), [torch.zeros(1, 1, 2)], TypeError, r"sequences of tensors, got Tensor and list"),
-    ([torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3, dtype=torch.float16)], [torch.zeros(1, 1, 2)] * 2, TypeError,
-     r"outputs\[1\] is torch.float16 on cpu but outputs\[0\] is torch.float32"),
-])
+@pytest.mark.parametrize(
+    "outs,lses,exc,pattern",
+    [
+        ([], [], ValueError, r"as many outputs as lses \(at least one\), got 0 outputs and 0 lses"),
+        (
+            [torch.zeros(1, 1, 2, 3)],
+            [torch.zeros(1, 1, 2), torch.zeros(1, 1, 2)],
+            ValueError,
+            r"got 1 outputs and 2 lses",
+        ),
+        (
+            [torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 4)],
+            [torch.zeros(1, 1, 2)] * 2,
+            ValueError,
+            r"outputs\[1\] has shape \(1, 1, 2, 4\); expected \(B, H, Lq, Dv\) = \(1, 1, 2, 3\)",
+        ),
+        (
+            [torch.zeros(1, 1, 2, 3)],
+            [torch.zeros(1, 2)],
+            ValueError,
+            r"lses\[0\] has shape \(1, 2\); expected \(B, H, Lq\)",
+        ),
+        (torch.zeros(1, 1, 2, 3), [torch.zeros(1, 1, 2)], TypeError, r"sequences of tensors, got Tensor and list"),
+        (
+            [torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3, dtype=torch.float16)],
+            [torch.zeros(1, 1, 2)] * 2,
+            TypeError,
+            r"outputs\[1\] is torch.float16 on cpu but outputs\[0\] is torch.float32",
+        ),
+    ],
+)
 def test_bad_input_names_the_argument(outs, lses, exc, pattern):
     with pytest.raises(exc, match=pattern):
         mh.merge_partials(outs, lses)

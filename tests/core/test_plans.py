@@ -40,14 +40,16 @@ def _cached(q, k, v, **kw):
 BAND = mh.causal() & mh.sliding_window(4)
 
 
-@pytest.mark.parametrize("mask", [None, mh.causal(), BAND, mh.key_padding(torch.tensor([9]))],
-                         ids=["none", "causal", "band", "key_padding"])
+@pytest.mark.parametrize(
+    "mask", [None, mh.causal(), BAND, mh.key_padding(torch.tensor([9]))], ids=["none", "causal", "band", "key_padding"]
+)
 def test_a_repeated_call_runs_its_plan_and_gives_the_reference(mask):
     q, k, v = _qkv()
     torch.testing.assert_close(_cached(q, k, v, mask=mask).double(), _ref(q, k, v, mask=mask), rtol=1e-5, atol=1e-5)
     q2, k2, v2 = _qkv(seed=1)  # other values, same signature: the plan serves them
-    torch.testing.assert_close(mh.attention(q2, k2, v2, mask=mask).double(), _ref(q2, k2, v2, mask=mask),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mh.attention(q2, k2, v2, mask=mask).double(), _ref(q2, k2, v2, mask=mask), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("D", [8, 40, 59, 64, 128])
@@ -87,8 +89,9 @@ def test_another_shape_after_a_cached_call_gets_its_result_or_its_error():
     q, k, v = _qkv(H=4, Hkv=2, Lk=20)
     _cached(q, k, v, mask=BAND)
     q2, k2, v2 = _qkv(H=4, Hkv=2, Lk=23, seed=3)
-    torch.testing.assert_close(mh.attention(q2, k2, v2, mask=BAND).double(), _ref(q2, k2, v2, mask=BAND),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mh.attention(q2, k2, v2, mask=BAND).double(), _ref(q2, k2, v2, mask=BAND), rtol=1e-5, atol=1e-5
+    )
     q3 = torch.randn(1, 3, 16, 16)
     with pytest.raises(ValueError, match=r"q has Hq=3 heads, not divisible by Hkv=2"):
         mh.attention(q3, k, v, mask=BAND)
@@ -109,8 +112,9 @@ def test_other_strides_after_a_cached_call(layout):
     else:  # a last dimension that is not contiguous: validation copies it (and no plan is kept)
         q2, k2, v2 = (torch.randn(1, 2, 8, 12).transpose(-1, -2) for _ in range(3))
     for _ in range(3):
-        torch.testing.assert_close(mh.attention(q2, k2, v2, mask=BAND).double(), _ref(q2, k2, v2, mask=BAND),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            mh.attention(q2, k2, v2, mask=BAND).double(), _ref(q2, k2, v2, mask=BAND), rtol=1e-5, atol=1e-5
+        )
     key = plans.signature(q2, k2, v2, BAND, None, "auto")
     assert (plans.lookup(key) is None) == (layout == "last dim strided")
 
@@ -126,8 +130,12 @@ def test_other_scales_and_bad_arguments_after_a_cached_call():
     q, k, v = _qkv()
     _cached(q, k, v, mask=BAND, scale=0.5)
     for scale in (None, 0.25, -1.0, 0.0):
-        torch.testing.assert_close(mh.attention(q, k, v, mask=BAND, scale=scale).double(),
-                                   _ref(q, k, v, mask=BAND, scale=scale), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            mh.attention(q, k, v, mask=BAND, scale=scale).double(),
+            _ref(q, k, v, mask=BAND, scale=scale),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     for scale in (float("nan"), float("inf"), True, "0.5"):
         with pytest.raises(ValueError, match=r"scale must be a finite number"):
             mh.attention(q, k, v, mask=BAND, scale=scale)
@@ -204,8 +212,9 @@ def test_a_mask_holding_a_tensor_by_identity_is_never_cached():
     assert torch.equal(mh.attention(q, k, v, mask=mask), before) and not plans._PLANS
     table[:, :, :, 0] = False  # the mask views this tensor: its meaning changes
     table[:, :, 0, 0] = True
-    torch.testing.assert_close(mh.attention(q, k, v, mask=mh.masks.as_mask(table)).double(),
-                               _ref(q, k, v, mask=table), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mh.attention(q, k, v, mask=mh.masks.as_mask(table)).double(), _ref(q, k, v, mask=table), rtol=1e-5, atol=1e-5
+    )
     assert not torch.equal(before, mh.attention(q, k, v, mask=mh.masks.as_mask(table)))
 
 
@@ -218,8 +227,9 @@ def test_a_mask_keeps_its_own_lengths_so_its_plan_stays_right():
     lengths.fill_(9)  # the caller's tensor, not the mask's copy
     assert torch.equal(mh.attention(q, k, v, mask=mask), before)
     other = mh.key_padding(lengths) & mh.causal()  # built from the changed tensor: another value
-    torch.testing.assert_close(mh.attention(q, k, v, mask=other).double(), _ref(q, k, v, mask=other),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mh.attention(q, k, v, mask=other).double(), _ref(q, k, v, mask=other), rtol=1e-5, atol=1e-5
+    )
     assert not torch.equal(mh.attention(q, k, v, mask=other), before)
 
 
@@ -235,8 +245,9 @@ def test_a_value_viewing_the_keys_leaves_no_plan_for_a_separate_value(first):
     for name in order:
         v = views[name]
         for _ in range(3):
-            torch.testing.assert_close(mh.attention(q, k, v, mask=BAND).double(), _ref(q, k, v, mask=BAND),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                mh.attention(q, k, v, mask=BAND).double(), _ref(q, k, v, mask=BAND), rtol=1e-5, atol=1e-5
+            )
     key = plans.signature(q, k, views["separate"], BAND, None, "auto")
     assert plans.lookup(key) is not None  # the separate V's plan, which serves the view as well
     plans.clear()
@@ -286,7 +297,7 @@ def test_tensor_subclasses_and_the_bound_on_plans():
     plans.clear()
     for L in range(1, plans.MAX_PLANS + 10):
         for _ in range(2):
-            mh.attention(q[:, :, :1], k[:, :, :L % 16 + 1], v[:, :, :L % 16 + 1], scale=0.1 + L / 1000)
+            mh.attention(q[:, :, :1], k[:, :, : L % 16 + 1], v[:, :, : L % 16 + 1], scale=0.1 + L / 1000)
     assert len(plans._PLANS) == len(plans._SEEN) == plans.MAX_PLANS
 
 
@@ -295,8 +306,12 @@ def test_signatures_met_once_build_no_plan():
     q, k, v = _qkv(L=1, Lk=40)
     plans.clear()
     for n in range(1, 41):
-        torch.testing.assert_close(mh.attention(q, k[:, :, :n], v[:, :, :n], mask=mh.causal()).double(),
-                                   _ref(q, k[:, :, :n], v[:, :, :n], mask=mh.causal()), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            mh.attention(q, k[:, :, :n], v[:, :, :n], mask=mh.causal()).double(),
+            _ref(q, k[:, :, :n], v[:, :, :n], mask=mh.causal()),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     assert not plans._PLANS and len(plans._SEEN) == 40
 
 

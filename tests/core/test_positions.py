@@ -18,16 +18,20 @@ def _masks(Lq, Lk):
     kv_ids = torch.sort(torch.randint(0, 3, (2, Lk), generator=gen)).values
     table = torch.rand(2, 1, Lq, Lk, generator=gen) > 0.4
     return {
-        "causal_br": mh.causal(), "causal_tl": mh.causal("top_left"),
-        "window_br": mh.sliding_window(3), "window_tl_2_1": mh.sliding_window(2, 1, align="top_left"),
+        "causal_br": mh.causal(),
+        "causal_tl": mh.causal("top_left"),
+        "window_br": mh.sliding_window(3),
+        "window_tl_2_1": mh.sliding_window(2, 1, align="top_left"),
         "window_right_unbounded": mh.sliding_window(2, None),
         "key_padding": mh.key_padding(torch.tensor([Lk, max(0, Lk - 3)])),
         "padding_table": mh.key_padding(torch.rand(2, Lk, generator=gen) > 0.3),
-        "document": mh.document(q_ids, kv_ids), "prefix_lm": mh.prefix_lm(2),
+        "document": mh.document(q_ids, kv_ids),
+        "prefix_lm": mh.prefix_lm(2),
         "causal&padding": mh.causal() & mh.key_padding(torch.tensor([Lk, 1])),
         "document&causal_br": mh.document(q_ids, kv_ids) & mh.causal(),
         "window|prefix": mh.sliding_window(1) | mh.prefix_lm(2),
-        "~causal_br": ~mh.causal(), "custom": mh.custom(lambda b, h, q, kv: (q + 2 * kv + b) % 3 != 0),
+        "~causal_br": ~mh.causal(),
+        "custom": mh.custom(lambda b, h, q, kv: (q + 2 * kv + b) % 3 != 0),
         "bool_tensor": table,
         "window_per_sequence": mh.sliding_window(2, kv_lengths=[Lk, max(0, Lk - 3)], q_lengths=[Lq, max(0, Lq - 1)]),
         "document_causal": mh.document_causal(q_ids, kv_ids),
@@ -92,7 +96,7 @@ def test_decode_steps_read_the_last_row_one_query_at_a_time():
         full = mask.materialize(1, 1, Lq, Lk)[0, 0]
         for i in range(Lq):
             row = mask.shifted(i, 0, q_len=Lq, kv_len=Lk).materialize(1, 1, 1, Lk)[0, 0]
-            assert torch.equal(row, full[i:i + 1])
+            assert torch.equal(row, full[i : i + 1])
 
 
 def test_positions_per_batch_row_read_left_padded_sequences():

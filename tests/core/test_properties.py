@@ -29,19 +29,22 @@ def test_gqa_equals_mha_with_kv_repeated_by_the_grouped_mapping(backend, mask):
 def test_mqa_equals_gqa_with_one_group(backend):
     q, k, v = rand(1, 6, 9, 8, seed=4), rand(1, 1, 11, 8, seed=5), rand(1, 1, 11, 8, seed=6)
     mqa = mh.attention(q, k, v, mask=mh.causal(), backend=backend)
-    torch.testing.assert_close(mqa, mh.attention(q, k.expand(1, 6, 11, 8), v.expand(1, 6, 11, 8),
-                                                 mask=mh.causal(), backend=backend))
+    torch.testing.assert_close(
+        mqa, mh.attention(q, k.expand(1, 6, 11, 8), v.expand(1, 6, 11, 8), mask=mh.causal(), backend=backend)
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_permuting_keys_and_values_together_changes_nothing_without_a_mask(backend):
     q, k, v = rand(2, 4, 13, 8, seed=7), rand(2, 4, 19, 8, seed=8), rand(2, 4, 19, 8, seed=9)
     perm = torch.randperm(19, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(mh.attention(q, k[:, :, perm], v[:, :, perm], backend=backend),
-                               mh.attention(q, k, v, backend=backend))
+    torch.testing.assert_close(
+        mh.attention(q, k[:, :, perm], v[:, :, perm], backend=backend), mh.attention(q, k, v, backend=backend)
+    )
     qperm = torch.randperm(13, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(mh.attention(q[:, :, qperm], k, v, backend=backend),
-                               mh.attention(q, k, v, backend=backend)[:, :, qperm])
+    torch.testing.assert_close(
+        mh.attention(q[:, :, qperm], k, v, backend=backend), mh.attention(q, k, v, backend=backend)[:, :, qperm]
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -63,8 +66,11 @@ def test_padded_keys_can_hold_anything(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_is_reproducible_unbiased_and_training_only(backend):
-    q, k, v = rand(2, 4, 64, 16, seed=15, dtype=torch.float32), rand(2, 4, 64, 16, seed=16, dtype=torch.float32), \
-        torch.ones(2, 4, 64, 16)
+    q, k, v = (
+        rand(2, 4, 64, 16, seed=15, dtype=torch.float32),
+        rand(2, 4, 64, 16, seed=16, dtype=torch.float32),
+        torch.ones(2, 4, 64, 16),
+    )
     if refuses(backend, q, k, v, dropout_p=0.3):
         return
     torch.manual_seed(123)
@@ -90,7 +96,7 @@ def test_reference_dropout_keeps_about_one_minus_p_and_accepts_an_injected_mask(
 
 def test_scale_is_applied():
     q, k, v = rand(1, 1, 5, 4, seed=20), rand(1, 1, 5, 4, seed=21), rand(1, 1, 5, 4, seed=22)
-    torch.testing.assert_close(mh.attention(q, k, v, scale=0.5), mh.attention(q * 0.5 / 4 ** -0.5, k, v))
+    torch.testing.assert_close(mh.attention(q, k, v, scale=0.5), mh.attention(q * 0.5 / 4**-0.5, k, v))
 
 
 def test_output_dtype_follows_q_and_lse_is_fp32_for_half():
@@ -107,4 +113,6 @@ def test_noncontiguous_inputs_packed_qkv_and_expanded_kv():
     ref = mh.reference_attention(q.contiguous(), k.contiguous(), v.contiguous(), mask=mh.causal()).output
     torch.testing.assert_close(mh.attention(q, k, v, mask=mh.causal()), ref)
     k1 = rand(2, 1, 10, 8, seed=24).expand(2, 4, 10, 8)  # stride-0 heads
-    torch.testing.assert_close(mh.attention(q, k1, k1), mh.reference_attention(q, k1.contiguous(), k1.contiguous()).output)
+    torch.testing.assert_close(
+        mh.attention(q, k1, k1), mh.reference_attention(q, k1.contiguous(), k1.contiguous()).output
+    )

@@ -18,8 +18,18 @@ import multihead
 ROOT = Path(__file__).resolve().parents[2]
 
 # The packages whose ``__all__`` is public API (floor 4's load on first use, but are public too).
-PACKAGES = ["multihead", "multihead.masks", "multihead.scores", "multihead.positions", "multihead.caches",
-            "multihead.layers", "multihead.backends", "multihead.distributed", "multihead.models", "multihead.viz"]
+PACKAGES = [
+    "multihead",
+    "multihead.masks",
+    "multihead.scores",
+    "multihead.positions",
+    "multihead.caches",
+    "multihead.layers",
+    "multihead.backends",
+    "multihead.distributed",
+    "multihead.models",
+    "multihead.viz",
+]
 
 # A shape in the conventions' notation: a parenthesised tuple of at least two dimensions among
 # B, H, Hq, Hkv, L, Lq, Lk, S, T, D, Dv, E, ... e.g. ``(B, Hq, Lq, D)``.
@@ -28,16 +38,29 @@ SHAPE = re.compile(r"\((?:B|Hq|Hkv|H|L|Lq|Lk|S|T)\b\s*,[^\n]*\)")
 # The entry points that take or return attention tensors: their docstrings (the class's or its
 # forward's / update's) must name the shapes.
 SHAPED = [
-    "multihead.attention", "multihead.reference_attention", "multihead.merge_partials",
-    "multihead.cascade_attention", "multihead.capture_attention",
-    "multihead.MultiHeadAttention", "multihead.MultiHeadLatentAttention",
+    "multihead.attention",
+    "multihead.reference_attention",
+    "multihead.merge_partials",
+    "multihead.cascade_attention",
+    "multihead.capture_attention",
+    "multihead.MultiHeadAttention",
+    "multihead.MultiHeadLatentAttention",
     "multihead.compat.MultiheadAttention",
-    "multihead.caches.KVCache", "multihead.caches.CacheRead", "multihead.caches.DynamicKVCache",
-    "multihead.caches.StaticKVCache", "multihead.caches.SlidingWindowKVCache", "multihead.caches.PagedKVCache",
+    "multihead.caches.KVCache",
+    "multihead.caches.CacheRead",
+    "multihead.caches.DynamicKVCache",
+    "multihead.caches.StaticKVCache",
+    "multihead.caches.SlidingWindowKVCache",
+    "multihead.caches.PagedKVCache",
     "multihead.caches.LatentKVCache",
-    "multihead.masks.Mask", "multihead.masks.key_padding", "multihead.masks.document", "multihead.scores.bias",
-    "multihead.positions.apply_rotary", "multihead.positions.RotaryEmbedding",
-    "multihead.distributed.ring_attention", "multihead.distributed.ulysses_attention",
+    "multihead.masks.Mask",
+    "multihead.masks.key_padding",
+    "multihead.masks.document",
+    "multihead.scores.bias",
+    "multihead.positions.apply_rotary",
+    "multihead.positions.RotaryEmbedding",
+    "multihead.distributed.ring_attention",
+    "multihead.distributed.ulysses_attention",
 ]
 
 
@@ -143,5 +166,6 @@ def test_the_version_is_written_once_and_reported_everywhere():
 
 def test_the_changelog_has_an_entry_for_the_version():
     changelog = (ROOT / "CHANGELOG.md").read_text()
-    assert re.search(rf"^## \[{re.escape(multihead.__version__)}\]", changelog, re.M), \
+    assert re.search(rf"^## \[{re.escape(multihead.__version__)}\]", changelog, re.M), (
         f"CHANGELOG.md has no '## [{multihead.__version__}]' section"
+    )

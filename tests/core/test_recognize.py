@@ -12,22 +12,37 @@ def _dense(mask, B, Lq, Lk, H=1):
     return mask.materialize(B, H, Lq, Lk).expand(B, H, Lq, Lk).clone()
 
 
-@pytest.mark.parametrize("mask,B,Lq,Lk,expression", [
-    (mh.causal(), 1, 13, 13, "causal()"),
-    (mh.causal(), 1, 13, 17, "causal()"),
-    (mh.causal("top_left"), 1, 13, 17, "causal('top_left')"),
-    (mh.causal(), 1, 17, 13, "causal()"),
-    (mh.causal("top_left"), 1, 17, 13, "causal('top_left')"),
-    (mh.sliding_window(4), 1, 59, 59, "sliding_window(4)"),
-    (mh.sliding_window(3, 2), 1, 40, 59, "sliding_window(3, right=2)"),
-    (mh.sliding_window(5, 1, "top_left"), 1, 33, 20, "sliding_window(5, right=1, align='top_left')"),
-    (mh.key_padding(torch.tensor([17, 9, 4])), 3, 13, 17, "key_padding(torch.tensor([17, 9, 4]))"),
-    (mh.causal() & mh.key_padding(torch.tensor([13, 6])), 2, 13, 13, "causal() & key_padding(torch.tensor([13, 6]))"),
-    (mh.sliding_window(3) & mh.key_padding(torch.tensor([20, 11])), 2, 20, 20,
-     "sliding_window(3) & key_padding(torch.tensor([20, 11]))"),
-    (mh.document(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3])), 1, 11, 11, "document(ids)"),
-    (mh.document_causal(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3])), 1, 11, 11, "document_causal(ids)"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "mask,B,Lq,Lk,expression",
+    [
+        (mh.causal(), 1, 13, 13, "causal()"),
+        (mh.causal(), 1, 13, 17, "causal()"),
+        (mh.causal("top_left"), 1, 13, 17, "causal('top_left')"),
+        (mh.causal(), 1, 17, 13, "causal()"),
+        (mh.causal("top_left"), 1, 17, 13, "causal('top_left')"),
+        (mh.sliding_window(4), 1, 59, 59, "sliding_window(4)"),
+        (mh.sliding_window(3, 2), 1, 40, 59, "sliding_window(3, right=2)"),
+        (mh.sliding_window(5, 1, "top_left"), 1, 33, 20, "sliding_window(5, right=1, align='top_left')"),
+        (mh.key_padding(torch.tensor([17, 9, 4])), 3, 13, 17, "key_padding(torch.tensor([17, 9, 4]))"),
+        (
+            mh.causal() & mh.key_padding(torch.tensor([13, 6])),
+            2,
+            13,
+            13,
+            "causal() & key_padding(torch.tensor([13, 6]))",
+        ),
+        (
+            mh.sliding_window(3) & mh.key_padding(torch.tensor([20, 11])),
+            2,
+            20,
+            20,
+            "sliding_window(3) & key_padding(torch.tensor([20, 11]))",
+        ),
+        (mh.document(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3])), 1, 11, 11, "document(ids)"),
+        (mh.document_causal(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3])), 1, 11, 11, "document_causal(ids)"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_structured_dense_masks_are_recognised_exactly(mask, B, Lq, Lk, expression):
     dense = _dense(mask, B, Lq, Lk)
     for given in (dense, dense.expand(B, 4, Lq, Lk), dense[0, 0] if B == 1 else dense):
@@ -61,8 +76,11 @@ def test_key_padding_of_an_integer_attention_mask_says_what_to_pass():
     """Regression: key_padding(hf_attention_mask) said 'must be an integer tensor of shape (B,), got
     dtype torch.int64' without a hint."""
     hf = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    with pytest.raises(TypeError, match=r"integer torch.int64 tensor of shape \(2, 4\).* expected a bool \(B, Lk\) "
-                                        r"table .* key_padding\(mask.bool\(\)\), or key_padding\(mask.sum\(-1\)\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"integer torch.int64 tensor of shape \(2, 4\).* expected a bool \(B, Lk\) "
+        r"table .* key_padding\(mask.bool\(\)\), or key_padding\(mask.sum\(-1\)\)",
+    ):
         mh.key_padding(hf)
     # both suggested fixes mean what the attention mask meant
     table, lengths = mh.key_padding(hf.bool()), mh.key_padding(hf.sum(-1))

@@ -33,8 +33,9 @@ def brute_force(q, k, v, mask, scale=None):
                 for j in range(Lk):
                     s = float(q[b, h, i] @ k[b, g, j]) * scale
                     if added is not None:
-                        s = s + float(added[b % added.shape[0], h % added.shape[1], i % added.shape[2],
-                                            j % added.shape[3]])
+                        s = s + float(
+                            added[b % added.shape[0], h % added.shape[1], i % added.shape[2], j % added.shape[3]]
+                        )
                     if dense is not None and not bool(dense[b % dense.shape[0], h % dense.shape[1], i, j]):
                         s = -math.inf
                     logits.append(s)
@@ -49,8 +50,9 @@ def brute_force(q, k, v, mask, scale=None):
     return out, lse
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.Lq * c.Lk <= 17 * 17 or c.mask in ("document", "custom")][:10],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.Lq * c.Lk <= 17 * 17 or c.mask in ("document", "custom")][:10], ids=lambda c: c.id
+)
 def test_reference_equals_brute_force_loop(case):
     q, k, v, mask = make_inputs(case)
     if case.Lq * case.Lk > 400:  # keep the Python loop small
@@ -73,7 +75,13 @@ def test_reference_equals_sdpa_math_fp64(case):
     from multihead.call import mask_and_score_mod
 
     m, _ = mask_and_score_mod(mask, None, check_binary=False)
-    dense = mask if isinstance(mask, torch.Tensor) else None if m is None else m.materialize(case.B, case.Hq, case.Lq, case.Lk)
+    dense = (
+        mask
+        if isinstance(mask, torch.Tensor)
+        else None
+        if m is None
+        else m.materialize(case.B, case.Hq, case.Lq, case.Lk)
+    )
     empty = None if m is None else m.empty_rows(case.B, case.Hq, case.Lq, case.Lk)
     with sdpa_kernel(SDPBackend.MATH):
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=case.Hq != case.Hkv)

@@ -60,8 +60,10 @@ def quick_demo(tmp_path_factory):
 # ---------------------------------------------------------------------------------------- browser
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-ENABLE_BROWSER = ("apt-get install chromium chromium-driver (Debian's packages; never a downloaded browser), "
-                  "and selenium from the test-demo extra (make setup installs it)")
+ENABLE_BROWSER = (
+    "apt-get install chromium chromium-driver (Debian's packages; never a downloaded browser), "
+    "and selenium from the test-demo extra (make setup installs it)"
+)
 
 
 def browser_missing() -> str | None:
@@ -102,9 +104,19 @@ def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     profile = tempfile.mkdtemp(prefix="multihead-chromium-")
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1280,900"):
+    for arg in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,900",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)

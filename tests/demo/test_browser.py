@@ -82,8 +82,9 @@ def _move(driver, element_id: str, x: float, y: float):
     element = driver.find_element("id", element_id)
     driver.execute_script("arguments[0].scrollIntoView({block: 'nearest'})", element)
     size = element.size
-    ActionChains(driver).move_to_element_with_offset(element, int(x - size["width"] / 2),
-                                                     int(y - size["height"] / 2)).perform()
+    ActionChains(driver).move_to_element_with_offset(
+        element, int(x - size["width"] / 2), int(y - size["height"] / 2)
+    ).perform()
     _frame(driver)
 
 
@@ -100,7 +101,9 @@ def _hover_cell(driver, i: int, j: int):
 
 def _colours(driver, canvas_id: str) -> tuple[int, int]:
     """Pixels of ``canvas_id`` in head 0's blue (#1f77b4) and head 1's orange (#ff7f0e)."""
-    return tuple(driver.execute_script("""
+    return tuple(
+        driver.execute_script(
+            """
         const c = document.getElementById(arguments[0]);
         const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
         let blue = 0, orange = 0;
@@ -110,7 +113,10 @@ def _colours(driver, canvas_id: str) -> tuple[int, int]:
           if (b > r + 60 && g > r) blue++;
           else if (r > b + 120 && g > b + 40) orange++;
         }
-        return [blue, orange];""", canvas_id))
+        return [blue, orange];""",
+            canvas_id,
+        )
+    )
 
 
 def _pixel_spread(png: bytes) -> float:
@@ -168,8 +174,9 @@ def test_demo_viewer_switches_heads_layers_and_models(browser, quick_demo, tmp_p
     # The recall decoder opens on its lookup head alone; the model view has a thumbnail per layer x head.
     _select(browser, "source", "1")
     lookup = browser.find_element("css selector", "#grid canvas.highlight").get_attribute("data-head")
-    assert [b.get_attribute("data-head") for b in
-            browser.find_elements("css selector", ".head-toggle[aria-pressed='true']")] == [lookup]
+    assert [
+        b.get_attribute("data-head") for b in browser.find_elements("css selector", ".head-toggle[aria-pressed='true']")
+    ] == [lookup]
     assert "lookup" in browser.find_element("css selector", "#grid canvas.highlight").get_attribute("title")
     assert browser.find_element("id", "stepbar").is_displayed()  # decoded step by step: a generation
     assert browser.find_element("id", "step-label").text.startswith("step 1/")
@@ -253,8 +260,9 @@ def test_model_view_thumbnails_enlarge_and_preview_at_full_resolution(browser, t
     _click(browser, "#tab-model")
     thumb = "#grid canvas[data-layer='1'][data-head='0']"
     small = browser.find_element("css selector", thumb).size["width"]
-    browser.execute_script("const s = document.getElementById('thumb-size'); s.value = 200;"
-                           "s.dispatchEvent(new Event('input'))")
+    browser.execute_script(
+        "const s = document.getElementById('thumb-size'); s.value = 200;s.dispatchEvent(new Event('input'))"
+    )
     _frame(browser)
     assert browser.find_element("css selector", thumb).size["width"] >= 200 > small + 100
     _move(browser, "grid", 0, 0)
@@ -264,8 +272,10 @@ def test_model_view_thumbnails_enlarge_and_preview_at_full_resolution(browser, t
     _frame(browser)
     preview = browser.find_element("id", "preview")
     assert (preview.get_attribute("data-layer"), preview.get_attribute("data-head")) == ("1", "0")
-    assert "layer 1" in browser.find_element("id", "preview-label").text and "100 x 100" in \
-        browser.find_element("id", "preview-label").text
+    assert (
+        "layer 1" in browser.find_element("id", "preview-label").text
+        and "100 x 100" in browser.find_element("id", "preview-label").text
+    )
     assert preview.size["width"] >= 300 and _region_spread(browser, "preview") > 0.02
     assert "layer 1, head 0" in _status(browser)
     assert _errors(browser) == []
@@ -285,7 +295,7 @@ def test_neuron_view_splits_each_score_into_query_key_terms(browser, tmp_path):
     _move(browser, "neuron", 200, (4 + 1) * ROW + ROW / 2)
     n = _stats(browser)["neuron"]
     assert (n["head"], n["query"], n["key"], n["dim"]) == (1, 2, 4, 16)
-    terms = q * k[4] / 16 ** 0.5
+    terms = q * k[4] / 16**0.5
     torch.testing.assert_close(torch.tensor(n["terms"]), terms, atol=1e-5, rtol=1e-5)
     assert n["score"] == pytest.approx(float(terms.sum()), abs=1e-5)
     assert n["weight"] == pytest.approx(float(source.weights[0][1, 2, 4]), abs=1 / 255)
@@ -348,8 +358,9 @@ def test_default_layer_names_are_not_said_twice(browser, tmp_path):
 def generation():
     torch.manual_seed(0)
     model = CausalDecoder(DecoderConfig(24, 32, d_model=32, num_layers=2, num_heads=2)).eval()
-    return record_generation(model, torch.tensor([[3, 1, 4, 1, 5]]), 7, token_names=lambda ids: [f"w{i}" for i in ids],
-                             name="decoder")
+    return record_generation(
+        model, torch.tensor([[3, 1, 4, 1, 5]]), 7, token_names=lambda ids: [f"w{i}" for i in ids], name="decoder"
+    )
 
 
 def test_stepping_through_generation(browser, generation, tmp_path):
@@ -372,19 +383,23 @@ def test_stepping_through_generation(browser, generation, tmp_path):
         assert f'"{src.k_tokens[j]}" ({_q(src.weights[0][h, row, j]):.2f}, head {h})' in status, status
     # Keys after the step are greyed out in the heatmap: a cell of the last row is almost white.
     g = browser.execute_script("return heatGeometry()")
-    last = browser.execute_script("""const c = document.getElementById('heatmap'), r = window.devicePixelRatio || 1;
+    last = browser.execute_script(
+        """const c = document.getElementById('heatmap'), r = window.devicePixelRatio || 1;
         const x = Math.round(arguments[0] * r), y = Math.round(arguments[1] * r);
         return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data)""",
-                                  g["left"] + 0.5 * g["cell"], g["top"] + (L - 0.5) * g["cell"])
+        g["left"] + 0.5 * g["cell"],
+        g["top"] + (L - 0.5) * g["cell"],
+    )
     assert min(last[:3]) > 235, last
     # Hovering a key in a generation reads the step's row.
     _hover_token(browser, "k", 1)
     w = [f"{_q(src.weights[0][h, row, 1]):.2f} (head {h})" for h in range(2)]
-    assert f'step 4: query {row} "{src.q_tokens[row]}" gives key 1 "{src.k_tokens[1]}" weight {", ".join(w)}' \
+    assert (
+        f'step 4: query {row} "{src.q_tokens[row]}" gives key 1 "{src.k_tokens[1]}" weight {", ".join(w)}'
         in _status(browser)
+    )
     # The slider, back a step, and the neuron view follows the step's query.
-    browser.execute_script("const s = document.getElementById('step'); s.value = 6;"
-                           "s.dispatchEvent(new Event('input'))")
+    browser.execute_script("const s = document.getElementById('step'); s.value = 6;s.dispatchEvent(new Event('input'))")
     _frame(browser)
     assert "step 7/7" in browser.find_element("id", "step-label").text
     _click(browser, "#step-prev")
@@ -403,8 +418,10 @@ def test_repr_html_works_inline_next_to_another_viewer(browser, tmp_path):
     a = Viewer(ViewerSource("first", TOKENS, TOKENS, _peaked(1, 2, 6)), title="first", height=600)
     b = Viewer(ViewerSource("second", TOKENS[:4], TOKENS[:4], _peaked(1, 3, 4)), title="second", height=600)
     page = tmp_path / "notebook.html"
-    page.write_text(f"<!DOCTYPE html><html><body><h1>notebook</h1>{a._repr_html_()}<p>cell 2</p>{b._repr_html_()}"
-                    "</body></html>", encoding="utf-8")
+    page.write_text(
+        f"<!DOCTYPE html><html><body><h1>notebook</h1>{a._repr_html_()}<p>cell 2</p>{b._repr_html_()}</body></html>",
+        encoding="utf-8",
+    )
     browser.get(page.as_uri())
     frames = browser.find_elements("css selector", "iframe.multihead-viewer")
     assert len(frames) == 2

@@ -15,7 +15,14 @@ import torch
 from multihead.apps.cli import main
 from multihead.apps.demo import MARKER
 
-DEMO_FILES = {"viewer.html", "encoder_heads.png", "encoder_attention.png", "recall_attention.png", "recall_lookup_head.png", "similarity.txt"}
+DEMO_FILES = {
+    "viewer.html",
+    "encoder_heads.png",
+    "encoder_attention.png",
+    "recall_attention.png",
+    "recall_lookup_head.png",
+    "similarity.txt",
+}
 
 
 def test_quick_demo_end_to_end(quick_demo):
@@ -51,8 +58,10 @@ def test_quick_demo_end_to_end(quick_demo):
     L, D = recall["lq"], recall["dim"]
     for layer in range(len(recall["layers"])):
         for head in range(recall["heads"]):
-            q, k = (torch.frombuffer(bytearray(base64.b64decode(recall[kind][layer][head])), dtype=torch.float32)
-                    .view(L, D) for kind in ("queries", "keys"))
+            q, k = (
+                torch.frombuffer(bytearray(base64.b64decode(recall[kind][layer][head])), dtype=torch.float32).view(L, D)
+                for kind in ("queries", "keys")
+            )
             scores = (q @ k.T * recall["scale"]).masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
             w = torch.frombuffer(bytearray(base64.b64decode(recall["weights"][layer][head])), dtype=torch.uint8)
             torch.testing.assert_close(scores.softmax(-1), w.view(L, L).float() / 255, rtol=0, atol=0.6 / 255)
@@ -82,12 +91,24 @@ def test_explain_verb_is_an_alias_that_says_so(capsys):
 
 
 def test_walkthrough_prints_every_step(capsys):
-    code = main(["walkthrough", "--d-model", "64", "--heads", "8", "--kv-heads", "2", "--seq", "10", "--causal", "--batch", "2"])
+    code = main(
+        ["walkthrough", "--d-model", "64", "--heads", "8", "--kv-heads", "2", "--seq", "10", "--causal", "--batch", "2"]
+    )
     out = capsys.readouterr().out
     assert code == 0
-    titles = ["input", "project to queries, keys and values", "split into heads", "group query heads onto key/value heads",
-              "scores", "scale", "mask: causal", "softmax over keys", "weighted sum of values", "merge heads",
-              "output projection"]
+    titles = [
+        "input",
+        "project to queries, keys and values",
+        "split into heads",
+        "group query heads onto key/value heads",
+        "scores",
+        "scale",
+        "mask: causal",
+        "softmax over keys",
+        "weighted sum of values",
+        "merge heads",
+        "output projection",
+    ]
     positions = [out.index(f". {t}") for t in titles]
     assert positions == sorted(positions)
     assert "(2, 10, 64)" in out and "(2, 8, 10, 8)" in out and "(2, 2, 10, 8)" in out and "(2, 8, 10, 10)" in out
@@ -122,8 +143,12 @@ def test_help(argv, capsys):
 
 
 def test_python_dash_m_runs_the_cli():
-    done = subprocess.run([sys.executable, "-m", "multihead", "walkthrough", "--d-model", "16", "--heads", "2", "--seq", "3"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "multihead", "walkthrough", "--d-model", "16", "--heads", "2", "--seq", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "output projection" in done.stdout
 
@@ -136,32 +161,65 @@ def _edit_config(folder, **changes):
 
 # Each bad input: how to make it (given tmp_path and a broken-able model copy), argv, and the message.
 BAD_INPUT = [
-    ("missing model folder", lambda tmp, model: ["demo", "--model", str(tmp / "no-such-model")],
-     r"model folder .*no-such-model does not exist"),
-    ("corrupt weights", lambda tmp, model: ((model / "model.safetensors").unlink(),
-                                            (model / "model.safetensors").write_bytes(b"garbage"),
-                                            ["demo", "--model", str(model)])[-1],
-     r"model\.safetensors is corrupt or unreadable .*reinstall"),
-    ("config does not match tensors", lambda tmp, model: (_edit_config(model, intermediate_size=1024),
-                                                          ["demo", "--model", str(model)])[-1],
-     r"intermediate\.dense\.bias. has shape \(1536,\) but config\.json implies \(1024,\)"),
-    ("text longer than the positions", lambda tmp, model: ["demo", "--text", "word " * 600],
-     r"text 0 has \d+ tokens but the model reads at most 256; shorten it"),
+    (
+        "missing model folder",
+        lambda tmp, model: ["demo", "--model", str(tmp / "no-such-model")],
+        r"model folder .*no-such-model does not exist",
+    ),
+    (
+        "corrupt weights",
+        lambda tmp, model: (
+            (model / "model.safetensors").unlink(),
+            (model / "model.safetensors").write_bytes(b"garbage"),
+            ["demo", "--model", str(model)],
+        )[-1],
+        r"model\.safetensors is corrupt or unreadable .*reinstall",
+    ),
+    (
+        "config does not match tensors",
+        lambda tmp, model: (_edit_config(model, intermediate_size=1024), ["demo", "--model", str(model)])[-1],
+        r"intermediate\.dense\.bias. has shape \(1536,\) but config\.json implies \(1024,\)",
+    ),
+    (
+        "text longer than the positions",
+        lambda tmp, model: ["demo", "--text", "word " * 600],
+        r"text 0 has \d+ tokens but the model reads at most 256; shorten it",
+    ),
     ("empty text", lambda tmp, model: ["demo", "--text", " "], r"--text must hold a sentence, got ' '; leave it out"),
-    ("output folder under a file", lambda tmp, model: ((tmp / "a-file").write_text("x"),
-                                                       ["demo", "--out", str(tmp / "a-file" / "out")])[-1],
-     r"cannot write the output folder .*a-file/out .*pass --out to a writable folder"),
-    ("output folder is a file", lambda tmp, model: ((tmp / "f").write_text("x"), ["demo", "--out", str(tmp / "f")])[-1],
-     r"--out .*f is a file"),
-    ("output folder holds other files", lambda tmp, model: ((tmp / "mine").mkdir(), (tmp / "mine" / "thesis.tex").write_text("x"),
-                                                            ["demo", "--out", str(tmp / "mine")])[-1],
-     r"already holds files not written by multihead demo"),
-    ("no cuda", lambda tmp, model: ["demo", "--device", "cuda:7"] if not _has_cuda() else ["demo", "--device", "tpu"],
-     r"--device .*(no CUDA device is available|not a device name|runs on cpu or cuda)"),
-    ("explain: kv heads do not divide", lambda tmp, model: ["walkthrough", "--heads", "8", "--kv-heads", "3"],
-     r"num_heads=8 is not divisible by num_kv_heads=3"),
-    ("explain: heads do not divide d_model", lambda tmp, model: ["walkthrough", "--d-model", "10", "--heads", "3"],
-     r"d_model=10 is not divisible by num_heads=3"),
+    (
+        "output folder under a file",
+        lambda tmp, model: ((tmp / "a-file").write_text("x"), ["demo", "--out", str(tmp / "a-file" / "out")])[-1],
+        r"cannot write the output folder .*a-file/out .*pass --out to a writable folder",
+    ),
+    (
+        "output folder is a file",
+        lambda tmp, model: ((tmp / "f").write_text("x"), ["demo", "--out", str(tmp / "f")])[-1],
+        r"--out .*f is a file",
+    ),
+    (
+        "output folder holds other files",
+        lambda tmp, model: (
+            (tmp / "mine").mkdir(),
+            (tmp / "mine" / "thesis.tex").write_text("x"),
+            ["demo", "--out", str(tmp / "mine")],
+        )[-1],
+        r"already holds files not written by multihead demo",
+    ),
+    (
+        "no cuda",
+        lambda tmp, model: ["demo", "--device", "cuda:7"] if not _has_cuda() else ["demo", "--device", "tpu"],
+        r"--device .*(no CUDA device is available|not a device name|runs on cpu or cuda)",
+    ),
+    (
+        "explain: kv heads do not divide",
+        lambda tmp, model: ["walkthrough", "--heads", "8", "--kv-heads", "3"],
+        r"num_heads=8 is not divisible by num_kv_heads=3",
+    ),
+    (
+        "explain: heads do not divide d_model",
+        lambda tmp, model: ["walkthrough", "--d-model", "10", "--heads", "3"],
+        r"d_model=10 is not divisible by num_heads=3",
+    ),
     ("explain: zero tokens", lambda tmp, model: ["walkthrough", "--seq", "0"], r"seq must be a positive int, got 0"),
 ]
 
@@ -220,8 +278,11 @@ def test_window_help_says_what_the_mask_is_and_the_mask_agrees(capsys):
 
 def test_a_reader_that_stops_early_ends_the_command_quietly():
     # `multihead walkthrough | head -3`: the reader is gone before the command writes.
-    proc = subprocess.Popen([sys.executable, "-m", "multihead", "walkthrough", "--d-model", "16", "--heads", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "multihead", "walkthrough", "--d-model", "16", "--heads", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
@@ -242,11 +303,31 @@ def test_training_bar_ends_at_the_steps_actually_run(capsys):
     model = CausalDecoder(DecoderConfig(task.vocab_size, task.seq_len, d_model=16, num_layers=1, num_heads=2))
     held_out = task.sample(8, torch.Generator().manual_seed(1))
     said = []
-    accuracy, steps = _train(model, task, recipe, 2000, torch.Generator().manual_seed(0), held_out, progress=True,
-                             say=said.append, device="cpu", target=0.0)
+    accuracy, steps = _train(
+        model,
+        task,
+        recipe,
+        2000,
+        torch.Generator().manual_seed(0),
+        held_out,
+        progress=True,
+        say=said.append,
+        device="cpu",
+        target=0.0,
+    )
     assert steps == 3 and said == []  # a bar was shown, so no progress lines
     bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "3/3" in bar and "2000" not in bar.split("steps)")[-1], bar  # no total of max_steps, no ETA to it
-    _, steps = _train(model, task, recipe, 7, torch.Generator().manual_seed(0), held_out, progress=False,
-                      say=said.append, device="cpu", target=2.0)
+    _, steps = _train(
+        model,
+        task,
+        recipe,
+        7,
+        torch.Generator().manual_seed(0),
+        held_out,
+        progress=False,
+        say=said.append,
+        device="cpu",
+        target=2.0,
+    )
     assert steps == 7 and [line.split(":")[0].strip() for line in said] == ["step 3", "step 6", "step 7"]

@@ -39,11 +39,14 @@ def test_only_answers_are_scored():
     assert bool((targets[:, scored] == seq[:, [7, 9]]).all())
 
 
-@pytest.mark.parametrize("sizes, regex", [
-    (dict(num_pairs=0), "num_pairs must be a positive int"),
-    (dict(num_pairs=9, num_keys=8), "num_pairs=9 distinct keys need num_keys >= num_pairs"),
-    (dict(num_pairs=2, num_queries=3), "num_queries=3 must be <= num_pairs=2"),
-])
+@pytest.mark.parametrize(
+    "sizes, regex",
+    [
+        (dict(num_pairs=0), "num_pairs must be a positive int"),
+        (dict(num_pairs=9, num_keys=8), "num_pairs=9 distinct keys need num_keys >= num_pairs"),
+        (dict(num_pairs=2, num_queries=3), "num_queries=3 must be <= num_pairs=2"),
+    ],
+)
 def test_recall_task_rejects_bad_sizes(sizes, regex):
     with pytest.raises(ValueError, match=regex):
         RecallTask(**sizes)
@@ -52,14 +55,15 @@ def test_recall_task_rejects_bad_sizes(sizes, regex):
 @pytest.mark.parametrize("kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_kv_cache_decoding_equals_full_forward(kv_heads):
     torch.manual_seed(0)
-    model = CausalDecoder(DecoderConfig(vocab_size=23, max_len=24, d_model=32, num_layers=2, num_heads=4,
-                                        num_kv_heads=kv_heads)).eval()
+    model = CausalDecoder(
+        DecoderConfig(vocab_size=23, max_len=24, d_model=32, num_layers=2, num_heads=4, num_kv_heads=kv_heads)
+    ).eval()
     ids = torch.randint(23, (3, 17))
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache()
         parts = [model(ids[:, :5], cache)]  # prefill 5, then one token at a time, then a chunk of 3
-        parts += [model(ids[:, t:t + 1], cache) for t in range(5, 14)]
+        parts += [model(ids[:, t : t + 1], cache) for t in range(5, 14)]
         parts.append(model(ids[:, 14:], cache))
     assert cache.length == 17
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
@@ -67,8 +71,9 @@ def test_kv_cache_decoding_equals_full_forward(kv_heads):
 
 def test_the_model_cache_holds_one_layer_cache_per_block_and_resets():
     torch.manual_seed(0)
-    model = CausalDecoder(DecoderConfig(vocab_size=13, max_len=12, d_model=16, num_layers=3, num_heads=4,
-                                        num_kv_heads=2)).eval()
+    model = CausalDecoder(
+        DecoderConfig(vocab_size=13, max_len=12, d_model=16, num_layers=3, num_heads=4, num_kv_heads=2)
+    ).eval()
     ids = torch.randint(13, (2, 7))
     cache = model.new_cache()
     assert isinstance(cache, DecoderCache) and len(cache) == 3
@@ -86,16 +91,28 @@ def test_the_model_cache_holds_one_layer_cache_per_block_and_resets():
     assert repr(cache) == "DecoderCache(layers=3 x DynamicKVCache, length=7)"
 
 
-@pytest.mark.parametrize("cache, error, regex", [
-    (lambda: DecoderCache([DynamicKVCache()]), ValueError,
-     r"cache: expected a DecoderCache of 2 layers \(model.new_cache\(\)\), got 1 layers"),
-    (lambda: DynamicKVCache(), TypeError, r"cache: expected None or a DecoderCache \(model.new_cache\(\)\), got DynamicKVCache"),
-])
+@pytest.mark.parametrize(
+    "cache, error, regex",
+    [
+        (
+            lambda: DecoderCache([DynamicKVCache()]),
+            ValueError,
+            r"cache: expected a DecoderCache of 2 layers \(model.new_cache\(\)\), got 1 layers",
+        ),
+        (
+            lambda: DynamicKVCache(),
+            TypeError,
+            r"cache: expected None or a DecoderCache \(model.new_cache\(\)\), got DynamicKVCache",
+        ),
+    ],
+)
 def test_decoder_refuses_a_cache_that_does_not_fit(cache, error, regex):
     model = CausalDecoder(DecoderConfig(vocab_size=5, max_len=8, d_model=8, num_layers=2, num_heads=2))
     with pytest.raises(error, match=regex):
         model(torch.zeros(1, 3, dtype=torch.long), cache())
-    with pytest.raises(TypeError, match=r"DecoderCache: layers must be a non-empty sequence of multihead.caches.KVCache"):
+    with pytest.raises(
+        TypeError, match=r"DecoderCache: layers must be a non-empty sequence of multihead.caches.KVCache"
+    ):
         DecoderCache([None])
 
 
@@ -121,7 +138,7 @@ def test_demo_decoder_stitches_cached_weights_into_the_full_matrix():
     assert diff < 1e-4
     assert decoded.shape == seq.shape
     assert torch.equal(decoded[: task.prompt_len], seq[: task.prompt_len])  # the pairs are given
-    assert torch.equal(decoded[task.prompt_len::2], seq[task.prompt_len::2])  # so are the asked keys
+    assert torch.equal(decoded[task.prompt_len :: 2], seq[task.prompt_len :: 2])  # so are the asked keys
     with torch.no_grad(), capture_attention(model) as cap:
         model(decoded.unsqueeze(0))
     torch.testing.assert_close(weights, torch.stack([w[0] for w in cap.weights]), rtol=1e-5, atol=1e-5)

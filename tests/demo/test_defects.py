@@ -25,8 +25,9 @@ def test_performance_page_has_no_placeholder_numbers():
 @pytest.mark.parametrize("doc", ["README.md", "docs/tutorials.md"])
 def test_docs_stand_alone_without_the_seed_files(doc):
     text = (ROOT / doc).read_text(encoding="utf-8")
-    assert not re.search(r"seed (tutorial|file|system)s?|shared/seeds|every seed|\bseed\.\w|\b00[0-4] —", text), \
+    assert not re.search(r"seed (tutorial|file|system)s?|shared/seeds|every seed|\bseed\.\w|\b00[0-4] —", text), (
         "a reader has no seed files: describe the tutorial instead"
+    )
 
 
 # One interpreter for every benchmark check (each start imports torch: seconds on a loaded machine).
@@ -52,8 +53,12 @@ for name in ("core", "sliding_window", "run_all"):
 
 def test_benchmark_plots_go_to_results_unless_asked_to_update_the_docs(tmp_path):
     results, images = tmp_path / "results", tmp_path / "img"
-    done = subprocess.run([sys.executable, "-c", _PROBE.format(root=str(ROOT)), str(results), str(images)],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(root=str(ROOT)), str(results), str(images)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if not line.startswith("wrote ")]
     default, asked = lines[:2]

@@ -100,19 +100,39 @@ BROKEN = [
     ("missing config", lambda f: (f / "config.json").unlink(), r"config\.json is missing"),
     ("config not json", lambda f: (f / "config.json").write_text("{nope"), r"config\.json is not valid JSON"),
     ("config missing a field", lambda f: _edit_config(f, hidden_size=_DROP), r"no 'hidden_size'"),
-    ("hidden size mismatch", lambda f: _edit_config(f, hidden_size=768, num_attention_heads=12),
-     r"tensor 'embeddings\.LayerNorm\.bias' has shape \(384,\) but config\.json implies \(768,\).*does not match"),
-    ("more layers than weights", lambda f: _edit_config(f, num_hidden_layers=12),
-     r"lacks \d+ tensors.*num_hidden_layers=12"),
-    ("fewer layers than weights", lambda f: _edit_config(f, num_hidden_layers=3),
-     r"holds 'encoder\.layer\.3\..*does not have"),
-    ("heads do not divide", lambda f: _edit_config(f, num_attention_heads=7), r"not divisible by num_attention_heads 7"),
+    (
+        "hidden size mismatch",
+        lambda f: _edit_config(f, hidden_size=768, num_attention_heads=12),
+        r"tensor 'embeddings\.LayerNorm\.bias' has shape \(384,\) but config\.json implies \(768,\).*does not match",
+    ),
+    (
+        "more layers than weights",
+        lambda f: _edit_config(f, num_hidden_layers=12),
+        r"lacks \d+ tensors.*num_hidden_layers=12",
+    ),
+    (
+        "fewer layers than weights",
+        lambda f: _edit_config(f, num_hidden_layers=3),
+        r"holds 'encoder\.layer\.3\..*does not have",
+    ),
+    (
+        "heads do not divide",
+        lambda f: _edit_config(f, num_attention_heads=7),
+        r"not divisible by num_attention_heads 7",
+    ),
     ("not a bert", lambda f: _edit_config(f, model_type="gpt2"), r"model_type is 'gpt2'"),
-    ("corrupt weights", lambda f: ((f / "model.safetensors").unlink(), (f / "model.safetensors").write_bytes(b"\x00" * 64)),
-     r"model\.safetensors is corrupt or unreadable"),
+    (
+        "corrupt weights",
+        lambda f: ((f / "model.safetensors").unlink(), (f / "model.safetensors").write_bytes(b"\x00" * 64)),
+        r"model\.safetensors is corrupt or unreadable",
+    ),
     ("missing weights", lambda f: (f / "model.safetensors").unlink(), r"model\.safetensors is missing"),
     ("missing tokenizer", lambda f: (f / "tokenizer.json").unlink(), r"tokenizer\.json is missing"),
-    ("corrupt tokenizer", lambda f: (f / "tokenizer.json").write_text('{"version": "1.0"'), r"tokenizer\.json is corrupt"),
+    (
+        "corrupt tokenizer",
+        lambda f: (f / "tokenizer.json").write_text('{"version": "1.0"'),
+        r"tokenizer\.json is corrupt",
+    ),
 ]
 
 

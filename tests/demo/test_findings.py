@@ -53,9 +53,17 @@ def test_the_docs_quote_the_numbers_the_demo_prints(findings):
     lines = describe_findings(findings)
     p, n = findings.previous, findings.next
     first, control = findings.lookalike_reads[:2]
-    quoted = [f"layer {p.layer}, head {p.head}", f"{p.mean:.2f}", f"layer {n.layer}, head {n.head}", f"{n.mean:.2f}",
-              "layer 5, head 11", f"{first.on_referent:.2f}", f"{control.on_top:.2f}", f"{control.on_referent:.2f}",
-              f"{findings.best_margin(0)[2]:+.3f}"]
+    quoted = [
+        f"layer {p.layer}, head {p.head}",
+        f"{p.mean:.2f}",
+        f"layer {n.layer}, head {n.head}",
+        f"{n.mean:.2f}",
+        "layer 5, head 11",
+        f"{first.on_referent:.2f}",
+        f"{control.on_top:.2f}",
+        f"{control.on_referent:.2f}",
+        f"{findings.best_margin(0)[2]:+.3f}",
+    ]
     printed = "\n".join(lines)
     for doc in (ROOT / "README.md", ROOT / "docs" / "demo.md"):
         text = doc.read_text(encoding="utf-8")

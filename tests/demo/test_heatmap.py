@@ -33,13 +33,16 @@ def _all_text(fig) -> str:
     return "\n".join(parts)
 
 
-@pytest.mark.parametrize("names", [["layers.0.attention", "layers.1.attention"], ["blocks.0.attn", "blocks.1.attn"],
-                                   None], ids=["encoder", "decoder", "no-names"])
+@pytest.mark.parametrize(
+    "names",
+    [["layers.0.attention", "layers.1.attention"], ["blocks.0.attn", "blocks.1.attn"], None],
+    ids=["encoder", "decoder", "no-names"],
+)
 def test_grid_labels_both_axes_with_titles_and_a_colour_bar(names):
     fig = grid_figure(_weights(), tokens=TOKENS, title="all-MiniLM-L6-v2: every layer and head", layer_names=names)
     heat = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
     assert len(heat) == 2 * 3
-    grid = [heat[i * 3:(i + 1) * 3] for i in range(2)]
+    grid = [heat[i * 3 : (i + 1) * 3] for i in range(2)]
     for l, row in enumerate(grid):
         assert _labels(row[0].yaxis) == TOKENS, "every row of heatmaps has the query tokens on its left"
         # One naming rule in every figure: "layer i", the module's name under it.
@@ -58,11 +61,17 @@ def test_grid_labels_both_axes_with_titles_and_a_colour_bar(names):
 
 def test_single_head_and_panels_have_tokens_titles_and_colour_bar(tmp_path):
     w = _weights()
-    path = plot_attention(w[0, 0], tmp_path / "one.png", q_tokens=TOKENS, k_tokens=TOKENS,
-                          title="recall decoder: layer 1, head 0")
+    path = plot_attention(
+        w[0, 0], tmp_path / "one.png", q_tokens=TOKENS, k_tokens=TOKENS, title="recall decoder: layer 1, head 0"
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    fig = panels_figure([dict(weights=w[0, 0], tokens=TOKENS, title="layer 0, head 2", row=2),
-                         dict(weights=w[1, 1], tokens=TOKENS, title="layer 1, head 1")], title="MiniLM")
+    fig = panels_figure(
+        [
+            dict(weights=w[0, 0], tokens=TOKENS, title="layer 0, head 2", row=2),
+            dict(weights=w[1, 1], tokens=TOKENS, title="layer 1, head 1"),
+        ],
+        title="MiniLM",
+    )
     heat = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
     assert len(heat) == 2 and len(_colorbars(fig)) == 1
     for ax in heat:

@@ -37,8 +37,9 @@ def test_viewer_is_self_contained():
 def test_viewer_data_round_trips_and_escapes_tokens():
     tokens = ["</script><b>x", "{{JS}}", "c", "d", "e"]
     w = _weights()
-    page = render_viewer([ViewerSource("m", tokens, tokens, w, ["first", "second"], highlight=(1, 2, "lookup"))],
-                         title="<title>")
+    page = render_viewer(
+        [ViewerSource("m", tokens, tokens, w, ["first", "second"], highlight=(1, 2, "lookup"))], title="<title>"
+    )
     assert page.count("</script>") == 2  # the data block and the code block end; a token cannot end one
     assert "&lt;title&gt;" in page
     data = _data(page)["sources"][0]
@@ -65,18 +66,31 @@ def test_viewer_downsamples_thumbnails_for_long_inputs():
     assert len(base64.b64decode(data["weights"][0][0])) == 300 * 300
 
 
-@pytest.mark.parametrize("source, regex", [
-    (lambda: ViewerSource("m", ["a"], ["a", "b"], _weights(lq=1, lk=3)), r"got 1 query tokens and 2 key tokens"),
-    (lambda: ViewerSource("m", ["a"], ["a"], torch.ones(1, 1, 1)), r"must be \(layers, H, Lq, Lk\)"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), ["only one"]), r"1 layer names for 2 layers"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), highlight=(5, 0, "x")), r"outside 2 layers x 3 heads"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), highlight=(1, 0)),
-     r"highlight must be \(layer, head, label\), got \(1, 0\)"),
-    (lambda: ViewerSource("m", [], [], []), r"weights is an empty list; expected one \(H, Lq, Lk\) per layer"),
-    (lambda: ViewerSource("m", ["a", "b"], ["a", "b"], torch.tensor([[[[2.0, -1.0], [0.5, 0.5]]]])),
-     r"weights must be attention probabilities in \[0, 1\], got values in \[-1, 2\]; pass the softmax"),
-    (lambda: ViewerSource("m", ["a"], ["a"], torch.full((1, 1, 1, 1), float("nan"))), r"\[0, 0\] with NaN or inf"),
-])
+@pytest.mark.parametrize(
+    "source, regex",
+    [
+        (lambda: ViewerSource("m", ["a"], ["a", "b"], _weights(lq=1, lk=3)), r"got 1 query tokens and 2 key tokens"),
+        (lambda: ViewerSource("m", ["a"], ["a"], torch.ones(1, 1, 1)), r"must be \(layers, H, Lq, Lk\)"),
+        (
+            lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), ["only one"]),
+            r"1 layer names for 2 layers",
+        ),
+        (
+            lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), highlight=(5, 0, "x")),
+            r"outside 2 layers x 3 heads",
+        ),
+        (
+            lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), highlight=(1, 0)),
+            r"highlight must be \(layer, head, label\), got \(1, 0\)",
+        ),
+        (lambda: ViewerSource("m", [], [], []), r"weights is an empty list; expected one \(H, Lq, Lk\) per layer"),
+        (
+            lambda: ViewerSource("m", ["a", "b"], ["a", "b"], torch.tensor([[[[2.0, -1.0], [0.5, 0.5]]]])),
+            r"weights must be attention probabilities in \[0, 1\], got values in \[-1, 2\]; pass the softmax",
+        ),
+        (lambda: ViewerSource("m", ["a"], ["a"], torch.full((1, 1, 1, 1), float("nan"))), r"\[0, 0\] with NaN or inf"),
+    ],
+)
 def test_viewer_rejects_mismatched_sources(source, regex):
     with pytest.raises(ValueError, match=regex):
         render_viewer([source()])
@@ -102,7 +116,7 @@ def test_viewer_stores_queries_and_keys_with_gqa_keys_read_by_their_query_heads(
     q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)  # Hq=4, Hkv=2
     tokens = list("abcde")
     data = _data(render_viewer([ViewerSource("m", tokens, tokens, _weights(heads=4), queries=q, keys=k)]))["sources"][0]
-    assert (data["dim"], data["scale"]) == (8, pytest.approx(8 ** -0.5))
+    assert (data["dim"], data["scale"]) == (8, pytest.approx(8**-0.5))
     torch.testing.assert_close(_floats(data["queries"][1][3], 5, 8), q[1, 3], rtol=0, atol=0)
     for h in range(4):  # query heads 0, 1 read KV head 0; 2, 3 read KV head 1
         torch.testing.assert_close(_floats(data["keys"][1][h], 5, 8), k[1, h // 2], rtol=0, atol=0)
@@ -115,8 +129,9 @@ def test_record_attention_takes_a_model_mixing_mha_and_gqa_layers():
     from multihead.viz import Viewer, record_attention
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(mh.MultiHeadAttention(32, 4, causal=True),
-                                mh.MultiHeadAttention(32, 4, num_kv_heads=2)).eval()  # Hkv 4, then 2
+    model = torch.nn.Sequential(
+        mh.MultiHeadAttention(32, 4, causal=True), mh.MultiHeadAttention(32, 4, num_kv_heads=2)
+    ).eval()  # Hkv 4, then 2
     source = record_attention(model, torch.randn(1, 5, 32), tokens=list("abcde"))
     data = _data(Viewer(source).html)["sources"][0]
     for h in range(4):  # layer 1: query heads 0, 1 read KV head 0; 2, 3 read KV head 1
@@ -133,7 +148,7 @@ def test_record_attention_vectors_reproduce_the_weights_with_rotary_positions():
     layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=RotaryEmbedding(8), causal=True).eval()
     src = record_attention(layer, torch.randn(1, 7, 32), tokens=list("abcdefg"))
     q, k = src.queries[0], src.keys[0].repeat_interleave(2, dim=0)  # (H, L, D)
-    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    scores = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(scores.softmax(-1), src.weights[0], atol=1e-6, rtol=1e-5)
 
 
@@ -146,7 +161,7 @@ def test_record_vectors_reads_the_drop_in_layer_through_its_hook_points():
     x = torch.randn(1, 5, 24)
     src = record_attention(layer, x, x, x, tokens=list("abcde"))
     q, k = src.queries[0], src.keys[0]  # (H, L, D)
-    torch.testing.assert_close((q @ k.transpose(-1, -2) / 8 ** 0.5).softmax(-1), src.weights[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close((q @ k.transpose(-1, -2) / 8**0.5).softmax(-1), src.weights[0], atol=1e-6, rtol=1e-5)
 
 
 def test_record_generation_rows_equal_the_uncached_forward_and_the_tokens_generate_returns():
@@ -167,8 +182,9 @@ def test_record_generation_rows_equal_the_uncached_forward_and_the_tokens_genera
     data = _data(render_viewer([src]))["sources"][0]
     assert (data["prompt_len"], data["generated"], data["lq"]) == (5, src.generated, 10)
     q, k = torch.stack(src.queries), torch.stack(src.keys).repeat_interleave(2, dim=1)  # (layers, H, L, D)
-    scores = (q @ k.transpose(-1, -2) * data["scale"]).masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1),
-                                                                   float("-inf"))
+    scores = (q @ k.transpose(-1, -2) * data["scale"]).masked_fill(
+        torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf")
+    )
     torch.testing.assert_close(scores.softmax(-1), src.weights, atol=1e-6, rtol=1e-5)
 
 
@@ -193,25 +209,57 @@ def test_viewer_repr_html_is_the_page_in_an_isolated_frame(tmp_path):
     srcdoc = re.search(r'srcdoc="([^"]*)"', frame).group(1)  # escaped: no raw quote ends the attribute early
     assert html.unescape(srcdoc) == viewer.html
     assert not re.search(r"https?://", frame)
-    assert viewer.save(tmp_path / "v.html").read_text(encoding="utf-8") == viewer.html == render_viewer(
-        [ViewerSource("m", tokens, tokens, _weights())], title='a "title"')
+    assert (
+        viewer.save(tmp_path / "v.html").read_text(encoding="utf-8")
+        == viewer.html
+        == render_viewer([ViewerSource("m", tokens, tokens, _weights())], title='a "title"')
+    )
 
 
-@pytest.mark.parametrize("make, regex", [
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), queries=torch.ones(2, 3, 5, 4)),
-     r"needs both queries and keys, got only queries"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), queries=torch.ones(2, 3, 4, 4),
-                          keys=torch.ones(2, 3, 5, 4)), r"queries must be \(layers, H, Lq, D\) = \(2, 3, 5, D\)"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), queries=torch.ones(2, 3, 5, 4),
-                          keys=torch.ones(2, 2, 5, 4)), r"Hkv dividing H=3, got \(2, 2, 5, 4\)"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), prompt_len=0),
-     r"prompt_len must be an int in \[1, 5\]"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcdx"), _weights(), prompt_len=2),
-     r"attends a sequence to itself"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), prompt_len=2, generated=["x"]),
-     r"1 generated tokens for 4 decode steps"),
-    (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), generated=["x"]), r"need prompt_len"),
-])
+@pytest.mark.parametrize(
+    "make, regex",
+    [
+        (
+            lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), queries=torch.ones(2, 3, 5, 4)),
+            r"needs both queries and keys, got only queries",
+        ),
+        (
+            lambda: ViewerSource(
+                "m",
+                list("abcde"),
+                list("abcde"),
+                _weights(),
+                queries=torch.ones(2, 3, 4, 4),
+                keys=torch.ones(2, 3, 5, 4),
+            ),
+            r"queries must be \(layers, H, Lq, D\) = \(2, 3, 5, D\)",
+        ),
+        (
+            lambda: ViewerSource(
+                "m",
+                list("abcde"),
+                list("abcde"),
+                _weights(),
+                queries=torch.ones(2, 3, 5, 4),
+                keys=torch.ones(2, 2, 5, 4),
+            ),
+            r"Hkv dividing H=3, got \(2, 2, 5, 4\)",
+        ),
+        (
+            lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), prompt_len=0),
+            r"prompt_len must be an int in \[1, 5\]",
+        ),
+        (
+            lambda: ViewerSource("m", list("abcde"), list("abcdx"), _weights(), prompt_len=2),
+            r"attends a sequence to itself",
+        ),
+        (
+            lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), prompt_len=2, generated=["x"]),
+            r"1 generated tokens for 4 decode steps",
+        ),
+        (lambda: ViewerSource("m", list("abcde"), list("abcde"), _weights(), generated=["x"]), r"need prompt_len"),
+    ],
+)
 def test_viewer_rejects_bad_vectors_and_generations(make, regex):
     with pytest.raises(ValueError, match=regex):
         render_viewer([make()])
@@ -235,8 +283,11 @@ def test_viewer_and_recorders_reject_bad_arguments():
         record_generation(model, torch.ones(2, 3, dtype=torch.long), 2, token_names=str)
     # Regression: a sliding window's ring buffer holds slots, not positions: its weights were wrong (by 1.0).
     windowed = CausalDecoder(DecoderConfig(10, 16, d_model=16, num_layers=1, num_heads=2, window=2)).eval()
-    with pytest.raises(ValueError, match=r"read \d+ cached keys for \d+ tokens so far; .* cache='dynamic' "
-                                         r"\(the default\) or 'static', got cache='sliding'"):
+    with pytest.raises(
+        ValueError,
+        match=r"read \d+ cached keys for \d+ tokens so far; .* cache='dynamic' "
+        r"\(the default\) or 'static', got cache='sliding'",
+    ):
         record_generation(windowed, torch.ones(1, 3, dtype=torch.long), 6, token_names=str, cache="sliding")
 
 
@@ -250,11 +301,18 @@ def test_make_test_says_why_browser_tests_were_skipped(tmp_path):
     assert 'CHROMIUM = Path("/usr/bin/chromium")' in conftest
     missing = conftest.replace('Path("/usr/bin/chromium")', 'Path("/nonexistent/chromium")')
     (tmp_path / "conftest.py").write_text(missing, encoding="utf-8")
-    (tmp_path / "test_page.py").write_text("import pytest\n\n@pytest.mark.browser\ndef test_page(browser):\n"
-                                           "    raise AssertionError('must not run')\n\ndef test_other():\n    pass\n",
-                                           encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-                           str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    (tmp_path / "test_page.py").write_text(
+        "import pytest\n\n@pytest.mark.browser\ndef test_page(browser):\n"
+        "    raise AssertionError('must not run')\n\ndef test_other():\n    pass\n",
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed, 1 skipped" in done.stdout
     assert "browser tests skipped" in done.stdout

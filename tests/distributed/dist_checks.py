@@ -28,6 +28,7 @@ def check(name):
     def register(fn):
         CHECKS[name] = fn
         return fn
+
     return register
 
 
@@ -67,7 +68,7 @@ def _document_ids(B: int, L: int) -> torch.Tensor:
     """Documents of odd lengths that cross shard and chunk boundaries, different per batch row."""
     rows = []
     for b in range(B):
-        lengths = [5, 9, 3, 7, 11, 2, 13][b % 2:]
+        lengths = [5, 9, 3, 7, 11, 2, 13][b % 2 :]
         ids, doc = [], 0
         while len(ids) < L:
             ids += [doc] * lengths[doc % len(lengths)]
@@ -118,8 +119,9 @@ def expected_run(q, k, v, gout, glse, *, mask, layout, group=None, lse=True):
 NAMES = ("output", "lse", "dq", "dk", "dv")
 
 
-def compare_fp64(fn, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=None, D=8, Dv=6, world=None, lse=True,
-                 seed=0, **kw):
+def compare_fp64(
+    fn, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=None, D=8, Dv=6, world=None, lse=True, seed=0, **kw
+):
     Lk = Lq if Lk is None else Lk
     q, k, v, gout, glse = inputs(B, Hq, Hkv, Lq, Lk, D, Dv, torch.float64, seed=seed)
     mask = make_mask(mask_kind, B, Lq, Lk)
@@ -134,51 +136,84 @@ def compare_fp64(fn, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=None, D=8,
 
 
 # ------------------------------------------------------------------------------------ ring, fp64
-RING_MASKS = ("none", "causal", "window_small", "window_large", "window_two_sided", "documents",
-              "document_causal", "padding", "causal_padding", "window_documents", "bool_tensor")
+RING_MASKS = (
+    "none",
+    "causal",
+    "window_small",
+    "window_large",
+    "window_two_sided",
+    "documents",
+    "document_causal",
+    "padding",
+    "causal_padding",
+    "window_documents",
+    "bool_tensor",
+)
 
 for _layout in ("zigzag", "contiguous"):
     for _kind in RING_MASKS:
+
         def _ring(rank, world, kind=_kind, layout=_layout):
             compare_fp64(ring_attention, mask_kind=kind, layout=layout)
+
         check(f"ring-{_layout}-{_kind}")(_ring)
 
     # Lq != Lk: causal in both alignments (bottom-right with Lq > Lk leaves rows with no key)
-    for _kind, _lq, _lk in (("causal", L, 2 * L), ("causal", 2 * L, L), ("causal_top_left", L, 2 * L),
-                            ("causal_top_left", 2 * L, L), ("window_small", 2 * L, L)):
+    for _kind, _lq, _lk in (
+        ("causal", L, 2 * L),
+        ("causal", 2 * L, L),
+        ("causal_top_left", L, 2 * L),
+        ("causal_top_left", 2 * L, L),
+        ("window_small", 2 * L, L),
+    ):
+
         def _ring_lengths(rank, world, kind=_kind, layout=_layout, lq=_lq, lk=_lk):
             compare_fp64(ring_attention, mask_kind=kind, layout=layout, Lq=lq, Lk=lk)
+
         check(f"ring-{_layout}-{_kind}-Lq{_lq}-Lk{_lk}")(_ring_lengths)
 
     # Another backend: the block backward through autograd (the CPU flash backward serves "auto")
     for _kind in ("causal", "documents", "padding", "window_small", "bool_tensor"):
+
         def _ring_reference(rank, world, kind=_kind, layout=_layout):
             compare_fp64(ring_attention, mask_kind=kind, layout=layout, backend="reference")
+
         check(f"ring-{_layout}-{_kind}-autograd-backward")(_ring_reference)
 
     def _ring_mqa(rank, world, layout=_layout):
         compare_fp64(ring_attention, mask_kind="causal", layout=layout, Hq=4, Hkv=1, D=16, Dv=16)
+
     check(f"ring-{_layout}-mqa-causal")(_ring_mqa)
 
     def _ring_mha(rank, world, layout=_layout):
         compare_fp64(ring_attention, mask_kind="window_small", layout=layout, B=1, Hq=3, Hkv=3)
+
     check(f"ring-{_layout}-mha-window")(_ring_mha)
 
     # No LSE in the loss: its gradient reaches the backward as None, and with D == Dv the flash
     # backward runs on the blocks as they are (no padded copies); D != Dv pads without the column.
-    for _kind, _d, _dv in (("causal", 8, 8), ("window_small", 8, 8), ("documents", 8, 6), ("padding", 8, 8),
-                           ("bool_tensor", 6, 8)):
+    for _kind, _d, _dv in (
+        ("causal", 8, 8),
+        ("window_small", 8, 8),
+        ("documents", 8, 6),
+        ("padding", 8, 8),
+        ("bool_tensor", 6, 8),
+    ):
+
         def _ring_no_lse(rank, world, kind=_kind, layout=_layout, d=_d, dv=_dv):
             compare_fp64(ring_attention, mask_kind=kind, layout=layout, D=d, Dv=dv, lse=False)
+
         check(f"ring-{_layout}-{_kind}-D{_d}-Dv{_dv}-no-lse")(_ring_no_lse)
 
     # A masked block's backward runs tile by tile of query rows (ring._TILE, 512): tiles of 5 rows
     # here, so blocks split into several tiles, some fully visible, some hidden, a last short one.
     for _kind in ("window_small", "window_two_sided", "documents", "causal_padding", "padding", "bool_tensor"):
+
         def _ring_tiles(rank, world, kind=_kind, layout=_layout):
             with small_tiles(5):
                 compare_fp64(ring_attention, mask_kind=kind, layout=layout, Lq=2 * L, Lk=2 * L)
                 compare_fp64(ring_attention, mask_kind=kind, layout=layout, Lq=2 * L, Lk=2 * L, lse=False, D=8, Dv=8)
+
         check(f"ring-{_layout}-{_kind}-backward-tiles")(_ring_tiles)
 
 
@@ -198,17 +233,21 @@ ULYSSES_MASKS = ("none", "causal", "window_small", "documents", "padding", "caus
 
 for _layout in ("zigzag", "contiguous"):
     for _kind in ULYSSES_MASKS:
+
         def _ulysses(rank, world, kind=_kind, layout=_layout):
             compare_fp64(ulysses_attention, mask_kind=kind, layout=layout, Hq=2 * world, Hkv=world)
+
         check(f"ulysses-{_layout}-{_kind}")(_ulysses)
 
     def _ulysses_replicated(rank, world, layout=_layout):  # Hkv = 1 < P: the KV head is replicated
         compare_fp64(ulysses_attention, mask_kind="causal", layout=layout, Hq=2 * world, Hkv=1)
+
     check(f"ulysses-{_layout}-mqa-replicated")(_ulysses_replicated)
 
     def _ulysses_no_lse(rank, world, layout=_layout):  # the local call without return_lse
         for kind in ("causal", "documents", "padding"):
             compare_fp64(ulysses_attention, mask_kind=kind, layout=layout, Hq=2 * world, Hkv=world, lse=False)
+
     check(f"ulysses-{_layout}-no-lse")(_ulysses_no_lse)
 
 
@@ -239,8 +278,9 @@ def _layout_helpers(rank, world):
     # zigzag rank r holds chunks r and 2P-1-r
     c = x.shape[1] // (2 * world)
     pos = shard_positions(2 * c, layout="zigzag")
-    assert pos.tolist() == list(range(rank * c, rank * c + c)) + \
-        list(range((2 * world - 1 - rank) * c, (2 * world - rank) * c))
+    assert pos.tolist() == list(range(rank * c, rank * c + c)) + list(
+        range((2 * world - 1 - rank) * c, (2 * world - rank) * c)
+    )
 
 
 @check("ring-rope-global-positions")
@@ -257,8 +297,9 @@ def _ring_rope(rank, world):
         got = ring_attention(rope(qs, pos), rope(ks, pos), vs, mask=mask, layout=layout)
         torch.testing.assert_close(got, shard_sequence(want, layout=layout))
         # the shard's local positions (arange) would be wrong: the check can fail
-        wrong = ring_attention(rope(qs, torch.arange(L // world)), rope(ks, torch.arange(L // world)), vs,
-                               mask=mask, layout=layout)
+        wrong = ring_attention(
+            rope(qs, torch.arange(L // world)), rope(ks, torch.arange(L // world)), vs, mask=mask, layout=layout
+        )
         assert not torch.allclose(wrong, shard_sequence(want, layout=layout)) or rank == 0 and layout == "contiguous"
 
 
@@ -288,7 +329,7 @@ def naive_fp32(q, k, v, mask):
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     k, v = (t.repeat_interleave(Hq // t.shape[1], dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-2, -1)) * D ** -0.5  # (B, Hq, Lq, Lk)
+    scores = (q @ k.transpose(-2, -1)) * D**-0.5  # (B, Hq, Lq, Lk)
     if mask is not None:
         allowed = masks.as_mask(mask).materialize(B, Hq, Lq, Lk)
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -320,8 +361,12 @@ def _fp32_errors(fn, mask_kind, layout, group=None, Hq=4, Hkv=2):
 def _ring_fp32(rank, world):
     from helpers import assert_relative
 
-    for fn, layout, kind in ((ring_attention, "zigzag", "causal"), (ring_attention, "contiguous", "window_documents"),
-                             (ring_attention, "zigzag", "documents"), (ulysses_attention, "zigzag", "causal_padding")):
+    for fn, layout, kind in (
+        (ring_attention, "zigzag", "causal"),
+        (ring_attention, "contiguous", "window_documents"),
+        (ring_attention, "zigzag", "documents"),
+        (ulysses_attention, "zigzag", "causal_padding"),
+    ):
         kw = {"Hq": 2 * world, "Hkv": world} if fn is ulysses_attention else {}
         got, want, baseline = _fp32_errors(fn, kind, layout, **kw)
         # F = 10 for fp32 (TESTING.md: an online softmax reorders sums)
@@ -344,7 +389,9 @@ def _error_growth(rank, world):
         errors[label] = [float((x.double() - y).abs().nan_to_num(0, 0, 0).max()) for x, y in zip(got, want)]
     for name, e_all, e_half in zip(NAMES, errors["all"], errors["half"]):
         floor = 8 * torch.finfo(torch.float32).eps
-        assert e_all <= 2 * e_half + floor, f"{name}: error {e_all:.2e} over {world} ranks vs {e_half:.2e} over {world // 2}"
+        assert e_all <= 2 * e_half + floor, (
+            f"{name}: error {e_all:.2e} over {world} ranks vs {e_half:.2e} over {world // 2}"
+        )
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -404,9 +451,21 @@ def _bad_dtype_rank1(rank, world):
 
 #: id: (function, exception, regex on rank 0, regex on rank 1)
 BAD_INPUTS = {
-    "shapes-differ-across-ranks": (_bad_rank1_shape, ValueError, r"ranks disagree on q: rank 1 has \(2, 4, 1[0-9]?, 8\)"),
-    "one-rank-wrong-dims": (_bad_rank1_dims, ValueError, r"q must have 4 dims \(B, Hq, Sq, D\).*got shape \(4, \d+, 8\)"),
-    "dtype-differs-across-ranks": (_bad_dtype_rank1, ValueError, r"ranks disagree on dtype: rank 1 has 'torch.float64'"),
+    "shapes-differ-across-ranks": (
+        _bad_rank1_shape,
+        ValueError,
+        r"ranks disagree on q: rank 1 has \(2, 4, 1[0-9]?, 8\)",
+    ),
+    "one-rank-wrong-dims": (
+        _bad_rank1_dims,
+        ValueError,
+        r"q must have 4 dims \(B, Hq, Sq, D\).*got shape \(4, \d+, 8\)",
+    ),
+    "dtype-differs-across-ranks": (
+        _bad_dtype_rank1,
+        ValueError,
+        r"ranks disagree on dtype: rank 1 has 'torch.float64'",
+    ),
     "unknown-layout": (_bad_layout, ValueError, r"layout must be one of \('zigzag', 'contiguous'\), got 'diagonal'"),
     "odd-zigzag-shard": (_bad_odd, ValueError, r"q holds 5 positions on this rank, an odd number.*multiple of"),
     "mask-does-not-fit": (_bad_mask_length, ValueError, r"mask does not fit the whole attention \(B, Hq, Lq, Lk\)"),
@@ -419,6 +478,7 @@ BAD_INPUTS = {
 
 
 for _name, (_fn, _exc, _pattern) in BAD_INPUTS.items():
+
     def _bad(rank, world, fn=_fn, exc=_exc, pattern=_pattern):
         try:
             fn(rank, world)
@@ -430,6 +490,7 @@ for _name, (_fn, _exc, _pattern) in BAD_INPUTS.items():
                 assert re.search(pattern, message, re.S), message
         else:
             raise AssertionError(f"no {exc.__name__} raised")
+
     check(f"bad-{_name}")(_bad)
 
 
@@ -470,8 +531,9 @@ def _layer(rank, world):
             g = g.clone()
             dist.all_reduce(g)
             torch.testing.assert_close(g, w, msg=lambda m: f"{method} {name}: {m}")
-        sharded = mh.MultiHeadAttention(E, H, num_kv_heads=Hkv, rope=RotaryEmbedding(E // H), causal=True,
-                                        context_parallel=cp).double()
+        sharded = mh.MultiHeadAttention(
+            E, H, num_kv_heads=Hkv, rope=RotaryEmbedding(E // H), causal=True, context_parallel=cp
+        ).double()
         sharded.load_state_dict(layer.state_dict())
         out = sharded(xs)  # the layer itself, on the shard
         torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
@@ -510,7 +572,8 @@ def _ring_memory(rank, world):
             forward = memory.peak
             out.backward(grad)
         assert forward <= 6 * unit + small, f"{layout}: forward peak {forward / unit:.2f} shards of q, expected <= 6.5"
-        assert memory.peak <= 17 * unit + small, \
-            f"{layout}: forward+backward peak {memory.peak / unit:.2f} shards of q, expected <= 17.5; " \
+        assert memory.peak <= 17 * unit + small, (
+            f"{layout}: forward+backward peak {memory.peak / unit:.2f} shards of q, expected <= 17.5; "
             f"alive then: {memory.at_peak(12)}"
+        )
         assert forward >= unit, "the meter saw less than the output itself: it measures nothing"

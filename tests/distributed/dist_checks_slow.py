@@ -33,8 +33,17 @@ from multihead.distributed import ring_attention, shard_sequence, ulysses_attent
 FUNCTIONS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 # masks that make sense whatever Lq and Lk are, and those that need one sequence (document ids)
-ANY_LENGTHS = ("none", "causal", "causal_top_left", "window_small", "window_large", "window_two_sided", "padding",
-               "causal_padding", "bool_tensor")
+ANY_LENGTHS = (
+    "none",
+    "causal",
+    "causal_top_left",
+    "window_small",
+    "window_large",
+    "window_two_sided",
+    "padding",
+    "causal_padding",
+    "bool_tensor",
+)
 ONE_SEQUENCE = ("documents", "document_causal", "window_documents")
 
 
@@ -48,6 +57,7 @@ def ulysses_heads(world: int, rng: random.Random | None = None) -> tuple[int, in
 for _fn in ("ring", "ulysses"):
     for _layout in ("zigzag", "contiguous"):
         for _kind in ANY_LENGTHS + ONE_SEQUENCE:
+
             def _odd(rank, world, fn=_fn, layout=_layout, kind=_kind):
                 """B = 3 (rows with different key lengths under padding), D = 59 with Dv = 40 and
                 the reverse, and D = Dv = 128; GQA 6/3 (ring) or Ulysses' own heads."""
@@ -58,15 +68,22 @@ for _fn in ("ring", "ulysses"):
                     else:
                         heads = dict(zip(("Hq", "Hkv"), ulysses_heads(world)))
                     compare_fp64(FUNCTIONS[fn], mask_kind=kind, layout=layout, B=3, Lq=Lq, D=D, Dv=Dv, **heads)
-                    compare_fp64(FUNCTIONS[fn], mask_kind=kind, layout=layout, B=3, Lq=Lq, D=D, Dv=Dv, lse=False,
-                                 **heads)
+                    compare_fp64(
+                        FUNCTIONS[fn], mask_kind=kind, layout=layout, B=3, Lq=Lq, D=D, Dv=Dv, lse=False, **heads
+                    )
+
             check(f"slow-odd-sizes-{_fn}-{_layout}-{_kind}")(_odd)
 
 
 # ------------------------------------------------------------------------------------ fp32, longer
-for _fn, _layout, _kind in (("ring", "zigzag", "causal"), ("ring", "contiguous", "window_large"),
-                            ("ring", "zigzag", "document_causal"), ("ring", "zigzag", "causal_padding"),
-                            ("ulysses", "zigzag", "causal")):
+for _fn, _layout, _kind in (
+    ("ring", "zigzag", "causal"),
+    ("ring", "contiguous", "window_large"),
+    ("ring", "zigzag", "document_causal"),
+    ("ring", "zigzag", "causal_padding"),
+    ("ulysses", "zigzag", "causal"),
+):
+
     def _fp32(rank, world, fn=_fn, layout=_layout, kind=_kind):
         from helpers import assert_relative
 
@@ -87,6 +104,7 @@ for _fn, _layout, _kind in (("ring", "zigzag", "causal"), ("ring", "contiguous",
                 assert torch.equal(torch.isneginf(x), torch.isneginf(y)), "LSE -inf rows differ"
             # F = 10 for fp32 (TESTING.md: an online softmax reorders sums)
             assert_relative(x[finite], y[finite], b[finite], 10.0, what=f"{fn} {layout} {kind} {name}")
+
     check(f"slow-fp32-{_fn}-{_layout}-{_kind}")(_fp32)
 
 
@@ -110,28 +128,55 @@ def random_case(seed: int, world: int) -> dict:
     D = rng.choice((8, 40, 59, 64))
     Dv = D if rng.random() < 0.5 else rng.choice((8, 40, 59, 64))
     kinds = ANY_LENGTHS + (ONE_SEQUENCE if Lq == Lk else ())
-    return {"fn": fn, "layout": layout, "B": rng.choice((1, 3)), "Hq": Hq, "Hkv": Hkv, "Lq": Lq, "Lk": Lk, "D": D,
-            "Dv": Dv, "mask": rng.choice(kinds), "lse": rng.random() < 0.5,
-            "backend": rng.choice(("auto", "auto", "reference")) if fn == "ring" else "auto",
-            "tile": rng.choice((None, 3, 7)) if fn == "ring" else None}
+    return {
+        "fn": fn,
+        "layout": layout,
+        "B": rng.choice((1, 3)),
+        "Hq": Hq,
+        "Hkv": Hkv,
+        "Lq": Lq,
+        "Lk": Lk,
+        "D": D,
+        "Dv": Dv,
+        "mask": rng.choice(kinds),
+        "lse": rng.random() < 0.5,
+        "backend": rng.choice(("auto", "auto", "reference")) if fn == "ring" else "auto",
+        "tile": rng.choice((None, 3, 7)) if fn == "ring" else None,
+    }
 
 
 def describe(case: dict) -> str:
     c = case
-    return (f"{c['fn']}-{c['layout']}-B{c['B']}-H{c['Hq']}x{c['Hkv']}-L{c['Lq']}x{c['Lk']}-D{c['D']}-Dv{c['Dv']}-"
-            f"{c['mask']}-{'lse' if c['lse'] else 'out'}-{c['backend']}" + (f"-tile{c['tile']}" if c['tile'] else ""))
+    return (
+        f"{c['fn']}-{c['layout']}-B{c['B']}-H{c['Hq']}x{c['Hkv']}-L{c['Lq']}x{c['Lk']}-D{c['D']}-Dv{c['Dv']}-"
+        f"{c['mask']}-{'lse' if c['lse'] else 'out'}-{c['backend']}" + (f"-tile{c['tile']}" if c["tile"] else "")
+    )
 
 
 for _seed in RANDOM_SEEDS:
+
     def _random(rank, world, seed=_seed):
         c = random_case(seed, world)
         kw = {"backend": c["backend"]} if c["fn"] == "ring" else {}
-        run = lambda: compare_fp64(FUNCTIONS[c["fn"]], mask_kind=c["mask"], layout=c["layout"], B=c["B"],  # noqa: E731
-                                   Hq=c["Hq"], Hkv=c["Hkv"], Lq=c["Lq"], Lk=c["Lk"], D=c["D"], Dv=c["Dv"],
-                                   lse=c["lse"], seed=seed, **kw)
+        run = lambda: compare_fp64(
+            FUNCTIONS[c["fn"]],
+            mask_kind=c["mask"],
+            layout=c["layout"],
+            B=c["B"],  # noqa: E731
+            Hq=c["Hq"],
+            Hkv=c["Hkv"],
+            Lq=c["Lq"],
+            Lk=c["Lk"],
+            D=c["D"],
+            Dv=c["Dv"],
+            lse=c["lse"],
+            seed=seed,
+            **kw,
+        )
         if c["tile"]:
             with small_tiles(c["tile"]):
                 run()
         else:
             run()
+
     check(f"slow-random-{_seed:02d}")(_random)

@@ -36,19 +36,22 @@ def start_method() -> str:
         return "spawn"
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first backward through a checkpoint imports it (seconds per process)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "multihead", "dist_checks",
-                                "dist_checks_slow"])
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch._dynamo", "multihead", "dist_checks", "dist_checks_slow"]
+    )
     return "forkserver"
 
 
-def run_world(world: int, names: list[str], timeout: float = 240.0,
-              times: dict | None = None) -> dict[str, dict[int, str | None]]:
+def run_world(
+    world: int, names: list[str], timeout: float = 240.0, times: dict | None = None
+) -> dict[str, dict[int, str | None]]:
     """``{name: {rank: None (passed) | the traceback}}``; ``times`` (if given) receives each
     check's slowest rank's seconds."""
     folder = tempfile.mkdtemp(prefix="multihead_dist_")
     try:
-        ctx = mp.start_processes(_worker, args=(world, folder, list(names)), nprocs=world, join=False,
-                                 start_method=start_method())
+        ctx = mp.start_processes(
+            _worker, args=(world, folder, list(names)), nprocs=world, join=False, start_method=start_method()
+        )
         deadline = time.monotonic() + timeout
         timed_out = False
         while True:
@@ -73,8 +76,11 @@ def run_world(world: int, names: list[str], timeout: float = 240.0,
                         results[entry["name"]][rank] = entry["error"]
                         if times is not None:
                             times[entry["name"]] = max(times.get(entry["name"], 0.0), entry["seconds"])
-        missing = ("not run: the world timed out" if timed_out else
-                   "not run: the world stopped (a rank failed or fell out of step) before this check")
+        missing = (
+            "not run: the world timed out"
+            if timed_out
+            else "not run: the world stopped (a rank failed or fell out of step) before this check"
+        )
         for n in names:
             for rank in range(world):
                 results[n].setdefault(rank, f"rank {rank}: {missing} (world of {world}, limit {timeout:.0f} s)")
@@ -88,8 +94,13 @@ def _worker(rank: int, world: int, folder: str, names: list[str]) -> None:
 
     sys.path.insert(0, HERE)
     torch.set_num_threads(1)  # P processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(folder, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     import dist_checks
     import dist_checks_slow  # noqa: F401 (registers the slow tier's checks)
 

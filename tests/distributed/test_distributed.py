@@ -25,16 +25,21 @@ import dist_checks  # noqa: E402
 import dist_checks_slow  # noqa: E402
 from dist_world import report, run_world  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with the gloo backend is not available in this build")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with the gloo backend is not available in this build",
+)
 
 WORLD_TIMEOUT = 300.0  # seconds for a whole world; a hang fails every check it did not finish
 
 
 def names_for(world: int) -> list[str]:
     # Halving the world (error growth) needs an even world.
-    return [n for n in dist_checks.CHECKS
-            if not n.startswith("slow-") and not (n == "ring-error-does-not-grow" and world % 2)]
+    return [
+        n
+        for n in dist_checks.CHECKS
+        if not n.startswith("slow-") and not (n == "ring-error-does-not-grow" and world % 2)
+    ]
 
 
 SLOW_WORLDS = (2, 3, 4, 8)

@@ -25,8 +25,10 @@ CASES = {
 
 
 def plans(world, layout, mask, Sq, Sk, B=2):
-    return [plan_ring(world=world, rank=r, batch=B, heads=2, q_shard=Sq, kv_shard=Sk, mask=mask, layout=layout)
-            for r in range(world)]
+    return [
+        plan_ring(world=world, rank=r, batch=B, heads=2, q_shard=Sq, kv_shard=Sk, mask=mask, layout=layout)
+        for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -38,10 +40,15 @@ def test_every_visible_pair_exactly_once(world, layout, kind, lengths):
     B, Lq, Lk = 2, Sq * world, Sk * world
     mask = CASES[kind](B, Lq)
     if kind == "documents":
-        mask = masks.document(torch.arange(Lq).div(7, rounding_mode="floor").expand(B, Lq),
-                              torch.arange(Lk).div(7 * Lk // Lq or 1, rounding_mode="floor").expand(B, Lk))
-    whole = torch.ones(B, 2, Lq, Lk, dtype=torch.bool) if mask is None else \
-        mask.materialize(B, 2, Lq, Lk).expand(B, 2, Lq, Lk)
+        mask = masks.document(
+            torch.arange(Lq).div(7, rounding_mode="floor").expand(B, Lq),
+            torch.arange(Lk).div(7 * Lk // Lq or 1, rounding_mode="floor").expand(B, Lk),
+        )
+    whole = (
+        torch.ones(B, 2, Lq, Lk, dtype=torch.bool)
+        if mask is None
+        else mask.materialize(B, 2, Lq, Lk).expand(B, 2, Lq, Lk)
+    )
     covered = torch.zeros(Lq, Lk, dtype=torch.int64)
     all_plans = plans(world, layout, mask, Sq, Sk, B)
     for plan in all_plans:
@@ -49,7 +56,7 @@ def test_every_visible_pair_exactly_once(world, layout, kind, lengths):
         for s, calls in enumerate(plan.calls):
             kv_pos = _positions(Sk, (plan.rank - s) % world, world, layout)
             for c in calls:
-                rows, cols = q_pos[c.q0:c.q1], kv_pos[c.k0:c.k1]
+                rows, cols = q_pos[c.q0 : c.q1], kv_pos[c.k0 : c.k1]
                 covered[rows.view(-1, 1), cols.view(1, -1)] += 1
                 block = whole[:, :, rows][:, :, :, cols]
                 if c.mask is None:  # a call without a mask must see a fully visible block

@@ -31,10 +31,16 @@ def test_merge_into_equals_merge_partials(dtype):
     assert torch.isneginf(merged_lse[:, :, 0]).all() and not torch.isnan(merged).any()
 
 
-@pytest.mark.parametrize("mask", [mh.sliding_window(5), mh.sliding_window(3, 4),
-                                  mh.causal() & mh.key_padding(torch.tensor([20, 0])),
-                                  mh.document(torch.tensor([[0] * 7 + [1] * 13 + [2] * 10] * 2))],
-                         ids=["window", "two-sided-window", "causal-padding", "documents"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        mh.sliding_window(5),
+        mh.sliding_window(3, 4),
+        mh.causal() & mh.key_padding(torch.tensor([20, 0])),
+        mh.document(torch.tensor([[0] * 7 + [1] * 13 + [2] * 10] * 2)),
+    ],
+    ids=["window", "two-sided-window", "causal-padding", "documents"],
+)
 @pytest.mark.parametrize("tile", [1, 4, 7])
 def test_tiled_block_backward_equals_one_call(mask, tile, monkeypatch):
     """Tiles skip hidden keys and hidden tiles; the gradients are those of one masked call."""
@@ -47,7 +53,7 @@ def test_tiled_block_backward_equals_one_call(mask, tile, monkeypatch):
     dlse = torch.randn(B, Hq, rows, generator=g, dtype=torch.float64)
     block = mask.shifted(7, 0, q_len=keys, kv_len=keys) if mask.depends_on_lengths() else mask.shifted(7, 0)
     res = mh.attention(q, k, v, mask=block, return_lse=True)
-    args = (q, k, v, block, D ** -0.5, res.output, res.lse, dout, dlse)
+    args = (q, k, v, block, D**-0.5, res.output, res.lse, dout, dlse)
     monkeypatch.setattr(ring, "_TILE", 10_000)
     whole = ring._flash_block_backward(*args)
     monkeypatch.setattr(ring, "_TILE", tile)

@@ -126,8 +126,9 @@ class Prefix(Node):
     align: str
 
     def build(self):
-        return mh.prefix_lm(self.n if isinstance(self.n, int) else torch.tensor(self.n, dtype=torch.int64),
-                            align=self.align)
+        return mh.prefix_lm(
+            self.n if isinstance(self.n, int) else torch.tensor(self.n, dtype=torch.int64), align=self.align
+        )
 
     def expr(self):
         return f"prefix_lm({self.n}{_short(self.align)})".replace(" ", "")
@@ -148,8 +149,10 @@ class Doc(Node):
 
     def build(self):
         q = torch.tensor(self.q_ids, dtype=torch.int64)
-        return mh.document(q if len(self.q_ids) > 1 else q[0],
-                           None if self.kv_ids is None else torch.tensor(self.kv_ids, dtype=torch.int64))
+        return mh.document(
+            q if len(self.q_ids) > 1 else q[0],
+            None if self.kv_ids is None else torch.tensor(self.kv_ids, dtype=torch.int64),
+        )
 
     def expr(self):
         docs = len(set(x for row in self.q_ids for x in row))
@@ -305,8 +308,10 @@ class At(Node):
         return self.inner.build().at(qp, kp, q_len=self.wq, kv_len=self.wk)
 
     def expr(self):
-        return (f"{self.inner.expr()}.at(<q{len(self.qpos)}x{len(self.qpos[0])}>,<kv{len(self.kpos)}x"
-                f"{len(self.kpos[0])}>,q_len={self.wq},kv_len={self.wk})")
+        return (
+            f"{self.inner.expr()}.at(<q{len(self.qpos)}x{len(self.qpos[0])}>,<kv{len(self.kpos)}x"
+            f"{len(self.kpos[0])}>,q_len={self.wq},kv_len={self.wk})"
+        )
 
     def allowed(self, b, h, i, j, Lq, Lk):
         qp, kp = torch.tensor(self.qpos, dtype=torch.int64), torch.tensor(self.kpos, dtype=torch.int64)
@@ -318,7 +323,7 @@ class At(Node):
 def _broadcast_shape(rng: random.Random, full: tuple) -> tuple:
     """A random shape broadcastable to ``full = (B, H, Lq, Lk)``: 2 to 4 dims, each 1 or full."""
     ndim = rng.choice([2, 3, 4, 4])
-    return tuple(n if rng.random() < 0.6 else 1 for n in full[4 - ndim:])
+    return tuple(n if rng.random() < 0.6 else 1 for n in full[4 - ndim :])
 
 
 def _ids(rng: random.Random, L: int, docs: int, sort: bool) -> list:
@@ -384,8 +389,10 @@ def _mask_node(rng: random.Random, B: int, H: int, Lq: int, Lk: int, depth: int,
     if depth >= 2 or r < 0.45:
         return _leaf(rng, B, H, Lq, Lk, allow_tensor)
     if r < 0.70:
-        parts = (_mask_node(rng, B, H, Lq, Lk, depth + 1, allow_tensor),
-                 _mask_node(rng, B, H, Lq, Lk, depth + 1, allow_tensor))
+        parts = (
+            _mask_node(rng, B, H, Lq, Lk, depth + 1, allow_tensor),
+            _mask_node(rng, B, H, Lq, Lk, depth + 1, allow_tensor),
+        )
         return Op(rng.choice(["&", "&", "|"]), parts)
     if r < 0.78:
         return Inv(_mask_node(rng, B, H, Lq, Lk, depth + 1, allow_tensor))
@@ -453,8 +460,15 @@ class Case:
 
     def id(self, backend: str) -> str:
         lay = ",".join(f"{n}:{l}" for n, l in zip("qkv", self.layouts) if l != "contig")
-        parts = [f"seed{self.seed}", backend, self.dtype, f"B{self.B}", f"H{self.Hq}x{self.Hkv}",
-                 f"L{self.Lq}x{self.Lk}", f"D{self.D}v{self.Dv}"]
+        parts = [
+            f"seed{self.seed}",
+            backend,
+            self.dtype,
+            f"B{self.B}",
+            f"H{self.Hq}x{self.Hkv}",
+            f"L{self.Lq}x{self.Lk}",
+            f"D{self.D}v{self.Dv}",
+        ]
         if lay:
             parts.append(lay)
         parts.append(self.mask_expr())
@@ -488,8 +502,10 @@ def _show(sel) -> str:
     if sel is None:
         return "all"
     if isinstance(sel, slice):
-        return f"{'' if sel.start is None else sel.start}:{'' if sel.stop is None else sel.stop}" \
-               f"{'' if sel.step is None else ':' + str(sel.step)}"
+        return (
+            f"{'' if sel.start is None else sel.start}:{'' if sel.stop is None else sel.stop}"
+            f"{'' if sel.step is None else ':' + str(sel.step)}"
+        )
     if isinstance(sel, tuple) and sel and sel[0] == "tensor":
         return f"tensor{list(sel[1])}".replace(" ", "")
     return str(sel).replace(" ", "")
@@ -577,8 +593,15 @@ def make_case(seed: int) -> Case:
     for _ in range(rng.choice([0, 0, 0, 1, 1, 2])):
         if rng.random() < 0.75:  # softcap makes sdpa and blocksparse refuse: rarer
             fp32 = dtype in ("bf16", "fp16") and rng.random() < 0.4
-            mods.append(("bias", _broadcast_shape(rng, (B, Hq, Lq, Lk)), fp32, case.grad and rng.random() < 0.6,
-                         _far(rng, "fp32" if fp32 else dtype)))
+            mods.append(
+                (
+                    "bias",
+                    _broadcast_shape(rng, (B, Hq, Lq, Lk)),
+                    fp32,
+                    case.grad and rng.random() < 0.6,
+                    _far(rng, "fp32" if fp32 else dtype),
+                )
+            )
         else:
             mods.append(("softcap", rng.choice([1.5, 5.0, 30.0])))
     case.mods = tuple(mods)
@@ -673,8 +696,9 @@ def _build(case: Case) -> Built:
             mask = mask.clone()
             mask[..., : max(1, mask.shape[-2] // 3), :] = False
     else:
-        values = _far_rows(torch.randn(*case.tensor_shape, generator=gen, dtype=torch.float64) * 1.5,
-                           case.tensor_far, gen)
+        values = _far_rows(
+            torch.randn(*case.tensor_shape, generator=gen, dtype=torch.float64) * 1.5, case.tensor_far, gen
+        )
         blocked = torch.rand(*case.tensor_shape, generator=gen) < case.tensor_p
         if case.empty_rows:
             blocked[..., : max(1, blocked.shape[-2] // 3), :] = True
@@ -693,6 +717,7 @@ def _build(case: Case) -> Built:
     if case.nan_unseen and mask is not None:
         # Keys no query of their KV head may see "can hold anything" (conventions): NaN.
         from fuzz_oracle import visible
+
         seen = visible(mask, B, Hq, Lq, Lk).reshape(B, Hkv, Hq // Hkv, Lq, Lk).any(2).any(2)  # (B, Hkv, Lk)
         with torch.no_grad():
             for name in ("k", "v"):

@@ -59,7 +59,7 @@ def mods_of(mask, score_mod) -> list[tuple[str, object]]:
         out.append(("bias", mask.masked_fill(mask == float("-inf"), 0.0)))
     if score_mod is None:
         return out
-    for m in (score_mod if isinstance(score_mod, (list, tuple)) else [score_mod]):
+    for m in score_mod if isinstance(score_mod, (list, tuple)) else [score_mod]:
         if isinstance(m, Bias):
             out.append(("bias", m.tensor))
         elif isinstance(m, Softcap):
@@ -76,8 +76,9 @@ class Attended:
     weights: Tensor  # (B, Hq, Lq, Lk)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, mods, scale: float,
-           dtype: torch.dtype = torch.float64) -> Attended:
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, mods, scale: float, dtype: torch.dtype = torch.float64
+) -> Attended:
     """Attention of ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` computed in
     ``dtype`` (float64: the oracle; the inputs' dtype: the naive baseline). Differentiable in
     ``q, k, v`` and in every bias tensor of ``mods``."""
@@ -139,8 +140,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, mods, scale: float,
     return Attended(out, lse, p)
 
 
-def attend_flash(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, mods, scale: float, dtype: torch.dtype,
-                 dout: Tensor | None) -> tuple[Attended, dict]:
+def attend_flash(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, mods, scale: float, dtype: torch.dtype, dout: Tensor | None
+) -> tuple[Attended, dict]:
     """The second baseline: the same naive computation arranged the way fused kernels arrange it.
 
     Scores and softmax in the accumulation dtype (fp32; fp64 for fp64), the output rounded to

@@ -79,13 +79,15 @@ def expected(seed: int) -> dict:
 
     result = {"allowed": allowed}
     for which, dtype in (("oracle", torch.float64), ("baseline", case.torch_dtype)):
-        leaves = {n: (t.detach().to(dtype) if n in "qkv" else t.detach()).requires_grad_(t.requires_grad)
-                  for n, t in built.leaves.items()}
+        leaves = {
+            n: (t.detach().to(dtype) if n in "qkv" else t.detach()).requires_grad_(t.requires_grad)
+            for n, t in built.leaves.items()
+        }
         views = [layout(leaves[n], kind, sizes[n]) for n, kind in zip("qkv", case.layouts)]
         run_mods = list(mods)
         for n, i in bias_at.items():  # the modifiers' tensors, as this run's leaves
             run_mods[i] = ("bias", leaves[f"bias{n}"].reshape(mods[i][1].shape))
-        scale = case.scale if case.scale is not None else case.D ** -0.5
+        scale = case.scale if case.scale is not None else case.D**-0.5
         res = attend(*views, allowed, run_mods, scale, dtype=dtype)
         grads = {}
         if built.dout is not None:
@@ -96,13 +98,14 @@ def expected(seed: int) -> dict:
     # The second baseline: the naive computation arranged as fused kernels arrange it.
     leaves = {n: built.leaves[n].detach().requires_grad_(built.dout is not None) for n in "qkv"}
     views = [layout(leaves[n], kind, sizes[n]) for n, kind in zip("qkv", case.layouts)]
-    scale = case.scale if case.scale is not None else case.D ** -0.5
+    scale = case.scale if case.scale is not None else case.D**-0.5
     fwd, g = attend_flash(*views, allowed, mods, scale, case.torch_dtype, built.dout)
     grads = {}
     if built.dout is not None:
         wanted = [n for n in "qkv" if built.leaves[n].requires_grad]
-        found = torch.autograd.grad([views["qkv".index(n)] for n in wanted], [leaves[n] for n in wanted],
-                                    [g[n] for n in wanted])
+        found = torch.autograd.grad(
+            [views["qkv".index(n)] for n in wanted], [leaves[n] for n in wanted], [g[n] for n in wanted]
+        )
         grads = dict(zip(wanted, found))
         for n, i in bias_at.items():
             if built.leaves[f"bias{n}"].requires_grad:
@@ -112,8 +115,9 @@ def expected(seed: int) -> dict:
 
 
 # ============================================================================ comparison
-def _rule(what: str, x: torch.Tensor, r: torch.Tensor, baselines: tuple, F: float | None, errors: list,
-          magnitude: float = 0.0) -> None:
+def _rule(
+    what: str, x: torch.Tensor, r: torch.Tensor, baselines: tuple, F: float | None, errors: list, magnitude: float = 0.0
+) -> None:
     """The relative rule of shared/TESTING.md on one result (``F is None``: fp64, assert_close),
     against the worse of the ``baselines`` element by element. ``magnitude``: the size of the
     terms a result adds up, when larger than the result itself."""
@@ -150,12 +154,13 @@ def _rule(what: str, x: torch.Tensor, r: torch.Tensor, baselines: tuple, F: floa
     err_b = errs.nan_to_num(nan=-1.0, posinf=-1.0).amax(0)
     err_b = torch.where(err_b < 0, torch.tensor(float("inf"), dtype=err_b.dtype), err_b)
     floor = 4 * torch.finfo(x.dtype).eps * mag
-    ok = float(err_x.max()) <= F * float(err_b.max()) + floor and \
-        float(err_x.mean()) <= F * float(err_b.mean()) + floor
+    ok = float(err_x.max()) <= F * float(err_b.max()) + floor and float(err_x.mean()) <= F * float(err_b.mean()) + floor
     if not ok:
-        errors.append(f"{what}: max err {float(err_x.max()):.3e}, baseline max err {float(err_b.max()):.3e}, "
-                      f"mean err {float(err_x.mean()):.3e} vs baseline mean {float(err_b.mean()):.3e}, "
-                      f"F {F}, floor {floor:.1e}")
+        errors.append(
+            f"{what}: max err {float(err_x.max()):.3e}, baseline max err {float(err_b.max()):.3e}, "
+            f"mean err {float(err_x.mean()):.3e} vs baseline mean {float(err_b.mean()):.3e}, "
+            f"F {F}, floor {floor:.1e}"
+        )
 
 
 def _exact(what: str, x: torch.Tensor, where: torch.Tensor, value: float, errors: list) -> None:
@@ -166,8 +171,9 @@ def _exact(what: str, x: torch.Tensor, where: torch.Tensor, value: float, errors
     ok = bool((sel == value).all())
     if not ok:
         bad = sel[sel != value]
-        errors.append(f"{what}: expected exactly {value} on {int(where.sum())} rows, got e.g. "
-                      f"{bad.flatten()[:4].tolist()}")
+        errors.append(
+            f"{what}: expected exactly {value} on {int(where.sum())} rows, got e.g. {bad.flatten()[:4].tolist()}"
+        )
 
 
 def run_case(seed: int, backend: str) -> dict:
@@ -184,7 +190,9 @@ def run_case(seed: int, backend: str) -> dict:
     rule_backend = chosen if chosen in mh.available_backends() else "reference"
 
     result = mh.attention(built.q, built.k, built.v, backend=backend, **kwargs)
-    out, weights, lse = (result.output, result.weights, result.lse) if isinstance(result, tuple) else (result, None, None)
+    out, weights, lse = (
+        (result.output, result.weights, result.lse) if isinstance(result, tuple) else (result, None, None)
+    )
     if built.dout is not None:
         out.backward(built.dout)
 
@@ -194,8 +202,11 @@ def run_case(seed: int, backend: str) -> dict:
     allowed = exp["allowed"]
     empty = ~allowed.any(-1)  # (B, Hq, Lq): rows that see nothing
     unseen = ~allowed.reshape(B, Hkv, Hq // Hkv, Lq, Lk).any(2).any(2)  # (B, Hkv, Lk): keys nobody sees
-    F = (lambda grads: None) if T == torch.float64 else \
-        (lambda grads: mh.get_backend(rule_backend).capabilities.tolerance_factor(T, grads))
+    F = (
+        (lambda grads: None)
+        if T == torch.float64
+        else (lambda grads: mh.get_backend(rule_backend).capabilities.tolerance_factor(T, grads))
+    )
     errors: list[str] = []
 
     if out.dtype != T or tuple(out.shape) != (B, Hq, Lq, case.Dv):
@@ -295,13 +306,19 @@ def _mask_meaning(seed: int) -> None:
         pytest.skip("no mask object in this case")
     mask = case.node.build()
     B, Hq, Lq, Lk = case.B, case.Hq, case.Lq, case.Lk
-    grid = (torch.arange(B).view(-1, 1, 1, 1), torch.arange(Hq).view(1, -1, 1, 1),
-            torch.arange(Lq).view(1, 1, -1, 1), torch.arange(Lk).view(1, 1, 1, -1))
+    grid = (
+        torch.arange(B).view(-1, 1, 1, 1),
+        torch.arange(Hq).view(1, -1, 1, 1),
+        torch.arange(Lq).view(1, 1, -1, 1),
+        torch.arange(Lk).view(1, 1, 1, -1),
+    )
     meant = case.node.allowed(*grid, Lq, Lk).expand(B, Hq, Lq, Lk)
     got = visible(mask, B, Hq, Lq, Lk)
     diff = (meant != got).nonzero()
-    assert diff.numel() == 0, (f"{case.node.expr()}: mask_mod differs from the conventions at "
-                               f"{diff.shape[0]} of {meant.numel()} positions (b, h, i, j), first {diff[:4].tolist()}")
+    assert diff.numel() == 0, (
+        f"{case.node.expr()}: mask_mod differs from the conventions at "
+        f"{diff.shape[0]} of {meant.numel()} positions (b, h, i, j), first {diff[:4].tolist()}"
+    )
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in DEFAULT_SEEDS])
@@ -336,8 +353,10 @@ def test_oracle_brute_force():
                 if not js:
                     assert float(res.out[b, h, i].abs().max()) == 0 and res.lse[b, h, i] == float("-inf")
                     continue
-                s = {j: cap * math.tanh((scale * float(q[b, h, i] @ k[b, h // 2, j]) + float(bias[b, h, i, j])) / cap)
-                     for j in js}
+                s = {
+                    j: cap * math.tanh((scale * float(q[b, h, i] @ k[b, h // 2, j]) + float(bias[b, h, i, j])) / cap)
+                    for j in js
+                }
                 lse = math.log(sum(math.exp(x) for x in s.values()))
                 o = sum(math.exp(s[j] - lse) * v[b, h // 2, j] for j in js)
                 assert abs(float(res.lse[b, h, i]) - lse) < 1e-12

@@ -59,8 +59,18 @@ def factor(backend: str, gradients: bool) -> float:
 def skip_if_refused(backend: str, q, k, v, mask, score_mod) -> None:
     if backend == "auto":
         return
-    call = validate_call(q, k, v, mask=mask, score_mod=score_mod, scale=None, dropout_p=0.0, dropout_mask=None,
-                         return_weights=False, return_lse=False)
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=None,
+        dropout_p=0.0,
+        dropout_mask=None,
+        return_weights=False,
+        return_lse=False,
+    )
     reasons = mh.get_backend(backend).refusals(call)
     if reasons:
         pytest.skip(f"{backend} refuses: " + "; ".join(reasons))
@@ -111,12 +121,22 @@ FUNCTIONAL = {
     "key_padding_empty_row": (lambda Lq, Lk: mh.key_padding(_lengths(Lk)), None),
     "causal&window|prefix": (lambda Lq, Lk: mh.causal() & mh.sliding_window(8) | mh.prefix_lm(3), None),
     "custom+softcap": (lambda Lq, Lk: mh.custom(lambda b, h, q, kv: (q + kv + h) % 3 != 0), mh.scores.softcap(2.0)),
-    "additive_tensor": (lambda Lq, Lk: torch.randn(1, Hq, Lq, Lk, generator=torch.Generator().manual_seed(4))
-                        .masked_fill(~mh.causal().materialize(1, 1, Lq, Lk), float("-inf")), None),
+    "additive_tensor": (
+        lambda Lq, Lk: torch.randn(1, Hq, Lq, Lk, generator=torch.Generator().manual_seed(4)).masked_fill(
+            ~mh.causal().materialize(1, 1, Lq, Lk), float("-inf")
+        ),
+        None,
+    ),
 }
 # A representative set for the default tier; every pairing runs in the slow tier.
-DEFAULT_CASES = [("auto", "causal+alibi"), ("auto", "sliding_window"), ("auto", "key_padding_empty_row"),
-                 ("auto", "causal&window|prefix"), ("sdpa", "additive_tensor"), ("reference", "custom+softcap")]
+DEFAULT_CASES = [
+    ("auto", "causal+alibi"),
+    ("auto", "sliding_window"),
+    ("auto", "key_padding_empty_row"),
+    ("auto", "causal&window|prefix"),
+    ("sdpa", "additive_tensor"),
+    ("reference", "custom+softcap"),
+]
 
 
 def _functional_case(backend, name, Lq=37, Lk=53, grad=True, compiler="aot_eager"):
@@ -181,6 +201,7 @@ def test_a_changed_length_recompiles_at_most_once_with_dynamic_true():
     """``dynamic=True``: Lq and Lk change (bottom-right causal with Lq != Lk, a window and a
     padding mask built from the call's own lengths) and the graph serves them all: at most one
     recompilation after the first compilation, results right for every length."""
+
     def fn(q, k, v):
         Lk = k.shape[2]
         mask = mh.causal() & mh.key_padding(torch.tensor([Lk, Lk // 2])) | mh.sliding_window(2, 2)
@@ -313,8 +334,18 @@ def test_every_mask_kind_on_every_compiling_backend(backend, kind):
     q, k, v = qkv(Lq, Lk, 0)
     grad = True
     if backend != "auto":
-        call = validate_call(q, k, v, mask=mask, score_mod=None, scale=None, dropout_p=0.0, dropout_mask=None,
-                             return_weights=False, return_lse=False)
+        call = validate_call(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=None,
+            scale=None,
+            dropout_p=0.0,
+            dropout_mask=None,
+            return_weights=False,
+            return_lse=False,
+        )
         if mh.get_backend(backend).refusals(call):  # flex on CPU: inference only
             grad = False
             q, k, v = qkv(Lq, Lk, 0, grad=False)
@@ -350,8 +381,9 @@ def test_every_mask_kind_recompiles_at_most_once_with_dynamic_true(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, name", [("auto", "causal+alibi"), ("auto", "key_padding_empty_row"),
-                                           ("reference", "custom+softcap")])
+@pytest.mark.parametrize(
+    "backend, name", [("auto", "causal+alibi"), ("auto", "key_padding_empty_row"), ("reference", "custom+softcap")]
+)
 def test_inductor(backend, name):
     _functional_case(backend, name, compiler="inductor")
 
@@ -373,12 +405,20 @@ def test_inductor_layer_and_decode_step():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    "causal",
-    pytest.param("window&key_padding", marks=pytest.mark.xfail(
-        strict=True, reason="torch 2.13, Inductor on CPU: create_block_mask of a mask_mod that reads a tensor "
-                            "(lengths[b]) fails in C++ code generation (VecMask<int> vs VecMask<float> in ?:)")),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "causal",
+        pytest.param(
+            "window&key_padding",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="torch 2.13, Inductor on CPU: create_block_mask of a mask_mod that reads a tensor "
+                "(lengths[b]) fails in C++ code generation (VecMask<int> vs VecMask<float> in ?:)",
+            ),
+        ),
+    ],
+)
 def test_inductor_flex_forward(name):
     """flex in a caller's Inductor graph: flex_attention lowered by the caller's compile."""
     if "flex" not in COMPILING:
@@ -399,7 +439,7 @@ def test_the_docs_example(monkeypatch):
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
-    section = text[text.index("## `torch.compile`"):text.index("## Export and ONNX")]
+    section = text[text.index("## `torch.compile`") : text.index("## Export and ONNX")]
     (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     counter, counts, real = CompileCounterWithBackend("aot_eager"), [], torch.compile
 

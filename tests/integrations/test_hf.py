@@ -39,8 +39,16 @@ VOCAB = 97
 
 
 def _common(**extra):
-    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, **extra)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        **extra,
+    )
 
 
 def _configs():
@@ -50,12 +58,17 @@ def _configs():
         "mistral": lambda: t.MistralConfig(**_common(sliding_window=5)),  # every layer a window of 5
         "qwen2": lambda: t.Qwen2Config(**_common(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
         # alternating sliding / global layers, attention softcap
-        "gemma2": lambda: t.Gemma2Config(**_common(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0,
-                                                   query_pre_attn_scalar=20)),
+        "gemma2": lambda: t.Gemma2Config(
+            **_common(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=20)
+        ),
     }
     if hasattr(t, "GptOssConfig"):  # sinks
-        out["gpt_oss"] = lambda: t.GptOssConfig(**{**_common(head_dim=16, sliding_window=4, num_local_experts=4,
-                                                            num_experts_per_tok=2), "intermediate_size": 32})
+        out["gpt_oss"] = lambda: t.GptOssConfig(
+            **{
+                **_common(head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+                "intermediate_size": 32,
+            }
+        )
     return out
 
 
@@ -64,8 +77,7 @@ DECODERS = list(CONFIGS)
 ENCODERS = ["bert"]
 
 
-def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
-             **kwargs):
+def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, **kwargs):
     """fp64 attention written out: ``attention_mask`` is HF's bool ``(B, 1, Lq, Lk)`` (True = attend)."""
     q, k, v = query.double(), key.double(), value.double()
     groups = q.shape[1] // k.shape[1]
@@ -74,13 +86,13 @@ def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if kwargs.get("position_bias") is not None:  # T5
-        s = s + kwargs["position_bias"][..., :k.shape[2]].double()
+        s = s + kwargs["position_bias"][..., : k.shape[2]].double()
     if attention_mask is None:
         allowed = torch.ones_like(s, dtype=torch.bool)
     elif attention_mask.dtype == torch.bool:
-        allowed = attention_mask[..., :k.shape[2]].expand_as(s)
+        allowed = attention_mask[..., : k.shape[2]].expand_as(s)
     else:  # a user's additive 4-D mask: finfo.min blocks, the rest is added
-        m = attention_mask[..., :k.shape[2]]
+        m = attention_mask[..., : k.shape[2]]
         allowed = (m > torch.finfo(m.dtype).min / 2).expand_as(s)
         s = s + m.double().masked_fill(~allowed, 0.0)
     if s_aux is not None:  # a sink joins each head's denominator and carries no value
@@ -88,7 +100,7 @@ def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.
         allowed = torch.cat([allowed, allowed.any(-1, keepdim=True)], dim=-1)
     seen = allowed.any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~allowed, -1e300), dim=-1).masked_fill(~seen, 0.0)
-    p = p[..., :v.shape[2]]
+    p = p[..., : v.shape[2]]
     return (p @ v).to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
 
 
@@ -119,10 +131,16 @@ def model_pair(arch: str):
     if arch not in _MODELS:
         torch.manual_seed(0)
         if arch == "bert":
-            config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2,
-                                             num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                             attention_probs_dropout_prob=0.0)
+            config = transformers.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
             model = transformers.AutoModel.from_config(config, attn_implementation="eager")
         else:
             # gpt-oss: experts as plain matmuls (the grouped kernel has no float64)
@@ -237,8 +255,12 @@ def test_without_the_mask_function_the_backend_gets_none_and_stays_causal(monkey
         run(m32, "multihead", input_ids=ids)
         assert all(isinstance(c["mask"], masks.Mask) for c in spy.calls)
         # ... and even without it the backend falls back on the module's is_causal, as HF's sdpa does.
-        compare(x, out_of(run(m64, "oracle64", input_ids=ids)), out_of(run(m32, "eager", input_ids=ids)),
-                "logits without a mask function")
+        compare(
+            x,
+            out_of(run(m64, "oracle64", input_ids=ids)),
+            out_of(run(m32, "eager", input_ids=ids)),
+            "logits without a mask function",
+        )
     finally:
         AttentionInterface._global_mapping.pop("multihead_no_masks", None)
 
@@ -387,8 +409,17 @@ def test_encoder_decoder_position_bias():
     """T5: a relative position_bias in every self-attention, bidirectional encoder masks with
     padding, cross-attention masks over the encoder's keys, a causal decoder; and generate()."""
     torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
     m32 = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
     m64 = copy.deepcopy(m32).double()
     g = torch.Generator().manual_seed(6)
@@ -439,27 +470,47 @@ def test_dense_mask_without_structure_and_with_bias(monkeypatch):
     compare(x, ref, base, "logits (dense mask with a bias)")
 
 
-@pytest.mark.parametrize("case", ["causal", "causal_br", "window", "window_tl", "pad", "pad_left", "documents",
-                                  "bidirectional_window", "none", "random"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "causal",
+        "causal_br",
+        "window",
+        "window_tl",
+        "pad",
+        "pad_left",
+        "documents",
+        "bidirectional_window",
+        "none",
+        "random",
+    ],
+)
 def test_recognise(case):
     Lq, Lk, B = (5, 9, 2) if case in ("causal_br", "window") else (8, 8, 2)
     lengths = torch.tensor([Lk, Lk - 3])
     left = torch.ones(B, Lk, dtype=torch.bool)
     left[1, :2] = False
     expected = {
-        "causal": masks.causal(), "causal_br": masks.causal() & masks.key_padding(lengths),
+        "causal": masks.causal(),
+        "causal_br": masks.causal() & masks.key_padding(lengths),
         "window": masks.sliding_window(2),
         "window_tl": masks.sliding_window(3, align="top_left") & masks.key_padding(left),
-        "pad": masks.key_padding(lengths), "pad_left": masks.key_padding(left),
+        "pad": masks.key_padding(lengths),
+        "pad_left": masks.key_padding(left),
         "documents": masks.causal() & masks.document(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])),
-        "bidirectional_window": masks.sliding_window(2, 2), "none": None, "random": "random",
+        "bidirectional_window": masks.sliding_window(2, 2),
+        "none": None,
+        "random": "random",
     }[case]
     if expected == "random":
         allowed = torch.rand(B, 1, Lq, Lk, generator=torch.Generator().manual_seed(0)) < 0.5
         assert isinstance(recognise(allowed), masks.TensorMask)
         return
-    allowed = torch.ones(B, 1, Lq, Lk, dtype=torch.bool) if expected is None else \
-        expected.materialize(B, 1, Lq, Lk).expand(B, 1, Lq, Lk)
+    allowed = (
+        torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+        if expected is None
+        else expected.materialize(B, 1, Lq, Lk).expand(B, 1, Lq, Lk)
+    )
     got = recognise(allowed)
     if expected is None:
         assert got is None
@@ -478,8 +529,9 @@ def _factories():
     from transformers import masking_utils as mu
 
     lp = torch.tensor([0, 2])
-    blocks = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1, 2, 2, 2, 2, -1, -1],
-                           [0, 0, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 3, 3]])
+    blocks = torch.tensor(
+        [[-1, -1, 0, 0, 0, 1, 1, -1, 2, 2, 2, 2, -1, -1], [0, 0, 0, 0, 1, 1, 1, 1, 1, -1, -1, 3, 3, 3]]
+    )
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3], list(range(14))])
     packed = mu.find_packed_sequence_indices(pos)
 
@@ -501,8 +553,11 @@ def _factories():
 
 
 @pytest.mark.parametrize("name", list(_factories()))
-@pytest.mark.parametrize("frame", [(14, 14, 0, 0), (1, 14, 13, 0), (3, 14, 11, 0), (4, 14, 2, 0), (2, 5, 12, 9)],
-                         ids=["prefill", "decode", "chunk", "static", "window_cache"])
+@pytest.mark.parametrize(
+    "frame",
+    [(14, 14, 0, 0), (1, 14, 13, 0), (3, 14, 11, 0), (4, 14, 2, 0), (2, 5, 12, 9)],
+    ids=["prefill", "decode", "chunk", "static", "window_cache"],
+)
 @pytest.mark.parametrize("padding", [False, True])
 def test_mask_function_equals_hf(name, frame, padding):
     from transformers.masking_utils import sdpa_mask
@@ -515,15 +570,33 @@ def test_mask_function_equals_hf(name, frame, padding):
     if padding:
         am = torch.ones(2, 14, dtype=torch.bool)
         am[1, :3] = False
-    expected = sdpa_mask(batch_size=2, q_length=Lq, kv_length=Lk, q_offset=q_offset, kv_offset=kv_offset,
-                         mask_function=fn, attention_mask=am, allow_is_causal_skip=False, use_vmap=True)
-    got = from_mask_function(fn, batch_size=2, q_length=Lq, kv_length=Lk, q_offset=q_offset, kv_offset=kv_offset,
-                             attention_mask=am, use_vmap=True)
+    expected = sdpa_mask(
+        batch_size=2,
+        q_length=Lq,
+        kv_length=Lk,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=fn,
+        attention_mask=am,
+        allow_is_causal_skip=False,
+        use_vmap=True,
+    )
+    got = from_mask_function(
+        fn,
+        batch_size=2,
+        q_length=Lq,
+        kv_length=Lk,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=am,
+        use_vmap=True,
+    )
     if got is None:
         assert expected is None or bool(expected.all())
         return
-    assert torch.equal(got.materialize(2, 1, Lq, Lk).expand(2, 1, Lq, Lk), expected.expand(2, 1, Lq, Lk)), \
+    assert torch.equal(got.materialize(2, 1, Lq, Lk).expand(2, 1, Lq, Lk), expected.expand(2, 1, Lq, Lk)), (
         f"{name} {frame}: {got!r}"
+    )
     if not name.startswith("user"):  # HF's own factories become structure, never a dense tensor
         assert "tensor" not in got.kinds(), f"{name}: read densely: {got!r}"
 

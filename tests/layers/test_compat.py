@@ -58,8 +58,18 @@ def _masks(kind, B, L, S, batched, g):
     return kpm, am, causal
 
 
-MASKS = ["none", "kpm_bool", "kpm_float", "am2_bool", "am2_float", "am3_bool", "am3_float", "kpm_bool+am2_bool",
-         "kpm_bool+am3_float", "causal"]
+MASKS = [
+    "none",
+    "kpm_bool",
+    "kpm_float",
+    "am2_bool",
+    "am2_float",
+    "am3_bool",
+    "am3_float",
+    "kpm_bool+am2_bool",
+    "kpm_bool+am3_float",
+    "causal",
+]
 CONFIGS = [  # (batch_first, kdim, vdim, bias, add_bias_kv, add_zero_attn)
     (False, None, None, True, False, False),
     (True, None, None, True, False, False),
@@ -72,8 +82,10 @@ CONFIGS = [  # (batch_first, kdim, vdim, bias, add_bias_kv, add_zero_attn)
 
 def _config_id(c):
     bf, kd, vd, bias, bkv, zero = c
-    return (f"{'bf' if bf else 'sf'}-k{kd}v{vd}-{'bias' if bias else 'nobias'}"
-            f"{'-biaskv' if bkv else ''}{'-zero' if zero else ''}")
+    return (
+        f"{'bf' if bf else 'sf'}-k{kd}v{vd}-{'bias' if bias else 'nobias'}"
+        f"{'-biaskv' if bkv else ''}{'-zero' if zero else ''}"
+    )
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -89,8 +101,9 @@ def test_matches_torch(config, mask_kind):
     g = torch.Generator().manual_seed(2)
     kpm, am, causal = _masks(mask_kind, B, L, key.shape[1 if bf else 0], True, g)
     for need, average in ((False, True), (True, True), (True, False)):
-        kwargs = dict(key_padding_mask=kpm, attn_mask=am, need_weights=need, average_attn_weights=average,
-                      is_causal=causal)
+        kwargs = dict(
+            key_padding_mask=kpm, attn_mask=am, need_weights=need, average_attn_weights=average, is_causal=causal
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PyTorch deprecates mixing bool and float masks
             expected_out, expected_w = ref(query, key, value, **kwargs)
@@ -222,4 +235,3 @@ def test_works_inside_transformer_encoder_layer():
     swapped.load_state_dict(enc.self_attn.state_dict())
     enc.self_attn = swapped
     torch.testing.assert_close(enc(x, src_mask=mask, is_causal=True), expected)
-

@@ -41,10 +41,18 @@ def swap(model: nn.Module) -> nn.Module:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.MultiheadAttention:
-                ours = MultiheadAttention(child.embed_dim, child.num_heads, dropout=child.dropout,
-                                          bias=child.in_proj_bias is not None, add_bias_kv=child.bias_k is not None,
-                                          add_zero_attn=child.add_zero_attn, kdim=child.kdim, vdim=child.vdim,
-                                          batch_first=child.batch_first, dtype=DT)
+                ours = MultiheadAttention(
+                    child.embed_dim,
+                    child.num_heads,
+                    dropout=child.dropout,
+                    bias=child.in_proj_bias is not None,
+                    add_bias_kv=child.bias_k is not None,
+                    add_zero_attn=child.add_zero_attn,
+                    kdim=child.kdim,
+                    vdim=child.vdim,
+                    batch_first=child.batch_first,
+                    dtype=DT,
+                )
                 ours.load_state_dict(child.state_dict())
                 ours.train(child.training)
                 setattr(module, name, ours)
@@ -104,13 +112,15 @@ def run_both(make_model, make_inputs, call, mode: str, fast_path: bool | None = 
     if grads:
         for name, t in in_ref.items():
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                torch.testing.assert_close(in_ours[name].grad, t.grad,
-                                           msg=lambda m, name=name: f"d/d{name} differs in mode {mode}: {m}")
+                torch.testing.assert_close(
+                    in_ours[name].grad, t.grad, msg=lambda m, name=name: f"d/d{name} differs in mode {mode}: {m}"
+                )
         params_ours = dict(m_ours.named_parameters())
         for name, p in m_ref.named_parameters():
             assert p.grad is not None, name
-            torch.testing.assert_close(params_ours[name].grad, p.grad,
-                                       msg=lambda m, name=name: f"grad of {name} differs in mode {mode}: {m}")
+            torch.testing.assert_close(
+                params_ours[name].grad, p.grad, msg=lambda m, name=name: f"grad of {name} differs in mode {mode}: {m}"
+            )
     return out_ref
 
 
@@ -148,8 +158,9 @@ ENCODER_MASKS = ("none", "key_padding", "causal", "causal+key_padding")
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
 def test_encoder_layer(norm_first, batch_first, masks, mode):
     def make_model():
-        return nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=batch_first, norm_first=norm_first,
-                                          dtype=DT)
+        return nn.TransformerEncoderLayer(
+            E, H, FF, dropout=0.0, batch_first=batch_first, norm_first=norm_first, dtype=DT
+        )
 
     def make_inputs():
         inputs = {"src": _x(L, batch_first, 1)}
@@ -168,6 +179,7 @@ def test_encoder_layer(norm_first, batch_first, masks, mode):
 def test_encoder_stack_fast_path_and_nested_tensors(masks, mode):
     """``nn.TransformerEncoder`` packs a padded batch into a nested tensor (padded rows come back
     0) and runs each layer's fast path."""
+
     def make_model():
         layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True, dtype=DT)
         return nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
@@ -182,13 +194,14 @@ def test_encoder_stack_fast_path_and_nested_tensors(masks, mode):
 
     out = run_both(make_model, make_inputs, lambda m, **kw: m(**kw), mode, fast_path=True)
     if masks == "key_padding":  # PyTorch's nested path ran (what we compared against)
-        assert bool((out[1, LENGTHS[1]:] == 0).all())
+        assert bool((out[1, LENGTHS[1] :] == 0).all())
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_encoder_layer_declining_its_fast_path_passes_nested_tensors(mode):
     """A hook makes a layer decline its fast path after ``nn.TransformerEncoder`` packed the batch:
     ``self_attn`` then receives nested tensors, which PyTorch's class takes on its own fast path."""
+
     def make_model():
         layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True, dtype=DT)
         encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
@@ -232,8 +245,9 @@ def _decoder_inputs(masks: str, batch_first: bool) -> dict:
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
 def test_decoder_layer(norm_first, batch_first, masks, mode):
     def make_model():
-        return nn.TransformerDecoderLayer(E, H, FF, dropout=0.0, batch_first=batch_first, norm_first=norm_first,
-                                          dtype=DT)
+        return nn.TransformerDecoderLayer(
+            E, H, FF, dropout=0.0, batch_first=batch_first, norm_first=norm_first, dtype=DT
+        )
 
     run_both(make_model, lambda: _decoder_inputs(masks, batch_first), lambda m, **kw: m(**kw), mode, fast_path=False)
 
@@ -249,8 +263,16 @@ def test_transformer(batch_first, masks, mode):
     def make_model():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # enable_nested_tensor without batch_first
-            return nn.Transformer(E, H, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=FF, dropout=0.0,
-                                  batch_first=batch_first, dtype=DT)
+            return nn.Transformer(
+                E,
+                H,
+                num_encoder_layers=2,
+                num_decoder_layers=2,
+                dim_feedforward=FF,
+                dropout=0.0,
+                batch_first=batch_first,
+                dtype=DT,
+            )
 
     def make_inputs():
         inputs = _decoder_inputs(masks, batch_first)
@@ -292,8 +314,10 @@ def test_gradient_of_a_learned_additive_attn_mask(kind):
     ours.load_state_dict(ref.state_dict())
     x = _x(L, False, 14)
     g = torch.Generator().manual_seed(15)
-    base = {"random_2d": lambda: torch.randn((L, L), generator=g, dtype=DT),
-            "random_3d": lambda: torch.randn((B * H, L, L), generator=g, dtype=DT)}.get(kind, lambda: _causal(L))()
+    base = {
+        "random_2d": lambda: torch.randn((L, L), generator=g, dtype=DT),
+        "random_3d": lambda: torch.randn((B * H, L, L), generator=g, dtype=DT),
+    }.get(kind, lambda: _causal(L))()
     kwargs = {"key_padding_mask": _padding(LENGTHS, L)} if "key_padding" in kind else {}
     grads = []
     for module in (ref, ours):
@@ -314,8 +338,9 @@ def test_float_attn_mask_keeps_fp64_precision():
     ours.load_state_dict(ref.state_dict())
     x = _x(L, False, 16)
     mask = torch.randn((L, L), generator=torch.Generator().manual_seed(17), dtype=DT)
-    torch.testing.assert_close(ours(x, x, x, attn_mask=mask)[0], ref(x, x, x, attn_mask=mask)[0],
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        ours(x, x, x, attn_mask=mask)[0], ref(x, x, x, attn_mask=mask)[0], rtol=1e-12, atol=1e-12
+    )
 
 
 # ---------------------------------------------------------------------------------- merge_masks
@@ -327,8 +352,11 @@ def test_merge_masks_is_pytorchs(attn, key_padding):
     ours = MultiheadAttention(E, H, batch_first=True, dtype=DT)
     query = _x(L, True, 7)
     g = torch.Generator().manual_seed(8)
-    attn_mask = {None: None, "2d": torch.randn((L, L), generator=g, dtype=DT),
-                 "3d": torch.randn((B * H, L, L), generator=g, dtype=DT)}[attn]
+    attn_mask = {
+        None: None,
+        "2d": torch.randn((L, L), generator=g, dtype=DT),
+        "3d": torch.randn((B * H, L, L), generator=g, dtype=DT),
+    }[attn]
     kpm = torch.where(_padding(LENGTHS, L), float("-inf"), 0.0).to(DT) if key_padding else None
     expected, expected_type = ref.merge_masks(attn_mask, kpm, query)
     merged, mask_type = ours.merge_masks(attn_mask, kpm, query)
@@ -357,12 +385,16 @@ def test_nested_inputs_match_pytorchs_fast_path(average):
     torch.testing.assert_close(w, w_ref)  # padded (B, [H,] L, L), 0 on padded rows and keys
 
 
-@pytest.mark.parametrize(("build", "call", "error", "match"), [
-    ({"batch_first": False}, {}, ValueError, r"batch_first=False.*batch_first=True"),
-    ({}, {"key_padding_mask": _padding(LENGTHS, L)}, ValueError, r"nested inputs take no key_padding_mask"),
-    ({}, {"attn_mask": _causal(L)}, ValueError, r"nested inputs take no key_padding_mask or attn_mask"),
-    ({}, {"dense_key": True}, TypeError, r"all nested tensors or none"),
-], ids=["seq_first", "key_padding_mask", "attn_mask", "mixed"])
+@pytest.mark.parametrize(
+    ("build", "call", "error", "match"),
+    [
+        ({"batch_first": False}, {}, ValueError, r"batch_first=False.*batch_first=True"),
+        ({}, {"key_padding_mask": _padding(LENGTHS, L)}, ValueError, r"nested inputs take no key_padding_mask"),
+        ({}, {"attn_mask": _causal(L)}, ValueError, r"nested inputs take no key_padding_mask or attn_mask"),
+        ({}, {"dense_key": True}, TypeError, r"all nested tensors or none"),
+    ],
+    ids=["seq_first", "key_padding_mask", "attn_mask", "mixed"],
+)
 def test_nested_inputs_bad_input(build, call, error, match):
     ours = MultiheadAttention(E, H, dtype=DT, **{"batch_first": True, **build})
     x = _x(L, True, 10)
@@ -429,8 +461,11 @@ def test_torch_jit_script_is_refused_with_a_reason(inside_layer):
     if inside_layer:
         target = nn.TransformerEncoderLayer(E, H, FF, dtype=DT)
         target.self_attn = ours
-    with pytest.raises(TypeError, match=r"cannot be compiled by torch\.jit\.script.*TorchScript cannot compile.*"
-                                        r"torch\.compile.*load_state_dict"):
+    with pytest.raises(
+        TypeError,
+        match=r"cannot be compiled by torch\.jit\.script.*TorchScript cannot compile.*"
+        r"torch\.compile.*load_state_dict",
+    ):
         torch.jit.script(target)
     if inside_layer:
         assert target.self_attn is ours  # scripting left the model as it was

@@ -25,16 +25,21 @@ def _identity(seen: list):
     def fn(t, name):
         seen.append((name, tuple(t.shape)))
         return None
+
     return fn
 
 
 # ------------------------------------------------------------------ identity hooks change nothing
-@pytest.mark.parametrize("options,mask", [
-    ({"causal": True}, None),
-    ({}, mh.key_padding(torch.tensor([5, 3]))),
-    ({"sinks": True}, mh.sliding_window(2)),
-    ({"causal": True, "softcap": 5.0}, None),
-], ids=["causal", "padding", "sinks-window", "softcap"])
+@pytest.mark.parametrize(
+    "options,mask",
+    [
+        ({"causal": True}, None),
+        ({}, mh.key_padding(torch.tensor([5, 3]))),
+        ({"sinks": True}, mh.sliding_window(2)),
+        ({"causal": True, "softcap": 5.0}, None),
+    ],
+    ids=["causal", "padding", "sinks-window", "softcap"],
+)
 def test_scores_and_pattern_hooks_that_change_nothing_give_the_fast_path(options, mask):
     layer = _layer(**options)
     if layer.sinks is not None:
@@ -53,8 +58,9 @@ def test_scores_and_pattern_hooks_that_change_nothing_give_the_fast_path(options
 
 def test_identity_hooks_in_latent_attention_and_the_torch_drop_in():
     torch.manual_seed(1)
-    mla = mh.MultiHeadLatentAttention(32, 4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                      v_head_dim=8, dtype=DT).eval()
+    mla = mh.MultiHeadLatentAttention(
+        32, 4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, dtype=DT
+    ).eval()
     x = torch.randn(2, 6, 32, dtype=DT)
     for mode in ("naive", "absorbed"):
         mla.mode = mode
@@ -88,7 +94,7 @@ def test_ablating_a_head_subtracts_its_share_of_the_output_projection():
     with layer.add_hook("output", ablate):
         ablated = layer(x)
     # out = sum_h y_h W_O[:, hD:(h+1)D]^T + b: removing head h removes exactly its term
-    share = y[:, h] @ layer.out_proj.weight[:, h * D:(h + 1) * D].T  # (B, Lq, E)
+    share = y[:, h] @ layer.out_proj.weight[:, h * D : (h + 1) * D].T  # (B, Lq, E)
     torch.testing.assert_close(ablated, full - share)
 
 
@@ -103,8 +109,14 @@ def test_a_patched_pattern_mixes_the_values_it_says():
         p[:, 5, :, 0] = 1
         return p
 
-    with hooks.hooked(layer, {"pattern": first_key_only, "v": lambda v, n: got.setdefault("v", v),
-                              "output": lambda y, n: got.setdefault("y", y)}):
+    with hooks.hooked(
+        layer,
+        {
+            "pattern": first_key_only,
+            "v": lambda v, n: got.setdefault("v", v),
+            "output": lambda y, n: got.setdefault("y", y),
+        },
+    ):
         _, w = layer(x, need_weights=True, weights_heads=5)
     v = repeat_kv(got["v"], 6)  # (B, Hq, Lk, D): head 5 reads KV head 5 // 2 = 2
     torch.testing.assert_close(got["y"][:, 5], v[:, 5, :1].expand(-1, 7, -1))
@@ -115,8 +127,14 @@ def test_zero_queries_give_the_running_mean_of_the_values():
     layer = _layer(causal=True)
     x = torch.randn(1, 6, 24, dtype=DT)
     got = {}
-    with hooks.hooked(layer, {"q": lambda q, n: torch.zeros_like(q), "v": lambda v, n: got.setdefault("v", v),
-                              "output": lambda y, n: got.setdefault("y", y)}):
+    with hooks.hooked(
+        layer,
+        {
+            "q": lambda q, n: torch.zeros_like(q),
+            "v": lambda v, n: got.setdefault("v", v),
+            "output": lambda y, n: got.setdefault("y", y),
+        },
+    ):
         layer(x)
     v = repeat_kv(got["v"], 6)
     running_mean = v.cumsum(2) / torch.arange(1, 7, dtype=DT).view(1, 1, -1, 1)  # scores 0: uniform over keys <= i
@@ -141,8 +159,9 @@ class _Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        shapes = tuple(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,))
-                       if isinstance(t, torch.Tensor))
+        shapes = tuple(
+            tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
+        )
         self.ops.append((str(func), shapes))
         return out
 
@@ -204,8 +223,10 @@ def test_capture_with_selections_records_only_them():
     x = torch.randn(2, 9, 32)
     with mh.capture_attention(model) as full:
         model(x)
-    with mh.capture_attention(model, weights_heads=[3, 1], weights_rows=-1) as last, \
-            mh.capture_attention(model, weights_heads=0) as head0:
+    with (
+        mh.capture_attention(model, weights_heads=[3, 1], weights_rows=-1) as last,
+        mh.capture_attention(model, weights_heads=0) as head0,
+    ):
         _, w = model[0](x, need_weights=True, weights_rows=[0, 4])  # a third selection in the same pass
     assert last.names == ["0"] and last.weights[0].shape == (2, 2, 1, 9)
     torch.testing.assert_close(last.weights[0], full.weights[0][:, [3, 1]][:, :, [-1]])
@@ -222,8 +243,11 @@ def test_as_bertviz_refuses_a_capture_bertviz_cannot_read():
     layer = mh.MultiHeadAttention(16, 2).eval()
     with mh.capture_attention(layer, weights_rows=-1) as cap:
         layer(torch.randn(1, 5, 16))
-    with pytest.raises(ValueError, match=r"as_bertviz: .* kept only weights_heads=None, weights_rows=-1; open "
-                                         r"capture_attention\(model\) without selections"):
+    with pytest.raises(
+        ValueError,
+        match=r"as_bertviz: .* kept only weights_heads=None, weights_rows=-1; open "
+        r"capture_attention\(model\) without selections",
+    ):
         cap.as_bertviz()
     with mh.capture_attention(layer) as cap:
         pass
@@ -249,13 +273,23 @@ def test_hooked_names_points_by_module_name_and_wildcard():
             pass
 
 
-@pytest.mark.parametrize("call,error,message", [
-    (lambda l: l.add_hook("weights", lambda t, n: None), ValueError, r"point must be one of \('q', .*got 'weights'"),
-    (lambda l: l.add_hook("q", 3), TypeError, "fn must be callable .* got int"),
-    (lambda l: hooks.add_hook(nn.Linear(2, 2), "q", lambda t, n: None), TypeError,
-     "multihead attention layer .* Linear"),
-    (lambda l: hooks.hooked(l, ["q"]).__enter__(), TypeError, "hooks must be a dict"),
-])
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (
+            lambda l: l.add_hook("weights", lambda t, n: None),
+            ValueError,
+            r"point must be one of \('q', .*got 'weights'",
+        ),
+        (lambda l: l.add_hook("q", 3), TypeError, "fn must be callable .* got int"),
+        (
+            lambda l: hooks.add_hook(nn.Linear(2, 2), "q", lambda t, n: None),
+            TypeError,
+            "multihead attention layer .* Linear",
+        ),
+        (lambda l: hooks.hooked(l, ["q"]).__enter__(), TypeError, "hooks must be a dict"),
+    ],
+)
 def test_bad_hook_arguments(call, error, message):
     with pytest.raises(error, match=message):
         call(_layer())
@@ -264,20 +298,30 @@ def test_bad_hook_arguments(call, error, message):
 def test_a_replacement_of_another_shape_is_refused_with_the_point_named():
     layer = _layer()
     with layer.add_hook("output", lambda y, n: y[:, :1]):
-        with pytest.raises(ValueError, match=r"at 'output' returned \(1, 1, 3, 4\); expected None or a tensor .* "
-                                             r"\(1, 6, 3, 4\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"at 'output' returned \(1, 1, 3, 4\); expected None or a tensor .* "
+            r"\(1, 6, 3, 4\)",
+        ):
             layer(torch.randn(1, 3, 24, dtype=DT))
     # Regression: a q hook giving another dtype failed later with "q, k and v must share a dtype".
     other = torch.float32 if DT != torch.float32 else torch.float64
     with layer.add_hook("q", lambda q, n: q.to(other)):
-        with pytest.raises(TypeError, match=rf"at 'q' returned a {other} tensor on cpu; expected None or a tensor "
-                                            rf"of the dtype and device it was given, {DT} on cpu"):
+        with pytest.raises(
+            TypeError,
+            match=rf"at 'q' returned a {other} tensor on cpu; expected None or a tensor "
+            rf"of the dtype and device it was given, {DT} on cpu",
+        ):
             layer(torch.randn(1, 3, 24, dtype=DT))
 
 
 def test_help_on_layer_constructors_shows_their_arguments():
-    for cls, argument in ((mh.MultiHeadAttention, "num_kv_heads"), (mh.GroupedQueryAttention, "num_kv_heads"),
-                          (mh.MultiHeadLatentAttention, "kv_lora_rank"), (mh.compat.MultiheadAttention, "batch_first")):
+    for cls, argument in (
+        (mh.MultiHeadAttention, "num_kv_heads"),
+        (mh.GroupedQueryAttention, "num_kv_heads"),
+        (mh.MultiHeadLatentAttention, "kv_lora_rank"),
+        (mh.compat.MultiheadAttention, "batch_first"),
+    ):
         doc = inspect.getdoc(cls.__init__)
         assert argument in doc and "Initialize internal Module state" not in doc, cls
 
@@ -297,8 +341,9 @@ def test_the_torch_drop_in_selects_weights_too():
 
 def test_hooks_see_what_attention_reads_while_decoding_with_a_cache():
     torch.manual_seed(7)
-    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, rope=mh.positions.RotaryEmbedding(8),
-                                  dtype=DT).eval()
+    layer = mh.MultiHeadAttention(
+        32, 4, num_kv_heads=2, causal=True, rope=mh.positions.RotaryEmbedding(8), dtype=DT
+    ).eval()
     x = torch.randn(2, 6, 32, dtype=DT)
     plain, hooked_cache = mh.DynamicKVCache(), mh.DynamicKVCache()
     layer(x[:, :5], kv_cache=plain)

@@ -32,8 +32,19 @@ L = 13
 
 def _layer(q_lora_rank=CQ, mode="naive", dtype=torch.float64, seed=0, bias=True, **kw):
     torch.manual_seed(seed)
-    layer = MultiHeadLatentAttention(E, H, kv_lora_rank=C, q_lora_rank=q_lora_rank, qk_nope_head_dim=N,
-                                     qk_rope_head_dim=R, v_head_dim=V, mode=mode, bias=bias, dtype=dtype, **kw)
+    layer = MultiHeadLatentAttention(
+        E,
+        H,
+        kv_lora_rank=C,
+        q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=N,
+        qk_rope_head_dim=R,
+        v_head_dim=V,
+        mode=mode,
+        bias=bias,
+        dtype=dtype,
+        **kw,
+    )
     with torch.no_grad():  # RMSNorm weights start at 1; make them matter
         for p in layer.parameters():
             if p.dim() == 1:
@@ -46,8 +57,21 @@ def _x(B=2, Lx=L, dtype=torch.float64, seed=1):
 
 
 # ---------------------------------------------------------------------------- the published equations
-def published_mla(params: dict, x, *, heads, kv_lora_rank, nope, rope, v_dim, positions=None, base=10000.0,
-                  eps=1e-6, scale=None, causal=True):
+def published_mla(
+    params: dict,
+    x,
+    *,
+    heads,
+    kv_lora_rank,
+    nope,
+    rope,
+    v_dim,
+    positions=None,
+    base=10000.0,
+    eps=1e-6,
+    scale=None,
+    causal=True,
+):
     """DeepSeek-V2 section 2.1 (decoupled RoPE, low-rank Q and KV) computed plainly, one head at
     a time, from a state dict with Hugging Face's names. Written from the equations, not from the
     layer: its own RMSNorm, its own RoPE (pairs (2i, 2i+1) as complex numbers, as DeepSeek's
@@ -79,9 +103,9 @@ def published_mla(params: dict, x, *, heads, kv_lora_rank, nope, rope, v_dim, po
     scale = 1 / math.sqrt(nope + rope) if scale is None else scale
     heads_out = []
     for h in range(heads):
-        q_h = q[..., h * (nope + rope):(h + 1) * (nope + rope)]
+        q_h = q[..., h * (nope + rope) : (h + 1) * (nope + rope)]
         q_h = torch.cat([q_h[..., :nope], rotate(q_h[..., nope:])], -1)  # q_{t,i} = [q^C_{t,i} ; q^R_{t,i}]
-        block = kv_b[..., h * (nope + v_dim):(h + 1) * (nope + v_dim)]
+        block = kv_b[..., h * (nope + v_dim) : (h + 1) * (nope + v_dim)]
         k_h = torch.cat([block[..., :nope], k_rope], -1)  # k_{t,i} = [k^C_{t,i} ; k^R_t]
         v_h = block[..., nope:]
         scores = torch.einsum("btd,bsd->bts", q_h, k_h) * scale
@@ -104,11 +128,23 @@ def test_the_layer_computes_the_published_equations(mode, q_lora_rank):
 
 
 def test_the_parameters_carry_the_published_names_in_both_layouts():
-    low = {"q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight",
-           "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight", "kv_b_proj.weight",
-           "o_proj.weight", "o_proj.bias"}
+    low = {
+        "q_a_proj.weight",
+        "q_a_proj.bias",
+        "q_a_layernorm.weight",
+        "q_b_proj.weight",
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_proj_with_mqa.bias",
+        "kv_a_layernorm.weight",
+        "kv_b_proj.weight",
+        "o_proj.weight",
+        "o_proj.bias",
+    }
     assert set(_layer().state_dict()) == low
-    full = low - {"q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight"} | {"q_proj.weight", "q_proj.bias"}
+    full = low - {"q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight"} | {
+        "q_proj.weight",
+        "q_proj.bias",
+    }
     assert set(_layer(None).state_dict()) == full
     assert set(_layer(bias=False).state_dict()) == {k for k in low if not k.endswith(".bias")}
     shapes = {k: tuple(v.shape) for k, v in _layer().state_dict().items()}
@@ -193,7 +229,7 @@ def _decode(layer, x, cache, chunks, **kw):
     """Prefill ``chunks[0]`` tokens, then the rest in chunks of the given sizes."""
     outs, t = [], 0
     for n in chunks:
-        outs.append(layer(x[:, t:t + n], kv_cache=cache, **kw))
+        outs.append(layer(x[:, t : t + n], kv_cache=cache, **kw))
         t += n
     assert t == x.shape[1]
     return torch.cat(outs, 1)
@@ -235,7 +271,7 @@ def test_a_cache_filled_in_one_mode_serves_the_other():
         cache = LatentKVCache()
         head = layer(x[:, :7], kv_cache=cache)  # naive prefill (cheaper for long prompts)
         layer.mode = "absorbed"
-        tail = [layer(x[:, t:t + 1], kv_cache=cache) for t in range(7, L)]  # absorbed decoding
+        tail = [layer(x[:, t : t + 1], kv_cache=cache) for t in range(7, L)]  # absorbed decoding
     torch.testing.assert_close(torch.cat([head, *tail], 1), full)
 
 
@@ -344,12 +380,21 @@ def test_cache_growth_crop_reorder_rollback_and_reset():
 
 REFUSED = [
     ("v not the prefix of k", lambda r: (r, r[..., :C] + 1), ValueError, r"v must equal k\[\.\.\., :20\]"),
-    ("other heads", lambda r: (r.expand(2, 2, 1, C + R), r.expand(2, 2, 1, C + R)[..., :C]), ValueError,
-     r"Hkv=2 but the cache holds Hkv=1"),
-    ("other latent size", lambda r: (r, r[..., :C - 2]), ValueError, r"Dv=18 but the cache holds Dv=20"),
+    (
+        "other heads",
+        lambda r: (r.expand(2, 2, 1, C + R), r.expand(2, 2, 1, C + R)[..., :C]),
+        ValueError,
+        r"Hkv=2 but the cache holds Hkv=1",
+    ),
+    ("other latent size", lambda r: (r, r[..., : C - 2]), ValueError, r"Dv=18 but the cache holds Dv=20"),
     ("other rows size", lambda r: (r[..., :-2], r[..., :C]), ValueError, r"D=26 but the cache holds D=28"),
     ("other batch", lambda r: (r[:1], r[:1, ..., :C]), ValueError, r"B=1 but the cache holds B=2"),
-    ("other dtype", lambda r: (r.float(), r.float()[..., :C]), TypeError, r"dtype torch.float32 but the cache holds torch.float64"),
+    (
+        "other dtype",
+        lambda r: (r.float(), r.float()[..., :C]),
+        TypeError,
+        r"dtype torch.float32 but the cache holds torch.float64",
+    ),
 ]
 
 
@@ -423,27 +468,80 @@ CASES = [
     ("missing dims", lambda: MultiHeadLatentAttention(E, H, kv_lora_rank=C), TypeError, r"qk_nope_head_dim"),
     ("unknown mode", lambda: _mla(mode="fast"), ValueError, r"mode must be one of \('naive', 'absorbed'\).*got 'fast'"),
     ("mode set later", _set_mode, ValueError, r"mode must be one of \('naive', 'absorbed'\).*got 'flash'"),
-    ("rope of other dim", lambda: _mla(rope=RotaryEmbedding(2 * R)), ValueError,
-     rf"rope rotates heads of dim={2 * R} but qk_rope_head_dim={R}; expected RotaryEmbedding\({R}"),
-    ("rope and rope_base", lambda: _mla(rope=RotaryEmbedding(R), rope_base=1e4), ValueError, r"give rope or rope_base, not both"),
+    (
+        "rope of other dim",
+        lambda: _mla(rope=RotaryEmbedding(2 * R)),
+        ValueError,
+        rf"rope rotates heads of dim={2 * R} but qk_rope_head_dim={R}; expected RotaryEmbedding\({R}",
+    ),
+    (
+        "rope and rope_base",
+        lambda: _mla(rope=RotaryEmbedding(R), rope_base=1e4),
+        ValueError,
+        r"give rope or rope_base, not both",
+    ),
     ("rope not callable", lambda: _mla(rope=3), TypeError, r"rope must be None or a callable"),
     ("bad rope base", lambda: _mla(rope_base=0), ValueError, r"rope_base must be a positive finite number, got 0"),
-    ("bad scale", lambda: _mla(softmax_scale=-0.1), ValueError, r"softmax_scale must be a positive finite number, got -0.1"),
+    (
+        "bad scale",
+        lambda: _mla(softmax_scale=-0.1),
+        ValueError,
+        r"softmax_scale must be a positive finite number, got -0.1",
+    ),
     ("bad eps", lambda: _mla(norm_eps=0.0), ValueError, r"norm_eps must be a positive finite number, got 0.0"),
     ("causal not bool", lambda: _mla(causal=1), TypeError, r"causal must be a bool, got int"),
     ("unknown backend", lambda: _mla(backend="flash9"), ValueError, r"unknown backend 'flash9'"),
     # forward
-    ("x features", lambda: _mla()(torch.randn(2, 5, E + 1)), ValueError, rf"x has {E + 1} features .* expects d_model={E}"),
-    ("x rank", lambda: _mla()(torch.randn(5, E)), ValueError, r"x must have 3 dims \(B, L, E\), got shape \(5, 40\).*unsqueeze"),
-    ("x dtype", lambda: _mla()(xf.double()), TypeError, r"x has dtype torch.float64 but the layer's weights are torch.float32"),
-    ("x integer", lambda: _mla()(torch.ones(2, 5, E, dtype=torch.long)), TypeError, r"x must be a floating-point tensor"),
-    ("positions shape", lambda: _mla()(xf, positions=torch.arange(4)), ValueError, r"positions must have shape \(Lq,\) = \(5,\)"),
-    ("positions float", lambda: _mla()(xf, positions=torch.arange(5.0)), TypeError, r"positions must have an integer dtype"),
-    ("cache type", lambda: _mla()(xf, kv_cache={}), TypeError, r"kv_cache must be None or a multihead.caches.KVCache.*got dict"),
+    (
+        "x features",
+        lambda: _mla()(torch.randn(2, 5, E + 1)),
+        ValueError,
+        rf"x has {E + 1} features .* expects d_model={E}",
+    ),
+    (
+        "x rank",
+        lambda: _mla()(torch.randn(5, E)),
+        ValueError,
+        r"x must have 3 dims \(B, L, E\), got shape \(5, 40\).*unsqueeze",
+    ),
+    (
+        "x dtype",
+        lambda: _mla()(xf.double()),
+        TypeError,
+        r"x has dtype torch.float64 but the layer's weights are torch.float32",
+    ),
+    (
+        "x integer",
+        lambda: _mla()(torch.ones(2, 5, E, dtype=torch.long)),
+        TypeError,
+        r"x must be a floating-point tensor",
+    ),
+    (
+        "positions shape",
+        lambda: _mla()(xf, positions=torch.arange(4)),
+        ValueError,
+        r"positions must have shape \(Lq,\) = \(5,\)",
+    ),
+    (
+        "positions float",
+        lambda: _mla()(xf, positions=torch.arange(5.0)),
+        TypeError,
+        r"positions must have an integer dtype",
+    ),
+    (
+        "cache type",
+        lambda: _mla()(xf, kv_cache={}),
+        TypeError,
+        r"kv_cache must be None or a multihead.caches.KVCache.*got dict",
+    ),
     ("need_weights type", lambda: _mla()(xf, need_weights=1), TypeError, r"need_weights must be a bool"),
     ("mask shape", lambda: _mla()(xf, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, r"not broadcastable"),
-    ("cache v wider than k", lambda: LatentKVCache().update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 5)),
-     ValueError, r"v must be the first Dv features of k .*so Dv <= D"),
+    (
+        "cache v wider than k",
+        lambda: LatentKVCache().update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 5)),
+        ValueError,
+        r"v must be the first Dv features of k .*so Dv <= D",
+    ),
     ("cache capacity", lambda: LatentKVCache(0), ValueError, r"capacity must be a positive int, got 0"),
     ("cache crop", lambda: LatentKVCache().crop(1), ValueError, r"length must be in \[0, 0\]"),
     ("cache reorder empty", lambda: LatentKVCache().reorder(torch.tensor([0])), ValueError, r"the cache is empty"),
@@ -461,6 +559,7 @@ def test_a_cache_of_another_layer_shape_is_refused_and_unchanged():
     with torch.no_grad():
         _mla()(xf, kv_cache=cache)
         with pytest.raises(ValueError, match=r"D=34 but the cache holds D=28"):
-            MultiHeadLatentAttention(E, H, kv_lora_rank=C + 6, qk_nope_head_dim=N, qk_rope_head_dim=R,
-                                     v_head_dim=V)(xf, kv_cache=cache)
+            MultiHeadLatentAttention(E, H, kv_lora_rank=C + 6, qk_nope_head_dim=N, qk_rope_head_dim=R, v_head_dim=V)(
+                xf, kv_cache=cache
+            )
     assert cache.length == 5

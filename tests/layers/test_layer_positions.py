@@ -36,8 +36,10 @@ def alibi_bias(H, Lq, Lk, symmetric=False):
 
 def t5_bias(rel: RelativePositionBias, table, Lq, Lk):
     d = distance(Lq, Lk)
-    idx = torch.tensor([[t5_bucket(int(x), rel.bidirectional, rel.num_buckets, rel.max_distance) for x in row]
-                        for row in d], dtype=torch.long).view(Lq, Lk)
+    idx = torch.tensor(
+        [[t5_bucket(int(x), rel.bidirectional, rel.num_buckets, rel.max_distance) for x in row] for row in d],
+        dtype=torch.long,
+    ).view(Lq, Lk)
     return table[idx].permute(2, 0, 1)  # (H, Lq, Lk)
 
 
@@ -93,16 +95,18 @@ def test_layer_with_alibi_equals_the_plain_layer(causal, symmetric):
 def _plain_copy(layer):
     """The same layer without position options (a guard that the options matter)."""
     copy = _layer(layer.num_heads, layer.num_kv_heads, E=layer.d_model, causal=layer.causal)
-    copy.load_state_dict({k: v for k, v in layer.state_dict().items()
-                          if k.split(".")[0] in ("q_proj", "k_proj", "v_proj", "out_proj")})
+    copy.load_state_dict(
+        {k: v for k, v in layer.state_dict().items() if k.split(".")[0] in ("q_proj", "k_proj", "v_proj", "out_proj")}
+    )
     return copy
 
 
 def test_cross_attention_alibi_aligns_the_last_query_with_the_last_key():
     layer = _layer(4, 4, causal=False, score_mod=ALiBi(4))
     x, memory = _x(2, 5), _x(2, 17, seed=2)
-    torch.testing.assert_close(layer(x, memory), plain_layer(layer, x, memory, bias=alibi_bias(4, 5, 17)),
-                               rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        layer(x, memory), plain_layer(layer, x, memory, bias=alibi_bias(4, 5, 17)), rtol=1e-10, atol=1e-10
+    )
 
 
 # ------------------------------------------------------------------------- T5 relative bias
@@ -184,7 +188,12 @@ def test_layer_weights_with_sinks_and_a_position_bias_are_the_plain_probabilitie
     # the plain probabilities, from the same computation as plain_layer
     H, D = 4, layer.head_dim
     q = F.linear(x, layer.q_proj.weight, layer.q_proj.bias).unflatten(-1, (H, D)).transpose(1, 2)
-    k = F.linear(x, layer.k_proj.weight, layer.k_proj.bias).unflatten(-1, (2, D)).transpose(1, 2).repeat_interleave(2, 1)
+    k = (
+        F.linear(x, layer.k_proj.weight, layer.k_proj.bias)
+        .unflatten(-1, (2, D))
+        .transpose(1, 2)
+        .repeat_interleave(2, 1)
+    )
     s = q @ k.transpose(-2, -1) / math.sqrt(D) + t5_bias(rel, rel.weight.detach(), 7, 7)
     s = torch.cat([s, layer.sinks.detach().view(1, H, 1, 1).expand(2, H, 7, 1)], -1)
     torch.testing.assert_close(weights, torch.softmax(s, -1)[..., :7], rtol=1e-10, atol=1e-10)
@@ -210,7 +219,7 @@ def test_layer_without_sinks_has_none():
 def _decode(layer, x, chunks):
     cache, outs, t = DynamicKVCache(), [], 0
     for n in chunks:
-        outs.append(layer(x[:, t:t + n], kv_cache=cache))
+        outs.append(layer(x[:, t : t + n], kv_cache=cache))
         t += n
         assert cache.length == t
     return torch.cat(outs, dim=1)
@@ -244,8 +253,9 @@ def test_cached_decoding_equals_the_full_causal_forward(option, schedule, dtype)
             bias = alibi_bias(4, 11, 11, symmetric="symmetric" in option)
         else:
             bias = t5_bias(layer.score_mod, layer.score_mod.weight.detach(), 11, 11)
-        want = plain_layer(layer, x, bias=bias, softcap=layer.softcap,
-                           sinks=None if layer.sinks is None else layer.sinks.detach())
+        want = plain_layer(
+            layer, x, bias=bias, softcap=layer.softcap, sinks=None if layer.sinks is None else layer.sinks.detach()
+        )
         torch.testing.assert_close(full, want, rtol=1e-10, atol=1e-10)
 
 
@@ -262,27 +272,76 @@ def test_top_left_alibi_would_not_survive_decoding():
 # ------------------------------------------------------------------------------- bad input
 BAD = [
     ("softcap zero", lambda: MHA(16, 4, softcap=0), ValueError, r"softcap: cap must be a finite number > 0, got 0"),
-    ("softcap negative", lambda: MHA(16, 4, softcap=-1.0), ValueError, r"softcap: cap must be a finite number > 0, got -1\.0"),
-    ("softcap inf", lambda: MHA(16, 4, softcap=float("inf")), ValueError, r"softcap: cap must be a finite number > 0, got inf"),
-    ("softcap str", lambda: MHA(16, 4, softcap="x"), TypeError, r"softcap: cap must be a Python number \(int or float\), got str"),
-    ("softcap bool", lambda: MHA(16, 4, softcap=True), TypeError, r"softcap: cap must be a Python number \(int or float\), got bool"),
+    (
+        "softcap negative",
+        lambda: MHA(16, 4, softcap=-1.0),
+        ValueError,
+        r"softcap: cap must be a finite number > 0, got -1\.0",
+    ),
+    (
+        "softcap inf",
+        lambda: MHA(16, 4, softcap=float("inf")),
+        ValueError,
+        r"softcap: cap must be a finite number > 0, got inf",
+    ),
+    (
+        "softcap str",
+        lambda: MHA(16, 4, softcap="x"),
+        TypeError,
+        r"softcap: cap must be a Python number \(int or float\), got str",
+    ),
+    (
+        "softcap bool",
+        lambda: MHA(16, 4, softcap=True),
+        TypeError,
+        r"softcap: cap must be a Python number \(int or float\), got bool",
+    ),
     ("softcap tensor", lambda: MHA(16, 4, softcap=torch.tensor(2.0)), TypeError, r"got Tensor; use float\(cap\)"),
-    ("sinks str", lambda: MHA(16, 4, sinks="yes"), TypeError, r"MultiHeadAttention: sinks must be a bool, got str 'yes'"),
+    (
+        "sinks str",
+        lambda: MHA(16, 4, sinks="yes"),
+        TypeError,
+        r"MultiHeadAttention: sinks must be a bool, got str 'yes'",
+    ),
     ("sinks int", lambda: MHA(16, 4, sinks=1), TypeError, r"MultiHeadAttention: sinks must be a bool, got int 1"),
-    ("score_mod int", lambda: MHA(16, 4, score_mod=42), TypeError,
-     r"MultiHeadAttention: score_mod must be a multihead.scores modifier, "
-     r"a function fn\(score, b, h, q_idx, kv_idx\) "
-     r"-> score, a list of them, or None; got int"),
-    ("score_mod tensor", lambda: MHA(16, 4, score_mod=torch.zeros(4, 5, 5)), TypeError,
-     r"score_mod must be .* got Tensor; for a bias tensor use multihead.scores.bias\(tensor\)"),
-    ("score_mod list item", lambda: MHA(16, 4, score_mod=[ALiBi(4), 3]), TypeError,
-     r"MultiHeadAttention: score_mod\[1\] must be a multihead.scores modifier or a function .* got int"),
-    ("alibi heads", lambda: MHA(16, 4, score_mod=ALiBi(3))(torch.randn(2, 5, 16)), ValueError,
-     r"ALiBi\(3\) has num_heads=3 but the attention has Hq=4 query heads; build it with num_heads=4"),
-    ("t5 heads", lambda: MHA(16, 4, score_mod=RelativePositionBias(2))(torch.randn(2, 5, 16)), ValueError,
-     r"has num_heads=2 but the attention has Hq=4 query heads; build it with num_heads=4"),
-    ("score_mod returns float", lambda: MHA(16, 4, score_mod=lambda s, b, h, q, k: 3.0)(torch.randn(2, 5, 16)), TypeError,
-     r"returned float; it must return the modified scores"),
+    (
+        "score_mod int",
+        lambda: MHA(16, 4, score_mod=42),
+        TypeError,
+        r"MultiHeadAttention: score_mod must be a multihead.scores modifier, "
+        r"a function fn\(score, b, h, q_idx, kv_idx\) "
+        r"-> score, a list of them, or None; got int",
+    ),
+    (
+        "score_mod tensor",
+        lambda: MHA(16, 4, score_mod=torch.zeros(4, 5, 5)),
+        TypeError,
+        r"score_mod must be .* got Tensor; for a bias tensor use multihead.scores.bias\(tensor\)",
+    ),
+    (
+        "score_mod list item",
+        lambda: MHA(16, 4, score_mod=[ALiBi(4), 3]),
+        TypeError,
+        r"MultiHeadAttention: score_mod\[1\] must be a multihead.scores modifier or a function .* got int",
+    ),
+    (
+        "alibi heads",
+        lambda: MHA(16, 4, score_mod=ALiBi(3))(torch.randn(2, 5, 16)),
+        ValueError,
+        r"ALiBi\(3\) has num_heads=3 but the attention has Hq=4 query heads; build it with num_heads=4",
+    ),
+    (
+        "t5 heads",
+        lambda: MHA(16, 4, score_mod=RelativePositionBias(2))(torch.randn(2, 5, 16)),
+        ValueError,
+        r"has num_heads=2 but the attention has Hq=4 query heads; build it with num_heads=4",
+    ),
+    (
+        "score_mod returns float",
+        lambda: MHA(16, 4, score_mod=lambda s, b, h, q, k: 3.0)(torch.randn(2, 5, 16)),
+        TypeError,
+        r"returned float; it must return the modified scores",
+    ),
 ]
 
 

@@ -24,8 +24,11 @@ def reference_layer(layer: mh.MultiHeadAttention, query, key=None, value=None, m
     D = layer.head_dim
 
     def heads(x, proj, n):
-        return F.linear(x.double(), proj.weight.double(), None if proj.bias is None else proj.bias.double()) \
-            .unflatten(-1, (n, D)).transpose(1, 2)  # (B, n, L, D)
+        return (
+            F.linear(x.double(), proj.weight.double(), None if proj.bias is None else proj.bias.double())
+            .unflatten(-1, (n, D))
+            .transpose(1, 2)
+        )  # (B, n, L, D)
 
     q = heads(query, layer.q_proj, layer.num_heads)
     k = heads(key, layer.k_proj, layer.num_kv_heads)
@@ -33,8 +36,11 @@ def reference_layer(layer: mh.MultiHeadAttention, query, key=None, value=None, m
     if layer.causal:
         mask = mh.causal() if mask is None else mh.masks.as_mask(mask) & mh.causal()
     out, weights, _ = mh.reference_attention(q, k, v, mask=mask, compute_dtype=DT)
-    out = F.linear(out.transpose(1, 2).flatten(2), layer.out_proj.weight.double(),
-                   None if layer.out_proj.bias is None else layer.out_proj.bias.double())
+    out = F.linear(
+        out.transpose(1, 2).flatten(2),
+        layer.out_proj.weight.double(),
+        None if layer.out_proj.bias is None else layer.out_proj.bias.double(),
+    )
     return (out if layer.batch_first else out.transpose(0, 1)), weights
 
 
@@ -72,8 +78,9 @@ def test_matches_reference_with_weights(case):
     Hq, Hkv, hd, kd, vd, causal, bf, Lq, Lk, kind = case
     torch.manual_seed(0)
     E, B = 24, 2
-    layer = mh.MultiHeadAttention(E, Hq, num_kv_heads=Hkv, head_dim=hd, kdim=kd, vdim=vd, causal=causal,
-                                  batch_first=bf, dtype=DT)
+    layer = mh.MultiHeadAttention(
+        E, Hq, num_kv_heads=Hkv, head_dim=hd, kdim=kd, vdim=vd, causal=causal, batch_first=bf, dtype=DT
+    )
     g = torch.Generator().manual_seed(1)
     shape = (lambda L, f: (B, L, f)) if bf else (lambda L, f: (L, B, f))
     query = torch.randn(shape(Lq, E), generator=g, dtype=DT)
@@ -233,8 +240,14 @@ def test_autocast_bf16():
 def test_to_dtype_and_state_dict_round_trip(tmp_path):
     torch.manual_seed(11)
     layer = mh.GroupedQueryAttention(24, 6, 2, kdim=10, vdim=10, qkv_bias=(False, False, True))
-    assert set(layer.state_dict()) == {"q_proj.weight", "k_proj.weight", "v_proj.weight", "v_proj.bias",
-                                       "out_proj.weight", "out_proj.bias"}
+    assert set(layer.state_dict()) == {
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "v_proj.bias",
+        "out_proj.weight",
+        "out_proj.bias",
+    }
     torch.save(layer.state_dict(), tmp_path / "layer.pt")
     fresh = mh.GroupedQueryAttention(24, 6, 2, kdim=10, vdim=10, qkv_bias=(False, False, True))
     fresh.load_state_dict(torch.load(tmp_path / "layer.pt"))

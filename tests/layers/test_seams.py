@@ -55,8 +55,11 @@ def reference(layer: mh.MultiHeadAttention, x, positions=None):
         w, b = proj.weight.double(), None if proj.bias is None else proj.bias.double()
         return F.linear(x, w, b).unflatten(-1, (n, D)).transpose(1, 2)  # (B, n, L, D)
 
-    q, k, v = heads(layer.q_proj, layer.num_heads), heads(layer.k_proj, layer.num_kv_heads), \
-        heads(layer.v_proj, layer.num_kv_heads)
+    q, k, v = (
+        heads(layer.q_proj, layer.num_heads),
+        heads(layer.k_proj, layer.num_kv_heads),
+        heads(layer.v_proj, layer.num_kv_heads),
+    )
     if layer.rope is not None:
         rope = PairRotation(D)
         positions = torch.arange(x.shape[1]) if positions is None else positions
@@ -68,8 +71,16 @@ def reference(layer: mh.MultiHeadAttention, x, positions=None):
 
 def _layer(Hq=4, Hkv=None, *, batch_first=True, dtype=DT, rope=False, E=24, **kw):
     torch.manual_seed(0)
-    return mh.MultiHeadAttention(E, Hq, num_kv_heads=Hkv, causal=True, batch_first=batch_first, dtype=dtype,
-                                 rope=PairRotation(E // Hq) if rope else None, **kw)
+    return mh.MultiHeadAttention(
+        E,
+        Hq,
+        num_kv_heads=Hkv,
+        causal=True,
+        batch_first=batch_first,
+        dtype=dtype,
+        rope=PairRotation(E // Hq) if rope else None,
+        **kw,
+    )
 
 
 def _decode(layer, x, chunks, **kw):
@@ -217,38 +228,113 @@ x1 = torch.randn(2, 1, 24, dtype=DT)
 memory = torch.randn(2, 7, 24, dtype=DT)
 
 BAD = [  # (name, layer options, call(layer, cache), error, message); the cache holds 5 tokens of _layer(4, 2)
-    ("positions float", {}, lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([5.0])), TypeError,
-     r"positions must have an integer dtype \(torch.int64\), got torch.float32"),
-    ("positions bool", {}, lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([True])), TypeError,
-     r"positions must have an integer dtype \(torch.int64\), got torch.bool"),
-    ("positions list", {}, lambda m, c: m(x1, kv_cache=c, positions=[5]), TypeError,
-     r"positions must be None or an integer tensor \(Lq,\) = \(1,\) or \(B, Lq\) = \(2, 1\) .*got list"),
-    ("positions length", {}, lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([5, 6])), ValueError,
-     r"positions must have shape \(Lq,\) = \(1,\) or \(B, Lq\) = \(2, 1\), got \(2,\)"),
-    ("positions batch", {}, lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([[5]])), ValueError,
-     r"positions must have shape .* got \(1, 1\)"),
-    ("positions 3-D", {}, lambda m, c: m(x1, kv_cache=c, positions=torch.zeros(2, 1, 1, dtype=torch.long)), ValueError,
-     r"positions must have shape .* got \(2, 1, 1\)"),
-    ("cross-attention", {}, lambda m, c: m(x1, memory, kv_cache=c), ValueError,
-     r"kv_cache is only valid for self-attention \(key=None or key=query\)"
-     r".*got a separate key of shape \(2, 7, 24\)"),
-    ("cross-attention, key is a copy", {}, lambda m, c: m(x1, x1.clone(), kv_cache=c), ValueError,
-     r"kv_cache is only valid for self-attention"),
-    ("not a cache", {}, lambda m, c: m(x1, kv_cache={"k": None}), TypeError,
-     r"kv_cache must be None or a multihead.caches.KVCache \(for example DynamicKVCache\(\)\), got dict"),
-    ("cache of other kv heads", {"Hkv": 4}, lambda m, c: m(x1, kv_cache=c), ValueError,
-     r"DynamicKVCache.update: new keys/values have Hkv=4 but the cache holds Hkv=2 \(5 tokens"),
-    ("cache of other batch", {}, lambda m, c: m(torch.randn(3, 1, 24, dtype=DT), kv_cache=c), ValueError,
-     r"DynamicKVCache.update: new keys/values have B=3 but the cache holds B=2"),
-    ("cache of other dtype", {"dtype": torch.float32}, lambda m, c: m(x1.float(), kv_cache=c), TypeError,
-     r"DynamicKVCache.update: new keys/values have dtype torch.float32 but the cache holds torch.float64"),
-    ("mask over cached keys only", {}, lambda m, c: m(x1, kv_cache=c, mask=torch.ones(2, 1, 1, 5, dtype=torch.bool)),
-     ValueError, r"\(2, 1, 1, 5\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 4, 1, 6\)"),
-    ("rope with cross-attention", {"rope": True}, lambda m, c: m(x5, memory), ValueError,
-     r"rope rotates the keys at the query positions, so it needs self-attention .* shape \(2, 7, 24\)"),
-    ("rope of the wrong shape", {}, lambda m, c: _with_rope(m, lambda t, p: t[..., :2])(x1, kv_cache=c),
-     ValueError, r"rope must return a tensor of the shape it was given; for the query heads \(B, H, L, D\) = "
-                 r"\(2, 4, 1, 6\) it returned \(2, 4, 1, 2\)"),
+    (
+        "positions float",
+        {},
+        lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([5.0])),
+        TypeError,
+        r"positions must have an integer dtype \(torch.int64\), got torch.float32",
+    ),
+    (
+        "positions bool",
+        {},
+        lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([True])),
+        TypeError,
+        r"positions must have an integer dtype \(torch.int64\), got torch.bool",
+    ),
+    (
+        "positions list",
+        {},
+        lambda m, c: m(x1, kv_cache=c, positions=[5]),
+        TypeError,
+        r"positions must be None or an integer tensor \(Lq,\) = \(1,\) or \(B, Lq\) = \(2, 1\) .*got list",
+    ),
+    (
+        "positions length",
+        {},
+        lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([5, 6])),
+        ValueError,
+        r"positions must have shape \(Lq,\) = \(1,\) or \(B, Lq\) = \(2, 1\), got \(2,\)",
+    ),
+    (
+        "positions batch",
+        {},
+        lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([[5]])),
+        ValueError,
+        r"positions must have shape .* got \(1, 1\)",
+    ),
+    (
+        "positions 3-D",
+        {},
+        lambda m, c: m(x1, kv_cache=c, positions=torch.zeros(2, 1, 1, dtype=torch.long)),
+        ValueError,
+        r"positions must have shape .* got \(2, 1, 1\)",
+    ),
+    (
+        "cross-attention",
+        {},
+        lambda m, c: m(x1, memory, kv_cache=c),
+        ValueError,
+        r"kv_cache is only valid for self-attention \(key=None or key=query\)"
+        r".*got a separate key of shape \(2, 7, 24\)",
+    ),
+    (
+        "cross-attention, key is a copy",
+        {},
+        lambda m, c: m(x1, x1.clone(), kv_cache=c),
+        ValueError,
+        r"kv_cache is only valid for self-attention",
+    ),
+    (
+        "not a cache",
+        {},
+        lambda m, c: m(x1, kv_cache={"k": None}),
+        TypeError,
+        r"kv_cache must be None or a multihead.caches.KVCache \(for example DynamicKVCache\(\)\), got dict",
+    ),
+    (
+        "cache of other kv heads",
+        {"Hkv": 4},
+        lambda m, c: m(x1, kv_cache=c),
+        ValueError,
+        r"DynamicKVCache.update: new keys/values have Hkv=4 but the cache holds Hkv=2 \(5 tokens",
+    ),
+    (
+        "cache of other batch",
+        {},
+        lambda m, c: m(torch.randn(3, 1, 24, dtype=DT), kv_cache=c),
+        ValueError,
+        r"DynamicKVCache.update: new keys/values have B=3 but the cache holds B=2",
+    ),
+    (
+        "cache of other dtype",
+        {"dtype": torch.float32},
+        lambda m, c: m(x1.float(), kv_cache=c),
+        TypeError,
+        r"DynamicKVCache.update: new keys/values have dtype torch.float32 but the cache holds torch.float64",
+    ),
+    (
+        "mask over cached keys only",
+        {},
+        lambda m, c: m(x1, kv_cache=c, mask=torch.ones(2, 1, 1, 5, dtype=torch.bool)),
+        ValueError,
+        r"\(2, 1, 1, 5\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 4, 1, 6\)",
+    ),
+    (
+        "rope with cross-attention",
+        {"rope": True},
+        lambda m, c: m(x5, memory),
+        ValueError,
+        r"rope rotates the keys at the query positions, so it needs self-attention .* shape \(2, 7, 24\)",
+    ),
+    (
+        "rope of the wrong shape",
+        {},
+        lambda m, c: _with_rope(m, lambda t, p: t[..., :2])(x1, kv_cache=c),
+        ValueError,
+        r"rope must return a tensor of the shape it was given; for the query heads \(B, H, L, D\) = "
+        r"\(2, 4, 1, 6\) it returned \(2, 4, 1, 2\)",
+    ),
 ]
 
 
@@ -295,8 +381,10 @@ def test_layers_and_models_share_one_attention_call(monkeypatch):
     cache = model.new_cache()
     model(torch.randint(11, (1, 4)), cache)
     model(torch.randint(11, (1, 1)), cache)
-    assert callers == [((2, 2, 3, 8), (2, 2, 3, 8))] * 2 + [((1, 2, 4, 8), (1, 2, 4, 8))] * 2 \
-        + [((1, 2, 1, 8), (1, 2, 5, 8))] * 2
+    assert (
+        callers
+        == [((2, 2, 3, 8), (2, 2, 3, 8))] * 2 + [((1, 2, 4, 8), (1, 2, 4, 8))] * 2 + [((1, 2, 1, 8), (1, 2, 5, 8))] * 2
+    )
 
 
 def test_capture_records_the_drop_in_per_head_weights():

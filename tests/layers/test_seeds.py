@@ -73,8 +73,7 @@ def test_labml_family(bias, value_bias_always, mask_kind):
     torch.manual_seed(0)
     H, E, Lq, Lk, B = 4, 32, 7, 11, 3
     seed = SeedLabml(H, E, bias=bias, value_bias_always=value_bias_always).to(DT)
-    layer = mh.MultiHeadAttention(E, H, qkv_bias=(bias, bias, bias or value_bias_always), batch_first=False,
-                                  dtype=DT)
+    layer = mh.MultiHeadAttention(E, H, qkv_bias=(bias, bias, bias or value_bias_always), batch_first=False, dtype=DT)
     _copy(layer, seed.query, seed.key, seed.value, seed.output)
     query, kv = torch.randn(Lq, B, E, dtype=DT), torch.randn(Lk, B, E, dtype=DT)
     shape = {"none": None, "full": (Lq, Lk, B), "broadcast_q": (1, Lk, B), "broadcast_b": (Lq, Lk, 1)}[mask_kind]
@@ -126,7 +125,7 @@ class SeedBook(nn.Module):
         q, k, v = (w(x).view(b, T, self.h, self.hd).transpose(1, 2) for w in (self.W_query, self.W_key, self.W_value))
         s = q @ k.transpose(2, 3)
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        p = torch.softmax(s / self.hd ** 0.5, dim=-1)
+        p = torch.softmax(s / self.hd**0.5, dim=-1)
         return self.out_proj((p @ v).transpose(1, 2).reshape(b, T, -1))
 
 
@@ -146,7 +145,7 @@ def test_book_causal_beyond_block_size(T):
     got = layer(x, mask=mh.key_padding(lengths))
     for b in range(2):  # padding keys at the end of a causal sequence do not change earlier rows
         n = int(lengths[b])
-        torch.testing.assert_close(got[b, :n], seed(x[b:b + 1, :n])[0])
+        torch.testing.assert_close(got[b, :n], seed(x[b : b + 1, :n])[0])
 
 
 def test_book_with_d_in_not_d_out():
@@ -227,7 +226,9 @@ def test_masked_mha_and_mqa(multi_query, mask_kind):
         layer = mh.MultiHeadAttention(E, H, dtype=DT)
     _copy(layer, seed.W_Q, seed.W_K, seed.W_V, seed.W_O)
     x = torch.randn(B, L, E, dtype=DT)
-    mask = {"none": None, "tril": torch.tril(torch.ones(L, L)), "random": (torch.rand(B, 1, L, L) > 0.5).float()}[mask_kind]
+    mask = {"none": None, "tril": torch.tril(torch.ones(L, L)), "random": (torch.rand(B, 1, L, L) > 0.5).float()}[
+        mask_kind
+    ]
     if mask_kind == "random":
         mask[..., 0] = 1  # no fully masked rows: the seed would give NaN
     expected = seed(x, mask)

@@ -32,12 +32,15 @@ def dense_alibi(slopes: list[float], Lq: int, Lk: int, symmetric: bool, align: s
     return (-m * d.abs() if symmetric else m * d).unsqueeze(0)
 
 
-def dense_t5_bias(table: torch.Tensor, Lq: int, Lk: int, bidirectional: bool, num_buckets: int, max_distance: int,
-                  align: str) -> torch.Tensor:
+def dense_t5_bias(
+    table: torch.Tensor, Lq: int, Lk: int, bidirectional: bool, num_buckets: int, max_distance: int, align: str
+) -> torch.Tensor:
     """``(1, Hq, Lq, Lk)``: ``table[bucket(j - i), h]`` by indexing (differentiable in ``table``)."""
     d = aligned_distance(Lq, Lk, align)
     lo = int(d.min())  # the loop's bucket of every distance that occurs, then looked up per entry
-    lookup = torch.tensor([loop_bucket(x, bidirectional, num_buckets, max_distance) for x in range(lo, int(d.max()) + 1)])
+    lookup = torch.tensor(
+        [loop_bucket(x, bidirectional, num_buckets, max_distance) for x in range(lo, int(d.max()) + 1)]
+    )
     return table[lookup[d - lo]].permute(2, 0, 1).unsqueeze(0)  # (Lq, Lk, Hq) -> (1, Hq, Lq, Lk)
 
 
@@ -46,7 +49,7 @@ def naive_with_lse(q, k, v, mask, bias):
     B, Hq, Lq, D = q.shape
     G = Hq // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    s = (q @ k.transpose(-2, -1)) * D ** -0.5 + bias
+    s = (q @ k.transpose(-2, -1)) * D**-0.5 + bias
     if mask is not None:
         s = s.masked_fill(~mask.materialize(B, Hq, Lq, k.shape[2]), float("-inf"))
     has_key = ~torch.isneginf(s).all(-1, keepdim=True)
@@ -57,15 +60,17 @@ def naive_with_lse(q, k, v, mask, bias):
 
 def _qkv(B, Hq, Hkv, Lq, Lk, D, seed, dtype=DT):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).requires_grad_()
-            for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))]
+    return [
+        torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).requires_grad_()
+        for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    ]
 
 
 # ------------------------------------------------------------------------------- slopes
 def test_alibi_slopes_for_eight_heads_are_one_half_to_one_256th():
     got = alibi_slopes(8)
     assert got.dtype == DT and tuple(got.shape) == (8,)
-    assert torch.equal(got, torch.tensor([1 / 2 ** i for i in range(1, 9)], dtype=DT))
+    assert torch.equal(got, torch.tensor([1 / 2**i for i in range(1, 9)], dtype=DT))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 12, 16, 24, 40])
@@ -100,7 +105,11 @@ ALIBI_SHAPES = [(2, 6, 3, 13, 40, 16), (2, 8, 2, 40, 13, 8), (1, 4, 1, 300, 257,
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_alibi_through_every_backend_equals_a_dense_bias(backend, device, shape, symmetric, align, mask_kind):
     B, Hq, Hkv, Lq, Lk, D = shape
-    mask = {"none": None, "causal": mh.causal(align), "causal&window": mh.causal(align) & mh.sliding_window(9, align=align)}[mask_kind]
+    mask = {
+        "none": None,
+        "causal": mh.causal(align),
+        "causal&window": mh.causal(align) & mh.sliding_window(9, align=align),
+    }[mask_kind]
     q, k, v = _qkv(*shape, seed=Lq * Lk + Hq)
     mod = ALiBi(Hq, symmetric=symmetric, align=align)
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=mod, return_lse=True)
@@ -140,23 +149,29 @@ def test_t5_buckets_equal_a_plain_loop(num_buckets, max_distance, bidirectional)
     want = torch.tensor([loop_bucket(int(x), bidirectional, num_buckets, max_distance) for x in d])
     assert got.dtype == torch.int64 and got.shape == d.shape
     bad = (got != want).nonzero().flatten()
-    assert bad.numel() == 0, f"distances {d[bad][:10].tolist()}: got {got[bad][:10].tolist()}, want {want[bad][:10].tolist()}"
+    assert bad.numel() == 0, (
+        f"distances {d[bad][:10].tolist()}: got {got[bad][:10].tolist()}, want {want[bad][:10].tolist()}"
+    )
     assert int(got.min()) >= 0 and int(got.max()) <= num_buckets - 1
     # a 2-D distance tensor is bucketed elementwise
     d2 = d[:1000].view(20, 50)
-    assert torch.equal(relative_position_bucket(d2, bidirectional=bidirectional, num_buckets=num_buckets,
-                                                max_distance=max_distance), want[:1000].view(20, 50))
+    assert torch.equal(
+        relative_position_bucket(d2, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance),
+        want[:1000].view(20, 50),
+    )
 
 
 @pytest.mark.parametrize("bidirectional", [True, False], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("num_buckets,max_distance", BUCKET_SETTINGS)
 def test_t5_buckets_equal_hugging_face(num_buckets, max_distance, bidirectional):
-    t5 = pytest.importorskip("transformers.models.t5.modeling_t5",
-                             reason="transformers is not importable: no Hugging Face cross-check")
+    t5 = pytest.importorskip(
+        "transformers.models.t5.modeling_t5", reason="transformers is not importable: no Hugging Face cross-check"
+    )
     # HF passes relative_position = memory_position - context_position: key minus query, as here.
     d = torch.arange(-1500, 1501).view(1, -1)
-    want = t5.T5Attention._relative_position_bucket(d, bidirectional=bidirectional, num_buckets=num_buckets,
-                                                    max_distance=max_distance)
+    want = t5.T5Attention._relative_position_bucket(
+        d, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
     got = relative_position_bucket(d, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
     assert torch.equal(got, want)
 
@@ -177,18 +192,22 @@ T5_SHAPES = [(2, 4, 2, 29, 13, 16), (1, 6, 3, 257, 300, 8), (2, 8, 8, 1, 70, 8)]
 
 @pytest.mark.parametrize("dtype", [DT, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask_kind", ["none", "causal"])
-@pytest.mark.parametrize("bidirectional,num_buckets,max_distance,align",
-                         [(True, 32, 128, "bottom_right"), (False, 16, 40, "bottom_right"), (True, 8, 20, "top_left")],
-                         ids=["bidi-32-128", "causal-16-40", "bidi-8-20-tl"])
+@pytest.mark.parametrize(
+    "bidirectional,num_buckets,max_distance,align",
+    [(True, 32, 128, "bottom_right"), (False, 16, 40, "bottom_right"), (True, 8, 20, "top_left")],
+    ids=["bidi-32-128", "causal-16-40", "bidi-8-20-tl"],
+)
 @pytest.mark.parametrize("shape", T5_SHAPES, ids=lambda s: "B{}-H{}x{}-L{}x{}-D{}".format(*s))
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_t5_table_gradient_through_every_backend_equals_indexing_the_table(
-        backend, device, shape, bidirectional, num_buckets, max_distance, align, mask_kind, dtype):
+    backend, device, shape, bidirectional, num_buckets, max_distance, align, mask_kind, dtype
+):
     B, Hq, Hkv, Lq, Lk, D = shape
     mask = None if mask_kind == "none" else mh.causal(align)
     q, k, v = _qkv(*shape, seed=Lq + 3 * Lk, dtype=dtype)
-    rel = RelativePositionBias(Hq, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional,
-                               align=align, dtype=dtype)
+    rel = RelativePositionBias(
+        Hq, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional, align=align, dtype=dtype
+    )
     with torch.no_grad():  # std 1 (not T5's init 0.02) so that the bias moves the softmax
         rel.weight.copy_(torch.randn(num_buckets, Hq, generator=torch.Generator().manual_seed(5), dtype=DT))
     mod = rel()
@@ -221,5 +240,11 @@ def test_t5_table_gradient_through_every_backend_equals_indexing_the_table(
     assert_relative(got.lse[~empty], ref.lse[~empty], base_lse[~empty], factor(backend, dtype), "lse")
     magnitude = max(float(r.abs().max()) for r in g_ref[:3])
     for name, g, r, b in zip(["q", "k", "v", "table"], g_got, g_ref, g_base):
-        assert_relative(g, r, b, factor(backend, dtype, gradients=True), f"grad {name}",
-                        magnitude=max(magnitude, float(r.abs().max())))
+        assert_relative(
+            g,
+            r,
+            b,
+            factor(backend, dtype, gradients=True),
+            f"grad {name}",
+            magnitude=max(magnitude, float(r.abs().max())),
+        )

@@ -31,8 +31,16 @@ DOC = ROOT / "docs" / "positions.md"
 IMG = ROOT / "docs" / "img"
 
 #: The sections this page must have, in order, after the RoPE ones.
-ADDED = ["ALiBi", "Learned relative position bias (T5)", "Softcap", "Attention sinks", "Your own score_mod",
-         "How backends run them", "The labml hook, kept", "Measured"]
+ADDED = [
+    "ALiBi",
+    "Learned relative position bias (T5)",
+    "Softcap",
+    "Attention sinks",
+    "Your own score_mod",
+    "How backends run them",
+    "The labml hook, kept",
+    "Measured",
+]
 #: Sections whose blocks must exist (a section that loses its examples fails here).
 WITH_CODE = ADDED[:-1]
 
@@ -117,15 +125,17 @@ def test_user_score_mods_equal_the_built_ins():
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # Lq != Lk: the function's indices are the call's, i.e. top-left alignment.
     q_short = q[:, :, :5]
-    for mine, builtin in [(my_alibi, ALiBi(8, align="top_left")),
-                          (my_t5, RelativePositionBias(8, align="top_left")())]:
+    for mine, builtin in [(my_alibi, ALiBi(8, align="top_left")), (my_t5, RelativePositionBias(8, align="top_left")())]:
         if isinstance(builtin, type(t5)):
             builtin.weight = rel.weight
-        torch.testing.assert_close(mh.attention(q_short, k, v, score_mod=mine, backend="reference"),
-                                   mh.attention(q_short, k, v, score_mod=builtin, backend="reference"))
+        torch.testing.assert_close(
+            mh.attention(q_short, k, v, score_mod=mine, backend="reference"),
+            mh.attention(q_short, k, v, score_mod=builtin, backend="reference"),
+        )
     # and not bottom-right: the doc's warning is real
-    assert not torch.allclose(mh.attention(q_short, k, v, score_mod=my_alibi),
-                              mh.attention(q_short, k, v, score_mod=ALiBi(8)))
+    assert not torch.allclose(
+        mh.attention(q_short, k, v, score_mod=my_alibi), mh.attention(q_short, k, v, score_mod=ALiBi(8))
+    )
     # gradients reach the closed-over table exactly as the built-in's
     w = torch.randn(2, 8, 37, 16, generator=g)
     grads = []
@@ -138,8 +148,8 @@ def test_user_score_mods_equal_the_built_ins():
 
 
 def test_alibi_slopes_as_the_page_states():
-    assert torch.equal(alibi_slopes(8), torch.tensor([2.0 ** -n for n in range(1, 9)], dtype=torch.float64))
-    expected_12 = [2.0 ** -n for n in range(1, 9)] + [2.0 ** -n for n in (0.5, 1.5, 2.5, 3.5)]
+    assert torch.equal(alibi_slopes(8), torch.tensor([2.0**-n for n in range(1, 9)], dtype=torch.float64))
+    expected_12 = [2.0**-n for n in range(1, 9)] + [2.0**-n for n in (0.5, 1.5, 2.5, 3.5)]
     torch.testing.assert_close(alibi_slopes(12), torch.tensor(expected_12, dtype=torch.float64))
     assert torch.equal(alibi_slopes(4), torch.tensor([1 / 4, 1 / 16, 1 / 64, 1 / 256], dtype=torch.float64))
 

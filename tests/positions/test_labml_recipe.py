@@ -36,8 +36,9 @@ class AlibiMultiHeadAttention(mh.MultiHeadAttention):
     """labml's ALiBi attention (sequence-first, causal): only the modifier is new."""
 
     def __init__(self, heads: int, d_model: int, dropout_prob: float = 0.1, **options):
-        super().__init__(d_model, heads, dropout=dropout_prob, causal=True, batch_first=False,
-                         score_mod=ALiBi(heads), **options)
+        super().__init__(
+            d_model, heads, dropout=dropout_prob, causal=True, batch_first=False, score_mod=ALiBi(heads), **options
+        )
 
 
 class AlibiByHook(mh.MultiHeadAttention):
@@ -66,9 +67,14 @@ class T5MultiHeadAttention(mh.MultiHeadAttention):
     """A learned bias through a module passed as ``score_mod`` (T5's bucketed table)."""
 
     def __init__(self, heads: int, d_model: int, **options):
-        super().__init__(d_model, heads, causal=True, batch_first=False,
-                         score_mod=RelativePositionBias(heads, bidirectional=False, dtype=options.get("dtype")),
-                         **options)
+        super().__init__(
+            d_model,
+            heads,
+            causal=True,
+            batch_first=False,
+            score_mod=RelativePositionBias(heads, bidirectional=False, dtype=options.get("dtype")),
+            **options,
+        )
 
 
 # ------------------------------------------------------------------------------ the seed's math
@@ -141,13 +147,29 @@ def test_labml_slopes_are_alibi_slopes(heads):
     torch.testing.assert_close(alibi_slopes(heads), labml_get_slopes(heads))
 
 
-@pytest.mark.parametrize("name", ["AlibiMultiHeadAttention", "AlibiByHook", "RelativeMultiHeadAttention",
-                                  "T5MultiHeadAttention", "doc:AlibiMultiHeadAttention", "doc:RelativeMultiHeadAttention"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "AlibiMultiHeadAttention",
+        "AlibiByHook",
+        "RelativeMultiHeadAttention",
+        "T5MultiHeadAttention",
+        "doc:AlibiMultiHeadAttention",
+        "doc:RelativeMultiHeadAttention",
+    ],
+)
 def test_the_recipe_does_not_copy_forward(name):
     cls = _doc_namespace()[name[4:]] if name.startswith("doc:") else globals()[name]
     assert cls.forward is mh.MultiHeadAttention.forward
-    assert cls.__dict__.keys() <= {"__module__", "__qualname__", "__doc__", "__init__", "get_scores",
-                                   "__firstlineno__", "__static_attributes__"}
+    assert cls.__dict__.keys() <= {
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__init__",
+        "get_scores",
+        "__firstlineno__",
+        "__static_attributes__",
+    }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

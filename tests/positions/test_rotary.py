@@ -99,19 +99,48 @@ M = 256
 CASES = {
     "none": (None, None),
     "linear": (LinearScaling(4.0), {"rope_type": "linear", "factor": 4.0}),
-    "dynamic": (DynamicNTKScaling(2.0, M), {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": M}),
+    "dynamic": (
+        DynamicNTKScaling(2.0, M),
+        {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": M},
+    ),
     "yarn": (YaRNScaling(8.0, M), {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": M}),
-    "yarn-mscale": (YaRNScaling(40.0, M, mscale=0.707, mscale_all_dim=1.0),
-                      {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": M, "beta_fast": 32,
-                       "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}),
-    "yarn-untruncated": (YaRNScaling(32.0, M, beta_fast=16.0, beta_slow=2.0, truncate=False),
-                         {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": M, "beta_fast": 16.0,
-                          "beta_slow": 2.0, "truncate": False}),
-    "yarn-attention-factor": (YaRNScaling(4.0, M, attention_factor=1.5),
-                              {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": M,
-                               "attention_factor": 1.5}),
-    "llama3": (Llama3Scaling(8.0, 1.0, 4.0, M), {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": M}),
+    "yarn-mscale": (
+        YaRNScaling(40.0, M, mscale=0.707, mscale_all_dim=1.0),
+        {
+            "type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": M,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    "yarn-untruncated": (
+        YaRNScaling(32.0, M, beta_fast=16.0, beta_slow=2.0, truncate=False),
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": M,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+        },
+    ),
+    "yarn-attention-factor": (
+        YaRNScaling(4.0, M, attention_factor=1.5),
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": M, "attention_factor": 1.5},
+    ),
+    "llama3": (
+        Llama3Scaling(8.0, 1.0, 4.0, M),
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": M,
+        },
+    ),
 }
 STATIC = [name for name in CASES if name != "dynamic"]  # frequencies that do not depend on the call
 LAYOUTS = {"half": False, "interleaved": True}
@@ -130,8 +159,10 @@ def test_rotation_equals_the_published_formula(case, layout, rotary_dim):
     rope = RotaryEmbedding(32, base=500.0, rotary_dim=rotary_dim, interleaved=LAYOUTS[layout], scaling=scaling)
     x = _x(2, 3, 7, 32)
     # per-row positions; the second call reaches past m (dynamic NTK rescales there)
-    for positions in (torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 9, 10, 11, 12]]),
-                      torch.tensor([[3, 50, 51, 52, 200, 255, 17], [700, 701, 702, 703, 704, 705, 1000]])):
+    for positions in (
+        torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 9, 10, 11, 12]]),
+        torch.tensor([[3, 50, 51, 52, 200, 255, 17], [700, 701, 702, 703, 704, 705, 1000]]),
+    ):
         seq_len = int(positions.max()) + 1
         theta, factor = plain_frequencies(spec, rotary_dim, 500.0, seq_len)
         expected = plain_rotate(x, positions, theta, factor, interleaved=LAYOUTS[layout], rotary_dim=rotary_dim)
@@ -185,30 +216,82 @@ HF_CASES = {  # (head_dim, base, max_position_embeddings, rope_scaling, partial_
     "linear-partial": (64, 10000.0, 4096, {"rope_type": "linear", "factor": 2.0}, 0.25),
     "dynamic": (128, 10000.0, 4096, {"type": "dynamic", "factor": 2.0}, 1.0),
     "yarn-qwen2.5": (128, 1e6, 131072, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 1.0),
-    "yarn-deepseek-v3": (64, 10000.0, 163840, {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, 1.0),
-    "yarn-mscale-ratio": (64, 10000.0, 163840, {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                                    "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
-                                                    "mscale_all_dim": 0.5}, 1.0),
-    "yarn-gpt-oss": (64, 150000.0, 131072, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                            "original_max_position_embeddings": 4096, "truncate": False}, 1.0),
-    "llama3.1": (128, 500000.0, 131072, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 1.0),
+    "yarn-deepseek-v3": (
+        64,
+        10000.0,
+        163840,
+        {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        1.0,
+    ),
+    "yarn-mscale-ratio": (
+        64,
+        10000.0,
+        163840,
+        {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.5,
+        },
+        1.0,
+    ),
+    "yarn-gpt-oss": (
+        64,
+        150000.0,
+        131072,
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        1.0,
+    ),
+    "llama3.1": (
+        128,
+        500000.0,
+        131072,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        1.0,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_frequencies_equal_hugging_face_rope_init_functions(case):
-    rope_utils = pytest.importorskip("transformers.modeling_rope_utils",
-                                     reason="transformers is not importable: the Hugging Face cross-check is skipped")
+    rope_utils = pytest.importorskip(
+        "transformers.modeling_rope_utils",
+        reason="transformers is not importable: the Hugging Face cross-check is skipped",
+    )
     head_dim, base, max_pos, scaling, partial = HF_CASES[case]
     kind = scaling.get("rope_type", scaling.get("type"))
-    rope = RotaryEmbedding(head_dim, base=base, rotary_dim=int(head_dim * partial), scaling=dict(scaling),
-                           max_position_embeddings=max_pos)
+    rope = RotaryEmbedding(
+        head_dim, base=base, rotary_dim=int(head_dim * partial), scaling=dict(scaling), max_position_embeddings=max_pos
+    )
     params = dict(scaling, rope_type=kind, rope_theta=base, partial_rotary_factor=partial)
     for seq_len in (None, max_pos // 2, 3 * max_pos):  # dynamic NTK: below and beyond the original length
         hf_inv_freq, hf_factor = rope_utils.ROPE_INIT_FUNCTIONS[kind](
-            _HFConfig(head_dim, max_pos, dict(params)), "cpu", seq_len=seq_len)
+            _HFConfig(head_dim, max_pos, dict(params)), "cpu", seq_len=seq_len
+        )
         inv_freq, factor = rope.frequencies(seq_len)
         # HF computes in fp32, we in fp64: a few fp32 ulps apart
         torch.testing.assert_close(inv_freq.float(), hf_inv_freq, rtol=1e-6, atol=0)
@@ -233,8 +316,9 @@ def _scores(rope, q, k, q_pos, k_pos):
     return rope(q, q_pos) @ rope(k, k_pos).transpose(-2, -1)  # (B, H, Lq, Lk)
 
 
-RELATIVE = [(case, layout, 32) for case in STATIC for layout in LAYOUTS] + \
-    [(case, layout, 10) for case in ("none", "yarn", "llama3") for layout in LAYOUTS]  # partial rotary
+RELATIVE = [(case, layout, 32) for case in STATIC for layout in LAYOUTS] + [
+    (case, layout, 10) for case in ("none", "yarn", "llama3") for layout in LAYOUTS
+]  # partial rotary
 
 
 @pytest.mark.parametrize("case, layout, rotary_dim", RELATIVE, ids=[f"{c}-{lay}-rd{rd}" for c, lay, rd in RELATIVE])
@@ -284,8 +368,9 @@ def _layer(rope, *, Hkv=2, dtype=DT, seed=0):
 ROPES = {
     "plain": lambda: RotaryEmbedding(D),
     "partial-interleaved": lambda: RotaryEmbedding(D, rotary_dim=4, interleaved=True),
-    "yarn": lambda: RotaryEmbedding(D, base=1000.0, scaling={"rope_type": "yarn", "factor": 4.0,
-                                                             "original_max_position_embeddings": 16}),
+    "yarn": lambda: RotaryEmbedding(
+        D, base=1000.0, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    ),
     "llama3": lambda: RotaryEmbedding(D, base=1000.0, scaling=Llama3Scaling(8.0, 1.0, 4.0, 64)),
 }
 
@@ -304,10 +389,12 @@ def test_layer_output_is_unchanged_when_all_positions_shift(rope):
 def test_layer_per_row_positions_equal_running_each_row_alone():
     layer = _layer(RotaryEmbedding(D, base=1000.0))
     x = _x(3, 6, E, seed=7)
-    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3], [40, 41, 42, 43, 44, 45]])  # left padding in row 1
+    positions = torch.tensor(
+        [[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3], [40, 41, 42, 43, 44, 45]]
+    )  # left padding in row 1
     out = layer(x, positions=positions)
     for b in range(3):
-        torch.testing.assert_close(out[b:b + 1], layer(x[b:b + 1], positions=positions[b]))
+        torch.testing.assert_close(out[b : b + 1], layer(x[b : b + 1], positions=positions[b]))
 
 
 def test_packed_documents_with_restarting_positions_equal_separate_documents():
@@ -338,8 +425,8 @@ def test_cached_decoding_equals_the_full_forward(rope, dtype, schedule, offset):
         full = layer(x, positions=positions) if offset else layer(x)  # default positions: arange(L)
         cache, outs, t = DynamicKVCache(), [], 0
         for n in chunks:
-            step = positions[t:t + n] if offset else None  # default with a cache: cache.length + arange(n)
-            outs.append(layer(x[:, t:t + n], kv_cache=cache, positions=step))
+            step = positions[t : t + n] if offset else None  # default with a cache: cache.length + arange(n)
+            outs.append(layer(x[:, t : t + n], kv_cache=cache, positions=step))
             t += n
     torch.testing.assert_close(torch.cat(outs, dim=1), full)
     assert layer.rope.cos_cached.shape[0] >= L + offset
@@ -382,7 +469,9 @@ def test_partial_rotary_passes_the_other_features_through_bit_identical(layout, 
     assert torch.equal(out[..., 6:], x[..., 6:])
     assert not torch.equal(out[..., :6], x[..., :6])
     # the rotated part is the full rotation of a 6-dim head
-    full6 = RotaryEmbedding(6, interleaved=LAYOUTS[layout])  # θ_i = base^(-2i/rotary_dim), as HF's partial_rotary_factor
+    full6 = RotaryEmbedding(
+        6, interleaved=LAYOUTS[layout]
+    )  # θ_i = base^(-2i/rotary_dim), as HF's partial_rotary_factor
     torch.testing.assert_close(out[..., :6], full6(x[..., :6].contiguous(), torch.arange(5) + 11))
 
 
@@ -422,8 +511,10 @@ def test_non_contiguous_inputs_give_the_contiguous_result():
     rows = positions.expand(2, 5)
     assert torch.equal(rope(transposed, rows), expected(transposed))
     cos, sin = torch.rand(5, 8, dtype=DT).t().contiguous().t(), torch.rand(5, 8, dtype=DT)
-    torch.testing.assert_close(apply_rotary(transposed, cos.expand(2, 5, 8), sin.expand(2, 5, 8)),
-                               apply_rotary(transposed.contiguous(), cos.contiguous(), sin))
+    torch.testing.assert_close(
+        apply_rotary(transposed, cos.expand(2, 5, 8), sin.expand(2, 5, 8)),
+        apply_rotary(transposed.contiguous(), cos.contiguous(), sin),
+    )
 
 
 def test_apply_rotary_matches_the_plain_formula_with_either_table_shape():
@@ -437,8 +528,10 @@ def test_apply_rotary_matches_the_plain_formula_with_either_table_shape():
         shared = apply_rotary(x, angle[0].cos(), angle[0].sin(), interleaved=interleaved, rotary_dim=6)  # (L, R)
         torch.testing.assert_close(shared, plain_rotate(x, positions[0], theta, interleaved=interleaved, rotary_dim=6))
     y = _x(7, 5, 8)  # any leading dims with an (L, R) table
-    torch.testing.assert_close(apply_rotary(y, angle[0].cos(), angle[0].sin(), rotary_dim=6),
-                               plain_rotate(y[:, None], positions[0], theta, rotary_dim=6)[:, 0])
+    torch.testing.assert_close(
+        apply_rotary(y, angle[0].cos(), angle[0].sin(), rotary_dim=6),
+        plain_rotate(y[:, None], positions[0], theta, rotary_dim=6)[:, 0],
+    )
 
 
 def test_gradients_flow_through_the_rotation():
@@ -488,10 +581,12 @@ def test_buffers_are_not_persistent_and_survive_half():
     assert torch.equal(rope(x32.half(), positions), fresh(x32.half(), positions))
     assert torch.equal(rope(x32, positions), reference32)
     # an fp64 input after fp32 ones: the tables are rebuilt in fp64
-    theta, factor = plain_frequencies({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-                                      8, 10000.0, 1)
-    torch.testing.assert_close(rope(x32.double(), positions), plain_rotate(x32, positions, theta, factor),
-                               rtol=1e-13, atol=1e-13)
+    theta, factor = plain_frequencies(
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, 8, 10000.0, 1
+    )
+    torch.testing.assert_close(
+        rope(x32.double(), positions), plain_rotate(x32, positions, theta, factor), rtol=1e-13, atol=1e-13
+    )
     assert rope.cos_cached.dtype == torch.float64
 
 
@@ -505,56 +600,156 @@ C = torch.zeros(5, 4)
 BAD = [
     ("dim odd", lambda: RotaryEmbedding(7), ValueError, r"dim must be an even int >= 2.*got 7"),
     ("dim float", lambda: RotaryEmbedding(8.0), TypeError, r"dim must be an int .*got float"),
-    ("rotary_dim too large", lambda: _rope8(rotary_dim=10), ValueError, r"rotary_dim must be even and in \[2, D=8\].*got 10"),
-    ("rotary_dim odd", lambda: _rope8(rotary_dim=5), ValueError, r"rotary_dim must be even.*got 5.*partial_rotary_factor"),
+    (
+        "rotary_dim too large",
+        lambda: _rope8(rotary_dim=10),
+        ValueError,
+        r"rotary_dim must be even and in \[2, D=8\].*got 10",
+    ),
+    (
+        "rotary_dim odd",
+        lambda: _rope8(rotary_dim=5),
+        ValueError,
+        r"rotary_dim must be even.*got 5.*partial_rotary_factor",
+    ),
     ("base 1", lambda: _rope8(base=1.0), ValueError, r"base must be a finite number > 1.*got 1.0"),
     ("interleaved str", lambda: _rope8(interleaved="gptj"), TypeError, r"interleaved must be a bool"),
     ("scaling str", lambda: _rope8(scaling="yarn"), TypeError, r"scaling must be None, a LinearScaling.*got str"),
-    ("scaling unknown type", lambda: _rope8(scaling={"rope_type": "longrope", "factor": 2.0}), ValueError,
-     r"unknown scaling rope_type 'longrope'.*expected one of \['default', 'linear', 'dynamic', 'yarn', 'llama3'\]"),
-    ("scaling without type", lambda: _rope8(scaling={"factor": 2.0}), ValueError, r"unknown scaling rope_type None.*hint"),
-    ("scaling typo key", lambda: _rope8(scaling={"type": "linear", "factor": 2.0, "fator": 3}), ValueError,
-     r"unknown keys \['fator'\] in a 'linear' scaling"),
-    ("yarn without length", lambda: _rope8(scaling={"rope_type": "yarn", "factor": 4.0}), ValueError,
-     r"needs original_max_position_embeddings.*hint: pass max_position_embeddings="),
-    ("rope_theta disagrees", lambda: _rope8(scaling={"rope_type": "default", "rope_theta": 5e5}), ValueError,
-     r"rope_theta=500000.0 but base=10000.0.*hint: pass base=500000.0"),
-    ("partial factor disagrees",
-     lambda: _rope8(scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), ValueError, r"partial_rotary_factor=0.5.*rotates int\(8 \* 0.5\) = 4 features, but rotary_dim=8.*rotary_dim=4"),
-    ("both type keys", lambda: _rope8(scaling={"rope_type": "yarn", "type": "linear", "factor": 2.0}), ValueError,
-     r"rope_type='yarn' and type='linear'"),
-    ("dynamic with one pair", lambda: _rope8(rotary_dim=2, scaling=DynamicNTKScaling(2.0, 64)), ValueError,
-     r"dynamic NTK scaling needs rotary_dim >= 4.*got rotary_dim=2"),
-    ("max positions 0", lambda: _rope8(max_position_embeddings=0), ValueError,
-     r"max_position_embeddings must be a positive int"),
-    ("linear factor 0", lambda: LinearScaling(0.0), ValueError,
-     r"LinearScaling: factor must be a finite number > 0, got 0.0"),
+    (
+        "scaling unknown type",
+        lambda: _rope8(scaling={"rope_type": "longrope", "factor": 2.0}),
+        ValueError,
+        r"unknown scaling rope_type 'longrope'.*expected one of \['default', 'linear', 'dynamic', 'yarn', 'llama3'\]",
+    ),
+    (
+        "scaling without type",
+        lambda: _rope8(scaling={"factor": 2.0}),
+        ValueError,
+        r"unknown scaling rope_type None.*hint",
+    ),
+    (
+        "scaling typo key",
+        lambda: _rope8(scaling={"type": "linear", "factor": 2.0, "fator": 3}),
+        ValueError,
+        r"unknown keys \['fator'\] in a 'linear' scaling",
+    ),
+    (
+        "yarn without length",
+        lambda: _rope8(scaling={"rope_type": "yarn", "factor": 4.0}),
+        ValueError,
+        r"needs original_max_position_embeddings.*hint: pass max_position_embeddings=",
+    ),
+    (
+        "rope_theta disagrees",
+        lambda: _rope8(scaling={"rope_type": "default", "rope_theta": 5e5}),
+        ValueError,
+        r"rope_theta=500000.0 but base=10000.0.*hint: pass base=500000.0",
+    ),
+    (
+        "partial factor disagrees",
+        lambda: _rope8(scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+        ValueError,
+        r"partial_rotary_factor=0.5.*rotates int\(8 \* 0.5\) = 4 features, but rotary_dim=8.*rotary_dim=4",
+    ),
+    (
+        "both type keys",
+        lambda: _rope8(scaling={"rope_type": "yarn", "type": "linear", "factor": 2.0}),
+        ValueError,
+        r"rope_type='yarn' and type='linear'",
+    ),
+    (
+        "dynamic with one pair",
+        lambda: _rope8(rotary_dim=2, scaling=DynamicNTKScaling(2.0, 64)),
+        ValueError,
+        r"dynamic NTK scaling needs rotary_dim >= 4.*got rotary_dim=2",
+    ),
+    (
+        "max positions 0",
+        lambda: _rope8(max_position_embeddings=0),
+        ValueError,
+        r"max_position_embeddings must be a positive int",
+    ),
+    (
+        "linear factor 0",
+        lambda: LinearScaling(0.0),
+        ValueError,
+        r"LinearScaling: factor must be a finite number > 0, got 0.0",
+    ),
     ("linear factor str", lambda: LinearScaling("2"), TypeError, r"LinearScaling: factor must be a number, got str"),
-    ("dynamic length float", lambda: DynamicNTKScaling(2.0, 4096.0), TypeError,
-     r"original_max_position_embeddings must be an int"),
-    ("yarn betas swapped", lambda: YaRNScaling(4.0, 4096, beta_fast=1, beta_slow=32), ValueError,
-     r"beta_fast must be greater than beta_slow.*32 and 1"),
+    (
+        "dynamic length float",
+        lambda: DynamicNTKScaling(2.0, 4096.0),
+        TypeError,
+        r"original_max_position_embeddings must be an int",
+    ),
+    (
+        "yarn betas swapped",
+        lambda: YaRNScaling(4.0, 4096, beta_fast=1, beta_slow=32),
+        ValueError,
+        r"beta_fast must be greater than beta_slow.*32 and 1",
+    ),
     ("yarn lone mscale", lambda: YaRNScaling(4.0, 4096, mscale=0.7), ValueError, r"mscale needs mscale_all_dim"),
-    ("llama3 bands swapped", lambda: Llama3Scaling(low_freq_factor=4.0, high_freq_factor=1.0), ValueError,
-     r"high_freq_factor must be greater than low_freq_factor"),
-    ("x head dim", lambda: _rope8()(torch.zeros(2, 3, 5, 32), torch.arange(5)), ValueError,
-     r"x must have the head dim D=8 as its last dim, got shape \(2, 3, 5, 32\).*RotaryEmbedding\(head_dim\)"),
-    ("x integer", lambda: _rope8()(torch.zeros(2, 3, 5, 8, dtype=torch.int64), torch.arange(5)), TypeError,
-     r"x must be a floating-point tensor"),
-    ("positions float", lambda: _rope8()(X, torch.arange(5.0)), TypeError,
-     r"positions must have an integer dtype \(torch.int64\), got torch.float32"),
+    (
+        "llama3 bands swapped",
+        lambda: Llama3Scaling(low_freq_factor=4.0, high_freq_factor=1.0),
+        ValueError,
+        r"high_freq_factor must be greater than low_freq_factor",
+    ),
+    (
+        "x head dim",
+        lambda: _rope8()(torch.zeros(2, 3, 5, 32), torch.arange(5)),
+        ValueError,
+        r"x must have the head dim D=8 as its last dim, got shape \(2, 3, 5, 32\).*RotaryEmbedding\(head_dim\)",
+    ),
+    (
+        "x integer",
+        lambda: _rope8()(torch.zeros(2, 3, 5, 8, dtype=torch.int64), torch.arange(5)),
+        TypeError,
+        r"x must be a floating-point tensor",
+    ),
+    (
+        "positions float",
+        lambda: _rope8()(X, torch.arange(5.0)),
+        TypeError,
+        r"positions must have an integer dtype \(torch.int64\), got torch.float32",
+    ),
     ("positions bool", lambda: _rope8()(X, torch.ones(5, dtype=torch.bool)), TypeError, r"integer dtype.*torch.bool"),
-    ("positions list", lambda: _rope8()(X, [0, 1, 2, 3, 4]), TypeError, r"positions must be an integer tensor.*got list"),
-    ("positions shape", lambda: _rope8()(X, torch.arange(6)), ValueError,
-     r"positions must have shape \(L,\) = \(5,\) or \(B, L\) = \(2, 5\).*got \(6,\)"),
-    ("positions (B, L) batch", lambda: _rope8()(X, torch.zeros(3, 5, dtype=torch.int64)), ValueError,
-     r"positions must have shape.*got \(3, 5\)"),
-    ("positions negative", lambda: _rope8()(X, torch.tensor([-1, 0, 1, 2, 3])), ValueError,
-     r"positions must be >= 0.*minimum of -1"),
-    ("table shape", lambda: apply_rotary(X, torch.zeros(5, 3), torch.zeros(5, 3)), ValueError,
-     r"cos must have shape \(L, R\) = \(5, 4\) or \(B, L, R\) = \(2, 5, 4\).*got \(5, 3\).*rotary_dim="),
-    ("table for 3-D x", lambda: apply_rotary(torch.zeros(3, 5, 8), torch.zeros(3, 5, 4), torch.zeros(3, 5, 4)),
-     ValueError, r"cos must have shape \(L, R\) = \(5, 4\) for x of shape \(3, 5, 8\).*needs a 4-D"),
+    (
+        "positions list",
+        lambda: _rope8()(X, [0, 1, 2, 3, 4]),
+        TypeError,
+        r"positions must be an integer tensor.*got list",
+    ),
+    (
+        "positions shape",
+        lambda: _rope8()(X, torch.arange(6)),
+        ValueError,
+        r"positions must have shape \(L,\) = \(5,\) or \(B, L\) = \(2, 5\).*got \(6,\)",
+    ),
+    (
+        "positions (B, L) batch",
+        lambda: _rope8()(X, torch.zeros(3, 5, dtype=torch.int64)),
+        ValueError,
+        r"positions must have shape.*got \(3, 5\)",
+    ),
+    (
+        "positions negative",
+        lambda: _rope8()(X, torch.tensor([-1, 0, 1, 2, 3])),
+        ValueError,
+        r"positions must be >= 0.*minimum of -1",
+    ),
+    (
+        "table shape",
+        lambda: apply_rotary(X, torch.zeros(5, 3), torch.zeros(5, 3)),
+        ValueError,
+        r"cos must have shape \(L, R\) = \(5, 4\) or \(B, L, R\) = \(2, 5, 4\).*got \(5, 3\).*rotary_dim=",
+    ),
+    (
+        "table for 3-D x",
+        lambda: apply_rotary(torch.zeros(3, 5, 8), torch.zeros(3, 5, 4), torch.zeros(3, 5, 4)),
+        ValueError,
+        r"cos must have shape \(L, R\) = \(5, 4\) for x of shape \(3, 5, 8\).*needs a 4-D",
+    ),
     ("tables differ", lambda: apply_rotary(X, C, C.expand(2, 5, 4)), ValueError, r"cos and sin must have one shape"),
     ("apply rotary_dim odd", lambda: apply_rotary(X, C, C, rotary_dim=7), ValueError, r"rotary_dim must be even"),
     ("apply x 1-D", lambda: apply_rotary(torch.zeros(8), C, C), ValueError, r"x must have at least 2 dims"),

@@ -6,12 +6,20 @@ import torch
 import multihead as mh
 from helpers import LargestAllocation
 
-SELECTIONS = [(3, None), ([1, 5], slice(10, 300, 7)), (None, torch.tensor([0, 299, 5])), (slice(None), [7]),
-              (torch.tensor([7, 0]), 150)]
+SELECTIONS = [
+    (3, None),
+    ([1, 5], slice(10, 300, 7)),
+    (None, torch.tensor([0, 299, 5])),
+    (slice(None), [7]),
+    (torch.tensor([7, 0]), 150),
+]
 
 
-@pytest.mark.parametrize("mask", [None, mh.causal(), mh.sliding_window(40), mh.key_padding([200, 0]) & mh.causal()],
-                         ids=["none", "causal", "window", "padding&causal"])
+@pytest.mark.parametrize(
+    "mask",
+    [None, mh.causal(), mh.sliding_window(40), mh.key_padding([200, 0]) & mh.causal()],
+    ids=["none", "causal", "window", "padding&causal"],
+)
 @pytest.mark.parametrize("heads,rows", SELECTIONS, ids=[f"sel{i}" for i in range(len(SELECTIONS))])
 def test_weights_slice_equals_reference(mask, heads, rows):
     gen = torch.Generator().manual_seed(0)
@@ -19,16 +27,33 @@ def test_weights_slice_equals_reference(mask, heads, rows):
     k, v = (torch.randn(2, 2, 310, 32, generator=gen, dtype=torch.float64) for _ in range(2))
     ref = mh.reference_attention(q, k, v, mask=mask)
     got = mh.attention(q, k, v, mask=mask, return_weights=True, return_lse=True, weights_heads=heads, weights_rows=rows)
-    h = torch.arange(8)[heads] if isinstance(heads, slice) else torch.arange(8) if heads is None else torch.as_tensor(heads).reshape(-1)
-    r = torch.arange(300)[rows] if isinstance(rows, slice) else torch.arange(300) if rows is None else torch.as_tensor(rows).reshape(-1)
+    h = (
+        torch.arange(8)[heads]
+        if isinstance(heads, slice)
+        else torch.arange(8)
+        if heads is None
+        else torch.as_tensor(heads).reshape(-1)
+    )
+    r = (
+        torch.arange(300)[rows]
+        if isinstance(rows, slice)
+        else torch.arange(300)
+        if rows is None
+        else torch.as_tensor(rows).reshape(-1)
+    )
     torch.testing.assert_close(got.weights, ref.weights[:, h][:, :, r], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("bad,error", [
-    (dict(weights_heads=8), ValueError), (dict(weights_rows=[-400]), ValueError),
-    (dict(weights_heads=[0.5]), TypeError), (dict(weights_heads=[]), ValueError),
-])
+@pytest.mark.parametrize(
+    "bad,error",
+    [
+        (dict(weights_heads=8), ValueError),
+        (dict(weights_rows=[-400]), ValueError),
+        (dict(weights_heads=[0.5]), TypeError),
+        (dict(weights_heads=[]), ValueError),
+    ],
+)
 def test_weights_selection_errors(bad, error):
     q = torch.randn(1, 8, 300, 8)
     with pytest.raises(error, match="weights_"):
@@ -46,11 +71,17 @@ def test_one_head_of_weights_never_holds_all_heads():
     assert probe.largest <= 2 * L * L < B * H * L * L
 
 
-@pytest.mark.parametrize("mask,L,expected", [
-    (None, 1024, "sdpa"), (mh.causal(), 1024, "sdpa"), (mh.causal("top_left"), 2048, "sdpa"),
-    (mh.sliding_window(128), 1024, "blocksparse"), (mh.causal() & mh.key_padding([900]), 1024, "blocksparse"),
-    (mh.sliding_window(8), 64, "sdpa"),  # tiny: one SDPA call beats the per-block loop
-])
+@pytest.mark.parametrize(
+    "mask,L,expected",
+    [
+        (None, 1024, "sdpa"),
+        (mh.causal(), 1024, "sdpa"),
+        (mh.causal("top_left"), 2048, "sdpa"),
+        (mh.sliding_window(128), 1024, "blocksparse"),
+        (mh.causal() & mh.key_padding([900]), 1024, "blocksparse"),
+        (mh.sliding_window(8), 64, "sdpa"),  # tiny: one SDPA call beats the per-block loop
+    ],
+)
 def test_auto_follows_the_decision_table(mask, L, expected):
     q = torch.randn(1, 2, L, 16)
     report = mh.explain(q, q, q, mask=mask)

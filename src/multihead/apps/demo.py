@@ -80,8 +80,15 @@ class _Recipe:
 
 def _recipe(quick: bool) -> _Recipe:
     if quick:
-        return _Recipe(RecallTask(num_pairs=4, num_queries=4, num_keys=16, num_values=16), 64, 2, 4, max_steps=600,
-                       eval_every=50, eval_size=500)
+        return _Recipe(
+            RecallTask(num_pairs=4, num_queries=4, num_keys=16, num_values=16),
+            64,
+            2,
+            4,
+            max_steps=600,
+            eval_every=50,
+            eval_size=500,
+        )
     return _Recipe(RecallTask(num_pairs=8, num_queries=8, num_keys=32, num_values=32), 64, 2, 4, max_steps=2000)
 
 
@@ -114,8 +121,11 @@ def run_demo(options: DemoOptions, say=print) -> DemoResult:
         torch.manual_seed(options.seed)
         encoder_view = _encoder_part(options, device, staging, result, say)
         decoder_view = _decoder_part(options, device, staging, result, say)
-        write_viewer(staging / "viewer.html", [encoder_view, decoder_view],
-                     title="multihead demo: attention of every layer and head")
+        write_viewer(
+            staging / "viewer.html",
+            [encoder_view, decoder_view],
+            title="multihead demo: attention of every layer and head",
+        )
         (staging / MARKER).write_text("written by multihead demo\n", encoding="utf-8")
         _move_into_place(staging, out)
     finally:
@@ -135,9 +145,11 @@ def _encoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
     encoder = SentenceEncoder.from_pretrained(folder, device=device)
     encoder.tokenize([options.text])  # a text that is too long fails here, before any work
     cfg = encoder.model.config
-    say(f"      BERT with {cfg.num_hidden_layers} layers x {cfg.num_attention_heads} heads of "
+    say(
+        f"      BERT with {cfg.num_hidden_layers} layers x {cfg.num_attention_heads} heads of "
         "multihead.MultiHeadAttention, "
-        f"E={cfg.hidden_size}, pooling={encoder.pooling}, normalize={encoder.normalize}")
+        f"E={cfg.hidden_size}, pooling={encoder.pooling}, normalize={encoder.normalize}"
+    )
 
     emb = encoder.encode(SENTENCES)  # (N, E), unit norm when the folder normalizes
     sim = F.normalize(emb, dim=1) @ F.normalize(emb, dim=1).T  # (N, N) cosine similarity
@@ -158,17 +170,30 @@ def _encoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
 
     maps = encoder.attention(options.text)
     model_name = _model_name(options, folder)
-    plot_attention_grid(maps.weights, staging / "encoder_attention.png", tokens=maps.tokens, layer_names=maps.names,
-                        title=f"{model_name} on multihead layers: attention of every layer and head on "
-                              f"{options.text!r}")
-    say(f"      drew {len(maps.weights)} layers x {maps.weights[0].shape[1]} heads for {options.text!r} "
-        f"({len(maps.tokens)} tokens)")
+    plot_attention_grid(
+        maps.weights,
+        staging / "encoder_attention.png",
+        tokens=maps.tokens,
+        layer_names=maps.names,
+        title=f"{model_name} on multihead layers: attention of every layer and head on {options.text!r}",
+    )
+    say(
+        f"      drew {len(maps.weights)} layers x {maps.weights[0].shape[1]} heads for {options.text!r} "
+        f"({len(maps.tokens)} tokens)"
+    )
     input_ids, mask, _ = encoder.tokenize([options.text])
     with torch.no_grad(), record_vectors(encoder.model) as vectors:  # every head's q and k: the neuron view
         encoder.model(input_ids, mask)
-    return ViewerSource(f"{model_name} (pretrained encoder)", maps.tokens, maps.tokens, maps.weights, maps.names,
-                        caption=f"The pretrained sentence encoder on {options.text!r}: bidirectional attention.",
-                        queries=[q[0] for q in vectors.queries], keys=[k[0] for k in vectors.keys])
+    return ViewerSource(
+        f"{model_name} (pretrained encoder)",
+        maps.tokens,
+        maps.tokens,
+        maps.weights,
+        maps.names,
+        caption=f"The pretrained sentence encoder on {options.text!r}: bidirectional attention.",
+        queries=[q[0] for q in vectors.queries],
+        keys=[k[0] for k in vectors.keys],
+    )
 
 
 def _model_name(options: DemoOptions, folder: Path) -> str:
@@ -190,70 +215,111 @@ def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
     recipe = _recipe(options.quick)
     task = recipe.task
     max_steps = options.steps if options.steps is not None else recipe.max_steps
-    config = DecoderConfig(task.vocab_size, task.seq_len, d_model=recipe.d_model, num_layers=recipe.num_layers,
-                           num_heads=recipe.num_heads)
+    config = DecoderConfig(
+        task.vocab_size, task.seq_len, d_model=recipe.d_model, num_layers=recipe.num_layers, num_heads=recipe.num_heads
+    )
     torch.manual_seed(options.seed)
     model = CausalDecoder(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"[2/2] causal decoder trained from scratch on multi-query associative recall ({task.describe()})")
-    say(f"      {config.num_layers} layers x {config.num_heads} heads, d_model={config.d_model}, {n_params / 1e3:.0f}k "
+    say(
+        f"      {config.num_layers} layers x {config.num_heads} heads, d_model={config.d_model}, {n_params / 1e3:.0f}k "
         f"parameters; training until >= {TARGET_ACCURACY:.0%} on {recipe.eval_size} held-out sequences "
-        f"(at most {max_steps} steps)")
+        f"(at most {max_steps} steps)"
+    )
 
     train_gen = torch.Generator().manual_seed(options.seed)
     held_out = task.sample(recipe.eval_size, torch.Generator().manual_seed(options.seed + 10_000)).to(device)
-    accuracy, step = _train(model, task, recipe, max_steps, train_gen, held_out, progress=options.progress, say=say,
-                            device=device)
+    accuracy, step = _train(
+        model, task, recipe, max_steps, train_gen, held_out, progress=options.progress, say=say, device=device
+    )
     result.accuracy, result.steps = accuracy, step
     verdict = "reached" if accuracy >= TARGET_ACCURACY else f"did NOT reach {TARGET_ACCURACY:.0%} (raise --steps)"
     say(f"      held-out accuracy {accuracy:.2%} after {step} steps: {verdict}")
 
     layer, head, score = _find_lookup_head(model, task, held_out[:200])
     result.lookup_head = (layer, head)
-    say(f"      lookup head: layer {layer}, head {head} puts {score:.0%} of its attention, at each query, "
-        "on the value of the pair whose key matches")
+    say(
+        f"      lookup head: layer {layer}, head {head} puts {score:.0%} of its attention, at each query, "
+        "on the value of the pair whose key matches"
+    )
 
     seq = held_out[0]
     decoded, weights, diff = _decode_with_cache(model, task, seq)
     result.cache_max_diff = diff
-    asked = task.token_names(seq[task.prompt_len::2])
-    truth = task.token_names(seq[task.prompt_len + 1::2])
-    got = task.token_names(decoded[task.prompt_len + 1::2])
+    asked = task.token_names(seq[task.prompt_len :: 2])
+    truth = task.token_names(seq[task.prompt_len + 1 :: 2])
+    got = task.token_names(decoded[task.prompt_len + 1 :: 2])
     say(f"      decoded a held-out sequence token by token with a KV cache (max |logits - uncached| = {diff:.1e}):")
     say("        pairs  : " + " ".join(task.token_names(seq[: task.prompt_len])))
     say("        asked  : " + " ".join(asked))
-    say("        answer : " + " ".join(got) + ("   (all correct)" if got == truth else f"   (expected {' '.join(truth)})"))
+    say(
+        "        answer : "
+        + " ".join(got)
+        + ("   (all correct)" if got == truth else f"   (expected {' '.join(truth)})")
+    )
 
     tokens = task.token_names(decoded)
     q_pos = task.answer_positions()
     src_pos = task.source_positions(decoded.unsqueeze(0))[0]
     marks = [(int(q), int(s)) for q, s in zip(q_pos, src_pos)]
     layer_names = [f"blocks.{i}.attn" for i in range(config.num_layers)]  # the modules capture_attention names
-    plot_attention(weights[layer][head], staging / "recall_lookup_head.png", q_tokens=tokens, k_tokens=tokens, marks=marks,
-                   title=f"recall decoder, lookup head: layer {layer}, head {head} ({layer_names[layer]}), "
-                         f"decoding with a KV cache\ncircles: the value of the pair whose key matches the query")
-    plot_attention_grid(weights, staging / "recall_attention.png", tokens=tokens, layer_names=layer_names,
-                        title="recall decoder trained from scratch (causal, decoded with a KV cache): every layer and head")
+    plot_attention(
+        weights[layer][head],
+        staging / "recall_lookup_head.png",
+        q_tokens=tokens,
+        k_tokens=tokens,
+        marks=marks,
+        title=f"recall decoder, lookup head: layer {layer}, head {head} ({layer_names[layer]}), "
+        f"decoding with a KV cache\ncircles: the value of the pair whose key matches the query",
+    )
+    plot_attention_grid(
+        weights,
+        staging / "recall_attention.png",
+        tokens=tokens,
+        layer_names=layer_names,
+        title="recall decoder trained from scratch (causal, decoded with a KV cache): every layer and head",
+    )
 
     # The neuron view's vectors: q and k of an uncached forward over the decoded tokens are those the
     # cached steps read (the same positions), and the weights above equal its own to ~1e-6.
     with torch.no_grad(), record_vectors(model) as vectors:
         model(decoded.unsqueeze(0))
-    return ViewerSource("recall decoder (trained from scratch)", tokens, tokens, weights, layer_names,
-                        caption="Multi-query associative recall, decoded with a KV cache: at each query key the "
-                                "lookup head attends to the value whose key matches.",
-                        highlight=(layer, head, "lookup head"),
-                        queries=[q[0] for q in vectors.queries], keys=[k[0] for k in vectors.keys],
-                        # Decode steps in the viewer: after the prefill (the pairs and the first asked key) each
-                        # row is one token fed in; the model writes the answers, the asked keys come from the data.
-                        prompt_len=task.prompt_len + 1,
-                        generated=[tokens[r + 1] if (r - task.prompt_len) % 2 == 0 else f"{tokens[r + 1]} (asked)"
-                                   for r in range(task.prompt_len, len(tokens) - 1)] + [""])
+    return ViewerSource(
+        "recall decoder (trained from scratch)",
+        tokens,
+        tokens,
+        weights,
+        layer_names,
+        caption="Multi-query associative recall, decoded with a KV cache: at each query key the "
+        "lookup head attends to the value whose key matches.",
+        highlight=(layer, head, "lookup head"),
+        queries=[q[0] for q in vectors.queries],
+        keys=[k[0] for k in vectors.keys],
+        # Decode steps in the viewer: after the prefill (the pairs and the first asked key) each
+        # row is one token fed in; the model writes the answers, the asked keys come from the data.
+        prompt_len=task.prompt_len + 1,
+        generated=[
+            tokens[r + 1] if (r - task.prompt_len) % 2 == 0 else f"{tokens[r + 1]} (asked)"
+            for r in range(task.prompt_len, len(tokens) - 1)
+        ]
+        + [""],
+    )
 
 
-def _train(model: CausalDecoder, task: RecallTask, recipe: _Recipe, max_steps: int, train_gen: torch.Generator,
-           held_out: torch.Tensor, *, progress: bool | None, say, device, target: float = TARGET_ACCURACY
-           ) -> tuple[float, int]:
+def _train(
+    model: CausalDecoder,
+    task: RecallTask,
+    recipe: _Recipe,
+    max_steps: int,
+    train_gen: torch.Generator,
+    held_out: torch.Tensor,
+    *,
+    progress: bool | None,
+    say,
+    device,
+    target: float = TARGET_ACCURACY,
+) -> tuple[float, int]:
     """Train until the held-out accuracy reaches ``target`` or ``max_steps``; ``(accuracy, steps run)``.
 
     How many steps it takes is not known in advance (usually a fifth of ``max_steps``), so the
@@ -264,8 +330,12 @@ def _train(model: CausalDecoder, task: RecallTask, recipe: _Recipe, max_steps: i
 
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
     accuracy, step = 0.0, 0
-    bar = tqdm(total=None, desc=f"      training (stops at {target:.0%}, at most {max_steps} steps)", unit="step",
-               disable=_no_bars(progress))
+    bar = tqdm(
+        total=None,
+        desc=f"      training (stops at {target:.0%}, at most {max_steps} steps)",
+        unit="step",
+        disable=_no_bars(progress),
+    )
     for step in range(1, max_steps + 1):
         model.train()
         inputs, targets = task.inputs_and_targets(task.sample(recipe.batch, train_gen).to(device))
@@ -336,7 +406,7 @@ def _decode_with_cache(model: CausalDecoder, task: RecallTask, seq: torch.Tensor
     rows.append(cap.weights)  # per layer (1, H, P, P)
     while tokens.numel() < task.seq_len:
         if (tokens.numel() - task.prompt_len) % 2 == 1:  # last token is a query key: the model answers
-            values = step_logits[-1][-1, task.num_keys:]
+            values = step_logits[-1][-1, task.num_keys :]
             nxt = task.num_keys + int(values.argmax())
         else:  # the next query key comes from the sequence
             nxt = int(seq[tokens.numel()])
@@ -356,7 +426,7 @@ def _decode_with_cache(model: CausalDecoder, task: RecallTask, seq: torch.Tensor
         r = 0
         for step in rows:
             w = step[layer][0].float().cpu()  # (H, rows, T)
-            stitched[:, r: r + w.shape[1], : w.shape[2]] = w
+            stitched[:, r : r + w.shape[1], : w.shape[2]] = w
             r += w.shape[1]
         weights.append(stitched)  # (H, L, L), causal: zeros above the diagonal
     return tokens, torch.stack(weights), diff
@@ -423,4 +493,3 @@ def print_summary(result: DemoResult, say=print) -> None:
     }
     for path in result.files:
         say(f"  {path}  {descriptions.get(path.name, '')}".rstrip())
-

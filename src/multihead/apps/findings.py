@@ -33,8 +33,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MinimalPair", "MINIMAL_PAIRS", "PROBE_SENTENCES", "FOLLOW_MARGIN", "HeadFindings", "measure_heads",
-           "describe_findings", "plot_findings"]
+__all__ = [
+    "MinimalPair",
+    "MINIMAL_PAIRS",
+    "PROBE_SENTENCES",
+    "FOLLOW_MARGIN",
+    "HeadFindings",
+    "measure_heads",
+    "describe_findings",
+    "plot_findings",
+]
 
 
 @dataclass(frozen=True)
@@ -52,12 +60,19 @@ class MinimalPair:
 
 
 MINIMAL_PAIRS = [
-    MinimalPair("The cat sat on the mat because it was tired.", "The cat sat on the mat because it was soft.",
-                ("cat", "mat")),
-    MinimalPair("The trophy did not fit in the suitcase because it was too big.",
-                "The trophy did not fit in the suitcase because it was too small.", ("trophy", "suitcase")),
-    MinimalPair("The dog chased the ball because it was excited.", "The dog chased the ball because it was bouncing.",
-                ("dog", "ball")),
+    MinimalPair(
+        "The cat sat on the mat because it was tired.", "The cat sat on the mat because it was soft.", ("cat", "mat")
+    ),
+    MinimalPair(
+        "The trophy did not fit in the suitcase because it was too big.",
+        "The trophy did not fit in the suitcase because it was too small.",
+        ("trophy", "suitcase"),
+    ),
+    MinimalPair(
+        "The dog chased the ball because it was excited.",
+        "The dog chased the ball because it was bouncing.",
+        ("dog", "ball"),
+    ),
 ]
 
 #: The demo's six similarity sentences and the six sentences of the minimal pairs.
@@ -150,8 +165,17 @@ def measure_heads(encoder) -> HeadFindings:
             tokens, row, ref, other = reads_by_sentence[sentence]
             r = row[layer, head]  # (L,)
             top = int(r.argmax())
-            reads.append(PronounRead(sentence, ref, other, tokens[top], float(r[tokens.index(ref)]),
-                                     float(r[tokens.index(other)]), float(r[top])))
+            reads.append(
+                PronounRead(
+                    sentence,
+                    ref,
+                    other,
+                    tokens[top],
+                    float(r[tokens.index(ref)]),
+                    float(r[tokens.index(other)]),
+                    float(r[top]),
+                )
+            )
     return HeadFindings(_best(previous, -1), _best(following, +1), torch.stack(margins), (layer, head), reads)
 
 
@@ -171,23 +195,29 @@ def describe_findings(f: HeadFindings) -> list[str]:
     pairs = ", ".join("/".join(pair.nouns) for pair in MINIMAL_PAIRS)
     if followers:
         found = "; ".join(f"layer {l}, head {h} in {'/'.join(MINIMAL_PAIRS[i].nouns)}" for i, l, h in followers)
-        lines.append(f"  pronoun: heads that follow what 'it' refers to (margin >= {FOLLOW_MARGIN}) in {pairs}: "
-                     f"{found}")
+        lines.append(
+            f"  pronoun: heads that follow what 'it' refers to (margin >= {FOLLOW_MARGIN}) in {pairs}: {found}"
+        )
     else:
         best = [f.best_margin(i) for i in range(len(MINIMAL_PAIRS))]
-        closest = ", ".join(f"{'/'.join(pair.nouns)} {m:+.3f} (layer {l}, head {h})"
-                            for pair, (l, h, m) in zip(MINIMAL_PAIRS, best))
-        lines.append(f"  pronoun: no head of {f.margins[0].numel()} follows what 'it' refers to in any of the "
-                     f"{len(MINIMAL_PAIRS)} minimal pairs (weight on the referent minus the other noun, in both "
-                     f"sentences, >= {FOLLOW_MARGIN}); closest: {closest}")
+        closest = ", ".join(
+            f"{'/'.join(pair.nouns)} {m:+.3f} (layer {l}, head {h})" for pair, (l, h, m) in zip(MINIMAL_PAIRS, best)
+        )
+        lines.append(
+            f"  pronoun: no head of {f.margins[0].numel()} follows what 'it' refers to in any of the "
+            f"{len(MINIMAL_PAIRS)} minimal pairs (weight on the referent minus the other noun, in both "
+            f"sentences, >= {FOLLOW_MARGIN}); closest: {closest}"
+        )
     subjects = [pair.nouns[0] for pair in MINIMAL_PAIRS for _ in range(2)]
     on_subject = sum(r.top_key == s for r, s in zip(f.lookalike_reads, subjects))
     too = " too" if control.top_key == first.referent else ""
-    lines.append(f"  the head sending 'it' most to '{first.referent}' in {first.sentence!r} (layer {layer}, "
-                 f"head {head}, {first.on_referent:.2f}) sends it to '{control.top_key}' in the control "
-                 f"{control.sentence!r}{too} ({control.on_top:.2f}; '{control.referent}' {control.on_referent:.2f}); "
-                 f"its top key from 'it' is the subject noun ({'/'.join(subjects[::2])}) in {on_subject} of the "
-                 f"{len(f.lookalike_reads)} sentences of the pairs")
+    lines.append(
+        f"  the head sending 'it' most to '{first.referent}' in {first.sentence!r} (layer {layer}, "
+        f"head {head}, {first.on_referent:.2f}) sends it to '{control.top_key}' in the control "
+        f"{control.sentence!r}{too} ({control.on_top:.2f}; '{control.referent}' {control.on_referent:.2f}); "
+        f"its top key from 'it' is the subject noun ({'/'.join(subjects[::2])}) in {on_subject} of the "
+        f"{len(f.lookalike_reads)} sentences of the pairs"
+    )
     return lines
 
 
@@ -207,19 +237,42 @@ def plot_findings(encoder, f: HeadFindings, path: str | Path) -> Path:
         return dict(weights=w[l, h], tokens=tokens, title=title, row=tokens.index("it") if mark_row else None)
 
     panels = [
-        panel(pair.first, p.layer, p.head, f"layer {p.layer}, head {p.head}: the token before\n"
-                                           f"mean {p.mean:.2f} over {len(PROBE_SENTENCES)} sentences"),
-        panel(pair.first, n.layer, n.head, f"layer {n.layer}, head {n.head}: the token after\n"
-                                           f"mean {n.mean:.2f} over {len(PROBE_SENTENCES)} sentences"),
-        panel(pair.first, layer, head, f"layer {layer}, head {head}, 'it' = {first.referent}\n"
-                                       f"it -> {first.referent} {first.on_referent:.2f}, "
-                                       f"{first.other} {first.on_other:.2f}", mark_row=True),
-        panel(pair.second, layer, head, f"same head, control: 'it' = {control.referent}\n"
-                                        f"it -> {control.top_key} {control.on_top:.2f}, "
-                                        f"{control.referent} {control.on_referent:.2f}", mark_row=True),
+        panel(
+            pair.first,
+            p.layer,
+            p.head,
+            f"layer {p.layer}, head {p.head}: the token before\n"
+            f"mean {p.mean:.2f} over {len(PROBE_SENTENCES)} sentences",
+        ),
+        panel(
+            pair.first,
+            n.layer,
+            n.head,
+            f"layer {n.layer}, head {n.head}: the token after\nmean {n.mean:.2f} over {len(PROBE_SENTENCES)} sentences",
+        ),
+        panel(
+            pair.first,
+            layer,
+            head,
+            f"layer {layer}, head {head}, 'it' = {first.referent}\n"
+            f"it -> {first.referent} {first.on_referent:.2f}, "
+            f"{first.other} {first.on_other:.2f}",
+            mark_row=True,
+        ),
+        panel(
+            pair.second,
+            layer,
+            head,
+            f"same head, control: 'it' = {control.referent}\n"
+            f"it -> {control.top_key} {control.on_top:.2f}, "
+            f"{control.referent} {control.on_referent:.2f}",
+            mark_row=True,
+        ),
     ]
-    title = ("all-MiniLM-L6-v2 (on multihead layers): what four heads do, measured by `multihead demo`\n"
-             "no head follows what 'it' refers to; the one that looks as if it did points at the subject noun")
+    title = (
+        "all-MiniLM-L6-v2 (on multihead layers): what four heads do, measured by `multihead demo`\n"
+        "no head follows what 'it' refers to; the one that looks as if it did points at the subject noun"
+    )
     return plot_attention_panels(panels, path, title=title)
 
 
@@ -235,7 +288,7 @@ def _attention_maps(encoder, texts: list[str]) -> dict[str, tuple[list[str], Ten
     with capture_attention(encoder.model) as cap:
         encoder.model(input_ids, mask)
     w = torch.stack([layer.float().cpu() for layer in cap.weights], dim=1)  # (B, layers, H, L, L)
-    return {text: (tok, w[i, :, :, :len(tok), :len(tok)]) for i, (text, tok) in enumerate(zip(texts, tokens))}
+    return {text: (tok, w[i, :, :, : len(tok), : len(tok)]) for i, (text, tok) in enumerate(zip(texts, tokens))}
 
 
 def _neighbour(w: Tensor, inner: Tensor, offset: int) -> tuple[Tensor, Tensor]:
@@ -250,12 +303,19 @@ def _best(per_sentence: list[tuple[Tensor, Tensor]], offset: int) -> PositionalH
     top = torch.cat([t for _, t in per_sentence], dim=-1)
     mean = on.mean(-1)
     layer, head = divmod(int(mean.argmax()), mean.shape[1])
-    return PositionalHead(layer, head, offset, float(mean[layer, head]), float(on[layer, head].min()),
-                          float(top[layer, head].float().mean()))
+    return PositionalHead(
+        layer,
+        head,
+        offset,
+        float(mean[layer, head]),
+        float(on[layer, head].min()),
+        float(top[layer, head].float().mean()),
+    )
 
 
 def _index(tokens: list[str], word: str, sentence: str) -> int:
     if tokens.count(word) != 1:
-        raise ValueError(f"{sentence!r}: expected the word piece {word!r} once, found it {tokens.count(word)} times "
-                         f"in {tokens}")
+        raise ValueError(
+            f"{sentence!r}: expected the word piece {word!r} once, found it {tokens.count(word)} times in {tokens}"
+        )
     return tokens.index(word)

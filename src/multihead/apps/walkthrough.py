@@ -72,9 +72,20 @@ class Walkthrough:
 
 
 @torch.no_grad()
-def walkthrough(*, d_model: int = 512, heads: int = 8, kv_heads: int | None = None, head_dim: int | None = None,
-                seq: int = 10, batch: int = 2, causal: bool = False, window: int | None = None, seed: int = 0,
-                backend: str = "auto", device: str | torch.device = "cpu") -> Walkthrough:
+def walkthrough(
+    *,
+    d_model: int = 512,
+    heads: int = 8,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    seq: int = 10,
+    batch: int = 2,
+    causal: bool = False,
+    window: int | None = None,
+    seed: int = 0,
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
+) -> Walkthrough:
     """Run one layer on random ``(batch, seq, d_model)`` data and record every step.
 
     ``kv_heads`` < ``heads`` gives grouped-query attention; ``causal``/``window`` pick the mask.
@@ -86,8 +97,9 @@ def walkthrough(*, d_model: int = 512, heads: int = 8, kv_heads: int | None = No
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int, got {window!r}")
     torch.manual_seed(seed)
-    layer = MultiHeadAttention(d_model, heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=causal,
-                               backend=backend, device=device).eval()
+    layer = MultiHeadAttention(
+        d_model, heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=causal, backend=backend, device=device
+    ).eval()
     B, L, E = batch, seq, d_model
     Hq, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     G = Hq // Hkv
@@ -104,66 +116,143 @@ def walkthrough(*, d_model: int = 512, heads: int = 8, kv_heads: int | None = No
         f"sizes: B={B} batch, L={L} tokens, E={E} model dim, Hq={Hq} query heads, Hkv={Hkv} key/value heads, "
         f"D={D} head dim" + (f", G={G} query heads per KV head" if G > 1 else ""),
     ]
-    steps = [Step("input", (("x = torch.randn(B, L, E)", tuple(x.shape), "(B, L, E)  one vector of E numbers per token"),))]
+    steps = [
+        Step("input", (("x = torch.randn(B, L, E)", tuple(x.shape), "(B, L, E)  one vector of E numbers per token"),))
+    ]
 
     # 1. Projections: the layer's own nn.Linear modules.
     q_flat, k_flat, v_flat = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
-    steps.append(Step("project to queries, keys and values (the layer's nn.Linear modules)", (
-        ("q = layer.q_proj(x)", tuple(q_flat.shape), "(B, L, Hq*D)  what each token is looking for"),
-        ("k = layer.k_proj(x)", tuple(k_flat.shape), "(B, L, Hkv*D)  what each token offers to be found by"),
-        ("v = layer.v_proj(x)", tuple(v_flat.shape), "(B, L, Hkv*D)  what each token hands over when found"),
-    ), f"q_proj: {E} -> {Hq}*{D} features; k_proj, v_proj: {E} -> {Hkv}*{D}"))
+    steps.append(
+        Step(
+            "project to queries, keys and values (the layer's nn.Linear modules)",
+            (
+                ("q = layer.q_proj(x)", tuple(q_flat.shape), "(B, L, Hq*D)  what each token is looking for"),
+                ("k = layer.k_proj(x)", tuple(k_flat.shape), "(B, L, Hkv*D)  what each token offers to be found by"),
+                ("v = layer.v_proj(x)", tuple(v_flat.shape), "(B, L, Hkv*D)  what each token hands over when found"),
+            ),
+            f"q_proj: {E} -> {Hq}*{D} features; k_proj, v_proj: {E} -> {Hkv}*{D}",
+        )
+    )
 
     # 2. Split into heads: features [h*D, (h+1)*D) are head h; a view, no copy.
     q = split_heads(q_flat, Hq, D, True)
     k = split_heads(k_flat, Hkv, D, True)
     v = split_heads(v_flat, Hkv, D, True)
-    steps.append(Step("split into heads", (
-        ("q.view(B, L, Hq, D).transpose(1, 2)", tuple(q.shape), "(B, Hq, L, D)"),
-        ("k.view(B, L, Hkv, D).transpose(1, 2)", tuple(k.shape), "(B, Hkv, L, D)"),
-        ("v.view(B, L, Hkv, D).transpose(1, 2)", tuple(v.shape), "(B, Hkv, L, D)"),
-    ), "head h = features [h*D, (h+1)*D) of the projection; views, no copy"))
+    steps.append(
+        Step(
+            "split into heads",
+            (
+                ("q.view(B, L, Hq, D).transpose(1, 2)", tuple(q.shape), "(B, Hq, L, D)"),
+                ("k.view(B, L, Hkv, D).transpose(1, 2)", tuple(k.shape), "(B, Hkv, L, D)"),
+                ("v.view(B, L, Hkv, D).transpose(1, 2)", tuple(v.shape), "(B, Hkv, L, D)"),
+            ),
+            "head h = features [h*D, (h+1)*D) of the projection; views, no copy",
+        )
+    )
 
     # 3. GQA grouping: query head h reads KV head h // G.
     k_rep = repeat_kv(k, Hq)  # (B, Hq, L, D), for the spelled-out steps only
     v_rep = repeat_kv(v, Hq)
     if G > 1:
-        steps.append(Step("group query heads onto key/value heads", (
-            ("k.repeat_interleave(G, dim=1)", tuple(k_rep.shape), f"(B, Hq, L, D)  query head h reads KV head h // {G}"),
-            ("v.repeat_interleave(G, dim=1)", tuple(v_rep.shape), "(B, Hq, L, D)"),
-        ), _gqa_table(Hq, Hkv) + "\n(written out to show it; the backends read the shared head without copying)"))
+        steps.append(
+            Step(
+                "group query heads onto key/value heads",
+                (
+                    (
+                        "k.repeat_interleave(G, dim=1)",
+                        tuple(k_rep.shape),
+                        f"(B, Hq, L, D)  query head h reads KV head h // {G}",
+                    ),
+                    ("v.repeat_interleave(G, dim=1)", tuple(v_rep.shape), "(B, Hq, L, D)"),
+                ),
+                _gqa_table(Hq, Hkv) + "\n(written out to show it; the backends read the shared head without copying)",
+            )
+        )
 
     # 4-8. Scores, scale, mask, softmax, weighted sum.
     scores = q @ k_rep.transpose(-2, -1)  # (B, Hq, L, L)
-    steps.append(Step("scores: every query against every key", (
-        ("scores = q @ k.transpose(-2, -1)", tuple(scores.shape), "(B, Hq, Lq, Lk)  how well key j matches query i"),)))
-    scale = D ** -0.5
+    steps.append(
+        Step(
+            "scores: every query against every key",
+            (
+                (
+                    "scores = q @ k.transpose(-2, -1)",
+                    tuple(scores.shape),
+                    "(B, Hq, Lq, Lk)  how well key j matches query i",
+                ),
+            ),
+        )
+    )
+    scale = D**-0.5
     scaled = scores * scale
-    steps.append(Step("scale", ((f"scores * D**-0.5  (= {scale:.4g})", tuple(scaled.shape), "(B, Hq, Lq, Lk)"),),
-                      "keeps the scores' spread independent of D, so the softmax does not saturate"))
+    steps.append(
+        Step(
+            "scale",
+            ((f"scores * D**-0.5  (= {scale:.4g})", tuple(scaled.shape), "(B, Hq, Lq, Lk)"),),
+            "keeps the scores' spread independent of D, so the softmax does not saturate",
+        )
+    )
     if full_mask is not None:
         allowed = full_mask.materialize(B, Hq, L, L, device=device)  # bool, broadcastable
         scaled = scaled.masked_fill(~allowed, float("-inf"))
-        steps.append(Step(f"mask: {full_mask._describe()}", (
-            ("scores.masked_fill(~mask, -inf)", tuple(scaled.shape), "(B, Hq, Lq, Lk)  blocked pairs get weight 0"),),
-            _mask_picture(full_mask, L)))
+        steps.append(
+            Step(
+                f"mask: {full_mask._describe()}",
+                (
+                    (
+                        "scores.masked_fill(~mask, -inf)",
+                        tuple(scaled.shape),
+                        "(B, Hq, Lq, Lk)  blocked pairs get weight 0",
+                    ),
+                ),
+                _mask_picture(full_mask, L),
+            )
+        )
     else:
         steps.append(Step("mask: none", (("(no mask)", (), "every query may see every key"),)))
     weights = torch.softmax(scaled.float(), dim=-1).to(x.dtype)
     row_error = (weights.sum(-1) - 1).abs().max().item()
-    steps.append(Step("softmax over keys", (
-        ("weights = scores.softmax(dim=-1)", tuple(weights.shape), "(B, Hq, Lq, Lk)  how query i splits its attention"),),
-                      f"every row sums to 1 (max |sum - 1| = {row_error:.1e}); query {L - 1} of head 0, batch 0:\n"
-                      + _row(weights[0, 0, L - 1])))
+    steps.append(
+        Step(
+            "softmax over keys",
+            (
+                (
+                    "weights = scores.softmax(dim=-1)",
+                    tuple(weights.shape),
+                    "(B, Hq, Lq, Lk)  how query i splits its attention",
+                ),
+            ),
+            f"every row sums to 1 (max |sum - 1| = {row_error:.1e}); query {L - 1} of head 0, batch 0:\n"
+            + _row(weights[0, 0, L - 1]),
+        )
+    )
     y = weights @ v_rep  # (B, Hq, L, D)
-    steps.append(Step("weighted sum of values", (
-        ("y = weights @ v", tuple(y.shape), "(B, Hq, Lq, D)  the values a query attends to, mixed by weight"),)))
+    steps.append(
+        Step(
+            "weighted sum of values",
+            (("y = weights @ v", tuple(y.shape), "(B, Hq, Lq, D)  the values a query attends to, mixed by weight"),),
+        )
+    )
     merged = merge_heads(y)
-    steps.append(Step("merge heads", (
-        ("y.transpose(1, 2).reshape(B, L, Hq*D)", tuple(merged.shape), "(B, L, Hq*D)  the heads side by side again"),)))
+    steps.append(
+        Step(
+            "merge heads",
+            (
+                (
+                    "y.transpose(1, 2).reshape(B, L, Hq*D)",
+                    tuple(merged.shape),
+                    "(B, L, Hq*D)  the heads side by side again",
+                ),
+            ),
+        )
+    )
     out = layer.out_proj(merged)
-    steps.append(Step("output projection", (
-        ("out = layer.out_proj(y)", tuple(out.shape), "(B, L, E)  mixes the heads back into the model dim"),)))
+    steps.append(
+        Step(
+            "output projection",
+            (("out = layer.out_proj(y)", tuple(out.shape), "(B, L, E)  mixes the heads back into the model dim"),),
+        )
+    )
 
     # Checks: the functional core on the same q, k, v, and the layer's own forward.
     # The output call is the one the layer makes (no weights asked, so the fast path runs); the

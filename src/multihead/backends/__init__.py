@@ -27,7 +27,20 @@ register_backend(FlexBackend(), priority=30)
 register_backend(ReferenceBackend(), priority=100)
 
 __all__ = [
-    "Backend", "Capabilities", "MASK_KINDS", "SCORE_MOD_KINDS", "BackendRefusedError", "AUTO_ORDER",
-    "available_backends", "get_backend", "register_backend", "unregister_backend", "select_backend",
-    "ReferenceBackend", "SDPABackend", "BlockSparseBackend", "FlexBackend", "DecodeBackend",
+    "Backend",
+    "Capabilities",
+    "MASK_KINDS",
+    "SCORE_MOD_KINDS",
+    "BackendRefusedError",
+    "AUTO_ORDER",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+    "unregister_backend",
+    "select_backend",
+    "ReferenceBackend",
+    "SDPABackend",
+    "BlockSparseBackend",
+    "FlexBackend",
+    "DecodeBackend",
 ]

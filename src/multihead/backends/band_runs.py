@@ -110,11 +110,15 @@ class BandRun:
         if self.lo > self.hi:
             raise ValueError(f"BandRun: lo={self.lo} > hi={self.hi} would leave every row without keys")
         if not 0 <= self.q0 < self.q1 <= q_len or (self.q1 - self.q0) % self.block:
-            raise ValueError(f"BandRun rows [{self.q0}, {self.q1}) must be a non-empty multiple of block="
-                             f"{self.block} inside [0, Lq={q_len})")
+            raise ValueError(
+                f"BandRun rows [{self.q0}, {self.q1}) must be a non-empty multiple of block="
+                f"{self.block} inside [0, Lq={q_len})"
+            )
         if self.k0 < 0 or self.k1 > kv_len:
-            raise ValueError(f"BandRun rows [{self.q0}, {self.q1}) read keys [{self.k0}, {self.k1}), outside "
-                             f"[0, Lk={kv_len}): not interior; interior_run(...) finds the interior rows")
+            raise ValueError(
+                f"BandRun rows [{self.q0}, {self.q1}) read keys [{self.k0}, {self.k1}), outside "
+                f"[0, Lk={kv_len}): not interior; interior_run(...) finds the interior rows"
+            )
 
 
 def interior_run(q_len: int, kv_len: int, *, block: int, lo: int, hi: int) -> BandRun | None:
@@ -135,8 +139,9 @@ def interior_run(q_len: int, kv_len: int, *, block: int, lo: int, hi: int) -> Ba
     return run
 
 
-def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float, *,
-                bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def run_forward(
+    q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float, *, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Output and log-sum-exp of the rows ``[run.q0, run.q1)`` under the band, in one kernel call.
 
     Args:
@@ -159,9 +164,21 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float, *,
     return _unfold_rows(out, B, Hq), _unfold_rows(lse, B, Hq)
 
 
-def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, run: BandRun,
-                 scale: float, *, dk: Tensor | None = None, dv: Tensor | None = None,
-                 bias: Tensor | None = None, kernel_heads: list[bool] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def run_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    run: BandRun,
+    scale: float,
+    *,
+    dk: Tensor | None = None,
+    dv: Tensor | None = None,
+    bias: Tensor | None = None,
+    kernel_heads: list[bool] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of the rows ``[run.q0, run.q1)``: the flash backward in one kernel call.
 
     Args:
@@ -188,11 +205,22 @@ def run_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     go, qf, of = _fold_q(grad_out, run, rows_only=True), _fold_q(q, run), _fold_q(out, run, rows_only=True)
     lf = _fold_q(lse.unsqueeze(-1), run, rows_only=True).squeeze(-1).contiguous()  # (n, B*Hq, block)
     if bias is None:
-        dqf, dkf, dvf = _flash_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, 0.0, False,
-                                        attn_mask=_window_mask(run, q.dtype, q.device), scale=scale)
+        dqf, dkf, dvf = _flash_backward(
+            go,
+            qf,
+            _fold_kv(k, run),
+            _fold_kv(v, run),
+            of,
+            lf,
+            0.0,
+            False,
+            attn_mask=_window_mask(run, q.dtype, q.device),
+            scale=scale,
+        )
     else:  # a bias spanning many units makes the kernel's backward crawl through denormals (bias_backward)
-        dqf, dkf, dvf = _biased_backward(go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, _run_mask(run, q, bias),
-                                         scale, B, kernel_heads)
+        dqf, dkf, dvf = _biased_backward(
+            go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, _run_mask(run, q, bias), scale, B, kernel_heads
+        )
     dq = _unfold_rows(dqf, B, Hq)
     if dk is None:
         dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
@@ -209,7 +237,7 @@ def _biased_backward(go, qf, kf, vf, of, lf, mask, scale, B: int, kernel_heads):
     ``kernel_heads`` on the kernel, the others in :func:`bias_backward`. Folded head ``b*H + h``."""
     Hq, Hkv = qf.shape[1] // B, kf.shape[1] // B
     G = Hq // Hkv
-    groups = [all(kernel_heads[kv * G:(kv + 1) * G]) for kv in range(Hkv)] if kernel_heads else [False] * Hkv
+    groups = [all(kernel_heads[kv * G : (kv + 1) * G]) for kv in range(Hkv)] if kernel_heads else [False] * Hkv
     if not any(groups):
         return bias_backward(go, qf, kf, vf, of, lf, mask, scale)
     acc = lf.dtype
@@ -238,10 +266,19 @@ def _biased_backward(go, qf, kf, vf, of, lf, mask, scale, B: int, kernel_heads):
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, run: BandRun) -> None:
     if _flash is None:
         raise RuntimeError("band_runs needs aten._scaled_dot_product_flash_attention_for_cpu (PyTorch >= 2.3)")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or q.shape[-1] != k.shape[-1] \
-            or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"band_runs: expected q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D) with Hq % Hkv == 0, "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or v.dim() != 4
+        or k.shape != v.shape
+        or q.shape[-1] != k.shape[-1]
+        or q.shape[0] != k.shape[0]
+        or q.shape[1] % k.shape[1]
+    ):
+        raise ValueError(
+            f"band_runs: expected q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D) with Hq % Hkv == 0, "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     run.check(q.shape[2], k.shape[2])
 
 
@@ -249,7 +286,7 @@ def _fold_q(x: Tensor, run: BandRun, rows_only: bool = False) -> Tensor:
     """``(B, H, Lq, D)`` (or already the run's rows, ``(B, H, q1 - q0, D)``) -> ``(n, B*H, block, D)``.
     A view when ``B`` and ``H`` merge (x contiguous in them), a copy otherwise."""
     B, H, _, D = x.shape
-    rows = x if rows_only else x[:, :, run.q0:run.q1]
+    rows = x if rows_only else x[:, :, run.q0 : run.q1]
     return rows.reshape(B, H, run.blocks, run.block, D).permute(2, 0, 1, 3, 4).reshape(run.blocks, B * H, run.block, D)
 
 
@@ -257,7 +294,7 @@ def _fold_kv(x: Tensor, run: BandRun) -> Tensor:
     """``(B, Hkv, Lk, D)`` -> ``(n, B*Hkv, span, D)``: window ``t`` is keys
     ``[k0 + t*block, k0 + t*block + span)``; overlapping windows of one storage (no copy)."""
     B, H, _, D = x.shape
-    windows = x[:, :, run.k0:run.k1].unfold(2, run.span, run.block)  # (B, Hkv, n, D, span)
+    windows = x[:, :, run.k0 : run.k1].unfold(2, run.span, run.block)  # (B, Hkv, n, D, span)
     return windows.permute(2, 0, 1, 4, 3).reshape(run.blocks, B * H, run.span, D)
 
 
@@ -278,8 +315,8 @@ def _overlap_add(acc: Tensor, windows: Tensor, run: BandRun) -> None:
     for c in range(0, span, block):
         width = min(block, span - c)
         start = run.k0 + c
-        target = acc[:, :, start:start + (n - 1) * block + width].unfold(2, width, block)  # (B, Hkv, n, D, width)
-        target += windows[:, :, :, c:c + width].permute(1, 2, 0, 4, 3).to(acc.dtype)
+        target = acc[:, :, start : start + (n - 1) * block + width].unfold(2, width, block)  # (B, Hkv, n, D, width)
+        target += windows[:, :, :, c : c + width].permute(1, 2, 0, 4, 3).to(acc.dtype)
 
 
 def _run_mask(run: BandRun, q: Tensor, bias: Tensor | None) -> Tensor:

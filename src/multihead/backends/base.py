@@ -66,16 +66,21 @@ class Capabilities:
     compile_note: str = ""
 
     def __post_init__(self) -> None:
-        for name, declared, known in (("mask_kinds", self.mask_kinds, MASK_KINDS),
-                                      ("score_mods", self.score_mods, SCORE_MOD_KINDS)):
+        for name, declared, known in (
+            ("mask_kinds", self.mask_kinds, MASK_KINDS),
+            ("score_mods", self.score_mods, SCORE_MOD_KINDS),
+        ):
             unknown = sorted(set(declared) - known)
             if unknown:
                 raise ValueError(f"Capabilities: {name} has unknown kinds {unknown}; known: {sorted(known)}")
         if not self.compiles and not self.compile_note:
             raise ValueError("Capabilities: compiles=False needs a compile_note saying why")
         if not self.masks:
-            text = "every mask" if self.mask_kinds == MASK_KINDS \
+            text = (
+                "every mask"
+                if self.mask_kinds == MASK_KINDS
                 else "masks of kinds " + ", ".join(sorted(self.mask_kinds))
+            )
             object.__setattr__(self, "masks", text)
 
     def tolerance_factor(self, dtype: torch.dtype, gradients: bool = False) -> float:
@@ -85,8 +90,9 @@ class Capabilities:
         if dtype not in table:
             if dtype == torch.float64:
                 return 1.0
-            raise ValueError(f"Capabilities.tolerance_factor: no factor for {dtype}; "
-                             f"declared: {sorted(map(str, table))}")
+            raise ValueError(
+                f"Capabilities.tolerance_factor: no factor for {dtype}; declared: {sorted(map(str, table))}"
+            )
         return float(table[dtype][1 if gradients else 0])
 
 
@@ -103,8 +109,7 @@ class Backend(abc.ABC):
         caps, reasons = self.capabilities, []
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         if call.q.device.type not in caps.device_types:
-            reasons.append(f"device type {call.q.device.type!r} not supported "
-                           f"(supports {sorted(caps.device_types)})")
+            reasons.append(f"device type {call.q.device.type!r} not supported (supports {sorted(caps.device_types)})")
         if call.q.dtype not in caps.dtypes:
             reasons.append(f"dtype {call.q.dtype} not supported")
         if caps.max_head_dim is not None and max(D, Dv) > caps.max_head_dim:
@@ -117,8 +122,10 @@ class Backend(abc.ABC):
                 reasons.append(f"mask kinds {unsupported} not supported ({caps.masks})")
         if call.score_mod is not None:
             if call.score_mod.kind not in caps.score_mods:
-                reasons.append(f"score modifier {call.score_mod._describe()} is {call.score_mod.kind}; "
-                               f"this backend runs {sorted(caps.score_mods) or 'none'}")
+                reasons.append(
+                    f"score modifier {call.score_mod._describe()} is {call.score_mod.kind}; "
+                    f"this backend runs {sorted(caps.score_mods) or 'none'}"
+                )
             elif call.score_mod.requires_grad and not caps.score_mod_grad:
                 reasons.append("a score modifier tensor requires grad; this backend gives it no gradient")
         if call.dropout_p > 0 and not caps.dropout:

@@ -37,8 +37,17 @@ LOG_TINY = -50.0
 KEYS = 1024
 
 
-def bias_backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, bias: Tensor, scale: float,
-                  on_ds: Callable[[Tensor, int, int], None] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def bias_backward(
+    go: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    bias: Tensor,
+    scale: float,
+    on_ds: Callable[[Tensor, int, int], None] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``dq (N, Hq, R, D)``, ``dk (N, Hkv, K, D)``, ``dv (N, Hkv, K, Dv)`` in the accumulation
     dtype (fp32; fp64 for fp64) of attention with an additive ``bias``.
 

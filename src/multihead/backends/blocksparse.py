@@ -104,10 +104,10 @@ class BlockSparseBackend(Backend):
         mask_kinds=MASK_KINDS - {"tensor"},
         score_mods=frozenset({ADDITIVE, ELEMENTWISE}),
         masks="structured masks (causal, sliding window, document, prefix-LM, key padding, custom, "
-              "positions, and & | ~ of them); not plain tensor masks",
+        "positions, and & | ~ of them); not plain tensor masks",
         compiles=False,
         compile_note="its per-block plan is Python control flow over the mask's values (key ranges, block states "
-                     "read on the host: lengths, document ids), which breaks the graph; sdpa traces into one",
+        "read on the host: lengths, document ids), which breaks the graph; sdpa traces into one",
     )
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
@@ -130,16 +130,20 @@ class BlockSparseBackend(Backend):
         if mask is None and not relative and not _in_torch(call):
             return ["no mask: sdpa runs one fused call, as fast"]
         if call.dropout_p > 0 and B * Hq * Lq * Lk < DROPOUT_DENSE_ELEMENTS:
-            return ["dropout: the blockwise path is slower than sdpa's math kernel with a dense mask while the "
-                    f"scores fit ({B * Hq * Lq * Lk} < {DROPOUT_DENSE_ELEMENTS} elements; benchmarks/dropout.py)"]
+            return [
+                "dropout: the blockwise path is slower than sdpa's math kernel with a dense mask while the "
+                f"scores fit ({B * Hq * Lq * Lk} < {DROPOUT_DENSE_ELEMENTS} elements; benchmarks/dropout.py)"
+            ]
         offset = mask.causal_offset(Lq, Lk) if call.score_mod is None and mask is not None else None
         if call.dropout_p == 0 and (offset == 0 or (offset is not None and offset >= Lk - 1)):
             # (with dropout, sdpa runs its math kernel on the whole square: blocksparse skips the
             # blocked half; docs/performance.md)
             return ["causal diagonal that sdpa passes as is_causal: sdpa is as fast"]
         if Lq * Lk < SMALL_CALL_ELEMENTS and not _in_torch(call):
-            return [f"Lq*Lk = {Lq * Lk} < {SMALL_CALL_ELEMENTS}: per-block overhead exceeds the saving; "
-                    "sdpa with the mask materialized is faster"]
+            return [
+                f"Lq*Lk = {Lq * Lk} < {SMALL_CALL_ELEMENTS}: per-block overhead exceeds the saving; "
+                "sdpa with the mask materialized is faster"
+            ]
         return []
 
     def plan(self, call: AttentionCall) -> list[str]:
@@ -156,32 +160,47 @@ class BlockSparseBackend(Backend):
         skipped = sum(1 for b in plan.blocks if not b.pieces)
         lines = []
         if _in_torch(call):
-            why = (f"dropout p={call.dropout_p}: the CPU flash kernel has none" if call.dropout_p > 0 else
-                   f"score modifier {call.score_mod._describe() if call.score_mod else None} is elementwise: "
-                   "the CPU flash kernel takes only an "
-                   "additive mask")
-            return [f"{why}, so each block of {self.block_size} queries attends to its visible key range in PyTorch "
-                    "(activation checkpointing: memory of one block, recomputed in the backward)"]
+            why = (
+                f"dropout p={call.dropout_p}: the CPU flash kernel has none"
+                if call.dropout_p > 0
+                else f"score modifier {call.score_mod._describe() if call.score_mod else None} is elementwise: "
+                "the CPU flash kernel takes only an "
+                "additive mask"
+            )
+            return [
+                f"{why}, so each block of {self.block_size} queries attends to its visible key range in PyTorch "
+                "(activation checkpointing: memory of one block, recomputed in the backward)"
+            ]
         if plan.run is not None:
             run = plan.run
             computed += (run.q1 - run.q0) * run.span
-            lines.append(f"band interior: {run.blocks} query blocks (rows {run.q0}-{run.q1 - 1}) as one batched kernel "
-                         f"call, each over a window of {run.span} keys")
+            lines.append(
+                f"band interior: {run.blocks} query blocks (rows {run.q0}-{run.q1 - 1}) as one batched kernel "
+                f"call, each over a window of {run.span} keys"
+            )
         if relative:
-            calls = (f"kernel calls: {counts[_FULL] + counts[_CAUSAL]} with the relative bias as a strided view of "
-                     f"R + K - 1 values per head (rows reversed; a causal diagonal as -inf in those values), "
-                     f"{counts[_MASKED]} with a block-sized mask")
+            calls = (
+                f"kernel calls: {counts[_FULL] + counts[_CAUSAL]} with the relative bias as a strided view of "
+                f"R + K - 1 values per head (rows reversed; a causal diagonal as -inf in those values), "
+                f"{counts[_MASKED]} with a block-sized mask"
+            )
         else:
-            calls = (f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
-                     f"{counts[_MASKED]} with a block-sized mask")
-        lines += [f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
-                  calls,
-                  f"scores computed: {computed} of {Lq * Lk} ({100.0 * computed / max(1, Lq * Lk):.1f}% of the square)",
-                  "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu, pieces merged by log-sum-exp"]
+            calls = (
+                f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
+                f"{counts[_MASKED]} with a block-sized mask"
+            )
+        lines += [
+            f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
+            calls,
+            f"scores computed: {computed} of {Lq * Lk} ({100.0 * computed / max(1, Lq * Lk):.1f}% of the square)",
+            "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu, pieces merged by log-sum-exp",
+        ]
         if relative and call.q.dtype != torch.float64:
-            lines.append("relative bias: entries that no row can weigh above fp32's underflow (by the bound "
-                         "scale·|q|·|k|) are -inf, so no denormal arithmetic; backward in PyTorch with probabilities "
-                         f"below exp({LOG_TINY:g}) set to 0")
+            lines.append(
+                "relative bias: entries that no row can weigh above fp32's underflow (by the bound "
+                "scale·|q|·|k|) are -inf, so no denormal arithmetic; backward in PyTorch with probabilities "
+                f"below exp({LOG_TINY:g}) set to 0"
+            )
         elif mods is not None and mods.kind == ADDITIVE and not relative:
             lines.append(f"score modifier {mods._describe()}: added per piece as a block-sized attn_mask")
         if Hq != Hkv:
@@ -203,8 +222,9 @@ class BlockSparseBackend(Backend):
         if _in_torch(call):  # no dropout, no elementwise modifier in the CPU flash kernel: a block at a time in PyTorch
             out, lse = attention_by_blocks(q, k, v, call.mask, mods, call.scale, call.dropout_p, self.block_size)
         else:
-            out, lse = _BlockSparseAttention.apply(q, k, v, call.mask, mods, call.scale, plan,
-                                                   *(mods.tensors() if mods is not None else ()))
+            out, lse = _BlockSparseAttention.apply(
+                q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
+            )
         if Dv < D:
             out = out[..., :Dv]
         return AttentionResult(out, None, lse if call.return_lse else None)
@@ -246,8 +266,9 @@ SMALL_CALL_ELEMENTS = 256 * 256
 
 
 # ----------------------------------------------------------------------------------- planning
-def block_plan(mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int,
-               block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[QueryBlock, ...]:
+def block_plan(
+    mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[QueryBlock, ...]:
     """The kernel calls for every query block, from the mask's structural answers only."""
     diagonal = _upper_diagonal(mask, q_len, kv_len)
     blocks = []
@@ -263,8 +284,9 @@ def block_plan(mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: in
             c0, c1 = q0 + d, min(q1 + d, kv_len)  # the block's diagonal, aligned for is_causal
             # Keys >= q1 + d are above every row's diagonal; keys < q0 + d are below it.
             hi = min(hi, c1)
-            if lo <= c0 < c1 and (rest is None or rest.block_state(q0, q1, c0, c1, q_len, kv_len, batch, heads)
-                                  is BlockState.FULL):
+            if lo <= c0 < c1 and (
+                rest is None or rest.block_state(q0, q1, c0, c1, q_len, kv_len, batch, heads) is BlockState.FULL
+            ):
                 pieces = _classify(mask, q0, q1, lo, c0, q_len, kv_len, batch, heads, block_size)
                 pieces.append(Piece(c0, c1, _CAUSAL))
                 blocks.append(QueryBlock(q0, q1, tuple(_merge(pieces))))
@@ -286,8 +308,12 @@ def _merge_query_blocks(blocks: list[QueryBlock]) -> tuple[QueryBlock, ...]:
     merged: list[QueryBlock] = []
     for blk in blocks:
         prev = merged[-1] if merged else None
-        if (prev is not None and prev.pieces == blk.pieces and prev.q1 == blk.q0
-                and all(p.kind == _FULL for p in blk.pieces)):
+        if (
+            prev is not None
+            and prev.pieces == blk.pieces
+            and prev.q1 == blk.q0
+            and all(p.kind == _FULL for p in blk.pieces)
+        ):
             merged[-1] = QueryBlock(prev.q0, blk.q1, prev.pieces)
         else:
             merged.append(blk)
@@ -308,8 +334,9 @@ def _classify(mask, q0, q1, k0, k1, q_len, kv_len, batch, heads, block_size) -> 
     mid = (k0 + k1) // 2 // block_size * block_size
     if mid <= k0:
         mid = (k0 // block_size + 1) * block_size
-    return (_classify(mask, q0, q1, k0, mid, q_len, kv_len, batch, heads, block_size)
-            + _classify(mask, q0, q1, mid, k1, q_len, kv_len, batch, heads, block_size))
+    return _classify(mask, q0, q1, k0, mid, q_len, kv_len, batch, heads, block_size) + _classify(
+        mask, q0, q1, mid, k1, q_len, kv_len, batch, heads, block_size
+    )
 
 
 def _merge(pieces: list[Piece]) -> list[Piece]:
@@ -372,8 +399,16 @@ _flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_c
 _flash_backward: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece,
-                q_len: int, kv_len: int, k_heads: int):
+def _piece_mask(
+    mask: Mask | None,
+    mods: ScoreMod | None,
+    q: Tensor,
+    blk: QueryBlock,
+    piece: Piece,
+    q_len: int,
+    kv_len: int,
+    k_heads: int,
+):
     """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype (``None``
     when the kernel needs none), the rows (``(B|1, Hq|1, rows)`` bool) that see no key of the
     piece, the keys (``(B|1, 1, keys, 1)``) that no row of the piece sees, and what the kernel's
@@ -382,8 +417,9 @@ def _piece_mask(mask: Mask | None, mods: ScoreMod | None, q: Tensor, blk: QueryB
         return None, None, None, None
     # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
     piece_mask = None if piece.kind == _FULL else mask
-    bias, visible, shift = additive_block(piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0,
-                                          piece.k1, q_len, kv_len, q.device, q.dtype)
+    bias, visible, shift = additive_block(
+        piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, q_len, kv_len, q.device, q.dtype
+    )
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
 
@@ -408,8 +444,9 @@ class Bounds:
         if mods is None or not mods.relative or q.dtype == torch.float64:
             return None  # fp64 kernels accumulate in fp64: nothing to cut
         acc = softmax_dtype(q.dtype)
-        return Bounds(torch.linalg.vector_norm(q, dim=-1, dtype=acc), torch.linalg.vector_norm(k, dim=-1, dtype=acc),
-                      abs(scale))
+        return Bounds(
+            torch.linalg.vector_norm(q, dim=-1, dtype=acc), torch.linalg.vector_norm(k, dim=-1, dtype=acc), abs(scale)
+        )
 
     def score(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
         """An upper bound of ``|scale · q·k|`` over rows ``[q0, q1)`` x keys ``[k0, k1)`` (a 0-dim tensor)."""
@@ -509,7 +546,7 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
     if bounds is not None:  # every row sees the whole band, distances lo .. hi
         bound = bounds.score(run.q0, run.q1, run.k0, run.k1)
         vec = _underflow_cut(vec, (run.lo - d0, run.hi - d0 + 1), bound)
-        band = vec[:, run.lo - d0:run.hi - d0 + 1]
+        band = vec[:, run.lo - d0 : run.hi - d0 + 1]
         finite = torch.isfinite(band)
         spread = torch.where(finite, band, -torch.inf).amax(-1) - torch.where(finite, band, torch.inf).amin(-1)
         kernel_heads = (spread + 2 * bound < -_LOG_NORMAL).expand(q.shape[1]).tolist()  # (Hq,) bools
@@ -534,8 +571,8 @@ def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor,
 
 def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=None):
     """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
-    qb = q[:, :, blk.q0:blk.q1]
-    kb, vb = k[:, :, piece.k0:piece.k1], v[:, :, piece.k0:piece.k1]
+    qb = q[:, :, blk.q0 : blk.q1]
+    kb, vb = k[:, :, piece.k0 : piece.k1], v[:, :, piece.k0 : piece.k1]
     relative = _relative_piece(mods, q, blk, piece, bounds)
     if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
         win, shift = relative
@@ -574,12 +611,12 @@ class _BlockSparseAttention(torch.autograd.Function):
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
             if len(parts) == 1:
-                out[:, :, blk.q0:blk.q1], lse[:, :, blk.q0:blk.q1] = parts[0]
+                out[:, :, blk.q0 : blk.q1], lse[:, :, blk.q0 : blk.q1] = parts[0]
                 continue
             outs, lses = zip(*parts)
             merged, total = merge_partials(list(outs), [l.expand(B, Hq, -1) for l in lses])
-            out[:, :, blk.q0:blk.q1] = merged
-            lse[:, :, blk.q0:blk.q1] = total
+            out[:, :, blk.q0 : blk.q1] = merged
+            lse[:, :, blk.q0 : blk.q1] = total
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.mods, ctx.scale, ctx.plan = mask, mods, scale, plan
         ctx.set_materialize_grads(False)
@@ -614,8 +651,20 @@ class _BlockSparseAttention(torch.autograd.Function):
             rows = slice(run.q0, run.q1)
             bias, shift, kernel_heads = _run_bias(mods, run, q, bounds)
             run_lse = lse[:, :, rows].to(acc_dtype) - (0 if shift is None else shift)  # what the kernel saw
-            g_q, _, _ = run_backward(grad_out[:, :, rows], q, k, v, out[:, :, rows], run_lse,
-                                     run, ctx.scale, dk=dk, dv=dv, bias=bias, kernel_heads=kernel_heads)
+            g_q, _, _ = run_backward(
+                grad_out[:, :, rows],
+                q,
+                k,
+                v,
+                out[:, :, rows],
+                run_lse,
+                run,
+                ctx.scale,
+                dk=dk,
+                dv=dv,
+                bias=bias,
+                kernel_heads=kernel_heads,
+            )
             dq[:, :, rows] += g_q
         # Fully masked rows: LSE +inf makes every probability exp(s - inf) = 0, so no NaN.
         lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
@@ -636,8 +685,9 @@ class _BlockSparseAttention(torch.autograd.Function):
                     on_ds = None
                     if any(wants_mod_grad):  # dS summed along the view's diagonals: the bias values' gradient
                         d_vec, on_ds = _diagonal_sums(win, rows=blk.q1 - blk.q0, keys=p.k1 - p.k0)
-                    g_q, g_k, g_v = bias_backward(_reversed(go), _reversed(qb), kb, vb, _reversed(ob), lp, win,
-                                                  ctx.scale, on_ds=on_ds)
+                    g_q, g_k, g_v = bias_backward(
+                        _reversed(go), _reversed(qb), kb, vb, _reversed(ob), lp, win, ctx.scale, on_ds=on_ds
+                    )
                     dq[:, :, rows] += _reversed(g_q)
                     dk[:, :, keys] += g_k
                     dv[:, :, keys] += g_v
@@ -653,8 +703,9 @@ class _BlockSparseAttention(torch.autograd.Function):
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
                 if any(wants_mod_grad):
-                    _accumulate_mod_grads(mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale),
-                                          blk, p)
+                    _accumulate_mod_grads(
+                        mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale), blk, p
+                    )
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_mods)
@@ -689,7 +740,7 @@ def _diagonal_sums(win: Tensor, rows: int, keys: int):
         # (one over the whole piece per chunk would cost O(K^2)).
         part = torch.zeros(win.shape[1], c1 - c0 + rows - 1, dtype=acc, device=win.device, requires_grad=True)
         with torch.enable_grad():
-            d_vec[:, c0:c1 + rows - 1] += torch.autograd.grad(toeplitz_view(part, rows, c1 - c0), part, g.to(acc))[0]
+            d_vec[:, c0 : c1 + rows - 1] += torch.autograd.grad(toeplitz_view(part, rows, c1 - c0), part, g.to(acc))[0]
 
     return d_vec, on_ds
 

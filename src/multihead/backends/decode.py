@@ -95,9 +95,12 @@ class DecodeBackend(Backend):
     def __init__(self, chunk_size: int | None = None):
         """``chunk_size``: keys per chunk; ``None``: as many as keep a chunk's scores within
         :data:`SCORES_PER_CHUNK` elements (at least 1024 keys)."""
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"DecodeBackend: chunk_size must be a positive int (keys per chunk) or None, "
-                             f"got {chunk_size!r}")
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(
+                f"DecodeBackend: chunk_size must be a positive int (keys per chunk) or None, got {chunk_size!r}"
+            )
         self.chunk_size = chunk_size
 
     def _chunk(self, call: AttentionCall) -> int:
@@ -109,11 +112,15 @@ class DecodeBackend(Backend):
         reasons = super().refusals(call)
         Lq = call.shape[3]
         if not isinstance(Lq, int):  # a torch.SymInt: comparing it would fix the length of the traced graph
-            reasons.append(f"Lq={Lq} is symbolic (torch.export's Dim, dynamic torch.compile): one graph for "
-                           "every length, and this path is for a few query tokens; sdpa traces into one")
+            reasons.append(
+                f"Lq={Lq} is symbolic (torch.export's Dim, dynamic torch.compile): one graph for "
+                "every length, and this path is for a few query tokens; sdpa traces into one"
+            )
         elif Lq > MAX_QUERIES:
-            reasons.append(f"{named('Lq', Lq)} > {MAX_QUERIES} query tokens: a decode path for a few new tokens; "
-                           "a prefill runs on a fused kernel (sdpa, blocksparse)")
+            reasons.append(
+                f"{named('Lq', Lq)} > {MAX_QUERIES} query tokens: a decode path for a few new tokens; "
+                "a prefill runs on a fused kernel (sdpa, blocksparse)"
+            )
         return reasons
 
     def auto_refusals(self, call: AttentionCall) -> list[str]:
@@ -121,12 +128,13 @@ class DecodeBackend(Backend):
         if call.q.device.type != "cpu":
             return [f"measured on CPU only; on {call.q.device.type} the fused kernels are the default"]
         if Lq > AUTO_MAX_QUERIES:
-            return [f"{named('Lq', Lq)} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
-                    "(docs/performance.md, the decode path)"]
+            return [
+                f"{named('Lq', Lq)} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
+                "(docs/performance.md, the decode path)"
+            ]
         if B * Hq * Lk * D < AUTO_MIN_WORK:
             work = named("B·Hq·Lk·D", B * Hq * Lk * D)
-            return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less "
-                    "than the fold's few ops"]
+            return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less than the fold's few ops"]
         return []
 
     def plan(self, call: AttentionCall) -> list[str]:
@@ -136,22 +144,36 @@ class DecodeBackend(Backend):
         lines = []
         if plan.kv_heads != Hkv:
             lines.append(f"K/V heads are one head expanded (stride 0): read once as MQA, all {Hq} query heads folded")
-        lines.append(f"heads: the {G} query head(s) of each of the {plan.kv_heads} KV head(s) folded into the rows of "
-                     f"one matmul per KV head ({G}x{Lq} = {G * Lq} rows x {D}) by {D} x keys; K/V never expanded")
+        lines.append(
+            f"heads: the {G} query head(s) of each of the {plan.kv_heads} KV head(s) folded into the rows of "
+            f"one matmul per KV head ({G}x{Lq} = {G * Lq} rows x {D}) by {D} x keys; K/V never expanded"
+        )
         lines.append(plan.note.format(mask=call.mask._describe()) if call.mask is not None else plan.note)
         n = plan.hi - plan.lo
         if n > 0:
             chunks = -(-n // plan.chunk)
-            lines.append(f"keys read: {n} of {Lk} ([{plan.lo}, {plan.hi}))"
-                         + (f" in {chunks} chunks of <= {plan.chunk}, joined by log-sum-exp (merge_partials)"
-                            if chunks > 1 else ""))
+            lines.append(
+                f"keys read: {n} of {Lk} ([{plan.lo}, {plan.hi}))"
+                + (
+                    f" in {chunks} chunks of <= {plan.chunk}, joined by log-sum-exp (merge_partials)"
+                    if chunks > 1
+                    else ""
+                )
+            )
         if plan.pad:
-            lines.append(f"{G * Lq} query rows padded with {plan.pad} zero rows for q Kᵀ: on K/V streamed from memory "
-                         f"MKL's fp32 GEMM reads {G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)")
-        precision = {torch.float16: "fp32 (inputs fp16; matmuls in fp16, scores upcast)",
-                     torch.bfloat16: "fp32 (inputs bf16; matmuls in bf16, scores upcast)"}
-        lines.append("softmax in " + precision.get(call.q.dtype, str(call.q.dtype).replace("torch.", ""))
-                     + "; log-sum-exp from the same pass")
+            lines.append(
+                f"{G * Lq} query rows padded with {plan.pad} zero rows for q Kᵀ: on K/V streamed from memory "
+                f"MKL's fp32 GEMM reads {G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)"
+            )
+        precision = {
+            torch.float16: "fp32 (inputs fp16; matmuls in fp16, scores upcast)",
+            torch.bfloat16: "fp32 (inputs bf16; matmuls in bf16, scores upcast)",
+        }
+        lines.append(
+            "softmax in "
+            + precision.get(call.q.dtype, str(call.q.dtype).replace("torch.", ""))
+            + "; log-sum-exp from the same pass"
+        )
         return lines
 
     # ------------------------------------------------------------------------------- running
@@ -175,7 +197,7 @@ def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: to
     """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked."""
     scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
     if scores.shape[2] != G * Lq:  # zero rows padded for the GEMM's sake (_PADDED_ROWS)
-        scores = scores[:, :, :G * Lq]
+        scores = scores[:, :, : G * Lq]
     if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once
         scores = scores.to(acc)
     if scale != 1.0:
@@ -185,8 +207,18 @@ def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: to
     return scores
 
 
-def _attend(qg: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype,
-            G: int, Lq: int, half: bool, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+def _attend(
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocked: Tensor | None,
+    scale: float,
+    acc: torch.dtype,
+    G: int,
+    Lq: int,
+    half: bool,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
     """One chunk of keys, no autograd: the output ``(B, Hkv, G·Lq, Dv)`` normalised over these keys
     (``acc`` dtype; 0 on rows that see none) and the LSE ``(B, Hkv, G·Lq)`` (``-inf`` there) when
     ``need_lse``. Fused passes: the per-call cost of a one-token step is a handful of ops."""
@@ -201,8 +233,18 @@ def _attend(qg: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None, scale: flo
     return (out.to(acc) if half else out), lse
 
 
-def _attend_with_grad(qg: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype,
-                      G: int, Lq: int, half: bool, need_lse: bool) -> tuple[Tensor, Tensor]:
+def _attend_with_grad(
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocked: Tensor | None,
+    scale: float,
+    acc: torch.dtype,
+    G: int,
+    Lq: int,
+    half: bool,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor]:
     """:func:`_attend` for autograd: exact zeros (never NaN) in the backward of fully masked rows."""
     scores = _scores(qg, k, blocked, scale, acc, G, Lq)
     peak = scores.amax(dim=-1, keepdim=True).detach()  # (B, Hkv, G·Lq, 1)
@@ -248,11 +290,13 @@ class _Plan:
         # MKL's fp32 GEMM: 3 to 5 query rows padded with zero rows (_PADDED_ROWS) when K/V stream from memory
         rows = (Hq // self.kv_heads) * Lq
         kv_bytes = B * self.kv_heads * (self.read[1] - self.read[0]) * (D + Dv) * call.k.element_size()
-        self.pad = _PADDED_ROWS.get(rows, rows) - rows if (
-            call.q.dtype == torch.float32 and kv_bytes >= _PAD_MIN_BYTES) else 0
+        self.pad = (
+            _PADDED_ROWS.get(rows, rows) - rows if (call.q.dtype == torch.float32 and kv_bytes >= _PAD_MIN_BYTES) else 0
+        )
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, scale: float, requires_grad: bool,
-            return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    def run(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, requires_grad: bool, return_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """``(output (B, Hq, Lq, Dv), lse (B, Hq, Lq) | None)``."""
         B, Hq, Hkv, Lq, Lk, D, Dv = self.shape
         kv_heads = self.kv_heads
@@ -308,8 +352,12 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
     if offset is not None and offset >= Lk - 1:
         return 0, Lk, None, f"mask {what}: a causal diagonal at or past the last key for every row: no mask"
     if torch.compiler.is_compiling():  # no host synchronisation, no data-dependent range
-        return 0, Lk, mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device), \
-            f"mask {what}: evaluated on every key (under torch.compile)"
+        return (
+            0,
+            Lk,
+            mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device),
+            f"mask {what}: evaluated on every key (under torch.compile)",
+        )
     lo, hi = mask.key_range(0, Lq, Lq, Lk)
     if hi <= lo:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
@@ -320,14 +368,24 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
         if state is BlockState.FULL:
             return lo, hi, None, f"mask {what}: every key in its range [{lo}, {hi}) visible: no mask"
         visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
-        return lo, hi, visible, (f"mask {what}: keys [{lo}, {hi}) from its structure; a row mask of shape "
-                                 f"{tuple(visible.shape)} on them")
+        return (
+            lo,
+            hi,
+            visible,
+            (f"mask {what}: keys [{lo}, {hi}) from its structure; a row mask of shape {tuple(visible.shape)} on them"),
+        )
     visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
     seen = visible.any(dim=2).any(dim=1).any(dim=0).nonzero()  # columns some row may see
     if seen.numel() == 0:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
     first, last = seen[[0, -1], 0].tolist()
-    visible = visible[..., first:last + 1]
-    return lo + first, lo + last + 1, visible, (
-        f"mask {what}: evaluated on these {Lq} row(s); keys [{lo + first}, {lo + last + 1}) from the first to the "
-        f"last visible one; a row mask of shape {tuple(visible.shape)} on them")
+    visible = visible[..., first : last + 1]
+    return (
+        lo + first,
+        lo + last + 1,
+        visible,
+        (
+            f"mask {what}: evaluated on these {Lq} row(s); keys [{lo + first}, {lo + last + 1}) from the first to the "
+            f"last visible one; a row mask of shape {tuple(visible.shape)} on them"
+        ),
+    )

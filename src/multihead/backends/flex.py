@@ -76,10 +76,12 @@ class FlexBackend(Backend):
         elif self._compile_key(call) not in self._compiled and len(self._compiled) >= limit:
             # PyTorch's fault, worked around here: past torch.compile's recompile limit the compiled
             # flex_attention silently falls back to an unfused path that materializes every score.
-            reasons.append(f"this would be compile number {len(self._compiled) + 1} of flex_attention (a new shape, "
-                           f"mask or modifier); past torch.compile's recompile limit ({limit}) PyTorch falls back to "
-                           "an unfused path that materializes the full score matrix: use blocksparse or sdpa, or "
-                           "raise torch._dynamo.config.recompile_limit")
+            reasons.append(
+                f"this would be compile number {len(self._compiled) + 1} of flex_attention (a new shape, "
+                f"mask or modifier); past torch.compile's recompile limit ({limit}) PyTorch falls back to "
+                "an unfused path that materializes the full score matrix: use blocksparse or sdpa, or "
+                "raise torch._dynamo.config.recompile_limit"
+            )
         return reasons
 
     def auto_refusals(self, call: AttentionCall) -> list[str]:
@@ -88,10 +90,12 @@ class FlexBackend(Backend):
         return ["not measured on this device yet; sdpa is the safe default"]
 
     def plan(self, call: AttentionCall) -> list[str]:
-        return ["torch.compile(flex_attention) once per process (slow first call)",
-                "mask -> BlockMask via create_block_mask(mask.as_mask_mod(Lq, Lk)), cached per mask value and shape",
-                "score modifier passed as flex's score_mod" if call.score_mod is not None else "no score modifier",
-                "GQA passed natively (enable_gqa=True)"]
+        return [
+            "torch.compile(flex_attention) once per process (slow first call)",
+            "mask -> BlockMask via create_block_mask(mask.as_mask_mod(Lq, Lk)), cached per mask value and shape",
+            "score modifier passed as flex's score_mod" if call.score_mod is not None else "no score modifier",
+            "GQA passed natively (enable_gqa=True)",
+        ]
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
@@ -106,12 +110,22 @@ class FlexBackend(Backend):
         # is not supported yet"), and attention() then recomputes it in one blockwise pass.
         with_lse = call.return_lse and call.q.device.type != "cpu"
         result = (flex_attention if compiling else _compiled_flex())(
-            call.q, call.k, call.v, score_mod=call.score_mod, block_mask=block_mask,
-            scale=call.scale, enable_gqa=Hq != Hkv, return_lse=with_lse)
+            call.q,
+            call.k,
+            call.v,
+            score_mod=call.score_mod,
+            block_mask=block_mask,
+            scale=call.scale,
+            enable_gqa=Hq != Hkv,
+            return_lse=with_lse,
+        )
         out, lse = result if with_lse else (result, None)
         if call.mask is not None:
-            empty = call.mask._empty_rows(B, Hq, Lq, Lk, device=call.q.device) if compiling else \
-                call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
+            empty = (
+                call.mask._empty_rows(B, Hq, Lq, Lk, device=call.q.device)
+                if compiling
+                else call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
+            )
             if empty is not None:  # fully masked rows: exactly 0, LSE -inf
                 # Traced, the output is left as flex_attention gives it (0 on a row that sees no key:
                 # eager, aot_eager and Inductor, torch 2.13 CPU): Inductor's CPU flex template

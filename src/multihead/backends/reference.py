@@ -27,11 +27,19 @@ class ReferenceBackend(Backend):
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         precision = {torch.float16: "fp32 (inputs fp16)", torch.bfloat16: "fp32 (inputs bf16)"}.get(
-            call.q.dtype, str(call.q.dtype).replace("torch.", ""))
-        return [f"materializes scores and weights: {B}x{Hq}x{Lq}x{Lk} elements",
-                f"softmax accumulated in {precision}"]
+            call.q.dtype, str(call.q.dtype).replace("torch.", "")
+        )
+        return [f"materializes scores and weights: {B}x{Hq}x{Lq}x{Lk} elements", f"softmax accumulated in {precision}"]
 
     def forward(self, call: AttentionCall) -> AttentionResult:
-        result = reference_attention(call.q, call.k, call.v, mask=call.mask, score_mod=call.score_mod,
-                                     scale=call.scale, dropout_p=call.dropout_p, dropout_mask=call.dropout_mask)
+        result = reference_attention(
+            call.q,
+            call.k,
+            call.v,
+            mask=call.mask,
+            score_mod=call.score_mod,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+            dropout_mask=call.dropout_mask,
+        )
         return AttentionResult(result.output, None, result.lse if call.return_lse else None)

@@ -16,8 +16,15 @@ from multihead import plans
 from multihead.backends.base import Backend
 from multihead.call import AttentionCall
 
-__all__ = ["register_backend", "unregister_backend", "get_backend", "available_backends", "select_backend",
-           "BackendRefusedError", "AUTO_ORDER"]
+__all__ = [
+    "register_backend",
+    "unregister_backend",
+    "get_backend",
+    "available_backends",
+    "select_backend",
+    "BackendRefusedError",
+    "AUTO_ORDER",
+]
 
 _REGISTRY: dict[str, Backend] = {}
 _PRIORITY: dict[str, int] = {}
@@ -35,8 +42,10 @@ def register_backend(backend: Backend, *, priority: int | None = None) -> Backen
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend expects a multihead Backend, got {type(backend).__name__}")
     if backend.name == "auto" or not isinstance(backend.name, str) or not backend.name:
-        raise ValueError(f"register_backend: a backend cannot be named {backend.name!r}; 'auto' means "
-                         "'let the dispatcher choose' and a name must be a non-empty str")
+        raise ValueError(
+            f"register_backend: a backend cannot be named {backend.name!r}; 'auto' means "
+            "'let the dispatcher choose' and a name must be a non-empty str"
+        )
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise TypeError(f"register_backend: priority must be an int or None, got {priority!r}")
     _REGISTRY[backend.name] = backend
@@ -69,8 +78,7 @@ def available_backends() -> list[str]:
 def get_backend(name: str) -> Backend:
     """The registered backend called ``name``; ``ValueError`` listing the known names otherwise."""
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; known backends: 'auto', "
-                         + ", ".join(repr(n) for n in _REGISTRY))
+        raise ValueError(f"unknown backend {name!r}; known backends: 'auto', " + ", ".join(repr(n) for n in _REGISTRY))
     return _REGISTRY[name]
 
 
@@ -86,8 +94,11 @@ def select_backend(call: AttentionCall, name: str = "auto") -> tuple[Backend, di
         backend = get_backend(name)
         reasons = backend.refusals(call)
         if reasons:
-            raise BackendRefusedError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons)
-                                      + ". Use backend='auto' or see multihead.explain(...)")
+            raise BackendRefusedError(
+                f"backend {name!r} cannot serve this call: "
+                + "; ".join(reasons)
+                + ". Use backend='auto' or see multihead.explain(...)"
+            )
         return backend, {}
     refused: dict[str, list[str]] = {}
     compiling = torch.compiler.is_compiling()
@@ -103,5 +114,6 @@ def select_backend(call: AttentionCall, name: str = "auto") -> tuple[Backend, di
         if not reasons:
             return backend, refused
         refused[candidate] = reasons
-    raise BackendRefusedError("no backend can serve this call: "
-                              + "; ".join(f"{n}: {', '.join(r)}" for n, r in refused.items()))
+    raise BackendRefusedError(
+        "no backend can serve this call: " + "; ".join(f"{n}: {', '.join(r)}" for n, r in refused.items())
+    )

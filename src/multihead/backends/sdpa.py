@@ -50,7 +50,9 @@ class SDPABackend(Backend):
         args = _Arguments(call)
         lines = [args.mask_note, args.gqa_note] + ([args.fit_note] if args.fit_note else [])
         if args.empty_rows is not None:
-            lines.append(f"{int(args.empty_rows.sum())} fully masked query rows opened before the call and zeroed after")
+            lines.append(
+                f"{int(args.empty_rows.sum())} fully masked query rows opened before the call and zeroed after"
+            )
         q, k, v = args.inputs(call.q, call.k, call.v)
         kernel = pytorch_kernel(q, k, v, args.attn_mask, call.dropout_p, args.is_causal, call.scale, args.enable_gqa)
         lines.append(f"PyTorch kernel: {kernel}")
@@ -126,8 +128,9 @@ class _Arguments:
         self.expand: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | int | None = None
         if Hq == Hkv:
             self.gqa_note = "heads: Hq == Hkv"
-        elif _compiling() or pytorch_kernel(q, k, v, self.attn_mask, call.dropout_p, self.is_causal, call.scale,
-                                            True) not in ("MATH", "unknown"):
+        elif _compiling() or pytorch_kernel(
+            q, k, v, self.attn_mask, call.dropout_p, self.is_causal, call.scale, True
+        ) not in ("MATH", "unknown"):
             # Under torch.compile the kernel query (a Python value) would break the graph; the
             # compiler lowers enable_gqa itself.
             self.enable_gqa = True
@@ -137,8 +140,10 @@ class _Arguments:
             self.gqa_note = f"heads: MQA, K/V expanded to {Hq} heads as a view (stride 0)"
         else:
             self.expand = Hq
-            self.gqa_note = (f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
-                             "K/V repeated by the grouped mapping instead")
+            self.gqa_note = (
+                f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
+                "K/V repeated by the grouped mapping instead"
+            )
         self.plain = self.unseen is None and self.expand is None and self.empty_rows is None and self.fit is None
 
     def _zero_unseen(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -166,7 +171,7 @@ class _Arguments:
             prefix = self.fit == "prefix"
             k, v = self._zero_unseen(k, v)
             if prefix:  # zeroed alike, so V is still K's first features
-                v = k[..., :v.shape[-1]]
+                v = k[..., : v.shape[-1]]
         if self.fit is not None:
             q, k, v = self._fitted(q, k, v)
         if isinstance(self.expand, int):
@@ -178,13 +183,28 @@ class _Arguments:
     def run(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
         """The output of SDPA for these inputs (fully masked rows zeroed)."""
         if self.plain:  # the common case, on the hot path of small calls: no work but the kernel
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, dropout_p=dropout_p,
-                                                  is_causal=self.is_causal, scale=self.scale,
-                                                  enable_gqa=self.enable_gqa)
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=self.attn_mask,
+                dropout_p=dropout_p,
+                is_causal=self.is_causal,
+                scale=self.scale,
+                enable_gqa=self.enable_gqa,
+            )
         Dv = v.shape[-1]
         q, k, v = self.inputs(q, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, dropout_p=dropout_p,
-                                             is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=self.attn_mask,
+            dropout_p=dropout_p,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
         if self.fit is not None:
             out = out[..., :Dv]
         return out if self.empty_rows is None else out.masked_fill(self.empty_rows.unsqueeze(-1), 0.0)
@@ -203,8 +223,9 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
     """``(attn_mask, empty_rows | None, unseen_keys | None, lse_shift | None, note)`` for a mask that
     must be materialized: the dense mask with fully masked rows opened, the rows to zero after the
     call, the keys to zero before it, and what the kernel's LSE lacks (fp16 biases, additive_block)."""
-    cacheable = (not _compiling() and mods is None and "tensor" not in mask.kinds()
-                 and B * Hq * Lq * Lk <= _MASK_CACHE_ELEMENTS)
+    cacheable = (
+        not _compiling() and mods is None and "tensor" not in mask.kinds() and B * Hq * Lq * Lk <= _MASK_CACHE_ELEMENTS
+    )
     key = (mask, B, Hq, num_kv_heads, Lq, Lk, str(device), dtype)
     if cacheable and key in _MASKS:
         _MASKS.move_to_end(key)
@@ -223,8 +244,11 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
     if compiling or bool(empty.any()):
         empty_rows = empty
         opened = empty.unsqueeze(-1)
-        dense = dense | opened if dense.dtype == torch.bool else \
-            torch.where(opened, torch.zeros((), dtype=dense.dtype, device=device), dense)
+        dense = (
+            dense | opened
+            if dense.dtype == torch.bool
+            else torch.where(opened, torch.zeros((), dtype=dense.dtype, device=device), dense)
+        )
     found = unseen_keys(visible, num_kv_heads)  # (B|1, Hkv|1, Lk, 1)
     unseen = found if compiling or bool(found.any()) else None
     kept = ""
@@ -266,22 +290,36 @@ def _head_fit(call: AttentionCall, attn_mask, is_causal: bool) -> tuple[str | No
     if pytorch_kernel(q, k, v, attn_mask, call.dropout_p, is_causal, call.scale, False) not in ("MATH",):
         return None, None
     if Dv < D and v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:3] == k.shape[:3]:
-        return "prefix", (f"head sizes: V is the first Dv={Dv} features of K (MLA's latent): the fused kernel "
-                          f"runs with v=k and keeps the first {Dv} output features (no copy)")
+        return "prefix", (
+            f"head sizes: V is the first Dv={Dv} features of K (MLA's latent): the fused kernel "
+            f"runs with v=k and keeps the first {Dv} output features (no copy)"
+        )
     if Dv < D:
-        return "pad_v", (f"head sizes: Dv={Dv} < D={D}: V padded with zeros to D so the fused kernel serves "
-                         f"it (the math kernel would materialize the scores); the output keeps {Dv} features")
-    return "pad_qk", (f"head sizes: D={D} < Dv={Dv}: Q and K padded with zeros to Dv (no dot product "
-                      f"changes) so the fused kernel serves it")
+        return "pad_v", (
+            f"head sizes: Dv={Dv} < D={D}: V padded with zeros to D so the fused kernel serves "
+            f"it (the math kernel would materialize the scores); the output keeps {Dv} features"
+        )
+    return "pad_qk", (
+        f"head sizes: D={D} < Dv={Dv}: Q and K padded with zeros to Dv (no dot product "
+        f"changes) so the fused kernel serves it"
+    )
 
 
 def _one_pass_lse(call: AttentionCall) -> bool:
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-    return (_FLASH_CPU is not None and call.q.device.type == "cpu" and not call.requires_grad
-            and call.dropout_p == 0.0 and D == Dv and not _compiling())
+    return (
+        _FLASH_CPU is not None
+        and call.q.device.type == "cpu"
+        and not call.requires_grad
+        and call.dropout_p == 0.0
+        and D == Dv
+        and not _compiling()
+    )
 
 
-def _flash_cpu_with_lse(call: AttentionCall, args: _Arguments, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _flash_cpu_with_lse(
+    call: AttentionCall, args: _Arguments, q: Tensor, k: Tensor, v: Tensor
+) -> tuple[Tensor, Tensor]:
     """Output and LSE in one call of the CPU flash kernel (it takes additive masks only)."""
     mask = args.attn_mask
     if mask is not None and mask.dtype == torch.bool:
@@ -294,15 +332,15 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def pytorch_kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float, is_causal: bool,
-                   scale: float, enable_gqa: bool) -> str:
+def pytorch_kernel(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool
+) -> str:
     """The SDPA kernel PyTorch will pick for these arguments (``FLASH_ATTENTION``, ``MATH``, ...),
     or ``"unknown"`` where this PyTorch cannot say."""
     try:
         from torch.nn.attention import SDPBackend
 
-        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                                         enable_gqa=enable_gqa)
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         return SDPBackend(choice).name
     except Exception:  # private API: absent or different on some versions
         return "unknown"

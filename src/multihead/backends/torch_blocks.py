@@ -32,14 +32,16 @@ from multihead.scoring import score_block
 __all__ = ["attention_by_blocks"]
 
 
-def attention_by_blocks(q: Tensor, k: Tensor, v: Tensor, mask, mods, scale: float, dropout_p: float,
-                        block: int) -> tuple[Tensor, Tensor]:
+def attention_by_blocks(
+    q: Tensor, k: Tensor, v: Tensor, mask, mods, scale: float, dropout_p: float, block: int
+) -> tuple[Tensor, Tensor]:
     """Output ``(B, Hq, Lq, Dv)`` and LSE ``(B, Hq, Lq)``, one query block of ``block`` rows at a
     time, with any score modifier and dropout ``dropout_p`` on the probabilities; differentiable."""
     B, Hq, Lq, _ = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (mods is not None and mods.requires_grad))
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (mods is not None and mods.requires_grad)
+    )
     outs, lses = [], []
     for q0 in range(0, Lq, block):
         q1 = min(q0 + block, Lq)
@@ -55,8 +57,9 @@ def attention_by_blocks(q: Tensor, k: Tensor, v: Tensor, mask, mods, scale: floa
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _block(q: Tensor, k: Tensor, v: Tensor, mask, mods, scale: float, dropout_p: float,
-           q0: int, q1: int, k0: int, k1: int) -> tuple[Tensor, Tensor]:
+def _block(
+    q: Tensor, k: Tensor, v: Tensor, mask, mods, scale: float, dropout_p: float, q0: int, q1: int, k0: int, k1: int
+) -> tuple[Tensor, Tensor]:
     """Queries ``[q0, q1)`` against keys ``[k0, k1)``: ``(B, Hq, rows, Dv)`` and the LSE ``(B, Hq, rows)``."""
     B, Hq, Lq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]

@@ -26,5 +26,12 @@ from multihead.caches.paged import PagedKVCache
 from multihead.caches.sliding import SlidingWindowKVCache
 from multihead.caches.static import StaticKVCache
 
-__all__ = ["KVCache", "CacheRead", "DynamicKVCache", "StaticKVCache", "SlidingWindowKVCache", "PagedKVCache",
-           "LatentKVCache"]
+__all__ = [
+    "KVCache",
+    "CacheRead",
+    "DynamicKVCache",
+    "StaticKVCache",
+    "SlidingWindowKVCache",
+    "PagedKVCache",
+    "LatentKVCache",
+]

@@ -34,8 +34,16 @@ from torch import Tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
 
-__all__ = ["KVCache", "CacheRead", "check_kv", "check_indices", "check_crop", "check_continuation", "check_prefix",
-           "EMPTY_POSITION"]
+__all__ = [
+    "KVCache",
+    "CacheRead",
+    "check_kv",
+    "check_indices",
+    "check_crop",
+    "check_continuation",
+    "check_prefix",
+    "EMPTY_POSITION",
+]
 
 #: The position of a slot that holds no token: no query position reaches it, so a causal or
 #: window mask at absolute positions never shows it.
@@ -98,8 +106,10 @@ class CacheRead(NamedTuple):
             h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
             kv_read = torch.where(stored, kv, torch.zeros_like(kv))  # empty slots: hidden, read anywhere
             if not torch.compiler.is_compiling() and whole is not None and whole != S and int(q.max()) >= whole:
-                raise ValueError(f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
-                                 f"position {int(q.max())}; build it over the whole sequence")
+                raise ValueError(
+                    f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
+                    f"position {int(q.max())}; build it over the whole sequence"
+                )
             allowed = allowed & mask.mask_mod(b, h, q, kv_read)  # square: bottom-right reads as top-left
         elif isinstance(mask, Tensor):
             allowed = allowed & (mask if mask.dtype == torch.bool else mask != float("-inf"))
@@ -159,9 +169,19 @@ class KVCache(abc.ABC):
 
 
 # ------------------------------------------------------------------------------------ checks
-def check_kv(cache: str, k: Tensor, v: Tensor, *, batch: int | None = None, heads: int | None = None,
-             head_dim: int | None = None, value_dim: int | None = None, dtype: torch.dtype | None = None,
-             device: torch.device | str | None = None, held: str = "") -> None:
+def check_kv(
+    cache: str,
+    k: Tensor,
+    v: Tensor,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    value_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    held: str = "",
+) -> None:
     """Refuse keys/values the cache could not store. ``k (B, Hkv, Lnew, D)``, ``v (B, Hkv, Lnew, Dv)``
     must be 4-D tensors of one dtype and device agreeing on ``B, Hkv, Lnew``, and agree with what
     the cache holds where given (``held`` describes it for messages)."""
@@ -170,21 +190,30 @@ def check_kv(cache: str, k: Tensor, v: Tensor, *, batch: int | None = None, head
         if not isinstance(t, Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor (B, Hkv, Lnew, {last}), got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{where}: {name} must have 4 dims (B, Hkv, Lnew, {last}), got shape {tuple(t.shape)}; "
-                             f"hint: split the heads first, (B, Lnew, Hkv·{last}) -> (B, Hkv, Lnew, {last})")
+            raise ValueError(
+                f"{where}: {name} must have 4 dims (B, Hkv, Lnew, {last}), got shape {tuple(t.shape)}; "
+                f"hint: split the heads first, (B, Lnew, Hkv·{last}) -> (B, Hkv, Lnew, {last})"
+            )
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{where}: k and v must agree on (B, Hkv, Lnew), "
-                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(
+            f"{where}: k and v must agree on (B, Hkv, Lnew), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
     if k.dtype != v.dtype:
         raise TypeError(f"{where}: k and v must share a dtype, got {k.dtype} and {v.dtype}")
     if k.device != v.device:
         raise ValueError(f"{where}: k and v must be on one device, got {k.device} and {v.device}")
     hint = "; hint: use one cache per layer, and reset() it before a sequence of another shape"
-    for what, got, expected in (("B", k.shape[0], batch), ("Hkv", k.shape[1], heads), ("D", k.shape[3], head_dim),
-                                ("Dv", v.shape[3], value_dim)):
+    for what, got, expected in (
+        ("B", k.shape[0], batch),
+        ("Hkv", k.shape[1], heads),
+        ("D", k.shape[3], head_dim),
+        ("Dv", v.shape[3], value_dim),
+    ):
         if expected is not None and got != expected:
-            raise ValueError(f"{where}: new keys/values have {what}={got} but the cache holds {what}={expected} "
-                             f"({held}; got k {tuple(k.shape)}, v {tuple(v.shape)}){hint}")
+            raise ValueError(
+                f"{where}: new keys/values have {what}={got} but the cache holds {what}={expected} "
+                f"({held}; got k {tuple(k.shape)}, v {tuple(v.shape)}){hint}"
+            )
     if dtype is not None and k.dtype != dtype:
         raise TypeError(f"{where}: new keys/values have dtype {k.dtype} but the cache holds {dtype} ({held}){hint}")
     if device is not None and k.device != torch.device(device):
@@ -198,10 +227,18 @@ def check_indices(cache: str, indices: object, batch: int, device: torch.device 
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
             raise TypeError(f"{where}: indices must be ints, got {indices!r}")
         indices = torch.tensor(indices, dtype=torch.int64)
-    if not isinstance(indices, Tensor) or indices.is_floating_point() or indices.dtype == torch.bool \
-            or indices.is_complex() or indices.dim() != 1:
-        got = f"dtype {indices.dtype}, shape {tuple(indices.shape)}" if isinstance(indices, Tensor) \
+    if (
+        not isinstance(indices, Tensor)
+        or indices.is_floating_point()
+        or indices.dtype == torch.bool
+        or indices.is_complex()
+        or indices.dim() != 1
+    ):
+        got = (
+            f"dtype {indices.dtype}, shape {tuple(indices.shape)}"
+            if isinstance(indices, Tensor)
             else type(indices).__name__
+        )
         raise TypeError(f"{where}: indices must be a 1-D integer tensor of batch rows (beam search), got {got}")
     if indices.numel() == 0:
         raise ValueError(f"{where}: indices select no row; expected at least one row in [0, {batch})")
@@ -221,10 +258,16 @@ def check_crop(cache: str, length: object, batch: int | None) -> int | Tensor:
         if length < 0:
             raise ValueError(f"{where}: length must be >= 0, got {length}")
         return length
-    if length.is_floating_point() or length.dtype == torch.bool or length.dim() != 1 or \
-            (batch is not None and length.shape[0] != batch):
-        raise TypeError(f"{where}: a length tensor must be integers of shape (B,) = ({batch},), got dtype "
-                        f"{length.dtype}, shape {tuple(length.shape)}")
+    if (
+        length.is_floating_point()
+        or length.dtype == torch.bool
+        or length.dim() != 1
+        or (batch is not None and length.shape[0] != batch)
+    ):
+        raise TypeError(
+            f"{where}: a length tensor must be integers of shape (B,) = ({batch},), got dtype "
+            f"{length.dtype}, shape {tuple(length.shape)}"
+        )
     if not torch.compiler.is_compiling() and length.numel() and int(length.min()) < 0:
         raise ValueError(f"{where}: lengths must be >= 0, got {length.tolist()}")
     return length
@@ -250,25 +293,32 @@ def check_continuation(cache: str, positions: object, expected: Tensor, batch: i
         got = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
         raise TypeError(f"{cache}.update: positions must be an integer tensor ({new},) or ({batch}, {new}), got {got}")
     if tuple(positions.shape) not in ((new,), (batch, new)):
-        raise ValueError(f"{cache}.update: positions must have shape ({new},) or ({batch}, {new}), got "
-                         f"{tuple(positions.shape)}")
+        raise ValueError(
+            f"{cache}.update: positions must have shape ({new},) or ({batch}, {new}), got {tuple(positions.shape)}"
+        )
     want = expected.expand(batch, new)
     given = positions.to(expected.device).expand(batch, new)
     if not torch.equal(given, want):
-        raise ValueError(f"{cache}.update: positions must continue each row (each row's next positions "
-                         f"{want.tolist()}), got {given.tolist()}; going back needs crop() first, and a gap would "
-                         f"leave an empty slot")
+        raise ValueError(
+            f"{cache}.update: positions must continue each row (each row's next positions "
+            f"{want.tolist()}), got {given.tolist()}; going back needs crop() first, and a gap would "
+            f"leave an empty slot"
+        )
 
 
 def check_prefix(name: str, k: Tensor, v: Tensor) -> None:
     """``v`` must be ``k[..., :Dv]``: a view of it (free to check), or equal to it."""
     Dv = v.shape[3]
     if Dv > k.shape[3]:
-        raise ValueError(f"{name}.update: v must be the first Dv features of k (the latent, stored once), so "
-                         f"Dv <= D; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(
+            f"{name}.update: v must be the first Dv features of k (the latent, stored once), so "
+            f"Dv <= D; got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
     if v.data_ptr() == k.data_ptr() and v.stride() == k.stride():
         return
     if not torch.equal(v, k[..., :Dv]):
-        raise ValueError(f"{name}.update: v must equal k[..., :{Dv}] (the latent, stored once and read back as a "
-                         f"view of k), got a different tensor; hint: pass rows = cat([latent, k_rope], -1) and "
-                         f"rows[..., :{Dv}]")
+        raise ValueError(
+            f"{name}.update: v must equal k[..., :{Dv}] (the latent, stored once and read back as a "
+            f"view of k), got a different tensor; hint: pass rows = cat([latent, k_rope], -1) and "
+            f"rows[..., :{Dv}]"
+        )

@@ -57,7 +57,7 @@ class DynamicKVCache(KVCache):
     @property
     def keys(self) -> Tensor | None:
         """The cached keys ``(B, Hkv, length, D)``, or ``None`` before the first update."""
-        return None if self._k is None else self._k[:, :, :self._length]
+        return None if self._k is None else self._k[:, :, : self._length]
 
     @property
     def values(self) -> Tensor | None:
@@ -80,24 +80,27 @@ class DynamicKVCache(KVCache):
         new = k.shape[2]
         query_positions = self.next_positions(new, k.device) if positions is None else positions
         end = self._length + new
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or
-                                        (self._k is not None and self._k.requires_grad) or
-                                        (self._v is not None and self._v.requires_grad)):
+        if torch.is_grad_enabled() and (
+            k.requires_grad
+            or v.requires_grad
+            or (self._k is not None and self._k.requires_grad)
+            or (self._v is not None and self._v.requires_grad)
+        ):
             # Under autograd an earlier step's keys are saved for backward: never write into them in
             # place; concatenate (the graph keeps what each step read).
-            old_k = self._k[:, :, :self._length] if self._k is not None else k[:, :, :0]
+            old_k = self._k[:, :, : self._length] if self._k is not None else k[:, :, :0]
             self._k = torch.cat([old_k, k], dim=2)
             if self._separate_values:
-                old_v = self._v[:, :, :self._length] if self._v is not None else v[:, :, :0]
+                old_v = self._v[:, :, : self._length] if self._v is not None else v[:, :, :0]
                 self._v = torch.cat([old_v, v], dim=2)
         else:
             if self._k is None or end > self.capacity:
                 self._grow(k, v, max(end, 2 * self.capacity, self.initial_capacity))
             assert self._k is not None  # grown above
-            self._k[:, :, self._length:end] = k
+            self._k[:, :, self._length : end] = k
             if self._separate_values:
                 assert self._v is not None
-                self._v[:, :, self._length:end] = v
+                self._v[:, :, self._length : end] = v
         self._undo, self._length = self._length, end
         return CacheRead(self._k[:, :, :end], self._values(end), query_positions)
 
@@ -117,19 +120,28 @@ class DynamicKVCache(KVCache):
             check_kv(name, k, v)
             return
         B, Hkv, _, D = self._k.shape
-        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self._values(0).shape[3],
-                 dtype=self._k.dtype, device=self._k.device,
-                 held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}")
+        check_kv(
+            name,
+            k,
+            v,
+            batch=B,
+            heads=Hkv,
+            head_dim=D,
+            value_dim=self._values(0).shape[3],
+            dtype=self._k.dtype,
+            device=self._k.device,
+            held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}",
+        )
 
     def _grow(self, k: Tensor, v: Tensor, capacity: int) -> None:
         B, Hkv, _, D = k.shape
         new_k = k.new_empty(B, Hkv, capacity, D)
         if self._k is not None and self._length:
-            new_k[:, :, :self._length] = self._k[:, :, :self._length]
+            new_k[:, :, : self._length] = self._k[:, :, : self._length]
         if self._separate_values:
             new_v = v.new_empty(B, Hkv, capacity, v.shape[3])
             if self._v is not None and self._length:
-                new_v[:, :, :self._length] = self._v[:, :, :self._length]
+                new_v[:, :, : self._length] = self._v[:, :, : self._length]
             self._v = new_v
         self._k = new_k
 
@@ -141,11 +153,14 @@ class DynamicKVCache(KVCache):
     def crop(self, length: int | Tensor) -> None:
         length = check_crop(type(self).__name__, length, None)
         if isinstance(length, Tensor):
-            raise TypeError(f"{type(self).__name__}.crop: every row has the same length here, so length must be an "
-                            f"int, got a tensor {tuple(length.shape)}; hint: StaticKVCache keeps one length per row")
+            raise TypeError(
+                f"{type(self).__name__}.crop: every row has the same length here, so length must be an "
+                f"int, got a tensor {tuple(length.shape)}; hint: StaticKVCache keeps one length per row"
+            )
         if length > self._length:
-            raise ValueError(f"{type(self).__name__}.crop: length must be in [0, {self._length}] (the tokens "
-                             f"stored), got {length}")
+            raise ValueError(
+                f"{type(self).__name__}.crop: length must be in [0, {self._length}] (the tokens stored), got {length}"
+            )
         self._length, self._undo = length, None
 
     def reorder(self, indices: Tensor) -> None:

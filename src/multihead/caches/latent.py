@@ -74,7 +74,7 @@ class LatentKVCache(DynamicKVCache):
     @property
     def rope_keys(self) -> Tensor | None:
         """``(B, Hkv, T, R)``: the rotated rotary key shared by the heads, a view."""
-        return None if self._k is None else self._k[:, :, :self._length, self._latent_dim:]
+        return None if self._k is None else self._k[:, :, : self._length, self._latent_dim :]
 
     def bytes_per_token(self) -> int:
         """Bytes one stored token takes (every row of the batch): ``B · Hkv · (C + R) · element size``."""
@@ -90,7 +90,7 @@ class LatentKVCache(DynamicKVCache):
 
     def _values(self, end: int) -> Tensor:
         assert self._k is not None  # read once something is stored
-        return self._k[:, :, :end, :self._latent_dim if self._latent_dim is not None else 0]
+        return self._k[:, :, :end, : self._latent_dim if self._latent_dim is not None else 0]
 
     def _check_update(self, k: Tensor, v: Tensor) -> None:
         super()._check_update(k, v)
@@ -103,5 +103,7 @@ class LatentKVCache(DynamicKVCache):
         self._latent_dim = None
 
     def __repr__(self) -> str:
-        return (f"LatentKVCache(length={self._length}, capacity={self.capacity}, latent_dim={self._latent_dim}, "
-                f"nbytes={self.nbytes})")
+        return (
+            f"LatentKVCache(length={self._length}, capacity={self.capacity}, latent_dim={self._latent_dim}, "
+            f"nbytes={self.nbytes})"
+        )

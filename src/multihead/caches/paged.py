@@ -56,26 +56,47 @@ class PagedKVCache(KVCache):
         dtype, device: of the pool.
     """
 
-    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *, batch_size: int = 1,
-                 value_dim: int | None = None, values_in_keys: bool = False, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        batch_size: int = 1,
+        value_dim: int | None = None,
+        values_in_keys: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         value_dim = head_dim if value_dim is None else value_dim
-        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("value_dim", value_dim), ("batch_size", batch_size)):
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("value_dim", value_dim),
+            ("batch_size", batch_size),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}")
         if not isinstance(values_in_keys, bool):
             raise TypeError(f"PagedKVCache: values_in_keys must be a bool, got {values_in_keys!r}")
         if values_in_keys and value_dim > head_dim:
-            raise ValueError(f"PagedKVCache: with values_in_keys the values are the first value_dim features of "
-                             f"the keys, so value_dim <= head_dim; got value_dim={value_dim}, head_dim={head_dim}")
+            raise ValueError(
+                f"PagedKVCache: with values_in_keys the values are the first value_dim features of "
+                f"the keys, so value_dim <= head_dim; got value_dim={value_dim}, head_dim={head_dim}"
+            )
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"PagedKVCache: dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.page_size = page_size
         self.key_pages = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, dtype=dtype, device=device)
         self.values_in_keys = values_in_keys
-        self.value_pages = self.key_pages[..., :value_dim] if values_in_keys else \
-            torch.zeros(num_pages, num_kv_heads, page_size, value_dim, dtype=dtype, device=device)
+        self.value_pages = (
+            self.key_pages[..., :value_dim]
+            if values_in_keys
+            else torch.zeros(num_pages, num_kv_heads, page_size, value_dim, dtype=dtype, device=device)
+        )
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in order
         self.lengths: list[int] = [0] * batch_size
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
@@ -113,16 +134,28 @@ class PagedKVCache(KVCache):
 
     def _held(self) -> str:
         N, Hkv, ps, D = self.key_pages.shape
-        return (f"PagedKVCache(num_pages={N}, page_size={ps}, num_kv_heads={Hkv}, head_dim={D}, "
-                f"batch_size={self.batch_size})")
+        return (
+            f"PagedKVCache(num_pages={N}, page_size={ps}, num_kv_heads={Hkv}, head_dim={D}, "
+            f"batch_size={self.batch_size})"
+        )
 
     # ------------------------------------------------------------------------------ changes
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         name = type(self).__name__
         N, Hkv, ps, D = self.key_pages.shape
         B = self.batch_size
-        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.value_pages.shape[3],
-                 dtype=self.key_pages.dtype, device=self.key_pages.device, held=self._held())
+        check_kv(
+            name,
+            k,
+            v,
+            batch=B,
+            heads=Hkv,
+            head_dim=D,
+            value_dim=self.value_pages.shape[3],
+            dtype=self.key_pages.dtype,
+            device=self.key_pages.device,
+            held=self._held(),
+        )
         if self.values_in_keys:
             check_prefix(name, k, v)
         new = k.shape[2]
@@ -131,9 +164,11 @@ class PagedKVCache(KVCache):
             check_continuation(name, positions, expected, B)
         needed = [self._pages_for(n + new) - len(t) for n, t in zip(self.lengths, self.tables)]
         if sum(needed) > len(self.free):
-            raise ValueError(f"{name}.update: {new} new tokens per row need {sum(needed)} more pages of "
-                             f"{ps} tokens but {len(self.free)} of {N} are free (rows hold {self.lengths} tokens); "
-                             f"hint: release() finished rows, or allocate a larger pool")
+            raise ValueError(
+                f"{name}.update: {new} new tokens per row need {sum(needed)} more pages of "
+                f"{ps} tokens but {len(self.free)} of {N} are free (rows hold {self.lengths} tokens); "
+                f"hint: release() finished rows, or allocate a larger pool"
+            )
         self._undo = ([list(t) for t in self.tables], list(self.lengths), list(self.free))
         for row_table, count in zip(self.tables, needed):
             row_table.extend(self.free.pop() for _ in range(count))
@@ -159,7 +194,7 @@ class PagedKVCache(KVCache):
         keys = self.key_pages[pages]  # (B, width, Hkv, ps, D)
         keys = keys.permute(0, 2, 1, 3, 4).reshape(B, keys.shape[2], width * ps, keys.shape[-1])
         if self.values_in_keys:
-            values = keys[..., :self.value_pages.shape[-1]]
+            values = keys[..., : self.value_pages.shape[-1]]
         else:
             values = self.value_pages[pages]
             values = values.permute(0, 2, 1, 3, 4).reshape(B, values.shape[2], width * ps, values.shape[-1])
@@ -181,8 +216,9 @@ class PagedKVCache(KVCache):
             raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}")
         given = [rows] if isinstance(rows, int) else rows
         try:
-            ids: list[int] = [int(r) for r in given if not isinstance(r, bool)] if not isinstance(given, Tensor) \
-                else given.tolist()
+            ids: list[int] = (
+                [int(r) for r in given if not isinstance(r, bool)] if not isinstance(given, Tensor) else given.tolist()
+            )
         except TypeError as exc:
             raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}") from exc
         bad = [r for r in ids if not 0 <= r < self.batch_size]
@@ -198,8 +234,9 @@ class PagedKVCache(KVCache):
         length = check_crop(name, length, self.batch_size)
         target = [length] * self.batch_size if isinstance(length, int) else [int(n) for n in length.tolist()]
         if any(t > n for t, n in zip(target, self.lengths)):
-            raise ValueError(f"{name}.crop: length must not exceed the tokens stored per row {self.lengths}, "
-                             f"got {target}")
+            raise ValueError(
+                f"{name}.crop: length must not exceed the tokens stored per row {self.lengths}, got {target}"
+            )
         for r, t in enumerate(target):
             keep = self._pages_for(t)
             self.free.extend(reversed(self.tables[r][keep:]))
@@ -212,8 +249,10 @@ class PagedKVCache(KVCache):
         name = type(self).__name__
         order: list[int] = check_indices(name, indices, self.batch_size, "cpu").tolist()
         if len(order) != self.batch_size:
-            raise ValueError(f"{name}.reorder: the cache serves batch_size={self.batch_size} rows, so indices must "
-                             f"hold {self.batch_size} rows, got {len(order)}")
+            raise ValueError(
+                f"{name}.reorder: the cache serves batch_size={self.batch_size} rows, so indices must "
+                f"hold {self.batch_size} rows, got {len(order)}"
+            )
         taken: set[int] = set()
         copies: list[bool] = []  # the first use of a row keeps its pages
         for i in order:
@@ -222,8 +261,10 @@ class PagedKVCache(KVCache):
         needed = sum(len(self.tables[i]) for i, c in zip(order, copies) if c)
         freed = sum(len(t) for r, t in enumerate(self.tables) if r not in taken)
         if needed > len(self.free) + freed:
-            raise ValueError(f"{name}.reorder: copying rows {sorted(set(order))} needs {needed} pages but "
-                             f"{len(self.free) + freed} are free")
+            raise ValueError(
+                f"{name}.reorder: copying rows {sorted(set(order))} needs {needed} pages but "
+                f"{len(self.free) + freed} are free"
+            )
         old_tables, old_lengths = self.tables, self.lengths
         for r in range(self.batch_size):
             if r not in taken:

@@ -47,13 +47,27 @@ class SlidingWindowKVCache(KVCache):
         dtype, device: of the stored keys and values.
     """
 
-    def __init__(self, window: int, batch_size: int, num_kv_heads: int, head_dim: int, *,
-                 value_dim: int | None = None, extra: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        window: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        extra: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         value_dim = head_dim if value_dim is None else value_dim
-        for name, value, low in (("window", window, 0), ("batch_size", batch_size, 1),
-                                 ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1),
-                                 ("value_dim", value_dim, 1), ("extra", extra, 0)):
+        for name, value, low in (
+            ("window", window, 0),
+            ("batch_size", batch_size, 1),
+            ("num_kv_heads", num_kv_heads, 1),
+            ("head_dim", head_dim, 1),
+            ("value_dim", value_dim, 1),
+            ("extra", extra, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SlidingWindowKVCache: {name} must be an int >= {low}, got {value!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -92,9 +106,18 @@ class SlidingWindowKVCache(KVCache):
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         name = type(self).__name__
         B, Hkv, C, D = self.keys.shape
-        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.values.shape[3], dtype=self.keys.dtype,
-                 device=self.keys.device,
-                 held=f"SlidingWindowKVCache(window={self.window}, batch_size={B}, num_kv_heads={Hkv}, head_dim={D})")
+        check_kv(
+            name,
+            k,
+            v,
+            batch=B,
+            heads=Hkv,
+            head_dim=D,
+            value_dim=self.values.shape[3],
+            dtype=self.keys.dtype,
+            device=self.keys.device,
+            held=f"SlidingWindowKVCache(window={self.window}, batch_size={B}, num_kv_heads={Hkv}, head_dim={D})",
+        )
         new = k.shape[2]
         expected = self.next_positions(new, self.keys.device)
         if positions is not None:
@@ -106,12 +129,17 @@ class SlidingWindowKVCache(KVCache):
             read_k, read_v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
             read_pos = torch.cat([self.positions, expected])
         kept = min(new, C)  # only the newest C tokens can stay
-        kept_pos = expected[new - kept:]
+        kept_pos = expected[new - kept :]
         slots = kept_pos % C
-        self._undo = (self._length, slots, self.keys[:, :, slots].clone(), self.values[:, :, slots].clone(),
-                      self.positions[slots].clone())
-        self.keys[:, :, slots] = k[:, :, new - kept:]
-        self.values[:, :, slots] = v[:, :, new - kept:]
+        self._undo = (
+            self._length,
+            slots,
+            self.keys[:, :, slots].clone(),
+            self.values[:, :, slots].clone(),
+            self.positions[slots].clone(),
+        )
+        self.keys[:, :, slots] = k[:, :, new - kept :]
+        self.values[:, :, slots] = v[:, :, new - kept :]
         self.positions[slots] = kept_pos
         self._length += new
         if new == 1:
@@ -130,18 +158,22 @@ class SlidingWindowKVCache(KVCache):
         name = type(self).__name__
         length = check_crop(name, length, None)
         if isinstance(length, Tensor):
-            raise TypeError(f"{name}.crop: every row has the same length here, so length must be an int, got a "
-                            f"tensor {tuple(length.shape)}")
+            raise TypeError(
+                f"{name}.crop: every row has the same length here, so length must be an int, got a "
+                f"tensor {tuple(length.shape)}"
+            )
         if length > self._length:
             raise ValueError(f"{name}.crop: length must be in [0, {self._length}] (the tokens seen), got {length}")
         needed = max(0, length - self.window)  # the next query (at `length`) sees positions needed..length-1
         held = self.positions[self.positions != EMPTY_POSITION]
         oldest = int(held.min()) if held.numel() else 0
         if needed < oldest and length > 0:
-            raise ValueError(f"{name}.crop: going back to {length} tokens needs positions {needed}..{length - 1}, but "
-                             f"the ring (capacity {self.capacity}) only holds {oldest}..{self._length - 1}; "
-                             "crop at most "
-                             f"{self.extra + 1} tokens back, or create the cache with a larger extra=")
+            raise ValueError(
+                f"{name}.crop: going back to {length} tokens needs positions {needed}..{length - 1}, but "
+                f"the ring (capacity {self.capacity}) only holds {oldest}..{self._length - 1}; "
+                "crop at most "
+                f"{self.extra + 1} tokens back, or create the cache with a larger extra="
+            )
         self.positions.masked_fill_(self.positions >= length, EMPTY_POSITION)
         self._length, self._undo = length, None
 
@@ -149,8 +181,10 @@ class SlidingWindowKVCache(KVCache):
         B = self.keys.shape[0]
         indices = check_indices(type(self).__name__, indices, B, self.keys.device)
         if indices.shape[0] != B:
-            raise ValueError(f"{type(self).__name__}.reorder: the cache keeps batch_size={B} rows, so indices must "
-                             f"hold {B} rows, got {indices.shape[0]}")
+            raise ValueError(
+                f"{type(self).__name__}.reorder: the cache keeps batch_size={B} rows, so indices must "
+                f"hold {B} rows, got {indices.shape[0]}"
+            )
         self.keys.copy_(self.keys.index_select(0, indices))
         self.values.copy_(self.values.index_select(0, indices))
         self._undo = None
@@ -161,5 +195,7 @@ class SlidingWindowKVCache(KVCache):
 
     def __repr__(self) -> str:
         B, Hkv, C, D = self.keys.shape
-        return (f"SlidingWindowKVCache(window={self.window}, capacity={C}, batch_size={B}, num_kv_heads={Hkv}, "
-                f"head_dim={D}, length={self._length}, nbytes={self.nbytes})")
+        return (
+            f"SlidingWindowKVCache(window={self.window}, capacity={C}, batch_size={B}, num_kv_heads={Hkv}, "
+            f"head_dim={D}, length={self._length}, nbytes={self.nbytes})"
+        )

@@ -48,11 +48,24 @@ class StaticKVCache(KVCache):
         dtype, device: of the stored keys and values.
     """
 
-    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
-                 value_dim: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
-        for name, value in (("batch_size", batch_size), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("value_dim", head_dim if value_dim is None else value_dim)):
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_len", max_len),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("value_dim", head_dim if value_dim is None else value_dim),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"StaticKVCache: {name} must be a positive int, got {value!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -92,8 +105,18 @@ class StaticKVCache(KVCache):
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         name = type(self).__name__
         B, Hkv, S, D = self.keys.shape
-        check_kv(name, k, v, batch=B, heads=Hkv, head_dim=D, value_dim=self.values.shape[3], dtype=self.keys.dtype,
-                 device=self.keys.device, held=self._held())
+        check_kv(
+            name,
+            k,
+            v,
+            batch=B,
+            heads=Hkv,
+            head_dim=D,
+            value_dim=self.values.shape[3],
+            dtype=self.keys.dtype,
+            device=self.keys.device,
+            held=self._held(),
+        )
         new = k.shape[2]
         if not torch.compiler.is_compiling() and positions is None:
             if self._host is None:
@@ -109,8 +132,10 @@ class StaticKVCache(KVCache):
         if not torch.compiler.is_compiling():
             longest = int(self.lengths.max())
             if longest + new > S:
-                raise ValueError(f"{name}.update: writing {new} tokens after the {longest} stored in the longest row "
-                                 f"would pass max_len={S}; hint: allocate a larger cache or crop it first")
+                raise ValueError(
+                    f"{name}.update: writing {new} tokens after the {longest} stored in the longest row "
+                    f"would pass max_len={S}; hint: allocate a larger cache or crop it first"
+                )
         slots = expected.view(B, 1, new, 1)  # (B, 1, new, 1): row b's tokens at slots lengths[b]..
         self.keys.scatter_(2, slots.expand(B, Hkv, new, D), k)
         self.values.scatter_(2, slots.expand(B, Hkv, new, self.values.shape[3]), v)
@@ -123,13 +148,13 @@ class StaticKVCache(KVCache):
     def _update_uniform(self, k: Tensor, v: Tensor, T: int, new: int) -> CacheRead:
         """Every row at length ``T`` (known on the host): write the slots ``T..T+new`` and read the
         filled ones in order, like a dynamic cache (no mask tensor: ``causal()`` serves)."""
-        self.keys[:, :, T:T + new] = k
-        self.values[:, :, T:T + new] = v
+        self.keys[:, :, T : T + new] = k
+        self.values[:, :, T : T + new] = v
         self._undo = self.lengths.clone()
         self.lengths += new
         self._host = [T + new] * self.lengths.shape[0]
         positions = torch.arange(T, T + new, device=k.device)
-        return CacheRead(self.keys[:, :, :T + new], self.values[:, :, :T + new], positions)
+        return CacheRead(self.keys[:, :, : T + new], self.values[:, :, : T + new], positions)
 
     def rollback(self) -> None:
         if self._undo is None:
@@ -140,11 +165,16 @@ class StaticKVCache(KVCache):
     def crop(self, length: int | Tensor) -> None:
         B = self.keys.shape[0]
         length = check_crop(type(self).__name__, length, B)
-        target = torch.full_like(self.lengths, length) if isinstance(length, int) else \
-            length.to(self.lengths.device, torch.int64)
+        target = (
+            torch.full_like(self.lengths, length)
+            if isinstance(length, int)
+            else length.to(self.lengths.device, torch.int64)
+        )
         if not torch.compiler.is_compiling() and bool((target > self.lengths).any()):
-            raise ValueError(f"{type(self).__name__}.crop: length must not exceed the tokens stored per row "
-                             f"{self.lengths.tolist()}, got {target.tolist()}")
+            raise ValueError(
+                f"{type(self).__name__}.crop: length must not exceed the tokens stored per row "
+                f"{self.lengths.tolist()}, got {target.tolist()}"
+            )
         self.lengths.copy_(target)
         self._undo, self._host = None, None
 
@@ -152,8 +182,10 @@ class StaticKVCache(KVCache):
         B = self.keys.shape[0]
         indices = check_indices(type(self).__name__, indices, B, self.keys.device)
         if indices.shape[0] != B:
-            raise ValueError(f"{type(self).__name__}.reorder: a static cache keeps batch_size={B} rows, so indices "
-                             f"must hold {B} rows, got {indices.shape[0]}")
+            raise ValueError(
+                f"{type(self).__name__}.reorder: a static cache keeps batch_size={B} rows, so indices "
+                f"must hold {B} rows, got {indices.shape[0]}"
+            )
         self.keys.copy_(self.keys.index_select(0, indices))
         self.values.copy_(self.values.index_select(0, indices))
         self.lengths.copy_(self.lengths.index_select(0, indices))

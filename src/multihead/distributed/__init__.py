@@ -19,5 +19,15 @@ from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.ring import ring_attention
 from multihead.distributed.ulysses import ulysses_attention
 
-__all__ = ["ring_attention", "ulysses_attention", "shard_sequence", "unshard_sequence", "shard_positions", "plan_ring", "RingPlan",
-           "LAYOUTS", "ContextParallel", "METHODS"]
+__all__ = [
+    "ring_attention",
+    "ulysses_attention",
+    "shard_sequence",
+    "unshard_sequence",
+    "shard_positions",
+    "plan_ring",
+    "RingPlan",
+    "LAYOUTS",
+    "ContextParallel",
+    "METHODS",
+]

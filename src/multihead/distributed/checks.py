@@ -51,27 +51,37 @@ def check_group(group, where: str) -> tuple[int, int]:
     """``(P, rank)`` of this process in ``group``; raises at once (no communication) if there is
     no process group or this process is not in it."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{where}: torch.distributed is not initialised; call "
-                           "torch.distributed.init_process_group(...) first (torchrun sets up the environment)")
+        raise RuntimeError(
+            f"{where}: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up the environment)"
+        )
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"{where}: this process (global rank {dist.get_rank()}) is not a member of group; "
-                         "call it only on the ranks of the group that shares the sequence")
+        raise ValueError(
+            f"{where}: this process (global rank {dist.get_rank()}) is not a member of group; "
+            "call it only on the ranks of the group that shares the sequence"
+        )
     return dist.get_world_size(group), rank
 
 
 def check_qkv(where: str, q, k, v, world: int) -> Shards:
     for name, t, layout in (("q", q, "(B, Hq, Sq, D)"), ("k", k, "(B, Hkv, Sk, D)"), ("v", v, "(B, Hkv, Sk, Dv)")):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor {layout} (this rank's shard), got {type(t).__name__}")
+            raise TypeError(
+                f"{where}: {name} must be a torch.Tensor {layout} (this rank's shard), got {type(t).__name__}"
+            )
         if t.dim() != 4:
-            raise ValueError(f"{where}: {name} must have 4 dims {layout} (this rank's shard of the sequence), "
-                             f"got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{where}: {name} must have 4 dims {layout} (this rank's shard of the sequence), "
+                f"got shape {tuple(t.shape)}"
+            )
         if not t.is_floating_point():
             raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}")
         if 0 in t.shape:
-            raise ValueError(f"{where}: {name} has a zero-size dimension: shape {tuple(t.shape)}; expected every "
-                             "dimension >= 1 (each rank holds at least one token)")
+            raise ValueError(
+                f"{where}: {name} has a zero-size dimension: shape {tuple(t.shape)}; expected every "
+                "dimension >= 1 (each rank holds at least one token)"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{where}: q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -83,11 +93,15 @@ def check_qkv(where: str, q, k, v, world: int) -> Shards:
     if k.shape[3] != D:
         raise ValueError(f"{where}: head dims differ: q has D={D} but k has D={k.shape[3]}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"{where}: v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; expected "
-                         f"v (B, Hkv, Sk, Dv) = ({B}, {Hkv}, {Sk}, Dv)")
+        raise ValueError(
+            f"{where}: v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; expected "
+            f"v (B, Hkv, Sk, Dv) = ({B}, {Hkv}, {Sk}, Dv)"
+        )
     if Hq % Hkv != 0:
-        raise ValueError(f"{where}: q has Hq={Hq} heads, not divisible by Hkv={Hkv}; Hkv must divide Hq "
-                         f"(one of {[h for h in range(1, Hq + 1) if Hq % h == 0]})")
+        raise ValueError(
+            f"{where}: q has Hq={Hq} heads, not divisible by Hkv={Hkv}; Hkv must divide Hq "
+            f"(one of {[h for h in range(1, Hq + 1) if Hq % h == 0]})"
+        )
     return Shards(B, Hq, Hkv, Sq, Sk, D, v.shape[3], world)
 
 
@@ -96,18 +110,22 @@ def check_mask(where: str, mask, shards: Shards) -> Mask | None:
     if mask is None:
         return None
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
-        raise TypeError(f"{where}: mask must be a multihead mask or a bool tensor over the whole sequence, got a "
-                        f"{mask.dtype} tensor; hint: additive float masks are not sharded, use a mask object "
-                        "(causal(), key_padding(...), document(...)) or mask != float('-inf')")
+        raise TypeError(
+            f"{where}: mask must be a multihead mask or a bool tensor over the whole sequence, got a "
+            f"{mask.dtype} tensor; hint: additive float masks are not sharded, use a mask object "
+            "(causal(), key_padding(...), document(...)) or mask != float('-inf')"
+        )
     if not isinstance(mask, (Mask, Tensor)):
         raise TypeError(f"{where}: mask must be None, a multihead mask or a bool tensor, got {type(mask).__name__}")
     mask = as_mask(mask)
     try:
         mask.check(shards.B, shards.Hq, shards.Lq, shards.Lk)
     except ValueError as e:
-        raise ValueError(f"{where}: mask does not fit the whole attention (B, Hq, Lq, Lk) = "
-                         f"({shards.B}, {shards.Hq}, {shards.Lq}, {shards.Lk}) of {shards.world} shards: {e}; "
-                         "hint: the mask describes the whole sequence, not this rank's shard") from None
+        raise ValueError(
+            f"{where}: mask does not fit the whole attention (B, Hq, Lq, Lk) = "
+            f"({shards.B}, {shards.Hq}, {shards.Lq}, {shards.Lk}) of {shards.world} shards: {e}; "
+            "hint: the mask describes the whole sequence, not this rank's shard"
+        ) from None
     return mask
 
 
@@ -137,9 +155,11 @@ def agree(where: str, group, rank: int, error: BaseException | None, summary: di
     for r, (_, other) in enumerate(gathered[1:], start=1):
         for name, expected in first.items():
             if other.get(name) != expected:
-                raise ValueError(f"{where}: ranks disagree on {name}: rank {r} has {other.get(name)!r} but rank 0 "
-                                 f"has {expected!r}; expected every rank to pass a shard of the same shape, dtype "
-                                 "and arguments (one call, sharded)")
+                raise ValueError(
+                    f"{where}: ranks disagree on {name}: rank {r} has {other.get(name)!r} but rank 0 "
+                    f"has {expected!r}; expected every rank to pass a shard of the same shape, dtype "
+                    "and arguments (one call, sharded)"
+                )
 
 
 def mask_fingerprint(mask: Mask | None) -> str | None:

@@ -44,8 +44,10 @@ class ContextParallel:
     def __post_init__(self):
         check_layout(self.layout, "ContextParallel")
         if self.method not in METHODS:
-            raise ValueError(f"ContextParallel: method must be one of {METHODS}, got {self.method!r}; hint: 'ring' "
-                             "has no condition on heads and skips masked blocks, 'ulysses' needs P to divide Hq")
+            raise ValueError(
+                f"ContextParallel: method must be one of {METHODS}, got {self.method!r}; hint: 'ring' "
+                "has no condition on heads and skips masked blocks, 'ulysses' needs P to divide Hq"
+            )
 
     @property
     def world(self) -> int:
@@ -68,10 +70,28 @@ class ContextParallel:
         """The whole sequence from every rank's shard (an all-gather; not differentiable)."""
         return unshard_sequence(x, group=self.group, layout=self.layout, dim=dim)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None = None,
-                  return_lse: bool = False, backend: str = "auto"):
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask=None,
+        scale: float | None = None,
+        return_lse: bool = False,
+        backend: str = "auto",
+    ):
         """Sharded attention of ``q (B, Hq, S, D)``, ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
         under the mask of the whole sequence; same result as :func:`multihead.attention` on it."""
         fn = ring_attention if self.method == "ring" else ulysses_attention
-        return fn(q, k, v, group=self.group, mask=mask, layout=self.layout, scale=scale, return_lse=return_lse,
-                  backend=backend)
+        return fn(
+            q,
+            k,
+            v,
+            group=self.group,
+            mask=mask,
+            layout=self.layout,
+            scale=scale,
+            return_lse=return_lse,
+            backend=backend,
+        )

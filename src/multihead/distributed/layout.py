@@ -23,8 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["LAYOUTS", "Piece", "pieces", "shard_positions", "shard_sequence", "unshard_sequence",
-           "check_layout", "check_divisible"]
+__all__ = [
+    "LAYOUTS",
+    "Piece",
+    "pieces",
+    "shard_positions",
+    "shard_sequence",
+    "unshard_sequence",
+    "check_layout",
+    "check_divisible",
+]
 
 #: The layouts by name; ``zigzag`` is the default of :func:`~multihead.distributed.ring_attention`.
 LAYOUTS = ("zigzag", "contiguous")
@@ -41,8 +49,10 @@ class Piece(NamedTuple):
 
 def check_layout(layout, where: str) -> str:
     if layout not in LAYOUTS:
-        raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}; "
-                         "hint: 'zigzag' balances causal work, 'contiguous' lets a sliding window skip ranks")
+        raise ValueError(
+            f"{where}: layout must be one of {LAYOUTS}, got {layout!r}; "
+            "hint: 'zigzag' balances causal work, 'contiguous' lets a sliding window skip ranks"
+        )
     return layout
 
 
@@ -55,10 +65,12 @@ def check_divisible(where: str, name: str, length: int, world: int, layout: str)
     parts = world * chunks_per_rank(layout)
     if length % parts != 0:
         lower, upper = length // parts * parts, (length // parts + 1) * parts
-        raise ValueError(f"{where}: {name}={length} does not split over {world} ranks in the {layout!r} layout; "
-                         f"expected a multiple of {parts} ({world} ranks x {chunks_per_rank(layout)} chunks), "
-                         f"e.g. {lower or parts} or {upper}; hint: pad the sequence and mask the padding with "
-                         f"key_padding()")
+        raise ValueError(
+            f"{where}: {name}={length} does not split over {world} ranks in the {layout!r} layout; "
+            f"expected a multiple of {parts} ({world} ranks x {chunks_per_rank(layout)} chunks), "
+            f"e.g. {lower or parts} or {upper}; hint: pad the sequence and mask the padding with "
+            f"key_padding()"
+        )
 
 
 def pieces(shard_len: int, rank: int, world: int, layout: str) -> tuple[Piece, ...]:
@@ -69,8 +81,14 @@ def pieces(shard_len: int, rank: int, world: int, layout: str) -> tuple[Piece, .
     return (Piece(0, rank * c, c), Piece(c, (2 * world - 1 - rank) * c, c))
 
 
-def shard_positions(shard_len: int, *, group=None, layout: str = "zigzag", rank: int | None = None,
-                    device: torch.device | str | None = None) -> Tensor:
+def shard_positions(
+    shard_len: int,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    rank: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
     """The global positions ``(shard_len,)`` (int64) of this rank's shard: what RoPE (or any
     position-dependent module) must see instead of ``arange(shard_len)``.
 
@@ -79,8 +97,10 @@ def shard_positions(shard_len: int, *, group=None, layout: str = "zigzag", rank:
     check_layout(layout, "shard_positions")
     world, rank = _world_and_rank(group, rank, "shard_positions")
     if layout == "zigzag" and shard_len % 2:
-        raise ValueError(f"shard_positions: shard_len={shard_len} is odd; the 'zigzag' layout holds two equal chunks "
-                         f"per rank, so a shard has an even length")
+        raise ValueError(
+            f"shard_positions: shard_len={shard_len} is odd; the 'zigzag' layout holds two equal chunks "
+            f"per rank, so a shard has an even length"
+        )
     runs = [torch.arange(p.start, p.start + p.length, device=device) for p in pieces(shard_len, rank, world, layout)]
     return torch.cat(runs)
 
@@ -111,13 +131,14 @@ def unshard_sequence(x: Tensor, *, group=None, layout: str = "zigzag", dim: int 
     dim = _check_dim("unshard_sequence", x, dim)
     world, _ = _world_and_rank(group, None, "unshard_sequence")
     if layout == "zigzag" and x.shape[dim] % 2:
-        raise ValueError(f"unshard_sequence: x.shape[{dim}]={x.shape[dim]} is odd; a 'zigzag' shard holds two equal "
-                         "chunks")
+        raise ValueError(
+            f"unshard_sequence: x.shape[{dim}]={x.shape[dim]} is odd; a 'zigzag' shard holds two equal chunks"
+        )
     x = x.detach().contiguous()
     gathered = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(gathered, x, group=group)
     S = x.shape[dim]
-    out = x.new_empty(x.shape[:dim] + (S * world,) + x.shape[dim + 1:])
+    out = x.new_empty(x.shape[:dim] + (S * world,) + x.shape[dim + 1 :])
     for r, shard in enumerate(gathered):
         for p in pieces(S, r, world, layout):
             out.narrow(dim, p.start, p.length).copy_(shard.narrow(dim, p.local, p.length))
@@ -127,20 +148,26 @@ def unshard_sequence(x: Tensor, *, group=None, layout: str = "zigzag", dim: int 
 def layout_order(shard_len: int, world: int, layout: str) -> Tensor:
     """``(P * shard_len,)``: the global position of each row of the shards concatenated in rank
     order (what an all-gather or all-to-all along the sequence produces)."""
-    runs = [torch.arange(p.start, p.start + p.length) for r in range(world) for p in pieces(shard_len, r, world, layout)]
+    runs = [
+        torch.arange(p.start, p.start + p.length) for r in range(world) for p in pieces(shard_len, r, world, layout)
+    ]
     return torch.cat(runs)
 
 
 def _world_and_rank(group, rank, where: str) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{where}: torch.distributed is not initialised; call "
-                           "torch.distributed.init_process_group(...) first (torchrun sets up the environment)")
+        raise RuntimeError(
+            f"{where}: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up the environment)"
+        )
     world = dist.get_world_size(group)
     if rank is None:
         rank = dist.get_rank(group)
         if rank < 0:
-            raise ValueError(f"{where}: this process (global rank {dist.get_rank()}) is not a member of group; "
-                             "call it only on the group's ranks")
+            raise ValueError(
+                f"{where}: this process (global rank {dist.get_rank()}) is not a member of group; "
+                "call it only on the group's ranks"
+            )
     elif not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
         raise ValueError(f"{where}: rank must be an int in [0, {world}), got {rank!r}")
     return world, rank
@@ -148,6 +175,7 @@ def _world_and_rank(group, rank, where: str) -> tuple[int, int]:
 
 def _check_dim(where: str, x: Tensor, dim) -> int:
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{where}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, "
-                         f"got {dim!r}")
+        raise ValueError(
+            f"{where}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}"
+        )
     return dim % x.dim()

@@ -82,8 +82,9 @@ class RingPlan(NamedTuple):
         return sum(self.recv)
 
 
-def plan_ring(*, world: int, rank: int, batch: int, heads: int, q_shard: int, kv_shard: int,
-              mask: Mask | None, layout: str) -> RingPlan:
+def plan_ring(
+    *, world: int, rank: int, batch: int, heads: int, q_shard: int, kv_shard: int, mask: Mask | None, layout: str
+) -> RingPlan:
     """The :class:`RingPlan` of ``rank`` for queries ``(B, Hq, q_shard)`` and keys ``kv_shard``
     per rank, under the global ``mask`` (``None``: everything visible). Pure: no communication."""
     Lq, Lk = q_shard * world, kv_shard * world
@@ -91,8 +92,9 @@ def plan_ring(*, world: int, rank: int, batch: int, heads: int, q_shard: int, kv
 
     def between(rq: int, rk: int) -> tuple[Call, ...]:
         if (rq, rk) not in blocks:
-            blocks[(rq, rk)] = _calls(pieces(q_shard, rq, world, layout), pieces(kv_shard, rk, world, layout),
-                                      mask, Lq, Lk, batch, heads)
+            blocks[(rq, rk)] = _calls(
+                pieces(q_shard, rq, world, layout), pieces(kv_shard, rk, world, layout), mask, Lq, Lk, batch, heads
+            )
         return blocks[(rq, rk)]
 
     calls, recv, send = [], [], []
@@ -104,8 +106,9 @@ def plan_ring(*, world: int, rank: int, batch: int, heads: int, q_shard: int, kv
     return RingPlan(world, rank, tuple(calls), tuple(recv), tuple(send), steps)
 
 
-def _calls(qp: tuple[Piece, ...], kp: tuple[Piece, ...], mask: Mask | None, Lq: int, Lk: int,
-           batch: int, heads: int) -> tuple[Call, ...]:
+def _calls(
+    qp: tuple[Piece, ...], kp: tuple[Piece, ...], mask: Mask | None, Lq: int, Lk: int, batch: int, heads: int
+) -> tuple[Call, ...]:
     """The calls covering queries ``qp`` x keys ``kp``: full blocks joined where they form a
     rectangle of consecutive local rows, partial blocks one call each."""
     state = [[_state(mask, q, k, Lq, Lk, batch, heads) for k in kp] for q in qp]
@@ -114,8 +117,12 @@ def _calls(qp: tuple[Piece, ...], kp: tuple[Piece, ...], mask: Mask | None, Lq: 
         return ()
     rows = sorted({i for i, _ in visible})
     cols = sorted({j for _, j in visible})
-    if len(visible) == len(rows) * len(cols) and all(state[i][j] is BlockState.FULL for i, j in visible) \
-            and _consecutive(rows) and _consecutive(cols):
+    if (
+        len(visible) == len(rows) * len(cols)
+        and all(state[i][j] is BlockState.FULL for i, j in visible)
+        and _consecutive(rows)
+        and _consecutive(cols)
+    ):
         return (_joined(qp, kp, rows, cols),)
     out = []
     for i in rows:
@@ -125,8 +132,11 @@ def _calls(qp: tuple[Piece, ...], kp: tuple[Piece, ...], mask: Mask | None, Lq: 
             continue
         for j in js:
             q, k = qp[i], kp[j]
-            shifted = None if state[i][j] is BlockState.FULL or mask is None \
+            shifted = (
+                None
+                if state[i][j] is BlockState.FULL or mask is None
                 else mask.shifted(q.start, k.start, q_len=Lq, kv_len=Lk)
+            )
             out.append(Call(q.local, q.local + q.length, k.local, k.local + k.length, shifted, state[i][j]))
     return tuple(out)
 

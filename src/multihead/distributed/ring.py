@@ -56,9 +56,18 @@ __all__ = ["ring_attention"]
 _WHERE = "ring_attention"
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: Mask | Tensor | None = None,
-                   layout: str = "zigzag", scale: float | None = None, return_lse: bool = False,
-                   backend: str = "auto") -> Tensor | AttentionResult:
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group=None,
+    mask: Mask | Tensor | None = None,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | AttentionResult:
     """Attention over a sequence sharded across the ranks of ``group``, equal to
     :func:`multihead.attention` on the whole sequence.
 
@@ -101,20 +110,33 @@ def _prepare(q, k, v, group, mask, layout, scale, return_lse, backend):
         if chunks_per_rank(layout) == 2:
             for name, n in (("q", shards.Sq), ("k", shards.Sk)):
                 if n % 2:
-                    raise ValueError(f"{_WHERE}: {name} holds {n} positions on this rank, an odd number; the 'zigzag' "
-                                     f"layout holds two equal chunks per rank, so the whole length must be a multiple "
-                                     f"of {2 * world}; hint: pad the sequence (and mask the padding with "
-                                     f"key_padding()) or use layout='contiguous'")
+                    raise ValueError(
+                        f"{_WHERE}: {name} holds {n} positions on this rank, an odd number; the 'zigzag' "
+                        f"layout holds two equal chunks per rank, so the whole length must be a multiple "
+                        f"of {2 * world}; hint: pad the sequence (and mask the padding with "
+                        f"key_padding()) or use layout='contiguous'"
+                    )
         check_divisible(_WHERE, "Lq", shards.Lq, world, layout)
         mask = check_mask(_WHERE, mask, shards)
         scale = check_scale(_WHERE, scale, shards.D)
         if not isinstance(return_lse, bool):
             raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
         if not isinstance(backend, str):
-            raise TypeError(f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}")
-        summary = {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": str(q.dtype),
-                   "layout": layout, "mask": mask_fingerprint(mask), "scale": scale, "return_lse": return_lse,
-                   "backend": backend, "requires_grad": tuple(t.requires_grad for t in (q, k, v))}
+            raise TypeError(
+                f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
+            )
+        summary = {
+            "q": tuple(q.shape),
+            "k": tuple(k.shape),
+            "v": tuple(v.shape),
+            "dtype": str(q.dtype),
+            "layout": layout,
+            "mask": mask_fingerprint(mask),
+            "scale": scale,
+            "return_lse": return_lse,
+            "backend": backend,
+            "requires_grad": tuple(t.requires_grad for t in (q, k, v)),
+        }
     except (TypeError, ValueError) as e:
         error = e
     agree(_WHERE, group, rank, error, summary)
@@ -131,8 +153,16 @@ def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str) -> Ri
     key = (world, rank, shards.B, shards.Hq, shards.Sq, shards.Sk, mask, layout)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = plan_ring(world=world, rank=rank, batch=shards.B, heads=shards.Hq, q_shard=shards.Sq,
-                         kv_shard=shards.Sk, mask=mask, layout=layout)
+        plan = plan_ring(
+            world=world,
+            rank=rank,
+            batch=shards.B,
+            heads=shards.Hq,
+            q_shard=shards.Sq,
+            kv_shard=shards.Sk,
+            mask=mask,
+            layout=layout,
+        )
         if len(_PLANS) >= 32:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
@@ -168,8 +198,10 @@ class _RingAttention(torch.autograd.Function):
         acc = lse.dtype
         dout = torch.zeros_like(out) if dout is None else dout.to(acc)  # (B, Hq, Sq, Dv)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv_own = [torch.zeros(k.shape, dtype=acc, device=q.device),  # (B, Hkv, Sk, D)
-                   torch.zeros(v.shape, dtype=acc, device=q.device)]  # (B, Hkv, Sk, Dv)
+        dkv_own = [
+            torch.zeros(k.shape, dtype=acc, device=q.device),  # (B, Hkv, Sk, D)
+            torch.zeros(v.shape, dtype=acc, device=q.device),
+        ]  # (B, Hkv, Sk, Dv)
         own = (k.contiguous(), v.contiguous()) if any(plan.send) else None
         returns = _GradientReturn(plan, group, dkv_own)
         for s, held in _Rotation(plan, group, own, _buffers_like(k, v)):
@@ -204,10 +236,17 @@ def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> Non
 def _step_forward(calls, q, k, v, out, lse, scale, backend) -> None:
     """One step of the forward: each call's partial result merged into ``(out, lse)``, one at a time."""
     for c in calls:
-        res = attention(q[:, :, c.q0:c.q1], k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1], mask=c.mask, scale=scale,
-                        return_lse=True, backend=backend)
+        res = attention(
+            q[:, :, c.q0 : c.q1],
+            k[:, :, c.k0 : c.k1],
+            v[:, :, c.k0 : c.k1],
+            mask=c.mask,
+            scale=scale,
+            return_lse=True,
+            backend=backend,
+        )
         assert res.lse is not None  # asked for
-        _merge_into(out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1], res.output.to(out.dtype), res.lse)
+        _merge_into(out[:, :, c.q0 : c.q1], lse[:, :, c.q0 : c.q1], res.output.to(out.dtype), res.lse)
         del res  # before the next call's output exists
 
 
@@ -216,9 +255,18 @@ def _step_backward(calls, q, k, v, dq, dk, dv, out, lse, dout, dlse, scale, back
     ``dk, dv`` (the keys ``k, v`` held at this step)."""
     for c in calls:
         rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-        gq, gk, gv = _block_backward(q[:, :, rows], k[:, :, keys], v[:, :, keys], c.mask, scale, backend,
-                                     out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
-                                     None if dlse is None else dlse[:, :, rows])
+        gq, gk, gv = _block_backward(
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            c.mask,
+            scale,
+            backend,
+            out[:, :, rows],
+            lse[:, :, rows],
+            dout[:, :, rows],
+            None if dlse is None else dlse[:, :, rows],
+        )
         dq[:, :, rows] += gq
         dk[:, :, keys] += gk
         dv[:, :, keys] += gv
@@ -228,8 +276,12 @@ def _block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
     """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``: the
     CPU flash backward where it applies (``backend`` "auto" or "sdpa"), else autograd through the
     block's :func:`multihead.attention` call with that ``backend``."""
-    if backend in ("auto", "sdpa") and _FLASH_BACKWARD is not None and q.device.type == "cpu" \
-            and q.dtype in _FLASH_DTYPES:
+    if (
+        backend in ("auto", "sdpa")
+        and _FLASH_BACKWARD is not None
+        and q.device.type == "cpu"
+        and q.dtype in _FLASH_DTYPES
+    ):
         return _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse)
     return _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse)
 
@@ -248,8 +300,9 @@ def _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse
         g_lse = w * (dout * (res.output.detach().to(out.dtype) - out)).sum(-1)  # (B, Hq, rows)
         if dlse is not None:
             g_lse = g_lse + w * dlse
-        gq, gk, gv = torch.autograd.grad([res.output, res.lse], [q, k, v], [g_out.to(res.output.dtype), g_lse],
-                                         allow_unused=True)
+        gq, gk, gv = torch.autograd.grad(
+            [res.output, res.lse], [q, k, v], [g_out.to(res.output.dtype), g_lse], allow_unused=True
+        )
     zero = torch.zeros_like
     return (zero(q) if gq is None else gq), (zero(k) if gk is None else gk), (zero(v) if gv is None else gv)
 
@@ -328,8 +381,18 @@ def _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout):
             allowed = mask.materialize_block(B, H, r0, r1, rows, keys, q.device, lo, hi)  # (B|1, H|1, r, k)
             additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         assert _FLASH_BACKWARD is not None  # chosen only where PyTorch has it
-        tq, tk, tv = _FLASH_BACKWARD(dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi],
-                                     out[:, :, r0:r1], glse[:, :, r0:r1], 0.0, False, attn_mask=additive, scale=scale)
+        tq, tk, tv = _FLASH_BACKWARD(
+            dout[:, :, r0:r1],
+            q[:, :, r0:r1],
+            k[:, :, lo:hi],
+            v[:, :, lo:hi],
+            out[:, :, r0:r1],
+            glse[:, :, r0:r1],
+            0.0,
+            False,
+            attn_mask=additive,
+            scale=scale,
+        )
         gq[:, :, r0:r1] = tq
         gk[:, :, lo:hi] += tk
         gv[:, :, lo:hi] += tv
@@ -344,14 +407,16 @@ def _unit_stride(x: Tensor) -> Tensor:
 def _pad(x: Tensor, E: int) -> Tensor:
     """``x (…, d)`` as a new tensor ``(…, E)`` with zeros after it (always a copy: callers write into it)."""
     padded = x.new_zeros(x.shape[:-1] + (E,))
-    padded[..., :x.shape[-1]] = x
+    padded[..., : x.shape[-1]] = x
     return padded
 
 
 def _buffers_like(k: Tensor, v: Tensor):
     """Receive buffers for another rank's ``k (B, Hkv, Sk, D)`` and ``v (B, Hkv, Sk, Dv)``."""
-    return lambda: [torch.empty(k.shape, dtype=k.dtype, device=k.device),
-                    torch.empty(v.shape, dtype=v.dtype, device=v.device)]
+    return lambda: [
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    ]
 
 
 class _Rotation:

@@ -34,9 +34,18 @@ __all__ = ["ulysses_attention"]
 _WHERE = "ulysses_attention"
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: Mask | Tensor | None = None,
-                      layout: str = "zigzag", scale: float | None = None, return_lse: bool = False,
-                      backend: str = "auto") -> Tensor | AttentionResult:
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group=None,
+    mask: Mask | Tensor | None = None,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | AttentionResult:
     """Attention over a sequence sharded across ``group``, by exchanging sequence shards for head
     shards; equal to :func:`multihead.attention` on the whole sequence.
 
@@ -51,23 +60,37 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: Mask
         shards = check_qkv(_WHERE, q, k, v, world)
         check_layout(layout, _WHERE)
         if shards.Sq != shards.Sk:
-            raise ValueError(f"{_WHERE}: q holds {shards.Sq} positions but k holds {shards.Sk} on this rank; the "
-                             "all-to-all exchanges one sequence, so expected equal shards (use ring_attention for "
-                             "Lq != Lk)")
+            raise ValueError(
+                f"{_WHERE}: q holds {shards.Sq} positions but k holds {shards.Sk} on this rank; the "
+                "all-to-all exchanges one sequence, so expected equal shards (use ring_attention for "
+                "Lq != Lk)"
+            )
         check_divisible(_WHERE, "L", shards.Lq, world, layout)
         if shards.Hq % world:
-            raise ValueError(f"{_WHERE}: Hq={shards.Hq} query heads do not split over {world} ranks; expected a "
-                             f"multiple of {world}; hint: ring_attention has no condition on heads")
+            raise ValueError(
+                f"{_WHERE}: Hq={shards.Hq} query heads do not split over {world} ranks; expected a "
+                f"multiple of {world}; hint: ring_attention has no condition on heads"
+            )
         if shards.Hkv % world and world % shards.Hkv:
-            raise ValueError(f"{_WHERE}: Hkv={shards.Hkv} key/value heads neither split over {world} ranks nor divide "
-                             f"{world} (to be replicated); expected a multiple or a divisor of {world}")
+            raise ValueError(
+                f"{_WHERE}: Hkv={shards.Hkv} key/value heads neither split over {world} ranks nor divide "
+                f"{world} (to be replicated); expected a multiple or a divisor of {world}"
+            )
         mask = check_mask(_WHERE, mask, shards)
         scale = check_scale(_WHERE, scale, shards.D)
         if not isinstance(return_lse, bool):
             raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
-        summary = {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": str(q.dtype),
-                   "layout": layout, "mask": mask_fingerprint(mask), "scale": scale, "return_lse": return_lse,
-                   "backend": backend}
+        summary = {
+            "q": tuple(q.shape),
+            "k": tuple(k.shape),
+            "v": tuple(v.shape),
+            "dtype": str(q.dtype),
+            "layout": layout,
+            "mask": mask_fingerprint(mask),
+            "scale": scale,
+            "return_lse": return_lse,
+            "backend": backend,
+        }
     except (TypeError, ValueError) as e:
         error = e
     agree(_WHERE, group, rank, error, summary)
@@ -134,7 +157,7 @@ def _heads_of(mask: Mask | None, h0: int, count: int, Hq: int) -> Mask | None:
     if mask is None or not (mask.kinds() & {"tensor", "custom"}):
         return mask
     if isinstance(mask, TensorMask) and mask.tensor.shape[1] in (1, Hq):
-        return mask if mask.tensor.shape[1] == 1 else TensorMask(mask.tensor[:, h0:h0 + count], name=mask.name)
+        return mask if mask.tensor.shape[1] == 1 else TensorMask(mask.tensor[:, h0 : h0 + count], name=mask.name)
     return _HeadSlice(mask, h0)
 
 

@@ -108,10 +108,18 @@ class HFMask:
         return f"HFMask(shape={tuple(self.shape)}, mask={self.mask!r})"
 
 
-def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor = 0,
-                   kv_offset: int | Tensor = 0, mask_function: MaskFunction | None = None,
-                   attention_mask: Tensor | HFMask | None = None, use_vmap: bool = False,
-                   device: torch.device | str = "cpu", **kwargs: Any) -> HFMask:
+def mask_interface(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | Tensor = 0,
+    kv_offset: int | Tensor = 0,
+    mask_function: MaskFunction | None = None,
+    attention_mask: Tensor | HFMask | None = None,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs: Any,
+) -> HFMask:
     """The mask function of the ``AttentionMaskInterface`` (the signature of HF's ``sdpa_mask``):
     HF's mask description -> an :class:`HFMask` holding the `multihead` mask object for
     ``Lq = q_length``, ``Lk = kv_length`` (``None`` inside when nothing is blocked). The other
@@ -123,16 +131,35 @@ def mask_interface(batch_size: int, q_length: int, kv_length: int, q_offset: int
         from transformers.masking_utils import causal_mask_function
 
         mask_function = causal_mask_function
-    mask = from_mask_function(mask_function, batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                              q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
-                              use_vmap=use_vmap, device=device)
+    mask = from_mask_function(
+        mask_function,
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        use_vmap=use_vmap,
+        device=device,
+    )
     return HFMask(mask, (int(batch_size), 1, int(q_length), int(kv_length)))
 
 
-def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                      attention_mask: HFMask | Mask | Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      sliding_window: int | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
-                      *, backend: str = "auto", **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: HFMask | Mask | Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
     """The attention function of the ``AttentionInterface``.
 
     Args:
@@ -147,9 +174,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         ``(output (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``.
     """
     if kwargs.get("cache") is not None:
-        raise ValueError(f"multihead: cache= (continuous batching's paged cache) is refused: got "
-                         f"{type(kwargs['cache']).__name__}, expected none (generate() with its default DynamicCache "
-                         f"or a StaticCache passes keys and values directly)")
+        raise ValueError(
+            f"multihead: cache= (continuous batching's paged cache) is refused: got "
+            f"{type(kwargs['cache']).__name__}, expected none (generate() with its default DynamicCache "
+            f"or a StaticCache passes keys and values directly)"
+        )
     Lk = key.shape[2]
     score_mod: list[scores.ScoreMod] = []
     position_bias = kwargs.get("position_bias")
@@ -158,21 +187,37 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if isinstance(attention_mask, HFMask):
         mask = attention_mask.mask
     elif attention_mask is None or isinstance(attention_mask, Mask):
-        mask = attention_mask if attention_mask is not None else \
-            _mask_without_one(module, kwargs.get("is_causal"), sliding_window)
+        mask = (
+            attention_mask
+            if attention_mask is not None
+            else _mask_without_one(module, kwargs.get("is_causal"), sliding_window)
+        )
     elif isinstance(attention_mask, Tensor):
         mask, bias = from_dense(attention_mask, Lk)
         if bias is not None:
             score_mod.append(scores.bias(bias))
     else:
-        raise TypeError(f"multihead: attention_mask must be a multihead mask, a 4-D tensor or None, got "
-                        f"{type(attention_mask).__name__}; hint: build the model with attn_implementation="
-                        f"'multihead' after multihead.integrations.hf.register(), so that its masks are mask objects")
-    want_weights = bool(kwargs.get("output_attentions", False)
-                        or getattr(getattr(module, "config", None), "output_attentions", False))
-    result = multihead.attention(query, key, value, mask=mask, score_mod=score_mod or None, softcap=softcap,
-                                 sinks=s_aux, scale=scaling, dropout_p=float(dropout), return_weights=want_weights,
-                                 backend=backend)
+        raise TypeError(
+            f"multihead: attention_mask must be a multihead mask, a 4-D tensor or None, got "
+            f"{type(attention_mask).__name__}; hint: build the model with attn_implementation="
+            f"'multihead' after multihead.integrations.hf.register(), so that its masks are mask objects"
+        )
+    want_weights = bool(
+        kwargs.get("output_attentions", False) or getattr(getattr(module, "config", None), "output_attentions", False)
+    )
+    result = multihead.attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        score_mod=score_mod or None,
+        softcap=softcap,
+        sinks=s_aux,
+        scale=scaling,
+        dropout_p=float(dropout),
+        return_weights=want_weights,
+        backend=backend,
+    )
     output, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
     return output.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv), as HF's attention functions return
 

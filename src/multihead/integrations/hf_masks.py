@@ -85,9 +85,18 @@ class _BandSpec(NamedTuple):
 _Part = _Full | _BandSpec | Mask  # what one closure reads as
 
 
-def from_mask_function(mask_function: MaskFunction, *, batch_size: int, q_length: int, kv_length: int,
-                       q_offset: int | Tensor = 0, kv_offset: int | Tensor = 0, attention_mask: Tensor | None = None,
-                       use_vmap: bool = False, device: torch.device | str = "cpu") -> Mask | None:
+def from_mask_function(
+    mask_function: MaskFunction,
+    *,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | Tensor = 0,
+    kv_offset: int | Tensor = 0,
+    attention_mask: Tensor | None = None,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+) -> Mask | None:
     """The `multihead` mask of HF's ``mask_function`` plus its 2-D padding ``attention_mask``
     ``(B, >= kv_offset + Lk)`` (``True`` = a real token), for a call of ``Lq = q_length`` queries
     and ``Lk = kv_length`` keys; ``None`` when nothing is blocked."""
@@ -109,7 +118,7 @@ def padding_mask(attention_mask: Tensor | None, kv_offset: int, kv_len: int) -> 
     table = attention_mask.bool()
     if table.shape[-1] < kv_offset + kv_len:
         table = torch.nn.functional.pad(table, (0, kv_offset + kv_len - table.shape[-1]))
-    table = table[:, kv_offset:kv_offset + kv_len]
+    table = table[:, kv_offset : kv_offset + kv_len]
     if bool(table.all()):
         return None
     # Right padding (each row's real keys first) is a length per row: a cheaper structure for backends.
@@ -133,11 +142,14 @@ def _kinds() -> dict[CodeType, str]:
         t = torch.zeros(1, 1, dtype=torch.long)
         f = mu.causal_mask_function
         makers: dict[str, Callable[[], MaskFunction]] = {
-            "and": lambda: mu.and_masks(f), "or": lambda: mu.or_masks(f),
-            "causal": lambda: f, "full": lambda: mu.bidirectional_mask_function,
+            "and": lambda: mu.and_masks(f),
+            "or": lambda: mu.or_masks(f),
+            "causal": lambda: f,
+            "full": lambda: mu.bidirectional_mask_function,
             "window": lambda: mu.sliding_window_overlay(1),
             "window_both": lambda: mu.sliding_window_bidirectional_overlay(1),
-            "chunks": lambda: mu.chunked_overlay(1, t[0]), "padding": lambda: mu.padding_mask_function(t),
+            "chunks": lambda: mu.chunked_overlay(1, t[0]),
+            "padding": lambda: mu.padding_mask_function(t),
             "packed": lambda: mu.packed_sequence_mask_function(t),
             "remap": lambda: mu.remap_positions_for_packed_sequence(f, t),
             "blocks": lambda: mu.blockwise_overlay(t),
@@ -223,8 +235,10 @@ def _or(parts: list[_Part], frame: _Frame) -> _Part:
     masks = [p for p in parts if isinstance(p, Mask)]
     if bands:  # every band holds its aligned key, so their union is the widest band
         lefts, rights = [b.left for b in bands], [b.right for b in bands]
-        band = _BandSpec(None if None in lefts else max(x for x in lefts if x is not None),
-                         None if None in rights else max(x for x in rights if x is not None))
+        band = _BandSpec(
+            None if None in lefts else max(x for x in lefts if x is not None),
+            None if None in rights else max(x for x in rights if x is not None),
+        )
         if band.left is None and band.right is None:
             return FULL
         if not masks:
@@ -274,8 +288,8 @@ def _band_mask(left: int | None, right: int | None, align: str, d: int) -> Mask:
 
 def _slice_ids(ids: Tensor, frame: _Frame) -> tuple[Tensor, Tensor]:
     ids = ids.expand(frame.batch, -1) if ids.shape[0] == 1 else ids
-    q_ids = ids[:, frame.q_offset:frame.q_offset + frame.q_len]
-    kv_ids = ids[:, frame.kv_offset:frame.kv_offset + frame.kv_len]
+    q_ids = ids[:, frame.q_offset : frame.q_offset + frame.q_len]
+    kv_ids = ids[:, frame.kv_offset : frame.kv_offset + frame.kv_len]
     if q_ids.shape[-1] != frame.q_len or kv_ids.shape[-1] != frame.kv_len:
         raise ValueError("ids shorter than the call")
     return q_ids, kv_ids
@@ -297,18 +311,29 @@ def _chunks(chunk_size: int, left_padding: Tensor, frame: _Frame) -> Mask:
     lp = left_padding.reshape(-1, 1).to(torch.long)
     q_pos = torch.arange(frame.q_len, device=lp.device) + frame.q_offset
     kv_pos = torch.arange(frame.kv_len, device=lp.device) + frame.kv_offset
-    return document(torch.div(q_pos - lp, chunk_size, rounding_mode="floor"),
-                    torch.div(kv_pos - lp, chunk_size, rounding_mode="floor"))
+    return document(
+        torch.div(q_pos - lp, chunk_size, rounding_mode="floor"),
+        torch.div(kv_pos - lp, chunk_size, rounding_mode="floor"),
+    )
 
 
 def _dense(fn: MaskFunction, frame: _Frame) -> Mask:
     """A closure we do not know, evaluated by ``transformers`` itself: ``(B, 1, Lq, Lk)`` bool."""
     from transformers.masking_utils import sdpa_mask
 
-    table = sdpa_mask(batch_size=frame.batch, q_length=frame.q_len, kv_length=frame.kv_len,
-                      q_offset=frame.q_offset, kv_offset=frame.kv_offset, mask_function=fn, attention_mask=None,
-                      allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=frame.use_vmap,
-                      device=frame.device)
+    table = sdpa_mask(
+        batch_size=frame.batch,
+        q_length=frame.q_len,
+        kv_length=frame.kv_len,
+        q_offset=frame.q_offset,
+        kv_offset=frame.kv_offset,
+        mask_function=fn,
+        attention_mask=None,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        use_vmap=frame.use_vmap,
+        device=frame.device,
+    )
     if table is None:  # "nothing blocked" (not expected: both of HF's skips are off)
         table = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=frame.device)
     mask = as_mask(table.contiguous(), name=f"hf:{getattr(fn, '__qualname__', 'mask_function')}")
@@ -338,8 +363,10 @@ def from_dense(mask: Tensor, kv_len: int) -> tuple[Mask | None, Tensor | None]:
         rest = mask.masked_fill(blocked, 0.0)
         bias = rest if bool(rest.ne(0).any()) else None
     else:
-        raise TypeError(f"attention_mask: a 4-D mask must be bool (True = attend) or additive float, got "
-                        f"dtype {mask.dtype}; hint: pass mask.bool() for 1 = attend")
+        raise TypeError(
+            f"attention_mask: a 4-D mask must be bool (True = attend) or additive float, got "
+            f"dtype {mask.dtype}; hint: pass mask.bool() for 1 = attend"
+        )
     return recognise(allowed), bias
 
 
@@ -369,8 +396,9 @@ def recognise(allowed: Tensor) -> Mask | None:
                 candidates.append(_and_all([band, document(starts.long().cumsum(dim=-1))]))
     for candidate in candidates:
         mask = _and_all([candidate, pad])
-        if mask is not None and torch.equal(mask.materialize(B, 1, Lq, Lk, device=rows.device).expand(B, 1, Lq, Lk),
-                                            allowed.expand(B, 1, Lq, Lk)):
+        if mask is not None and torch.equal(
+            mask.materialize(B, 1, Lq, Lk, device=rows.device).expand(B, 1, Lq, Lk), allowed.expand(B, 1, Lq, Lk)
+        ):
             return mask
     return as_mask(allowed)
 

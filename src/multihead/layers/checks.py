@@ -9,8 +9,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_size", "check_optional_size", "check_flag", "check_dropout", "check_inputs", "check_positions", "layout_name",
-           "dims"]
+__all__ = [
+    "check_size",
+    "check_optional_size",
+    "check_flag",
+    "check_dropout",
+    "check_inputs",
+    "check_positions",
+    "layout_name",
+    "dims",
+]
 
 
 def check_size(layer: str, name: str, value: object) -> int:
@@ -43,8 +51,17 @@ def layout_name(batch_first: bool, feature: str) -> str:
     return f"(B, L, {feature})" if batch_first else f"(L, B, {feature})"
 
 
-def check_inputs(layer: str, query: Tensor, key: Tensor, value: Tensor, *, sizes: tuple[int, int, int],
-                 batch_first: bool, ranks: tuple[int, ...] = (3,), weight: Tensor | None = None) -> None:
+def check_inputs(
+    layer: str,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    sizes: tuple[int, int, int],
+    batch_first: bool,
+    ranks: tuple[int, ...] = (3,),
+    weight: Tensor | None = None,
+) -> None:
     """Check ``query``/``key``/``value``: tensors of one floating dtype and device, of an accepted
     rank, with feature sizes ``sizes = (E, kdim, vdim)``, one batch size, and ``key`` and
     ``value`` of one length; and, given the layer's ``weight``, of its dtype (outside autocast)
@@ -59,40 +76,57 @@ def check_inputs(layer: str, query: Tensor, key: Tensor, value: Tensor, *, sizes
     for name, t, feature, size in zip(names, (query, key, value), features, sizes):
         if t.dim() not in ranks:
             expected = " or ".join(f"{r}" for r in ranks)
-            raise ValueError(f"{layer}: {name} must have {expected} dims {layout_name(batch_first, feature)}"
-                             f"{' or (L, ' + feature + ') unbatched' if 2 in ranks else ''}, "
-                             f"got shape {tuple(t.shape)}"
-                             f"{'; hint: add a batch dim with .unsqueeze(0)' if t.dim() == 2 else ''}")
+            raise ValueError(
+                f"{layer}: {name} must have {expected} dims {layout_name(batch_first, feature)}"
+                f"{' or (L, ' + feature + ') unbatched' if 2 in ranks else ''}, "
+                f"got shape {tuple(t.shape)}"
+                f"{'; hint: add a batch dim with .unsqueeze(0)' if t.dim() == 2 else ''}"
+            )
         if t.shape[-1] != size:
-            raise ValueError(f"{layer}: {name} has {t.shape[-1]} features (last dim of shape {tuple(t.shape)}) "
-                             f"but the layer expects {feature}={size}")
+            raise ValueError(
+                f"{layer}: {name} has {t.shape[-1]} features (last dim of shape {tuple(t.shape)}) "
+                f"but the layer expects {feature}={size}"
+            )
         if 0 in t.shape:
             raise ValueError(f"{layer}: {name} has a zero-size dimension, shape {tuple(t.shape)}")
     if not (query.dim() == key.dim() == value.dim()):
-        raise ValueError(f"{layer}: query, key and value must have the same number of dims, got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        raise ValueError(
+            f"{layer}: query, key and value must have the same number of dims, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
     if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(f"{layer}: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise TypeError(
+            f"{layer}: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if not (query.device == key.device == value.device):
-        raise ValueError(f"{layer}: query, key and value must be on one device, "
-                         f"got {query.device}, {key.device}, {value.device}")
+        raise ValueError(
+            f"{layer}: query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
+        )
     if isinstance(weight, Tensor) and weight.is_floating_point():
         if query.dtype != weight.dtype and not torch.is_autocast_enabled(query.device.type):
-            raise TypeError(f"{layer}: query has dtype {query.dtype} but the layer's weights are {weight.dtype}; "
-                            f"convert one of them (query.to({weight.dtype}) or layer.to({query.dtype}))")
+            raise TypeError(
+                f"{layer}: query has dtype {query.dtype} but the layer's weights are {weight.dtype}; "
+                f"convert one of them (query.to({weight.dtype}) or layer.to({query.dtype}))"
+            )
         if query.device != weight.device:
-            raise ValueError(f"{layer}: query is on {query.device} but the layer's weights are on {weight.device}; "
-                             f"move one of them (query.to('{weight.device}') or layer.to('{query.device}'))")
+            raise ValueError(
+                f"{layer}: query is on {query.device} but the layer's weights are on {weight.device}; "
+                f"move one of them (query.to('{weight.device}') or layer.to('{query.device}'))"
+            )
     if query.dim() == 3:
         b = 0 if batch_first else 1
         batches = (query.shape[b], key.shape[b], value.shape[b])
         if not batches[0] == batches[1] == batches[2]:  # compared, not hashed: torch.jit.trace gives tensors
-            raise ValueError(f"{layer}: batch sizes differ: query has B={batches[0]}, key {batches[1]}, "
-                             f"value {batches[2]} (dim {b} with batch_first={batch_first}); they must be equal")
+            raise ValueError(
+                f"{layer}: batch sizes differ: query has B={batches[0]}, key {batches[1]}, "
+                f"value {batches[2]} (dim {b} with batch_first={batch_first}); they must be equal"
+            )
     seq = 0 if (query.dim() == 2 or not batch_first) else 1
     if key.shape[seq] != value.shape[seq]:
-        raise ValueError(f"{layer}: key and value lengths differ: key has Lk={key.shape[seq]}, value has "
-                         f"{value.shape[seq]} (dim {seq}); each key needs exactly one value")
+        raise ValueError(
+            f"{layer}: key and value lengths differ: key has Lk={key.shape[seq]}, value has "
+            f"{value.shape[seq]} (dim {seq}); each key needs exactly one value"
+        )
 
 
 def dims(t: Tensor, batch_first: bool) -> tuple[int, int]:
@@ -107,11 +141,15 @@ def check_positions(layer: str, positions: object, B: int, Lq: int, device: torc
     """``positions`` as an ``int64`` tensor ``(Lq,)`` or ``(B, Lq)`` on the device of the query."""
     expected = f"(Lq,) = ({Lq},) or (B, Lq) = ({B}, {Lq})"
     if not isinstance(positions, Tensor):
-        raise TypeError(f"{layer}: positions must be None or an integer tensor {expected} of absolute token "
-                        f"positions, got {type(positions).__name__}")
+        raise TypeError(
+            f"{layer}: positions must be None or an integer tensor {expected} of absolute token "
+            f"positions, got {type(positions).__name__}"
+        )
     if positions.dtype not in _INTEGER_DTYPES:
-        raise TypeError(f"{layer}: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
-                        f"hint: positions count tokens, e.g. torch.arange(Lq)")
+        raise TypeError(
+            f"{layer}: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
+            f"hint: positions count tokens, e.g. torch.arange(Lq)"
+        )
     if tuple(positions.shape) not in ((Lq,), (B, Lq)):
         raise ValueError(f"{layer}: positions must have shape {expected}, got {tuple(positions.shape)}")
     if positions.device != device:

@@ -94,17 +94,29 @@ class MultiheadAttention(HookPoints, nn.Module):
 
     __constants__ = ["batch_first"]
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
-                 vdim: int | None = None, batch_first: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         embed_dim = check_size(_NAME, "embed_dim", embed_dim)
         num_heads = check_size(_NAME, "num_heads", num_heads)
         if embed_dim % num_heads != 0:
             divisors = [d for d in range(1, embed_dim + 1) if embed_dim % d == 0]
-            raise ValueError(f"{_NAME}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
-                             f"num_heads must be one of {divisors}")
+            raise ValueError(
+                f"{_NAME}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
+                f"num_heads must be one of {divisors}"
+            )
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = embed_dim if kdim is None else check_size(_NAME, "kdim", kdim)
@@ -161,29 +173,48 @@ class MultiheadAttention(HookPoints, nn.Module):
         state.setdefault("_qkv_same_embed_dim", True)
         super().__setstate__(state)  # type: ignore[no-untyped-call]  # torch's Module.__setstate__ is unannotated
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
-                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, weights_heads: Selection = None,
-                weights_rows: Selection = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """PyTorch's contract (see the module docstring for masks and the deliberate differences).
 
         Beyond it, ``weights_heads``/``weights_rows`` (with ``need_weights``, batched padded inputs):
         return the weights of these heads and query rows only, computed for them alone, as
         :func:`multihead.attention` does; ``average_attn_weights`` then averages the selected heads."""
         if (weights_heads is not None or weights_rows is not None) and not need_weights:
-            raise ValueError(f"{_NAME}: weights_heads/weights_rows select which weights to return; they need "
-                             f"need_weights=True, got need_weights=False")
+            raise ValueError(
+                f"{_NAME}: weights_heads/weights_rows select which weights to return; they need "
+                f"need_weights=True, got need_weights=False"
+            )
         if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
             if weights_heads is not None or weights_rows is not None:
-                raise ValueError(f"{_NAME}: weights_heads/weights_rows need padded inputs, got nested tensors; "
-                                 "hint: select from the returned weights instead")
-            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                        average_attn_weights, is_causal)
+                raise ValueError(
+                    f"{_NAME}: weights_heads/weights_rows need padded inputs, got nested tensors; "
+                    "hint: select from the returned weights instead"
+                )
+            return self._forward_nested(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
         bf = self.batch_first
-        check_inputs(_NAME, query, key, value, sizes=(self.embed_dim, self.kdim, self.vdim), batch_first=bf,
-                     ranks=(2, 3))
-        for name, flag in (("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
-                           ("is_causal", is_causal)):
+        check_inputs(
+            _NAME, query, key, value, sizes=(self.embed_dim, self.kdim, self.vdim), batch_first=bf, ranks=(2, 3)
+        )
+        for name, flag in (
+            ("need_weights", need_weights),
+            ("average_attn_weights", average_attn_weights),
+            ("is_causal", is_causal),
+        ):
             check_flag(_NAME, name, flag)
         batched = query.dim() == 3
         if not batched:  # (L, E): one batch element in this module's layout
@@ -204,10 +235,19 @@ class MultiheadAttention(HookPoints, nn.Module):
         k = split_heads(k, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
         v = split_heads(v, self.num_heads, self.head_dim, bf)  # (B, H, S+extra, D)
 
-        out, weights = attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod,
-                                    dropout_p=self.dropout if self.training else 0.0,
-                                    need_weights=need_weights, weights_heads=weights_heads,
-                                    weights_rows=weights_rows)  # (B, L, E), (B, H, L, S+extra) or None
+        out, weights = attend_heads(
+            self,
+            q,
+            k,
+            v,
+            out_proj=self.out_proj,
+            mask=mask,
+            score_mod=score_mod,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+            weights_heads=weights_heads,
+            weights_rows=weights_rows,
+        )  # (B, L, E), (B, H, L, S+extra) or None
         if not batched:
             out = out.squeeze(0)  # (L, E)
         elif not bf:
@@ -219,8 +259,9 @@ class MultiheadAttention(HookPoints, nn.Module):
                 weights = weights.squeeze(0)  # (L, S+extra) or (H, L, S+extra)
         return out, weights
 
-    def merge_masks(self, attn_mask: Tensor | None, key_padding_mask: Tensor | None,
-                    query: Tensor) -> tuple[Tensor | None, int | None]:
+    def merge_masks(
+        self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
+    ) -> tuple[Tensor | None, int | None]:
         """PyTorch's ``nn.MultiheadAttention.merge_masks``, with its meaning: the masks of a
         self-attention in the form PyTorch's fused kernels take them.
 
@@ -243,11 +284,13 @@ class MultiheadAttention(HookPoints, nn.Module):
                 attn_mask_expanded = attn_mask.view(batch_size, -1, seq_len, seq_len)  # (B, H, L, L)
             else:
                 attn_mask_expanded = attn_mask.view(1, 1, seq_len, seq_len).expand(
-                    batch_size, self.num_heads, -1, -1)  # (B, H, L, L)
+                    batch_size, self.num_heads, -1, -1
+                )  # (B, H, L, L)
             merged_mask = attn_mask_expanded
             if key_padding_mask is not None:
                 key_padding_mask_expanded = key_padding_mask.view(batch_size, 1, 1, seq_len).expand(
-                    -1, self.num_heads, -1, -1)  # (B, H, 1, L)
+                    -1, self.num_heads, -1, -1
+                )  # (B, H, 1, L)
                 merged_mask = attn_mask_expanded + key_padding_mask_expanded
         return merged_mask, mask_type
 
@@ -260,24 +303,39 @@ class MultiheadAttention(HookPoints, nn.Module):
             "TorchScript cannot compile. Use torch.compile(module) instead, or script PyTorch's class with "
             "the same weights: m = torch.nn.MultiheadAttention(embed_dim, num_heads, ..., batch_first=...); "
             "m.load_state_dict(module.state_dict()); torch.jit.script(m) (PyTorch's semantics then apply, "
-            "e.g. NaN on query rows that see no key)")
+            "e.g. NaN on query rows that see no key)"
+        )
 
     # ------------------------------------------------------------------------------ helpers
-    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
-                        need_weights: bool, attn_mask: Tensor | None, average_attn_weights: bool,
-                        is_causal: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward_nested(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
         """Nested ``(B, ragged L, E)`` inputs (what ``nn.TransformerEncoder`` passes on once it has
         packed a padded batch) as a padded batch with a key padding mask, the output nested again."""
         tensors = (query, key, value)
         if not all(isinstance(t, Tensor) and t.is_nested for t in tensors):
-            raise TypeError(f"{_NAME}: query, key and value must be all nested tensors or none, got is_nested="
-                            f"{tuple(isinstance(t, Tensor) and t.is_nested for t in tensors)}")
+            raise TypeError(
+                f"{_NAME}: query, key and value must be all nested tensors or none, got is_nested="
+                f"{tuple(isinstance(t, Tensor) and t.is_nested for t in tensors)}"
+            )
         if not self.batch_first:
-            raise ValueError(f"{_NAME}: nested tensors are (B, ragged L, E), batch first, but this module has "
-                             "batch_first=False; build it with batch_first=True (as PyTorch requires)")
+            raise ValueError(
+                f"{_NAME}: nested tensors are (B, ragged L, E), batch first, but this module has "
+                "batch_first=False; build it with batch_first=True (as PyTorch requires)"
+            )
         if key_padding_mask is not None or attn_mask is not None:
-            raise ValueError(f"{_NAME}: nested inputs take no key_padding_mask or attn_mask (their padding is "
-                             "their ragged lengths, as in PyTorch); pass a padded tensor with masks instead")
+            raise ValueError(
+                f"{_NAME}: nested inputs take no key_padding_mask or attn_mask (their padding is "
+                "their ragged lengths, as in PyTorch); pass a padded tensor with masks instead"
+            )
         q_lengths = [t.shape[0] for t in query.unbind()]
         k_lengths = [t.shape[0] for t in key.unbind()]
         v_lengths = [t.shape[0] for t in value.unbind()]
@@ -294,8 +352,15 @@ class MultiheadAttention(HookPoints, nn.Module):
         S = k.shape[1]
         keys = torch.arange(S, device=k.device)
         padding = keys >= torch.tensor(k_lengths, device=k.device).unsqueeze(1)  # (B, S), True = padding
-        out, weights = self.forward(q, k, v, key_padding_mask=padding, need_weights=need_weights,
-                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
+        out, weights = self.forward(
+            q,
+            k,
+            v,
+            key_padding_mask=padding,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
         out = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out.unbind(), q_lengths)], layout=query.layout)
         if weights is not None:  # (B, L, S+extra) or (B, H, L, S+extra): padded query rows to 0, as PyTorch
             rows = torch.arange(q.shape[1], device=q.device) < torch.tensor(q_lengths, device=q.device).unsqueeze(1)
@@ -315,9 +380,18 @@ class MultiheadAttention(HookPoints, nn.Module):
         bq, bk, bv = (None, None, None) if bias is None else bias.split(E)
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
-    def _mask(self, key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool, B: int, L: int, S: int,
-              extra: int,
-              batched: bool, device: torch.device) -> tuple[Mask | None, ScoreMod | None]:
+    def _mask(
+        self,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        B: int,
+        L: int,
+        S: int,
+        extra: int,
+        batched: bool,
+        device: torch.device,
+    ) -> tuple[Mask | None, ScoreMod | None]:
         """PyTorch's masks as one `multihead` mask over ``(B, H, L, S + extra)``, and the additive
         bias of a float mask as a score modifier.
 
@@ -330,32 +404,38 @@ class MultiheadAttention(HookPoints, nn.Module):
             kpm = _mask_tensor("key_padding_mask", key_padding_mask)
             expected = (B, S) if batched else (S,)
             if tuple(kpm.shape) != expected:
-                raise ValueError(f"{_NAME}: key_padding_mask must have shape {'(B, S)' if batched else '(S,)'} = "
-                                 f"{expected}, got {tuple(kpm.shape)}")
+                raise ValueError(
+                    f"{_NAME}: key_padding_mask must have shape {'(B, S)' if batched else '(S,)'} = "
+                    f"{expected}, got {tuple(kpm.shape)}"
+                )
             parts.append(_allowed(kpm).reshape(B, 1, 1, S))
         causal_mask = causal("top_left") if is_causal else None
         if attn_mask is not None:
             am = _mask_tensor("attn_mask", attn_mask)
             if am.dim() == 2:
                 if tuple(am.shape) != (L, S):
-                    raise ValueError(f"{_NAME}: a 2-D attn_mask must have shape (L, S) = {(L, S)}, "
-                                     f"got {tuple(am.shape)}")
+                    raise ValueError(
+                        f"{_NAME}: a 2-D attn_mask must have shape (L, S) = {(L, S)}, got {tuple(am.shape)}"
+                    )
                 am = _allowed(am).view(1, 1, L, S)
             elif am.dim() == 3:
                 expected = (B * H, L, S) if batched else (H, L, S)
                 if tuple(am.shape) != expected:
-                    raise ValueError(f"{_NAME}: a 3-D attn_mask must have shape "
-                                     f"{'(B*num_heads, L, S)' if batched else '(num_heads, L, S)'} = {expected}, "
-                                     f"got {tuple(am.shape)}")
+                    raise ValueError(
+                        f"{_NAME}: a 3-D attn_mask must have shape "
+                        f"{'(B*num_heads, L, S)' if batched else '(num_heads, L, S)'} = {expected}, "
+                        f"got {tuple(am.shape)}"
+                    )
                 am = _allowed(am).view(B, H, L, S)  # PyTorch's row b*H + h is batch b, head h
             else:
-                raise ValueError(f"{_NAME}: attn_mask must have 2 dims (L, S) or 3 dims (B*num_heads, L, S), "
-                                 f"got shape {tuple(am.shape)}")
+                raise ValueError(
+                    f"{_NAME}: attn_mask must have 2 dims (L, S) or 3 dims (B*num_heads, L, S), "
+                    f"got shape {tuple(am.shape)}"
+                )
             # Recognising the causal pattern reads the mask's values: a graph break under
             # torch.compile, where the mask simply runs as a tensor; so does a mask that wants
             # its gradient (a learned additive mask).
-            if extra == 0 and not am.requires_grad and not torch.compiler.is_compiling() \
-                    and _is_causal_pattern(am):
+            if extra == 0 and not am.requires_grad and not torch.compiler.is_compiling() and _is_causal_pattern(am):
                 causal_mask = causal("top_left")  # the same mask, without a tensor
             else:
                 parts.append(am)
@@ -379,8 +459,10 @@ def _mask_tensor(name: str, mask: object) -> Tensor:
     if not isinstance(mask, Tensor):
         raise TypeError(f"{_NAME}: {name} must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"{_NAME}: {name} must be a bool (True = ignore/blocked, PyTorch's polarity) or float "
-                        f"(additive) tensor, got dtype {mask.dtype}")
+        raise TypeError(
+            f"{_NAME}: {name} must be a bool (True = ignore/blocked, PyTorch's polarity) or float "
+            f"(additive) tensor, got dtype {mask.dtype}"
+        )
     return mask
 
 
@@ -407,8 +489,11 @@ def _pad_keys(mask: Tensor, extra: int) -> Tensor:
     if extra == 0:
         return mask
     shape = (*mask.shape[:-1], extra)
-    fill = torch.ones(shape, dtype=torch.bool, device=mask.device) if mask.dtype == torch.bool \
+    fill = (
+        torch.ones(shape, dtype=torch.bool, device=mask.device)
+        if mask.dtype == torch.bool
         else torch.zeros(shape, dtype=mask.dtype, device=mask.device)
+    )
     return torch.cat([mask, fill], dim=-1)
 
 

@@ -26,17 +26,30 @@ def from_torch(module: nn.Module, layer_class: type[MultiHeadAttention]) -> Mult
     """See :meth:`MultiHeadAttention.from_torch`; ``layer_class`` is the class to build (the layer
     passes itself, so this module never imports the layer: no import cycle)."""
     if not isinstance(module, (nn.MultiheadAttention, CompatMHA)):
-        raise TypeError("MultiHeadAttention.from_torch expects a torch.nn.MultiheadAttention "
-                        f"(or multihead.compat.MultiheadAttention), got {type(module).__name__}")
+        raise TypeError(
+            "MultiHeadAttention.from_torch expects a torch.nn.MultiheadAttention "
+            f"(or multihead.compat.MultiheadAttention), got {type(module).__name__}"
+        )
     if module.bias_k is not None or module.add_zero_attn:
-        raise ValueError("MultiHeadAttention.from_torch: this module uses add_bias_kv/add_zero_attn, which "
-                         "MultiHeadAttention does not model; use multihead.compat.MultiheadAttention and "
-                         "load_state_dict(module.state_dict()) instead")
+        raise ValueError(
+            "MultiHeadAttention.from_torch: this module uses add_bias_kv/add_zero_attn, which "
+            "MultiHeadAttention does not model; use multihead.compat.MultiheadAttention and "
+            "load_state_dict(module.state_dict()) instead"
+        )
     E, reference = module.embed_dim, module.out_proj.weight
     has_in_bias = module.in_proj_bias is not None
-    layer = layer_class(E, module.num_heads, kdim=module.kdim, vdim=module.vdim, qkv_bias=has_in_bias,
-                               out_bias=module.out_proj.bias is not None, dropout=float(module.dropout),
-                               batch_first=module.batch_first, device=reference.device, dtype=reference.dtype)
+    layer = layer_class(
+        E,
+        module.num_heads,
+        kdim=module.kdim,
+        vdim=module.vdim,
+        qkv_bias=has_in_bias,
+        out_bias=module.out_proj.bias is not None,
+        dropout=float(module.dropout),
+        batch_first=module.batch_first,
+        device=reference.device,
+        dtype=reference.dtype,
+    )
     with torch.no_grad():
         weights: tuple[Tensor, ...]
         if module._qkv_same_embed_dim:
@@ -58,23 +71,37 @@ def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
     """See :meth:`MultiHeadAttention.to_torch`."""
     problems = []
     if layer.num_kv_heads != layer.num_heads:
-        problems.append(f"num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads} "
-                        "(nn.MultiheadAttention has no grouped-query attention)")
+        problems.append(
+            f"num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads} "
+            "(nn.MultiheadAttention has no grouped-query attention)"
+        )
     if layer.num_heads * layer.head_dim != layer.d_model:
-        problems.append(f"num_heads * head_dim = {layer.num_heads * layer.head_dim} != d_model={layer.d_model} "
-                        "(nn.MultiheadAttention fixes head_dim = embed_dim // num_heads)")
+        problems.append(
+            f"num_heads * head_dim = {layer.num_heads * layer.head_dim} != d_model={layer.d_model} "
+            "(nn.MultiheadAttention fixes head_dim = embed_dim // num_heads)"
+        )
     if layer.causal:
-        problems.append("causal=True (nn.MultiheadAttention has no causal flag: build the layer with "
-                        "causal=False and pass is_causal=True with a causal attn_mask at call time)")
+        problems.append(
+            "causal=True (nn.MultiheadAttention has no causal flag: build the layer with "
+            "causal=False and pass is_causal=True with a causal attn_mask at call time)"
+        )
     if problems:
         raise ValueError("MultiHeadAttention.to_torch: cannot convert: " + "; ".join(problems))
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
     in_bias = any(p.bias is not None for p in projections)
     bias = in_bias or layer.out_proj.bias is not None  # one flag in PyTorch; a missing bias becomes zeros
     reference = layer.out_proj.weight
-    module = nn.MultiheadAttention(layer.d_model, layer.num_heads, dropout=layer.dropout, bias=bias,
-                                   kdim=layer.kdim, vdim=layer.vdim, batch_first=layer.batch_first,
-                                   device=reference.device, dtype=reference.dtype)
+    module = nn.MultiheadAttention(
+        layer.d_model,
+        layer.num_heads,
+        dropout=layer.dropout,
+        bias=bias,
+        kdim=layer.kdim,
+        vdim=layer.vdim,
+        batch_first=layer.batch_first,
+        device=reference.device,
+        dtype=reference.dtype,
+    )
     with torch.no_grad():
         weights: tuple[Tensor, ...]
         if module._qkv_same_embed_dim:

@@ -49,11 +49,22 @@ def merge_heads(y: Tensor) -> Tensor:
     return y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H·D)
 
 
-def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj: Callable[[Tensor], Tensor],
-                 mask: Mask | Tensor | None = None, score_mod: ScoreModArg = None, sinks: Tensor | None = None,
-                 dropout_p: float = 0.0, need_weights: bool = False,
-                 backend: str = "auto", weights_heads: Selection = None,
-                 weights_rows: Selection = None) -> tuple[Tensor, Tensor | None]:
+def attend_heads(
+    layer: nn.Module,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    out_proj: Callable[[Tensor], Tensor],
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    backend: str = "auto",
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+) -> tuple[Tensor, Tensor | None]:
     """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand and its
     hook points (:mod:`multihead.hooks`).
 
@@ -78,28 +89,59 @@ def attend_heads(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, out_proj:
     hooks = layer.__dict__.get(HOOKS)  # None unless a hook is set: the one test the fast path pays
     captures = captures_of(layer) if is_capturing(layer) else ()
     if hooks is None and not captures and not need_weights:
-        y = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
-                      return_weights=False, backend=backend)  # (B, Hq, Lq, Dv): the call made before hooks existed
+        y = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            return_weights=False,
+            backend=backend,
+        )  # (B, Hq, Lq, Dv): the call made before hooks existed
         return out_proj(merge_heads(y)), None
     asked = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=need_weights)
     if hooks is not None:
         q, k, v = run_hooks(hooks, "q", q), run_hooks(hooks, "k", k), run_hooks(hooks, "v", v)
     wanted = ([asked] if need_weights else []) + [
-        validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures]
+        validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures
+    ]
     held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
     weights = None
     if hooks is not None and ("scores" in hooks or "pattern" in hooks):
-        y, pattern = explicit_attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
-                                        hooks=hooks)  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
+        y, pattern = explicit_attention(
+            q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p, hooks=hooks
+        )  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
         if wanted:
             weights = take(pattern, (None, None), held).to(q.dtype)
     elif wanted:
-        result = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
-                           return_weights=True, backend=backend, weights_heads=held[0], weights_rows=held[1])
+        result = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            return_weights=True,
+            backend=backend,
+            weights_heads=held[0],
+            weights_rows=held[1],
+        )
         y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
     else:
-        y = attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p,
-                      return_weights=False, backend=backend)
+        y = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            return_weights=False,
+            backend=backend,
+        )
     if hooks is not None:
         y = run_hooks(hooks, "output", y)  # (B, Hq, Lq, Dv): head h at y[:, h]
     if captures:

@@ -97,12 +97,27 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         device, dtype: of the parameters.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, mode: str = "naive",
-                 rope: Callable[[Tensor, Tensor], Tensor] | None = None, rope_base: float | None = None,
-                 softmax_scale: float | None = None, causal: bool = True, bias: bool = False,
-                 norm_eps: float = 1e-6, backend: str = "auto",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None = None,
+        mode: str = "naive",
+        rope: Callable[[Tensor, Tensor], Tensor] | None = None,
+        rope_base: float | None = None,
+        softmax_scale: float | None = None,
+        causal: bool = True,
+        bias: bool = False,
+        norm_eps: float = 1e-6,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         layer = type(self).__name__
         self.d_model = check_size(layer, "d_model", d_model)
@@ -113,13 +128,17 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         self.qk_rope_head_dim = check_size(layer, "qk_rope_head_dim", qk_rope_head_dim)
         self.v_head_dim = check_size(layer, "v_head_dim", v_head_dim)
         if qk_rope_head_dim % 2:
-            raise ValueError(f"{layer}: qk_rope_head_dim must be even (rotary features turn in pairs), got "
-                             f"{qk_rope_head_dim}; DeepSeek-V2/V3 use 64")
+            raise ValueError(
+                f"{layer}: qk_rope_head_dim must be even (rotary features turn in pairs), got "
+                f"{qk_rope_head_dim}; DeepSeek-V2/V3 use 64"
+            )
         self.mode = mode
         self.causal = check_flag(layer, "causal", causal)
         bias = check_flag(layer, "bias", bias)
         if not isinstance(backend, str):
-            raise TypeError(f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}")
+            raise TypeError(
+                f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
+            )
         check_backend_name(backend)
         self.backend = backend
         self.softmax_scale = None if softmax_scale is None else _positive(layer, "softmax_scale", softmax_scale)
@@ -149,8 +168,10 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
     @mode.setter
     def mode(self, mode: str) -> None:
         if mode not in MODES:
-            raise ValueError(f"{type(self).__name__}: mode must be one of {MODES} (up-project the latent to per-head "
-                             f"K/V, or attend to it directly as MQA), got {mode!r}")
+            raise ValueError(
+                f"{type(self).__name__}: mode must be one of {MODES} (up-project the latent to per-head "
+                f"K/V, or attend to it directly as MQA), got {mode!r}"
+            )
         self._mode = mode
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
@@ -160,9 +181,17 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         return (self.kv_lora_rank + self.qk_rope_head_dim) * torch.empty((), dtype=dtype).element_size()
 
     # ------------------------------------------------------------------------------ forward
-    def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
-                kv_cache: KVCache | None = None, need_weights: bool = False, weights_heads: Selection = None,
-                weights_rows: Selection = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        need_weights: bool = False,
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from the tokens ``x`` to the cached tokens and themselves.
 
         Args:
@@ -185,35 +214,64 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         """
         check_flag(type(self).__name__, "need_weights", need_weights)
         if (weights_heads is not None or weights_rows is not None) and not need_weights:
-            raise ValueError(f"{type(self).__name__}: weights_heads/weights_rows select which weights to return; "
-                             f"they need need_weights=True, got need_weights=False")
+            raise ValueError(
+                f"{type(self).__name__}: weights_heads/weights_rows select which weights to return; "
+                f"they need need_weights=True, got need_weights=False"
+            )
         selection = (weights_heads, weights_rows)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreMod | None,
-                   out_proj: Callable[[Tensor], Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        def attend(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            mask: Mask | Tensor | None,
+            score_mod: ScoreMod | None,
+            out_proj: Callable[[Tensor], Tensor],
+        ) -> Tensor | tuple[Tensor, Tensor]:
             return self._attend(q, k, v, mask, score_mod, out_proj, need_weights, selection)
 
         return self._run(x, mask, positions, kv_cache, attend)
 
-    def explain(self, x: Tensor, *, mask: Mask | Tensor | None = None, positions: Tensor | None = None,
-                kv_cache: KVCache | None = None) -> Explanation:
+    def explain(
+        self,
+        x: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Explanation:
         """:func:`multihead.explain` for the attention call ``forward`` would make in this mode:
         its shapes (absorbed: ``Hkv = 1, D = C + R, Dv = C``; naive: ``Hkv = H, D = N + R, Dv = V``),
         the backend and the kernel. A cache is updated and rolled back: it ends as it was."""
 
-        def report(q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreMod | None,
-                   out_proj: Callable[[Tensor], Tensor]) -> Explanation:
+        def report(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            mask: Mask | Tensor | None,
+            score_mod: ScoreMod | None,
+            out_proj: Callable[[Tensor], Tensor],
+        ) -> Explanation:
             return explain(q, k, v, mask=mask, score_mod=score_mod, backend=self.backend)
 
         return self._run(x, mask, positions, kv_cache, report, keep=False)
 
-    def _run(self, x: Tensor, mask: Mask | Tensor | None, positions: Tensor | None, kv_cache: KVCache | None,
-             attend: Callable[..., _R], keep: bool = True) -> _R:
+    def _run(
+        self,
+        x: Tensor,
+        mask: Mask | Tensor | None,
+        positions: Tensor | None,
+        kv_cache: KVCache | None,
+        attend: Callable[..., _R],
+        keep: bool = True,
+    ) -> _R:
         """Project, rotate, cache, then ``attend(q, k, v, mask, score_mod, out_proj)``."""
         layer = type(self).__name__
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
-            raise TypeError(f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
-                            f"LatentKVCache()), got {type(kv_cache).__name__}")
+            raise TypeError(
+                f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
+                f"LatentKVCache()), got {type(kv_cache).__name__}"
+            )
         _check_x(layer, x, self.d_model, self.kv_b_proj.weight)
         B, L, _ = x.shape
         if positions is not None:
@@ -241,8 +299,15 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             kv_cache.rollback()
         return result
 
-    def _attend_rows(self, attend: Callable[..., _R], q_nope: Tensor, q_rope: Tensor, rows: Tensor,
-                     mask: Mask | Tensor | None, score_mod: ScoreMod | None) -> _R:
+    def _attend_rows(
+        self,
+        attend: Callable[..., _R],
+        q_nope: Tensor,
+        q_rope: Tensor,
+        rows: Tensor,
+        mask: Mask | Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> _R:
         """Attention of the queries over the latent rows ``(B, 1, S, C + R)`` in this mode."""
         H, C, N = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
         if self._mode == "absorbed":
@@ -258,12 +323,30 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, N + R)
         return attend(q, k, v, mask, score_mod, self.o_proj)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreMod | None,
-                out_proj: Callable[[Tensor], Tensor], need_weights: bool,
-                selection: tuple[Selection, Selection] = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
-        out, weights = attend_heads(self, q, k, v, out_proj=out_proj, mask=mask, score_mod=score_mod,
-                                    need_weights=need_weights, backend=self.backend,
-                                    weights_heads=selection[0], weights_rows=selection[1])
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        score_mod: ScoreMod | None,
+        out_proj: Callable[[Tensor], Tensor],
+        need_weights: bool,
+        selection: tuple[Selection, Selection] = (None, None),
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        out, weights = attend_heads(
+            self,
+            q,
+            k,
+            v,
+            out_proj=out_proj,
+            mask=mask,
+            score_mod=score_mod,
+            need_weights=need_weights,
+            backend=self.backend,
+            weights_heads=selection[0],
+            weights_rows=selection[1],
+        )
         if need_weights:
             assert weights is not None  # attend_heads returns them when asked
             return out, weights
@@ -302,7 +385,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
     def _up_projections(self) -> tuple[Tensor, Tensor]:
         """``W_UK (H, N, C)`` and ``W_UV (H, V, C)``, views of ``kv_b_proj.weight (H·(N+V), C)``."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     def _absorbed_out(self, y: Tensor) -> Tensor:
         """``(B, L, H·C)`` attention over the latent -> ``o_h W_UV_hᵀ`` per head -> ``o_proj``, ``(B, L, E)``."""
@@ -315,8 +398,10 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         rotated = self.rope(x, positions)
         if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
             got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
-            raise ValueError(f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
-                             f"{name} (B, H, L, R) = {tuple(x.shape)} it returned {got}")
+            raise ValueError(
+                f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
+                f"{name} (B, H, L, R) = {tuple(x.shape)} it returned {got}"
+            )
         return rotated
 
     def _call_mask(self, mask: object, B: int, Lq: int, Lk: int) -> tuple[Mask | None, ScoreMod | None]:
@@ -331,13 +416,16 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             mask = self._causal_mask if mask is None else mask & self._causal_mask
         return mask, score_mod
 
-    def _cache_mask(self, read: CacheRead, mask: object, B: int,
-                    Lq: int) -> tuple[Mask | Tensor | None, ScoreMod | None]:
+    def _cache_mask(
+        self, read: CacheRead, mask: object, B: int, Lq: int
+    ) -> tuple[Mask | Tensor | None, ScoreMod | None]:
         """The call's mask over the slots a cache returned (:meth:`CacheRead.mask`)."""
         S = read.keys.shape[2]
         mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=S)
         if mask is not None:
-            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(B, self.num_heads, None, None)
+            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(
+                B, self.num_heads, None, None
+            )
         if score_mod is not None:
             score_mod.check(B, self.num_heads, Lq, S)
         return read.mask(mask, self.causal, self.num_heads), score_mod
@@ -346,8 +434,13 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}", f"kv_lora_rank={self.kv_lora_rank}"]
         if self.q_lora_rank is not None:
             parts.append(f"q_lora_rank={self.q_lora_rank}")
-        parts += [f"qk_nope_head_dim={self.qk_nope_head_dim}", f"qk_rope_head_dim={self.qk_rope_head_dim}",
-                  f"v_head_dim={self.v_head_dim}", f"mode={self._mode!r}", f"causal={self.causal}"]
+        parts += [
+            f"qk_nope_head_dim={self.qk_nope_head_dim}",
+            f"qk_rope_head_dim={self.qk_rope_head_dim}",
+            f"v_head_dim={self.v_head_dim}",
+            f"mode={self._mode!r}",
+            f"causal={self.causal}",
+        ]
         if self.softmax_scale is not None:
             parts.append(f"softmax_scale={self.softmax_scale}")
         if self.backend != "auto":
@@ -363,8 +456,9 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x²) + ε) · weight`` over the last dim, computed in fp32 (fp64 for fp64
     inputs) and rounded once to the input dtype, as DeepSeek's and Hugging Face's RMSNorm."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self, dim: int, *, eps: float = 1e-6, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
@@ -388,19 +482,27 @@ def _check_x(layer: str, x: object, d_model: int, weight: Tensor) -> None:
     if not x.is_floating_point():
         raise TypeError(f"{layer}: x must be a floating-point tensor (B, L, E), got dtype {x.dtype}")
     if x.dim() != 3:
-        raise ValueError(f"{layer}: x must have 3 dims (B, L, E), got shape {tuple(x.shape)}"
-                         f"{'; hint: add a batch dim with .unsqueeze(0)' if x.dim() == 2 else ''}")
+        raise ValueError(
+            f"{layer}: x must have 3 dims (B, L, E), got shape {tuple(x.shape)}"
+            f"{'; hint: add a batch dim with .unsqueeze(0)' if x.dim() == 2 else ''}"
+        )
     if x.shape[-1] != d_model:
-        raise ValueError(f"{layer}: x has {x.shape[-1]} features (last dim of shape {tuple(x.shape)}) but the layer "
-                         f"expects d_model={d_model}")
+        raise ValueError(
+            f"{layer}: x has {x.shape[-1]} features (last dim of shape {tuple(x.shape)}) but the layer "
+            f"expects d_model={d_model}"
+        )
     if 0 in x.shape:
         raise ValueError(f"{layer}: x has a zero-size dimension, shape {tuple(x.shape)}")
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(f"{layer}: x has dtype {x.dtype} but the layer's weights are {weight.dtype}; convert one of "
-                        f"them (x.to({weight.dtype}) or layer.to({x.dtype}))")
+        raise TypeError(
+            f"{layer}: x has dtype {x.dtype} but the layer's weights are {weight.dtype}; convert one of "
+            f"them (x.to({weight.dtype}) or layer.to({x.dtype}))"
+        )
     if x.device != weight.device:
-        raise ValueError(f"{layer}: x is on {x.device} but the layer's weights are on {weight.device}; move one of "
-                         f"them (x.to('{weight.device}') or layer.to('{x.device}'))")
+        raise ValueError(
+            f"{layer}: x is on {x.device} but the layer's weights are on {weight.device}; move one of "
+            f"them (x.to('{weight.device}') or layer.to('{x.device}'))"
+        )
 
 
 def _positive(layer: str, name: str, value: object) -> float:
@@ -409,19 +511,26 @@ def _positive(layer: str, name: str, value: object) -> float:
     return float(value)
 
 
-def _make_rope(layer: str, rope: object, rope_base: object, dim: int,
-               device: torch.device | str | None) -> Callable[[Tensor, Tensor], Tensor]:
+def _make_rope(
+    layer: str, rope: object, rope_base: object, dim: int, device: torch.device | str | None
+) -> Callable[[Tensor, Tensor], Tensor]:
     if rope is None:
         base = 10000.0 if rope_base is None else _positive(layer, "rope_base", rope_base)
         return RotaryEmbedding(dim, base=base, interleaved=True, device=device)
     if rope_base is not None:
-        raise ValueError(f"{layer}: give rope or rope_base, not both (rope_base={rope_base!r} would be ignored by "
-                         f"rope={rope!r}); hint: RotaryEmbedding({dim}, base={rope_base!r}, interleaved=True)")
+        raise ValueError(
+            f"{layer}: give rope or rope_base, not both (rope_base={rope_base!r} would be ignored by "
+            f"rope={rope!r}); hint: RotaryEmbedding({dim}, base={rope_base!r}, interleaved=True)"
+        )
     if not callable(rope):
-        raise TypeError(f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an nn.Module), "
-                        f"got {type(rope).__name__} {rope!r}")
+        raise TypeError(
+            f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an nn.Module), "
+            f"got {type(rope).__name__} {rope!r}"
+        )
     rope_dim = getattr(rope, "dim", None)
     if isinstance(rope_dim, int) and rope_dim != dim:
-        raise ValueError(f"{layer}: rope rotates heads of dim={rope_dim} but qk_rope_head_dim={dim}; expected "
-                         f"RotaryEmbedding({dim}, ...): only the rotary features of each head are rotated")
+        raise ValueError(
+            f"{layer}: rope rotates heads of dim={rope_dim} but qk_rope_head_dim={dim}; expected "
+            f"RotaryEmbedding({dim}, ...): only the rotary features of each head are rotated"
+        )
     return rope

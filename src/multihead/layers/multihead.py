@@ -109,26 +109,45 @@ class MultiHeadAttention(HookPoints, nn.Module):
     torchtune checkpoints.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, kdim: int | None = None, vdim: int | None = None,
-                 qkv_bias: bool | tuple[bool, bool, bool] = True, out_bias: bool = True, dropout: float = 0.0,
-                 causal: bool = False, batch_first: bool = True, backend: str = "auto",
-                 rope: Callable[[Tensor, Tensor], Tensor] | None = None,
-                 score_mod: ScoreModArg | nn.Module = None, softcap: float | None = None, sinks: bool = False,
-                 context_parallel: ContextParallel | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        qkv_bias: bool | tuple[bool, bool, bool] = True,
+        out_bias: bool = True,
+        dropout: float = 0.0,
+        causal: bool = False,
+        batch_first: bool = True,
+        backend: str = "auto",
+        rope: Callable[[Tensor, Tensor], Tensor] | None = None,
+        score_mod: ScoreModArg | nn.Module = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        context_parallel: ContextParallel | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         layer = type(self).__name__
         d_model = check_size(layer, "d_model", d_model)
         num_heads = check_size(layer, "num_heads", num_heads)
         num_kv_heads = check_optional_size(layer, "num_kv_heads", num_kv_heads, num_heads)
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"{layer}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}; "
-                             f"num_kv_heads must divide num_heads (one of {_divisors(num_heads)})")
+            raise ValueError(
+                f"{layer}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}; "
+                f"num_kv_heads must divide num_heads (one of {_divisors(num_heads)})"
+            )
         if head_dim is None:
             if d_model % num_heads != 0:
-                raise ValueError(f"{layer}: d_model={d_model} is not divisible by num_heads={num_heads}; "
-                                 f"use num_heads in {_divisors(d_model)} or pass head_dim explicitly")
+                raise ValueError(
+                    f"{layer}: d_model={d_model} is not divisible by num_heads={num_heads}; "
+                    f"use num_heads in {_divisors(d_model)} or pass head_dim explicitly"
+                )
             head_dim = d_model // num_heads
         head_dim = check_size(layer, "head_dim", head_dim)
         kdim = check_optional_size(layer, "kdim", kdim, d_model)
@@ -136,11 +155,15 @@ class MultiHeadAttention(HookPoints, nn.Module):
         q_bias, k_bias, v_bias = _qkv_biases(layer, qkv_bias)
         out_bias = check_flag(layer, "out_bias", out_bias)
         if not isinstance(backend, str):
-            raise TypeError(f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}")
+            raise TypeError(
+                f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
+            )
         check_backend_name(backend)
         if rope is not None and not callable(rope):
-            raise TypeError(f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an "
-                            f"nn.Module), got {type(rope).__name__} {rope!r}")
+            raise TypeError(
+                f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an "
+                f"nn.Module), got {type(rope).__name__} {rope!r}"
+            )
 
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.kdim, self.vdim = kdim, vdim
@@ -162,14 +185,27 @@ class MultiHeadAttention(HookPoints, nn.Module):
             as_score_mod(score_mod, name=f"{layer}: score_mod")  # refused now, not at the first forward
         self.score_mod = score_mod  # an nn.Module (a RelativePositionBias) is registered as a submodule
         self.softcap = None if softcap is None else softcap_mod(softcap).cap
-        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) \
-            if check_flag(layer, "sinks", sinks) else None
+        self.sinks = (
+            nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+            if check_flag(layer, "sinks", sinks)
+            else None
+        )
         self.context_parallel = _check_context_parallel(layer, context_parallel, self)
 
-    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
-                mask: Mask | Tensor | None = None, positions: Tensor | None = None, kv_cache: KVCache | None = None,
-                need_weights: bool = False, score_mod: ScoreModArg = None, weights_heads: Selection = None,
-                weights_rows: Selection = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        need_weights: bool = False,
+        score_mod: ScoreModArg = None,
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``, or to the cached tokens and ``query`` itself.
 
         Args:
@@ -211,22 +247,35 @@ class MultiHeadAttention(HookPoints, nn.Module):
         layer = type(self).__name__
         self_attention = key is None or key is query
         if self.context_parallel is not None:
-            _check_sharded_call(layer, self_attention, kv_cache, need_weights, score_mod, self.training and self.dropout)
+            _check_sharded_call(
+                layer, self_attention, kv_cache, need_weights, score_mod, self.training and self.dropout
+            )
         if kv_cache is not None:
             _check_cache(layer, kv_cache, self_attention, key)
         if self.rope is not None and not self_attention:
-            raise ValueError(f"{layer}: rope rotates the keys at the query positions, so it needs self-attention "
-                             f"(key=None or key=query), got a separate key of shape "
-                             f"{tuple(key.shape) if key is not None else None}; hint: use "
-                             f"a layer with rope=None for cross-attention")
+            raise ValueError(
+                f"{layer}: rope rotates the keys at the query positions, so it needs self-attention "
+                f"(key=None or key=query), got a separate key of shape "
+                f"{tuple(key.shape) if key is not None else None}; hint: use "
+                f"a layer with rope=None for cross-attention"
+            )
         key = query if key is None else key
         value = key if value is None else value
-        check_inputs(layer, query, key, value, sizes=(self.d_model, self.kdim, self.vdim),
-                     batch_first=self.batch_first, weight=getattr(self.q_proj, "weight", None))
+        check_inputs(
+            layer,
+            query,
+            key,
+            value,
+            sizes=(self.d_model, self.kdim, self.vdim),
+            batch_first=self.batch_first,
+            weight=getattr(self.q_proj, "weight", None),
+        )
         check_flag(layer, "need_weights", need_weights)
         if (weights_heads is not None or weights_rows is not None) and not need_weights:
-            raise ValueError(f"{layer}: weights_heads/weights_rows select which weights to return; they need "
-                             f"need_weights=True, got need_weights=False")
+            raise ValueError(
+                f"{layer}: weights_heads/weights_rows select which weights to return; they need "
+                f"need_weights=True, got need_weights=False"
+            )
         selection = (weights_heads, weights_rows)
         B, Lq = dims(query, self.batch_first)
         if self.context_parallel is not None:  # the mask is the whole sequence's
@@ -248,7 +297,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
         # the cache cannot store) is refused before kv_cache.update changes anything; what fails
         # after it (a mask over the cached keys, a backend) rolls the cache back.
 
-        q, k, v = self._project(query, key, value)  # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
+        q, k, v = self._project(
+            query, key, value
+        )  # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, Lq, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D); Lk = Lq with a cache
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
@@ -274,17 +325,36 @@ class MultiHeadAttention(HookPoints, nn.Module):
         return out
 
     # ------------------------------------------------------------------------------ helpers
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, score_mod: ScoreModArg,
-                need_weights: bool,
-                selection: tuple[Selection, Selection] = (None, None)) -> tuple[Tensor, Tensor | None]:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        score_mod: ScoreModArg,
+        need_weights: bool,
+        selection: tuple[Selection, Selection] = (None, None),
+    ) -> tuple[Tensor, Tensor | None]:
         """:func:`attend_heads` with this layer's projection, sinks, dropout and backend (or the
         group's sharded attention, for a context-parallel layer)."""
         if self.context_parallel is not None:
             y = self.context_parallel.attention(q, k, v, mask=mask, backend=self.backend)  # (B, Hq, Lq, Dv)
             return self.out_proj(merge_heads(y)), None
-        return attend_heads(self, q, k, v, out_proj=self.out_proj, mask=mask, score_mod=score_mod, sinks=self.sinks,
-                            dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
-                            backend=self.backend, weights_heads=selection[0], weights_rows=selection[1])
+        return attend_heads(
+            self,
+            q,
+            k,
+            v,
+            out_proj=self.out_proj,
+            mask=mask,
+            score_mod=score_mod,
+            sinks=self.sinks,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+            backend=self.backend,
+            weights_heads=selection[0],
+            weights_rows=selection[1],
+        )
 
     def _score_mods(self, call_mod: ScoreModArg) -> list[Any] | None:
         """The layer's modifier (a module is called for it), then the call's, then the softcap."""
@@ -296,8 +366,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
             mods.append(softcap_mod(self.softcap))
         return mods or None
 
-    def _combined_mask(self, mask: object, score_mod: object, B: int, Lq: int,
-                       Lk: int) -> tuple[Mask | None, ScoreMod | None]:
+    def _combined_mask(
+        self, mask: object, score_mod: object, B: int, Lq: int, Lk: int
+    ) -> tuple[Mask | None, ScoreMod | None]:
         """The call's mask (and score modifier), checked against ``(B, Hq, Lq, Lk)`` before any
         work, ``& causal()``. A float mask is split as :func:`multihead.attention` splits it.
 
@@ -322,22 +393,28 @@ class MultiHeadAttention(HookPoints, nn.Module):
             self._combined[mask] = combined
         return combined, score_mod
 
-    def _cache_mask(self, read: CacheRead, mask: object, score_mod: object, B: int,
-                    Lq: int) -> tuple[Mask | Tensor | None, ScoreMod | None]:
+    def _cache_mask(
+        self, read: CacheRead, mask: object, score_mod: object, B: int, Lq: int
+    ) -> tuple[Mask | Tensor | None, ScoreMod | None]:
         """The call's mask and modifiers over the slots a cache returned (:meth:`CacheRead.mask`):
         mask objects at absolute positions, tensors over the ``(Lq, S)`` slots, ``causal=True``
         as "keys at positions up to the query's"."""
         S = read.keys.shape[2]
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
         if mask is not None:
-            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(B, self.num_heads, None, None)
+            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(
+                B, self.num_heads, None, None
+            )
         if score_mod is not None:
             score_mod.check(B, self.num_heads, Lq, S)
-            if not read.contiguous and any(m.relative or isinstance(m, UserScoreMod)
-                                           for m in getattr(score_mod, "mods", [score_mod])):
-                raise ValueError(f"{type(self).__name__}: score_mod {score_mod._describe()} reads query and key "
-                                 f"indices, which this cache's slots (not in position order, or rows of different "
-                                 f"lengths) do not give as positions; hint: use DynamicKVCache with it")
+            if not read.contiguous and any(
+                m.relative or isinstance(m, UserScoreMod) for m in getattr(score_mod, "mods", [score_mod])
+            ):
+                raise ValueError(
+                    f"{type(self).__name__}: score_mod {score_mod._describe()} reads query and key "
+                    f"indices, which this cache's slots (not in position order, or rows of different "
+                    f"lengths) do not give as positions; hint: use DynamicKVCache with it"
+                )
         return read.mask(mask, self.causal, self.num_heads), score_mod
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -379,8 +456,10 @@ class MultiHeadAttention(HookPoints, nn.Module):
         rotated = self.rope(x, positions)
         if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
             got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
-            raise ValueError(f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
-                             f"{name} heads (B, H, L, D) = {tuple(x.shape)} it returned {got}")
+            raise ValueError(
+                f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
+                f"{name} heads (B, H, L, D) = {tuple(x.shape)} it returned {got}"
+            )
         return rotated
 
     def extra_repr(self) -> str:
@@ -428,12 +507,16 @@ class MultiHeadAttention(HookPoints, nn.Module):
         as zeros, which computes the same function. A layer with ``rope`` has no equivalent.
         """
         if self.rope is not None:
-            raise ValueError(f"{type(self).__name__}.to_torch: this layer rotates queries and keys with "
-                             f"rope={self.rope!r}, which torch.nn.MultiheadAttention cannot; needs rope=None")
+            raise ValueError(
+                f"{type(self).__name__}.to_torch: this layer rotates queries and keys with "
+                f"rope={self.rope!r}, which torch.nn.MultiheadAttention cannot; needs rope=None"
+            )
         for name in ("score_mod", "softcap", "sinks"):
             if getattr(self, name) is not None:
-                raise ValueError(f"{type(self).__name__}.to_torch: this layer has {name}={getattr(self, name)!r}, "
-                                 f"which torch.nn.MultiheadAttention cannot express; needs {name}=None")
+                raise ValueError(
+                    f"{type(self).__name__}.to_torch: this layer has {name}={getattr(self, name)!r}, "
+                    f"which torch.nn.MultiheadAttention cannot express; needs {name}=None"
+                )
         return to_torch(self)
 
 
@@ -457,8 +540,10 @@ class MultiQueryAttention(MultiHeadAttention):
 
     def __init__(self, d_model: int, num_heads: int, **options: Any):
         if "num_kv_heads" in options:
-            raise TypeError("MultiQueryAttention has exactly one K/V head; use GroupedQueryAttention "
-                            f"for num_kv_heads={options['num_kv_heads']!r}")
+            raise TypeError(
+                "MultiQueryAttention has exactly one K/V head; use GroupedQueryAttention "
+                f"for num_kv_heads={options['num_kv_heads']!r}"
+            )
         super().__init__(d_model, num_heads, num_kv_heads=1, **options)
 
 
@@ -479,13 +564,17 @@ def _qkv_biases(layer: str, qkv_bias: object) -> tuple[bool, bool, bool]:
 
 def _check_cache(layer: str, kv_cache: object, self_attention: bool, key: Tensor | None) -> None:
     if not isinstance(kv_cache, KVCache):
-        raise TypeError(f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
-                        f"DynamicKVCache()), got {type(kv_cache).__name__}")
+        raise TypeError(
+            f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
+            f"DynamicKVCache()), got {type(kv_cache).__name__}"
+        )
     if not self_attention:
-        raise ValueError(f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
-                         f"stores the keys of the query tokens; got a separate key of shape "
-                         f"{tuple(key.shape) if key is not None else None}; "
-                         f"hint: for cross-attention project the memory once and call without kv_cache")
+        raise ValueError(
+            f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
+            f"stores the keys of the query tokens; got a separate key of shape "
+            f"{tuple(key.shape) if key is not None else None}; "
+            f"hint: for cross-attention project the memory once and call without kv_cache"
+        )
 
 
 def _check_context_parallel(layer: str, cp: object, module: MultiHeadAttention) -> ContextParallel | None:
@@ -494,25 +583,36 @@ def _check_context_parallel(layer: str, cp: object, module: MultiHeadAttention) 
     from multihead.distributed import ContextParallel  # floor 3: imported only when used
 
     if not isinstance(cp, ContextParallel):
-        raise TypeError(f"{layer}: context_parallel must be None or a multihead.distributed.ContextParallel, "
-                        f"got {type(cp).__name__}")
+        raise TypeError(
+            f"{layer}: context_parallel must be None or a multihead.distributed.ContextParallel, "
+            f"got {type(cp).__name__}"
+        )
     for name in ("score_mod", "softcap", "sinks"):
         if getattr(module, name) is not None:
-            raise ValueError(f"{layer}: context_parallel attention has no {name} yet (ring and all-to-all "
-                             f"attention take masks only); got {name}={getattr(module, name)!r}")
+            raise ValueError(
+                f"{layer}: context_parallel attention has no {name} yet (ring and all-to-all "
+                f"attention take masks only); got {name}={getattr(module, name)!r}"
+            )
     if module.dropout:
         raise ValueError(f"{layer}: context_parallel attention has no dropout yet; got dropout={module.dropout}")
     return cp
 
 
-def _check_sharded_call(layer: str, self_attention: bool, kv_cache: object, need_weights: object, score_mod: object,
-                        dropout: object) -> None:
-    for what, bad in (("kv_cache", kv_cache is not None), ("need_weights=True", need_weights is True),
-                      ("a call score_mod", score_mod is not None), ("dropout in training", bool(dropout)),
-                      ("a separate key (cross-attention)", not self_attention)):
+def _check_sharded_call(
+    layer: str, self_attention: bool, kv_cache: object, need_weights: object, score_mod: object, dropout: object
+) -> None:
+    for what, bad in (
+        ("kv_cache", kv_cache is not None),
+        ("need_weights=True", need_weights is True),
+        ("a call score_mod", score_mod is not None),
+        ("dropout in training", bool(dropout)),
+        ("a separate key (cross-attention)", not self_attention),
+    ):
         if bad:
-            raise ValueError(f"{layer}: a context_parallel layer attends over a sharded sequence; it takes no "
-                             f"{what}; hint: run such calls on a layer without context_parallel")
+            raise ValueError(
+                f"{layer}: a context_parallel layer attends over a sharded sequence; it takes no "
+                f"{what}; hint: run such calls on a layer without context_parallel"
+            )
 
 
 def _divisors(n: int) -> list[int]:
@@ -524,8 +624,11 @@ def _fusable(*linears: nn.Module) -> bool:
     quantized replacement, whose forward must run), without hooks, biased alike."""
     first = linears[0]
     return all(
-        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
-        and (m.bias is None) == (first.bias is None) and m.weight.dtype == first.weight.dtype
+        type(m) is nn.Linear
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and (m.bias is None) == (first.bias is None)
+        and m.weight.dtype == first.weight.dtype
         for m in linears
     )
 

@@ -51,8 +51,14 @@ def causal(align: str = "bottom_right", *, q_lengths: Lengths = None, kv_lengths
     return Band(None, 0, check_align(align), name="causal", **_lengths(align, q_lengths, kv_lengths))
 
 
-def sliding_window(left: int, right: int | None = 0, align: str = "bottom_right", *, q_lengths: Lengths = None,
-                   kv_lengths: Lengths = None) -> Band:
+def sliding_window(
+    left: int,
+    right: int | None = 0,
+    align: str = "bottom_right",
+    *,
+    q_lengths: Lengths = None,
+    kv_lengths: Lengths = None,
+) -> Band:
     """Query ``i`` sees the ``left`` keys before its aligned key, that key, and ``right`` after.
 
     ``left + 1 + right`` keys at most, the convention of FlashAttention's ``window_size``.
@@ -76,8 +82,15 @@ class Band(Mask):
     q_lengths: Tensor | None  # (B|1,) int64 on the host
     kv_lengths: Tensor | None
 
-    def __init__(self, left: int | None, right: int | None, align: str, name: str = "band",
-                 q_lengths: Tensor | None = None, kv_lengths: Tensor | None = None):
+    def __init__(
+        self,
+        left: int | None,
+        right: int | None,
+        align: str,
+        name: str = "band",
+        q_lengths: Tensor | None = None,
+        kv_lengths: Tensor | None = None,
+    ):
         self._set(left=left, right=right, align=align, name=name, q_lengths=q_lengths, kv_lengths=kv_lengths)
 
     @property
@@ -91,14 +104,17 @@ class Band(Mask):
         return self.align == "bottom_right"
 
     def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
-        for name, lengths, whole, what in (("q_lengths", self.q_lengths, q_len, "Lq"),
-                                           ("kv_lengths", self.kv_lengths, kv_len, "Lk")):
+        for name, lengths, whole, what in (
+            ("q_lengths", self.q_lengths, q_len, "Lq"),
+            ("kv_lengths", self.kv_lengths, kv_len, "Lk"),
+        ):
             if lengths is None:
                 continue
             # (not `in (1, B)`: dynamo, torch 2.13, answers it False for a symbolic B)
             if lengths.shape[0] != 1 and lengths.shape[0] != batch:
-                raise ValueError(f"{self.name}: {name} has {lengths.shape[0]} batch elements but B={batch}; "
-                                 f"expected 1 or {batch}")
+                raise ValueError(
+                    f"{self.name}: {name} has {lengths.shape[0]} batch elements but B={batch}; expected 1 or {batch}"
+                )
             if whole is not None and not torch.compiler.is_compiling() and int(lengths.max()) > whole:
                 raise ValueError(f"{self.name}: {name} {lengths.tolist()} exceed {what}={whole}")
 
@@ -146,8 +162,11 @@ class Band(Mask):
         return allowed
 
     def _describe(self) -> str:
-        per_seq = "".join(f", {n}={t.tolist()}" for n, t in (("q_lengths", self.q_lengths),
-                                                              ("kv_lengths", self.kv_lengths)) if t is not None)
+        per_seq = "".join(
+            f", {n}={t.tolist()}"
+            for n, t in (("q_lengths", self.q_lengths), ("kv_lengths", self.kv_lengths))
+            if t is not None
+        )
         if self.name == "causal":
             return f"causal(align={self.align!r}{per_seq})"
         return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r}{per_seq})"
@@ -163,8 +182,9 @@ class Band(Mask):
         hi = UNBOUNDED if self.right is None else q1 - 1 + high + self.right + 1
         return lo, hi
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
-                    heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         low, high = self._offset_range(q_len, kv_len)  # the same offset unless aligned per sequence
         if self.right is not None and k0 > q1 - 1 + high + self.right:
             return BlockState.EMPTY
@@ -174,8 +194,9 @@ class Band(Mask):
         right_ok = self.right is None or k1 - 1 <= q0 + low + self.right
         return BlockState.FULL if left_ok and right_ok else BlockState.PARTIAL
 
-    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def _empty_rows(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         offs = self._offsets(q_len, kv_len)
         offs = torch.tensor([self._offset(q_len, kv_len)]) if offs is None else offs
         center = torch.arange(q_len).view(1, -1) + offs.view(-1, 1)  # (B|1, Lq)
@@ -192,12 +213,15 @@ def _lengths(align: str, q_lengths: Lengths, kv_lengths: Lengths) -> dict[str, T
             out[name] = None
             continue
         if align != "bottom_right":
-            raise ValueError(f"{name} aligns each sequence bottom-right; it needs align='bottom_right', got {align!r} "
-                             "(top-left needs no lengths: every sequence starts at position 0)")
+            raise ValueError(
+                f"{name} aligns each sequence bottom-right; it needs align='bottom_right', got {align!r} "
+                "(top-left needs no lengths: every sequence starts at position 0)"
+            )
         if isinstance(value, Tensor):
             if value.is_floating_point() or value.dtype == torch.bool or value.dim() != 1:
-                raise TypeError(f"{name} must be an integer tensor (B,), got dtype {value.dtype}, "
-                                f"shape {tuple(value.shape)}")
+                raise TypeError(
+                    f"{name} must be an integer tensor (B,), got dtype {value.dtype}, shape {tuple(value.shape)}"
+                )
             value = value.detach().to("cpu", torch.int64, copy=True)
         else:
             try:

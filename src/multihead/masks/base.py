@@ -88,8 +88,9 @@ class Mask(abc.ABC):
         return value
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, Mask) and hash(self) == hash(other)
-                                 and self._value() == other._value())
+        return self is other or (
+            isinstance(other, Mask) and hash(self) == hash(other) and self._value() == other._value()
+        )
 
     def __hash__(self) -> int:
         # Read on every plan lookup (multihead.plans): the cached value without a closure or a call.
@@ -101,8 +102,9 @@ class Mask(abc.ABC):
         copy the mask owns, compared by content (:func:`tensor_identity`). A tensor taken by
         identity could change in place after the value was computed (it is computed once), so
         plan caches (:mod:`multihead.plans`) keep masks only when this is ``True``."""
-        return self._cached("_by_value_cache", lambda: all(
-            _by_content(v) for name, v in vars(self).items() if not name.startswith("_")))
+        return self._cached(
+            "_by_value_cache", lambda: all(_by_content(v) for name, v in vars(self).items() if not name.startswith("_"))
+        )
 
     def _cached(self, name: str, compute: Callable[[], _T]) -> _T:
         """A derived value computed on first use (host synchronisation happens here, when a
@@ -135,8 +137,15 @@ class Mask(abc.ABC):
         where it applies to any length. A block read past it is refused by :meth:`check`."""
         return None, None
 
-    def mask_mod(self, b: int | Tensor, h: int | Tensor, q_idx: int | Tensor, kv_idx: int | Tensor,
-                 q_len: int | None = None, kv_len: int | None = None) -> Tensor:
+    def mask_mod(
+        self,
+        b: int | Tensor,
+        h: int | Tensor,
+        q_idx: int | Tensor,
+        kv_idx: int | Tensor,
+        q_len: int | None = None,
+        kv_len: int | None = None,
+    ) -> Tensor:
         """``True`` where query ``q_idx`` of batch ``b``, head ``h`` may attend to ``kv_idx``.
 
         Arguments are integers or broadcastable integer tensors. ``q_len``/``kv_len`` resolve
@@ -162,14 +171,25 @@ class Mask(abc.ABC):
         unknown, not checked)."""
 
     # ----------------------------------------------------------------------------- dense form
-    def materialize(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def materialize(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         """The mask as a bool tensor broadcastable to ``(B, H, Lq, Lk)``; dimensions the mask
         does not depend on have size 1."""
         return self.materialize_block(batch, heads, 0, q_len, q_len, kv_len, device)
 
-    def materialize_block(self, batch: int, heads: int, q0: int, q1: int, q_len: int, kv_len: int,
-                          device: torch.device | str | None = None, k0: int = 0, k1: int | None = None) -> Tensor:
+    def materialize_block(
+        self,
+        batch: int,
+        heads: int,
+        q0: int,
+        q1: int,
+        q_len: int,
+        kv_len: int,
+        device: torch.device | str | None = None,
+        k0: int = 0,
+        k1: int | None = None,
+    ) -> Tensor:
         """Queries ``[q0, q1)`` x keys ``[k0, k1)`` of :meth:`materialize`, built from the block's
         indices only (memory proportional to the block)."""
         k1 = kv_len if k1 is None else k1
@@ -209,8 +229,9 @@ class Mask(abc.ABC):
     def __invert__(self) -> Mask:
         return Not(self)
 
-    def shifted(self, q_offset: int = 0, kv_offset: int = 0, *, q_len: int | None = None,
-                kv_len: int | None = None) -> Mask:
+    def shifted(
+        self, q_offset: int = 0, kv_offset: int = 0, *, q_len: int | None = None, kv_len: int | None = None
+    ) -> Mask:
         """The block of this mask whose query ``i`` is position ``i + q_offset`` and key ``j``
         position ``j + kv_offset`` of the whole attention of ``q_len x kv_len``.
 
@@ -227,15 +248,21 @@ class Mask(abc.ABC):
             return self
         return Positioned(self, q_offset, kv_offset, q_len, kv_len)
 
-    def at(self, q_positions: Tensor, kv_positions: Tensor, *, q_len: int | None = None,
-           kv_len: int | None = None) -> Mask:
+    def at(
+        self, q_positions: Tensor, kv_positions: Tensor, *, q_len: int | None = None, kv_len: int | None = None
+    ) -> Mask:
         """This mask read at explicit positions: query ``i`` of a call is position
         ``q_positions[i]`` (or ``q_positions[b, i]``), key ``j`` is ``kv_positions[j]`` (or
         ``[b, j]``), within a whole attention of ``q_len x kv_len`` (required when the mask depends
         on them). Static caches, ring-buffer windows and zigzag shards are read this way."""
         for name, pos in (("q_positions", q_positions), ("kv_positions", kv_positions)):
-            if not isinstance(pos, Tensor) or pos.is_floating_point() or pos.dtype == torch.bool \
-                    or pos.is_complex() or pos.dim() not in (1, 2):
+            if (
+                not isinstance(pos, Tensor)
+                or pos.is_floating_point()
+                or pos.dtype == torch.bool
+                or pos.is_complex()
+                or pos.dim() not in (1, 2)
+            ):
                 got = f"dtype {pos.dtype}, shape {tuple(pos.shape)}" if isinstance(pos, Tensor) else type(pos).__name__
                 raise TypeError(f"at: {name} must be an integer tensor of shape (L,) or (B, L), got {got}")
         q_len, kv_len = _check_whole_lengths(self, "at", q_len, kv_len)
@@ -258,8 +285,9 @@ class Mask(abc.ABC):
         """Unclamped range in this mask's own key coordinates (``UNBOUNDED`` where unknown)."""
         return -UNBOUNDED, UNBOUNDED
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
-                    batch: int = 1, heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         """Whether queries ``[q0, q1)`` x keys ``[k0, k1)`` are all visible, all blocked, or mixed,
         across every batch and head. Subclasses answer in O(1); this fallback evaluates the block."""
         block = self.materialize_block(batch, heads, q0, q1, q_len, kv_len, None, k0, k1)
@@ -269,15 +297,17 @@ class Mask(abc.ABC):
             return BlockState.EMPTY
         return BlockState.PARTIAL
 
-    def empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
-                   device: torch.device | str | None = None) -> Tensor | None:
+    def empty_rows(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor | None:
         """Queries that see no key, as a bool tensor broadcastable to ``(B, H, Lq)``, or
         ``None`` when there are none."""
         empty = self._empty_rows(batch, heads, q_len, kv_len, device)
         return empty if bool(empty.any()) else None
 
-    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def _empty_rows(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         """:meth:`empty_rows` as a tensor always (no data-dependent branch: compiles in one graph).
         The fallback evaluates the mask a chunk of rows at a time; traced (torch.compile,
         torch.export), all rows at once, since a loop over a symbolic ``Lq`` would fix its value."""
@@ -302,8 +332,16 @@ class _Combination(Mask):
             flat.extend(p.parts if isinstance(p, _Combination) and type(p) is type(self) else [p])
         self._set(parts=tuple(flat))
 
-    def _reduce(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int,
-                op: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    def _reduce(
+        self,
+        b: Tensor,
+        h: Tensor,
+        q: Tensor,
+        kv: Tensor,
+        q_len: int,
+        kv_len: int,
+        op: Callable[[Tensor, Tensor], Tensor],
+    ) -> Tensor:
         out = self.parts[0]._mod(b, h, q, kv, q_len, kv_len)
         for p in self.parts[1:]:
             out = op(out, p._mod(b, h, q, kv, q_len, kv_len))
@@ -323,8 +361,10 @@ class _Combination(Mask):
 
     def extent(self) -> tuple[int | None, int | None]:
         extents = [p.extent() for p in self.parts]
-        return (next((e[0] for e in extents if e[0] is not None), None),
-                next((e[1] for e in extents if e[1] is not None), None))
+        return (
+            next((e[0] for e in extents if e[0] is not None), None),
+            next((e[1] for e in extents if e[1] is not None), None),
+        )
 
 
 class And(_Combination):
@@ -345,8 +385,9 @@ class And(_Combination):
         ranges = [p._key_range(q0, q1, q_len, kv_len) for p in self.parts]
         return max(r[0] for r in ranges), min(r[1] for r in ranges)
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
-                    batch: int = 1, heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         states = [p.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) for p in self.parts]
         if BlockState.EMPTY in states:
             return BlockState.EMPTY
@@ -370,8 +411,9 @@ class Or(_Combination):
             return 0, 0
         return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
-                    batch: int = 1, heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         states = [p.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) for p in self.parts]
         if BlockState.FULL in states:
             return BlockState.FULL
@@ -406,8 +448,9 @@ class Not(Mask):
     def extent(self) -> tuple[int | None, int | None]:
         return self.inner.extent()
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
-                    batch: int = 1, heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         state = self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
         swap = {BlockState.FULL: BlockState.EMPTY, BlockState.EMPTY: BlockState.FULL}
         return swap.get(state, BlockState.PARTIAL)
@@ -429,10 +472,14 @@ class Positioned(Mask):
     q_len: int | None
     kv_len: int | None
 
-    def __init__(self, inner: Mask, q_pos: int | Tensor, kv_pos: int | Tensor, q_len: int | None,
-                 kv_len: int | None):
-        if isinstance(inner, Positioned) and isinstance(q_pos, int) and isinstance(kv_pos, int) \
-                and isinstance(inner.q_pos, int) and isinstance(inner.kv_pos, int):
+    def __init__(self, inner: Mask, q_pos: int | Tensor, kv_pos: int | Tensor, q_len: int | None, kv_len: int | None):
+        if (
+            isinstance(inner, Positioned)
+            and isinstance(q_pos, int)
+            and isinstance(kv_pos, int)
+            and isinstance(inner.q_pos, int)
+            and isinstance(inner.kv_pos, int)
+        ):
             # Offsets compose: the outer block is read in the inner block's coordinates.
             q_pos, kv_pos = q_pos + inner.q_pos, kv_pos + inner.kv_pos
             q_len, kv_len, inner = inner.q_len, inner.kv_len, inner.inner
@@ -465,22 +512,36 @@ class Positioned(Mask):
 
     def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         whole = [w if w is not None else e for w, e in zip((self.q_len, self.kv_len), self.inner.extent())]
-        for name, pos, length, what, limit in (("q", self.q_pos, q_len, "Lq", whole[0]),
-                                                ("kv", self.kv_pos, kv_len, "Lk", whole[1])):
+        for name, pos, length, what, limit in (
+            ("q", self.q_pos, q_len, "Lq", whole[0]),
+            ("kv", self.kv_pos, kv_len, "Lk", whole[1]),
+        ):
             if isinstance(pos, Tensor):
-                if (length is not None and pos.shape[-1] != length) or \
-                        (pos.dim() == 2 and pos.shape[0] != 1 and pos.shape[0] != batch):  # not `in (1, B)`: dynamo
-                    raise ValueError(f"at: {name}_positions has shape {tuple(pos.shape)} but the call has B={batch}, "
-                                     f"{what}={length}; expected ({length},) or ({batch}, {length})")
+                if (length is not None and pos.shape[-1] != length) or (
+                    pos.dim() == 2 and pos.shape[0] != 1 and pos.shape[0] != batch
+                ):  # not `in (1, B)`: dynamo
+                    raise ValueError(
+                        f"at: {name}_positions has shape {tuple(pos.shape)} but the call has B={batch}, "
+                        f"{what}={length}; expected ({length},) or ({batch}, {length})"
+                    )
                 # Positions on the host are checked against the whole attention (free there).
                 # (Not while tracing: a data-dependent branch.)
-                if limit is not None and pos.device.type == "cpu" and pos.numel() and \
-                        not torch.compiler.is_compiling() and (int(pos.min()) < 0 or int(pos.max()) >= limit):
-                    raise ValueError(f"at: {name}_positions hold values in [{int(pos.min())}, {int(pos.max())}], "
-                                     f"outside the whole attention's {what}={limit}; expected 0 <= position < {limit}")
+                if (
+                    limit is not None
+                    and pos.device.type == "cpu"
+                    and pos.numel()
+                    and not torch.compiler.is_compiling()
+                    and (int(pos.min()) < 0 or int(pos.max()) >= limit)
+                ):
+                    raise ValueError(
+                        f"at: {name}_positions hold values in [{int(pos.min())}, {int(pos.max())}], "
+                        f"outside the whole attention's {what}={limit}; expected 0 <= position < {limit}"
+                    )
             elif limit is not None and length is not None and (pos < 0 or pos + length > limit):
-                raise ValueError(f"shifted: the block's {what}={length} at {name}_offset={pos} reads positions "
-                                 f"[{pos}, {pos + length}), outside the whole attention's {what}={limit}")
+                raise ValueError(
+                    f"shifted: the block's {what}={length} at {name}_offset={pos} reads positions "
+                    f"[{pos}, {pos + length}), outside the whole attention's {what}={limit}"
+                )
         # The inner mask applies to the whole attention: its batch, heads and (when known) lengths.
         self.inner.check(batch, heads, whole[0], whole[1])
 
@@ -498,8 +559,10 @@ class Positioned(Mask):
     def extent(self) -> tuple[int | None, int | None]:
         # Read at position tensors, a call has as many queries and keys as there are positions.
         q_pos, kv_pos = self.q_pos, self.kv_pos
-        return (q_pos.shape[-1] if isinstance(q_pos, Tensor) else None,
-                kv_pos.shape[-1] if isinstance(kv_pos, Tensor) else None)
+        return (
+            q_pos.shape[-1] if isinstance(q_pos, Tensor) else None,
+            kv_pos.shape[-1] if isinstance(kv_pos, Tensor) else None,
+        )
 
     def causal_offset(self, q_len: int, kv_len: int) -> int | None:
         offsets = self._int_offsets()
@@ -515,8 +578,9 @@ class Positioned(Mask):
         lo, hi = self.inner._key_range(q0 + offsets[0], q1 + offsets[0], *self._whole())
         return lo - offsets[1], hi - offsets[1]
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int,
-                    batch: int = 1, heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         offsets = self._int_offsets()
         if offsets is None:
             return super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
@@ -565,8 +629,16 @@ def tensor_identity(t: Tensor) -> tuple[object, ...]:
     tensors they are built from, so changing the caller's tensor afterwards changes no mask."""
     if _content_tensor(t):
         return ("values", t.dtype, tuple(t.shape), tuple(t.flatten().tolist()))
-    return ("tensor", t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-            t.dtype, t.device, t._version)
+    return (
+        "tensor",
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.device,
+        t._version,
+    )
 
 
 def _read(pos: int | Tensor, b: Tensor, idx: Tensor) -> Tensor:
@@ -582,20 +654,23 @@ def _read(pos: int | Tensor, b: Tensor, idx: Tensor) -> Tensor:
 def _check_whole_lengths(mask: Mask, method: str, q_len: object, kv_len: object) -> tuple[int | None, int | None]:
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise TypeError(f"{method}: {name} must be a non-negative int (the whole attention's length), "
-                            f"got {value!r}")
+            raise TypeError(
+                f"{method}: {name} must be a non-negative int (the whole attention's length), got {value!r}"
+            )
     if (q_len is None) != (kv_len is None):
         raise ValueError(f"{method}: give both q_len and kv_len (the whole attention's lengths), or neither")
     if q_len is None and mask.depends_on_lengths():
         raise ValueError(
             f"{method}: {mask._describe()} depends on the whole attention's lengths (its bottom-right "
             f"diagonal sits at Lk - Lq); pass q_len= and kv_len= of the whole attention, e.g. "
-            f"mask.{method}(..., q_len=Lq, kv_len=Lk)")
+            f"mask.{method}(..., q_len=Lq, kv_len=Lk)"
+        )
     return cast("int | None", q_len), cast("int | None", kv_len)
 
 
-def _grid(batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
-          device: torch.device | str | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _grid(
+    batch: int, heads: int, q0: int, q1: int, k0: int, k1: int, device: torch.device | str | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Broadcastable index tensors ``b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), kv (1,1,1,Lk)``."""
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
@@ -617,8 +692,9 @@ def _coerce(other: object, op: str) -> Mask:
     for kind, to_mask in _COERCIONS:
         if isinstance(other, kind):
             return to_mask(other, name=f"the right-hand side of '{op}'")
-    raise TypeError(f"cannot combine a mask with {type(other).__name__} using '{op}'; "
-                    "expected a multihead mask or a bool tensor")
+    raise TypeError(
+        f"cannot combine a mask with {type(other).__name__} using '{op}'; expected a multihead mask or a bool tensor"
+    )
 
 
 def _paren(mask: Mask, kinds: type | tuple[type, ...]) -> str:

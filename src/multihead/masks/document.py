@@ -32,8 +32,10 @@ def document(q_ids: Tensor, kv_ids: Tensor | None = None) -> Document:
     q_ids = _check_ids("q_ids", q_ids).clone()  # copied: the mask is immutable
     kv_ids = q_ids if kv_ids is None else _check_ids("kv_ids", kv_ids).clone()
     if q_ids.shape[0] != kv_ids.shape[0] and 1 not in (q_ids.shape[0], kv_ids.shape[0]):
-        raise ValueError(f"document: q_ids has {q_ids.shape[0]} batch rows and kv_ids {kv_ids.shape[0]}; "
-                         "expected equal counts or one of them 1")
+        raise ValueError(
+            f"document: q_ids has {q_ids.shape[0]} batch rows and kv_ids {kv_ids.shape[0]}; "
+            "expected equal counts or one of them 1"
+        )
     return Document(q_ids, kv_ids)
 
 
@@ -63,8 +65,10 @@ class Document(Mask):
 
     @property
     def _sorted(self) -> bool:
-        return self._cached("_sorted_cache", lambda: bool((self._q_cpu.diff(dim=-1) >= 0).all())
-                            and bool((self._kv_cpu.diff(dim=-1) >= 0).all()))
+        return self._cached(
+            "_sorted_cache",
+            lambda: bool((self._q_cpu.diff(dim=-1) >= 0).all()) and bool((self._kv_cpu.diff(dim=-1) >= 0).all()),
+        )
 
     def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
         for name, ids, length, what in (("q_ids", self.q_ids, q_len, "Lq"), ("kv_ids", self.kv_ids, kv_len, "Lk")):
@@ -113,8 +117,9 @@ class Document(Mask):
         hi = torch.searchsorted(kv, hi_id.unsqueeze(-1).contiguous(), right=True)
         return int(lo.min()), int(hi.max())
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
-                    heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         if not self._sorted:
             return super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
         qs, ks = self._id_span(self._q_cpu, q0, q1), self._id_span(self._kv_cpu, k0, k1)
@@ -127,13 +132,14 @@ class Document(Mask):
             return BlockState.FULL
         return BlockState.PARTIAL
 
-    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def _empty_rows(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         q, kv = self._q_cpu, self._kv_cpu
         rows = max(q.shape[0], kv.shape[0])
-        empty = torch.stack([
-            ~torch.isin(q[0 if q.shape[0] == 1 else r], kv[0 if kv.shape[0] == 1 else r]) for r in range(rows)
-        ])
+        empty = torch.stack(
+            [~torch.isin(q[0 if q.shape[0] == 1 else r], kv[0 if kv.shape[0] == 1 else r]) for r in range(rows)]
+        )
         return empty.view(rows, 1, -1).to(device)
 
 
@@ -190,14 +196,16 @@ class DocumentCausal(Document):
         return same & (kv_pos[kb, kv] <= q_pos[qb, q] + kv_count[kb, kv] - q_count[qb, q])
 
     def _describe(self) -> str:
-        return "document_causal" + super()._describe()[len("document"):]
+        return "document_causal" + super()._describe()[len("document") :]
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
-                    heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         if super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) is BlockState.EMPTY:
             return BlockState.EMPTY  # other documents: skipped without looking at the positions
         return Mask.block_state(self, q0, q1, k0, k1, q_len, kv_len, batch, heads)
 
-    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def _empty_rows(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         return Mask._empty_rows(self, batch, heads, q_len, kv_len, device)

@@ -42,14 +42,18 @@ def key_padding(lengths: int | Sequence[int] | Tensor) -> KeyPadding:
     if isinstance(lengths, Tensor):
         if lengths.dim() == 2 and not (lengths.is_floating_point() or lengths.is_complex()):
             # (B, Lk) of 0/1: a Hugging Face attention_mask, say, whose polarity only the caller knows
-            raise TypeError(f"key_padding: got an integer {lengths.dtype} tensor of shape {tuple(lengths.shape)}, "
-                            "read as a (B, Lk) table of keys; expected a bool (B, Lk) table (True = a real key) "
-                            "or integer lengths of shape (B,). If 1 marks a real token (Hugging Face's "
-                            "attention_mask), pass key_padding(mask.bool()), or key_padding(mask.sum(-1)) for "
-                            "right padding; if 1 marks padding, key_padding(mask == 0)")
+            raise TypeError(
+                f"key_padding: got an integer {lengths.dtype} tensor of shape {tuple(lengths.shape)}, "
+                "read as a (B, Lk) table of keys; expected a bool (B, Lk) table (True = a real key) "
+                "or integer lengths of shape (B,). If 1 marks a real token (Hugging Face's "
+                "attention_mask), pass key_padding(mask.bool()), or key_padding(mask.sum(-1)) for "
+                "right padding; if 1 marks padding, key_padding(mask == 0)"
+            )
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dim() > 1:
-            raise TypeError(f"key_padding: lengths must be an integer tensor of shape (B,), got "
-                            f"dtype {lengths.dtype} and shape {tuple(lengths.shape)}")
+            raise TypeError(
+                f"key_padding: lengths must be an integer tensor of shape (B,), got "
+                f"dtype {lengths.dtype} and shape {tuple(lengths.shape)}"
+            )
         lengths = lengths.reshape(-1).to(torch.int64, copy=True)  # copied: the mask is immutable
     else:
         try:
@@ -74,8 +78,9 @@ def prefix_lm(prefix_len: int | Sequence[int] | Tensor, align: str = "bottom_rig
     from multihead.masks.band import causal
 
     if isinstance(prefix_len, bool) or (isinstance(prefix_len, int) and prefix_len < 0):
-        raise ValueError("prefix_lm: prefix_len must be a non-negative int or one per batch element, "
-                         f"got {prefix_len!r}")
+        raise ValueError(
+            f"prefix_lm: prefix_len must be a non-negative int or one per batch element, got {prefix_len!r}"
+        )
     try:
         padding = key_padding(prefix_len)
     except (TypeError, ValueError) as exc:
@@ -123,8 +128,9 @@ class KeyPadding(Mask):
         n = self._batch()
         # (not `in (1, B)`: dynamo, torch 2.13, answers it False for a symbolic B)
         if n != 1 and n != batch:
-            raise ValueError(f"key_padding: mask has {n} batch elements but the input has B={batch}; "
-                             f"expected 1 or {batch}")
+            raise ValueError(
+                f"key_padding: mask has {n} batch elements but the input has B={batch}; expected 1 or {batch}"
+            )
         if self.valid is not None and kv_len is not None and self.valid.shape[1] != kv_len:
             raise ValueError(f"key_padding: bool table has {self.valid.shape[1]} keys but Lk={kv_len}")
 
@@ -157,10 +163,11 @@ class KeyPadding(Mask):
         columns = self._table().any(0).nonzero()
         return (int(columns.min()), int(columns.max()) + 1) if len(columns) else (0, 0)
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
-                    heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         if self.lengths is None:
-            cols = self._table()[:, max(k0, 0):max(k1, 0)]
+            cols = self._table()[:, max(k0, 0) : max(k1, 0)]
             if cols.numel() and bool(cols.all()):
                 return BlockState.FULL
             if not bool(cols.any()):
@@ -172,8 +179,9 @@ class KeyPadding(Mask):
             return BlockState.EMPTY
         return BlockState.PARTIAL
 
-    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def _empty_rows(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         if self.lengths is not None:
             empty = self.lengths.to(device) <= 0
         else:

@@ -137,8 +137,11 @@ def _structures(p: Tensor) -> Iterator[tuple[Mask | None, str, str]]:
                     mask, text = causal(align), f"causal({suffix})"
                 else:
                     mask = sliding_window(left, right, align)
-                    args = [str(left)] + ([] if right == 0 else [f"right={right}"]) + \
-                        ([] if align == "bottom_right" else ["align='top_left'"])
+                    args = (
+                        [str(left)]
+                        + ([] if right == 0 else [f"right={right}"])
+                        + ([] if align == "bottom_right" else ["align='top_left'"])
+                    )
                     text = f"sliding_window({', '.join(args)})"
                 if mask not in seen:
                     seen.add(mask)
@@ -161,5 +164,8 @@ def _documents(p: Tensor, build: Callable[..., Mask], text: str) -> Iterator[tup
     if Lq == Lk and torch.equal(q_ids, kv_ids):
         yield build(q_ids), text, "ids: (L,) int, the document of each token"
     else:
-        yield build(q_ids, kv_ids), text.replace("(ids)", "(q_ids, kv_ids)"), \
-            "q_ids (Lq,), kv_ids (Lk,): the document of each query and key"
+        yield (
+            build(q_ids, kv_ids),
+            text.replace("(ids)", "(q_ids, kv_ids)"),
+            "q_ids (Lq,), kv_ids (Lk,): the document of each query and key",
+        )

@@ -37,15 +37,18 @@ def as_mask(mask: object, name: str = "mask") -> Mask | None:
             raise TypeError(
                 f"{name} is a float tensor: an additive bias, not a mask (masks only allow or block). "
                 "Pass it as score_mod=multihead.scores.bias(tensor), or as mask= to multihead.attention, "
-                "which splits a float mask into its -inf pattern and a bias")
+                "which splits a float mask into its -inf pattern and a bias"
+            )
         return TensorMask(mask, name=name)
     raise TypeError(f"{name} must be a multihead mask, a bool tensor, or None; got {type(mask).__name__}")
 
 
 def bias(tensor: Tensor, name: str = "bias") -> NoReturn:
     """Moved: an additive bias is a score modifier now, ``multihead.scores.bias(tensor)``."""
-    raise TypeError("multihead.masks.bias moved: an additive bias is a score modifier, not a mask. "
-                    "Use score_mod=multihead.scores.bias(tensor) (with mask= for what is blocked)")
+    raise TypeError(
+        "multihead.masks.bias moved: an additive bias is a score modifier, not a mask. "
+        "Use score_mod=multihead.scores.bias(tensor) (with mask= for what is blocked)"
+    )
 
 
 def custom(mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str | None = None) -> Custom:
@@ -71,10 +74,12 @@ class TensorMask(Mask):
             raise TypeError(
                 f"{name} has dtype {tensor.dtype}; expected torch.bool (True = may attend). Integer masks are "
                 "refused because their polarity differs between libraries: use `mask.bool()` if 1 means "
-                "attend, or `mask == 0` if 1 means blocked")
+                "attend, or `mask == 0` if 1 means blocked"
+            )
         if tensor.dim() > 4 or tensor.dim() < 2:
-            raise ValueError(f"{name} must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), "
-                             f"got shape {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name} must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), got shape {tuple(tensor.shape)}"
+            )
         t4 = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
         self._set(tensor=t4, name=name)
 
@@ -82,8 +87,10 @@ class TensorMask(Mask):
         expected = (batch, heads, q_len, kv_len)
         # (not `s not in (1, e)`: dynamo, torch 2.13, answers it True for a symbolic size e)
         if any(s != 1 and s != e for s, e in zip(self.tensor.shape, expected) if e is not None):
-            raise ValueError(f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
-                             f"(B, H, Lq, Lk) = {expected}; each dim must be 1 or the matching size")
+            raise ValueError(
+                f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
+                f"(B, H, Lq, Lk) = {expected}; each dim must be 1 or the matching size"
+            )
 
     def extent(self) -> tuple[int | None, int | None]:
         _, _, lq, lk = self.tensor.shape
@@ -94,12 +101,23 @@ class TensorMask(Mask):
         idx = [i * 0 if size == 1 else i for i, size in zip((b, h, q, kv), t.shape)]
         return t[idx[0], idx[1], idx[2], idx[3]]
 
-    def materialize(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def materialize(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         return self.tensor.to(device) if device is not None else self.tensor
 
-    def materialize_block(self, batch: int, heads: int, q0: int, q1: int, q_len: int, kv_len: int,
-                          device: torch.device | str | None = None, k0: int = 0, k1: int | None = None) -> Tensor:
+    def materialize_block(
+        self,
+        batch: int,
+        heads: int,
+        q0: int,
+        q1: int,
+        q_len: int,
+        kv_len: int,
+        device: torch.device | str | None = None,
+        k0: int = 0,
+        k1: int | None = None,
+    ) -> Tensor:
         k1 = kv_len if k1 is None else k1
         t = self.tensor
         rows = slice(q0, q1) if t.shape[2] > 1 else slice(0, 1)
@@ -118,15 +136,17 @@ class TensorMask(Mask):
         kv_len = self.tensor.shape[3] if kv_len is None else kv_len
         return super().to_string(min(q_len, 32), min(kv_len, 64), b, h)
 
-    def block_state(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1,
-                    heads: int = 1) -> BlockState:
+    def block_state(
+        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
+    ) -> BlockState:
         block = self.materialize_block(1, 1, q0, q1, q_len, kv_len, k0=k0, k1=k1)
         if bool(block.all()):
             return BlockState.FULL
         return BlockState.PARTIAL if bool(block.any()) else BlockState.EMPTY
 
-    def _empty_rows(self, batch: int, heads: int, q_len: int, kv_len: int,
-                    device: torch.device | str | None = None) -> Tensor:
+    def _empty_rows(
+        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         t = self.tensor.to(device) if device is not None else self.tensor
         empty = ~t.any(-1)
         return empty.expand(empty.shape[0], empty.shape[1], q_len)
@@ -146,15 +166,18 @@ class Custom(Mask):
     def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
         out = self.fn(b, h, q, kv)
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
-            raise TypeError(f"custom mask {self.name!r} must return a bool tensor, got "
-                            f"{getattr(out, 'dtype', type(out).__name__)}")
+            raise TypeError(
+                f"custom mask {self.name!r} must return a bool tensor, got {getattr(out, 'dtype', type(out).__name__)}"
+            )
         grid = torch.broadcast_shapes(b.shape, h.shape, q.shape, kv.shape)
         try:
             torch.broadcast_shapes(out.shape, grid)
         except RuntimeError:
-            raise ValueError(f"custom mask {self.name!r} returned shape {tuple(out.shape)}, which does not "
-                             f"broadcast to its index grid {tuple(grid)}; mask_mod(b, h, q_idx, kv_idx) must "
-                             "combine its (broadcastable) arguments elementwise") from None
+            raise ValueError(
+                f"custom mask {self.name!r} returned shape {tuple(out.shape)}, which does not "
+                f"broadcast to its index grid {tuple(grid)}; mask_mod(b, h, q_idx, kv_idx) must "
+                "combine its (broadcastable) arguments elementwise"
+            ) from None
         return out
 
     def _describe(self) -> str:

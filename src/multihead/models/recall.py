@@ -40,11 +40,15 @@ class RecallTask:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RecallTask: {name} must be a positive int, got {value!r}")
         if self.num_pairs > self.num_keys:
-            raise ValueError(f"RecallTask: num_pairs={self.num_pairs} distinct keys need num_keys >= num_pairs, "
-                             f"got num_keys={self.num_keys}")
+            raise ValueError(
+                f"RecallTask: num_pairs={self.num_pairs} distinct keys need num_keys >= num_pairs, "
+                f"got num_keys={self.num_keys}"
+            )
         if self.num_queries > self.num_pairs:
-            raise ValueError(f"RecallTask: num_queries={self.num_queries} must be <= num_pairs={self.num_pairs} "
-                             "(each pair is asked at most once)")
+            raise ValueError(
+                f"RecallTask: num_queries={self.num_queries} must be <= num_pairs={self.num_pairs} "
+                "(each pair is asked at most once)"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -69,9 +73,9 @@ class RecallTask:
         values = self.num_keys + torch.randint(self.num_values, (batch, N), generator=generator)  # (B, N)
         asked = torch.rand(batch, N, generator=generator).argsort(dim=1)[:, :M]  # (B, M) pair indices
         seq = torch.empty(batch, self.seq_len, dtype=torch.long)
-        seq[:, 0:2 * N:2], seq[:, 1:2 * N:2] = keys, values
-        seq[:, 2 * N::2] = keys.gather(1, asked)
-        seq[:, 2 * N + 1::2] = values.gather(1, asked)
+        seq[:, 0 : 2 * N : 2], seq[:, 1 : 2 * N : 2] = keys, values
+        seq[:, 2 * N :: 2] = keys.gather(1, asked)
+        seq[:, 2 * N + 1 :: 2] = values.gather(1, asked)
         return seq
 
     def inputs_and_targets(self, seq: Tensor) -> tuple[Tensor, Tensor]:
@@ -92,15 +96,17 @@ class RecallTask:
         """``(B, M)``: for each query, the position of the *value* of the matching pair (where a
         lookup head should look)."""
         N = self.num_pairs
-        keys = seq[:, 0:2 * N:2]  # (B, N)
-        queries = seq[:, 2 * N::2]  # (B, M)
+        keys = seq[:, 0 : 2 * N : 2]  # (B, N)
+        queries = seq[:, 2 * N :: 2]  # (B, M)
         pair = (queries.unsqueeze(-1) == keys.unsqueeze(1)).float().argmax(-1)  # (B, M)
         return 2 * pair + 1
 
     def describe(self) -> str:
         """The task in one line."""
-        return (f"{self.num_pairs} key-value pairs, {self.num_queries} queries, {self.num_keys} keys x "
-                f"{self.num_values} values, {self.seq_len} tokens")
+        return (
+            f"{self.num_pairs} key-value pairs, {self.num_queries} queries, {self.num_keys} keys x "
+            f"{self.num_values} values, {self.seq_len} tokens"
+        )
 
     def token_names(self, seq: Tensor) -> list[str]:
         """Readable tokens of one sequence ``(seq_len,)``: ``k3``, ``v7``."""

@@ -51,8 +51,15 @@ class AttentionMaps:
 class SentenceEncoder:
     """A pretrained sentence encoder: tokenizer + :class:`BertEncoder` + pooling + normalization."""
 
-    def __init__(self, model: BertEncoder, tokenizer, *, pooling: str = "mean_tokens", normalize: bool = False,
-                 max_seq_length: int | None = None):
+    def __init__(
+        self,
+        model: BertEncoder,
+        tokenizer,
+        *,
+        pooling: str = "mean_tokens",
+        normalize: bool = False,
+        max_seq_length: int | None = None,
+    ):
         if pooling not in _POOLING_MODES:
             raise ValueError(f"pooling must be one of {_POOLING_MODES}, got {pooling!r}")
         self.model = model
@@ -63,8 +70,9 @@ class SentenceEncoder:
         self.max_seq_length = min(limit, max_seq_length) if max_seq_length else limit
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: torch.device | str | None = None,
-                        dtype: torch.dtype = torch.float32) -> SentenceEncoder:
+    def from_pretrained(
+        cls, path: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> SentenceEncoder:
         """Load a sentence-transformers folder (e.g. :func:`multihead.models.find_minilm`)."""
         from tokenizers import Tokenizer
 
@@ -76,8 +84,10 @@ class SentenceEncoder:
         try:
             tokenizer = Tokenizer.from_file(str(tok_path))
         except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
-            raise ModelFolderError(f"{tok_path} is corrupt ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
-                                   "restore it from the model's package") from None
+            raise ModelFolderError(
+                f"{tok_path} is corrupt ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                "restore it from the model's package"
+            ) from None
         # tokenizer.json may carry fixed padding/truncation for another use (MiniLM's pads to 128):
         # we pad per batch and check lengths ourselves.
         tokenizer.no_padding()
@@ -103,8 +113,10 @@ class SentenceEncoder:
         (then it is cut to ``max_seq_length``, keeping the final ``[SEP]``, as sentence-transformers does).
         """
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-            raise TypeError(f"texts must be a list of str, got {type(texts).__name__}"
-                            + (" (wrap a single text in a list)" if isinstance(texts, str) else ""))
+            raise TypeError(
+                f"texts must be a list of str, got {type(texts).__name__}"
+                + (" (wrap a single text in a list)" if isinstance(texts, str) else "")
+            )
         if not texts:
             raise ValueError("texts is empty; expected at least one text")
         encodings = self.tokenizer.encode_batch(list(texts))
@@ -113,8 +125,10 @@ class SentenceEncoder:
             seq_ids, seq_tokens = list(enc.ids), list(enc.tokens)
             if len(seq_ids) > self.max_seq_length:
                 if not truncate:
-                    raise ValueError(f"text {i} has {len(seq_ids)} tokens but the model reads at most "
-                                     f"{self.max_seq_length}; shorten it (or pass truncate=True)")
+                    raise ValueError(
+                        f"text {i} has {len(seq_ids)} tokens but the model reads at most "
+                        f"{self.max_seq_length}; shorten it (or pass truncate=True)"
+                    )
                 seq_ids = seq_ids[: self.max_seq_length - 1] + seq_ids[-1:]
                 seq_tokens = seq_tokens[: self.max_seq_length - 1] + seq_tokens[-1:]
             ids.append(seq_ids)
@@ -137,7 +151,7 @@ class SentenceEncoder:
         self.tokenize(texts, truncate=truncate)  # validate every text before any work
         out = []
         for start in range(0, len(texts), batch_size):
-            input_ids, mask, _ = self.tokenize(texts[start: start + batch_size], truncate=truncate)
+            input_ids, mask, _ = self.tokenize(texts[start : start + batch_size], truncate=truncate)
             hidden = self.model(input_ids, mask)  # (B, L, E)
             out.append(self._pool(hidden, mask))
         emb = torch.cat(out).float()
@@ -190,6 +204,8 @@ def _read_pipeline(folder: Path) -> tuple[str, bool]:
     config = _read_json(pooling_dir / "config.json", {})
     chosen = [mode for mode in _POOLING_MODES if config.get(f"pooling_mode_{mode}")]
     if len(chosen) != 1:
-        raise ModelFolderError(f"{pooling_dir / 'config.json'} enables pooling modes {chosen}; "
-                               f"this encoder supports exactly one of {list(_POOLING_MODES)}")
+        raise ModelFolderError(
+            f"{pooling_dir / 'config.json'} enables pooling modes {chosen}; "
+            f"this encoder supports exactly one of {list(_POOLING_MODES)}"
+        )
     return chosen[0], normalize

@@ -13,15 +13,26 @@ view of ``R + K - 1`` values. ``docs/positions.md`` has each scheme with a pictu
 from multihead.positions.alibi import ALiBi, alibi_slopes
 from multihead.positions.relative_bias import BucketedBias, RelativePositionBias, relative_position_bucket
 from multihead.positions.rotary import (
-                                        DynamicNTKScaling,
-                                        LinearScaling,
-                                        Llama3Scaling,
-                                        RopeScaling,
-                                        RotaryEmbedding,
-                                        YaRNScaling,
-                                        apply_rotary,
+    DynamicNTKScaling,
+    LinearScaling,
+    Llama3Scaling,
+    RopeScaling,
+    RotaryEmbedding,
+    YaRNScaling,
+    apply_rotary,
 )
 
-__all__ = ["ALiBi", "alibi_slopes", "RelativePositionBias", "BucketedBias", "relative_position_bucket",
-           "apply_rotary", "RotaryEmbedding", "LinearScaling", "DynamicNTKScaling", "YaRNScaling", "Llama3Scaling",
-           "RopeScaling"]
+__all__ = [
+    "ALiBi",
+    "alibi_slopes",
+    "RelativePositionBias",
+    "BucketedBias",
+    "relative_position_bucket",
+    "apply_rotary",
+    "RotaryEmbedding",
+    "LinearScaling",
+    "DynamicNTKScaling",
+    "YaRNScaling",
+    "Llama3Scaling",
+    "RopeScaling",
+]

@@ -52,22 +52,33 @@ class ALiBi(RelativeBias):
             position meets which key position when ``Lq != Lk`` (:mod:`multihead.scores.relative`).
     """
 
-    def __init__(self, num_heads: int, *, slopes: Tensor | Sequence[float] | None = None, symmetric: bool = False,
-                 align: str = "bottom_right"):
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        slopes: Tensor | Sequence[float] | None = None,
+        symmetric: bool = False,
+        align: str = "bottom_right",
+    ):
         super().__init__(num_heads, align)
         if slopes is None:
             slopes = alibi_slopes(num_heads)
         elif isinstance(slopes, Tensor):
             if slopes.requires_grad:
-                raise ValueError("ALiBi: slopes that require grad are not supported (ALiBi's slopes are fixed); "
-                                 "write a trainable bias as a multihead.scores.RelativeBias subclass")
+                raise ValueError(
+                    "ALiBi: slopes that require grad are not supported (ALiBi's slopes are fixed); "
+                    "write a trainable bias as a multihead.scores.RelativeBias subclass"
+                )
             slopes = slopes.detach().to("cpu", torch.float64)
         else:
             slopes = torch.tensor([float(s) for s in slopes], dtype=torch.float64)
-        if tuple(slopes.shape) != (num_heads,) or \
-                (not torch.compiler.is_compiling() and not bool(torch.isfinite(slopes).all())):  # traced: no host read
-            raise ValueError(f"ALiBi: slopes must be {num_heads} finite numbers (one per query head), "
-                             f"got shape {tuple(slopes.shape)}")
+        if tuple(slopes.shape) != (num_heads,) or (
+            not torch.compiler.is_compiling() and not bool(torch.isfinite(slopes).all())
+        ):  # traced: no host read
+            raise ValueError(
+                f"ALiBi: slopes must be {num_heads} finite numbers (one per query head), "
+                f"got shape {tuple(slopes.shape)}"
+            )
         if not isinstance(symmetric, bool):
             raise TypeError(f"ALiBi: symmetric must be a bool, got {type(symmetric).__name__}")
         self.slopes = slopes  # (Hq,) float64 on CPU; moved to the scores' device when used

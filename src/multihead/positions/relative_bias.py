@@ -32,8 +32,9 @@ from multihead.scores.relative import RelativeBias
 __all__ = ["RelativePositionBias", "BucketedBias", "relative_position_bucket"]
 
 
-def relative_position_bucket(distance: Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
-                             max_distance: int = 128) -> Tensor:
+def relative_position_bucket(
+    distance: Tensor, *, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
     """T5's bucket (``int64``, same shape) of each distance ``d = key position - query position``."""
     buckets = num_buckets // 2 if bidirectional else num_buckets
     d = distance.long()
@@ -51,23 +52,27 @@ def relative_position_bucket(distance: Tensor, *, bidirectional: bool = True, nu
 class BucketedBias(RelativeBias):
     """The score modifier of a :class:`RelativePositionBias`: ``weight[bucket(j - i), h]``."""
 
-    def __init__(self, weight: Tensor, *, bidirectional: bool, num_buckets: int, max_distance: int,
-                 align: str = "bottom_right"):
+    def __init__(
+        self, weight: Tensor, *, bidirectional: bool, num_buckets: int, max_distance: int, align: str = "bottom_right"
+    ):
         super().__init__(weight.shape[1], align)
         self.weight, self.bidirectional = weight, bidirectional
         self.num_buckets, self.max_distance = num_buckets, max_distance
 
     def bias(self, h: Tensor, distance: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-        bucket = relative_position_bucket(distance, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
-                                          max_distance=self.max_distance)
+        bucket = relative_position_bucket(
+            distance, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
+        )
         return self.weight[bucket, h].to(dtype)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.weight,)
 
     def _describe(self) -> str:
-        return (f"relative_position_bias(num_heads={self.num_heads}, num_buckets={self.num_buckets}, "
-                f"max_distance={self.max_distance}, bidirectional={self.bidirectional})")
+        return (
+            f"relative_position_bias(num_heads={self.num_heads}, num_buckets={self.num_buckets}, "
+            f"max_distance={self.max_distance}, bidirectional={self.bidirectional})"
+        )
 
 
 class RelativePositionBias(nn.Module):
@@ -87,33 +92,57 @@ class RelativePositionBias(nn.Module):
         device, dtype: of ``weight``.
     """
 
-    def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True,
-                 align: str = "bottom_right", device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+        align: str = "bottom_right",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
-        for name, value, low in (("num_heads", num_heads, 1),
-                                 ("num_buckets", num_buckets, 2 if not bidirectional else 4),
-                                 ("max_distance", max_distance, 1)):
+        for name, value, low in (
+            ("num_heads", num_heads, 1),
+            ("num_buckets", num_buckets, 2 if not bidirectional else 4),
+            ("max_distance", max_distance, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"RelativePositionBias: {name} must be an int >= {low}, got {value!r}")
         if not isinstance(bidirectional, bool):
             raise TypeError(f"RelativePositionBias: bidirectional must be a bool, got {type(bidirectional).__name__}")
         exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
         if max_distance <= exact:
-            raise ValueError(f"RelativePositionBias: max_distance={max_distance} must exceed the {exact} exact buckets "
-                             f"(num_buckets={num_buckets}, bidirectional={bidirectional})")
+            raise ValueError(
+                f"RelativePositionBias: max_distance={max_distance} must exceed the {exact} exact buckets "
+                f"(num_buckets={num_buckets}, bidirectional={bidirectional})"
+            )
         self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
         self.bidirectional, self.align = bidirectional, align
         # T5's layout: relative_attention_bias.weight is (num_buckets, num_heads).
         self.weight = nn.Parameter(torch.empty(num_buckets, num_heads, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=0.02)
-        BucketedBias(self.weight.detach(), bidirectional=bidirectional, num_buckets=num_buckets,
-                     max_distance=max_distance, align=align)  # checks align now, not at the first forward
+        BucketedBias(
+            self.weight.detach(),
+            bidirectional=bidirectional,
+            num_buckets=num_buckets,
+            max_distance=max_distance,
+            align=align,
+        )  # checks align now, not at the first forward
 
     def forward(self) -> BucketedBias:
-        return BucketedBias(self.weight, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
-                            max_distance=self.max_distance, align=self.align)
+        return BucketedBias(
+            self.weight,
+            bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+            align=self.align,
+        )
 
     def extra_repr(self) -> str:
-        return (f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
-                f"bidirectional={self.bidirectional}")
+        return (
+            f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
+            f"bidirectional={self.bidirectional}"
+        )

@@ -32,12 +32,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["apply_rotary", "RotaryEmbedding", "LinearScaling", "DynamicNTKScaling", "YaRNScaling", "Llama3Scaling",
-           "RopeScaling"]
+__all__ = [
+    "apply_rotary",
+    "RotaryEmbedding",
+    "LinearScaling",
+    "DynamicNTKScaling",
+    "YaRNScaling",
+    "Llama3Scaling",
+    "RopeScaling",
+]
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
-                 rotary_dim: int | None = None) -> Tensor:
+def apply_rotary(
+    x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False, rotary_dim: int | None = None
+) -> Tensor:
     """Rotate the first ``rotary_dim`` features of each head of ``x`` by precomputed angles.
 
     Args:
@@ -65,11 +73,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     _check_table("apply_rotary", "cos", cos, x, L, R)
     _check_table("apply_rotary", "sin", sin, x, L, R)
     if cos.shape != sin.shape:
-        raise ValueError(f"apply_rotary: cos and sin must have one shape, got cos {tuple(cos.shape)} and "
-                         f"sin {tuple(sin.shape)}")
+        raise ValueError(
+            f"apply_rotary: cos and sin must have one shape, got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}"
+        )
     if cos.device != x.device or sin.device != x.device:
-        raise ValueError(f"apply_rotary: cos and sin must be on the device of x, {x.device}, got {cos.device} "
-                         f"and {sin.device}")
+        raise ValueError(
+            f"apply_rotary: cos and sin must be on the device of x, {x.device}, got {cos.device} and {sin.device}"
+        )
 
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = cos.to(compute), sin.to(compute)
@@ -91,6 +101,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
 # ------------------------------------------------------------------------------------ scalings
 # Each scaling maps (rotary_dim, base, seq_len) to the inverse frequencies θ_i and a factor that
 # multiplies cos and sin. All arithmetic is float64; the formulas are those of the cited releases.
+
 
 @dataclass(frozen=True)
 class LinearScaling:
@@ -161,22 +172,27 @@ class YaRNScaling:
         _check_number(self, "beta_fast", self.beta_fast, minimum=0.0, strict=True)
         _check_number(self, "beta_slow", self.beta_slow, minimum=0.0, strict=True)
         if self.beta_fast <= self.beta_slow:
-            raise ValueError(f"YaRNScaling: beta_fast must be greater than beta_slow (turns over the original "
-                             f"context: fast pairs extrapolate, slow ones interpolate), "
-                             f"got beta_fast={self.beta_fast!r}, "
-                             f"beta_slow={self.beta_slow!r}; the paper's values are 32 and 1")
+            raise ValueError(
+                f"YaRNScaling: beta_fast must be greater than beta_slow (turns over the original "
+                f"context: fast pairs extrapolate, slow ones interpolate), "
+                f"got beta_fast={self.beta_fast!r}, "
+                f"beta_slow={self.beta_slow!r}; the paper's values are 32 and 1"
+            )
         for name in ("mscale", "mscale_all_dim", "attention_factor"):
             if getattr(self, name) is not None:
                 _check_number(self, name, getattr(self, name), minimum=0.0, strict=name == "attention_factor")
         if (self.mscale is None) != (self.mscale_all_dim is None):
             given, missing = ("mscale", "mscale_all_dim") if self.mscale is not None else ("mscale_all_dim", "mscale")
-            raise ValueError(f"YaRNScaling: {given} needs {missing} (the attention factor is DeepSeek's ratio "
-                             f"get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)), got only "
-                             f"{given}={getattr(self, given)!r}; hint: give both, or neither for 0.1·ln(factor) + 1, "
-                             f"or attention_factor= for an explicit value")
+            raise ValueError(
+                f"YaRNScaling: {given} needs {missing} (the attention factor is DeepSeek's ratio "
+                f"get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)), got only "
+                f"{given}={getattr(self, given)!r}; hint: give both, or neither for 0.1·ln(factor) + 1, "
+                f"or attention_factor= for an explicit value"
+            )
         if not isinstance(self.truncate, bool):
-            raise TypeError(f"YaRNScaling: truncate must be a bool, "
-                            f"got {type(self.truncate).__name__} {self.truncate!r}")
+            raise TypeError(
+                f"YaRNScaling: truncate must be a bool, got {type(self.truncate).__name__} {self.truncate!r}"
+            )
 
     def _frequencies(self, rotary_dim: int, base: float, seq_len: int | None) -> tuple[list[float], float]:
         m = self.original_max_position_embeddings
@@ -231,9 +247,11 @@ class Llama3Scaling:
         _check_number(self, "high_freq_factor", self.high_freq_factor, minimum=0.0, strict=True)
         _check_count(self, "original_max_position_embeddings", self.original_max_position_embeddings)
         if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"Llama3Scaling: high_freq_factor must be greater than low_freq_factor (the smooth band "
-                             f"lies between them), got high_freq_factor={self.high_freq_factor!r}, "
-                             f"low_freq_factor={self.low_freq_factor!r}; Meta's values are 4 and 1")
+            raise ValueError(
+                f"Llama3Scaling: high_freq_factor must be greater than low_freq_factor (the smooth band "
+                f"lies between them), got high_freq_factor={self.high_freq_factor!r}, "
+                f"low_freq_factor={self.low_freq_factor!r}; Meta's values are 4 and 1"
+            )
 
     def _frequencies(self, rotary_dim: int, base: float, seq_len: int | None) -> tuple[list[float], float]:
         m = self.original_max_position_embeddings
@@ -253,7 +271,11 @@ class Llama3Scaling:
 
 RopeScaling = LinearScaling | DynamicNTKScaling | YaRNScaling | Llama3Scaling
 _SCALINGS: dict[str, type[LinearScaling] | type[DynamicNTKScaling] | type[YaRNScaling] | type[Llama3Scaling]] = {
-    "linear": LinearScaling, "dynamic": DynamicNTKScaling, "yarn": YaRNScaling, "llama3": Llama3Scaling}
+    "linear": LinearScaling,
+    "dynamic": DynamicNTKScaling,
+    "yarn": YaRNScaling,
+    "llama3": Llama3Scaling,
+}
 
 
 # ------------------------------------------------------------------------------------ the module
@@ -296,35 +318,50 @@ class RotaryEmbedding(nn.Module):
     cos_cached: Tensor  # (N, R)
     sin_cached: Tensor  # (N, R)
 
-    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False, rotary_dim: int | None = None,
-                 scaling: RopeScaling | dict[str, Any] | None = None, max_position_embeddings: int | None = None,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        base: float = 10000.0,
+        interleaved: bool = False,
+        rotary_dim: int | None = None,
+        scaling: RopeScaling | dict[str, Any] | None = None,
+        max_position_embeddings: int | None = None,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"RotaryEmbedding: dim must be an int (the head dim D), got {type(dim).__name__} {dim!r}")
         if dim < 2 or dim % 2:
-            raise ValueError(f"RotaryEmbedding: dim must be an even int >= 2 (the head dim D; features rotate in "
-                             f"pairs), got {dim}; hint: dim is the head dim, d_model // num_heads")
+            raise ValueError(
+                f"RotaryEmbedding: dim must be an even int >= 2 (the head dim D; features rotate in "
+                f"pairs), got {dim}; hint: dim is the head dim, d_model // num_heads"
+            )
         self.dim = dim
         self.rotary_dim = dim if rotary_dim is None else _check_rotary_dim("RotaryEmbedding", rotary_dim, dim)
         # base is rope_theta: 1e4 (Llama 2), 5e5 (Llama 3)
         _check_number("RotaryEmbedding", "base", base, minimum=1.0, strict=True)
         self.base = float(base)
         if not isinstance(interleaved, bool):
-            raise TypeError(f"RotaryEmbedding: interleaved must be a bool (True: pairs (2i, 2i+1), GPT-J; False: "
-                            f"pairs (i, i + rotary_dim/2), GPT-NeoX/Llama), got {interleaved!r}")
+            raise TypeError(
+                f"RotaryEmbedding: interleaved must be a bool (True: pairs (2i, 2i+1), GPT-J; False: "
+                f"pairs (i, i + rotary_dim/2), GPT-NeoX/Llama), got {interleaved!r}"
+            )
         self.interleaved = interleaved
         if max_position_embeddings is not None:
             _check_count("RotaryEmbedding", "max_position_embeddings", max_position_embeddings)
         self.max_position_embeddings = max_position_embeddings
         self.scaling = _parse_scaling(scaling, dim, self.rotary_dim, self.base, max_position_embeddings)
         if isinstance(self.scaling, DynamicNTKScaling) and self.rotary_dim == 2:
-            raise ValueError("RotaryEmbedding: dynamic NTK scaling needs rotary_dim >= 4 (its base exponent is "
-                             "rotary_dim / (rotary_dim - 2)), got rotary_dim=2")
+            raise ValueError(
+                "RotaryEmbedding: dynamic NTK scaling needs rotary_dim >= 4 (its base exponent is "
+                "rotary_dim / (rotary_dim - 2)), got rotary_dim=2"
+            )
 
         inv_freq, self.attention_factor = self.frequencies()  # (R,) float64, and cos/sin's factor
-        self.register_buffer("inv_freq", inv_freq.to(device=device, dtype=_math_dtype(torch.device(device or "cpu"))),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", inv_freq.to(device=device, dtype=_math_dtype(torch.device(device or "cpu"))), persistent=False
+        )
         R = self.rotary_dim // 2
         self.register_buffer("cos_cached", torch.empty(0, R, device=device), persistent=False)  # (N, R)
         self.register_buffer("sin_cached", torch.empty(0, R, device=device), persistent=False)  # (N, R)
@@ -345,9 +382,11 @@ class RotaryEmbedding(nn.Module):
         e.g. left padding or packed documents), the absolute position of each token, ``>= 0``."""
         _check_tensor("RotaryEmbedding", "x", x, "(B, H, L, D)", min_dim=2)
         if x.shape[-1] != self.dim:
-            raise ValueError(f"RotaryEmbedding: x must have the head dim D={self.dim} as its last dim, got shape "
-                             f"{tuple(x.shape)}; hint: rotate after the head split, (B, L, H·D) -> (B, H, L, D), "
-                             f"with RotaryEmbedding(head_dim)")
+            raise ValueError(
+                f"RotaryEmbedding: x must have the head dim D={self.dim} as its last dim, got shape "
+                f"{tuple(x.shape)}; hint: rotate after the head split, (B, L, H·D) -> (B, H, L, D), "
+                f"with RotaryEmbedding(head_dim)"
+            )
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         if torch.compiler.is_compiling() and not isinstance(self.scaling, DynamicNTKScaling):
             # Traced: max(positions) is not read (a host value would break the graph, and a table
@@ -424,54 +463,68 @@ def _math_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _parse_scaling(scaling: object, dim: int, rotary_dim: int, base: float,
-                   max_position_embeddings: int | None) -> RopeScaling | None:
+def _parse_scaling(
+    scaling: object, dim: int, rotary_dim: int, base: float, max_position_embeddings: int | None
+) -> RopeScaling | None:
     """A scaling dataclass (or ``None``) from a dataclass or a Hugging Face ``rope_scaling`` dict."""
     if scaling is None or isinstance(scaling, (LinearScaling, DynamicNTKScaling, YaRNScaling, Llama3Scaling)):
         return scaling
     if not isinstance(scaling, dict):
-        raise TypeError(f"RotaryEmbedding: scaling must be None, a LinearScaling, DynamicNTKScaling, YaRNScaling, "
-                        f"Llama3Scaling or a Hugging Face rope_scaling dict, got {type(scaling).__name__} {scaling!r}")
+        raise TypeError(
+            f"RotaryEmbedding: scaling must be None, a LinearScaling, DynamicNTKScaling, YaRNScaling, "
+            f"Llama3Scaling or a Hugging Face rope_scaling dict, got {type(scaling).__name__} {scaling!r}"
+        )
     config = {key: value for key, value in scaling.items() if value is not None}  # HF reads None as "default"
     kind = config.pop("rope_type", None)
     legacy = config.pop("type", None)
     if kind is not None and legacy is not None and kind != legacy:
-        raise ValueError(f"RotaryEmbedding: scaling has rope_type={kind!r} and type={legacy!r}; expected one, or "
-                         f"both equal")
+        raise ValueError(
+            f"RotaryEmbedding: scaling has rope_type={kind!r} and type={legacy!r}; expected one, or both equal"
+        )
     kind = kind if kind is not None else legacy
     supported = ["default", *_SCALINGS]
     if kind not in supported:
-        raise ValueError(f"RotaryEmbedding: unknown scaling rope_type {kind!r} in {scaling!r}; expected one of "
-                         f"{supported}"
-                         + ("; hint: the dict needs a 'rope_type' (or 'type') key" if kind is None else ""))
+        raise ValueError(
+            f"RotaryEmbedding: unknown scaling rope_type {kind!r} in {scaling!r}; expected one of "
+            f"{supported}" + ("; hint: the dict needs a 'rope_type' (or 'type') key" if kind is None else "")
+        )
     # HF (v5) keeps rope_theta and partial_rotary_factor in the same dict: accepted when they agree.
     if "rope_theta" in config and float(config.pop("rope_theta")) != base:
-        raise ValueError(f"RotaryEmbedding: scaling has rope_theta={scaling['rope_theta']!r} but base={base!r}; "
-                         f"hint: pass base={scaling['rope_theta']!r}")
+        raise ValueError(
+            f"RotaryEmbedding: scaling has rope_theta={scaling['rope_theta']!r} but base={base!r}; "
+            f"hint: pass base={scaling['rope_theta']!r}"
+        )
     if "partial_rotary_factor" in config:
         factor = config.pop("partial_rotary_factor")
         if int(dim * factor) != rotary_dim:
-            raise ValueError(f"RotaryEmbedding: scaling has partial_rotary_factor={factor!r}, which rotates "
-                             f"int({dim} * {factor}) = {int(dim * factor)} features, but rotary_dim={rotary_dim}; "
-                             f"hint: pass rotary_dim={int(dim * factor)}")
+            raise ValueError(
+                f"RotaryEmbedding: scaling has partial_rotary_factor={factor!r}, which rotates "
+                f"int({dim} * {factor}) = {int(dim * factor)} features, but rotary_dim={rotary_dim}; "
+                f"hint: pass rotary_dim={int(dim * factor)}"
+            )
     if kind == "default":
         if config:
-            raise ValueError(f"RotaryEmbedding: scaling of rope_type 'default' takes no parameters, got "
-                             f"{sorted(config)}")
+            raise ValueError(
+                f"RotaryEmbedding: scaling of rope_type 'default' takes no parameters, got {sorted(config)}"
+            )
         return None
     cls = _SCALINGS[kind]
     accepted = [f.name for f in fields(cls)]
     if "original_max_position_embeddings" in accepted and "original_max_position_embeddings" not in config:
         if max_position_embeddings is None:
-            raise ValueError(f"RotaryEmbedding: a {kind!r} scaling needs original_max_position_embeddings (the "
-                             f"pretraining context length), got neither it in {scaling!r} nor "
-                             "max_position_embeddings=; hint: pass "
-                             "max_position_embeddings=config.max_position_embeddings")
+            raise ValueError(
+                f"RotaryEmbedding: a {kind!r} scaling needs original_max_position_embeddings (the "
+                f"pretraining context length), got neither it in {scaling!r} nor "
+                "max_position_embeddings=; hint: pass "
+                "max_position_embeddings=config.max_position_embeddings"
+            )
         config["original_max_position_embeddings"] = max_position_embeddings
     unknown = sorted(set(config) - set(accepted))
     if unknown:
-        raise ValueError(f"RotaryEmbedding: unknown keys {unknown} in a {kind!r} scaling {scaling!r}; expected "
-                         f"'rope_type' (or 'type'), 'rope_theta', 'partial_rotary_factor' and {accepted}")
+        raise ValueError(
+            f"RotaryEmbedding: unknown keys {unknown} in a {kind!r} scaling {scaling!r}; expected "
+            f"'rope_type' (or 'type'), 'rope_theta', 'partial_rotary_factor' and {accepted}"
+        )
     return cls(**config)
 
 
@@ -488,9 +541,11 @@ def _check_rotary_dim(where: str, rotary_dim: object, D: int) -> int:
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
         raise TypeError(f"{where}: rotary_dim must be None or an int, got {type(rotary_dim).__name__} {rotary_dim!r}")
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
-        raise ValueError(f"{where}: rotary_dim must be even and in [2, D={D}] (features rotate in pairs, the first "
-                         f"rotary_dim of each head), got {rotary_dim}; hint: HF's partial_rotary_factor f is "
-                         f"rotary_dim = int(D * f)")
+        raise ValueError(
+            f"{where}: rotary_dim must be even and in [2, D={D}] (features rotate in pairs, the first "
+            f"rotary_dim of each head), got {rotary_dim}; hint: HF's partial_rotary_factor f is "
+            f"rotary_dim = int(D * f)"
+        )
     return rotary_dim
 
 
@@ -503,9 +558,11 @@ def _check_table(where: str, name: str, t: Tensor, x: Tensor, L: int, R: int) ->
     if t.dim() == 3 and tuple(t.shape[1:]) == (L, R) and x.dim() == 4 and t.shape[0] == x.shape[0]:
         return
     expected = f"(L, R) = ({L}, {R})" + (f" or (B, L, R) = ({x.shape[0]}, {L}, {R})" if x.dim() == 4 else "")
-    raise ValueError(f"{where}: {name} must have shape {expected} for x of shape {tuple(x.shape)} "
-                     f"(R = rotary_dim / 2), got {tuple(t.shape)}; hint: a per-row (B, L, R) table needs a 4-D "
-                     f"x (B, H, L, D); pass rotary_dim= when only part of each head rotates")
+    raise ValueError(
+        f"{where}: {name} must have shape {expected} for x of shape {tuple(x.shape)} "
+        f"(R = rotary_dim / 2), got {tuple(t.shape)}; hint: a per-row (B, L, R) table needs a 4-D "
+        f"x (B, H, L, D); pass rotary_dim= when only part of each head rotates"
+    )
 
 
 def _check_positions(positions: object, x: Tensor, values: bool = True) -> int:
@@ -517,14 +574,20 @@ def _check_positions(positions: object, x: Tensor, values: bool = True) -> int:
         return f"(L,) = ({L},)" + (f" or (B, L) = ({x.shape[0]}, {L})" if x.dim() == 4 else "")
 
     if not isinstance(positions, Tensor):
-        raise TypeError(f"RotaryEmbedding: positions must be an integer tensor {expected()} of absolute token "
-                        f"positions, got {type(positions).__name__}; hint: torch.arange(L)")
+        raise TypeError(
+            f"RotaryEmbedding: positions must be an integer tensor {expected()} of absolute token "
+            f"positions, got {type(positions).__name__}; hint: torch.arange(L)"
+        )
     if positions.dtype not in _INTEGER_DTYPES:
-        raise TypeError(f"RotaryEmbedding: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
-                        f"hint: positions count tokens, e.g. torch.arange(L); a fractional position is a scaling")
+        raise TypeError(
+            f"RotaryEmbedding: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
+            f"hint: positions count tokens, e.g. torch.arange(L); a fractional position is a scaling"
+        )
     if not (tuple(positions.shape) == (L,) or (x.dim() == 4 and tuple(positions.shape) == (x.shape[0], L))):
-        raise ValueError(f"RotaryEmbedding: positions must have shape {expected()} for x of shape {tuple(x.shape)}, "
-                         f"got {tuple(positions.shape)}")
+        raise ValueError(
+            f"RotaryEmbedding: positions must have shape {expected()} for x of shape {tuple(x.shape)}, "
+            f"got {tuple(positions.shape)}"
+        )
     if positions.device != x.device:
         raise ValueError(f"RotaryEmbedding: positions must be on the device of x, {x.device}, got {positions.device}")
     if not values:
@@ -533,8 +596,10 @@ def _check_positions(positions: object, x: Tensor, values: bool = True) -> int:
         return 0
     low, high = (int(v) for v in torch.aminmax(positions))
     if low < 0:
-        raise ValueError(f"RotaryEmbedding: positions must be >= 0 (absolute token positions), got a minimum of "
-                         f"{low}; hint: left padding may reuse position 0, it never needs negative ones")
+        raise ValueError(
+            f"RotaryEmbedding: positions must be >= 0 (absolute token positions), got a minimum of "
+            f"{low}; hint: left padding may reuse position 0, it never needs negative ones"
+        )
     return high + 1
 
 
@@ -543,8 +608,9 @@ def _check_number(owner: object, name: str, value: object, *, minimum: float, st
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        raise ValueError(f"{where}: {name} must be a finite number {'>' if strict else '>='} {minimum:g}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{where}: {name} must be a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}"
+        )
 
 
 def _check_count(owner: object, name: str, value: object) -> None:

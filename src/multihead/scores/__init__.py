@@ -12,5 +12,16 @@ from multihead.scores.relative import RelativeBias
 from multihead.scores.softcap import Softcap, softcap
 from multihead.scores.user import UserScoreMod
 
-__all__ = ["ScoreMod", "Chain", "as_score_mod", "bias", "softcap", "Bias", "Softcap", "RelativeBias", "UserScoreMod",
-           "ADDITIVE", "ELEMENTWISE"]
+__all__ = [
+    "ScoreMod",
+    "Chain",
+    "as_score_mod",
+    "bias",
+    "softcap",
+    "Bias",
+    "Softcap",
+    "RelativeBias",
+    "UserScoreMod",
+    "ADDITIVE",
+    "ELEMENTWISE",
+]

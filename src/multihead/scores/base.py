@@ -57,8 +57,9 @@ class ScoreMod(abc.ABC):
         call is resolved once, before a backend sees it. Default: unchanged."""
         return self
 
-    def distance_bias(self, d0: int, d1: int, device: torch.device | str | None = None,
-                      dtype: torch.dtype = torch.float32) -> Tensor | None:
+    def distance_bias(
+        self, d0: int, d1: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> Tensor | None:
         """Additive modifiers that depend only on the head and on the distance
         ``d = kv_idx - q_idx`` (call indices): the bias ``(H|1, d1 - d0)`` at ``d = d0 .. d1 - 1``.
         Backends run such a bias on a block as a strided (Toeplitz) view of this vector, never a
@@ -79,8 +80,7 @@ class ScoreMod(abc.ABC):
         """Whether a tensor the modifier reads needs a gradient (and autograd is on)."""
         return torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors())
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
-                    heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
         """``scores (B, H|h, q1-q0, k1-k0)`` of queries ``[q0, q1)`` x keys ``[k0, k1)``, modified.
         ``heads`` selects query heads (default all). Subclasses may slice instead of gathering."""
         B, H = scores.shape[0], scores.shape[1]
@@ -91,8 +91,17 @@ class ScoreMod(abc.ABC):
         kv = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
         return self(scores, b, h, q, kv)
 
-    def bias_block(self, batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
-                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    def bias_block(
+        self,
+        batch: int,
+        heads: int,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         """Additive modifiers: the bias of queries ``[q0, q1)`` x keys ``[k0, k1)``, broadcastable
         to ``(B, H, rows, keys)`` (size 1 where it does not vary)."""
         raise TypeError(f"{self._describe()} is not additive: it has no bias to add")
@@ -128,14 +137,22 @@ class Chain(ScoreMod):
             score = _keep_blocked(score, m(score, b, h, q_idx, kv_idx))
         return score
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
-                    heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
         for m in self.mods:
             scores = _keep_blocked(scores, m.apply_block(scores, q0, q1, k0, k1, heads))
         return scores
 
-    def bias_block(self, batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
-                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    def bias_block(
+        self,
+        batch: int,
+        heads: int,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         if self.kind != ADDITIVE:
             return super().bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
         total = self.mods[0].bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
@@ -155,8 +172,9 @@ class Chain(ScoreMod):
     def relative(self) -> bool:
         return all(m.relative for m in self.mods)
 
-    def distance_bias(self, d0: int, d1: int, device: torch.device | str | None = None,
-                      dtype: torch.dtype = torch.float32) -> Tensor | None:
+    def distance_bias(
+        self, d0: int, d1: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> Tensor | None:
         if not self.relative:
             return None
         total = self.mods[0].distance_bias(d0, d1, device, dtype)
@@ -193,11 +211,15 @@ def as_score_mod(score_mod: object, name: str = "score_mod") -> ScoreMod | None:
                 mods.append(UserScoreMod(m))
             else:
                 hint = "; for a bias tensor use multihead.scores.bias(tensor)" if isinstance(m, Tensor) else ""
-                raise TypeError(f"{name}[{i}] must be a multihead.scores modifier or a function "
-                                f"fn(score, b, h, q_idx, kv_idx) -> score, got {type(m).__name__}{hint}")
+                raise TypeError(
+                    f"{name}[{i}] must be a multihead.scores modifier or a function "
+                    f"fn(score, b, h, q_idx, kv_idx) -> score, got {type(m).__name__}{hint}"
+                )
         return None if not mods else (mods[0] if len(mods) == 1 else Chain(mods))
     if callable(score_mod) and not isinstance(score_mod, Tensor):
         return UserScoreMod(score_mod)
     hint = "; for a bias tensor use multihead.scores.bias(tensor)" if isinstance(score_mod, Tensor) else ""
-    raise TypeError(f"{name} must be a multihead.scores modifier, a function fn(score, b, h, q_idx, kv_idx) -> "
-                    f"score, a list of them, or None; got {type(score_mod).__name__}{hint}")
+    raise TypeError(
+        f"{name} must be a multihead.scores modifier, a function fn(score, b, h, q_idx, kv_idx) -> "
+        f"score, a list of them, or None; got {type(score_mod).__name__}{hint}"
+    )

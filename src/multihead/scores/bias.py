@@ -21,8 +21,9 @@ def bias(tensor: Tensor, name: str = "bias") -> Bias:
         got = f"a tensor of dtype {tensor.dtype}" if isinstance(tensor, Tensor) else type(tensor).__name__
         raise TypeError(f"bias: expected a float tensor broadcastable to (B, Hq, Lq, Lk), got {got}")
     if tensor.dim() > 4 or tensor.dim() < 2:
-        raise ValueError(f"{name} must have 2 to 4 dims broadcastable to (B, Hq, Lq, Lk), "
-                         f"got shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name} must have 2 to 4 dims broadcastable to (B, Hq, Lq, Lk), got shape {tuple(tensor.shape)}"
+        )
     return Bias(tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape)), name)
 
 
@@ -38,8 +39,10 @@ class Bias(ScoreMod):
         expected = (batch, heads, q_len, kv_len)
         # (not `s not in (1, e)`: dynamo, torch 2.13, answers it True for a symbolic size e)
         if any(s != 1 and s != e for s, e in zip(self.tensor.shape, expected)):
-            raise ValueError(f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
-                             f"(B, Hq, Lq, Lk) = {expected}; each dim must be 1 or the matching size")
+            raise ValueError(
+                f"{self.name} of shape {tuple(self.tensor.shape)} is not broadcastable to "
+                f"(B, Hq, Lq, Lk) = {expected}; each dim must be 1 or the matching size"
+            )
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.tensor,)
@@ -49,16 +52,24 @@ class Bias(ScoreMod):
         idx = [i * 0 if size == 1 else i for i, size in zip((b, h, q_idx, kv_idx), t.shape)]
         return score + t[idx[0], idx[1], idx[2], idx[3]]
 
-    def bias_block(self, batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
-                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    def bias_block(
+        self,
+        batch: int,
+        heads: int,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         t = self.tensor
         rows = slice(q0, q1) if t.shape[2] > 1 else slice(0, 1)
         cols = slice(k0, k1) if t.shape[3] > 1 else slice(0, 1)
         block = t[:, :, rows, cols]
         return block.to(device=device if device is not None else block.device, dtype=dtype)
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
-                    heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
         block = self.bias_block(1, 1, q0, q1, k0, k1, scores.device, scores.dtype)
         if heads is not None and block.shape[1] > 1:
             block = block[:, heads]

@@ -43,8 +43,9 @@ class RelativeBias(ScoreMod):
     def __init__(self, num_heads: int | None, align: str = "bottom_right"):
         name = type(self).__name__
         if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
-            raise ValueError(f"{name}: num_heads must be a positive int (the query heads Hq) or None, "
-                             f"got {num_heads!r}")
+            raise ValueError(
+                f"{name}: num_heads must be a positive int (the query heads Hq) or None, got {num_heads!r}"
+            )
         if align not in ALIGNMENTS:
             raise ValueError(f"{name}: align must be one of {ALIGNMENTS}, got {align!r}")
         self.num_heads = num_heads
@@ -68,9 +69,11 @@ class RelativeBias(ScoreMod):
 
     def _offset(self) -> int:
         if self.offset is None:
-            raise ValueError(f"{self._describe()} is aligned bottom_right, which depends on the lengths of the "
-                             f"attention: call .for_lengths(Lq, Lk) first (multihead.attention does), or build it "
-                             f"with align='top_left'")
+            raise ValueError(
+                f"{self._describe()} is aligned bottom_right, which depends on the lengths of the "
+                f"attention: call .for_lengths(Lq, Lk) first (multihead.attention does), or build it "
+                f"with align='top_left'"
+            )
         return self.offset
 
     # --------------------------------------------------------------------------- the modifier
@@ -80,8 +83,10 @@ class RelativeBias(ScoreMod):
 
     def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         if self.num_heads is not None and self.num_heads != heads:
-            raise ValueError(f"{self._describe()} has num_heads={self.num_heads} but the attention has Hq={heads} "
-                             f"query heads; build it with num_heads={heads}")
+            raise ValueError(
+                f"{self._describe()} has num_heads={self.num_heads} but the attention has Hq={heads} "
+                f"query heads; build it with num_heads={heads}"
+            )
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if self.num_heads is None:
@@ -89,23 +94,32 @@ class RelativeBias(ScoreMod):
         dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
         return score + self.bias(h, kv_idx - q_idx - self._offset(), dtype).to(score.dtype)
 
-    def distance_bias(self, d0: int, d1: int, device: torch.device | str | None = None,
-                      dtype: torch.dtype = torch.float32) -> Tensor:
+    def distance_bias(
+        self, d0: int, d1: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
         n_heads = 1 if self.num_heads is None else self.num_heads
         h = torch.arange(n_heads, device=device).view(-1, 1)  # (H, 1)
         d = torch.arange(d0, d1, device=device).view(1, -1) - self._offset()  # (1, n): aligned distances
         return self.bias(h, d, torch.float64).to(dtype)  # (H|1, n)
 
-    def bias_block(self, batch: int, heads: int, q0: int, q1: int, k0: int, k1: int,
-                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    def bias_block(
+        self,
+        batch: int,
+        heads: int,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         d0 = k0 - (q1 - 1)  # the smallest index distance of the block: last row, first key
         vec = self.distance_bias(d0, k1 - q0, device, dtype)  # (H|1, R + K - 1)
         rows = torch.arange(q0, q1, device=vec.device).view(-1, 1)
         cols = torch.arange(k0, k1, device=vec.device).view(1, -1)
         return vec[:, cols - rows - d0].unsqueeze(0)  # (1, H|1, R, K)
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
-                    heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
         block = self.bias_block(1, 1, q0, q1, k0, k1, scores.device, scores.dtype)
         if heads is not None and block.shape[1] > 1:
             block = block[:, heads]

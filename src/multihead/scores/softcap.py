@@ -19,8 +19,10 @@ __all__ = ["softcap", "Softcap"]
 def softcap(cap: float) -> Softcap:
     """Soft-capping of the (scaled) scores at ``cap > 0``."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float)):
-        raise TypeError(f"softcap: cap must be a Python number (int or float), got {type(cap).__name__}"
-                        + ("; use float(cap)" if hasattr(cap, "item") else ""))
+        raise TypeError(
+            f"softcap: cap must be a Python number (int or float), got {type(cap).__name__}"
+            + ("; use float(cap)" if hasattr(cap, "item") else "")
+        )
     if not math.isfinite(cap) or cap <= 0:
         raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
     return Softcap(float(cap))
@@ -37,8 +39,7 @@ class Softcap(ScoreMod):
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.cap * torch.tanh(score / self.cap)
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int,
-                    heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
         return self.cap * torch.tanh(scores / self.cap)
 
     def _describe(self) -> str:

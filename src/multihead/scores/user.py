@@ -37,23 +37,28 @@ class UserScoreMod(ScoreMod):
 
     def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]):
         if not callable(fn):
-            raise TypeError("score_mod: expected a function fn(score, b, h, q_idx, kv_idx) -> score, "
-                            f"got {type(fn).__name__}")
+            raise TypeError(
+                f"score_mod: expected a function fn(score, b, h, q_idx, kv_idx) -> score, got {type(fn).__name__}"
+            )
         self.fn = fn
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = self.fn(score, b, h, q_idx, kv_idx)
         if not isinstance(out, Tensor):
-            raise TypeError(f"score_mod {self._describe()} returned {type(out).__name__}; it must return the modified "
-                            f"scores, a tensor broadcastable to the scores it was given")
+            raise TypeError(
+                f"score_mod {self._describe()} returned {type(out).__name__}; it must return the modified "
+                f"scores, a tensor broadcastable to the scores it was given"
+            )
         if out.shape != score.shape:
             try:
                 fits = torch.broadcast_shapes(out.shape, score.shape) == score.shape
             except RuntimeError:
                 fits = False
             if not fits:
-                raise ValueError(f"score_mod {self._describe()} returned shape {tuple(out.shape)} for scores of shape "
-                                 f"{tuple(score.shape)}; it must keep the shape of the scores")
+                raise ValueError(
+                    f"score_mod {self._describe()} returned shape {tuple(out.shape)} for scores of shape "
+                    f"{tuple(score.shape)}; it must keep the shape of the scores"
+                )
             out = out.expand(score.shape)
         # A function that reads a float64 table returns float64 scores: the block keeps its dtype.
         return out.to(score.dtype)
@@ -77,8 +82,11 @@ class UserScoreMod(ScoreMod):
 
     def _describe(self) -> str:
         fn = self.fn
-        name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None) \
+        name = (
+            getattr(fn, "__qualname__", None)
+            or getattr(getattr(fn, "func", None), "__qualname__", None)
             or type(fn).__name__
+        )
         return f"score_mod({name})"
 
 

@@ -7,5 +7,15 @@ from multihead.viz.heatmap import plot_attention, plot_attention_grid
 from multihead.viz.record import QueryKeyCapture, record_attention, record_generation, record_vectors
 from multihead.viz.viewer import Viewer, ViewerSource, render_viewer, write_viewer
 
-__all__ = ["plot_attention_grid", "plot_attention", "ViewerSource", "Viewer", "render_viewer", "write_viewer",
-           "record_attention", "record_generation", "record_vectors", "QueryKeyCapture"]
+__all__ = [
+    "plot_attention_grid",
+    "plot_attention",
+    "ViewerSource",
+    "Viewer",
+    "render_viewer",
+    "write_viewer",
+    "record_attention",
+    "record_generation",
+    "record_vectors",
+    "QueryKeyCapture",
+]

@@ -30,8 +30,14 @@ def layer_label(index: int, name: str | None = None) -> str:
     return f"layer {index}" + (f"\n{name}" if name and name != f"layer {index}" else "")
 
 
-def plot_attention_grid(weights: Tensor | list[Tensor], path: str | Path, *, tokens: list[str] | None = None,
-                        title: str = "", layer_names: list[str] | None = None) -> Path:
+def plot_attention_grid(
+    weights: Tensor | list[Tensor],
+    path: str | Path,
+    *,
+    tokens: list[str] | None = None,
+    title: str = "",
+    layer_names: list[str] | None = None,
+) -> Path:
     """Write a PNG grid: one heatmap per layer (rows) and head (columns).
 
     ``weights``: ``(layers, H, Lq, Lk)`` or per-layer ``(H, Lq, Lk)`` / ``(1, H, Lq, Lk)``.
@@ -57,9 +63,19 @@ def grid_figure(weights, *, tokens=None, title="", layer_names=None):
     gap, left, right, bottom, top = 0.12, 1.9, 1.1, 1.0, 0.4 + (0.35 if title else 0)
     width, height = left + heads * side + (heads - 1) * gap + right, bottom + layers * side + (layers - 1) * gap + top
     fig = Figure(figsize=(width, height), dpi=DPI)
-    axes = fig.subplots(layers, heads, squeeze=False, gridspec_kw=dict(
-        left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
-        wspace=gap / side, hspace=gap / side))
+    axes = fig.subplots(
+        layers,
+        heads,
+        squeeze=False,
+        gridspec_kw=dict(
+            left=left / width,
+            right=1 - right / width,
+            bottom=bottom / height,
+            top=1 - top / height,
+            wspace=gap / side,
+            hspace=gap / side,
+        ),
+    )
     image = None
     for l in range(layers):
         for h in range(heads):
@@ -72,11 +88,20 @@ def grid_figure(weights, *, tokens=None, title="", layer_names=None):
                 ax.set_title(f"head {h}", fontsize=FONT + 1)
             if h == 0:
                 ax.set_ylabel(layer_label(l, layer_names[l] if layer_names else None), fontsize=FONT + 1)
-    fig.text(0.12 / width, (bottom + layers * side / 2) / height, QUERY, rotation=90, va="center", ha="left",
-             fontsize=FONT + 2)
+    fig.text(
+        0.12 / width,
+        (bottom + layers * side / 2) / height,
+        QUERY,
+        rotation=90,
+        va="center",
+        ha="left",
+        fontsize=FONT + 2,
+    )
     fig.text((left + heads * side / 2) / width, 0.08 / height, KEY, ha="center", va="bottom", fontsize=FONT + 2)
-    bar_ax = fig.add_axes(((width - right + 0.2) / width, bottom / height, 0.18 / width,
-                           min(3.0, layers * side) / height), label="<colorbar>")
+    bar_ax = fig.add_axes(
+        ((width - right + 0.2) / width, bottom / height, 0.18 / width, min(3.0, layers * side) / height),
+        label="<colorbar>",
+    )
     assert image is not None  # one image per layer and head was drawn
     bar = fig.colorbar(image, cax=bar_ax)
     bar.set_label("attention weight", fontsize=FONT)
@@ -86,8 +111,15 @@ def grid_figure(weights, *, tokens=None, title="", layer_names=None):
     return fig
 
 
-def plot_attention(weights: Tensor, path: str | Path, *, q_tokens: list[str], k_tokens: list[str],
-                   title: str = "", marks: list[tuple[int, int]] | None = None) -> Path:
+def plot_attention(
+    weights: Tensor,
+    path: str | Path,
+    *,
+    q_tokens: list[str],
+    k_tokens: list[str],
+    title: str = "",
+    marks: list[tuple[int, int]] | None = None,
+) -> Path:
     """Write a PNG of one head ``(Lq, Lk)`` with its tokens on both axes and a colour bar;
     ``marks`` circles ``(query, key)`` cells (e.g. where a lookup should land). ``title`` should
     name the model, layer and head."""
@@ -95,8 +127,9 @@ def plot_attention(weights: Tensor, path: str | Path, *, q_tokens: list[str], k_
 
     w = weights.detach().float().cpu()
     if w.dim() != 2 or w.shape != (len(q_tokens), len(k_tokens)):
-        raise ValueError(f"plot_attention: weights must be (Lq, Lk) = ({len(q_tokens)}, {len(k_tokens)}), "
-                         f"got shape {tuple(w.shape)}")
+        raise ValueError(
+            f"plot_attention: weights must be (Lq, Lk) = ({len(q_tokens)}, {len(k_tokens)}), got shape {tuple(w.shape)}"
+        )
     lq, lk = w.shape
     fig = Figure(figsize=(2.6 + 0.17 * lk, 1.8 + 0.17 * lq), dpi=DPI, layout="constrained")
     ax = fig.subplots()
@@ -132,24 +165,30 @@ def panels_figure(panels: list[dict], *, title: str = ""):
         raise ValueError("plot_attention_panels: expected at least one panel, got none")
     longest = max(len(p["tokens"]) for p in panels)
     side = max(2.4, 0.19 * longest)
-    fig = Figure(figsize=(1.2 + (side + 0.9) * len(panels) + 0.8, 1.9 + side + (0.6 if title else 0)), dpi=DPI,
-                 layout="constrained")
+    fig = Figure(
+        figsize=(1.2 + (side + 0.9) * len(panels) + 0.8, 1.9 + side + (0.6 if title else 0)),
+        dpi=DPI,
+        layout="constrained",
+    )
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     image = None
     for ax, panel in zip(axes, panels):
         w = panel["weights"].detach().float().cpu()
         tokens = list(panel["tokens"])
         if w.shape != (len(tokens), len(tokens)):
-            raise ValueError(f"plot_attention_panels: weights must be (L, L) = ({len(tokens)}, {len(tokens)}), "
-                             f"got shape {tuple(w.shape)}")
+            raise ValueError(
+                f"plot_attention_panels: weights must be (L, L) = ({len(tokens)}, {len(tokens)}), "
+                f"got shape {tuple(w.shape)}"
+            )
         image = ax.imshow(w.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
         _ticks(ax, tokens, tokens)
         ax.set_xlabel(KEY, fontsize=FONT + 1)
         ax.set_ylabel(QUERY, fontsize=FONT + 1)
         ax.set_title(panel.get("title", ""), fontsize=FONT + 1)
         if panel.get("row") is not None:
-            ax.add_patch(Rectangle((-0.5, panel["row"] - 0.5), len(tokens), 1, fill=False, edgecolor="#e0892b",
-                                   linewidth=1.6))
+            ax.add_patch(
+                Rectangle((-0.5, panel["row"] - 0.5), len(tokens), 1, fill=False, edgecolor="#e0892b", linewidth=1.6)
+            )
     assert image is not None  # one image per panel was drawn (no panel is refused above)
     bar = fig.colorbar(image, ax=list(axes), fraction=0.02, pad=0.01)
     bar.set_label("attention weight", fontsize=FONT)
@@ -176,8 +215,10 @@ def _tokens(tokens, n: int, axis: str) -> list[str]:
     if tokens is None:
         return [str(i) for i in range(n)]
     if len(tokens) != n:
-        raise ValueError(f"plot_attention_grid: {len(tokens)} tokens for a {axis} axis of {n}; the grid's tokens "
-                         "label both axes, so Lq == Lk == len(tokens)")
+        raise ValueError(
+            f"plot_attention_grid: {len(tokens)} tokens for a {axis} axis of {n}; the grid's tokens "
+            "label both axes, so Lq == Lk == len(tokens)"
+        )
     return list(tokens)
 
 

@@ -67,8 +67,16 @@ def record_vectors(model: nn.Module):
 
 
 @torch.no_grad()
-def record_attention(model: nn.Module, *inputs, tokens: list[str], k_tokens: list[str] | None = None,
-                     name: str = "model", caption: str = "", highlight=None, **kwargs) -> ViewerSource:
+def record_attention(
+    model: nn.Module,
+    *inputs,
+    tokens: list[str],
+    k_tokens: list[str] | None = None,
+    name: str = "model",
+    caption: str = "",
+    highlight=None,
+    **kwargs,
+) -> ViewerSource:
     """One forward ``model(*inputs, **kwargs)`` as a :class:`ViewerSource` with queries and keys
     (the neuron view), for the first sequence of the batch. ``tokens`` name its query tokens,
     ``k_tokens`` its keys when they differ (cross-attention)."""
@@ -77,17 +85,34 @@ def record_attention(model: nn.Module, *inputs, tokens: list[str], k_tokens: lis
     if not cap.weights:
         raise ValueError(f"record_attention: {type(model).__name__} called no multihead attention layer")
     if len(vec.queries) != len(cap.weights):
-        raise ValueError(f"record_attention: {len(cap.weights)} attention calls recorded weights but "
-                         f"{len(vec.queries)} recorded vectors; only multihead attention layers give their vectors")
-    return ViewerSource(name, tokens, tokens if k_tokens is None else k_tokens, [w[0] for w in cap.weights],
-                        list(cap.names), caption=caption, highlight=highlight,
-                        queries=[q[0] for q in vec.queries], keys=[k[0] for k in vec.keys])
+        raise ValueError(
+            f"record_attention: {len(cap.weights)} attention calls recorded weights but "
+            f"{len(vec.queries)} recorded vectors; only multihead attention layers give their vectors"
+        )
+    return ViewerSource(
+        name,
+        tokens,
+        tokens if k_tokens is None else k_tokens,
+        [w[0] for w in cap.weights],
+        list(cap.names),
+        caption=caption,
+        highlight=highlight,
+        queries=[q[0] for q in vec.queries],
+        keys=[k[0] for k in vec.keys],
+    )
 
 
 @torch.no_grad()
-def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, *,
-                      token_names: Callable[[list[int]], list[str]], name: str = "generation",
-                      caption: str = "", **generate_kwargs) -> ViewerSource:
+def record_generation(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    token_names: Callable[[list[int]], list[str]],
+    name: str = "generation",
+    caption: str = "",
+    **generate_kwargs,
+) -> ViewerSource:
     """Greedy (or sampled, through ``generate_kwargs``) decoding of one prompt ``(1, P)`` by a
     model with ``generate(prompt_ids, max_new_tokens, cache=...)`` (:class:`~multihead.models.CausalDecoder`),
     recorded step by step: the prefill's rows, then one query row per decode step against the
@@ -105,9 +130,11 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
     L = P + max_new_tokens - 1  # rows fed in: the prompt, then every produced token but the last
     calls = len(cap.weights) // max(1, n_layers)
     if n_layers == 0 or calls != max_new_tokens or len(vec.queries) != len(cap.weights):
-        raise ValueError(f"record_generation: expected a prefill and {max_new_tokens - 1} one-token steps through "
-                         f"{n_layers} multihead attention layers, recorded {len(cap.weights)} weight and "
-                         f"{len(vec.queries)} vector calls")
+        raise ValueError(
+            f"record_generation: expected a prefill and {max_new_tokens - 1} one-token steps through "
+            f"{n_layers} multihead attention layers, recorded {len(cap.weights)} weight and "
+            f"{len(vec.queries)} vector calls"
+        )
     H = cap.weights[0].shape[1]
     weights = torch.zeros(n_layers, H, L, L)  # causal: zeros above the diagonal
     queries: list[list[Tensor]] = [[] for _ in range(n_layers)]
@@ -119,11 +146,13 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
             w = cap.weights[i][0].float()  # (H, rows, T)
             if w.shape[2] != row + w.shape[1]:  # a ring buffer (cache="sliding") holds slots, not positions
                 when = "the prefill" if call == 0 else f"decode step {call}"
-                raise ValueError(f"record_generation: {when} of {layer_names[layer]!r} read {w.shape[2]} cached "
-                                 f"keys for {row + w.shape[1]} tokens so far; the viewer needs every key in position "
-                                 f"order: cache='dynamic' (the default) or 'static', got "
-                                 f"cache={generate_kwargs['cache']!r}")
-            weights[layer, :, row: row + w.shape[1], : w.shape[2]] = w
+                raise ValueError(
+                    f"record_generation: {when} of {layer_names[layer]!r} read {w.shape[2]} cached "
+                    f"keys for {row + w.shape[1]} tokens so far; the viewer needs every key in position "
+                    f"order: cache='dynamic' (the default) or 'static', got "
+                    f"cache={generate_kwargs['cache']!r}"
+                )
+            weights[layer, :, row : row + w.shape[1], : w.shape[2]] = w
             queries[layer].append(vec.queries[i][0])  # (H, rows, D)
             keys[layer] = vec.keys[i][0]  # (Hkv, T, D): every key so far, in position order (dynamic cache)
         row += cap.weights[call * n_layers][0].shape[1]
@@ -131,6 +160,15 @@ def record_generation(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
     tokens = list(token_names(ids))
     if len(tokens) != len(ids):
         raise ValueError(f"record_generation: token_names gave {len(tokens)} names for {len(ids)} ids")
-    return ViewerSource(name, tokens[:L], tokens[:L], weights, layer_names, caption=caption,
-                        queries=[torch.cat(q, dim=1) for q in queries], keys=[k for k in keys if k is not None],
-                        prompt_len=P, generated=tokens[P:])
+    return ViewerSource(
+        name,
+        tokens[:L],
+        tokens[:L],
+        weights,
+        layer_names,
+        caption=caption,
+        queries=[torch.cat(q, dim=1) for q in queries],
+        keys=[k for k in keys if k is not None],
+        prompt_len=P,
+        generated=tokens[P:],
+    )

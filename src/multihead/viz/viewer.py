@@ -91,14 +91,18 @@ class ViewerSource:
         w = _stack(self.weights, self.name, "weights")  # (layers, H, Lq, Lk)
         layers, heads, lq, lk = w.shape
         if len(self.q_tokens) != lq or len(self.k_tokens) != lk:
-            raise ValueError(f"ViewerSource {self.name!r}: weights are (layers, H, Lq, Lk) = {tuple(w.shape)} but "
-                             f"got {len(self.q_tokens)} query tokens and {len(self.k_tokens)} key tokens")
+            raise ValueError(
+                f"ViewerSource {self.name!r}: weights are (layers, H, Lq, Lk) = {tuple(w.shape)} but "
+                f"got {len(self.q_tokens)} query tokens and {len(self.k_tokens)} key tokens"
+            )
         if w.numel() and not (bool(torch.isfinite(w).all()) and w.min() >= 0 and w.max() <= 1 + 1e-3):
             # stored as round(255 * w) clamped to [0, 1]: scores or NaN would be drawn as something else
-            raise ValueError(f"ViewerSource {self.name!r}: weights must be attention probabilities in [0, 1], got "
-                             f"values in [{float(w.nan_to_num().min()):.3g}, {float(w.nan_to_num().max()):.3g}]"
-                             f"{' with NaN or inf' if not bool(torch.isfinite(w).all()) else ''}; pass the softmax "
-                             "of the scores (need_weights=True or capture_attention record it)")
+            raise ValueError(
+                f"ViewerSource {self.name!r}: weights must be attention probabilities in [0, 1], got "
+                f"values in [{float(w.nan_to_num().min()):.3g}, {float(w.nan_to_num().max()):.3g}]"
+                f"{' with NaN or inf' if not bool(torch.isfinite(w).all()) else ''}; pass the softmax "
+                "of the scores (need_weights=True or capture_attention record it)"
+            )
         names = list(self.layer_names) if self.layer_names is not None else [f"layer {i}" for i in range(layers)]
         if len(names) != layers:
             raise ValueError(f"ViewerSource {self.name!r}: {len(names)} layer names for {layers} layers")
@@ -109,20 +113,30 @@ class ViewerSource:
         thumbs = thumbs / thumbs.amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12)
         t8 = _to_uint8(thumbs)
         data = {
-            "name": self.name, "caption": self.caption,
-            "q_tokens": [str(t) for t in self.q_tokens], "k_tokens": [str(t) for t in self.k_tokens],
-            "layers": names, "heads": heads, "lq": lq, "lk": lk, "thumb_q": tq, "thumb_k": tk,
+            "name": self.name,
+            "caption": self.caption,
+            "q_tokens": [str(t) for t in self.q_tokens],
+            "k_tokens": [str(t) for t in self.k_tokens],
+            "layers": names,
+            "heads": heads,
+            "lq": lq,
+            "lk": lk,
+            "thumb_q": tq,
+            "thumb_k": tk,
             "weights": [[_b64(q8[l, h]) for h in range(heads)] for l in range(layers)],
             "thumbs": [[_b64(t8[l, h]) for h in range(heads)] for l in range(layers)],
         }
         if self.highlight is not None:
             if not isinstance(self.highlight, (tuple, list)) or len(self.highlight) != 3:
-                raise ValueError(f"ViewerSource {self.name!r}: highlight must be (layer, head, label), got "
-                                 f"{self.highlight!r}")
+                raise ValueError(
+                    f"ViewerSource {self.name!r}: highlight must be (layer, head, label), got {self.highlight!r}"
+                )
             layer, head, label = self.highlight
             if not (0 <= layer < layers and 0 <= head < heads):
-                raise ValueError(f"ViewerSource {self.name!r}: highlight (layer={layer}, head={head}) is outside "
-                                 f"{layers} layers x {heads} heads")
+                raise ValueError(
+                    f"ViewerSource {self.name!r}: highlight (layer={layer}, head={head}) is outside "
+                    f"{layers} layers x {heads} heads"
+                )
             data["highlight"] = {"layer": int(layer), "head": int(head), "label": str(label)}
         data.update(self._vectors_json(layers, heads, lq, lk))
         data.update(self._generation_json(lq, lk))
@@ -132,21 +146,28 @@ class ViewerSource:
         if self.queries is None and self.keys is None:
             return {}
         if self.queries is None or self.keys is None:
-            raise ValueError(f"ViewerSource {self.name!r}: the neuron view needs both queries and keys, got only "
-                             f"{'queries' if self.keys is None else 'keys'}")
+            raise ValueError(
+                f"ViewerSource {self.name!r}: the neuron view needs both queries and keys, got only "
+                f"{'queries' if self.keys is None else 'keys'}"
+            )
         q = _stack(self.queries, self.name, "queries")  # (layers, H, Lq, D)
         k = _stack(_keys_per_query_head(self.keys, heads), self.name, "keys")  # (layers, H or Hkv, Lk, D)
         D = q.shape[-1]
         if q.shape != (layers, heads, lq, D):
-            raise ValueError(f"ViewerSource {self.name!r}: queries must be (layers, H, Lq, D) = "
-                             f"({layers}, {heads}, {lq}, D) like the weights, got {tuple(q.shape)}")
+            raise ValueError(
+                f"ViewerSource {self.name!r}: queries must be (layers, H, Lq, D) = "
+                f"({layers}, {heads}, {lq}, D) like the weights, got {tuple(q.shape)}"
+            )
         if k.shape[0] != layers or k.shape[2:] != (lk, D) or k.shape[1] < 1 or heads % k.shape[1]:
-            raise ValueError(f"ViewerSource {self.name!r}: keys must be (layers, Hkv, Lk, D) = ({layers}, Hkv, {lk}, "
-                             f"{D}) with Hkv dividing H={heads}, got {tuple(k.shape)}")
+            raise ValueError(
+                f"ViewerSource {self.name!r}: keys must be (layers, Hkv, Lk, D) = ({layers}, Hkv, {lk}, "
+                f"{D}) with Hkv dividing H={heads}, got {tuple(k.shape)}"
+            )
         k = repeat_kv(k, heads)  # (layers, H, Lk, D): query head h reads KV head kv_head_of(h)
         scale = default_scale(D) if self.scale is None else float(self.scale)
         return {
-            "dim": D, "scale": scale,
+            "dim": D,
+            "scale": scale,
             "queries": [[_b64(q[l, h].contiguous()) for h in range(heads)] for l in range(layers)],
             "keys": [[_b64(k[l, h].contiguous()) for h in range(heads)] for l in range(layers)],
         }
@@ -158,16 +179,21 @@ class ViewerSource:
             return {}
         P = self.prompt_len
         if lq != lk or list(self.q_tokens) != list(self.k_tokens):
-            raise ValueError(f"ViewerSource {self.name!r}: a generation (prompt_len={P}) attends a sequence to itself; "
-                             f"got {lq} query tokens and {lk} different key tokens")
+            raise ValueError(
+                f"ViewerSource {self.name!r}: a generation (prompt_len={P}) attends a sequence to itself; "
+                f"got {lq} query tokens and {lk} different key tokens"
+            )
         if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= lq:
             raise ValueError(f"ViewerSource {self.name!r}: prompt_len must be an int in [1, {lq}], got {P!r}")
         steps = lq - P + 1
-        generated = ([str(t) for t in self.q_tokens[P:]] + [""]) if self.generated is None else \
-            [str(t) for t in self.generated]
+        generated = (
+            ([str(t) for t in self.q_tokens[P:]] + [""]) if self.generated is None else [str(t) for t in self.generated]
+        )
         if len(generated) != steps:
-            raise ValueError(f"ViewerSource {self.name!r}: {len(generated)} generated tokens for {steps} decode steps "
-                             f"(rows {P - 1}..{lq - 1}); expected one per step")
+            raise ValueError(
+                f"ViewerSource {self.name!r}: {len(generated)} generated tokens for {steps} decode steps "
+                f"(rows {P - 1}..{lq - 1}); expected one per step"
+            )
         return {"prompt_len": P, "generated": generated}
 
 
@@ -176,8 +202,10 @@ def render_viewer(sources: ViewerSource | list[ViewerSource], *, title: str = "m
     items = [sources] if isinstance(sources, ViewerSource) else list(sources)
     wrong = [type(s).__name__ for s in items if not isinstance(s, ViewerSource)]
     if wrong:
-        raise TypeError(f"sources must be a ViewerSource or a list of them, got {', '.join(wrong)}; wrap "
-                        "weights in ViewerSource(name, q_tokens, k_tokens, weights)")
+        raise TypeError(
+            f"sources must be a ViewerSource or a list of them, got {', '.join(wrong)}; wrap "
+            "weights in ViewerSource(name, q_tokens, k_tokens, weights)"
+        )
     if not items:
         raise ValueError("render_viewer: sources is empty; expected at least one ViewerSource")
     payload = json.dumps({"title": title, "sources": [s.to_json() for s in items]}, separators=(",", ":"))
@@ -193,8 +221,9 @@ def render_viewer(sources: ViewerSource | list[ViewerSource], *, title: str = "m
     return re.sub(r"\{\{(TITLE|CSS|JS|DATA)\}\}", lambda m: parts[m.group(1)], _template("viewer.html"))
 
 
-def write_viewer(path: str | Path, sources: ViewerSource | list[ViewerSource], *,
-                 title: str = "multihead attention viewer") -> Path:
+def write_viewer(
+    path: str | Path, sources: ViewerSource | list[ViewerSource], *, title: str = "multihead attention viewer"
+) -> Path:
     """Write :func:`render_viewer` to ``path`` (UTF-8) and return the path."""
     path = Path(path)
     path.write_text(render_viewer(sources, title=title), encoding="utf-8")
@@ -209,8 +238,13 @@ class Viewer:
     The sources are rendered once, here, so a bad source raises at construction.
     """
 
-    def __init__(self, sources: ViewerSource | list[ViewerSource], *, title: str = "multihead attention viewer",
-                 height: int = 760):
+    def __init__(
+        self,
+        sources: ViewerSource | list[ViewerSource],
+        *,
+        title: str = "multihead attention viewer",
+        height: int = 760,
+    ):
         if isinstance(height, bool) or not isinstance(height, int) or height < 200:
             raise ValueError(f"Viewer: height must be an int >= 200 (pixels of the inline frame), got {height!r}")
         self.title, self.height = title, height
@@ -224,9 +258,11 @@ class Viewer:
 
     def _repr_html_(self) -> str:
         # srcdoc is an attribute: escaping & and " (html.escape) is all it needs.
-        return (f'<iframe class="multihead-viewer" title="{html.escape(self.title)}" srcdoc="{html.escape(self.html)}" '
-                f'style="width: 100%; height: {self.height}px; border: 1px solid #d9d9de;" '
-                f'sandbox="allow-scripts"></iframe>')
+        return (
+            f'<iframe class="multihead-viewer" title="{html.escape(self.title)}" srcdoc="{html.escape(self.html)}" '
+            f'style="width: 100%; height: {self.height}px; border: 1px solid #d9d9de;" '
+            f'sandbox="allow-scripts"></iframe>'
+        )
 
     def show(self) -> None:
         """``IPython.display.display(self)`` (in a notebook, the same as ending a cell with it)."""
@@ -249,8 +285,10 @@ def _stack(tensors, name: str, what: str) -> Tensor:
         if not layers:
             raise ValueError(f"ViewerSource {name!r}: {what} is an empty list; expected one ({shape[9:]} per layer")
         if len({tuple(t.shape) for t in layers}) > 1:
-            raise ValueError(f"ViewerSource {name!r}: {what} of the layers have different shapes "
-                             f"{sorted({tuple(t.shape) for t in layers})}; expected one ({shape[9:]}")
+            raise ValueError(
+                f"ViewerSource {name!r}: {what} of the layers have different shapes "
+                f"{sorted({tuple(t.shape) for t in layers})}; expected one ({shape[9:]}"
+            )
         w = torch.stack(layers)
     if w.dim() != 4:
         raise ValueError(f"ViewerSource {name!r}: {what} must be {shape}, got shape {tuple(w.shape)}")
