@@ -35,7 +35,8 @@ check: setup
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
-test: setup
+# The default tier runs the habits first: a lint, format or type error fails the tests.
+test: setup check
 	$(BIN)/python -m pytest -m "not slow"
 
 test-slow: setup
