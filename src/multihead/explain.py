@@ -255,10 +255,11 @@ def _dense_mask_advice(
     if probe or (probe is None and cheap):
         factor = _probe(call, mask, other, score_mod, scale, backend)
         how = "measured on these inputs: best of 2 runs each, after a warm-up"
-        if factor < 1.1:
+        if factor < 1.1:  # measured no faster: the object is an option here, not the advice
+            what = what.replace("; pass that object instead", "")
             return [
-                what + f": no faster at this size ({factor:.2f}x, {how}); it saves the {dense} tensor's "
-                "memory and reads, and gains as L grows"
+                what + f": the object is no faster at this size ({factor:.2f}x, {how}); it saves the {dense} "
+                "tensor's memory and reads, and gains as L grows"
             ]
         return [what + f": {factor:.1f}x faster here ({how})"]
     fraction = _visible_fraction(other, B, Lq, Lk)

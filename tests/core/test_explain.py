@@ -1,7 +1,9 @@
 """explain(): which backend runs, why others were refused, and which PyTorch kernel."""
 
 import re
+import sys
 
+import pytest
 import torch
 
 import multihead as mh
@@ -63,6 +65,17 @@ def test_a_dense_sliding_window_is_named_with_the_object_and_a_factor():
     measured = mh.explain(small, small, small, mask=_band(64, 8), probe=True)
     factor = r"(\d+\.\dx faster here \(|no faster at this size \(\d\.\d\dx, )measured on these inputs"
     assert re.search(factor, measured.advice[0])
+
+
+@pytest.mark.parametrize("factor", [0.7, 3.0])
+def test_the_object_is_advised_only_when_the_probe_measures_it_faster(monkeypatch, factor):
+    """Regression: a probe that measured the object slower (0.70x) still said 'pass that object instead'."""
+    explain_module = sys.modules["multihead.explain"]  # the module (mh.explain is the function)
+    monkeypatch.setattr(explain_module, "_probe", lambda *args: factor)
+    small = torch.randn(1, 1, 64, 8)
+    [line] = mh.explain(small, small, small, mask=_band(64, 8), probe=True).advice
+    assert ("pass that object instead" in line) == (factor > 1.1), line
+    assert ("the object is no faster at this size (0.70x" in line) == (factor < 1.1), line
 
 
 def test_a_float_causal_mask_from_torch_is_recognised_as_causal():
