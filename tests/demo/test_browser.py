@@ -321,6 +321,33 @@ def test_neuron_view_without_vectors_says_how_to_get_them(browser, tmp_path):
     assert _errors(browser) == []
 
 
+def test_neuron_view_with_no_head_shown_says_so(browser, tmp_path):
+    """Regression: with every head toggled off, the neuron view still split head 0's scores."""
+    torch.manual_seed(1)
+    source = record_attention(MultiHeadAttention(32, 2).eval(), torch.randn(1, 6, 32), tokens=TOKENS, name="layer")
+    _load(browser, write_viewer(tmp_path / "v.html", [source]))
+    _click(browser, "#heads-none")
+    _click(browser, "#tab-neuron")
+    assert browser.find_element("id", "neuron-nohead").is_displayed()
+    assert not browser.find_element("id", "neuron-body").is_displayed()
+    assert _stats(browser)["neuron"] is None
+    _click(browser, ".head-toggle[data-head='1']")
+    assert not browser.find_element("id", "neuron-nohead").is_displayed()
+    assert _stats(browser)["neuron"]["head"] == 1
+    assert _errors(browser) == []
+
+
+def test_every_head_of_a_32_head_model_has_its_own_colour(browser, tmp_path):
+    """Regression: the 16-colour palette repeated, so heads 0 and 16 looked the same."""
+    weights = torch.softmax(torch.randn(1, 32, 6, 6, generator=torch.Generator().manual_seed(0)), -1)
+    _load(browser, write_viewer(tmp_path / "v.html", [ViewerSource("m", TOKENS, TOKENS, weights)]))
+    swatches = browser.execute_script(
+        "return [...document.querySelectorAll('.head-toggle .swatch')].map(e => getComputedStyle(e).backgroundColor)"
+    )
+    assert len(swatches) == 32 and len(set(swatches)) == 32, swatches
+    assert _errors(browser) == []
+
+
 def test_hovering_with_many_heads_moves_nothing_and_a_click_pins_the_hovered_token(browser, tmp_path):
     """Regression: with 12 heads the status grew a line on hover, pushing the head view down under the
     mouse, so a click pinned the query above the one hovered."""

@@ -35,7 +35,9 @@ const cache = new Map();   // "kind/source/layer/head" -> typed array
 
 const $ = (id) => document.getElementById(id);
 const src = () => DATA.sources[state.source];
-const color = (head) => HEAD_COLORS[head % HEAD_COLORS.length];
+// Up to 16 heads take the palette; more take hues a golden angle apart, so no two heads share a colour.
+const color = (head) => src().heads <= HEAD_COLORS.length ? HEAD_COLORS[head]
+  : `hsl(${Math.round((head * 137.508) % 360)}, ${head % 2 ? 55 : 75}%, ${head % 3 ? 42 : 52}%)`;
 const shown = () => [...state.heads].sort((a, b) => a - b);
 const quote = (t) => JSON.stringify(t);
 // "layer 1 (blocks.1.attn)", or "layer 1" when the source named its layers by number (the default)
@@ -574,9 +576,11 @@ function neuronTerms() {
 function drawNeuron() {
   const s = src();
   const has = s.queries !== undefined;
+  const noHead = has && state.heads.size === 0;  // "none" toggled: no head to split
   $("neuron-empty").hidden = has;
-  $("neuron-body").hidden = !has;
-  if (!has) { stats.neuron = null; return; }
+  $("neuron-nohead").hidden = !noHead;
+  $("neuron-body").hidden = !has || noHead;
+  if (!has || noHead) { stats.neuron = null; return; }
   const t = neuronTerms();
   const scroller = $("neuron-scroller");
   const width = scroller.clientWidth, height = scroller.clientHeight;
