@@ -215,6 +215,8 @@ def _dense_mask_advice(
 ) -> list[str]:
     """What a dense mask tensor is, as an object, and how much faster the object runs."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    given = mask.shape  # the caller's tensor, which may broadcast: (1, 1, Lq, 1), (B, 1, 1, Lk), ...
+    mask = mask.expand(torch.broadcast_shapes(given, (Lq, Lk)))  # read over the whole (Lq, Lk)
     found = recognize(mask)
     kind = "float (additive)" if mask.is_floating_point() else "bool"
     if found is None:
@@ -250,7 +252,7 @@ def _dense_mask_advice(
         )
     elif mask.is_floating_point():
         what += " (its finite entries are all 0: the float tensor adds a dense bias of zeros besides)"
-    dense = "x".join(str(n) for n in mask.shape)  # the user's tensor, which may broadcast (B, 1, 1, Lk)
+    dense = "x".join(str(n) for n in given)
     cheap = B * Hq * Lq * Lk * D <= PROBE_ELEMENTS
     if probe or (probe is None and cheap):
         factor = _probe(call, mask, other, score_mod, scale, backend)

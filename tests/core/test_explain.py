@@ -148,3 +148,16 @@ def test_a_random_or_per_head_mask_gets_no_object_advice():
     assert mh.explain(q, q, q, mask=torch.rand(32, 32) > 0.5).advice == ()
     per_head = torch.stack([torch.ones(32, 32, dtype=torch.bool).tril(), torch.ones(32, 32, dtype=torch.bool)])
     assert mh.explain(q, q, q, mask=per_head.unsqueeze(0)).advice == ()
+
+
+def test_a_broadcast_mask_tensor_is_read_over_the_whole_square():
+    """Regression (the fuzz suite): a (1, 1, Lq, 1) bool mask with Lk=100 was recognised as a
+    document mask of one key, and the probe's call raised 'kv_ids has length 1 but Lk=100'."""
+    q, k = torch.randn(2, 1, 256, 8), torch.randn(2, 1, 100, 8)
+    rows = torch.rand(1, 1, 256, 1, generator=torch.Generator().manual_seed(0)) > 0.5  # query rows that see all
+    report = mh.explain(q, k, k, mask=rows, probe=True)  # raised before
+    [line] = report.advice  # rows that see every key or none: one document, and rows outside it
+    assert "`document(q_ids, kv_ids)`" in line and ("faster here" in line or "no faster" in line), line
+    padding = torch.arange(100).view(1, 1, 1, 100) < torch.tensor([60, 100]).view(2, 1, 1, 1)  # (B, 1, 1, Lk)
+    [line] = mh.explain(q, k, k, mask=padding, probe=False).advice
+    assert "key_padding" in line and "2x1x1x100" in line, line
