@@ -69,17 +69,21 @@ def finite_check(q: Tensor, output: Tensor) -> Callable[[Tensor, Tensor], bool]:
     kernel itself, so it is one reduction: ``sum q · output`` is not finite when a term is not
     (``inf · x`` and ``NaN · x`` are not, ``inf · 0`` is NaN; finite terms never cancel an infinite
     one), and otherwise only when the sum of finite products overflows (then the policy finds
-    nothing). It is ``vecdot`` over the head dimension and a sum of the ``B·Hq·Lq`` results: on two
-    threads of a loaded machine, every parallel region waits for a thread the scheduler took away,
-    and ``torch.dist(q, output, 1)`` (a difference, then a norm) ran two of them on a 1024-token
-    prefill: 17.7 ms against 0.57 ms (median, load 8; docs/performance.md, Hugging Face backend).
-    fp16, and shapes that differ (``D != Dv``), take one fp32 sum of each instead: an fp16
-    product or sum of large finite values would overflow."""
+    nothing). Contiguous tensors (the usual case) take ``torch.dot`` of the flat views: one BLAS
+    call, no temporary (``vecdot``'s products were a whole temporary the size of ``q``: the ring's
+    per-rank memory bound caught it) and no parallel region, which on a loaded machine waits for a
+    thread the scheduler took away (``torch.dist(q, output, 1)``, a difference then a norm, ran two:
+    17.7 ms against 0.57 ms on a 1024-token prefill, median, load 8; docs/performance.md, Hugging
+    Face backend). Other strides take ``torch.dist``, which allocates nothing either. fp16, and
+    shapes that differ (``D != Dv``), take one fp32 sum of each instead: an fp16 product or sum of
+    large finite values would overflow."""
     return _one_reduction if q.shape == output.shape and q.dtype is not torch.float16 else _two_sums
 
 
 def _one_reduction(q: Tensor, output: Tensor) -> bool:
-    return math.isfinite(torch.linalg.vecdot(q, output).sum().item())
+    if q.is_contiguous() and output.is_contiguous():
+        return math.isfinite(torch.dot(q.view(-1), output.view(-1)).item())
+    return math.isfinite(torch.dist(q, output, 1).item())
 
 
 def _two_sums(q: Tensor, output: Tensor) -> bool:
