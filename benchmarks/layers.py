@@ -10,7 +10,7 @@ one another and outputs checked to agree before anything is timed:
 * ``torch_mha``: ``nn.MultiheadAttention`` called as its API asks, ``attn_mask`` causal and
   ``is_causal=True``, with ``need_weights`` True (its default) and False;
 * ``compat``: :class:`multihead.compat.MultiheadAttention` with the same call (need_weights=False);
-* ``naive``: a seed-style MHA from the math (three linears, matmul, masked_fill, softmax, matmul);
+* ``naive``: a tutorial-style MHA from the math (three linears, matmul, masked_fill, softmax, matmul);
 * ``x_transformers``: ``Attention(flash=True)`` when importable (no biases: checked against a
   bias-free multihead layer).
 
