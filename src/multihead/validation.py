@@ -99,6 +99,10 @@ def validate_call(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
+    if isinstance(mask, Tensor) and mask.is_floating_point() and mask.device != q.device:
+        # Mask tensors may live on any device (bool ones move lazily); an additive one moves here,
+        # before it becomes a bias, so that it is not refused as a score_mod on the wrong device.
+        mask = mask.to(q.device)
     mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
     if mask is not None:
         mask.check(B, Hq, Lq, Lk)

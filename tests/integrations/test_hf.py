@@ -24,7 +24,9 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face backend needs transformers (extra 'hf')")
+transformers = pytest.importorskip(
+    "transformers", minversion="5.23", reason="the Hugging Face backend needs transformers>=5.23 (extra 'hf')"
+)
 
 import multihead  # noqa: E402
 from helpers import assert_relative  # noqa: E402
@@ -613,3 +615,14 @@ def test_the_docs_usage_runs():
     assert model.config._attn_implementation == "multihead"
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_register_refuses_a_transformers_outside_the_tested_range(monkeypatch):
+    """An older ``transformers`` lacks mask helpers the backend reads: ``register`` says which
+    range it needs and registers nothing, instead of failing later inside a model."""
+    from transformers import AttentionInterface
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(ImportError, match=r"transformers>=5.23,<6.*found 5\.17\.0"):
+        mh_hf.register("multihead-too-old")
+    assert "multihead-too-old" not in AttentionInterface._global_mapping

@@ -70,6 +70,7 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
     name such as ``"sdpa"`` or ``"reference"``). Registering again replaces the functions.
     Returns ``name``, for ``attn_implementation=register()``.
     """
+    _check_transformers_version()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -77,6 +78,20 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
     AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
     AttentionMaskInterface.register(name, mask_interface)
     return name
+
+
+SUPPORTED = ((5, 23), (6, 0))  # the range of the 'hf' extra, which the tests run on
+
+
+def _check_transformers_version() -> None:
+    """Refuse, naming the range, a ``transformers`` whose mask helpers this backend does not know."""
+    import transformers
+
+    found = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if not SUPPORTED[0] <= found < SUPPORTED[1]:
+        raise ImportError(
+            f"multihead.integrations.hf needs transformers>=5.23,<6 (the 'hf' extra); found {transformers.__version__}"
+        )
 
 
 def unregister(name: str = NAME) -> None:
