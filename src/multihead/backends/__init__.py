@@ -19,11 +19,13 @@ from multihead.backends.sdpa import SDPABackend
 # The auto order, lower first (measured; docs/performance.md). decode takes calls of a few query
 # tokens (a decode step) and passes (auto_refusals) on longer ones. blocksparse passes (auto_refusals)
 # on what sdpa runs as well: no mask, causal diagonals, small calls. flex passes on CPU (a minute
-# to compile on 2 cores). The oracle is last.
+# to compile on 2 cores) and, on CUDA, on all but large structured masks that leave most tiles
+# empty, which it runs in proportion to the visible blocks where sdpa needs a dense mask. The
+# oracle is last.
 register_backend(DecodeBackend(), priority=5)
 register_backend(BlockSparseBackend(), priority=10)
+register_backend(FlexBackend(), priority=15)
 register_backend(SDPABackend(), priority=20)
-register_backend(FlexBackend(), priority=30)
 register_backend(ReferenceBackend(), priority=100)
 
 __all__ = [

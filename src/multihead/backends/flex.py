@@ -7,7 +7,9 @@ passed as flex's ``score_mod`` (it has flex's signature). The LSE comes from the
 
 On a 2-core CPU the first compile takes about a minute and dense causal runs slower than SDPA,
 so ``auto`` never picks it there (``auto_refusals``; decision table in docs/performance.md).
-Force it with ``backend="flex"``.
+On CUDA ``auto`` picks it for structured masks that leave most tiles empty (sliding windows,
+packed documents) at ``Lq * Lk >= CUDA_MIN_WORK``, where sdpa would run a dense ``Lq x Lk`` mask
+on a slower kernel; the first call of each shape compiles. Force it with ``backend="flex"``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from multihead.backends.base import Backend, Capabilities
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
-from multihead.masks import Mask
+from multihead.masks import BlockState, Mask
 
 __all__ = ["FlexBackend"]
 
@@ -29,6 +31,39 @@ except Exception:  # pragma: no cover - depends on the PyTorch build
     create_block_mask = flex_attention = None  # type: ignore[assignment]  # refused in capabilities instead
 
 _compiled = None
+
+#: On CUDA, ``auto`` sends a structured mask to flex when ``Lq * Lk`` is at least this and at most
+#: ``CUDA_MAX_VISIBLE`` of the tiles are visible (measured on an H100: benchmarks/gpu_dispatch.py,
+#: docs/performance.md "On the GPU"); otherwise sdpa runs it over the dense mask.
+CUDA_MIN_WORK = 2048 * 2048
+CUDA_MAX_VISIBLE = 0.6
+#: The grid :func:`visible_tile_fraction` reads a mask on: at most this many tiles per side.
+TILES = 32
+_visible_cache: OrderedDict = OrderedDict()
+
+
+def visible_tile_fraction(mask: Mask, B: int, H: int, Lq: int, Lk: int) -> float:
+    """The share of ``Lq x Lk`` in tiles (of at most ``TILES`` per side, at least 128 rows or keys,
+    flex's block) that hold a visible entry: the work a block-sparse kernel does, relative to a
+    dense one. Read from :meth:`Mask.block_state` (O(1) per tile for the structured masks) and
+    kept per (mask, shape)."""
+    key = (mask, B, H, Lq, Lk)
+    hit = _visible_cache.get(key)
+    if hit is not None:
+        return float(hit)
+    tq, tk = max(128, -(-Lq // TILES)), max(128, -(-Lk // TILES))
+    visible = 0
+    for q0 in range(0, Lq, tq):
+        q1 = min(Lq, q0 + tq)
+        for k0 in range(0, Lk, tk):
+            k1 = min(Lk, k0 + tk)
+            if mask.block_state(q0, q1, k0, k1, Lq, Lk, B, H) is not BlockState.EMPTY:
+                visible += (q1 - q0) * (k1 - k0)
+    fraction = visible / (Lq * Lk)
+    _visible_cache[key] = fraction
+    while len(_visible_cache) > 64:
+        _visible_cache.popitem(last=False)
+    return fraction
 
 
 def _recompile_limit() -> int:
@@ -85,9 +120,26 @@ class FlexBackend(Backend):
         return reasons
 
     def auto_refusals(self, call: AttentionCall) -> list[str]:
-        if call.q.device.type == "cpu":
+        device = call.q.device.type
+        if device == "cpu":
             return ["on CPU its compile takes about a minute and blocksparse/sdpa are faster (measured)"]
-        return ["not measured on this device yet; sdpa is the safe default"]
+        if device != "cuda":
+            return [f"not measured on {device}; sdpa is the safe default"]
+        # CUDA: flex's cost follows the visible blocks, sdpa's the whole Lq x Lk (a dense mask
+        # tensor, on the masked kernels); the thresholds are measured (benchmarks/gpu_dispatch.py).
+        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        mask = call.mask
+        if mask is None or mask.causal_offset(Lq, Lk) is not None:
+            return ["no mask or a causal diagonal: sdpa runs it without a mask tensor (flash/cuDNN)"]
+        if Lq * Lk < CUDA_MIN_WORK:
+            return [f"Lq*Lk = {Lq * Lk} < {CUDA_MIN_WORK}: a compile per shape does not pay; sdpa with the dense mask"]
+        visible = visible_tile_fraction(mask, B, Hq, Lq, Lk)
+        if visible > CUDA_MAX_VISIBLE:
+            return [
+                f"the mask leaves {visible:.0%} of the Lq x Lk tiles visible (> {CUDA_MAX_VISIBLE:.0%}): "
+                "sdpa over the dense mask is faster there (measured)"
+            ]
+        return []
 
     def plan(self, call: AttentionCall) -> list[str]:
         return [

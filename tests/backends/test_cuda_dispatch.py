@@ -1,0 +1,117 @@
+"""``auto`` on CUDA: structured masks that leave most tiles empty go to ``flex`` (cost in
+proportion to the visible blocks), everything else to ``sdpa`` (flash/cuDNN without a mask
+tensor, or the dense mask). The tile count that decides is checked here on CPU; the choice and
+its results on a CUDA device, when one is present."""
+
+import pytest
+import torch
+
+import multihead as mh
+from helpers import assert_relative, naive_attention
+from multihead.backends import flex
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU tier)")
+
+
+def _dense_tile_fraction(mask, B, H, Lq, Lk):
+    """The same count from the materialized mask (the definition, slowly)."""
+    tq, tk = max(128, -(-Lq // flex.TILES)), max(128, -(-Lk // flex.TILES))
+    dense = mask.materialize(B, H, Lq, Lk).expand(B, H, Lq, Lk).any(0).any(0)
+    visible = 0
+    for q0 in range(0, Lq, tq):
+        for k0 in range(0, Lk, tk):
+            block = dense[q0 : q0 + tq, k0 : k0 + tk]
+            visible += block.numel() if bool(block.any()) else 0
+    return visible / (Lq * Lk)
+
+
+@pytest.mark.parametrize(
+    "name,make,expected",
+    [
+        ("window", lambda L: mh.sliding_window(256), (0.05, 0.12)),
+        ("documents", lambda L: mh.document_causal(torch.arange(L) // 512), (0.05, 0.15)),
+        ("padding", lambda L: mh.key_padding(torch.tensor([L // 2, L // 4])), (0.49, 0.51)),
+        ("causal", lambda L: mh.causal(), (0.5, 0.56)),
+        ("everything", lambda L: ~mh.key_padding(torch.tensor([0])), (1.0, 1.0)),
+    ],
+)
+def test_visible_tile_fraction_counts_the_tiles_a_block_sparse_kernel_runs(name, make, expected):
+    L = 4096 + 1  # a ragged last tile
+    mask = make(L)
+    got = flex.visible_tile_fraction(mask, 2, 1, L, L)
+    assert got == pytest.approx(_dense_tile_fraction(mask, 2, 1, L, L), abs=1e-12)
+    assert expected[0] <= got <= expected[1]
+
+
+def test_flex_stays_out_of_auto_on_cpu():
+    from multihead.validation import validate_call
+
+    q = torch.randn(1, 2, 4096, 16)
+    call = validate_call(
+        q,
+        q,
+        q,
+        mask=mh.sliding_window(64),
+        scale=None,
+        dropout_p=0.0,
+        dropout_mask=None,
+        return_weights=False,
+        return_lse=False,
+    )
+    assert not mh.get_backend("flex").refusals(call)
+    assert "on CPU" in mh.get_backend("flex").auto_refusals(call)[0]
+    assert mh.explain(q, q, q, mask=mh.sliding_window(64)).backend == "blocksparse"
+
+
+def _inputs(L, dtype, requires_grad=False, Hq=4, Hkv=2, D=64):
+    gen = torch.Generator().manual_seed(L)
+    return [
+        torch.randn(1, h, L, D, generator=gen).to("cuda", dtype).requires_grad_(requires_grad) for h in (Hq, Hkv, Hkv)
+    ]
+
+
+@cuda
+@pytest.mark.parametrize(
+    "mask,backend",
+    [
+        (mh.sliding_window(256), "flex"),
+        (mh.document_causal(torch.arange(4096) // 512), "flex"),
+        (mh.causal(), "sdpa"),
+        (None, "sdpa"),
+        (mh.key_padding(torch.tensor([4000])), "sdpa"),  # 98% of tiles visible: the dense kernel
+    ],
+    ids=["window", "documents", "causal", "none", "padding"],
+)
+def test_auto_on_cuda_picks_by_the_measured_table(mask, backend):
+    q, k, v = _inputs(4096, torch.bfloat16)
+    assert mh.explain(q, k, v, mask=mask).backend == backend
+
+
+@cuda
+def test_auto_on_cuda_leaves_small_calls_to_sdpa():
+    q, k, v = _inputs(512, torch.bfloat16)
+    report = mh.explain(q, k, v, mask=mh.sliding_window(16))
+    assert report.backend == "sdpa" and "compile per shape" in report.refused["flex"][0]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_on_cuda_with_flex_matches_the_reference_forward_and_backward(dtype):
+    L = 2048 + 1
+    mask = mh.sliding_window(100) & mh.key_padding(torch.tensor([L - 7]))
+    q, k, v = _inputs(L, dtype, requires_grad=True)
+    assert mh.explain(q, k, v, mask=mask).backend == "flex"
+    out = mh.attention(q, k, v, mask=mask)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
+    out.backward(grad)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref = mh.reference_attention(*leaves, mask=mask).output
+    ref.backward(grad.cpu().double())
+    lows = [t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v)]
+    base = naive_attention(*lows, mask)
+    base.backward(grad.cpu())
+    factor = mh.get_backend("flex").capabilities.tolerance_factor(dtype, False)
+    assert_relative(out.detach().cpu(), ref, base.detach(), factor)
+    gfactor = mh.get_backend("flex").capabilities.tolerance_factor(dtype, True)
+    for name, got, want, low in zip("qkv", (q, k, v), leaves, lows):
+        assert_relative(got.grad.cpu(), want.grad, low.grad, gfactor, f"grad {name}")
