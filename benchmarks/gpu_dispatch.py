@@ -108,7 +108,10 @@ def main(argv=None) -> list[dict]:
         for name, mask in _masks(L, "cuda").items():
             for passes in ("fwd",) + (("fwd+bwd",) if L == middle else ()):
                 try:
-                    rows += _row(name, mask, L, passes, "cuda")
+                    got = _row(name, mask, L, passes, "cuda")
+                    rows += got
+                    for r in got:
+                        print("  ", {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
                 except Exception as exc:
                     print(f"{name} L={L} {passes}: {type(exc).__name__}: {exc}", flush=True)
                 torch.cuda.empty_cache()
