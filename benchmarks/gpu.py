@@ -2,18 +2,21 @@
 
 Not part of ``run_all.py``'s suite (that one runs on CPU). Commands, from the repository root:
 
-    python benchmarks/gpu.py                          # all four sections, default grid (about 5 min on an H100)
-    python benchmarks/gpu.py --only sweep             # one or more of: sweep structured layer decode
-    python benchmarks/gpu.py --only sweep --full      # the whole FlashAttention grid: 6 lengths, 3 passes
-    python benchmarks/gpu.py --only sweep --passes fwd bwd fwdbwd
-    python benchmarks/gpu.py --budget 600             # seconds for the whole run (default 320)
-    python benchmarks/gpu.py --dry-run                # every code path at tiny sizes, on CPU (no CUDA needed)
+    python benchmarks/gpu.py                       # all four sections, default grid (~4.5 min on an H100)
+    python benchmarks/gpu.py --only sweep          # one or more of: sweep structured layer decode
+    python benchmarks/gpu.py --only sweep --full   # the whole FlashAttention grid: 6 lengths (~4 min)
+    python benchmarks/gpu.py --only sweep --passes fwd fwdbwd
+    python benchmarks/gpu.py --budget 600          # seconds for the whole run (default 320)
+    python benchmarks/gpu.py --dry-run             # every code path at tiny sizes, on CPU (no CUDA needed)
+
+Measured on an H100 80GB (torch 2.11+cu130, triton 3.6, cold compile caches), with the sweep at
+fwd and fwd+bwd: sweep 88 s (flex compiles included), structured 114 s, layer 4 s, decode 18 s.
 
 Sections (each writes ``benchmarks/results/gpu_<section>.csv``, the GPU's name in every row):
 
 * ``sweep``: the FlashAttention sweep, ``B·L = 16384`` tokens, hidden 2048 (``H = 2048/D``), D 64
-  and 128, causal and not, bf16. Default: L in {1k, 4k, 16k}, passes fwd and fwd+bwd; ``--full``:
-  L in {512, 1k, 2k, 4k, 8k, 16k} and fwd, bwd, fwd+bwd. Contenders: ``multihead.attention``
+  and 128, causal and not, bf16, passes fwd, bwd, fwd+bwd. Default: L in {1k, 4k, 16k};
+  ``--full``: L in {512, 1k, 2k, 4k, 8k, 16k}. Contenders: ``multihead.attention``
   (auto), SDPA pinned to FLASH_ATTENTION / EFFICIENT_ATTENTION / CUDNN_ATTENTION (a kernel that
   refuses the input is "n/a" with its reason) and compiled FlexAttention (block mask built once,
   outside the timed region). TFLOP/s with the FlashAttention count: forward ``4·B·L²·H·D``,
@@ -23,7 +26,8 @@ Sections (each writes ``benchmarks/results/gpu_<section>.csv``, the GPU's name i
 * ``structured``: sliding window (1024, 4096; causal) and packed documents (random lengths
   averaging 2k, causal within each) at L 8k / 16k / 32k, B=1 H=16 D=128 bf16, fwd and fwd+bwd:
   multihead with the mask object, SDPA with a dense bool mask (EFFICIENT_ATTENTION), compiled
-  flex with the same block structure, and multihead's dense causal run at the same L. TFLOP/s
+  flex with the same block structure, and multihead's dense causal run at the same L (passes:
+  fwd and fwd+bwd unless ``--passes``). TFLOP/s
   per *unmasked* FLOP (``4·D·H·B·visible``, visible counted from the dense mask), and the ratio
   to the dense-causal TFLOP/s.
 * ``layer``: ``multihead.MultiHeadAttention`` at B=8 L=1024 E=768 H=12 causal, fwd and fwd+bwd,
@@ -31,7 +35,8 @@ Sections (each writes ``benchmarks/results/gpu_<section>.csv``, the GPU's name i
   (need_weights=False, causal attn_mask); ms and tokens/s.
 * ``decode``: one decode step, Hq=32 Hkv=8 D=128 bf16, cache 1k..128k, batch 1/8/64 (K/V over
   20 GiB skipped): multihead auto, SDPA ``enable_gqa=True``, compiled flex; GB/s of K/V read and
-  % of the card's device-to-device copy bandwidth (read + write bytes) measured in the run.
+  % of the card's device-to-device copy bandwidth (read + write bytes) measured in the run (a
+  pure read can come out slightly above 100% of it).
 
 Every contender's output is checked against SDPA's math kernel in fp32 on a slice (relative to
 the output's magnitude) before it is timed. Timer: ``triton.testing.do_bench`` (median) when
@@ -87,7 +92,8 @@ class Run:
         self.device = torch.device("cpu" if self.dry else "cuda")
         self.gpu = "dry-run (cpu)" if self.dry else torch.cuda.get_device_name()
         self.full = args.full
-        self.passes = args.passes or (list(PASSES) if args.full else ["fwd", "fwdbwd"])
+        self.passes = args.passes or list(PASSES)  # the sweep's
+        self.struct_passes = args.passes or ["fwd", "fwdbwd"]
         self.deadline = float("inf")
         self.flex = None
         self.tag = "_dryrun" if self.dry else ""
@@ -174,16 +180,24 @@ def sync(run: Run) -> None:
         torch.cuda.synchronize()
 
 
-def explain_lines(q, k, v, mask) -> tuple[str, str]:
-    """The ``backend:`` and ``PyTorch kernel:`` lines of ``multihead.explain`` for this call."""
+def explain_lines(q, k, v, mask) -> tuple[str, str, str]:
+    """The ``backend:`` and ``PyTorch kernel:`` lines of ``multihead.explain`` for this call, and
+    the whole plan (the chosen backend's ``  - `` lines) joined by ``|``."""
     text = str(mh.explain(q, k, v, mask=mask, probe=False))
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("backend:")), len(lines))
+    plan = []
+    for ln in lines[start + 1 :]:
+        if not ln.startswith("  - "):
+            break
+        plan.append(ln[4:].strip())
     backend = next(
         (ln.split("backend:", 1)[1].split("(")[0].strip() for ln in text.splitlines() if ln.startswith("backend:")), "?"
     )
     kernel = next(
         (ln.split("PyTorch kernel:", 1)[1].strip() for ln in text.splitlines() if "PyTorch kernel:" in ln), ""
     )
-    return backend, kernel
+    return backend, kernel, " | ".join(plan)
 
 
 def time_passes(run: Run, fn, passes, inputs, dout) -> tuple[dict, str]:
@@ -350,8 +364,10 @@ def sweep_config(run: Run, B: int, H: int, L: int, D: int, causal: bool) -> list
     mask = mh.causal() if causal else None
     ref = math_ref(q[:1, :2], k[:1, :2], v[:1, :2], is_causal=causal)  # fp32 reference on a slice
     check = checker(ref, lambda out: out[:1, :2], 3e-2)
-    mh_backend, mh_kernel = explain_lines(q, k, v, mask)
+    mh_backend, mh_kernel, mh_plan = explain_lines(q, k, v, mask)
     print(f"    multihead explain: backend: {mh_backend}; PyTorch kernel: {mh_kernel or '-'}", flush=True)
+    if mh_backend != "sdpa":
+        print(f"      plan: {mh_plan}", flush=True)
     contenders = {
         "multihead": lambda: mh.attention(q, k, v, mask=mask),
         "sdpa_flash": pinned_sdpa("FLASH_ATTENTION", q, k, v, is_causal=causal),
@@ -379,7 +395,7 @@ def sweep_config(run: Run, B: int, H: int, L: int, D: int, causal: bool) -> list
             row[f"{c}_TFLOPs"] = tflops(PASS_FLOPS[p] * fwd_flops, ms[c])
         row["fastest"] = fastest
         row["multihead/fastest"] = ms["multihead"] / measured[fastest] if ms["multihead"] and fastest else None
-        row["mh_backend"], row["mh_kernel"] = mh_backend, mh_kernel
+        row["mh_backend"], row["mh_kernel"], row["mh_plan"] = mh_backend, mh_kernel, mh_plan
         row["notes"] = "; ".join(f"{c}: {n}" for c, n in notes.items())
         rows.append(row)
     return rows
@@ -440,7 +456,7 @@ def structured(run: Run) -> list[dict]:
         lengths, H, D, windows, doc_mean = [128, 256], 2, 32, [16, 32], 32
     else:
         lengths, H, D, windows, doc_mean = [8192, 16384, 32768], 16, 128, [1024, 4096], 2048
-    print(f"B=1 H={H} D={D} bf16, passes {run.passes}, L {lengths}, windows {windows}, documents ~{doc_mean}")
+    print(f"B=1 H={H} D={D} bf16, passes {run.struct_passes}, L {lengths}, windows {windows}, documents ~{doc_mean}")
     rows = []
     for L in lengths:
         cases = [("dense causal", {})] + [(f"window {w}", {"w": w}) for w in windows]
@@ -495,8 +511,10 @@ def structured_config(run: Run, L: int, H: int, D: int, name: str, spec: dict) -
     visible = int(allowed.sum())
     ref = math_ref(q[:, :1], k[:, :1], v[:, :1], attn_mask=allowed)  # fp32, head 0
     check = checker(ref, lambda out: out[:, :1], 3e-2)
-    mh_backend, mh_kernel = explain_lines(q, k, v, mask)
+    mh_backend, mh_kernel, mh_plan = explain_lines(q, k, v, mask)
     print(f"    multihead explain: backend: {mh_backend}; PyTorch kernel: {mh_kernel or '-'}", flush=True)
+    if mh_backend != "sdpa":
+        print(f"      plan: {mh_plan}", flush=True)
     contenders = {"multihead": lambda: mh.attention(q, k, v, mask=mask)}
     if kind != "causal":
         if L * L <= DENSE_MASK_LIMIT:
@@ -512,16 +530,16 @@ def structured_config(run: Run, L: int, H: int, D: int, name: str, spec: dict) -
     else:
         del allowed  # the dense causal row is multihead's own run; no need for the mask
     t0 = time.time()
-    times, notes = measure(run, contenders, check, run.passes, inputs, dout)
+    times, notes = measure(run, contenders, check, run.struct_passes, inputs, dout)
     print(f"    ({time.time() - t0:.1f} s)", flush=True)
     rows = []
-    for p in run.passes:
+    for p in run.struct_passes:
         flops = PASS_FLOPS[p] * 4 * D * H * visible  # B = 1
         row = {"gpu": run.gpu, "L": L, "H": H, "D": D, "mask": name, "visible": visible, "pass": p}
         for c in STRUCT_CONTENDERS[:3]:
             ms = times.get(c, {}).get(p)
             row[f"{c}_ms"], row[f"{c}_TFLOPs"] = ms, tflops(flops, ms)
-        row["mh_backend"], row["mh_kernel"] = mh_backend, mh_kernel
+        row["mh_backend"], row["mh_kernel"], row["mh_plan"] = mh_backend, mh_kernel, mh_plan
         row["notes"] = "; ".join(f"{c}: {n}" for c, n in notes.items())
         rows.append(row)
     return rows
@@ -628,7 +646,11 @@ def layer_config(run: Run, B: int, L: int, E: int, H: int, label: str, dtype) ->
             row[f"{name}_tok/s"] = None if ms is None else B * L / (ms * 1e-3)
         m_ms, f_ms = row["multihead_ms"], row["fused_sdpa_ms"]
         row["multihead/fused_sdpa"] = m_ms / f_ms if m_ms and f_ms else None
-        print(f"    {p}: " + ", ".join(f"{n} {row[f'{n}_ms']}" for n in calls), flush=True)
+        shown = {n: row[f"{n}_ms"] for n in calls}
+        print(
+            f"    {p}: " + ", ".join(f"{n} {'n/a' if t is None else f'{t:.3f} ms'}" for n, t in shown.items()),
+            flush=True,
+        )
         rows.append(row)
     for t in [xg, *params]:
         t.grad = None
@@ -702,8 +724,10 @@ def decode_config(run: Run, B: int, Lk: int, Hq: int, Hkv: int, D: int, kv_bytes
     # fp32 reference for batch element 0: K/V repeated to Hq heads for that one sequence only
     ref = math_ref(q[:1], k[:1].repeat_interleave(G, dim=1), v[:1].repeat_interleave(G, dim=1))
     check = checker(ref, lambda out: out[:1], 3e-2)
-    mh_backend, mh_kernel = explain_lines(q, k, v, None)
+    mh_backend, mh_kernel, mh_plan = explain_lines(q, k, v, None)
     print(f"    multihead explain: backend: {mh_backend}; PyTorch kernel: {mh_kernel or '-'}", flush=True)
+    if mh_backend != "sdpa":
+        print(f"      plan: {mh_plan}", flush=True)
     contenders = {
         "multihead": lambda: mh.attention(q, k, v, mask=None),
         "sdpa_gqa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
@@ -723,7 +747,7 @@ def decode_config(run: Run, B: int, Lk: int, Hq: int, Hkv: int, D: int, kv_bytes
         row[f"{c}_%copy"] = None if ms is None else 100 * row[f"{c}_GBps"] / copy_gbps
     m, s = times.get("multihead", {}).get("fwd"), times.get("sdpa_gqa", {}).get("fwd")
     row["multihead/sdpa_gqa"] = m / s if m and s else None
-    row["mh_backend"], row["mh_kernel"] = mh_backend, mh_kernel
+    row["mh_backend"], row["mh_kernel"], row["mh_plan"] = mh_backend, mh_kernel, mh_plan
     row["notes"] = "; ".join(f"{c}: {n}" for c, n in notes.items())
     return row
 
@@ -776,10 +800,10 @@ def main(argv=None) -> dict:
             "benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False here); "
             "use --dry-run to exercise the code paths on CPU"
         )
+    started, results = time.time(), {}
     run = Run(args)
     header(run)
     sections = [s for s in SECTIONS if not args.only or s in args.only]
-    started, results = time.time(), {}
     for i, name in enumerate(sections):
         remaining = args.budget - (time.time() - started)
         share = SHARES[name] / sum(SHARES[s] for s in sections[i:])
