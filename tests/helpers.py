@@ -13,6 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 
+# The devices every device-parametrized test runs on: CPU always, CUDA when there is one. A CUDA
+# case exists only where CUDA does (a CPU-only run has no skipped CUDA cases). Tensors drawn from
+# a CPU ``torch.Generator`` are drawn on CPU, then moved; results come back with ``.cpu()``.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 # The relative factor F of the rule "err(x) <= F * err(naive) + floor" lives with each backend:
 # mh.get_backend(name).capabilities.tolerance_factor(dtype, gradients) (tests/backends/matrix.py).
 
