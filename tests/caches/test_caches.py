@@ -6,23 +6,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import DEVICES
 from multihead.caches import CacheRead, DynamicKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.caches.base import EMPTY_POSITION
 
 B, HKV, D, DV = 2, 3, 5, 7
 
 
-def _kv(L, B=B, Hkv=HKV, D=D, Dv=DV, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, Hkv, L, D, generator=g, dtype=dtype), torch.randn(B, Hkv, L, Dv, generator=g, dtype=dtype)
+def _kv(L, B=B, Hkv=HKV, D=D, Dv=DV, dtype=torch.float64, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)  # drawn on CPU, then moved
+    k, v = torch.randn(B, Hkv, L, D, generator=g, dtype=dtype), torch.randn(B, Hkv, L, Dv, generator=g, dtype=dtype)
+    return k.to(device), v.to(device)
 
 
-def _static(max_len=12):
-    return StaticKVCache(B, max_len, HKV, D, value_dim=DV, dtype=torch.float64)
+def _static(max_len=12, device=None):
+    return StaticKVCache(B, max_len, HKV, D, value_dim=DV, dtype=torch.float64, device=device)
 
 
-def _sliding(window=3, extra=0):
-    return SlidingWindowKVCache(window, B, HKV, D, value_dim=DV, extra=extra, dtype=torch.float64)
+def _sliding(window=3, extra=0, device=None):
+    return SlidingWindowKVCache(window, B, HKV, D, value_dim=DV, extra=extra, dtype=torch.float64, device=device)
 
 
 MAKERS = {"dynamic": DynamicKVCache, "static": _static, "sliding": _sliding}
@@ -48,31 +50,34 @@ def _same(a: list, b: list) -> bool:
 
 
 # ---------------------------------------------------------------------------- storage
-def test_dynamic_cache_returns_every_token_oldest_first_and_grows_by_doubling():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_cache_returns_every_token_oldest_first_and_grows_by_doubling(device):
     cache = DynamicKVCache(capacity=4)
     assert cache.length == 0 and cache.keys is None and cache.nbytes == 0
-    chunks = [_kv(L, seed=i) for i, L in enumerate([3, 1, 1, 3, 1])]
+    chunks = [_kv(L, seed=i, device=device) for i, L in enumerate([3, 1, 1, 3, 1])]
     capacities = []
     for n, (k, v) in enumerate(chunks, start=1):
         read = cache.update(k, v)
         expected_k = torch.cat([c[0] for c in chunks[:n]], dim=2)
-        assert isinstance(read, CacheRead) and read.contiguous
+        assert isinstance(read, CacheRead) and read.contiguous and read.keys.device == k.device
         assert torch.equal(read.keys, expected_k) and torch.equal(read.values, torch.cat([c[1] for c in chunks[:n]], 2))
-        assert torch.equal(read.query_positions, torch.arange(expected_k.shape[2] - k.shape[2], expected_k.shape[2]))
+        positions = read.query_positions.cpu()
+        assert torch.equal(positions, torch.arange(expected_k.shape[2] - k.shape[2], expected_k.shape[2]))
         capacities.append(cache.capacity)
     assert capacities == [4, 4, 8, 8, 16]  # 3, 4, 5 (doubled), 8, 9 (doubled): amortised, not one cat per step
     assert cache.nbytes == 16 * B * HKV * (D + DV) * 8
 
 
-def test_static_cache_writes_each_row_at_its_own_length_and_returns_all_slots():
-    cache = _static(max_len=6)
-    k, v = _kv(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_cache_writes_each_row_at_its_own_length_and_returns_all_slots(device):
+    cache = _static(max_len=6, device=device)
+    k, v = _kv(3, device=device)
     cache.update(k, v)
-    cache.crop(torch.tensor([3, 1]))  # row 1 keeps one token
-    k1, v1 = _kv(1, seed=1)
+    cache.crop(torch.tensor([3, 1]))  # row 1 keeps one token (lengths on CPU, as a caller has them)
+    k1, v1 = _kv(1, seed=1, device=device)
     read = cache.update(k1, v1)
-    assert read.keys is cache.keys and read.keys.shape == (B, HKV, 6, D)
-    assert torch.equal(read.query_positions, torch.tensor([[3], [1]]))
+    assert read.keys is cache.keys and read.keys.shape == (B, HKV, 6, D) and read.keys.device == k.device
+    assert torch.equal(read.query_positions.cpu(), torch.tensor([[3], [1]]))
     assert torch.equal(cache.keys[0, :, 3], k1[0, :, 0]) and torch.equal(cache.keys[1, :, 1], k1[1, :, 0])
     assert torch.equal(cache.keys[0, :, :3], k[0]) and torch.equal(cache.keys[1, :, 0], k[1, :, 0])
     assert cache.lengths.tolist() == [4, 2] and cache.length == 4
@@ -81,15 +86,16 @@ def test_static_cache_writes_each_row_at_its_own_length_and_returns_all_slots():
     assert cache.nbytes == B * HKV * 6 * (D + DV) * 8 + B * 8
 
 
-def test_sliding_cache_keeps_the_last_window_plus_one_tokens_in_a_ring():
-    cache = _sliding(window=2)  # capacity 3
-    k, v = _kv(7)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sliding_cache_keeps_the_last_window_plus_one_tokens_in_a_ring(device):
+    cache = _sliding(window=2, device=device)  # capacity 3
+    k, v = _kv(7, device=device)
     for t in range(7):
         read = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     assert cache.positions.tolist() == [6, 4, 5]  # slot p % 3
     assert torch.equal(read.keys[:, :, 0], k[:, :, 6]) and read.window == 2
     assert read.mask(None, causal=True)[0, 0, 0].tolist() == [True, True, True]  # positions 4, 5, 6 for the query at 6
-    chunk_k, chunk_v = _kv(4, seed=3)  # a step of 4 tokens straddling the wrap: the ring, then them
+    chunk_k, chunk_v = _kv(4, seed=3, device=device)  # a step of 4 tokens straddling the wrap: the ring, then them
     read = cache.update(chunk_k, chunk_v)
     assert read.keys.shape[2] == 3 + 4 and read.key_positions.tolist() == [6, 4, 5, 7, 8, 9, 10]
     assert cache.positions.tolist() == [9, 10, 8] and cache.length == 11

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import multihead as mh
+from helpers import DEVICES
 from multihead.caches import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.positions import RotaryEmbedding
 
@@ -16,23 +17,33 @@ DT = torch.float64
 E, HQ = 32, 4
 
 
-def _layer(Hkv=2, dtype=DT, rope=False, seed=0, **options):
-    torch.manual_seed(seed)
-    return mh.MultiHeadAttention(
-        E, HQ, num_kv_heads=Hkv, causal=True, dtype=dtype, rope=RotaryEmbedding(E // HQ) if rope else None, **options
-    ).eval()
+def _layer(Hkv=2, dtype=DT, rope=False, seed=0, device="cpu", **options):
+    torch.manual_seed(seed)  # the weights are drawn on CPU, then moved
+    return (
+        mh.MultiHeadAttention(
+            E,
+            HQ,
+            num_kv_heads=Hkv,
+            causal=True,
+            dtype=dtype,
+            rope=RotaryEmbedding(E // HQ) if rope else None,
+            **options,
+        )
+        .to(device)
+        .eval()
+    )
 
 
-def _x(B, L, dtype=DT, seed=1):
-    return torch.randn(B, L, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+def _x(B, L, dtype=DT, seed=1, device="cpu"):
+    return torch.randn(B, L, E, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(device)
 
 
-def _cache(kind, layer, B, max_len=64, window=None, dtype=DT):
+def _cache(kind, layer, B, max_len=64, window=None, dtype=DT, device="cpu"):
     if kind == "dynamic":
         return DynamicKVCache(capacity=4)  # small: the decoding below grows it several times
     if kind == "static":
-        return StaticKVCache(B, max_len, layer.num_kv_heads, layer.head_dim, dtype=dtype)
-    return SlidingWindowKVCache(window, B, layer.num_kv_heads, layer.head_dim, dtype=dtype)
+        return StaticKVCache(B, max_len, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
+    return SlidingWindowKVCache(window, B, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
 
 
 def _decode(layer, x, cache, schedule, **kwargs):
@@ -47,17 +58,19 @@ def _decode(layer, x, cache, schedule, **kwargs):
 SCHEDULES = {"prefill+steps": [6] + [1] * 10, "chunked": [3, 4, 1, 5, 1, 2], "steps-only": [1] * 16}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [DT, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_cached_decoding_equals_the_full_causal_forward(kind, Hkv, schedule, dtype):
-    layer = _layer(Hkv, dtype)
-    x = _x(2, 16, dtype)
+def test_cached_decoding_equals_the_full_causal_forward(kind, Hkv, schedule, dtype, device):
+    """Cached and full forward on ``device``; the fp64 truth on CPU."""
+    layer = _layer(Hkv, dtype, device=device)
+    x = _x(2, 16, dtype, device=device)
     with torch.no_grad():
-        full = layer(x)
-        cached = _decode(layer, x, _cache(kind, layer, 2, dtype=dtype), SCHEDULES[schedule])
-        full64 = _layer(Hkv, DT)(x.double())
+        full = layer(x).cpu()
+        cached = _decode(layer, x, _cache(kind, layer, 2, dtype=dtype, device=device), SCHEDULES[schedule]).cpu()
+        full64 = _layer(Hkv, DT)(x.double().cpu())
     if dtype == DT:
         torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
     else:  # the relative rule: no further from the fp64 truth than the full fp32 forward, times 2
@@ -70,43 +83,46 @@ def test_cached_decoding_equals_the_full_causal_forward(kind, Hkv, schedule, dty
     [[1] * 20, [5] + [1] * 15, [2, 3, 4, 1, 6, 4], [9, 11], [20]],
     ids=["steps", "prefill5+steps", "chunks-straddling-wraps", "two-chunks", "one-prefill"],
 )
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [1, 3, 4, 5, 19])
 @pytest.mark.parametrize("kind", ["sliding", "dynamic", "static"])
-def test_windowed_decoding_equals_the_full_windowed_forward(kind, window, schedule):
+def test_windowed_decoding_equals_the_full_windowed_forward(kind, window, schedule, device):
     """Lengths around and far past the window (window-1, window, window+1, many wraps), steps of
     several tokens that straddle the wrap; the sliding cache applies its window itself."""
-    layer = _layer(2)
-    x = _x(2, 20)
+    layer = _layer(2, device=device)
+    x = _x(2, 20, device=device)
     band = mh.sliding_window(window)
     with torch.no_grad():
         full = layer(x, mask=band)
-        cache = _cache(kind, layer, 2, window=window)
+        cache = _cache(kind, layer, 2, window=window, device=device)
         cached = _decode(layer, x, cache, schedule, mask=band)
         if kind == "sliding":  # the same without the mask: the cache's window is the mask
-            alone = _decode(layer, x, _cache(kind, layer, 2, window=window), schedule)
+            alone = _decode(layer, x, _cache(kind, layer, 2, window=window, device=device), schedule)
             torch.testing.assert_close(alone, full, rtol=1e-12, atol=1e-12)
             assert cache.keys.shape[2] == window + 1  # it holds what the window sees, no more
     torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_rope_positions_come_from_the_cache(kind):
-    layer = _layer(2, rope=True)
-    x = _x(2, 16)
+def test_rope_positions_come_from_the_cache(kind, device):
+    layer = _layer(2, rope=True, device=device)
+    x = _x(2, 16, device=device)
     with torch.no_grad():
         full = layer(x)
-        cached = _decode(layer, x, _cache(kind, layer, 2), SCHEDULES["chunked"])
+        cached = _decode(layer, x, _cache(kind, layer, 2, device=device), SCHEDULES["chunked"])
     torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
 
 
-def test_rows_of_different_lengths_each_decode_as_their_own_sequence():
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_different_lengths_each_decode_as_their_own_sequence(device):
     """A right-padded prefill cropped to each row's length, then steps: row b's outputs equal
     the full forward of row b alone (causal and window masks align to each row's own length)."""
     lengths = [5, 2, 7]
     for mask in (None, mh.sliding_window(2)):
-        layer = _layer(2, rope=True)
-        x = _x(3, 7 + 6)
-        cache = StaticKVCache(3, 16, 2, E // HQ, dtype=DT)
+        layer = _layer(2, rope=True, device=device)
+        x = _x(3, 7 + 6, device=device)
+        cache = StaticKVCache(3, 16, 2, E // HQ, dtype=DT, device=device)
         with torch.no_grad():
             layer(x[:, :7], kv_cache=cache, mask=mask)  # pads after each row's prompt: no real token sees them
             cache.crop(torch.tensor(lengths))
@@ -121,19 +137,20 @@ def test_rows_of_different_lengths_each_decode_as_their_own_sequence():
         assert cache.lengths.tolist() == [n + 6 for n in lengths]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
-def test_mask_objects_are_read_at_absolute_positions(kind):
+def test_mask_objects_are_read_at_absolute_positions(kind, device):
     """Documents and key padding mean with a cache what they mean without: ids and lengths index
-    the whole sequence."""
+    the whole sequence (the mask's tensors stay on CPU, as a caller builds them)."""
     ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2]] * 2)
     mask = mh.document(ids) & mh.key_padding(torch.tensor([12, 9]))
     if kind == "sliding":
         mask = mask & mh.sliding_window(3)
-    layer = _layer(2)
-    x = _x(2, 12)
+    layer = _layer(2, device=device)
+    x = _x(2, 12, device=device)
     with torch.no_grad():
         full = layer(x, mask=mask)
-        cached = _decode(layer, x, _cache(kind, layer, 2, window=3), [4, 1, 1, 3, 1, 1, 1], mask=mask)
+        cached = _decode(layer, x, _cache(kind, layer, 2, window=3, device=device), [4, 1, 1, 3, 1, 1, 1], mask=mask)
     torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
 
 
@@ -229,11 +246,12 @@ def test_need_weights_over_a_static_cache_hides_the_empty_slots():
     assert torch.all(weights[0, ..., 6:] == 0) and torch.all(weights[1, ..., 4:] == 0)
 
 
-def test_gradients_through_cached_steps_equal_the_full_forward():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_through_cached_steps_equal_the_full_forward(device):
     """Backpropagating through prefill and steps of a DynamicKVCache (under autograd it never writes
     into keys an earlier step saved) gives the full forward's gradients."""
-    layer = _layer(2)
-    x = _x(2, 9).requires_grad_()
+    layer = _layer(2, device=device)
+    x = _x(2, 9, device=device).requires_grad_()
     out = _decode(layer, x, DynamicKVCache(capacity=2), [4, 1, 3, 1])
     grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
     want = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])

@@ -10,16 +10,17 @@ import pytest
 import torch
 
 import multihead as mh
+from helpers import DEVICES
 from multihead.caches import PagedKVCache
 from multihead.caches.base import EMPTY_POSITION
 
 HKV, D, DV = 2, 3, 4
 
 
-def _kv(B, L, gen):
-    return (
-        torch.randn(B, HKV, L, D, generator=gen, dtype=torch.float64),
-        torch.randn(B, HKV, L, DV, generator=gen, dtype=torch.float64),
+def _kv(B, L, gen, device="cpu"):
+    return (  # drawn on CPU, then moved
+        torch.randn(B, HKV, L, D, generator=gen, dtype=torch.float64).to(device),
+        torch.randn(B, HKV, L, DV, generator=gen, dtype=torch.float64).to(device),
     )
 
 
@@ -28,22 +29,24 @@ def _check_read(read, rows: list[tuple[torch.Tensor, torch.Tensor]]):
     for b, (k, v) in enumerate(rows):
         n = k.shape[1]
         assert torch.equal(read.keys[b, :, :n], k) and torch.equal(read.values[b, :, :n], v), b
-        positions = read.key_positions[b]
+        positions = read.key_positions[b].cpu()
         assert positions[:n].tolist() == list(range(n)) and bool((positions[n:] == EMPTY_POSITION).all()), b
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(12))
-def test_random_interleavings_equal_a_contiguous_cache(seed):
+def test_random_interleavings_equal_a_contiguous_cache(seed, device):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     B, page_size = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 4, 8])
-    cache = PagedKVCache(40, page_size, HKV, D, value_dim=DV, batch_size=B, dtype=torch.float64)
-    rows = [(torch.zeros(HKV, 0, D, dtype=torch.float64), torch.zeros(HKV, 0, DV, dtype=torch.float64))] * B
+    cache = PagedKVCache(40, page_size, HKV, D, value_dim=DV, batch_size=B, dtype=torch.float64, device=device)
+    empty = [torch.zeros(HKV, 0, n, dtype=torch.float64, device=device) for n in (D, DV)]
+    rows = [tuple(empty)] * B
     for _ in range(30):
         action = rng.random()
         if action < 0.6:
             new = rng.choice([1, 1, 1, 2, 3, 5])
-            k, v = _kv(B, new, gen)
+            k, v = _kv(B, new, gen, device)
             free_before, tables_before = len(cache.free), [list(t) for t in cache.tables]
             try:
                 read = cache.update(k, v)
@@ -75,7 +78,7 @@ def test_random_interleavings_equal_a_contiguous_cache(seed):
         owned = [p for t in cache.tables for p in t]
         assert sorted(owned + cache.free) == list(range(40))
         assert all(len(t) == -(-n // page_size) for t, n in zip(cache.tables, cache.lengths))
-    k, v = _kv(B, 1, gen)
+    k, v = _kv(B, 1, gen, device)
     if sum(1 for n, t in zip(cache.lengths, cache.tables) if n % page_size == 0) <= len(cache.free):
         read = cache.update(k, v)
         _check_read(read, [(torch.cat([r[0], k[b]], 1), torch.cat([r[1], v[b]], 1)) for b, r in enumerate(rows)])
@@ -95,12 +98,13 @@ def test_out_of_pages_is_a_clear_error_with_nothing_claimed():
     assert torch.equal(cache.key_pages, pool_k) and cache.free == free and cache.lengths == [4, 4]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_a_layer_decoding_through_pages_equals_the_full_forward(Hkv):
-    torch.manual_seed(0)
-    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=Hkv, causal=True, dtype=torch.float64).eval()
-    x = torch.randn(2, 13, 32, dtype=torch.float64)
-    cache = PagedKVCache(16, 3, Hkv, 8, batch_size=2, dtype=torch.float64)
+def test_a_layer_decoding_through_pages_equals_the_full_forward(Hkv, device):
+    torch.manual_seed(0)  # weights and input drawn on CPU, then moved
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=Hkv, causal=True, dtype=torch.float64).to(device).eval()
+    x = torch.randn(2, 13, 32, dtype=torch.float64).to(device)
+    cache = PagedKVCache(16, 3, Hkv, 8, batch_size=2, dtype=torch.float64, device=device)
     with torch.no_grad():
         full = layer(x)
         parts, t = [], 0

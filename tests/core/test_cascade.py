@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import multihead as mh
+from helpers import DEVICES
 
 DT = torch.float64
 
@@ -40,11 +41,14 @@ MASKS = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_cascade_equals_attention_over_the_concatenation(mask, Hkv):
+def test_cascade_equals_attention_over_the_concatenation(mask, Hkv, device):
+    """The cascade runs on ``device`` (its result copied back differentiably); the definition on CPU."""
     q, pk, pv, k, v = _inputs(Hkv=Hkv, grad=True)
-    got = mh.cascade_attention(q, pk, pv, k, v, mask=MASKS[mask], return_lse=True)
+    got = mh.cascade_attention(*(t.to(device) for t in (q, pk, pv, k, v)), mask=MASKS[mask], return_lse=True)
+    got = mh.AttentionResult(got.output.cpu(), None, got.lse.cpu())
     want = _concatenated(q, pk, pv, k, v, MASKS[mask])
     torch.testing.assert_close(got.output, want.output, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.lse, want.lse, rtol=1e-12, atol=1e-12)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import multihead as mh
+from helpers import DEVICES
 
 
 def _split_attention(q, k, v, mask, cuts):
@@ -31,15 +32,18 @@ MASKS = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cuts", list(CUTS))
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_any_split_of_the_keys_merges_to_the_unsplit_attention(mask, cuts):
+def test_any_split_of_the_keys_merges_to_the_unsplit_attention(mask, cuts, device):
+    """The parts and their merge run on ``device``; the unsplit attention on CPU."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 2, 23, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     m = MASKS[mask]
     whole = mh.reference_attention(q, k, v, mask=m)
-    out, lse = _split_attention(q, k, v, m, CUTS[cuts])
+    out, lse = _split_attention(*(t.to(device) for t in (q, k, v)), m, CUTS[cuts])
+    out, lse = out.cpu(), lse.cpu()  # differentiable copies: the gradients reach q, k, v on CPU
     torch.testing.assert_close(out, whole.output, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, whole.lse, rtol=1e-12, atol=1e-12)
     g_out, g_lse = torch.randn_like(out), torch.randn_like(lse).masked_fill(torch.isneginf(lse), 0)

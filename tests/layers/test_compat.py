@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import multihead as mh
+from helpers import DEVICES
 from multihead.layers.compat import MultiheadAttention
 
 DT = torch.float64
@@ -88,9 +89,17 @@ def _config_id(c):
     )
 
 
+def _on(device, *tensors):
+    """Each tensor on ``device``; one tensor passed twice stays one (self-attention's fused path)."""
+    moved = {}
+    return [None if t is None else moved.setdefault(id(t), t.to(device)) for t in tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("mask_kind", MASKS)
-def test_matches_torch(config, mask_kind):
+def test_matches_torch(config, mask_kind, device):
+    """Ours on ``device`` against PyTorch's module on CPU."""
     bf, kdim, vdim, bias, bkv, zero = config
     ref, ours = _pair(kdim=kdim, vdim=vdim, bias=bias, add_bias_kv=bkv, add_zero_attn=zero, batch_first=bf)
     for (name, a), (name_b, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
@@ -100,6 +109,8 @@ def test_matches_torch(config, mask_kind):
     query, key, value = _inputs(B, L, L if same else S, bf, kdim or E, vdim or E, self_attention=same)
     g = torch.Generator().manual_seed(2)
     kpm, am, causal = _masks(mask_kind, B, L, key.shape[1 if bf else 0], True, g)
+    ours.to(device)
+    on_device = _on(device, query, key, value, kpm, am)
     for need, average in ((False, True), (True, True), (True, False)):
         kwargs = dict(
             key_padding_mask=kpm, attn_mask=am, need_weights=need, average_attn_weights=average, is_causal=causal
@@ -113,10 +124,11 @@ def test_matches_torch(config, mask_kind):
             # last queries; with weights it pads attn_mask and shows them to every query. We
             # follow the padded mask (PyTorch's documented meaning), on both paths.
             expected_out = ref(query, key, value, **{**kwargs, "need_weights": True})[0]
-        out, w = ours(query, key, value, **kwargs)
-        torch.testing.assert_close(out, expected_out)
+        q_d, k_d, v_d, kpm_d, am_d = on_device
+        out, w = ours(q_d, k_d, v_d, **{**kwargs, "key_padding_mask": kpm_d, "attn_mask": am_d})
+        torch.testing.assert_close(out.cpu(), expected_out)
         if need:
-            torch.testing.assert_close(w, expected_w)
+            torch.testing.assert_close(w.cpu(), expected_w)
         else:
             assert w is None and expected_w is None
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
-from helpers import assert_relative
+from helpers import DEVICES, assert_relative
 
 DT = torch.float64
 
@@ -73,8 +73,8 @@ def _mask(kind, B, Lq, Lk, g):
     return None
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_matches_reference_with_weights(case):
+def _setup(case):
+    """The case's fp64 layer, inputs and mask, on CPU."""
     Hq, Hkv, hd, kd, vd, causal, bf, Lq, Lk, kind = case
     torch.manual_seed(0)
     E, B = 24, 2
@@ -86,13 +86,49 @@ def test_matches_reference_with_weights(case):
     query = torch.randn(shape(Lq, E), generator=g, dtype=DT)
     key = torch.randn(shape(Lk, kd or E), generator=g, dtype=DT)
     value = torch.randn(shape(Lk, vd or E), generator=g, dtype=DT)
-    mask = _mask(kind, B, Lq, Lk, g)
-    expected_out, expected_w = reference_layer(layer, query, key, value, mask)
+    return layer, query, key, value, _mask(kind, B, Lq, Lk, g)
+
+
+def _to(device, *things):
+    """Tensors and masks of a case on ``device`` (a mask object is left as it is)."""
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in things]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_reference_with_weights(case, device):
+    Hq, Lq, Lk = case[0], case[7], case[8]
+    layer, query, key, value, mask = _setup(case)
+    B = query.shape[0 if layer.batch_first else 1]
+    expected_out, expected_w = reference_layer(layer, query, key, value, mask)  # on CPU
+    layer.to(device)
+    query, key, value, mask = _to(device, query, key, value, mask)
     out, weights = layer(query, key, value, mask=mask, need_weights=True)
-    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(out.cpu(), expected_out)
     assert weights.shape == (B, Hq, Lq, Lk)
-    torch.testing.assert_close(weights, expected_w)  # exactly the probabilities of the reference
-    torch.testing.assert_close(layer(query, key, value, mask=mask), expected_out)  # no weights: same output
+    torch.testing.assert_close(weights.cpu(), expected_w)  # exactly the probabilities of the reference
+    torch.testing.assert_close(layer(query, key, value, mask=mask).cpu(), expected_out)  # no weights: same output
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gradients_match_reference(case, device):
+    """The gradients of the inputs and of every parameter (MHA, GQA, MQA, cross-attention) against
+    the reference layer's, by autograd through the fp64 reference on CPU."""
+    layer, query, key, value, mask = _setup(case)
+    inputs = [t.requires_grad_() for t in (query, key, value)]
+    expected, _ = reference_layer.__wrapped__(layer, *inputs, mask)  # with gradients
+    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=DT)
+    params = list(layer.parameters())
+    want = torch.autograd.grad(expected, inputs + params, grad_out)
+    layer.to(device)  # in place: params are now the device copies
+    inputs = [t.detach().to(device).requires_grad_() for t in inputs]
+    out = layer(*inputs, mask=_to(device, mask)[0])
+    got = torch.autograd.grad(out, inputs + list(layer.parameters()), grad_out.to(device))
+    torch.testing.assert_close(out.detach().cpu(), expected.detach())
+    names = ["query", "key", "value"] + [name for name, _ in layer.named_parameters()]
+    for name, g, w in zip(names, got, want):
+        torch.testing.assert_close(g.cpu(), w, msg=lambda m: f"grad {name}: {m}")
 
 
 def test_self_attention_fused_projection_equals_separate():
