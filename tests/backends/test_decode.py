@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import LargestAllocation, assert_relative, naive_attention
+from helpers import DEVICES, LargestAllocation, assert_relative, naive_attention
 from multihead.backends.decode import AUTO_MAX_QUERIES, MAX_QUERIES
 from multihead.call import mask_and_score_mod
 
@@ -109,9 +109,11 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(mh.get_backend("decode"), "chunk_size", CHUNK)
 
 
-def _check(q64, k64, v64, mask, dtype, scale=None, what=""):
+def _check(q64, k64, v64, mask, dtype, scale=None, what="", device="cpu"):
+    """The decode backend on ``device`` against the fp64 reference, compared on CPU."""
     q, k, v = (t.to(dtype) for t in (q64, k64, v64))
-    got = mh.attention(q, k, v, mask=mask, scale=scale, backend="decode", return_lse=True)
+    got = mh.attention(*(t.to(device) for t in (q, k, v)), mask=mask, scale=scale, backend="decode", return_lse=True)
+    got = mh.AttentionResult(got.output.cpu(), None, got.lse.cpu())
     ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mask, scale=scale)
     assert got.output.dtype == dtype and got.output.shape == ref.output.shape
     assert got.lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -129,24 +131,26 @@ def _check(q64, k64, v64, mask, dtype, scale=None, what=""):
     assert_relative(got.lse[seen].to(dtype), ref.lse[seen], base_lse[seen], F, f"{what} lse")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-B{c[1]}-H{c[2]}x{c[3]}-L{c[4]}x{c[5]}")
-def test_matches_reference(case, dtype, small_chunks):
+def test_matches_reference(case, dtype, device, small_chunks):
     mask_kind, B, Hq, Hkv, Lq, Lk, seed = case
     q, k, v, gen = _inputs(B, Hq, Hkv, Lq, Lk, seed)
     mask = _mask(mask_kind, B, Hq, Lq, Lk, gen)
-    assert mh.explain(q, k, v, mask=mask, backend="decode").backend == "decode"
-    _check(q, k, v, mask, dtype, what=mask_kind)
+    assert mh.explain(*(t.to(device) for t in (q, k, v)), mask=mask, backend="decode").backend == "decode"
+    _check(q, k, v, mask, dtype, what=mask_kind, device=device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("Lk", [CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1])
 @pytest.mark.parametrize("mask_kind", ["none", "window", "static_cache", "key_padding_empty_batch"])
-def test_chunk_boundaries(Lk, mask_kind, small_chunks):
+def test_chunk_boundaries(Lk, mask_kind, device, small_chunks):
     """Key ranges of a chunk size ± 1 (one chunk, a chunk and one key, ...), merged by LSE."""
     q, k, v, gen = _inputs(3, 8, 2, 2, Lk, Lk)
     mask = _mask(mask_kind, 3, 8, 2, Lk, gen)
     for dtype in (torch.float64, torch.float32):
-        _check(q, k, v, mask, dtype, what=f"{mask_kind} Lk={Lk}")
+        _check(q, k, v, mask, dtype, what=f"{mask_kind} Lk={Lk}", device=device)
 
 
 @pytest.mark.parametrize("Lk", [19, 20, 21, 41])
@@ -216,21 +220,22 @@ def test_nan_in_a_seen_key_reaches_exactly_the_rows_that_see_it():
     assert torch.isnan(out[bad]).all() and torch.isfinite(out[~bad]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask_kind", ["key_padding_empty_batch", "shifted_top_left", "bool_per_head", "window"])
-def test_gradients_match_reference_and_are_zero_on_fully_masked_rows(mask_kind, dtype, small_chunks):
+def test_gradients_match_reference_and_are_zero_on_fully_masked_rows(mask_kind, dtype, device, small_chunks):
     B, Hq, Hkv, Lq, Lk = 2, 6, 3, 3, 2 * CHUNK + 3
     q64, k64, v64, gen = _inputs(B, Hq, Hkv, Lq, Lk, 13)
     mask = _mask(mask_kind, B, Hq, Lq, Lk, gen)
     grad_out = torch.randn(B, Hq, Lq, 16, generator=gen, dtype=torch.float64)
 
-    def grads(fn, dt):
-        leaves = [t.to(dtype).to(dt).requires_grad_() for t in (q64, k64, v64)]
+    def grads(fn, dt, device_="cpu"):
+        leaves = [t.to(dtype).to(dt).to(device_).requires_grad_() for t in (q64, k64, v64)]
         out = fn(*leaves)
-        out.backward(grad_out.to(out.dtype))
-        return out, [t.grad for t in leaves]
+        out.backward(grad_out.to(out.dtype).to(device_))
+        return out.detach().cpu(), [t.grad.cpu() for t in leaves]
 
-    out, got = grads(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend="decode"), dtype)
+    out, got = grads(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend="decode"), dtype, device)
     ref_out, ref = grads(lambda q, k, v: mh.reference_attention(q, k, v, mask=mask).output, torch.float64)
     for g in got:
         assert torch.isfinite(g).all()

@@ -58,10 +58,10 @@ def naive_with_lse(q, k, v, mask, bias):
     return torch.softmax(s, -1).masked_fill(~has_key, 0.0) @ v, lse
 
 
-def _qkv(B, Hq, Hkv, Lq, Lk, D, seed, dtype=DT):
-    gen = torch.Generator().manual_seed(seed)
+def _qkv(B, Hq, Hkv, Lq, Lk, D, seed, dtype=DT, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)  # drawn on CPU, then moved
     return [
-        torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).requires_grad_()
+        torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).to(device).requires_grad_()
         for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
     ]
 
@@ -110,17 +110,19 @@ def test_alibi_through_every_backend_equals_a_dense_bias(backend, device, shape,
         "causal": mh.causal(align),
         "causal&window": mh.causal(align) & mh.sliding_window(9, align=align),
     }[mask_kind]
-    q, k, v = _qkv(*shape, seed=Lq * Lk + Hq)
+    q, k, v = _qkv(*shape, seed=Lq * Lk + Hq, device=device)
     mod = ALiBi(Hq, symmetric=symmetric, align=align)
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=mod, return_lse=True)
-    got = mh.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, return_lse=True)
+    res = mh.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, return_lse=True)
+    got = mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu())  # compared on CPU
     dense = dense_alibi(paper_slopes(Hq), Lq, Lk, symmetric, align)
-    ref = mh.reference_attention(q, k, v, mask=mask, score_mod=mh.scores.bias(dense))
+    leaves = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    ref = mh.reference_attention(*leaves, mask=mask, score_mod=mh.scores.bias(dense))
     torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(got.lse, ref.lse, rtol=1e-10, atol=1e-10)
     grad_out = torch.randn(got.output.shape, generator=torch.Generator().manual_seed(1), dtype=DT)
-    g_got = torch.autograd.grad(got.output, (q, k, v), grad_out)
-    g_ref = torch.autograd.grad(ref.output, (q, k, v), grad_out)
+    g_got = [g.cpu() for g in torch.autograd.grad(res.output, (q, k, v), grad_out.to(device))]
+    g_ref = torch.autograd.grad(ref.output, leaves, grad_out)
     for name, g, r in zip("qkv", g_got, g_ref):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
 
@@ -204,19 +206,22 @@ def test_t5_table_gradient_through_every_backend_equals_indexing_the_table(
 ):
     B, Hq, Hkv, Lq, Lk, D = shape
     mask = None if mask_kind == "none" else mh.causal(align)
-    q, k, v = _qkv(*shape, seed=Lq + 3 * Lk, dtype=dtype)
+    q, k, v = _qkv(*shape, seed=Lq + 3 * Lk, dtype=dtype, device=device)
     rel = RelativePositionBias(
         Hq, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional, align=align, dtype=dtype
     )
     with torch.no_grad():  # std 1 (not T5's init 0.02) so that the bias moves the softmax
         rel.weight.copy_(torch.randn(num_buckets, Hq, generator=torch.Generator().manual_seed(5), dtype=DT))
+    rel.to(device)
     mod = rel()
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=mod, return_lse=True)
-    got = mh.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, return_lse=True)
-    grad_out = torch.randn(got.output.shape, generator=torch.Generator().manual_seed(2), dtype=DT)
-    g_got = torch.autograd.grad(got.output, (q, k, v, rel.weight), grad_out.to(dtype))
+    res = mh.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, return_lse=True)
+    grad_out = torch.randn(res.output.shape, generator=torch.Generator().manual_seed(2), dtype=DT)
+    g_got = [g.cpu() for g in torch.autograd.grad(res.output, (q, k, v, rel.weight), grad_out.to(dtype).to(device))]
+    got = mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu())  # compared on CPU
+    cpu_leaves = [t.detach().cpu() for t in (q, k, v, rel.weight)]
 
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, rel.weight)]
+    leaves = [t.double().requires_grad_() for t in cpu_leaves]
     dense = dense_t5_bias(leaves[3], Lq, Lk, bidirectional, num_buckets, max_distance, align)
     ref = mh.reference_attention(*leaves[:3], mask=mask, score_mod=mh.scores.bias(dense))
     g_ref = torch.autograd.grad(ref.output, leaves, grad_out)
@@ -229,7 +234,7 @@ def test_t5_table_gradient_through_every_backend_equals_indexing_the_table(
         for name, g, r in zip(["q", "k", "v", "table"], g_got, g_ref):
             torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
         return
-    base_leaves = [t.detach().requires_grad_() for t in (q, k, v, rel.weight)]
+    base_leaves = [t.clone().requires_grad_() for t in cpu_leaves]
     base_bias = dense_t5_bias(base_leaves[3], Lq, Lk, bidirectional, num_buckets, max_distance, align)
     base, base_lse = naive_with_lse(*base_leaves[:3], mask, base_bias)
     g_base = torch.autograd.grad(base, base_leaves, grad_out.to(dtype))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import assert_relative
+from helpers import DEVICES, assert_relative
 from multihead.caches import DynamicKVCache
 from multihead.positions.rotary import (
     DynamicNTKScaling,
@@ -151,12 +151,15 @@ def _x(*shape, dtype=DT, seed=0):
 
 
 # ------------------------------------------------------------------ the published formulas
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rotary_dim", [32, 12], ids=["full", "partial12"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_rotation_equals_the_published_formula(case, layout, rotary_dim):
+def test_rotation_equals_the_published_formula(case, layout, rotary_dim, device):
+    """The rotation on ``device`` against the formula on CPU."""
     scaling, spec = CASES[case]
     rope = RotaryEmbedding(32, base=500.0, rotary_dim=rotary_dim, interleaved=LAYOUTS[layout], scaling=scaling)
+    rope.to(device)
     x = _x(2, 3, 7, 32)
     # per-row positions; the second call reaches past m (dynamic NTK rescales there)
     for positions in (
@@ -166,7 +169,8 @@ def test_rotation_equals_the_published_formula(case, layout, rotary_dim):
         seq_len = int(positions.max()) + 1
         theta, factor = plain_frequencies(spec, rotary_dim, 500.0, seq_len)
         expected = plain_rotate(x, positions, theta, factor, interleaved=LAYOUTS[layout], rotary_dim=rotary_dim)
-        torch.testing.assert_close(rope(x, positions), expected, rtol=1e-12, atol=1e-12)
+        got = rope(x.to(device), positions.to(device)).cpu()
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "none"])
@@ -411,16 +415,17 @@ def test_packed_documents_with_restarting_positions_equal_separate_documents():
 SCHEDULES = {"prefill+steps": [5, 1, 1, 1, 1], "chunked": [3, 4, 1, 2], "steps-only": [1] * 6}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offset", [0, 300])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("dtype", [torch.float32, DT], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("rope", ["plain", "partial-interleaved", "yarn"])
-def test_cached_decoding_equals_the_full_forward(rope, dtype, schedule, offset):
-    layer = _layer(ROPES[rope](), dtype=dtype)
+def test_cached_decoding_equals_the_full_forward(rope, dtype, schedule, offset, device):
+    layer = _layer(ROPES[rope](), dtype=dtype).to(device)
     chunks = SCHEDULES[schedule]
     L = sum(chunks)
-    x = _x(2, L, E, dtype=dtype, seed=9)
-    positions = torch.arange(L) + offset
+    x = _x(2, L, E, dtype=dtype, seed=9).to(device)
+    positions = torch.arange(L, device=device) + offset
     with torch.no_grad():
         full = layer(x, positions=positions) if offset else layer(x)  # default positions: arange(L)
         cache, outs, t = DynamicKVCache(), [], 0
@@ -476,11 +481,13 @@ def test_partial_rotary_passes_the_other_features_through_bit_identical(layout, 
 
 
 # ------------------------------------------------------------------ precision and strides
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_half_precision_error_is_within_the_relative_rule(layout, dtype):
-    """``err(out) <= 2 · err(naive in dtype) + floor`` against fp64 from the same rounded input."""
-    rope = RotaryEmbedding(64, interleaved=LAYOUTS[layout])
+def test_half_precision_error_is_within_the_relative_rule(layout, dtype, device):
+    """``err(out) <= 2 · err(naive in dtype) + floor`` against fp64 from the same rounded input
+    (the rotation on ``device``, the reference and the baseline on CPU)."""
+    rope = RotaryEmbedding(64, interleaved=LAYOUTS[layout]).to(device)
     x = _x(2, 3, 33, 64, dtype=dtype, seed=11)
     positions = torch.randint(0, 4000, (2, 33), generator=torch.Generator().manual_seed(12))
     theta, _ = plain_frequencies(None, 64, 10000.0, 1)
@@ -491,7 +498,7 @@ def test_half_precision_error_is_within_the_relative_rule(layout, dtype):
     a, b = (x[..., 0::2], x[..., 1::2]) if LAYOUTS[layout] else (x[..., :32], x[..., 32:])
     ra, rb = a * cos - b * sin, b * cos + a * sin
     naive = torch.stack((ra, rb), -1).flatten(-2) if LAYOUTS[layout] else torch.cat((ra, rb), -1)
-    out = rope(x, positions)
+    out = rope(x.to(device), positions.to(device)).cpu()
     assert out.dtype == dtype
     assert_relative(out, ref, naive, factor=2.0)
 
