@@ -9,8 +9,9 @@ Not part of ``run_all.py``'s suite (that one runs on CPU). Commands, from the re
     python benchmarks/gpu.py --budget 600          # seconds for the whole run (default 320)
     python benchmarks/gpu.py --dry-run             # every code path at tiny sizes, on CPU (no CUDA needed)
 
-Measured on an H100 80GB (torch 2.11+cu130, triton 3.6, cold compile caches), with the sweep at
-fwd and fwd+bwd: sweep 88 s (flex compiles included), structured 114 s, layer 4 s, decode 18 s.
+Measured on an H100 80GB (torch 2.11+cu130, triton 3.6, cold compile caches): sweep 88 s with
+fwd and fwd+bwd, about 110 s with the default three passes (flex compiles included), structured
+114 s, layer 4 s, decode 18 s; the default run is about 4.5 min.
 
 Sections (each writes ``benchmarks/results/gpu_<section>.csv``, the GPU's name in every row):
 
@@ -22,7 +23,8 @@ Sections (each writes ``benchmarks/results/gpu_<section>.csv``, the GPU's name i
   outside the timed region). TFLOP/s with the FlashAttention count: forward ``4·B·L²·H·D``,
   halved when causal; backward 2.5x, fwd+bwd 3.5x the forward. The forward is timed with grad
   enabled on inputs that require grad (as FlashAttention's own benchmark does), so one compiled
-  flex graph serves every pass.
+  flex graph serves every pass. ``bwd`` is the backward alone on a retained graph; compiled flex
+  refuses ``retain_graph``, so its bwd is fwd+bwd minus fwd (said in the row's notes).
 * ``structured``: sliding window (1024, 4096; causal) and packed documents (random lengths
   averaging 2k, causal within each) at L 8k / 16k / 32k, B=1 H=16 D=128 bf16, fwd and fwd+bwd:
   multihead with the mask object, SDPA with a dense bool mask (EFFICIENT_ATTENTION), compiled
