@@ -41,6 +41,7 @@ from multihead.layers import (
 )
 from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
 from multihead.merge import merge_partials
+from multihead.nonfinite import set_nonfinite_check
 from multihead.reference import reference_attention
 
 # The nn.MultiheadAttention drop-in lives with the layers; `import multihead.compat` keeps working.
@@ -68,6 +69,7 @@ __all__ = [
     "reference_attention",
     "AttentionResult",
     "merge_partials",
+    "set_nonfinite_check",
     "cascade_attention",
     "scores",
     "masks",

@@ -14,6 +14,12 @@ one reduction over both, one host synchronisation per call); only when something
 does it run the call again on cleaned inputs and mark the rows the policy names. Under
 ``torch.compile`` the check is skipped (a data-dependent branch): compiled code gets what the
 kernel gives.
+
+The check runs on CPU calls only, by default. On a GPU its host synchronisation stops the host
+from queueing work ahead of the device: measured on an H100 (bf16, 16k tokens, docs/performance.md
+"On the GPU"), it made a 1024-token causal forward 1.55x slower than the same cuDNN kernel called
+directly, and it cannot run inside a CUDA graph. :func:`set_nonfinite_check` turns it on for a
+device type (``set_nonfinite_check("cuda", True)``): then the rules above hold there too.
 """
 
 from __future__ import annotations
@@ -28,10 +34,27 @@ from torch import Tensor
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import repeat_kv
 
-__all__ = ["apply_policy", "all_finite", "finite_check"]
+__all__ = ["apply_policy", "all_finite", "finite_check", "set_nonfinite_check"]
 
 # Rows x keys evaluated at a time when the policy looks for rows that see a bad key.
 _CHUNK_ELEMENTS = 1 << 22
+# Device types whose calls are checked (set_nonfinite_check).
+_CHECKED: set[str] = {"cpu"}
+
+
+def set_nonfinite_check(device_type: str, enabled: bool) -> bool:
+    """Check every call on ``device_type`` (``"cpu"``, ``"cuda"``, ...) for non-finite inputs and
+    apply the rules of this module's docstring (``enabled=True``), or give what the kernel gives
+    (``False``). Default: checked on CPU only (the check costs one host synchronisation per call,
+    which a GPU pays in idle time). Returns the previous setting, for restoring it."""
+    if not isinstance(device_type, str) or not device_type:
+        raise TypeError(f"set_nonfinite_check: device_type must be a device type such as 'cuda', got {device_type!r}")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_nonfinite_check: enabled must be a bool, got {type(enabled).__name__}")
+    device_type = torch.device(device_type).type
+    previous = device_type in _CHECKED
+    (_CHECKED.add if enabled else _CHECKED.discard)(device_type)
+    return previous
 
 
 def apply_policy(
@@ -40,7 +63,7 @@ def apply_policy(
     """``result`` of ``call`` with the non-finite policy applied, and the rows it made NaN
     (``(B, Hq, Lq)`` bool, ``None`` when none): whatever is derived from the call afterwards (an LSE
     or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call."""
-    if torch.compiler.is_compiling() or all_finite(call.q, result.output):
+    if torch.compiler.is_compiling() or call.q.device.type not in _CHECKED or all_finite(call.q, result.output):
         return result, None
     bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
     bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
@@ -81,12 +104,16 @@ def finite_check(q: Tensor, output: Tensor) -> Callable[[Tensor, Tensor], bool]:
 
 
 def _one_reduction(q: Tensor, output: Tensor) -> bool:
+    if q.device.type not in _CHECKED:
+        return True
     if q.is_contiguous() and output.is_contiguous():
         return math.isfinite(torch.dot(q.view(-1), output.view(-1)).item())
     return math.isfinite(torch.dist(q, output, 1).item())
 
 
 def _two_sums(q: Tensor, output: Tensor) -> bool:
+    if q.device.type not in _CHECKED:
+        return True
     return math.isfinite(q.sum(dtype=torch.float32).item()) and math.isfinite(output.sum(dtype=torch.float32).item())
 
 

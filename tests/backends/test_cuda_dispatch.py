@@ -115,3 +115,24 @@ def test_auto_on_cuda_with_flex_matches_the_reference_forward_and_backward(dtype
     gfactor = mh.get_backend("flex").capabilities.tolerance_factor(dtype, True)
     for name, got, want, low in zip("qkv", (q, k, v), leaves, lows):
         assert_relative(got.grad.cpu(), want.grad, low.grad, gfactor, f"grad {name}")
+
+
+@cuda
+@pytest.mark.parametrize(
+    "mask",
+    [None, mh.causal(), mh.sliding_window(256), mh.key_padding(torch.tensor([3000]))],
+    ids=["none", "causal", "window", "padding"],
+)
+def test_repeated_calls_on_cuda_never_synchronise_with_the_host(mask):
+    """A host synchronisation per call leaves the GPU idle while Python prepares the next one:
+    once a call's plan is made (first calls), repeating it queues kernels only."""
+    q, k, v = _inputs(4096, torch.bfloat16)
+    for _ in range(3):
+        mh.attention(q, k, v, mask=mask)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mh.attention(q, k, v, mask=mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == q.shape

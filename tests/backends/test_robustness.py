@@ -8,6 +8,16 @@ from matrix import backend_params, serve_or_skip
 
 import multihead as mh
 
+
+@pytest.fixture(autouse=True)
+def _checked_on_every_device():
+    """The non-finite rules are what these tests check: on every device type (CPU has them by
+    default; a GPU has them when asked, multihead.set_nonfinite_check)."""
+    previous = mh.set_nonfinite_check("cuda", True)
+    yield
+    mh.set_nonfinite_check("cuda", previous)
+
+
 BACKENDS = backend_params()
 
 
@@ -38,7 +48,7 @@ def test_item1_inputs_whose_last_dim_is_not_contiguous(backend, device, layout):
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_item2_nan_in_keys_no_query_may_see(backend, device):
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 6, 8, generator=gen, device=device, requires_grad=True)
+    q = torch.randn(1, 2, 6, 8, generator=gen).to(device).requires_grad_()  # drawn on CPU, then moved
     k, v = (torch.randn(1, 2, 4, 8, generator=gen).to(device) for _ in range(2))
     k[0, :, 3], v[0, :, 3] = float("nan"), float("nan")
     k, v = k.requires_grad_(), v.requires_grad_()
@@ -180,3 +190,25 @@ def test_item12_flex_refuses_a_call_past_the_recompile_limit_and_explain_says_wh
     finally:
         flex._compiled.clear()
         flex._compiled.update(saved)
+
+
+def test_the_non_finite_check_is_per_device_type_and_restorable():
+    """Off for a device type, a call gives what the kernel gives (here: sdpa's flash kernel
+    returns 0 for a query row of NaN); on (the CPU default), the row is NaN as the policy says.
+    Bad arguments are refused by name and change nothing."""
+    q = torch.randn(1, 2, 8, 16)
+    q[0, 0, 3] = float("nan")
+    k = v = torch.randn(1, 2, 8, 16)
+    assert mh.set_nonfinite_check("cpu", False) is True
+    try:
+        unchecked = mh.attention(q, k, v, backend="sdpa")
+        assert not torch.isnan(unchecked[0, 0, 3]).all()
+    finally:
+        assert mh.set_nonfinite_check("cpu", True) is False
+    checked = mh.attention(q, k, v, backend="sdpa")
+    assert torch.isnan(checked[0, 0, 3]).all() and torch.isfinite(checked[0, 1]).all()
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        mh.set_nonfinite_check("cpu", "no")
+    with pytest.raises(TypeError, match="device_type"):
+        mh.set_nonfinite_check(None, True)
+    assert torch.isnan(mh.attention(q, k, v, backend="sdpa")[0, 0, 3]).all()

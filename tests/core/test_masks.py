@@ -209,3 +209,23 @@ def test_changing_the_callers_tensor_in_place_changes_no_mask():
     pos.copy_(pos.flip(0))
     assert all(torch.equal(m.materialize(1, 1, 4, 4), w) for m, w in zip((kp, doc, at), want))
     # The same through blocksparse's and sdpa's plan caches: tests/backends/test_robustness.py (item 7).
+
+
+def test_document_causal_empty_rows_from_its_tables_equal_the_definition():
+    """``document_causal`` answers "which rows see nothing" in O(L) from its run tables (the
+    backends ask on every new mask); it must equal evaluating the mask, for sorted and unsorted
+    ids, per-row batches, ``Lq != Lk`` and documents with more queries than keys."""
+    from multihead.masks.base import Mask
+
+    gen = torch.Generator().manual_seed(0)
+    empty_rows_seen = 0
+    for trial in range(600):
+        B, Lq, Lk = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 3), (1, 12), (1, 12)))
+        q, k = torch.randint(0, 4, (B, Lq), generator=gen), torch.randint(0, 4, (B, Lk), generator=gen)
+        if trial % 3:
+            q, k = q.sort().values, k.sort().values
+        mask = mh.document_causal(q, k)
+        want = Mask._empty_rows(mask, B, 1, Lq, Lk).expand(B, 1, Lq)
+        assert torch.equal(mask._empty_rows(B, 1, Lq, Lk).expand(B, 1, Lq), want), (q, k)
+        empty_rows_seen += int(want.sum())
+    assert empty_rows_seen > 100  # the cases do reach rows that see nothing

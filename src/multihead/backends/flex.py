@@ -155,7 +155,9 @@ class FlexBackend(Backend):
         # caller's graph: no compile of their own, no BlockMask cache (a dict keyed by a mask object),
         # and the fully masked rows zeroed without asking first whether there are any (a host sync).
         compiling = torch.compiler.is_compiling()
-        block_mask = None if call.mask is None else self._block_mask(call.mask, B, Hq, Lq, Lk, call.q.device)
+        block_mask, empty = (
+            (None, None) if call.mask is None else self._block_mask(call.mask, B, Hq, Lq, Lk, call.q.device)
+        )
         if not compiling:
             self._compiled.add(self._compile_key(call))
         # The kernel's LSE where it has one; compiled flex on CPU has none (PyTorch 2.13: "return_lse
@@ -173,11 +175,6 @@ class FlexBackend(Backend):
         )
         out, lse = result if with_lse else (result, None)
         if call.mask is not None:
-            empty = (
-                call.mask._empty_rows(B, Hq, Lq, Lk, device=call.q.device)
-                if compiling
-                else call.mask.empty_rows(B, Hq, Lq, Lk, device=call.q.device)
-            )
             if empty is not None:  # fully masked rows: exactly 0, LSE -inf
                 # Traced, the output is left as flex_attention gives it (0 on a row that sees no key:
                 # eager, aot_eager and Inductor, torch 2.13 CPU): Inductor's CPU flex template
@@ -188,21 +185,27 @@ class FlexBackend(Backend):
         return AttentionResult(out, None, None if lse is None else lse.to(lse_dtype(call.q.dtype)))
 
     def _block_mask(self, mask: Mask, B, Hq, Lq, Lk, device):
+        """``(BlockMask, fully masked rows (B|1, Hq|1, Lq) or None)``, kept per mask value and shape:
+        a repeated call costs a dictionary lookup (the rows are a host question, asked once)."""
         if torch.compiler.is_compiling():
-            return self._new_block_mask(mask, B, Hq, Lq, Lk, device)
+            # Traced: the rows as a tensor always (no data-dependent branch), nothing kept.
+            return self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask._empty_rows(B, Hq, Lq, Lk, device=device)
         key = (mask, B, Hq, Lq, Lk, str(device))  # by value; the key holds the mask's tensors alive
         hit = self._block_masks.get(key)
         if hit is not None:
             self._block_masks.move_to_end(key)
             return hit
-        block_mask = self._new_block_mask(mask, B, Hq, Lq, Lk, device)
-        self._block_masks[key] = block_mask
+        made = self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask.empty_rows(B, Hq, Lq, Lk, device=device)
+        self._block_masks[key] = made
         while len(self._block_masks) > 16:
             self._block_masks.popitem(last=False)
-        return block_mask
+        return made
 
     @staticmethod
     def _new_block_mask(mask: Mask, B, Hq, Lq, Lk, device):
+        # The kernel evaluates the mask_mod inside itself: every tensor it reads must be on its
+        # device already (a copy inside a compiled flex kernel fails to lower).
+        mask = mask.to(device)
         # Dimensions the mask does not depend on are passed as None (one BlockMask row for all).
         probe = mask.materialize_block(B, Hq, 0, 1, Lq, Lk, device, 0, 1)
         b = B if probe.shape[0] > 1 else None

@@ -97,6 +97,18 @@ class Mask(abc.ABC):
         cached: int | None = self.__dict__.get("_hash_cache")
         return self._cached("_hash_cache", lambda: hash(self._value())) if cached is None else cached
 
+    def to(self, device: torch.device | str) -> Mask:
+        """This mask with every tensor it holds on ``device`` (``self`` when all are there). Masks
+        accept tensors on any device and move them where a block is read; a compiled kernel that
+        evaluates :meth:`as_mask_mod` inside itself (FlexAttention) needs them on its device first."""
+        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        moved = {k: _moved(v, device) for k, v in fields.items()}
+        if all(moved[k] is fields[k] for k in fields):
+            return self
+        new = object.__new__(type(self))
+        new._set(**moved)
+        return new
+
     def by_value(self) -> bool:
         """Whether the value says everything the mask means: every tensor inside is a small host
         copy the mask owns, compared by content (:func:`tensor_identity`). A tensor taken by
@@ -603,6 +615,20 @@ def _field_value(v: object) -> object:
         return v._value()
     if isinstance(v, tuple):
         return tuple(_field_value(x) for x in v)
+    return v
+
+
+def _moved(v: object, device: torch.device | str) -> object:
+    """A field with its tensors on ``device`` (the same object where nothing moves)."""
+    if isinstance(v, Tensor):
+        want = torch.device(device)
+        same = v.device.type == want.type and (want.index is None or v.device.index == want.index)
+        return v if same else v.to(want)
+    if isinstance(v, Mask):
+        return v.to(device)
+    if isinstance(v, tuple):
+        items = tuple(_moved(x, device) for x in v)
+        return v if all(a is b for a, b in zip(items, v)) else items
     return v
 
 

@@ -208,4 +208,24 @@ class DocumentCausal(Document):
     def _empty_rows(
         self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
     ) -> Tensor:
-        return Mask._empty_rows(self, batch, heads, q_len, kv_len, device)
+        if torch.compiler.is_compiling():
+            return Mask._empty_rows(self, batch, heads, q_len, kv_len, device)
+        # O(L) from the tables, on the host: query ``p`` of a run of ``m`` sees a key iff some run
+        # of keys with its id is at least ``m - p`` long (the key at place 0 of a run of ``n`` is
+        # visible iff ``0 <= p + n - m``).
+        q, kv = self._q_cpu, self._kv_cpu
+        q_pos, q_count = self._runs(q)
+        kv_count = self._runs(kv)[1]
+        rows = max(q.shape[0], kv.shape[0])
+        empty = []
+        for r in range(rows):
+            qi, ki = q[0 if q.shape[0] == 1 else r], kv[0 if kv.shape[0] == 1 else r]
+            ids, where = torch.unique(ki, return_inverse=True)
+            longest = torch.zeros(len(ids), dtype=kv_count.dtype).scatter_reduce(
+                0, where, kv_count[0 if kv.shape[0] == 1 else r], "amax"
+            )
+            at = torch.searchsorted(ids, qi).clamp(max=max(len(ids) - 1, 0))
+            n = torch.where(ids[at] == qi, longest[at], 0) if len(ids) else torch.zeros_like(qi)
+            p, m = q_pos[0 if q.shape[0] == 1 else r], q_count[0 if q.shape[0] == 1 else r]
+            empty.append(n < (m - p).clamp(min=1))
+        return torch.stack(empty).view(rows, 1, -1).to(device)
