@@ -21,14 +21,16 @@ MASKS = {
 }
 
 
-def _mods(kind, B, Hq, Lq, Lk, gen, dtype):
+def _mods(kind, B, Hq, Lq, Lk, gen, dtype, device="cpu"):
+    """The modifiers of ``kind``; a bias is drawn from ``gen`` on CPU, then moved to ``device``."""
+    draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)  # noqa: E731
     if kind == "bias":
-        return [mh.scores.bias(torch.randn(B, Hq, Lq, Lk, generator=gen, dtype=torch.float64).to(dtype))]
+        return [mh.scores.bias(draw(B, Hq, Lq, Lk))]
     if kind == "bias_heads":  # broadcast over batch and queries: (1, Hq, 1, Lk)
-        return [mh.scores.bias(torch.randn(1, Hq, 1, Lk, generator=gen, dtype=torch.float64).to(dtype))]
+        return [mh.scores.bias(draw(1, Hq, 1, Lk))]
     if kind == "softcap":
         return [mh.scores.softcap(1.5)]
-    return [mh.scores.bias(torch.randn(Lq, Lk, generator=gen, dtype=torch.float64).to(dtype)), mh.scores.softcap(2.0)]
+    return [mh.scores.bias(draw(Lq, Lk)), mh.scores.softcap(2.0)]
 
 
 def _inputs(shape, dtype, seed):
@@ -53,22 +55,24 @@ def test_score_modifiers_match_the_reference_forward_and_backward(backend, devic
     B, Hq, Hkv, Lq, Lk, D = shape
     if mask_kind == "empty_rows" and B == 1:
         pytest.skip("needs two batch elements")
-    q, k, v = _inputs(shape, dtype, seed=Lq + Lk)
+    q, k, v = (t.to(device) for t in _inputs(shape, dtype, seed=Lq + Lk))
     mask = MASKS[mask_kind](B, Lq, Lk)
     gen = torch.Generator().manual_seed(7)
-    mods = _mods(mod_kind, B, Hq, Lq, Lk, gen, dtype)
+    mods = _mods(mod_kind, B, Hq, Lq, Lk, gen, dtype, device)
     leaf = _bias_leaf(mods)
     if leaf is not None:
         leaf.requires_grad_()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=mods, return_lse=True)
 
-    got = mh.attention(q, k, v, mask=mask, score_mod=mods, backend=backend, return_lse=True)
-    grad_out = torch.randn(got.output.shape, generator=gen, dtype=torch.float64)
+    res = mh.attention(q, k, v, mask=mask, score_mod=mods, backend=backend, return_lse=True)
+    grad_out = torch.randn(res.output.shape, generator=gen, dtype=torch.float64)
     tensors = [q, k, v] + ([leaf] if leaf is not None else [])
-    g_got = torch.autograd.grad(got.output, tensors, grad_out.to(dtype))
+    g_got = [g.cpu() for g in torch.autograd.grad(res.output, tensors, grad_out.to(dtype).to(device))]
+    got = mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu())  # compared on CPU
+    tensors = [t.detach().cpu() for t in tensors]
 
-    ref_t = [t.detach().double().requires_grad_() for t in tensors]
+    ref_t = [t.double().requires_grad_() for t in tensors]
     ref_mods = _mods(mod_kind, B, Hq, Lq, Lk, torch.Generator().manual_seed(7), torch.float64)
     if leaf is not None:
         ref_mods[0] = mh.scores.bias(ref_t[3])
@@ -84,8 +88,8 @@ def test_score_modifiers_match_the_reference_forward_and_backward(backend, devic
         for g, r in zip(g_got, g_ref):
             torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
         return
-    base_t = [t.detach().requires_grad_() for t in tensors]
-    base_mods = list(mods)
+    base_t = [t.clone().requires_grad_() for t in tensors]
+    base_mods = _mods(mod_kind, B, Hq, Lq, Lk, torch.Generator().manual_seed(7), dtype)
     if leaf is not None:
         base_mods[0] = mh.scores.bias(base_t[3])
     base = naive_attention(*base_t[:3], mask, score_mod=base_mods)
@@ -99,14 +103,15 @@ def test_score_modifiers_match_the_reference_forward_and_backward(backend, devic
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_a_bias_gradient_is_zero_where_the_mask_blocks(backend, device):
     B, Hq, Lq, Lk = 1, 2, 9, 9
-    q, k, v = _inputs((B, Hq, Hq, Lq, Lk, 8), torch.float64, seed=1)
-    bias = torch.randn(B, Hq, Lq, Lk, dtype=torch.float64, requires_grad=True)
+    q, k, v = (t.to(device) for t in _inputs((B, Hq, Hq, Lq, Lk, 8), torch.float64, seed=1))
+    bias = torch.randn(B, Hq, Lq, Lk, dtype=torch.float64).to(device).requires_grad_()
     serve_or_skip(backend, q, k, v, mask=mh.sliding_window(2), score_mod=mh.scores.bias(bias))
     out = mh.attention(q, k, v, mask=mh.sliding_window(2), score_mod=mh.scores.bias(bias), backend=backend)
     out.square().sum().backward()
-    blocked = ~mh.sliding_window(2).materialize(1, 1, Lq, Lk).expand_as(bias)
-    assert torch.equal(bias.grad[blocked], torch.zeros_like(bias.grad[blocked]))
-    assert bool((bias.grad[~blocked] != 0).any())
+    grad = bias.grad.cpu()
+    blocked = ~mh.sliding_window(2).materialize(1, 1, Lq, Lk).expand_as(grad)
+    assert torch.equal(grad[blocked], torch.zeros_like(grad[blocked]))
+    assert bool((grad[~blocked] != 0).any())
 
 
 def test_blocksparse_runs_a_bias_per_piece_never_an_lq_by_lk_tensor():
