@@ -19,7 +19,7 @@ import zlib
 
 import pytest
 import torch
-from matrix import backend_params, factor, serve_or_skip
+from matrix import DEVICES, backend_params, factor, serve_or_skip
 
 import multihead as mh
 from helpers import LargestAllocation, aligned_distance, assert_relative, loop_bucket, paper_slopes
@@ -73,8 +73,8 @@ class Built:
     """One case's modifiers, three times: for the backend under test (dtype T), for the fp64
     oracle (independent dense biases, fp64 leaves) and for the baseline (dtype T leaves)."""
 
-    def __init__(self, atoms, Hq, Lq, Lk, dtype, seed):
-        gen = torch.Generator().manual_seed(seed)
+    def __init__(self, atoms, Hq, Lq, Lk, dtype, seed, device="cpu"):
+        gen = torch.Generator().manual_seed(seed)  # drawn on CPU, then moved to ``device``
         self.atoms, self.Hq, self.Lq, self.Lk = atoms, Hq, Lq, Lk
         self.mods, self.softcap, self.sinks, self.leaves, self.names = [], None, None, [], []
         for a in atoms:
@@ -87,17 +87,17 @@ class Built:
                     bidirectional=s["bidirectional"],
                     align=s["align"],
                     dtype=dtype,
-                )
+                ).to(device)
                 with torch.no_grad():  # std 1 (not T5's 0.02): the bias matters
                     rel.weight.copy_(torch.randn(s["num_buckets"], Hq, generator=gen, dtype=DT))
                 self.mods.append(rel())
                 self._leaf(rel.weight, f"table[{a}]")
             elif a == "user":
-                w = (torch.randn(Hq, 2, generator=gen, dtype=DT) * 0.5).to(dtype).requires_grad_()
+                w = (torch.randn(Hq, 2, generator=gen, dtype=DT) * 0.5).to(dtype).to(device).requires_grad_()
                 self.mods.append(user_fn(w))
                 self._leaf(w, "user w")
             elif a == "sinks":
-                self.sinks = torch.randn(Hq, generator=gen, dtype=DT).to(dtype).requires_grad_()
+                self.sinks = torch.randn(Hq, generator=gen, dtype=DT).to(dtype).to(device).requires_grad_()
                 self._leaf(self.sinks, "sinks")
             elif a == "softcap_kw":
                 self.softcap = CAP
@@ -267,26 +267,28 @@ def oracle(q, k, v, mask, mods, sinks):
     return ref.output * torch.exp(ref.lse - lse).unsqueeze(-1), lse
 
 
-def run_case(backend, shape, mod_name, mask_kind, dtype):
+def run_case(backend, device, shape, mod_name, mask_kind, dtype):
     Hq, Hkv, Lq, Lk, D = shape
     B = BATCH
     seed = zlib.crc32(f"{shape}-{mod_name}-{mask_kind}".encode()) % 10_000  # stable across processes
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (
-        torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).requires_grad_()
+        torch.randn(B, h, L, D, generator=gen, dtype=DT).to(dtype).to(device).requires_grad_()
         for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
     )
     mask = _mask(mask_kind, B, Lq, Lk, seed)
-    built = Built(MODS[mod_name], Hq, Lq, Lk, dtype, seed)
+    built = Built(MODS[mod_name], Hq, Lq, Lk, dtype, seed, device)
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=built.declared_mods(), return_lse=True)
 
-    got = mh.attention(q, k, v, mask=mask, backend=backend, return_lse=True, **built.call_kwargs())
-    grad_out = torch.randn(got.output.shape, generator=gen, dtype=DT)
+    res = mh.attention(q, k, v, mask=mask, backend=backend, return_lse=True, **built.call_kwargs())
+    grad_out = torch.randn(res.output.shape, generator=gen, dtype=DT)
     tensors = [q, k, v] + built.leaves
     names = ["q", "k", "v"] + built.names
-    g_got = torch.autograd.grad(got.output, tensors, grad_out.to(dtype))
+    g_got = [g.cpu() for g in torch.autograd.grad(res.output, tensors, grad_out.to(dtype).to(device))]
+    got = mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu())  # compared on CPU
+    tensors = [t.detach().cpu() for t in tensors]
 
-    ref_t = [t.detach().double().requires_grad_() for t in tensors]
+    ref_t = [t.double().requires_grad_() for t in tensors]
     ref_mods, ref_sinks = built.oracle_mods(ref_t[3:])
     ref_out, ref_lse = oracle(*ref_t[:3], mask, ref_mods, ref_sinks)
     g_ref = torch.autograd.grad(ref_out, ref_t, grad_out)
@@ -302,7 +304,7 @@ def run_case(backend, shape, mod_name, mask_kind, dtype):
         assert bool(torch.isneginf(got.lse[empty]).all()), "fully masked rows: LSE -inf"
         assert not bool(torch.isneginf(got.lse[~empty]).any())
     else:
-        sink_rows = built.sinks.detach().to(got.lse.dtype).view(1, Hq, 1).expand_as(got.lse)
+        sink_rows = built.sinks.detach().cpu().to(got.lse.dtype).view(1, Hq, 1).expand_as(got.lse)
         assert torch.equal(got.lse[empty], sink_rows[empty]), "fully masked rows with a sink: LSE = sink logit"
     fin = ~empty
 
@@ -312,7 +314,7 @@ def run_case(backend, shape, mod_name, mask_kind, dtype):
         for name, g, r in zip(names, g_got, g_ref):
             torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9, msg=lambda m: f"grad {name}: {m}")
         return
-    base_t = [t.detach().requires_grad_() for t in tensors]
+    base_t = [t.clone().requires_grad_() for t in tensors]
     base_mods, base_sinks = built.baseline_mods(base_t[3:])
     base_out, base_lse = naive(*base_t[:3], mask, base_mods, base_sinks)
     g_base = torch.autograd.grad(base_out, base_t, grad_out.to(dtype))
@@ -320,14 +322,18 @@ def run_case(backend, shape, mod_name, mask_kind, dtype):
     assert_relative(got.output, ref_out, base_out, F)
     assert_relative(got.lse[fin], ref_lse[fin], base_lse[fin], F, "lse")
     magnitude = max(float(r.abs().max()) for r in g_ref[:3])
+    # A T5 table's gradient sums dS = P * (dP - rowsum(dO * O)), which a fused backward rounds at
+    # the scale of dP = dO . v (exactly 0 in the naive baseline where a row sees one key).
+    dp = grad_out @ ref_t[2].detach().repeat_interleave(Hq // Hkv, 1).transpose(-2, -1)  # (B, Hq, Lq, Lk)
     for name, g, r, b in zip(names, g_got, g_ref, g_base):
+        table = float(dp.abs().max()) if name.startswith("table") else 0.0
         assert_relative(
             g,
             r,
             b,
             factor(backend, dtype, gradients=True),
             f"grad {name}",
-            magnitude=max(magnitude, float(r.abs().max())),
+            magnitude=max(magnitude, float(r.abs().max()), table),
         )
 
 
@@ -336,6 +342,7 @@ def _param(backend, device, shape, mod, mask, dtype, marks=()):
     dtype_name = str(dtype).replace("torch.", "")
     return pytest.param(
         backend,
+        device,
         shape,
         mod,
         mask,
@@ -347,11 +354,12 @@ def _param(backend, device, shape, mod, mask, dtype, marks=()):
 
 def _covering(seed=0):
     """Every backend x modifier x mask once, with shape and dtype drawn so that each of them
-    meets every backend and every modifier; about 180 cases."""
+    meets every backend and every modifier; about 180 cases. The draw is over the backends alone,
+    and each case runs on every device (the CPU cases are the same with CUDA present or not)."""
     rng = random.Random(seed)
     cases = []
-    for bi, p in enumerate(BACKENDS):
-        backend, device = p.values
+    backends = [p.values[0] for p in BACKENDS if p.values[1] == "cpu"]
+    for bi, backend in enumerate(backends):
         shapes = []
         for mi, mod in enumerate(MODS):
             for ki, mask in enumerate(MASKS):
@@ -359,7 +367,7 @@ def _covering(seed=0):
                     shapes = list(SHAPES)
                     rng.shuffle(shapes)
                 dtype = DTYPES[(mi + ki + bi) % len(DTYPES)]
-                cases.append(_param(backend, device, shapes.pop(), mod, mask, dtype))
+                cases.extend(_param(backend, device, shapes.pop(), mod, mask, dtype) for device in DEVICES)
     return cases
 
 
@@ -374,14 +382,14 @@ def _full():
     ]
 
 
-@pytest.mark.parametrize("backend,shape,mod,mask_kind,dtype", _covering())
-def test_position_scores_match_the_oracle(backend, shape, mod, mask_kind, dtype):
-    run_case(backend, shape, mod, mask_kind, dtype)
+@pytest.mark.parametrize("backend,device,shape,mod,mask_kind,dtype", _covering())
+def test_position_scores_match_the_oracle(backend, device, shape, mod, mask_kind, dtype):
+    run_case(backend, device, shape, mod, mask_kind, dtype)
 
 
-@pytest.mark.parametrize("backend,shape,mod,mask_kind,dtype", _full())
-def test_position_scores_match_the_oracle_full_product(backend, shape, mod, mask_kind, dtype):
-    run_case(backend, shape, mod, mask_kind, dtype)
+@pytest.mark.parametrize("backend,device,shape,mod,mask_kind,dtype", _full())
+def test_position_scores_match_the_oracle_full_product(backend, device, shape, mod, mask_kind, dtype):
+    run_case(backend, device, shape, mod, mask_kind, dtype)
 
 
 # ----------------------------------------------------------- a sink is one more softmax column
@@ -392,8 +400,10 @@ def test_a_sink_is_an_extra_softmax_column_with_no_value(backend, device):
     q, k, v = (torch.randn(B, Hq, L, D, generator=gen, dtype=DT) for L in (Lq, Lk, Lk))
     sinks = torch.tensor([0.5, -1.0, 3.0, float("-inf")], dtype=DT)  # -inf: no sink for head 3
     mask = mh.key_padding(torch.tensor([Lk, 0]))
-    serve_or_skip(backend, q, k, v, mask=mask, return_lse=True)
-    got = mh.attention(q, k, v, mask=mask, sinks=sinks, backend=backend, return_lse=True)
+    qd, kd, vd, sinks_d = (t.to(device) for t in (q, k, v, sinks))  # the call runs on device, the checks on CPU
+    serve_or_skip(backend, qd, kd, vd, mask=mask, return_lse=True)
+    got = mh.attention(qd, kd, vd, mask=mask, sinks=sinks_d, backend=backend, return_lse=True)
+    got = mh.AttentionResult(got.output.cpu(), None, got.lse.cpu())
     s = (q @ k.transpose(-2, -1)) / math.sqrt(D)  # (B, Hq, Lq, Lk)
     s = torch.cat([s, sinks.view(1, Hq, 1, 1).expand(B, Hq, Lq, 1)], -1)  # the sink column
     p = torch.softmax(s[0], -1)  # batch element 0 sees every key
@@ -404,26 +414,26 @@ def test_a_sink_is_an_extra_softmax_column_with_no_value(backend, device):
     assert torch.equal(got.lse[1], sinks.view(Hq, 1).expand(Hq, Lq).to(got.lse.dtype))
     # a row's weights sum to less than 1 (the sink took exp(s_h - lse)); a selection of heads and
     # rows gets its own heads' and rows' shares
-    w = mh.attention(q, k, v, mask=mask, sinks=sinks, backend=backend, return_weights=True).weights
+    w = mh.attention(qd, kd, vd, mask=mask, sinks=sinks_d, backend=backend, return_weights=True).weights.cpu()
     torch.testing.assert_close(w[0], p[..., :Lk], rtol=1e-12, atol=1e-12)
     assert torch.equal(w[1], torch.zeros_like(w[1]))
     part = mh.attention(
-        q,
-        k,
-        v,
+        qd,
+        kd,
+        vd,
         mask=mask,
-        sinks=sinks,
+        sinks=sinks_d,
         backend=backend,
         return_weights=True,
         weights_heads=[2, 0],
         weights_rows=slice(1, 4),
-    ).weights
+    ).weights.cpu()
     torch.testing.assert_close(part, w[:, [2, 0], 1:4], rtol=1e-12, atol=1e-12)
     # gradients: finite everywhere (a -inf sink, a fully masked row), none for the absent sink
-    sinks_leaf = sinks.clone().requires_grad_()
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sinks_leaf = sinks_d.clone().requires_grad_()
+    leaves = [t.clone().requires_grad_() for t in (qd, kd, vd)]
     out = mh.attention(*leaves, mask=mask, sinks=sinks_leaf, backend=backend)
-    grads = torch.autograd.grad(out, leaves + [sinks_leaf], torch.ones_like(out))
+    grads = [g.cpu() for g in torch.autograd.grad(out, leaves + [sinks_leaf], torch.ones_like(out))]
     assert all(bool(torch.isfinite(g).all()) for g in grads)
     assert float(grads[3][3]) == 0.0 and bool((grads[3][:3] != 0).all())
     assert torch.equal(grads[0][1], torch.zeros_like(grads[0][1]))  # dq of the batch element that sees nothing
@@ -447,18 +457,19 @@ def test_rows_whose_every_key_is_far_in_the_past_keep_their_softmax(backend, dev
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, h, L, D, generator=gen, dtype=DT) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
     mask, mod = mh.causal("top_left"), ALiBi(Hq, slopes=[0.5, 0.25], align="top_left")
-    qt, kt, vt = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    qt, kt, vt = (t.to(dtype).to(device).requires_grad_() for t in (q, k, v))
     serve_or_skip(backend, qt, kt, vt, mask=mask, score_mod=mod, return_lse=True)
-    got = mh.attention(qt, kt, vt, mask=mask, score_mod=mod, backend=backend, return_lse=True)
-    ref_t = [t.detach().double().requires_grad_() for t in (qt, kt, vt)]
+    res = mh.attention(qt, kt, vt, mask=mask, score_mod=mod, backend=backend, return_lse=True)
+    got = mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu())  # compared on CPU
+    ref_t = [t.detach().cpu().double().requires_grad_() for t in (qt, kt, vt)]
     dense = torch.tensor([0.5, 0.25], dtype=DT).view(1, 2, 1, 1) * aligned_distance(Lq, Lk, "top_left").to(DT)
     ref = mh.reference_attention(*ref_t, mask=mask, score_mod=mh.scores.bias(dense))
-    base_t = [t.detach().requires_grad_() for t in (qt, kt, vt)]
+    base_t = [t.detach().cpu().requires_grad_() for t in (qt, kt, vt)]
     base, base_lse = naive(*base_t, mask, [mh.scores.bias(dense.to(dtype))], None)
     assert_relative(got.output, ref.output, base, factor(backend, dtype))
     assert_relative(got.lse, ref.lse, base_lse, factor(backend, dtype), "lse")
     grad_out = torch.randn(got.output.shape, generator=gen, dtype=DT)
-    g_got = torch.autograd.grad(got.output, (qt, kt, vt), grad_out.to(dtype))
+    g_got = [g.cpu() for g in torch.autograd.grad(res.output, (qt, kt, vt), grad_out.to(dtype).to(device))]
     g_ref = torch.autograd.grad(ref.output, ref_t, grad_out)
     g_base = torch.autograd.grad(base, base_t, grad_out.to(dtype))
     magnitude = max(float(r.abs().max()) for r in g_ref)
@@ -477,17 +488,17 @@ def test_sink_gradient_in_fp32_follows_the_relative_rule(backend, device):
     q, k, v = (torch.randn(B, h, L, D, generator=gen, dtype=DT) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
     sinks = torch.randn(Hq, generator=gen, dtype=DT)
     grad_out = torch.randn(B, Hq, Lq, D, generator=gen, dtype=DT)
-    t32 = [t.float().requires_grad_() for t in (q, k, v, sinks)]
+    t32 = [t.float().to(device).requires_grad_() for t in (q, k, v, sinks)]
     serve_or_skip(backend, *t32[:3], return_lse=True)
     out = mh.attention(*t32[:3], sinks=t32[3], backend=backend)
-    got = torch.autograd.grad(out, t32, grad_out.float())
+    got = [g.cpu() for g in torch.autograd.grad(out, t32, grad_out.float().to(device))]
     t64 = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     ref_out, _ = oracle(*t64[:3], None, None, t64[3])
     ref = torch.autograd.grad(ref_out, t64, grad_out)
-    b32 = [t.detach().clone().requires_grad_() for t in t32]
+    b32 = [t.detach().cpu().clone().requires_grad_() for t in t32]
     base_out, _ = naive(*b32[:3], None, None, b32[3])
     base = torch.autograd.grad(base_out, b32, grad_out.float())
-    assert_relative(out, ref_out, base_out, factor(backend, torch.float32))
+    assert_relative(out.detach().cpu(), ref_out, base_out, factor(backend, torch.float32))
     for name, g, r, b in zip(["q", "k", "v", "sinks"], got, ref, base):
         assert_relative(g, r, b, factor(backend, torch.float32, gradients=True), f"grad {name}")
 
@@ -545,8 +556,8 @@ def _t5_fn(rel, Lq, Lk):
     return fn
 
 
-def _alibi_fn(Hq, Lq, Lk):
-    slopes, off = alibi_slopes(Hq), Lk - Lq
+def _alibi_fn(Hq, Lq, Lk, device="cpu"):
+    slopes, off = alibi_slopes(Hq).to(device), Lk - Lq  # a closed-over tensor lives where the scores do
 
     def fn(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx - off)
@@ -565,13 +576,15 @@ def test_a_user_function_equals_each_builtin(backend, device, shape, builtin):
     B, Hq, Hkv, Lq, Lk, D = shape
     gen = torch.Generator().manual_seed(Lq)
     q, k, v = (
-        torch.randn(B, h, L, D, generator=gen, dtype=DT).requires_grad_() for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+        torch.randn(B, h, L, D, generator=gen, dtype=DT).to(device).requires_grad_()
+        for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
     )
     rel = RelativePositionBias(Hq, num_buckets=16, max_distance=50, dtype=DT)
     with torch.no_grad():
         rel.weight.normal_(generator=gen)
+    rel.to(device)
     builtin_mod, fn = {
-        "alibi": (ALiBi(Hq), _alibi_fn(Hq, Lq, Lk)),
+        "alibi": (ALiBi(Hq), _alibi_fn(Hq, Lq, Lk, device)),
         "t5": (rel(), _t5_fn(rel, Lq, Lk)),
         "softcap": (mh.scores.softcap(CAP), _softcap_fn),
     }[builtin]
@@ -579,7 +592,7 @@ def test_a_user_function_equals_each_builtin(backend, device, shape, builtin):
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=fn, return_lse=True)
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=builtin_mod, return_lse=True)
     tensors = (q, k, v, rel.weight)
-    grad_out = torch.randn(B, Hq, Lq, D, generator=gen, dtype=DT)
+    grad_out = torch.randn(B, Hq, Lq, D, generator=gen, dtype=DT).to(device)
     results = []
     for mod in (builtin_mod, fn):
         res = mh.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, return_lse=True)
@@ -650,18 +663,19 @@ def test_nan_and_huge_keys_beyond_the_padding_do_not_leak(backend, device, mask_
         torch.tensor(1e30, dtype=DT),
         torch.where(hidden, torch.tensor(float("nan"), dtype=DT), v),
     )
-    w = torch.randn(Hq, 2, generator=gen, dtype=DT).requires_grad_()
+    w = torch.randn(Hq, 2, generator=gen, dtype=DT).to(device).requires_grad_()
     mod = ALiBi(Hq) if kind == "alibi" else user_fn(w)
     mask = mh.key_padding(lengths) & mh.causal() if mask_kind == "padding&causal" else mh.key_padding(lengths)
+    q, k, v, k_bad, v_bad = (t.to(device) for t in (q, k, v, k_bad, v_bad))
     serve_or_skip(backend, q, k, v, mask=mask, score_mod=mod, return_lse=True)
 
-    def run(kk, vv):
+    def run(kk, vv):  # on device; the answer comes back to CPU
         leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
         res = mh.attention(*leaves, mask=mask, score_mod=mod, backend=backend, return_lse=True)
         grads = torch.autograd.grad(res.output, leaves + ([w] if kind == "user" else []), torch.ones_like(res.output))
-        return res, grads
+        return mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu()), [g.cpu() for g in grads]
 
-    clean, g_clean = run(k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0))
+    clean, g_clean = run(k.masked_fill(hidden.to(device), 0.0), v.masked_fill(hidden.to(device), 0.0))
     bad, g_bad = run(k_bad, v_bad)
     assert bool(torch.isfinite(bad.output).all()) and not bool(torch.isnan(bad.lse).any())
     torch.testing.assert_close(bad.output, clean.output, rtol=1e-12, atol=1e-12)
@@ -680,21 +694,28 @@ def test_nan_and_huge_keys_beyond_the_padding_do_not_leak(backend, device, mask_
 def test_non_contiguous_inputs_with_alibi(backend, device):
     B, Hq, Hkv, Lq, Lk, D = 2, 6, 3, 37, 290, 8
     gen = torch.Generator().manual_seed(5)
-    q_base = torch.randn(B, Lq, Hq, D, generator=gen, dtype=DT).requires_grad_()  # (B, L, H, D) layout
-    k_base = torch.randn(B, 1, Lk, D, generator=gen, dtype=DT).requires_grad_()  # one head, expanded
-    v_base = torch.randn(B, Lk, Hkv, 2 * D, generator=gen, dtype=DT).requires_grad_()
-    views = (q_base.transpose(1, 2), k_base.expand(B, Hkv, Lk, D), v_base.transpose(1, 2)[..., ::2])
+    q_base = torch.randn(B, Lq, Hq, D, generator=gen, dtype=DT)  # (B, L, H, D) layout
+    k_base = torch.randn(B, 1, Lk, D, generator=gen, dtype=DT)  # one head, expanded
+    v_base = torch.randn(B, Lk, Hkv, 2 * D, generator=gen, dtype=DT)
+    bases = [t.to(device).requires_grad_() for t in (q_base, k_base, v_base)]
+    cpu_bases = [t.requires_grad_() for t in (q_base, k_base, v_base)]  # the reference's leaves
+
+    def views_of(q_base, k_base, v_base):
+        return q_base.transpose(1, 2), k_base.expand(B, Hkv, Lk, D), v_base.transpose(1, 2)[..., ::2]
+
+    views = views_of(*bases)
     assert not any(t.is_contiguous() for t in views) and views[1].stride(1) == 0
     mask = mh.causal() & mh.sliding_window(100)
     mod = ALiBi(Hq)
     serve_or_skip(backend, *views, mask=mask, score_mod=mod, return_lse=True)
-    got = mh.attention(*views, mask=mask, score_mod=mod, backend=backend, return_lse=True)
-    grad_out = torch.randn(got.output.shape, generator=gen, dtype=DT)
-    g_got = torch.autograd.grad(got.output, (q_base, k_base, v_base), grad_out)
-    ref_views = [t.contiguous() for t in views]
+    res = mh.attention(*views, mask=mask, score_mod=mod, backend=backend, return_lse=True)
+    grad_out = torch.randn(res.output.shape, generator=gen, dtype=DT)
+    g_got = [g.cpu() for g in torch.autograd.grad(res.output, bases, grad_out.to(device))]
+    got = mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu())  # compared on CPU
+    ref_views = [t.contiguous() for t in views_of(*cpu_bases)]
     dense = dense_alibi(Hq, Lq, Lk, False, "bottom_right")
     ref = mh.reference_attention(*ref_views, mask=mask, score_mod=mh.scores.bias(dense))
-    g_ref = torch.autograd.grad(ref.output, (q_base, k_base, v_base), grad_out)
+    g_ref = torch.autograd.grad(ref.output, cpu_bases, grad_out)
     torch.testing.assert_close(got.output, ref.output, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(got.lse, ref.lse, rtol=1e-10, atol=1e-10)
     for name, g, r in zip("qkv", g_got, g_ref):
