@@ -244,6 +244,11 @@ def test_t5_table_gradient_through_every_backend_equals_indexing_the_table(
     assert_relative(got.output, ref.output, base, factor(backend, dtype))
     assert_relative(got.lse[~empty], ref.lse[~empty], base_lse[~empty], factor(backend, dtype), "lse")
     magnitude = max(float(r.abs().max()) for r in g_ref[:3])
+    # The table's gradient sums dS = P * (dP - rowsum(dO * O)); a fused backward computes the two
+    # terms by different sums (dP = dO . v by the matmul), so its rounding is at the scale of dP,
+    # even where dS is exactly 0 (a row that sees one key) and the naive baseline gets exactly 0.
+    dp = grad_out @ leaves[2].detach().repeat_interleave(Hq // Hkv, 1).transpose(-2, -1)  # (B, Hq, Lq, Lk)
+    scale = {"table": float(dp.abs().max())}
     for name, g, r, b in zip(["q", "k", "v", "table"], g_got, g_ref, g_base):
         assert_relative(
             g,
@@ -251,5 +256,5 @@ def test_t5_table_gradient_through_every_backend_equals_indexing_the_table(
             b,
             factor(backend, dtype, gradients=True),
             f"grad {name}",
-            magnitude=max(magnitude, float(r.abs().max())),
+            magnitude=max(magnitude, float(r.abs().max()), scale.get(name, 0.0)),
         )
