@@ -2,9 +2,9 @@
 ``Lq x Lk`` boolean mask) against ``flex`` (compiled FlexAttention over a cached ``BlockMask``,
 cost proportional to the visible blocks), both through :func:`multihead.attention`.
 
-CUDA only. ``auto`` on CUDA sends a structured mask to ``flex`` where this table says flex wins
-(``multihead.backends.flex.CUDA_MIN_WORK`` and ``CUDA_MAX_VISIBLE``); the rows printed here are
-the evidence. Every config: B=1, H=16, D=128, bf16, self-attention; forward, and forward+backward
+CUDA only. ``auto`` on CUDA sends a structured mask to ``flex`` from the sizes this table says
+flex wins (``multihead.backends.flex.CUDA_MIN_WORK`` and ``CUDA_MIN_WORK_BAND``); the rows
+printed here are the evidence. Every config: B=1, H=16, D=128, bf16, self-attention; forward, and forward+backward
 at the middle length. Masks: sliding window 1024 (causal), packed documents of 2048 tokens
 (causal within each), key padding to half the keys, and dense causal (which ``sdpa`` runs with
 ``is_causal`` on cuDNN/flash: the bar every structured mask is measured against, per visible

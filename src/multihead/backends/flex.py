@@ -7,9 +7,9 @@ passed as flex's ``score_mod`` (it has flex's signature). The LSE comes from the
 
 On a 2-core CPU the first compile takes about a minute and dense causal runs slower than SDPA,
 so ``auto`` never picks it there (``auto_refusals``; decision table in docs/performance.md).
-On CUDA ``auto`` picks it for structured masks that leave most tiles empty (sliding windows,
-packed documents) at ``Lq * Lk >= CUDA_MIN_WORK``, where sdpa would run a dense ``Lq x Lk`` mask
-on a slower kernel; the first call of each shape compiles. Force it with ``backend="flex"``.
+On CUDA ``auto`` picks it for structured masks (sliding windows, packed documents, padding) from
+``Lq * Lk >= CUDA_MIN_WORK``, where sdpa would run a dense ``Lq x Lk`` mask on a slower kernel;
+the first call of each shape compiles. Force it with ``backend="flex"``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from multihead.backends.base import Backend, Capabilities
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
-from multihead.masks import BlockState, Mask
+from multihead.masks import Mask
 
 __all__ = ["FlexBackend"]
 
@@ -32,38 +32,15 @@ except Exception:  # pragma: no cover - depends on the PyTorch build
 
 _compiled = None
 
-#: On CUDA, ``auto`` sends a structured mask to flex when ``Lq * Lk`` is at least this and at most
-#: ``CUDA_MAX_VISIBLE`` of the tiles are visible (measured on an H100: benchmarks/gpu_dispatch.py,
-#: docs/performance.md "On the GPU"); otherwise sdpa runs it over the dense mask.
+#: On CUDA, ``auto`` sends a structured mask to flex from ``Lq * Lk >= CUDA_MIN_WORK``, and a mask
+#: made of bands only (sliding windows) from ``CUDA_MIN_WORK_BAND``: sdpa then runs a dense mask on
+#: its masked kernels, which measured 2.7-13x slower than flex at 8192 (windows, documents, key
+#: padding, forward and forward+backward; H100, bf16: benchmarks/gpu_dispatch.py, docs/performance.md
+#: "On the GPU"). Below these, flex's fixed cost per call loses (a 1024-window at 2048: sdpa 1.68x
+#: faster), except that a document or padding mask costs sdpa more to prepare (documents at 2048:
+#: flex 4.65x faster).
 CUDA_MIN_WORK = 2048 * 2048
-CUDA_MAX_VISIBLE = 0.6
-#: The grid :func:`visible_tile_fraction` reads a mask on: at most this many tiles per side.
-TILES = 32
-_visible_cache: OrderedDict = OrderedDict()
-
-
-def visible_tile_fraction(mask: Mask, B: int, H: int, Lq: int, Lk: int) -> float:
-    """The share of ``Lq x Lk`` in tiles (of at most ``TILES`` per side, at least 128 rows or keys,
-    flex's block) that hold a visible entry: the work a block-sparse kernel does, relative to a
-    dense one. Read from :meth:`Mask.block_state` (O(1) per tile for the structured masks) and
-    kept per (mask, shape)."""
-    key = (mask, B, H, Lq, Lk)
-    hit = _visible_cache.get(key)
-    if hit is not None:
-        return float(hit)
-    tq, tk = max(128, -(-Lq // TILES)), max(128, -(-Lk // TILES))
-    visible = 0
-    for q0 in range(0, Lq, tq):
-        q1 = min(Lq, q0 + tq)
-        for k0 in range(0, Lk, tk):
-            k1 = min(Lk, k0 + tk)
-            if mask.block_state(q0, q1, k0, k1, Lq, Lk, B, H) is not BlockState.EMPTY:
-                visible += (q1 - q0) * (k1 - k0)
-    fraction = visible / (Lq * Lk)
-    _visible_cache[key] = fraction
-    while len(_visible_cache) > 64:
-        _visible_cache.popitem(last=False)
-    return fraction
+CUDA_MIN_WORK_BAND = 4096 * 4096
 
 
 def _recompile_limit() -> int:
@@ -125,20 +102,15 @@ class FlexBackend(Backend):
             return ["on CPU its compile takes about a minute and blocksparse/sdpa are faster (measured)"]
         if device != "cuda":
             return [f"not measured on {device}; sdpa is the safe default"]
-        # CUDA: flex's cost follows the visible blocks, sdpa's the whole Lq x Lk (a dense mask
-        # tensor, on the masked kernels); the thresholds are measured (benchmarks/gpu_dispatch.py).
+        # CUDA: flex's cost follows the visible blocks; sdpa's masked kernels read a dense Lq x Lk
+        # mask and are slower than flex's even where most of it is visible (measured; above).
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         mask = call.mask
         if mask is None or mask.causal_offset(Lq, Lk) is not None:
             return ["no mask or a causal diagonal: sdpa runs it without a mask tensor (flash/cuDNN)"]
-        if Lq * Lk < CUDA_MIN_WORK:
-            return [f"Lq*Lk = {Lq * Lk} < {CUDA_MIN_WORK}: a compile per shape does not pay; sdpa with the dense mask"]
-        visible = visible_tile_fraction(mask, B, Hq, Lq, Lk)
-        if visible > CUDA_MAX_VISIBLE:
-            return [
-                f"the mask leaves {visible:.0%} of the Lq x Lk tiles visible (> {CUDA_MAX_VISIBLE:.0%}): "
-                "sdpa over the dense mask is faster there (measured)"
-            ]
+        least = CUDA_MIN_WORK_BAND if mask.kinds() <= {"band"} else CUDA_MIN_WORK
+        if Lq * Lk < least:
+            return [f"Lq*Lk = {Lq * Lk} < {least}: flex's fixed cost per call loses to sdpa with the dense mask"]
         return []
 
     def plan(self, call: AttentionCall) -> list[str]:
