@@ -622,7 +622,10 @@ def test_register_refuses_a_transformers_outside_the_tested_range(monkeypatch):
     range it needs and registers nothing, instead of failing later inside a model."""
     from transformers import AttentionInterface
 
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    import importlib
+
+    # (the module register() imports: another test may have replaced this file's `transformers`)
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "5.17.0")
     with pytest.raises(ImportError, match=r"transformers>=5.23,<6.*found 5\.17\.0"):
         mh_hf.register("multihead-too-old")
     assert "multihead-too-old" not in AttentionInterface._global_mapping
