@@ -6,6 +6,7 @@ precision) are in :mod:`multihead.conventions`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Literal, cast, overload
 
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 from multihead import plans
+from multihead.backends.base import Backend
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.blockwise import lse_by_blocks, weights_by_blocks
 from multihead.call import AttentionCall, AttentionResult, ScoreModArg, Selection
@@ -187,8 +189,12 @@ def attention(
         and not torch.compiler.is_compiling()
     )
     key = plans.signature(q, k, v, mask, scale, backend) if plain else None
+    growing = None
     if key is not None:
         plan = plans.lookup(key)
+        if plan is None:  # a step of a growing KV cache: the plan of its Lk bucket, if one holds
+            growing = plans.growing_signature(q, k, v, mask, scale, backend)
+            plan = None if growing is None else plans.lookup(growing)
         if plan is not None:
             run, finite = plan
             output = run(q, k, v)
@@ -255,6 +261,10 @@ def attention(
     result, poisoned = apply_policy(call, result, chosen.forward)  # NaN/inf reach exactly the rows that read them
     if key is not None and plans.worth_keeping(key, call, q, k, v):  # calls like this one skip the above
         plans.store(key, chosen.runner(call), finite_check(q, result.output))
+    if growing is not None and plans.worth_keeping(growing, call, q, k, v):
+        runner = chosen.runner(call)
+        if getattr(runner, "any_kv_len", False) and _chosen_over_bucket(call, chosen, backend):
+            plans.store(growing, runner, finite_check(q, result.output))
     lse = result.lse
     q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)
     if return_weights:
@@ -280,6 +290,22 @@ def attention(
                 lse = lse.masked_fill(poisoned, float("nan"))
         return AttentionResult(result.output, None, lse)
     return result.output
+
+
+def _chosen_over_bucket(call: AttentionCall, chosen: Backend, backend: str) -> bool:
+    """Whether dispatch picks ``chosen`` at both ends of ``call``'s ``Lk`` bucket
+    (:func:`multihead.plans.kv_len_bucket`), asked with K/V of those lengths as zero-stride views
+    of the call's first key (refusals read shapes, dtypes and devices, never values). The
+    thresholds are monotone in ``Lk``, so then it picks ``chosen`` across the bucket."""
+    if backend != "auto":
+        return True  # a forced backend is the backend
+    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+    for kv_len in plans.kv_len_bucket(Lk):
+        k = call.k[:, :, :1].expand(B, Hkv, kv_len, D)
+        v = call.v[:, :, :1].expand(B, Hkv, kv_len, Dv)
+        if select_backend(dataclasses.replace(call, k=k, v=v), backend)[0] is not chosen:
+            return False
+    return True
 
 
 def _empty(

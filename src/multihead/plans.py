@@ -17,6 +17,15 @@ runners that are never used and from pushing out the plans that are.) Nothing in
 on tensor *values*: the non-finite policy is still checked on every call, and a call that fails
 it takes the whole path again.
 
+A growing KV cache makes every decoding step a new signature (``Lk`` grows by one), so each
+step would take the whole path. For calls whose plan cannot depend on ``Lk`` — no mask, or one
+that masks nothing for any ``Lk`` (a single query under bottom-right ``causal()``) — a second key,
+:func:`growing_signature`, holds everything but ``Lk`` and the strides ``Lk`` changes, plus
+``Lk``'s power-of-two bucket. The plan stored under it serves every ``Lk`` of the bucket, and is
+stored only when the backend's runner says it takes any ``Lk`` (``runner.any_kv_len``) and
+``auto`` chooses the same backend at both ends of the bucket (its thresholds are monotone in
+``Lk``), so it runs what the whole path would.
+
 Never stored (the whole path runs every time): masks holding a tensor taken by identity rather
 than by content (:meth:`Mask.by_value`), inputs that validation would copy or change (a strided
 last dimension, a scale <= 0), inputs that share their first address (``attention(x, x, x)``,
@@ -40,7 +49,17 @@ from multihead.masks import Mask
 if TYPE_CHECKING:
     from multihead.call import AttentionCall
 
-__all__ = ["signature", "lookup", "worth_keeping", "repeated", "store", "clear", "MAX_PLANS"]
+__all__ = [
+    "signature",
+    "growing_signature",
+    "kv_len_bucket",
+    "lookup",
+    "worth_keeping",
+    "repeated",
+    "store",
+    "clear",
+    "MAX_PLANS",
+]
 
 #: At most this many signatures are kept; the oldest stored is dropped first.
 MAX_PLANS = 64
@@ -86,6 +105,61 @@ def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, back
         )
     except RuntimeError:  # sparse and nested tensors have no strides: validation says what is wrong
         return None
+
+
+def growing_signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
+    """The key of a plain call that holds no ``Lk`` (only its power-of-two bucket,
+    :func:`kv_len_bucket`), or ``None`` when the call's plan could depend on ``Lk``: a mask that
+    blocks something at some ``Lk``. Strides of ``k, v`` enter by their last dimension only (the
+    others change with a growing cache; no plan depends on them: validation copies only a
+    strided last dimension)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None  # validation names what is wrong
+    if mask is not None and (not isinstance(mask, Mask) or q.shape[2] != 1 or not _blocks_nothing(mask)):
+        return None
+    Lk = k.shape[2]
+    return (
+        "growing",
+        q.shape,
+        k.shape[:2] + k.shape[3:],
+        v.shape[:2] + v.shape[3:],
+        Lk.bit_length(),
+        q.stride(),
+        k.stride(-1),
+        v.stride(-1),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        mask,
+        scale,
+        backend,
+    )
+
+
+def kv_len_bucket(kv_len: int) -> tuple[int, int]:
+    """The ``Lk`` range one growing plan serves: ``[2^(n-1), 2^n - 1]`` for ``n = Lk.bit_length()``."""
+    n = kv_len.bit_length()
+    return 1 << (n - 1), (1 << n) - 1
+
+
+_FAR = 1 << 31  # a key length no call reaches
+
+
+def _blocks_nothing(mask: Mask) -> bool:
+    """Whether ``mask`` blocks nothing for one query, whatever ``Lk``: it is a causal diagonal
+    ("key ``j`` visible iff ``j <= i + d``") whose ``d`` reaches the last key at every length,
+    defined for any length (no tensor of positions or ids fixing ``Lk``)."""
+    if mask.extent() != (None, None):
+        return False
+    for kv_len in (1, 2, _FAR):
+        offset = mask.causal_offset(1, kv_len)
+        if offset is None or offset < kv_len - 1:
+            return False
+    return True
 
 
 #: ``lookup(key)``: the ``(runner, finite)`` pair stored for ``key``, or ``None``.

@@ -301,8 +301,9 @@ def test_tensor_subclasses_and_the_bound_on_plans():
     assert len(plans._PLANS) == len(plans._SEEN) == plans.MAX_PLANS
 
 
-def test_signatures_met_once_build_no_plan():
-    """A growing KV cache gives every step a new Lk: no runner is built for any of them."""
+def test_signatures_met_once_build_no_plan_but_their_length_buckets_do():
+    """A growing KV cache gives every step a new Lk: no runner is built for any one signature;
+    one is built per power-of-two bucket of Lk met twice (1: once; 2-3, 4-7, 8-15, 16-31, 32-40)."""
     q, k, v = _qkv(L=1, Lk=40)
     plans.clear()
     for n in range(1, 41):
@@ -312,7 +313,8 @@ def test_signatures_met_once_build_no_plan():
             rtol=1e-5,
             atol=1e-5,
         )
-    assert not plans._PLANS and len(plans._SEEN) == 40
+    assert [key[0] for key in plans._PLANS] == ["growing"] * 5
+    assert sorted(key[4] for key in plans._PLANS) == [2, 3, 4, 5, 6]  # the buckets' bit lengths
 
 
 def test_compiled_attention_after_plans_exist_is_one_graph():
@@ -322,3 +324,82 @@ def test_compiled_attention_after_plans_exist_is_one_graph():
     compiled = torch.compile(lambda q, k, v: mh.attention(q, k, v, mask=BAND), backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-6, atol=1e-6)
+
+
+def _growing_steps(lengths, *, Hq=8, Hkv=2, D=64, seed=0):
+    """One query against K/V of each length in turn, as a growing KV cache gives them."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, Hq, 1, D, generator=gen)
+    return q, [(torch.randn(1, Hkv, n, D, generator=gen), torch.randn(1, Hkv, n, D, generator=gen), n) for n in lengths]
+
+
+def _counting_validation(monkeypatch):
+    import sys
+
+    attention_module = sys.modules["multihead.attention"]  # (mh.attention is the function)
+    calls = []
+    real = attention_module.validate_call
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "validate_call", counting)
+    return calls
+
+
+def test_steps_of_a_growing_cache_run_the_plan_of_their_length_bucket(monkeypatch):
+    """Each decoding step has a new Lk, so a new signature; one query under bottom-right causal
+    (or no mask) masks nothing at any Lk, and the plan stored for Lk's power-of-two bucket serves
+    the bucket's other steps: after two steps of a bucket, no more whole paths until the next."""
+    plans.clear()
+    calls = _counting_validation(monkeypatch)
+    q, steps = _growing_steps(range(1020, 1100))  # buckets [512, 1023] and [1024, 2047]
+    for k, v, _ in steps:
+        got = mh.attention(q, k, v, mask=mh.causal())
+        torch.testing.assert_close(got, _ref(q, k, v, mask=mh.causal()).float(), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 4, "two whole paths per bucket (the second stores the plan), then none"
+    growing = plans.growing_signature(q, steps[-1][0], steps[-1][1], mh.causal(), None, "auto")
+    assert growing is not None and plans.lookup(growing) is not None
+
+
+def test_no_growing_plan_where_dispatch_changes_inside_the_bucket(monkeypatch):
+    """With Hq=6, D=64, the decode backend takes over from Lk = 2^20 / 384 = 2731, inside the
+    bucket [2048, 4095]: no plan may serve the bucket (every step takes the whole path and runs
+    the backend explain names)."""
+    plans.clear()
+    calls = _counting_validation(monkeypatch)
+    q, steps = _growing_steps([2700, 2701, 2702, 2800, 2801], Hq=6)
+    for k, v, _ in steps:
+        got = mh.attention(q, k, v, mask=mh.causal())
+        torch.testing.assert_close(got, _ref(q, k, v, mask=mh.causal()).float(), rtol=1e-5, atol=1e-5)
+    assert [mh.explain(q, k, v, mask=mh.causal()).backend for k, v, _ in steps[::3]] == ["sdpa", "decode"]
+    assert len(calls) == 5
+    assert not any(key[0] == "growing" for key in plans._PLANS)
+
+
+@pytest.mark.parametrize(
+    "mask,Lq",
+    [
+        (mh.sliding_window(100), 1),  # blocks keys once the cache is longer than the window
+        (mh.causal("top_left"), 1),  # one query sees key 0 only
+        (mh.key_padding(torch.tensor([50])), 1),  # blocks past its length
+        (mh.causal(), 2),  # two queries: the diagonal moves with Lk
+        (mh.causal().at(torch.tensor([5]), torch.arange(6), q_len=6, kv_len=6), 1),  # fixed positions
+    ],
+    ids=["window", "top_left", "padding", "two_queries", "positioned"],
+)
+def test_a_mask_that_blocks_something_at_some_length_gets_no_growing_key(mask, Lq):
+    q, k, v = _qkv(L=Lq, Lk=6)
+    assert plans.growing_signature(q, k, v, mask, None, "auto") is None
+
+
+def test_a_growing_plan_serves_only_its_own_bucket_and_signature():
+    q, steps = _growing_steps([1000, 1023, 1024, 2047, 2048])
+    keys = [plans.growing_signature(q, k, v, None, None, "auto") for k, v, _ in steps]
+    assert keys[0] == keys[1] != keys[2] == keys[3] != keys[4]
+    assert plans.kv_len_bucket(1024) == (1024, 2047) and plans.kv_len_bucket(1) == (1, 1)
+    k, v, _ = steps[0]
+    assert plans.growing_signature(q, k, v, None, 0.5, "auto") != keys[0]
+    assert plans.growing_signature(q.double(), k.double(), v.double(), None, None, "auto") != keys[0]
+    assert plans.growing_signature(torch.randn(1, 8, 2, 64), k, v, None, None, "auto") is not None  # no mask: any Lq

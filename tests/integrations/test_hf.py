@@ -620,9 +620,9 @@ def test_the_docs_usage_runs():
 def test_register_refuses_a_transformers_outside_the_tested_range(monkeypatch):
     """An older ``transformers`` lacks mask helpers the backend reads: ``register`` says which
     range it needs and registers nothing, instead of failing later inside a model."""
-    from transformers import AttentionInterface
-
     import importlib
+
+    from transformers import AttentionInterface
 
     # (the module register() imports: another test may have replaced this file's `transformers`)
     monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "5.17.0")

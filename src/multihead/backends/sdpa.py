@@ -19,6 +19,7 @@ How a call is passed on, in order of preference:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,8 +80,16 @@ class SDPABackend(Backend):
         if call.return_lse or call.dropout_p > 0:
             return super().runner(call)
         args = _Arguments(call)  # the prepared mask and every decision; no tensor of the call
+        run = self._runner(call, args)
+        # Nothing prepared for this Lk (no mask tensor, no causal diagonal, no expanded or fitted
+        # K/V): the runner serves a growing cache's every step (multihead.plans.growing_signature).
+        run.any_kv_len = args.plain and args.attn_mask is None and not args.is_causal  # type: ignore[attr-defined]
+        return run
+
+    @staticmethod
+    def _runner(call: AttentionCall, args: _Arguments) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
         if not args.plain or args.enable_gqa:
-            return args.run
+            return lambda q, k, v: args.run(q, k, v)
         # The common cases with no more arguments than they need (each keyword costs a little,
         # and on a small call the kernel itself takes a few microseconds).
         # (F.scaled_dot_product_attention is looked up on every call: a wrapper installed later,
