@@ -197,3 +197,33 @@ def test_capabilities_are_data_the_dispatcher_reads(backend):
     if "elementwise" not in caps.score_mods:
         with pytest.raises(mh.BackendRefusedError, match=r"softcap\(5.0\) is elementwise"):
             mh.attention(q, q, q, score_mod=mh.scores.softcap(5.0), backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "Hq,Hkv,Lq,mask",
+    [
+        (8, 2, 1, None),
+        (8, 2, 1, mh.causal()),  # one query sees every key: no mask at all
+        (8, 2, 4, mh.causal()),  # the (Lq, Lk) mask repeated for each folded head
+        (8, 1, 3, mh.causal()),  # MQA
+        (6, 3, 8, None),
+        (4, 2, 2, mh.key_padding(torch.tensor([37, 37]))),  # blocks the same keys for every row
+    ],
+    ids=["gqa-none", "gqa-causal-1", "gqa-causal-4", "mqa-causal-3", "gqa-none-8", "gqa-padding"],
+)
+def test_sdpa_folds_the_query_heads_of_a_few_tokens_exactly(Hq, Hkv, Lq, mask, dtype):
+    """A few query tokens with GQA/MQA on CPU: sdpa runs each KV head's query heads as rows of one
+    call (explain says so), with the reference's result and the same output whether the plan
+    was stored or not."""
+    gen = torch.Generator().manual_seed(Lq)
+    B, Lk, D = 2, 37, 32
+    q = torch.randn(B, Hq, Lq, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, Hkv, Lk, D, generator=gen).to(dtype) for _ in range(2))
+    report = mh.explain(q, k, v, mask=mask, backend="sdpa")
+    assert any("folded into the rows of one call" in line for line in report.plan), report.plan
+    got = [mh.attention(q, k, v, mask=mask, backend="sdpa") for _ in range(3)]  # the third runs the plan
+    ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mask).output
+    base = naive_attention(q, k, v, mask)
+    assert_relative(got[0], ref, base, factor("sdpa", dtype))
+    assert torch.equal(got[0], got[2])

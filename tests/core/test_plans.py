@@ -364,12 +364,12 @@ def test_steps_of_a_growing_cache_run_the_plan_of_their_length_bucket(monkeypatc
 
 
 def test_no_growing_plan_where_dispatch_changes_inside_the_bucket(monkeypatch):
-    """With Hq=6, D=64, the decode backend takes over from Lk = 2^20 / 384 = 2731, inside the
-    bucket [2048, 4095]: no plan may serve the bucket (every step takes the whole path and runs
+    """With Hq = Hkv = 6, D=64, the decode backend takes over from Lk = 2^20 / 384 = 2731, inside
+    the bucket [2048, 4095]: no plan may serve the bucket (every step takes the whole path and runs
     the backend explain names)."""
     plans.clear()
     calls = _counting_validation(monkeypatch)
-    q, steps = _growing_steps([2700, 2701, 2702, 2800, 2801], Hq=6)
+    q, steps = _growing_steps([2700, 2701, 2702, 2800, 2801], Hq=6, Hkv=6)
     for k, v, _ in steps:
         got = mh.attention(q, k, v, mask=mh.causal())
         torch.testing.assert_close(got, _ref(q, k, v, mask=mh.causal()).float(), rtol=1e-5, atol=1e-5)

@@ -135,6 +135,13 @@ class DecodeBackend(Backend):
         if B * Hq * Lk * D < AUTO_MIN_WORK:
             work = named("B·Hq·Lk·D", B * Hq * Lk * D)
             return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less than the fold's few ops"]
+        offset = None if call.mask is None else call.mask.causal_offset(Lq, Lk)
+        sees_all = call.mask is None or (offset is not None and offset >= Lk - 1)
+        if Hq > Hkv and sees_all and call.score_mod is None and not torch.compiler.is_compiling():
+            return [
+                "every query sees every key: sdpa folds each KV head's query heads into the rows of one "
+                "fused call, as this path does (1.03-1.26x faster at 1k-16k keys; docs/performance.md)"
+            ]
         return []
 
     def plan(self, call: AttentionCall) -> list[str]:

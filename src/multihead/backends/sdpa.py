@@ -83,12 +83,14 @@ class SDPABackend(Backend):
         run = self._runner(call, args)
         # Nothing prepared for this Lk (no mask tensor, no causal diagonal, no expanded or fitted
         # K/V): the runner serves a growing cache's every step (multihead.plans.growing_signature).
-        run.any_kv_len = args.plain and args.attn_mask is None and not args.is_causal  # type: ignore[attr-defined]
+        run.any_kv_len = (  # type: ignore[attr-defined]
+            (args.plain or args.fold is not None) and args.attn_mask is None and not args.is_causal
+        )
         return run
 
     @staticmethod
     def _runner(call: AttentionCall, args: _Arguments) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-        if not args.plain or args.enable_gqa:
+        if not args.plain or args.enable_gqa or args.fold is not None:
             return lambda q, k, v: args.run(q, k, v)
         # The common cases with no more arguments than they need (each keyword costs a little,
         # and on a small call the kernel itself takes a few microseconds).
@@ -102,6 +104,10 @@ class SDPABackend(Backend):
         if attn_mask is None and not is_causal:
             return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale)
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
+
+
+#: Up to this many query tokens, GQA/MQA calls on CPU fold each KV head's query heads into rows.
+FOLD_MAX_QUERIES = 8
 
 
 class _Arguments:
@@ -154,6 +160,34 @@ class _Arguments:
                 "K/V repeated by the grouped mapping instead"
             )
         self.plain = self.unseen is None and self.expand is None and self.empty_rows is None and self.fit is None
+        # A few query tokens with GQA/MQA on CPU: each KV head's G query heads become rows of one
+        # call (K/V read once per group, no head mapping in the kernel), the mask repeated per
+        # group. Measured (one thread, CPU): 0.33-0.75x enable_gqa's time at Lq <= 8, 0.89x at
+        # 16, 1.09-1.13x at 64 and more (docs/performance.md, "GQA / MQA").
+        self.fold, self.fold_mask = None, None
+        if (
+            Hq > Hkv
+            and Lq <= FOLD_MAX_QUERIES
+            and q.device.type == "cpu"
+            and not _compiling()
+            and not self.is_causal
+            and self.unseen is None
+            and self.fit is None
+            and self.empty_rows is None
+            and self.lse_shift is None
+            and (self.attn_mask is None or self.attn_mask.shape[1] == 1)
+        ):
+            G = Hq // Hkv
+            self.fold = G
+            if self.attn_mask is not None:  # (B|1, 1, Lq, Lk) -> (B|1, 1, G*Lq, Lk): row g*Lq + i is row i
+                m = self.attn_mask
+                self.fold_mask = (
+                    m.unsqueeze(2).expand(m.shape[0], 1, G, Lq, m.shape[-1]).reshape(m.shape[0], 1, G * Lq, m.shape[-1])
+                )
+            self.gqa_note = (
+                f"heads: GQA {Hq}/{Hkv} with {Lq} query token(s): each KV head's {G} query heads folded "
+                f"into the rows of one call (a call returning the LSE: {self.gqa_note.removeprefix('heads: ')})"
+            )
 
     def _zero_unseen(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # Keys that no query may see can hold anything (NaN beyond a length): zero them, since
@@ -191,6 +225,13 @@ class _Arguments:
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
         """The output of SDPA for these inputs (fully masked rows zeroed)."""
+        if self.fold is not None and dropout_p == 0.0:
+            B, Hq, Lq, D = q.shape
+            G = self.fold
+            out = F.scaled_dot_product_attention(
+                q.reshape(B, Hq // G, G * Lq, D), k, v, attn_mask=self.fold_mask, scale=self.scale
+            )
+            return out.view(B, Hq, Lq, out.shape[-1])  # (B, Hkv, G*Lq, Dv) -> (B, Hq, Lq, Dv)
         if self.plain:  # the common case, on the hot path of small calls: no work but the kernel
             return F.scaled_dot_product_attention(
                 q,
