@@ -153,6 +153,10 @@ def _blocks_nothing(mask: Mask) -> bool:
     """Whether ``mask`` blocks nothing for one query, whatever ``Lk``: it is a causal diagonal
     ("key ``j`` visible iff ``j <= i + d``") whose ``d`` reaches the last key at every length,
     defined for any length (no tensor of positions or ids fixing ``Lk``)."""
+    return mask._cached("_blocks_nothing_cache", lambda: _blocks_nothing_at_all_lengths(mask))
+
+
+def _blocks_nothing_at_all_lengths(mask: Mask) -> bool:
     if mask.extent() != (None, None):
         return False
     for kv_len in (1, 2, _FAR):

@@ -243,4 +243,11 @@ def _mask_without_one(module: torch.nn.Module, is_causal: bool | None, window: i
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not is_causal:
         return None
+    return _causal_mask(window)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_mask(window: int | None) -> Mask:
+    """One mask object per window (masks are immutable): what it derives (its hash, its plans)
+    is computed once, not on every call of every layer."""
     return causal() if window is None else sliding_window_mask(window - 1)
