@@ -75,13 +75,7 @@ _SEEN: dict[Key, None] = {}  # signatures met once, oldest first (a dict as an o
 def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
     """The key of a plain call, or ``None`` when its arguments are not the kind a plan serves
     (the whole path then validates them and raises where they are wrong)."""
-    if q.__class__ is not Tensor or k.__class__ is not Tensor or v.__class__ is not Tensor:
-        return None  # subclasses (Parameter, fake and functional tensors) and non-tensors
-    if mask is not None and not isinstance(mask, Mask):
-        return None  # tensors (values not hashed) and wrong types (validation names them)
-    if scale is not None and (scale.__class__ is not float or not 0.0 < scale < math.inf):
-        return None
-    if backend.__class__ is not str:
+    if not _plain_arguments(q, k, v, mask, scale, backend):
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
@@ -107,13 +101,24 @@ def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, back
         return None
 
 
+def _plain_arguments(q: object, k: object, v: object, mask: object, scale: object, backend: object) -> bool:
+    """Arguments of the kinds a plan serves (anything else takes the whole path, which validates it)."""
+    if q.__class__ is not Tensor or k.__class__ is not Tensor or v.__class__ is not Tensor:
+        return False  # subclasses (Parameter, fake and functional tensors) and non-tensors
+    if mask is not None and not isinstance(mask, Mask):
+        return False  # tensors (values not hashed) and wrong types (validation names them)
+    if scale is not None and (scale.__class__ is not float or not 0.0 < scale < math.inf):
+        return False
+    return backend.__class__ is str
+
+
 def growing_signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
     """The key of a plain call that holds no ``Lk`` (only its power-of-two bucket,
     :func:`kv_len_bucket`), or ``None`` when the call's plan could depend on ``Lk``: a mask that
     blocks something at some ``Lk``. Strides of ``k, v`` enter by their last dimension only (the
     others change with a growing cache; no plan depends on them: validation copies only a
     strided last dimension)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if not _plain_arguments(q, k, v, mask, scale, backend) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None  # validation names what is wrong
     if mask is not None and (not isinstance(mask, Mask) or q.shape[2] != 1 or not _blocks_nothing(mask)):
         return None
