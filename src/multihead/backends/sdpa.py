@@ -166,10 +166,11 @@ class _Arguments:
         # 16, 1.09-1.13x at 64 and more (docs/performance.md, "GQA / MQA").
         self.fold, self.fold_mask = None, None
         if (
-            Hq > Hkv
+            not _compiling()  # first: no comparison of a symbolic Lq (torch.export) may guard the graph
+            and not call.requires_grad  # decoding is inference; the kernel's backward on folded rows lost accuracy
+            and Hq > Hkv
             and Lq <= FOLD_MAX_QUERIES
             and q.device.type == "cpu"
-            and not _compiling()
             and not self.is_causal
             and self.unseen is None
             and self.fit is None
