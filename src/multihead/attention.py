@@ -194,13 +194,12 @@ def attention(
     key = plans.signature(q, k, v, mask, scale, backend) if plain and plan is None else None
     if plan is None and key is not None:
         plan = plans.lookup(key)
-    if plain:
-        if plan is not None:
-            run, finite = plan
-            output = run(q, k, v)
-            if finite(q, output):
-                return output
-            # A NaN or an infinity: the whole path below applies the non-finite policy.
+    if plan is not None:
+        run, finite = plan
+        output = run(q, k, v)
+        if finite(q, output):
+            return output
+        # A NaN or an infinity: the whole path below applies the non-finite policy.
     check_backend_name(backend)
     if softcap is not None:
         cap = softcap_mod(softcap)
@@ -259,10 +258,12 @@ def attention(
     chosen, _ = select_backend(call, backend)
     result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
     result, poisoned = apply_policy(call, result, chosen.forward)  # NaN/inf reach exactly the rows that read them
-    if key is not None and plans.worth_keeping(key, call, q, k, v):  # calls like this one skip the above
-        plans.store(key, chosen.runner(call), finite_check(q, result.output))
-    if growing is not None and plans.worth_keeping(growing, call, q, k, v):
+    runner = None  # calls like this one skip the above: a plan for the signature, and one for its Lk bucket
+    if key is not None and plans.worth_keeping(key, call, q, k, v):
         runner = chosen.runner(call)
+        plans.store(key, runner, finite_check(q, result.output))
+    if growing is not None and plans.worth_keeping(growing, call, q, k, v):
+        runner = runner or chosen.runner(call)
         if getattr(runner, "any_kv_len", False) and _chosen_over_bucket(call, chosen, backend):
             plans.store(growing, runner, finite_check(q, result.output))
     lse = result.lse

@@ -163,7 +163,7 @@ class _Arguments:
         # A few query tokens with GQA/MQA on CPU: each KV head's G query heads become rows of one
         # call (K/V read once per group, no head mapping in the kernel), the mask repeated per
         # group. Measured (one thread, CPU): 0.33-0.75x enable_gqa's time at Lq <= 8, 0.89x at
-        # 16, 1.09-1.13x at 64 and more (docs/performance.md, "GQA / MQA").
+        # 16, 1.09-1.13x at 64 and more (docs/performance.md, "The decode path").
         self.fold, self.fold_mask = None, None
         if (
             not _compiling()  # first: no comparison of a symbolic Lq (torch.export) may guard the graph
