@@ -188,12 +188,12 @@ def attention(
         and dropout_p == 0.0
         and not torch.compiler.is_compiling()
     )
-    # A step of a growing KV cache (a new Lk each time) looks up the plan of its Lk bucket first.
-    growing = plans.growing_signature(q, k, v, mask, scale, backend) if plain else None
-    plan = None if growing is None else plans.lookup(growing)
-    key = plans.signature(q, k, v, mask, scale, backend) if plain and plan is None else None
-    if plan is None and key is not None:
-        plan = plans.lookup(key)
+    key = plans.signature(q, k, v, mask, scale, backend) if plain else None
+    plan = None if key is None else plans.lookup(key)
+    growing = None
+    if plan is None and key is not None:  # a step of a growing KV cache: the plan of its Lk bucket
+        growing = plans.growing_signature(q, k, v, mask, scale, backend)
+        plan = None if growing is None else plans.lookup(growing)
     if plan is not None:
         run, finite = plan
         output = run(q, k, v)
