@@ -188,12 +188,7 @@ def attention(
         and dropout_p == 0.0
         and not torch.compiler.is_compiling()
     )
-    key = plans.signature(q, k, v, mask, scale, backend) if plain else None
-    plan = None if key is None else plans.lookup(key)
-    growing = None
-    if plan is None and key is not None:  # a step of a growing KV cache: the plan of its Lk bucket
-        growing = plans.growing_signature(q, k, v, mask, scale, backend)
-        plan = None if growing is None else plans.lookup(growing)
+    plan, key, growing = plans.find(q, k, v, mask, scale, backend) if plain else (None, None, None)
     if plan is not None:
         run, finite = plan
         output = run(q, k, v)

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from multihead.call import AttentionCall
 
 __all__ = [
+    "find",
     "signature",
     "growing_signature",
     "kv_len_bucket",
@@ -72,11 +73,44 @@ _PLANS: dict[Key, tuple[Runner, Finite]] = {}
 _SEEN: dict[Key, None] = {}  # signatures met once, oldest first (a dict as an ordered set)
 
 
+def find(
+    q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object
+) -> tuple[tuple[Runner, Finite] | None, Key | None, Key | None]:
+    """The stored plan of a plain call (``None``: none yet), and the keys the whole path stores
+    its plans under: :func:`signature` and :func:`growing_signature` (``None`` where the call has
+    none, or where the plan was found and no key is needed).
+
+    A call of one query token looks for its growing cache's plan first: a decoding step's exact
+    signature is new at every step (its ``Lk`` grew), so reading it first would cost every step
+    a key that is never found (measured in a Hugging Face decode step, caches cold after the LM
+    head: about 18 us per attention call, docs/performance.md). Other calls look for their exact
+    signature first (a repeated call finds it at once) and for the growing plan on a miss."""
+    if not _plain_arguments(q, k, v, mask, scale, backend):
+        return None, None, None
+    growing = None
+    one_query = q.dim() == 4 and q.shape[2] == 1
+    if one_query:
+        growing = _growing_key(q, k, v, mask, scale, backend)
+        plan = None if growing is None else _PLANS.get(growing)
+        if plan is not None:
+            return plan, None, growing
+    key = _key(q, k, v, mask, scale, backend)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is None and key is not None and not one_query:
+        growing = _growing_key(q, k, v, mask, scale, backend)
+        plan = None if growing is None else _PLANS.get(growing)
+    return plan, key, growing
+
+
 def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
     """The key of a plain call, or ``None`` when its arguments are not the kind a plan serves
     (the whole path then validates them and raises where they are wrong)."""
     if not _plain_arguments(q, k, v, mask, scale, backend):
         return None
+    return _key(q, k, v, mask, scale, backend)
+
+
+def _key(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
         return (
@@ -118,7 +152,13 @@ def growing_signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: obje
     blocks something at some ``Lk``. Strides of ``k, v`` enter by their last dimension only (the
     others change with a growing cache; no plan depends on them: validation copies only a
     strided last dimension)."""
-    if not _plain_arguments(q, k, v, mask, scale, backend) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if not _plain_arguments(q, k, v, mask, scale, backend):
+        return None
+    return _growing_key(q, k, v, mask, scale, backend)
+
+
+def _growing_key(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None  # validation names what is wrong
     if mask is not None and (not isinstance(mask, Mask) or q.shape[2] != 1 or not _blocks_nothing(mask)):
         return None
