@@ -171,11 +171,8 @@ def test_refuses_mismatched_shapes():
         run_forward(q, k, k, BandRun(8, 24, 8, -4, 0), 1.0)
 
 
-def test_a_relative_bias_on_a_band_splits_its_backward_by_head_and_stays_exact(monkeypatch):
-    """ALiBi on a band: heads whose bias spans little over the window keep the kernel's backward,
-    the others (steep slopes: fp32 denormals in the kernel) run in bias_backward; both at once here."""
+def _count_backward_paths(monkeypatch) -> dict[str, int]:
     import multihead.backends.band_runs as band_runs
-    from multihead.positions import ALiBi
 
     calls = {"kernel": 0, "torch": 0}
     kernel, torch_path = band_runs._flash_backward, band_runs.bias_backward
@@ -189,17 +186,51 @@ def test_a_relative_bias_on_a_band_splits_its_backward_by_head_and_stays_exact(m
 
     monkeypatch.setattr(band_runs, "_flash_backward", count("kernel", kernel))
     monkeypatch.setattr(band_runs, "bias_backward", count("torch", torch_path))
-    gen = torch.Generator().manual_seed(5)
-    B, Hq, Hkv, L, D = 2, 4, 2, 1100, 16  # slopes 1/4 .. 1/256 over a window of 300: heads 2, 3 are calm
-    q, k, v = (torch.randn(B, h, L, D, generator=gen, requires_grad=True) for h in (Hq, Hkv, Hkv))
-    mask = mh.causal() & mh.sliding_window(300)
-    out = mh.attention(q, k, v, mask=mask, score_mod=ALiBi(Hq), backend="blocksparse")
+    return calls
+
+
+def _check_alibi_band(alibi, q, k, v, mask, gen):
+    from multihead.positions import ALiBi
+
+    assert isinstance(alibi, ALiBi)
+    out = mh.attention(q, k, v, mask=mask, score_mod=alibi, backend="blocksparse")
     grad = torch.randn(out.shape, generator=gen)
     got = torch.autograd.grad(out, (q, k, v), grad)
-    assert calls["kernel"] >= 1 and calls["torch"] >= 1  # both halves of the split ran
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = mh.reference_attention(*ref_in, mask=mask, score_mod=ALiBi(Hq)).output
+    ref = mh.reference_attention(*ref_in, mask=mask, score_mod=alibi).output
     want = torch.autograd.grad(ref, ref_in, grad.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_relative_bias_on_a_band_splits_its_backward_by_head_and_stays_exact(monkeypatch):
+    """ALiBi on a band: heads whose bias spans little over the window keep the kernel's backward,
+    the others (steep slopes on large scores: fp32 denormals in the kernel) run in bias_backward;
+    both at once here."""
+    from multihead.positions import ALiBi
+
+    calls = _count_backward_paths(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, L, D = 2, 4, 2, 1100, 16
+    q, k, v = (torch.randn(B, h, L, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    # Scores up to scale·|q|·|k| ~ 36: after the cut at e^-50 a slope of 1 or 1/2 over a window of
+    # 300 still spans more than 87.3 (KV group 0: bias_backward), 1/64 and 1/256 far less (group 1).
+    q, k, v = (t.mul(s).requires_grad_() for t, s in ((q, 2.0), (k, 2.0), (v, 1.0)))
+    alibi = ALiBi(Hq, slopes=[1.0, 0.5, 1 / 64, 1 / 256])
+    _check_alibi_band(alibi, q, k, v, mh.causal() & mh.sliding_window(300), gen)
+    assert calls["kernel"] >= 1 and calls["torch"] >= 1  # both halves of the split ran
+
+
+def test_alibi_on_a_band_keeps_every_head_on_the_kernel_and_stays_exact(monkeypatch):
+    """ALiBi's default slopes on unit-scale scores: after the cut at e^-50 every head spans less than
+    87.3 over a window of 300, so the whole backward is one kernel call (no head picked out and
+    copied, no bias_backward): the fast path of window + ALiBi (benchmarks/positions.py)."""
+    from multihead.positions import ALiBi
+
+    calls = _count_backward_paths(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, L, D = 2, 4, 2, 1100, 16  # slopes 1/4 .. 1/256: 1/4 spans 75 over the window
+    q, k, v = (torch.randn(B, h, L, D, generator=gen, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    _check_alibi_band(ALiBi(Hq), q, k, v, mh.causal() & mh.sliding_window(300), gen)
+    assert calls["kernel"] >= 1 and calls["torch"] == 0

@@ -240,6 +240,8 @@ def _biased_backward(go, qf, kf, vf, of, lf, mask, scale, B: int, kernel_heads):
     groups = [all(kernel_heads[kv * G : (kv + 1) * G]) for kv in range(Hkv)] if kernel_heads else [False] * Hkv
     if not any(groups):
         return bias_backward(go, qf, kf, vf, of, lf, mask, scale)
+    if all(groups):  # no head picked out: K/V stay overlapping windows of one storage (no copy)
+        return _flash_backward(go, qf, kf, vf, of, lf, 0.0, False, attn_mask=mask, scale=scale)
     acc = lf.dtype
     dq = torch.empty(qf.shape, dtype=acc, device=qf.device)
     dk = torch.empty(kf.shape, dtype=acc, device=qf.device)

@@ -197,9 +197,10 @@ class BlockSparseBackend(Backend):
         ]
         if relative and call.q.dtype != torch.float64:
             lines.append(
-                "relative bias: entries that no row can weigh above fp32's underflow (by the bound "
-                "scale·|q|·|k|) are -inf, so no denormal arithmetic; backward in PyTorch with probabilities "
-                f"below exp({LOG_TINY:g}) set to 0"
+                f"relative bias: entries that no row can weigh above exp({LOG_TINY:g}) of its largest (by "
+                "the bound scale·|q|·|k|) are -inf, so little denormal arithmetic; backward on the kernel for "
+                f"a band's heads whose bias then spans < 87.3, else in PyTorch with probabilities below "
+                f"exp({LOG_TINY:g}) set to 0"
             )
         elif mods is not None and mods.kind == ADDITIVE and not relative:
             lines.append(f"score modifier {mods._describe()}: added per piece as a block-sized attn_mask")
@@ -425,9 +426,10 @@ def _piece_mask(
 
 #: log of fp32's smallest normal number (1.18e-38).
 _LOG_NORMAL = -87.3
-#: exp(x) of fp32 is denormal (or 0) below x = -87.3: keys whose score is that far below the row's
-#: maximum weigh less than fp32 can add to the row's sum (see _underflow_cut).
-_UNDERFLOW = 88.0
+#: Keys whose weight is provably below ``e^-50`` of the row's largest are left out (``-inf``), as
+#: :mod:`bias_backward` sets such probabilities to 0: even ``2^31`` of them add less than
+#: ``2^-41`` to a row's sum, which fp32 cannot hold (see _underflow_cut).
+_NEGLIGIBLE = -LOG_TINY
 
 
 @dataclass(frozen=True)
@@ -455,17 +457,18 @@ class Bounds:
 
 def _underflow_cut(vec: Tensor, common: tuple[int, int], bound: Tensor) -> Tensor:
     """``vec (H|1, n)`` of a relative bias with ``-inf`` where no row can give the entry a weight
-    that fp32 represents. Every row sees the entries ``vec[:, common[0]:common[1]]``, so its maximum
-    score is at least ``max(those) - bound``; an entry below that by more than ``bound + 88`` scores
-    below ``max - 88`` for every row that reads it: ``exp`` of it is a denormal or 0 in fp32, which
-    the kernel would spend time on (denormal arithmetic is about 100x slower on x86) to add nothing
-    the row's sum (``>= 1`` after its maximum is taken out) can hold. ALiBi at long context has many
-    such entries: the forward+backward of a causal ALiBi attention at L=4096 ran 2-4x slower
-    before this (benchmarks/positions.py)."""
+    above ``e^-50`` of its largest (:data:`_NEGLIGIBLE`). Every row sees the entries
+    ``vec[:, common[0]:common[1]]``, so its maximum score is at least ``max(those) - bound``; an
+    entry below that by more than ``bound + 50`` scores below ``max - 50`` for every row that
+    reads it. ALiBi at long context has many such entries, and they cost more than nothing: their
+    ``exp`` is mostly an fp32 denormal, on which x86 arithmetic is about 100x slower. The
+    forward+backward of a causal ALiBi attention at L=4096 ran 2-4x slower before entries below
+    fp32's underflow were cut (benchmarks/positions.py); cutting at ``e^-50`` instead leaves the
+    kernel of a sliding window's band almost no denormal (:func:`_run_bias`)."""
     lo, hi = common
     if lo >= hi:
         return vec
-    floor = vec[:, lo:hi].amax(dim=-1, keepdim=True) - 2 * bound - _UNDERFLOW  # (H|1, 1)
+    floor = vec[:, lo:hi].amax(dim=-1, keepdim=True) - 2 * bound - _NEGLIGIBLE  # (H|1, 1)
     return vec.masked_fill(vec < floor, float("-inf"))  # NaN bounds compare False: nothing cut
 
 
@@ -532,10 +535,16 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
     fp16/bf16 per-head shift ``(1, H|1, 1)`` as for :func:`_relative_piece`, and the query heads
     whose backward may use the kernel (see below); ``(None, None, None)`` without a modifier.
 
-    Every row of the band sees every distance ``lo .. hi``, so a head whose bias spans less than
-    ``87 - 2·bound`` over them keeps every probability above ``e^-87`` (no fp32 denormal): its
-    backward can be the kernel's, which is faster than ``bias_backward``. Only with ``bounds``
-    (fp32/fp16/bf16 kernels); ``None`` means every head takes ``bias_backward``."""
+    Every row of the band sees every distance ``lo .. hi``. The kernel's backward is faster than
+    ``bias_backward`` unless it meets many fp32 denormals, which a probability ``exp(s + b - lse)``
+    becomes below ``e^-87.3``. After :func:`_underflow_cut` a head's bias spans at most
+    ``50 + 2·bound`` over the band; a head whose bias spans less than ``87.3`` reaches a denormal
+    only where a key's score falls more than the rest of that margin below the row's typical
+    scores, which is rare: its backward takes the kernel (a choice of speed only: the kernel is
+    exact on denormals, just slower). Measured, ALiBi on ``sliding_window(512)`` at L=16384
+    (``B=1, H=8, D=64``, fp32): forward+backward 1.07x the window alone, against 1.78x with the
+    steep heads in ``bias_backward`` (docs/positions.md). Only with ``bounds`` (fp32/fp16/bf16
+    kernels); ``None`` means every head takes ``bias_backward``."""
     if mods is None:
         return None, None, None
     block, span = run.block, run.span
@@ -549,7 +558,7 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
         band = vec[:, run.lo - d0 : run.hi - d0 + 1]
         finite = torch.isfinite(band)
         spread = torch.where(finite, band, -torch.inf).amax(-1) - torch.where(finite, band, torch.inf).amin(-1)
-        kernel_heads = (spread + 2 * bound < -_LOG_NORMAL).expand(q.shape[1]).tolist()  # (Hq,) bools
+        kernel_heads = (spread < -_LOG_NORMAL).expand(q.shape[1]).tolist()  # (Hq,) bools
     s = torch.arange(block, device=q.device).view(-1, 1)
     c = torch.arange(span, device=q.device).view(1, -1)
     bias = vec[:, c - s + block - 1]  # (H|1, block, span)
