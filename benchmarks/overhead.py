@@ -158,7 +158,46 @@ def main(argv=None) -> list[dict]:
         f"raw SDPA without mask with {THREADS} threads: {t_raw_suite * 1e3:.1f} us "
         f"({t_raw_suite / t_raw:.1f}x the 1-thread call: the parallel region's wake-up)"
     )
+    rows += _without_check(cases[:3], raw, rounds, min_run_time)
     write_csv("overhead" + ("_quick" if args.quick else ""), rows)
+    return rows
+
+
+def _without_check(cases, raw, rounds: int, min_run_time: float) -> list[dict]:
+    """The first cases again with the non-finite check off (``set_nonfinite_check("cpu", False)``),
+    timed beside the raw call in rounds of their own: what the rest of the path costs. The check
+    (one reduction over ``q`` and the output, and its host read) is the policy of
+    ``multihead/nonfinite.py``; on CPU it is on by default."""
+    previous = mh.set_nonfinite_check("cpu", False)
+    try:
+        with torch.no_grad():
+            timed = {fn: fn for _, ours, theirs, _ in cases for fn in (ours, theirs)} | {raw: raw}
+            best = fastest_ms(timed, rounds, min_run_time, threads=TIMED_THREADS)
+    finally:
+        mh.set_nonfinite_check("cpu", previous)
+    rows = [
+        {
+            "case": f"{name}, check off",
+            "backend": backend,
+            "multihead_us": best[ours] * 1e3,
+            "matching_raw_us": best[theirs] * 1e3,
+            "/ matching raw": best[ours] / best[theirs],
+            "/ raw no mask": best[ours] / best[raw],
+            "overhead_us": (best[ours] - best[theirs]) * 1e3,
+            "threads": TIMED_THREADS,
+            "rounds": rounds,
+            "torch": torch.__version__,
+        }
+        for name, ours, theirs, backend in cases
+    ]
+    print_table(
+        f"the same with the non-finite check off (set_nonfinite_check('cpu', False); raw SDPA without mask: "
+        f"{best[raw] * 1e3:.1f} us in these rounds)",
+        [
+            {c: r[c] for c in ("case", "multihead_us", "matching_raw_us", "/ matching raw", "/ raw no mask")}
+            for r in rows
+        ],
+    )
     return rows
 
 

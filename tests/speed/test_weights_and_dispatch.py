@@ -95,3 +95,23 @@ def test_auto_sends_tensor_masks_and_dropout_to_sdpa_with_reasons():
     assert report.backend == "sdpa" and "tensor" in "; ".join(report.refused["blocksparse"])
     report = mh.explain(q, q, q, mask=mh.sliding_window(16), dropout_p=0.1)
     assert report.backend == "sdpa" and "dropout" in "; ".join(report.refused["blocksparse"])
+
+
+@pytest.mark.parametrize(
+    "L,mask,expected,reason",
+    [
+        (2048, mh.sliding_window(512), "blocksparse", None),  # visits 33% of the scores
+        (4096, mh.causal(), "blocksparse", None),  # 53%
+        (2048, mh.causal(), "sdpa", "visits 56% of the scores"),
+        (1024, mh.sliding_window(512), "sdpa", "visits 56% of the scores"),
+        (512, mh.sliding_window(16), "sdpa", "Lq*Lk = 262144"),  # 52%, but too small for per-block ops
+    ],
+)
+def test_auto_takes_the_blockwise_dropout_path_where_it_visits_at_most_about_half_the_scores(L, mask, expected, reason):
+    """With dropout the blockwise path costs 1.5-2x sdpa's math kernel per score, so auto takes it
+    where it visits at most 55% of the square (docs/performance.md, "Dropout")."""
+    q = torch.randn(1, 8, L, 64)
+    report = mh.explain(q, q, q, mask=mask, dropout_p=0.1)
+    assert report.backend == expected, str(report)
+    if reason is not None:
+        assert reason in "; ".join(report.refused["blocksparse"])

@@ -130,10 +130,18 @@ class BlockSparseBackend(Backend):
         if mask is None and not relative and not _in_torch(call):
             return ["no mask: sdpa runs one fused call, as fast"]
         if call.dropout_p > 0 and B * Hq * Lq * Lk < DROPOUT_DENSE_ELEMENTS:
-            return [
-                "dropout: the blockwise path is slower than sdpa's math kernel with a dense mask while the "
-                f"scores fit ({B * Hq * Lq * Lk} < {DROPOUT_DENSE_ELEMENTS} elements; benchmarks/dropout.py)"
-            ]
+            if Lq * Lk < DROPOUT_MIN_SQUARE:
+                return [
+                    f"dropout: Lq*Lk = {Lq * Lk} < {DROPOUT_MIN_SQUARE}: the blockwise path's per-block ops cost "
+                    "more than sdpa's math kernel on the dense mask (benchmarks/dropout.py)"
+                ]
+            share = _visited_share(mask, Lq, Lk, self.block_size)
+            if share > DROPOUT_MAX_SHARE:
+                return [
+                    f"dropout: the blockwise path visits {share:.0%} of the scores (> {DROPOUT_MAX_SHARE:.0%}), "
+                    "slower than sdpa's math kernel on the dense mask while the scores fit "
+                    f"({B * Hq * Lq * Lk} < {DROPOUT_DENSE_ELEMENTS} elements; benchmarks/dropout.py)"
+                ]
         offset = mask.causal_offset(Lq, Lk) if call.score_mod is None and mask is not None else None
         if call.dropout_p == 0 and (offset == 0 or (offset is not None and offset >= Lk - 1)):
             # (with dropout, sdpa runs its math kernel on the whole square: blocksparse skips the
@@ -256,10 +264,33 @@ class BlockSparseBackend(Backend):
         return plan
 
 
-#: With dropout, sdpa runs its math kernel on the dense scores: faster than the blockwise dropout
-#: path (3.1x at L=2048, benchmarks/dropout.py) but it holds B*Hq*Lq*Lk scores and probabilities.
-#: From this many (1 GiB of fp32 scores) on, auto takes the blockwise path, whose memory is a block.
+#: With dropout, sdpa runs its math kernel on the dense scores, and the blockwise path
+#: (:mod:`torch_blocks`) PyTorch ops on each query block's visible key range: per score it costs
+#: 1.5-2x the math kernel (no mask, L=1024-4096), so it wins when it visits at most about half the
+#: square. Measured forward+backward, B=1 H=8 D=64 fp32, sdpa / blocksparse time: causal 0.77,
+#: 1.01, 1.21 at L=1024, 2048, 4096 (it visits 62%, 56%, 53%); sliding_window(512) 0.87, 1.78,
+#: 3.08 (56%, 33%, 18%); no mask 0.66, 0.61, 0.49 (docs/performance.md, "Dropout"). Below
+#: ``Lq·Lk = 1024²`` its per-block ops weigh more: ``sliding_window(16)`` at L=512 (52%) 0.68,
+#: against ``sliding_window(64)`` at L=1024 (30%) 1.41 and ``sliding_window(256)`` (44%) 1.18.
+DROPOUT_MAX_SHARE = 0.55
+DROPOUT_MIN_SQUARE = 1 << 20
+#: The math kernel holds B*Hq*Lq*Lk scores and probabilities: from this many (1 GiB of fp32
+#: scores) on, auto takes the blockwise path whatever it visits, since its memory is one block.
 DROPOUT_DENSE_ELEMENTS = 1 << 28
+
+
+def _visited_share(mask: Mask | None, q_len: int, kv_len: int, block_size: int) -> float:
+    """The share of the ``Lq x Lk`` scores that the blockwise path computes: each query block's key
+    range (``mask.key_range``), as :func:`torch_blocks.attention_by_blocks` visits them."""
+    if mask is None or q_len * kv_len == 0:
+        return 1.0
+    visited = 0
+    for q0 in range(0, q_len, block_size):
+        q1 = min(q0 + block_size, q_len)
+        k0, k1 = mask.key_range(q0, q1, q_len, kv_len)
+        visited += (q1 - q0) * max(0, k1 - k0)
+    return visited / (q_len * kv_len)
+
 
 #: Below this many scores a single SDPA call with a materialized mask beats the per-block loop
 #: (measured, docs/performance.md).
