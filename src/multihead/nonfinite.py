@@ -15,6 +15,12 @@ does it run the call again on cleaned inputs and mark the rows the policy names.
 ``torch.compile`` the check is skipped (a data-dependent branch): compiled code gets what the
 kernel gives.
 
+Known gap: an infinite entry of a *key* whose score comes out ``-inf`` for every row that sees it
+(``k[..., d] = -inf`` read by queries with ``q[..., d] > 0``) weighs that key 0 in the fused
+kernels, so their output is finite and the check passes, where the rule (and ``reference``) gives
+those rows NaN. Closing it means reading every key once more per call: on a decoding step that
+is the kernel's own K read again, so it is left open (docs/conventions.md).
+
 The check runs on CPU calls only, by default. On a GPU its host synchronisation stops the host
 from queueing work ahead of the device: measured on an H100 (bf16, 16k tokens, docs/performance.md
 "On the GPU"), it made a 1024-token causal forward 1.55x slower than the same cuDNN kernel called

@@ -335,3 +335,36 @@ def test_auto_refusals_of_a_long_dropout_call_without_a_mask():
         q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=None, return_weights=False, return_lse=False
     )
     assert BlockSparseBackend().auto_refusals(call) == []
+
+
+@pytest.mark.parametrize("Hkv", [8, 2])  # MHA, GQA (heads grouped by KV head)
+def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_one_and_stays_exact(monkeypatch, Hkv):
+    """Causal ALiBi at long range: after the cut at e^-50 a steep head weighs only the near past, so
+    its kernel call starts there (blocksparse._head_runs); the keys left out are -inf for every row
+    of its heads, so the forward and the gradients equal the fp64 reference."""
+    import multihead.backends.blocksparse as bs
+    from multihead.positions import ALiBi
+
+    runs_seen = []
+    real = bs._head_runs
+
+    def spy(starts, Hq, Hkv_):
+        runs = real(starts, Hq, Hkv_)
+        runs_seen.append(runs)
+        return runs
+
+    monkeypatch.setattr(bs, "_head_runs", spy)
+    gen = torch.Generator().manual_seed(11)
+    B, Hq, L, D = 1, 8, 1100, 16
+    q, k, v = (torch.randn(B, h, L, D, generator=gen, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    alibi = ALiBi(Hq, slopes=[1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 64, 1 / 128, 1 / 256])
+    out = mh.attention(q, k, v, mask=mh.causal(), score_mod=alibi, backend="blocksparse")
+    assert any(len(r) > 1 and r[0][2] > 0 for r in runs_seen), runs_seen  # the steep heads started late
+    grad = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = mh.reference_attention(*ref_in, mask=mh.causal(), score_mod=alibi).output
+    want = torch.autograd.grad(ref, ref_in, grad.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)

@@ -510,7 +510,9 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     results), with the causal diagonal as ``-inf``; and the per-head shift ``(1, H|1, 1)`` taken off
     for fp16/bf16 (``None`` otherwise), which the kernel's LSE lacks. ``None`` for other pieces,
     other modifiers, or a bias that blocks (a ``-inf`` of its own: the general path handles it).
-    With ``bounds`` (fp32/fp16/bf16 kernels), entries that can only underflow are ``-inf`` too."""
+    With ``bounds`` (fp32/fp16/bf16 kernels), entries that can only underflow are ``-inf`` too, and
+    the third value is, per row of the bias (``H|1``), the first key of the piece that some row may
+    weigh: the keys before it are ``-inf`` for every row (``None`` without ``bounds``)."""
     if mods is None or piece.kind == _MASKED or not mods.relative:
         return None
     rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
@@ -528,13 +530,41 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
         common = (piece.k0 - blk.q0 - d0, min(diagonal - blk.q0, piece.k1 - blk.q0 - rows) - d0 + 1)
     else:  # every row sees distances k0 - q0 .. k1 - q0 - R
         common = (piece.k0 - blk.q0 - d0, piece.k1 - blk.q0 - rows - d0 + 1)
+    starts = None
     if bounds is not None:
         vec = _underflow_cut(vec, common, bounds.score(blk.q0, blk.q1, piece.k0, piece.k1))
+        # Key c reads vec[c : c + R] (one entry per row): all -inf below the first finite entry.
+        first = torch.isfinite(vec).to(torch.int8).argmax(dim=-1)  # (H|1,)
+        starts = (first - (rows - 1)).clamp(min=0).tolist()
     shift = None
     if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
         peak = vec.amax(dim=-1, keepdim=True)
         vec, shift = vec - peak, peak.view(1, -1, 1)
-    return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift
+    return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift, starts
+
+
+#: Heads whose cut keys begin within this many keys of each other share one kernel call.
+_HEAD_RUN_SLACK = 128
+
+
+def _head_runs(starts: list[int] | None, Hq: int, Hkv: int) -> list[tuple[int, int, int]]:
+    """``(h0, h1, start)``: query heads ``[h0, h1)`` (whole KV groups) and the first key of the
+    piece their kernel call reads. A relative bias cut at ``e^-50`` (:func:`_underflow_cut`) leaves
+    a steep head (ALiBi's first slopes) only the near past: its call starts where its first
+    weighable key is, and heads whose starts are close share a call. Exact: the keys a call
+    leaves out are ``-inf`` for every row of its heads."""
+    if starts is None or len(starts) == 1:
+        return [(0, Hq, 0 if starts is None else starts[0])]
+    G = Hq // Hkv
+    runs: list[tuple[int, int, int]] = []
+    for g in range(Hkv):
+        start = min(starts[g * G : (g + 1) * G])
+        if runs and abs(start - runs[-1][2]) <= _HEAD_RUN_SLACK:
+            h0, _, s0 = runs[-1]
+            runs[-1] = (h0, (g + 1) * G, min(s0, start))
+        else:
+            runs.append((g * G, (g + 1) * G, start))
+    return runs
 
 
 def _reversed(x: Tensor) -> Tensor:
@@ -615,8 +645,17 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
     kb, vb = k[:, :, piece.k0 : piece.k1], v[:, :, piece.k0 : piece.k1]
     relative = _relative_piece(mods, q, blk, piece, bounds)
     if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
-        win, shift = relative
-        out, lse = _flash(_reversed(qb), kb, vb, 0.0, False, attn_mask=win, scale=scale)
+        win, shift, starts = relative
+        qr, Hq, Hkv = _reversed(qb), q.shape[1], k.shape[1]
+        runs = _head_runs(starts, Hq, Hkv)
+        parts = []
+        for h0, h1, t in runs:  # each group of heads from its first weighable key
+            g0, g1 = h0 * Hkv // Hq, h1 * Hkv // Hq
+            w = win[:, h0:h1, :, t:] if win.shape[1] > 1 else win[:, :, :, t:]
+            parts.append(_flash(qr[:, h0:h1], kb[:, g0:g1, t:], vb[:, g0:g1, t:], 0.0, False, attn_mask=w, scale=scale))
+        out, lse = (
+            parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts], 1), torch.cat([l for _, l in parts], 1))
+        )
         out, lse = _reversed(out), _reversed(lse)
         return out, (lse if shift is None else lse + shift.to(lse.dtype))
     bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
@@ -719,7 +758,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                 kb, vb = k[:, :, keys], v[:, :, keys]
                 relative = _relative_piece(mods, q, blk, p, bounds)
                 if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
-                    win, shift = relative
+                    win, shift, _ = relative
                     lp = _reversed(lb if shift is None else lb - shift.to(lb.dtype))
                     d_vec = None
                     on_ds = None
