@@ -338,28 +338,40 @@ def test_auto_refusals_of_a_long_dropout_call_without_a_mask():
 
 
 @pytest.mark.parametrize("Hkv", [8, 2])  # MHA, GQA (heads grouped by KV head)
-def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_one_and_stays_exact(monkeypatch, Hkv):
+@pytest.mark.parametrize("magnitude", [1.0, 2.5])  # scores up to ~9 / ~56: every head calm / the steep ones not
+def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_one_and_stays_exact(
+    monkeypatch, Hkv, magnitude
+):
     """Causal ALiBi at long range: after the cut at e^-50 a steep head weighs only the near past, so
-    its kernel call starts there (blocksparse._head_runs); the keys left out are -inf for every row
-    of its heads, so the forward and the gradients equal the fp64 reference."""
+    its kernel calls start there (blocksparse._head_runs), forward and backward; the keys left out
+    are -inf for every row of its heads. Heads whose bias then spans less than 87.3 take the
+    kernel's backward, the others bias_backward; either way the forward and the gradients equal
+    the fp64 reference."""
     import multihead.backends.blocksparse as bs
     from multihead.positions import ALiBi
 
-    runs_seen = []
-    real = bs._head_runs
+    runs_seen, torch_backward = [], []
+    real, real_bias_backward = bs._head_runs, bs.bias_backward
 
     def spy(starts, Hq, Hkv_):
         runs = real(starts, Hq, Hkv_)
         runs_seen.append(runs)
         return runs
 
+    def spy_backward(*args, **kwargs):
+        torch_backward.append(args[1].shape[1])  # the heads it served
+        return real_bias_backward(*args, **kwargs)
+
     monkeypatch.setattr(bs, "_head_runs", spy)
+    monkeypatch.setattr(bs, "bias_backward", spy_backward)
     gen = torch.Generator().manual_seed(11)
     B, Hq, L, D = 1, 8, 1100, 16
-    q, k, v = (torch.randn(B, h, L, D, generator=gen, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    q, k, v = (torch.randn(B, h, L, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    q, k, v = (t.mul(m).requires_grad_() for t, m in ((q, magnitude), (k, magnitude), (v, 1.0)))
     alibi = ALiBi(Hq, slopes=[1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 64, 1 / 128, 1 / 256])
     out = mh.attention(q, k, v, mask=mh.causal(), score_mod=alibi, backend="blocksparse")
-    assert any(len(r) > 1 and r[0][2] > 0 for r in runs_seen), runs_seen  # the steep heads started late
+    if magnitude == 1.0 or Hkv == Hq:  # (on large scores a KV group of 4 heads includes a slope that reaches far)
+        assert any(len(r) > 1 and r[0][2] > 0 for r in runs_seen), runs_seen  # the steep heads started late
     grad = torch.randn(out.shape, generator=gen)
     got = torch.autograd.grad(out, (q, k, v), grad)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -368,3 +380,4 @@ def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_on
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+    assert bool(torch_backward) == (magnitude > 1), torch_backward  # only steep heads on large scores

@@ -206,9 +206,9 @@ class BlockSparseBackend(Backend):
         if relative and call.q.dtype != torch.float64:
             lines.append(
                 f"relative bias: entries that no row can weigh above exp({LOG_TINY:g}) of its largest (by "
-                "the bound scale·|q|·|k|) are -inf, so little denormal arithmetic; backward on the kernel for "
-                f"a band's heads whose bias then spans < 87.3, else in PyTorch with probabilities below "
-                f"exp({LOG_TINY:g}) set to 0"
+                "the bound scale·|q|·|k|) are -inf, so little denormal arithmetic; each group of heads reads "
+                "keys from the first it may weigh; backward on the kernel for heads whose bias then spans "
+                f"< 87.3, else in PyTorch with probabilities below exp({LOG_TINY:g}) set to 0"
             )
         elif mods is not None and mods.kind == ADDITIVE and not relative:
             lines.append(f"score modifier {mods._describe()}: added per piece as a block-sized attn_mask")
@@ -512,7 +512,10 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     other modifiers, or a bias that blocks (a ``-inf`` of its own: the general path handles it).
     With ``bounds`` (fp32/fp16/bf16 kernels), entries that can only underflow are ``-inf`` too, and
     the third value is, per row of the bias (``H|1``), the first key of the piece that some row may
-    weigh: the keys before it are ``-inf`` for every row (``None`` without ``bounds``)."""
+    weigh: the keys before it are ``-inf`` for every row; and the fourth, per row of the bias,
+    whether its finite values span less than 87.3 (so that its probabilities are fp32 denormals
+    only for extreme scores, and the kernel's backward serves it: see :func:`_run_bias`). Both
+    ``None`` without ``bounds``."""
     if mods is None or piece.kind == _MASKED or not mods.relative:
         return None
     rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
@@ -530,17 +533,20 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
         common = (piece.k0 - blk.q0 - d0, min(diagonal - blk.q0, piece.k1 - blk.q0 - rows) - d0 + 1)
     else:  # every row sees distances k0 - q0 .. k1 - q0 - R
         common = (piece.k0 - blk.q0 - d0, piece.k1 - blk.q0 - rows - d0 + 1)
-    starts = None
+    starts = calm = None
     if bounds is not None:
         vec = _underflow_cut(vec, common, bounds.score(blk.q0, blk.q1, piece.k0, piece.k1))
         # Key c reads vec[c : c + R] (one entry per row): all -inf below the first finite entry.
-        first = torch.isfinite(vec).to(torch.int8).argmax(dim=-1)  # (H|1,)
+        finite = torch.isfinite(vec)
+        first = finite.to(torch.int8).argmax(dim=-1)  # (H|1,)
+        spread = torch.where(finite, vec, -torch.inf).amax(-1) - torch.where(finite, vec, torch.inf).amin(-1)
         starts = (first - (rows - 1)).clamp(min=0).tolist()
+        calm = (spread < -_LOG_NORMAL).tolist()
     shift = None
     if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
         peak = vec.amax(dim=-1, keepdim=True)
         vec, shift = vec - peak, peak.view(1, -1, 1)
-    return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift, starts
+    return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift, starts, calm
 
 
 #: Heads whose cut keys begin within this many keys of each other share one kernel call.
@@ -645,7 +651,7 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
     kb, vb = k[:, :, piece.k0 : piece.k1], v[:, :, piece.k0 : piece.k1]
     relative = _relative_piece(mods, q, blk, piece, bounds)
     if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
-        win, shift, starts = relative
+        win, shift, starts, _ = relative
         qr, Hq, Hkv = _reversed(qb), q.shape[1], k.shape[1]
         runs = _head_runs(starts, Hq, Hkv)
         parts = []
@@ -758,20 +764,31 @@ class _BlockSparseAttention(torch.autograd.Function):
                 kb, vb = k[:, :, keys], v[:, :, keys]
                 relative = _relative_piece(mods, q, blk, p, bounds)
                 if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
-                    win, shift, _ = relative
+                    win, shift, starts, calm = relative
                     lp = _reversed(lb if shift is None else lb - shift.to(lb.dtype))
-                    d_vec = None
-                    on_ds = None
+                    gor, qr, orr = _reversed(go), _reversed(qb), _reversed(ob)
                     if any(wants_mod_grad):  # dS summed along the view's diagonals: the bias values' gradient
                         d_vec, on_ds = _diagonal_sums(win, rows=blk.q1 - blk.q0, keys=p.k1 - p.k0)
-                    g_q, g_k, g_v = bias_backward(
-                        _reversed(go), _reversed(qb), kb, vb, _reversed(ob), lp, win, ctx.scale, on_ds=on_ds
-                    )
-                    dq[:, :, rows] += _reversed(g_q)
-                    dk[:, :, keys] += g_k
-                    dv[:, :, keys] += g_v
-                    if d_vec is not None:
+                        g_q, g_k, g_v = bias_backward(gor, qr, kb, vb, orr, lp, win, ctx.scale, on_ds=on_ds)
+                        dq[:, :, rows] += _reversed(g_q)
+                        dk[:, :, keys] += g_k
+                        dv[:, :, keys] += g_v
                         _accumulate_relative_grads(mods, mod_tensors, d_mods, d_vec, blk, p)
+                        continue
+                    Hq_, Hkv_ = q.shape[1], k.shape[1]
+                    for h0, h1, t in _head_runs(starts, Hq_, Hkv_):  # as the forward: keys before t are -inf
+                        g0, g1 = h0 * Hkv_ // Hq_, h1 * Hkv_ // Hq_
+                        w = win[:, h0:h1, :, t:] if win.shape[1] > 1 else win[:, :, :, t:]
+                        args = (gor[:, h0:h1], qr[:, h0:h1], kb[:, g0:g1, t:], vb[:, g0:g1, t:], orr[:, h0:h1])
+                        if calm is not None and all(calm[h0:h1] if len(calm) > 1 else calm):
+                            g_q, g_k, g_v = _flash_backward(
+                                *args, lp[:, h0:h1], 0.0, False, attn_mask=w, scale=ctx.scale,
+                            )  # fmt: skip
+                        else:  # a steep bias: denormals would slow the kernel's backward (bias_backward)
+                            g_q, g_k, g_v = bias_backward(*args, lp[:, h0:h1], w, ctx.scale)
+                        dq[:, h0:h1, rows] += _reversed(g_q)
+                        dk[:, g0:g1, p.k0 + t : p.k1] += g_k
+                        dv[:, g0:g1, p.k0 + t : p.k1] += g_v
                     continue
                 bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
