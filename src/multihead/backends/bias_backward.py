@@ -2,7 +2,9 @@
 
 Used by the ``blocksparse`` backend for relative biases (ALiBi, T5), on its per-block pieces and
 on the batched interior of a band (:mod:`multihead.backends.band_runs`), instead of PyTorch's CPU
-flash backward. Why: with a bias that spans hundreds of units (ALiBi at long range), many
+flash backward, for the heads whose bias still spans 87.3 or more once the entries below
+``exp(-50)`` of a row's largest weight are cut, and for a bias that trains (its gradient comes
+from ``dS`` here). Why: with a bias that spans hundreds of units (ALiBi at long range), many
 probabilities ``exp(S - lse)`` are fp32 *denormals*, and x86 arithmetic on denormals is about
 100x slower; on causal ALiBi at L=4096 the kernel's backward took 13x its forward. Here
 probabilities below ``exp(LOG_TINY) = exp(-50) = 2e-22`` are set to 0 before the matrix products:
