@@ -88,7 +88,10 @@ def find(
     if not _plain_arguments(q, k, v, mask, scale, backend):
         return None, None, None
     growing = None
-    one_query = q.dim() == 4 and q.shape[2] == 1
+    try:
+        one_query = q.dim() == 4 and q.shape[2] == 1
+    except RuntimeError:  # nested tensors have no sizes: validation says what is wrong
+        return None, None, None
     if one_query:
         growing = _growing_key(q, k, v, mask, scale, backend)
         plan = None if growing is None else _PLANS.get(growing)
@@ -158,6 +161,13 @@ def growing_signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: obje
 
 
 def _growing_key(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
+    try:
+        return _growing_tuple(q, k, v, mask, scale, backend)
+    except RuntimeError:  # sparse and nested tensors have no sizes or strides: validation says what is wrong
+        return None
+
+
+def _growing_tuple(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None  # validation names what is wrong
     if mask is not None and (not isinstance(mask, Mask) or q.shape[2] != 1 or not _blocks_nothing(mask)):
