@@ -463,11 +463,16 @@ def test_repr_html_works_inline_next_to_another_viewer(browser, tmp_path):
     finally:
         browser.switch_to.default_content()
     second = browser.find_elements("css selector", "iframe.multihead-viewer")[1]
-    browser.execute_script("arguments[0].scrollIntoView()", second)
     browser.switch_to.frame(second)
     try:
         _ready(browser)
         assert len(browser.find_elements("css selector", ".head-toggle[aria-pressed='true']")) == 3  # untouched
+        # Scrolled into view only now: the outer page's layout settles while the frames load, and
+        # a scroll made before that could leave the hovered row outside the window (a flake seen
+        # once in CI: "move target out of bounds").
+        browser.switch_to.default_content()
+        browser.execute_script("arguments[0].scrollIntoView({block: 'start'})", second)
+        browser.switch_to.frame(second)
         _hover_token(browser, "q", 1)
         assert 'query 1 "cat" attends most to' in _status(browser)
     finally:
