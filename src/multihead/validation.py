@@ -14,6 +14,7 @@ from torch import Tensor
 
 from multihead.call import AttentionCall, mask_and_score_mod
 from multihead.conventions import default_scale
+from multihead.inputs import check_tensor
 
 __all__ = ["AttentionCall", "validate_call", "validate_weights_selection"]
 
@@ -32,15 +33,12 @@ def validate_call(
     score_mod: object = None,
 ) -> AttentionCall:
     for name, t, layout in (("q", q, "(B, Hq, Lq, D)"), ("k", k, "(B, Hkv, Lk, D)"), ("v", v, "(B, Hkv, Lk, Dv)")):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        check_tensor(name, t, layout)
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}; "
                 "hint: layers take (B, L, E), the functional core takes heads split out"
             )
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
         if 0 in (t.shape[0], t.shape[1], t.shape[3]):
             raise ValueError(
                 f"{name} has a zero-size dimension: shape {tuple(t.shape)}; expected B, heads and head "

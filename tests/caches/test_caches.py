@@ -211,6 +211,14 @@ k1, v1 = _kv(1, seed=1)
 BAD_UPDATES = [  # (name, k, v, positions, error, message after "<Cache>.update: ")
     ("k not a tensor", [[0.0]], v1, None, TypeError, r"k must be a torch.Tensor \(B, Hkv, Lnew, D\), got list"),
     (
+        "v sparse",
+        k1,
+        v1.to_sparse(),
+        None,
+        TypeError,
+        r"v must be a dense \(strided\) tensor \(B, Hkv, Lnew, Dv\), got layout torch.sparse_coo",
+    ),
+    (
         "k 3-D",
         k1[0],
         v1,

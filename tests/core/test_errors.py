@@ -23,7 +23,26 @@ BAD = [
         "integer q",
         dict(q=torch.ones(2, 8, 5, 16, dtype=torch.int64)),
         TypeError,
-        r"q must be a floating-point tensor, got dtype torch.int64",
+        r"q must be a floating-point tensor \(B, Hq, Lq, D\), got dtype torch.int64",
+    ),
+    # Tensors without strides or sizes: named, with the conversion, before PyTorch's own errors.
+    (
+        "sparse q",
+        dict(q=q.to_sparse()),
+        TypeError,
+        r"q must be a dense \(strided\) tensor \(B, Hq, Lq, D\), got layout torch.sparse_coo; hint: q.to_dense\(\)",
+    ),
+    (
+        "mkldnn k",
+        dict(k=k.to_mkldnn()),
+        TypeError,
+        r"k must be a dense \(strided\) tensor .*got layout torch._mkldnn",
+    ),
+    (
+        "nested q",
+        dict(q=torch.nested.nested_tensor([q[0], q[1, :, :3]], layout=torch.jagged)),
+        TypeError,
+        r"q must be a dense tensor .*got a nested tensor; hint: pad it \(q.to_padded_tensor\(0.0\)\).*key_padding",
     ),
     ("head dim", dict(k=torch.randn(2, 2, 7, 8)), ValueError, r"head dims differ: q has D=16 but k has D=8"),
     ("k/v length", dict(v=torch.randn(2, 2, 6, 12)), ValueError, r"k and v lengths differ: k has Lk=7, v has 6"),

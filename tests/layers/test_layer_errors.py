@@ -94,6 +94,13 @@ CASES = [
         r"query must be a floating-point tensor, got dtype torch.int64",
     ),
     ("not a tensor", lambda: _layer()([[1.0]]), TypeError, r"query must be a torch.Tensor, got list"),
+    (
+        "sparse input",
+        lambda: _layer()(x.to_sparse()),
+        TypeError,
+        r"MultiHeadAttention: query must be a dense \(strided\) tensor, got layout torch.sparse_coo; "
+        r"hint: query.to_dense\(\)",
+    ),
     ("dtype mismatch", lambda: _layer()(x, memory.double()), TypeError, r"must share a dtype"),
     ("empty input", lambda: _layer()(torch.randn(2, 0, 16)), ValueError, r"zero-size dimension"),
     # forward: masks

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
 
@@ -187,8 +188,7 @@ def check_kv(
     the cache holds where given (``held`` describes it for messages)."""
     where = f"{cache}.update"
     for name, t, last in (("k", k, "D"), ("v", v, "Dv")):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor (B, Hkv, Lnew, {last}), got {type(t).__name__}")
+        check_tensor(name, t, f"(B, Hkv, Lnew, {last})", where=where)
         if t.dim() != 4:
             raise ValueError(
                 f"{where}: {name} must have 4 dims (B, Hkv, Lnew, {last}), got shape {tuple(t.shape)}; "

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks.tensor import as_mask
 
@@ -66,17 +67,12 @@ def check_group(group, where: str) -> tuple[int, int]:
 
 def check_qkv(where: str, q, k, v, world: int) -> Shards:
     for name, t, layout in (("q", q, "(B, Hq, Sq, D)"), ("k", k, "(B, Hkv, Sk, D)"), ("v", v, "(B, Hkv, Sk, Dv)")):
-        if not isinstance(t, Tensor):
-            raise TypeError(
-                f"{where}: {name} must be a torch.Tensor {layout} (this rank's shard), got {type(t).__name__}"
-            )
+        check_tensor(name, t, f"{layout} (this rank's shard)", where=where)
         if t.dim() != 4:
             raise ValueError(
                 f"{where}: {name} must have 4 dims {layout} (this rank's shard of the sequence), "
                 f"got shape {tuple(t.shape)}"
             )
-        if not t.is_floating_point():
-            raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}")
         if 0 in t.shape:
             raise ValueError(
                 f"{where}: {name} has a zero-size dimension: shape {tuple(t.shape)}; expected every "

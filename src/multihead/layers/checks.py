@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.inputs import check_tensor
+
 __all__ = [
     "check_size",
     "check_optional_size",
@@ -69,10 +71,7 @@ def check_inputs(
     names = ("query", "key", "value")
     features = ("E", "kdim", "vdim")
     for name, t in zip(names, (query, key, value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{layer}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{layer}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+        check_tensor(name, t, "", where=layer)
     for name, t, feature, size in zip(names, (query, key, value), features, sizes):
         if t.dim() not in ranks:
             expected = " or ".join(f"{r}" for r in ranks)

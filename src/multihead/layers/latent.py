@@ -51,6 +51,7 @@ from multihead.caches import CacheRead, KVCache
 from multihead.call import Selection, mask_and_score_mod
 from multihead.explain import Explanation, explain
 from multihead.hooks import HookPoints
+from multihead.inputs import check_tensor
 from multihead.layers.checks import check_flag, check_positions, check_size
 from multihead.layers.heads import attend_heads, merge_heads
 from multihead.masks import Mask
@@ -477,10 +478,7 @@ class RMSNorm(nn.Module):
 def _check_x(layer: str, x: object, d_model: int, weight: Tensor) -> None:
     """``x``: a floating ``(B, L, E)`` tensor with ``E = d_model``, of the weights' dtype (outside
     autocast) and device."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{layer}: x must be a torch.Tensor (B, L, E), got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{layer}: x must be a floating-point tensor (B, L, E), got dtype {x.dtype}")
+    check_tensor("x", x, "(B, L, E)", where=layer)
     if x.dim() != 3:
         raise ValueError(
             f"{layer}: x must have 3 dims (B, L, E), got shape {tuple(x.shape)}"

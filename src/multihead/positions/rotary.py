@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from multihead.inputs import check_tensor
+
 __all__ = [
     "apply_rotary",
     "RotaryEmbedding",
@@ -529,10 +531,7 @@ def _parse_scaling(
 
 
 def _check_tensor(where: str, name: str, t: object, shape: str, *, min_dim: int) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor {shape}, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"{where}: {name} must be a floating-point tensor {shape}, got {t.dtype}")
+    check_tensor(name, t, shape, where=where)
     if t.dim() < min_dim:
         raise ValueError(f"{where}: {name} must have at least {min_dim} dims {shape}, got shape {tuple(t.shape)}")
 
