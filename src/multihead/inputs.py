@@ -16,8 +16,8 @@ from torch import Tensor
 __all__ = ["check_tensor"]
 
 
-def check_tensor(name: str, t: object, layout: str, *, where: str = "") -> None:
-    """Raise unless ``t`` is a dense floating-point ``torch.Tensor``.
+def check_tensor(name: str, t: object, layout: str, *, where: str = "") -> Tensor:
+    """``t``, checked: raise unless it is a dense floating-point ``torch.Tensor``.
 
     Args:
         name: the argument's name (``"q"``, ``"query"``, ``"k"``, ...).
@@ -41,3 +41,4 @@ def check_tensor(name: str, t: object, layout: str, *, where: str = "") -> None:
         )
     if not t.is_floating_point():
         raise TypeError(f"{prefix}{name} must be a floating-point tensor{shape}, got dtype {t.dtype}")
+    return t

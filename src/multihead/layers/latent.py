@@ -478,7 +478,7 @@ class RMSNorm(nn.Module):
 def _check_x(layer: str, x: object, d_model: int, weight: Tensor) -> None:
     """``x``: a floating ``(B, L, E)`` tensor with ``E = d_model``, of the weights' dtype (outside
     autocast) and device."""
-    check_tensor("x", x, "(B, L, E)", where=layer)
+    x = check_tensor("x", x, "(B, L, E)", where=layer)
     if x.dim() != 3:
         raise ValueError(
             f"{layer}: x must have 3 dims (B, L, E), got shape {tuple(x.shape)}"

@@ -531,7 +531,7 @@ def _parse_scaling(
 
 
 def _check_tensor(where: str, name: str, t: object, shape: str, *, min_dim: int) -> None:
-    check_tensor(name, t, shape, where=where)
+    t = check_tensor(name, t, shape, where=where)
     if t.dim() < min_dim:
         raise ValueError(f"{where}: {name} must have at least {min_dim} dims {shape}, got shape {tuple(t.shape)}")
 
