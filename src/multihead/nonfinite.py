@@ -18,8 +18,10 @@ kernel gives.
 Known gap: an infinite entry of a *key* whose score comes out ``-inf`` for every row that sees it
 (``k[..., d] = -inf`` read by queries with ``q[..., d] > 0``) weighs that key 0 in the fused
 kernels, so their output is finite and the check passes, where the rule (and ``reference``) gives
-those rows NaN. Closing it means reading every key once more per call: on a decoding step that
-is the kernel's own K read again, so it is left open (docs/conventions.md).
+those rows NaN. Likewise a row whose visible keys are all bad (``Lk = 1`` and a NaN key): the
+fused kernels treat it as fully masked (output 0), so the check passes. Closing either means
+reading every key once more per call (on a decoding step, the kernel's own K read again) or the
+kernel's LSE beside its output, so both are left open (docs/conventions.md).
 
 The check runs on CPU calls only, by default. On a GPU its host synchronisation stops the host
 from queueing work ahead of the device: measured on an H100 (bf16, 16k tokens, docs/performance.md
