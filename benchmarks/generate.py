@@ -8,6 +8,9 @@ the same tokens (checked). Methods run in interleaved rounds, keeping each one's
 that load on this shared machine hits them alike; the table gives tokens/s and the ratios the issue
 sets targets for (static >= 1.15x dynamic eager; compiled static >= 1.5x static eager). The
 compiled step is compiled (and warmed up) before timing: its compile time is printed apart.
+In the same rounds it times the floor of any decode step: every ``nn.Linear`` of the model applied
+to one token, which reads the model's weights once; the ratio of a static eager step to it is the
+most any compiler could gain on this machine.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def main(argv=None) -> list[dict]:
     with torch.no_grad():
         expected = model.generate(prompt, new, compile=True)  # compiles the static step (and warms it up)
     print(f"# compile + first compiled run: {time.perf_counter() - t0:.1f} s")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    tokens_in = {m: torch.randn(1, 1, m.in_features) for m in linears}
     methods = {
         "no cache": lambda: greedy_without_cache(model, prompt, new),
         "DynamicKVCache": lambda: model.generate(prompt, new, cache="dynamic"),
@@ -55,6 +60,7 @@ def main(argv=None) -> list[dict]:
         "StaticKVCache compiled": lambda: model.generate(prompt, new, cache="static", compile=True),
     }
     best = {name: float("inf") for name in methods}
+    floor = float("inf")
     with torch.no_grad():
         for _ in range(rounds):
             for name, run in methods.items():
@@ -63,6 +69,13 @@ def main(argv=None) -> list[dict]:
                 best[name] = min(best[name], time.perf_counter() - t)
                 if not torch.equal(tokens, expected):
                     raise AssertionError(f"{name}: generated other tokens than the compiled static cache")
+            # The floor of any decode step: every Linear of the model on one token, i.e. its weights
+            # read once from memory (as many steps as the methods decode), timed in the same rounds.
+            t = time.perf_counter()
+            for _ in range(new):
+                for m in linears:
+                    m(tokens_in[m])
+            floor = min(floor, time.perf_counter() - t)
     rows = [
         {
             "method": name,
@@ -78,6 +91,13 @@ def main(argv=None) -> list[dict]:
     print(
         f"static / dynamic eager: {static:.2f}x (target >= 1.15); compiled / static eager: {compiled:.2f}x "
         f"(target >= 1.5)"
+    )
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    eager_ms, floor_ms = best["StaticKVCache eager"] / new * 1e3, floor / new * 1e3
+    print(
+        f"the weights alone (every Linear on one token, {weight_bytes / 2**20:.0f} MiB): {floor_ms:.1f} ms per token "
+        f"({weight_bytes / (floor / new) / 1e9:.1f} GB/s), against {eager_ms:.1f} ms for a static eager step: no step "
+        f"that reads these weights can be more than {eager_ms / floor_ms:.2f}x faster than static eager"
     )
     write_csv("generate" + ("_quick" if args.quick else ""), rows)
     return rows
