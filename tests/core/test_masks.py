@@ -27,6 +27,20 @@ def test_repr_draws_a_picture_and_names_the_mask():
     assert text.splitlines()[4] == "·███····"
 
 
+def test_repr_draws_a_combination_at_its_own_length_and_cuts_long_ones():
+    # A combination takes the lengths of the part that has them (here 1 query, 5 keys: a decoding
+    # step of chunked attention); drawing it at 8 x 8 read the ids past their end (IndexError).
+    step = mh.causal() & mh.document(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
+    assert repr(step).splitlines()[1:] == ["█████"]
+    assert repr(mh.key_padding(torch.ones(1, 3, dtype=torch.bool))).splitlines()[1:] == ["███"] * 8
+    # A long mask: the first 32 x 64, evaluated at its full lengths, and a line saying it is cut.
+    lines = repr(mh.document(torch.arange(100).view(1, 100) // 30)).splitlines()
+    assert len(lines) == 1 + 32 + 1 and lines[-1] == "(the first 32 x 64 of 100 x 100)"
+    assert lines[30] == "█" * 30 + "·" * 34 and lines[31] == "·" * 30 + "█" * 30 + "·" * 4  # rows 29, 30
+    bottom_right = mh.causal().to_string(40, 100).splitlines()
+    assert bottom_right[0] == "█" * 61 + "·" * 3 and bottom_right[-1] == "(the first 32 x 64 of 40 x 100)"
+
+
 def test_sliding_window_counts_left_plus_one_plus_right_keys():
     m = dense(mh.sliding_window(2, 1, align="top_left"), Lq=8, Lk=8)[0, 0]
     assert m.sum(-1).tolist() == [2, 3, 4, 4, 4, 4, 4, 3]

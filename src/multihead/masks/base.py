@@ -38,6 +38,7 @@ __all__ = ["Mask", "BlockState", "And", "Or", "Not", "Positioned", "UNBOUNDED", 
 # bounds the memory of those fallbacks to about this many booleans.
 _CHUNK_ELEMENTS = 1 << 22
 _PICTURE_SIZE = 8
+_PICTURE_ROWS, _PICTURE_COLUMNS = 32, 64  # the most to_string draws
 # Tensors up to this many elements on the CPU take part in a mask's value by content.
 _CONTENT_ELEMENTS = 4096
 #: "No limit" for an unbounded side of a key range, before clamping to ``[0, Lk)``.
@@ -209,17 +210,25 @@ class Mask(abc.ABC):
         return _as_4d(self._mod(b, h, q, kv, q_len, kv_len), q1 - q0, k1 - k0)
 
     def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
-        """A picture of the mask for batch ``b``, head ``h``: rows are queries, columns keys.
+        """A picture of the mask for batch ``b``, head ``h`` in a call of ``Lq = q_len`` queries
+        and ``Lk = kv_len`` keys: rows are queries, columns keys, ``█`` may attend, ``·`` blocked.
 
-        ``█`` may attend, ``·`` blocked.
+        The lengths default to the mask's own (:meth:`extent`: its ids, tables or positions),
+        else 8 (``Lk`` defaults to ``Lq``). At most the first 32 queries and 64 keys are drawn,
+        evaluated at the full lengths (so a bottom-right alignment is the call's), with a last
+        line saying so when the picture is cut.
         """
-        q_len = _PICTURE_SIZE if q_len is None else q_len
-        kv_len = q_len if kv_len is None else kv_len
+        own_q, own_kv = self.extent()
+        q_len = (own_q or _PICTURE_SIZE) if q_len is None else q_len
+        kv_len = (own_kv or q_len) if kv_len is None else kv_len
+        n_rows, n_cols = min(q_len, _PICTURE_ROWS), min(kv_len, _PICTURE_COLUMNS)
         bb, hh = torch.tensor(b).view(1, 1, 1, 1), torch.tensor(h).view(1, 1, 1, 1)
-        q = torch.arange(q_len).view(1, 1, -1, 1)
-        kv = torch.arange(kv_len).view(1, 1, 1, -1)
-        allowed = _as_4d(self._mod(bb, hh, q, kv, q_len, kv_len), q_len, kv_len)[0, 0]
+        q = torch.arange(n_rows).view(1, 1, -1, 1)
+        kv = torch.arange(n_cols).view(1, 1, 1, -1)
+        allowed = _as_4d(self._mod(bb, hh, q, kv, q_len, kv_len), n_rows, n_cols)[0, 0]
         rows = ["".join("█" if x else "·" for x in row.tolist()) for row in allowed]
+        if (n_rows, n_cols) != (q_len, kv_len):
+            rows.append(f"(the first {n_rows} x {n_cols} of {q_len} x {kv_len})")
         return "\n".join(rows)
 
     def __repr__(self) -> str:
@@ -556,14 +565,6 @@ class Positioned(Mask):
                 )
         # The inner mask applies to the whole attention: its batch, heads and (when known) lengths.
         self.inner.check(batch, heads, whole[0], whole[1])
-
-    def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
-        # A mask at explicit positions is drawn at its own size (its positions say how many).
-        if q_len is None:
-            q_len = self.q_pos.shape[-1] if isinstance(self.q_pos, Tensor) else _PICTURE_SIZE
-        if kv_len is None:
-            kv_len = self.kv_pos.shape[-1] if isinstance(self.kv_pos, Tensor) else q_len
-        return super().to_string(q_len, kv_len, b, h)
 
     def kinds(self) -> frozenset[str]:
         return self.inner.kinds() | ({"positions"} if not self._offsets else frozenset())

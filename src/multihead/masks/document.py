@@ -92,11 +92,6 @@ class Document(Mask):
         text = str(shown) if len(shown) <= 16 else f"<{len(shown)} ids>"
         return f"document(q_ids={text}{'' if self.kv_ids is self.q_ids else ', kv_ids=...'})"
 
-    def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
-        q_len = self._q_cpu.shape[1] if q_len is None else q_len
-        kv_len = self._kv_cpu.shape[1] if kv_len is None else kv_len
-        return super().to_string(q_len, kv_len, b, h)
-
     def _id_span(self, ids: Tensor, i0: int, i1: int) -> tuple[Tensor, Tensor] | None:
         """Smallest and largest id in positions ``[i0, i1)`` per batch row (ids sorted)."""
         i0, i1 = max(i0, 0), min(i1, ids.shape[1])

@@ -152,11 +152,6 @@ class KeyPadding(Mask):
             return f"key_padding(lengths={self.lengths.tolist()})"
         return f"key_padding(valid=<bool {tuple(self._valid().shape)}>)"
 
-    def to_string(self, q_len: int | None = 8, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
-        if kv_len is None and self.valid is not None:
-            kv_len = self.valid.shape[1]
-        return super().to_string(q_len, kv_len, b, h)
-
     def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
         if self.lengths is not None:
             return -UNBOUNDED, self._max()

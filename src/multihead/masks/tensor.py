@@ -131,11 +131,6 @@ class TensorMask(Mask):
     def by_value(self) -> bool:
         return False  # a view of the caller's tensor, not a copy: it may change in place
 
-    def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
-        q_len = self.tensor.shape[2] if q_len is None else q_len
-        kv_len = self.tensor.shape[3] if kv_len is None else kv_len
-        return super().to_string(min(q_len, 32), min(kv_len, 64), b, h)
-
     def block_state(
         self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
     ) -> BlockState:
