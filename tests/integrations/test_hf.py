@@ -333,6 +333,69 @@ def test_output_attentions(arch):
         compare(w[rows], r[rows], b[rows], f"{arch} weights of layer {layer}")
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+        lambda t: t.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            ffn_dim=96,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=64,
+        ),
+    ],
+    ids=["gpt2", "opt"],
+)
+def test_output_attentions_reach_models_that_ask_through_the_output_collector(make):
+    # GPT-2 and OPT do not pass output_attentions to the attention function: transformers' output
+    # collector asks for the weights. Without reading it, model(..., output_attentions=True) got ().
+    config = make(transformers)
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="multihead").eval()
+    ours.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        x, base = ours(input_ids=ids, output_attentions=True), eager(input_ids=ids, output_attentions=True)
+        plain = ours(input_ids=ids)
+    assert len(x.attentions) == len(base.attentions) == 2
+    for w, b in zip(x.attentions, base.attentions, strict=True):
+        torch.testing.assert_close(w, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.logits, base.logits, rtol=1e-5, atol=1e-5)
+    assert plain.attentions is None  # not asked: none computed
+
+
+def test_a_model_that_uses_its_mask_as_a_tensor_is_told_why_it_cannot_run():
+    # Models that edit or combine their masks themselves (Doge reads .dtype and calls masked_fill,
+    # Bloom adds to it) get an error naming the cause and the fix, not a bare AttributeError.
+    m = mh_hf.HFMask(masks.causal(), (1, 1, 4, 4))
+    with pytest.raises(
+        AttributeError, match=r"reads its attention mask's \.dtype as a tensor.*use attn_implementation='sdpa'"
+    ):
+        m.dtype
+    with pytest.raises(TypeError, match=r"computes with its attention mask as a tensor"):
+        torch.zeros(1) + m
+    with pytest.raises(TypeError, match=r"computes with its attention mask as a tensor"):
+        m[:, :, :2]
+    assert not hasattr(m, "__deepcopy__") and m.ndim == 4 and m.contiguous() is m
+    if hasattr(transformers, "DogeConfig"):
+        config = transformers.DogeConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="multihead").eval()
+        with pytest.raises(AttributeError, match=r"multihead: this model reads its attention mask's"):
+            model(input_ids=torch.randint(0, VOCAB, (1, 6)))
+
+
 @pytest.mark.parametrize("arch", DECODERS)
 def test_generate_same_tokens(arch):
     m32, _ = model_pair(arch)

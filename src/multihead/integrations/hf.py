@@ -103,6 +103,14 @@ def unregister(name: str = NAME) -> None:
     AttentionMaskInterface._global_mapping.pop(name, None)
 
 
+_NOT_A_TENSOR = (
+    "multihead: this model {what} as a tensor, but with attn_implementation='multihead' the mask is "
+    "an HFMask holding a multihead mask object (structure, not a 4-D tensor); models that edit or "
+    "combine their masks themselves (Doge, Bloom, CodeGen, XGLM, MPT, ...) cannot run on it: use "
+    "attn_implementation='sdpa' or 'eager' for this model"
+)
+
+
 class HFMask:
     """What :func:`mask_interface` returns and the model hands to its layers: the `multihead`
     mask of the call (``mask``; ``None`` when nothing is blocked), with the little of a 4-D
@@ -118,6 +126,17 @@ class HFMask:
 
     def contiguous(self) -> HFMask:
         return self
+
+    def __getattr__(self, name: str) -> Any:  # only for names HFMask lacks: a model using the mask as a tensor
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_NOT_A_TENSOR.format(what=f"reads its attention mask's .{name}"))
+
+    def _refuse(self, *args: object) -> Any:
+        raise TypeError(_NOT_A_TENSOR.format(what="computes with its attention mask"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = _refuse
+    __getitem__ = __invert__ = _refuse
 
     def __repr__(self) -> str:
         return f"HFMask(shape={tuple(self.shape)}, mask={self.mask!r})"
@@ -217,9 +236,7 @@ def attention_forward(
             f"{type(attention_mask).__name__}; hint: build the model with attn_implementation="
             f"'multihead' after multihead.integrations.hf.register(), so that its masks are mask objects"
         )
-    want_weights = bool(
-        kwargs.get("output_attentions", False) or getattr(getattr(module, "config", None), "output_attentions", False)
-    )
+    want_weights = _weights_wanted(module, kwargs)
     result = multihead.attention(
         query,
         key,
@@ -235,6 +252,27 @@ def attention_forward(
     )
     output, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
     return output.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv), as HF's attention functions return
+
+
+def _weights_wanted(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the model will keep this call's weights: ``output_attentions`` passed down, the
+    model's config, or ``transformers``' output collector asking for attentions (models such as
+    GPT-2 and OPT do not pass ``output_attentions`` to the attention function: the collector that
+    records the weights is how ``model(..., output_attentions=True)`` reaches it)."""
+    if kwargs.get("output_attentions", False) or getattr(getattr(module, "config", None), "output_attentions", False):
+        return True
+    wanted = _collector()
+    return bool(wanted) and ("attentions" in wanted or "cross_attentions" in wanted)
+
+
+def _collector() -> dict[str, Any] | None:
+    """What ``transformers``' output capturing collects in the running forward (``None``: nothing)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without it passes output_attentions down instead
+        return None
+    collected: dict[str, Any] | None = _active_collector.get()
+    return collected
 
 
 def _mask_without_one(module: torch.nn.Module, is_causal: bool | None, window: int | None) -> Mask | None:
