@@ -375,7 +375,7 @@ def test_a_model_that_uses_its_mask_as_a_tensor_is_told_why_it_cannot_run():
     with pytest.raises(
         AttributeError, match=r"reads its attention mask's \.dtype as a tensor.*use attn_implementation='sdpa'"
     ):
-        m.dtype
+        _ = m.dtype
     with pytest.raises(TypeError, match=r"computes with its attention mask as a tensor"):
         torch.zeros(1) + m
     with pytest.raises(TypeError, match=r"computes with its attention mask as a tensor"):
