@@ -267,12 +267,19 @@ def _weights_wanted(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
 
 def _collector() -> dict[str, Any] | None:
     """What ``transformers``' output capturing collects in the running forward (``None``: nothing)."""
+    active = _active_collector()
+    return None if active is None else active.get()
+
+
+@functools.cache
+def _active_collector() -> Any:
+    """``transformers``' context variable of the running output collector (looked up once), or
+    ``None`` for a ``transformers`` without one (it passes ``output_attentions`` down instead)."""
     try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without it passes output_attentions down instead
+        from transformers.utils.output_capturing import _active_collector as active
+    except ImportError:
         return None
-    collected: dict[str, Any] | None = _active_collector.get()
-    return collected
+    return active
 
 
 def _mask_without_one(module: torch.nn.Module, is_causal: bool | None, window: int | None) -> Mask | None:
