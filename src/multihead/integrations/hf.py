@@ -262,7 +262,7 @@ def _weights_wanted(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     if kwargs.get("output_attentions", False) or getattr(getattr(module, "config", None), "output_attentions", False):
         return True
     wanted = _collector()
-    return bool(wanted) and ("attentions" in wanted or "cross_attentions" in wanted)
+    return wanted is not None and ("attentions" in wanted or "cross_attentions" in wanted)
 
 
 def _collector() -> dict[str, Any] | None:
