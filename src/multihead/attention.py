@@ -192,7 +192,7 @@ def attention(
     if plan is not None:
         run, finite = plan
         output = run(q, k, v)
-        if finite(q, output):
+        if finite(q, k, output):
             return output
         # A NaN or an infinity: the whole path below applies the non-finite policy.
     check_backend_name(backend)
@@ -256,11 +256,11 @@ def attention(
     runner = None  # calls like this one skip the above: a plan for the signature, and one for its Lk bucket
     if key is not None and plans.worth_keeping(key, call, q, k, v):
         runner = chosen.runner(call)
-        plans.store(key, runner, finite_check(q, result.output))
+        plans.store(key, runner, finite_check(q, k, result.output))
     if growing is not None and plans.worth_keeping(growing, call, q, k, v):
         runner = runner or chosen.runner(call)
         if getattr(runner, "any_kv_len", False) and _chosen_over_bucket(call, chosen, backend):
-            plans.store(growing, runner, finite_check(q, result.output))
+            plans.store(growing, runner, finite_check(q, k, result.output))
     lse = result.lse
     q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)
     if return_weights:

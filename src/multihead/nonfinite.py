@@ -15,13 +15,15 @@ does it run the call again on cleaned inputs and mark the rows the policy names.
 ``torch.compile`` the check is skipped (a data-dependent branch): compiled code gets what the
 kernel gives.
 
-Known gap: an infinite entry of a *key* whose score comes out ``-inf`` for every row that sees it
-(``k[..., d] = -inf`` read by queries with ``q[..., d] > 0``) weighs that key 0 in the fused
-kernels, so their output is finite and the check passes, where the rule (and ``reference``) gives
-those rows NaN. Likewise a row whose visible keys are all bad (``Lk = 1`` and a NaN key): the
-fused kernels treat it as fully masked (output 0), so the check passes. Closing either means
-reading every key once more per call (on a decoding step, the kernel's own K read again) or the
-kernel's LSE beside its output, so both are left open (docs/conventions.md).
+Two cases leave the output finite although a row sees a bad key: an infinite key entry whose score
+is ``-inf`` for every row that sees it (``k[..., d] = -inf`` under queries with ``q[..., d] > 0``:
+the kernels weigh the key 0), and a row whose visible keys are *all* bad (``Lk = 1`` and a NaN key:
+the kernels treat the row as fully masked, output 0). Only a look at the keys finds them, so a call
+with at least :data:`KEYS_CHECKED_FROM` query rows per KV head (``Lq · Hq / Hkv``) also sums its
+keys: there the kernel does at least ``4 · 64`` multiply-adds per key element it reads, and one
+more read of the keys costs a few percent of it. A call with fewer rows per key (a decoding step:
+its cost *is* reading the keys, and the sum would read them again) is not checked for those two
+cases, and gets what the kernel gives there (docs/conventions.md).
 
 The check runs on CPU calls only, by default. On a GPU its host synchronisation stops the host
 from queueing work ahead of the device: measured on an H100 (bf16, 16k tokens, docs/performance.md
@@ -48,6 +50,8 @@ __all__ = ["apply_policy", "all_finite", "finite_check", "set_nonfinite_check"]
 _CHUNK_ELEMENTS = 1 << 22
 # Device types whose calls are checked (set_nonfinite_check).
 _CHECKED: set[str] = {"cpu"}
+#: From this many query rows per KV head (``Lq · Hq / Hkv``) the check also reads the keys.
+KEYS_CHECKED_FROM = 64
 
 
 def set_nonfinite_check(device_type: str, enabled: bool) -> bool:
@@ -71,7 +75,7 @@ def apply_policy(
     """``result`` of ``call`` with the non-finite policy applied, and the rows it made NaN
     (``(B, Hq, Lq)`` bool, ``None`` when none): whatever is derived from the call afterwards (an LSE
     or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call."""
-    if torch.compiler.is_compiling() or call.q.device.type not in _CHECKED or all_finite(call.q, result.output):
+    if torch.compiler.is_compiling() or call.q.device.type not in _CHECKED or all_finite(call.q, call.k, result.output):
         return result, None
     bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
     bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
@@ -86,15 +90,18 @@ def apply_policy(
     return AttentionResult(output, result.weights, lse), poisoned
 
 
-def all_finite(q: Tensor, output: Tensor) -> bool:
-    """``False`` when ``q`` or ``output`` holds a NaN or an infinity (then the policy has work to
-    do); possibly ``False`` also for huge finite values (then the policy finds nothing: no harm).
-    One reduction and one host synchronisation (:func:`finite_check`)."""
-    return finite_check(q, output)(q, output)
+def all_finite(q: Tensor, k: Tensor, output: Tensor) -> bool:
+    """``False`` when ``q`` or ``output`` holds a NaN or an infinity, or ``k`` does in a call of
+    at least :data:`KEYS_CHECKED_FROM` query rows per KV head (then the policy has work to do);
+    possibly ``False`` also for huge finite values (then the policy finds nothing: no harm). One
+    or two reductions and host synchronisations (:func:`finite_check`)."""
+    return finite_check(q, k, output)(q, k, output)
 
 
-def finite_check(q: Tensor, output: Tensor) -> Callable[[Tensor, Tensor], bool]:
-    """The test :func:`all_finite` applies to tensors shaped like these (plans keep it).
+def finite_check(q: Tensor, k: Tensor, output: Tensor) -> Callable[[Tensor, Tensor, Tensor], bool]:
+    """The test :func:`all_finite` applies to tensors shaped like these (plans keep it): the
+    queries and the output, below; and the keys too from :data:`KEYS_CHECKED_FROM` query rows per
+    KV head (a sum, in fp32 for half types, whose overflow would only cost a useless look).
 
     This runs after every call, and on a small call each PyTorch op costs about half the attention
     kernel itself, so it is one reduction: ``sum q · output`` is not finite when a term is not
@@ -108,10 +115,14 @@ def finite_check(q: Tensor, output: Tensor) -> Callable[[Tensor, Tensor], bool]:
     Face backend). Other strides take ``torch.dist``, which allocates nothing either. fp16, and
     shapes that differ (``D != Dv``), take one fp32 sum of each instead: an fp16 product or sum of
     large finite values would overflow."""
-    return _one_reduction if q.shape == output.shape and q.dtype is not torch.float16 else _two_sums
+    rows_per_key = q.shape[2] * (q.shape[1] // max(1, k.shape[1])) if q.dim() == 4 and k.dim() == 4 else 0
+    with_keys = rows_per_key >= KEYS_CHECKED_FROM
+    if q.shape == output.shape and q.dtype is not torch.float16:
+        return _one_reduction_and_keys if with_keys else _one_reduction
+    return _two_sums_and_keys if with_keys else _two_sums
 
 
-def _one_reduction(q: Tensor, output: Tensor) -> bool:
+def _one_reduction(q: Tensor, k: Tensor, output: Tensor) -> bool:
     if q.device.type not in _CHECKED:
         return True
     if q.is_contiguous() and output.is_contiguous():
@@ -119,10 +130,25 @@ def _one_reduction(q: Tensor, output: Tensor) -> bool:
     return math.isfinite(torch.dist(q, output, 1).item())
 
 
-def _two_sums(q: Tensor, output: Tensor) -> bool:
+def _two_sums(q: Tensor, k: Tensor, output: Tensor) -> bool:
     if q.device.type not in _CHECKED:
         return True
     return math.isfinite(q.sum(dtype=torch.float32).item()) and math.isfinite(output.sum(dtype=torch.float32).item())
+
+
+def _one_reduction_and_keys(q: Tensor, k: Tensor, output: Tensor) -> bool:
+    return _one_reduction(q, k, output) and _keys_finite(k)
+
+
+def _two_sums_and_keys(q: Tensor, k: Tensor, output: Tensor) -> bool:
+    return _two_sums(q, k, output) and _keys_finite(k)
+
+
+def _keys_finite(k: Tensor) -> bool:
+    if k.device.type not in _CHECKED:
+        return True
+    total = k.sum(dtype=torch.float32) if k.element_size() < 4 else k.sum()
+    return math.isfinite(total.item())
 
 
 def _zeroed(t: Tensor) -> Tensor:

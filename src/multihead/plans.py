@@ -66,9 +66,9 @@ __all__ = [
 MAX_PLANS = 64
 #: A plain call's signature: shapes, strides, dtypes, devices, autograd, mask, scale, backend.
 Key: TypeAlias = "tuple[object, ...]"
-#: ``runner(q, k, v) -> output``, and ``finite(q, output) -> bool``, the non-finite check.
+#: ``runner(q, k, v) -> output``, and ``finite(q, k, output) -> bool``, the non-finite check.
 Runner: TypeAlias = "Callable[[Tensor, Tensor, Tensor], Tensor]"
-Finite: TypeAlias = "Callable[[Tensor, Tensor], bool]"
+Finite: TypeAlias = "Callable[[Tensor, Tensor, Tensor], bool]"
 _PLANS: dict[Key, tuple[Runner, Finite]] = {}
 _SEEN: dict[Key, None] = {}  # signatures met once, oldest first (a dict as an ordered set)
 
@@ -252,7 +252,7 @@ def repeated(key: Key) -> bool:
 
 
 def store(key: Key, runner: Runner, finite: Finite) -> None:
-    """Keep ``runner(q, k, v) -> output`` and ``finite(q, output) -> bool`` (the non-finite check
+    """Keep ``runner(q, k, v) -> output`` and ``finite(q, k, output) -> bool`` (the non-finite check
     for these shapes, :func:`multihead.nonfinite.finite_check`) for ``key``, dropping the oldest
     plan beyond :data:`MAX_PLANS`."""
     _PLANS[key] = (runner, finite)

@@ -125,6 +125,40 @@ def test_item6_non_finite_inputs_go_exactly_where_the_math_puts_them(backend, de
     torch.testing.assert_close(got.output.double().cpu()[finite], want.output[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["nan key seen alone", "-inf key entry", "every key nan"])
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item6_bad_keys_that_leave_the_kernels_output_finite_are_found(backend, device, case):
+    # Two cases the output alone cannot reveal: a row whose visible keys are all bad (the fused
+    # kernels treat it as fully masked: 0), and an infinite key entry whose score is -inf for every
+    # row (weighed 0). From nonfinite.KEYS_CHECKED_FROM query rows per KV head the check reads the
+    # keys too, so every backend gives NaN exactly where the reference does. GQA 4/2, 64 queries.
+    from multihead.nonfinite import KEYS_CHECKED_FROM
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 64, 8, generator=gen)
+    k, v = torch.randn(1, 2, 70, 8, generator=gen), torch.randn(1, 2, 70, 8, generator=gen)
+    assert 64 * 2 >= KEYS_CHECKED_FROM
+    m = mh.sliding_window(0)  # query i sees key i + 6 only
+    if case == "nan key seen alone":
+        k[0, 1, 30] = float("nan")  # rows 24 of heads 2, 3 see only it
+    elif case == "-inf key entry":
+        m = mh.causal()
+        q[..., 0] = q[..., 0].abs() + 0.1  # every score with key 40 is -inf
+        k[0, 0, 40, 0] = float("-inf")
+    else:
+        k.fill_(float("nan"))
+    q, k, v = (t.to(device) for t in (q, k, v))
+    serve_or_skip(backend, q, k, v, mask=m, return_lse=True)
+    got = mh.attention(q, k, v, mask=m, backend=backend, return_lse=True)
+    want = _ref(q.cpu(), k.cpu(), v.cpu(), mask=m)
+    nan_rows = torch.isnan(want.output).any(-1)
+    assert nan_rows.any()
+    assert torch.equal(torch.isnan(got.output).any(-1).cpu(), nan_rows)
+    assert torch.equal(torch.isnan(got.lse).cpu(), torch.isnan(want.lse))
+    finite = ~torch.isnan(want.output)
+    torch.testing.assert_close(got.output.double().cpu()[finite], want.output[finite], rtol=1e-5, atol=1e-5)
+
+
 def test_item6_the_policy_is_written_down_and_rows_that_see_nothing_stay_zero():
     q = torch.full((1, 1, 3, 4), float("nan"))
     out = mh.attention(q, torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), mask=mh.key_padding([0]))

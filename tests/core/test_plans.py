@@ -186,17 +186,27 @@ def test_non_finite_inputs_after_a_cached_call_follow_the_policy():
 def test_all_finite_sees_every_non_finite_entry_and_huge_values_only_cost_time():
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         q, out = torch.randn(1, 2, 5, 4, dtype=dtype), torch.randn(1, 2, 5, 4, dtype=dtype)
-        assert all_finite(q, out) and all_finite(q, out[..., :3])
+        k = torch.randn(1, 1, 7, 4, dtype=dtype)
+        assert all_finite(q, k, out) and all_finite(q, k, out[..., :3])
         for bad in (float("nan"), float("inf"), float("-inf")):
             for which in (0, 1):
                 a, b = q.clone(), out.clone()
                 (a, b)[which][0, 1, 2, 3] = bad
-                assert not all_finite(a, b), (dtype, bad, which)
+                assert not all_finite(a, k, b), (dtype, bad, which)
         a, b = q.clone(), out.clone()
         a[0, 0, 0, 0], b[0, 0, 0, 0] = float("inf"), float("inf")  # inf - inf = NaN: still seen
-        assert not all_finite(a, b)
+        assert not all_finite(a, k, b)
+        # The keys are read from KEYS_CHECKED_FROM query rows per KV head: not for these 10 rows
+        # (a decoding step's cost is its read of the keys), for 64 rows of 2 heads on 1 KV head.
+        bad_k = k.clone()
+        bad_k[0, 0, 3, 1] = float("nan")
+        assert all_finite(q, bad_k, out)
+        long_q = torch.randn(1, 2, 32, 4, dtype=dtype)
+        long_out = torch.randn(1, 2, 32, 4, dtype=dtype)
+        assert all_finite(long_q, k, long_out) and not all_finite(long_q, bad_k, long_out)
+        assert all_finite(long_q, torch.full_like(k, 60000.0), long_out)  # a half sum would overflow: fp32
     q, huge = torch.full((1, 1, 4, 4), 2.0), torch.full((1, 1, 4, 4), 5e37)  # finite through the kernel
-    assert not all_finite(q, huge)  # sum q · out overflows (4 · 2 · 5e37): the policy looks and finds nothing
+    assert not all_finite(q, q, huge)  # sum q · out overflows (4 · 2 · 5e37): the policy looks and finds nothing
     for _ in range(2):
         out = mh.attention(q, q, huge)
         torch.testing.assert_close(out, huge)
