@@ -10,7 +10,8 @@ so each KV head is read once, as it is, never expanded to ``Hq`` heads::
     q (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D)      a view; query head h = kv·G + g (conventions.kv_head_of)
     S = q Kᵀ            (B, Hkv, G·Lq, n)        one matmul per KV head over the n keys read
     S[~visible] = -inf                           visible (B|1, H|1, Lq, n): a small row mask, never Lq x Lk
-    P = exp(S - max)    softmax dtype            fp32 for fp16/bf16 inputs (conventions.softmax_dtype)
+    P = exp(S - max)    softmax dtype            fp32 for fp16/bf16 inputs (conventions.softmax_dtype),
+                                                 S too (from fp32 copies of q and the chunk of K)
     l = Σ P,  lse = max + log l,  O = P V / l  (B, Hkv, G·Lq, Dv) -> (B, Hq, Lq, Dv)
 
 Which keys are read (``n`` above), decided once per call in :class:`_Plan`:
@@ -202,11 +203,15 @@ class DecodeBackend(Backend):
 
 def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:
     """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked."""
+    if qg.dtype != acc:
+        # fp16/bf16: the scores from fp32 operands. A half GEMM accumulates in fp32 but rounds each
+        # score to 8 (bf16) or 11 (fp16) bits: 2^-9 of a score of 10 moves its weight by 2%, and the
+        # LSE by as much (a differential fuzzer found LSE errors 700x sdpa's, whose CPU kernel keeps
+        # fp32 scores). The fp32 copy is of this chunk of keys, read from memory once either way.
+        qg, k = qg.to(acc), k.to(acc)
     scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
     if scores.shape[2] != G * Lq:  # zero rows padded for the GEMM's sake (_PADDED_ROWS)
         scores = scores[:, :, : G * Lq]
-    if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once
-        scores = scores.to(acc)
     if scale != 1.0:
         scores = scores.mul_(scale)
     if blocked is not None:  # masked_fill, not an additive -inf: a NaN score of a blocked key is replaced too
@@ -314,7 +319,7 @@ class _Plan:
         if (lo, hi) != (0, Lk):
             k, v = k[:, :, lo:hi], v[:, :, lo:hi]
         acc = softmax_dtype(q.dtype)
-        half = acc != q.dtype  # fp16/bf16: matmuls in the input dtype, softmax in fp32
+        half = acc != q.dtype  # fp16/bf16: scores from fp32 copies (_scores), P V in the input dtype
         # (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D): query head h = kv·G + g, rows ordered (g, i).
         qg = q.reshape(B, kv_heads, G * Lq, D)
         if not half:  # folded into the G·Lq query rows instead of the G·Lq·n scores
