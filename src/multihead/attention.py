@@ -252,15 +252,16 @@ def attention(
         return _empty(call, return_weights, return_lse, heads, rows)
     chosen, _ = select_backend(call, backend)
     result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
-    result, poisoned = apply_policy(call, result, chosen.forward)  # NaN/inf reach exactly the rows that read them
+    pieces = chosen.capabilities.keys_in_pieces
+    result, poisoned = apply_policy(call, result, chosen.forward, keys=pieces)  # NaN/inf reach the rows that read them
     runner = None  # calls like this one skip the above: a plan for the signature, and one for its Lk bucket
     if key is not None and plans.worth_keeping(key, call, q, k, v):
         runner = chosen.runner(call)
-        plans.store(key, runner, finite_check(q, k, result.output))
+        plans.store(key, runner, finite_check(q, k, result.output, keys=pieces))
     if growing is not None and plans.worth_keeping(growing, call, q, k, v):
         runner = runner or chosen.runner(call)
         if getattr(runner, "any_kv_len", False) and _chosen_over_bucket(call, chosen, backend):
-            plans.store(growing, runner, finite_check(q, k, result.output))
+            plans.store(growing, runner, finite_check(q, k, result.output, keys=pieces))
     lse = result.lse
     q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)
     if return_weights:

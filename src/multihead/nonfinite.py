@@ -70,12 +70,21 @@ def set_nonfinite_check(device_type: str, enabled: bool) -> bool:
 
 
 def apply_policy(
-    call: AttentionCall, result: AttentionResult, run: Callable[[AttentionCall], AttentionResult]
+    call: AttentionCall,
+    result: AttentionResult,
+    run: Callable[[AttentionCall], AttentionResult],
+    *,
+    keys: bool = False,
 ) -> tuple[AttentionResult, Tensor | None]:
     """``result`` of ``call`` with the non-finite policy applied, and the rows it made NaN
     (``(B, Hq, Lq)`` bool, ``None`` when none): whatever is derived from the call afterwards (an LSE
-    or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call."""
-    if torch.compiler.is_compiling() or call.q.device.type not in _CHECKED or all_finite(call.q, call.k, result.output):
+    or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call; ``keys``: read
+    the keys whatever the call's size (a backend that merges pieces of keys, ``keys_in_pieces``)."""
+    if (
+        torch.compiler.is_compiling()
+        or call.q.device.type not in _CHECKED
+        or all_finite(call.q, call.k, result.output, keys=keys)
+    ):
         return result, None
     bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
     bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
@@ -90,18 +99,21 @@ def apply_policy(
     return AttentionResult(output, result.weights, lse), poisoned
 
 
-def all_finite(q: Tensor, k: Tensor, output: Tensor) -> bool:
+def all_finite(q: Tensor, k: Tensor, output: Tensor, *, keys: bool = False) -> bool:
     """``False`` when ``q`` or ``output`` holds a NaN or an infinity, or ``k`` does in a call of
-    at least :data:`KEYS_CHECKED_FROM` query rows per KV head (then the policy has work to do);
-    possibly ``False`` also for huge finite values (then the policy finds nothing: no harm). One
-    or two reductions and host synchronisations (:func:`finite_check`)."""
-    return finite_check(q, k, output)(q, k, output)
+    at least :data:`KEYS_CHECKED_FROM` query rows per KV head or with ``keys`` (then the policy has
+    work to do); possibly ``False`` also for huge finite values (then the policy finds nothing: no
+    harm). One or two reductions and host synchronisations (:func:`finite_check`)."""
+    return finite_check(q, k, output, keys=keys)(q, k, output)
 
 
-def finite_check(q: Tensor, k: Tensor, output: Tensor) -> Callable[[Tensor, Tensor, Tensor], bool]:
+def finite_check(
+    q: Tensor, k: Tensor, output: Tensor, *, keys: bool = False
+) -> Callable[[Tensor, Tensor, Tensor], bool]:
     """The test :func:`all_finite` applies to tensors shaped like these (plans keep it): the
     queries and the output, below; and the keys too from :data:`KEYS_CHECKED_FROM` query rows per
-    KV head (a sum, in fp32 for half types, whose overflow would only cost a useless look).
+    KV head, or always with ``keys`` (a sum, in fp32 for half types, whose overflow would only cost
+    a useless look).
 
     This runs after every call, and on a small call each PyTorch op costs about half the attention
     kernel itself, so it is one reduction: ``sum q · output`` is not finite when a term is not
@@ -116,7 +128,7 @@ def finite_check(q: Tensor, k: Tensor, output: Tensor) -> Callable[[Tensor, Tens
     shapes that differ (``D != Dv``), take one fp32 sum of each instead: an fp16 product or sum of
     large finite values would overflow."""
     rows_per_key = q.shape[2] * (q.shape[1] // max(1, k.shape[1])) if q.dim() == 4 and k.dim() == 4 else 0
-    with_keys = rows_per_key >= KEYS_CHECKED_FROM
+    with_keys = keys or rows_per_key >= KEYS_CHECKED_FROM
     if q.shape == output.shape and q.dtype is not torch.float16:
         return _one_reduction_and_keys if with_keys else _one_reduction
     return _two_sums_and_keys if with_keys else _two_sums

@@ -45,14 +45,23 @@ def test_item1_inputs_whose_last_dim_is_not_contiguous(backend, device, layout):
     torch.testing.assert_close(got.weights.double().cpu(), want.weights, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["padding", "top-left causal, Lq < Lk", "GQA top-left causal"])
 @pytest.mark.parametrize("backend,device", BACKENDS)
-def test_item2_nan_in_keys_no_query_may_see(backend, device):
+def test_item2_nan_in_keys_no_query_may_see(backend, device, case):
+    # "top-left causal, Lq < Lk": sdpa passed is_causal=True with all Lk keys, and its backward
+    # computed 0 * key for the keys past the last query (found by a differential fuzzer): NaN dq.
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 6, 8, generator=gen).to(device).requires_grad_()  # drawn on CPU, then moved
-    k, v = (torch.randn(1, 2, 4, 8, generator=gen).to(device) for _ in range(2))
-    k[0, :, 3], v[0, :, 3] = float("nan"), float("nan")
+    Hkv, Lq, Lk, bad, mask = {
+        "padding": (2, 6, 4, 3, mh.causal() & mh.key_padding([3])),
+        "top-left causal, Lq < Lk": (2, 3, 64, 8, mh.causal("top_left")),
+        "GQA top-left causal": (1, 5, 9, 7, mh.causal("top_left")),
+    }[case]
+    q = torch.randn(1, 2, Lq, 8, generator=gen).to(device).requires_grad_()  # drawn on CPU, then moved
+    k, v = (torch.randn(1, Hkv, Lk, 8, generator=gen).to(device) for _ in range(2))
+    k[0, :, bad] = float("nan")
+    if case == "padding":
+        v[0, :, bad] = float("nan")
     k, v = k.requires_grad_(), v.requires_grad_()
-    mask = mh.causal() & mh.key_padding([3])
     serve_or_skip(backend, q, k, v, mask=mask)
     out = mh.attention(q, k, v, mask=mask, backend=backend)
     assert torch.isfinite(out).all()
@@ -157,6 +166,20 @@ def test_item6_bad_keys_that_leave_the_kernels_output_finite_are_found(backend, 
     assert torch.equal(torch.isnan(got.lse).cpu(), torch.isnan(want.lse))
     finite = ~torch.isnan(want.output)
     torch.testing.assert_close(got.output.double().cpu()[finite], want.output[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_item6_bad_keys_next_to_good_ones_are_nan_on_every_backend_whatever_the_size(backend, device):
+    # blocksparse merges pieces of a row's keys by LSE: a piece whose keys were all bad came back
+    # from the kernel as empty and merged with weight 0, a finite row from the good key alone (a
+    # differential fuzzer, 2 queries). Its capability keys_in_pieces makes every call check keys.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=gen, dtype=torch.float64) for n in (2, 3, 3))
+    k[0, 0, 1, 5], k[0, 0, 2, 4] = float("nan"), float("nan")  # row 0 sees keys 0-1, row 1 keys 0-2
+    q, k, v = (t.to(device) for t in (q, k, v))
+    serve_or_skip(backend, q, k, v, mask=mh.causal(), return_lse=True)
+    got = mh.attention(q, k, v, mask=mh.causal(), backend=backend, return_lse=True)
+    assert torch.isnan(got.output).all() and torch.isnan(got.lse).all()
 
 
 def test_item6_the_policy_is_written_down_and_rows_that_see_nothing_stay_zero():

@@ -55,6 +55,10 @@ class Capabilities:
     dropout: bool = True
     injected_dropout: bool = False  # accepts dropout_mask=
     native_lse: bool = False  # the kernel itself returns the LSE (else attention() recomputes it, one pass)
+    # Partial results over pieces of a row's keys are merged by their LSE: a fused kernel gives a
+    # piece whose visible keys are all bad as empty (output 0, LSE -inf), which the merge weighs 0,
+    # so the non-finite check reads the keys of every call (nonfinite.py), whatever its size.
+    keys_in_pieces: bool = False
     grad: bool = True
     # ((dtype, (F outputs, F gradients)), ...)
     tolerance: tuple[tuple[torch.dtype, tuple[float, float]], ...] = field(default=DEFAULT_TOLERANCE)

@@ -100,6 +100,7 @@ class BlockSparseBackend(Backend):
     capabilities = Capabilities(
         device_types=frozenset({"cpu"}),
         native_lse=True,
+        keys_in_pieces=True,  # bands and runs of heads merge per piece (merge_partials)
         # A plain tensor mask is already Lq x Lk: sdpa passes it to the kernel as it is.
         mask_kinds=MASK_KINDS - {"tensor"},
         score_mods=frozenset({ADDITIVE, ELEMENTWISE}),

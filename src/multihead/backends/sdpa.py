@@ -120,6 +120,7 @@ class _Arguments:
         q, k, v, mask = call.q, call.k, call.v, call.mask
         self.scale = call.scale
         self.is_causal, self.attn_mask, self.empty_rows, self.lse_shift, self.unseen = False, None, None, None, None
+        self.key_stop: int | None = None  # keys from here on are seen by no query: left out of the call
         mods = call.score_mod
         offset = None if mask is None or mods is not None else mask.causal_offset(Lq, Lk)
         if mask is None and mods is None:
@@ -127,6 +128,11 @@ class _Arguments:
         elif offset == 0:
             self.is_causal = True
             self.mask_note = "mask: causal diagonal passed as is_causal=True (no mask tensor)"
+            if Lq < Lk:  # top-left with more keys than queries: the last Lk - Lq keys are seen by no
+                # query, and the kernel's backward would compute 0 * key for them (a NaN there: NaN dq)
+                self.key_stop = Lq
+                k, v = k[:, :, :Lq], v[:, :, :Lq]
+                self.mask_note += f"; keys {Lq}..{Lk - 1}, seen by no query, left out"
         elif offset is not None and offset >= Lk - 1:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
@@ -151,7 +157,7 @@ class _Arguments:
             self.enable_gqa = True
             self.gqa_note = f"heads: GQA {Hq}/{Hkv} passed natively (enable_gqa=True)"
         elif Hkv == 1:
-            self.expand = ((B, Hq, Lk, k.shape[-1]), (B, Hq, Lk, v.shape[-1]))  # after any head-size fit
+            self.expand = ((B, Hq, k.shape[2], k.shape[-1]), (B, Hq, k.shape[2], v.shape[-1]))  # after any fit
             self.gqa_note = f"heads: MQA, K/V expanded to {Hq} heads as a view (stride 0)"
         else:
             self.expand = Hq
@@ -159,7 +165,13 @@ class _Arguments:
                 f"heads: GQA {Hq}/{Hkv} would run on the math kernel natively; "
                 "K/V repeated by the grouped mapping instead"
             )
-        self.plain = self.unseen is None and self.expand is None and self.empty_rows is None and self.fit is None
+        self.plain = (
+            self.unseen is None
+            and self.expand is None
+            and self.empty_rows is None
+            and self.fit is None
+            and self.key_stop is None
+        )
         # A few query tokens with GQA/MQA on CPU: each KV head's G query heads become rows of one
         # call (K/V read once per group, no head mapping in the kernel), the mask repeated per
         # group. Measured (one thread, CPU): 0.33-0.75x enable_gqa's time at Lq <= 8, 0.89x at
@@ -211,6 +223,8 @@ class _Arguments:
     def inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``q, k, v`` as SDPA receives them: unseen keys zeroed, one head size (``Dv != D``), K/V
         expanded for GQA if needed."""
+        if self.key_stop is not None:
+            k, v = k[:, :, : self.key_stop], v[:, :, : self.key_stop]
         if self.unseen is not None:
             prefix = self.fit == "prefix"
             k, v = self._zero_unseen(k, v)
