@@ -221,8 +221,8 @@ class _Arguments:
         return F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D)), v
 
     def inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``q, k, v`` as SDPA receives them: unseen keys zeroed, one head size (``Dv != D``), K/V
-        expanded for GQA if needed."""
+        """``q, k, v`` as SDPA receives them: keys no query sees left out (top-left causal, ``Lq <
+        Lk``) or zeroed (other masks), one head size (``Dv != D``), K/V expanded for GQA if needed."""
         if self.key_stop is not None:
             k, v = k[:, :, : self.key_stop], v[:, :, : self.key_stop]
         if self.unseen is not None:
