@@ -169,10 +169,11 @@ def test_default_chunks_bound_the_scores(Lk, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_inputs_get_scores_in_fp32_so_the_lse_and_the_weights_agree(dtype):
-    # A half GEMM rounds each score to the input dtype: the LSE was 0.02 off (bf16, scores of a
-    # few units) where sdpa's was 3e-5, and weights recomputed in fp32 and normalised by it summed
-    # to 0.987..1.024 (found by a differential fuzzer). Scores from fp32 copies: as close as sdpa.
+def test_half_inputs_get_an_lse_from_fp32_scores_so_the_weights_sum_to_one(dtype):
+    # decode's half GEMM rounds each score to the input dtype (fast, and as exact as a naive
+    # computation in that dtype). Its LSE was 0.02 off (bf16, scores of a few units) where sdpa's
+    # was 3e-5, and weights recomputed in fp32 and normalised by it summed to 0.987..1.024 (found
+    # by a differential fuzzer): the LSE now comes from fp32 scores, as the weights do.
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, n, 128, generator=gen).to(dtype) for n in (1, 1000, 1000))
     s = 0.3 * q.double() @ k.double().transpose(-1, -2)

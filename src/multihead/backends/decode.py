@@ -10,8 +10,7 @@ so each KV head is read once, as it is, never expanded to ``Hq`` heads::
     q (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D)      a view; query head h = kv·G + g (conventions.kv_head_of)
     S = q Kᵀ            (B, Hkv, G·Lq, n)        one matmul per KV head over the n keys read
     S[~visible] = -inf                           visible (B|1, H|1, Lq, n): a small row mask, never Lq x Lk
-    P = exp(S - max)    softmax dtype            fp32 for fp16/bf16 inputs (conventions.softmax_dtype),
-                                                 S too (from fp32 copies of q and the chunk of K)
+    P = exp(S - max)    softmax dtype            fp32 for fp16/bf16 inputs (conventions.softmax_dtype)
     l = Σ P,  lse = max + log l,  O = P V / l  (B, Hkv, G·Lq, Dv) -> (B, Hq, Lq, Dv)
 
 Which keys are read (``n`` above), decided once per call in :class:`_Plan`:
@@ -30,15 +29,19 @@ that the scores of a chunk stay within :data:`SCORES_PER_CHUNK` elements; the pa
 are joined by their log-sum-exp (:func:`multihead.merge_partials`).
 
 Contract (:mod:`multihead.conventions`): fully masked rows give output 0 and LSE ``-inf``; the
-LSE is returned from the same pass. A NaN or inf in a key or value that no query may see: keys
-outside the range read are never touched; inside it, a blocked key's score is replaced by
-``-inf`` (``masked_fill``, NaN included), and a blocked value of NaN makes ``0 · NaN`` in
-``P V``, which :func:`multihead.nonfinite.apply_policy` catches after the call (one rerun on
-cleaned inputs, only when it happens). With autograd, keys no query sees are zeroed first, since
-``dQ = dS K`` would compute ``0 · NaN``. Under ``torch.compile`` there is no host
-synchronisation: every key is read, with the mask evaluated on it, and no policy runs
-(``nonfinite.py``), so unused cache slots must hold finite values (zeros). (``sdpa`` zeroes
-unseen keys there instead: one more pass over K/V, which a memory-bound step cannot afford.)
+LSE is returned from the same pass (fp32/fp64; for fp16/bf16 inputs, whose scores come from the
+half GEMM rounded once, as exact as a naive computation in that dtype, ``attention()`` computes
+the LSE from fp32 scores instead, so that it normalises the weights it recomputes).
+
+A NaN or inf in a key or value that no query may see: keys outside the range read are never
+touched; inside it, a blocked key's score is replaced by ``-inf`` (``masked_fill``, NaN
+included), and a blocked value of NaN makes ``0 · NaN`` in ``P V``, which
+:func:`multihead.nonfinite.apply_policy` catches after the call (one rerun on cleaned inputs,
+only when it happens). With autograd, keys no query sees are zeroed first, since ``dQ = dS K``
+would compute ``0 · NaN``. Under ``torch.compile`` there is no host synchronisation: every key
+is read, with the mask evaluated on it, and no policy runs (``nonfinite.py``), so unused cache
+slots must hold finite values (zeros). (``sdpa`` zeroes unseen keys there instead: one more pass
+over K/V, which a memory-bound step cannot afford.)
 Score modifiers and dropout are refused (``sdpa``/``blocksparse`` run them).
 """
 
@@ -180,15 +183,25 @@ class DecodeBackend(Backend):
         lines.append(
             "softmax in "
             + precision.get(call.q.dtype, str(call.q.dtype).replace("torch.", ""))
-            + "; log-sum-exp from the same pass"
+            + (
+                "; log-sum-exp from the same pass"
+                if call.q.dtype not in precision
+                else "; log-sum-exp, when asked for, from fp32 scores in one blockwise pass (the half scores would "
+                "not normalise the fp32 weights)"
+            )
         )
         return lines
 
     # ------------------------------------------------------------------------------- running
     def forward(self, call: AttentionCall) -> AttentionResult:
         plan = _Plan(call, self._chunk(call))
-        out, lse = plan.run(call.q, call.k, call.v, call.scale, call.requires_grad, call.return_lse)
-        return AttentionResult(out, None, lse)
+        # fp16/bf16: the scores are the half GEMM's, each rounded once (2^-9 of a score of 10 moves
+        # its weight by 2%). An LSE of those would not normalise the weights attention() recomputes
+        # from fp32 scores (rows summed to 0.987-1.024; a differential fuzzer), so none is returned
+        # and attention() computes it from fp32 scores, one blockwise pass, when it is asked for.
+        exact = softmax_dtype(call.q.dtype) == call.q.dtype
+        out, lse = plan.run(call.q, call.k, call.v, call.scale, call.requires_grad, call.return_lse and exact)
+        return AttentionResult(out, None, lse if exact else None)
 
     def runner(self, call: AttentionCall):
         """Calls that repeat (same shapes, strides, mask value, scale: :mod:`multihead.plans`) reuse
@@ -203,15 +216,11 @@ class DecodeBackend(Backend):
 
 def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:
     """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked."""
-    if qg.dtype != acc:
-        # fp16/bf16: the scores from fp32 operands. A half GEMM accumulates in fp32 but rounds each
-        # score to 8 (bf16) or 11 (fp16) bits: 2^-9 of a score of 10 moves its weight by 2%, and the
-        # LSE by as much (a differential fuzzer found LSE errors 700x sdpa's, whose CPU kernel keeps
-        # fp32 scores). The fp32 copy is of this chunk of keys, read from memory once either way.
-        qg, k = qg.to(acc), k.to(acc)
     scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
     if scores.shape[2] != G * Lq:  # zero rows padded for the GEMM's sake (_PADDED_ROWS)
         scores = scores[:, :, : G * Lq]
+    if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once
+        scores = scores.to(acc)
     if scale != 1.0:
         scores = scores.mul_(scale)
     if blocked is not None:  # masked_fill, not an additive -inf: a NaN score of a blocked key is replaced too
@@ -319,7 +328,7 @@ class _Plan:
         if (lo, hi) != (0, Lk):
             k, v = k[:, :, lo:hi], v[:, :, lo:hi]
         acc = softmax_dtype(q.dtype)
-        half = acc != q.dtype  # fp16/bf16: scores from fp32 copies (_scores), P V in the input dtype
+        half = acc != q.dtype  # fp16/bf16: matmuls in the input dtype, softmax in fp32
         # (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D): query head h = kv·G + g, rows ordered (g, i).
         qg = q.reshape(B, kv_heads, G * Lq, D)
         if not half:  # folded into the G·Lq query rows instead of the G·Lq·n scores
