@@ -382,15 +382,7 @@ def test_a_model_that_uses_its_mask_as_a_tensor_is_told_why_it_cannot_run():
         m[:, :, :2]
     assert not hasattr(m, "__deepcopy__") and m.ndim == 4 and m.contiguous() is m
     if hasattr(transformers, "DogeConfig"):
-        config = transformers.DogeConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
+        config = transformers.DogeConfig(**_common())
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="multihead").eval()
         with pytest.raises(AttributeError, match=r"multihead: this model reads its attention mask's"):
             model(input_ids=torch.randint(0, VOCAB, (1, 6)))
