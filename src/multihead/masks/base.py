@@ -219,8 +219,10 @@ class Mask(abc.ABC):
         line saying so when the picture is cut.
         """
         own_q, own_kv = self.extent()
-        q_len = (own_q or _PICTURE_SIZE) if q_len is None else q_len
-        kv_len = (own_kv or q_len) if kv_len is None else kv_len
+        if q_len is None:
+            q_len = _PICTURE_SIZE if own_q is None else own_q
+        if kv_len is None:
+            kv_len = q_len if own_kv is None else own_kv
         n_rows, n_cols = min(q_len, _PICTURE_ROWS), min(kv_len, _PICTURE_COLUMNS)
         bb, hh = torch.tensor(b).view(1, 1, 1, 1), torch.tensor(h).view(1, 1, 1, 1)
         q = torch.arange(n_rows).view(1, 1, -1, 1)
