@@ -741,6 +741,14 @@ $("neuron-query").addEventListener("change", (e) => {
 $("scroller").addEventListener("scroll", render, { passive: true });
 $("neuron-scroller").addEventListener("scroll", render, { passive: true });
 window.addEventListener("resize", render);
+// The scrollers' heights are in vh: a page inside a notebook's frame can get its viewport only after
+// its first frame was drawn (Chromium gives a sandboxed frame its size late), and the window's resize
+// event does not always follow. Redraw whenever either scroller's box changes size.
+if (window.ResizeObserver) {
+  const resized = new ResizeObserver(render);
+  resized.observe($("scroller"));
+  resized.observe($("neuron-scroller"));
+}
 $("source").addEventListener("change", (e) => setSource(Number(e.target.value)));
 $("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); render(); });
 $("heads-all").addEventListener("click", () => showHeads([...Array(src().heads).keys()], state.focus));
