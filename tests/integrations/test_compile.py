@@ -365,6 +365,19 @@ def test_every_score_modifier_case_on_every_compiling_backend(backend, name):
     _functional_case(backend, name, grad=grad)
 
 
+def test_top_left_causal_with_fewer_queries_than_keys_recompiles_at_most_once_with_dynamic_true():
+    """sdpa leaves out the keys no query sees (Lq < Lk, top-left): its note must not format the
+    symbolic lengths, which fixed Lk in the graph and recompiled at every length."""
+    step, counter = compiled(lambda q, k, v: mh.attention(q, k, v, mask=mh.causal("top_left")), dynamic=True)
+    first = None
+    for Lq, Lk in ((37, 53), (41, 60), (50, 77)):
+        q, k, v = qkv(Lq, Lk, Lq)
+        got = run(step, q, k, v)
+        first = counter.frame_count if first is None else first
+        check_relative(got, q, k, v, mh.causal("top_left"), None, "auto", True, f"Lq={Lq} Lk={Lk}")
+    assert counter.frame_count - first <= 1, f"{counter.frame_count - first} recompilations"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_every_mask_kind_recompiles_at_most_once_with_dynamic_true(kind):

@@ -132,7 +132,11 @@ class _Arguments:
                 # query, and the kernel's backward would compute 0 * key for them (a NaN there: NaN dq)
                 self.key_stop = Lq
                 k, v = k[:, :, :Lq], v[:, :, :Lq]
-                self.mask_note += f"; keys {Lq}..{Lk - 1}, seen by no query, left out"
+                self.mask_note += (
+                    "; the keys past the last query, seen by no query, left out"
+                    if _compiling()  # (formatting a symbolic size would fix it in the graph)
+                    else f"; keys {Lq}..{Lk - 1}, seen by no query, left out"
+                )
         elif offset is not None and offset >= Lk - 1:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
