@@ -100,6 +100,48 @@ def main(argv=None) -> list[dict]:
         f"that reads these weights can be more than {eager_ms / floor_ms:.2f}x faster than static eager"
     )
     write_csv("generate" + ("_quick" if args.quick else ""), rows)
+    write_csv(
+        "generate_slots" + ("_quick" if args.quick else ""), _slots_sweep(model, prompt, weight_bytes, args.quick)
+    )
+    return rows
+
+
+def _slots_sweep(model, prompt, weight_bytes, quick) -> list[dict]:
+    """A compiled step has fixed shapes, so it reads every slot of its static cache; an eager step
+    reads only the filled ones. One step's time with caches larger than the text, in one run: the
+    compiled step must stay at memory speed (weights + all K/V slots read once per token)."""
+    steps = 16 if quick else 48
+    E, layers = model.config.d_model, model.config.num_layers
+    step = torch.compile(model._step, fullgraph=True, dynamic=False)  # one graph per cache size
+
+    def per_token(fn, slots):
+        kv = model.new_cache("static", batch_size=1, max_len=slots)
+        last = model(prompt, kv)[:, -1]
+        t = time.perf_counter()
+        for _ in range(steps):
+            last = fn(last.argmax(-1).view(1, 1), kv)
+        return (time.perf_counter() - t) / steps
+
+    rows = []
+    with torch.no_grad():
+        for slots in (prompt.shape[1] + steps + 1, 2048, 8192):
+            per_token(step, slots)  # compiles for this size
+            eager, compiled = min(((per_token(model._step, slots), per_token(step, slots)) for _ in range(2)), key=sum)
+            kv_bytes = 2 * layers * slots * E * 4
+            rows.append(
+                {
+                    "slots": slots,
+                    "eager ms": eager * 1e3,
+                    "compiled ms": compiled * 1e3,
+                    "eager / compiled": eager / compiled,
+                    "compiled GB/s": (weight_bytes + kv_bytes) / compiled / 1e9,
+                }
+            )
+    print_table(
+        f"one step with a static cache of `slots` slots, {steps} tokens after the prompt; the compiled step "
+        f"reads all slots (its GB/s: weights + every slot's K/V); {machine_state()}",
+        rows,
+    )
     return rows
 
 

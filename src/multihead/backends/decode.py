@@ -66,6 +66,9 @@ AUTO_MAX_QUERIES = 8
 #: ... and from this much work, ``B·Hq·Lk·D`` elements of K read per query head: below it SDPA's
 #: one fused call costs less than the fold's ops (measured cold inside a Hugging Face model, one
 #: thread, ``Hq=8, Hkv=2, D=64``: the fold loses at 1088 keys, ties at 2048 = 2^20, wins from 4096).
+#: Eager calls only: under ``torch.compile`` the fold's ops fuse into a few Inductor kernels, and
+#: ``sdpa`` there zeroes the unseen slots of a static cache (two copies of K/V per step), so a
+#: compiled decode step takes this path at any size (one layer, 256 slots: 0.64 ms against 0.86 ms).
 AUTO_MIN_WORK = 1 << 20
 #: Score elements (``B·Hq·Lq`` rows x keys) per chunk of the split-K loop: 64 MiB of fp32. Chunks
 #: bound memory only: at one token the scores are ~2% of the K/V bytes, and each chunk adds a few
@@ -136,7 +139,7 @@ class DecodeBackend(Backend):
                 f"{named('Lq', Lq)} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
                 "(docs/performance.md, the decode path)"
             ]
-        if B * Hq * Lk * D < AUTO_MIN_WORK:
+        if B * Hq * Lk * D < AUTO_MIN_WORK and not torch.compiler.is_compiling():
             work = named("B·Hq·Lk·D", B * Hq * Lk * D)
             return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less than the fold's few ops"]
         offset = None if call.mask is None else call.mask.causal_offset(Lq, Lk)

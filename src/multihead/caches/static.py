@@ -136,9 +136,13 @@ class StaticKVCache(KVCache):
                     f"{name}.update: writing {new} tokens after the {longest} stored in the longest row "
                     f"would pass max_len={S}; hint: allocate a larger cache or crop it first"
                 )
-        slots = expected.view(B, 1, new, 1)  # (B, 1, new, 1): row b's tokens at slots lengths[b]..
-        self.keys.scatter_(2, slots.expand(B, Hkv, new, D), k)
-        self.values.scatter_(2, slots.expand(B, Hkv, new, self.values.shape[3]), v)
+        # Row b's tokens go to slots lengths[b].. as one index_put_ per tensor (not scatter_): under
+        # torch.compile, Inductor writes an index_put_ into the cache in place, while a scatter_ on a
+        # graph input became a copy of the whole cache, written back after the step (five passes
+        # over max_len slots per step; docs/inference.md, "Compiled decoding").
+        rows = torch.arange(B, device=self.keys.device).view(B, 1).expand(B, new)  # (B, new)
+        self.keys[rows, :, expected] = k.transpose(1, 2)  # (B, new, Hkv, D) at [b, :, slot]
+        self.values[rows, :, expected] = v.transpose(1, 2)
         self._undo = self.lengths.clone()
         self.lengths += new
         self._host = None if torch.compiler.is_compiling() or self._host is None else [n + new for n in self._host]
