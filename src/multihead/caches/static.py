@@ -3,8 +3,9 @@
 Slot ``j`` of row ``b`` holds the token at position ``j`` of that row's sequence; row ``b`` has
 ``lengths[b]`` tokens (a tensor on the cache's device, FlashAttention's ``cache_seqlens``). An
 update writes row ``b``'s new tokens at slots ``lengths[b], lengths[b] + 1, ...`` with one
-scatter and returns *all* ``max_len`` slots; the mask (:meth:`CacheRead.mask`) hides the slots a
-query may not see, so causal and window masks align to each row's own length::
+indexed write (``index_put_``, done in place under ``torch.compile``) and returns *all*
+``max_len`` slots; the mask (:meth:`CacheRead.mask`) hides the slots a query may not see, so
+causal and window masks align to each row's own length::
 
     lengths = [3, 1], one new token each (x = new, . = hidden)
     row 0:  k0 k1 k2 x  .  .      row 1:  k0 x  .  .  .  .
@@ -139,7 +140,7 @@ class StaticKVCache(KVCache):
         # Row b's tokens go to slots lengths[b].. as one index_put_ per tensor (not scatter_): under
         # torch.compile, Inductor writes an index_put_ into the cache in place, while a scatter_ on a
         # graph input became a copy of the whole cache, written back after the step (five passes
-        # over max_len slots per step; docs/inference.md, "Compiled decoding").
+        # over max_len slots per step; docs/inference.md, "Compiled decoding reads every slot").
         rows = torch.arange(B, device=self.keys.device).view(B, 1).expand(B, new)  # (B, new)
         self.keys[rows, :, expected] = k.transpose(1, 2)  # (B, new, Hkv, D) at [b, :, slot]
         self.values[rows, :, expected] = v.transpose(1, 2)
