@@ -79,6 +79,8 @@ def test_progress_is_printed_when_asked(capsys):
         (dict(cache="paged"), ValueError, r"cache must be 'static', 'dynamic' or 'sliding', got 'paged'"),
         (dict(cache="sliding"), ValueError, r"kind='sliding' needs a model with a sliding window"),
         (dict(prompt_lengths=torch.tensor([3, 4])), ValueError, r"prompt_lengths must be in \[1, 3\], got \[3, 4\]"),
+        (dict(compile=True, cache="dynamic"), ValueError, r"compile=True needs cache='static' .* cache='dynamic'"),
+        (dict(compile="yes"), ValueError, r"compile=True needs cache='static' .* got compile='yes'"),
         (
             dict(prompt_lengths=torch.tensor([3, 3]), cache="dynamic"),
             ValueError,
@@ -159,3 +161,24 @@ def test_an_inductor_compiled_step_writes_the_static_cache_in_place(backend):
     assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [8, 5]
     torch.testing.assert_close(caches[0].keys, caches[1].keys, rtol=0, atol=0)
     torch.testing.assert_close(caches[0].values, caches[1].values, rtol=0, atol=0)
+
+
+def test_compiled_generate_serves_more_shapes_than_dynamos_recompile_limit(monkeypatch):
+    """One compiled step per cache shape, each from its own copy of the step's code: a shared one
+    failed outright (fullgraph=True) at the ninth shape a process decoded. The static cache's
+    slots come in powers of two, so prompts of 1 to 13 tokens (+ 3 new) make 3 shapes, and nine
+    batch sizes nine more; every run gives the eager tokens. (Dynamo's own "eager" backend: the
+    limit is Dynamo's, and twelve Inductor compilations would take a minute.)"""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
+    model = _model()
+    g = torch.Generator().manual_seed(9)
+    runs = [(1, P) for P in range(1, 14, 3)] + [(B, 2) for B in range(1, 10)]
+    for B, P in runs:
+        prompt = torch.randint(V, (B, P), generator=g)
+        assert torch.equal(model.generate(prompt, 3, compile=True), model.generate(prompt, 3)), (B, P)
+    from multihead.models.decoder import _COMPILED_STEPS
+
+    assert sorted(shape[1][0:3:2] for shape in _COMPILED_STEPS[model]) == sorted(
+        [(1, 4), (1, 8), (1, 16)] + [(B, 8) for B in range(2, 10)]
+    )

@@ -139,7 +139,7 @@ class DecodeBackend(Backend):
                 f"{named('Lq', Lq)} > {AUTO_MAX_QUERIES}: prefill-shaped, the fused kernels are faster here "
                 "(docs/performance.md, the decode path)"
             ]
-        if B * Hq * Lk * D < AUTO_MIN_WORK and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and B * Hq * Lk * D < AUTO_MIN_WORK:
             work = named("B·Hq·Lk·D", B * Hq * Lk * D)
             return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less than the fold's few ops"]
         offset = None if call.mask is None else call.mask.causal_offset(Lq, Lk)

@@ -23,7 +23,9 @@ mask::
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+import types
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -218,15 +220,21 @@ class CausalDecoder(nn.Module):
             cache: ``"static"``, ``"dynamic"`` or ``"sliding"`` (:meth:`new_cache`).
             prompt_lengths: ``(B,)`` real lengths of right-padded prompts (static cache): each row
                 continues after its own last real token.
-            compile: run the one-token step under ``torch.compile(fullgraph=True)`` (static cache:
-                fixed shapes, compiled once).
+            compile: run the one-token step under ``torch.compile(fullgraph=True)`` (static cache
+                only: fixed shapes, no recompilation between steps). The cache then has a power of
+                two of slots (at most the model's ``max_len``), and each cache shape is compiled
+                once per model and kept: prompts of different lengths share a few graphs.
             generator: for sampling.
             progress: print a progress line to stderr; default: for runs of 256 tokens or more on
                 a terminal.
         """
-        _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, prompt_lengths, self.config)
+        _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, prompt_lengths, compile, self.config)
         B, P = prompt_ids.shape
         total = P + max_new_tokens
+        if compile and cache == "static":
+            # A compiled step has the cache's shape in its graph: slots in powers of two (at most
+            # twice the text, each read every step) keep the graphs few across prompt lengths.
+            total = min(self.config.max_len, 1 << (total - 1).bit_length())
         kv = self.new_cache(cache, batch_size=B, max_len=total) if cache != "dynamic" else self.new_cache(cache)
         logits = self(prompt_ids, kv)  # (B, P, V)
         if prompt_lengths is not None:
@@ -235,7 +243,7 @@ class CausalDecoder(nn.Module):
             last = logits[torch.arange(B, device=logits.device), lengths - 1]  # (B, V)
         else:
             last = logits[:, -1]
-        step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        step = self._compiled_step(kv, prompt_ids) if compile else self._step
         show = progress if progress is not None else (max_new_tokens >= 256 and sys.stderr.isatty())
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=prompt_ids.device)
         for t in range(max_new_tokens):
@@ -253,10 +261,35 @@ class CausalDecoder(nn.Module):
         """One decode step: ``token (B, 1)`` -> next-token logits ``(B, V)``."""
         return self(token, cache)[:, -1]
 
+    def _compiled_step(self, cache: DecoderCache, ids: Tensor) -> Callable[[Tensor, DecoderCache], Tensor]:
+        """The step under ``torch.compile(fullgraph=True, dynamic=False)``, one per cache shape,
+        kept for this model. Each is compiled from its own copy of :meth:`_step`'s code: Dynamo
+        keeps its graphs per code object and, with ``fullgraph=True``, fails outright past its
+        recompile limit (8), so one shared code object broke the ninth shape a process decoded
+        (a batch size, a prompt length). A copy per shape compiles once and is never guarded
+        against the others."""
+        first = cache.layers[0]
+        kind = type(first).__name__
+        shape = tuple(first.keys.shape) if isinstance(first, StaticKVCache) else None
+        key = (kind, shape, ids.device, self.tok_emb.weight.dtype, self.tok_emb.weight.device)
+        steps = _COMPILED_STEPS.setdefault(self, {})
+        if key not in steps:
+            fn = CausalDecoder._step
+            code = fn.__code__.replace()  # a new code object: its own Dynamo cache
+            copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+            steps[key] = torch.compile(types.MethodType(copy, self), fullgraph=True, dynamic=False)
+        return steps[key]
+
     def loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Cross-entropy over the scored targets (``-100`` elsewhere)."""
         logits = self(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+#: Each model's compiled decode steps, by cache shape (CausalDecoder._compiled_step); weak, so a
+#: model's graphs go with it, and not an attribute, so that copying or pickling a model does not
+#: meet them.
+_COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _pick(logits: Tensor, temperature: float, top_k: int | None, generator) -> Tensor:
@@ -270,7 +303,7 @@ def _pick(logits: Tensor, temperature: float, top_k: int | None, generator) -> T
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).view(-1)
 
 
-def _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, prompt_lengths, config) -> None:
+def _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, prompt_lengths, compile, config) -> None:
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.is_floating_point():
         got = (
             f"dtype {prompt_ids.dtype}, shape {tuple(prompt_ids.shape)}"
@@ -295,6 +328,11 @@ def _check_generate(prompt_ids, max_new_tokens, temperature, top_k, cache, promp
         raise ValueError(f"generate: top_k must be None or a positive int, got {top_k!r}")
     if cache not in ("static", "dynamic", "sliding"):
         raise ValueError(f"generate: cache must be 'static', 'dynamic' or 'sliding', got {cache!r}")
+    if compile is not False and (compile is not True or cache != "static"):
+        raise ValueError(
+            f"generate: compile=True needs cache='static' (a compiled step keeps one shape; a {cache!r} "
+            f"cache changes shape as it fills, a recompilation per step), got compile={compile!r}, cache={cache!r}"
+        )
     if prompt_lengths is not None:
         if cache != "static":
             raise ValueError(
