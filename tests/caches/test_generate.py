@@ -179,6 +179,6 @@ def test_compiled_generate_serves_more_shapes_than_dynamos_recompile_limit(monke
         assert torch.equal(model.generate(prompt, 3, compile=True), model.generate(prompt, 3)), (B, P)
     from multihead.models.decoder import _COMPILED_STEPS
 
-    assert sorted(shape[1][0:3:2] for shape in _COMPILED_STEPS[model]) == sorted(
+    assert sorted(key[0][0:3:2] for key in _COMPILED_STEPS[model]) == sorted(
         [(1, 4), (1, 8), (1, 16)] + [(B, 8) for B in range(2, 10)]
     )

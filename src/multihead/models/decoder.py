@@ -269,9 +269,8 @@ class CausalDecoder(nn.Module):
         (a batch size, a prompt length). A copy per shape compiles once and is never guarded
         against the others."""
         first = cache.layers[0]
-        kind = type(first).__name__
-        shape = tuple(first.keys.shape) if isinstance(first, StaticKVCache) else None
-        key = (kind, shape, ids.device, self.tok_emb.weight.dtype, self.tok_emb.weight.device)
+        assert isinstance(first, StaticKVCache)  # generate compiles only a static cache's step
+        key = (tuple(first.keys.shape), first.keys.dtype, first.keys.device, ids.device)
         steps = _COMPILED_STEPS.setdefault(self, {})
         if key not in steps:
             fn = CausalDecoder._step
