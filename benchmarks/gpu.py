@@ -601,12 +601,14 @@ def layer_config(run: Run, B: int, L: int, E: int, H: int, label: str, dtype) ->
         fused.qkv.weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
         fused.qkv.bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
         fused.out.load_state_dict(ours.out_proj.state_dict())
-    mods = {"multihead": ours, "fused_sdpa": fused, "nn_mha": torch_mha}
+    mods = {"multihead": ours, "multihead_compiled": ours, "fused_sdpa": fused, "nn_mha": torch_mha}
     for m in mods.values():
         m.to(device=run.device, dtype=dtype)
     blocked = torch.ones(L, L, dtype=torch.bool, device=run.device).triu(1)  # PyTorch's polarity: True = blocked
+    compiled = torch.compile(ours)  # the same module: its Python path traced away
     calls = {
         "multihead": lambda x: ours(x),
+        "multihead_compiled": lambda x: compiled(x),
         "fused_sdpa": lambda x: fused(x),
         "nn_mha": lambda x: torch_mha(x, x, x, attn_mask=blocked, is_causal=True, need_weights=False)[0],
     }
@@ -648,6 +650,8 @@ def layer_config(run: Run, B: int, L: int, E: int, H: int, label: str, dtype) ->
             row[f"{name}_tok/s"] = None if ms is None else B * L / (ms * 1e-3)
         m_ms, f_ms = row["multihead_ms"], row["fused_sdpa_ms"]
         row["multihead/fused_sdpa"] = m_ms / f_ms if m_ms and f_ms else None
+        c_ms = row["multihead_compiled_ms"]
+        row["multihead_compiled/fused_sdpa"] = c_ms / f_ms if c_ms and f_ms else None
         shown = {n: row[f"{n}_ms"] for n in calls}
         print(
             f"    {p}: " + ", ".join(f"{n} {'n/a' if t is None else f'{t:.3f} ms'}" for n, t in shown.items()),

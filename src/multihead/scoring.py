@@ -111,10 +111,14 @@ def additive_block(
     the additive modifiers' bias, ``-inf`` where blocked; the bool ``visible`` block; and a per-row
     ``shift`` (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.
 
-    The bias is built in the softmax dtype (fp32, fp64 for fp64). An fp16/bf16 kernel gets it minus
-    its largest visible value per row (``shift``): a bias of -1e5 would be -inf in fp16, and in bf16
-    -1e5 + x loses x to rounding, where the softmax, which is shift-invariant, only needs the
-    differences. The kernel's LSE is then ``shift`` too small.
+    The bias is built in the softmax dtype (fp32, fp64 for fp64). A kernel in any dtype but fp64
+    gets it minus its largest visible value per row (``shift``): the softmax, which is
+    shift-invariant, only needs the differences, and a large common part costs them precision. A
+    bias of -1e5 would be -inf in fp16, and in bf16 -1e5 + x loses x to rounding. In fp32 a row
+    whose visible keys all sit at -256 (ALiBi far from its keys) holds its scores to ulp(256) =
+    3e-5; a fused backward that recomputes them then disagrees with its forward's LSE by that much,
+    and a row that sees one key gets a weight of 1 ± 3e-5 (measured on CUDA's efficient kernel:
+    dV 20 ulps off). The kernel's LSE is then ``shift`` too small.
     """
     bias = None
     if score_mod is not None:
@@ -128,7 +132,7 @@ def additive_block(
     if visible is None:
         visible = torch.ones((1, 1, q1 - q0, k1 - k0), dtype=torch.bool, device=device)
     shift = None
-    if bias is not None and dtype in (torch.float16, torch.bfloat16):
+    if bias is not None and dtype != torch.float64:
         peak = torch.where(visible, bias, float("-inf")).amax(dim=-1).detach()  # (B|1, H|1, rows)
         shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         bias = bias - shift.unsqueeze(-1)

@@ -8,7 +8,7 @@ import torch
 from matrix import backend_params, factor, serve_or_skip
 
 import multihead as mh
-from helpers import assert_relative, naive_attention
+from helpers import DEVICES, assert_relative, naive_attention
 
 BACKENDS = backend_params()
 # (B, Hq, Hkv, Lq, Lk, D): GQA, Lq != Lk both ways, lengths across blocksparse's 256 block.
@@ -112,6 +112,39 @@ def test_a_bias_gradient_is_zero_where_the_mask_blocks(backend, device):
     blocked = ~mh.sliding_window(2).materialize(1, 1, Lq, Lk).expand_as(grad)
     assert torch.equal(grad[blocked], torch.zeros_like(grad[blocked]))
     assert bool((grad[~blocked] != 0).any())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_large_common_part_of_a_rows_bias_costs_no_precision_in_fp32(device):
+    """Softmax needs only a row's differences. A bias whose rows sit at -3000 (ALiBi far from its
+    keys) holds fp32 scores to ulp(3000) = 2.4e-4 if it is added as it is; sdpa's fused kernel
+    gets it shifted to 0 at each row's largest visible entry, and the LSE back. (On CUDA, without
+    the shift, the efficient kernel's backward recomputed such scores 20 ulps off its forward.)
+    The blockwise paths (blocksparse, reference in fp32) keep a row's LSE in fp32 itself, so they
+    hold it to ulp(|LSE|): not asked of them here."""
+    backend = "sdpa"
+    B, Hq, Lq, Lk, D = 2, 4, 17, 40, 16
+    q, k, v = (t.to(device) for t in _inputs((B, Hq, Hq, Lq, Lk, D), torch.float32, seed=5))
+    gen = torch.Generator().manual_seed(6)
+    small = torch.randn(B, Hq, Lq, Lk, generator=gen, dtype=torch.float64)
+    offset = -3000.0 - 100.0 * torch.arange(Lq, dtype=torch.float64).view(1, 1, Lq, 1)  # per row
+    bias64 = small + offset
+    mask = mh.key_padding(torch.tensor([Lk, 1]))  # batch element 1: each row sees one key
+    mod = mh.scores.bias(bias64.float().to(device))
+    serve_or_skip(backend, q, k, v, mask=mask, score_mod=mod, return_lse=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = mh.attention(*leaves, mask=mask, score_mod=mod, backend=backend, return_lse=True)
+    grads = torch.autograd.grad(got.output, leaves, torch.ones_like(got.output))
+    # The oracle sees the same fp32-rounded bias: only the kernel's arithmetic is under test.
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref = mh.attention(
+        *ref_leaves, mask=mask, score_mod=mh.scores.bias(bias64.float().double()), backend="reference", return_lse=True
+    )
+    ref_grads = torch.autograd.grad(ref.output, ref_leaves, torch.ones_like(ref.output))
+    torch.testing.assert_close(got.output.cpu().double(), ref.output, rtol=0, atol=2e-6)
+    torch.testing.assert_close(got.lse.cpu().double(), ref.lse, rtol=1e-7, atol=0)  # |lse| ~ 3000-4600
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.cpu().double(), r, rtol=0, atol=2e-5, msg=lambda m: f"grad {name}: {m}")
 
 
 def test_blocksparse_runs_a_bias_per_piece_never_an_lq_by_lk_tensor():

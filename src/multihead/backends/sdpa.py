@@ -291,7 +291,7 @@ _MASK_CACHE_ELEMENTS = 1 << 20
 def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
     """``(attn_mask, empty_rows | None, unseen_keys | None, lse_shift | None, note)`` for a mask that
     must be materialized: the dense mask with fully masked rows opened, the rows to zero after the
-    call, the keys to zero before it, and what the kernel's LSE lacks (fp16 biases, additive_block)."""
+    call, the keys to zero before it, and what the kernel's LSE lacks (a shifted bias, additive_block)."""
     cacheable = (
         not _compiling() and mods is None and "tensor" not in mask.kinds() and B * Hq * Lq * Lk <= _MASK_CACHE_ELEMENTS
     )
