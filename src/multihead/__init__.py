@@ -41,7 +41,7 @@ from multihead.layers import (
 )
 from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
 from multihead.merge import merge_partials
-from multihead.nonfinite import set_nonfinite_check
+from multihead.nonfinite import set_nonfinite_check, skip_nonfinite_check
 from multihead.reference import reference_attention
 
 # The nn.MultiheadAttention drop-in lives with the layers; `import multihead.compat` keeps working.
@@ -70,6 +70,7 @@ __all__ = [
     "AttentionResult",
     "merge_partials",
     "set_nonfinite_check",
+    "skip_nonfinite_check",
     "cascade_attention",
     "scores",
     "masks",

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -44,7 +45,7 @@ from torch import Tensor
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import repeat_kv
 
-__all__ = ["apply_policy", "all_finite", "finite_check", "set_nonfinite_check"]
+__all__ = ["apply_policy", "all_finite", "finite_check", "set_nonfinite_check", "skip_nonfinite_check"]
 
 # Rows x keys evaluated at a time when the policy looks for rows that see a bad key.
 _CHUNK_ELEMENTS = 1 << 22
@@ -52,6 +53,8 @@ _CHUNK_ELEMENTS = 1 << 22
 _CHECKED: set[str] = {"cpu"}
 #: From this many query rows per KV head (``Lq · Hq / Hkv``) the check also reads the keys.
 KEYS_CHECKED_FROM = 64
+# True inside ``skip_nonfinite_check()`` (per thread and per asyncio task, as a ContextVar is).
+_SKIPPED: ContextVar[bool] = ContextVar("multihead_nonfinite_skipped", default=False)
 
 
 def set_nonfinite_check(device_type: str, enabled: bool) -> bool:
@@ -69,6 +72,28 @@ def set_nonfinite_check(device_type: str, enabled: bool) -> bool:
     return previous
 
 
+class skip_nonfinite_check:
+    """A ``with`` block in which calls are not checked, on any device: each gives what its kernel
+    gives for non-finite inputs, as PyTorch's SDPA does (the rules of this module's docstring do
+    not hold there). It saves the check's reduction and host read per call: about 1% of a
+    Hugging Face decoding step on CPU, where ``multihead.integrations.hf`` uses it, since
+    ``transformers``' own implementations follow no such rules (docs/integrations.md). Local to
+    the thread (and asyncio task) that enters it; blocks nest."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _SKIPPED.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _SKIPPED.reset(self._token)
+
+
+def _checked(device_type: str) -> bool:
+    """Whether a call on ``device_type`` is checked here and now."""
+    return device_type in _CHECKED and not _SKIPPED.get()
+
+
 def apply_policy(
     call: AttentionCall,
     result: AttentionResult,
@@ -82,7 +107,7 @@ def apply_policy(
     the keys whatever the call's size (a backend that merges pieces of keys, ``keys_in_pieces``)."""
     if (
         torch.compiler.is_compiling()
-        or call.q.device.type not in _CHECKED
+        or not _checked(call.q.device.type)
         or all_finite(call.q, call.k, result.output, keys=keys)
     ):
         return result, None
@@ -135,7 +160,7 @@ def finite_check(
 
 
 def _one_reduction(q: Tensor, k: Tensor, output: Tensor) -> bool:
-    if q.device.type not in _CHECKED:
+    if not _checked(q.device.type):
         return True
     if q.is_contiguous() and output.is_contiguous():
         return math.isfinite(torch.dot(q.view(-1), output.view(-1)).item())
@@ -143,7 +168,7 @@ def _one_reduction(q: Tensor, k: Tensor, output: Tensor) -> bool:
 
 
 def _two_sums(q: Tensor, k: Tensor, output: Tensor) -> bool:
-    if q.device.type not in _CHECKED:
+    if not _checked(q.device.type):
         return True
     return math.isfinite(q.sum(dtype=torch.float32).item()) and math.isfinite(output.sum(dtype=torch.float32).item())
 
@@ -157,7 +182,7 @@ def _two_sums_and_keys(q: Tensor, k: Tensor, output: Tensor) -> bool:
 
 
 def _keys_finite(k: Tensor) -> bool:
-    if k.device.type not in _CHECKED:
+    if not _checked(k.device.type):
         return True
     total = k.sum(dtype=torch.float32) if k.element_size() < 4 else k.sum()
     return math.isfinite(total.item())

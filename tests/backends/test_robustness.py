@@ -5,6 +5,7 @@ compared with the fp64 reference."""
 import pytest
 import torch
 from matrix import backend_params, serve_or_skip
+from torch import Tensor
 
 import multihead as mh
 
@@ -269,3 +270,36 @@ def test_the_non_finite_check_is_per_device_type_and_restorable():
     with pytest.raises(TypeError, match="device_type"):
         mh.set_nonfinite_check(None, True)
     assert torch.isnan(mh.attention(q, k, v, backend="sdpa")[0, 0, 3]).all()
+
+
+def test_skip_nonfinite_check_is_a_block_local_to_its_thread_and_restored_on_error():
+    """Inside ``skip_nonfinite_check()`` a call gives exactly what SDPA gives (its flash kernel: 0
+    for a NaN query row), first call and stored plan alike; outside it, and in another thread
+    while the block is open, the policy holds; an exception leaves the block closed."""
+    import threading
+
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 2, 8, 16)
+    q[0, 0, 3] = float("nan")
+    k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    raw = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = mh.causal()
+    other_thread: list[Tensor] = []
+    with mh.skip_nonfinite_check():
+        for _ in range(3):  # the first call takes the whole path; the later ones a stored plan
+            got = mh.attention(q, k, v, mask=mask, backend="sdpa")
+            torch.testing.assert_close(got, raw, rtol=0, atol=0, equal_nan=True)
+        assert not torch.isnan(got[0, 0, 3]).all()
+        worker = threading.Thread(target=lambda: other_thread.append(mh.attention(q, k, v, mask=mask, backend="sdpa")))
+        worker.start()
+        worker.join()
+        with mh.skip_nonfinite_check():  # blocks nest
+            pass
+        assert not torch.isnan(mh.attention(q, k, v, mask=mask, backend="sdpa")[0, 0, 3]).all()
+    assert torch.isnan(other_thread[0][0, 0, 3]).all(), "another thread keeps the policy"
+    with pytest.raises(RuntimeError, match="inside"):
+        with mh.skip_nonfinite_check():
+            raise RuntimeError("inside")
+    checked = mh.attention(q, k, v, mask=mask, backend="sdpa")
+    assert torch.isnan(checked[0, 0, 3]).all() and torch.isfinite(checked[0, 1]).all()

@@ -414,7 +414,10 @@ def test_generate_static_cache(arch, monkeypatch):
         spy = Spy(monkeypatch)
         got = m32.generate(**kwargs)
     assert torch.equal(got, expected)
-    assert all(isinstance(c["mask"], masks.Mask) for c in spy.calls)
+    # A mask object in every call, but for a decoding step whose keys are all visible (a sliding
+    # layer's cache of the window's size, past the padding): no mask, as HF's sdpa skips its own.
+    assert all(isinstance(c["mask"], masks.Mask) or (c["mask"] is None and c["q_shape"][2] == 1) for c in spy.calls)
+    assert all(isinstance(c["mask"], masks.Mask) for c in spy.calls if c["q_shape"][2] > 1)
 
 
 @pytest.mark.parametrize("arch", DECODERS + ENCODERS)
@@ -658,6 +661,25 @@ def test_mask_function_equals_hf(name, frame, padding):
         assert "tensor" not in got.kinds(), f"{name}: read densely: {got!r}"
 
 
+def test_a_decoding_step_that_sees_every_key_gets_no_mask():
+    """HF's causal mask of a decoding step (one query after its cache) blocks nothing: no mask
+    object, as transformers' sdpa skips its own (the call then needs no mask at all). A window
+    shorter than the cache, a static cache's unfilled slots, or padding still give one."""
+    from transformers import masking_utils as mu
+
+    def read(fn, Lq, Lk, q_offset, am=None):
+        return from_mask_function(fn, batch_size=2, q_length=Lq, kv_length=Lk, q_offset=q_offset, attention_mask=am)
+
+    assert read(mu.causal_mask_function, 1, 1025, 1024) is None
+    assert read(mu.causal_mask_function, 2, 1026, 1024) is not None  # two new tokens: the first not the last
+    assert read(mu.sliding_window_causal_mask_function(4096), 1, 1025, 1024) is None
+    assert read(mu.sliding_window_causal_mask_function(512), 1, 1025, 1024) is not None
+    assert read(mu.causal_mask_function, 1, 2048, 1024) is not None  # a static cache: slots after the token
+    padded = torch.ones(2, 1025, dtype=torch.bool)
+    padded[1, :3] = False
+    assert read(mu.causal_mask_function, 1, 1025, 1024, padded) is not None
+
+
 def test_the_docs_usage_runs():
     import re
     from pathlib import Path
@@ -684,3 +706,38 @@ def test_register_refuses_a_transformers_outside_the_tested_range(monkeypatch):
     with pytest.raises(ImportError, match=r"transformers>=5.23,<6.*found 5\.17\.0"):
         mh_hf.register("multihead-too-old")
     assert "multihead-too-old" not in AttentionInterface._global_mapping
+
+
+def test_inside_a_model_the_nonfinite_check_is_skipped_unless_registered_with_it(monkeypatch):
+    """``register()`` runs the model's calls in ``skip_nonfinite_check`` (a model then gives what
+    transformers' sdpa gives for NaN inputs, without the check's cost per call);
+    ``register(nonfinite_check=True)`` keeps `multihead`'s rules. Either gives the same logits on
+    finite inputs. A flag that is not a bool is refused by name and registers nothing."""
+    from transformers import AttentionInterface
+
+    import multihead.nonfinite as nonfinite
+
+    checked_name = mh_hf.register("multihead-checked", nonfinite_check=True)
+    seen: list[bool] = []
+    attention = multihead.attention
+
+    def spy(*args, **kwargs):
+        seen.append(nonfinite._SKIPPED.get())
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(multihead, "attention", spy)
+    model, _ = model_pair("llama")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    try:
+        skipped = out_of(run(model, "multihead", input_ids=ids))
+        n = len(seen)
+        checked = out_of(run(model, checked_name, input_ids=ids))
+    finally:
+        mh_hf.unregister(checked_name)
+    assert n == model.config.num_hidden_layers and seen[:n] == [True] * n
+    assert seen[n:] == [False] * n
+    torch.testing.assert_close(skipped, checked, rtol=0, atol=0)
+    assert not nonfinite._SKIPPED.get()
+    with pytest.raises(TypeError, match=r"register: nonfinite_check must be a bool, got str 'no'"):
+        mh_hf.register("multihead-bad-flag", nonfinite_check="no")
+    assert "multihead-bad-flag" not in AttentionInterface._global_mapping

@@ -44,6 +44,7 @@ read only when none does. Continuous batching's paged cache (``cache=``) is refu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -55,27 +56,36 @@ from multihead import scores
 from multihead.backends.registry import check_backend_name
 from multihead.call import AttentionResult
 from multihead.integrations.hf_masks import MaskFunction, from_dense, from_mask_function
+from multihead.layers.checks import check_flag
 from multihead.masks import Mask, causal
 from multihead.masks import sliding_window as sliding_window_mask
+from multihead.nonfinite import skip_nonfinite_check
 
 __all__ = ["NAME", "HFMask", "attention_forward", "mask_interface", "register", "unregister"]
 
 NAME = "multihead"
 
 
-def register(name: str = NAME, *, backend: str = "auto") -> str:
+def register(name: str = NAME, *, backend: str = "auto", nonfinite_check: bool = False) -> str:
     """Register ``name`` with ``transformers``' attention interface and its mask interface.
 
     ``backend`` is passed to every :func:`multihead.attention` call (``"auto"``, or a backend
-    name such as ``"sdpa"`` or ``"reference"``). Registering again replaces the functions.
-    Returns ``name``, for ``attn_implementation=register()``.
+    name such as ``"sdpa"`` or ``"reference"``). ``nonfinite_check``: apply `multihead`'s rules
+    for NaN and infinite inputs (``docs/conventions.md``) inside the model too. Off by default:
+    a model then gives what ``transformers``' ``sdpa`` gives there (the same PyTorch kernels, no
+    such rules), without the check's reduction and host read per call (about 1% of a decoding
+    step on CPU, ``docs/integrations.md``). Registering again replaces the functions. Returns
+    ``name``, for ``attn_implementation=register()``.
     """
     _check_transformers_version()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     check_backend_name(backend)
-    AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
+    check_flag("register", "nonfinite_check", nonfinite_check)
+    AttentionInterface.register(
+        name, functools.partial(attention_forward, backend=backend, nonfinite_check=nonfinite_check)
+    )
     AttentionMaskInterface.register(name, mask_interface)
     return name
 
@@ -161,10 +171,14 @@ def mask_interface(
     needed: the mask object is never materialised."""
     if isinstance(attention_mask, HFMask):  # built ahead by generate() (static cache): already this call's
         return attention_mask
+    shape = (int(batch_size), 1, int(q_length), int(kv_length))
+    causal_function = _causal_mask_function()
     if mask_function is None:  # HF's default
-        from transformers.masking_utils import causal_mask_function
-
-        mask_function = causal_mask_function
+        mask_function = causal_function
+    if mask_function is causal_function and attention_mask is None and int(kv_offset) + shape[3] <= int(q_offset) + 1:
+        # A decoding step's causal row sees every key: no mask, found before reading the function
+        # (what transformers' sdpa_mask skips too; 8 us a step, warm, went into reading it).
+        return HFMask(None, shape)
     mask = from_mask_function(
         mask_function,
         batch_size=batch_size,
@@ -176,7 +190,15 @@ def mask_interface(
         use_vmap=use_vmap,
         device=device,
     )
-    return HFMask(mask, (int(batch_size), 1, int(q_length), int(kv_length)))
+    return HFMask(mask, shape)
+
+
+@functools.cache
+def _causal_mask_function() -> MaskFunction:
+    """``transformers.masking_utils.causal_mask_function`` (imported once)."""
+    from transformers.masking_utils import causal_mask_function
+
+    return causal_mask_function
 
 
 def attention_forward(
@@ -192,6 +214,7 @@ def attention_forward(
     s_aux: Tensor | None = None,
     *,
     backend: str = "auto",
+    nonfinite_check: bool = True,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """The attention function of the ``AttentionInterface``.
@@ -203,6 +226,9 @@ def attention_forward(
         attention_mask: the mask object of :func:`mask_interface`, a dense 4-D mask
             ``(B|1, 1, Lq, >= Lk)`` (bool or additive), or ``None``.
         scaling, dropout, sliding_window, softcap, s_aux: as HF passes them (module docstring).
+        backend: the :func:`multihead.attention` backend.
+        nonfinite_check: ``False`` runs the call in :class:`multihead.skip_nonfinite_check`
+            (what :func:`register` sets by default).
 
     Returns:
         ``(output (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``.
@@ -237,32 +263,43 @@ def attention_forward(
             f"'multihead' after multihead.integrations.hf.register(), so that its masks are mask objects"
         )
     want_weights = _weights_wanted(module, kwargs)
-    result = multihead.attention(
-        query,
-        key,
-        value,
-        mask=mask,
-        score_mod=score_mod or None,
-        softcap=softcap,
-        sinks=s_aux,
-        scale=scaling,
-        dropout_p=float(dropout),
-        return_weights=want_weights,
-        backend=backend,
-    )
+    # (compiled code is not checked anyway; a nullcontext traces away)
+    unchecked = _AS_SET if nonfinite_check or torch.compiler.is_compiling() else skip_nonfinite_check()
+    with unchecked:
+        result = multihead.attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            score_mod=score_mod or None,
+            softcap=softcap,
+            sinks=s_aux,
+            scale=scaling,
+            dropout_p=float(dropout),
+            return_weights=want_weights,
+            backend=backend,
+        )
     output, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
     return output.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv), as HF's attention functions return
 
 
+_AS_SET = contextlib.nullcontext()  # a call checked as multihead.set_nonfinite_check says
+
+
 def _weights_wanted(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
-    """Whether the model will keep this call's weights: ``output_attentions`` passed down, the
-    model's config, or ``transformers``' output collector asking for attentions (models such as
-    GPT-2 and OPT do not pass ``output_attentions`` to the attention function: the collector that
-    records the weights is how ``model(..., output_attentions=True)`` reaches it)."""
-    if kwargs.get("output_attentions", False) or getattr(getattr(module, "config", None), "output_attentions", False):
+    """Whether the model will keep this call's weights: ``output_attentions`` passed down, or
+    ``transformers``' output collector asking for attentions (models such as GPT-2 and OPT do not
+    pass ``output_attentions`` to the attention function: the collector that records the weights
+    is how ``model(..., output_attentions=True)`` reaches it), or, where no collector runs, the
+    module's config."""
+    if kwargs.get("output_attentions", False):
         return True
     wanted = _collector()
-    return wanted is not None and ("attentions" in wanted or "cross_attentions" in wanted)
+    if wanted is not None:  # the running forward's collector: it read the config's defaults itself
+        return "attentions" in wanted or "cross_attentions" in wanted
+    # (A config's attribute costs about 5 us per read through transformers' config class: 20 us a
+    # decoding step of four layers, read only for models that set no collector.)
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False))
 
 
 def _collector() -> dict[str, Any] | None:

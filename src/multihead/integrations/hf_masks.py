@@ -224,7 +224,8 @@ def _and(parts: list[_Part], frame: _Frame) -> _Part:
         band = _BandSpec(min(left) if left else None, min(right) if right else None)
         if not masks:
             return band
-        masks.insert(0, _band(band, frame))
+        if not _blocks_nothing(band, frame):
+            masks.insert(0, _band(band, frame))
     return _combine(masks, "&") if masks else FULL
 
 
@@ -239,7 +240,7 @@ def _or(parts: list[_Part], frame: _Frame) -> _Part:
             None if None in lefts else max(x for x in lefts if x is not None),
             None if None in rights else max(x for x in rights if x is not None),
         )
-        if band.left is None and band.right is None:
+        if (band.left is None and band.right is None) or _blocks_nothing(band, frame):
             return FULL
         if not masks:
             return band
@@ -255,9 +256,19 @@ def _combine(masks: list[Mask], op: str) -> Mask:
 
 
 def _finish(part: _Part, frame: _Frame) -> Mask | None:
-    if isinstance(part, _Full):
+    if isinstance(part, _Full) or (isinstance(part, _BandSpec) and _blocks_nothing(part, frame)):
         return None
     return _band(part, frame) if isinstance(part, _BandSpec) else part
+
+
+def _blocks_nothing(spec: _BandSpec, frame: _Frame) -> bool:
+    """Whether every query of the call sees every key through the band ``spec``, as a decoding
+    step's causal row does: then no mask at all (what ``transformers``' ``sdpa`` skips too)."""
+    first_q, last_q = frame.q_offset, frame.q_offset + frame.q_len - 1
+    first_k, last_k = frame.kv_offset, frame.kv_offset + frame.kv_len - 1
+    return (spec.right is None or last_k <= first_q + spec.right) and (
+        spec.left is None or first_k >= last_q - spec.left
+    )
 
 
 def _band(spec: _BandSpec, frame: _Frame) -> Mask:
