@@ -160,7 +160,7 @@ def finite_check(
 
 
 def _one_reduction(q: Tensor, k: Tensor, output: Tensor) -> bool:
-    if not _checked(q.device.type):
+    if _SKIPPED.get() or q.device.type not in _CHECKED:  # (_checked, inlined: a plan's every call)
         return True
     if q.is_contiguous() and output.is_contiguous():
         return math.isfinite(torch.dot(q.view(-1), output.view(-1)).item())

@@ -93,7 +93,10 @@ def find(
     except RuntimeError:  # nested tensors have no sizes: validation says what is wrong
         return None, None, None
     if one_query:
-        growing = _growing_key(q, k, v, mask, scale, backend)
+        try:
+            growing = _growing_tuple(q, k, v, mask, scale, backend)
+        except RuntimeError:  # (as _growing_key; inlined on the decoding path)
+            return None, None, None
         plan = None if growing is None else _PLANS.get(growing)
         if plan is not None:
             return plan, None, growing
@@ -168,17 +171,19 @@ def _growing_key(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, b
 
 
 def _growing_tuple(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    # (Each size read once: on a decoding step, with the caches cold, every attribute of a tensor
+    # read from Python costs microseconds.)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return None  # validation names what is wrong
-    if mask is not None and (not isinstance(mask, Mask) or q.shape[2] != 1 or not _blocks_nothing(mask)):
+    if mask is not None and (not isinstance(mask, Mask) or qs[2] != 1 or not _blocks_nothing(mask)):
         return None
-    Lk = k.shape[2]
     return (
         "growing",
-        q.shape,
-        k.shape[:2] + k.shape[3:],
-        v.shape[:2] + v.shape[3:],
-        Lk.bit_length(),
+        qs,
+        (ks[0], ks[1], ks[3]),
+        (vs[0], vs[1], vs[3]),
+        ks[2].bit_length(),
         q.stride(),
         k.stride(-1),
         v.stride(-1),

@@ -18,6 +18,7 @@ How a call is passed on, in order of preference:
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -91,7 +92,7 @@ class SDPABackend(Backend):
     @staticmethod
     def _runner(call: AttentionCall, args: _Arguments) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
         if not args.plain or args.enable_gqa or args.fold is not None:
-            return lambda q, k, v: args.run(q, k, v)
+            return functools.partial(args.run)  # (called in C: no Python frame of its own)
         # The common cases with no more arguments than they need (each keyword costs a little,
         # and on a small call the kernel itself takes a few microseconds).
         # (F.scaled_dot_product_attention is looked up on every call: a wrapper installed later,

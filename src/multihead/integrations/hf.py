@@ -294,18 +294,13 @@ def _weights_wanted(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     module's config."""
     if kwargs.get("output_attentions", False):
         return True
-    wanted = _collector()
+    active = _active_collector()
+    wanted = None if active is None else active.get()
     if wanted is not None:  # the running forward's collector: it read the config's defaults itself
         return "attentions" in wanted or "cross_attentions" in wanted
     # (A config's attribute costs about 5 us per read through transformers' config class: 20 us a
     # decoding step of four layers, read only for models that set no collector.)
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
-
-
-def _collector() -> dict[str, Any] | None:
-    """What ``transformers``' output capturing collects in the running forward (``None``: nothing)."""
-    active = _active_collector()
-    return None if active is None else active.get()
 
 
 @functools.cache
