@@ -55,7 +55,7 @@ import multihead
 from multihead import scores
 from multihead.backends.registry import check_backend_name
 from multihead.call import AttentionResult
-from multihead.integrations.hf_masks import MaskFunction, from_dense, from_mask_function
+from multihead.integrations.hf_masks import MaskFunction, band_blocks_nothing, from_dense, from_mask_function
 from multihead.layers.checks import check_flag
 from multihead.masks import Mask, causal
 from multihead.masks import sliding_window as sliding_window_mask
@@ -175,7 +175,11 @@ def mask_interface(
     causal_function = _causal_mask_function()
     if mask_function is None:  # HF's default
         mask_function = causal_function
-    if mask_function is causal_function and attention_mask is None and int(kv_offset) + shape[3] <= int(q_offset) + 1:
+    if (
+        mask_function is causal_function
+        and attention_mask is None
+        and band_blocks_nothing(None, 0, shape[2], shape[3], int(q_offset), int(kv_offset))
+    ):
         # A decoding step's causal row sees every key: no mask, found before reading the function
         # (what transformers' sdpa_mask skips too; 8 us a step, warm, went into reading it).
         return HFMask(None, shape)

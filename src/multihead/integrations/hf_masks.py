@@ -47,7 +47,7 @@ from torch import Tensor
 
 from multihead.masks import Band, Mask, as_mask, causal, document, key_padding, sliding_window
 
-__all__ = ["from_dense", "from_mask_function", "padding_mask", "recognise"]
+__all__ = ["band_blocks_nothing", "from_dense", "from_mask_function", "padding_mask", "recognise"]
 
 MaskFunction = Callable[..., Any]  # HF's mask_function(batch_idx, head_idx, q_idx, kv_idx) -> bool tensor
 
@@ -262,13 +262,18 @@ def _finish(part: _Part, frame: _Frame) -> Mask | None:
 
 
 def _blocks_nothing(spec: _BandSpec, frame: _Frame) -> bool:
-    """Whether every query of the call sees every key through the band ``spec``, as a decoding
-    step's causal row does: then no mask at all (what ``transformers``' ``sdpa`` skips too)."""
-    first_q, last_q = frame.q_offset, frame.q_offset + frame.q_len - 1
-    first_k, last_k = frame.kv_offset, frame.kv_offset + frame.kv_len - 1
-    return (spec.right is None or last_k <= first_q + spec.right) and (
-        spec.left is None or first_k >= last_q - spec.left
-    )
+    return band_blocks_nothing(spec.left, spec.right, frame.q_len, frame.kv_len, frame.q_offset, frame.kv_offset)
+
+
+def band_blocks_nothing(
+    left: int | None, right: int | None, q_len: int, kv_len: int, q_offset: int, kv_offset: int
+) -> bool:
+    """Whether every query of the call sees every key through the band of ``left`` keys before
+    and ``right`` after the aligned one (``None``: no limit), as a decoding step's causal row
+    (``left=None, right=0``) does: then no mask at all (what ``transformers``' ``sdpa`` skips too)."""
+    first_q, last_q = q_offset, q_offset + q_len - 1
+    first_k, last_k = kv_offset, kv_offset + kv_len - 1
+    return (right is None or last_k <= first_q + right) and (left is None or first_k >= last_q - left)
 
 
 def _band(spec: _BandSpec, frame: _Frame) -> Mask:
