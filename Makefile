@@ -1,31 +1,52 @@
-# Set-up and everyday commands. Everything installs into .venv; torch is pinned by constraints.txt
-# to the CPU build so that no step ever downloads a CUDA build.
+# Set-up and everyday commands. Everything installs into .venv, from the lock only:
+#   constraints.txt       torch, the CPU build that lies on this machine's disk (never a CUDA download)
+#   requirements/lock.txt every other package of every extra, and pip, setuptools and uv, with hashes
+# pyproject.toml keeps the ranges users install from; `make test-compat` tests both ends of them.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-PIP     := $(BIN)/pip install -q -c constraints.txt
-EXTRAS  ?= test,test-demo,demo,viz,models,hf,check,onnx
+LOCK    := requirements/lock.txt
+# Where the CPU wheel of torch lies (pip finds it through this machine's pip configuration; uv,
+# which writes the lock, is told).
+TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: help setup check test test-slow test-all demo bench bench-quick clean
+.PHONY: help setup check test test-slow test-all test-compat compat-newest compat-lowest lock dist demo bench \
+        bench-quick clean
 
 help:
-	@echo "make test        set up .venv and run the default test tier"
+	@echo "make test        set up .venv from the lock and run the default test tier"
 	@echo "make check       lint (ruff check), formatting (ruff format --check) and types (mypy)"
 	@echo "make demo        set up .venv and run 'multihead demo'"
 	@echo "make test-slow   the opt-in slow tier"
+	@echo "make test-compat the integration tests with the newest and the lowest release in every range"
+	@echo "make lock        refresh requirements/lock.txt to the newest releases in pyproject.toml's ranges"
+	@echo "make dist        build the sdist and the wheel into dist/"
 	@echo "make bench       the full benchmark suite; make bench-quick for a short one"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
-# Re-install when the project's requirements change.
-$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
-	$(PIP) torch==2.13.0
-	$(PIP) -e ".[$(EXTRAS)]"
+# Re-install when the project's requirements change. torch first, without its dependencies (they
+# are in the lock); then the lock, hash-checked, nothing resolved; then the project itself, built
+# by the locked setuptools; `pip check` proves the result consistent.
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt $(LOCK)
+	$(BIN)/pip install -q --no-deps -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The lock: every extra and requirements/tools.in, resolved by uv to the newest releases in range,
+# with torch fixed by constraints.txt (its own dependencies locked, torch itself not emitted).
+# Run it after changing a range in pyproject.toml or requirements/tools.in, or to take new releases;
+# then `make test` (and `make test-compat`) before committing the new lock.
+UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --python-version 3.11 --find-links $(TORCH_WHEELS) \
+             -c constraints.txt --no-emit-package torch --quiet --custom-compile-command "make lock"
+
+lock: setup
+	$(UV_COMPILE) requirements/tools.in --all-extras --generate-hashes --upgrade -o $(LOCK)
 
 # The habits: lint, formatting and types (configured in pyproject.toml).
 LINTED  := src tests benchmarks examples
@@ -45,15 +66,43 @@ test-slow: setup
 test-all: setup
 	$(BIN)/python -m pytest
 
+# Compatibility at both ends of pyproject.toml's ranges (not part of `make test`): a virtual
+# environment per end, resolved afresh by uv (newest: the newest release in every range; lowest:
+# the lowest release of every direct requirement), torch from constraints.txt, then the
+# integration tests and the demo's model loading. What was installed is kept in
+# requirements/compat/, the record that the ranges passed (tests/test_setup.py reads it).
+COMPAT_EXTRAS := --extra test --extra test-demo --extra demo --extra viz --extra models --extra hf --extra onnx
+COMPAT_TESTS  := tests/integrations tests/demo/test_encoder.py tests/demo/test_demo_imports.py tests/test_setup.py
+RESOLUTION_newest := highest
+RESOLUTION_lowest := lowest-direct
+
+test-compat: compat-newest compat-lowest
+
+compat-newest compat-lowest: compat-%: setup
+	rm -rf .venv-compat-$*
+	$(PY) -m venv .venv-compat-$*
+	$(UV_COMPILE) requirements/tools-compat.in $(COMPAT_EXTRAS) --resolution $(RESOLUTION_$*) --upgrade \
+	    --no-header --no-annotate -o requirements/compat/$*.txt
+	.venv-compat-$*/bin/pip install -q --no-deps -c constraints.txt torch==2.13.0
+	.venv-compat-$*/bin/pip install -q --no-deps -r requirements/compat/$*.txt
+	.venv-compat-$*/bin/pip install -q --no-deps --no-build-isolation -e .
+	.venv-compat-$*/bin/pip check
+	.venv-compat-$*/bin/python -m pytest -m "not slow" -p no:cacheprovider $(COMPAT_TESTS)
+
+# The sdist and the wheel users install (the viewer's files and py.typed inside), built by the
+# locked setuptools; tests/test_dist.py installs the wheel into a clean environment.
+dist: setup
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --outdir dist .
+
 demo: setup
 	$(BIN)/multihead demo
 
 bench: setup
-	$(BIN)/pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/python benchmarks/run_all.py
 
 bench-quick: setup
 	$(BIN)/python benchmarks/run_all.py --quick
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-compat-* build dist src/*.egg-info .pytest_cache
