@@ -312,7 +312,7 @@ def test_packed_batch(arch, monkeypatch):
     if arch == "gpt_oss":  # its model passes no position_ids to HF's mask creation: no documents (eager neither)
         return
     docs = spy.calls[0]["mask"]
-    assert "document" in docs.kinds()
+    assert "document" in docs.kinds() and "tensor" not in docs.kinds(), docs
     # The second document does not see the first; the unpacked row sees all of its past.
     dense = docs.materialize(2, 1, 12, 12)
     assert not dense[0, 0, 5:8, :5].any() and dense[1, 0, 2, :3].all()
@@ -604,7 +604,16 @@ def _factories():
         "sliding": mu.sliding_window_causal_mask_function(3),
         "sliding_bidirectional": mu.sliding_window_bidirectional_mask_function(2),
         "chunked": mu.chunked_causal_mask_function(4, lp),
-        "packed": mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(3), pos, packed),
+        # Packed documents as transformers 5.23 builds them (documents first) and as 5.24 does
+        # (the remapped mask first), from factories both versions have.
+        "packed": mu.and_masks(
+            mu.packed_sequence_mask_function(packed),
+            mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(3), pos),
+        ),
+        "packed_remap_first": mu.and_masks(
+            mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(3), pos),
+            mu.packed_sequence_mask_function(packed),
+        ),
         "blockwise": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks)),
         "or_full": mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay(3)),  # nothing blocked
         "user_or": mu.or_masks(mu.causal_mask_function, user_fn),
@@ -624,7 +633,7 @@ def test_mask_function_equals_hf(name, frame, padding):
 
     fn = _factories()[name]
     Lq, Lk, q_offset, kv_offset = frame
-    if name == "packed" and frame != (14, 14, 0, 0):
+    if name.startswith("packed") and frame != (14, 14, 0, 0):
         pytest.skip("HF builds packed masks only without a cache (q_offset = kv_offset = 0)")
     am = None
     if padding:
@@ -694,18 +703,125 @@ def test_the_docs_usage_runs():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
-def test_register_refuses_a_transformers_outside_the_tested_range(monkeypatch):
-    """An older ``transformers`` lacks mask helpers the backend reads: ``register`` says which
-    range it needs and registers nothing, instead of failing later inside a model."""
+def test_register_warns_outside_the_tested_range_and_still_registers(monkeypatch):
+    """A ``transformers`` outside the tested range gets a warning naming both versions; the
+    backend registers (closures it does not know are read densely)."""
     import importlib
 
     from transformers import AttentionInterface
 
     # (the module register() imports: another test may have replaced this file's `transformers`)
-    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "5.17.0")
-    with pytest.raises(ImportError, match=r"transformers>=5.23,<6.*found 5\.17\.0"):
-        mh_hf.register("multihead-too-old")
-    assert "multihead-too-old" not in AttentionInterface._global_mapping
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "6.1.0")
+    try:
+        with pytest.warns(mh_hf.UntestedTransformersWarning, match=r"tested with transformers>=5.23,<6, found 6\.1\.0"):
+            assert mh_hf.register("multihead-newer") == "multihead-newer"
+        assert "multihead-newer" in AttentionInterface._global_mapping
+    finally:
+        mh_hf.unregister("multihead-newer")
+
+
+@pytest.mark.parametrize(
+    "gone", ["transformers.AttentionInterface", "transformers.masking_utils.AttentionMaskInterface",
+             "transformers.masking_utils.sdpa_mask"],
+)  # fmt: skip
+def test_register_refuses_a_transformers_without_an_interface(monkeypatch, gone):
+    """Without the attention or the mask interface (or the evaluator of unknown closures) there is
+    nothing to plug into: ``register`` names what is missing and registers nothing."""
+    import importlib
+
+    from transformers import AttentionInterface
+
+    module, name = gone.rsplit(".", 1)
+    # (set to None, not deleted: transformers' lazy module imports a deleted name again)
+    monkeypatch.setattr(importlib.import_module(module), name, None)
+    with pytest.raises(ImportError, match=rf"transformers {transformers.__version__} lacks {gone}, .*tested with"):
+        mh_hf.register("multihead-no-interface")
+    assert "multihead-no-interface" not in AttentionInterface._global_mapping
+
+
+# ------------------------------------ a transformers that renamed or changed one of its closures
+@pytest.fixture()
+def fresh_closures():
+    """The table of known closure kinds built again in the test (and after it, from the real factories)."""
+    from multihead.integrations import hf_closures
+
+    hf_closures.forget()
+    yield hf_closures
+    hf_closures.forget()
+
+
+def _hf_dense(fn, Lq, Lk, q_offset):
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(
+        batch_size=2, q_length=Lq, kv_length=Lk, q_offset=q_offset, mask_function=fn, allow_is_causal_skip=False
+    ).expand(2, 1, Lq, Lk)
+
+
+def test_an_unknown_closure_of_masking_utils_is_read_densely_with_one_warning(fresh_closures):
+    """A closure built by a factory of ``masking_utils`` that this version does not know (a new or
+    renamed factory in a later ``transformers``): the mask ``transformers`` evaluates for it, and
+    one warning naming the closure and the version. A model's own closure: the same, silently."""
+    import warnings
+
+    from transformers import masking_utils as mu
+
+    namespace = {"__name__": mu.__name__}
+    source = (
+        "def strided_overlay(stride):\n"
+        "    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):\n"
+        "        return (q_idx - kv_idx) % stride == 0\n"
+        "    return inner_mask\n"
+    )
+    exec(compile(source, mu.__file__, "exec"), namespace)
+    fn = mu.and_masks(mu.causal_mask_function, namespace["strided_overlay"](2))
+    for frame in [(9, 9, 0), (3, 9, 6)]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = from_mask_function(fn, batch_size=2, q_length=frame[0], kv_length=frame[1], q_offset=frame[2])
+        assert torch.equal(got.materialize(2, 1, *frame[:2]).expand(2, 1, *frame[:2]), _hf_dense(fn, *frame))
+        assert "tensor" in got.kinds()
+        said = [w for w in caught if issubclass(w.category, mh_hf.UntestedTransformersWarning)]
+        if frame == (9, 9, 0):
+            assert len(said) == 1, [str(w.message) for w in caught]
+            message = str(said[0].message)
+            assert "transformers.masking_utils.'strided_overlay.<locals>.inner_mask'" in message
+            assert f"transformers {transformers.__version__}" in message and "read densely" in message
+        else:
+            assert said == []  # once per closure per process
+
+    def own(b, h, q, kv):  # a model's own closure: dense is what it is for
+        return (q + kv) % 3 != 0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mh_hf.UntestedTransformersWarning)
+        got = from_mask_function(mu.and_masks(mu.causal_mask_function, own), batch_size=2, q_length=9, kv_length=9)
+    assert torch.equal(
+        got.materialize(2, 1, 9, 9).expand(2, 1, 9, 9), _hf_dense(mu.and_masks(mu.causal_mask_function, own), 9, 9, 0)
+    )
+
+
+def test_a_factory_that_changed_its_rule_is_read_densely_never_wrongly(fresh_closures, monkeypatch):
+    """A later ``transformers`` keeps ``sliding_window_overlay``'s name and widens its window by one
+    key: the closure's code object is the factory's, so only the probe against ``transformers``'
+    own evaluation can tell. The kind is left out with one warning; the model's window masks are
+    then read densely and equal what ``transformers`` builds; the other kinds stay structure."""
+    from transformers import masking_utils as mu
+
+    def sliding_window_overlay(sliding_window):
+        def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+            return kv_idx >= q_idx - sliding_window  # one key wider than 5.23's `>`
+
+        return inner_mask
+
+    monkeypatch.setattr(mu, "sliding_window_overlay", sliding_window_overlay)
+    fn = mu.sliding_window_causal_mask_function(3)  # built by the changed factory
+    with pytest.warns(mh_hf.UntestedTransformersWarning, match=r"'window' closures .*sliding_window_overlay.*differs"):
+        got = from_mask_function(fn, batch_size=2, q_length=9, kv_length=9)
+    assert torch.equal(got.materialize(2, 1, 9, 9).expand(2, 1, 9, 9), _hf_dense(fn, 9, 9, 0))
+    assert "tensor" in got.kinds()
+    causal_only = from_mask_function(mu.causal_mask_function, batch_size=2, q_length=9, kv_length=9)
+    assert causal_only == masks.causal()
 
 
 def test_inside_a_model_the_nonfinite_check_is_skipped_unless_registered_with_it(monkeypatch):

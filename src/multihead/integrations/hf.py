@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import warnings
 from typing import Any
 
 import torch
@@ -55,13 +57,22 @@ import multihead
 from multihead import scores
 from multihead.backends.registry import check_backend_name
 from multihead.call import AttentionResult
-from multihead.integrations.hf_masks import MaskFunction, band_blocks_nothing, from_dense, from_mask_function
+from multihead.integrations.hf_closures import TESTED, MaskFunction, UntestedTransformersWarning
+from multihead.integrations.hf_masks import band_blocks_nothing, from_dense, from_mask_function
 from multihead.layers.checks import check_flag
 from multihead.masks import Mask, causal
 from multihead.masks import sliding_window as sliding_window_mask
 from multihead.nonfinite import skip_nonfinite_check
 
-__all__ = ["NAME", "HFMask", "attention_forward", "mask_interface", "register", "unregister"]
+__all__ = [
+    "NAME",
+    "HFMask",
+    "UntestedTransformersWarning",
+    "attention_forward",
+    "mask_interface",
+    "register",
+    "unregister",
+]
 
 NAME = "multihead"
 
@@ -77,7 +88,7 @@ def register(name: str = NAME, *, backend: str = "auto", nonfinite_check: bool =
     step on CPU, ``docs/integrations.md``). Registering again replaces the functions. Returns
     ``name``, for ``attn_implementation=register()``.
     """
-    _check_transformers_version()
+    _check_transformers()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -90,17 +101,43 @@ def register(name: str = NAME, *, backend: str = "auto", nonfinite_check: bool =
     return name
 
 
-SUPPORTED = ((5, 23), (6, 0))  # the range of the 'hf' extra, which the tests run on
+# What register() plugs into: a transformers without one of these cannot run a model on multihead.
+_INTERFACES = (
+    ("transformers", "AttentionInterface"),
+    ("transformers.masking_utils", "AttentionMaskInterface"),
+    ("transformers.masking_utils", "sdpa_mask"),  # reads the closures multihead does not know
+    ("transformers.masking_utils", "causal_mask_function"),
+)
+_TESTED_RANGE = ((5, 23), (6, 0))  # TESTED as numbers
 
 
-def _check_transformers_version() -> None:
-    """Refuse, naming the range, a ``transformers`` whose mask helpers this backend does not know."""
+def _check_transformers() -> None:
+    """Refuse, naming what is missing, a ``transformers`` without the interfaces this backend plugs
+    into; warn outside the tested range (it then runs: mask closures this version does not know
+    are read densely, see :mod:`multihead.integrations.hf_closures`)."""
     import transformers
 
-    found = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
-    if not SUPPORTED[0] <= found < SUPPORTED[1]:
+    missing = []
+    for module, name in _INTERFACES:
+        try:
+            found = getattr(importlib.import_module(module), name, None) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"{module}.{name}")
+    if missing:
         raise ImportError(
-            f"multihead.integrations.hf needs transformers>=5.23,<6 (the 'hf' extra); found {transformers.__version__}"
+            f"multihead.integrations.hf: transformers {transformers.__version__} lacks {', '.join(missing)}, "
+            f"which the backend registers with or reads masks through; it is tested with transformers{TESTED} "
+            f"(pip install 'multihead[hf]')"
+        )
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if not _TESTED_RANGE[0] <= version < _TESTED_RANGE[1]:
+        warnings.warn(
+            f"multihead.integrations.hf is tested with transformers{TESTED}, found {transformers.__version__}: "
+            f"mask closures it does not know are read densely (correct, slower), with a warning naming each",
+            UntestedTransformersWarning,
+            stacklevel=3,
         )
 
 

@@ -23,6 +23,10 @@ same, in the coordinates of the call:
 anything else (a model's own function)      its bool tensor, evaluated by ``transformers``
 ==========================================  ==============================================
 
+Which closures are read as structure is decided by :mod:`multihead.integrations.hf_closures`,
+which checks each kind against ``transformers``' own evaluation once per process: a closure that
+a later ``transformers`` renamed or changed is read densely, with a warning, never wrongly.
+
 Positions: ``transformers`` evaluates a mask at absolute positions ``q_idx = q_offset + i`` and
 ``kv_idx = kv_offset + j`` of the call's query ``i`` and key ``j`` (``q_offset`` = tokens already
 in the cache). Its causal rule ``kv_idx <= q_idx`` is therefore ``j <= i + d`` with
@@ -38,30 +42,16 @@ structure in it where it is there exactly.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from types import CodeType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from multihead.integrations.hf_closures import Frame as _Frame
+from multihead.integrations.hf_closures import MaskFunction, closure_variables, kind_of, unread
 from multihead.masks import Band, Mask, as_mask, causal, document, key_padding, sliding_window
 
-__all__ = ["band_blocks_nothing", "from_dense", "from_mask_function", "padding_mask", "recognise"]
-
-MaskFunction = Callable[..., Any]  # HF's mask_function(batch_idx, head_idx, q_idx, kv_idx) -> bool tensor
-
-
-class _Frame(NamedTuple):
-    """The call a mask is built for: ``B``, ``Lq``, ``Lk`` and HF's absolute offsets."""
-
-    batch: int
-    q_len: int
-    kv_len: int
-    q_offset: int
-    kv_offset: int
-    use_vmap: bool
-    device: torch.device | str
+__all__ = ["band_blocks_nothing", "from_dense", "from_mask_function", "padding_mask", "read", "recognise"]
 
 
 class _Full:
@@ -102,7 +92,7 @@ def from_mask_function(
     and ``Lk = kv_length`` keys; ``None`` when nothing is blocked."""
     # A static cache passes its offset as a 0-d tensor (no graph break in HF's own code).
     frame = _Frame(int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset), use_vmap, device)
-    mask = _finish(_read(mask_function, frame, packed=False), frame)
+    mask = read(mask_function, frame)
     pad = padding_mask(attention_mask, frame.kv_offset, frame.kv_len)
     if pad is None:
         return mask
@@ -129,56 +119,25 @@ def padding_mask(attention_mask: Tensor | None, kv_offset: int, kv_len: int) -> 
 
 
 # ------------------------------------------------------------------------- reading HF's closures
-_KINDS: dict[CodeType, str] | None = None
-
-
-def _kinds() -> dict[CodeType, str]:
-    """The code object of every closure ``transformers.masking_utils`` builds -> its kind (made
-    once; a factory missing from the installed version is skipped, its closures read densely)."""
-    global _KINDS
-    if _KINDS is None:
-        from transformers import masking_utils as mu
-
-        t = torch.zeros(1, 1, dtype=torch.long)
-        f = mu.causal_mask_function
-        makers: dict[str, Callable[[], MaskFunction]] = {
-            "and": lambda: mu.and_masks(f),
-            "or": lambda: mu.or_masks(f),
-            "causal": lambda: f,
-            "full": lambda: mu.bidirectional_mask_function,
-            "window": lambda: mu.sliding_window_overlay(1),
-            "window_both": lambda: mu.sliding_window_bidirectional_overlay(1),
-            "chunks": lambda: mu.chunked_overlay(1, t[0]),
-            "padding": lambda: mu.padding_mask_function(t),
-            "packed": lambda: mu.packed_sequence_mask_function(t),
-            "remap": lambda: mu.remap_positions_for_packed_sequence(f, t),
-            "blocks": lambda: mu.blockwise_overlay(t),
-        }
-        kinds: dict[CodeType, str] = {}
-        for kind, make in makers.items():
-            try:
-                kinds[make().__code__] = kind
-            except (AttributeError, TypeError):
-                continue
-        _KINDS = kinds
-    return _KINDS
+def read(fn: MaskFunction, frame: _Frame) -> Mask | None:
+    """HF's ``mask_function`` alone (no padding) as the mask object of ``frame``; ``None`` when
+    nothing is blocked. (What :mod:`multihead.integrations.hf_closures` probes each kind with.)"""
+    return _finish(_read(fn, frame, packed=False), frame)
 
 
 def _kind_of(fn: object) -> str | None:
-    code = getattr(fn, "__code__", None)
-    return _kinds().get(code) if isinstance(code, CodeType) else None
-
-
-def _closure(fn: MaskFunction) -> dict[str, Any]:
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=True))
+    return kind_of(fn, read)
 
 
 def _read(fn: MaskFunction, frame: _Frame, packed: bool) -> _Part:
     """``fn`` as FULL, a ``_BandSpec`` or a ``Mask``; a closure not recognised becomes the bool
     tensor ``transformers`` itself evaluates (the meaning is kept, the structure is not)."""
     kind = _kind_of(fn)
+    if kind is None:
+        unread(fn, "it is of no kind this version knows")
+        return _dense(fn, frame)
     try:
-        env = _closure(fn) if kind is not None else {}
+        env = closure_variables(fn)
         if kind == "and":
             parts = env["mask_functions"]
             is_packed = any(_kind_of(p) == "packed" for p in parts)
@@ -211,7 +170,8 @@ def _read(fn: MaskFunction, frame: _Frame, packed: bool) -> _Part:
             if inner is FULL or isinstance(inner, _BandSpec):
                 return inner
     except (KeyError, IndexError, ValueError, TypeError, RuntimeError):
-        pass  # a closure of another shape than the one this version of the factory builds
+        # a closure of another shape than the one this version of the factory builds
+        unread(fn, f"its {kind!r} closure holds other variables than the one this version reads")
     return _dense(fn, frame)
 
 
