@@ -60,38 +60,39 @@ def quick_demo(tmp_path_factory):
 # ---------------------------------------------------------------------------------------- browser
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-ENABLE_BROWSER = (
-    "apt-get install chromium chromium-driver (Debian's packages; never a downloaded browser), "
-    "and selenium from the test-demo extra (make setup installs it)"
-)
+NEVER_DOWNLOADED = "Debian's packages; never a downloaded browser"
 
 
-def browser_missing() -> str | None:
-    """Why the browser tests cannot run here, or ``None`` when they can."""
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
-    if missing:
-        return f"{' and '.join(missing)} not found"
+def browser_missing() -> list[str]:
+    """What the browser tests need and this machine lacks, each with how to install it (``[]``
+    when they can run)."""
+    missing = []
+    if not CHROMIUM.exists():
+        missing.append(f"{CHROMIUM} not found: apt-get install chromium ({NEVER_DOWNLOADED})")
+    if not CHROMEDRIVER.exists():
+        missing.append(f"{CHROMEDRIVER} not found: apt-get install chromium-driver ({NEVER_DOWNLOADED})")
     if importlib.util.find_spec("selenium") is None:
-        return "selenium is not installed"
-    return None
+        missing.append("selenium is not installed: make setup (the test-demo extra)")
+    return missing
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = browser_missing()
-    if reason is not None:
-        skip = pytest.mark.skip(reason=f"browser test: {reason}; to enable: {ENABLE_BROWSER}")
+    missing = browser_missing()
+    if missing:
+        skip = pytest.mark.skip(reason="browser test: " + "; ".join(missing))
         for item in items:
             if "browser" in item.keywords:
                 item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    reason = browser_missing()
+    missing = browser_missing()
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if "browser" in getattr(r, "keywords", {})]
-    if reason is not None and skipped:
+    if missing and skipped:
         terminalreporter.section("browser tests skipped")
-        terminalreporter.line(f"{len(skipped)} browser test(s) of the attention viewer did not run: {reason}.")
-        terminalreporter.line(f"To run them: {ENABLE_BROWSER}.")
+        terminalreporter.line(f"{len(skipped)} browser test(s) of the attention viewer did not run; missing:")
+        for line in missing:
+            terminalreporter.line(f"  {line}")
 
 
 @pytest.fixture(scope="session")

@@ -291,19 +291,29 @@ def test_viewer_and_recorders_reject_bad_arguments():
         record_generation(windowed, torch.ones(1, 3, dtype=torch.long), 6, token_names=str, cache="sliding")
 
 
-def test_make_test_says_why_browser_tests_were_skipped(tmp_path):
-    """A run where Chromium is missing ends with the reason and how to enable the browser tests."""
+@pytest.mark.parametrize("missing", ["chromium", "chromedriver", "both", "neither"])
+def test_make_test_says_why_browser_tests_were_skipped(tmp_path, missing):
+    """Without Chromium or its driver (either one, or both) the browser tests are skipped and the
+    run ends with each missing binary and how to install it; with both they run."""
     import subprocess
     import sys
     from pathlib import Path
 
     conftest = (Path(__file__).parent / "conftest.py").read_text(encoding="utf-8")
-    assert 'CHROMIUM = Path("/usr/bin/chromium")' in conftest
-    missing = conftest.replace('Path("/usr/bin/chromium")', 'Path("/nonexistent/chromium")')
-    (tmp_path / "conftest.py").write_text(missing, encoding="utf-8")
+    present = tmp_path / "bin"
+    present.mkdir()
+    paths = {}
+    for name, constant in [("chromium", "CHROMIUM"), ("chromedriver", "CHROMEDRIVER")]:
+        line = f'{constant} = Path("/usr/bin/{name}")'
+        assert line in conftest
+        gone = missing in (name, "both")
+        paths[name] = Path(f"/nonexistent/{name}") if gone else present / name
+        if not gone:
+            paths[name].write_text("")  # exists; never run: the marked test below uses no browser
+        conftest = conftest.replace(line, f'{constant} = Path("{paths[name]}")')
+    (tmp_path / "conftest.py").write_text(conftest, encoding="utf-8")
     (tmp_path / "test_page.py").write_text(
-        "import pytest\n\n@pytest.mark.browser\ndef test_page(browser):\n"
-        "    raise AssertionError('must not run')\n\ndef test_other():\n    pass\n",
+        "import pytest\n\n@pytest.mark.browser\ndef test_page():\n    pass\n\ndef test_other():\n    pass\n",
         encoding="utf-8",
     )
     done = subprocess.run(
@@ -314,7 +324,15 @@ def test_make_test_says_why_browser_tests_were_skipped(tmp_path):
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 passed, 1 skipped" in done.stdout
-    assert "browser tests skipped" in done.stdout
-    assert "/nonexistent/chromium not found" in done.stdout
-    assert "apt-get install chromium chromium-driver" in done.stdout
+    if missing == "neither":
+        assert "2 passed" in done.stdout and "browser tests skipped" not in done.stdout, done.stdout
+        return
+    assert "1 passed, 1 skipped" in done.stdout, done.stdout
+    tail = done.stdout[done.stdout.index("browser tests skipped") :]
+    assert "1 browser test(s) of the attention viewer did not run" in tail
+    for name, install in [
+        ("chromium", "apt-get install chromium ("),
+        ("chromedriver", "apt-get install chromium-driver"),
+    ]:
+        said = f"{paths[name]} not found: {install}" in tail
+        assert said == (missing in (name, "both")), tail
