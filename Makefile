@@ -30,7 +30,7 @@ $(BIN)/python:
 # are in the lock); then the lock, hash-checked, nothing resolved; then the project itself, built
 # by the locked setuptools; `pip check` proves the result consistent.
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt $(LOCK)
-	$(BIN)/pip install -q --no-deps -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q --no-deps -c constraints.txt torch==2.13.0+cpu
 	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/pip check
@@ -72,7 +72,8 @@ test-all: setup
 # integration tests and the demo's model loading. What was installed is kept in
 # requirements/compat/, the record that the ranges passed (tests/test_setup.py reads it).
 COMPAT_EXTRAS := --extra test --extra test-demo --extra demo --extra viz --extra models --extra hf --extra onnx
-COMPAT_TESTS  := tests/integrations tests/demo/test_encoder.py tests/demo/test_demo_imports.py tests/test_setup.py
+COMPAT_TESTS  := tests/integrations tests/demo/test_encoder.py tests/demo/test_demo_imports.py tests/demo/test_heatmap.py \
+                 tests/demo/test_browser.py
 RESOLUTION_newest := highest
 RESOLUTION_lowest := lowest-direct
 
@@ -83,7 +84,7 @@ compat-newest compat-lowest: compat-%: setup
 	$(PY) -m venv .venv-compat-$*
 	$(UV_COMPILE) requirements/tools-compat.in $(COMPAT_EXTRAS) --resolution $(RESOLUTION_$*) --upgrade \
 	    --no-header --no-annotate -o requirements/compat/$*.txt
-	.venv-compat-$*/bin/pip install -q --no-deps -c constraints.txt torch==2.13.0
+	.venv-compat-$*/bin/pip install -q --no-deps -c constraints.txt torch==2.13.0+cpu
 	.venv-compat-$*/bin/pip install -q --no-deps -r requirements/compat/$*.txt
 	.venv-compat-$*/bin/pip install -q --no-deps --no-build-isolation -e .
 	.venv-compat-$*/bin/pip check

@@ -3,10 +3,14 @@ baseline, and the seeded case matrix (mask kind x Lq != Lk x GQA x head dims).""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import random
 from dataclasses import dataclass
+from types import ModuleType
 
+import pytest
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,6 +24,23 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # The relative factor F of the rule "err(x) <= F * err(naive) + floor" lives with each backend:
 # mh.get_backend(name).capabilities.tolerance_factor(dtype, gradients) (tests/backends/matrix.py).
+
+
+def optional(module: str, reason: str, minversion: str | None = None) -> ModuleType:
+    """``module`` of an optional extra, imported; the test skipped with ``reason`` when its package
+    is not installed (or older than ``minversion``). Unlike ``pytest.importorskip``, an installed
+    package that fails to import fails the test: a broken dependency (a range that admits a
+    release which cannot import, as ``make test-compat`` finds) is an error, never a skip."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        pytest.skip(f"{reason}: {module.split('.')[0]} is not installed")
+    imported = importlib.import_module(module)
+    if minversion is not None:
+        from packaging.version import Version
+
+        top = importlib.import_module(module.split(".")[0])
+        if Version(top.__version__) < Version(minversion):
+            pytest.skip(f"{reason}: {module} {top.__version__} < {minversion}")
+    return imported
 
 
 def naive_attention(q, k, v, mask, scale=None, score_mod=None):

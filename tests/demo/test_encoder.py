@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from helpers import optional
 from multihead import capture_attention
 from multihead.models import ModelFolderError, SentenceEncoder, load_bert
 
@@ -24,7 +25,7 @@ SENTENCES = [
 @pytest.fixture(scope="module")
 def reference(minilm_folder):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test-only dependency, and it must not reach a hub
-    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is the test-only reference")
+    st = optional("sentence_transformers", "sentence-transformers is the test-only reference")
     return st.SentenceTransformer(str(minilm_folder), device="cpu")
 
 

@@ -24,12 +24,11 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip(
-    "transformers", minversion="5.23", reason="the Hugging Face backend needs transformers>=5.23 (extra 'hf')"
-)
+from helpers import assert_relative, optional
+
+transformers = optional("transformers", "the Hugging Face backend needs transformers (extra 'hf')", minversion="5.23")
 
 import multihead  # noqa: E402
-from helpers import assert_relative  # noqa: E402
 from multihead import masks  # noqa: E402
 from multihead.integrations import hf as mh_hf  # noqa: E402
 from multihead.integrations.hf_masks import from_dense, from_mask_function, recognise  # noqa: E402

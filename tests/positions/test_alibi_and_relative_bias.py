@@ -17,7 +17,7 @@ import torch
 
 import multihead as mh
 from backends.matrix import backend_params, factor, serve_or_skip  # tests/backends/matrix.py
-from helpers import aligned_distance, assert_relative, loop_bucket, paper_slopes
+from helpers import aligned_distance, assert_relative, loop_bucket, optional, paper_slopes
 from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes, relative_position_bucket
 
 BACKENDS = backend_params()
@@ -166,9 +166,7 @@ def test_t5_buckets_equal_a_plain_loop(num_buckets, max_distance, bidirectional)
 @pytest.mark.parametrize("bidirectional", [True, False], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("num_buckets,max_distance", BUCKET_SETTINGS)
 def test_t5_buckets_equal_hugging_face(num_buckets, max_distance, bidirectional):
-    t5 = pytest.importorskip(
-        "transformers.models.t5.modeling_t5", reason="transformers is not importable: no Hugging Face cross-check"
-    )
+    t5 = optional("transformers.models.t5.modeling_t5", "no Hugging Face cross-check")
     # HF passes relative_position = memory_position - context_position: key minus query, as here.
     d = torch.arange(-1500, 1501).view(1, -1)
     want = t5.T5Attention._relative_position_bucket(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import DEVICES, assert_relative
+from helpers import DEVICES, assert_relative, optional
 from multihead.caches import DynamicKVCache
 from multihead.positions.rotary import (
     DynamicNTKScaling,
@@ -282,10 +282,7 @@ HF_CASES = {  # (head_dim, base, max_position_embeddings, rope_scaling, partial_
 
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_frequencies_equal_hugging_face_rope_init_functions(case):
-    rope_utils = pytest.importorskip(
-        "transformers.modeling_rope_utils",
-        reason="transformers is not importable: the Hugging Face cross-check is skipped",
-    )
+    rope_utils = optional("transformers.modeling_rope_utils", "the Hugging Face cross-check is skipped")
     head_dim, base, max_pos, scaling, partial = HF_CASES[case]
     kind = scaling.get("rope_type", scaling.get("type"))
     rope = RotaryEmbedding(
