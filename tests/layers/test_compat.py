@@ -247,3 +247,32 @@ def test_works_inside_transformer_encoder_layer():
     swapped.load_state_dict(enc.self_attn.state_dict())
     enc.self_attn = swapped
     torch.testing.assert_close(enc(x, src_mask=mask, is_causal=True), expected)
+
+
+@pytest.mark.parametrize("bias", ["zeros", "random"])
+@pytest.mark.parametrize("attention", ["self", "cross"])
+def test_an_in_proj_bias_of_another_dtype_runs_as_in_torch(attention, bias):
+    """PyTorch's ``test_multihead_attn_fast_path_query_and_bias_have_different_dtypes``: an fp16
+    ``in_proj_bias`` in an fp64 module. PyTorch's class declines its fast path and adds the bias
+    after the matmul, promoted to fp64; ours did ``F.linear(x, w, b)``, whose fused kernel refused
+    the mixed dtypes. Now both compute the same numbers (outputs, weights and the bias's gradient)."""
+    torch.manual_seed(9)
+    ref = nn.MultiheadAttention(4, 4, batch_first=True, dtype=DT).eval()
+    if bias == "random":  # PyTorch's test keeps the initial zeros; a bias that is not 0 must be added
+        ref.in_proj_bias = nn.Parameter(torch.randn(12, dtype=DT))
+    ref.in_proj_bias = nn.Parameter(ref.in_proj_bias.to(torch.half))
+    ours = MultiheadAttention(4, 4, batch_first=True, dtype=DT).eval()
+    ours.load_state_dict(ref.state_dict())  # copies into our fp64 parameter: set the fp16 one again
+    ours.in_proj_bias = nn.Parameter(ref.in_proj_bias.detach().clone())
+    query = torch.randn(4, 4, 4, dtype=DT)
+    key = query if attention == "self" else torch.randn(4, 5, 4, dtype=DT)
+    with torch.no_grad():  # as PyTorch's test runs it
+        expected = ref(query, key, key)
+        got = ours(query, key, key)
+    assert got[0].dtype == expected[0].dtype == DT
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    ref(query, key, key)[0].sum().backward()
+    ours(query, key, key)[0].sum().backward()
+    assert ours.in_proj_bias.grad is not None and ours.in_proj_bias.grad.dtype == torch.half
+    torch.testing.assert_close(ours.in_proj_bias.grad, ref.in_proj_bias.grad)

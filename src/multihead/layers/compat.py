@@ -371,14 +371,14 @@ class MultiheadAttention(HookPoints, nn.Module):
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         E, bias = self.embed_dim, self.in_proj_bias
         if self._qkv_same_embed_dim and key is query and value is query:
-            q, k, v = F.linear(query, self.in_proj_weight, bias).split(E, dim=-1)  # one matmul
+            q, k, v = _linear(query, self.in_proj_weight, bias).split(E, dim=-1)  # one matmul
             return q, k, v
         if self._qkv_same_embed_dim:
             wq, wk, wv = self.in_proj_weight.split(E)
         else:
             wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         bq, bk, bv = (None, None, None) if bias is None else bias.split(E)
-        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+        return _linear(query, wq, bq), _linear(key, wk, bk), _linear(value, wv, bv)
 
     def _mask(
         self,
@@ -514,6 +514,20 @@ def _combine(parts: list[Tensor]) -> Tensor | None:
             p = torch.where(p, zero, torch.full((), float("-inf"), dtype=dtype, device=p.device))
         total = p if total is None else total + p
     return total
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T + bias`` as ``nn.MultiheadAttention`` computes it, for a bias of any dtype.
+
+    ``F.linear``'s fused kernel (addmm) needs the bias in the dtype of ``x``; PyTorch's class
+    declines its fast path when the dtypes of the query and ``in_proj_bias`` differ, and its
+    projection of a batch-first input (a transposed view) is a matmul then an add, which promotes
+    types: an fp16 ``in_proj_bias`` in an fp64 module is added in fp64 (PyTorch's test
+    ``test_multihead_attn_fast_path_query_and_bias_have_different_dtypes``). So is it here.
+    """
+    if bias is None or bias.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x, weight) + bias  # type promotion, as PyTorch's matmul + add
 
 
 def _append_key(x: Tensor, row: Tensor, batch_first: bool) -> Tensor:
