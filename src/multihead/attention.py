@@ -20,7 +20,7 @@ from multihead.blockwise import lse_by_blocks, weights_by_blocks
 from multihead.call import AttentionCall, AttentionResult, ScoreModArg, Selection
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
-from multihead.nonfinite import apply_policy, finite_check
+from multihead.nonfinite import apply_policy, check_finite_flag
 from multihead.scores import ScoreMod
 from multihead.scores import softcap as softcap_mod
 from multihead.sinks import apply_sinks, check_sinks
@@ -47,6 +47,7 @@ def attention(
     dropout_mask: Tensor | None = None,
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    check_finite: bool = False,
 ) -> Tensor: ...
 
 
@@ -68,6 +69,7 @@ def attention(
     dropout_mask: Tensor | None = None,
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    check_finite: bool = False,
 ) -> AttentionResult: ...
 
 
@@ -89,6 +91,7 @@ def attention(
     dropout_mask: Tensor | None = None,
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    check_finite: bool = False,
 ) -> AttentionResult: ...
 
 
@@ -110,6 +113,7 @@ def attention(
     dropout_mask: Tensor | None = None,
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    check_finite: bool = False,
 ) -> Tensor | AttentionResult: ...
 
 
@@ -130,6 +134,7 @@ def attention(
     dropout_mask: Tensor | None = None,
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    check_finite: bool = False,
 ) -> Tensor | AttentionResult:
     """Scaled dot-product attention.
 
@@ -167,6 +172,12 @@ def attention(
             ``(B, len(heads), len(rows), Lk)``. The output then runs on the fast path and the
             probabilities are recomputed from ``q``, ``k`` and its log-sum-exp, one block at a
             time, never holding more than the slice plus one block.
+        check_finite: apply the rules for NaN and infinite inputs (``docs/conventions.md``,
+            "Non-finite inputs"): each reaches exactly the rows that read it, a key no row may
+            see can hold anything. It reads the data after the call (one reduction and one host
+            synchronisation; a rerun when something is not finite). Off by default, on every
+            device: finite inputs are exact and rows that see no key are 0 either way; a NaN or
+            an infinity then gives what the kernel gives, as PyTorch's SDPA does.
 
     Returns:
         ``(B, Hq, Lq, Dv)`` in the dtype of ``q``; or, when weights or LSE are asked for, an
@@ -186,16 +197,14 @@ def attention(
         and weights_rows is None
         and dropout_p.__class__ is float
         and dropout_p == 0.0
+        and check_finite is False
         and not torch.compiler.is_compiling()
     )
     plan, key, growing = plans.find(q, k, v, mask, scale, backend) if plain else (None, None, None)
     if plan is not None:
-        run, finite = plan
-        output = run(q, k, v)
-        if finite(q, k, output):
-            return output
-        # A NaN or an infinity: the whole path below applies the non-finite policy.
+        return plan(q, k, v)
     check_backend_name(backend)
+    check_finite_flag("attention", check_finite)
     if softcap is not None:
         cap = softcap_mod(softcap)
         mods: list[ScoreMod | Callable[..., Tensor]]
@@ -223,6 +232,7 @@ def attention(
             dropout_mask=dropout_mask,
             weights_heads=weights_heads,
             weights_rows=weights_rows,
+            check_finite=check_finite,
         )
         assert result.lse is not None  # asked for with return_lse=True
         output, sink_lse, factor = apply_sinks(result.output, result.lse, sinks)
@@ -252,16 +262,18 @@ def attention(
         return _empty(call, return_weights, return_lse, heads, rows)
     chosen, _ = select_backend(call, backend)
     result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
-    pieces = chosen.capabilities.keys_in_pieces
-    result, poisoned = apply_policy(call, result, chosen.forward, keys=pieces)  # NaN/inf reach the rows that read them
+    poisoned = None
+    if check_finite:  # NaN/inf reach the rows that read them
+        pieces = chosen.capabilities.keys_in_pieces
+        result, poisoned = apply_policy(call, result, chosen.forward, keys=pieces)
     runner = None  # calls like this one skip the above: a plan for the signature, and one for its Lk bucket
     if key is not None and plans.worth_keeping(key, call, q, k, v):
         runner = chosen.runner(call)
-        plans.store(key, runner, finite_check(q, k, result.output, keys=pieces))
+        plans.store(key, runner)
     if growing is not None and plans.worth_keeping(growing, call, q, k, v):
         runner = runner or chosen.runner(call)
         if getattr(runner, "any_kv_len", False) and _chosen_over_bucket(call, chosen, backend):
-            plans.store(growing, runner, finite_check(q, k, result.output, keys=pieces))
+            plans.store(growing, runner)
     lse = result.lse
     q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)
     if return_weights:

@@ -1,11 +1,21 @@
-"""Non-finite inputs: what every backend gives, decided once (``docs/conventions.md``).
+"""Non-finite inputs: the rules :func:`multihead.attention` applies with ``check_finite=True``
+(``docs/conventions.md``, "Non-finite inputs").
 
-A NaN or ``±inf`` reaches exactly the rows that read it: a query row holding one, or a row that
-may see a key or value holding one, gets output NaN (and LSE and weights NaN). Rows that may not
-see it are unaffected, and a key or value that no row may see can hold anything. A row that sees
-no key at all is fully masked: output 0, LSE ``-inf``, whatever its query holds. (IEEE arithmetic
-would sometimes give a finite row, e.g. ``q·k = -inf`` weighs a key 0; the rule is simpler to
-state and every backend, the reference included, follows it exactly.)
+By default a call is not checked, on every device: finite inputs give the exact result, a row
+that sees no key gives output 0 and LSE ``-inf`` (known from the mask, no look at the data), and a
+NaN or an infinity gives what the kernel gives, as PyTorch's SDPA, FlashAttention and
+FlexAttention do. The check reads the data after every call (one reduction and one host
+synchronisation), which on CPU cost bf16 calls up to 26 times the kernel (its reduction is slow
+there) and on a GPU stops the host from queueing work ahead of the device: a debugging aid, not a
+default.
+
+With ``check_finite=True``, on any device, a NaN or ``±inf`` reaches exactly the rows that read
+it: a query row holding one, or a row that may see a key or value holding one, gets output NaN
+(and LSE and weights NaN). Rows that may not see it are unaffected, and a key or value that no row
+may see can hold anything. A row that sees no key at all is fully masked: output 0, LSE ``-inf``,
+whatever its query holds. (IEEE arithmetic would sometimes give a finite row, e.g.
+``q·k = -inf`` weighs a key 0; the rule is simpler to state and every backend, the reference
+included, follows it exactly.)
 
 Fused kernels do not follow this by themselves: PyTorch's flash kernels return 0 for a query row
 of NaN, and compute ``0 · NaN = NaN`` for rows that must not see a NaN value. So
@@ -24,20 +34,14 @@ keys: there the kernel does at least ``4 · 64`` multiply-adds per key element i
 more read of the keys costs a few percent of it. A call with fewer rows per key (a decoding step:
 its cost *is* reading the keys, and the sum would read them again) is not checked for those two
 cases, and gets what the kernel gives there (docs/conventions.md).
-
-The check runs on CPU calls only, by default. On a GPU its host synchronisation stops the host
-from queueing work ahead of the device: measured on an H100 (bf16, 16k tokens, docs/performance.md
-"On the GPU"), it made a 1024-token causal forward 1.55x slower than the same cuDNN kernel called
-directly, and it cannot run inside a CUDA graph. :func:`set_nonfinite_check` turns it on for a
-device type (``set_nonfinite_check("cuda", True)``): then the rules above hold there too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
-from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -45,53 +49,50 @@ from torch import Tensor
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import repeat_kv
 
-__all__ = ["apply_policy", "all_finite", "finite_check", "set_nonfinite_check", "skip_nonfinite_check"]
+__all__ = ["apply_policy", "all_finite", "check_finite_flag", "set_nonfinite_check", "skip_nonfinite_check"]
 
 # Rows x keys evaluated at a time when the policy looks for rows that see a bad key.
 _CHUNK_ELEMENTS = 1 << 22
-# Device types whose calls are checked (set_nonfinite_check).
-_CHECKED: set[str] = {"cpu"}
 #: From this many query rows per KV head (``Lq · Hq / Hkv``) the check also reads the keys.
 KEYS_CHECKED_FROM = 64
-# True inside ``skip_nonfinite_check()`` (per thread and per asyncio task, as a ContextVar is).
-_SKIPPED: ContextVar[bool] = ContextVar("multihead_nonfinite_skipped", default=False)
+_MOVED = "the non-finite rules are opt-in per call, the same on every device: attention(..., check_finite=True)"
+
+
+def check_finite_flag(where: str, check_finite: object) -> bool:
+    """``check_finite`` as given, or a ``TypeError`` naming ``where`` when it is not a bool."""
+    if check_finite is not True and check_finite is not False:
+        raise TypeError(
+            f"{where}: check_finite must be a bool, got {type(check_finite).__name__} {check_finite!r}; "
+            f"True applies the non-finite rules of docs/conventions.md"
+        )
+    return check_finite
 
 
 def set_nonfinite_check(device_type: str, enabled: bool) -> bool:
-    """Check every call on ``device_type`` (``"cpu"``, ``"cuda"``, ...) for non-finite inputs and
-    apply the rules of this module's docstring (``enabled=True``), or give what the kernel gives
-    (``False``). Default: checked on CPU only (the check costs one host synchronisation per call,
-    which a GPU pays in idle time). Returns the previous setting, for restoring it."""
-    if not isinstance(device_type, str) or not device_type:
-        raise TypeError(f"set_nonfinite_check: device_type must be a device type such as 'cuda', got {device_type!r}")
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_nonfinite_check: enabled must be a bool, got {type(enabled).__name__}")
-    device_type = torch.device(device_type).type
-    previous = device_type in _CHECKED
-    (_CHECKED.add if enabled else _CHECKED.discard)(device_type)
-    return previous
+    """Removed: the non-finite rules are opt-in per call, the same on every device
+    (``attention(..., check_finite=True)``). Turning the check off warns (it is off already) and
+    returns ``False``; turning it on raises, since no global switch remains to honour it."""
+    if enabled:
+        raise TypeError(f"set_nonfinite_check({device_type!r}, True) was removed: {_MOVED}")
+    warnings.warn(f"set_nonfinite_check is deprecated and does nothing: {_MOVED}", DeprecationWarning, stacklevel=2)
+    return False
 
 
 class skip_nonfinite_check:
-    """A ``with`` block in which calls are not checked, on any device: each gives what its kernel
-    gives for non-finite inputs, as PyTorch's SDPA does (the rules of this module's docstring do
-    not hold there). It saves the check's reduction and host read per call: about 1% of a
-    Hugging Face decoding step on CPU, where ``multihead.integrations.hf`` uses it, since
-    ``transformers``' own implementations follow no such rules (docs/integrations.md). Local to
-    the thread (and asyncio task) that enters it; blocks nest."""
+    """Deprecated: calls are not checked unless they ask for it (``check_finite=True``), so a block
+    that skips the check changes nothing. Entering it warns once per block."""
 
-    __slots__ = ("_token",)
+    __slots__ = ()
 
     def __enter__(self) -> None:
-        self._token = _SKIPPED.set(True)
+        warnings.warn(
+            f"skip_nonfinite_check is deprecated: calls are unchecked by default; {_MOVED}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
 
     def __exit__(self, *exc: object) -> None:
-        _SKIPPED.reset(self._token)
-
-
-def _checked(device_type: str) -> bool:
-    """Whether a call on ``device_type`` is checked here and now."""
-    return device_type in _CHECKED and not _SKIPPED.get()
+        return None
 
 
 def apply_policy(
@@ -105,11 +106,7 @@ def apply_policy(
     (``(B, Hq, Lq)`` bool, ``None`` when none): whatever is derived from the call afterwards (an LSE
     or weights recomputed blockwise) is NaN there too. ``run(call)`` reruns a call; ``keys``: read
     the keys whatever the call's size (a backend that merges pieces of keys, ``keys_in_pieces``)."""
-    if (
-        torch.compiler.is_compiling()
-        or not _checked(call.q.device.type)
-        or all_finite(call.q, call.k, result.output, keys=keys)
-    ):
+    if torch.compiler.is_compiling() or all_finite(call.q, call.k, result.output, keys=keys):
         return result, None
     bad_q = ~torch.isfinite(call.q).all(dim=-1)  # (B, Hq, Lq)
     bad_kv = ~(torch.isfinite(call.k).all(dim=-1) & torch.isfinite(call.v).all(dim=-1))  # (B, Hkv, Lk)
@@ -128,64 +125,29 @@ def all_finite(q: Tensor, k: Tensor, output: Tensor, *, keys: bool = False) -> b
     """``False`` when ``q`` or ``output`` holds a NaN or an infinity, or ``k`` does in a call of
     at least :data:`KEYS_CHECKED_FROM` query rows per KV head or with ``keys`` (then the policy has
     work to do); possibly ``False`` also for huge finite values (then the policy finds nothing: no
-    harm). One or two reductions and host synchronisations (:func:`finite_check`)."""
-    return finite_check(q, k, output, keys=keys)(q, k, output)
+    harm).
 
-
-def finite_check(
-    q: Tensor, k: Tensor, output: Tensor, *, keys: bool = False
-) -> Callable[[Tensor, Tensor, Tensor], bool]:
-    """The test :func:`all_finite` applies to tensors shaped like these (plans keep it): the
-    queries and the output, below; and the keys too from :data:`KEYS_CHECKED_FROM` query rows per
-    KV head, or always with ``keys`` (a sum, in fp32 for half types, whose overflow would only cost
-    a useless look).
-
-    This runs after every call, and on a small call each PyTorch op costs about half the attention
-    kernel itself, so it is one reduction: ``sum q · output`` is not finite when a term is not
-    (``inf · x`` and ``NaN · x`` are not, ``inf · 0`` is NaN; finite terms never cancel an infinite
-    one), and otherwise only when the sum of finite products overflows (then the policy finds
-    nothing). Contiguous tensors (the usual case) take ``torch.dot`` of the flat views: one BLAS
-    call, no temporary (``vecdot``'s products were a whole temporary the size of ``q``: the ring's
-    per-rank memory bound caught it) and no parallel region, which on a loaded machine waits for a
-    thread the scheduler took away (``torch.dist(q, output, 1)``, a difference then a norm, ran two:
-    17.7 ms against 0.57 ms on a 1024-token prefill, median, load 8; docs/performance.md, Hugging
-    Face backend). Other strides take ``torch.dist``, which allocates nothing either. fp16, and
-    shapes that differ (``D != Dv``), take one fp32 sum of each instead: an fp16 product or sum of
-    large finite values would overflow."""
+    One reduction for the queries and the output: ``sum q · output`` is not finite when a term is
+    not (``inf · x`` and ``NaN · x`` are not, ``inf · 0`` is NaN; finite terms never cancel an
+    infinite one), and otherwise only when the sum of finite products overflows. Contiguous
+    tensors take ``torch.dot`` of the flat views (one BLAS call, no temporary, no parallel region);
+    other strides ``torch.dist``, which allocates nothing either. fp16, and shapes that differ
+    (``D != Dv``), take one fp32 sum of each instead: an fp16 product or sum of large finite values
+    would overflow. The keys, when read, are summed (in fp32 for half types)."""
     rows_per_key = q.shape[2] * (q.shape[1] // max(1, k.shape[1])) if q.dim() == 4 and k.dim() == 4 else 0
-    with_keys = keys or rows_per_key >= KEYS_CHECKED_FROM
     if q.shape == output.shape and q.dtype is not torch.float16:
-        return _one_reduction_and_keys if with_keys else _one_reduction
-    return _two_sums_and_keys if with_keys else _two_sums
-
-
-def _one_reduction(q: Tensor, k: Tensor, output: Tensor) -> bool:
-    if _SKIPPED.get() or q.device.type not in _CHECKED:  # (_checked, inlined: a plan's every call)
-        return True
-    if q.is_contiguous() and output.is_contiguous():
-        return math.isfinite(torch.dot(q.view(-1), output.view(-1)).item())
-    return math.isfinite(torch.dist(q, output, 1).item())
-
-
-def _two_sums(q: Tensor, k: Tensor, output: Tensor) -> bool:
-    if not _checked(q.device.type):
-        return True
-    return math.isfinite(q.sum(dtype=torch.float32).item()) and math.isfinite(output.sum(dtype=torch.float32).item())
-
-
-def _one_reduction_and_keys(q: Tensor, k: Tensor, output: Tensor) -> bool:
-    return _one_reduction(q, k, output) and _keys_finite(k)
-
-
-def _two_sums_and_keys(q: Tensor, k: Tensor, output: Tensor) -> bool:
-    return _two_sums(q, k, output) and _keys_finite(k)
-
-
-def _keys_finite(k: Tensor) -> bool:
-    if not _checked(k.device.type):
-        return True
-    total = k.sum(dtype=torch.float32) if k.element_size() < 4 else k.sum()
-    return math.isfinite(total.item())
+        if q.is_contiguous() and output.is_contiguous():
+            finite = math.isfinite(torch.dot(q.view(-1), output.view(-1)).item())
+        else:
+            finite = math.isfinite(torch.dist(q, output, 1).item())
+    else:
+        finite = math.isfinite(q.sum(dtype=torch.float32).item()) and math.isfinite(
+            output.sum(dtype=torch.float32).item()
+        )
+    if finite and (keys or rows_per_key >= KEYS_CHECKED_FROM):
+        total = k.sum(dtype=torch.float32) if k.element_size() < 4 else k.sum()
+        finite = math.isfinite(total.item())
+    return finite
 
 
 def _zeroed(t: Tensor) -> Tensor:

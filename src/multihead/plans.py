@@ -14,8 +14,7 @@ function of ``(q, k, v)`` that runs what was decided, holding the prepared mask 
 tensor of the call. A later call with an equal key runs it directly. (Waiting for the second
 sighting keeps one-off signatures, such as every step of a growing KV cache, from building
 runners that are never used and from pushing out the plans that are.) Nothing in a key depends
-on tensor *values*: the non-finite policy is still checked on every call, and a call that fails
-it takes the whole path again.
+on tensor *values*; a call asking for the non-finite rules (``check_finite=True``) is not plain.
 
 A growing KV cache makes every decoding step a new signature (``Lk`` grows by one), so each
 step would take the whole path. For calls whose plan cannot depend on ``Lk`` — no mask, or one
@@ -66,16 +65,15 @@ __all__ = [
 MAX_PLANS = 64
 #: A plain call's signature: shapes, strides, dtypes, devices, autograd, mask, scale, backend.
 Key: TypeAlias = "tuple[object, ...]"
-#: ``runner(q, k, v) -> output``, and ``finite(q, k, output) -> bool``, the non-finite check.
+#: ``runner(q, k, v) -> output``.
 Runner: TypeAlias = "Callable[[Tensor, Tensor, Tensor], Tensor]"
-Finite: TypeAlias = "Callable[[Tensor, Tensor, Tensor], bool]"
-_PLANS: dict[Key, tuple[Runner, Finite]] = {}
+_PLANS: dict[Key, Runner] = {}
 _SEEN: dict[Key, None] = {}  # signatures met once, oldest first (a dict as an ordered set)
 
 
 def find(
     q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object
-) -> tuple[tuple[Runner, Finite] | None, Key | None, Key | None]:
+) -> tuple[Runner | None, Key | None, Key | None]:
     """The stored plan of a plain call (``None``: none yet), and the keys the whole path stores
     its plans under: :func:`signature` and :func:`growing_signature` (``None`` where the call has
     none, or where the plan was found and no key is needed).
@@ -226,7 +224,7 @@ def _blocks_nothing_at_all_lengths(mask: Mask) -> bool:
     return True
 
 
-#: ``lookup(key)``: the ``(runner, finite)`` pair stored for ``key``, or ``None``.
+#: ``lookup(key)``: the runner stored for ``key``, or ``None``.
 lookup = _PLANS.get
 
 
@@ -256,11 +254,9 @@ def repeated(key: Key) -> bool:
     return False
 
 
-def store(key: Key, runner: Runner, finite: Finite) -> None:
-    """Keep ``runner(q, k, v) -> output`` and ``finite(q, k, output) -> bool`` (the non-finite check
-    for these shapes, :func:`multihead.nonfinite.finite_check`) for ``key``, dropping the oldest
-    plan beyond :data:`MAX_PLANS`."""
-    _PLANS[key] = (runner, finite)
+def store(key: Key, runner: Runner) -> None:
+    """Keep ``runner(q, k, v) -> output`` for ``key``, dropping the oldest plan beyond :data:`MAX_PLANS`."""
+    _PLANS[key] = runner
     _trim(_PLANS)
 
 

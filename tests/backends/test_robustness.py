@@ -1,23 +1,13 @@
 """The reproducers of issue 9 ("every wrong number, NaN and silent acceptance"), one test each,
 named by item. Every backend is asked (a refusal is skipped with its reasons); answers are
-compared with the fp64 reference."""
+compared with the fp64 reference. The non-finite rules are asked for with ``check_finite=True``
+(they are opt-in, the same on every device: docs/conventions.md)."""
 
 import pytest
 import torch
 from matrix import backend_params, serve_or_skip
-from torch import Tensor
 
 import multihead as mh
-
-
-@pytest.fixture(autouse=True)
-def _checked_on_every_device():
-    """The non-finite rules are what these tests check: on every device type (CPU has them by
-    default; a GPU has them when asked, multihead.set_nonfinite_check)."""
-    previous = mh.set_nonfinite_check("cuda", True)
-    yield
-    mh.set_nonfinite_check("cuda", previous)
-
 
 BACKENDS = backend_params()
 
@@ -64,7 +54,7 @@ def test_item2_nan_in_keys_no_query_may_see(backend, device, case):
         v[0, :, bad] = float("nan")
     k, v = k.requires_grad_(), v.requires_grad_()
     serve_or_skip(backend, q, k, v, mask=mask)
-    out = mh.attention(q, k, v, mask=mask, backend=backend)
+    out = mh.attention(q, k, v, mask=mask, backend=backend, check_finite=True)
     assert torch.isfinite(out).all()
     for g in torch.autograd.grad(out.sum(), (q, k, v)):
         assert torch.isfinite(g).all()
@@ -125,7 +115,7 @@ def test_item6_non_finite_inputs_go_exactly_where_the_math_puts_them(backend, de
         v[0, :, 0] = float("nan")
     q, k, v = (t.to(device) for t in (q, k, v))
     serve_or_skip(backend, q, k, v, mask=m, return_lse=True)
-    got = mh.attention(q, k, v, mask=m, backend=backend, return_lse=True)
+    got = mh.attention(q, k, v, mask=m, backend=backend, return_lse=True, check_finite=True)
     want = _ref(q.cpu(), k.cpu(), v.cpu(), mask=m)
     if where == "unseen value" and mask != "window":
         pass  # with every key visible to some row, the value is visible: covered by "visible value"
@@ -159,7 +149,7 @@ def test_item6_bad_keys_that_leave_the_kernels_output_finite_are_found(backend, 
         k.fill_(float("nan"))
     q, k, v = (t.to(device) for t in (q, k, v))
     serve_or_skip(backend, q, k, v, mask=m, return_lse=True)
-    got = mh.attention(q, k, v, mask=m, backend=backend, return_lse=True)
+    got = mh.attention(q, k, v, mask=m, backend=backend, return_lse=True, check_finite=True)
     want = _ref(q.cpu(), k.cpu(), v.cpu(), mask=m)
     nan_rows = torch.isnan(want.output).any(-1)
     assert nan_rows.any()
@@ -179,13 +169,15 @@ def test_item6_bad_keys_next_to_good_ones_are_nan_on_every_backend_whatever_the_
     k[0, 0, 1, 5], k[0, 0, 2, 4] = float("nan"), float("nan")  # row 0 sees keys 0-1, row 1 keys 0-2
     q, k, v = (t.to(device) for t in (q, k, v))
     serve_or_skip(backend, q, k, v, mask=mh.causal(), return_lse=True)
-    got = mh.attention(q, k, v, mask=mh.causal(), backend=backend, return_lse=True)
+    got = mh.attention(q, k, v, mask=mh.causal(), backend=backend, return_lse=True, check_finite=True)
     assert torch.isnan(got.output).all() and torch.isnan(got.lse).all()
 
 
-def test_item6_the_policy_is_written_down_and_rows_that_see_nothing_stay_zero():
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_item6_the_policy_is_written_down_and_rows_that_see_nothing_stay_zero(check_finite):
     q = torch.full((1, 1, 3, 4), float("nan"))
-    out = mh.attention(q, torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), mask=mh.key_padding([0]))
+    k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    out = mh.attention(q, k, v, mask=mh.key_padding([0]), check_finite=check_finite)
     assert torch.equal(out, torch.zeros_like(out))  # fully masked: 0 whatever the query holds
 
 
@@ -250,34 +242,26 @@ def test_item12_flex_refuses_a_call_past_the_recompile_limit_and_explain_says_wh
         flex._compiled.update(saved)
 
 
-def test_the_non_finite_check_is_per_device_type_and_restorable():
-    """Off for a device type, a call gives what the kernel gives (here: sdpa's flash kernel
-    returns 0 for a query row of NaN); on (the CPU default), the row is NaN as the policy says.
-    Bad arguments are refused by name and change nothing."""
-    q = torch.randn(1, 2, 8, 16)
-    q[0, 0, 3] = float("nan")
-    k = v = torch.randn(1, 2, 8, 16)
-    assert mh.set_nonfinite_check("cpu", False) is True
-    try:
-        unchecked = mh.attention(q, k, v, backend="sdpa")
-        assert not torch.isnan(unchecked[0, 0, 3]).all()
-    finally:
-        assert mh.set_nonfinite_check("cpu", True) is False
-    checked = mh.attention(q, k, v, backend="sdpa")
-    assert torch.isnan(checked[0, 0, 3]).all() and torch.isfinite(checked[0, 1]).all()
-    with pytest.raises(TypeError, match="enabled must be a bool"):
-        mh.set_nonfinite_check("cpu", "no")
-    with pytest.raises(TypeError, match="device_type"):
-        mh.set_nonfinite_check(None, True)
-    assert torch.isnan(mh.attention(q, k, v, backend="sdpa")[0, 0, 3]).all()
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_unchecked_calls_are_exact_on_finite_inputs_and_zero_on_rows_that_see_nothing(backend, device):
+    """Without ``check_finite`` (the default, every device): finite inputs give the reference's
+    answer, and a row that sees no key gives output 0 and LSE -inf, known from the mask alone."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 70, 16, generator=gen).to(device)
+    k, v = (torch.randn(2, 2, 90, 16, generator=gen).to(device) for _ in range(2))
+    mask = mh.causal() & mh.key_padding([90, 0])  # batch row 1 sees no key at all
+    serve_or_skip(backend, q, k, v, mask=mask, return_lse=True)
+    got = mh.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
+    want = _ref(q.cpu(), k.cpu(), v.cpu(), mask=mask)
+    torch.testing.assert_close(got.output.double().cpu(), want.output, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.output[1], torch.zeros_like(got.output[1]))
+    assert torch.isneginf(got.lse[1]).all() and torch.isfinite(got.lse[0]).all()
 
 
-def test_skip_nonfinite_check_is_a_block_local_to_its_thread_and_restored_on_error():
-    """Inside ``skip_nonfinite_check()`` a call gives exactly what SDPA gives (its flash kernel: 0
-    for a NaN query row), first call and stored plan alike; outside it, and in another thread
-    while the block is open, the policy holds; an exception leaves the block closed."""
-    import threading
-
+def test_unchecked_calls_give_what_the_kernel_gives_and_checked_ones_the_rules():
+    """A NaN query row: without ``check_finite`` the call gives exactly what PyTorch's SDPA gives
+    (its flash kernel: 0 on CPU), first call and stored plan alike; with it, the row is NaN as the
+    rules say and the other rows are untouched. A flag that is not a bool is refused by name."""
     import torch.nn.functional as F
 
     q = torch.randn(1, 2, 8, 16)
@@ -285,21 +269,25 @@ def test_skip_nonfinite_check_is_a_block_local_to_its_thread_and_restored_on_err
     k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     raw = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = mh.causal()
-    other_thread: list[Tensor] = []
-    with mh.skip_nonfinite_check():
-        for _ in range(3):  # the first call takes the whole path; the later ones a stored plan
-            got = mh.attention(q, k, v, mask=mask, backend="sdpa")
-            torch.testing.assert_close(got, raw, rtol=0, atol=0, equal_nan=True)
-        assert not torch.isnan(got[0, 0, 3]).all()
-        worker = threading.Thread(target=lambda: other_thread.append(mh.attention(q, k, v, mask=mask, backend="sdpa")))
-        worker.start()
-        worker.join()
-        with mh.skip_nonfinite_check():  # blocks nest
-            pass
-        assert not torch.isnan(mh.attention(q, k, v, mask=mask, backend="sdpa")[0, 0, 3]).all()
-    assert torch.isnan(other_thread[0][0, 0, 3]).all(), "another thread keeps the policy"
-    with pytest.raises(RuntimeError, match="inside"):
-        with mh.skip_nonfinite_check():
-            raise RuntimeError("inside")
-    checked = mh.attention(q, k, v, mask=mask, backend="sdpa")
+    for _ in range(3):  # the first call takes the whole path; the later ones a stored plan
+        got = mh.attention(q, k, v, mask=mask, backend="sdpa")
+        torch.testing.assert_close(got, raw, rtol=0, atol=0, equal_nan=True)
+    checked = mh.attention(q, k, v, mask=mask, backend="sdpa", check_finite=True)
     assert torch.isnan(checked[0, 0, 3]).all() and torch.isfinite(checked[0, 1]).all()
+    torch.testing.assert_close(checked[0, 1], raw[0, 1], rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match=r"attention: check_finite must be a bool, got str 'yes'"):
+        mh.attention(q, k, v, check_finite="yes")
+
+
+def test_the_former_switches_say_the_new_spelling():
+    """``set_nonfinite_check`` and ``skip_nonfinite_check`` (per-device and per-block switches)
+    are gone: turning the check off warns (it is off already), turning it on raises; both name
+    ``check_finite=True``."""
+    with pytest.raises(TypeError, match=r"set_nonfinite_check\('cuda', True\) was removed: .*check_finite=True"):
+        mh.set_nonfinite_check("cuda", True)
+    with pytest.warns(DeprecationWarning, match=r"check_finite=True"):
+        assert mh.set_nonfinite_check("cpu", False) is False
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.warns(DeprecationWarning, match=r"unchecked by default.*check_finite=True"):
+        with mh.skip_nonfinite_check():
+            torch.testing.assert_close(mh.attention(q, q, q), mh.attention(q, q, q))

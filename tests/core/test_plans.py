@@ -166,18 +166,19 @@ def test_autograd_after_a_cached_call_without_it():
 
 
 def test_non_finite_inputs_after_a_cached_call_follow_the_policy():
+    """A call asking for the non-finite rules is never served by the plan of a plain call."""
     q, k, v = _qkv(L=8)
     mask = mh.causal() & mh.sliding_window(2)
     _cached(q, k, v, mask=mask)
     q2 = q.clone()
     q2[0, 1, 3, 0] = float("nan")  # that row only
-    out = mh.attention(q2, k, v, mask=mask)
+    out = mh.attention(q2, k, v, mask=mask, check_finite=True)
     assert torch.equal(out.isnan().any(-1), _ref(q2, k, v, mask=mask).isnan().any(-1))
     assert int(out.isnan().any(-1).sum()) == 1
     v2 = v.clone()
     v2[0, 0, 2, 0] = float("inf")  # value 2: seen by rows 2, 3 and 4 of head 0
     want = _ref(q, k, v2, mask=mask)
-    out = mh.attention(q, k, v2, mask=mask)
+    out = mh.attention(q, k, v2, mask=mask, check_finite=True)
     assert torch.equal(out.isnan().any(-1), want.isnan().any(-1)) and int(want.isnan().any(-1).sum()) == 3
     finite = ~want.isnan()
     torch.testing.assert_close(out.double()[finite], want[finite], rtol=1e-5, atol=1e-5)

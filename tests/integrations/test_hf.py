@@ -823,36 +823,37 @@ def test_a_factory_that_changed_its_rule_is_read_densely_never_wrongly(fresh_clo
     assert causal_only == masks.causal()
 
 
-def test_inside_a_model_the_nonfinite_check_is_skipped_unless_registered_with_it(monkeypatch):
-    """``register()`` runs the model's calls in ``skip_nonfinite_check`` (a model then gives what
-    transformers' sdpa gives for NaN inputs, without the check's cost per call);
-    ``register(nonfinite_check=True)`` keeps `multihead`'s rules. Either gives the same logits on
-    finite inputs. A flag that is not a bool is refused by name and registers nothing."""
+def test_inside_a_model_calls_are_checked_only_when_registered_with_check_finite(monkeypatch):
+    """A model's attention calls are unchecked, as every call is by default (a model then gives
+    what transformers' sdpa gives for NaN inputs); ``register(check_finite=True)`` applies
+    `multihead`'s non-finite rules. Either gives the same logits on finite inputs. The former
+    ``nonfinite_check=`` warns and means the same; a flag that is not a bool is refused by name
+    and registers nothing."""
     from transformers import AttentionInterface
 
-    import multihead.nonfinite as nonfinite
-
-    checked_name = mh_hf.register("multihead-checked", nonfinite_check=True)
+    checked_name = mh_hf.register("multihead-checked", check_finite=True)
     seen: list[bool] = []
     attention = multihead.attention
 
     def spy(*args, **kwargs):
-        seen.append(nonfinite._SKIPPED.get())
+        seen.append(kwargs["check_finite"])
         return attention(*args, **kwargs)
 
     monkeypatch.setattr(multihead, "attention", spy)
     model, _ = model_pair("llama")
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     try:
-        skipped = out_of(run(model, "multihead", input_ids=ids))
+        unchecked = out_of(run(model, "multihead", input_ids=ids))
         n = len(seen)
         checked = out_of(run(model, checked_name, input_ids=ids))
     finally:
         mh_hf.unregister(checked_name)
-    assert n == model.config.num_hidden_layers and seen[:n] == [True] * n
-    assert seen[n:] == [False] * n
-    torch.testing.assert_close(skipped, checked, rtol=0, atol=0)
-    assert not nonfinite._SKIPPED.get()
-    with pytest.raises(TypeError, match=r"register: nonfinite_check must be a bool, got str 'no'"):
-        mh_hf.register("multihead-bad-flag", nonfinite_check="no")
+    assert n == model.config.num_hidden_layers and seen[:n] == [False] * n
+    assert seen[n:] == [True] * n
+    torch.testing.assert_close(unchecked, checked, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match=r"register\(check_finite=...\)"):
+        mh_hf.register("multihead-old-name", nonfinite_check=True)
+    mh_hf.unregister("multihead-old-name")
+    with pytest.raises(TypeError, match=r"register: check_finite must be a bool, got str 'no'"):
+        mh_hf.register("multihead-bad-flag", check_finite="no")
     assert "multihead-bad-flag" not in AttentionInterface._global_mapping

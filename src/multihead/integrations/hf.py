@@ -44,7 +44,6 @@ read only when none does. Continuous batching's paged cache (``cache=``) is refu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import warnings
@@ -62,7 +61,7 @@ from multihead.integrations.hf_masks import band_blocks_nothing, from_dense, fro
 from multihead.layers.checks import check_flag
 from multihead.masks import Mask, causal
 from multihead.masks import sliding_window as sliding_window_mask
-from multihead.nonfinite import skip_nonfinite_check
+from multihead.nonfinite import check_finite_flag
 
 __all__ = [
     "NAME",
@@ -77,26 +76,30 @@ __all__ = [
 NAME = "multihead"
 
 
-def register(name: str = NAME, *, backend: str = "auto", nonfinite_check: bool = False) -> str:
+def register(
+    name: str = NAME, *, backend: str = "auto", check_finite: bool = False, nonfinite_check: bool | None = None
+) -> str:
     """Register ``name`` with ``transformers``' attention interface and its mask interface.
 
     ``backend`` is passed to every :func:`multihead.attention` call (``"auto"``, or a backend
-    name such as ``"sdpa"`` or ``"reference"``). ``nonfinite_check``: apply `multihead`'s rules
-    for NaN and infinite inputs (``docs/conventions.md``) inside the model too. Off by default:
-    a model then gives what ``transformers``' ``sdpa`` gives there (the same PyTorch kernels, no
-    such rules), without the check's reduction and host read per call (about 1% of a decoding
-    step on CPU, ``docs/integrations.md``). Registering again replaces the functions. Returns
-    ``name``, for ``attn_implementation=register()``.
+    name such as ``"sdpa"`` or ``"reference"``), and so is ``check_finite``: apply `multihead`'s
+    rules for NaN and infinite inputs (``docs/conventions.md``) inside the model too. Off by
+    default, as for every call: a model then gives what ``transformers``' ``sdpa`` gives there.
+    (``nonfinite_check=`` is its former name: it warns and means the same.) Registering again
+    replaces the functions. Returns ``name``, for ``attn_implementation=register()``.
     """
     _check_transformers()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     check_backend_name(backend)
-    check_flag("register", "nonfinite_check", nonfinite_check)
-    AttentionInterface.register(
-        name, functools.partial(attention_forward, backend=backend, nonfinite_check=nonfinite_check)
-    )
+    if nonfinite_check is not None:
+        warnings.warn(
+            "register(nonfinite_check=...) is now register(check_finite=...)", DeprecationWarning, stacklevel=2
+        )
+        check_finite = check_flag("register", "nonfinite_check", nonfinite_check)
+    check_finite_flag("register", check_finite)
+    AttentionInterface.register(name, functools.partial(attention_forward, backend=backend, check_finite=check_finite))
     AttentionMaskInterface.register(name, mask_interface)
     return name
 
@@ -255,7 +258,7 @@ def attention_forward(
     s_aux: Tensor | None = None,
     *,
     backend: str = "auto",
-    nonfinite_check: bool = True,
+    check_finite: bool = False,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """The attention function of the ``AttentionInterface``.
@@ -268,8 +271,7 @@ def attention_forward(
             ``(B|1, 1, Lq, >= Lk)`` (bool or additive), or ``None``.
         scaling, dropout, sliding_window, softcap, s_aux: as HF passes them (module docstring).
         backend: the :func:`multihead.attention` backend.
-        nonfinite_check: ``False`` runs the call in :class:`multihead.skip_nonfinite_check`
-            (what :func:`register` sets by default).
+        check_finite: :func:`multihead.attention`'s (what :func:`register` was given).
 
     Returns:
         ``(output (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``.
@@ -304,27 +306,22 @@ def attention_forward(
             f"'multihead' after multihead.integrations.hf.register(), so that its masks are mask objects"
         )
     want_weights = _weights_wanted(module, kwargs)
-    # (compiled code is not checked anyway; a nullcontext traces away)
-    unchecked = _AS_SET if nonfinite_check or torch.compiler.is_compiling() else skip_nonfinite_check()
-    with unchecked:
-        result = multihead.attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            score_mod=score_mod or None,
-            softcap=softcap,
-            sinks=s_aux,
-            scale=scaling,
-            dropout_p=float(dropout),
-            return_weights=want_weights,
-            backend=backend,
-        )
+    result = multihead.attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        score_mod=score_mod or None,
+        softcap=softcap,
+        sinks=s_aux,
+        scale=scaling,
+        dropout_p=float(dropout),
+        return_weights=want_weights,
+        backend=backend,
+        check_finite=check_finite,
+    )
     output, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
     return output.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv), as HF's attention functions return
-
-
-_AS_SET = contextlib.nullcontext()  # a call checked as multihead.set_nonfinite_check says
 
 
 def _weights_wanted(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
