@@ -15,7 +15,19 @@ sys.path.insert(0, str(HERE))
 from common import context  # noqa: E402
 
 PLOTS = {"core", "sliding_window"}  # the benchmarks that draw a plot (and take --update-docs)
-SUITE = ["core", "dtypes", "overhead", "sliding_window", "documents", "gqa", "decode", "dropout", "memory", "layers", "hf"]
+SUITE = [
+    "core",
+    "dtypes",
+    "overhead",
+    "sliding_window",
+    "documents",
+    "gqa",
+    "decode",
+    "dropout",
+    "memory",
+    "layers",
+    "hf",
+]
 
 
 def main(argv=None) -> None:
