@@ -49,14 +49,18 @@ def test_permuting_keys_and_values_together_changes_nothing_without_a_mask(backe
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_keys_can_hold_anything(backend):
-    """Keys masked out by key_padding may be huge or NaN without changing the output."""
+    """Keys masked out by key_padding may be huge without changing the output, on every call; NaN
+    too with ``check_finite=True`` (without it a NaN gives what the kernel gives: docs/conventions.md)."""
     q, k, v = rand(2, 4, 7, 8, seed=10), rand(2, 4, 12, 8, seed=11), rand(2, 4, 12, 8, seed=12)
     lengths = torch.tensor([12, 5])
     clean = mh.attention(q, k, v, mask=mh.key_padding(lengths), backend=backend)
     k2, v2 = k.clone(), v.clone()
     k2[1, :, 5:] = 1e30
+    v2[1, :, 5:] = -1e30
+    huge = mh.attention(q, k2, v2, mask=mh.key_padding(lengths), backend=backend)
+    torch.testing.assert_close(huge, clean)
     v2[1, :, 5:] = float("nan")
-    dirty = mh.attention(q, k2, v2, mask=mh.key_padding(lengths), backend=backend)
+    dirty = mh.attention(q, k2, v2, mask=mh.key_padding(lengths), backend=backend, check_finite=True)
     torch.testing.assert_close(dirty, clean)
     # Padding the key sequence with masked keys leaves the output unchanged.
     k3, v3 = torch.cat([k, rand(2, 4, 5, 8, seed=13)], 2), torch.cat([v, rand(2, 4, 5, 8, seed=14)], 2)
