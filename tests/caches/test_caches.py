@@ -3,11 +3,23 @@ reorder, reset, rollback, and refused calls that change nothing."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from cache_state import everything, identical
 
+import multihead as mh
 from helpers import DEVICES
-from multihead.caches import CacheRead, DynamicKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.caches import (
+    CacheRead,
+    DynamicKVCache,
+    KVCache,
+    LatentKVCache,
+    PagedKVCache,
+    SlidingWindowKVCache,
+    StaticKVCache,
+)
 from multihead.caches.base import EMPTY_POSITION
 
 B, HKV, D, DV = 2, 3, 5, 7
@@ -94,12 +106,17 @@ def test_sliding_cache_keeps_the_last_window_plus_one_tokens_in_a_ring(device):
         read = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     assert cache.positions.tolist() == [6, 4, 5]  # slot p % 3
     assert torch.equal(read.keys[:, :, 0], k[:, :, 6]) and read.window == 2
-    assert read.mask(None, causal=True)[0, 0, 0].tolist() == [True, True, True]  # positions 4, 5, 6 for the query at 6
+    window = mh.sliding_window(2)  # the mask the ring serves (a wider one is refused)
+    assert read.mask(window, causal=True)[0, 0, 0].tolist() == [
+        True,
+        True,
+        True,
+    ]  # positions 4, 5, 6 for the query at 6
     chunk_k, chunk_v = _kv(4, seed=3, device=device)  # a step of 4 tokens straddling the wrap: the ring, then them
     read = cache.update(chunk_k, chunk_v)
     assert read.keys.shape[2] == 3 + 4 and read.key_positions.tolist() == [6, 4, 5, 7, 8, 9, 10]
     assert cache.positions.tolist() == [9, 10, 8] and cache.length == 11
-    visible = read.mask(None, causal=True)[0, 0]  # query 7 sees 5, 6, 7; query 10 sees 8, 9, 10
+    visible = read.mask(window, causal=True)[0, 0]  # query 7 sees 5, 6, 7; query 10 sees 8, 9, 10
     assert visible[0].tolist() == [True, False, True, True, False, False, False]
     assert visible[3].tolist() == [False, False, False, False, True, True, True]
 
@@ -250,7 +267,7 @@ BAD_UPDATES = [  # (name, k, v, positions, error, message after "<Cache>.update:
     ),
     ("device", k1.to("meta"), v1.to("meta"), None, ValueError, r"new keys/values are on meta but the cache is on cpu"),
 ]
-POSITION_UPDATES = [  # static and sliding check that positions continue the sequence
+POSITION_UPDATES = [  # every cache checks that positions continue the sequence
     ("positions backwards", k1, v1, torch.tensor([2]), ValueError, r"positions must continue"),
     ("positions with a gap", k1, v1, torch.tensor([4]), ValueError, r"positions must continue"),
     ("positions shape", k1, v1, torch.tensor([3, 4]), ValueError, r"positions must have shape \(1,\) or \(2, 1\)"),
@@ -265,8 +282,6 @@ POSITION_UPDATES = [  # static and sliding check that positions continue the seq
     ids=[c[0] for c in BAD_UPDATES + POSITION_UPDATES],
 )
 def test_a_refused_update_changes_nothing(kind, name, k, v, positions, error, pattern):
-    if kind == "dynamic" and name.startswith("positions"):
-        return  # a DynamicKVCache appends: positions only go to rope (left-padded prompts), see test_seams
     cache = MAKERS[kind]()
     cache.update(*_kv(3))
     before = _state(cache)
@@ -309,3 +324,127 @@ def test_gqa_and_mqa_caches_hold_only_the_kv_heads():
     mha, gqa, mqa = (StaticKVCache(1, 64, h, 16) for h in (8, 2, 1))
     payload = [c.keys.nbytes + c.values.nbytes for c in (mha, gqa, mqa)]
     assert payload == [2 * 64 * 16 * 4 * h for h in (8, 2, 1)]
+
+
+# ---------------------------------------------------------------------------- issue 28
+C_LATENT = 4  # LatentKVCache rows: DV = C_LATENT + 3 features, values the first C_LATENT of them
+
+
+def _latent_kv(L, seed=0):
+    rows = torch.randn(B, 1, L, C_LATENT + 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return rows, rows[..., :C_LATENT]
+
+
+EVERY_CACHE = {  # name: (make, kv(L, seed))
+    "dynamic": (DynamicKVCache, _kv),
+    "latent": (LatentKVCache, _latent_kv),
+    "static": (_static, _kv),
+    "sliding": (_sliding, _kv),
+    "paged": (lambda: PagedKVCache(8, 2, HKV, D, value_dim=DV, batch_size=B, dtype=torch.float64), _kv),
+}
+BAD_POSITIONS = [  # after 3 tokens, one new token: (name, positions, error, message after "<Cache>.update: ")
+    (
+        "skips",
+        torch.tensor([5]),
+        ValueError,
+        r"positions must continue each row: expected \[3\] in every row .*got \[5\]",
+    ),
+    ("goes back", torch.tensor([1]), ValueError, r"positions must continue each row: expected \[3\] .*got \[1\]"),
+    (
+        "one row skips",
+        torch.tensor([[3], [4]]),
+        ValueError,
+        r"positions must continue each row: expected \[3\] in every row .*got row 0: \[3\]; row 1: \[4\]",
+    ),
+    ("shape", torch.tensor([3, 4]), ValueError, r"positions must have shape \(1,\) or \(2, 1\) .*got \(2,\)"),
+    ("3-D", torch.tensor([[[3]]]), ValueError, r"positions must have shape \(1,\) or \(2, 1\) .*got \(1, 1, 1\)"),
+    ("float", torch.tensor([3.0]), TypeError, r"positions must be an integer tensor \(1,\) or \(2, 1\) .*float32"),
+    ("bool", torch.tensor([True]), TypeError, r"positions must be an integer tensor .*got dtype torch.bool"),
+    ("list", [3], TypeError, r"positions must be an integer tensor .*got list"),
+]
+
+
+@pytest.mark.parametrize("name, positions, error, pattern", BAD_POSITIONS, ids=[c[0] for c in BAD_POSITIONS])
+@pytest.mark.parametrize("kind", EVERY_CACHE)
+def test_every_cache_refuses_positions_that_do_not_continue_it(kind, name, positions, error, pattern):
+    """Issue 28: DynamicKVCache and LatentKVCache took any positions (skipping, going back, of any
+    shape, floats) and handed them back as query_positions. Every cache now refuses them with the
+    same check and message, and stays bit-identical; the right positions still work."""
+    make, kv = EVERY_CACHE[kind]
+    cache = make()
+    cache.update(*kv(3))
+    before = everything(cache)
+    k, v = kv(1, seed=1)
+    with pytest.raises(error, match=rf"^{type(cache).__name__}\.update: " + pattern):
+        cache.update(k, v, positions)
+    assert identical(everything(cache), before)
+    read = cache.update(k, v, torch.tensor([3]))
+    assert read.query_positions.reshape(-1, 1).unique().tolist() == [3] and cache.length == 4
+
+
+def test_a_latent_cache_refuses_bad_positions_on_its_first_update_and_stays_empty():
+    """The first update fixes the latent width: bad positions must not fix it (nor anything else)."""
+    cache = LatentKVCache()
+    before = everything(cache)
+    with pytest.raises(
+        ValueError, match=r"^LatentKVCache\.update: positions must continue each row: expected \[0..2\]"
+    ):
+        cache.update(*_latent_kv(3), torch.tensor([1, 2, 3]))
+    assert identical(everything(cache), before) and cache.latent_dim is None and cache.keys is None
+    rows, latent = _latent_kv(3)
+    read = cache.update(rows, latent, torch.tensor([0, 1, 2]))
+    assert read.query_positions.tolist() == [0, 1, 2] and cache.latent_dim == C_LATENT
+
+
+def _visible(read, window):
+    """{position: key of row 0, head 0} the query of a one-token read sees under sliding_window(window)."""
+    allowed = read.mask(mh.sliding_window(window), causal=True)[0, 0, 0]  # (S,)
+    positions = read.key_positions.reshape(-1, read.keys.shape[2])[0]
+    return {int(p): read.keys[0, 0, j] for j, p in enumerate(positions.tolist()) if allowed[j]}
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2])
+@pytest.mark.parametrize("window", [0, 1, 2, 3])
+def test_a_sliding_crop_is_honoured_or_refused_with_the_range_it_lacks(window, extra):
+    """Issue 28: SlidingWindowKVCache(window=0).crop(n) refused crops further back than extra + 1
+    tokens with an empty range ("needs positions 3..2"), though a query of a window-0 attention sees
+    no earlier token. Every crop of a ring of 9 tokens is now honoured exactly when the positions the
+    next query sees are held (and decoding goes on as from a fresh cache), or refused naming the
+    non-empty range it lacks, changing nothing."""
+    L, capacity = 9, window + 1 + extra
+    k, v = _kv(L + 1)
+    for n in range(L + 1):
+        cache = _sliding(window, extra)
+        for t in range(L):
+            cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        honourable = window == 0 or n == 0 or max(0, n - window) >= max(0, L - capacity)
+        before = everything(cache)
+        if not honourable:
+            with pytest.raises(ValueError, match=r"crop: going back to \d+ tokens needs positions") as refused:
+                cache.crop(n)
+            first, last = map(int, re.search(r"needs positions (\d+)\.\.(\d+)", str(refused.value)).groups())
+            held = {p for p in cache.positions.tolist() if p != EMPTY_POSITION}
+            assert first <= last == n - 1 and not set(range(first, last + 1)) <= held, str(refused.value)
+            assert identical(everything(cache), before)
+            continue
+        cache.crop(n)
+        assert cache.length == n
+        fresh = _sliding(window, extra)
+        for t in range(n):
+            fresh.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        got = _visible(cache.update(k[:, :, L : L + 1], v[:, :, L : L + 1]), window)
+        want = _visible(fresh.update(k[:, :, L : L + 1], v[:, :, L : L + 1]), window)
+        assert got.keys() == want.keys() == set(range(max(0, n - window), n + 1)), (n, got.keys())
+        assert all(torch.equal(got[p], want[p]) for p in got)
+
+
+def test_a_window_0_sliding_cache_crops_any_number_of_tokens_back():
+    """Issue 28's case: window=0, extra=0 (one slot), 8 tokens, crop(3): honoured."""
+    cache = _sliding(window=0)
+    k, v = _kv(8)
+    for t in range(8):
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    cache.crop(3)
+    assert cache.length == 3 and cache.positions.tolist() == [EMPTY_POSITION]
+    read = cache.update(*_kv(1, seed=4))
+    assert read.query_positions.tolist() == [3] and cache.positions.tolist() == [3]

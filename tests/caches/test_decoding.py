@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_state import everything, identical
 
 import multihead as mh
 from helpers import DEVICES
@@ -88,7 +89,8 @@ def test_cached_decoding_equals_the_full_causal_forward(kind, Hkv, schedule, dty
 @pytest.mark.parametrize("kind", ["sliding", "dynamic", "static"])
 def test_windowed_decoding_equals_the_full_windowed_forward(kind, window, schedule, device):
     """Lengths around and far past the window (window-1, window, window+1, many wraps), steps of
-    several tokens that straddle the wrap; the sliding cache applies its window itself."""
+    several tokens that straddle the wrap. The sliding cache holds what the window sees, no more;
+    the mask says which window (a causal layer without it is refused, never narrowed)."""
     layer = _layer(2, device=device)
     x = _x(2, 20, device=device)
     band = mh.sliding_window(window)
@@ -96,10 +98,10 @@ def test_windowed_decoding_equals_the_full_windowed_forward(kind, window, schedu
         full = layer(x, mask=band)
         cache = _cache(kind, layer, 2, window=window, device=device)
         cached = _decode(layer, x, cache, schedule, mask=band)
-        if kind == "sliding":  # the same without the mask: the cache's window is the mask
-            alone = _decode(layer, x, _cache(kind, layer, 2, window=window, device=device), schedule)
-            torch.testing.assert_close(alone, full, rtol=1e-12, atol=1e-12)
+        if kind == "sliding":
             assert cache.keys.shape[2] == window + 1  # it holds what the window sees, no more
+            with pytest.raises(ValueError, match=rf"no mask with causal=True .* window={window} keys"):
+                _decode(layer, x, _cache(kind, layer, 2, window=window, device=device), schedule)
     torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
 
 
@@ -257,3 +259,138 @@ def test_gradients_through_cached_steps_equal_the_full_forward(device):
     want = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------- issue 28
+@pytest.mark.parametrize("kind", ["static", "sliding"])
+def test_a_layer_refuses_positions_that_skip_or_go_back_with_any_cache(kind):
+    """Issue 28: a cache whose slots follow positions refuses, through a layer, positions that
+    skip or go back, before storing anything; the right positions then decode exactly. (A
+    call-order cache takes them as rotary positions only: the next test.)"""
+    layer = _layer(2, rope=True)
+    x = _x(2, 8)
+    mask = mh.sliding_window(3) if kind == "sliding" else None
+    with torch.no_grad():
+        full = layer(x, mask=mask)
+        cache = _cache(kind, layer, 2, window=3)
+        layer(x[:, :5], kv_cache=cache, mask=mask)
+        before = everything(cache)
+        for bad in (torch.tensor([7]), torch.tensor([4]), torch.tensor([[5], [6]])):
+            with pytest.raises(ValueError, match=rf"{type(cache).__name__}\.update: positions must continue each row"):
+                layer(x[:, 5:6], kv_cache=cache, mask=mask, positions=bad)
+            assert identical(everything(cache), before)
+        rest = _decode(layer, x[:, 5:], cache, [1, 2], mask=mask)
+    torch.testing.assert_close(rest, full[:, 5:], rtol=1e-12, atol=1e-12)
+
+
+def test_call_order_caches_take_a_layers_positions_as_rotary_positions_only():
+    """DynamicKVCache and LatentKVCache keep call order (``places_by_position`` is False): a layer
+    given positions that start at 300 (an offset) rotates by them and stores in order, equal to
+    the forward without a cache at the same positions, for both layers; the caches, asked
+    directly, still refuse positions that do not continue them (tests/caches/test_caches.py)."""
+    torch.manual_seed(0)
+    mla = mh.MultiHeadLatentAttention(
+        E, HQ, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, dtype=DT
+    ).eval()
+    layer = _layer(2, rope=True)
+    x = _x(2, 7)
+    positions = torch.arange(7) + 300
+    assert not DynamicKVCache.places_by_position and not mh.LatentKVCache.places_by_position
+    with torch.no_grad():
+        for module, cache in [(mla, mh.LatentKVCache()), (layer, DynamicKVCache())]:
+            full = module(x, positions=positions)
+            first = module(x[:, :5], kv_cache=cache, positions=positions[:5])
+            rest = module(x[:, 5:], kv_cache=cache, positions=positions[5:])
+            torch.testing.assert_close(torch.cat([first, rest], dim=1), full, rtol=1e-10, atol=1e-10)
+            assert cache.length == 7
+
+
+def _layer_causal(causal: bool):
+    torch.manual_seed(0)
+    return mh.MultiHeadAttention(E, HQ, num_kv_heads=2, causal=causal, dtype=DT).eval()
+
+
+WIDE_MASKS = [  # (name, layer options, mask, message): a SlidingWindowKVCache(3) cannot honour these
+    ("a wider window", {}, mh.sliding_window(8), r"mask sliding_window\(left=8.* the 8 keys before it.* window=3"),
+    ("a causal layer, no mask", {}, None, r"no mask with causal=True lets a query see every earlier key.*window=3"),
+    ("causal()", {}, mh.causal(), r"mask causal\(.*every earlier key \(no window\).*window=3"),
+    ("no mask, causal=False", {"causal": False}, None, r"no mask with causal=False .*every earlier key.*window=3"),
+    ("a tensor mask", {}, torch.ones(1, 5, dtype=torch.bool), r"a tensor mask .*every earlier key.*window=3"),
+    (
+        "a window wider than the layer's",
+        {},
+        mh.sliding_window(4) & mh.causal(),
+        r"mask sliding_window\(left=4.*the 4 keys before it",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, options, mask, message", WIDE_MASKS, ids=[c[0] for c in WIDE_MASKS])
+def test_a_sliding_cache_refuses_a_mask_reaching_further_back_than_its_window(name, options, mask, message):
+    """Issue 28: with a SlidingWindowKVCache(3), a sliding_window(8) mask (or a causal layer with no
+    window) computed window-3 attention, off by 0.4-0.5, with no error. The call is now refused
+    before anything is written (the undo record of the last update is still there, so nothing was
+    written and rolled back), naming both widths; a fresh cache is refused at its first call."""
+    layer = _layer_causal(options.get("causal", True))
+    x = _x(2, 6)
+    with torch.no_grad():
+        cache = _cache("sliding", layer, 2, window=3)
+        layer(x[:, :4], kv_cache=cache, mask=mh.sliding_window(3))
+        before = everything(cache)
+        with pytest.raises(ValueError, match=r"^SlidingWindowKVCache: " + message + r".*hint: pass a mask that fits"):
+            layer(x[:, 4:5], kv_cache=cache, mask=mask)
+        assert identical(everything(cache), before)
+        fresh = _cache("sliding", layer, 2, window=3)
+        empty = everything(fresh)
+        with pytest.raises(ValueError, match=message):
+            layer(x[:, :4], kv_cache=fresh, mask=mask if not isinstance(mask, torch.Tensor) else mask[:, :4])
+        assert identical(everything(fresh), empty)
+
+
+def test_cache_read_mask_refuses_a_mask_wider_than_the_ring():
+    """CacheRead.mask, the one place a ring's window meets the mask, refuses it too (for code that
+    reads a cache without a layer)."""
+    cache = SlidingWindowKVCache(3, 1, 1, 4, dtype=DT)
+    read = cache.update(torch.randn(1, 1, 5, 4, dtype=DT), torch.randn(1, 1, 5, 4, dtype=DT))
+    with pytest.raises(ValueError, match=r"^CacheRead\.mask: mask sliding_window\(left=8.*the 8 keys.*window=3"):
+        read.mask(mh.sliding_window(8), causal=True)
+    with pytest.raises(ValueError, match=r"^CacheRead\.mask: no mask with causal=True"):
+        read.mask(None, causal=True)
+    assert read.mask(mh.sliding_window(3), causal=True).shape[-1] == 3 + 1 + 5
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        mh.sliding_window(0),
+        mh.sliding_window(2),
+        mh.sliding_window(3),
+        mh.sliding_window(1) & mh.causal(),
+        mh.document(torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1])) & mh.sliding_window(2),
+    ],
+    ids=["window0", "window2", "window3", "window1&causal", "documents&window2"],
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "not-causal"])
+def test_a_mask_that_fits_the_sliding_cache_decodes_exactly(mask, causal):
+    """Windows up to the cache's (alone or combined), causal layer or not: unchanged, exact."""
+    layer = _layer_causal(causal)
+    x = _x(2, 12)
+    with torch.no_grad():
+        full = layer(x, mask=mask)
+        cached = _decode(layer, x, _cache("sliding", layer, 2, window=3), [4, 1, 3, 1, 1, 2], mask=mask)
+    torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
+
+
+def test_a_window_0_cache_crops_far_back_and_decodes_exactly():
+    """Issue 28: SlidingWindowKVCache(window=0).crop(3) after 8 tokens was refused ("needs positions
+    3..2"); a window-0 query sees only itself, so the crop holds, and decoding goes on exactly."""
+    layer = _layer(2)
+    x = _x(2, 10)
+    band = mh.sliding_window(0)
+    with torch.no_grad():
+        full = layer(x, mask=band)
+        cache = _cache("sliding", layer, 2, window=0)
+        _decode(layer, x[:, :8], cache, [1] * 8, mask=band)
+        cache.crop(3)
+        rest = _decode(layer, x[:, 3:], cache, [1, 3, 1, 2], mask=band)
+    torch.testing.assert_close(rest, full[:, 3:], rtol=1e-12, atol=1e-12)

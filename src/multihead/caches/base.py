@@ -11,7 +11,7 @@ positions ``p`` see the keys at positions ``<= p`` (causal), which is the bottom
                    q3    1  1  1  1  .
                    q4    1  1  1  1  1
 
-Three caches implement the interface:
+Among the caches implementing the interface:
 
 * :class:`~multihead.caches.DynamicKVCache`: slot ``j`` holds position ``j``; grows as needed;
 * :class:`~multihead.caches.StaticKVCache`: preallocated ``max_len`` slots (slot ``j`` holds
@@ -19,8 +19,15 @@ Three caches implement the interface:
 * :class:`~multihead.caches.SlidingWindowKVCache`: a ring buffer keeping the last ``window``
   tokens, for a ``sliding_window(window)`` attention.
 
-A refused update, crop or reorder raises before anything changes. :meth:`KVCache.rollback`
-undoes the last update (a layer whose attention call fails after the update calls it).
+A refused update, crop or reorder raises before anything changes. Every cache checks the
+``positions`` of an update with one function, :func:`check_continuation`: the new tokens must
+continue each row exactly, since slot ``j`` holds position ``j`` (or ``p % capacity`` in a ring).
+A cache that keeps only a window of keys (:attr:`KVCache.window`) refuses, through
+:func:`check_reach`, a mask that would let a query see keys it no longer holds: the layer asks
+(:meth:`KVCache.check_mask`) before the update, and :meth:`CacheRead.mask` asks again. A mask
+passed with a cache means what it means without one, or the call fails; never a narrower attention.
+:meth:`KVCache.rollback` undoes the last update (a layer whose attention call fails after the
+update calls it).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from torch import Tensor
 from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
+from multihead.masks.base import UNBOUNDED
 
 __all__ = [
     "KVCache",
@@ -42,6 +50,7 @@ __all__ = [
     "check_indices",
     "check_crop",
     "check_continuation",
+    "check_reach",
     "check_prefix",
     "EMPTY_POSITION",
 ]
@@ -79,11 +88,15 @@ class CacheRead(NamedTuple):
         ``causal``, the cache's window, and no empty slot.
 
         A mask object means the same thing whatever the cache: it is read on the square attention
-        of the whole sequence, at the tokens' absolute positions. A tensor mask (or a mask built
+        of the whole sequence, at the tokens' absolute positions. With a ``window``, the mask (and
+        ``causal``) must not let a query see further back than the window (:func:`check_reach`):
+        the window is what the cache holds, never a silent narrowing of the mask. A tensor mask (or a mask built
         on one) is over the call's ``(Lq, S)`` slots as returned. A contiguous read keeps mask objects (fast paths see
         ``causal()``); other reads give a bool tensor ``(B|1, heads|1, Lq, S)``, small for the decode
         steps such caches serve. ``heads`` is ``Hq``, for masks that differ per head.
         """
+        if self.window is not None:  # a ring: refuse a mask reaching keys it no longer holds
+            check_reach("CacheRead.mask", mask, causal, self.window, self.query_positions)
         Lq, S = self.query_positions.shape[-1], self.keys.shape[2]
         whole = _whole_length(mask, S) if isinstance(mask, Mask) and not _call_frame(mask) else None
         if self.contiguous:
@@ -123,6 +136,25 @@ class KVCache(abc.ABC):
     A subclass stores them as it likes but answers the same questions. Every mutating method
     validates its inputs first: a refused call leaves the cache as it was.
     """
+
+    #: The keys a query finds before it: positions ``p - window .. p`` and no older one (``None``:
+    #: every earlier key). Only a ring (:class:`~multihead.caches.SlidingWindowKVCache`) sets it.
+    window: int | None = None
+    #: Whether a row's slots follow its positions (static, sliding, paged: ``update`` places the
+    #: tokens by position and a layer hands it the positions it was given). ``False``: the cache
+    #: keeps call order, every update after the last (dynamic, latent); a layer then hands the
+    #: positions it was given to the rotary embedding only (left-padded prompts, offsets), and
+    #: reads masks in call order. Either way ``update(..., positions)`` called directly refuses
+    #: positions that do not continue the cache.
+    places_by_position: bool = True
+
+    def check_mask(self, mask: object, causal: bool, new: int) -> None:
+        """Refuse a ``mask`` (with the causal rule if ``causal``) that would let one of the next
+        ``new`` queries see keys older than this cache keeps (:func:`check_reach`). A layer calls
+        it before :meth:`update`, so a refused mask changes nothing; a cache without a
+        :attr:`window` accepts every mask here."""
+        if self.window is not None:
+            check_reach(type(self).__name__, mask, causal, self.window, self.next_positions(new))
 
     @property
     @abc.abstractmethod
@@ -286,24 +318,114 @@ def _whole_length(mask: Mask, slots: int) -> int:
 
 
 def check_continuation(cache: str, positions: object, expected: Tensor, batch: int) -> None:
-    """Positions given to a cache whose slots follow positions must continue each row exactly:
-    ``expected`` ``(new,)`` or ``(B, new)`` (eager only: the comparison reads the values)."""
+    """The ``positions`` given to :meth:`KVCache.update`, checked the same way by every cache: an
+    integer tensor ``(new,)`` or ``(B, new)`` that continues each row exactly, i.e. equals
+    ``expected`` ``(new,)`` or ``(B, new)`` (the cache's :meth:`~KVCache.next_positions`). Slot
+    ``j`` holds position ``j`` (a ring: ``j % capacity``), so a position that skips would leave an
+    empty slot and one that goes back would overwrite a kept token (and rotary keys would sit at
+    one position, stored at another). The value comparison reads the tensors: eager only."""
     new = expected.shape[-1]
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
-        got = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
-        raise TypeError(f"{cache}.update: positions must be an integer tensor ({new},) or ({batch}, {new}), got {got}")
+    shapes = f"({new},) or ({batch}, {new})"
+    if (
+        not isinstance(positions, Tensor)
+        or positions.is_floating_point()
+        or positions.is_complex()
+        or positions.dtype == torch.bool
+    ):
+        got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
+        raise TypeError(
+            f"{cache}.update: positions must be an integer tensor {shapes} (torch.int64), got {got}; "
+            f"hint: leave positions=None and the cache continues each row itself"
+        )
     if tuple(positions.shape) not in ((new,), (batch, new)):
         raise ValueError(
-            f"{cache}.update: positions must have shape ({new},) or ({batch}, {new}), got {tuple(positions.shape)}"
+            f"{cache}.update: positions must have shape {shapes} (one per new token), got {tuple(positions.shape)}"
         )
+    if torch.compiler.is_compiling():
+        return
     want = expected.expand(batch, new)
     given = positions.to(expected.device).expand(batch, new)
     if not torch.equal(given, want):
         raise ValueError(
-            f"{cache}.update: positions must continue each row (each row's next positions "
-            f"{want.tolist()}), got {given.tolist()}; going back needs crop() first, and a gap would "
+            f"{cache}.update: positions must continue each row: expected {_rows(want)} (after the "
+            f"tokens stored), got {_rows(given)}; going back needs crop() first, and a gap would "
             f"leave an empty slot"
         )
+
+
+def _rows(positions: Tensor) -> str:
+    """``(B, new)`` positions for a message: each row as ``a..b`` when consecutive."""
+    rows = []
+    for row in positions.tolist():
+        if row and row == list(range(row[0], row[0] + len(row))):
+            rows.append(f"{row[0]}..{row[-1]}" if len(row) > 1 else f"{row[0]}")
+        else:
+            rows.append(str(row if len(row) <= 8 else row[:8] + ["..."]))
+    if len(set(rows)) == 1:
+        return f"[{rows[0]}] in every row" if len(rows) > 1 else f"[{rows[0]}]"
+    shown = "; ".join(f"row {b}: [{r}]" for b, r in enumerate(rows[:4]))
+    return shown + ("; ..." if len(rows) > 4 else "")
+
+
+def check_reach(where: str, mask: object, causal: bool, window: int, positions: Tensor) -> None:
+    """Refuse a mask that lets a query see further back than a cache keeps.
+
+    A cache keeping only the ``window`` keys before each query (a ring) holds positions
+    ``p - window .. p`` for the query at ``p``. ``mask`` (a mask object read at absolute
+    positions), combined with ``causal()`` when ``causal``, must not let any query at
+    ``positions`` (``(new,)`` or ``(B, new)``) see a key older than that: otherwise the attention
+    would be narrower than the mask says, with no error. ``sliding_window(w)`` with ``w <= window``
+    fits (alone or combined with other masks); ``causal()`` alone, no mask, and a tensor mask (over
+    the slots, not at positions: it cannot bound how far back a position looks) do not. Eager only
+    (reads the positions)."""
+    if torch.compiler.is_compiling():
+        return
+    if mask is not None and not isinstance(mask, (Mask, Tensor)):
+        return  # not a mask: refused with its own reason where the mask is read
+    at_positions = mask if isinstance(mask, Mask) and not _call_frame(mask) else None
+    parts = [m for m in (at_positions, causal_mask() if causal else None) if m is not None]
+    hint = f"hint: pass a mask that fits, mask=sliding_window(w) with w <= {window}"
+    what = _describe_call_mask(mask, causal)
+    if not parts:
+        raise ValueError(
+            f"{where}: {what} lets a query see every earlier key, but this cache keeps only the "
+            f"window={window} keys before each query: the attention would silently narrow to "
+            f"sliding_window({window}); {hint}, or use a cache that keeps every key (DynamicKVCache, "
+            f"StaticKVCache)"
+        )
+    combined = parts[0] if len(parts) == 1 else parts[0] & parts[1]
+    queries = positions.reshape(-1).unique().tolist()
+    if not queries:
+        return
+    extent = _whole_length(combined, 0)
+    if extent and queries[-1] >= extent:
+        return  # the mask is too short for these positions: CacheRead.mask says so
+    n = max(extent, queries[-1] + 1)  # the square of the whole sequence the mask is read on
+    for p in queries:
+        lo, hi = combined._key_range(p, p + 1, n, n)
+        if lo >= hi or lo >= p - window:
+            continue  # sees nothing, or nothing older than the cache holds
+        if lo <= -UNBOUNDED // 2:
+            sees = "every earlier key (no window)"
+            wider = "use a cache that keeps every key (DynamicKVCache, StaticKVCache)"
+        else:
+            sees = f"the {p - lo} keys before it" + (f" (position {p} sees back to {lo})" if lo >= 0 else "")
+            wider = f"create the cache with window >= {p - lo}"
+        raise ValueError(
+            f"{where}: {what} lets a query see {sees}, but this cache keeps only the window={window} "
+            f"keys before each query: the attention would silently narrow to sliding_window({window}); "
+            f"{hint}, or {wider}"
+        )
+
+
+def _describe_call_mask(mask: object, causal: bool) -> str:
+    if mask is None:
+        call = "no mask"
+    elif isinstance(mask, Mask) and not _call_frame(mask):
+        call = f"mask {mask._describe()}"
+    else:
+        call = "a tensor mask (over the slots returned, not at positions)"
+    return f"{call} with causal=True" if causal else f"{call} with causal=False"
 
 
 def check_prefix(name: str, k: Tensor, v: Tensor) -> None:

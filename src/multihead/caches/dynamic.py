@@ -5,6 +5,8 @@ slot ``j`` holding the token at call order ``j``. An update writes the new token
 returns views of the filled slots; when the buffers are full they are reallocated at twice the
 size (amortised ``O(1)`` copying per token, not a ``torch.cat`` of everything per step). Every
 row has the same length; :class:`~multihead.caches.StaticKVCache` holds rows of different lengths.
+Slot ``j`` holds position ``j``: ``positions`` given to an update must continue the cache
+(:func:`~multihead.caches.base.check_continuation`, as for every cache).
 Under autograd (keys that require grad: backpropagating through cached steps) an update
 concatenates instead, so that no step's saved keys are overwritten in place.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import CacheRead, KVCache, check_crop, check_indices, check_kv
+from multihead.caches.base import CacheRead, KVCache, check_continuation, check_crop, check_indices, check_kv
 
 __all__ = ["DynamicKVCache"]
 
@@ -33,7 +35,12 @@ class DynamicKVCache(KVCache):
         read = cache.update(k, v)     # prefill (B, Hkv, 5, D): read.keys (B, Hkv, 5, D)
         read = cache.update(k1, v1)   # one step (B, Hkv, 1, D): read.keys (B, Hkv, 6, D)
         cache.length                  # 6
+
+    It keeps call order (:attr:`~multihead.caches.KVCache.places_by_position` is ``False``): a
+    layer given ``positions=`` rotates by them (left-padded prompts, offsets) and stores in order.
     """
+
+    places_by_position = False
 
     def __init__(self, capacity: int = 256):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -76,9 +83,9 @@ class DynamicKVCache(KVCache):
 
     # ------------------------------------------------------------------------------ changes
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
-        self._check_update(k, v)
+        self._check_update(k, v, positions)
         new = k.shape[2]
-        query_positions = self.next_positions(new, k.device) if positions is None else positions
+        query_positions = self.next_positions(new, k.device)  # what positions, when given, equal
         end = self._length + new
         if torch.is_grad_enabled() and (
             k.requires_grad
@@ -114,24 +121,28 @@ class DynamicKVCache(KVCache):
         assert self._v is not None  # read once something is stored
         return self._v[:, :, :end]
 
-    def _check_update(self, k: Tensor, v: Tensor) -> None:
+    def _check_update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
+        """Refuse keys/values the cache could not store and positions that do not continue it
+        (slot ``j`` holds position ``j``), before anything changes."""
         name = type(self).__name__
         if self._k is None:
             check_kv(name, k, v)
-            return
-        B, Hkv, _, D = self._k.shape
-        check_kv(
-            name,
-            k,
-            v,
-            batch=B,
-            heads=Hkv,
-            head_dim=D,
-            value_dim=self._values(0).shape[3],
-            dtype=self._k.dtype,
-            device=self._k.device,
-            held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}",
-        )
+        else:
+            B, Hkv, _, D = self._k.shape
+            check_kv(
+                name,
+                k,
+                v,
+                batch=B,
+                heads=Hkv,
+                head_dim=D,
+                value_dim=self._values(0).shape[3],
+                dtype=self._k.dtype,
+                device=self._k.device,
+                held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}",
+            )
+        if positions is not None:
+            check_continuation(name, positions, self.next_positions(k.shape[2], k.device), k.shape[0])
 
     def _grow(self, k: Tensor, v: Tensor, capacity: int) -> None:
         B, Hkv, _, D = k.shape

@@ -18,7 +18,8 @@ through :meth:`CacheRead.mask` as for every cache. ``update(k, v)`` takes the ro
 latent ``v``, which must be ``k[..., :Dv]`` (the layer passes that view; any other tensor is
 compared with it and refused when it differs): only ``k`` is written. It is a
 :class:`~multihead.caches.DynamicKVCache` whose values are a view of its keys: growth, crop,
-rollback, reorder and the autograd-safe update are that class's; slot ``j`` holds position ``j``.
+rollback, reorder and the autograd-safe update are that class's; slot ``j`` holds position ``j``,
+so ``positions`` given to an update must continue the cache (checked as for every cache).
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ class LatentKVCache(DynamicKVCache):
         assert self._k is not None  # read once something is stored
         return self._k[:, :, :end, : self._latent_dim if self._latent_dim is not None else 0]
 
-    def _check_update(self, k: Tensor, v: Tensor) -> None:
-        super()._check_update(k, v)
+    def _check_update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
+        super()._check_update(k, v, positions)  # shapes and positions, as for every cache
         check_prefix(type(self).__name__, k, v)
-        if self._latent_dim is None:  # the first update fixes C; _values reads it from here on
+        if self._latent_dim is None:  # every check passed: the first update fixes C; _values reads it
             self._latent_dim = v.shape[3]
 
     def reset(self) -> None:

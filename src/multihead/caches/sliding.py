@@ -12,8 +12,13 @@ its token's position and the mask (:meth:`CacheRead.mask`) reads them::
 A one-token step writes its token first and attends over the ring (its oldest slot, the one
 overwritten, was out of its window). A step of several tokens (chunked prefill, speculative
 verification) attends over the ring *and* its own tokens, then keeps the newest ones; its first
-query still finds its ``window`` predecessors. The cache applies the window itself: a layer
-decoding with it computes ``causal() & sliding_window(window)`` (with whatever mask it is given).
+query still finds its ``window`` predecessors.
+
+The ring holds what ``sliding_window(window)`` can see and nothing older, so the mask of a call
+must not reach further back: ``sliding_window(w)`` with ``w <= window`` (alone or combined with
+``causal()``, ``document(ids)``, ...) works, while ``causal()`` alone, a wider window, or no mask
+at all is refused before anything is written (:meth:`KVCache.check_mask`, :func:`check_reach`)
+instead of silently computing a narrower attention than the mask says.
 """
 
 from __future__ import annotations
@@ -43,9 +48,12 @@ class SlidingWindowKVCache(KVCache):
             before it and itself.
         batch_size, num_kv_heads, head_dim: ``B``, ``Hkv``, ``D``; ``value_dim``: ``Dv`` (default ``D``).
         extra: tokens kept beyond the window, so that :meth:`crop` may go back ``extra + 1``
-            tokens (speculative decoding); 0 keeps exactly what the window can see.
+            tokens (speculative decoding); 0 keeps exactly what the window can see. (With
+            ``window=0`` a query sees no earlier token, so any crop is honoured.)
         dtype, device: of the stored keys and values.
     """
+
+    window: int  # always set: the ring's reason to exist
 
     def __init__(
         self,
@@ -164,15 +172,18 @@ class SlidingWindowKVCache(KVCache):
             )
         if length > self._length:
             raise ValueError(f"{name}.crop: length must be in [0, {self._length}] (the tokens seen), got {length}")
-        needed = max(0, length - self.window)  # the next query (at `length`) sees positions needed..length-1
+        # The next query (at `length`) sees the cached positions needed..length-1: none at all
+        # with window=0 (or length=0), where any crop is honoured; the ones after it are written
+        # from then on.
+        needed = max(0, length - self.window)
         held = self.positions[self.positions != EMPTY_POSITION]
         oldest = int(held.min()) if held.numel() else 0
-        if needed < oldest and length > 0:
+        if needed < min(length, oldest):  # a non-empty range needed..length-1 reaching below the ring
             raise ValueError(
                 f"{name}.crop: going back to {length} tokens needs positions {needed}..{length - 1}, but "
                 f"the ring (capacity {self.capacity}) only holds {oldest}..{self._length - 1}; "
-                "crop at most "
-                f"{self.extra + 1} tokens back, or create the cache with a larger extra="
+                f"crop at most {self._length - self.window - oldest} tokens back (to length >= "
+                f"{oldest + self.window}), or create the cache with a larger extra="
             )
         self.positions.masked_fill_(self.positions >= length, EMPTY_POSITION)
         self._length, self._undo = length, None

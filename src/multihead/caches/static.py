@@ -126,10 +126,8 @@ class StaticKVCache(KVCache):
             if all(n == T for n in self._host) and T + new <= S:
                 return self._update_uniform(k, v, T, new)
         expected = self.next_positions(new)  # (B, new)
-        if positions is None:
-            positions = expected
-        elif not torch.compiler.is_compiling():
-            check_continuation(name, positions, expected, B)
+        if positions is not None:
+            check_continuation(name, positions, expected, B)  # the value comparison: eager only
         if not torch.compiler.is_compiling():
             longest = int(self.lengths.max())
             if longest + new > S:

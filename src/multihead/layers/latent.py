@@ -201,7 +201,9 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
                 :class:`multihead.MultiHeadAttention` (with a cache: objects at absolute positions,
                 tensors over the ``S`` slots returned); combined with ``causal()`` when ``causal``.
             positions: ``(L,)`` or ``(B, L)`` integer absolute positions for the rotary embedding;
-                default ``kv_cache.next_positions(L)`` with a cache, ``arange(L)`` without.
+                default ``kv_cache.next_positions(L)`` with a cache, ``arange(L)`` without. A cache
+                whose slots follow positions refuses given positions that do not continue it; a
+                call-order cache (``LatentKVCache``) stores in call order and they only rotate.
             kv_cache: a :class:`~multihead.caches.KVCache` of this layer's rows
                 ``[c_kv | k_rope] (B, 1, ·, C + R)``, usually a :class:`~multihead.caches.LatentKVCache`
                 (any cache works; others store the latent twice). The same cache serves both modes.
@@ -275,6 +277,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             )
         _check_x(layer, x, self.d_model, self.kv_b_proj.weight)
         B, L, _ = x.shape
+        given = positions is not None  # a cache continues its rows itself unless told where
         if positions is not None:
             positions = check_positions(layer, positions, B, L, x.device)
         elif kv_cache is not None:
@@ -289,7 +292,9 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         C = self.kv_lora_rank
         if kv_cache is None:
             return self._attend_rows(attend, q_nope, q_rope, rows, mask, score_mod)
-        read = kv_cache.update(rows, rows[..., :C], positions)  # every cached row and these, (B, 1, S, ·)
+        kv_cache.check_mask(mask, self.causal, L)  # a mask reaching rows the cache no longer holds
+        placed = given and kv_cache.places_by_position  # else: rotary positions only (call-order caches)
+        read = kv_cache.update(rows, rows[..., :C], positions if placed else None)  # every row and these, (B, 1, S, ·)
         try:
             mask, score_mod = self._cache_mask(read, mask, B, L)
             result = self._attend_rows(attend, q_nope, q_rope, read.keys, mask, score_mod)

@@ -25,7 +25,7 @@ and the models.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +205,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         score_mod: ScoreModArg = None,
         weights_heads: Selection = None,
         weights_rows: Selection = None,
+        key_padding_mask: None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value``, or to the cached tokens and ``query`` itself.
 
@@ -222,7 +223,11 @@ class MultiHeadAttention(HookPoints, nn.Module):
             positions: ``(Lq,)`` or ``(B, Lq)`` integer tensor, the absolute positions of the query
                 tokens, handed to ``rope`` and to the cache; default
                 ``kv_cache.next_positions(Lq)`` with a cache (each row continues after its own
-                cached tokens), ``arange(Lq)`` without. Without ``rope`` or cache it is checked and
+                cached tokens), ``arange(Lq)`` without. A cache whose slots follow positions
+                (static, sliding, paged) refuses given positions that do not continue each row,
+                before storing anything; a call-order cache (dynamic, latent:
+                ``places_by_position`` is ``False``) stores in call order and the positions only
+                rotate (left-padded prompts, offsets). Without ``rope`` or cache it is checked and
                 otherwise unused.
             kv_cache: a :class:`multihead.caches.KVCache` holding the keys and values of the tokens
                 before ``query``; self-attention only. The layer projects only ``query``, rotates
@@ -240,11 +245,17 @@ class MultiHeadAttention(HookPoints, nn.Module):
                 head 0's last row, never the whole square).
             score_mod: a :mod:`multihead.scores` modifier (or list) for this call, as in
                 :func:`multihead.attention`.
+            key_padding_mask: not taken (PyTorch's ``nn.MultiheadAttention`` argument, ``True`` =
+                padding); anything but ``None`` raises a ``TypeError`` that says to pass
+                ``mask=multihead.key_padding(lengths_or_table)`` (``True`` = a real key) or to use
+                :class:`multihead.compat.MultiheadAttention`, which has PyTorch's signature.
 
         Returns:
             ``(B, Lq, E)`` (``(Lq, B, E)``), or ``(output, weights)`` when ``need_weights``.
         """
         layer = type(self).__name__
+        if key_padding_mask is not None:
+            _refuse_key_padding_mask(layer, key_padding_mask)
         self_attention = key is None or key is query
         if self.context_parallel is not None:
             _check_sharded_call(
@@ -294,8 +305,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
         elif self.rope is not None:
             positions = torch.arange(Lq, device=query.device)  # (Lq,)
         # The arguments are checked. What is left to refuse (a rope result of the wrong shape, keys
-        # the cache cannot store) is refused before kv_cache.update changes anything; what fails
-        # after it (a mask over the cached keys, a backend) rolls the cache back.
+        # or positions the cache cannot store, a mask reaching further back than it keeps) is
+        # refused before kv_cache.update changes anything; what fails after it (a mask over the
+        # cached keys, a backend) rolls the cache back.
 
         q, k, v = self._project(
             query, key, value
@@ -310,7 +322,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
         if kv_cache is None:
             out, weights = self._attend(q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
         else:
-            read = kv_cache.update(k, v, positions if given else None)  # the cached keys and these, (B, Hkv, S, ·)
+            kv_cache.check_mask(mask, self.causal, Lq)  # a mask reaching keys the cache no longer holds
+            placed = given and kv_cache.places_by_position  # else: rotary positions only (call-order caches)
+            read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
             try:
                 mask, score_mod = self._cache_mask(read, mask, self._score_mods(score_mod), B, Lq)
                 out, weights = self._attend(q, read.keys, read.values, mask, score_mod, need_weights, selection)
@@ -554,6 +568,19 @@ for _layer in (MultiHeadAttention, GroupedQueryAttention, MultiQueryAttention):
 
 
 # ---------------------------------------------------------------------------------- helpers
+def _refuse_key_padding_mask(layer: str, key_padding_mask: object) -> NoReturn:
+    """PyTorch's ``key_padding_mask=`` (``True`` = padding) given to this layer: say what to write."""
+    shape = tuple(key_padding_mask.shape) if isinstance(key_padding_mask, Tensor) else None
+    raise TypeError(
+        f"{layer}.forward() takes no key_padding_mask (got {type(key_padding_mask).__name__}"
+        f"{f' of shape {shape}' if shape is not None else ''}): that is nn.MultiheadAttention's argument. "
+        "Pass mask=multihead.key_padding(lengths_or_table) instead, with lengths (B,) or a bool (B, Lk) "
+        "table in which True = a real key, the opposite of PyTorch's key_padding_mask (True = padding): "
+        "mask=multihead.key_padding(~key_padding_mask). Or use multihead.compat.MultiheadAttention, "
+        "which takes PyTorch's signature"
+    )
+
+
 def _qkv_biases(layer: str, qkv_bias: object) -> tuple[bool, bool, bool]:
     if isinstance(qkv_bias, bool):
         return qkv_bias, qkv_bias, qkv_bias
