@@ -16,7 +16,7 @@ from torch import Tensor
 from multihead import plans
 from multihead.backends.base import Backend
 from multihead.backends.registry import check_backend_name, select_backend
-from multihead.blockwise import lse_by_blocks, weights_by_blocks
+from multihead.blockwise import lse_by_blocks, weights_by_blocks, zero_anchor
 from multihead.call import AttentionCall, AttentionResult, ScoreModArg, Selection
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
@@ -24,7 +24,12 @@ from multihead.nonfinite import apply_policy, check_finite_flag
 from multihead.scores import ScoreMod
 from multihead.scores import softcap as softcap_mod
 from multihead.sinks import apply_sinks, check_sinks
-from multihead.validation import validate_call, validate_weights_selection
+from multihead.validation import (
+    DEFAULT_MAX_WEIGHTS_BYTES,
+    check_weights_bytes,
+    validate_call,
+    validate_weights_selection,
+)
 
 __all__ = ["attention"]
 
@@ -48,6 +53,7 @@ def attention(
     weights_heads: Selection = None,
     weights_rows: Selection = None,
     check_finite: bool = False,
+    max_weights_bytes: int | None = DEFAULT_MAX_WEIGHTS_BYTES,
 ) -> Tensor: ...
 
 
@@ -70,6 +76,7 @@ def attention(
     weights_heads: Selection = None,
     weights_rows: Selection = None,
     check_finite: bool = False,
+    max_weights_bytes: int | None = DEFAULT_MAX_WEIGHTS_BYTES,
 ) -> AttentionResult: ...
 
 
@@ -92,6 +99,7 @@ def attention(
     weights_heads: Selection = None,
     weights_rows: Selection = None,
     check_finite: bool = False,
+    max_weights_bytes: int | None = DEFAULT_MAX_WEIGHTS_BYTES,
 ) -> AttentionResult: ...
 
 
@@ -114,6 +122,7 @@ def attention(
     weights_heads: Selection = None,
     weights_rows: Selection = None,
     check_finite: bool = False,
+    max_weights_bytes: int | None = DEFAULT_MAX_WEIGHTS_BYTES,
 ) -> Tensor | AttentionResult: ...
 
 
@@ -135,6 +144,7 @@ def attention(
     weights_heads: Selection = None,
     weights_rows: Selection = None,
     check_finite: bool = False,
+    max_weights_bytes: int | None = DEFAULT_MAX_WEIGHTS_BYTES,
 ) -> Tensor | AttentionResult:
     """Scaled dot-product attention.
 
@@ -178,6 +188,12 @@ def attention(
             synchronisation; a rerun when something is not finite). Off by default, on every
             device: finite inputs are exact and rows that see no key are 0 either way; a NaN or
             an infinity then gives what the kernel gives, as PyTorch's SDPA does.
+        max_weights_bytes: with ``return_weights=True``, the most bytes the returned weights may
+            take, ``B · len(heads) · len(rows) · Lk`` elements of ``q``'s dtype (the selection
+            applied); checked before any kernel runs, so weights too large are refused at once with
+            the size, the limit and the fix (``weights_heads=``/``weights_rows=``) instead of failing
+            in an allocation after the output was computed. Default 2 GiB
+            (:data:`multihead.validation.DEFAULT_MAX_WEIGHTS_BYTES`); ``None``: no limit.
 
     Returns:
         ``(B, Hq, Lq, Dv)`` in the dtype of ``q``; or, when weights or LSE are asked for, an
@@ -233,6 +249,7 @@ def attention(
             weights_heads=weights_heads,
             weights_rows=weights_rows,
             check_finite=check_finite,
+            max_weights_bytes=max_weights_bytes,
         )
         assert result.lse is not None  # asked for with return_lse=True
         output, sink_lse, factor = apply_sinks(result.output, result.lse, sinks)
@@ -258,6 +275,7 @@ def attention(
         return_lse=return_lse,
     )
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
+    check_weights_bytes(max_weights_bytes, q=q, k=k, heads=heads, rows=rows, return_weights=return_weights)
     if call.empty:  # Lq == 0 or Lk == 0: nothing to compute (every row sees no key: zeros, LSE -inf)
         return _empty(call, return_weights, return_lse, heads, rows)
     chosen, _ = select_backend(call, backend)
@@ -324,18 +342,8 @@ def _empty(
     masked), LSE ``-inf``, weights zeros, connected to the inputs so that gradients are zeros."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     q, k, v = call.q, call.k, call.v
-    # A zero that carries the inputs' graph (zero gradients), finite whatever they hold: every row
-    # sees no key, so even a NaN query gives 0 (conventions: fully masked rows).
-    anchor = (
-        cast(
-            Tensor,
-            sum(
-                torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).sum()
-                for t in (q, k, v)
-            ),
-        )
-        * 0
-    )
+    # Every row sees no key, so even a NaN query gives 0 (conventions: fully masked rows).
+    anchor = zero_anchor(q, k, v)
     output = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
     if not (return_weights or return_lse):
         return output

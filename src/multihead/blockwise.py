@@ -22,7 +22,7 @@ from multihead.masks import Mask
 from multihead.scores import ScoreMod
 from multihead.scoring import score_block
 
-__all__ = ["lse_by_blocks", "weights_by_blocks"]
+__all__ = ["lse_by_blocks", "weights_by_blocks", "zero_anchor"]
 
 # Elements of one score block (rows x Lk x heads x batch) computed at a time.
 _BLOCK_ELEMENTS = 1 << 23
@@ -127,3 +127,19 @@ def safe_logsumexp(scores: Tensor) -> Tensor:
     empty = torch.isneginf(row_max).squeeze(-1)
     total = torch.where(empty, torch.ones_like(total), total)
     return (torch.log(total) + finite_max.squeeze(-1)).masked_fill(empty, float("-inf"))
+
+
+def zero_anchor(*tensors: Tensor) -> Tensor:
+    """A scalar ``0`` that carries the graph of ``tensors`` (each gets an exact zero gradient),
+    finite whatever they hold. Added to results that no key contributes to (rows that see no key,
+    an empty call), so that such a result is connected to every input, as a computed one is: with
+    only ``k`` and ``v`` requiring grad, ``backward()`` then works and gives zeros instead of
+    failing on a result with no graph. Non-finite entries are replaced before the sum: a key no
+    row may see can hold anything (NaN beyond a length), and ``0 * NaN`` would be NaN."""
+    total: Tensor | None = None
+    for t in tensors:
+        zero = torch.zeros((), dtype=t.dtype, device=t.device)
+        part = torch.where(torch.isfinite(t), t, zero).sum() * 0
+        total = part if total is None else total + part.to(total.dtype)
+    assert total is not None  # at least one tensor
+    return total

@@ -16,7 +16,17 @@ from multihead.call import AttentionCall, mask_and_score_mod
 from multihead.conventions import default_scale
 from multihead.inputs import check_tensor
 
-__all__ = ["AttentionCall", "validate_call", "validate_weights_selection"]
+__all__ = [
+    "AttentionCall",
+    "DEFAULT_MAX_WEIGHTS_BYTES",
+    "check_weights_bytes",
+    "validate_call",
+    "validate_weights_selection",
+]
+
+#: The default ``max_weights_bytes`` of :func:`multihead.attention`: returned weights larger than
+#: this are refused before any kernel runs (2 GiB: ``(1, 8, 8192, 8192)`` in fp32).
+DEFAULT_MAX_WEIGHTS_BYTES = 2 << 30
 
 
 def validate_call(
@@ -97,6 +107,8 @@ def validate_call(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
+    if isinstance(mask, Tensor):
+        _check_mask_tensor(mask, q, (B, Hq, Lq, Lk))
     if isinstance(mask, Tensor) and mask.is_floating_point() and mask.device != q.device:
         # Mask tensors may live on any device (bool ones move lazily); an additive one moves here,
         # before it becomes a bias, so that it is not refused as a score_mod on the wrong device.
@@ -120,6 +132,85 @@ def validate_call(
     return AttentionCall(
         q, k, v, mask, score_mod, scale, float(dropout_p), dropout_mask, return_lse or return_weights, folded
     )
+
+
+def _check_mask_tensor(mask: Tensor, q: Tensor, expected: tuple[int, int, int, int]) -> None:
+    """A bool or float tensor given as ``mask=``, checked as the user wrote it: its own shape in
+    the message (not the 4-D view it becomes), and a device its values can be read from."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        return  # refused by its dtype, with its polarity hint (masks.TensorMask)
+    if mask.device != q.device and mask.device.type == "meta":
+        # Masks on another device are moved to q's lazily (a CPU mask serves CUDA inputs); a
+        # meta tensor has no values to move, and PyTorch's own error would not name the mask.
+        raise ValueError(
+            f"mask is on {mask.device} but q is on {q.device}; a tensor on the meta device holds no values to "
+            f"mask with: build the mask on {q.device} (or on any device with data: it is moved to q's device)"
+        )
+    if not 2 <= mask.dim() <= 4:
+        return  # refused by its number of dims (masks.TensorMask, call.mask_and_score_mod)
+    B, _, _, Lk = expected
+    shape = tuple(mask.shape)
+    # A mask's dims line up with (B, H, Lq, Lk) from the right, as in broadcasting.
+    if all(s == 1 or s == e for s, e in zip(reversed(shape), reversed(expected))):
+        return
+    hint = ""
+    if mask.dim() == 2 and shape == (B, Lk):
+        table = (
+            "a bool (B, Lk) table with True = a real key, the opposite of PyTorch's key_padding_mask "
+            "(True = padding): mask=multihead.key_padding(~key_padding_mask)"
+            if mask.dtype == torch.bool
+            else "a bool (B, Lk) table with True = a real key; from PyTorch's additive key padding mask "
+            "(-inf = padding): mask=multihead.key_padding(mask != float('-inf'))"
+        )
+        hint = (
+            f"; hint: a 2-D mask is (Lq, Lk), and ({B}, {Lk}) = (B, Lk) looks like a key padding mask: pass "
+            f"mask=multihead.key_padding(lengths_or_table), with lengths (B,) or {table}; or mask[:, None, None, :]"
+        )
+    raise ValueError(
+        f"mask of shape {shape} is not broadcastable to (B, H, Lq, Lk) = {expected}; its dims line up with "
+        f"the last {mask.dim()} of these, and each must be 1 or the matching size{hint}"
+    )
+
+
+def check_weights_bytes(
+    max_weights_bytes: object,
+    *,
+    q: Tensor,
+    k: Tensor,
+    heads: Tensor | None,
+    rows: Tensor | None,
+    return_weights: bool,
+) -> None:
+    """Refuse, before any kernel runs, weights that would take more than ``max_weights_bytes``:
+    ``B · len(heads) · len(rows) · Lk`` elements of ``q``'s dtype (the selection applied; all
+    heads and rows by default). ``None``: no limit."""
+    limit = max_weights_bytes
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise TypeError(f"max_weights_bytes must be an int (bytes) or None (no limit), got {limit!r}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"max_weights_bytes must be >= 0 or None (no limit), got {limit}")
+    if not return_weights or limit is None:
+        return
+    B, Hq, Lq, _ = q.shape
+    shape = (B, Hq if heads is None else len(heads), Lq if rows is None else len(rows), k.shape[2])
+    nbytes = math.prod(shape) * q.element_size()
+    if nbytes <= limit:
+        return
+    raise ValueError(
+        f"return_weights=True would allocate {nbytes} bytes ({_in_units(nbytes)}) for the weights "
+        f"(B, heads, rows, Lk) = {shape} in {q.dtype}, over max_weights_bytes={limit} "
+        f"({_in_units(limit)}); refused before computing anything. Fix: select the weights you "
+        "need with weights_heads= and weights_rows= (e.g. weights_heads=0, weights_rows=slice(-1, None): "
+        "head 0's last row; a layer takes them beside need_weights=True), or raise the limit with "
+        "multihead.attention(..., max_weights_bytes=) (None: no limit)"
+    )
+
+
+def _in_units(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def _fold_nonpositive_scale(q: Tensor, scale: float) -> tuple[Tensor, float, bool]:

@@ -381,3 +381,37 @@ def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_on
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
     assert bool(torch_backward) == (magnitude > 1), torch_backward  # only steep heads on large scores
+
+
+@pytest.mark.parametrize("needs_grad", ["qkv", "kv"])
+@pytest.mark.parametrize(
+    "mask",
+    [mh.key_padding([0, 0]), mh.causal("top_left").shifted(0, 5)],  # queries 0-4 after keys 5-11: none seen
+    ids=["no_keys", "causal_tl_every_row_empty"],
+)
+@pytest.mark.parametrize(
+    "modifier",
+    [dict(softcap=30.0), dict(score_mod=mh.scores.softcap(30.0)), dict(score_mod=lambda s, b, h, i, j: s * 0.5)],
+    ids=["softcap", "scores.softcap", "function"],
+)
+def test_an_elementwise_modifier_on_a_call_where_no_query_sees_a_key_backpropagates_exact_zeros(
+    modifier, mask, needs_grad
+):
+    """Issue 28, item 13: the elementwise path (attention_by_blocks) returned zeros connected to q
+    only; with only k and v requiring grad, backward() raised. Like the fused path and the
+    reference, the zeros carry the graph of q, k and v, with exact zero gradients."""
+    B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 5, 7, 8
+    gen = torch.Generator().manual_seed(28)
+    base = [torch.randn(B, h, L, D, generator=gen) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))]
+    grads = {}
+    for backend in ("blocksparse", "reference"):
+        q, k, v = (t.clone().requires_grad_(name in needs_grad) for t, name in zip(base, "qkv"))
+        out = mh.attention(q, k, v, mask=mask, backend=backend, **modifier)
+        assert bool((out == 0).all())
+        out.backward(torch.randn(out.shape, generator=gen))
+        grads[backend] = [t.grad for t in (q, k, v) if t.requires_grad]
+        assert len(grads[backend]) == len(needs_grad)
+        for g in grads[backend]:
+            assert g is not None and bool((g == 0).all())
+    for got, want in zip(grads["blocksparse"], grads["reference"]):
+        assert torch.equal(got, want)

@@ -61,11 +61,53 @@ BAD = [
         r"share a dtype, got q torch.float32, k torch.float64",
     ),
     ("device mismatch", dict(k=torch.randn(2, 2, 7, 16, device="meta")), ValueError, r"one device, got q cpu, k meta"),
+    # Issue 28, item 10: a mask tensor is reported by its own shape, not the 4-D view it becomes.
     (
         "mask shape",
         dict(mask=torch.ones(5, 6, dtype=torch.bool)),
         ValueError,
-        r"mask of shape \(1, 1, 5, 6\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 8, 5, 7\)",
+        r"mask of shape \(5, 6\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 8, 5, 7\)",
+    ),
+    (
+        "3-D mask shape",
+        dict(mask=torch.ones(2, 1, 7, dtype=torch.bool)),
+        ValueError,
+        r"mask of shape \(2, 1, 7\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 8, 5, 7\); its dims line up "
+        r"with the last 3",
+    ),
+    (
+        "float mask shape",
+        dict(mask=torch.zeros(3, 5, 7)),
+        ValueError,
+        r"mask of shape \(3, 5, 7\) is not broadcastable to \(B, H, Lq, Lk\)",
+    ),
+    # A (B, Lk) table is PyTorch's key_padding_mask given as mask=: the hint names key_padding and its polarity.
+    (
+        "(B, Lk) bool mask",
+        dict(mask=torch.ones(2, 7, dtype=torch.bool)),
+        ValueError,
+        r"mask of shape \(2, 7\) is not broadcastable .*hint: a 2-D mask is \(Lq, Lk\), and \(2, 7\) = \(B, Lk\) "
+        r"looks like a key padding mask: pass mask=multihead.key_padding\(lengths_or_table\).*True = a real key, "
+        r"the opposite of PyTorch's key_padding_mask \(True = padding\): "
+        r"mask=multihead.key_padding\(~key_padding_mask\)",
+    ),
+    (
+        "(B, Lk) additive mask",
+        dict(mask=torch.zeros(2, 7)),
+        ValueError,
+        r"mask of shape \(2, 7\) .*key padding mask.*mask=multihead.key_padding\(mask != float\('-inf'\)\)",
+    ),
+    (
+        "mask on another device",
+        dict(mask=torch.ones(5, 7, dtype=torch.bool, device="meta")),
+        ValueError,
+        r"mask is on meta but q is on cpu; .*build the mask on cpu",
+    ),
+    (
+        "additive mask on another device",
+        dict(mask=torch.zeros(5, 7, device="meta")),
+        ValueError,
+        r"mask is on meta but q is on cpu",
     ),
     ("mask rank", dict(mask=torch.ones(1, 1, 1, 5, 7, dtype=torch.bool)), ValueError, r"mask must have 2 to 4 dims"),
     ("mask int dtype", dict(mask=torch.ones(5, 7, dtype=torch.int32)), TypeError, r"mask has dtype torch.int32"),
@@ -241,3 +283,27 @@ def test_a_float_zero_one_mask_is_refused_not_added():
     torch.testing.assert_close(declared, mh.reference_attention(q, k, v, score_mod=mh.scores.bias(tril)).output)
     # All zeros (or all ones) shift every score of a row alike: harmless, accepted as a bias.
     torch.testing.assert_close(mh.attention(q, k, v, mask=torch.zeros(5, 7)), mh.attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "key_padding_mask",
+    [torch.tensor([[False] * 5, [False] * 3 + [True] * 2]), torch.zeros(2, 5)],
+    ids=["bool", "float"],
+)
+def test_pytorchs_key_padding_mask_on_the_native_layer_says_what_to_write(key_padding_mask):
+    """Issue 28, item 10: Python's bare 'unexpected keyword argument' becomes a message with the
+    replacement, its polarity (PyTorch: True = padding; multihead: True = a real key) and the
+    drop-in that takes PyTorch's signature."""
+    layer, x = mh.MultiHeadAttention(16, 4), torch.randn(2, 5, 16)
+    with pytest.raises(
+        TypeError,
+        match=r"MultiHeadAttention.forward\(\) takes no key_padding_mask \(got Tensor of shape \(2, 5\)\).*"
+        r"Pass mask=multihead.key_padding\(lengths_or_table\).*True = a real key, the opposite of PyTorch's "
+        r"key_padding_mask \(True = padding\): mask=multihead.key_padding\(~key_padding_mask\)\. "
+        r"Or use multihead.compat.MultiheadAttention",
+    ):
+        layer(x, key_padding_mask=key_padding_mask)
+    # What the message says to write runs, and key_padding_mask=None (PyTorch code's default) is no padding.
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    torch.testing.assert_close(layer(x, mask=mh.key_padding(~pad)), layer(x, mask=mh.key_padding([5, 3])))
+    torch.testing.assert_close(layer(x, key_padding_mask=None), layer(x))

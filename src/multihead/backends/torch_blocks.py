@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from multihead.blockwise import safe_logsumexp
+from multihead.blockwise import safe_logsumexp, zero_anchor
 from multihead.conventions import lse_dtype
 from multihead.scoring import score_block
 
@@ -42,13 +42,23 @@ def attention_by_blocks(
     grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (mods is not None and mods.requires_grad)
     )
+    # A block that sees no key is 0 (LSE -inf) plus a zero carrying the graph of q, k, v and the
+    # modifier's tensors, as the fused path's blocks are: with only k, v requiring grad, a call
+    # where no block sees a key must still backpropagate (exact zeros), not be a constant.
+    anchor: Tensor | None = None
     outs, lses = [], []
     for q0 in range(0, Lq, block):
         q1 = min(q0 + block, Lq)
         k0, k1 = (0, Lk) if mask is None else mask.key_range(q0, q1, Lq, Lk)
         if k0 >= k1:  # the block sees no key: output 0, LSE -inf
-            outs.append(q.new_zeros((B, Hq, q1 - q0, Dv)) + 0 * q[:, :, q0:q1, :1].sum())
-            lses.append(torch.full((B, Hq, q1 - q0), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device))
+            out = q.new_zeros((B, Hq, q1 - q0, Dv))
+            lse = torch.full((B, Hq, q1 - q0), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+            if grad:
+                if anchor is None:
+                    anchor = zero_anchor(q, k, v, *(mods.tensors() if mods is not None else ()))
+                out, lse = out + anchor.to(out.dtype), lse + anchor.to(lse.dtype)
+            outs.append(out)
+            lses.append(lse)
             continue
         args = (q, k, v, mask, mods, scale, dropout_p, q0, q1, k0, k1)
         out, lse = checkpoint(_block, *args, use_reentrant=False, preserve_rng_state=True) if grad else _block(*args)
