@@ -198,7 +198,7 @@ def test_scale_and_head_dims(scale):
 @pytest.mark.parametrize("mask_kind", ["key_padding", "static_cache", "window_per_sequence", "window"])
 def test_nan_in_keys_no_query_may_see_does_not_leak(mask_kind, small_chunks):
     """Keys and values no query may see hold NaN (a cache's unused slots, padding, keys left of a
-    window): outputs and gradients equal those with finite values there."""
+    window): with ``check_finite=True`` outputs and gradients equal those with finite values there."""
     B, Hq, Hkv, Lq, Lk = 3, 8, 2, 2, 3 * CHUNK + 3
     q, k, v, gen = _inputs(B, Hq, Hkv, Lq, Lk, 11)
     mask = _mask(mask_kind, B, Hq, Lq, Lk, gen)
@@ -219,13 +219,16 @@ def test_nan_in_keys_no_query_may_see_does_not_leak(mask_kind, small_chunks):
     want = mh.attention(q, k, v, mask=mask, backend="reference")
     for dtype in (torch.float64, torch.float32):
         leaves = [t.to(dtype).requires_grad_() for t in (q, poisoned_k, poisoned_v)]
-        got = mh.attention(*leaves, mask=mask, backend="decode")
+        got = mh.attention(*leaves, mask=mask, backend="decode", check_finite=True)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
         for name, g in zip("qkv", torch.autograd.grad(got.sum(), leaves)):
             assert torch.isfinite(g).all(), f"d{name} read the NaN of a key nobody sees"
         with torch.no_grad():  # the path without autograd (fused softmax) as well
             torch.testing.assert_close(
-                mh.attention(*leaves, mask=mask, backend="decode").double(), want, rtol=1e-5, atol=1e-5
+                mh.attention(*leaves, mask=mask, backend="decode", check_finite=True).double(),
+                want,
+                rtol=1e-5,
+                atol=1e-5,
             )
 
 
@@ -234,7 +237,7 @@ def test_nan_in_a_seen_key_reaches_exactly_the_rows_that_see_it():
     q, k, v, _ = _inputs(B, Hq, Hkv, Lq, Lk, 12)
     v = v.clone()
     v[1, 0, 3] = float("nan")  # batch 1, KV head 0: seen by query heads 0 and 1 of batch 1 only
-    out = mh.attention(q, k, v, mask=mh.key_padding([20, 10]), backend="decode")
+    out = mh.attention(q, k, v, mask=mh.key_padding([20, 10]), backend="decode", check_finite=True)
     bad = torch.zeros(B, Hq, dtype=torch.bool)
     bad[1, :2] = True
     assert torch.isnan(out[bad]).all() and torch.isfinite(out[~bad]).all()

@@ -671,7 +671,7 @@ def test_nan_and_huge_keys_beyond_the_padding_do_not_leak(backend, device, mask_
 
     def run(kk, vv):  # on device; the answer comes back to CPU
         leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
-        res = mh.attention(*leaves, mask=mask, score_mod=mod, backend=backend, return_lse=True)
+        res = mh.attention(*leaves, mask=mask, score_mod=mod, backend=backend, return_lse=True, check_finite=True)
         grads = torch.autograd.grad(res.output, leaves + ([w] if kind == "user" else []), torch.ones_like(res.output))
         return mh.AttentionResult(res.output.detach().cpu(), None, res.lse.cpu()), [g.cpu() for g in grads]
 

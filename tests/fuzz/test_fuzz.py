@@ -189,7 +189,9 @@ def run_case(seed: int, backend: str) -> dict:
     # An empty call (Lq or Lk = 0) runs no kernel ("none"): its zeros need no factor of their own.
     rule_backend = chosen if chosen in mh.available_backends() else "reference"
 
-    result = mh.attention(built.q, built.k, built.v, backend=backend, **kwargs)
+    # NaN inputs (seen or not) ask for the non-finite rules the oracle follows (opt-in: docs/conventions.md).
+    checked = bool(case.nan_input or case.nan_unseen)
+    result = mh.attention(built.q, built.k, built.v, backend=backend, check_finite=checked, **kwargs)
     out, weights, lse = (
         (result.output, result.weights, result.lse) if isinstance(result, tuple) else (result, None, None)
     )
