@@ -37,20 +37,33 @@ def start_method() -> str:
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first backward through a checkpoint imports it (seconds per process)
     ctx.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch._dynamo", "multihead", "dist_checks", "dist_checks_slow"]
+        [
+            "torch",
+            "torch.distributed",
+            "torch._dynamo",
+            "multihead",
+            "dist_checks",
+            "dist_checks_slow",
+            "dist_checks_agree",
+        ]
     )
     return "forkserver"
 
 
 def run_world(
-    world: int, names: list[str], timeout: float = 240.0, times: dict | None = None
+    world: int, names: list[str], timeout: float = 240.0, times: dict | None = None, group_timeout: float = 60.0
 ) -> dict[str, dict[int, str | None]]:
     """``{name: {rank: None (passed) | the traceback}}``; ``times`` (if given) receives each
-    check's slowest rank's seconds."""
+    check's slowest rank's seconds. ``group_timeout``: the process group's ``timeout``, after
+    which a rank waiting in a collective raises."""
     folder = tempfile.mkdtemp(prefix="multihead_dist_")
     try:
         ctx = mp.start_processes(
-            _worker, args=(world, folder, list(names)), nprocs=world, join=False, start_method=start_method()
+            _worker,
+            args=(world, folder, list(names), group_timeout),
+            nprocs=world,
+            join=False,
+            start_method=start_method(),
         )
         deadline = time.monotonic() + timeout
         timed_out = False
@@ -89,7 +102,7 @@ def run_world(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _worker(rank: int, world: int, folder: str, names: list[str]) -> None:
+def _worker(rank: int, world: int, folder: str, names: list[str], group_timeout: float) -> None:
     import sys
 
     sys.path.insert(0, HERE)
@@ -99,9 +112,10 @@ def _worker(rank: int, world: int, folder: str, names: list[str]) -> None:
         init_method=f"file://{os.path.join(folder, 'rendezvous')}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=group_timeout),
     )
     import dist_checks
+    import dist_checks_agree  # noqa: F401 (registers the agreement checks)
     import dist_checks_slow  # noqa: F401 (registers the slow tier's checks)
 
     try:

@@ -38,7 +38,7 @@ def names_for(world: int) -> list[str]:
     return [
         n
         for n in dist_checks.CHECKS
-        if not n.startswith("slow-") and not (n == "ring-error-does-not-grow" and world % 2)
+        if not n.startswith(("slow-", "agree-")) and not (n == "ring-error-does-not-grow" and world % 2)
     ]
 
 

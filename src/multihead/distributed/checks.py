@@ -3,14 +3,14 @@
 A bad input on one rank must not leave the other ranks waiting forever in a send or an
 all-to-all. So each rank checks its own arguments, catches its own error, and then every rank
 takes part in one small ``all_gather_object`` of ``(error, summary)``: if any rank failed, or
-the ranks disagree (shapes, dtypes, layout, mask), every rank raises the same error, naming the
-rank and the argument. Only a process that never calls the function at all can still hang the
-others; the process group's ``timeout`` bounds that.
+the ranks disagree (:func:`call_summary`: shapes, dtype, which of q, k, v need gradients, layout,
+the mask by content, scale...), every rank raises, naming the rank and the argument. Only a
+process that never calls the function at all can still hang the others; the process group's
+``timeout`` bounds that.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead.distributed.fingerprint import mask_fingerprint
 from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks.tensor import as_mask
 
-__all__ = ["Shards", "check_group", "check_qkv", "check_mask", "check_scale", "agree"]
+__all__ = ["Shards", "check_group", "check_qkv", "check_mask", "check_scale", "call_summary", "agree"]
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,36 @@ def check_scale(where: str, scale, D: int) -> float:
     return float(scale)
 
 
+def call_summary(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None, **arguments: object) -> dict:
+    """What every rank of one sharded call must have alike, as plain data: the shapes and dtype of
+    its shards, whether autograd will run a backward through each (a backward communicates, so a
+    rank without one leaves the others waiting), the mask by content
+    (:func:`~multihead.distributed.fingerprint.mask_fingerprint`), and the other ``arguments``."""
+    return {
+        "q": tuple(q.shape),
+        "k": tuple(k.shape),
+        "v": tuple(v.shape),
+        "dtype": str(q.dtype),
+        "requires_grad": _gradients(q, k, v),
+        "mask": mask_fingerprint(mask),
+        **arguments,
+    }
+
+
+def _gradients(q: Tensor, k: Tensor, v: Tensor) -> str:
+    """Which of q, k, v autograd will differentiate: ``'q, k, v'``, ``'q'``, ``'none'``..."""
+    wanted = [name for name, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad]
+    if wanted and not torch.is_grad_enabled():
+        return "none (grad mode is off: torch.no_grad or inference_mode)"
+    return ", ".join(wanted) or "none"
+
+
 def agree(where: str, group, rank: int, error: BaseException | None, summary: dict) -> None:
     """Raise on every rank if any rank failed its own checks or the ranks' ``summary`` differ.
 
-    One ``all_gather_object``; every rank of ``group`` must call this (with or without an error)."""
+    One ``all_gather_object``; every rank of ``group`` must call this (with or without an error).
+    A disagreement raises the same ``ValueError`` on every rank, naming every argument that
+    differs and which ranks hold which value."""
     gathered: list = [None] * dist.get_world_size(group)
     mine = (None if error is None else (type(error).__name__, str(error)), summary)
     dist.all_gather_object(gathered, mine, group=group)
@@ -147,32 +174,33 @@ def agree(where: str, group, rank: int, error: BaseException | None, summary: di
                 raise error
             cls = TypeError if kind == "TypeError" else ValueError
             raise cls(f"{where}: rank {r} received bad input, so every rank stops here: {message}")
-    first = gathered[0][1]
-    for r, (_, other) in enumerate(gathered[1:], start=1):
-        for name, expected in first.items():
-            if other.get(name) != expected:
-                raise ValueError(
-                    f"{where}: ranks disagree on {name}: rank {r} has {other.get(name)!r} but rank 0 "
-                    f"has {expected!r}; expected every rank to pass a shard of the same shape, dtype "
-                    "and arguments (one call, sharded)"
-                )
+    summaries = [s for _, s in gathered]
+    found = (_difference(name, [s.get(name) for s in summaries]) for name in summaries[0])
+    differences = [d for d in found if d is not None]
+    if differences:
+        raise ValueError(
+            f"{where}: ranks disagree on {'; and on '.join(differences)}; expected every rank to pass a "
+            "shard of the same shape, dtype and arguments (one call, sharded), the same mask built "
+            "from the same values, and the same requires_grad and grad mode (a backward communicates)"
+        )
 
 
-def mask_fingerprint(mask: Mask | None) -> str | None:
-    """A mask's value as a short string that is equal across processes (tensors by content
-    summary, never by address)."""
-    if mask is None:
+def _difference(name: str, values: list) -> str | None:
+    """``None`` if every rank has the same value, else ``"name: rank 1 has X but rank 0 has Y"``
+    (ranks holding one value together: ``"ranks 1, 3 have X"``), rank 0's value last."""
+    if all(v == values[0] for v in values):
         return None
-    return hashlib.sha1(repr(_portable(mask._value())).encode()).hexdigest()[:16]
+    held: list[tuple[object, list[int]]] = []  # (value, its ranks) in order of first appearance
+    for r, value in enumerate(values):
+        for seen, ranks in held:
+            if seen == value:
+                ranks.append(r)
+                break
+        else:
+            held.append((value, [r]))
 
+    def who(ranks: list[int]) -> str:
+        return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
 
-def _portable(value):
-    if isinstance(value, tuple):
-        if len(value) == 8 and value[0] == "tensor":  # tensor_identity of a large tensor: an address
-            return ("tensor", value[3], str(value[5]))
-        return tuple(_portable(v) for v in value)
-    if isinstance(value, type):
-        return value.__qualname__
-    if callable(value):  # a custom mask_mod: by name (functions have no value across processes)
-        return getattr(value, "__qualname__", type(value).__name__)
-    return value
+    first, *others = held
+    return f"{name}: " + ", ".join(f"{who(r)} {v!r}" for v, r in others) + f" but {who(first[1])} {first[0]!r}"

@@ -41,11 +41,11 @@ from multihead.conventions import lse_dtype
 from multihead.distributed.checks import (
     Shards,
     agree,
+    call_summary,
     check_group,
     check_mask,
     check_qkv,
     check_scale,
-    mask_fingerprint,
 )
 from multihead.distributed.layout import check_divisible, check_layout, chunks_per_rank
 from multihead.distributed.plan import RingPlan, plan_ring
@@ -93,8 +93,10 @@ def ring_attention(
         ``(B, Hq, Sq, Dv)`` in the dtype of ``q`` (the rows of this rank's shard), or an
         :class:`~multihead.AttentionResult` ``(output, None, lse)`` with ``return_lse``.
 
-    Every rank of ``group`` must call it with shards of the same shape. Inputs are checked on
-    every rank before any K/V moves, and one bad input raises on every rank.
+    Every rank of ``group`` must call it with shards of the same shape and dtype, the same mask
+    (compared by content), the same ``requires_grad`` and grad mode, and the same other arguments.
+    Inputs are checked on every rank before any K/V moves, and one bad input or one disagreement
+    raises on every rank (``docs/distributed.md``, Checked before anything moves).
     """
     shards, mask, plan, scale = _prepare(q, k, v, group, mask, layout, scale, return_lse, backend)
     out, lse = _RingAttention.apply(q, k, v, mask, plan, scale, group, backend)
@@ -125,19 +127,8 @@ def _prepare(q, k, v, group, mask, layout, scale, return_lse, backend):
             raise TypeError(
                 f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
             )
-        summary = {
-            "q": tuple(q.shape),
-            "k": tuple(k.shape),
-            "v": tuple(v.shape),
-            "dtype": str(q.dtype),
-            "layout": layout,
-            "mask": mask_fingerprint(mask),
-            "scale": scale,
-            "return_lse": return_lse,
-            "backend": backend,
-            "requires_grad": tuple(t.requires_grad for t in (q, k, v)),
-        }
-    except (TypeError, ValueError) as e:
+        summary = call_summary(q, k, v, mask=mask, layout=layout, scale=scale, return_lse=return_lse, backend=backend)
+    except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
         error = e
     agree(_WHERE, group, rank, error, summary)
     assert shards is not None  # checked above: agree() raised on every rank otherwise

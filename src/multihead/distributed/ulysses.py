@@ -24,7 +24,7 @@ from torch import Tensor
 
 from multihead.attention import attention
 from multihead.call import AttentionResult
-from multihead.distributed.checks import agree, check_group, check_mask, check_qkv, check_scale, mask_fingerprint
+from multihead.distributed.checks import agree, call_summary, check_group, check_mask, check_qkv, check_scale
 from multihead.distributed.layout import check_divisible, check_layout, layout_order
 from multihead.masks import Mask
 from multihead.masks.tensor import TensorMask
@@ -80,18 +80,12 @@ def ulysses_attention(
         scale = check_scale(_WHERE, scale, shards.D)
         if not isinstance(return_lse, bool):
             raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
-        summary = {
-            "q": tuple(q.shape),
-            "k": tuple(k.shape),
-            "v": tuple(v.shape),
-            "dtype": str(q.dtype),
-            "layout": layout,
-            "mask": mask_fingerprint(mask),
-            "scale": scale,
-            "return_lse": return_lse,
-            "backend": backend,
-        }
-    except (TypeError, ValueError) as e:
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
+            )
+        summary = call_summary(q, k, v, mask=mask, layout=layout, scale=scale, return_lse=return_lse, backend=backend)
+    except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
         error = e
     agree(_WHERE, group, rank, error, summary)
     assert shards is not None and not isinstance(mask, Tensor)  # checked above: agree() raised on every rank otherwise
