@@ -97,9 +97,9 @@ def _worker(rank, world, folder, cfg, out_queue):
     B, H, L, D, reps = cfg["B"], cfg["H"], cfg["L"], cfg["D"], cfg["reps"]
     fn = {"ring": ring_attention, "ulysses": ulysses_attention}[cfg["method"]]
     layout, mask = cfg["layout"], mask_of(cfg["mask"])
-    qs, ks, vs, gs = (shard_sequence(t, layout=layout).contiguous() for t in inputs(B, H, L, D))
+    qs, ks, vs, gs = (shard_sequence(t, layout=layout, dim=2).contiguous() for t in inputs(B, H, L, D))
     # warm-up on a small sequence: first-call imports and allocations
-    small = [shard_sequence(t, layout=layout).requires_grad_() for t in inputs(B, H, 64 * world, D)[:3]]
+    small = [shard_sequence(t, layout=layout, dim=2).requires_grad_() for t in inputs(B, H, 64 * world, D)[:3]]
     fn(*small, mask=mask, layout=layout).sum().backward()
     row = {"rank": rank}
     if cfg["only"] in (None, "memory"):
@@ -130,7 +130,9 @@ def _worker(rank, world, folder, cfg, out_queue):
     if rank == 0:
         q, k, v, _ = inputs(B, H, L, D)
         with torch.no_grad():
-            row["max_err"] = float((got - shard_sequence(mh.attention(q, k, v, mask=mask), layout=layout)).abs().max())
+            row["max_err"] = float(
+                (got - shard_sequence(mh.attention(q, k, v, mask=mask), layout=layout, dim=2)).abs().max()
+            )
     out_queue.put(row)
     dist.barrier()
     dist.destroy_process_group()

@@ -15,6 +15,7 @@ from torch import Tensor
 from multihead.call import AttentionCall, mask_and_score_mod
 from multihead.conventions import default_scale
 from multihead.inputs import check_tensor
+from multihead.masks import Mask
 
 __all__ = [
     "AttentionCall",
@@ -80,6 +81,7 @@ def validate_call(
         valid = [h for h in range(1, Hq + 1) if Hq % h == 0]
         raise ValueError(
             f"q has Hq={Hq} heads, not divisible by Hkv={Hkv} key/value heads; Hkv must divide Hq (one of {valid})"
+            f"{_layout_hint(q, k, mask)}"
         )
 
     if scale is None:
@@ -107,15 +109,23 @@ def validate_call(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
-    if isinstance(mask, Tensor):
-        _check_mask_tensor(mask, q, (B, Hq, Lq, Lk))
-    if isinstance(mask, Tensor) and mask.is_floating_point() and mask.device != q.device:
-        # Mask tensors may live on any device (bool ones move lazily); an additive one moves here,
-        # before it becomes a bias, so that it is not refused as a score_mod on the wrong device.
-        mask = mask.to(q.device)
-    mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
-    if mask is not None:
-        mask.check(B, Hq, Lq, Lk)
+    given = mask
+    try:
+        if isinstance(mask, Tensor):
+            _check_mask_tensor(mask, q, (B, Hq, Lq, Lk))
+        if isinstance(mask, Tensor) and mask.is_floating_point() and mask.device != q.device:
+            # Mask tensors may live on any device (bool ones move lazily); an additive one moves here,
+            # before it becomes a bias, so that it is not refused as a score_mod on the wrong device.
+            mask = mask.to(q.device)
+        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
+        if mask is not None:
+            mask.check(B, Hq, Lq, Lk)
+    except ValueError as exc:
+        # A mask of the whole sequence does not fit inputs in (B, L, H, D): often the only sign.
+        hint = "" if _mask_fits(given, (B, Hq, Lq, Lk)) else _layout_hint(q, k, given)
+        if not hint:
+            raise
+        raise ValueError(f"{exc}{hint}") from None
     if score_mod is not None:
         score_mod.check(B, Hq, Lq, Lk)
         for t in score_mod.tensors():
@@ -170,6 +180,37 @@ def _check_mask_tensor(mask: Tensor, q: Tensor, expected: tuple[int, int, int, i
         f"mask of shape {shape} is not broadcastable to (B, H, Lq, Lk) = {expected}; its dims line up with "
         f"the last {mask.dim()} of these, and each must be 1 or the matching size{hint}"
     )
+
+
+def _layout_hint(q: Tensor, k: Tensor, mask: object) -> str:
+    """A hint for inputs in FlashAttention's layout ``(B, L, H, D)``, added to an error when the
+    shapes read that way make a valid call (and ``mask`` fits it); otherwise ``""``.
+
+    Only errors get it: shapes alone cannot tell the layouts apart (``Lq = Lk`` and ``Lk``
+    dividing ``Lq`` read as valid heads), so a call valid in ``(B, H, L, D)`` is never refused."""
+    Hq, Lq, Hkv, Lk = q.shape[2], q.shape[1], k.shape[2], k.shape[1]
+    if Hq == 0 or Hkv == 0 or Hq % Hkv != 0 or not (mask is None or _mask_fits(mask, (q.shape[0], Hq, Lq, Lk))):
+        return ""
+    return (
+        f"; hint: multihead takes (B, H, L, D); if q, k and v are (B, L, H, D) (FlashAttention's layout), "
+        f"pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (read that way: Hq={Hq}, "
+        f"Hkv={Hkv}, Lq={Lq}, Lk={Lk}), and out.transpose(1, 2) gives (B, L, H, Dv) back"
+    )
+
+
+def _mask_fits(mask: object, expected: tuple[int, int, int, int]) -> bool:
+    """Whether ``mask`` (as given to :func:`validate_call`) passes the shape checks for
+    ``(B, H, Lq, Lk)`` = ``expected``."""
+    if isinstance(mask, Tensor):
+        shape = tuple(mask.shape)
+        return 2 <= len(shape) <= 4 and all(s == 1 or s == e for s, e in zip(reversed(shape), reversed(expected)))
+    if isinstance(mask, Mask):
+        try:
+            mask.check(*expected)
+        except (TypeError, ValueError):
+            return False
+        return True
+    return mask is None
 
 
 def check_weights_bytes(

@@ -155,6 +155,42 @@ BAD = [
         r"batch sizes differ: q has B=2, k has 1.*expand the smaller one \(e.g. k.expand\(2, -1, -1, -1\)",
     ),
     ("3-D input", dict(q=torch.randn(8, 5, 16)), ValueError, r"q must have 4 dims \(B, Hq, Lq, D\).*hint"),
+    # Issue 28, item 9: q, k, v in FlashAttention's (B, L, H, D). Where shapes show it (the heads do
+    # not group, or a mask of the whole sequence does not fit), the error says to transpose; a call
+    # valid in (B, H, L, D) is never refused (test_a_valid_call_is_not_taken_for_the_transposed_layout).
+    (
+        "(B, L, H, D) inputs",
+        dict(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2)),
+        ValueError,
+        r"q has Hq=5 heads, not divisible by Hkv=7 .*; hint: multihead takes \(B, H, L, D\); if q, k and v are "
+        r"\(B, L, H, D\) \(FlashAttention's layout\), pass q.transpose\(1, 2\), k.transpose\(1, 2\), "
+        r"v.transpose\(1, 2\) \(read that way: Hq=8, Hkv=2, Lq=5, Lk=7\), and out.transpose\(1, 2\)",
+    ),
+    (
+        "(B, L, H, D) decoding step",
+        dict(q=q[:, :, -1:].transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2)),
+        ValueError,
+        r"q has Hq=1 heads, not divisible by Hkv=7 .*hint: .*\(read that way: Hq=8, Hkv=2, Lq=1, Lk=7\)",
+    ),
+    (
+        "(B, L, H, D) self-attention, mask tensor",
+        dict(q=k.transpose(1, 2), v=v.transpose(1, 2), k=k.transpose(1, 2), mask=torch.ones(7, 7, dtype=torch.bool)),
+        ValueError,
+        r"mask of shape \(7, 7\) is not broadcastable to \(B, H, Lq, Lk\) = \(2, 7, 2, 2\).*; hint: multihead "
+        r"takes \(B, H, L, D\); .*q.transpose\(1, 2\).*\(read that way: Hq=2, Hkv=2, Lq=7, Lk=7\)",
+    ),
+    (
+        "(B, L, H, D) self-attention, key_padding table",
+        dict(q=k.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), mask=mh.key_padding(torch.ones(2, 7) > 0)),
+        ValueError,
+        r"key_padding: bool table has 7 keys but Lk=2; hint: .*q.transpose\(1, 2\).*Lq=7, Lk=7",
+    ),
+    (
+        "(B, L, H, D) self-attention, documents",
+        dict(q=k.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), mask=mh.document(torch.arange(7) // 3)),
+        ValueError,
+        r"document: q_ids has length 7 but Lq=2; hint: .*q.transpose\(1, 2\)",
+    ),
     # Issue 9, item 8: what was silently accepted.
     (
         "shifted key_padding, wrong batch",
@@ -222,6 +258,30 @@ def test_bad_input_raises_a_clear_error(name, override, exc, pattern):
         mh.attention(args["q"], args["k"], args["v"], **override)
     with pytest.raises(exc, match=pattern):  # explain validates the same way
         mh.explain(args["q"], args["k"], args["v"], **override)
+
+
+def test_a_valid_call_is_not_taken_for_the_transposed_layout():
+    """The (B, L, H, D) hint joins an error only when the shapes read that way make a valid call;
+    calls valid in (B, H, L, D) run, whatever their transposed reading would be."""
+    hint = r"FlashAttention's layout"
+    with pytest.raises(ValueError, match=hint):  # Lq=5, Lk=7 read as heads: only the transposed reading groups
+        mh.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    # Hq=8, Hkv=3 is wrong either way (read transposed: Hq=5, Hkv=7): no hint
+    with pytest.raises(ValueError, match=r"not divisible by Hkv=3") as info:
+        mh.attention(q, torch.randn(2, 3, 7, 16), torch.randn(2, 3, 7, 12))
+    assert "hint" not in str(info.value)
+    # A mask that fits neither reading: no hint either
+    with pytest.raises(ValueError, match=r"mask of shape \(4, 7\)") as info:
+        mh.attention(q, k, v, mask=torch.ones(4, 7, dtype=torch.bool))
+    assert "hint" not in str(info.value)
+    # Valid in (B, H, L, D), and also valid read transposed: accepted as documented
+    for shape_q, shape_k in (
+        ((2, 4, 6, 16), (2, 4, 6, 16)),
+        ((2, 6, 4, 16), (2, 3, 2, 16)),
+        ((1, 8, 8, 8), (1, 1, 8, 8)),
+    ):
+        qq, kk = torch.randn(shape_q), torch.randn(shape_k)
+        assert mh.attention(qq, kk, kk, mask=mh.causal()).shape == shape_q
 
 
 def test_forcing_a_backend_that_refuses_lists_its_reasons():

@@ -67,6 +67,35 @@ def test_key_padding_prefix_lm_and_document():
     assert doc[2].tolist() == [False, False, True, True, True, False] and doc[5].sum() == 1
 
 
+def test_key_padding_takes_pytorchs_polarity_by_name():
+    """Issue 28, item 9: nn.MultiheadAttention's key_padding_mask (True = padding) given to
+    key_padding() positionally hides the real keys. Its polarity is said by name: pad=."""
+    pad = torch.tensor([[False, False, False, True, True], [False] * 5])  # PyTorch: lengths 3 and 5
+    by_name = mh.key_padding(pad=pad)
+    assert by_name == mh.key_padding(~pad)
+    assert torch.equal(dense(by_name, B=2, Lq=2, Lk=5), dense(mh.key_padding([3, 5]), B=2, Lq=2, Lk=5))
+    pad[0, 0] = True  # the mask keeps its own copy
+    assert dense(by_name, B=2, Lq=1, Lk=5)[0, 0, 0].tolist() == [True, True, True, False, False]
+    with pytest.raises(TypeError, match=r"key_padding: got both lengths and pad="):
+        mh.key_padding([3, 5], pad=pad)
+    with pytest.raises(
+        TypeError, match=r"key_padding: expected lengths .* or pad= a bool \(B, Lk\) table with True = padding"
+    ):
+        mh.key_padding()
+    with pytest.raises(
+        TypeError,
+        match=r"pad must be a bool \(B, Lk\) tensor with True = padding, got dtype "
+        r"torch.int64; hint: pad=mask.bool\(\)",
+    ):
+        mh.key_padding(pad=pad.long())
+    with pytest.raises(TypeError, match=r"got dtype torch.float32; hint: pad=mask == float\('-inf'\)"):
+        mh.key_padding(pad=torch.zeros(2, 5))
+    with pytest.raises(TypeError, match=r"pad must be a bool \(B, Lk\) tensor .*got list"):
+        mh.key_padding(pad=[[True, False]])
+    with pytest.raises(ValueError, match=r"pad must have shape \(B, Lk\), got \(5,\)"):
+        mh.key_padding(pad=pad[0])
+
+
 def test_operators_compose_like_boolean_algebra():
     a, b = mh.causal(), mh.sliding_window(2, 2)
     da, db = dense(a), dense(b)

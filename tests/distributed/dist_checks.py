@@ -293,14 +293,18 @@ def _ring_rope(rank, world):
     want = mh.attention(rope(q, torch.arange(L)), rope(k, torch.arange(L)), v, mask=mask)
     for layout in ("zigzag", "contiguous"):
         pos = shard_positions(L // world, layout=layout)
-        qs, ks, vs = (shard_sequence(t, layout=layout) for t in (q, k, v))
+        qs, ks, vs = (shard_sequence(t, layout=layout, dim=2) for t in (q, k, v))
         got = ring_attention(rope(qs, pos), rope(ks, pos), vs, mask=mask, layout=layout)
-        torch.testing.assert_close(got, shard_sequence(want, layout=layout))
+        torch.testing.assert_close(got, shard_sequence(want, layout=layout, dim=2))
         # the shard's local positions (arange) would be wrong: the check can fail
         wrong = ring_attention(
             rope(qs, torch.arange(L // world)), rope(ks, torch.arange(L // world)), vs, mask=mask, layout=layout
         )
-        assert not torch.allclose(wrong, shard_sequence(want, layout=layout)) or rank == 0 and layout == "contiguous"
+        assert (
+            not torch.allclose(wrong, shard_sequence(want, layout=layout, dim=2))
+            or rank == 0
+            and layout == "contiguous"
+        )
 
 
 @check("fully-masked-rows")
@@ -441,7 +445,7 @@ def _bad_ulysses_lengths(rank, world):
 
 
 def _bad_shard_length(rank, world):
-    shard_sequence(torch.randn(2, 4, 4 * world + 1, 8), layout="zigzag")
+    shard_sequence(torch.randn(2, 4, 4 * world + 1, 8), layout="zigzag", dim=2)
 
 
 def _bad_dtype_rank1(rank, world):
@@ -565,8 +569,8 @@ def _ring_memory(rank, world):
     small = 0.5 * unit  # LSE-sized tensors (u / D each) and the merge's row weights
     for layout in ("zigzag", "contiguous"):
         # contiguous shards: a strided k or v costs one more copy of it, to send
-        qs, ks, vs = (shard_sequence(t, layout=layout).contiguous().requires_grad_() for t in (q, k, v))
-        grad = shard_sequence(gout, layout=layout)
+        qs, ks, vs = (shard_sequence(t, layout=layout, dim=2).contiguous().requires_grad_() for t in (q, k, v))
+        grad = shard_sequence(gout, layout=layout, dim=2)
         with TensorMemory() as memory:
             out = ring_attention(qs, ks, vs, mask=masks.causal(), layout=layout)
             forward = memory.peak

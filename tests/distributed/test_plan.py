@@ -9,7 +9,7 @@ import torch
 
 from multihead import masks
 from multihead.distributed import plan_ring
-from multihead.distributed.layout import pieces
+from multihead.distributed.layout import pieces, shard_sequence, unshard_sequence
 from multihead.masks import BlockState
 
 CASES = {
@@ -128,3 +128,18 @@ def test_plan_blocks_states():
 
 def _positions(S, rank, world, layout):
     return torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces(S, rank, world, layout)])
+
+
+@pytest.mark.parametrize("fn", [shard_sequence, unshard_sequence])
+def test_the_sequence_dimension_is_never_guessed(fn):
+    """Issue 28, item 9: a default dim=2 split the features E of a layer's (B, L, E) input without
+    a complaint. dim is required and its absence is named, before torch.distributed is asked."""
+    x = torch.randn(2, 8, 16)  # (B, L, E): the sequence is dim 1
+    with pytest.raises(
+        TypeError,
+        match=rf"{fn.__name__}: dim is required \(keyword\), the sequence dimension of x \(2, 8, 16\): "
+        r"dim=2 for \(B, H, L, D\) as attention takes it, dim=1 for \(B, L, E\) as a layer takes it",
+    ):
+        fn(x, layout="contiguous")
+    with pytest.raises(TypeError, match=r"dim is required"):
+        fn(x, dim=None)

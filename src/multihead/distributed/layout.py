@@ -105,11 +105,15 @@ def shard_positions(
     return torch.cat(runs)
 
 
-def shard_sequence(x: Tensor, *, group=None, layout: str = "zigzag", dim: int = 2, rank: int | None = None) -> Tensor:
+def shard_sequence(
+    x: Tensor, *, dim: int | None = None, group=None, layout: str = "zigzag", rank: int | None = None
+) -> Tensor:
     """This rank's shard of the whole sequence ``x`` (every rank passes the same ``x``).
 
-    ``dim`` is the sequence dimension: 2 for ``(B, H, L, D)``, 1 for ``(B, L, E)``. Returns a
-    tensor of length ``L / P`` along ``dim`` (a view for ``contiguous``, a copy for ``zigzag``)."""
+    ``dim`` (required) is the sequence dimension: 2 for ``(B, H, L, D)``, 1 for ``(B, L, E)``.
+    It has no default: either guess splits the other layout's heads or features without a
+    complaint. Returns a tensor of length ``L / P`` along ``dim`` (a view for ``contiguous``, a
+    copy for ``zigzag``)."""
     check_layout(layout, "shard_sequence")
     if not isinstance(x, Tensor):
         raise TypeError(f"shard_sequence: x must be a tensor, got {type(x).__name__}")
@@ -120,11 +124,11 @@ def shard_sequence(x: Tensor, *, group=None, layout: str = "zigzag", dim: int = 
     return runs[0] if len(runs) == 1 else torch.cat(runs, dim=dim)
 
 
-def unshard_sequence(x: Tensor, *, group=None, layout: str = "zigzag", dim: int = 2) -> Tensor:
+def unshard_sequence(x: Tensor, *, dim: int | None = None, group=None, layout: str = "zigzag") -> Tensor:
     """The whole sequence from every rank's shard ``x`` (an all-gather; every rank gets it).
 
-    The inverse of :func:`shard_sequence`. Not differentiable: it is for checking and for
-    outputs, not for the middle of a model."""
+    The inverse of :func:`shard_sequence`, with its required ``dim``. Not differentiable: it is
+    for checking and for outputs, not for the middle of a model."""
     check_layout(layout, "unshard_sequence")
     if not isinstance(x, Tensor):
         raise TypeError(f"unshard_sequence: x must be a tensor, got {type(x).__name__}")
@@ -174,6 +178,11 @@ def _world_and_rank(group, rank, where: str) -> tuple[int, int]:
 
 
 def _check_dim(where: str, x: Tensor, dim) -> int:
+    if dim is None:
+        raise TypeError(
+            f"{where}: dim is required (keyword), the sequence dimension of x {tuple(x.shape)}: dim=2 for "
+            "(B, H, L, D) as attention takes it, dim=1 for (B, L, E) as a layer takes it"
+        )
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
         raise ValueError(
             f"{where}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}"

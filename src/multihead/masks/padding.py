@@ -6,8 +6,9 @@
     ███··        █████
     ███··        █████
 
-Polarity is the one of `multihead` (``True`` = a real key that may be attended), the opposite
-of ``nn.MultiheadAttention``'s ``key_padding_mask``.
+A bool table given positionally has the polarity of `multihead` (``True`` = a real key that
+may be attended), the opposite of ``nn.MultiheadAttention``'s ``key_padding_mask``; that one is
+passed by name, ``key_padding(pad=key_padding_mask)`` (``True`` = padding).
 """
 
 from __future__ import annotations
@@ -22,15 +23,36 @@ from multihead.masks.base import UNBOUNDED, BlockState, Mask
 __all__ = ["key_padding", "prefix_lm", "KeyPadding"]
 
 
-def key_padding(lengths: int | Sequence[int] | Tensor) -> KeyPadding:
-    """Keys ``j < lengths[b]`` are visible.
+def key_padding(lengths: int | Sequence[int] | Tensor | None = None, *, pad: Tensor | None = None) -> KeyPadding:
+    """Keys ``j < lengths[b]`` are visible, or the keys a bool ``(B, Lk)`` table marks.
 
-    A length may exceed ``Lk``: every key is then visible. This is on purpose: one mask built for
-    a whole sequence serves every step of a KV cache, when fewer keys exist yet.
+    **From PyTorch's** ``key_padding_mask`` (``nn.MultiheadAttention``'s, ``True`` = padding), pass
+    it by name: ``key_padding(pad=key_padding_mask)``. A bool table given positionally means the
+    opposite, ``True`` = a real key, and PyTorch's would hide the real keys and show the padding.
+    The table cannot tell which one it is (PyTorch's right padding reads as left padding), so
+    nothing is guessed: the name says it.
 
     ``lengths``: an int, a sequence of ints or an integer tensor ``(B,)``; or a bool tensor
     ``(B, Lk)`` with ``True`` for keys that may be attended.
+
+    ``pad``: a bool tensor ``(B, Lk)`` with ``True`` for padding, the keys that may not be
+    attended; ``key_padding(pad=t)`` is ``key_padding(~t)``. Give ``lengths`` or ``pad``, not both.
+
+    A length may exceed ``Lk``: every key is then visible. This is on purpose: one mask built for
+    a whole sequence serves every step of a KV cache, when fewer keys exist yet.
     """
+    if pad is not None:
+        if lengths is not None:
+            raise TypeError(
+                "key_padding: got both lengths and pad=; pass one: lengths (B,) or a bool (B, Lk) table with "
+                "True = a real key, or pad= a bool (B, Lk) table with True = padding"
+            )
+        return KeyPadding(valid=~_pad_table(pad))  # a new tensor: the mask is immutable
+    if lengths is None:
+        raise TypeError(
+            "key_padding: expected lengths (B,) or a bool (B, Lk) table with True = a real key, or "
+            "pad= a bool (B, Lk) table with True = padding (PyTorch's key_padding_mask); got neither"
+        )
     if isinstance(lengths, Tensor) and lengths.dtype == torch.bool:
         if lengths.dim() != 2:
             raise ValueError(f"key_padding: a bool table must have shape (B, Lk), got {tuple(lengths.shape)}")
@@ -47,7 +69,8 @@ def key_padding(lengths: int | Sequence[int] | Tensor) -> KeyPadding:
                 "read as a (B, Lk) table of keys; expected a bool (B, Lk) table (True = a real key) "
                 "or integer lengths of shape (B,). If 1 marks a real token (Hugging Face's "
                 "attention_mask), pass key_padding(mask.bool()), or key_padding(mask.sum(-1)) for "
-                "right padding; if 1 marks padding, key_padding(mask == 0)"
+                "right padding; if 1 marks padding (PyTorch's key_padding_mask), key_padding(mask == 0) or "
+                "key_padding(pad=mask.bool())"
             )
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dim() > 1:
             raise TypeError(
@@ -77,6 +100,8 @@ def prefix_lm(prefix_len: int | Sequence[int] | Tensor, align: str = "bottom_rig
     """
     from multihead.masks.band import causal
 
+    if prefix_len is None:  # (key_padding's message would offer its pad= here)
+        raise TypeError("prefix_lm: prefix_len must be an int or one per batch element, got None")
     if isinstance(prefix_len, bool) or (isinstance(prefix_len, int) and prefix_len < 0):
         raise ValueError(
             f"prefix_lm: prefix_len must be a non-negative int or one per batch element, got {prefix_len!r}"
@@ -86,6 +111,24 @@ def prefix_lm(prefix_len: int | Sequence[int] | Tensor, align: str = "bottom_rig
     except (TypeError, ValueError) as exc:
         raise type(exc)(str(exc).replace("key_padding: lengths", "prefix_lm: prefix_len")) from None
     return causal(align) | padding
+
+
+def _pad_table(pad: object) -> Tensor:
+    """``pad=`` of :func:`key_padding`: a bool ``(B, Lk)`` table, ``True`` = padding."""
+    if not isinstance(pad, Tensor):
+        raise TypeError(f"key_padding: pad must be a bool (B, Lk) tensor with True = padding, got {type(pad).__name__}")
+    if pad.dtype != torch.bool:
+        hint = (
+            "pad=mask == float('-inf') for an additive mask whose -inf marks padding"
+            if pad.is_floating_point()
+            else "pad=mask.bool() if 1 marks padding"
+        )
+        raise TypeError(
+            f"key_padding: pad must be a bool (B, Lk) tensor with True = padding, got dtype {pad.dtype}; hint: {hint}"
+        )
+    if pad.dim() != 2:
+        raise ValueError(f"key_padding: pad must have shape (B, Lk), got {tuple(pad.shape)}")
+    return pad
 
 
 class KeyPadding(Mask):
