@@ -351,9 +351,9 @@ def test_compiled_layer_with_padding_and_gqa_has_no_graph_breaks():
     torch.testing.assert_close(compiled(x, mask=mask), layer(x, mask=mask))
 
 
-def test_fused_projection_kept_between_no_grad_calls_follows_every_weight_change():
-    """Without gradients the concatenated q/k/v weights are kept between calls; an in-place update,
-    load_state_dict and a dtype change must each be seen (a stale copy would give the old output)."""
+def test_no_grad_calls_follow_every_weight_change():
+    """An in-place update, load_state_dict and a dtype change are each seen by the next no-grad
+    call (projection weights kept from before would give the old output)."""
     torch.manual_seed(0)
     layer = mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True).eval()
     fresh = lambda: mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True).eval()  # noqa: E731
@@ -373,3 +373,62 @@ def test_fused_projection_kept_between_no_grad_calls_follows_every_weight_change
         torch.testing.assert_close(layer(x), other(x))
         layer.double()
         torch.testing.assert_close(layer(x.double()), other.double()(x.double()))
+
+
+def _copy_data(p, new):
+    p.data.copy_(new)  # an EMA update: through .data, no version counter moves
+
+
+def _scale_data(p, new):
+    p.data.mul_(0.5)
+
+
+def _assign_data(p, new):
+    p.data = new  # another storage
+
+
+def _copy_no_grad(p, new):
+    with torch.no_grad():
+        p.copy_(new)
+
+
+IN_PLACE_UPDATES = {
+    "data.copy_": _copy_data,
+    "data.mul_": _scale_data,
+    "data=": _assign_data,
+    "no_grad copy_": _copy_no_grad,
+}
+
+
+@pytest.mark.parametrize("param", [f"{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")])
+@pytest.mark.parametrize("update", list(IN_PLACE_UPDATES))
+def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_step(update, param):
+    """However a q/k/v weight or bias is changed in place (through ``.data``, which moves no version
+    counter, or under ``no_grad``), the next no-grad call, cross-attention call and cached decode
+    step compute what a layer built with the new weights computes: no projection weights are kept
+    from before the change."""
+    torch.manual_seed(0)
+    make = lambda: mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, dtype=DT).eval()  # noqa: E731
+    layer = make()
+    x, memory = torch.randn(2, 6, 16, dtype=DT), torch.randn(2, 9, 16, dtype=DT)
+
+    def run(m):
+        cache = mh.DynamicKVCache()
+        prefill = m(x[:, :5], kv_cache=cache)
+        step = m(x[:, 5:], kv_cache=cache)  # one decode step
+        return m(x), m(x, memory), prefill, step, cache.keys[:, :, : cache.length]  # the stored keys: a k bias
+
+    with torch.no_grad():
+        before = run(layer)  # every projection path used once with the old weights
+        p = layer.get_parameter(param)
+        IN_PLACE_UPDATES[update](p, torch.randn(p.shape, dtype=DT))
+        after = run(layer)
+        fresh = make()
+        fresh.load_state_dict(layer.state_dict())  # the new weights, in a layer that never saw the old
+        want = run(fresh)
+    for name, got, expected in zip(["self", "cross", "prefill", "decode step", "cached keys"], after, want):
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{update} on {param}, {name}: {m}")
+    # The update changed what the layer computes. A k bias adds one constant to each query's
+    # scores, which the softmax ignores: it shows in the cached keys only.
+    shown = -1 if param == "k_proj.bias" else 0
+    assert not torch.allclose(after[shown], before[shown])

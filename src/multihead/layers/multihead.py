@@ -432,15 +432,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         return read.mask(mask, self.causal, self.num_heads), score_mod
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The three input projections, as one matmul where the inputs allow it.
-
-        Self-attention (``key is value is query``) multiplies by the concatenated q/k/v weights
-        once, like a hand-fused ``qkv`` layer: one pass over ``query`` instead of three. While
-        training, the concatenation is part of the graph (about 0.2 ms at E=768, cheap next to a
-        training step's matmuls). Without gradients it is kept between calls and rebuilt only when
-        a weight changes (by version), since a decode step's matmul is as cheap as the copy. Under
-        ``torch.compile`` the three projections run apart (nothing to keep between graphs).
-        """
+        """The three input projections, as one matmul where the inputs allow it (:meth:`_fused`)."""
         if key is query and value is query and _fusable(self.q_proj, self.k_proj, self.v_proj):
             q, k, v = self._fused(query, (self.q_proj, self.k_proj, self.v_proj))
             return q, k, v
@@ -451,18 +443,21 @@ class MultiHeadAttention(HookPoints, nn.Module):
         return q, self.k_proj(key), self.v_proj(value)
 
     def _fused(self, x: Tensor, linears: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
-        params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
-        if torch.compiler.is_compiling():
+        """``linears`` applied to one input ``x``.
+
+        While training, ``x`` is multiplied by the concatenated weights once, like a hand-fused
+        ``qkv`` layer (one pass over ``x``, one matmul in the backward); the concatenation is part
+        of the graph, cheap next to a training step's matmuls. Without gradients the projections
+        run apart: a concatenation kept between calls goes stale when the weights change through
+        ``.data`` (EMA updates, hand-written init), which moves no version counter, and one made per
+        call costs a copy of the weights per decode step, where the matmul is as cheap as the copy.
+        Under ``torch.compile`` they run apart as well.
+        """
+        if torch.compiler.is_compiling() or not (
+            torch.is_grad_enabled() and any(p.requires_grad for m in linears for p in m.parameters())
+        ):
             return tuple(m(x) for m in linears)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return _fused_linear(x, linears, *_concatenated(linears))
-        key = tuple((id(p), p.data_ptr(), p._version, p.device, p.dtype) for p in params)
-        cached = self.__dict__.get("_fused_weights", {}).get(len(linears))
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = (key, *_concatenated(linears))
-            self.__dict__.setdefault("_fused_weights", {})[len(linears)] = cached
-        return _fused_linear(x, linears, cached[1], cached[2])
+        return _fused_linear(x, linears, *_concatenated(linears))
 
     def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
         """``rope(x, positions)``, refusing a result of another shape than ``x (B, H, L, D)``."""
