@@ -248,6 +248,46 @@ def test_need_weights_over_a_static_cache_hides_the_empty_slots():
     assert torch.all(weights[0, ..., 6:] == 0) and torch.all(weights[1, ..., 4:] == 0)
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["cache-positions", "given-positions"])
+@pytest.mark.parametrize("new", [1, 3])
+@pytest.mark.parametrize("lengths", [[4, 4], [5, 3]], ids=["equal-lengths", "different-lengths"])
+def test_a_mask_over_a_static_caches_slots_fits_the_next_step(lengths, new, given):
+    """``cache.slots(n)`` is the number of slots the next eager update of ``n`` tokens returns: the
+    ``T + n`` filled ones while every row holds ``T`` tokens (the speed-up), all ``max_len`` when
+    rows differ, positions given or not. So a bool mask over ``slots(n)`` columns (the documented
+    recipe) goes through the layer either way, weights have that width, and hiding slot 0
+    (position 0 in every row) computes what each row's full forward with position 0 hidden does."""
+    max_len, D = 9, E // HQ
+    equal = lengths[0] == lengths[1]
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 5 + new, D, generator=g, dtype=DT), torch.randn(2, 2, 5 + new, D, generator=g, dtype=DT)
+    cache = StaticKVCache(2, max_len, 2, D, dtype=DT)
+    cache.update(k[:, :, :5], v[:, :, :5])
+    cache.crop(torch.tensor(lengths))
+    S = cache.slots(new)
+    read = cache.update(k[:, :, 5:], v[:, :, 5:], cache.next_positions(new) if given else None)
+    assert read.keys.shape[2] == S == (lengths[0] + new if equal else max_len)
+
+    layer = _layer(2)
+    x = _x(2, 5 + new)
+    cache = StaticKVCache(2, max_len, 2, D, dtype=DT)
+    with torch.no_grad():
+        layer(x[:, :5], kv_cache=cache)
+        cache.crop(torch.tensor(lengths))
+        tokens = torch.stack([x[b, n : n + new] for b, n in enumerate(lengths)])  # (2, new, E): after each row
+        S = cache.slots(new)
+        mask = torch.ones(2, 1, new, S, dtype=torch.bool)  # (B, 1, Lq, S)
+        mask[..., 0] = False  # slot 0 holds position 0, whichever slots the step reads
+        positions = {"positions": cache.next_positions(new)} if given else {}
+        out, weights = layer(tokens, kv_cache=cache, mask=mask, need_weights=True, **positions)
+        assert weights.shape == (2, HQ, new, S)
+        for b, n in enumerate(lengths):
+            hidden = torch.ones(n + new, n + new, dtype=torch.bool)  # (Lq, Lk)
+            hidden[:, 0] = False
+            alone = layer(x[b : b + 1, : n + new], mask=hidden)  # (1, n + new, E)
+            torch.testing.assert_close(out[b], alone[0, n:], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradients_through_cached_steps_equal_the_full_forward(device):
     """Backpropagating through prefill and steps of a DynamicKVCache (under autograd it never writes

@@ -13,9 +13,10 @@ causal and window masks align to each row's own length::
 A decode step therefore has the same shapes whatever the lengths, with no ``.item()`` and no
 Python branch on data: compiled once, it never recompiles. In eager mode, while every row has one
 length known on the host, a step reads only the filled slots in order (like a dynamic cache, with
-``causal()`` instead of a mask tensor); the result is the same. The checks that need the lengths on
-the host (writing past ``max_len``, positions that do not continue a row) run in eager mode and
-are skipped while compiling.
+``causal()`` instead of a mask tensor); the result is the same, and :meth:`slots` says which read
+the next step makes, so a mask tensor over ``slots(Lq)`` columns fits it. The checks that need
+the lengths on the host (writing past ``max_len``, positions that do not continue a row) run in
+eager mode and are skipped while compiling.
 
 Rows of different lengths come from a padded prefill: run the prompts right-padded to one length,
 then :meth:`crop` each row to its real length (the pads sit after the real tokens, so no real
@@ -96,7 +97,22 @@ class StaticKVCache(KVCache):
         return self.lengths.view(-1, 1) + torch.arange(new, device=self.lengths.device)  # (B, new)
 
     def slots(self, new: int) -> int:
-        return self.max_len
+        """The slots the next :meth:`update` of ``new`` tokens returns, in the mode it runs in: the
+        ``T + new`` filled ones in an eager step while every row holds ``T`` tokens, else (rows
+        that differ, or under ``torch.compile``) all ``max_len``."""
+        T = self._uniform_length(new)
+        return self.max_len if T is None else T + new
+
+    def _uniform_length(self, new: int) -> int | None:
+        """``T`` when an update of ``new`` tokens reads only the filled slots: eager, every row at
+        length ``T`` (known on the host) and room for the new tokens; ``None`` otherwise. The one
+        decision behind :meth:`slots` and :meth:`update`, so a mask over ``slots(new)`` fits."""
+        if torch.compiler.is_compiling():
+            return None
+        if self._host is None:
+            self._host = self.lengths.tolist()  # one synchronisation, eager only
+        T = self._host[0]
+        return T if all(n == T for n in self._host) and T + new <= self.max_len else None
 
     def _held(self) -> str:
         B, Hkv, S, D = self.keys.shape
@@ -119,15 +135,12 @@ class StaticKVCache(KVCache):
             held=self._held(),
         )
         new = k.shape[2]
-        if not torch.compiler.is_compiling() and positions is None:
-            if self._host is None:
-                self._host = self.lengths.tolist()  # one synchronisation, eager only
-            T = self._host[0]
-            if all(n == T for n in self._host) and T + new <= S:
-                return self._update_uniform(k, v, T, new)
+        if positions is not None:  # given positions must continue each row, so they never change the read
+            check_continuation(name, positions, self.next_positions(new), B)  # the value comparison: eager only
+        T = self._uniform_length(new)
+        if T is not None:
+            return self._update_uniform(k, v, T, new)
         expected = self.next_positions(new)  # (B, new)
-        if positions is not None:
-            check_continuation(name, positions, expected, B)  # the value comparison: eager only
         if not torch.compiler.is_compiling():
             longest = int(self.lengths.max())
             if longest + new > S:
