@@ -35,8 +35,9 @@ from types import CodeType
 from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
-__all__ = ["UntestedTransformersWarning", "closure_variables", "kind_of", "known_kinds", "unread"]
+__all__ = ["UntestedTransformersWarning", "closure_variables", "evaluate", "kind_of", "known_kinds", "unread"]
 
 MaskFunction = Callable[..., Any]  # HF's mask_function(batch_idx, head_idx, q_idx, kv_idx) -> bool tensor
 MODULE = "transformers.masking_utils"
@@ -183,10 +184,13 @@ def unread(fn: MaskFunction, why: str) -> None:
         _warn(f"the mask closure {MODULE}.{getattr(fn, '__qualname__', fn)!r}", f"{why}; read densely")
 
 
-def _agrees(read: Callable[[MaskFunction, Frame], Any], fn: MaskFunction, frame: Frame) -> bool:
+def evaluate(fn: MaskFunction, frame: Frame) -> Tensor:
+    """``fn`` evaluated by ``transformers`` itself (``sdpa_mask``, neither of its skips):
+    ``(B|1, 1, Lq, Lk)`` bool, ``True`` = may attend. The meaning of any closure, without its
+    structure: how a closure this module does not trust is read, and what a probe compares with."""
     from transformers.masking_utils import sdpa_mask
 
-    expected = sdpa_mask(
+    table = sdpa_mask(
         batch_size=frame.batch,
         q_length=frame.q_len,
         kv_length=frame.kv_len,
@@ -196,9 +200,17 @@ def _agrees(read: Callable[[MaskFunction, Frame], Any], fn: MaskFunction, frame:
         attention_mask=None,
         allow_is_causal_skip=False,
         allow_is_bidirectional_skip=False,
+        use_vmap=frame.use_vmap,
+        device=frame.device,
     )
+    if table is None:  # "nothing blocked" (not expected: both of HF's skips are off)
+        table = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=frame.device)
+    return table
+
+
+def _agrees(read: Callable[[MaskFunction, Frame], Any], fn: MaskFunction, frame: Frame) -> bool:
     shape = (frame.batch, 1, frame.q_len, frame.kv_len)
-    expected = torch.ones(shape, dtype=torch.bool) if expected is None else expected.expand(shape)
+    expected = evaluate(fn, frame).expand(shape)
     mask = read(fn, frame)
     got = torch.ones(shape, dtype=torch.bool) if mask is None else mask.materialize(*shape).expand(shape)
     return torch.equal(got, expected)

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from multihead.integrations.hf_closures import Frame as _Frame
-from multihead.integrations.hf_closures import MaskFunction, closure_variables, kind_of, unread
+from multihead.integrations.hf_closures import MaskFunction, closure_variables, evaluate, kind_of, unread
 from multihead.masks import Band, Mask, as_mask, causal, document, key_padding, sliding_window
 
 __all__ = ["band_blocks_nothing", "from_dense", "from_mask_function", "padding_mask", "read", "recognise"]
@@ -295,24 +295,7 @@ def _chunks(chunk_size: int, left_padding: Tensor, frame: _Frame) -> Mask:
 
 def _dense(fn: MaskFunction, frame: _Frame) -> Mask:
     """A closure we do not know, evaluated by ``transformers`` itself: ``(B, 1, Lq, Lk)`` bool."""
-    from transformers.masking_utils import sdpa_mask
-
-    table = sdpa_mask(
-        batch_size=frame.batch,
-        q_length=frame.q_len,
-        kv_length=frame.kv_len,
-        q_offset=frame.q_offset,
-        kv_offset=frame.kv_offset,
-        mask_function=fn,
-        attention_mask=None,
-        allow_is_causal_skip=False,
-        allow_is_bidirectional_skip=False,
-        use_vmap=frame.use_vmap,
-        device=frame.device,
-    )
-    if table is None:  # "nothing blocked" (not expected: both of HF's skips are off)
-        table = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=frame.device)
-    mask = as_mask(table.contiguous(), name=f"hf:{getattr(fn, '__qualname__', 'mask_function')}")
+    mask = as_mask(evaluate(fn, frame).contiguous(), name=f"hf:{getattr(fn, '__qualname__', 'mask_function')}")
     assert mask is not None  # a tensor in, a mask out
     return mask
 
