@@ -9,22 +9,46 @@ query, ``[E, 2E)`` the key, ``[2E, 3E)`` the value) when ``kdim == vdim == E``, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from multihead.layers.compat import MultiheadAttention as CompatMHA
 
-if TYPE_CHECKING:  # the layer imports this module: no import at run time
-    from multihead.layers.multihead import MultiHeadAttention
-
-__all__ = ["from_torch", "to_torch"]
+__all__ = ["Convertible", "from_torch", "to_torch"]
 
 
-def from_torch(module: nn.Module, layer_class: type[MultiHeadAttention]) -> MultiHeadAttention:
+class Convertible(Protocol):
+    """What conversion reads and writes of a layer: :class:`MultiHeadAttention` is one. (The layer
+    imports this module, so this module names the layer by what it has, not by its class: no
+    import cycle, not even one for type checking.)"""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kdim: int
+    vdim: int
+    causal: bool
+    dropout: float
+    batch_first: bool
+    training: bool
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    out_proj: nn.Linear
+
+    def train(self, mode: bool = True) -> nn.Module: ...
+
+
+Layer = TypeVar("Layer", bound=Convertible)
+
+
+def from_torch(module: nn.Module, layer_class: Callable[..., Layer]) -> Layer:
     """See :meth:`MultiHeadAttention.from_torch`; ``layer_class`` is the class to build (the layer
-    passes itself, so this module never imports the layer: no import cycle)."""
+    passes itself)."""
     if not isinstance(module, (nn.MultiheadAttention, CompatMHA)):
         raise TypeError(
             "MultiHeadAttention.from_torch expects a torch.nn.MultiheadAttention "
@@ -64,10 +88,11 @@ def from_torch(module: nn.Module, layer_class: type[MultiHeadAttention]) -> Mult
         layer.out_proj.weight.copy_(module.out_proj.weight)
         if module.out_proj.bias is not None:
             layer.out_proj.bias.copy_(module.out_proj.bias)
-    return layer.train(module.training)
+    layer.train(module.training)
+    return layer
 
 
-def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
+def to_torch(layer: Convertible) -> nn.MultiheadAttention:
     """See :meth:`MultiHeadAttention.to_torch`."""
     problems = []
     if layer.num_kv_heads != layer.num_heads:

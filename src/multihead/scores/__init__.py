@@ -6,7 +6,8 @@ biases built on it live in :mod:`multihead.positions` (ALiBi, T5's relative bias
 function ``fn(score, b, h, q_idx, kv_idx)`` is a modifier too (:mod:`multihead.scores.user`).
 """
 
-from multihead.scores.base import ADDITIVE, ELEMENTWISE, Chain, ScoreMod, as_score_mod
+from multihead.scores.arguments import as_score_mod
+from multihead.scores.base import ADDITIVE, ELEMENTWISE, Chain, ScoreMod
 from multihead.scores.bias import Bias, bias
 from multihead.scores.relative import RelativeBias
 from multihead.scores.softcap import Softcap, softcap

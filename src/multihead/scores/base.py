@@ -25,7 +25,7 @@ from torch import Tensor
 
 from multihead.masks.base import tensor_identity
 
-__all__ = ["ScoreMod", "Chain", "as_score_mod", "ADDITIVE", "ELEMENTWISE"]
+__all__ = ["ScoreMod", "Chain", "ADDITIVE", "ELEMENTWISE"]
 
 ADDITIVE, ELEMENTWISE = "additive", "elementwise"
 
@@ -192,34 +192,3 @@ class Chain(ScoreMod):
 
 def _keep_blocked(before: Tensor, after: Tensor) -> Tensor:
     return torch.where(torch.isneginf(before), before, after)
-
-
-def as_score_mod(score_mod: object, name: str = "score_mod") -> ScoreMod | None:
-    """``None``, a :class:`ScoreMod`, a function ``fn(score, b, h, q_idx, kv_idx) -> score``
-    (:class:`~multihead.scores.user.UserScoreMod`), or a sequence of them (applied in order), as
-    one modifier."""
-    from multihead.scores.user import UserScoreMod
-
-    if score_mod is None or isinstance(score_mod, ScoreMod):
-        return score_mod
-    if isinstance(score_mod, (list, tuple)):
-        mods: list[ScoreMod] = []
-        for i, m in enumerate(score_mod):
-            if isinstance(m, ScoreMod):
-                mods.append(m)
-            elif callable(m) and not isinstance(m, Tensor):
-                mods.append(UserScoreMod(m))
-            else:
-                hint = "; for a bias tensor use multihead.scores.bias(tensor)" if isinstance(m, Tensor) else ""
-                raise TypeError(
-                    f"{name}[{i}] must be a multihead.scores modifier or a function "
-                    f"fn(score, b, h, q_idx, kv_idx) -> score, got {type(m).__name__}{hint}"
-                )
-        return None if not mods else (mods[0] if len(mods) == 1 else Chain(mods))
-    if callable(score_mod) and not isinstance(score_mod, Tensor):
-        return UserScoreMod(score_mod)
-    hint = "; for a bias tensor use multihead.scores.bias(tensor)" if isinstance(score_mod, Tensor) else ""
-    raise TypeError(
-        f"{name} must be a multihead.scores modifier, a function fn(score, b, h, q_idx, kv_idx) -> "
-        f"score, a list of them, or None; got {type(score_mod).__name__}{hint}"
-    )
