@@ -41,15 +41,17 @@ setup: $(VENV)/.installed
 # The lock: every extra and requirements/tools.in, resolved by uv to the newest releases in range,
 # with torch fixed by constraints.txt (its own dependencies locked, torch itself not emitted).
 # Run it after changing a range in pyproject.toml or requirements/tools.in, or to take new releases;
-# then `make test` (and `make test-compat`) before committing the new lock.
+# then `make test` (and `make test-compat`) before committing the new lock. The lock records the
+# digest of its inputs (requirements/inputs.py): a test fails when they change without a new lock.
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --python-version 3.11 --find-links $(TORCH_WHEELS) \
              -c constraints.txt --no-emit-package torch --quiet --custom-compile-command "make lock"
 
 lock: setup
 	$(UV_COMPILE) requirements/tools.in --all-extras --generate-hashes --upgrade -o $(LOCK)
+	$(BIN)/python requirements/inputs.py --write
 
 # The habits: lint, formatting and types (configured in pyproject.toml).
-LINTED  := src tests benchmarks examples
+LINTED  := src tests benchmarks examples requirements
 
 check: setup
 	$(BIN)/ruff check $(LINTED)

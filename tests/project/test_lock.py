@@ -128,6 +128,36 @@ def test_every_requirement_is_locked_within_its_range():
         )
 
 
+def _inputs():
+    """requirements/inputs.py (the lock's digest of its inputs), loaded from its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lock_inputs", ROOT / "requirements" / "inputs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lock_was_made_from_the_current_inputs(monkeypatch, tmp_path):
+    """The lock records the digest of what it was made from (pyproject.toml's requirements,
+    tools.in, constraints.txt): a range edited without ``make lock`` fails here. Comments and
+    order do not count; a changed range does."""
+    inputs = _inputs()
+    assert inputs.recorded() == inputs.digest(), "the inputs changed since the lock was made: run make lock"
+    copy = tmp_path / "root"
+    (copy / "requirements").mkdir(parents=True)
+    for name in ["pyproject.toml", "constraints.txt", "requirements/tools.in"]:
+        (copy / name).write_text((ROOT / name).read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.setattr(inputs, "ROOT", copy)
+    same = inputs.digest()
+    tools = copy / "requirements" / "tools.in"
+    tools.write_text("# a comment\n" + "\n".join(reversed(tools.read_text().splitlines())) + "\n")
+    assert inputs.digest() == same
+    project = copy / "pyproject.toml"
+    project.write_text(project.read_text().replace('"transformers>=5.23,<6"', '"transformers>=5.24,<6"'))
+    assert inputs.digest() != same
+
+
 def test_the_lock_holds_no_cuda_build():
     """torch is resolved as the CPU build of constraints.txt: a CUDA build's packages in the lock
     would be gigabytes of downloads in set-up."""
