@@ -160,8 +160,7 @@ def _check_mask_tensor(mask: Tensor, q: Tensor, expected: tuple[int, int, int, i
         return  # refused by its number of dims (masks.TensorMask, call.mask_and_score_mod)
     B, _, _, Lk = expected
     shape = tuple(mask.shape)
-    # A mask's dims line up with (B, H, Lq, Lk) from the right, as in broadcasting.
-    if all(s == 1 or s == e for s, e in zip(reversed(shape), reversed(expected))):
+    if _broadcasts(shape, expected):
         return
     hint = ""
     if mask.dim() == 2 and shape == (B, Lk):
@@ -202,8 +201,7 @@ def _mask_fits(mask: object, expected: tuple[int, int, int, int]) -> bool:
     """Whether ``mask`` (as given to :func:`validate_call`) passes the shape checks for
     ``(B, H, Lq, Lk)`` = ``expected``."""
     if isinstance(mask, Tensor):
-        shape = tuple(mask.shape)
-        return 2 <= len(shape) <= 4 and all(s == 1 or s == e for s, e in zip(reversed(shape), reversed(expected)))
+        return 2 <= mask.dim() <= 4 and _broadcasts(tuple(mask.shape), expected)
     if isinstance(mask, Mask):
         try:
             mask.check(*expected)
@@ -211,6 +209,12 @@ def _mask_fits(mask: object, expected: tuple[int, int, int, int]) -> bool:
             return False
         return True
     return mask is None
+
+
+def _broadcasts(shape: tuple[int, ...], expected: tuple[int, int, int, int]) -> bool:
+    """Whether a mask tensor of ``shape`` broadcasts to ``(B, H, Lq, Lk)``: its dims line up with
+    those from the right, each 1 or the matching size."""
+    return all(s == 1 or s == e for s, e in zip(reversed(shape), reversed(expected)))
 
 
 def check_weights_bytes(
