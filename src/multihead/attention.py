@@ -17,7 +17,7 @@ from multihead import plans
 from multihead.backends.base import Backend
 from multihead.backends.registry import check_backend_name, select_backend
 from multihead.blockwise import lse_by_blocks, weights_by_blocks, zero_anchor
-from multihead.call import AttentionCall, AttentionResult, ScoreModArg, Selection
+from multihead.call import AttentionCall, AttentionResult, Returns, ScoreModArg, Selection
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
 from multihead.nonfinite import apply_policy, check_finite_flag
@@ -31,7 +31,7 @@ from multihead.validation import (
     validate_weights_selection,
 )
 
-__all__ = ["attention"]
+__all__ = ["attention", "prepare", "dispatch", "finish"]
 
 
 @overload
@@ -201,8 +201,9 @@ def attention(
         for what was not asked.
     """
     # A plain call whose signature was served before runs its stored plan (multihead.plans): the
-    # validation it passed and the dispatch it got depend on nothing the key does not hold.
-    plain = (
+    # validation it passed and the dispatch it got depend on nothing the key holds.
+    key = growing = None
+    if (
         score_mod is None
         and softcap is None
         and sinks is None
@@ -215,53 +216,70 @@ def attention(
         and dropout_p == 0.0
         and check_finite is False
         and not torch.compiler.is_compiling()
+    ):
+        plan, key, growing = plans.find(q, k, v, mask, scale, backend)
+        if plan is not None:
+            return plan(q, k, v)
+    call = prepare(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        softcap=softcap,
+        sinks=sinks,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
+        return_weights=return_weights,
+        return_lse=return_lse,
+        weights_heads=weights_heads,
+        weights_rows=weights_rows,
+        check_finite=check_finite,
+        max_weights_bytes=max_weights_bytes,
+        backend=backend,
     )
-    plan, key, growing = plans.find(q, k, v, mask, scale, backend) if plain else (None, None, None)
-    if plan is not None:
-        return plan(q, k, v)
+    if call.empty:  # Lq == 0 or Lk == 0: nothing to compute (every row sees no key: zeros, LSE -inf)
+        return finish(call, _empty(call))
+    chosen = dispatch(call, backend)
+    result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
+    poisoned = None
+    if call.check_finite:  # NaN/inf reach the rows that read them
+        result, poisoned = apply_policy(call, result, chosen.forward, keys=chosen.capabilities.keys_in_pieces)
+    if key is not None or growing is not None:
+        _keep_plans(call, chosen, backend, (q, k, v), key, growing)
+    return finish(call, result, poisoned)
+
+
+def prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Tensor | None = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+    check_finite: bool = False,
+    max_weights_bytes: int | None = DEFAULT_MAX_WEIGHTS_BYTES,
+    backend: str = "auto",
+) -> AttentionCall:
+    """The arguments of :func:`attention`, validated, as the one :class:`AttentionCall` the later
+    steps read: the softcap appended to the score modifiers, the sinks and what the caller gets
+    back (weights of which heads and rows, LSE) as fields. Raises on any bad argument, naming it,
+    before any kernel runs."""
     check_backend_name(backend)
     check_finite_flag("attention", check_finite)
     if softcap is not None:
-        cap = softcap_mod(softcap)
-        mods: list[ScoreMod | Callable[..., Tensor]]
-        if score_mod is None:
-            mods = []
-        elif isinstance(score_mod, (list, tuple)):
-            mods = list(score_mod)
-        else:  # one modifier or function
-            mods = [cast("ScoreMod | Callable[..., Tensor]", score_mod)]
-        score_mod = [*mods, cap]
+        score_mod = [*_as_list(score_mod), softcap_mod(softcap)]
     check_sinks(sinks, q)
-    if sinks is not None:  # the sink joins through the LSE: it is needed whatever the caller asked for
-        output_only = not (return_weights or return_lse)
-        result = attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=score_mod,
-            scale=scale,
-            dropout_p=dropout_p,
-            return_weights=return_weights,
-            return_lse=True,
-            backend=backend,
-            dropout_mask=dropout_mask,
-            weights_heads=weights_heads,
-            weights_rows=weights_rows,
-            check_finite=check_finite,
-            max_weights_bytes=max_weights_bytes,
-        )
-        assert result.lse is not None  # asked for with return_lse=True
-        output, sink_lse, factor = apply_sinks(result.output, result.lse, sinks)
-        if output_only:
-            return output
-        weights = result.weights
-        if weights is not None:
-            heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=True)
-            f = factor if heads is None else factor[:, heads]
-            f = f if rows is None else f[:, :, rows]
-            weights = weights * f.unsqueeze(-1).to(weights.dtype)
-        return AttentionResult(output, weights, sink_lse if return_lse else None)
     call = validate_call(
         q,
         k,
@@ -276,47 +294,97 @@ def attention(
     )
     heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
     check_weights_bytes(max_weights_bytes, q=q, k=k, heads=heads, rows=rows, return_weights=return_weights)
-    if call.empty:  # Lq == 0 or Lk == 0: nothing to compute (every row sees no key: zeros, LSE -inf)
-        return _empty(call, return_weights, return_lse, heads, rows)
-    chosen, _ = select_backend(call, backend)
-    result = chosen.forward(call)  # the output, and the LSE when asked for and the kernel has one
-    poisoned = None
-    if check_finite:  # NaN/inf reach the rows that read them
-        pieces = chosen.capabilities.keys_in_pieces
-        result, poisoned = apply_policy(call, result, chosen.forward, keys=pieces)
-    runner = None  # calls like this one skip the above: a plan for the signature, and one for its Lk bucket
-    if key is not None and plans.worth_keeping(key, call, q, k, v):
-        runner = chosen.runner(call)
-        plans.store(key, runner)
-    if growing is not None and plans.worth_keeping(growing, call, q, k, v):
-        runner = runner or chosen.runner(call)
-        if getattr(runner, "any_kv_len", False) and _chosen_over_bucket(call, chosen, backend):
-            plans.store(growing, runner)
-    lse = result.lse
+    returns = Returns(return_weights, return_lse, heads, rows) if return_weights or return_lse else None
+    return dataclasses.replace(
+        call,
+        return_lse=call.return_lse or sinks is not None,  # a sink joins through the LSE
+        sinks=sinks,
+        returns=returns,
+        check_finite=check_finite,
+    )
+
+
+def dispatch(call: AttentionCall, backend: str = "auto") -> Backend:
+    """The backend that runs ``call``: ``backend`` itself if it can (else
+    :class:`~multihead.backends.registry.BackendRefusedError` with its reasons), or for ``"auto"``
+    the first in :data:`~multihead.backends.registry.AUTO_ORDER` that neither refuses the call nor
+    prefers a later one (``multihead.explain`` prints why)."""
+    return select_backend(call, backend)[0]
+
+
+def finish(call: AttentionCall, result: AttentionResult, poisoned: Tensor | None = None) -> Tensor | AttentionResult:
+    """What :func:`attention` returns for ``call`` from what its backend gave (the output, and the
+    LSE when the kernel has one): the sinks joined, the weights recomputed from ``q``, ``k`` and the
+    LSE for the selected heads and rows, the LSE computed where the kernel gave none. ``poisoned``
+    ``(B, Hq, Lq)``: rows the non-finite rules made NaN (``check_finite=True``), NaN in what is
+    derived here too."""
+    if call.returns is None and call.sinks is None:
+        return result.output
+    returns, lse = call.returns or Returns(), result.lse
     q, k = call.q, call.k  # as validated (a scale <= 0 folded into q, a strided last dim made unit)
-    if return_weights:
-        # Weights on demand: exp(S - lse) recomputed from q, k, a block at a time, for the requested
-        # heads/rows only (all by default); without a kernel LSE, the LSE comes from the same blocks.
+    if lse is None and (call.sinks is not None or (returns.lse and not returns.weights)):
+        lse = lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)  # the kernel has none: one blockwise pass
+        if poisoned is not None:
+            lse = lse.masked_fill(poisoned, float("nan"))
+    weights = result.weights  # backends give none; an empty call's are known
+    if returns.weights and weights is None:
+        # exp(S - lse) recomputed from q, k a block at a time, for the selected heads and rows only;
+        # without a kernel LSE, the LSE comes from the same blocks.
+        heads, rows = returns.heads, returns.rows
         weights, block_lse = weights_by_blocks(q, k, call.mask, call.score_mod, call.scale, lse, heads, rows)
-        if lse is None and return_lse:
+        if lse is None and returns.lse:
             lse = (
                 block_lse
                 if heads is None and rows is None
                 else lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
             )
         if poisoned is not None:
-            selected = poisoned if heads is None else poisoned[:, heads]
-            selected = selected if rows is None else selected[:, :, rows]
-            weights = weights.masked_fill(selected.unsqueeze(-1), float("nan"))
+            weights = weights.masked_fill(_select(poisoned, heads, rows).unsqueeze(-1), float("nan"))
             lse = None if lse is None else lse.masked_fill(poisoned, float("nan"))
-        return AttentionResult(result.output, weights.to(q.dtype), lse if return_lse else None)
-    if return_lse:
-        if lse is None:  # the kernel has none: one blockwise pass
-            lse = lse_by_blocks(q, k, call.mask, call.score_mod, call.scale)
-            if poisoned is not None:
-                lse = lse.masked_fill(poisoned, float("nan"))
-        return AttentionResult(result.output, None, lse)
-    return result.output
+    output = result.output
+    if call.sinks is not None:
+        assert lse is not None  # computed above whenever there are sinks
+        output, lse, factor = apply_sinks(output, lse, call.sinks)
+        if weights is not None:
+            weights = weights * _select(factor, returns.heads, returns.rows).unsqueeze(-1).to(weights.dtype)
+    if not (returns.weights or returns.lse):
+        return output
+    return AttentionResult(output, None if weights is None else weights.to(q.dtype), lse if returns.lse else None)
+
+
+def _keep_plans(
+    call: AttentionCall,
+    chosen: Backend,
+    backend: str,
+    inputs: tuple[Tensor, Tensor, Tensor],
+    key: plans.Key | None,
+    growing: plans.Key | None,
+) -> None:
+    """Store the runner of a plain call for the calls that repeat it: under its signature, and under
+    its growing cache's key when the runner serves any ``Lk`` and ``auto`` picks the same backend
+    across ``Lk``'s bucket (:mod:`multihead.plans`)."""
+    runner = None
+    if key is not None and plans.worth_keeping(key, call, *inputs):
+        runner = chosen.runner(call)
+        plans.store(key, runner)
+    if growing is not None and plans.worth_keeping(growing, call, *inputs):
+        runner = runner or chosen.runner(call)
+        if runner.any_kv_len and _chosen_over_bucket(call, chosen, backend):
+            plans.store(growing, runner)
+
+
+def _as_list(score_mod: ScoreModArg) -> list[ScoreMod | Callable[..., Tensor]]:
+    if score_mod is None:
+        return []
+    if isinstance(score_mod, (list, tuple)):
+        return list(score_mod)
+    return [cast("ScoreMod | Callable[..., Tensor]", score_mod)]  # one modifier or function
+
+
+def _select(t: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
+    """``t (B, Hq, Lq, ...)`` at the selected query heads and rows."""
+    t = t if heads is None else t[:, heads]
+    return t if rows is None else t[:, :, rows]
 
 
 def _chosen_over_bucket(call: AttentionCall, chosen: Backend, backend: str) -> bool:
@@ -335,22 +403,20 @@ def _chosen_over_bucket(call: AttentionCall, chosen: Backend, backend: str) -> b
     return True
 
 
-def _empty(
-    call: AttentionCall, return_weights: bool, return_lse: bool, heads: Tensor | None, rows: Tensor | None
-) -> Tensor | AttentionResult:
-    """The result of an attention with ``Lq == 0`` or ``Lk == 0``: output zeros (every row is fully
-    masked), LSE ``-inf``, weights zeros, connected to the inputs so that gradients are zeros."""
+def _empty(call: AttentionCall) -> AttentionResult:
+    """The result of an attention with ``Lq == 0`` or ``Lk == 0``, known without a kernel: output
+    zeros (every row is fully masked), LSE ``-inf``, weights zeros when asked for, connected to the
+    inputs so that gradients are zeros."""
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     q, k, v = call.q, call.k, call.v
     # Every row sees no key, so even a NaN query gives 0 (conventions: fully masked rows).
-    anchor = zero_anchor(q, k, v)
-    output = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
-    if not (return_weights or return_lse):
-        return output
-    lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device) if return_lse else None
+    anchor = zero_anchor(q, k, v).to(q.dtype)
+    output = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device) + anchor
+    lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     weights = None
-    if return_weights:
+    if call.returns is not None and call.returns.weights:
+        heads, rows = call.returns.heads, call.returns.rows
         nh = Hq if heads is None else len(heads)
         nr = Lq if rows is None else len(rows)
-        weights = torch.zeros((B, nh, nr, Lk), dtype=q.dtype, device=q.device) + anchor.to(q.dtype)
+        weights = torch.zeros((B, nh, nr, Lk), dtype=q.dtype, device=q.device) + anchor
     return AttentionResult(output, weights, lse)

@@ -19,7 +19,14 @@ from multihead.masks import Mask, TensorMask, as_mask
 from multihead.scores import Bias, ScoreMod, as_score_mod
 from multihead.scores.base import Chain
 
-__all__ = ["AttentionCall", "AttentionResult", "mask_and_score_mod", "ScoreModArg", "Selection"]
+__all__ = [
+    "AttentionCall",
+    "AttentionResult",
+    "Returns",
+    "mask_and_score_mod",
+    "ScoreModArg",
+    "Selection",
+]
 
 #: What ``score_mod=`` takes: a modifier, a function ``fn(score, b, h, q_idx, kv_idx) -> score``, or a list of them.
 ScoreModArg: TypeAlias = "ScoreMod | Callable[..., Tensor] | Sequence[ScoreMod | Callable[..., Tensor]] | None"
@@ -37,6 +44,17 @@ class AttentionResult(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Returns:
+    """What a caller of :func:`multihead.attention` gets besides the output: the weights (of the
+    query heads and rows selected, ``None`` = all) and the LSE."""
+
+    weights: bool = False
+    lse: bool = False
+    heads: Tensor | None = None  # 1-D int64 indices of the query heads whose weights are returned
+    rows: Tensor | None = None  # 1-D int64 indices of the query rows whose weights are returned
+
+
+@dataclass(frozen=True)
 class AttentionCall:
     """One validated call of :func:`multihead.attention`: what backends are asked to serve."""
 
@@ -48,8 +66,12 @@ class AttentionCall:
     scale: float
     dropout_p: float
     dropout_mask: Tensor | None
-    return_lse: bool  # the LSE is wanted (for itself or for the weights); native if the kernel has one
+    return_lse: bool  # the LSE is wanted (for itself, the weights or the sinks); native if the kernel has one
     scale_folded: bool = False  # a scale <= 0 was folded into q (q * scale, scale 1): see validation
+    # Read by attention()'s last step only (multihead.attention.finish); backends ignore them.
+    sinks: Tensor | None = None  # (Hq,) per-head sink logits, joined through the LSE (multihead.sinks)
+    returns: Returns | None = None  # what the caller gets besides the output (None: nothing)
+    check_finite: bool = False  # the non-finite rules of docs/conventions.md
 
     @property
     def empty(self) -> bool:

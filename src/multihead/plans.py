@@ -65,7 +65,8 @@ __all__ = [
 MAX_PLANS = 64
 #: A plain call's signature: shapes, strides, dtypes, devices, autograd, mask, scale, backend.
 Key: TypeAlias = "tuple[object, ...]"
-#: ``runner(q, k, v) -> output``.
+#: ``runner(q, k, v) -> output``: a :class:`multihead.backends.base.Runner` (typed here by what it
+#: does: the backends import this module to clear it, so it cannot name their class).
 Runner: TypeAlias = "Callable[[Tensor, Tensor, Tensor], Tensor]"
 _PLANS: dict[Key, Runner] = {}
 _SEEN: dict[Key, None] = {}  # signatures met once, oldest first (a dict as an ordered set)

@@ -18,7 +18,7 @@ from torch import Tensor
 from multihead.call import AttentionCall, AttentionResult
 from multihead.scores import ADDITIVE, ELEMENTWISE
 
-__all__ = ["Backend", "Capabilities", "MASK_KINDS", "SCORE_MOD_KINDS", "named"]
+__all__ = ["Backend", "Capabilities", "Runner", "MASK_KINDS", "SCORE_MOD_KINDS", "named"]
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 #: Every leaf mask kind (``Mask.kind``): bands, key padding, documents, bool tensors, custom
@@ -100,6 +100,24 @@ class Capabilities:
         return float(table[dtype][1 if gradients else 0])
 
 
+@dataclass(frozen=True)
+class Runner:
+    """What a backend decided for the calls of one signature (:meth:`Backend.runner`):
+    ``run(q, k, v) -> output`` with the decisions made once (the mask tensor, the kernel, the GQA
+    fold), holding no tensor of the call it was made from.
+
+    ``any_kv_len``: ``run`` serves every key length (nothing in it was prepared for the call's
+    ``Lk``: no mask tensor, no causal diagonal), so one runner serves each step of a growing KV
+    cache (:func:`multihead.plans.growing_signature`)."""
+
+    run: Callable[[Tensor, Tensor, Tensor], Tensor]
+    backend: str
+    any_kv_len: bool = False
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.run(q, k, v)
+
+
 class Backend(abc.ABC):
     """Base class. Subclasses set ``name``, ``summary`` and ``capabilities`` and implement
     :meth:`forward`; they extend :meth:`refusals` with checks of their own."""
@@ -149,19 +167,19 @@ class Backend(abc.ABC):
         """How this backend would run ``call``, one line per decision."""
         return []
 
-    def runner(self, call: AttentionCall) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-        """A function ``(q, k, v) -> output`` that runs calls like ``call`` (which is not refused),
-        differing only in the values of ``q, k, v``: same shapes, strides, dtypes, devices, autograd
-        state, mask value and scale. :mod:`multihead.plans` keeps it for calls that repeat
-        (only plain ones: no score modifier, dropout or LSE), so it must hold no tensor of
-        ``call``. The default runs :meth:`forward`; a backend overrides it to skip the work it
-        can decide once (sdpa: the mask tensor, the GQA choice)."""
+    def runner(self, call: AttentionCall) -> Runner:
+        """A :class:`Runner` for calls like ``call`` (which is not refused), differing only in the
+        values of ``q, k, v``: same shapes, strides, dtypes, devices, autograd state, mask value
+        and scale. :mod:`multihead.plans` keeps it for calls that repeat (only plain ones: no score
+        modifier, dropout, sinks, weights or LSE), so it must hold no tensor of ``call``. The
+        default runs :meth:`forward`; a backend overrides it to skip the work it can decide once
+        (sdpa: the mask tensor, the GQA choice)."""
         mask, scale = call.mask, call.scale
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return self.forward(AttentionCall(q, k, v, mask, None, scale, 0.0, None, False)).output
 
-        return run
+        return Runner(run, self.name)
 
     @abc.abstractmethod
     def forward(self, call: AttentionCall) -> AttentionResult:

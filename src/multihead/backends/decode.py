@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.backends.base import Backend, Capabilities, named
+from multihead.backends.base import Backend, Capabilities, Runner, named
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import softmax_dtype
 from multihead.masks import BlockState, Mask
@@ -206,7 +206,7 @@ class DecodeBackend(Backend):
         out, lse = plan.run(call.q, call.k, call.v, call.scale, call.requires_grad, call.return_lse and exact)
         return AttentionResult(out, None, lse if exact else None)
 
-    def runner(self, call: AttentionCall):
+    def runner(self, call: AttentionCall) -> Runner:
         """Calls that repeat (same shapes, strides, mask value, scale: :mod:`multihead.plans`) reuse
         the plan: the key range, the row mask and the padding are decided once."""
         plan, scale, grad = _Plan(call, self._chunk(call)), call.scale, call.requires_grad
@@ -214,7 +214,7 @@ class DecodeBackend(Backend):
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return plan.run(q, k, v, scale, grad, False)[0]
 
-        return run
+        return Runner(run, self.name)
 
 
 def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:

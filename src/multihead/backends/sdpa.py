@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.backends.base import Backend, Capabilities
+from multihead.backends.base import Backend, Capabilities, Runner
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import default_scale, lse_dtype, repeat_kv
 from multihead.scores import ADDITIVE
@@ -77,17 +77,14 @@ class SDPABackend(Backend):
         # The public SDPA returns no LSE: attention() recomputes it when asked for.
         return AttentionResult(args.run(call.q, call.k, call.v, call.dropout_p), None, None)
 
-    def runner(self, call: AttentionCall):
+    def runner(self, call: AttentionCall) -> Runner:
         if call.return_lse or call.dropout_p > 0:
             return super().runner(call)
         args = _Arguments(call)  # the prepared mask and every decision; no tensor of the call
-        run = self._runner(call, args)
         # Nothing prepared for this Lk (no mask tensor, no causal diagonal, no expanded or fitted
         # K/V): the runner serves a growing cache's every step (multihead.plans.growing_signature).
-        run.any_kv_len = (  # type: ignore[attr-defined]
-            (args.plain or args.fold is not None) and args.attn_mask is None and not args.is_causal
-        )
-        return run
+        any_kv_len = (args.plain or args.fold is not None) and args.attn_mask is None and not args.is_causal
+        return Runner(self._runner(call, args), self.name, any_kv_len)
 
     @staticmethod
     def _runner(call: AttentionCall, args: _Arguments) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
