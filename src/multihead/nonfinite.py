@@ -5,8 +5,9 @@ By default a call is not checked, on every device: finite inputs give the exact 
 that sees no key gives output 0 and LSE ``-inf`` (known from the mask, no look at the data), and a
 NaN or an infinity gives what the kernel gives, as PyTorch's SDPA, FlashAttention and
 FlexAttention do. The check reads the data after every call (one reduction and one host
-synchronisation), which on CPU cost bf16 calls up to 26 times the kernel (its reduction is slow
-there) and on a GPU stops the host from queueing work ahead of the device: a debugging aid, not a
+synchronisation), which on CPU cost bf16 calls many times the kernel's own time (its reduction is
+slow there; docs/performance.md#every-dtype-against-the-raw-sdpa-call-check-off-and-on-benchmarksdtypespy)
+and on a GPU stops the host from queueing work ahead of the device: a debugging aid, not a
 default.
 
 With ``check_finite=True``, on any device, a NaN or ``±inf`` reaches exactly the rows that read

@@ -280,8 +280,8 @@ def plot_findings(encoder, f: HeadFindings, path: str | Path) -> Path:
 @torch.no_grad()
 def _attention_maps(encoder, texts: list[str]) -> dict[str, tuple[list[str], Tensor]]:
     """``text -> (tokens, weights (layers, H, L, L))`` from one padded batch: padded keys get
-    weight 0 and the real tokens' rows equal one text at a time (to ~1e-6; measured 2 s against
-    29 s for twelve one-text calls on a loaded 2-core machine)."""
+    weight 0 and the real tokens' rows equal one text at a time (to ~1e-6), and one batch is many
+    times faster than one call per text (docs/performance.md#the-demos-findings)."""
     from multihead.capture import capture_attention
 
     input_ids, mask, tokens = encoder.tokenize(list(texts))

@@ -34,11 +34,12 @@ _compiled = None
 
 #: On CUDA, ``auto`` sends a structured mask to flex from ``Lq * Lk >= CUDA_MIN_WORK``, and a mask
 #: made of bands only (sliding windows) from ``CUDA_MIN_WORK_BAND``: sdpa then runs a dense mask on
-#: its masked kernels, which measured 2.7-13x slower than flex at 8192 (windows, documents, key
-#: padding, forward and forward+backward; H100, bf16: benchmarks/gpu_dispatch.py, docs/performance.md
-#: "On the GPU"). Below these, flex's fixed cost per call loses (a 1024-window at 2048: sdpa 1.68x
-#: faster), except that a document or padding mask costs sdpa more to prepare (documents at 2048:
-#: flex 4.65x faster).
+#: its masked kernels, which read a dense ``Lq x Lk`` mask and compute every score, while flex's cost
+#: follows the visible blocks. Below these flex's fixed cost per call loses, except that a document or padding
+#: mask costs sdpa more to prepare than a band (which it builds from two comparisons), hence the
+#: lower threshold for those: a document mask already runs faster on flex at L=2048, a window does
+#: not (L=4096 is not measured).
+#: measured (H100, bf16, benchmarks/gpu_dispatch.py): docs/performance.md#on-the-gpu-h100
 CUDA_MIN_WORK = 2048 * 2048
 CUDA_MIN_WORK_BAND = 4096 * 4096
 

@@ -221,7 +221,8 @@ def mask_interface(
         and band_blocks_nothing(None, 0, shape[2], shape[3], int(q_offset), int(kv_offset))
     ):
         # A decoding step's causal row sees every key: no mask, found before reading the function
-        # (what transformers' sdpa_mask skips too; 8 us a step, warm, went into reading it).
+        # (what transformers' sdpa_mask skips too; reading it was a visible share of a step).
+        # measured: docs/performance.md#hugging-face-backend-benchmarkshfpy
         return HFMask(None, shape)
     mask = from_mask_function(
         mask_function,
@@ -336,8 +337,9 @@ def _weights_wanted(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     wanted = None if active is None else active.get()
     if wanted is not None:  # the running forward's collector: it read the config's defaults itself
         return "attentions" in wanted or "cross_attentions" in wanted
-    # (A config's attribute costs about 5 us per read through transformers' config class: 20 us a
-    # decoding step of four layers, read only for models that set no collector.)
+    # (A config's attribute is slow to read through transformers' config class, once per layer
+    # and step, so it is read only for models that set no collector.)
+    # measured: docs/performance.md#hugging-face-backend-benchmarkshfpy
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
 
 
