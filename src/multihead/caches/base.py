@@ -19,6 +19,23 @@ Among the caches implementing the interface:
 * :class:`~multihead.caches.SlidingWindowKVCache`: a ring buffer keeping the last ``window``
   tokens, for a ``sliding_window(window)`` attention.
 
+The contract every cache keeps (one meaning per name; ``tests/caches/test_contract.py`` checks it
+for every kind):
+
+* :attr:`KVCache.lengths`: a ``(B,)`` ``torch.int64`` tensor on the cache's device, the tokens each
+  row has *seen* (the position its next token takes), never a Python list;
+  :attr:`KVCache.length`: ``max(lengths)`` as a host int (0 when empty).
+* :meth:`KVCache.slots` ``(new)``: exactly the ``S`` slots the next :meth:`KVCache.update` of ``new``
+  tokens returns, so a tensor mask built over ``slots(Lq)`` columns fits that read.
+* :meth:`KVCache.crop` ``(n)``: each row keeps its first ``n`` tokens; a row holding ``n`` or fewer
+  keeps them all (as ``row[:n]``). A ``(B,)`` tensor gives each row its own ``n`` (per-row caches).
+* :meth:`KVCache.reorder` ``(indices)``: row ``i`` becomes the old row ``indices[i]``; ``len(indices)``
+  is the new batch, so beam search may grow or shrink it on every cache.
+* Backpropagation through cached steps works on every cache: an update under autograd never writes
+  into keys or values that an earlier step's read returned.
+* Masks: a mask object is read at absolute positions, a tensor over the ``(Lq, S)`` slots a read
+  returns; in a combined mask (``& | ~``) each part keeps its own frame (:meth:`CacheRead.mask`).
+
 A refused update, crop or reorder raises before anything changes. Every cache checks the
 ``positions`` of an update with one function, :func:`check_continuation`: the new tokens must
 continue each row exactly, since slot ``j`` holds position ``j`` (or ``p % capacity`` in a ring).
@@ -52,6 +69,7 @@ __all__ = [
     "check_continuation",
     "check_reach",
     "check_prefix",
+    "under_autograd",
     "EMPTY_POSITION",
 ]
 
@@ -158,8 +176,23 @@ class KVCache(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def lengths(self) -> Tensor:
+        """``(B,)`` ``torch.int64`` on the cache's device: the tokens each row has seen, which is the
+        position its next token takes (FlashAttention's ``cache_seqlens``). The same type on every
+        cache, so a serving loop reads it without asking which kind it holds, and reading it never
+        waits for the device (a static cache returns its own buffer: read it, change it only
+        through :meth:`crop`, :meth:`reorder`, :meth:`reset`). A ring
+        (:class:`~multihead.caches.SlidingWindowKVCache`) counts the tokens seen, not the ones it
+        still holds. ``(0,)`` while a cache that learns its batch from the first update is empty."""
+
+    @property
     def length(self) -> int:
-        """The number of tokens stored, the longest row's (0 when empty)."""
+        """``max(lengths)``: the tokens the longest row has seen, a host int (0 when empty). Every
+        row holds as many in a cache of one length for all (dynamic, latent, sliding: there
+        ``lengths`` is ``length`` repeated). Caches that keep lengths on the device override this
+        to avoid reading it back where they know it on the host."""
+        lengths = self.lengths
+        return int(lengths.max()) if lengths.numel() else 0
 
     @abc.abstractmethod
     def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
@@ -167,7 +200,9 @@ class KVCache(abc.ABC):
 
     @abc.abstractmethod
     def slots(self, new: int) -> int:
-        """``S``, the number of slots :meth:`update` will return for ``new`` tokens."""
+        """``S``: exactly the number of slots the next :meth:`update` of ``new`` tokens returns
+        (``read.keys.shape[2]``), in the mode it will run in; build a tensor mask over
+        ``slots(Lq)`` columns for that call."""
 
     @abc.abstractmethod
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
@@ -181,12 +216,18 @@ class KVCache(abc.ABC):
 
     @abc.abstractmethod
     def crop(self, length: int | Tensor) -> None:
-        """Keep the first ``length`` tokens (an int, or ``(B,)`` one per row) and forget the rest:
-        speculative decoding drops rejected tokens this way."""
+        """Keep each row's first ``length`` tokens and forget the rest: speculative decoding drops
+        rejected tokens this way. A row holding ``length`` tokens or fewer keeps them all (as
+        ``row[:length]``), so ``crop(n)`` caps every row at ``n`` on every cache, whatever the rows
+        hold. A ``(B,)`` integer tensor gives each row its own ``length`` (caches with one length
+        per row: static, paged); an int equals that tensor filled with it. Refused before any
+        change: a negative length, and going back further than a ring holds."""
 
     @abc.abstractmethod
     def reorder(self, indices: Tensor) -> None:
-        """Batch row ``i`` becomes the old row ``indices[i]`` (beam search); ``indices (B',)``."""
+        """Batch row ``i`` becomes the old row ``indices[i]`` (beam search); ``indices (B',)``. Every
+        cache takes any ``B' >= 1``: the batch grows or shrinks to ``B'`` (one prompt row fanned
+        out to beams, finished beams dropped); rows may repeat."""
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -281,11 +322,19 @@ def check_indices(cache: str, indices: object, batch: int, device: torch.device 
     return indices.to(device=device, dtype=torch.int64)
 
 
-def check_crop(cache: str, length: object, batch: int | None) -> int | Tensor:
-    """``length`` of :meth:`KVCache.crop`: a non-negative int, or a ``(B,)`` integer tensor (per row)."""
+def check_crop(cache: str, length: object, batch: int | None, *, per_row: bool = True) -> int | Tensor:
+    """``length`` of :meth:`KVCache.crop`: a non-negative int, or (``per_row``: a cache with one
+    length per row) a ``(B,)`` integer tensor."""
     where = f"{cache}.crop"
     if isinstance(length, bool) or not isinstance(length, (int, Tensor)):
-        raise TypeError(f"{where}: length must be an int or a (B,) integer tensor, got {type(length).__name__}")
+        expected = "an int or a (B,) integer tensor" if per_row else "an int"
+        raise TypeError(f"{where}: length must be {expected}, got {type(length).__name__}")
+    if isinstance(length, Tensor) and not per_row:
+        raise TypeError(
+            f"{where}: every row has the same length here, so length must be an int, got a tensor of shape "
+            f"{tuple(length.shape)}; hint: crop(n) caps every row at n (StaticKVCache and PagedKVCache "
+            f"take one length per row)"
+        )
     if isinstance(length, int):
         if length < 0:
             raise ValueError(f"{where}: length must be >= 0, got {length}")
@@ -444,3 +493,11 @@ def check_prefix(name: str, k: Tensor, v: Tensor) -> None:
             f"view of k), got a different tensor; hint: pass rows = cat([latent, k_rope], -1) and "
             f"rows[..., :{Dv}]"
         )
+
+
+def under_autograd(k: Tensor | None, v: Tensor | None, *held: Tensor) -> bool:
+    """Whether a cache write must leave the ``held`` buffers as they are: they belong to a graph
+    (an earlier step's backward may read them, even if this step runs under ``no_grad``), or the
+    new ``k``/``v`` are being recorded by autograd now. Such a write goes into copies."""
+    new = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k, v))
+    return new or any(t.requires_grad for t in held)
