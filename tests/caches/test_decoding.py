@@ -289,14 +289,19 @@ def test_a_mask_over_a_static_caches_slots_fits_the_next_step(lengths, new, give
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gradients_through_cached_steps_equal_the_full_forward(device):
-    """Backpropagating through prefill and steps of a DynamicKVCache (under autograd it never writes
-    into keys an earlier step saved) gives the full forward's gradients."""
-    layer = _layer(2, device=device)
+@pytest.mark.parametrize("Hkv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_gradients_through_cached_steps_equal_the_full_forward(kind, Hkv, device):
+    """Backpropagating through prefill and steps (under autograd no cache writes into keys an
+    earlier step saved) gives the full forward's gradients; a static cache used to fail with
+    PyTorch's "modified by an inplace operation"."""
+    layer = _layer(Hkv, device=device)
     x = _x(2, 9, device=device).requires_grad_()
-    out = _decode(layer, x, DynamicKVCache(capacity=2), [4, 1, 3, 1])
+    mask = mh.sliding_window(4) if kind == "sliding" else None
+    cache = DynamicKVCache(capacity=2) if kind == "dynamic" else _cache(kind, layer, 2, window=4, device=device)
+    out = _decode(layer, x, cache, [4, 1, 3, 1], mask=mask)
     grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
-    want = torch.autograd.grad(layer(x).square().sum(), [x, *layer.parameters()])
+    want = torch.autograd.grad(layer(x, mask=mask).square().sum(), [x, *layer.parameters()])
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 

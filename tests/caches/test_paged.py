@@ -95,7 +95,7 @@ def test_out_of_pages_is_a_clear_error_with_nothing_claimed():
         r"3 are free \(rows hold \[4, 4\] tokens\); hint: release\(\) finished rows",
     ):
         cache.update(*_kv(2, 1, gen))
-    assert torch.equal(cache.key_pages, pool_k) and cache.free == free and cache.lengths == [4, 4]
+    assert torch.equal(cache.key_pages, pool_k) and cache.free == free and cache.lengths.tolist() == [4, 4]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -129,7 +129,7 @@ def test_a_released_row_starts_a_new_sequence_beside_a_running_one():
         torch.testing.assert_close(steps[0], layer(a[:, :9])[0, 4:], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(steps[1], layer(c[:, :5])[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(first[0], layer(a[:, :4])[0], rtol=1e-12, atol=1e-12)
-    assert cache.lengths == [9, 5]
+    assert cache.lengths.tolist() == [9, 5]
 
 
 @pytest.mark.parametrize(

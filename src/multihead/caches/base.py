@@ -19,6 +19,23 @@ Among the caches implementing the interface:
 * :class:`~multihead.caches.SlidingWindowKVCache`: a ring buffer keeping the last ``window``
   tokens, for a ``sliding_window(window)`` attention.
 
+The contract every cache keeps (one meaning per name; ``tests/caches/test_contract.py`` checks it
+for every kind):
+
+* :attr:`KVCache.lengths`: a ``(B,)`` ``torch.int64`` tensor on the cache's device, the tokens each
+  row has *seen* (the position its next token takes), never a Python list;
+  :attr:`KVCache.length`: ``max(lengths)`` as a host int (0 when empty).
+* :meth:`KVCache.slots` ``(new)``: exactly the ``S`` slots the next :meth:`KVCache.update` of ``new``
+  tokens returns, so a tensor mask built over ``slots(Lq)`` columns fits that read.
+* :meth:`KVCache.crop` ``(n)``: each row keeps its first ``n`` tokens; a row holding ``n`` or fewer
+  keeps them all (as ``row[:n]``). A ``(B,)`` tensor gives each row its own ``n`` (per-row caches).
+* :meth:`KVCache.reorder` ``(indices)``: row ``i`` becomes the old row ``indices[i]``; ``len(indices)``
+  is the new batch, so beam search may grow or shrink it on every cache.
+* Backpropagation through cached steps works on every cache: an update under autograd never writes
+  into keys or values that an earlier step's read returned.
+* Masks: a mask object is read at absolute positions, a tensor over the ``(Lq, S)`` slots a read
+  returns; in a combined mask (``& | ~``) each part keeps its own frame (:meth:`CacheRead.mask`).
+
 A refused update, crop or reorder raises before anything changes. Every cache checks the
 ``positions`` of an update with one function, :func:`check_continuation`: the new tokens must
 continue each row exactly, since slot ``j`` holds position ``j`` (or ``p % capacity`` in a ring).
@@ -33,6 +50,7 @@ update calls it).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -41,7 +59,7 @@ from torch import Tensor
 from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
-from multihead.masks.base import UNBOUNDED
+from multihead.masks.base import UNBOUNDED, And, Not, Or
 
 __all__ = [
     "KVCache",
@@ -51,7 +69,9 @@ __all__ = [
     "check_crop",
     "check_continuation",
     "check_reach",
+    "check_mask_parts",
     "check_prefix",
+    "under_autograd",
     "EMPTY_POSITION",
 ]
 
@@ -87,21 +107,26 @@ class CacheRead(NamedTuple):
         """The mask of the attention over these slots: the call's ``mask``, the causal rule if
         ``causal``, the cache's window, and no empty slot.
 
-        A mask object means the same thing whatever the cache: it is read on the square attention
-        of the whole sequence, at the tokens' absolute positions. With a ``window``, the mask (and
+        One rule, part by part. A mask object means the same thing whatever the cache: it is read
+        on the square attention of the whole sequence, at the tokens' absolute positions. A tensor
+        (a bool tensor, or a mask holding one: ``TensorMask``, a tensor read ``.shifted``/``.at``)
+        is over the call's ``(Lq, S)`` slots as returned (``S = cache.slots(Lq)``). A combined
+        mask (``&``, ``|``, ``~``) applies the rule to each of its parts, so in
+        ``document(ids) & t`` the ids are read at positions and ``t`` over the slots: a tensor
+        never moves the other parts to the slots. With a ``window``, the parts at positions (and
         ``causal``) must not let a query see further back than the window (:func:`check_reach`):
-        the window is what the cache holds, never a silent narrowing of the mask. A tensor mask (or a mask built
-        on one) is over the call's ``(Lq, S)`` slots as returned. A contiguous read keeps mask objects (fast paths see
-        ``causal()``); other reads give a bool tensor ``(B|1, heads|1, Lq, S)``, small for the decode
-        steps such caches serve. ``heads`` is ``Hq``, for masks that differ per head.
+        a tensor part cannot bound it. A contiguous read keeps mask objects (fast paths see
+        ``causal()``); other reads give a bool tensor ``(B|1, heads|1, Lq, S)``, small for the
+        decode steps such caches serve. ``heads`` is ``Hq``, for masks that differ per head.
         """
         if self.window is not None:  # a ring: refuse a mask reaching keys it no longer holds
             check_reach("CacheRead.mask", mask, causal, self.window, self.query_positions)
         Lq, S = self.query_positions.shape[-1], self.keys.shape[2]
-        whole = _whole_length(mask, S) if isinstance(mask, Mask) and not _call_frame(mask) else None
+        whole = _whole_length(mask, S) if isinstance(mask, Mask) else S
         if self.contiguous:
-            if whole is not None and isinstance(mask, Mask) and (S > Lq or whole != S):
-                mask = mask.shifted(S - Lq, 0, q_len=whole, kv_len=whole)  # the sequence's square, at the new tokens
+            if isinstance(mask, Mask) and (S > Lq or whole != S):
+                # the sequence's square, at the new tokens (the last Lq slots)
+                mask = _place(mask, lambda m: m.shifted(S - Lq, 0, q_len=whole, kv_len=whole))
             if not causal:
                 return mask
             return causal_mask() if mask is None else mask & causal_mask()
@@ -113,18 +138,16 @@ class CacheRead(NamedTuple):
         allowed = stored & (kv <= q) if causal else stored
         if self.window is not None:
             allowed = allowed & (kv >= q - self.window)
-        if isinstance(mask, Mask) and _call_frame(mask):
-            allowed = allowed & mask.materialize(self.keys.shape[0], heads, Lq, S, q.device)
-        elif isinstance(mask, Mask):
-            b = torch.arange(self.keys.shape[0], device=q.device).view(-1, 1, 1, 1)
-            h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
-            kv_read = torch.where(stored, kv, torch.zeros_like(kv))  # empty slots: hidden, read anywhere
-            if not torch.compiler.is_compiling() and whole is not None and whole != S and int(q.max()) >= whole:
+        if isinstance(mask, Mask):
+            if not torch.compiler.is_compiling() and whole != S and _position_parts(mask) and int(q.max()) >= whole:
                 raise ValueError(
                     f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
                     f"position {int(q.max())}; build it over the whole sequence"
                 )
-            allowed = allowed & mask.mask_mod(b, h, q, kv_read)  # square: bottom-right reads as top-left
+            kv_read = torch.where(key_positions == EMPTY_POSITION, 0, key_positions)  # empty: hidden, read anywhere
+            q_read = self.query_positions
+            placed = _place(mask, lambda m: m.at(q_read, kv_read, q_len=whole, kv_len=whole))  # square
+            allowed = allowed & placed.materialize(self.keys.shape[0], heads, Lq, S, q.device)
         elif isinstance(mask, Tensor):
             allowed = allowed & (mask if mask.dtype == torch.bool else mask != float("-inf"))
         return allowed
@@ -158,8 +181,23 @@ class KVCache(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def lengths(self) -> Tensor:
+        """``(B,)`` ``torch.int64`` on the cache's device: the tokens each row has seen, which is the
+        position its next token takes (FlashAttention's ``cache_seqlens``). The same type on every
+        cache, so a serving loop reads it without asking which kind it holds, and reading it never
+        waits for the device (a static cache returns its own buffer: read it, change it only
+        through :meth:`crop`, :meth:`reorder`, :meth:`reset`). A ring
+        (:class:`~multihead.caches.SlidingWindowKVCache`) counts the tokens seen, not the ones it
+        still holds. ``(0,)`` while a cache that learns its batch from the first update is empty."""
+
+    @property
     def length(self) -> int:
-        """The number of tokens stored, the longest row's (0 when empty)."""
+        """``max(lengths)``: the tokens the longest row has seen, a host int (0 when empty). Every
+        row holds as many in a cache of one length for all (dynamic, latent, sliding: there
+        ``lengths`` is ``length`` repeated). Caches that keep lengths on the device override this
+        to avoid reading it back where they know it on the host."""
+        lengths = self.lengths
+        return int(lengths.max()) if lengths.numel() else 0
 
     @abc.abstractmethod
     def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
@@ -167,7 +205,9 @@ class KVCache(abc.ABC):
 
     @abc.abstractmethod
     def slots(self, new: int) -> int:
-        """``S``, the number of slots :meth:`update` will return for ``new`` tokens."""
+        """``S``: exactly the number of slots the next :meth:`update` of ``new`` tokens returns
+        (``read.keys.shape[2]``), in the mode it will run in; build a tensor mask over
+        ``slots(Lq)`` columns for that call."""
 
     @abc.abstractmethod
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
@@ -181,12 +221,18 @@ class KVCache(abc.ABC):
 
     @abc.abstractmethod
     def crop(self, length: int | Tensor) -> None:
-        """Keep the first ``length`` tokens (an int, or ``(B,)`` one per row) and forget the rest:
-        speculative decoding drops rejected tokens this way."""
+        """Keep each row's first ``length`` tokens and forget the rest: speculative decoding drops
+        rejected tokens this way. A row holding ``length`` tokens or fewer keeps them all (as
+        ``row[:length]``), so ``crop(n)`` caps every row at ``n`` on every cache, whatever the rows
+        hold. A ``(B,)`` integer tensor gives each row its own ``length`` (caches with one length
+        per row: static, paged); an int equals that tensor filled with it. Refused before any
+        change: a negative length, and going back further than a ring holds."""
 
     @abc.abstractmethod
     def reorder(self, indices: Tensor) -> None:
-        """Batch row ``i`` becomes the old row ``indices[i]`` (beam search); ``indices (B',)``."""
+        """Batch row ``i`` becomes the old row ``indices[i]`` (beam search); ``indices (B',)``. Every
+        cache takes any ``B' >= 1``: the batch grows or shrinks to ``B'`` (one prompt row fanned
+        out to beams, finished beams dropped); rows may repeat."""
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -281,11 +327,19 @@ def check_indices(cache: str, indices: object, batch: int, device: torch.device 
     return indices.to(device=device, dtype=torch.int64)
 
 
-def check_crop(cache: str, length: object, batch: int | None) -> int | Tensor:
-    """``length`` of :meth:`KVCache.crop`: a non-negative int, or a ``(B,)`` integer tensor (per row)."""
+def check_crop(cache: str, length: object, batch: int | None, *, per_row: bool = True) -> int | Tensor:
+    """``length`` of :meth:`KVCache.crop`: a non-negative int, or (``per_row``: a cache with one
+    length per row) a ``(B,)`` integer tensor."""
     where = f"{cache}.crop"
     if isinstance(length, bool) or not isinstance(length, (int, Tensor)):
-        raise TypeError(f"{where}: length must be an int or a (B,) integer tensor, got {type(length).__name__}")
+        expected = "an int or a (B,) integer tensor" if per_row else "an int"
+        raise TypeError(f"{where}: length must be {expected}, got {type(length).__name__}")
+    if isinstance(length, Tensor) and not per_row:
+        raise TypeError(
+            f"{where}: every row has the same length here, so length must be an int, got a tensor of shape "
+            f"{tuple(length.shape)}; hint: crop(n) caps every row at n (StaticKVCache and PagedKVCache "
+            f"take one length per row)"
+        )
     if isinstance(length, int):
         if length < 0:
             raise ValueError(f"{where}: length must be >= 0, got {length}")
@@ -306,15 +360,84 @@ def check_crop(cache: str, length: object, batch: int | None) -> int | Tensor:
 
 
 def _call_frame(mask: Mask) -> bool:
-    """A mask holding a dense tensor is over the call's slots, not at positions."""
+    """A mask holding a dense tensor somewhere (over the call's slots in some part)."""
     return "tensor" in mask.kinds()
 
 
+def _place(mask: Mask, at_positions: Callable[[Mask], Mask]) -> Mask:
+    """``mask`` with each part free of tensors replaced by ``at_positions(part)`` (read at the
+    tokens' positions) and each part holding a tensor left over the slots; ``&``, ``|``, ``~`` are
+    split so that every part keeps its own frame."""
+    if not _call_frame(mask):
+        return at_positions(mask)
+    if isinstance(mask, And):
+        return And(*(_place(p, at_positions) for p in mask.parts))
+    if isinstance(mask, Or):
+        return Or(*(_place(p, at_positions) for p in mask.parts))
+    if isinstance(mask, Not):
+        return Not(_place(mask.inner, at_positions))
+    return mask  # a tensor (TensorMask, or one read .shifted/.at): over the slots
+
+
+def _position_parts(mask: Mask) -> list[Mask]:
+    """The largest parts of ``mask`` holding no tensor: the ones read at positions."""
+    if not _call_frame(mask):
+        return [mask]
+    if isinstance(mask, (And, Or)):
+        return [q for p in mask.parts for q in _position_parts(p)]
+    if isinstance(mask, Not):
+        return _position_parts(mask.inner)
+    return []
+
+
+def _slot_parts(mask: Mask) -> list[Mask]:
+    """The parts of ``mask`` holding a tensor: the ones over the call's slots."""
+    if not _call_frame(mask):
+        return []
+    if isinstance(mask, (And, Or)):
+        return [q for p in mask.parts for q in _slot_parts(p)]
+    if isinstance(mask, Not):
+        return _slot_parts(mask.inner)
+    return [mask]
+
+
+def _reach_bound(mask: Mask) -> Mask | None:
+    """A mask at positions that lets every query see at least what ``mask`` lets it see (a tensor
+    part may open any slot), or ``None`` when nothing at positions bounds it."""
+    if not _call_frame(mask):
+        return mask
+    if isinstance(mask, And):
+        bounds = [b for b in (_reach_bound(p) for p in mask.parts) if b is not None]
+        return None if not bounds else bounds[0] if len(bounds) == 1 else And(*bounds)
+    if isinstance(mask, Or):
+        parts = [_reach_bound(p) for p in mask.parts]
+        return None if any(b is None for b in parts) else Or(*(b for b in parts if b is not None))
+    return None  # a tensor, or the complement of a mask holding one: unbounded
+
+
 def _whole_length(mask: Mask, slots: int) -> int:
-    """The length of the whole sequence a mask object is read in: what its own tensors cover
-    (document ids, ...), else the slots (a square; bottom-right then reads as top-left)."""
-    q_extent, kv_extent = mask.extent()
-    return max(e for e in (q_extent, kv_extent, 0) if e is not None) or slots
+    """The length of the whole sequence the parts of a mask at positions are read in: what their
+    own tensors cover (document ids, ...), else the slots (a square; bottom-right then reads as
+    top-left). Tensor parts are over the slots and do not count."""
+    extents = [e for part in _position_parts(mask) for e in part.extent() if e is not None]
+    return max(extents, default=0) or slots
+
+
+def check_mask_parts(layer: str, mask: Mask, batch: int, heads: int, q_len: int, slots: int) -> None:
+    """A layer's check of a call mask with a cache, part by part (:meth:`CacheRead.mask`'s rule):
+    tensor parts against the read's ``(B, H, Lq, S)``, parts at positions against ``B`` and ``H``
+    only (the whole sequence's lengths are theirs)."""
+    for part in _position_parts(mask):
+        part.check(batch, heads, None, None)
+    for part in _slot_parts(mask):
+        try:
+            part.check(batch, heads, q_len, slots)
+        except ValueError as exc:
+            raise ValueError(
+                f"{layer}: with a cache, a tensor in the mask is over the (Lq, S) = ({q_len}, {slots}) "
+                f"slots the cache returns, not at positions: {exc}; hint: build it over "
+                f"cache.slots(Lq) columns before the call, or use a mask object (read at positions)"
+            ) from exc
 
 
 def check_continuation(cache: str, positions: object, expected: Tensor, batch: int) -> None:
@@ -382,7 +505,7 @@ def check_reach(where: str, mask: object, causal: bool, window: int, positions: 
         return
     if mask is not None and not isinstance(mask, (Mask, Tensor)):
         return  # not a mask: refused with its own reason where the mask is read
-    at_positions = mask if isinstance(mask, Mask) and not _call_frame(mask) else None
+    at_positions = _reach_bound(mask) if isinstance(mask, Mask) else None
     parts = [m for m in (at_positions, causal_mask() if causal else None) if m is not None]
     hint = f"hint: pass a mask that fits, mask=sliding_window(w) with w <= {window}"
     what = _describe_call_mask(mask, causal)
@@ -423,6 +546,8 @@ def _describe_call_mask(mask: object, causal: bool) -> str:
         call = "no mask"
     elif isinstance(mask, Mask) and not _call_frame(mask):
         call = f"mask {mask._describe()}"
+    elif isinstance(mask, Mask) and _position_parts(mask):
+        call = f"mask {mask._describe()} (its tensor parts are over the slots, not at positions)"
     else:
         call = "a tensor mask (over the slots returned, not at positions)"
     return f"{call} with causal=True" if causal else f"{call} with causal=False"
@@ -444,3 +569,11 @@ def check_prefix(name: str, k: Tensor, v: Tensor) -> None:
             f"view of k), got a different tensor; hint: pass rows = cat([latent, k_rope], -1) and "
             f"rows[..., :{Dv}]"
         )
+
+
+def under_autograd(k: Tensor | None, v: Tensor | None, *held: Tensor) -> bool:
+    """Whether a cache write must leave the ``held`` buffers as they are: they belong to a graph
+    (an earlier step's backward may read them, even if this step runs under ``no_grad``), or the
+    new ``k``/``v`` are being recorded by autograd now. Such a write goes into copies."""
+    new = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k, v))
+    return new or any(t.requires_grad for t in held)

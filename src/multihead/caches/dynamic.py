@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.caches.base import CacheRead, KVCache, check_continuation, check_crop, check_indices, check_kv
+from multihead.caches.base import (
+    CacheRead,
+    KVCache,
+    check_continuation,
+    check_crop,
+    check_indices,
+    check_kv,
+    under_autograd,
+)
 
 __all__ = ["DynamicKVCache"]
 
@@ -54,7 +62,16 @@ class DynamicKVCache(KVCache):
     # ------------------------------------------------------------------------------ state
     @property
     def length(self) -> int:
+        """Tokens seen, the same in every row (a host int: no synchronisation)."""
         return self._length
+
+    @property
+    def lengths(self) -> Tensor:
+        """``(B,)``: :attr:`length` in every row, on the keys' device (a fill: no synchronisation);
+        ``(0,)`` on the CPU while empty (the batch comes with the first update)."""
+        if self._k is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.full((self._k.shape[0],), self._length, dtype=torch.int64, device=self._k.device)
 
     @property
     def capacity(self) -> int:
@@ -87,14 +104,10 @@ class DynamicKVCache(KVCache):
         new = k.shape[2]
         query_positions = self.next_positions(new, k.device)  # what positions, when given, equal
         end = self._length + new
-        if torch.is_grad_enabled() and (
-            k.requires_grad
-            or v.requires_grad
-            or (self._k is not None and self._k.requires_grad)
-            or (self._v is not None and self._v.requires_grad)
-        ):
+        if under_autograd(k, v, *(t for t in (self._k, self._v) if t is not None)):
             # Under autograd an earlier step's keys are saved for backward: never write into them in
-            # place; concatenate (the graph keeps what each step read).
+            # place (not even under no_grad, while they belong to a graph); concatenate (the graph
+            # keeps what each step read).
             old_k = self._k[:, :, : self._length] if self._k is not None else k[:, :, :0]
             self._k = torch.cat([old_k, k], dim=2)
             if self._separate_values:
@@ -162,19 +175,12 @@ class DynamicKVCache(KVCache):
         self._length, self._undo = self._undo, None
 
     def crop(self, length: int | Tensor) -> None:
-        length = check_crop(type(self).__name__, length, None)
-        if isinstance(length, Tensor):
-            raise TypeError(
-                f"{type(self).__name__}.crop: every row has the same length here, so length must be an "
-                f"int, got a tensor {tuple(length.shape)}; hint: StaticKVCache keeps one length per row"
-            )
-        if length > self._length:
-            raise ValueError(
-                f"{type(self).__name__}.crop: length must be in [0, {self._length}] (the tokens stored), got {length}"
-            )
-        self._length, self._undo = length, None
+        length = check_crop(type(self).__name__, length, None, per_row=False)
+        assert isinstance(length, int)  # per_row=False refuses tensors
+        self._length, self._undo = min(length, self._length), None  # row[:length]: fewer tokens stay
 
     def reorder(self, indices: Tensor) -> None:
+        """Row ``i`` becomes the old row ``indices[i]``; the batch becomes ``len(indices)``."""
         if self._k is None:
             raise ValueError(f"{type(self).__name__}.reorder: the cache is empty; nothing to reorder")
         indices = check_indices(type(self).__name__, indices, self._k.shape[0], self._k.device)

@@ -98,7 +98,7 @@ class PagedKVCache(KVCache):
             else torch.zeros(num_pages, num_kv_heads, page_size, value_dim, dtype=dtype, device=device)
         )
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in order
-        self.lengths: list[int] = [0] * batch_size
+        self._lengths: list[int] = [0] * batch_size  # tokens per row: the host bookkeeping, with tables
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
         # (tables, lengths, free) before the last update
         self._undo: tuple[list[list[int]], list[int], list[int]] | None = None
@@ -115,19 +115,27 @@ class PagedKVCache(KVCache):
         return len(self.tables)
 
     @property
+    def lengths(self) -> Tensor:
+        """``(B,)`` on the pool's device, built from the host bookkeeping (block tables, free list
+        and lengths live on the host, as a scheduler needs them)."""
+        return torch.tensor(self._lengths, dtype=torch.int64, device=self.key_pages.device)
+
+    @property
     def length(self) -> int:
-        return max(self.lengths)
+        """The longest row's tokens (host bookkeeping: no synchronisation)."""
+        return max(self._lengths, default=0)
 
     @property
     def nbytes(self) -> int:
         return self.key_pages.nbytes + (0 if self.values_in_keys else self.value_pages.nbytes)
 
     def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
-        start = torch.tensor(self.lengths, dtype=torch.int64, device=device).view(-1, 1)
+        start = torch.tensor(self._lengths, dtype=torch.int64, device=device).view(-1, 1)
         return start + torch.arange(new, device=device)  # (B, new)
 
     def slots(self, new: int) -> int:
-        return self.page_size * max(self._pages_for(n + new) for n in self.lengths)
+        # the read gathers the longest block table, at least one page (see _table_tensor)
+        return self.page_size * max(1, max(self._pages_for(n + new) for n in self._lengths))
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -162,14 +170,14 @@ class PagedKVCache(KVCache):
         expected = self.next_positions(new, k.device)  # (B, new)
         if positions is not None:
             check_continuation(name, positions, expected, B)
-        needed = [self._pages_for(n + new) - len(t) for n, t in zip(self.lengths, self.tables)]
+        needed = [self._pages_for(n + new) - len(t) for n, t in zip(self._lengths, self.tables)]
         if sum(needed) > len(self.free):
             raise ValueError(
                 f"{name}.update: {new} new tokens per row need {sum(needed)} more pages of "
-                f"{ps} tokens but {len(self.free)} of {N} are free (rows hold {self.lengths} tokens); "
+                f"{ps} tokens but {len(self.free)} of {N} are free (rows hold {self._lengths} tokens); "
                 f"hint: release() finished rows, or allocate a larger pool"
             )
-        self._undo = ([list(t) for t in self.tables], list(self.lengths), list(self.free))
+        self._undo = ([list(t) for t in self.tables], list(self._lengths), list(self.free))
         for row_table, count in zip(self.tables, needed):
             row_table.extend(self.free.pop() for _ in range(count))
         # Every new token's page and offset, then one scatter per tensor into the pool.
@@ -179,7 +187,7 @@ class PagedKVCache(KVCache):
         _scatter(self.key_pages, flat, k)
         if not self.values_in_keys:
             _scatter(self.value_pages, flat, v)
-        self.lengths = [n + new for n in self.lengths]
+        self._lengths = [n + new for n in self._lengths]
         return self._read(expected, table)
 
     def _table_tensor(self, device: torch.device | str | None) -> Tensor:
@@ -199,14 +207,14 @@ class PagedKVCache(KVCache):
             values = self.value_pages[pages]
             values = values.permute(0, 2, 1, 3, 4).reshape(B, values.shape[2], width * ps, values.shape[-1])
         slot = torch.arange(width * ps, device=table.device).view(1, -1)  # (1, S): position of the slot
-        lengths = torch.tensor(self.lengths, dtype=torch.int64, device=table.device).view(-1, 1)
+        lengths = torch.tensor(self._lengths, dtype=torch.int64, device=table.device).view(-1, 1)
         key_positions = torch.where(slot < lengths, slot, EMPTY_POSITION)  # (B, S)
         return CacheRead(keys, values, query_positions, key_positions)
 
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        self.tables, self.lengths, self.free = self._undo
+        self.tables, self._lengths, self.free = self._undo
         self._undo = None
 
     def release(self, rows: int | Sequence[int] | Tensor) -> None:
@@ -226,33 +234,28 @@ class PagedKVCache(KVCache):
             raise ValueError(f"PagedKVCache.release: rows must be in [0, {self.batch_size}), got {bad}")
         for r in ids:
             self.free.extend(reversed(self.tables[r]))
-            self.tables[r], self.lengths[r] = [], 0
+            self.tables[r], self._lengths[r] = [], 0
         self._undo = None
 
     def crop(self, length: int | Tensor) -> None:
+        """Row ``b`` keeps ``min(lengths[b], length)`` tokens (``length`` an int or ``(B,)``) and
+        gives the pages it no longer needs back to the pool."""
         name = type(self).__name__
         length = check_crop(name, length, self.batch_size)
-        target = [length] * self.batch_size if isinstance(length, int) else [int(n) for n in length.tolist()]
-        if any(t > n for t, n in zip(target, self.lengths)):
-            raise ValueError(
-                f"{name}.crop: length must not exceed the tokens stored per row {self.lengths}, got {target}"
-            )
+        wanted = [length] * self.batch_size if isinstance(length, int) else [int(n) for n in length.tolist()]
+        target = [min(t, n) for t, n in zip(wanted, self._lengths)]
         for r, t in enumerate(target):
             keep = self._pages_for(t)
             self.free.extend(reversed(self.tables[r][keep:]))
-            self.tables[r], self.lengths[r] = self.tables[r][:keep], t
+            self.tables[r], self._lengths[r] = self.tables[r][:keep], t
         self._undo = None
 
     def reorder(self, indices: Tensor) -> None:
-        """Row ``i`` becomes a copy of the old row ``indices[i]``. A row taken twice needs its pages
+        """Row ``i`` becomes a copy of the old row ``indices[i]``; ``batch_size`` becomes
+        ``len(indices)`` (rows not taken give their pages back). A row taken twice needs its pages
         copied (pages are not shared): refused before any change when the pool lacks them."""
         name = type(self).__name__
         order: list[int] = check_indices(name, indices, self.batch_size, "cpu").tolist()
-        if len(order) != self.batch_size:
-            raise ValueError(
-                f"{name}.reorder: the cache serves batch_size={self.batch_size} rows, so indices must "
-                f"hold {self.batch_size} rows, got {len(order)}"
-            )
         taken: set[int] = set()
         copies: list[bool] = []  # the first use of a row keeps its pages
         for i in order:
@@ -262,10 +265,11 @@ class PagedKVCache(KVCache):
         freed = sum(len(t) for r, t in enumerate(self.tables) if r not in taken)
         if needed > len(self.free) + freed:
             raise ValueError(
-                f"{name}.reorder: copying rows {sorted(set(order))} needs {needed} pages but "
-                f"{len(self.free) + freed} are free"
+                f"{name}.reorder: indices {order} copy rows taken more than once, which needs {needed} "
+                f"pages, but {len(self.free) + freed} are free (rows not taken included); hint: "
+                f"release() finished rows, or allocate a larger pool"
             )
-        old_tables, old_lengths = self.tables, self.lengths
+        old_tables, old_lengths = self.tables, self._lengths
         for r in range(self.batch_size):
             if r not in taken:
                 self.free.extend(reversed(old_tables[r]))
@@ -281,14 +285,14 @@ class PagedKVCache(KVCache):
             if not self.values_in_keys:
                 self.value_pages[dst] = self.value_pages[src]
             tables.append(pages)
-        self.tables, self.lengths = tables, [old_lengths[i] for i in order]
+        self.tables, self._lengths = tables, [old_lengths[i] for i in order]
         self._undo = None
 
     def reset(self) -> None:
         self.release(range(self.batch_size))
 
     def __repr__(self) -> str:
-        return f"{self._held()[:-1]}, lengths={self.lengths}, free_pages={len(self.free)})"
+        return f"{self._held()[:-1]}, lengths={self._lengths}, free_pages={len(self.free)})"
 
 
 def _scatter(pages: Tensor, flat: Tensor, x: Tensor) -> None:

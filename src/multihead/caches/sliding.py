@@ -19,6 +19,9 @@ must not reach further back: ``sliding_window(w)`` with ``w <= window`` (alone o
 ``causal()``, ``document(ids)``, ...) works, while ``causal()`` alone, a wider window, or no mask
 at all is refused before anything is written (:meth:`KVCache.check_mask`, :func:`check_reach`)
 instead of silently computing a narrower attention than the mask says.
+
+Under autograd (backpropagating through cached steps) an update writes into copies of the ring,
+so a one-token step, which reads the ring itself, never changes keys an earlier step saved.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from multihead.caches.base import (
     check_crop,
     check_indices,
     check_kv,
+    under_autograd,
 )
 
 __all__ = ["SlidingWindowKVCache"]
@@ -86,8 +90,9 @@ class SlidingWindowKVCache(KVCache):
         self.values = torch.zeros(batch_size, num_kv_heads, capacity, value_dim, dtype=dtype, device=device)
         self.positions = torch.full((capacity,), EMPTY_POSITION, dtype=torch.int64, device=self.keys.device)
         self._length = 0
-        # (length, slots, keys, values, positions) overwritten by the last update
-        self._undo: tuple[int, Tensor, Tensor, Tensor, Tensor] | None = None
+        # (length, slots, keys, values, positions) overwritten by the last update; under autograd
+        # (slots None) the whole ring before it, left untouched by the update
+        self._undo: tuple[int, Tensor | None, Tensor, Tensor, Tensor] | None = None
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -99,6 +104,16 @@ class SlidingWindowKVCache(KVCache):
     def length(self) -> int:
         """Tokens seen so far (the positions the next token continues from), not tokens held."""
         return self._length
+
+    @property
+    def lengths(self) -> Tensor:
+        """``(B,)``: :attr:`length` in every row (tokens seen, not held), on the ring's device."""
+        return torch.full((self.keys.shape[0],), self._length, dtype=torch.int64, device=self.keys.device)
+
+    @property
+    def batch_size(self) -> int:
+        """``B``: the rows held (:meth:`reorder` may change it)."""
+        return self.keys.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -133,45 +148,48 @@ class SlidingWindowKVCache(KVCache):
         read_k: Tensor | None = None
         read_v: Tensor | None = None
         read_pos: Tensor | None = None
-        if new > 1:  # the ring as it is, then the new tokens: the first new query's predecessors are all there
+        if new != 1:  # the ring as it is, then the new tokens: the first new query's predecessors are all there
             read_k, read_v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
             read_pos = torch.cat([self.positions, expected])
         kept = min(new, C)  # only the newest C tokens can stay
         kept_pos = expected[new - kept :]
         slots = kept_pos % C
-        self._undo = (
-            self._length,
-            slots,
-            self.keys[:, :, slots].clone(),
-            self.values[:, :, slots].clone(),
-            self.positions[slots].clone(),
-        )
+        if under_autograd(k, v, self.keys, self.values):
+            # Earlier steps saved the ring they read: write into copies, keep the old ring for rollback.
+            self._undo = (self._length, None, self.keys, self.values, self.positions.clone())
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+        else:
+            self._undo = (
+                self._length,
+                slots,
+                self.keys[:, :, slots].clone(),
+                self.values[:, :, slots].clone(),
+                self.positions[slots].clone(),
+            )
         self.keys[:, :, slots] = k[:, :, new - kept :]
         self.values[:, :, slots] = v[:, :, new - kept :]
         self.positions[slots] = kept_pos
         self._length += new
         if new == 1:
             return CacheRead(self.keys, self.values, expected, self.positions.clone(), self.window)
-        assert read_k is not None and read_v is not None and read_pos is not None  # new > 1: read above
+        assert read_k is not None and read_v is not None and read_pos is not None  # new != 1: read above
         return CacheRead(read_k, read_v, expected, read_pos, self.window)
 
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
         self._length, slots, keys, values, positions = self._undo
-        self.keys[:, :, slots], self.values[:, :, slots], self.positions[slots] = keys, values, positions
+        if slots is None:  # written into copies: the ring before the update is whole
+            self.keys, self.values, self.positions = keys, values, positions
+        else:
+            self.keys[:, :, slots], self.values[:, :, slots], self.positions[slots] = keys, values, positions
         self._undo = None
 
     def crop(self, length: int | Tensor) -> None:
         name = type(self).__name__
-        length = check_crop(name, length, None)
-        if isinstance(length, Tensor):
-            raise TypeError(
-                f"{name}.crop: every row has the same length here, so length must be an int, got a "
-                f"tensor {tuple(length.shape)}"
-            )
-        if length > self._length:
-            raise ValueError(f"{name}.crop: length must be in [0, {self._length}] (the tokens seen), got {length}")
+        length = check_crop(name, length, None, per_row=False)
+        assert isinstance(length, int)  # per_row=False refuses tensors
+        length = min(length, self._length)  # row[:length]: a ring that saw fewer keeps them all
         # The next query (at `length`) sees the cached positions needed..length-1: none at all
         # with window=0 (or length=0), where any crop is honoured; the ones after it are written
         # from then on.
@@ -189,19 +207,22 @@ class SlidingWindowKVCache(KVCache):
         self._length, self._undo = length, None
 
     def reorder(self, indices: Tensor) -> None:
+        """Row ``i`` becomes the old row ``indices[i]``; ``B' = len(indices)`` rows from then on
+        (every row shares the ring's positions, so only keys and values move)."""
         B = self.keys.shape[0]
         indices = check_indices(type(self).__name__, indices, B, self.keys.device)
-        if indices.shape[0] != B:
-            raise ValueError(
-                f"{type(self).__name__}.reorder: the cache keeps batch_size={B} rows, so indices must "
-                f"hold {B} rows, got {indices.shape[0]}"
-            )
-        self.keys.copy_(self.keys.index_select(0, indices))
-        self.values.copy_(self.values.index_select(0, indices))
+        keys, values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
+        if indices.shape[0] == B and not under_autograd(None, None, self.keys, self.values):
+            self.keys.copy_(keys)
+            self.values.copy_(values)
+        else:
+            self.keys, self.values = keys, values
         self._undo = None
 
     def reset(self) -> None:
         self.positions.fill_(EMPTY_POSITION)
+        if self.keys.requires_grad or self.values.requires_grad:  # let go of the last sequence's graph
+            self.keys, self.values = self.keys.detach().clone(), self.values.detach().clone()
         self._length, self._undo = 0, None
 
     def __repr__(self) -> str:

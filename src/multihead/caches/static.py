@@ -21,6 +21,10 @@ eager mode and are skipped while compiling.
 Rows of different lengths come from a padded prefill: run the prompts right-padded to one length,
 then :meth:`crop` each row to its real length (the pads sit after the real tokens, so no real
 token saw them, and the next tokens overwrite them).
+
+Under autograd (keys that require grad: backpropagating through cached steps) an update writes
+into a copy of the buffers instead of into them, so no step's saved keys change under it (an
+in-place write would fail the backward with PyTorch's "modified by an inplace operation").
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from multihead.caches.base import (
     check_crop,
     check_indices,
     check_kv,
+    under_autograd,
 )
 
 __all__ = ["StaticKVCache"]
@@ -75,7 +80,7 @@ class StaticKVCache(KVCache):
         value_dim = head_dim if value_dim is None else value_dim
         self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.keys.device)  # (B,)
+        self._lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.keys.device)  # (B,)
         self.max_len = max_len
         self._undo: Tensor | None = None  # the lengths before the last update
         # The lengths as host ints while eager code knows them (None: unknown, e.g. after compiled
@@ -85,16 +90,29 @@ class StaticKVCache(KVCache):
 
     # ------------------------------------------------------------------------------ state
     @property
+    def lengths(self) -> Tensor:
+        """``(B,)`` on the cache's device: the buffer itself (no copy; compiled steps read it)."""
+        return self._lengths
+
+    @property
     def length(self) -> int:
-        """The longest row's length (a host synchronisation: eager use only)."""
-        return int(self.lengths.max())
+        """``max(lengths)``: from the host copy while eager code knows it, else read back from the
+        device (a synchronisation: eager use only)."""
+        if self._host is not None and not torch.compiler.is_compiling():
+            return max(self._host)
+        return int(self._lengths.max())
+
+    @property
+    def batch_size(self) -> int:
+        """``B``: the rows held (:meth:`reorder` may change it)."""
+        return self.keys.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lengths))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self._lengths))
 
     def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
-        return self.lengths.view(-1, 1) + torch.arange(new, device=self.lengths.device)  # (B, new)
+        return self._lengths.view(-1, 1) + torch.arange(new, device=self._lengths.device)  # (B, new)
 
     def slots(self, new: int) -> int:
         """The slots the next :meth:`update` of ``new`` tokens returns, in the mode it runs in: the
@@ -110,7 +128,7 @@ class StaticKVCache(KVCache):
         if torch.compiler.is_compiling():
             return None
         if self._host is None:
-            self._host = self.lengths.tolist()  # one synchronisation, eager only
+            self._host = self._lengths.tolist()  # one synchronisation, eager only
         T = self._host[0]
         return T if all(n == T for n in self._host) and T + new <= self.max_len else None
 
@@ -142,7 +160,7 @@ class StaticKVCache(KVCache):
             return self._update_uniform(k, v, T, new)
         expected = self.next_positions(new)  # (B, new)
         if not torch.compiler.is_compiling():
-            longest = int(self.lengths.max())
+            longest = int(self._lengths.max())
             if longest + new > S:
                 raise ValueError(
                     f"{name}.update: writing {new} tokens after the {longest} stored in the longest row "
@@ -153,63 +171,78 @@ class StaticKVCache(KVCache):
         # graph input became a copy of the whole cache, written back after the step (five passes
         # over max_len slots per step; docs/inference.md, "Compiled decoding reads every slot").
         rows = torch.arange(B, device=self.keys.device).view(B, 1).expand(B, new)  # (B, new)
-        self.keys[rows, :, expected] = k.transpose(1, 2)  # (B, new, Hkv, D) at [b, :, slot]
-        self.values[rows, :, expected] = v.transpose(1, 2)
-        self._undo = self.lengths.clone()
-        self.lengths += new
+        keys, values = self._writable(k, v)
+        keys[rows, :, expected] = k.transpose(1, 2)  # (B, new, Hkv, D) at [b, :, slot]
+        values[rows, :, expected] = v.transpose(1, 2)
+        self.keys, self.values = keys, values
+        self._undo = self._lengths.clone()
+        self._lengths += new
         self._host = None if torch.compiler.is_compiling() or self._host is None else [n + new for n in self._host]
-        stored = torch.where(self._slots < self.lengths.view(-1, 1), self._slots, EMPTY_POSITION)  # (B, S)
+        stored = torch.where(self._slots < self._lengths.view(-1, 1), self._slots, EMPTY_POSITION)  # (B, S)
         return CacheRead(self.keys, self.values, expected, stored)
 
     def _update_uniform(self, k: Tensor, v: Tensor, T: int, new: int) -> CacheRead:
         """Every row at length ``T`` (known on the host): write the slots ``T..T+new`` and read the
         filled ones in order, like a dynamic cache (no mask tensor: ``causal()`` serves)."""
-        self.keys[:, :, T : T + new] = k
-        self.values[:, :, T : T + new] = v
-        self._undo = self.lengths.clone()
-        self.lengths += new
-        self._host = [T + new] * self.lengths.shape[0]
+        keys, values = self._writable(k, v)
+        keys[:, :, T : T + new] = k
+        values[:, :, T : T + new] = v
+        self.keys, self.values = keys, values
+        self._undo = self._lengths.clone()
+        self._lengths += new
+        self._host = [T + new] * self._lengths.shape[0]
         positions = torch.arange(T, T + new, device=k.device)
         return CacheRead(self.keys[:, :, : T + new], self.values[:, :, : T + new], positions)
+
+    def _writable(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The buffers an update writes into: the cache's own, or copies under autograd. An
+        earlier step's attention saved the keys it read (these buffers, or views of them) for its
+        backward, so writing into them would change what that backward reads."""
+        if under_autograd(k, v, self.keys, self.values):
+            return self.keys.clone(), self.values.clone()
+        return self.keys, self.values
 
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        self.lengths.copy_(self._undo)
+        self._lengths.copy_(self._undo)
         self._undo, self._host = None, None
 
     def crop(self, length: int | Tensor) -> None:
+        """Row ``b`` keeps ``min(lengths[b], length)`` tokens (``length`` an int or ``(B,)``): no
+        host synchronisation, so a compiled loop may crop too."""
         B = self.keys.shape[0]
         length = check_crop(type(self).__name__, length, B)
-        target = (
-            torch.full_like(self.lengths, length)
-            if isinstance(length, int)
-            else length.to(self.lengths.device, torch.int64)
-        )
-        if not torch.compiler.is_compiling() and bool((target > self.lengths).any()):
-            raise ValueError(
-                f"{type(self).__name__}.crop: length must not exceed the tokens stored per row "
-                f"{self.lengths.tolist()}, got {target.tolist()}"
-            )
-        self.lengths.copy_(target)
-        self._undo, self._host = None, None
+        if isinstance(length, int):
+            host = None if self._host is None else [min(n, length) for n in self._host]
+            self._lengths.clamp_(max=length)
+        else:
+            host = None
+            torch.minimum(self._lengths, length.to(self._lengths.device, torch.int64), out=self._lengths)
+        self._undo, self._host = None, host
 
     def reorder(self, indices: Tensor) -> None:
+        """Row ``i`` becomes the old row ``indices[i]``; ``B' = len(indices)`` rows from then on.
+        With ``B' = B`` (and no autograd) the buffers are rewritten in place, so a compiled step
+        keeps reading the same memory; another ``B'`` allocates ``B'`` rows of ``max_len`` slots
+        (a new shape for a compiled step)."""
         B = self.keys.shape[0]
         indices = check_indices(type(self).__name__, indices, B, self.keys.device)
-        if indices.shape[0] != B:
-            raise ValueError(
-                f"{type(self).__name__}.reorder: a static cache keeps batch_size={B} rows, so indices "
-                f"must hold {B} rows, got {indices.shape[0]}"
-            )
-        self.keys.copy_(self.keys.index_select(0, indices))
-        self.values.copy_(self.values.index_select(0, indices))
-        self.lengths.copy_(self.lengths.index_select(0, indices))
+        keys, values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
+        if indices.shape[0] == B and not under_autograd(None, None, self.keys, self.values):
+            self.keys.copy_(keys)
+            self.values.copy_(values)
+            self._lengths.copy_(self._lengths.index_select(0, indices))
+        else:
+            self.keys, self.values = keys, values
+            self._lengths = self._lengths.index_select(0, indices)
         self._undo, self._host = None, None
 
     def reset(self) -> None:
-        self.lengths.zero_()
-        self._undo, self._host = None, [0] * self.lengths.shape[0]
+        self._lengths.zero_()
+        if self.keys.requires_grad or self.values.requires_grad:  # let go of the last sequence's graph
+            self.keys, self.values = self.keys.detach().clone(), self.values.detach().clone()
+        self._undo, self._host = None, [0] * self._lengths.shape[0]
 
     def __repr__(self) -> str:
-        return f"{self._held()[:-1]}, lengths={self.lengths.tolist()}, nbytes={self.nbytes})"
+        return f"{self._held()[:-1]}, lengths={self._lengths.tolist()}, nbytes={self.nbytes})"

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
+from multihead.caches.base import check_mask_parts
 from multihead.call import Selection, mask_and_score_mod
 from multihead.explain import Explanation, explain
 from multihead.hooks import HookPoints
@@ -429,9 +430,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         S = read.keys.shape[2]
         mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=S)
         if mask is not None:
-            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(
-                B, self.num_heads, None, None
-            )
+            check_mask_parts(type(self).__name__, mask, B, self.num_heads, Lq, S)  # tensors over the slots
         if score_mod is not None:
             score_mod.check(B, self.num_heads, Lq, S)
         return read.mask(mask, self.causal, self.num_heads), score_mod

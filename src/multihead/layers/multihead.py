@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
+from multihead.caches.base import check_mask_parts
 from multihead.call import ScoreModArg, Selection, mask_and_score_mod
 from multihead.hooks import HookPoints
 from multihead.layers.checks import (
@@ -416,9 +417,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         S = read.keys.shape[2]
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
         if mask is not None:
-            mask.check(B, self.num_heads, Lq, S) if "tensor" in mask.kinds() else mask.check(
-                B, self.num_heads, None, None
-            )
+            check_mask_parts(type(self).__name__, mask, B, self.num_heads, Lq, S)  # tensors over the slots
         if score_mod is not None:
             score_mod.check(B, self.num_heads, Lq, S)
             if not read.contiguous and any(
