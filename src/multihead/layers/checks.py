@@ -68,11 +68,14 @@ def check_inputs(
     rank, with feature sizes ``sizes = (E, kdim, vdim)``, one batch size, and ``key`` and
     ``value`` of one length; and, given the layer's ``weight``, of its dtype (outside autocast)
     and device. Nothing is broadcast."""
-    names = ("query", "key", "value")
-    features = ("E", "kdim", "vdim")
-    for name, t in zip(names, (query, key, value)):
+    given = [("query", query, "E", sizes[0])]
+    if key is not query or sizes[1] != sizes[0]:  # self-attention: one tensor, checked once
+        given.append(("key", key, "kdim", sizes[1]))
+    if value is not key or sizes[2] != sizes[1]:
+        given.append(("value", value, "vdim", sizes[2]))
+    for name, t, _, _ in given:
         check_tensor(name, t, "", where=layer)
-    for name, t, feature, size in zip(names, (query, key, value), features, sizes):
+    for name, t, feature, size in given:
         if t.dim() not in ranks:
             expected = " or ".join(f"{r}" for r in ranks)
             raise ValueError(
@@ -88,6 +91,9 @@ def check_inputs(
             )
         if 0 in t.shape:
             raise ValueError(f"{layer}: {name} has a zero-size dimension, shape {tuple(t.shape)}")
+    if len(given) == 1:
+        _check_weight(layer, query, weight)
+        return
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError(
             f"{layer}: query, key and value must have the same number of dims, got shapes "
@@ -101,17 +107,7 @@ def check_inputs(
         raise ValueError(
             f"{layer}: query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
         )
-    if isinstance(weight, Tensor) and weight.is_floating_point():
-        if query.dtype != weight.dtype and not torch.is_autocast_enabled(query.device.type):
-            raise TypeError(
-                f"{layer}: query has dtype {query.dtype} but the layer's weights are {weight.dtype}; "
-                f"convert one of them (query.to({weight.dtype}) or layer.to({query.dtype}))"
-            )
-        if query.device != weight.device:
-            raise ValueError(
-                f"{layer}: query is on {query.device} but the layer's weights are on {weight.device}; "
-                f"move one of them (query.to('{weight.device}') or layer.to('{query.device}'))"
-            )
+    _check_weight(layer, query, weight)
     if query.dim() == 3:
         b = 0 if batch_first else 1
         batches = (query.shape[b], key.shape[b], value.shape[b])
@@ -126,6 +122,21 @@ def check_inputs(
             f"{layer}: key and value lengths differ: key has Lk={key.shape[seq]}, value has "
             f"{value.shape[seq]} (dim {seq}); each key needs exactly one value"
         )
+
+
+def _check_weight(layer: str, query: Tensor, weight: Tensor | None) -> None:
+    """``query`` of the dtype (outside autocast) and on the device of the layer's ``weight``."""
+    if isinstance(weight, Tensor) and weight.is_floating_point():
+        if query.dtype != weight.dtype and not torch.is_autocast_enabled(query.device.type):
+            raise TypeError(
+                f"{layer}: query has dtype {query.dtype} but the layer's weights are {weight.dtype}; "
+                f"convert one of them (query.to({weight.dtype}) or layer.to({query.dtype}))"
+            )
+        if query.device != weight.device:
+            raise ValueError(
+                f"{layer}: query is on {query.device} but the layer's weights are on {weight.device}; "
+                f"move one of them (query.to('{weight.device}') or layer.to('{query.device}'))"
+            )
 
 
 def dims(t: Tensor, batch_first: bool) -> tuple[int, int]:

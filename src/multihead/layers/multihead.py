@@ -432,6 +432,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The three input projections, as one matmul where the inputs allow it (:meth:`_fused`)."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # apart (_fused says why)
+            return self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if key is query and value is query and _fusable(self.q_proj, self.k_proj, self.v_proj):
             q, k, v = self._fused(query, (self.q_proj, self.k_proj, self.v_proj))
             return q, k, v
