@@ -23,7 +23,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$OUT/machine.txt"
 
 # 1. The CUDA variants of the default tier (the slow tier's take longer than one lease allows).
-timeout 300 python3 -m pytest -m "not slow" -k cuda -q -n 12 -p no:cacheprovider -o addopts="" 2>&1 \
+timeout 220 python3 -m pytest -m "not slow" -k cuda -q -n 12 -p no:cacheprovider -o addopts="" 2>&1 \
     | tail -n 60 > "$OUT/cuda_tier.log"
 echo "cuda tier: exit ${PIPESTATUS[0]}"; tail -n 15 "$OUT/cuda_tier.log"
 
