@@ -254,6 +254,23 @@ class MultiHeadAttention(HookPoints, nn.Module):
         Returns:
             ``(B, Lq, E)`` (``(Lq, B, E)``), or ``(output, weights)`` when ``need_weights``.
         """
+        if (
+            key is None
+            and value is None
+            and positions is None
+            and kv_cache is None
+            and need_weights is False
+            and score_mod is None
+            and weights_heads is None
+            and weights_rows is None
+            and key_padding_mask is None
+            and (mask is None or isinstance(mask, Mask))
+            and self.rope is None
+            and self.context_parallel is None
+            and self.score_mod is None
+            and self.softcap is None
+        ):
+            return self._self_attention(query, mask)
         layer = type(self).__name__
         if key_padding_mask is not None:
             _refuse_key_padding_mask(layer, key_padding_mask)
@@ -340,6 +357,29 @@ class MultiHeadAttention(HookPoints, nn.Module):
         return out
 
     # ------------------------------------------------------------------------------ helpers
+    def _self_attention(self, query: Tensor, mask: Mask | None) -> Tensor:
+        """:meth:`forward` of the commonest call, self-attention with at most a mask object on a
+        layer without rope, score modifiers or context parallelism: the same checks and steps
+        with none of the branches for what the call does not have (its Python cost is most of a
+        small call's time, and of a launch-bound step's on a GPU)."""
+        check_inputs(
+            type(self).__name__,
+            query,
+            query,
+            query,
+            sizes=(self.d_model, self.kdim, self.vdim),
+            batch_first=self.batch_first,
+            weight=getattr(self.q_proj, "weight", None),
+        )
+        B, L = dims(query, self.batch_first)
+        mask, _ = self._combined_mask(mask, None, B, L, L)
+        q, k, v = self._project(query, query, query)  # (B, L, Hq·D), (B, L, Hkv·D) x 2; L first if not batch_first
+        q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, L, D)
+        k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
+        v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
+        out, _ = self._attend(q, k, v, mask, None, False)  # (B, L, E)
+        return out if self.batch_first else out.transpose(0, 1)
+
     def _attend(
         self,
         q: Tensor,
@@ -432,18 +472,26 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The three input projections, as one matmul where the inputs allow it (:meth:`_fused`)."""
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # apart (_fused says why)
-            return self.q_proj(query), self.k_proj(key), self.v_proj(value)
-        if key is query and value is query and _fusable(self.q_proj, self.k_proj, self.v_proj):
-            q, k, v = self._fused(query, (self.q_proj, self.k_proj, self.v_proj))
+        modules = self._modules  # read once: each attribute read of a submodule is a Python call
+        q_proj, k_proj, v_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"]
+        assert q_proj is not None and k_proj is not None and v_proj is not None  # set in __init__
+        if torch.compiler.is_compiling():  # apart: the compiler fuses what it can
+            return q_proj(query), k_proj(key), v_proj(value)
+        if not torch.is_grad_enabled():
+            if query.is_cuda and key is query and value is query and _fusable(q_proj, k_proj, v_proj):
+                q, k, v = _fused_linear(query, (q_proj, k_proj, v_proj), *_concatenated((q_proj, k_proj, v_proj)))
+                return q, k, v
+            return q_proj(query), k_proj(key), v_proj(value)
+        if key is query and value is query and _fusable(q_proj, k_proj, v_proj):
+            q, k, v = self._fused(query, (q_proj, k_proj, v_proj))
             return q, k, v
-        q = self.q_proj(query)
-        if value is key and _fusable(self.k_proj, self.v_proj):
-            k, v = self._fused(key, (self.k_proj, self.v_proj))
+        q = q_proj(query)
+        if value is key and _fusable(k_proj, v_proj):
+            k, v = self._fused(key, (k_proj, v_proj))
             return q, k, v
-        return q, self.k_proj(key), self.v_proj(value)
+        return q, k_proj(key), v_proj(value)
 
-    def _fused(self, x: Tensor, linears: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
+    def _fused(self, x: Tensor, linears: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
         """``linears`` applied to one input ``x``.
 
         While training, ``x`` is multiplied by the concatenated weights once, like a hand-fused
@@ -453,6 +501,11 @@ class MultiHeadAttention(HookPoints, nn.Module):
         ``.data`` (EMA updates, hand-written init), which moves no version counter, and one made per
         call costs a copy of the weights per decode step, where the matmul is as cheap as the copy.
         Under ``torch.compile`` they run apart as well.
+
+        On CUDA, self-attention without gradients concatenates the weights on every call (so it
+        cannot go stale either) and runs one matmul: a launch-bound step pays for each launch on
+        the host, and the copy of the weights costs the GPU next to nothing
+        (docs/performance.md#on-the-gpu-h100, "The layer").
         """
         if torch.compiler.is_compiling() or not (
             torch.is_grad_enabled() and any(p.requires_grad for m in linears for p in m.parameters())
@@ -645,22 +698,24 @@ def _divisors(n: int) -> list[int]:
 def _fusable(*linears: nn.Module) -> bool:
     """Whether these projections may be run as one matmul: plain ``nn.Linear`` (not a LoRA or
     quantized replacement, whose forward must run), without hooks, biased alike."""
-    first = linears[0]
+    for m in linears:
+        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+            return False
+    first = linears[0]._parameters  # (a plain nn.Linear's parameters, read without __getattr__)
     return all(
-        type(m) is nn.Linear
-        and not m._forward_hooks
-        and not m._forward_pre_hooks
-        and (m.bias is None) == (first.bias is None)
-        and m.weight.dtype == first.weight.dtype
+        (m._parameters["bias"] is None) == (first["bias"] is None)
+        and m._parameters["weight"].dtype == first["weight"].dtype  # type: ignore[union-attr]
         for m in linears
     )
 
 
-def _concatenated(linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor | None]:
-    weight = torch.cat([m.weight for m in linears])  # (sum of out_features, in_features)
-    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+def _concatenated(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
+    """The weights ``(sum of out_features, in_features)`` and biases of :func:`_fusable` linears, joined."""
+    params = [m._parameters for m in linears]
+    weight = torch.cat([p["weight"] for p in params])  # type: ignore[misc]
+    bias = None if params[0]["bias"] is None else torch.cat([p["bias"] for p in params])  # type: ignore[misc]
     return weight, bias
 
 
-def _fused_linear(x: Tensor, linears: tuple[nn.Linear, ...], weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
+def _fused_linear(x: Tensor, linears: tuple[nn.Module, ...], weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
     return tuple(F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1))
