@@ -32,8 +32,9 @@ Masks
 -----
 Boolean: ``True`` means *may attend*, everywhere in `multihead` (the one exception is the
 ``key_padding_mask`` of :class:`multihead.compat.MultiheadAttention`, which copies PyTorch's
-polarity on purpose). Float masks are *additive* biases (``-inf`` blocks). Integer and uint8
-masks are refused: their polarity differs between libraries.
+polarity on purpose). Float masks are *additive* biases; an entry blocks when it is ``-inf`` or at
+or below ``finfo(dtype).min / 2`` (:func:`multihead.masks.additive_blocked`, the one rule).
+Integer and uint8 masks are refused: their polarity differs between libraries.
 
 Causal alignment
 ----------------

@@ -133,6 +133,38 @@ def test_masks_are_boolean_and_a_float_mask_splits_into_pattern_and_bias():
     torch.testing.assert_close(mod.bias_block(1, 1, 0, 4, 0, 4)[0, 0], bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_what_a_float_mask_blocks_is_one_rule(dtype):
+    """docs/conventions.md: -inf and values at or below finfo(dtype).min / 2 block; anything above is a bias."""
+    lowest = torch.finfo(dtype).min
+    values = [float("-inf"), lowest, lowest / 2, -1e4, -1.0, 0.0, 3.0, float("inf"), float("nan")]
+    blocks = [True, True, True, False, False, False, False, False, False]
+    got = mh.masks.additive_blocked(torch.tensor(values, dtype=dtype))
+    assert got.tolist() == blocks, (dtype, got.tolist())
+    twice = torch.full((2,), lowest, dtype=dtype) + lowest  # two masks summed: -inf
+    assert bool(mh.masks.additive_blocked(twice).all())
+
+
+def test_one_float_mask_means_one_thing_to_every_reader():
+    """Regression: attention() read finfo.min as a bias (a row of it a uniform average) while the
+    Hugging Face reading blocked it (the row zero); explain() and compat followed -inf alone."""
+    from multihead.call import mask_and_score_mod
+    from multihead.masks.recognize import recognize
+
+    allowed = mh.causal().materialize(1, 1, 6, 4)[0, 0]  # (Lq, Lk) = (6, 4): queries 0 and 1 see no key
+    for blocked in (float("-inf"), torch.finfo(torch.float32).min):
+        fm = torch.zeros(6, 4).masked_fill(~allowed, blocked)
+        mask, _ = mask_and_score_mod(fm, None)
+        assert torch.equal(mask.materialize(1, 1, 6, 4)[0, 0], allowed)
+        found = recognize(fm)
+        assert found is not None and found.mask == mh.causal() and not found.bias
+        q, k = torch.randn(1, 2, 6, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
+        res = mh.attention(q, k, k, mask=fm, return_lse=True)
+        assert torch.equal(res.output[:, :, :2], torch.zeros_like(res.output[:, :, :2]))  # fully masked: 0
+        assert torch.isneginf(res.lse[:, :, :2]).all()
+        torch.testing.assert_close(res.output, mh.attention(q, k, k, mask=mh.causal()), rtol=0, atol=1e-12)
+
+
 def test_masks_compare_and_hash_by_value_tensors_by_identity():
     assert mh.causal() == mh.causal() and hash(mh.causal()) == hash(mh.causal())
     assert mh.causal() & mh.sliding_window(3) == mh.causal() & mh.sliding_window(3)

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from multihead.integrations.hf_closures import Frame as _Frame
 from multihead.integrations.hf_closures import MaskFunction, closure_variables, evaluate, kind_of, unread
-from multihead.masks import Band, Mask, as_mask, causal, document, key_padding, sliding_window
+from multihead.masks import Band, Mask, additive_blocked, as_mask, causal, document, key_padding, sliding_window
 
 __all__ = ["band_blocks_nothing", "from_dense", "from_mask_function", "padding_mask", "read", "recognise"]
 
@@ -304,11 +304,12 @@ def _dense(fn: MaskFunction, frame: _Frame) -> Mask:
 def from_dense(mask: Tensor, kv_len: int) -> tuple[Mask | None, Tensor | None]:
     """A user's 4-D mask ``(B|1, H|1, Lq, >= Lk)`` -> ``(mask object, additive bias or None)``.
 
-    Bool: ``True`` = may attend. Float: additive, as ``eager`` adds it; entries at or below
-    ``finfo(dtype).min / 2`` (HF writes ``finfo.min``, sums of two give ``-inf``) are blocked, the
-    other non-zero entries are a bias. Columns past ``Lk`` are dropped (a static cache's mask is
-    as long as the cache). Band, key-padding and document structure is recognised where the mask
-    is exactly that; otherwise the bool tensor is passed on.
+    Bool: ``True`` = may attend. Float: additive, as ``eager`` adds it; what it blocks is
+    :func:`multihead.masks.additive_blocked`'s rule (``-inf`` and entries at or below
+    ``finfo(dtype).min / 2``: HF writes ``finfo.min``), the other non-zero entries are a bias.
+    Columns past ``Lk`` are dropped (a static cache's mask is as long as the cache). Band,
+    key-padding and document structure is recognised where the mask is exactly that; otherwise
+    the bool tensor is passed on.
     """
     if mask.dim() != 4:
         raise ValueError(f"attention_mask: expected a 4-D mask (B, 1, Lq, Lk), got shape {tuple(mask.shape)}")
@@ -317,7 +318,7 @@ def from_dense(mask: Tensor, kv_len: int) -> tuple[Mask | None, Tensor | None]:
     if mask.dtype == torch.bool:
         allowed = mask
     elif mask.is_floating_point():
-        blocked = mask <= torch.finfo(mask.dtype).min / 2  # -inf included
+        blocked = additive_blocked(mask)
         allowed = ~blocked
         rest = mask.masked_fill(blocked, 0.0)
         bias = rest if bool(rest.ne(0).any()) else None

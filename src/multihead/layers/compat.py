@@ -10,7 +10,8 @@ checkpoint just works) and initialization (the same seed gives the same weights)
 
    * ``key_padding_mask``: bool, ``True`` = **ignore** this key (padding);
    * ``attn_mask``: bool, ``True`` = **blocked**;
-   * float masks of either kind are added to the scores (``-inf`` blocks), as in PyTorch.
+   * float masks of either kind are added to the scores, as in PyTorch; what blocks is ``-inf``
+     and values at or below ``finfo(dtype).min / 2`` (:func:`multihead.masks.additive_blocked`).
 
    Everywhere else in `multihead` a bool mask means ``True`` = *may attend*
    (:mod:`multihead.conventions`).
@@ -72,7 +73,7 @@ from multihead.call import Selection, mask_and_score_mod
 from multihead.hooks import HookPoints
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
-from multihead.masks import Mask, causal
+from multihead.masks import Mask, additive_blocked, causal
 from multihead.scores import ScoreMod
 
 __all__ = ["MultiheadAttention"]
@@ -447,7 +448,7 @@ class MultiheadAttention(HookPoints, nn.Module):
         if dense is None:
             return causal_mask, None
         # PyTorch's float masks are additive whatever their values (a 0/1 float attn_mask keeps
-        # PyTorch's meaning here instead of being refused): its -inf pattern and a bias.
+        # PyTorch's meaning here instead of being refused): what it blocks and a bias.
         combined, score_mod = mask_and_score_mod(dense, None, check_binary=False)
         if combined is None or causal_mask is None:
             return combined if combined is not None else causal_mask, score_mod
@@ -480,7 +481,7 @@ def _is_causal_pattern(mask: Tensor) -> bool:
     tril = torch.ones((L, S), dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:
         return bool(torch.equal(mask[0, 0], tril))
-    visible = ~torch.isneginf(mask[0, 0])
+    visible = ~additive_blocked(mask[0, 0])
     return bool(torch.equal(visible, tril)) and not bool(mask[0, 0][tril].any())
 
 

@@ -9,7 +9,7 @@ from multihead.masks.band import Band, Window, causal, sliding_window
 from multihead.masks.base import And, BlockState, Mask, Not, Or, Positioned, register_coercion
 from multihead.masks.document import Document, DocumentCausal, document, document_causal
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
-from multihead.masks.tensor import Custom, TensorMask, as_mask, bias, custom
+from multihead.masks.tensor import Custom, TensorMask, additive_blocked, as_mask, bias, custom
 
 __all__ = [
     "Mask",
@@ -28,6 +28,7 @@ __all__ = [
     "document_causal",
     "custom",
     "as_mask",
+    "additive_blocked",
     "bias",
     "Band",
     "KeyPadding",

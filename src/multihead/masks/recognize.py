@@ -1,9 +1,9 @@
 """Recognising a dense mask tensor as the mask object it spells out.
 
 A bool ``(Lq, Lk)`` ... ``(B, H, Lq, Lk)`` tensor (``True`` = may attend), or a float one read as
-PyTorch's additive masks (``-inf`` blocks), is often a structure written out in full: a causal
-triangle (``torch.tril``, ``nn.Transformer.generate_square_subsequent_mask``), a band, padded
-keys, packed documents. :func:`recognize` finds the object that means exactly the same
+an additive mask (:func:`multihead.masks.tensor.additive_blocked` says what it blocks), is often
+a structure written out in full: a causal triangle (``torch.tril``,
+``nn.Transformer.generate_square_subsequent_mask``), a band, padded keys, packed documents. :func:`recognize` finds the object that means exactly the same
 (candidates from the tensor's rows, each checked against the whole tensor, never guessed)::
 
     recognize(torch.ones(4, 4, dtype=torch.bool).tril())
@@ -30,6 +30,7 @@ from multihead.masks.band import causal, sliding_window
 from multihead.masks.base import Mask
 from multihead.masks.document import document, document_causal
 from multihead.masks.padding import key_padding
+from multihead.masks.tensor import additive_blocked
 
 __all__ = ["recognize", "Recognized", "MAX_ELEMENTS"]
 
@@ -59,7 +60,7 @@ def recognize(mask: Tensor) -> Recognized | None:
         return None
     if not 2 <= mask.dim() <= 4:
         return None
-    pattern = mask if mask.dtype == torch.bool else mask != float("-inf")
+    pattern = mask if mask.dtype == torch.bool else ~additive_blocked(mask)
     bias = mask.dtype != torch.bool and bool(torch.where(pattern, mask, torch.zeros((), dtype=mask.dtype)).any())
     p = pattern.detach().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).cpu()  # (B|1, H|1, Lq, Lk)
     if p.shape[1] > 1:
