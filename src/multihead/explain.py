@@ -2,7 +2,7 @@
 what would run faster.
 
 The advice (:func:`advise`) names every slow-path cause it sees with its fix: a dense mask tensor
-that a mask object spells out (recognised by :func:`multihead.masks.recognize.recognize`, with the
+that a mask object spells out (recognised by :func:`multihead.masks.recognize.from_dense`, with the
 speed-up measured by a quick probe or estimated from the blocks the object skips, and said which),
 dropout (no fused CPU kernel has it), PyTorch's math kernel, a dense additive bias, the reference
 backend, and full weights where a selection would do.
@@ -20,7 +20,7 @@ from torch import Tensor
 from multihead.backends.registry import AUTO_ORDER, available_backends, check_backend_name, get_backend, select_backend
 from multihead.call import AttentionCall, ScoreModArg, Selection
 from multihead.masks import BlockState, Mask, additive_blocked
-from multihead.masks.recognize import recognize
+from multihead.masks.recognize import from_dense
 from multihead.scores import Bias
 from multihead.validation import validate_call, validate_weights_selection
 
@@ -217,13 +217,13 @@ def _dense_mask_advice(
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     given = mask.shape  # the caller's tensor, which may broadcast: (1, 1, Lq, 1), (B, 1, 1, Lk), ...
     mask = mask.expand(torch.broadcast_shapes(given, (Lq, Lk)))  # read over the whole (Lq, Lk)
-    found = recognize(mask)
+    found = from_dense(mask)
     kind = "float (additive)" if mask.is_floating_point() else "bool"
     if found is None:
         return []
     stand_in = _stand_in(mask) if found.bias else None
     if stand_in is not None:  # -1e9 written for -inf: read the 0 entries as the pattern
-        found = recognize(mask == 0)
+        found = from_dense(mask == 0)
         if found is None or found.mask is None:
             return []
     if found.mask is None:

@@ -149,14 +149,14 @@ def test_one_float_mask_means_one_thing_to_every_reader():
     """Regression: attention() read finfo.min as a bias (a row of it a uniform average) while the
     Hugging Face reading blocked it (the row zero); explain() and compat followed -inf alone."""
     from multihead.call import mask_and_score_mod
-    from multihead.masks.recognize import recognize
+    from multihead.masks.recognize import from_dense
 
     allowed = mh.causal().materialize(1, 1, 6, 4)[0, 0]  # (Lq, Lk) = (6, 4): queries 0 and 1 see no key
     for blocked in (float("-inf"), torch.finfo(torch.float32).min):
         fm = torch.zeros(6, 4).masked_fill(~allowed, blocked)
         mask, _ = mask_and_score_mod(fm, None)
         assert torch.equal(mask.materialize(1, 1, 6, 4)[0, 0], allowed)
-        found = recognize(fm)
+        found = from_dense(fm)
         assert found is not None and found.mask == mh.causal() and not found.bias
         q, k = torch.randn(1, 2, 6, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
         res = mh.attention(q, k, k, mask=fm, return_lse=True)
