@@ -15,7 +15,7 @@ from typing import NamedTuple, TypeAlias
 import torch
 from torch import Tensor
 
-from multihead.masks import Mask, TensorMask, as_mask
+from multihead.masks import Mask, TensorMask, additive_blocked, as_mask
 from multihead.scores import Bias, ScoreMod, as_score_mod
 from multihead.scores.base import Chain
 
@@ -106,8 +106,9 @@ def mask_and_score_mod(
     the lengths ``Lq, Lk`` when given (:meth:`ScoreMod.for_lengths`: a relative bias aligns its
     positions as masks do).
 
-    A float tensor passed as ``mask=`` (PyTorch's additive masks) becomes the bool mask of its
-    entries that are not ``-inf`` and a :func:`multihead.scores.bias` applied before any other
+    A float tensor passed as ``mask=`` (PyTorch's additive masks) becomes the bool mask of the
+    entries it does not block (:func:`multihead.masks.additive_blocked`: ``-inf`` and values at or
+    below ``finfo(dtype).min / 2``) and a :func:`multihead.scores.bias` applied before any other
     modifier. A float tensor of only 0s and 1s is refused (``check_binary``): adding 1 to some
     scores is never what ``torch.tril(torch.ones(L, L))`` meant.
     """
@@ -129,7 +130,7 @@ def mask_and_score_mod(
             )
         additive = Bias(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), name="mask")
         score_mod = additive if score_mod is None else Chain([additive, score_mod])
-        return TensorMask(mask != float("-inf"), name="mask"), score_mod
+        return TensorMask(~additive_blocked(mask), name="mask"), score_mod
     return as_mask(mask), score_mod
 
 

@@ -28,12 +28,18 @@ Query head ``h`` reads KV head ``h // G`` (contiguous groups), the mapping of SD
     query head : 0 1 2 3 | 4 5 6 7
     kv head    : 0 0 0 0 | 1 1 1 1
 
+A backend that runs each KV head once folds its ``G`` query heads into rows
+(:func:`fold_query_heads`, :func:`unfold_query_heads`)::
+
+    q (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D): row g·Lq + i is query i of head kv·G + g
+
 Masks
 -----
 Boolean: ``True`` means *may attend*, everywhere in `multihead` (the one exception is the
 ``key_padding_mask`` of :class:`multihead.compat.MultiheadAttention`, which copies PyTorch's
-polarity on purpose). Float masks are *additive* biases (``-inf`` blocks). Integer and uint8
-masks are refused: their polarity differs between libraries.
+polarity on purpose). Float masks are *additive* biases; an entry blocks when it is ``-inf`` or at
+or below ``finfo(dtype).min / 2`` (:func:`multihead.masks.additive_blocked`, the one rule).
+Integer and uint8 masks are refused: their polarity differs between libraries.
 
 Causal alignment
 ----------------
@@ -82,6 +88,9 @@ __all__ = [
     "default_scale",
     "kv_head_of",
     "repeat_kv",
+    "group_query_heads",
+    "fold_query_heads",
+    "unfold_query_heads",
     "softmax_dtype",
     "lse_dtype",
 ]
@@ -110,6 +119,32 @@ def kv_head_of(query_head: int | torch.Tensor, num_q_heads: int, num_kv_heads: i
 def repeat_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     """``(B, Hkv, L, ·)`` -> ``(B, Hq, L, ·)``: KV head ``kv_head_of(h)`` copied to query head ``h``."""
     return x.repeat_interleave(num_q_heads // x.shape[1], dim=1)
+
+
+def group_query_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``(B, Hq, L, ·)`` -> ``(B, Hkv, G, L, ·)``: query head ``kv·G + g`` at ``[:, kv, g]``, the
+    heads :func:`kv_head_of` maps to KV head ``kv``. A tensor shared by every head ``(B, 1, L, ·)``
+    (a mask) stays shared: ``(B, 1, 1, L, ·)``. A view where ``x`` allows one."""
+    B, H = x.shape[:2]
+    if H == 1:
+        return x.unsqueeze(2)
+    return x.reshape(B, num_kv_heads, H // num_kv_heads, *x.shape[2:])
+
+
+def fold_query_heads(x: torch.Tensor, num_kv_heads: int, num_q_heads: int) -> torch.Tensor:
+    """``(B, Hq|1, L, ·)`` -> ``(B, Hkv|1, G·L, ·)``: the ``G`` query heads of each KV head as the
+    rows of one (row ``g·L + i`` is row ``i`` of head ``kv·G + g``), so that one matmul per KV head
+    serves them all; a tensor shared by every head is repeated for each of the ``G``."""
+    grouped = group_query_heads(x, num_kv_heads)  # (B, Hkv|1, G|1, L, ·)
+    G = num_q_heads // num_kv_heads
+    return grouped.expand(grouped.shape[0], grouped.shape[1], G, *grouped.shape[3:]).flatten(2, 3)
+
+
+def unfold_query_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """``(B, Hkv, G·L, ·)`` -> ``(B, Hq, L, ·)`` (and ``(B, Hkv, G·L)`` -> ``(B, Hq, L)``): the
+    inverse of :func:`fold_query_heads`."""
+    B, Hkv, rows = x.shape[:3]
+    return x.reshape(B, num_q_heads, rows * Hkv // num_q_heads, *x.shape[3:])
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -2,7 +2,7 @@
 what would run faster.
 
 The advice (:func:`advise`) names every slow-path cause it sees with its fix: a dense mask tensor
-that a mask object spells out (recognised by :func:`multihead.masks.recognize.recognize`, with the
+that a mask object spells out (recognised by :func:`multihead.masks.recognize.from_dense`, with the
 speed-up measured by a quick probe or estimated from the blocks the object skips, and said which),
 dropout (no fused CPU kernel has it), PyTorch's math kernel, a dense additive bias, the reference
 backend, and full weights where a selection would do.
@@ -19,8 +19,8 @@ from torch import Tensor
 
 from multihead.backends.registry import AUTO_ORDER, available_backends, check_backend_name, get_backend, select_backend
 from multihead.call import AttentionCall, ScoreModArg, Selection
-from multihead.masks import BlockState, Mask
-from multihead.masks.recognize import recognize
+from multihead.masks import BlockState, Mask, additive_blocked
+from multihead.masks.recognize import from_dense
 from multihead.scores import Bias
 from multihead.validation import validate_call, validate_weights_selection
 
@@ -217,13 +217,13 @@ def _dense_mask_advice(
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     given = mask.shape  # the caller's tensor, which may broadcast: (1, 1, Lq, 1), (B, 1, 1, Lk), ...
     mask = mask.expand(torch.broadcast_shapes(given, (Lq, Lk)))  # read over the whole (Lq, Lk)
-    found = recognize(mask)
+    found = from_dense(mask)
     kind = "float (additive)" if mask.is_floating_point() else "bool"
     if found is None:
         return []
     stand_in = _stand_in(mask) if found.bias else None
-    if stand_in is not None:  # -1e9 or finfo.min written for -inf: read the 0 entries as the pattern
-        found = recognize(mask == 0)
+    if stand_in is not None:  # -1e9 written for -inf: read the 0 entries as the pattern
+        found = from_dense(mask == 0)
         if found is None or found.mask is None:
             return []
     if found.mask is None:
@@ -251,7 +251,13 @@ def _dense_mask_advice(
             + ")"
         )
     elif mask.is_floating_point():
-        what += " (its finite entries are all 0: the float tensor adds a dense bias of zeros besides)"
+        low = _finite_blocked(mask)
+        what += (
+            " (its finite entries are all 0"
+            if low is None
+            else f" (it writes {low:g} where it blocks, read as -inf (masks.additive_blocked); its other "
+            "entries are all 0"
+        ) + ": the float tensor adds a dense bias of zeros besides)"
     dense = "x".join(str(n) for n in given)
     cheap = B * Hq * Lq * Lk * D <= PROBE_ELEMENTS
     if probe or (probe is None and cheap):
@@ -276,19 +282,27 @@ def _dense_mask_advice(
     ]
 
 
-#: A float mask whose finite entries are 0 or at most this uses them for "blocked": -1e4 (BERT in
-#: fp16), -1e9 (many tutorials) and torch.finfo(dtype).min (Hugging Face) all underflow exp() to 0.
+#: A float mask whose entries that do not block are 0 or at most this uses them for "blocked":
+#: -1e4 (BERT in fp16) and -1e9 (many tutorials) underflow exp() to 0 but are a bias by the one
+#: rule (masks.additive_blocked), unlike torch.finfo(dtype).min (Hugging Face), which blocks.
 STAND_IN = -1e4
 
 
 def _stand_in(mask: Tensor) -> float | None:
-    """The largest finite value a float ``mask`` writes for "blocked" (``-1e9``, ``finfo.min``), when
-    every finite entry is 0 or at most :data:`STAND_IN`; else ``None``."""
-    finite = mask[torch.isfinite(mask)]
-    low = finite[finite != 0]
+    """The largest value a float ``mask`` writes for "blocked" without blocking (``-1e9``), when
+    every entry that does not block is 0 or at most :data:`STAND_IN`; else ``None``."""
+    kept = mask[~additive_blocked(mask) & torch.isfinite(mask)]
+    low = kept[kept != 0]
     if low.numel() == 0 or bool((low > STAND_IN).any()):
         return None
     return float(low.max())
+
+
+def _finite_blocked(mask: Tensor) -> float | None:
+    """The largest finite value a float ``mask`` blocks with (``finfo.min``), ``None`` when it blocks
+    with ``-inf`` only."""
+    low = mask[additive_blocked(mask) & torch.isfinite(mask)]
+    return float(low.max()) if low.numel() else None
 
 
 def _probe(

@@ -169,7 +169,7 @@ def _check_mask_tensor(mask: Tensor, q: Tensor, expected: tuple[int, int, int, i
             "(True = padding): mask=multihead.key_padding(~key_padding_mask)"
             if mask.dtype == torch.bool
             else "a bool (B, Lk) table with True = a real key; from PyTorch's additive key padding mask "
-            "(-inf = padding): mask=multihead.key_padding(mask != float('-inf'))"
+            "(-inf or finfo.min = padding): mask=multihead.key_padding(~multihead.masks.additive_blocked(mask))"
         )
         hint = (
             f"; hint: a 2-D mask is (Lq, Lk), and ({B}, {Lk}) = (B, Lk) looks like a key padding mask: pass "

@@ -95,7 +95,8 @@ BAD = [
         "(B, Lk) additive mask",
         dict(mask=torch.zeros(2, 7)),
         ValueError,
-        r"mask of shape \(2, 7\) .*key padding mask.*mask=multihead.key_padding\(mask != float\('-inf'\)\)",
+        r"mask of shape \(2, 7\) .*key padding mask.*"
+        r"mask=multihead.key_padding\(~multihead.masks.additive_blocked\(mask\)\)",
     ),
     (
         "mask on another device",

@@ -94,11 +94,16 @@ def test_a_float_mask_writing_a_large_negative_for_blocked_is_recognised():
     'lets every query see every key: pass mask=None' with a bias, 'skipping the blocks the object blocks'."""
     q = torch.randn(1, 2, 300, 8)
     causal = torch.ones(300, 300, dtype=torch.bool).tril()
-    for blocked in (-1e9, torch.finfo(torch.float32).min, -1e4):
+    for blocked in (-1e9, -1e4):  # a bias by the one rule (masks.additive_blocked), which underflows
         fm = torch.zeros(300, 300).masked_fill(~causal, blocked)
         [line] = mh.explain(q, q, q, mask=fm, probe=False).advice
         assert "dense float (additive) mask is `causal()`; pass that object instead" in line, line
         assert f"it writes {blocked:g} where -inf blocks" in line and "except in rows" not in line
+    lowest = torch.finfo(torch.float32).min  # blocks, as -inf does
+    fm = torch.zeros(300, 300).masked_fill(~causal, lowest)
+    [line] = mh.explain(q, q, q, mask=fm, probe=False).advice
+    assert "dense float (additive) mask is `causal()`; pass that object instead" in line, line
+    assert f"it writes {lowest:g} where it blocks, read as -inf" in line and "except in rows" not in line
     # Lq=300 > Lk=200, bottom-right: queries 0..99 see no key; the tensor gives them a uniform
     # average, the object zeros
     k = torch.randn(1, 2, 200, 8)

@@ -1,4 +1,4 @@
-"""How the package's modules import each other: no cycle.
+"""How the package's modules import each other: no cycle, and no import from a higher floor.
 
 Every import between two `multihead` modules counts: at module level, inside a function (an
 import deferred to run time is still a dependency) and under ``TYPE_CHECKING`` (a type-only cycle
@@ -9,9 +9,27 @@ there is one, else the package ``a``.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+
+#: The floor of each top-level module and package of `multihead`, as docs/architecture.md's table
+#: draws them (1 core, 2 building blocks, 3 layers, 4 applications); a test below reads the table
+#: and fails when the two differ.
+FLOORS = {
+    **dict.fromkeys(
+        ["conventions", "masks", "scores", "sinks", "scoring", "call", "reference", "blockwise", "merge", "cascade"], 1
+    ),
+    **dict.fromkeys(["nonfinite", "inputs", "validation", "attention", "explain", "plans", "backends"], 1),
+    **dict.fromkeys(["caches", "positions"], 2),
+    **dict.fromkeys(["layers", "capture", "hooks", "distributed"], 3),
+    **dict.fromkeys(["models", "viz", "apps", "integrations"], 4),
+}
+#: Modules the table leaves out, placed by the doc's words: the version (imports nothing), the
+#: package itself ("`import multihead` loads floors 1-3") and `python -m multihead` (the CLI).
+UNLISTED = {"_version": 1, "": 3, "__main__": 4}
 
 
 def modules() -> dict[str, Path]:
@@ -44,6 +62,39 @@ def import_graph() -> dict[str, set[str]]:
                 if target and target != name:
                     graph[name].add(target)
     return graph
+
+
+def floor_of(module: str) -> int | None:
+    """The floor of ``multihead.x...`` (``x``'s), ``None`` when neither table has it."""
+    top = module.split(".")[1] if "." in module else ""
+    return FLOORS.get(top, UNLISTED.get(top))
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module on a higher floor than the importer's, as a readable line."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            low, high = floor_of(module), floor_of(target)
+            if low is not None and high is not None and high > low:
+                found.append(f"{module} (floor {low}) imports {target} (floor {high})")
+    return found
+
+
+def documented_floors() -> dict[str, int]:
+    """``name -> floor`` of the table in docs/architecture.md: a row's floor is the last one named
+    in the first column, its modules the backticked ``x.py`` and ``x/`` of the second."""
+    floors: dict[str, int] = {}
+    floor = None
+    for line in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) < 2 or not re.match(r"(\d|$)", cells[0]):
+            continue  # not a row of the floors' table (its header and rule included)
+        if cells[0]:
+            floor = int(cells[0].split()[0])
+        for name in re.findall(r"`(\w+)(?:\.py|/)`", cells[1]):
+            floors[name] = floor
+    return floors
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -103,3 +154,22 @@ def test_the_graph_reads_every_kind_of_import():
 def test_no_module_imports_itself_back():
     found = cycles(import_graph())
     assert found == [], f"import cycles (module level, deferred or type-only): {found}"
+
+
+def test_the_floor_check_sees_an_upward_import():
+    graph = {"multihead.backends.sdpa": {"multihead.layers.heads", "multihead.masks"}, "multihead.layers": set()}
+    assert upward_imports(graph) == ["multihead.backends.sdpa (floor 1) imports multihead.layers.heads (floor 3)"]
+
+
+def test_every_module_has_a_floor():
+    missing = sorted(m for m in import_graph() if floor_of(m) is None)
+    assert missing == [], f"modules with no floor (add them to docs/architecture.md's table and FLOORS): {missing}"
+
+
+def test_the_floors_are_the_ones_the_architecture_doc_draws():
+    assert documented_floors() == FLOORS
+
+
+def test_no_module_imports_from_a_higher_floor():
+    found = upward_imports(import_graph())
+    assert found == [], "imports from a higher floor (module level, deferred or type-only):\n" + "\n".join(found)

@@ -133,6 +133,38 @@ def test_masks_are_boolean_and_a_float_mask_splits_into_pattern_and_bias():
     torch.testing.assert_close(mod.bias_block(1, 1, 0, 4, 0, 4)[0, 0], bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_what_a_float_mask_blocks_is_one_rule(dtype):
+    """docs/conventions.md: -inf and values at or below finfo(dtype).min / 2 block; anything above is a bias."""
+    lowest = torch.finfo(dtype).min
+    values = [float("-inf"), lowest, lowest / 2, -1e4, -1.0, 0.0, 3.0, float("inf"), float("nan")]
+    blocks = [True, True, True, False, False, False, False, False, False]
+    got = mh.masks.additive_blocked(torch.tensor(values, dtype=dtype))
+    assert got.tolist() == blocks, (dtype, got.tolist())
+    twice = torch.full((2,), lowest, dtype=dtype) + lowest  # two masks summed: -inf
+    assert bool(mh.masks.additive_blocked(twice).all())
+
+
+def test_one_float_mask_means_one_thing_to_every_reader():
+    """Regression: attention() read finfo.min as a bias (a row of it a uniform average) while the
+    Hugging Face reading blocked it (the row zero); explain() and compat followed -inf alone."""
+    from multihead.call import mask_and_score_mod
+    from multihead.masks.recognize import from_dense
+
+    allowed = mh.causal().materialize(1, 1, 6, 4)[0, 0]  # (Lq, Lk) = (6, 4): queries 0 and 1 see no key
+    for blocked in (float("-inf"), torch.finfo(torch.float32).min):
+        fm = torch.zeros(6, 4).masked_fill(~allowed, blocked)
+        mask, _ = mask_and_score_mod(fm, None)
+        assert torch.equal(mask.materialize(1, 1, 6, 4)[0, 0], allowed)
+        found = from_dense(fm)
+        assert found is not None and found.mask == mh.causal() and not found.bias
+        q, k = torch.randn(1, 2, 6, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
+        res = mh.attention(q, k, k, mask=fm, return_lse=True)
+        assert torch.equal(res.output[:, :, :2], torch.zeros_like(res.output[:, :, :2]))  # fully masked: 0
+        assert torch.isneginf(res.lse[:, :, :2]).all()
+        torch.testing.assert_close(res.output, mh.attention(q, k, k, mask=mh.causal()), rtol=0, atol=1e-12)
+
+
 def test_masks_compare_and_hash_by_value_tensors_by_identity():
     assert mh.causal() == mh.causal() and hash(mh.causal()) == hash(mh.causal())
     assert mh.causal() & mh.sliding_window(3) == mh.causal() & mh.sliding_window(3)
@@ -272,3 +304,33 @@ def test_document_causal_empty_rows_from_its_tables_equal_the_definition():
         assert torch.equal(mask._empty_rows(B, 1, Lq, Lk).expand(B, 1, Lq), want), (q, k)
         empty_rows_seen += int(want.sum())
     assert empty_rows_seen > 100  # the cases do reach rows that see nothing
+
+
+def test_head_range_reads_the_whole_attentions_heads():
+    """A rank of head-parallel attention (ulysses) holds heads [first, first + count) of Hq and
+    calls attention on them alone: its mask is the whole mask at those heads."""
+    B, Hq, L = 2, 6, 9
+    g = torch.Generator().manual_seed(0)
+    per_head = torch.rand(B, Hq, L, L, generator=g) < 0.5
+    by_head = mh.custom(lambda b, h, qi, ki: (ki <= qi) | (ki % (h + 2) == 0), name="by_head")
+    shared = torch.rand(B, 1, L, L, generator=g) < 0.5
+    for whole in (mh.masks.as_mask(per_head), by_head, by_head & mh.causal(), mh.masks.as_mask(shared)):
+        dense = whole.materialize(B, Hq, L, L).expand(B, Hq, L, L)
+        for first, count in ((0, 2), (2, 2), (3, 3), (5, 1)):
+            part = mh.masks.head_range(whole, first, count, Hq)
+            part.check(B, count, L, L)
+            got = part.materialize(B, count, L, L).expand(B, count, L, L)
+            assert torch.equal(got, dense[:, first : first + count]), (whole, first, count)
+            for q0, q1, k0, k1 in ((0, 4, 0, 4), (4, 9, 0, 9), (0, 1, 5, 9)):  # answers true of its heads
+                state = part.block_state(q0, q1, k0, k1, L, L, B, count)
+                block = dense[:, first : first + count, q0:q1, k0:k1]
+                assert state is not mh.masks.BlockState.FULL or bool(block.all())
+                assert state is not mh.masks.BlockState.EMPTY or not bool(block.any())
+    band = mh.causal() & mh.key_padding(torch.tensor([9, 5]))
+    assert mh.masks.head_range(band, 2, 2, Hq) is band  # no head in its meaning: as it is
+    assert mh.masks.head_range(None, 2, 2, Hq) is None
+    assert isinstance(mh.masks.head_range(mh.masks.as_mask(per_head), 2, 2, Hq), mh.masks.TensorMask)  # sliced
+    with pytest.raises(ValueError, match=r"heads \[5, 7\) are not a range of the 6 heads"):
+        mh.masks.head_range(by_head, 5, 2, Hq)
+    with pytest.raises(ValueError, match="read by a call of 3 heads; expected 2"):
+        mh.masks.head_range(by_head, 0, 2, Hq).check(B, 3, L, L)

@@ -25,6 +25,28 @@ def test_gqa_equals_mha_with_kv_repeated_by_the_grouped_mapping(backend, mask):
     assert not torch.allclose(gqa, tiled), "the tiled mapping h % Hkv must not be what GQA means"
 
 
+def test_the_query_head_fold_follows_the_grouped_mapping():
+    """conventions.fold_query_heads, the one fold sdpa and decode run: row g*Lq + i of KV head kv
+    is query i of head kv*G + g, the head kv_head_of maps to kv; unfolding gives the heads back."""
+    from multihead.conventions import fold_query_heads, group_query_heads, kv_head_of, unfold_query_heads
+
+    B, Hq, Hkv, Lq, D = 2, 6, 2, 3, 4
+    G = Hq // Hkv
+    q = torch.randn(B, Hq, Lq, D)
+    folded = fold_query_heads(q, Hkv, Hq)  # (B, Hkv, G*Lq, D)
+    assert folded.shape == (B, Hkv, G * Lq, D) and folded.data_ptr() == q.data_ptr()  # a view
+    for h in range(Hq):
+        kv, g = kv_head_of(h, Hq, Hkv), h % G
+        assert torch.equal(folded[:, kv, g * Lq : (g + 1) * Lq], q[:, h])
+    assert torch.equal(unfold_query_heads(folded, Hq), q)
+    lse = folded[..., 0]  # (B, Hkv, G*Lq): a per-row value unfolds the same way
+    assert torch.equal(unfold_query_heads(lse, Hq), q[..., 0])
+    shared = torch.rand(B, 1, Lq, 5) < 0.5  # a mask shared by every head: repeated for each of the G
+    assert torch.equal(fold_query_heads(shared, Hkv, Hq), shared.repeat(1, 1, G, 1))
+    assert group_query_heads(shared, Hkv).shape == (B, 1, 1, Lq, 5)
+    assert torch.equal(group_query_heads(q, Hkv)[:, 1, 2], q[:, kv_head_of(5, Hq, Hkv) * G + 2])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mqa_equals_gqa_with_one_group(backend):
     q, k, v = rand(1, 6, 9, 8, seed=4), rand(1, 1, 11, 8, seed=5), rand(1, 1, 11, 8, seed=6)

@@ -1,11 +1,11 @@
-"""masks.recognize: a dense mask tensor read back as the mask object it spells out (what
+"""masks.recognize.from_dense: a dense mask tensor read back as the mask object it spells out (what
 explain() advises), and key_padding's message for a (B, Lk) integer attention mask."""
 
 import pytest
 import torch
 
 import multihead as mh
-from multihead.masks.recognize import recognize
+from multihead.masks.recognize import from_dense, recognize
 
 
 def _dense(mask, B, Lq, Lk, H=1):
@@ -46,7 +46,7 @@ def _dense(mask, B, Lq, Lk, H=1):
 def test_structured_dense_masks_are_recognised_exactly(mask, B, Lq, Lk, expression):
     dense = _dense(mask, B, Lq, Lk)
     for given in (dense, dense.expand(B, 4, Lq, Lk), dense[0, 0] if B == 1 else dense):
-        found = recognize(given)
+        found = from_dense(given)
         assert found is not None and found.expression == expression and not found.bias
         # the object means exactly the tensor, wherever it is evaluated
         assert torch.equal(_dense(found.mask, B, Lq, Lk), dense)
@@ -54,22 +54,46 @@ def test_structured_dense_masks_are_recognised_exactly(mask, B, Lq, Lk, expressi
 
 def test_float_masks_read_as_pytorch_adds_them():
     fm = torch.nn.Transformer.generate_square_subsequent_mask(9)  # 0 below the diagonal, -inf above
-    found = recognize(fm)
+    found = from_dense(fm)
     assert found.expression == "causal()" and not found.bias
     biased = fm + torch.arange(9.0)  # a bias on the visible scores too
-    assert recognize(biased).expression == "causal()" and recognize(biased).bias
-    assert recognize(torch.zeros(5, 5)).expression == "None"  # nothing blocked, nothing added
+    assert from_dense(biased).expression == "causal()" and from_dense(biased).bias
+    assert from_dense(torch.zeros(5, 5)).expression == "None"  # nothing blocked, nothing added
 
 
 def test_masks_without_a_structure_or_polarity_are_not_recognised():
     torch.manual_seed(0)
-    assert recognize(torch.rand(13, 17) > 0.5) is None
+    assert from_dense(torch.rand(13, 17) > 0.5) is None
     per_head = torch.stack([torch.ones(8, 8, dtype=torch.bool).tril(), torch.ones(8, 8, dtype=torch.bool)])
-    assert recognize(per_head.unsqueeze(0)) is None  # no mask object differs per head
-    assert recognize(torch.ones(8, 8, dtype=torch.int64).tril()) is None  # 1 = attend or blocked?
+    assert from_dense(per_head.unsqueeze(0)) is None  # no mask object differs per head
+    assert from_dense(torch.ones(8, 8, dtype=torch.int64).tril()) is None  # 1 = attend or blocked?
     holes = torch.ones(8, 8, dtype=torch.bool).tril()
     holes[5, 2] = False
-    assert recognize(holes) is None  # almost causal is not causal
+    assert from_dense(holes) is None  # almost causal is not causal
+
+
+def test_what_the_hugging_face_recogniser_found_is_found_here():
+    """Regression: three recognisers (this one, integrations/hf_masks.py's, compat's causal check)
+    found different structures; the one left finds what each found."""
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 2, 2]])  # (B, L): each sequence its own
+    cases = [
+        (mh.causal() & mh.document(docs), 2, 8, 8),  # a packed batch
+        (mh.sliding_window(2) & mh.document(torch.tensor([0, 0, 0, 0, 0, 1, 1, 1])), 1, 8, 8),  # a window in documents
+        (mh.masks.Band(None, 2, "bottom_right"), 1, 9, 9),  # every key before, two after
+        (mh.causal() & mh.key_padding(torch.tensor([9, 6])), 2, 5, 9),
+    ]
+    for mask, B, Lq, Lk in cases:
+        dense = _dense(mask, B, Lq, Lk)
+        found = from_dense(dense)
+        assert found is not None, mask
+        assert torch.equal(_dense(found.mask, B, Lq, Lk), dense), (mask, found)
+        assert not isinstance(found.mask, mh.masks.TensorMask)
+
+
+def test_the_old_name_warns_with_the_new_one():
+    with pytest.warns(DeprecationWarning, match="now masks.recognize.from_dense"):
+        found = recognize(torch.ones(4, 4, dtype=torch.bool).tril())
+    assert found.expression == "causal()"
 
 
 def test_key_padding_of_an_integer_attention_mask_says_what_to_pass():

@@ -38,7 +38,8 @@ def visible(mask, B: int, Hq: int, Lq: int, Lk: int) -> Tensor:
     if mask is None:
         return torch.ones(B, Hq, Lq, Lk, dtype=torch.bool)
     if isinstance(mask, Tensor):
-        allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
+        # conventions.md: -inf and values at or below finfo(dtype).min / 2 block (written here again: an oracle)
+        allowed = mask if mask.dtype == torch.bool else ~(mask <= torch.finfo(mask.dtype).min / 2)
         return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(B, Hq, Lq, Lk)
     b = torch.arange(B).view(-1, 1, 1, 1)
     h = torch.arange(Hq).view(1, -1, 1, 1)

@@ -31,7 +31,7 @@ transformers = optional("transformers", "the Hugging Face backend needs transfor
 import multihead  # noqa: E402
 from multihead import masks  # noqa: E402
 from multihead.integrations import hf as mh_hf  # noqa: E402
-from multihead.integrations.hf_masks import from_dense, from_mask_function, recognise  # noqa: E402
+from multihead.integrations.hf_masks import from_dense, from_mask_function  # noqa: E402
 
 # fp32 factor of the relative rule (TESTING.md: "about 10 in fp32"; an online softmax and other
 # kernels reorder sums); logits pass through two layers of it.
@@ -563,19 +563,28 @@ def test_recognise(case):
     }[case]
     if expected == "random":
         allowed = torch.rand(B, 1, Lq, Lk, generator=torch.Generator().manual_seed(0)) < 0.5
-        assert isinstance(recognise(allowed), masks.TensorMask)
+        assert isinstance(from_dense(allowed, Lk)[0], masks.TensorMask)
         return
     allowed = (
         torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
         if expected is None
         else expected.materialize(B, 1, Lq, Lk).expand(B, 1, Lq, Lk)
     )
-    got = recognise(allowed)
+    got, bias = from_dense(allowed, Lk)
+    assert bias is None
     if expected is None:
         assert got is None
         return
     assert not isinstance(got, masks.TensorMask), f"{case}: structure not recognised"
     assert torch.equal(got.materialize(B, 1, Lq, Lk).expand(B, 1, Lq, Lk), allowed)
+
+
+def test_the_old_recogniser_name_warns_with_the_new_one():
+    from multihead.integrations import hf_masks
+
+    allowed = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    with pytest.warns(DeprecationWarning, match=r"now hf_masks.from_dense\(mask, kv_len\)"):
+        assert hf_masks.recognise(allowed) == masks.causal()
 
 
 def test_dense_refuses_integer_masks():

@@ -197,6 +197,30 @@ def test_is_causal_is_honoured_without_attn_mask():
     torch.testing.assert_close(ours(query, key, value, attn_mask=float_causal)[0], expected[0])
 
 
+def test_an_attn_mask_that_spells_a_structure_runs_as_that_object(monkeypatch):
+    """compat recognised the top-left causal pattern only; it reads attn_mask with the one recogniser
+    (masks.recognize.from_dense), so a window or padding written out runs as the object too."""
+    from multihead.layers import compat
+
+    ref, ours = _pair(batch_first=True)
+    query, key, value = _inputs(2, 7, 7, True, self_attention=True)
+    seen = []
+    real = compat.attend_heads
+    monkeypatch.setattr(compat, "attend_heads", lambda *a, **kw: (seen.append(kw["mask"]), real(*a, **kw))[1])
+    window = ~mh.sliding_window(2).materialize(1, 1, 7, 7)[0, 0]  # PyTorch's polarity: True = blocked
+    lowest = torch.zeros(7, 7, dtype=DT).masked_fill(window, torch.finfo(DT).min)  # blocked, as -inf is
+    for am in (window, lowest):
+        expected = ref(query, key, value, attn_mask=am)
+        got = ours(query, key, value, attn_mask=am)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+        assert seen[-1] == mh.sliding_window(2), seen[-1]
+    biased = torch.randn(7, 7, dtype=DT, generator=torch.Generator().manual_seed(3)).masked_fill(window, float("-inf"))
+    expected = ref(query, key, value, attn_mask=biased)[0]
+    torch.testing.assert_close(ours(query, key, value, attn_mask=biased)[0], expected)
+    assert isinstance(seen[-1], mh.masks.TensorMask)  # a bias besides: the tensor runs
+
+
 def test_from_torch_and_to_torch_round_trip():
     for kdim, vdim, bias in ((None, None, True), (10, 12, False)):
         torch.manual_seed(5)
@@ -276,3 +300,20 @@ def test_an_in_proj_bias_of_another_dtype_runs_as_in_torch(attention, bias):
     ours(query, key, key)[0].sum().backward()
     assert ours.in_proj_bias.grad is not None and ours.in_proj_bias.grad.dtype == torch.half
     torch.testing.assert_close(ours.in_proj_bias.grad, ref.in_proj_bias.grad)
+
+
+def test_a_causal_attn_mask_with_is_causal_is_one_causal_object(monkeypatch):
+    """What nn.TransformerEncoderLayer passes (the causal attn_mask and is_causal=True) runs as one
+    top-left causal object, whose diagonal a backend can hand to a fused kernel."""
+    from multihead.layers import compat
+
+    _, ours = _pair(batch_first=True)
+    query, key, value = _inputs(2, 6, 6, True, self_attention=True)
+    seen = []
+    real = compat.attend_heads
+    monkeypatch.setattr(compat, "attend_heads", lambda *a, **kw: (seen.append(kw["mask"]), real(*a, **kw))[1])
+    blocked = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    for am in (blocked, nn.Transformer.generate_square_subsequent_mask(6, dtype=DT)):
+        for flag in (False, True):
+            ours(query, key, value, attn_mask=am, is_causal=flag)
+            assert seen[-1] == mh.causal("top_left") and seen[-1].causal_offset(6, 6) == 0, seen[-1]

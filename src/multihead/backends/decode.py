@@ -7,7 +7,7 @@ under half the memory bandwidth (``docs/performance.md``, "The decode path"). He
 ``G = Hq / Hkv`` query heads of each KV head are folded into the rows of ONE matmul per KV head,
 so each KV head is read once, as it is, never expanded to ``Hq`` heads::
 
-    q (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D)      a view; query head h = kv·G + g (conventions.kv_head_of)
+    q (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D)      a view; query head h = kv·G + g (conventions.fold_query_heads)
     S = q Kᵀ            (B, Hkv, G·Lq, n)        one matmul per KV head over the n keys read
     S[~visible] = -inf                           visible (B|1, H|1, Lq, n): a small row mask, never Lq x Lk
     P = exp(S - max)    softmax dtype            fp32 for fp16/bf16 inputs (conventions.softmax_dtype)
@@ -52,7 +52,7 @@ from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities, Runner, named
 from multihead.call import AttentionCall, AttentionResult
-from multihead.conventions import softmax_dtype
+from multihead.conventions import fold_query_heads, group_query_heads, softmax_dtype, unfold_query_heads
 from multihead.masks import BlockState, Mask
 from multihead.merge import merge_partials
 from multihead.scoring import unseen_keys
@@ -306,11 +306,8 @@ class _Plan:
             visible = torch.zeros((1, 1, Lq, 1), dtype=torch.bool, device=call.q.device)
         self.blocked = None
         if visible is not None:
-            G = Hq // self.kv_heads
-            b, h = visible.shape[:2]
             # (B|1, H|1, Lq, n) -> (B|1, Hkv|1, G|1, Lq, n): query head h = kv·G + g
-            shape = (b, 1, 1) if h == 1 else (b, self.kv_heads, G)
-            self.blocked = (~visible).reshape(*shape, Lq, visible.shape[-1])
+            self.blocked = group_query_heads(~visible, self.kv_heads)
         # MKL's fp32 GEMM: 3 to 5 query rows padded with zero rows (_PADDED_ROWS) when K/V stream from memory
         rows = (Hq // self.kv_heads) * Lq
         kv_bytes = B * self.kv_heads * (self.read[1] - self.read[0]) * (D + Dv) * call.k.element_size()
@@ -332,8 +329,7 @@ class _Plan:
             k, v = k[:, :, lo:hi], v[:, :, lo:hi]
         acc = softmax_dtype(q.dtype)
         half = acc != q.dtype  # fp16/bf16: matmuls in the input dtype, softmax in fp32
-        # (B, Hq, Lq, D) -> (B, Hkv, G·Lq, D): query head h = kv·G + g, rows ordered (g, i).
-        qg = q.reshape(B, kv_heads, G * Lq, D)
+        qg = fold_query_heads(q, kv_heads, Hq)  # (B, Hkv, G·Lq, D): query head h = kv·G + g, rows (g, i)
         if not half:  # folded into the G·Lq query rows instead of the G·Lq·n scores
             qg, scale = qg * scale, 1.0
         if self.pad:  # zero rows, dropped from the scores
@@ -361,8 +357,8 @@ class _Plan:
                 outs.append(out)
                 lses.append(lse)
             out, lse = merge_partials(outs, lses)
-        out = (out if out.dtype == q.dtype else out.to(q.dtype)).view(B, Hq, Lq, Dv)
-        return out, (lse.view(B, Hq, Lq) if return_lse and lse is not None else None)
+        out = unfold_query_heads(out if out.dtype == q.dtype else out.to(q.dtype), Hq)  # (B, Hq, Lq, Dv)
+        return out, (unfold_query_heads(lse, Hq) if return_lse and lse is not None else None)  # (B, Hq, Lq)
 
 
 def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) -> tuple[int, int, Tensor | None, str]:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities, Runner
 from multihead.call import AttentionCall, AttentionResult
-from multihead.conventions import default_scale, lse_dtype, repeat_kv
+from multihead.conventions import default_scale, fold_query_heads, lse_dtype, repeat_kv, unfold_query_heads
 from multihead.scores import ADDITIVE
 from multihead.scoring import additive_block, unseen_keys
 
@@ -195,10 +195,7 @@ class _Arguments:
             G = Hq // Hkv
             self.fold = G
             if self.attn_mask is not None:  # (B|1, 1, Lq, Lk) -> (B|1, 1, G*Lq, Lk): row g*Lq + i is row i
-                m = self.attn_mask
-                self.fold_mask = (
-                    m.unsqueeze(2).expand(m.shape[0], 1, G, Lq, m.shape[-1]).reshape(m.shape[0], 1, G * Lq, m.shape[-1])
-                )
+                self.fold_mask = fold_query_heads(self.attn_mask, Hkv, Hq)
             self.gqa_note = (
                 f"heads: GQA {Hq}/{Hkv} with {Lq} query token(s): each KV head's {G} query heads folded "
                 f"into the rows of one call (a call returning the LSE: {self.gqa_note.removeprefix('heads: ')})"
@@ -243,12 +240,10 @@ class _Arguments:
     def run(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
         """The output of SDPA for these inputs (fully masked rows zeroed)."""
         if self.fold is not None and dropout_p == 0.0:
-            B, Hq, Lq, D = q.shape
-            G = self.fold
-            out = F.scaled_dot_product_attention(
-                q.reshape(B, Hq // G, G * Lq, D), k, v, attn_mask=self.fold_mask, scale=self.scale
-            )
-            return out.view(B, Hq, Lq, out.shape[-1])  # (B, Hkv, G*Lq, Dv) -> (B, Hq, Lq, Dv)
+            Hq = q.shape[1]
+            folded = fold_query_heads(q, Hq // self.fold, Hq)  # (B, Hkv, G*Lq, D)
+            out = F.scaled_dot_product_attention(folded, k, v, attn_mask=self.fold_mask, scale=self.scale)
+            return unfold_query_heads(out, Hq)  # (B, Hkv, G*Lq, Dv) -> (B, Hq, Lq, Dv)
         if self.plain:  # the common case, on the hot path of small calls: no work but the kernel
             return F.scaled_dot_product_attention(
                 q,

@@ -110,7 +110,7 @@ def check_mask(where: str, mask, shards: Shards) -> Mask | None:
         raise TypeError(
             f"{where}: mask must be a multihead mask or a bool tensor over the whole sequence, got a "
             f"{mask.dtype} tensor; hint: additive float masks are not sharded, use a mask object "
-            "(causal(), key_padding(...), document(...)) or mask != float('-inf')"
+            "(causal(), key_padding(...), document(...)) or ~multihead.masks.additive_blocked(mask)"
         )
     if not isinstance(mask, (Mask, Tensor)):
         raise TypeError(f"{where}: mask must be None, a multihead mask or a bool tensor, got {type(mask).__name__}")

@@ -26,8 +26,7 @@ from multihead.attention import attention
 from multihead.call import AttentionResult
 from multihead.distributed.checks import agree, call_summary, check_group, check_mask, check_qkv, check_scale
 from multihead.distributed.layout import check_divisible, check_layout, layout_order
-from multihead.masks import Mask
-from multihead.masks.tensor import TensorMask
+from multihead.masks import Mask, head_range
 
 __all__ = ["ulysses_attention"]
 
@@ -99,7 +98,7 @@ def ulysses_attention(
     qh = _to_heads(q, group, natural)  # (B, Hq/P, L, D)
     kh = _to_heads(k, group, natural)  # (B, Hkv/P or 1, L, D)
     vh = _to_heads(v, group, natural)  # (B, Hkv/P or 1, L, Dv)
-    local_mask = _heads_of(mask, rank * (Hq // world), Hq // world, Hq)
+    local_mask = head_range(mask, rank * (Hq // world), Hq // world, Hq)  # this rank's heads, read as 0..Hq/P-1
     # The LSE only when asked for: under autograd a kernel without a differentiable LSE would
     # have it recomputed from the weights (row blocks of scores: memory and time for nothing).
     res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=return_lse, backend=backend)
@@ -143,40 +142,3 @@ def _all_to_all(x: Tensor, group, scatter: int, gather: int) -> Tensor:
     received = [torch.empty_like(parts[0]) for _ in range(P)]
     dist.all_to_all(received, parts, group=group)
     return torch.cat(received, dim=gather)
-
-
-def _heads_of(mask: Mask | None, h0: int, count: int, Hq: int) -> Mask | None:
-    """The global mask read for query heads ``[h0, h0 + count)`` as heads ``0..count-1``. Masks
-    whose meaning cannot depend on the head (band, padding, documents) are returned as they are."""
-    if mask is None or not (mask.kinds() & {"tensor", "custom"}):
-        return mask
-    if isinstance(mask, TensorMask) and mask.tensor.shape[1] in (1, Hq):
-        return mask if mask.tensor.shape[1] == 1 else TensorMask(mask.tensor[:, h0 : h0 + count], name=mask.name)
-    return _HeadSlice(mask, h0)
-
-
-class _HeadSlice(Mask):
-    """``inner`` with head ``h`` read as head ``h + h0`` (a rank's share of the heads)."""
-
-    kind = "custom"
-    inner: Mask
-    h0: int
-
-    def __init__(self, inner: Mask, h0: int):
-        self._set(inner=inner, h0=h0)
-
-    def _mod(self, b, h, q, kv, q_len, kv_len):
-        return self.inner._mod(b, h + self.h0, q, kv, q_len, kv_len)
-
-    def _describe(self):
-        return f"({self.inner._describe()}).heads_from({self.h0})"
-
-    def depends_on_lengths(self):
-        return self.inner.depends_on_lengths()
-
-    def block_state(self, q0, q1, k0, k1, q_len, kv_len, batch=1, heads=1):
-        # The inner answer covers every head up to ours: true of any subset of them too.
-        return self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads + self.h0)
-
-    def _key_range(self, q0, q1, q_len, kv_len):
-        return self.inner._key_range(q0, q1, q_len, kv_len)

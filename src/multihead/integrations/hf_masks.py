@@ -36,12 +36,14 @@ otherwise (a static cache part-filled).
 
 :func:`from_dense` reads a dense 4-D mask a user passed instead (bool, or additive with
 ``finfo(dtype).min`` or ``-inf`` for blocked entries) and recognises band, padding and document
-structure in it where it is there exactly.
+structure in it where it is there exactly (:func:`multihead.masks.recognize.from_dense`, the one
+recogniser).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -49,9 +51,10 @@ from torch import Tensor
 
 from multihead.integrations.hf_closures import Frame as _Frame
 from multihead.integrations.hf_closures import MaskFunction, closure_variables, evaluate, kind_of, unread
-from multihead.masks import Band, Mask, as_mask, causal, document, key_padding, sliding_window
+from multihead.masks import Band, Mask, additive_blocked, as_mask, causal, document, key_padding, sliding_window
+from multihead.masks.recognize import from_dense as recognize_dense
 
-__all__ = ["band_blocks_nothing", "from_dense", "from_mask_function", "padding_mask", "read", "recognise"]
+__all__ = ["band_blocks_nothing", "from_dense", "from_mask_function", "padding_mask", "read"]
 
 
 class _Full:
@@ -304,11 +307,12 @@ def _dense(fn: MaskFunction, frame: _Frame) -> Mask:
 def from_dense(mask: Tensor, kv_len: int) -> tuple[Mask | None, Tensor | None]:
     """A user's 4-D mask ``(B|1, H|1, Lq, >= Lk)`` -> ``(mask object, additive bias or None)``.
 
-    Bool: ``True`` = may attend. Float: additive, as ``eager`` adds it; entries at or below
-    ``finfo(dtype).min / 2`` (HF writes ``finfo.min``, sums of two give ``-inf``) are blocked, the
-    other non-zero entries are a bias. Columns past ``Lk`` are dropped (a static cache's mask is
-    as long as the cache). Band, key-padding and document structure is recognised where the mask
-    is exactly that; otherwise the bool tensor is passed on.
+    Bool: ``True`` = may attend. Float: additive, as ``eager`` adds it; what it blocks is
+    :func:`multihead.masks.additive_blocked`'s rule (``-inf`` and entries at or below
+    ``finfo(dtype).min / 2``: HF writes ``finfo.min``), the other non-zero entries are a bias.
+    Columns past ``Lk`` are dropped (a static cache's mask is as long as the cache). The structure
+    is :func:`multihead.masks.recognize.from_dense`'s (band, documents, key padding where the mask
+    is exactly that); otherwise the bool tensor is passed on. ``None``: nothing is blocked.
     """
     if mask.dim() != 4:
         raise ValueError(f"attention_mask: expected a 4-D mask (B, 1, Lq, Lk), got shape {tuple(mask.shape)}")
@@ -317,7 +321,7 @@ def from_dense(mask: Tensor, kv_len: int) -> tuple[Mask | None, Tensor | None]:
     if mask.dtype == torch.bool:
         allowed = mask
     elif mask.is_floating_point():
-        blocked = mask <= torch.finfo(mask.dtype).min / 2  # -inf included
+        blocked = additive_blocked(mask)
         allowed = ~blocked
         rest = mask.masked_fill(blocked, 0.0)
         bias = rest if bool(rest.ne(0).any()) else None
@@ -326,64 +330,17 @@ def from_dense(mask: Tensor, kv_len: int) -> tuple[Mask | None, Tensor | None]:
             f"attention_mask: a 4-D mask must be bool (True = attend) or additive float, got "
             f"dtype {mask.dtype}; hint: pass mask.bool() for 1 = attend"
         )
-    return recognise(allowed), bias
+    found = recognize_dense(allowed)
+    return (as_mask(allowed) if found is None else found.mask), bias
 
 
 def recognise(allowed: Tensor) -> Mask | None:
-    """The mask object equal to the bool ``(B|1, 1, Lq, Lk)`` tensor ``allowed``: a band (causal,
-    sliding window, either alignment) & documents & key padding where one is exactly equal;
-    otherwise the tensor itself. ``None`` when nothing is blocked."""
-    if bool(allowed.all()):
-        return None
-    if allowed.shape[1] != 1 or allowed.shape[-2] == 0 or allowed.shape[-1] == 0:
-        return as_mask(allowed)
-    B, _, Lq, Lk = allowed.shape
-    rows = allowed[:, 0]  # (B, Lq, Lk)
-    seen = rows.any(dim=0)  # (Lq, Lk)
-    keys = rows.any(dim=1)  # (B, Lk): keys some query sees; the others are padding
-    pad = None if bool(keys.all()) else _padding_of(keys)
-    diagonal = torch.arange(Lk, device=rows.device)[None, :] - torch.arange(Lq, device=rows.device)[:, None]
-    present = diagonal[seen]
-    candidates: list[Mask | None] = []
-    if present.numel():
-        found, band = _band_of(int(present.min()), int(present.max()), Lq, Lk)
-        if found:
-            candidates.append(band)
-            if Lq == Lk:  # packed documents: each row's first visible key starts its document
-                first = torch.where(rows.any(dim=-1), rows.int().argmax(dim=-1), torch.arange(Lq, device=rows.device))
-                starts = first == torch.arange(Lq, device=rows.device)
-                candidates.append(_and_all([band, document(starts.long().cumsum(dim=-1))]))
-    for candidate in candidates:
-        mask = _and_all([candidate, pad])
-        if mask is not None and torch.equal(
-            mask.materialize(B, 1, Lq, Lk, device=rows.device).expand(B, 1, Lq, Lk), allowed.expand(B, 1, Lq, Lk)
-        ):
-            return mask
-    return as_mask(allowed)
-
-
-def _padding_of(keys: Tensor) -> Mask:
-    lengths = keys.sum(dim=-1)
-    if torch.equal(keys, torch.arange(keys.shape[-1], device=keys.device) < lengths[:, None]):
-        return key_padding(lengths)
-    return key_padding(keys)
-
-
-def _band_of(lo: int, hi: int, Lq: int, Lk: int) -> tuple[bool, Mask | None]:
-    """``(found, band)``: the band whose diagonals ``j - i`` run from ``lo`` to ``hi`` (``None``
-    for all of them); not found when no band holds its aligned diagonal."""
-    left_open, right_open = lo <= -(Lq - 1), hi >= Lk - 1
-    if left_open and right_open:
-        return True, None
-    for align, off in (("bottom_right", Lk - Lq), ("top_left", 0)):
-        if lo <= off <= hi:
-            left, right = None if left_open else off - lo, None if right_open else hi - off
-            if left is None:
-                return True, (causal(align) if right == 0 else Band(None, right, align))
-            return True, sliding_window(left, right, align)
-    return False, None
-
-
-def _and_all(parts: list[Mask | None]) -> Mask | None:
-    present = [p for p in parts if p is not None]
-    return _combine(present, "&") if present else None
+    """Gone: the one recogniser is :func:`multihead.masks.recognize.from_dense`; this name warns
+    and reads ``allowed (B|1, H|1, Lq, Lk)`` bool as :func:`from_dense` does."""
+    warnings.warn(
+        "integrations.hf_masks.recognise is now hf_masks.from_dense(mask, kv_len) (HF's 4-D masks) or "
+        "multihead.masks.recognize.from_dense(mask) (any dense mask)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return from_dense(allowed, allowed.shape[-1])[0]

@@ -10,7 +10,8 @@ checkpoint just works) and initialization (the same seed gives the same weights)
 
    * ``key_padding_mask``: bool, ``True`` = **ignore** this key (padding);
    * ``attn_mask``: bool, ``True`` = **blocked**;
-   * float masks of either kind are added to the scores (``-inf`` blocks), as in PyTorch.
+   * float masks of either kind are added to the scores, as in PyTorch; what blocks is ``-inf``
+     and values at or below ``finfo(dtype).min / 2`` (:func:`multihead.masks.additive_blocked`).
 
    Everywhere else in `multihead` a bool mask means ``True`` = *may attend*
    (:mod:`multihead.conventions`).
@@ -22,8 +23,9 @@ Where this class differs from PyTorch's, on purpose:
 * ``is_causal=True`` is honoured, with or without ``attn_mask``: a top-left causal mask (PyTorch's
   ``is_causal``) over the given keys, combined with ``attn_mask`` if one is passed. PyTorch
   requires an ``attn_mask`` and treats the flag as an unchecked hint;
-* a 2-D ``attn_mask`` that is exactly the causal pattern is recognised (an ``O(Lq·Lk)`` check)
-  and run as a causal mask, so the fused kernel needs no mask tensor;
+* an ``attn_mask`` that is exactly a structure a mask object spells out (the causal pattern, a
+  band, key padding, documents) is recognised (:func:`multihead.masks.recognize.from_dense`, an
+  ``O(Lq·Lk)`` check) and run as that object, so the fused kernel needs no mask tensor;
 * returned weights are the probabilities *before* dropout (PyTorch returns them after dropout
   in training mode); the output path is dropped out the same way;
 * the fast path of :func:`multihead.attention` runs whatever ``need_weights`` is; weights are
@@ -48,7 +50,7 @@ works wherever PyTorch's class does:
   with ``batch_first=True`` and no mask tensors (PyTorch's own conditions for nested inputs), run
   as a padded batch with a key padding mask, and returned nested; weights come back padded,
   ``0`` on padded rows and keys, as PyTorch returns them.
-* under ``torch.compile`` the ``O(L·S)`` recognition of a causal ``attn_mask`` (data-dependent,
+* under ``torch.compile`` the ``O(L·S)`` recognition of an ``attn_mask`` (data-dependent,
   a graph break) is skipped: the mask runs as a tensor. So it is for a float ``attn_mask`` that
   requires grad, which always gets its gradient (PyTorch's ``is_causal`` hint may skip the mask
   and leave its gradient ``None``).
@@ -73,6 +75,7 @@ from multihead.hooks import HookPoints
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
 from multihead.layers.heads import attend_heads, split_heads
 from multihead.masks import Mask, causal
+from multihead.masks.recognize import from_dense
 from multihead.scores import ScoreMod
 
 __all__ = ["MultiheadAttention"]
@@ -399,6 +402,7 @@ class MultiheadAttention(HookPoints, nn.Module):
         the appended ``bias_k``/zero keys are visible to every query, as in PyTorch.
         """
         H, parts = self.num_heads, []
+        structure: Mask | None = None  # what a recognised attn_mask spells out, instead of its tensor
         expected: tuple[int, ...]
         if key_padding_mask is not None:
             kpm = _mask_tensor("key_padding_mask", key_padding_mask)
@@ -432,26 +436,33 @@ class MultiheadAttention(HookPoints, nn.Module):
                     f"{_NAME}: attn_mask must have 2 dims (L, S) or 3 dims (B*num_heads, L, S), "
                     f"got shape {tuple(am.shape)}"
                 )
-            # Recognising the causal pattern reads the mask's values: a graph break under
-            # torch.compile, where the mask simply runs as a tensor; so does a mask that wants
-            # its gradient (a learned additive mask).
-            if extra == 0 and not am.requires_grad and not torch.compiler.is_compiling() and _is_causal_pattern(am):
-                causal_mask = causal("top_left")  # the same mask, without a tensor
+            # Recognising a structure reads the mask's values: a graph break under torch.compile,
+            # where the mask simply runs as a tensor; so does a mask that wants its gradient (a
+            # learned additive mask), and one whose bias is more than 0 where it lets keys through.
+            found = None
+            if extra == 0 and not am.requires_grad and not torch.compiler.is_compiling():
+                found = from_dense(am)
+            if found is not None and not found.bias:
+                structure = found.mask  # the same mask, without a tensor (None: it blocks nothing)
+                if structure is not None and structure.causal_offset(L, S) == 0:
+                    # PyTorch's is_causal pattern, named as the flag names it: one object with the
+                    # flag too (causal() & causal('top_left') would hide the diagonal from backends)
+                    structure = causal("top_left")
             else:
                 parts.append(am)
         if causal_mask is not None and extra:
             # The causal pattern covers the S given keys only; appended keys stay visible.
             parts.append(torch.ones((L, S), dtype=torch.bool, device=device).tril().view(1, 1, L, S))
             causal_mask = None
+        # (structure is set only outside torch.compile: comparing masks hashes their values)
+        objects = structure if structure is not None and structure == causal_mask else _and([structure, causal_mask])
         dense = _combine([_pad_keys(p, extra) for p in parts])
         if dense is None:
-            return causal_mask, None
+            return objects, None
         # PyTorch's float masks are additive whatever their values (a 0/1 float attn_mask keeps
-        # PyTorch's meaning here instead of being refused): its -inf pattern and a bias.
+        # PyTorch's meaning here instead of being refused): what it blocks and a bias.
         combined, score_mod = mask_and_score_mod(dense, None, check_binary=False)
-        if combined is None or causal_mask is None:
-            return combined if combined is not None else causal_mask, score_mod
-        return combined & causal_mask, score_mod
+        return _and([combined, objects]), score_mod
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -471,17 +482,13 @@ def _allowed(mask: Tensor) -> Tensor:
     return ~mask if mask.dtype == torch.bool else mask
 
 
-def _is_causal_pattern(mask: Tensor) -> bool:
-    """Whether a ``(1, 1, L, S)`` mask blocks exactly the keys after each query (top-left) and adds
-    nothing elsewhere."""
-    if mask.shape[0] != 1 or mask.shape[1] != 1:
-        return False
-    L, S = mask.shape[-2:]
-    tril = torch.ones((L, S), dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return bool(torch.equal(mask[0, 0], tril))
-    visible = ~torch.isneginf(mask[0, 0])
-    return bool(torch.equal(visible, tril)) and not bool(mask[0, 0][tril].any())
+def _and(masks: list[Mask | None]) -> Mask | None:
+    """The ``&`` of the masks given (``None``: nothing blocked)."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
 
 
 def _pad_keys(mask: Tensor, extra: int) -> Tensor:

@@ -8,8 +8,9 @@ Masks are read at absolute positions of the whole attention (:meth:`Mask.shifted
 from multihead.masks.band import Band, Window, causal, sliding_window
 from multihead.masks.base import And, BlockState, Mask, Not, Or, Positioned, register_coercion
 from multihead.masks.document import Document, DocumentCausal, document, document_causal
+from multihead.masks.heads import HeadRange, head_range
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
-from multihead.masks.tensor import Custom, TensorMask, as_mask, bias, custom
+from multihead.masks.tensor import Custom, TensorMask, additive_blocked, as_mask, bias, custom
 
 __all__ = [
     "Mask",
@@ -26,13 +27,16 @@ __all__ = [
     "prefix_lm",
     "document",
     "document_causal",
+    "head_range",
     "custom",
     "as_mask",
+    "additive_blocked",
     "bias",
     "Band",
     "KeyPadding",
     "Document",
     "DocumentCausal",
+    "HeadRange",
     "TensorMask",
     "Custom",
 ]

@@ -1,37 +1,41 @@
-"""Recognising a dense mask tensor as the mask object it spells out.
+"""Recognising a dense mask tensor as the mask object it spells out: :func:`from_dense`, the one
+recogniser (``explain()``'s advice, a Hugging Face 4-D mask, ``compat``'s ``attn_mask``).
 
 A bool ``(Lq, Lk)`` ... ``(B, H, Lq, Lk)`` tensor (``True`` = may attend), or a float one read as
-PyTorch's additive masks (``-inf`` blocks), is often a structure written out in full: a causal
-triangle (``torch.tril``, ``nn.Transformer.generate_square_subsequent_mask``), a band, padded
-keys, packed documents. :func:`recognize` finds the object that means exactly the same
-(candidates from the tensor's rows, each checked against the whole tensor, never guessed)::
+an additive mask (:func:`multihead.masks.tensor.additive_blocked` says what it blocks), is often
+a structure written out in full: a causal triangle (``torch.tril``,
+``nn.Transformer.generate_square_subsequent_mask``), a band, padded keys, packed documents.
+:func:`from_dense` finds the object that means exactly the same (candidates from the tensor's
+rows, each checked against the whole tensor, never guessed)::
 
-    recognize(torch.ones(4, 4, dtype=torch.bool).tril())
+    from_dense(torch.ones(4, 4, dtype=torch.bool).tril())
     Recognized(mask=causal(align='bottom_right'), expression='causal()', bias=False, where='')
 
     x  x  ·  ·     first and last visible key of each row, relative to the row's aligned key,
     x  x  x  ·     give the band's left and right extents in each alignment (bottom-right
     ·  x  x  x     offset Lk - Lq, top-left 0); a key no row sees on the right of a batch element
-    ·  ·  x  x     is padding; equal rows in blocks on the diagonal are documents.
+    ·  ·  x  x     is padding; a row whose first visible key is itself starts a document.
 
 Objects let backends skip blocked blocks and pass causal diagonals as ``is_causal`` instead of
-reading a tensor: :func:`multihead.explain` uses this to advise.
+reading a tensor.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from multihead.masks.band import causal, sliding_window
+from multihead.masks.band import Band, causal, sliding_window
 from multihead.masks.base import Mask
 from multihead.masks.document import document, document_causal
 from multihead.masks.padding import key_padding
+from multihead.masks.tensor import additive_blocked
 
-__all__ = ["recognize", "Recognized", "MAX_ELEMENTS"]
+__all__ = ["from_dense", "recognize", "Recognized", "MAX_ELEMENTS"]
 
 #: Patterns larger than this (``B · Lq · Lk`` after dropping equal heads) are not analysed:
 #: each candidate is checked against the whole tensor.
@@ -51,18 +55,21 @@ class Recognized:
     where: str = ""
 
 
-def recognize(mask: Tensor) -> Recognized | None:
+def from_dense(mask: Tensor) -> Recognized | None:
     """The mask object equal to the dense ``mask`` (module docstring), or ``None`` when it has
     no structure the objects express (per-head patterns, random masks) or is too large to check
-    (over :data:`MAX_ELEMENTS`). Integer tensors are not read (their polarity is unknown)."""
+    (over :data:`MAX_ELEMENTS`). Integer tensors are not read (their polarity is unknown).
+
+    The work and the objects' tensors (lengths, ids, tables) are on the host: every candidate is
+    a host read anyway, and a mask holding small host tensors compares by value (plan caches)."""
     if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
         return None
     if not 2 <= mask.dim() <= 4:
         return None
-    pattern = mask if mask.dtype == torch.bool else mask != float("-inf")
+    pattern = mask if mask.dtype == torch.bool else ~additive_blocked(mask)
     bias = mask.dtype != torch.bool and bool(torch.where(pattern, mask, torch.zeros((), dtype=mask.dtype)).any())
     p = pattern.detach().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).cpu()  # (B|1, H|1, Lq, Lk)
-    if p.shape[1] > 1:
+    if p.shape[1] > 1:  # heads that agree are one (a (B, H, Lq, Lk) mask written for every head)
         if not bool((p == p[:, :1]).all()):
             return None  # a pattern per head: no mask object is one
         p = p[:, :1]
@@ -83,6 +90,12 @@ def recognize(mask: Tensor) -> Recognized | None:
                 expression = " & ".join(t for t in (text, extra_text) if t)
                 return Recognized(candidate, expression, bias, "; ".join(w for w in (where, extra_where) if w))
     return None
+
+
+def recognize(mask: Tensor) -> Recognized | None:
+    """Renamed :func:`from_dense` (the same function); this name warns."""
+    warnings.warn("masks.recognize.recognize is now masks.recognize.from_dense", DeprecationWarning, stacklevel=2)
+    return from_dense(mask)
 
 
 def _agrees(candidate: Mask, p: Tensor) -> bool:
@@ -124,33 +137,69 @@ def _structures(p: Tensor) -> Iterator[tuple[Mask | None, str, str]]:
     a, b = int(lo_rel.min()), int(hi_rel.max())  # the rows the edges of the square clip least
     starts_at_zero = bool((first[rows] == 0).all())
     seen = set()
+    unbounded_left = []  # Band(None, right): no constructor names it, so tried after those that have one
     for align in ("bottom_right", "top_left"):
         offset = Lk - Lq if align == "bottom_right" else 0
-        suffix = "" if align == "bottom_right" else "'top_left'"
         lefts = [None] + ([offset - a] if not starts_at_zero and offset - a >= 0 else [])
         rights = [0] + ([b - offset] if b - offset > 0 else []) + [None]
         for left in lefts:
             for right in rights:
-                if left is None:
-                    if right != 0:
-                        continue  # an unbounded left with a right extent is no public mask
-                    mask, text = causal(align), f"causal({suffix})"
+                found = _band(left, right, align)
+                if found is None or found[0] in seen:
+                    continue
+                seen.add(found[0])
+                if left is None and right != 0:
+                    unbounded_left.append(found)
                 else:
-                    mask = sliding_window(left, right, align)
-                    args = (
-                        [str(left)]
-                        + ([] if right == 0 else [f"right={right}"])
-                        + ([] if align == "bottom_right" else ["align='top_left'"])
-                    )
-                    text = f"sliding_window({', '.join(args)})"
-                if mask not in seen:
-                    seen.add(mask)
-                    yield mask, text, ""
+                    yield found[0], found[1], ""
+    for band, text in unbounded_left:
+        yield band, text, ""
     # documents: each row's visible keys are one run, shared by the rows of its document
     union = p.any(dim=0)  # (Lq, Lk)
     yield from _documents(union, document, "document(ids)")
     if Lq == Lk:
         yield from _documents(union | union.T, document_causal, "document_causal(ids)")
+        # documents of each sequence in a band (a packed batch, a window inside documents): a row
+        # whose first visible key is itself starts a document; the band is the tightest one
+        tight = _tightest_band(a, b, Lq, Lk)
+        if tight is not None:
+            starts = torch.where(rows, first, i) == i  # (B, L)
+            ids = starts.long().cumsum(dim=1)  # (B, L): the document of each token
+            docs: Mask = document(ids[0] if B == 1 else ids)
+            outer, outer_text = tight
+            if outer is None:
+                mask, text = docs, "document(ids)"
+            else:
+                mask, text = outer & docs, f"{outer_text} & document(ids)"
+            shape = "(L,)" if B == 1 else "(B, L)"
+            yield mask, text, f"ids: {shape} int, the document of each token"
+
+
+def _band(left: int | None, right: int | None, align: str) -> tuple[Mask, str] | None:
+    """The band object of ``left`` keys before the aligned one and ``right`` after (``None``:
+    unbounded) and how to write it; ``None`` when both are unbounded (nothing blocked)."""
+    if left is None and right is None:
+        return None
+    suffix = [] if align == "bottom_right" else ["align='top_left'"]
+    if left is None:
+        if right == 0:
+            return causal(align), f"causal({'' if align == 'bottom_right' else repr(align)})"
+        return Band(None, right, align), f"Band(None, {right}, {align!r})"
+    args = [str(left)] + ([] if right == 0 else [f"right={right}"]) + suffix
+    return sliding_window(left, right, align), f"sliding_window({', '.join(args)})"
+
+
+def _tightest_band(a: int, b: int, Lq: int, Lk: int) -> tuple[Mask | None, str] | None:
+    """The narrowest band holding the diagonals ``j - i`` from ``a`` to ``b`` and its aligned
+    diagonal, in the first alignment that has one: ``(None, "")`` for every diagonal, ``None``
+    when no band holds its aligned diagonal there."""
+    for align, offset in (("bottom_right", Lk - Lq), ("top_left", 0)):
+        if a <= offset <= b:
+            left = None if a <= -(Lq - 1) else offset - a
+            right = None if b >= Lk - 1 else b - offset
+            band = _band(left, right, align)
+            return (None, "") if band is None else band
+    return None
 
 
 def _documents(p: Tensor, build: Callable[..., Mask], text: str) -> Iterator[tuple[Mask | None, str, str]]:

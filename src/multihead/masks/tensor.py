@@ -2,9 +2,9 @@
 
 A bool tensor (``True`` = may attend) broadcastable to ``(B, H, Lq, Lk)``. Float tensors are
 additive biases, not masks: :func:`multihead.attention` accepts one as ``mask=`` (the way PyTorch
-does) and splits it into the bool mask of its finite entries and a :func:`multihead.scores.bias`
-score modifier. Integer and uint8 tensors are refused: ``1`` means "attend" in some libraries and
-"blocked" in others.
+does) and splits it into the bool mask of the entries that do not block (:func:`additive_blocked`,
+the one rule) and a :func:`multihead.scores.bias` score modifier. Integer and uint8 tensors are
+refused: ``1`` means "attend" in some libraries and "blocked" in others.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from multihead.masks.base import BlockState, Mask, register_coercion
 
-__all__ = ["as_mask", "bias", "custom", "TensorMask", "Custom"]
+__all__ = ["additive_blocked", "as_mask", "bias", "custom", "TensorMask", "Custom"]
 
 
 @overload
@@ -37,10 +37,26 @@ def as_mask(mask: object, name: str = "mask") -> Mask | None:
             raise TypeError(
                 f"{name} is a float tensor: an additive bias, not a mask (masks only allow or block). "
                 "Pass it as score_mod=multihead.scores.bias(tensor), or as mask= to multihead.attention, "
-                "which splits a float mask into its -inf pattern and a bias"
+                "which splits a float mask into what it blocks (masks.additive_blocked) and a bias"
             )
         return TensorMask(mask, name=name)
     raise TypeError(f"{name} must be a multihead mask, a bool tensor, or None; got {type(mask).__name__}")
+
+
+def additive_blocked(mask: Tensor) -> Tensor:
+    """Where a float (additive) ``mask`` blocks: its entries at or below ``finfo(dtype).min / 2``,
+    ``-inf`` included. The one rule for every reader of a float mask (``mask=`` of
+    :func:`multihead.attention` and the layers, :func:`multihead.masks.recognize.from_dense`,
+    ``compat``'s ``attn_mask``, a Hugging Face 4-D mask), so that one tensor means one thing.
+
+    ``-inf`` blocks by definition. A value near the dtype's lowest is how libraries write
+    "blocked" without infinities (Hugging Face writes ``finfo(dtype).min``); half of it still
+    catches the sum of two such masks and a mask cast from a wider dtype. Anything above is a bias,
+    however negative: ``-1e4`` or ``-1e9`` underflow ``exp()`` to 0 beside a visible key, but a row
+    of only such entries is a uniform average, where a blocked row is fully masked (output 0,
+    :mod:`multihead.conventions`). NaN and ``+inf`` do not block.
+    """
+    return mask <= torch.finfo(mask.dtype).min / 2
 
 
 def bias(tensor: Tensor, name: str = "bias") -> NoReturn:
