@@ -428,6 +428,12 @@ def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
 
 # ----------------------------------------------------------------------------------- kernels
 # torch.ops entries have no annotations (Any); None on a build without them (refusals say so).
+# Their attn_mask may be fp32 whatever q's dtype: the kernel computes its softmax in fp32 and
+# reads an fp16/bf16 mask as fp32 anyway. Every bias reaches it unrounded, in the softmax dtype
+# (fp32; fp64 for fp64): rounded to bf16, a relative bias whose rows peak at different values
+# (ALiBi with keys after the query) or a bias under large ``q·k`` scores loses the differences
+# that decide the softmax, and the kernel's LSE would be that of another bias than the one the
+# weights are recomputed with (multihead.blockwise).
 _flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _flash_backward: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -442,16 +448,29 @@ def _piece_mask(
     kv_len: int,
     k_heads: int,
 ):
-    """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype (``None``
-    when the kernel needs none), the rows (``(B|1, Hq|1, rows)`` bool) that see no key of the
-    piece, the keys (``(B|1, 1, keys, 1)``) that no row of the piece sees, and what the kernel's
-    LSE lacks per row (``None``, or the fp16 shift of :func:`multihead.scoring.additive_block`)."""
+    """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in the softmax dtype
+    (unrounded, see ``_flash``; ``None`` when the kernel needs none), the rows (``(B|1, Hq|1,
+    rows)`` bool) that see no key of the piece, the keys (``(B|1, 1, keys, 1)``) that no row of
+    the piece sees, and what the kernel's LSE lacks per row (``None``, or the shift of
+    :func:`multihead.scoring.additive_block`)."""
     if mods is None and piece.kind != _MASKED:
         return None, None, None, None
     # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
     piece_mask = None if piece.kind == _FULL else mask
     bias, visible, shift = additive_block(
-        piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, q_len, kv_len, q.device, q.dtype
+        piece_mask,
+        mods,
+        q.shape[0],
+        q.shape[1],
+        blk.q0,
+        blk.q1,
+        piece.k0,
+        piece.k1,
+        q_len,
+        kv_len,
+        q.device,
+        q.dtype,
+        mask_dtype=softmax_dtype(q.dtype),
     )
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
@@ -547,7 +566,8 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
         peak = vec.amax(dim=-1, keepdim=True)
         vec, shift = vec - peak, peak.view(1, -1, 1)
-    return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift, starts, calm
+    view = toeplitz_view(vec, rows, keys).unsqueeze(0)  # in the softmax dtype: unrounded (see _flash)
+    return view, shift, starts, calm
 
 
 #: Heads whose cut keys begin within this many keys of each other share one kernel call.
@@ -634,7 +654,7 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
     if q.dtype in (torch.float16, torch.bfloat16):
         peak = vec.amax(dim=-1, keepdim=True).unsqueeze(-1)
         bias, shift = bias - peak, peak.view(1, -1, 1)
-    return bias.unsqueeze(0).to(q.dtype), shift, kernel_heads
+    return bias.unsqueeze(0), shift, kernel_heads  # in the softmax dtype: unrounded (see _flash)
 
 
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
