@@ -449,3 +449,22 @@ def test_alibi_in_the_papers_form_without_a_causal_mask_in_fp16_and_bf16(mask, d
         assert_relative(got.output, ref.output, base, F, "output")
         lse_base = torch.logsumexp((lo[0] @ lo[1].transpose(-2, -1)) * D**-0.5 + bias.float(), dim=-1)
         assert_relative(got.lse, ref.lse, lse_base, F, "lse", magnitude=float(ref.lse.abs().max()))
+
+
+def test_far_bias_gradients_on_rows_of_one_key_in_fp32():
+    """The slow fuzz seeds 1723, 2491, 2965 (fp32, ``Lk = 1``, a bias of -1e4 / -1e5 on some rows):
+    the backward took each piece's LSE as ``(lse + shift) - shift`` in fp32, exact only to
+    ``ulp(1e5) = 0.008``, so a weight of exactly 1 came back as ``exp(±0.004)`` and ``dv`` was
+    off by 6e-2. The LSE is now kept relative to the shift (the kernel's own value)."""
+    B, H, Lq, D = 2, 4, 64, 16
+    gen = torch.Generator().manual_seed(1723)
+    q = torch.randn(B, H, Lq, D, generator=gen, requires_grad=True)
+    k = torch.randn(B, H, 1, D, generator=gen, requires_grad=True)
+    v = torch.randn(B, H, 1, D, generator=gen, requires_grad=True)
+    bias = torch.randn(1, H, Lq, 1, generator=gen) - 1e5 * (torch.arange(Lq) % 2 == 0).view(1, 1, -1, 1)
+    out = mh.attention(q, k, v, score_mod=mh.scores.bias(bias), backend="blocksparse", return_lse=True)
+    dout = torch.randn(out.output.shape, generator=gen)
+    out.output.backward(dout)
+    # One key per row: every weight is 1, so out = v and dv = the sum of dout over the rows.
+    torch.testing.assert_close(v.grad, dout.sum(dim=2, keepdim=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.grad, torch.zeros_like(q), rtol=0, atol=1e-5)

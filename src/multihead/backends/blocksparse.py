@@ -667,7 +667,9 @@ def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor,
 
 
 def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=None):
-    """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
+    """Output, LSE as the kernel computed it, and the shift taken off the bias (``None``, or
+    broadcastable to ``(B, Hq, rows)``: the piece's LSE is the kernel's plus the shift); rows
+    that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0 : blk.q1]
     kb, vb = k[:, :, piece.k0 : piece.k1], v[:, :, piece.k0 : piece.k1]
     relative = _relative_piece(mods, q, blk, piece, bounds)
@@ -683,19 +685,38 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
         out, lse = (
             parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts], 1), torch.cat([l for _, l in parts], 1))
         )
-        out, lse = _reversed(out), _reversed(lse)
-        return out, (lse if shift is None else lse + shift.to(lse.dtype))
+        return _reversed(out), _reversed(lse), shift
     bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
     if bias is None:
-        return _flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale)
+        return *_flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale), None
     kb, vb = _zero_unseen(kb, vb, unseen)
     out, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
-    if shift is not None:
-        lse = lse + shift.to(lse.dtype)
     if bool(empty.any()):  # the kernel gives such rows LSE 0; they must weigh nothing in the merge
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out, lse
+    return out, lse, shift
+
+
+def _frame(lses: list[Tensor], shifts: list[Tensor | None]) -> Tensor | None:
+    """The row LSEs of a query block's pieces, ``(B, Hq, rows)`` as the kernels computed them
+    with the pieces' shifts taken off their biases, are merged relative to one shift per row,
+    the ``base`` returned here (``None`` when no piece shifts): the largest shift among the
+    pieces the row sees keys of (0 where it sees none). See :class:`_BlockSparseAttention`."""
+    if all(s is None for s in shifts):
+        return None
+    found = [
+        torch.where(torch.isfinite(l), torch.zeros((), dtype=l.dtype, device=l.device) if s is None else s, -torch.inf)
+        for l, s in zip(lses, shifts)
+    ]
+    base = found[0] if len(found) == 1 else torch.stack(torch.broadcast_tensors(*found)).amax(0)
+    return torch.where(torch.isfinite(base), base, torch.zeros_like(base))
+
+
+def _offset(base: Tensor, shift: Tensor | None) -> Tensor:
+    """``base - shift``: what a row LSE kept relative to ``base`` (:func:`_frame`) lacks to be the
+    LSE of a kernel that saw its bias with ``shift`` taken off. Exactly 0 where they are equal (a
+    query block of one piece); large only for a piece the row gives no weight."""
+    return base if shift is None else base - shift.to(base.dtype)
 
 
 class _BlockSparseAttention(torch.autograd.Function):
@@ -704,34 +725,42 @@ class _BlockSparseAttention(torch.autograd.Function):
         B, Hq, Lq, _ = q.shape
         Lk, Dv = k.shape[2], v.shape[3]
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
+        # The LSE is kept relative to a per-row base (the shift of the bias the kernels saw, see
+        # _frame) and returned as lse + base: the backward needs each piece's LSE as its kernel
+        # saw it, and lse + shift - shift in fp32 would be exact only to ulp(|lse + shift|)
+        # (0.008 at a bias of -1e5), which exp makes a relative error of every probability.
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+        base = torch.zeros((B, Hq, Lq), dtype=lse.dtype, device=q.device)
         bounds = Bounds.of(q, k, scale, mods)
         if plan.run is not None:
             rows = slice(plan.run.q0, plan.run.q1)
             bias, shift, _ = _run_bias(mods, plan.run, q, bounds)
             out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale, bias=bias)
             if shift is not None:
-                lse[:, :, rows] += shift
+                base[:, :, rows] = shift
         for blk in plan.blocks:
             parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk, bounds) for p in _pieces(blk, mods)]
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
+            rows = slice(blk.q0, blk.q1)
+            outs, lses, shifts = zip(*parts)
+            frame = _frame(list(lses), list(shifts))
+            if frame is not None:
+                base[:, :, rows] = frame
+                lses = tuple(l - _offset(frame, s) for l, s in zip(lses, shifts))
             if len(parts) == 1:
-                out[:, :, blk.q0 : blk.q1], lse[:, :, blk.q0 : blk.q1] = parts[0]
+                out[:, :, rows], lse[:, :, rows] = outs[0], lses[0]
                 continue
-            outs, lses = zip(*parts)
-            merged, total = merge_partials(list(outs), [l.expand(B, Hq, -1) for l in lses])
-            out[:, :, blk.q0 : blk.q1] = merged
-            lse[:, :, blk.q0 : blk.q1] = total
-        ctx.save_for_backward(q, k, v, out, lse)
+            out[:, :, rows], lse[:, :, rows] = merge_partials(list(outs), [l.expand(B, Hq, -1) for l in lses])
+        ctx.save_for_backward(q, k, v, out, lse, base)
         ctx.mask, ctx.mods, ctx.scale, ctx.plan = mask, mods, scale, plan
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, lse + base
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, base = ctx.saved_tensors  # lse relative to base (forward)
         mods = ctx.mods
         bounds = Bounds.of(q, k, ctx.scale, mods)  # as in the forward: the same entries cut
         if grad_out is None:
@@ -756,7 +785,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         if run is not None:  # interior band rows are never fully masked: the LSE is finite there
             rows = slice(run.q0, run.q1)
             bias, shift, kernel_heads = _run_bias(mods, run, q, bounds)
-            run_lse = lse[:, :, rows].to(acc_dtype) - (0 if shift is None else shift)  # what the kernel saw
+            run_lse = lse[:, :, rows].to(acc_dtype) + _offset(base[:, :, rows], shift)  # what the kernel saw
             g_q, _, _ = run_backward(
                 grad_out[:, :, rows],
                 q,
@@ -779,14 +808,14 @@ class _BlockSparseAttention(torch.autograd.Function):
                 continue
             rows = slice(blk.q0, blk.q1)
             go, qb, ob = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows]
-            lb = lse_b[:, :, rows].to(acc_dtype)
+            lb, lb_base = lse_b[:, :, rows].to(acc_dtype), base[:, :, rows]
             for p in _pieces(blk, mods):
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
                 relative = _relative_piece(mods, q, blk, p, bounds)
                 if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
                     win, shift, starts, calm = relative
-                    lp = _reversed(lb if shift is None else lb - shift.to(lb.dtype))
+                    lp = _reversed(lb + _offset(lb_base, shift))
                     gor, qr, orr = _reversed(go), _reversed(qb), _reversed(ob)
                     if any(wants_mod_grad):  # dS summed along the view's diagonals: the bias values' gradient
                         d_vec, on_ds = _diagonal_sums(win, rows=blk.q1 - blk.q0, keys=p.k1 - p.k0)
@@ -814,7 +843,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                 bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
                 causal = bias is None and p.kind == _CAUSAL
-                lp = lb if shift is None else lb - shift.to(lb.dtype)  # the kernel saw the bias shifted down
+                lp = lb + _offset(lb_base, shift)  # the kernel saw the bias shifted down
                 g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lp, 0.0, causal, attn_mask=bias, scale=ctx.scale)
                 dq[:, :, rows] += g_q
                 dk[:, :, keys] += g_k
