@@ -47,7 +47,7 @@ from torch import Tensor
 
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
-from multihead.backends.bias_backward import LOG_TINY, bias_backward
+from multihead.backends.bias_backward import LOG_TINY, bias_backward, normalise_, row_delta, row_peak
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
@@ -809,7 +809,9 @@ class _BlockSparseAttention(torch.autograd.Function):
             rows = slice(blk.q0, blk.q1)
             go, qb, ob = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows]
             lb, lb_base = lse_b[:, :, rows].to(acc_dtype), base[:, :, rows]
-            for p in _pieces(blk, mods):
+            pieces = _pieces(blk, mods)
+            whole = len(pieces) == 1  # the piece holds every key its rows see
+            for p in pieces:
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
                 relative = _relative_piece(mods, q, blk, p, bounds)
@@ -819,7 +821,9 @@ class _BlockSparseAttention(torch.autograd.Function):
                     gor, qr, orr = _reversed(go), _reversed(qb), _reversed(ob)
                     if any(wants_mod_grad):  # dS summed along the view's diagonals: the bias values' gradient
                         d_vec, on_ds = _diagonal_sums(win, rows=blk.q1 - blk.q0, keys=p.k1 - p.k0)
-                        g_q, g_k, g_v = bias_backward(gor, qr, kb, vb, orr, lp, win, ctx.scale, on_ds=on_ds)
+                        g_q, g_k, g_v = bias_backward(
+                            gor, qr, kb, vb, orr, lp, win, ctx.scale, on_ds=on_ds, whole_rows=whole
+                        )
                         dq[:, :, rows] += _reversed(g_q)
                         dk[:, :, keys] += g_k
                         dv[:, :, keys] += g_v
@@ -835,7 +839,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                                 *args, lp[:, h0:h1], 0.0, False, attn_mask=w, scale=ctx.scale,
                             )  # fmt: skip
                         else:  # a steep bias: denormals would slow the kernel's backward (bias_backward)
-                            g_q, g_k, g_v = bias_backward(*args, lp[:, h0:h1], w, ctx.scale)
+                            g_q, g_k, g_v = bias_backward(*args, lp[:, h0:h1], w, ctx.scale, whole_rows=whole)
                         dq[:, h0:h1, rows] += _reversed(g_q)
                         dk[:, g0:g1, p.k0 + t : p.k1] += g_k
                         dv[:, g0:g1, p.k0 + t : p.k1] += g_v
@@ -850,16 +854,18 @@ class _BlockSparseAttention(torch.autograd.Function):
                 dv[:, :, keys] += g_v
                 if any(wants_mod_grad):
                     _accumulate_mod_grads(
-                        mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale), blk, p
+                        mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole), blk, p
                     )
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_mods)
 
 
-def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
+def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale, whole_rows=False) -> Tensor:
     """``dS = P (dP - rowsum(dO O))`` of one piece ``(B, Hq, rows, keys)``: the gradient of the
-    scores, which an additive bias receives as it is. Memory: one piece."""
+    scores, which an additive bias receives as it is. Memory: one piece. ``whole_rows``: the
+    piece holds every key its rows weigh, so ``P`` is normalised by its own row sums and
+    ``rowsum(dO O)`` comes from it (:func:`multihead.backends.bias_backward.row_delta`)."""
     B, Hq, rows, _ = qb.shape
     Hkv, keys = kb.shape[1], kb.shape[2]
     acc = lb.dtype
@@ -867,9 +873,13 @@ def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
     s = torch.matmul(fold(qb), kb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys) * scale
     if bias is not None:
         s = s + bias.to(acc)
-    p = torch.exp(s - lb.unsqueeze(-1))  # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+    lb = lb.unsqueeze(-1)
+    # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+    p = torch.exp(s - (row_peak(s, lb) if whole_rows else lb))
+    if whole_rows:
+        normalise_(p)
     dp = torch.matmul(fold(go), vb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys)
-    delta = (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
+    delta = row_delta(p, dp, go, ob, vb) if whole_rows else (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
     return p * (dp - delta)
 
 
