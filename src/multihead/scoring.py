@@ -106,10 +106,13 @@ def additive_block(
     kv_len: int,
     device: torch.device | str | None,
     dtype: torch.dtype,
+    *,
+    mask_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The additive ``attn_mask`` of queries ``[q0, q1)`` x keys ``[k0, k1)`` for a fused kernel:
-    the additive modifiers' bias, ``-inf`` where blocked; the bool ``visible`` block; and a per-row
-    ``shift`` (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.
+    """The additive ``attn_mask`` of queries ``[q0, q1)`` x keys ``[k0, k1)`` for a fused kernel
+    whose inputs are in ``dtype``: the additive modifiers' bias, ``-inf`` where blocked, in
+    ``mask_dtype`` (default ``dtype``); the bool ``visible`` block; and a per-row ``shift``
+    (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.
 
     The bias is built in the softmax dtype (fp32, fp64 for fp64). A kernel in any dtype but fp64
     gets it minus its largest visible value per row (``shift``): the softmax, which is
@@ -119,6 +122,14 @@ def additive_block(
     3e-5; a fused backward that recomputes them then disagrees with its forward's LSE by that much,
     and a row that sees one key gets a weight of 1 ± 3e-5 (measured on CUDA's efficient kernel:
     dV 20 ulps off). The kernel's LSE is then ``shift`` too small.
+
+    ``mask_dtype``: a kernel that takes its mask in the softmax dtype whatever its inputs' dtype
+    (PyTorch's CPU flash kernel takes fp32, and computes its softmax in fp32) should get it so.
+    Rounded to fp16/bf16, the bias differs from the one the weights are recomputed with
+    (:mod:`multihead.blockwise`, against the kernel's LSE) and the reference computes with; and
+    the shift keeps only the *bias* near 0: where ``q·k`` decides which keys weigh, the entries
+    that weigh can sit hundreds of units below the row's largest bias, where a bf16 rounding step
+    is a unit or more.
     """
     bias = None
     if score_mod is not None:
@@ -136,6 +147,7 @@ def additive_block(
         peak = torch.where(visible, bias, float("-inf")).amax(dim=-1).detach()  # (B|1, H|1, rows)
         shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         bias = bias - shift.unsqueeze(-1)
-    blocked = torch.full((), float("-inf"), dtype=dtype, device=device)
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(visible, zero if bias is None else bias.to(dtype), blocked), visible, shift
+    out = dtype if mask_dtype is None else mask_dtype
+    blocked = torch.full((), float("-inf"), dtype=out, device=device)
+    zero = torch.zeros((), dtype=out, device=device)
+    return torch.where(visible, zero if bias is None else bias.to(out), blocked), visible, shift

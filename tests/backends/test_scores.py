@@ -172,3 +172,31 @@ def test_softcap_caps_scores_and_explain_says_who_runs_it():
     # sdpa's kernel takes only an additive mask; blocksparse runs it a block at a time in PyTorch
     assert report.backend == "blocksparse" and "softcap(3.0) is elementwise" in str(report)
     assert "sdpa: score modifier softcap(3.0) is elementwise" in str(report)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["sdpa", "blocksparse"])
+def test_returned_weights_are_probabilities_with_large_biases(backend, dtype):
+    """Issue 28, item 12: with a bias and ``q·k`` both ~100 (scores ~300), the entries that weigh
+    sit far below the row's largest bias, and the fused kernel got the bias rounded to fp16/bf16
+    there; the weights, recomputed with the bias in fp32 against the kernel's LSE, were not
+    probabilities (rows summing to 0.95-1.06, weights above 1). The CPU flash kernel now takes the
+    bias in fp32: rows sum to 1 within the rounding of the returned dtype, as the reference's do,
+    and the weights are within the relative rule of the fp64 reference's."""
+    B, H, L, D = 1, 4, 300, 64
+    gen = torch.Generator().manual_seed(12)
+    q, k = (3 * torch.randn(B, H, L, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64)
+    bias = 60 * torch.randn(B, H, L, L, generator=gen, dtype=torch.float64)
+    ref = mh.attention(q, k, v, score_mod=mh.scores.bias(bias), backend="reference", return_weights=True)
+    lo = [t.to(dtype) for t in (q, k, v)]
+    got = mh.attention(
+        *lo, score_mod=mh.scores.bias(bias.float()), backend=backend, return_weights=True, return_lse=True
+    )
+    rows = got.weights.double().sum(-1)
+    tol = 8 * torch.finfo(dtype).eps  # each weight rounded to the returned dtype
+    assert float((rows - 1).abs().max()) <= tol, f"rows sum to {float(rows.min())}..{float(rows.max())}"
+    assert float(got.weights.max()) <= 1.0
+    s = (lo[0] @ lo[1].transpose(-2, -1)) * D**-0.5 + bias.float()  # plain code: the fp32 bias promotes
+    base = torch.softmax(s, dim=-1).to(dtype)
+    assert_relative(got.weights, ref.weights, base, factor(backend, dtype), "weights")

@@ -441,6 +441,12 @@ class Case:
     grad: bool = False
     nan_unseen: bool = False  # keys that no query may see hold NaN
     nan_input: str | None = None  # "q", "k" or "v": one element is NaN (visible or not)
+    # Issue 28, items 11-14 (drawn after everything above, so the cases before them are unchanged):
+    # a position bias first in the modifiers, ("alibi", symmetric, align, slope factor) or
+    # ("t5", bidirectional, num_buckets, max_distance, align, table requires grad);
+    position: tuple | None = None
+    bias_scale: float = 2.0  # the standard deviation of "bias" modifiers (large: scores ~300)
+    q_no_grad: bool = False  # with grad: only k and v (and the modifiers' tensors) require it
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -472,6 +478,14 @@ class Case:
         if lay:
             parts.append(lay)
         parts.append(self.mask_expr())
+        if self.position is not None and self.position[0] == "alibi":
+            _, sym, align, steep = self.position
+            parts.append(f"alibi({'sym' if sym else 'paper'}{_short(align)}{f',x{steep:g}' if steep != 1 else ''})")
+        elif self.position is not None:
+            _, bi, nb, md, align, grad = self.position
+            parts.append(f"t5({'bi' if bi else 'uni'},{nb},{md}{_short(align)}{',grad' if grad else ''})")
+        if self.bias_scale != 2.0:
+            parts.append(f"bias*{self.bias_scale:g}")
         for m in self.mods:
             if m[0] == "bias":
                 far = f"far-{m[4]:g}" if m[4] else ""
@@ -487,7 +501,7 @@ class Case:
         if self.return_weights:
             parts.append(f"weights(h={_show(self.weights_heads)},r={_show(self.weights_rows)})")
         if self.grad:
-            parts.append("grad")
+            parts.append("grad(kv)" if self.q_no_grad else "grad")
         if self.nan_unseen:
             parts.append("nan_unseen_keys")
         if self.nan_input:
@@ -617,7 +631,45 @@ def make_case(seed: int) -> Case:
     case.nan_unseen = case.mask_kind != "none" and rng.random() < 0.15
     if not case.grad and rng.random() < 0.08:  # the policy for gradients of NaN inputs is not written
         case.nan_input = rng.choice(["q", "k", "v"])
+    _precision_draws(rng, case)
     return case
+
+
+def _precision_draws(rng: random.Random, case: Case) -> None:
+    """The families of issue 28, items 11-14, which the draws above never made: ALiBi in the
+    paper's form without a causal mask (its bias grows for keys after the query) and steep slopes;
+    T5 tables, short-range ones (most distances in the last bucket) on short key ranges, trainable;
+    biases large enough that ``q·k`` and the bias both decide the softmax (scores ~300) with the
+    weights returned; elementwise modifiers on calls where no query sees a key, with gradients
+    asked of k and v only."""
+    r = rng.random()
+    if r < 0.10:
+        align = rng.choice(["bottom_right", "bottom_right", "top_left"])
+        case.position = ("alibi", rng.random() < 0.25, align, rng.choice([1.0, 1.0, 8.0]))
+    elif r < 0.18:
+        align = rng.choice(["bottom_right", "bottom_right", "top_left"])
+        buckets, distance = rng.choice([(8, 10), (8, 12), (16, 40), (32, 128)])
+        grad = case.grad and rng.random() < 0.7
+        case.position = ("t5", rng.random() < 0.7, buckets, distance, align, grad)
+        if case.mask_kind == "none" and not case.mods and case.Lq and case.Lk > 1 and rng.random() < 0.5:
+            case.Lk = rng.choice([1, 2, 3, 5])  # short key ranges (no mask or bias was drawn for the old Lk)
+    if any(m[0] == "bias" for m in case.mods) and rng.random() < 0.15:
+        case.bias_scale = rng.choice([100.0, 300.0])
+        case.q_mult = rng.choice([case.q_mult, 12.0])
+        if not case.return_weights:
+            case.return_weights, case.weights_heads, case.weights_rows = True, None, None
+    if (
+        case.Lq
+        and case.Lk
+        and case.B * case.Hq * case.Lq * case.Lk * (case.D + case.Dv) <= COST_CAP
+        and rng.random() < 0.03
+    ):
+        # No query sees any key; an elementwise modifier sends blocksparse to its PyTorch path.
+        case.mask_kind, case.node = "object", KeyPad([0])
+        case.mods = case.mods + (("softcap", rng.choice([1.5, 30.0])),)
+        case.nan_unseen = False
+    if case.grad and not case.nan_input and rng.random() < 0.1:
+        case.q_no_grad = True
 
 
 def _far(rng: random.Random, dtype: str) -> float:
@@ -683,7 +735,7 @@ def _build(case: Case) -> Built:
         x = torch.randn(*leaf_size, generator=gen, dtype=torch.float64)
         if name == "q":
             x = x * case.q_mult
-        leaves[name] = x.to(T).requires_grad_(case.grad)
+        leaves[name] = x.to(T).requires_grad_(case.grad and not (name == "q" and case.q_no_grad))
     dout = torch.randn(B, Hq, Lq, Dv, generator=gen, dtype=torch.float64).to(T) if case.grad else None
 
     if case.mask_kind == "none":
@@ -705,9 +757,20 @@ def _build(case: Case) -> Built:
         mask = values.masked_fill(blocked, float("-inf")).to(torch.float32 if case.tensor_fp32 else T)
 
     score_mod = []
+    if case.position is not None and case.position[0] == "alibi":
+        _, sym, align, steep = case.position
+        slopes = None if steep == 1 else [x * steep for x in mh.positions.alibi_slopes(Hq).tolist()]
+        score_mod.append(mh.positions.ALiBi(Hq, slopes=slopes, symmetric=sym, align=align))
+    elif case.position is not None:
+        _, bi, nb, md, align, grad = case.position
+        table = torch.randn(nb, Hq, generator=gen, dtype=torch.float64).to(T).requires_grad_(grad)
+        leaves["t5"] = table
+        score_mod.append(
+            mh.positions.BucketedBias(table, bidirectional=bi, num_buckets=nb, max_distance=md, align=align)
+        )
     for n, m in enumerate(case.mods):
         if m[0] == "bias":
-            t = _far_rows(torch.randn(*m[1], generator=gen, dtype=torch.float64) * 2, m[4], gen)
+            t = _far_rows(torch.randn(*m[1], generator=gen, dtype=torch.float64) * case.bias_scale, m[4], gen)
             t = t.to(torch.float32 if m[2] else T)
             leaves[f"bias{n}"] = t.requires_grad_(m[3])
             score_mod.append(mh.scores.bias(t))

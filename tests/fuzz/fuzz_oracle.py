@@ -9,7 +9,10 @@ of the arguments:
 * a bool tensor: ``True`` = may attend, broadcast right-aligned to ``(B, Hq, Lq, Lk)``;
 * a float ``mask=`` tensor: additive, ``-inf`` blocks, added before any ``score_mod``;
 * ``multihead.scores.Bias.tensor`` (added) and ``multihead.scores.Softcap.cap`` (``c·tanh(s/c)``),
-  applied to ``scale · q·k`` in list order, before the mask blocks anything.
+  applied to ``scale · q·k`` in list order, before the mask blocks anything;
+* position biases as the papers define them, dense (:func:`alibi_bias`, :func:`t5_bias`), from the
+  case's description rather than from the multihead objects: query ``i`` sits at key position
+  ``i + Lk - Lq`` (bottom-right alignment) or ``i`` (top-left).
 
 For each ``(b, h, i)``: query head ``h`` reads KV head ``h // (Hq // Hkv)``; the softmax runs over
 the keys the row may see; a row that sees none gives output 0, LSE ``-inf``, weights 0 and zero
@@ -23,6 +26,7 @@ upcast, it is the *naive baseline* of the relative rule (shared/TESTING.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +34,7 @@ from torch import Tensor
 
 from multihead.scores import Bias, Softcap
 
-__all__ = ["visible", "mods_of", "attend", "attend_flash", "Attended"]
+__all__ = ["visible", "mods_of", "attend", "attend_flash", "Attended", "alibi_bias", "t5_buckets", "t5_bias"]
 
 
 def visible(mask, B: int, Hq: int, Lq: int, Lk: int) -> Tensor:
@@ -68,6 +72,55 @@ def mods_of(mask, score_mod) -> list[tuple[str, object]]:
         else:
             raise TypeError(f"the oracle does not know the modifier {m!r}")
     return out
+
+
+def _distance(Lq: int, Lk: int, align: str) -> Tensor:
+    """``(Lq, Lk)`` int64: key position minus the aligned query position."""
+    i = torch.arange(Lq).view(-1, 1) + (Lk - Lq if align == "bottom_right" else 0)
+    return torch.arange(Lk).view(1, -1) - i
+
+
+def paper_slopes(n: int) -> list[float]:
+    """ALiBi's slopes (Press et al.): ``2^(-8(h+1)/n)`` for ``n`` a power of two; otherwise those
+    of the largest power of two ``p < n``, then every other slope of ``2p`` heads."""
+    p = 1 << (n.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (h + 1) / p) for h in range(p)]
+    return slopes + [2.0 ** (-8.0 * (h + 1) / (2 * p)) for h in range(0, 2 * (n - p), 2)]
+
+
+def alibi_bias(Hq: int, Lq: int, Lk: int, symmetric: bool, align: str, steep: float) -> Tensor:
+    """``(1, Hq, Lq, Lk)`` float64: ``m_h (j - i)`` (the paper's form; it grows for keys after
+    the query), or ``-m_h |j - i|``, with the paper's slopes times ``steep``."""
+    m = torch.tensor(paper_slopes(Hq), dtype=torch.float64).view(-1, 1, 1) * steep
+    d = _distance(Lq, Lk, align).to(torch.float64)
+    return (-m * d.abs() if symmetric else m * d).unsqueeze(0)
+
+
+def t5_buckets(Lq: int, Lk: int, bidirectional: bool, num_buckets: int, max_distance: int, align: str) -> Tensor:
+    """``(Lq, Lk)`` int64: T5's bucket of each distance (Raffel et al., and ``transformers``'
+    ``_relative_position_bucket``), written as a loop over the distances present."""
+    d = _distance(Lq, Lk, align)
+    table = {}
+    for x in range(int(d.min()), int(d.max()) + 1) if d.numel() else ():
+        n = num_buckets // 2 if bidirectional else num_buckets
+        ret = n if bidirectional and x > 0 else 0
+        r = abs(x) if bidirectional else max(-x, 0)
+        exact = n // 2
+        if r < exact:
+            table[x] = ret + r
+        else:  # in float32, as T5 computes it
+            large = exact + int(
+                float(torch.log(torch.tensor(r / exact, dtype=torch.float32)))
+                / math.log(max_distance / exact)
+                * (n - exact)
+            )
+            table[x] = ret + min(large, n - 1)
+    return d.apply_(lambda x: table[x]) if d.numel() else d
+
+
+def t5_bias(table: Tensor, buckets: Tensor) -> Tensor:
+    """``(1, Hq, Lq, Lk)``: ``table[bucket, h]`` by indexing (differentiable in ``table``)."""
+    return table[buckets].permute(2, 0, 1).unsqueeze(0)
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["bias_backward", "LOG_TINY", "KEYS"]
+__all__ = ["bias_backward", "row_peak", "normalise_", "row_delta", "LOG_TINY", "KEYS"]
 
 #: Probabilities below exp(-50) = 2e-22 are set to 0 (fp32's smallest normal is exp(-87.3)).
 LOG_TINY = -50.0
@@ -49,6 +49,7 @@ def bias_backward(
     bias: Tensor,
     scale: float,
     on_ds: Callable[[Tensor, int, int], None] | None = None,
+    whole_rows: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq (N, Hq, R, D)``, ``dk (N, Hkv, K, D)``, ``dv (N, Hkv, K, Dv)`` in the accumulation
     dtype (fp32; fp64 for fp64) of attention with an additive ``bias``.
@@ -61,6 +62,10 @@ def bias_backward(
             the kernel saw them (minus any shift taken off the bias).
         bias: broadcastable to ``(N, Hq, R, K)``, ``-inf`` where blocked (any strides: a view).
         on_ds: called as ``on_ds(ds, c0, c1)`` with ``dS (N, Hq, R, c1 - c0)`` of keys ``[c0, c1)``.
+        whole_rows: these keys are every key the rows weigh (the rows' only piece). Then, when
+            they fit one step (``K <= KEYS``), ``P`` is normalised by its own row sums
+            (:func:`row_peak`) and ``rowsum(dO O)`` taken from it (:func:`row_delta`): each row's
+            ``dS`` sums to 0 up to fp32 rounding, as the autograd softmax's does.
     """
     N, Hq, R, D = q.shape
     Hkv, K, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -81,11 +86,16 @@ def bias_backward(
         kc, vc = k[:, :, c0:c1].to(acc).contiguous(), v[:, :, c0:c1].to(acc).contiguous()  # windows may overlap
         p = torch.matmul(qs, kc.transpose(-2, -1)).view(N, Hq, R, n)  # S, then P in place
         p += bias[..., c0:c1].to(acc)
-        p -= lse
+        exact = whole_rows and K <= KEYS
+        p -= row_peak(p, lse) if exact else lse
         F.threshold(p, LOG_TINY, float("-inf"), inplace=True)  # exp of what is left is >= 2e-22, or 0
         p.exp_()
+        if exact:
+            normalise_(p)
         dv[:, :, c0:c1] = torch.matmul(p.view(N, Hkv, G * R, n).transpose(-2, -1), gof)
         ds = torch.matmul(gof, vc.transpose(-2, -1)).view(N, Hq, R, n)  # dP
+        if exact:
+            delta = row_delta(p, ds, go, o, v)
         ds -= delta
         ds *= p  # dS = P (dP - rowsum(dO O))
         dsf = ds.view(N, Hkv, G * R, n)
@@ -94,3 +104,38 @@ def bias_backward(
         if on_ds is not None:
             on_ds(ds, c0, c1)
     return (dq * scale).view(N, Hq, R, D), dk, dv
+
+
+def row_peak(scores: Tensor, lse: Tensor) -> Tensor:
+    """The largest of ``scores (N, Hq, R, K)`` per row ``(N, Hq, R, 1)``, for rows whose every
+    weighed key is there; ``lse`` where that is not finite (``+inf`` on fully masked rows, so
+    that their probabilities are 0). :func:`normalise_` then divides ``exp(scores - peak)`` by its
+    row sums: probabilities that sum to 1 up to fp32 rounding, as the autograd softmax's do. With
+    the kernel's LSE instead, a row sums to ``1 + δ`` (its LSE, rounded at ``|lse|``, and its
+    own rounding of the scores), and its ``dS`` to ``-δ · rowsum(P dP)`` instead of 0."""
+    peak = scores.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(lse) & torch.isfinite(peak), peak, lse)
+
+
+def normalise_(p: Tensor) -> Tensor:
+    """``p (N, Hq, R, K)`` divided in place by its row sums (rows of zeros stay zeros)."""
+    total = p.sum(dim=-1, keepdim=True)
+    return p.div_(torch.where(total > 0, total, torch.ones_like(total)))
+
+
+def row_delta(p: Tensor, dp: Tensor, go: Tensor, o: Tensor, v: Tensor) -> Tensor:
+    """``rowsum(dO O)`` ``(N, Hq, R, 1)`` of rows whose every weighed key is in ``p (N, Hq, R, K)``
+    (normalised, :func:`row_peak`), from the probabilities and ``dP = dO Vᵀ``, in their dtype:
+    ``rowsum(P dP)``, plus ``dO O`` over the columns where ``v (N, Hkv, K, Dv)`` is zero for
+    every key (the column that carries the LSE's gradient holds 1 in ``O``; columns padding
+    ``Dv`` to ``D`` hold 0).
+
+    Why: ``dS = P (dP - delta)`` sums to 0 along a row only when ``delta`` is ``rowsum(P dP)``
+    of these same ``P``. From ``O`` rounded to fp16/bf16 each row's ``dS`` sums to a rounding
+    error instead, and a bias that is shared along rows (a relative bias table, a broadcast
+    bias tensor) receives the sum of those errors over every row of its entry."""
+    acc = p.dtype
+    Hq, Hkv = p.shape[1], v.shape[1]
+    zero = (v == 0).all(dim=2).repeat_interleave(Hq // Hkv, dim=1).unsqueeze(2)  # (N, Hq, 1, Dv)
+    tail = (go.to(acc) * o.to(acc)).masked_fill(~zero, 0.0).sum(-1, keepdim=True)
+    return (p * dp).sum(-1, keepdim=True) + tail

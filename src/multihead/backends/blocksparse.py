@@ -47,7 +47,7 @@ from torch import Tensor
 
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
-from multihead.backends.bias_backward import LOG_TINY, bias_backward
+from multihead.backends.bias_backward import LOG_TINY, bias_backward, normalise_, row_delta, row_peak
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
@@ -428,6 +428,12 @@ def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
 
 # ----------------------------------------------------------------------------------- kernels
 # torch.ops entries have no annotations (Any); None on a build without them (refusals say so).
+# Their attn_mask may be fp32 whatever q's dtype: the kernel computes its softmax in fp32 and
+# reads an fp16/bf16 mask as fp32 anyway. Every bias reaches it unrounded, in the softmax dtype
+# (fp32; fp64 for fp64): rounded to bf16, a relative bias whose rows peak at different values
+# (ALiBi with keys after the query) or a bias under large ``q·k`` scores loses the differences
+# that decide the softmax, and the kernel's LSE would be that of another bias than the one the
+# weights are recomputed with (multihead.blockwise).
 _flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _flash_backward: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -442,16 +448,29 @@ def _piece_mask(
     kv_len: int,
     k_heads: int,
 ):
-    """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in q's dtype (``None``
-    when the kernel needs none), the rows (``(B|1, Hq|1, rows)`` bool) that see no key of the
-    piece, the keys (``(B|1, 1, keys, 1)``) that no row of the piece sees, and what the kernel's
-    LSE lacks per row (``None``, or the fp16 shift of :func:`multihead.scoring.additive_block`)."""
+    """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in the softmax dtype
+    (unrounded, see ``_flash``; ``None`` when the kernel needs none), the rows (``(B|1, Hq|1,
+    rows)`` bool) that see no key of the piece, the keys (``(B|1, 1, keys, 1)``) that no row of
+    the piece sees, and what the kernel's LSE lacks per row (``None``, or the shift of
+    :func:`multihead.scoring.additive_block`)."""
     if mods is None and piece.kind != _MASKED:
         return None, None, None, None
     # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
     piece_mask = None if piece.kind == _FULL else mask
     bias, visible, shift = additive_block(
-        piece_mask, mods, q.shape[0], q.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, q_len, kv_len, q.device, q.dtype
+        piece_mask,
+        mods,
+        q.shape[0],
+        q.shape[1],
+        blk.q0,
+        blk.q1,
+        piece.k0,
+        piece.k1,
+        q_len,
+        kv_len,
+        q.device,
+        q.dtype,
+        mask_dtype=softmax_dtype(q.dtype),
     )
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
@@ -547,7 +566,8 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
         peak = vec.amax(dim=-1, keepdim=True)
         vec, shift = vec - peak, peak.view(1, -1, 1)
-    return toeplitz_view(vec.to(q.dtype), rows, keys).unsqueeze(0), shift, starts, calm
+    view = toeplitz_view(vec, rows, keys).unsqueeze(0)  # in the softmax dtype: unrounded (see _flash)
+    return view, shift, starts, calm
 
 
 #: Heads whose cut keys begin within this many keys of each other share one kernel call.
@@ -634,7 +654,7 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
     if q.dtype in (torch.float16, torch.bfloat16):
         peak = vec.amax(dim=-1, keepdim=True).unsqueeze(-1)
         bias, shift = bias - peak, peak.view(1, -1, 1)
-    return bias.unsqueeze(0).to(q.dtype), shift, kernel_heads
+    return bias.unsqueeze(0), shift, kernel_heads  # in the softmax dtype: unrounded (see _flash)
 
 
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -647,7 +667,9 @@ def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor,
 
 
 def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=None):
-    """Output and LSE of one piece; rows that see none of its keys get LSE ``-inf``."""
+    """Output, LSE as the kernel computed it, and the shift taken off the bias (``None``, or
+    broadcastable to ``(B, Hq, rows)``: the piece's LSE is the kernel's plus the shift); rows
+    that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0 : blk.q1]
     kb, vb = k[:, :, piece.k0 : piece.k1], v[:, :, piece.k0 : piece.k1]
     relative = _relative_piece(mods, q, blk, piece, bounds)
@@ -663,19 +685,38 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
         out, lse = (
             parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts], 1), torch.cat([l for _, l in parts], 1))
         )
-        out, lse = _reversed(out), _reversed(lse)
-        return out, (lse if shift is None else lse + shift.to(lse.dtype))
+        return _reversed(out), _reversed(lse), shift
     bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
     if bias is None:
-        return _flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale)
+        return *_flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale), None
     kb, vb = _zero_unseen(kb, vb, unseen)
     out, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
-    if shift is not None:
-        lse = lse + shift.to(lse.dtype)
     if bool(empty.any()):  # the kernel gives such rows LSE 0; they must weigh nothing in the merge
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out, lse
+    return out, lse, shift
+
+
+def _frame(lses: list[Tensor], shifts: list[Tensor | None]) -> Tensor | None:
+    """The row LSEs of a query block's pieces, ``(B, Hq, rows)`` as the kernels computed them
+    with the pieces' shifts taken off their biases, are merged relative to one shift per row,
+    the ``base`` returned here (``None`` when no piece shifts): the largest shift among the
+    pieces the row sees keys of (0 where it sees none). See :class:`_BlockSparseAttention`."""
+    if all(s is None for s in shifts):
+        return None
+    found = [
+        torch.where(torch.isfinite(l), torch.zeros((), dtype=l.dtype, device=l.device) if s is None else s, -torch.inf)
+        for l, s in zip(lses, shifts)
+    ]
+    base = found[0] if len(found) == 1 else torch.stack(torch.broadcast_tensors(*found)).amax(0)
+    return torch.where(torch.isfinite(base), base, torch.zeros_like(base))
+
+
+def _offset(base: Tensor, shift: Tensor | None) -> Tensor:
+    """``base - shift``: what a row LSE kept relative to ``base`` (:func:`_frame`) lacks to be the
+    LSE of a kernel that saw its bias with ``shift`` taken off. Exactly 0 where they are equal (a
+    query block of one piece); large only for a piece the row gives no weight."""
+    return base if shift is None else base - shift.to(base.dtype)
 
 
 class _BlockSparseAttention(torch.autograd.Function):
@@ -684,34 +725,42 @@ class _BlockSparseAttention(torch.autograd.Function):
         B, Hq, Lq, _ = q.shape
         Lk, Dv = k.shape[2], v.shape[3]
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
+        # The LSE is kept relative to a per-row base (the shift of the bias the kernels saw, see
+        # _frame) and returned as lse + base: the backward needs each piece's LSE as its kernel
+        # saw it, and lse + shift - shift in fp32 would be exact only to ulp(|lse + shift|)
+        # (0.008 at a bias of -1e5), which exp makes a relative error of every probability.
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+        base = torch.zeros((B, Hq, Lq), dtype=lse.dtype, device=q.device)
         bounds = Bounds.of(q, k, scale, mods)
         if plan.run is not None:
             rows = slice(plan.run.q0, plan.run.q1)
             bias, shift, _ = _run_bias(mods, plan.run, q, bounds)
             out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale, bias=bias)
             if shift is not None:
-                lse[:, :, rows] += shift
+                base[:, :, rows] = shift
         for blk in plan.blocks:
             parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk, bounds) for p in _pieces(blk, mods)]
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
+            rows = slice(blk.q0, blk.q1)
+            outs, lses, shifts = zip(*parts)
+            frame = _frame(list(lses), list(shifts))
+            if frame is not None:
+                base[:, :, rows] = frame
+                lses = tuple(l - _offset(frame, s) for l, s in zip(lses, shifts))
             if len(parts) == 1:
-                out[:, :, blk.q0 : blk.q1], lse[:, :, blk.q0 : blk.q1] = parts[0]
+                out[:, :, rows], lse[:, :, rows] = outs[0], lses[0]
                 continue
-            outs, lses = zip(*parts)
-            merged, total = merge_partials(list(outs), [l.expand(B, Hq, -1) for l in lses])
-            out[:, :, blk.q0 : blk.q1] = merged
-            lse[:, :, blk.q0 : blk.q1] = total
-        ctx.save_for_backward(q, k, v, out, lse)
+            out[:, :, rows], lse[:, :, rows] = merge_partials(list(outs), [l.expand(B, Hq, -1) for l in lses])
+        ctx.save_for_backward(q, k, v, out, lse, base)
         ctx.mask, ctx.mods, ctx.scale, ctx.plan = mask, mods, scale, plan
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, lse + base
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, base = ctx.saved_tensors  # lse relative to base (forward)
         mods = ctx.mods
         bounds = Bounds.of(q, k, ctx.scale, mods)  # as in the forward: the same entries cut
         if grad_out is None:
@@ -736,7 +785,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         if run is not None:  # interior band rows are never fully masked: the LSE is finite there
             rows = slice(run.q0, run.q1)
             bias, shift, kernel_heads = _run_bias(mods, run, q, bounds)
-            run_lse = lse[:, :, rows].to(acc_dtype) - (0 if shift is None else shift)  # what the kernel saw
+            run_lse = lse[:, :, rows].to(acc_dtype) + _offset(base[:, :, rows], shift)  # what the kernel saw
             g_q, _, _ = run_backward(
                 grad_out[:, :, rows],
                 q,
@@ -759,18 +808,22 @@ class _BlockSparseAttention(torch.autograd.Function):
                 continue
             rows = slice(blk.q0, blk.q1)
             go, qb, ob = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows]
-            lb = lse_b[:, :, rows].to(acc_dtype)
-            for p in _pieces(blk, mods):
+            lb, lb_base = lse_b[:, :, rows].to(acc_dtype), base[:, :, rows]
+            pieces = _pieces(blk, mods)
+            whole = len(pieces) == 1  # the piece holds every key its rows see
+            for p in pieces:
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
                 relative = _relative_piece(mods, q, blk, p, bounds)
                 if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
                     win, shift, starts, calm = relative
-                    lp = _reversed(lb if shift is None else lb - shift.to(lb.dtype))
+                    lp = _reversed(lb + _offset(lb_base, shift))
                     gor, qr, orr = _reversed(go), _reversed(qb), _reversed(ob)
                     if any(wants_mod_grad):  # dS summed along the view's diagonals: the bias values' gradient
                         d_vec, on_ds = _diagonal_sums(win, rows=blk.q1 - blk.q0, keys=p.k1 - p.k0)
-                        g_q, g_k, g_v = bias_backward(gor, qr, kb, vb, orr, lp, win, ctx.scale, on_ds=on_ds)
+                        g_q, g_k, g_v = bias_backward(
+                            gor, qr, kb, vb, orr, lp, win, ctx.scale, on_ds=on_ds, whole_rows=whole
+                        )
                         dq[:, :, rows] += _reversed(g_q)
                         dk[:, :, keys] += g_k
                         dv[:, :, keys] += g_v
@@ -786,7 +839,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                                 *args, lp[:, h0:h1], 0.0, False, attn_mask=w, scale=ctx.scale,
                             )  # fmt: skip
                         else:  # a steep bias: denormals would slow the kernel's backward (bias_backward)
-                            g_q, g_k, g_v = bias_backward(*args, lp[:, h0:h1], w, ctx.scale)
+                            g_q, g_k, g_v = bias_backward(*args, lp[:, h0:h1], w, ctx.scale, whole_rows=whole)
                         dq[:, h0:h1, rows] += _reversed(g_q)
                         dk[:, g0:g1, p.k0 + t : p.k1] += g_k
                         dv[:, g0:g1, p.k0 + t : p.k1] += g_v
@@ -794,23 +847,25 @@ class _BlockSparseAttention(torch.autograd.Function):
                 bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
                 causal = bias is None and p.kind == _CAUSAL
-                lp = lb if shift is None else lb - shift.to(lb.dtype)  # the kernel saw the bias shifted down
+                lp = lb + _offset(lb_base, shift)  # the kernel saw the bias shifted down
                 g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lp, 0.0, causal, attn_mask=bias, scale=ctx.scale)
                 dq[:, :, rows] += g_q
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
                 if any(wants_mod_grad):
                     _accumulate_mod_grads(
-                        mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale), blk, p
+                        mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole), blk, p
                     )
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_mods)
 
 
-def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
+def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale, whole_rows=False) -> Tensor:
     """``dS = P (dP - rowsum(dO O))`` of one piece ``(B, Hq, rows, keys)``: the gradient of the
-    scores, which an additive bias receives as it is. Memory: one piece."""
+    scores, which an additive bias receives as it is. Memory: one piece. ``whole_rows``: the
+    piece holds every key its rows weigh, so ``P`` is normalised by its own row sums and
+    ``rowsum(dO O)`` comes from it (:func:`multihead.backends.bias_backward.row_delta`)."""
     B, Hq, rows, _ = qb.shape
     Hkv, keys = kb.shape[1], kb.shape[2]
     acc = lb.dtype
@@ -818,9 +873,13 @@ def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale) -> Tensor:
     s = torch.matmul(fold(qb), kb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys) * scale
     if bias is not None:
         s = s + bias.to(acc)
-    p = torch.exp(s - lb.unsqueeze(-1))  # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+    lb = lb.unsqueeze(-1)
+    # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+    p = torch.exp(s - (row_peak(s, lb) if whole_rows else lb))
+    if whole_rows:
+        normalise_(p)
     dp = torch.matmul(fold(go), vb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys)
-    delta = (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
+    delta = row_delta(p, dp, go, ob, vb) if whole_rows else (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
     return p * (dp - delta)
 
 

@@ -29,7 +29,14 @@ from torch import Tensor
 
 from multihead.backends.base import Backend, Capabilities, Runner
 from multihead.call import AttentionCall, AttentionResult
-from multihead.conventions import default_scale, fold_query_heads, lse_dtype, repeat_kv, unfold_query_heads
+from multihead.conventions import (
+    default_scale,
+    fold_query_heads,
+    lse_dtype,
+    repeat_kv,
+    softmax_dtype,
+    unfold_query_heads,
+)
 from multihead.scores import ADDITIVE
 from multihead.scoring import additive_block, unseen_keys
 
@@ -65,8 +72,10 @@ class SDPABackend(Backend):
         return lines
 
     def forward(self, call: AttentionCall) -> AttentionResult:
-        args = _Arguments(call)
         if call.return_lse and _one_pass_lse(call):
+            # The CPU flash kernel takes the bias unrounded (fp32 for fp16/bf16 inputs): its LSE
+            # is then that of the bias the weights are recomputed with (multihead.blockwise).
+            args = _Arguments(call, mask_dtype=softmax_dtype(call.q.dtype))
             out, lse = _flash_cpu_with_lse(call, args, *args.inputs(call.q, call.k, call.v))
             if args.lse_shift is not None:
                 lse = lse + args.lse_shift.expand_as(lse)
@@ -74,7 +83,9 @@ class SDPABackend(Backend):
                 out = out.masked_fill(args.empty_rows.unsqueeze(-1), 0.0)
                 lse = lse.masked_fill(args.empty_rows.expand_as(lse), float("-inf"))
             return AttentionResult(out, None, lse)
-        # The public SDPA returns no LSE: attention() recomputes it when asked for.
+        # The public SDPA returns no LSE: attention() recomputes it when asked for. (Its fused
+        # CUDA kernels take a mask in the inputs' dtype only: the bias is rounded to it.)
+        args = _Arguments(call)
         return AttentionResult(args.run(call.q, call.k, call.v, call.dropout_p), None, None)
 
     def runner(self, call: AttentionCall) -> Runner:
@@ -111,9 +122,10 @@ FOLD_MAX_QUERIES = 8
 class _Arguments:
     """The arguments SDPA receives for a call, and a note for each decision. Holds no tensor of
     the call (only the mask tensors prepared for it), so that :meth:`run` serves every call with
-    the same signature (:meth:`SDPABackend.runner`)."""
+    the same signature (:meth:`SDPABackend.runner`). ``mask_dtype``: of a bias's ``attn_mask``
+    (default the inputs' dtype; :func:`multihead.scoring.additive_block`)."""
 
-    def __init__(self, call: AttentionCall):
+    def __init__(self, call: AttentionCall, *, mask_dtype: torch.dtype | None = None):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         q, k, v, mask = call.q, call.k, call.v, call.mask
         self.scale = call.scale
@@ -138,7 +150,7 @@ class _Arguments:
         elif offset is not None and offset >= Lk - 1:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
-            prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype, Hkv)
+            prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype, Hkv, mask_dtype)
             self.attn_mask, self.empty_rows, self.unseen, self.lse_shift, self.mask_note = prepared
             if self.unseen is not None:
                 self.zero = torch.zeros((), dtype=q.dtype, device=q.device)
@@ -281,7 +293,7 @@ _MASK_CACHE_SIZE = 16
 _MASK_CACHE_ELEMENTS = 1 << 20
 
 
-def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
+def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads, mask_dtype=None):
     """``(attn_mask, empty_rows | None, unseen_keys | None, lse_shift | None, note)`` for a mask that
     must be materialized: the dense mask with fully masked rows opened, the rows to zero after the
     call, the keys to zero before it, and what the kernel's LSE lacks (a shifted bias, additive_block)."""
@@ -300,7 +312,9 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads):
         dense = visible = mask.materialize(B, Hq, Lq, Lk, device=device)
         empty = mask._empty_rows(B, Hq, Lq, Lk, device=device)
     else:
-        dense, visible, shift = additive_block(mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, device, dtype)
+        dense, visible, shift = additive_block(
+            mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, device, dtype, mask_dtype=mask_dtype
+        )
         empty = ~visible.any(-1)
     empty_rows = None
     if compiling or bool(empty.any()):
