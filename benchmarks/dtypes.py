@@ -1,5 +1,7 @@
 """``multihead.attention`` against the raw SDPA call it issues, in every dtype: what the path around
-the kernel costs, with the non-finite rules off (the default) and on (``check_finite=True``).
+the kernel costs, with the non-finite rules off (the default) and on (``check_finite=True``); and
+``MultiHeadAttention`` against the hand-fused layer (one ``E -> 3E`` linear, SDPA, the output
+linear) with the same weights, ``E = H·D``, no mask and ``causal=True``.
 
 ``attention(q, k, v, mask=m)`` beside ``F.scaled_dot_product_attention(q, k, v, is_causal=...)``,
 B=2, H=8, D=64, forward under ``torch.no_grad``, fp32 / bf16 / fp16, no mask and ``causal()``,
@@ -74,7 +76,58 @@ def main(argv=None) -> list[dict]:
         "attention() / raw SDPA, default and check_finite=True (fastest of interleaved rounds; ratios from one run)",
         rows,
     )
-    write_csv("dtypes" + ("_quick" if args.quick else ""), rows)
+    layer_rows = layers(lengths, rounds, min_run_time)
+    print_table("MultiHeadAttention / the hand-fused layer (fastest of interleaved rounds; one run)", layer_rows)
+    print(f"# {machine_state()}")
+    write_csv("dtypes" + ("_quick" if args.quick else ""), rows + layer_rows)
+    return rows + layer_rows
+
+
+class Fused(torch.nn.Module):
+    """The layer written by hand, as fused as it gets: one ``E -> 3E`` linear, heads as views, SDPA."""
+
+    def __init__(self, layer: mh.MultiHeadAttention):
+        super().__init__()
+        E, self.H, self.causal = layer.d_model, layer.num_heads, layer.causal
+        self.qkv = torch.nn.Linear(E, 3 * E).to(layer.q_proj.weight.dtype)
+        self.out = layer.out_proj
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]))
+            self.qkv.bias.copy_(torch.cat([layer.q_proj.bias, layer.k_proj.bias, layer.v_proj.bias]))
+
+    def forward(self, x):
+        Bx, L, E = x.shape
+        q, k, v = self.qkv(x).view(Bx, L, 3, self.H, E // self.H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, H, L, D)
+        return self.out(y.transpose(1, 2).reshape(Bx, L, E))
+
+
+def layers(lengths: list[int], rounds: int, min_run_time: float) -> list[dict]:
+    """``MultiHeadAttention`` against :class:`Fused`, forward under ``no_grad``, each dtype and mask."""
+    rows = []
+    with torch.no_grad():
+        for name, dtype in DTYPES.items():
+            for causal in (False, True):
+                torch.manual_seed(0)
+                layer = mh.MultiHeadAttention(H * D, H, causal=causal).to(dtype).eval()
+                fused = Fused(layer).eval()
+                for L in lengths:
+                    x = torch.randn(B, L, H * D, generator=torch.Generator().manual_seed(L)).to(dtype)
+                    ours = lambda: layer(x)  # noqa: E731
+                    hand = lambda: fused(x)  # noqa: E731
+                    atol = 2e-3 if dtype == torch.float32 else 5e-2
+                    check_close(f"layer {name} L={L} causal={causal}", ours().float(), hand().float(), atol=atol)
+                    best = fastest_ms({ours: ours, hand: hand}, rounds, min_run_time)
+                    rows.append(
+                        {
+                            "dtype": name,
+                            "mask": "causal" if causal else "none",
+                            "L": L,
+                            "fused_ms": best[hand],
+                            "layer / fused": best[ours] / best[hand],
+                            "torch": torch.__version__,
+                        }
+                    )
     return rows
 
 

@@ -85,7 +85,8 @@ def main(argv=None) -> None:
         sync()
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     if device == "cuda":  # the kernels each module launches, and their GPU time
-        from torch.profiler import ProfilerActivity, profile as kernels
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as kernels
 
         for label, module in (("multihead", ours), ("fused_sdpa", fused)):
             with torch.no_grad(), kernels(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

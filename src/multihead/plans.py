@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import Tensor
 
 from multihead.masks import Mask
+from multihead.memo import BoundedCache
 
 if TYPE_CHECKING:
     from multihead.call import AttentionCall
@@ -68,8 +69,8 @@ Key: TypeAlias = "tuple[object, ...]"
 #: ``runner(q, k, v) -> output``: a :class:`multihead.backends.base.Runner` (typed here by what it
 #: does: the backends import this module to clear it, so it cannot name their class).
 Runner: TypeAlias = "Callable[[Tensor, Tensor, Tensor], Tensor]"
-_PLANS: dict[Key, Runner] = {}
-_SEEN: dict[Key, None] = {}  # signatures met once, oldest first (a dict as an ordered set)
+_PLANS: BoundedCache[Key, Runner] = BoundedCache(MAX_PLANS)
+_SEEN: BoundedCache[Key, None] = BoundedCache(MAX_PLANS)  # signatures met once, oldest first (an ordered set)
 
 
 def find(
@@ -250,23 +251,13 @@ def repeated(key: Key) -> bool:
     """Whether ``key`` was met before (a plan is then worth building); records it otherwise."""
     if key in _SEEN:
         return True
-    _SEEN[key] = None
-    _trim(_SEEN)
+    _SEEN.put(key, None)
     return False
 
 
 def store(key: Key, runner: Runner) -> None:
     """Keep ``runner(q, k, v) -> output`` for ``key``, dropping the oldest plan beyond :data:`MAX_PLANS`."""
-    _PLANS[key] = runner
-    _trim(_PLANS)
-
-
-def _trim(table: dict[Key, Any]) -> None:
-    while len(table) > MAX_PLANS:
-        try:
-            del table[next(iter(table))]
-        except (KeyError, StopIteration, RuntimeError):  # another thread trimmed it first
-            return
+    _PLANS.put(key, runner)
 
 
 def clear() -> None:

@@ -22,7 +22,7 @@ FLOORS = {
     **dict.fromkeys(
         ["conventions", "masks", "scores", "sinks", "scoring", "call", "reference", "blockwise", "merge", "cascade"], 1
     ),
-    **dict.fromkeys(["nonfinite", "inputs", "validation", "attention", "explain", "plans", "backends"], 1),
+    **dict.fromkeys(["nonfinite", "inputs", "validation", "attention", "explain", "plans", "memo", "backends"], 1),
     **dict.fromkeys(["caches", "positions"], 2),
     **dict.fromkeys(["layers", "capture", "hooks", "distributed"], 3),
     **dict.fromkeys(["models", "viz", "apps", "integrations"], 4),
