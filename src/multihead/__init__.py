@@ -16,7 +16,7 @@ from multihead import (
     scores,
 )
 from multihead._version import __version__ as __version__  # written once, there
-from multihead.attention import attention
+from multihead.attention import attention, plan
 from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
 from multihead.caches import (
@@ -62,6 +62,7 @@ def __getattr__(name: str) -> _ModuleType:
 
 __all__ = [
     "attention",
+    "plan",
     "capture_attention",
     "AttentionCapture",
     "explain",

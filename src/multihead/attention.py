@@ -31,7 +31,7 @@ from multihead.validation import (
     validate_weights_selection,
 )
 
-__all__ = ["attention", "prepare", "dispatch", "finish"]
+__all__ = ["attention", "plan", "prepare", "dispatch", "finish"]
 
 
 @overload
@@ -249,6 +249,46 @@ def attention(
     if key is not None or growing is not None:
         _keep_plans(call, chosen, backend, (q, k, v), key, growing)
     return finish(call, result, poisoned)
+
+
+def plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> plans.Plan:
+    """The plan of a plain call, for the caller to hold: ``plan(q, k, v, mask=m)(q2, k2, v2)``
+    computes ``attention(q2, k2, v2, mask=m)`` for any ``q2, k2, v2`` of the same signature
+    (shapes, strides, dtypes, devices, autograd state), with the validation and dispatch done once,
+    here. Inputs of another signature are refused by the plan, with what differs.
+
+    A plain call passes a mask object (or none) and a scale only: what needs more (score modifiers,
+    sinks, dropout, weights, LSE) calls :func:`attention`. Refused here, with the reason: inputs
+    that validation would copy or change (a strided last dimension, a scale <= 0), q, k, v that
+    share their first address, empty calls, and masks holding a tensor by identity."""
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(f"plan: mask must be a multihead mask object or None, got {type(mask).__name__}")
+    call = prepare(q, k, v, mask=mask, scale=scale, backend=backend)  # every argument checked, named
+    key = plans.signature(q, k, v, mask, scale, backend)
+    why = (
+        "a scale that is not a positive float"
+        if key is None
+        else "q, k or v with a strided last dimension or a scale <= 0 (validation copies or changes them)"
+        if call.q is not q or call.k is not k or call.v is not v
+        else "an empty call (Lq or Lk is 0)"
+        if call.empty
+        else "a mask holding a tensor compared by identity (Mask.by_value() is False)"
+        if call.mask is not None and not call.mask.by_value()
+        else "q, k and v starting at one address"
+        if len({q.data_ptr(), k.data_ptr(), v.data_ptr()}) < 3
+        else None
+    )
+    if why is not None or key is None:
+        raise ValueError(f"plan: this call cannot be planned: {why}; call multihead.attention(q, k, v, ...) instead")
+    return plans.Plan(key, dispatch(call, backend).runner(call), mask, scale, backend)
 
 
 def prepare(

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from multihead.call import AttentionCall
 
 __all__ = [
+    "Plan",
     "find",
     "signature",
     "growing_signature",
@@ -264,3 +265,73 @@ def clear() -> None:
     """Forget every plan (the registry calls this whenever the backends change)."""
     _PLANS.clear()
     _SEEN.clear()
+
+
+class Plan:
+    """A plan a caller holds: what :func:`multihead.attention` decided for one plain call signature
+    (shapes, strides, dtypes, devices, autograd state, mask value, scale, backend), kept by the
+    caller instead of the library's memo, as FlexAttention's caller keeps a ``BlockMask``. Made by
+    :func:`multihead.plan`; ``plan(q, k, v)`` runs it on inputs of that signature, and refuses any
+    other (naming what differs) rather than run a decision made for other inputs."""
+
+    __slots__ = ("key", "runner", "_mask", "_scale", "_backend")
+
+    def __init__(self, key: Key, runner: Runner, mask: object, scale: object, backend: object):
+        self.key, self.runner = key, runner
+        self._mask, self._scale, self._backend = mask, scale, backend
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``(B, Hq, Lq, Dv)``: the attention of ``q, k, v`` as planned."""
+        key = signature(q, k, v, self._mask, self._scale, self._backend)
+        if key != self.key:
+            raise ValueError(
+                f"Plan: these inputs differ from the planned ones: {_difference(self.key, key)}; make a "
+                f"plan for them with multihead.plan(q, k, v, ...)"
+            )
+        pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if pq == pk or pq == pv or pk == pv:
+            raise ValueError(
+                "Plan: q, k and v start at one address (a plan serves separate tensors); call "
+                "multihead.attention(q, k, v, ...) for these"
+            )
+        return self.runner(q, k, v)
+
+    def __repr__(self) -> str:
+        q_shape, k_shape, v_shape = self.key[0], self.key[1], self.key[2]
+        return (
+            f"Plan(q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}, {self.key[6]}, "  # type: ignore[arg-type]
+            f"{self.key[9]}, mask={self._mask!r}, backend={getattr(self.runner, 'backend', self._backend)!r})"
+        )
+
+
+#: The fields of a :func:`signature`, in order, for messages.
+_FIELDS = (
+    "q shape",
+    "k shape",
+    "v shape",
+    "q strides",
+    "k strides",
+    "v strides",
+    "q dtype",
+    "k dtype",
+    "v dtype",
+    "q device",
+    "k device",
+    "v device",
+    "autograd (grad mode and requires_grad)",
+    "mask",
+    "scale",
+    "backend",
+)
+
+
+def _difference(planned: Key, got: Key | None) -> str:
+    if got is None:
+        return "they are not three dense tensors of a plain call"
+    return "; ".join(
+        f"{name} {_shown(g)} (planned: {_shown(p)})" for name, p, g in zip(_FIELDS, planned, got) if p != g
+    )
+
+
+def _shown(field: object) -> object:
+    return tuple(field) if isinstance(field, torch.Size) else field

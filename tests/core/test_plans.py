@@ -414,3 +414,43 @@ def test_a_growing_plan_serves_only_its_own_bucket_and_signature():
     assert plans.growing_signature(q, k, v, None, 0.5, "auto") != keys[0]
     assert plans.growing_signature(q.double(), k.double(), v.double(), None, None, "auto") != keys[0]
     assert plans.growing_signature(torch.randn(1, 8, 2, 64), k, v, None, None, "auto") is not None  # no mask: any Lq
+
+
+# ------------------------------------------------------------------ plans the caller holds
+def test_a_held_plan_computes_what_attention_computes_on_other_values_of_its_signature():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=gen) for _ in range(3))
+    held = mh.plan(q, k, v, mask=BAND)
+    assert "Plan(q (2, 4, 33, 16)" in repr(held)
+    for _ in range(3):
+        q2, k2, v2 = (torch.randn(2, 4, 33, 16, generator=gen) for _ in range(3))
+        torch.testing.assert_close(held(q2, k2, v2), mh.attention(q2, k2, v2, mask=BAND), rtol=0, atol=0)
+
+
+def test_a_held_plan_refuses_inputs_of_another_signature_naming_what_differs():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    held = mh.plan(q, k, v, mask=mh.causal())
+    with pytest.raises(ValueError, match=r"q shape \(1, 2, 9, 16\) \(planned: \(1, 2, 8, 16\)\)"):
+        held(torch.randn(1, 2, 9, 16), k, v)
+    with pytest.raises(ValueError, match=r"q dtype torch.float64 \(planned: torch.float32\)"):
+        held(q.double(), k, v)
+    with pytest.raises(ValueError, match=r"autograd .* True \(planned: False\)"):
+        held(q.clone().requires_grad_(), k, v)
+    with pytest.raises(ValueError, match=r"not three dense tensors"):
+        held(q, k, "v")
+    with pytest.raises(ValueError, match=r"start at one address"):
+        held(q, q, v)
+
+
+def test_calls_that_cannot_be_planned_are_refused_with_the_reason():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with pytest.raises(TypeError, match=r"plan: mask must be a multihead mask object or None, got Tensor"):
+        mh.plan(q, k, v, mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"strided last dimension"):
+        mh.plan(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)
+    with pytest.raises(ValueError, match=r"empty call"):
+        mh.plan(q[:, :, :0], k, v)
+    with pytest.raises(ValueError, match=r"starting at one address"):
+        mh.plan(q, q, v)
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'"):
+        mh.plan(q, k, v, backend="nope")
