@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import multihead as mh
+from multihead.backends import flash_pieces
 from multihead.distributed import ring
 
 
@@ -54,10 +55,10 @@ def test_tiled_block_backward_equals_one_call(mask, tile, monkeypatch):
     block = mask.shifted(7, 0, q_len=keys, kv_len=keys) if mask.depends_on_lengths() else mask.shifted(7, 0)
     res = mh.attention(q, k, v, mask=block, return_lse=True)
     args = (q, k, v, block, D**-0.5, res.output, res.lse, dout, dlse)
-    monkeypatch.setattr(ring, "_TILE", 10_000)
-    whole = ring._flash_block_backward(*args)
-    monkeypatch.setattr(ring, "_TILE", tile)
-    tiled = ring._flash_block_backward(*args)
+    monkeypatch.setattr(flash_pieces, "TILE", 10_000)
+    whole = flash_pieces.backward_from_lse(*args)
+    monkeypatch.setattr(flash_pieces, "TILE", tile)
+    tiled = flash_pieces.backward_from_lse(*args)
     for name, a, b in zip(("dq", "dk", "dv"), tiled, whole):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
     # and both are the gradient of the block's own attention (output and LSE)

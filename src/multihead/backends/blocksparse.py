@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +47,7 @@ from torch import Tensor
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.bias_backward import LOG_TINY, bias_backward, normalise_, row_delta, row_peak
+from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
@@ -118,7 +118,7 @@ class BlockSparseBackend(Backend):
     # ------------------------------------------------------------------------------- dispatch
     def refusals(self, call: AttentionCall) -> list[str]:
         reasons = super().refusals(call)
-        if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        if flash is None:
             reasons.append("this PyTorch has no CPU flash-attention kernel with a log-sum-exp")
         return reasons
 
@@ -220,6 +220,13 @@ class BlockSparseBackend(Backend):
         return lines
 
     # ------------------------------------------------------------------------------- running
+    def backward_from_lse(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The flash kernel's backward given the merged ``(out, lse)`` over the block's key ranges
+        (:func:`multihead.backends.flash_pieces.call_backward`)."""
+        return call_backward(call, out, lse, dout, dlse)
+
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         plan = self._plan(call)
@@ -426,18 +433,6 @@ def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
     return min(uppers), rest_mask
 
 
-# ----------------------------------------------------------------------------------- kernels
-# torch.ops entries have no annotations (Any); None on a build without them (refusals say so).
-# Their attn_mask may be fp32 whatever q's dtype: the kernel computes its softmax in fp32 and
-# reads an fp16/bf16 mask as fp32 anyway. Every bias reaches it unrounded, in the softmax dtype
-# (fp32; fp64 for fp64): rounded to bf16, a relative bias whose rows peak at different values
-# (ALiBi with keys after the query) or a bias under large ``q·k`` scores loses the differences
-# that decide the softmax, and the kernel's LSE would be that of another bias than the one the
-# weights are recomputed with (multihead.blockwise).
-_flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_backward: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
-
 def _piece_mask(
     mask: Mask | None,
     mods: ScoreMod | None,
@@ -449,7 +444,7 @@ def _piece_mask(
     k_heads: int,
 ):
     """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in the softmax dtype
-    (unrounded, see ``_flash``; ``None`` when the kernel needs none), the rows (``(B|1, Hq|1,
+    (unrounded, see :data:`flash_pieces.flash`; ``None`` when the kernel needs none), the rows (``(B|1, Hq|1,
     rows)`` bool) that see no key of the piece, the keys (``(B|1, 1, keys, 1)``) that no row of
     the piece sees, and what the kernel's LSE lacks per row (``None``, or the shift of
     :func:`multihead.scoring.additive_block`)."""
@@ -566,7 +561,7 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
         peak = vec.amax(dim=-1, keepdim=True)
         vec, shift = vec - peak, peak.view(1, -1, 1)
-    view = toeplitz_view(vec, rows, keys).unsqueeze(0)  # in the softmax dtype: unrounded (see _flash)
+    view = toeplitz_view(vec, rows, keys).unsqueeze(0)  # in the softmax dtype: unrounded (see flash_pieces.flash)
     return view, shift, starts, calm
 
 
@@ -654,7 +649,7 @@ def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | N
     if q.dtype in (torch.float16, torch.bfloat16):
         peak = vec.amax(dim=-1, keepdim=True).unsqueeze(-1)
         bias, shift = bias - peak, peak.view(1, -1, 1)
-    return bias.unsqueeze(0), shift, kernel_heads  # in the softmax dtype: unrounded (see _flash)
+    return bias.unsqueeze(0), shift, kernel_heads  # in the softmax dtype: unrounded (see flash_pieces.flash)
 
 
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -681,16 +676,16 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
         for h0, h1, t in runs:  # each group of heads from its first weighable key
             g0, g1 = h0 * Hkv // Hq, h1 * Hkv // Hq
             w = win[:, h0:h1, :, t:] if win.shape[1] > 1 else win[:, :, :, t:]
-            parts.append(_flash(qr[:, h0:h1], kb[:, g0:g1, t:], vb[:, g0:g1, t:], 0.0, False, attn_mask=w, scale=scale))
+            parts.append(flash(qr[:, h0:h1], kb[:, g0:g1, t:], vb[:, g0:g1, t:], 0.0, False, attn_mask=w, scale=scale))
         out, lse = (
             parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts], 1), torch.cat([l for _, l in parts], 1))
         )
         return _reversed(out), _reversed(lse), shift
     bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
     if bias is None:
-        return *_flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale), None
+        return *flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale), None
     kb, vb = _zero_unseen(kb, vb, unseen)
-    out, lse = _flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
+    out, lse = flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
     if bool(empty.any()):  # the kernel gives such rows LSE 0; they must weigh nothing in the merge
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
@@ -766,13 +761,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if grad_lse is not None:
-            # d lse_i / d s_ij = P_ij: the kernel's dS = P * (dP - rowsum(dO * O)) gets the LSE's
-            # gradient through one extra column: O' = [O, 1], dO' = [dO, -g], V' = [V, 0] (and
-            # zero columns on q, k so the head sizes match) give rowsum(dO' * O') = rowsum(dO * O) - g.
-            grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
-            q, k, v = F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(v, (0, 1))
-            out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
-            grad_out = torch.cat([grad_out, -grad_lse.unsqueeze(-1).to(grad_out.dtype)], dim=-1)
+            # The LSE's gradient through one extra column (flash_pieces), dropped at the end.
+            q, k, v, out, grad_out = padded(q, k, v, out, grad_out, lse, grad_lse)
         Lq, Lk = q.shape[2], k.shape[2]
         acc_dtype = lse_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -835,7 +825,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                         w = win[:, h0:h1, :, t:] if win.shape[1] > 1 else win[:, :, :, t:]
                         args = (gor[:, h0:h1], qr[:, h0:h1], kb[:, g0:g1, t:], vb[:, g0:g1, t:], orr[:, h0:h1])
                         if calm is not None and all(calm[h0:h1] if len(calm) > 1 else calm):
-                            g_q, g_k, g_v = _flash_backward(
+                            g_q, g_k, g_v = flash_backward(
                                 *args, lp[:, h0:h1], 0.0, False, attn_mask=w, scale=ctx.scale,
                             )  # fmt: skip
                         else:  # a steep bias: denormals would slow the kernel's backward (bias_backward)
@@ -848,7 +838,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                 kb, vb = _zero_unseen(kb, vb, unseen)
                 causal = bias is None and p.kind == _CAUSAL
                 lp = lb + _offset(lb_base, shift)  # the kernel saw the bias shifted down
-                g_q, g_k, g_v = _flash_backward(go, qb, kb, vb, ob, lp, 0.0, causal, attn_mask=bias, scale=ctx.scale)
+                g_q, g_k, g_v = flash_backward(go, qb, kb, vb, ob, lp, 0.0, causal, attn_mask=bias, scale=ctx.scale)
                 dq[:, :, rows] += g_q
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v

@@ -12,8 +12,9 @@ from the mask's structure.
 
 Backward (the custom ``autograd.Function`` below) receives the K/V shards again, computes each
 block's share of the gradient against the *merged* output and LSE, and sends each block's
-``dK``/``dV`` back to the rank that owns those keys. On CPU that is PyTorch's flash backward given
-the merged ``(out, lse)``; elsewhere the block is recomputed with :func:`multihead.attention` under
+``dK``/``dV`` back to the rank that owns those keys. The backend that runs a block computes them
+from the merged ``(out, lse)`` where it offers that (``Backend.backward_from_lse``: on CPU,
+PyTorch's flash backward); elsewhere the block is recomputed with :func:`multihead.attention` under
 autograd and given the merge's gradients: for a block with partial result ``(o_i, lse_i)`` inside
 the merged ``(out, lse)``, with ``w_i = exp(lse_i - lse)``::
 
@@ -34,8 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.attention import attention
-from multihead.call import AttentionResult
+from multihead.attention import attention, dispatch
+from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.distributed.checks import (
     Shards,
@@ -49,7 +50,7 @@ from multihead.distributed.checks import (
 from multihead.distributed.layout import check_divisible, check_layout, chunks_per_rank
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.rotation import GradientReturn, Rotation, buffers_like
-from multihead.masks import BlockState, Mask
+from multihead.masks import Mask
 
 __all__ = ["ring_attention"]
 
@@ -264,16 +265,14 @@ def _step_backward(calls, q, k, v, dq, dk, dv, out, lse, dout, dlse, scale, back
 
 
 def _block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
-    """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``: the
-    CPU flash backward where it applies (``backend`` "auto" or "sdpa"), else autograd through the
-    block's :func:`multihead.attention` call with that ``backend``."""
-    if (
-        backend in ("auto", "sdpa")
-        and _FLASH_BACKWARD is not None
-        and q.device.type == "cpu"
-        and q.dtype in _FLASH_DTYPES
-    ):
-        return _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse)
+    """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``: from
+    the backend that runs the block's call, where it offers them from ``(out, lse)``
+    (:meth:`~multihead.backends.base.Backend.backward_from_lse`; on CPU the flash backward), else
+    by autograd through the block's :func:`multihead.attention` call with that ``backend``."""
+    call = AttentionCall(q, k, v, mask, None, scale, 0.0, None, True)  # the forward's block call
+    grads = dispatch(call, backend).backward_from_lse(call, out, lse, dout, dlse)
+    if grads is not None:
+        return grads
     return _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse)
 
 
@@ -296,107 +295,3 @@ def _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse
         )
     zero = torch.zeros_like
     return (zero(q) if gq is None else gq), (zero(k) if gk is None else gk), (zero(v) if gv is None else gv)
-
-
-# PyTorch's CPU flash backward takes the output and LSE as arguments: given the *merged* ones it
-# computes a block's share of the gradient directly (P = exp(S - lse), dS = P (dP - rowsum(dout·out))),
-# FlashAttention's ring backward, with no recomputed forward and no LSE of the block.
-_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse):
-    """The CPU flash backward of one block against the merged ``(out, lse)``.
-
-    The kernel takes strided views (the block's rows of ``q``, ``out``, ``dout``, ``lse`` are
-    passed as they are), but wants one head size and equal head counts, and knows no LSE
-    gradient. Where ``Dv != D`` or the LSE has a gradient, copies are padded::
-
-        q, k  (B, H, ·, D)  -> padded with zeros to E       (scores unchanged)
-        v     (B, H, ·, Dv) -> padded to E; with dlse, one column of 1s
-        dout  -> padded; with dlse, that column holds dlse   (dP gains + dlse: dS = P (dP - Δ + dlse))
-        out   -> padded with 0s                               (Δ = rowsum(dout·out) unchanged)
-
-    with ``E = max(D, Dv) (+1 with dlse)``; GQA K/V are repeated and their gradients summed per
-    group. A causal diagonal runs as ``is_causal`` (no mask tensor). Rows with no visible key
-    anywhere (``lse = -inf``) get ``lse = +inf``: ``P = 0``."""
-    B, Hq, rows, D = q.shape
-    Hkv, keys, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G = Hq // Hkv
-    extra = dlse is not None
-    E = max(D, Dv) + int(extra)
-    dt = q.dtype
-    out, dout = out.to(dt), dout.to(dt)
-    if E != D or E != Dv:
-        q, k, v, out, dout = _pad(q, E), _pad(k, E), _pad(v, E), _pad(out, E), _pad(dout, E)
-        if extra:
-            v[..., -1] = 1
-            dout[..., -1] = dlse.to(dt)
-    if G > 1:  # (B, Hkv, keys, E) -> (B, Hq, keys, E): query head h reads KV head h // G
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    glse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    q, k, v, out, dout = (_unit_stride(t) for t in (q, k, v, out, dout))
-    assert _FLASH_BACKWARD is not None  # chosen only where PyTorch has it
-    if mask is None or mask.causal_offset(rows, keys) == 0:
-        gq, gk, gv = _FLASH_BACKWARD(dout, q, k, v, out, glse, 0.0, mask is not None, scale=scale)
-    else:
-        gq, gk, gv = _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout)
-    gq, gk, gv = gq[..., :D], gk[..., :D], gv[..., :Dv]
-    if G > 1:
-        gk = gk.reshape(B, Hkv, G, keys, D).sum(2)
-        gv = gv.reshape(B, Hkv, G, keys, Dv).sum(2)
-    return gq, gk, gv
-
-
-#: Query rows per kernel call of a masked block's backward: each tile reads only the keys its
-#: rows can see and a mask of that size, not the whole block (a window of 512 inside a shard of
-#: 4096 would otherwise compute, and materialize a mask for, all 4096 x 4096 pairs).
-_TILE = 512
-
-
-def _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout):
-    """The flash backward of a block under a (non-causal-diagonal) ``mask``, tile by tile of query
-    rows: keys outside ``mask.key_range`` of a tile are skipped, a tile that sees no key is skipped
-    (its rows' gradient from this block is 0), a fully visible tile runs with no mask."""
-    B, H, rows, _ = q.shape
-    keys = k.shape[2]
-    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for r0 in range(0, rows, _TILE):
-        r1 = min(rows, r0 + _TILE)
-        lo, hi = mask.key_range(r0, r1, rows, keys)
-        state = BlockState.EMPTY if lo >= hi else mask.block_state(r0, r1, lo, hi, rows, keys, B, H)
-        if state is BlockState.EMPTY:
-            continue
-        additive = None
-        if state is BlockState.PARTIAL:
-            allowed = mask.materialize_block(B, H, r0, r1, rows, keys, q.device, lo, hi)  # (B|1, H|1, r, k)
-            additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        assert _FLASH_BACKWARD is not None  # chosen only where PyTorch has it
-        tq, tk, tv = _FLASH_BACKWARD(
-            dout[:, :, r0:r1],
-            q[:, :, r0:r1],
-            k[:, :, lo:hi],
-            v[:, :, lo:hi],
-            out[:, :, r0:r1],
-            glse[:, :, r0:r1],
-            0.0,
-            False,
-            attn_mask=additive,
-            scale=scale,
-        )
-        gq[:, :, r0:r1] = tq
-        gk[:, :, lo:hi] += tk
-        gv[:, :, lo:hi] += tv
-    return gq, gk, gv
-
-
-def _unit_stride(x: Tensor) -> Tensor:
-    """The kernel reads any strides of the batch, head and position dims, the head dim densely."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _pad(x: Tensor, E: int) -> Tensor:
-    """``x (…, d)`` as a new tensor ``(…, E)`` with zeros after it (always a copy: callers write into it)."""
-    padded = x.new_zeros(x.shape[:-1] + (E,))
-    padded[..., : x.shape[-1]] = x
-    return padded
