@@ -44,51 +44,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
+from multihead.backends.band_runs import BandRun, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.bias_backward import LOG_TINY, bias_backward, normalise_, row_delta, row_peak
+from multihead.backends.block_plan import (
+    CAUSAL,
+    DEFAULT_BLOCK_SIZE,
+    FULL,
+    MASKED,
+    Piece,
+    Plan,
+    QueryBlock,
+    band_run,
+    block_plan,
+    kernel_pieces,
+)
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
-from multihead.masks import And, Band, BlockState, Mask
+from multihead.masks import Mask
 from multihead.merge import merge_partials
 from multihead.scores import ADDITIVE, ELEMENTWISE, ScoreMod
 from multihead.scores.relative import toeplitz_view
 from multihead.scoring import additive_block, unseen_keys
 
 __all__ = ["BlockSparseBackend", "block_plan", "Plan", "DEFAULT_BLOCK_SIZE"]
-
-#: Queries per block and the key-block grid; chosen by measurement (docs/performance.md).
-DEFAULT_BLOCK_SIZE = 256
-
-_FULL, _CAUSAL, _MASKED = "full", "causal", "masked"
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One kernel call: keys ``[k0, k1)`` for the query block, with no mask, ``is_causal``, or a mask."""
-
-    k0: int
-    k1: int
-    kind: str  # _FULL, _CAUSAL or _MASKED
-    diagonal: int | None = None  # _CAUSAL: the key where row 0's diagonal is (default k0)
-
-
-@dataclass(frozen=True)
-class QueryBlock:
-    q0: int
-    q1: int
-    pieces: tuple[Piece, ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The kernel calls of one attention: the interior blocks of a band as one batched call
-    (``run``, :mod:`multihead.backends.band_runs`), and the other query blocks one by one."""
-
-    run: BandRun | None
-    blocks: tuple[QueryBlock, ...]
 
 
 class BlockSparseBackend(Backend):
@@ -160,10 +141,10 @@ class BlockSparseBackend(Backend):
         plan = self._plan(call)
         mods = call.score_mod
         relative = mods is not None and mods.relative
-        counts = {_FULL: 0, _CAUSAL: 0, _MASKED: 0}
+        counts = {FULL: 0, CAUSAL: 0, MASKED: 0}
         computed = 0
         for blk in plan.blocks:
-            for p in _pieces(blk, mods):
+            for p in kernel_pieces(blk, mods):
                 counts[p.kind] += 1
                 computed += (blk.q1 - blk.q0) * (p.k1 - p.k0)
         skipped = sum(1 for b in plan.blocks if not b.pieces)
@@ -189,14 +170,14 @@ class BlockSparseBackend(Backend):
             )
         if relative:
             calls = (
-                f"kernel calls: {counts[_FULL] + counts[_CAUSAL]} with the relative bias as a strided view of "
+                f"kernel calls: {counts[FULL] + counts[CAUSAL]} with the relative bias as a strided view of "
                 f"R + K - 1 values per head (rows reversed; a causal diagonal as -inf in those values), "
-                f"{counts[_MASKED]} with a block-sized mask"
+                f"{counts[MASKED]} with a block-sized mask"
             )
         else:
             calls = (
-                f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
-                f"{counts[_MASKED]} with a block-sized mask"
+                f"kernel calls: {counts[FULL]} without mask, {counts[CAUSAL]} is_causal, "
+                f"{counts[MASKED]} with a block-sized mask"
             )
         lines += [
             f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
@@ -258,7 +239,7 @@ class BlockSparseBackend(Backend):
             self._plans.move_to_end(key)
             return cached
         blocks = block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
-        run = _band_run(call.mask, Lq, Lk, self.block_size) if batched else None
+        run = band_run(call.mask, Lq, Lk, self.block_size) if batched else None
         if run is not None:
             inside = [b for b in blocks if run.q0 <= b.q0 and b.q1 <= run.q1]
             if sum(b.q1 - b.q0 for b in inside) == run.q1 - run.q0:  # the run replaces exactly these
@@ -305,132 +286,9 @@ def _visited_share(mask: Mask | None, q_len: int, kv_len: int, block_size: int) 
 SMALL_CALL_ELEMENTS = 256 * 256
 
 
-# ----------------------------------------------------------------------------------- planning
-def block_plan(
-    mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, block_size: int = DEFAULT_BLOCK_SIZE
-) -> tuple[QueryBlock, ...]:
-    """The kernel calls for every query block, from the mask's structural answers only."""
-    diagonal = _upper_diagonal(mask, q_len, kv_len)
-    blocks = []
-    for q0 in range(0, q_len, block_size):
-        q1 = min(q0 + block_size, q_len)
-        if mask is None:
-            blocks.append(QueryBlock(q0, q1, (Piece(0, kv_len, _FULL),)))
-            continue
-        lo, hi = mask.key_range(q0, q1, q_len, kv_len)
-        pieces: list[Piece] = []
-        if lo < hi and diagonal is not None:
-            d, rest = diagonal
-            c0, c1 = q0 + d, min(q1 + d, kv_len)  # the block's diagonal, aligned for is_causal
-            # Keys >= q1 + d are above every row's diagonal; keys < q0 + d are below it.
-            hi = min(hi, c1)
-            if lo <= c0 < c1 and (
-                rest is None or rest.block_state(q0, q1, c0, c1, q_len, kv_len, batch, heads) is BlockState.FULL
-            ):
-                pieces = _classify(mask, q0, q1, lo, c0, q_len, kv_len, batch, heads, block_size)
-                pieces.append(Piece(c0, c1, _CAUSAL))
-                blocks.append(QueryBlock(q0, q1, tuple(_merge(pieces))))
-                continue
-        if lo < hi:
-            pieces = _classify(mask, q0, q1, lo, hi, q_len, kv_len, batch, heads, block_size)
-        blocks.append(QueryBlock(q0, q1, tuple(_merge(pieces))))
-    return _merge_query_blocks(blocks)
-
-
 def _in_torch(call: AttentionCall) -> bool:
     """Dropout or an elementwise modifier: the fused kernel can do neither (torch_blocks runs it)."""
     return call.dropout_p > 0 or (call.score_mod is not None and call.score_mod.kind == ELEMENTWISE)
-
-
-def _merge_query_blocks(blocks: list[QueryBlock]) -> tuple[QueryBlock, ...]:
-    """Consecutive query blocks that read the same keys with no mask become one call (no mask,
-    key padding): the kernel blocks large calls itself, and each call has a fixed overhead."""
-    merged: list[QueryBlock] = []
-    for blk in blocks:
-        prev = merged[-1] if merged else None
-        if (
-            prev is not None
-            and prev.pieces == blk.pieces
-            and prev.q1 == blk.q0
-            and all(p.kind == _FULL for p in blk.pieces)
-        ):
-            merged[-1] = QueryBlock(prev.q0, blk.q1, prev.pieces)
-        else:
-            merged.append(blk)
-    return tuple(merged)
-
-
-def _classify(mask, q0, q1, k0, k1, q_len, kv_len, batch, heads, block_size) -> list[Piece]:
-    """Split keys ``[k0, k1)`` on the block grid until each part is EMPTY, FULL or one block."""
-    if k0 >= k1:
-        return []
-    state = mask.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
-    if state is BlockState.EMPTY:
-        return []
-    if state is BlockState.FULL:
-        return [Piece(k0, k1, _FULL)]
-    if k1 - k0 <= block_size:
-        return [Piece(k0, k1, _MASKED)]
-    mid = (k0 + k1) // 2 // block_size * block_size
-    if mid <= k0:
-        mid = (k0 // block_size + 1) * block_size
-    return _classify(mask, q0, q1, k0, mid, q_len, kv_len, batch, heads, block_size) + _classify(
-        mask, q0, q1, mid, k1, q_len, kv_len, batch, heads, block_size
-    )
-
-
-def _merge(pieces: list[Piece]) -> list[Piece]:
-    """Adjacent pieces of the same kind become one call (causal pieces stay alone)."""
-    merged: list[Piece] = []
-    for p in pieces:
-        if merged and merged[-1].kind == p.kind != _CAUSAL and merged[-1].k1 == p.k0:
-            merged[-1] = Piece(merged[-1].k0, p.k1, p.kind)
-        else:
-            merged.append(p)
-    return merged
-
-
-def _band_run(mask: Mask | None, q_len: int, kv_len: int, block: int) -> BandRun | None:
-    """The interior query blocks of a band (a ``Band`` or an ``&`` of them, bounded on both
-    sides) as one batched run, when there are at least two of them; else ``None``."""
-    if mask is None:
-        return None
-    parts = mask.parts if isinstance(mask, And) else (mask,)
-    bands = [p for p in parts if isinstance(p, Band)]
-    if len(bands) != len(parts):
-        return None
-    windows = [p.window(q_len, kv_len) for p in bands]
-    if any(w is None for w in windows):  # aligned per sequence: no single relative pattern
-        return None
-    los = [w.lo for w in windows if w is not None and w.lo is not None]
-    his = [w.hi for w in windows if w is not None and w.hi is not None]
-    if not los or not his:
-        return None
-    run = interior_run(q_len, kv_len, block=block, lo=max(los), hi=min(his))
-    return run if run is not None and run.blocks >= 2 else None
-
-
-def _upper_diagonal(mask: Mask | None, q_len: int, kv_len: int):
-    """``(d, rest)`` when ``mask`` is "key ``j <= i + d``" ``&`` ``rest`` (``rest`` may be
-    ``None``): causal masks and the right edge of sliding windows, alone or in an ``&``.
-    ``None`` when the mask has no such edge."""
-    if mask is None:
-        return None
-    parts = mask.parts if isinstance(mask, And) else (mask,)
-    uppers: list[int] = []
-    rest: list[Mask] = []
-    for p in parts:
-        window = p.window(q_len, kv_len) if isinstance(p, Band) else None
-        if isinstance(p, Band) and window is not None and window.hi is not None:
-            uppers.append(window.hi)
-            if p.left is not None:
-                rest.append(Band(p.left, None, p.align, name="sliding_window"))
-        else:
-            rest.append(p)
-    if not uppers:
-        return None
-    rest_mask = None if not rest else (rest[0] if len(rest) == 1 else And(*rest))
-    return min(uppers), rest_mask
 
 
 def _piece_mask(
@@ -448,10 +306,10 @@ def _piece_mask(
     rows)`` bool) that see no key of the piece, the keys (``(B|1, 1, keys, 1)``) that no row of
     the piece sees, and what the kernel's LSE lacks per row (``None``, or the shift of
     :func:`multihead.scoring.additive_block`)."""
-    if mods is None and piece.kind != _MASKED:
+    if mods is None and piece.kind != MASKED:
         return None, None, None, None
     # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
-    piece_mask = None if piece.kind == _FULL else mask
+    piece_mask = None if piece.kind == FULL else mask
     bias, visible, shift = additive_block(
         piece_mask,
         mods,
@@ -531,7 +389,7 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     whether its finite values span less than 87.3 (so that its probabilities are fp32 denormals
     only for extreme scores, and the kernel's backward serves it: see :func:`_run_bias`). Both
     ``None`` without ``bounds``."""
-    if mods is None or piece.kind == _MASKED or not mods.relative:
+    if mods is None or piece.kind == MASKED or not mods.relative:
         return None
     rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
     d0 = piece.k0 - (blk.q1 - 1)  # the smallest distance j - i: last row, first key
@@ -539,7 +397,7 @@ def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Pi
     assert vec is not None  # a relative modifier: its bias is a function of the distance
     if not bool(torch.isfinite(vec).all()):
         return None
-    if piece.kind == _CAUSAL:  # row r sees keys up to diagonal + r: distances up to diagonal - q0
+    if piece.kind == CAUSAL:  # row r sees keys up to diagonal + r: distances up to diagonal - q0
         diagonal = piece.k0 if piece.diagonal is None else piece.diagonal
         d = torch.arange(d0, d0 + rows + keys - 1, device=q.device)
         vec = vec.masked_fill(d > diagonal - blk.q0, float("-inf"))
@@ -594,22 +452,6 @@ def _reversed(x: Tensor) -> Tensor:
     about 10x slower on these sizes)."""
     rows = x.shape[2]
     return x.index_select(2, torch.arange(rows - 1, -1, -1, device=x.device))
-
-
-def _pieces(blk: QueryBlock, mods: ScoreMod | None) -> tuple[Piece, ...]:
-    """The kernel calls of a query block. With a relative bias, adjacent FULL and CAUSAL pieces
-    become one call: the bias is a strided view whatever its width, and the causal diagonal is
-    ``-inf`` in its values (:func:`_relative_piece`); one call instead of two and no merge."""
-    if mods is None or not mods.relative or len(blk.pieces) < 2:
-        return blk.pieces
-    out: list[Piece] = []
-    for p in blk.pieces:
-        prev = out[-1] if out else None
-        if p.kind != _MASKED and prev is not None and prev.kind == _FULL and prev.k1 == p.k0:
-            out[-1] = Piece(prev.k0, p.k1, p.kind, p.k0 if p.kind == _CAUSAL else None)
-        else:
-            out.append(p)
-    return tuple(out)
 
 
 def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | None = None):
@@ -683,7 +525,7 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
         return _reversed(out), _reversed(lse), shift
     bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
     if bias is None:
-        return *flash(qb, kb, vb, 0.0, piece.kind == _CAUSAL, scale=scale), None
+        return *flash(qb, kb, vb, 0.0, piece.kind == CAUSAL, scale=scale), None
     kb, vb = _zero_unseen(kb, vb, unseen)
     out, lse = flash(qb, kb, vb, 0.0, False, attn_mask=bias, scale=scale)
     if bool(empty.any()):  # the kernel gives such rows LSE 0; they must weigh nothing in the merge
@@ -734,7 +576,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             if shift is not None:
                 base[:, :, rows] = shift
         for blk in plan.blocks:
-            parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk, bounds) for p in _pieces(blk, mods)]
+            parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk, bounds) for p in kernel_pieces(blk, mods)]
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
             rows = slice(blk.q0, blk.q1)
@@ -799,7 +641,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             rows = slice(blk.q0, blk.q1)
             go, qb, ob = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows]
             lb, lb_base = lse_b[:, :, rows].to(acc_dtype), base[:, :, rows]
-            pieces = _pieces(blk, mods)
+            pieces = kernel_pieces(blk, mods)
             whole = len(pieces) == 1  # the piece holds every key its rows see
             for p in pieces:
                 keys = slice(p.k0, p.k1)
@@ -836,7 +678,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                     continue
                 bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
-                causal = bias is None and p.kind == _CAUSAL
+                causal = bias is None and p.kind == CAUSAL
                 lp = lb + _offset(lb_base, shift)  # the kernel saw the bias shifted down
                 g_q, g_k, g_v = flash_backward(go, qb, kb, vb, ob, lp, 0.0, causal, attn_mask=bias, scale=ctx.scale)
                 dq[:, :, rows] += g_q
