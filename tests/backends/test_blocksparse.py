@@ -343,15 +343,15 @@ def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_on
     monkeypatch, Hkv, magnitude
 ):
     """Causal ALiBi at long range: after the cut at e^-50 a steep head weighs only the near past, so
-    its kernel calls start there (blocksparse._head_runs), forward and backward; the keys left out
+    its kernel calls start there (relative_pieces.head_runs), forward and backward; the keys left out
     are -inf for every row of its heads. Heads whose bias then spans less than 87.3 take the
     kernel's backward, the others bias_backward; either way the forward and the gradients equal
     the fp64 reference."""
-    import multihead.backends.blocksparse as bs
+    import multihead.backends.relative_pieces as bs
     from multihead.positions import ALiBi
 
     runs_seen, torch_backward = [], []
-    real, real_bias_backward = bs._head_runs, bs.bias_backward
+    real, real_bias_backward = bs.head_runs, bs.bias_backward
 
     def spy(starts, Hq, Hkv_):
         runs = real(starts, Hq, Hkv_)
@@ -362,7 +362,7 @@ def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_on
         torch_backward.append(args[1].shape[1])  # the heads it served
         return real_bias_backward(*args, **kwargs)
 
-    monkeypatch.setattr(bs, "_head_runs", spy)
+    monkeypatch.setattr(bs, "head_runs", spy)
     monkeypatch.setattr(bs, "bias_backward", spy_backward)
     gen = torch.Generator().manual_seed(11)
     B, Hq, L, D = 1, 8, 1100, 16

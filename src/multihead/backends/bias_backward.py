@@ -31,7 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["bias_backward", "row_peak", "normalise_", "row_delta", "LOG_TINY", "KEYS"]
+__all__ = [
+    "bias_backward",
+    "piece_ds",
+    "accumulate_mod_grads",
+    "add_grads",
+    "row_peak",
+    "normalise_",
+    "row_delta",
+    "LOG_TINY",
+    "KEYS",
+]
 
 #: Probabilities below exp(-50) = 2e-22 are set to 0 (fp32's smallest normal is exp(-87.3)).
 LOG_TINY = -50.0
@@ -139,3 +149,45 @@ def row_delta(p: Tensor, dp: Tensor, go: Tensor, o: Tensor, v: Tensor) -> Tensor
     zero = (v == 0).all(dim=2).repeat_interleave(Hq // Hkv, dim=1).unsqueeze(2)  # (N, Hq, 1, Dv)
     tail = (go.to(acc) * o.to(acc)).masked_fill(~zero, 0.0).sum(-1, keepdim=True)
     return (p * dp).sum(-1, keepdim=True) + tail
+
+
+def piece_ds(go, qb, kb, vb, ob, lb, bias, scale, whole_rows=False) -> Tensor:
+    """``dS = P (dP - rowsum(dO O))`` of one piece ``(B, Hq, rows, keys)``: the gradient of the
+    scores, which an additive bias receives as it is. Memory: one piece. ``whole_rows``: the
+    piece holds every key its rows weigh, so ``P`` is normalised by its own row sums and
+    ``rowsum(dO O)`` comes from it (:func:`row_delta`)."""
+    B, Hq, rows, _ = qb.shape
+    Hkv, keys = kb.shape[1], kb.shape[2]
+    acc = lb.dtype
+    fold = lambda x: x.to(acc).reshape(B, Hkv, (Hq // Hkv) * rows, x.shape[-1])  # query head h -> KV head h // G
+    s = torch.matmul(fold(qb), kb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys) * scale
+    if bias is not None:
+        s = s + bias.to(acc)
+    lb = lb.unsqueeze(-1)
+    # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+    p = torch.exp(s - (row_peak(s, lb) if whole_rows else lb))
+    if whole_rows:
+        normalise_(p)
+    dp = torch.matmul(fold(go), vb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys)
+    delta = row_delta(p, dp, go, ob, vb) if whole_rows else (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
+    return p * (dp - delta)
+
+
+def accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:
+    """Add ``dS`` of one piece to the gradients of the tensors an additive modifier reads, through
+    the same ``bias_block`` the forward used (autograd of a slice: memory of one piece)."""
+    with torch.enable_grad():
+        block = mods.bias_block(ds.shape[0], ds.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, ds.device, ds.dtype)
+        reduce = [d for d in range(4) if block.shape[d] == 1 and ds.shape[d] != 1]
+        add_grads(block, ds.sum(dim=reduce, keepdim=True) if reduce else ds, tensors, grads)
+
+
+def add_grads(output: Tensor, grad: Tensor, tensors, grads) -> None:
+    """``grads[i] += d(output)/d(tensors[i]) · grad`` for the tensors that require grad."""
+    needed = [t for t in tensors if t.requires_grad]
+    found = iter(torch.autograd.grad(output, needed, grad, allow_unused=True))
+    for i, t in enumerate(tensors):
+        if t.requires_grad:
+            g = next(found)
+            if g is not None:
+                grads[i] += g.to(grads[i].dtype)

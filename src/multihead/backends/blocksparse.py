@@ -38,15 +38,14 @@ Fully masked rows give output 0, LSE ``-inf`` and zero gradients (see
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.backends.band_runs import BandRun, run_backward, run_forward
+from multihead.backends.band_runs import run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
-from multihead.backends.bias_backward import LOG_TINY, bias_backward, normalise_, row_delta, row_peak
+from multihead.backends.bias_backward import LOG_TINY, accumulate_mod_grads, piece_ds
 from multihead.backends.block_plan import (
     CAUSAL,
     DEFAULT_BLOCK_SIZE,
@@ -60,13 +59,13 @@ from multihead.backends.block_plan import (
     kernel_pieces,
 )
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
+from multihead.backends.relative_pieces import Bounds, relative_backward, relative_forward, relative_piece, run_bias
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
 from multihead.masks import Mask
 from multihead.merge import merge_partials
 from multihead.scores import ADDITIVE, ELEMENTWISE, ScoreMod
-from multihead.scores.relative import toeplitz_view
 from multihead.scoring import additive_block, unseen_keys
 
 __all__ = ["BlockSparseBackend", "block_plan", "Plan", "DEFAULT_BLOCK_SIZE"]
@@ -328,172 +327,6 @@ def _piece_mask(
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
 
-#: log of fp32's smallest normal number (1.18e-38).
-_LOG_NORMAL = -87.3
-#: Keys whose weight is provably below ``e^-50`` of the row's largest are left out (``-inf``), as
-#: :mod:`bias_backward` sets such probabilities to 0: even ``2^31`` of them add less than
-#: ``2^-41`` to a row's sum, which fp32 cannot hold (see _underflow_cut).
-_NEGLIGIBLE = -LOG_TINY
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """``|scale · q_i · k_j| <= scale · |q_i| · |k_j|``: the norms of the query rows ``(B, Hq, Lq)``
-    and of the keys ``(B, Hkv, Lk)``, for :func:`_underflow_cut`."""
-
-    q: Tensor
-    k: Tensor
-    scale: float
-
-    @staticmethod
-    def of(q: Tensor, k: Tensor, scale: float, mods: ScoreMod | None) -> Bounds | None:
-        if mods is None or not mods.relative or q.dtype == torch.float64:
-            return None  # fp64 kernels accumulate in fp64: nothing to cut
-        acc = softmax_dtype(q.dtype)
-        return Bounds(
-            torch.linalg.vector_norm(q, dim=-1, dtype=acc), torch.linalg.vector_norm(k, dim=-1, dtype=acc), abs(scale)
-        )
-
-    def score(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-        """An upper bound of ``|scale · q·k|`` over rows ``[q0, q1)`` x keys ``[k0, k1)`` (a 0-dim tensor)."""
-        return self.scale * self.q[:, :, q0:q1].amax() * self.k[:, :, k0:k1].amax()
-
-
-def _underflow_cut(vec: Tensor, common: tuple[int, int], bound: Tensor) -> Tensor:
-    """``vec (H|1, n)`` of a relative bias with ``-inf`` where no row can give the entry a weight
-    above ``e^-50`` of its largest (:data:`_NEGLIGIBLE`). Every row sees the entries
-    ``vec[:, common[0]:common[1]]``, so its maximum score is at least ``max(those) - bound``; an
-    entry below that by more than ``bound + 50`` scores below ``max - 50`` for every row that
-    reads it. ALiBi at long context has many such entries, and they cost more than nothing: their
-    ``exp`` is mostly an fp32 denormal, on which x86 arithmetic is about 100x slower. The
-    forward+backward of a causal ALiBi attention at L=4096 ran 2-4x slower before entries below
-    fp32's underflow were cut (benchmarks/positions.py); cutting at ``e^-50`` instead leaves the
-    kernel of a sliding window's band almost no denormal (:func:`_run_bias`)."""
-    lo, hi = common
-    if lo >= hi:
-        return vec
-    floor = vec[:, lo:hi].amax(dim=-1, keepdim=True) - 2 * bound - _NEGLIGIBLE  # (H|1, 1)
-    return vec.masked_fill(vec < floor, float("-inf"))  # NaN bounds compare False: nothing cut
-
-
-def _relative_piece(mods: ScoreMod | None, q: Tensor, blk: QueryBlock, piece: Piece, bounds: Bounds | None = None):
-    """A relative bias (:mod:`multihead.scores.relative`) on a FULL or CAUSAL piece, as the
-    kernel's ``attn_mask``: ``(1, H|1, R, K)``, a strided view of ``R + K - 1`` values for the
-    piece's rows in *reverse* order (strides cannot be negative; the caller flips q and the
-    results), with the causal diagonal as ``-inf``; and the per-head shift ``(1, H|1, 1)`` taken off
-    for fp16/bf16 (``None`` otherwise), which the kernel's LSE lacks. ``None`` for other pieces,
-    other modifiers, or a bias that blocks (a ``-inf`` of its own: the general path handles it).
-    With ``bounds`` (fp32/fp16/bf16 kernels), entries that can only underflow are ``-inf`` too, and
-    the third value is, per row of the bias (``H|1``), the first key of the piece that some row may
-    weigh: the keys before it are ``-inf`` for every row; and the fourth, per row of the bias,
-    whether its finite values span less than 87.3 (so that its probabilities are fp32 denormals
-    only for extreme scores, and the kernel's backward serves it: see :func:`_run_bias`). Both
-    ``None`` without ``bounds``."""
-    if mods is None or piece.kind == MASKED or not mods.relative:
-        return None
-    rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
-    d0 = piece.k0 - (blk.q1 - 1)  # the smallest distance j - i: last row, first key
-    vec = mods.distance_bias(d0, d0 + rows + keys - 1, q.device, softmax_dtype(q.dtype))  # (H|1, R + K - 1)
-    assert vec is not None  # a relative modifier: its bias is a function of the distance
-    if not bool(torch.isfinite(vec).all()):
-        return None
-    if piece.kind == CAUSAL:  # row r sees keys up to diagonal + r: distances up to diagonal - q0
-        diagonal = piece.k0 if piece.diagonal is None else piece.diagonal
-        d = torch.arange(d0, d0 + rows + keys - 1, device=q.device)
-        vec = vec.masked_fill(d > diagonal - blk.q0, float("-inf"))
-        # Row r sees keys k0 .. min(diagonal + r, k1 - 1): every row sees distances k0 - q0 ..
-        # min(diagonal - q0, k1 - q0 - R) (the keys may end before a late row's diagonal).
-        common = (piece.k0 - blk.q0 - d0, min(diagonal - blk.q0, piece.k1 - blk.q0 - rows) - d0 + 1)
-    else:  # every row sees distances k0 - q0 .. k1 - q0 - R
-        common = (piece.k0 - blk.q0 - d0, piece.k1 - blk.q0 - rows - d0 + 1)
-    starts = calm = None
-    if bounds is not None:
-        vec = _underflow_cut(vec, common, bounds.score(blk.q0, blk.q1, piece.k0, piece.k1))
-        # Key c reads vec[c : c + R] (one entry per row): all -inf below the first finite entry.
-        finite = torch.isfinite(vec)
-        first = finite.to(torch.int8).argmax(dim=-1)  # (H|1,)
-        spread = torch.where(finite, vec, -torch.inf).amax(-1) - torch.where(finite, vec, torch.inf).amin(-1)
-        starts = (first - (rows - 1)).clamp(min=0).tolist()
-        calm = (spread < -_LOG_NORMAL).tolist()
-    shift = None
-    if q.dtype in (torch.float16, torch.bfloat16):  # as additive_block: keep the values near 0
-        peak = vec.amax(dim=-1, keepdim=True)
-        vec, shift = vec - peak, peak.view(1, -1, 1)
-    view = toeplitz_view(vec, rows, keys).unsqueeze(0)  # in the softmax dtype: unrounded (see flash_pieces.flash)
-    return view, shift, starts, calm
-
-
-#: Heads whose cut keys begin within this many keys of each other share one kernel call.
-_HEAD_RUN_SLACK = 128
-
-
-def _head_runs(starts: list[int] | None, Hq: int, Hkv: int) -> list[tuple[int, int, int]]:
-    """``(h0, h1, start)``: query heads ``[h0, h1)`` (whole KV groups) and the first key of the
-    piece their kernel call reads. A relative bias cut at ``e^-50`` (:func:`_underflow_cut`) leaves
-    a steep head (ALiBi's first slopes) only the near past: its call starts where its first
-    weighable key is, and heads whose starts are close share a call. Exact: the keys a call
-    leaves out are ``-inf`` for every row of its heads."""
-    if starts is None or len(starts) == 1:
-        return [(0, Hq, 0 if starts is None else starts[0])]
-    G = Hq // Hkv
-    runs: list[tuple[int, int, int]] = []
-    for g in range(Hkv):
-        start = min(starts[g * G : (g + 1) * G])
-        if runs and abs(start - runs[-1][2]) <= _HEAD_RUN_SLACK:
-            h0, _, s0 = runs[-1]
-            runs[-1] = (h0, (g + 1) * G, min(s0, start))
-        else:
-            runs.append((g * G, (g + 1) * G, start))
-    return runs
-
-
-def _reversed(x: Tensor) -> Tensor:
-    """``x (B, H, rows, ...)`` with its rows in reverse order (``index_select``: ``flip`` measured
-    about 10x slower on these sizes)."""
-    rows = x.shape[2]
-    return x.index_select(2, torch.arange(rows - 1, -1, -1, device=x.device))
-
-
-def _run_bias(mods: ScoreMod | None, run: BandRun, q: Tensor, bounds: Bounds | None = None):
-    """A relative bias on a band run: ``(1, H|1, block, span)`` for row ``s`` and window column
-    ``c`` of every interior block (distance ``lo + c - s``: the same for each block), the
-    fp16/bf16 per-head shift ``(1, H|1, 1)`` as for :func:`_relative_piece`, and the query heads
-    whose backward may use the kernel (see below); ``(None, None, None)`` without a modifier.
-
-    Every row of the band sees every distance ``lo .. hi``. The kernel's backward is faster than
-    ``bias_backward`` unless it meets many fp32 denormals, which a probability ``exp(s + b - lse)``
-    becomes below ``e^-87.3``. After :func:`_underflow_cut` a head's bias spans at most
-    ``50 + 2·bound`` over the band; a head whose bias spans less than ``87.3`` reaches a denormal
-    only where a key's score falls more than the rest of that margin below the row's typical
-    scores, which is rare: its backward takes the kernel (a choice of speed only: the kernel is
-    exact on denormals, just slower). Measured, ALiBi on ``sliding_window(512)`` at L=16384
-    (``B=1, H=8, D=64``, fp32): forward+backward 1.07x the window alone, against 1.78x with the
-    steep heads in ``bias_backward`` (docs/positions.md). Only with ``bounds`` (fp32/fp16/bf16
-    kernels); ``None`` means every head takes ``bias_backward``."""
-    if mods is None:
-        return None, None, None
-    block, span = run.block, run.span
-    d0 = run.lo - (block - 1)
-    vec = mods.distance_bias(d0, d0 + block + span - 1, q.device, softmax_dtype(q.dtype))  # (H|1, block + span - 1)
-    assert vec is not None  # a relative modifier: its bias is a function of the distance
-    kernel_heads = None
-    if bounds is not None:  # every row sees the whole band, distances lo .. hi
-        bound = bounds.score(run.q0, run.q1, run.k0, run.k1)
-        vec = _underflow_cut(vec, (run.lo - d0, run.hi - d0 + 1), bound)
-        band = vec[:, run.lo - d0 : run.hi - d0 + 1]
-        finite = torch.isfinite(band)
-        spread = torch.where(finite, band, -torch.inf).amax(-1) - torch.where(finite, band, torch.inf).amin(-1)
-        kernel_heads = (spread < -_LOG_NORMAL).expand(q.shape[1]).tolist()  # (Hq,) bools
-    s = torch.arange(block, device=q.device).view(-1, 1)
-    c = torch.arange(span, device=q.device).view(1, -1)
-    bias = vec[:, c - s + block - 1]  # (H|1, block, span)
-    shift = None
-    if q.dtype in (torch.float16, torch.bfloat16):
-        peak = vec.amax(dim=-1, keepdim=True).unsqueeze(-1)
-        bias, shift = bias - peak, peak.view(1, -1, 1)
-    return bias.unsqueeze(0), shift, kernel_heads  # in the softmax dtype: unrounded (see flash_pieces.flash)
-
-
 def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor, Tensor]:
     """Keys no query of a piece may see can hold anything (NaN beyond a length); the kernel
     computes ``0 * value`` for them and ``0 * NaN = NaN``, so they are zeroed."""
@@ -509,20 +342,9 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
     that see none of its keys get LSE ``-inf``."""
     qb = q[:, :, blk.q0 : blk.q1]
     kb, vb = k[:, :, piece.k0 : piece.k1], v[:, :, piece.k0 : piece.k1]
-    relative = _relative_piece(mods, q, blk, piece, bounds)
-    if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
-        win, shift, starts, _ = relative
-        qr, Hq, Hkv = _reversed(qb), q.shape[1], k.shape[1]
-        runs = _head_runs(starts, Hq, Hkv)
-        parts = []
-        for h0, h1, t in runs:  # each group of heads from its first weighable key
-            g0, g1 = h0 * Hkv // Hq, h1 * Hkv // Hq
-            w = win[:, h0:h1, :, t:] if win.shape[1] > 1 else win[:, :, :, t:]
-            parts.append(flash(qr[:, h0:h1], kb[:, g0:g1, t:], vb[:, g0:g1, t:], 0.0, False, attn_mask=w, scale=scale))
-        out, lse = (
-            parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts], 1), torch.cat([l for _, l in parts], 1))
-        )
-        return _reversed(out), _reversed(lse), shift
+    relative = relative_piece(mods, q, blk, piece, bounds)
+    if relative is not None:  # rows reversed: the bias is a strided view (relative_pieces)
+        return relative_forward(relative, qb, kb, vb, scale)
     bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
     if bias is None:
         return *flash(qb, kb, vb, 0.0, piece.kind == CAUSAL, scale=scale), None
@@ -571,7 +393,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         bounds = Bounds.of(q, k, scale, mods)
         if plan.run is not None:
             rows = slice(plan.run.q0, plan.run.q1)
-            bias, shift, _ = _run_bias(mods, plan.run, q, bounds)
+            bias, shift, _ = run_bias(mods, plan.run, q, bounds)
             out[:, :, rows], lse[:, :, rows] = run_forward(q, k, v, plan.run, scale, bias=bias)
             if shift is not None:
                 base[:, :, rows] = shift
@@ -616,7 +438,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         run = ctx.plan.run
         if run is not None:  # interior band rows are never fully masked: the LSE is finite there
             rows = slice(run.q0, run.q1)
-            bias, shift, kernel_heads = _run_bias(mods, run, q, bounds)
+            bias, shift, kernel_heads = run_bias(mods, run, q, bounds)
             run_lse = lse[:, :, rows].to(acc_dtype) + _offset(base[:, :, rows], shift)  # what the kernel saw
             g_q, _, _ = run_backward(
                 grad_out[:, :, rows],
@@ -646,35 +468,11 @@ class _BlockSparseAttention(torch.autograd.Function):
             for p in pieces:
                 keys = slice(p.k0, p.k1)
                 kb, vb = k[:, :, keys], v[:, :, keys]
-                relative = _relative_piece(mods, q, blk, p, bounds)
-                if relative is not None:  # rows reversed: the bias is a strided view (_relative_piece)
-                    win, shift, starts, calm = relative
-                    lp = _reversed(lb + _offset(lb_base, shift))
-                    gor, qr, orr = _reversed(go), _reversed(qb), _reversed(ob)
-                    if any(wants_mod_grad):  # dS summed along the view's diagonals: the bias values' gradient
-                        d_vec, on_ds = _diagonal_sums(win, rows=blk.q1 - blk.q0, keys=p.k1 - p.k0)
-                        g_q, g_k, g_v = bias_backward(
-                            gor, qr, kb, vb, orr, lp, win, ctx.scale, on_ds=on_ds, whole_rows=whole
-                        )
-                        dq[:, :, rows] += _reversed(g_q)
-                        dk[:, :, keys] += g_k
-                        dv[:, :, keys] += g_v
-                        _accumulate_relative_grads(mods, mod_tensors, d_mods, d_vec, blk, p)
-                        continue
-                    Hq_, Hkv_ = q.shape[1], k.shape[1]
-                    for h0, h1, t in _head_runs(starts, Hq_, Hkv_):  # as the forward: keys before t are -inf
-                        g0, g1 = h0 * Hkv_ // Hq_, h1 * Hkv_ // Hq_
-                        w = win[:, h0:h1, :, t:] if win.shape[1] > 1 else win[:, :, :, t:]
-                        args = (gor[:, h0:h1], qr[:, h0:h1], kb[:, g0:g1, t:], vb[:, g0:g1, t:], orr[:, h0:h1])
-                        if calm is not None and all(calm[h0:h1] if len(calm) > 1 else calm):
-                            g_q, g_k, g_v = flash_backward(
-                                *args, lp[:, h0:h1], 0.0, False, attn_mask=w, scale=ctx.scale,
-                            )  # fmt: skip
-                        else:  # a steep bias: denormals would slow the kernel's backward (bias_backward)
-                            g_q, g_k, g_v = bias_backward(*args, lp[:, h0:h1], w, ctx.scale, whole_rows=whole)
-                        dq[:, h0:h1, rows] += _reversed(g_q)
-                        dk[:, g0:g1, p.k0 + t : p.k1] += g_k
-                        dv[:, g0:g1, p.k0 + t : p.k1] += g_v
+                relative = relative_piece(mods, q, blk, p, bounds)
+                if relative is not None:  # rows reversed: the bias is a strided view (relative_pieces)
+                    lp = lb + _offset(lb_base, relative[1])
+                    trains = (mods, mod_tensors, d_mods) if any(wants_mod_grad) else None
+                    relative_backward(relative, go, qb, kb, vb, ob, lp, ctx.scale, whole, (dq, dk, dv), blk, p, trains)
                     continue
                 bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
@@ -685,79 +483,9 @@ class _BlockSparseAttention(torch.autograd.Function):
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
                 if any(wants_mod_grad):
-                    _accumulate_mod_grads(
-                        mods, mod_tensors, d_mods, _piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole), blk, p
+                    accumulate_mod_grads(
+                        mods, mod_tensors, d_mods, piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole), blk, p
                     )
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_mods)
-
-
-def _piece_ds(go, qb, kb, vb, ob, lb, bias, scale, whole_rows=False) -> Tensor:
-    """``dS = P (dP - rowsum(dO O))`` of one piece ``(B, Hq, rows, keys)``: the gradient of the
-    scores, which an additive bias receives as it is. Memory: one piece. ``whole_rows``: the
-    piece holds every key its rows weigh, so ``P`` is normalised by its own row sums and
-    ``rowsum(dO O)`` comes from it (:func:`multihead.backends.bias_backward.row_delta`)."""
-    B, Hq, rows, _ = qb.shape
-    Hkv, keys = kb.shape[1], kb.shape[2]
-    acc = lb.dtype
-    fold = lambda x: x.to(acc).reshape(B, Hkv, (Hq // Hkv) * rows, x.shape[-1])  # query head h -> KV head h // G
-    s = torch.matmul(fold(qb), kb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys) * scale
-    if bias is not None:
-        s = s + bias.to(acc)
-    lb = lb.unsqueeze(-1)
-    # 0 where blocked (-inf) and on fully masked rows (lse +inf)
-    p = torch.exp(s - (row_peak(s, lb) if whole_rows else lb))
-    if whole_rows:
-        normalise_(p)
-    dp = torch.matmul(fold(go), vb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys)
-    delta = row_delta(p, dp, go, ob, vb) if whole_rows else (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
-    return p * (dp - delta)
-
-
-def _diagonal_sums(win: Tensor, rows: int, keys: int):
-    """A zero ``d_vec (H|1, R + K - 1)`` and the ``on_ds(ds, c0, c1)`` of :func:`bias_backward`
-    that adds the chunk's ``dS``, summed over the batch (and the heads for a head-less bias),
-    along the diagonals of the strided view: ``d_vec[n] += sum of dS over r' + c = n``."""
-    acc = torch.float64 if win.dtype == torch.float64 else torch.float32
-    d_vec = torch.zeros(win.shape[1], rows + keys - 1, dtype=acc, device=win.device)
-
-    def on_ds(ds: Tensor, c0: int, c1: int) -> None:
-        g = ds.sum(dim=0) if win.shape[1] > 1 else ds.sum(dim=(0, 1)).unsqueeze(0)  # (H|1, R, n)
-        # Keys [c0, c1) read the values [c0, c1 + R - 1): the unfold's backward over those only
-        # (one over the whole piece per chunk would cost O(K^2)).
-        part = torch.zeros(win.shape[1], c1 - c0 + rows - 1, dtype=acc, device=win.device, requires_grad=True)
-        with torch.enable_grad():
-            d_vec[:, c0 : c1 + rows - 1] += torch.autograd.grad(toeplitz_view(part, rows, c1 - c0), part, g.to(acc))[0]
-
-    return d_vec, on_ds
-
-
-def _accumulate_relative_grads(mods, tensors, grads, d_vec, blk, piece) -> None:
-    """Add ``d_vec``, the gradient of one relative piece's bias values, to the gradients of the
-    tensors the bias reads (through :meth:`ScoreMod.distance_bias`; memory of one vector)."""
-    rows, keys = blk.q1 - blk.q0, piece.k1 - piece.k0
-    d0 = piece.k0 - (blk.q1 - 1)
-    with torch.enable_grad():
-        vec = mods.distance_bias(d0, d0 + rows + keys - 1, d_vec.device, d_vec.dtype)  # (H|1, R + K - 1)
-        _add_grads(vec, d_vec, tensors, grads)
-
-
-def _accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:
-    """Add ``dS`` of one piece to the gradients of the tensors an additive modifier reads, through
-    the same ``bias_block`` the forward used (autograd of a slice: memory of one piece)."""
-    with torch.enable_grad():
-        block = mods.bias_block(ds.shape[0], ds.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, ds.device, ds.dtype)
-        reduce = [d for d in range(4) if block.shape[d] == 1 and ds.shape[d] != 1]
-        _add_grads(block, ds.sum(dim=reduce, keepdim=True) if reduce else ds, tensors, grads)
-
-
-def _add_grads(output: Tensor, grad: Tensor, tensors, grads) -> None:
-    """``grads[i] += d(output)/d(tensors[i]) · grad`` for the tensors that require grad."""
-    needed = [t for t in tensors if t.requires_grad]
-    found = iter(torch.autograd.grad(output, needed, grad, allow_unused=True))
-    for i, t in enumerate(tensors):
-        if t.requires_grad:
-            g = next(found)
-            if g is not None:
-                grads[i] += g.to(grads[i].dtype)
