@@ -60,12 +60,11 @@ from multihead.backends.block_plan import (
 )
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.relative_pieces import Bounds, relative_backward, relative_forward, relative_piece, run_bias
-from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
 from multihead.masks import Mask
 from multihead.merge import merge_partials
-from multihead.scores import ADDITIVE, ELEMENTWISE, ScoreMod
+from multihead.scores import ADDITIVE, ScoreMod
 from multihead.scoring import additive_block, unseen_keys
 
 __all__ = ["BlockSparseBackend", "block_plan", "Plan", "DEFAULT_BLOCK_SIZE"]
@@ -83,7 +82,8 @@ class BlockSparseBackend(Backend):
         keys_in_pieces=True,  # bands and runs of heads merge per piece (merge_partials)
         # A plain tensor mask is already Lq x Lk: sdpa passes it to the kernel as it is.
         mask_kinds=MASK_KINDS - {"tensor"},
-        score_mods=frozenset({ADDITIVE, ELEMENTWISE}),
+        score_mods=frozenset({ADDITIVE}),  # elementwise ones and dropout: torch_blocks
+        dropout=False,
         masks="structured masks (causal, sliding window, document, prefix-LM, key padding, custom, "
         "positions, and & | ~ of them); not plain tensor masks",
         compiles=False,
@@ -108,27 +108,12 @@ class BlockSparseBackend(Backend):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         mask = call.mask
         relative = call.score_mod is not None and call.score_mod.relative
-        if mask is None and not relative and not _in_torch(call):
+        if mask is None and not relative:
             return ["no mask: sdpa runs one fused call, as fast"]
-        if call.dropout_p > 0 and B * Hq * Lq * Lk < DROPOUT_DENSE_ELEMENTS:
-            if Lq * Lk < DROPOUT_MIN_SQUARE:
-                return [
-                    f"dropout: Lq*Lk = {Lq * Lk} < {DROPOUT_MIN_SQUARE}: the blockwise path's per-block ops cost "
-                    "more than sdpa's math kernel on the dense mask (benchmarks/dropout.py)"
-                ]
-            share = _visited_share(mask, Lq, Lk, self.block_size)
-            if share > DROPOUT_MAX_SHARE:
-                return [
-                    f"dropout: the blockwise path visits {share:.0%} of the scores (> {DROPOUT_MAX_SHARE:.0%}), "
-                    "slower than sdpa's math kernel on the dense mask while the scores fit "
-                    f"({B * Hq * Lq * Lk} < {DROPOUT_DENSE_ELEMENTS} elements; benchmarks/dropout.py)"
-                ]
         offset = mask.causal_offset(Lq, Lk) if call.score_mod is None and mask is not None else None
-        if call.dropout_p == 0 and (offset == 0 or (offset is not None and offset >= Lk - 1)):
-            # (with dropout, sdpa runs its math kernel on the whole square: blocksparse skips the
-            # blocked half; docs/performance.md)
+        if offset == 0 or (offset is not None and offset >= Lk - 1):
             return ["causal diagonal that sdpa passes as is_causal: sdpa is as fast"]
-        if Lq * Lk < SMALL_CALL_ELEMENTS and not _in_torch(call):
+        if Lq * Lk < SMALL_CALL_ELEMENTS:
             return [
                 f"Lq*Lk = {Lq * Lk} < {SMALL_CALL_ELEMENTS}: per-block overhead exceeds the saving; "
                 "sdpa with the mask materialized is faster"
@@ -148,18 +133,6 @@ class BlockSparseBackend(Backend):
                 computed += (blk.q1 - blk.q0) * (p.k1 - p.k0)
         skipped = sum(1 for b in plan.blocks if not b.pieces)
         lines = []
-        if _in_torch(call):
-            why = (
-                f"dropout p={call.dropout_p}: the CPU flash kernel has none"
-                if call.dropout_p > 0
-                else f"score modifier {call.score_mod._describe() if call.score_mod else None} is elementwise: "
-                "the CPU flash kernel takes only an "
-                "additive mask"
-            )
-            return [
-                f"{why}, so each block of {self.block_size} queries attends to its visible key range in PyTorch "
-                "(activation checkpointing: memory of one block, recomputed in the backward)"
-            ]
         if plan.run is not None:
             run = plan.run
             computed += (run.q1 - run.q0) * run.span
@@ -216,12 +189,9 @@ class BlockSparseBackend(Backend):
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
         mods = call.score_mod
-        if _in_torch(call):  # no dropout, no elementwise modifier in the CPU flash kernel: a block at a time in PyTorch
-            out, lse = attention_by_blocks(q, k, v, call.mask, mods, call.scale, call.dropout_p, self.block_size)
-        else:
-            out, lse = _BlockSparseAttention.apply(
-                q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
-            )
+        out, lse = _BlockSparseAttention.apply(
+            q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
+        )
         if Dv < D:
             out = out[..., :Dv]
         return AttentionResult(out, None, lse if call.return_lse else None)
@@ -252,42 +222,9 @@ class BlockSparseBackend(Backend):
         return plan
 
 
-#: With dropout, sdpa runs its math kernel on the dense scores, and the blockwise path
-#: (:mod:`torch_blocks`) PyTorch ops on each query block's visible key range: per score it costs
-#: 1.5-2x the math kernel (no mask, L=1024-4096), so it wins when it visits at most about half the
-#: square. Measured forward+backward, B=1 H=8 D=64 fp32, sdpa / blocksparse time: causal 0.77,
-#: 1.01, 1.21 at L=1024, 2048, 4096 (it visits 62%, 56%, 53%); sliding_window(512) 0.87, 1.78,
-#: 3.08 (56%, 33%, 18%); no mask 0.66, 0.61, 0.49 (docs/performance.md, "Dropout"). Below
-#: ``Lq·Lk = 1024²`` its per-block ops weigh more: ``sliding_window(16)`` at L=512 (52%) 0.68,
-#: against ``sliding_window(64)`` at L=1024 (30%) 1.41 and ``sliding_window(256)`` (44%) 1.18.
-DROPOUT_MAX_SHARE = 0.55
-DROPOUT_MIN_SQUARE = 1 << 20
-#: The math kernel holds B*Hq*Lq*Lk scores and probabilities: from this many (1 GiB of fp32
-#: scores) on, auto takes the blockwise path whatever it visits, since its memory is one block.
-DROPOUT_DENSE_ELEMENTS = 1 << 28
-
-
-def _visited_share(mask: Mask | None, q_len: int, kv_len: int, block_size: int) -> float:
-    """The share of the ``Lq x Lk`` scores that the blockwise path computes: each query block's key
-    range (``mask.key_range``), as :func:`torch_blocks.attention_by_blocks` visits them."""
-    if mask is None or q_len * kv_len == 0:
-        return 1.0
-    visited = 0
-    for q0 in range(0, q_len, block_size):
-        q1 = min(q0 + block_size, q_len)
-        k0, k1 = mask.key_range(q0, q1, q_len, kv_len)
-        visited += (q1 - q0) * max(0, k1 - k0)
-    return visited / (q_len * kv_len)
-
-
 #: Below this many scores a single SDPA call with a materialized mask beats the per-block loop
 #: (measured, docs/performance.md).
 SMALL_CALL_ELEMENTS = 256 * 256
-
-
-def _in_torch(call: AttentionCall) -> bool:
-    """Dropout or an elementwise modifier: the fused kernel can do neither (torch_blocks runs it)."""
-    return call.dropout_p > 0 or (call.score_mod is not None and call.score_mod.kind == ELEMENTWISE)
 
 
 def _piece_mask(
