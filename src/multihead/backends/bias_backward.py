@@ -5,8 +5,9 @@ on the batched interior of a band (:mod:`multihead.backends.band_runs`), instead
 flash backward, for the heads whose bias still spans 87.3 or more once the entries below
 ``exp(-50)`` of a row's largest weight are cut, and for a bias that trains (its gradient comes
 from ``dS`` here). Why: with a bias that spans hundreds of units (ALiBi at long range), many
-probabilities ``exp(S - lse)`` are fp32 *denormals*, and x86 arithmetic on denormals is about
-100x slower; on causal ALiBi at L=4096 the kernel's backward took 13x its forward. Here
+probabilities ``exp(S - lse)`` are fp32 *denormals*, x86 arithmetic on denormals is far slower,
+and on causal ALiBi the kernel's backward took many times its forward
+(measured: docs/performance.md#position-biases). Here
 probabilities below ``exp(LOG_TINY) = exp(-50) = 2e-22`` are set to 0 before the matrix products:
 then neither ``P`` nor ``dS = P (dP - delta)`` holds a denormal (``|dP - delta|`` would have to be
 below ``5e-17``, which in fp32 arithmetic is an exact 0), and what is dropped, at most
@@ -82,7 +83,8 @@ def bias_backward(
     acc = lse.dtype
     G = Hq // Hkv
     # Query head h = kv * G + g -> KV head kv. Contiguous: a gradient of .sum() arrives expanded
-    # (stride 0), and a stride-0 operand sends bmm to a loop 10x slower than BLAS (measured).
+    # (stride 0), and a stride-0 operand sends bmm to a loop far slower than BLAS.
+    # measured: docs/performance.md#position-biases
     fold = lambda x: x.to(acc).reshape(N, Hkv, G * R, x.shape[-1]).contiguous()
     qs, gof = fold(q) * scale, fold(go)  # the scale folded into q: a pass over R x D, not over R x K
     delta = (go.to(acc) * o.to(acc)).sum(-1, keepdim=True)  # (N, Hq, R, 1)
