@@ -52,14 +52,14 @@ def _window(L: int) -> dict:
     fns = {
         "no dropout": _step(lambda: mh.attention(q, k, v, mask=mask), q, k, v),
         "draw alone": lambda: torch.rand(visible),
-        "dropout 0.1": _step(lambda: mh.attention(q, k, v, mask=mask, dropout_p=0.1, backend="blocksparse"), q, k, v),
+        "dropout 0.1": _step(lambda: mh.attention(q, k, v, mask=mask, dropout_p=0.1, backend="torch_blocks"), q, k, v),
         "dropout 0.1, auto": _step(lambda: mh.attention(q, k, v, mask=mask, dropout_p=0.1), q, k, v),
         "sdpa dense mask, dropout 0.1": _step(
             lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=0.1), q, k, v
         ),
     }
     return _row(
-        f"attention, sliding_window(512), B=1 H=8 L={L} D=64 (dropout: blocksparse forced)",
+        f"attention, sliding_window(512), B=1 H=8 L={L} D=64 (dropout: torch_blocks forced)",
         fns,
         mh.explain(q.detach(), k.detach(), v.detach(), mask=mask, dropout_p=0.1).backend,
     )

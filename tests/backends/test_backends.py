@@ -170,17 +170,25 @@ def test_a_backend_declaring_cuda_only_is_skipped_on_cpu_not_passed():
 
 
 def test_auto_order_comes_from_priorities_not_import_order():
-    assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "flex", "sdpa", "reference"]
+    assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "torch_blocks", "flex", "sdpa", "reference"]
     probe = _CudaOnly()
     mh.register_backend(probe, priority=12)
     try:
-        assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "cuda_only_probe", "flex", "sdpa", "reference"]
+        assert mh.backends.AUTO_ORDER == [
+            "decode",
+            "blocksparse",
+            "torch_blocks",
+            "cuda_only_probe",
+            "flex",
+            "sdpa",
+            "reference",
+        ]
         q = torch.randn(1, 2, 4, 8)
         refused = mh.explain(q, q, q).refused
         assert "cuda_only_probe" in refused and "device type 'cpu'" in refused["cuda_only_probe"][0]
     finally:
         mh.unregister_backend("cuda_only_probe")
-    assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "flex", "sdpa", "reference"]
+    assert mh.backends.AUTO_ORDER == ["decode", "blocksparse", "torch_blocks", "flex", "sdpa", "reference"]
 
 
 @pytest.mark.parametrize("backend", mh.available_backends())

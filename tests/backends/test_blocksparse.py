@@ -9,6 +9,7 @@ from matrix import factor
 import multihead as mh
 from helpers import LargestAllocation, assert_relative, covering_cases, make_inputs, naive_attention
 from multihead.backends.blocksparse import DEFAULT_BLOCK_SIZE, BlockSparseBackend, block_plan
+from multihead.backends.torch_blocks_backend import TorchBlocksBackend
 from multihead.validation import validate_call
 
 STRUCTURED = [
@@ -291,7 +292,7 @@ def test_dropout_runs_blockwise_and_equals_the_reference_with_the_same_draw(mask
         torch.randn(B, h, L, D, generator=gen, dtype=torch.float64, requires_grad=True)
         for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
     )
-    backend = BlockSparseBackend(block)
+    backend = TorchBlocksBackend(block)
     call = validate_call(
         q, k, v, mask=mask, scale=None, dropout_p=p, dropout_mask=None, return_weights=False, return_lse=True
     )
@@ -313,11 +314,13 @@ def test_dropout_is_reproducible_keeps_1_minus_p_and_auto_takes_it_for_structure
     a = mh.attention(q, q, q, mask=mask, dropout_p=0.25)
     torch.manual_seed(0)
     assert torch.equal(a, mh.attention(q, q, q, mask=mask, dropout_p=0.25))
-    # auto: sdpa's math kernel while the dense scores fit (faster, measured), blocksparse beyond
+    # auto: sdpa's math kernel while the dense scores fit (faster, measured), torch_blocks beyond
     assert mh.explain(q, q, q, mask=mask, dropout_p=0.25).backend == "sdpa"
     big = torch.randn(1, 16, 8192, 16)  # 16 x 8192^2 = 2^30 scores: 4 GiB dense
-    assert mh.explain(big, big, big, mask=mh.causal(), dropout_p=0.25).backend == "blocksparse"
-    assert mh.explain(q, q, q, mask=mask, dropout_p=0.25, backend="blocksparse").backend == "blocksparse"
+    assert mh.explain(big, big, big, mask=mh.causal(), dropout_p=0.25).backend == "torch_blocks"
+    assert mh.explain(q, q, q, mask=mask, dropout_p=0.25, backend="torch_blocks").backend == "torch_blocks"
+    with pytest.raises(mh.BackendRefusedError, match="dropout"):  # the fused kernel has none
+        mh.attention(q, q, q, mask=mask, dropout_p=0.25, backend="blocksparse")
     keep = _replayed_keep(0, mask, 1, 4, 512, 512, DEFAULT_BLOCK_SIZE, 0.25)
     visible = mask.materialize(1, 4, 512, 512).expand_as(keep)
     assert abs(float(keep[visible].float().mean()) - 0.75) < 0.01
@@ -328,13 +331,14 @@ def test_dropout_is_reproducible_keeps_1_minus_p_and_auto_takes_it_for_structure
 
 
 def test_auto_refusals_of_a_long_dropout_call_without_a_mask():
-    """Past the dense-size threshold a dropout call with no mask reaches the causal-offset question,
-    which must not be asked of a missing mask (it raised AttributeError)."""
+    """Past the dense-size threshold a dropout call with no mask is torch_blocks' (when blocksparse
+    held this path, the call reached a causal-offset question asked of the missing mask and raised
+    AttributeError)."""
     q = torch.randn(1, 1, 16384, 8)  # B·Hq·Lq·Lk = 2^28 scores: no longer "fits"
     call = validate_call(
         q, q, q, mask=None, scale=None, dropout_p=0.1, dropout_mask=None, return_weights=False, return_lse=False
     )
-    assert BlockSparseBackend().auto_refusals(call) == []
+    assert TorchBlocksBackend().auto_refusals(call) == []
 
 
 @pytest.mark.parametrize("Hkv", [8, 2])  # MHA, GQA (heads grouped by KV head)
@@ -343,15 +347,15 @@ def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_on
     monkeypatch, Hkv, magnitude
 ):
     """Causal ALiBi at long range: after the cut at e^-50 a steep head weighs only the near past, so
-    its kernel calls start there (blocksparse._head_runs), forward and backward; the keys left out
+    its kernel calls start there (relative_pieces.head_runs), forward and backward; the keys left out
     are -inf for every row of its heads. Heads whose bias then spans less than 87.3 take the
     kernel's backward, the others bias_backward; either way the forward and the gradients equal
     the fp64 reference."""
-    import multihead.backends.blocksparse as bs
+    import multihead.backends.relative_pieces as bs
     from multihead.positions import ALiBi
 
     runs_seen, torch_backward = [], []
-    real, real_bias_backward = bs._head_runs, bs.bias_backward
+    real, real_bias_backward = bs.head_runs, bs.bias_backward
 
     def spy(starts, Hq, Hkv_):
         runs = real(starts, Hq, Hkv_)
@@ -362,7 +366,7 @@ def test_a_steep_relative_bias_reads_each_heads_keys_from_its_first_weighable_on
         torch_backward.append(args[1].shape[1])  # the heads it served
         return real_bias_backward(*args, **kwargs)
 
-    monkeypatch.setattr(bs, "_head_runs", spy)
+    monkeypatch.setattr(bs, "head_runs", spy)
     monkeypatch.setattr(bs, "bias_backward", spy_backward)
     gen = torch.Generator().manual_seed(11)
     B, Hq, L, D = 1, 8, 1100, 16
@@ -404,7 +408,7 @@ def test_an_elementwise_modifier_on_a_call_where_no_query_sees_a_key_backpropaga
     gen = torch.Generator().manual_seed(28)
     base = [torch.randn(B, h, L, D, generator=gen) for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))]
     grads = {}
-    for backend in ("blocksparse", "reference"):
+    for backend in ("torch_blocks", "reference"):
         q, k, v = (t.clone().requires_grad_(name in needs_grad) for t, name in zip(base, "qkv"))
         out = mh.attention(q, k, v, mask=mask, backend=backend, **modifier)
         assert bool((out == 0).all())
@@ -413,7 +417,7 @@ def test_an_elementwise_modifier_on_a_call_where_no_query_sees_a_key_backpropaga
         assert len(grads[backend]) == len(needs_grad)
         for g in grads[backend]:
             assert g is not None and bool((g == 0).all())
-    for got, want in zip(grads["blocksparse"], grads["reference"]):
+    for got, want in zip(grads["torch_blocks"], grads["reference"]):
         assert torch.equal(got, want)
 
 

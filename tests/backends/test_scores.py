@@ -169,8 +169,8 @@ def test_softcap_caps_scores_and_explain_says_who_runs_it():
     torch.testing.assert_close(res.output.double(), ref.output, rtol=1e-5, atol=1e-5)
     assert float(res.lse.max()) <= 3.0 + torch.log(torch.tensor(8.0))  # every score <= cap
     report = mh.explain(q, q, q, mask=mh.causal(), score_mod=mh.scores.softcap(3.0))
-    # sdpa's kernel takes only an additive mask; blocksparse runs it a block at a time in PyTorch
-    assert report.backend == "blocksparse" and "softcap(3.0) is elementwise" in str(report)
+    # sdpa's and blocksparse's kernels take only an additive mask; torch_blocks runs it a block at a time
+    assert report.backend == "torch_blocks" and "blocksparse: score modifier softcap(3.0) is elementwise" in str(report)
     assert "sdpa: score modifier softcap(3.0) is elementwise" in str(report)
 
 

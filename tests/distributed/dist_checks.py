@@ -205,7 +205,7 @@ for _layout in ("zigzag", "contiguous"):
 
         check(f"ring-{_layout}-{_kind}-D{_d}-Dv{_dv}-no-lse")(_ring_no_lse)
 
-    # A masked block's backward runs tile by tile of query rows (ring._TILE, 512): tiles of 5 rows
+    # A masked block's backward runs tile by tile of query rows (flash_pieces.TILE, 512): tiles of 5 rows
     # here, so blocks split into several tiles, some fully visible, some hidden, a last short one.
     for _kind in ("window_small", "window_two_sided", "documents", "causal_padding", "padding", "bool_tensor"):
 
@@ -219,13 +219,13 @@ for _layout in ("zigzag", "contiguous"):
 
 @contextlib.contextmanager
 def small_tiles(rows: int):
-    from multihead.distributed import ring
+    from multihead.backends import flash_pieces
 
-    saved, ring._TILE = ring._TILE, rows
+    saved, flash_pieces.TILE = flash_pieces.TILE, rows
     try:
         yield
     finally:
-        ring._TILE = saved
+        flash_pieces.TILE = saved
 
 
 # ------------------------------------------------------------------------------------ ulysses, fp64

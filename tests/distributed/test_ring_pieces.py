@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import multihead as mh
+from multihead.backends import flash_pieces
 from multihead.distributed import ring
 
 
@@ -54,10 +55,10 @@ def test_tiled_block_backward_equals_one_call(mask, tile, monkeypatch):
     block = mask.shifted(7, 0, q_len=keys, kv_len=keys) if mask.depends_on_lengths() else mask.shifted(7, 0)
     res = mh.attention(q, k, v, mask=block, return_lse=True)
     args = (q, k, v, block, D**-0.5, res.output, res.lse, dout, dlse)
-    monkeypatch.setattr(ring, "_TILE", 10_000)
-    whole = ring._flash_block_backward(*args)
-    monkeypatch.setattr(ring, "_TILE", tile)
-    tiled = ring._flash_block_backward(*args)
+    monkeypatch.setattr(flash_pieces, "TILE", 10_000)
+    whole = flash_pieces.backward_from_lse(*args)
+    monkeypatch.setattr(flash_pieces, "TILE", tile)
+    tiled = flash_pieces.backward_from_lse(*args)
     for name, a, b in zip(("dq", "dk", "dv"), tiled, whole):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
     # and both are the gradient of the block's own attention (output and LSE)
@@ -66,3 +67,28 @@ def test_tiled_block_backward_equals_one_call(mask, tile, monkeypatch):
     loss = (r.output * dout).sum() + (r.lse.masked_fill(torch.isneginf(r.lse), 0) * dlse).sum()
     for name, a, b in zip(("dq", "dk", "dv"), tiled, torch.autograd.grad(loss, (qq, kk, vv))):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name} vs autograd: {m}")
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "blocksparse", "reference"])
+def test_a_block_backward_comes_from_the_backend_that_runs_it(backend, monkeypatch):
+    """The ring asks the backend that runs a block for ``backward_from_lse`` (sdpa and blocksparse
+    offer it on CPU: the flash piece); one that does not (reference) is differentiated through
+    its forward. Either way the result is the block's gradient."""
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, rows, keys, D = 1, 4, 2, 300, 280, 8
+    q = torch.randn(B, Hq, rows, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, keys, D, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(B, Hq, rows, D, generator=g, dtype=torch.float64)
+    dlse = torch.randn(B, Hq, rows, generator=g, dtype=torch.float64)
+    block = mh.sliding_window(40).shifted(20, 0, q_len=400, kv_len=400)  # rows 20.., keys 0.. of 400
+    res = mh.attention(q, k, v, mask=block, return_lse=True)
+    asked = []
+    real = flash_pieces.backward_from_lse
+    monkeypatch.setattr(flash_pieces, "backward_from_lse", lambda *a: asked.append(1) or real(*a))
+    got = ring._block_backward(q, k, v, block, D**-0.5, backend, res.output, res.lse, dout, dlse)
+    assert bool(asked) == (backend != "reference")
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    r = mh.attention(qq, kk, vv, mask=block, return_lse=True)
+    loss = (r.output * dout).sum() + (r.lse.masked_fill(torch.isneginf(r.lse), 0) * dlse).sum()
+    for name, a, b in zip(("dq", "dk", "dv"), got, torch.autograd.grad(loss, (qq, kk, vv))):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")

@@ -54,7 +54,7 @@ from fuzz_oracle import alibi_bias, attend, attend_flash, mods_of, t5_bias, t5_b
 
 import multihead as mh  # noqa: E402
 
-BACKENDS = ["reference", "sdpa", "blocksparse", "auto"]
+BACKENDS = ["reference", "sdpa", "blocksparse", "torch_blocks", "auto"]
 # With two slow-tier seeds in the default run: the first to find issue 28's items 11 (bf16 ALiBi
 # in the paper's form, no causal mask) and 12 (weights with scores ~300 in fp16).
 DEFAULT_SEEDS = [*range(0, 60), 1354, 2084]

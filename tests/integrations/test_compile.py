@@ -292,31 +292,38 @@ def test_a_backend_declared_not_to_compile_breaks_the_graph_and_auto_avoids_it(b
     """The declaration is true: forced under ``fullgraph=True`` it raises (a graph break).
     ``auto``, on a call that eager ``auto`` gives this backend, compiles in one graph (it chose
     another). (Without fullgraph the forced backend still runs, in pieces: the slow tier.)"""
-    q, k, v, mask = _long_window_call(backend)
-    forced, _ = compiled(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend=backend), compiler="eager")
+    q, k, v, kw = _long_window_call(backend)
+    forced, _ = compiled(lambda q, k, v: mh.attention(q, k, v, **kw, backend=backend), compiler="eager")
     with pytest.raises(Exception, match="(?i)graph break|data-dependent|item|Unsupported|guard"):
         forced(q, k, v)
-    auto, counter = compiled(lambda q, k, v: mh.attention(q, k, v, mask=mask), compiler="eager")
-    torch.testing.assert_close(auto(q, k, v), mh.attention(q, k, v, mask=mask), rtol=1e-5, atol=1e-5)
+    auto, counter = compiled(lambda q, k, v: mh.attention(q, k, v, **kw), compiler="eager")
+    torch.testing.assert_close(auto(q, k, v), mh.attention(q, k, v, **kw), rtol=1e-5, atol=1e-5)
     assert counter.frame_count == 1
 
 
 def _long_window_call(backend):
+    """``q, k, v`` and the keywords of a call that eager ``auto`` gives ``backend``."""
     Lq = Lk = 256  # long enough that eager auto prefers a blocked backend for a window
-    mask = mh.sliding_window(16)
+    kw: dict = {"mask": mh.sliding_window(16)}
+    if backend == "torch_blocks":  # what the fused kernels cannot run (an elementwise modifier), on a mask
+        # whose key ranges are read on the host (a band's are plain integers, which trace)
+        kw = {
+            "mask": mh.document(torch.arange(Lq).div(64, rounding_mode="floor").expand(B, Lq)),
+            "score_mod": mh.scores.softcap(5.0),
+        }
     q, k, v = qkv(Lq, Lk, 5, grad=False)
-    assert mh.explain(q, k, v, mask=mask).backend == backend  # eager auto gives it this call
-    return q, k, v, mask
+    assert mh.explain(q, k, v, **kw).backend == backend  # eager auto gives it this call
+    return q, k, v, kw
 
 
 # ----------------------------------------------------------------------------------- slow tier
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", NOT_COMPILING)
 def test_a_backend_declared_not_to_compile_still_runs_in_pieces(backend):
-    q, k, v, mask = _long_window_call(backend)
+    q, k, v, kw = _long_window_call(backend)
     torch._dynamo.reset()
-    pieces = torch.compile(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend=backend), backend="eager")
-    torch.testing.assert_close(pieces(q, k, v), mh.attention(q, k, v, mask=mask, backend=backend))
+    pieces = torch.compile(lambda q, k, v: mh.attention(q, k, v, **kw, backend=backend), backend="eager")
+    torch.testing.assert_close(pieces(q, k, v), mh.attention(q, k, v, **kw, backend=backend))
 
 
 MATRIX_BACKENDS = ["auto"] + COMPILING

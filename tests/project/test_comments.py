@@ -59,8 +59,6 @@ NOT_YET_CLEANED = frozenset(
         "attention.py",
         "plans.py",
         "backends/base.py",
-        "backends/blocksparse.py",
-        "backends/bias_backward.py",
         "backends/sdpa.py",
         "backends/decode.py",
         "scoring.py",

@@ -15,15 +15,18 @@ from multihead.backends.registry import (
     unregister_backend,
 )
 from multihead.backends.sdpa import SDPABackend
+from multihead.backends.torch_blocks_backend import TorchBlocksBackend
 
 # The auto order, lower first (measured; docs/performance.md). decode takes calls of a few query
 # tokens (a decode step) and passes (auto_refusals) on longer ones. blocksparse passes (auto_refusals)
-# on what sdpa runs as well: no mask, causal diagonals, small calls. flex passes on CPU (a minute
-# to compile on 2 cores) and, on CUDA, on all but large structured masks that leave most tiles
-# empty, which it runs in proportion to the visible blocks where sdpa needs a dense mask. The
-# oracle is last.
+# on what sdpa runs as well: no mask, causal diagonals, small calls. torch_blocks takes what the
+# fused CPU kernels cannot run (dropout, elementwise modifiers) where it beats sdpa's math kernel.
+# flex passes on CPU (a minute to compile on 2 cores) and, on CUDA, on all but large structured
+# masks that leave most tiles empty, which it runs in proportion to the visible blocks where sdpa
+# needs a dense mask. The oracle is last.
 register_backend(DecodeBackend(), priority=5)
 register_backend(BlockSparseBackend(), priority=10)
+register_backend(TorchBlocksBackend(), priority=11)
 register_backend(FlexBackend(), priority=15)
 register_backend(SDPABackend(), priority=20)
 register_backend(ReferenceBackend(), priority=100)
@@ -43,6 +46,7 @@ __all__ = [
     "ReferenceBackend",
     "SDPABackend",
     "BlockSparseBackend",
+    "TorchBlocksBackend",
     "FlexBackend",
     "DecodeBackend",
 ]

@@ -181,6 +181,17 @@ class Backend(abc.ABC):
 
         return Runner(run, self.name)
 
+    def backward_from_lse(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(dq, dk, dv)`` of ``call`` when it is one block of a larger attention (some of its
+        rows' keys), from the *merged* ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)`` of whole
+        rows and their gradients ``dout`` and ``dlse`` (``None``: none), without running the
+        block's forward again: the ring's backward (:mod:`multihead.distributed.ring`) asks the
+        backend that runs a block for it. ``None`` when not offered for this call (the default):
+        the caller then differentiates through :meth:`forward`."""
+        return None
+
     @abc.abstractmethod
     def forward(self, call: AttentionCall) -> AttentionResult:
         """Run ``call`` (already validated, not refused): the output, and the LSE when asked for

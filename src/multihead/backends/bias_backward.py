@@ -5,8 +5,9 @@ on the batched interior of a band (:mod:`multihead.backends.band_runs`), instead
 flash backward, for the heads whose bias still spans 87.3 or more once the entries below
 ``exp(-50)`` of a row's largest weight are cut, and for a bias that trains (its gradient comes
 from ``dS`` here). Why: with a bias that spans hundreds of units (ALiBi at long range), many
-probabilities ``exp(S - lse)`` are fp32 *denormals*, and x86 arithmetic on denormals is about
-100x slower; on causal ALiBi at L=4096 the kernel's backward took 13x its forward. Here
+probabilities ``exp(S - lse)`` are fp32 *denormals*, x86 arithmetic on denormals is far slower,
+and on causal ALiBi the kernel's backward took many times its forward
+(measured: docs/performance.md#position-biases). Here
 probabilities below ``exp(LOG_TINY) = exp(-50) = 2e-22`` are set to 0 before the matrix products:
 then neither ``P`` nor ``dS = P (dP - delta)`` holds a denormal (``|dP - delta|`` would have to be
 below ``5e-17``, which in fp32 arithmetic is an exact 0), and what is dropped, at most
@@ -31,7 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["bias_backward", "row_peak", "normalise_", "row_delta", "LOG_TINY", "KEYS"]
+__all__ = [
+    "bias_backward",
+    "piece_ds",
+    "accumulate_mod_grads",
+    "add_grads",
+    "row_peak",
+    "normalise_",
+    "row_delta",
+    "LOG_TINY",
+    "KEYS",
+]
 
 #: Probabilities below exp(-50) = 2e-22 are set to 0 (fp32's smallest normal is exp(-87.3)).
 LOG_TINY = -50.0
@@ -72,7 +83,8 @@ def bias_backward(
     acc = lse.dtype
     G = Hq // Hkv
     # Query head h = kv * G + g -> KV head kv. Contiguous: a gradient of .sum() arrives expanded
-    # (stride 0), and a stride-0 operand sends bmm to a loop 10x slower than BLAS (measured).
+    # (stride 0), and a stride-0 operand sends bmm to a loop far slower than BLAS.
+    # measured: docs/performance.md#position-biases
     fold = lambda x: x.to(acc).reshape(N, Hkv, G * R, x.shape[-1]).contiguous()
     qs, gof = fold(q) * scale, fold(go)  # the scale folded into q: a pass over R x D, not over R x K
     delta = (go.to(acc) * o.to(acc)).sum(-1, keepdim=True)  # (N, Hq, R, 1)
@@ -139,3 +151,45 @@ def row_delta(p: Tensor, dp: Tensor, go: Tensor, o: Tensor, v: Tensor) -> Tensor
     zero = (v == 0).all(dim=2).repeat_interleave(Hq // Hkv, dim=1).unsqueeze(2)  # (N, Hq, 1, Dv)
     tail = (go.to(acc) * o.to(acc)).masked_fill(~zero, 0.0).sum(-1, keepdim=True)
     return (p * dp).sum(-1, keepdim=True) + tail
+
+
+def piece_ds(go, qb, kb, vb, ob, lb, bias, scale, whole_rows=False) -> Tensor:
+    """``dS = P (dP - rowsum(dO O))`` of one piece ``(B, Hq, rows, keys)``: the gradient of the
+    scores, which an additive bias receives as it is. Memory: one piece. ``whole_rows``: the
+    piece holds every key its rows weigh, so ``P`` is normalised by its own row sums and
+    ``rowsum(dO O)`` comes from it (:func:`row_delta`)."""
+    B, Hq, rows, _ = qb.shape
+    Hkv, keys = kb.shape[1], kb.shape[2]
+    acc = lb.dtype
+    fold = lambda x: x.to(acc).reshape(B, Hkv, (Hq // Hkv) * rows, x.shape[-1])  # query head h -> KV head h // G
+    s = torch.matmul(fold(qb), kb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys) * scale
+    if bias is not None:
+        s = s + bias.to(acc)
+    lb = lb.unsqueeze(-1)
+    # 0 where blocked (-inf) and on fully masked rows (lse +inf)
+    p = torch.exp(s - (row_peak(s, lb) if whole_rows else lb))
+    if whole_rows:
+        normalise_(p)
+    dp = torch.matmul(fold(go), vb.to(acc).transpose(-2, -1)).view(B, Hq, rows, keys)
+    delta = row_delta(p, dp, go, ob, vb) if whole_rows else (go.to(acc) * ob.to(acc)).sum(-1, keepdim=True)
+    return p * (dp - delta)
+
+
+def accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:
+    """Add ``dS`` of one piece to the gradients of the tensors an additive modifier reads, through
+    the same ``bias_block`` the forward used (autograd of a slice: memory of one piece)."""
+    with torch.enable_grad():
+        block = mods.bias_block(ds.shape[0], ds.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, ds.device, ds.dtype)
+        reduce = [d for d in range(4) if block.shape[d] == 1 and ds.shape[d] != 1]
+        add_grads(block, ds.sum(dim=reduce, keepdim=True) if reduce else ds, tensors, grads)
+
+
+def add_grads(output: Tensor, grad: Tensor, tensors, grads) -> None:
+    """``grads[i] += d(output)/d(tensors[i]) · grad`` for the tensors that require grad."""
+    needed = [t for t in tensors if t.requires_grad]
+    found = iter(torch.autograd.grad(output, needed, grad, allow_unused=True))
+    for i, t in enumerate(tensors):
+        if t.requires_grad:
+            g = next(found)
+            if g is not None:
+                grads[i] += g.to(grads[i].dtype)

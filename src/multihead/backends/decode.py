@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.backends import flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner, named
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import fold_query_heads, group_query_heads, softmax_dtype, unfold_query_heads
@@ -196,6 +197,13 @@ class DecodeBackend(Backend):
         return lines
 
     # ------------------------------------------------------------------------------- running
+    def backward_from_lse(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """On CPU: the flash kernel's backward given the merged ``(out, lse)``: the gradient of the
+        same exact attention, with no forward to replay (:func:`multihead.backends.flash_pieces.call_backward`)."""
+        return flash_pieces.call_backward(call, out, lse, dout, dlse)
+
     def forward(self, call: AttentionCall) -> AttentionResult:
         plan = _Plan(call, self._chunk(call))
         # fp16/bf16: the scores are the half GEMM's, each rounded once (2^-9 of a score of 10 moves

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead.backends import flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import (
@@ -70,6 +71,13 @@ class SDPABackend(Backend):
         elif call.return_lse:
             lines.append("log-sum-exp: none from this kernel; recomputed with the weights in one blockwise pass")
         return lines
+
+    def backward_from_lse(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """On CPU, where its fused kernel is the flash one: that kernel's backward given the merged
+        ``(out, lse)`` (:func:`multihead.backends.flash_pieces.call_backward`)."""
+        return flash_pieces.call_backward(call, out, lse, dout, dlse)
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         if call.return_lse and _one_pass_lse(call):

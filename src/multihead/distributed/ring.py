@@ -12,8 +12,9 @@ from the mask's structure.
 
 Backward (the custom ``autograd.Function`` below) receives the K/V shards again, computes each
 block's share of the gradient against the *merged* output and LSE, and sends each block's
-``dK``/``dV`` back to the rank that owns those keys. On CPU that is PyTorch's flash backward given
-the merged ``(out, lse)``; elsewhere the block is recomputed with :func:`multihead.attention` under
+``dK``/``dV`` back to the rank that owns those keys. The backend that runs a block computes them
+from the merged ``(out, lse)`` where it offers that (``Backend.backward_from_lse``: on CPU,
+PyTorch's flash backward); elsewhere the block is recomputed with :func:`multihead.attention` under
 autograd and given the merge's gradients: for a block with partial result ``(o_i, lse_i)`` inside
 the merged ``(out, lse)``, with ``w_i = exp(lse_i - lse)``::
 
@@ -32,11 +33,10 @@ sent gradient and one arriving. Nothing is of the whole sequence's size.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from multihead.attention import attention
-from multihead.call import AttentionResult
+from multihead.attention import attention, dispatch
+from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.distributed.checks import (
     Shards,
@@ -49,7 +49,8 @@ from multihead.distributed.checks import (
 )
 from multihead.distributed.layout import check_divisible, check_layout, chunks_per_rank
 from multihead.distributed.plan import RingPlan, plan_ring
-from multihead.masks import BlockState, Mask
+from multihead.distributed.rotation import GradientReturn, Rotation, buffers_like
+from multihead.masks import Mask
 
 __all__ = ["ring_attention"]
 
@@ -171,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(B, Hq, Sq, v.shape[3], dtype=acc, device=q.device)  # (B, Hq, Sq, Dv), merged so far
         lse = torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device)  # (B, Hq, Sq)
         own = (k.contiguous(), v.contiguous()) if any(plan.send) else None  # what travels: no copy when dense
-        for s, held in _Rotation(plan, group, own, _buffers_like(k, v)):
+        for s, held in Rotation(plan, group, own, buffers_like(k, v)):
             if plan.calls[s]:
                 kv = (k, v) if s == 0 else held
                 assert kv is not None  # a step with calls has its shard
@@ -194,8 +195,8 @@ class _RingAttention(torch.autograd.Function):
             torch.zeros(v.shape, dtype=acc, device=q.device),
         ]  # (B, Hkv, Sk, Dv)
         own = (k.contiguous(), v.contiguous()) if any(plan.send) else None
-        returns = _GradientReturn(plan, group, dkv_own)
-        for s, held in _Rotation(plan, group, own, _buffers_like(k, v)):
+        returns = GradientReturn(plan, group, dkv_own)
+        for s, held in Rotation(plan, group, own, buffers_like(k, v)):
             dkv = None
             if plan.calls[s]:
                 # gradients of the keys held at step s
@@ -264,16 +265,14 @@ def _step_backward(calls, q, k, v, dq, dk, dv, out, lse, dout, dlse, scale, back
 
 
 def _block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
-    """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``: the
-    CPU flash backward where it applies (``backend`` "auto" or "sdpa"), else autograd through the
-    block's :func:`multihead.attention` call with that ``backend``."""
-    if (
-        backend in ("auto", "sdpa")
-        and _FLASH_BACKWARD is not None
-        and q.device.type == "cpu"
-        and q.dtype in _FLASH_DTYPES
-    ):
-        return _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse)
+    """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``: from
+    the backend that runs the block's call, where it offers them from ``(out, lse)``
+    (:meth:`~multihead.backends.base.Backend.backward_from_lse`; on CPU the flash backward), else
+    by autograd through the block's :func:`multihead.attention` call with that ``backend``."""
+    call = AttentionCall(q, k, v, mask, None, scale, 0.0, None, True)  # the forward's block call
+    grads = dispatch(call, backend).backward_from_lse(call, out, lse, dout, dlse)
+    if grads is not None:
+        return grads
     return _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse)
 
 
@@ -296,216 +295,3 @@ def _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse
         )
     zero = torch.zeros_like
     return (zero(q) if gq is None else gq), (zero(k) if gk is None else gk), (zero(v) if gv is None else gv)
-
-
-# PyTorch's CPU flash backward takes the output and LSE as arguments: given the *merged* ones it
-# computes a block's share of the gradient directly (P = exp(S - lse), dS = P (dP - rowsum(dout·out))),
-# FlashAttention's ring backward, with no recomputed forward and no LSE of the block.
-_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _flash_block_backward(q, k, v, mask, scale, out, lse, dout, dlse):
-    """The CPU flash backward of one block against the merged ``(out, lse)``.
-
-    The kernel takes strided views (the block's rows of ``q``, ``out``, ``dout``, ``lse`` are
-    passed as they are), but wants one head size and equal head counts, and knows no LSE
-    gradient. Where ``Dv != D`` or the LSE has a gradient, copies are padded::
-
-        q, k  (B, H, ·, D)  -> padded with zeros to E       (scores unchanged)
-        v     (B, H, ·, Dv) -> padded to E; with dlse, one column of 1s
-        dout  -> padded; with dlse, that column holds dlse   (dP gains + dlse: dS = P (dP - Δ + dlse))
-        out   -> padded with 0s                               (Δ = rowsum(dout·out) unchanged)
-
-    with ``E = max(D, Dv) (+1 with dlse)``; GQA K/V are repeated and their gradients summed per
-    group. A causal diagonal runs as ``is_causal`` (no mask tensor). Rows with no visible key
-    anywhere (``lse = -inf``) get ``lse = +inf``: ``P = 0``."""
-    B, Hq, rows, D = q.shape
-    Hkv, keys, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G = Hq // Hkv
-    extra = dlse is not None
-    E = max(D, Dv) + int(extra)
-    dt = q.dtype
-    out, dout = out.to(dt), dout.to(dt)
-    if E != D or E != Dv:
-        q, k, v, out, dout = _pad(q, E), _pad(k, E), _pad(v, E), _pad(out, E), _pad(dout, E)
-        if extra:
-            v[..., -1] = 1
-            dout[..., -1] = dlse.to(dt)
-    if G > 1:  # (B, Hkv, keys, E) -> (B, Hq, keys, E): query head h reads KV head h // G
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    glse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    q, k, v, out, dout = (_unit_stride(t) for t in (q, k, v, out, dout))
-    assert _FLASH_BACKWARD is not None  # chosen only where PyTorch has it
-    if mask is None or mask.causal_offset(rows, keys) == 0:
-        gq, gk, gv = _FLASH_BACKWARD(dout, q, k, v, out, glse, 0.0, mask is not None, scale=scale)
-    else:
-        gq, gk, gv = _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout)
-    gq, gk, gv = gq[..., :D], gk[..., :D], gv[..., :Dv]
-    if G > 1:
-        gk = gk.reshape(B, Hkv, G, keys, D).sum(2)
-        gv = gv.reshape(B, Hkv, G, keys, Dv).sum(2)
-    return gq, gk, gv
-
-
-#: Query rows per kernel call of a masked block's backward: each tile reads only the keys its
-#: rows can see and a mask of that size, not the whole block (a window of 512 inside a shard of
-#: 4096 would otherwise compute, and materialize a mask for, all 4096 x 4096 pairs).
-_TILE = 512
-
-
-def _tiled_flash_backward(q, k, v, mask, scale, out, glse, dout):
-    """The flash backward of a block under a (non-causal-diagonal) ``mask``, tile by tile of query
-    rows: keys outside ``mask.key_range`` of a tile are skipped, a tile that sees no key is skipped
-    (its rows' gradient from this block is 0), a fully visible tile runs with no mask."""
-    B, H, rows, _ = q.shape
-    keys = k.shape[2]
-    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for r0 in range(0, rows, _TILE):
-        r1 = min(rows, r0 + _TILE)
-        lo, hi = mask.key_range(r0, r1, rows, keys)
-        state = BlockState.EMPTY if lo >= hi else mask.block_state(r0, r1, lo, hi, rows, keys, B, H)
-        if state is BlockState.EMPTY:
-            continue
-        additive = None
-        if state is BlockState.PARTIAL:
-            allowed = mask.materialize_block(B, H, r0, r1, rows, keys, q.device, lo, hi)  # (B|1, H|1, r, k)
-            additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        assert _FLASH_BACKWARD is not None  # chosen only where PyTorch has it
-        tq, tk, tv = _FLASH_BACKWARD(
-            dout[:, :, r0:r1],
-            q[:, :, r0:r1],
-            k[:, :, lo:hi],
-            v[:, :, lo:hi],
-            out[:, :, r0:r1],
-            glse[:, :, r0:r1],
-            0.0,
-            False,
-            attn_mask=additive,
-            scale=scale,
-        )
-        gq[:, :, r0:r1] = tq
-        gk[:, :, lo:hi] += tk
-        gv[:, :, lo:hi] += tv
-    return gq, gk, gv
-
-
-def _unit_stride(x: Tensor) -> Tensor:
-    """The kernel reads any strides of the batch, head and position dims, the head dim densely."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _pad(x: Tensor, E: int) -> Tensor:
-    """``x (…, d)`` as a new tensor ``(…, E)`` with zeros after it (always a copy: callers write into it)."""
-    padded = x.new_zeros(x.shape[:-1] + (E,))
-    padded[..., : x.shape[-1]] = x
-    return padded
-
-
-def _buffers_like(k: Tensor, v: Tensor):
-    """Receive buffers for another rank's ``k (B, Hkv, Sk, D)`` and ``v (B, Hkv, Sk, Dv)``."""
-    return lambda: [
-        torch.empty(k.shape, dtype=k.dtype, device=k.device),
-        torch.empty(v.shape, dtype=v.dtype, device=v.device),
-    ]
-
-
-class _Rotation:
-    """Iterate ``(s, keys held at step s)`` over step 0 and the plan's ``steps``, receiving the
-    next step's shard (and sending this rank's to whoever needs it) while the current step computes.
-
-    At step ``s`` rank ``r`` receives ``(k, v)`` from ``r - s`` and sends its own to ``r + s``,
-    only where the plan says the receiving side has a visible block. Every rank walks the same
-    steps and posts its messages at the same points, so each send meets its receive in order
-    (``held`` is ``None`` at a step where this rank receives nothing). ``held`` is a list
-    ``[k, v]`` the caller may empty once done with it (the rotation keeps no other reference),
-    so at most two received shards are alive: the one computed on and the next one arriving."""
-
-    def __init__(self, plan: RingPlan, group, own: tuple[Tensor, Tensor] | None, new_buffers):
-        self.plan, self.group, self.own, self.new_buffers = plan, group, own, new_buffers
-
-    def __iter__(self):
-        steps = (0,) + self.plan.steps
-        sends: list = []
-        pending = self._start(steps[1], sends) if len(steps) > 1 else None
-        for i, s in enumerate(steps):
-            held = None
-            if s > 0:
-                assert pending is not None  # started at the previous step
-                held, works = pending
-                for work in works:
-                    work.wait()
-                del works  # a finished receive keeps its buffer alive
-                pending = self._start(steps[i + 1], sends) if i + 1 < len(steps) else None
-            yield s, held
-        for w in sends:
-            w.wait()
-
-    def _start(self, s: int, sends: list):
-        P, r, plan = self.plan.world, self.plan.rank, self.plan
-        buffers, works = None, []
-        if plan.send[s]:
-            to = _peer(self.group, (r + s) % P)
-            assert self.own is not None  # a rank that sends holds its own shard
-            sends += [dist.isend(t, to, self.group, tag=_tag(s, i)) for i, t in enumerate(self.own)]
-        if plan.recv[s]:
-            buffers = self.new_buffers()
-            source = _peer(self.group, (r - s) % P)
-            works = [dist.irecv(t, source, self.group, tag=_tag(s, i)) for i, t in enumerate(buffers)]
-        return buffers, works
-
-
-class _GradientReturn:
-    """After step ``s`` of the backward: the gradients ``[dk, dv]`` of the keys held at step ``s``
-    go back to their owner ``r - s``, and those of this rank's keys come back from ``r + s``
-    (posted at the same point on both sides). Received gradients are added to ``dkv_own`` one step
-    later (overlapped with the next step) in step order: the same sum order on every run. A sent
-    gradient is released one step later too, so at most one is in flight whatever ``P``."""
-
-    def __init__(self, plan: RingPlan, group, dkv_own: list[Tensor]):
-        self.plan, self.group, self.dkv_own = plan, group, dkv_own
-        self.sent: list = []
-        self.pending: tuple | None = None
-
-    def exchange(self, s: int, dkv: list[Tensor] | None) -> None:
-        P, r, plan = self.plan.world, self.plan.rank, self.plan
-        sent = []
-        if plan.recv[s]:
-            to = _peer(self.group, (r - s) % P)
-            assert dkv is not None  # a step that received keys computed their gradients
-            sent = [(g, dist.isend(g, to, self.group, tag=_tag(s, 2 + i))) for i, g in enumerate(dkv)]
-        incoming = None
-        if plan.send[s]:
-            buffers = [torch.empty_like(g) for g in self.dkv_own]
-            source = _peer(self.group, (r + s) % P)
-            incoming = (buffers, [dist.irecv(g, source, self.group, tag=_tag(s, 2 + i)) for i, g in enumerate(buffers)])
-        self._release_sent()
-        self._add_pending()
-        self.sent, self.pending = sent, incoming
-
-    def finish(self) -> None:
-        self._release_sent()
-        self._add_pending()
-
-    def _release_sent(self) -> None:
-        for _, work in self.sent:
-            work.wait()
-        self.sent = []
-
-    def _add_pending(self) -> None:
-        if self.pending is not None:
-            buffers, works = self.pending
-            for own, buffer, work in zip(self.dkv_own, buffers, works):
-                work.wait()
-                own += buffer
-            self.pending = None
-
-
-def _tag(s: int, i: int) -> int:
-    """Message tags of step ``s``: ``k`` (0), ``v`` (1), their gradients ``dk`` (2) and ``dv`` (3)."""
-    return 4 * s + i
-
-
-def _peer(group, group_rank: int) -> int:
-    """``isend``/``irecv`` take global ranks."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
