@@ -310,13 +310,18 @@ def test_dropout_applies_in_training_only():
 
 
 def test_data_parallel_and_ddp(tmp_path):
-    """DataParallel (on CPU it calls the module) and a one-process gloo DistributedDataParallel."""
+    """DataParallel (on CPU it calls the module; where CUDA is present it wants the module on the
+    first GPU, and replicates it on each) and a one-process gloo DistributedDataParallel."""
+    import copy
+
     import torch.distributed as dist
 
     torch.manual_seed(13)
     layer = mh.MultiHeadAttention(16, 2, causal=True)
     x = torch.randn(2, 5, 16)
-    torch.testing.assert_close(nn.DataParallel(layer)(x), layer(x))
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    placed, x_placed = copy.deepcopy(layer).to(device), x.to(device)
+    torch.testing.assert_close(nn.DataParallel(placed)(x_placed), placed(x_placed))
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
