@@ -46,17 +46,24 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
-from multihead.caches.base import check_mask_parts
-from multihead.call import Selection, mask_and_score_mod
+from multihead.call import Selection
 from multihead.explain import Explanation, explain
 from multihead.hooks import HookPoints
 from multihead.inputs import check_tensor
-from multihead.layers.checks import check_flag, check_positions, check_size
+from multihead.layers.attend import (
+    CallMasks,
+    arange_positions,
+    attend_cached,
+    check_backend,
+    check_cache,
+    check_weights_selection,
+    resolve_positions,
+    rotate,
+)
+from multihead.layers.checks import check_flag, check_size
 from multihead.layers.heads import attend_heads, merge_heads
 from multihead.masks import Mask
-from multihead.masks import causal as causal_mask
 from multihead.positions.rotary import RotaryEmbedding
 from multihead.scores import ScoreMod
 
@@ -137,16 +144,11 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         self.mode = mode
         self.causal = check_flag(layer, "causal", causal)
         bias = check_flag(layer, "bias", bias)
-        if not isinstance(backend, str):
-            raise TypeError(
-                f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
-            )
-        check_backend_name(backend)
-        self.backend = backend
+        self.backend = check_backend(layer, backend)
         self.softmax_scale = None if softmax_scale is None else _positive(layer, "softmax_scale", softmax_scale)
         norm_eps = _positive(layer, "norm_eps", norm_eps)
         self.rope = _make_rope(layer, rope, rope_base, qk_rope_head_dim, device)
-        self._causal_mask = causal_mask() if causal else None
+        self._masks = CallMasks(layer, num_heads, self.causal)
 
         H, C, N, R, V = num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         factory = {"device": device, "dtype": dtype}
@@ -217,11 +219,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights``.
         """
         check_flag(type(self).__name__, "need_weights", need_weights)
-        if (weights_heads is not None or weights_rows is not None) and not need_weights:
-            raise ValueError(
-                f"{type(self).__name__}: weights_heads/weights_rows select which weights to return; "
-                f"they need need_weights=True, got need_weights=False"
-            )
+        check_weights_selection(type(self).__name__, need_weights, weights_heads, weights_rows)
         selection = (weights_heads, weights_rows)
 
         def attend(
@@ -271,40 +269,37 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
     ) -> _R:
         """Project, rotate, cache, then ``attend(q, k, v, mask, score_mod, out_proj)``."""
         layer = type(self).__name__
-        if kv_cache is not None and not isinstance(kv_cache, KVCache):
-            raise TypeError(
-                f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
-                f"LatentKVCache()), got {type(kv_cache).__name__}"
-            )
+        if kv_cache is not None:
+            check_cache(layer, kv_cache, "LatentKVCache()")
         _check_x(layer, x, self.d_model, self.kv_b_proj.weight)
         B, L, _ = x.shape
         given = positions is not None  # a cache continues its rows itself unless told where
-        if positions is not None:
-            positions = check_positions(layer, positions, B, L, x.device)
-        elif kv_cache is not None:
-            positions = kv_cache.next_positions(L, x.device)  # (L,) or (B, L): after the cached tokens
-        else:
-            positions = torch.arange(L, device=x.device)  # (L,)
+        positions = resolve_positions(layer, positions, kv_cache, B, L, x.device, arange_positions)
+        assert positions is not None  # (L,) or (B, L): every call rotates
         if kv_cache is None:
-            mask, score_mod = self._call_mask(mask, B, L, L)
+            mask, score_mod = self._masks.over_keys(mask, None, B, L, L)
 
         q_nope, q_rope = self._queries(x, positions)  # (B, H, L, N), (B, H, L, R), scaled
         rows = self._latent_rows(x, positions)  # (B, 1, L, C + R): [c_kv | k_rope], what a cache stores
         C = self.kv_lora_rank
         if kv_cache is None:
             return self._attend_rows(attend, q_nope, q_rope, rows, mask, score_mod)
-        kv_cache.check_mask(mask, self.causal, L)  # a mask reaching rows the cache no longer holds
-        placed = given and kv_cache.places_by_position  # else: rotary positions only (call-order caches)
-        read = kv_cache.update(rows, rows[..., :C], positions if placed else None)  # every row and these, (B, 1, S, ·)
-        try:
-            mask, score_mod = self._cache_mask(read, mask, B, L)
-            result = self._attend_rows(attend, q_nope, q_rope, read.keys, mask, score_mod)
-        except BaseException:
-            kv_cache.rollback()
-            raise
-        if not keep:
-            kv_cache.rollback()
-        return result
+
+        def attend_slots(read: CacheRead) -> _R:  # read.keys: every row and these, (B, 1, S, C + R)
+            slot_mask, score_mod = self._masks.over_slots(read, mask, None, B, L)
+            return self._attend_rows(attend, q_nope, q_rope, read.keys, slot_mask, score_mod)
+
+        return attend_cached(
+            kv_cache,
+            rows,
+            rows[..., :C],
+            attend_slots,
+            positions=positions,
+            given=given,
+            mask=mask,
+            causal=self.causal,
+            keep=keep,
+        )
 
     def _attend_rows(
         self,
@@ -380,13 +375,14 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         if fold != 1.0:
             q = q * fold
         q_nope, q_rope = q.split([N, R], dim=-1)  # (B, H, L, N), (B, H, L, R)
-        return q_nope, self._rotate(q_rope, positions, "query")
+        return q_nope, rotate(type(self).__name__, self.rope, q_rope, positions, "query (B, H, L, R)")
 
     def _latent_rows(self, x: Tensor, positions: Tensor) -> Tensor:
         """``[RMSNorm(c_kv) | rope(k_rope)] (B, 1, L, C + R)``, the rows a cache stores."""
         kv_a = self.kv_a_proj_with_mqa(x)  # (B, L, C + R)
         c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, L, C), (B, L, R)
-        k_rope = self._rotate(k_rope.unsqueeze(1), positions, "key")  # (B, 1, L, R): one rotary key for every head
+        # (B, 1, L, R): one rotary key for every head
+        k_rope = rotate(type(self).__name__, self.rope, k_rope.unsqueeze(1), positions, "key (B, H, L, R)")
         return torch.cat([self.kv_a_layernorm(c_kv).unsqueeze(1), k_rope], dim=-1)  # (B, 1, L, C + R)
 
     def _up_projections(self) -> tuple[Tensor, Tensor]:
@@ -400,40 +396,6 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         # (B, H, L, V) -> (B, L, E)
         out: Tensor = self.o_proj(merge_heads(o @ self._up_projections()[1].transpose(1, 2)))
         return out
-
-    def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
-        rotated = self.rope(x, positions)
-        if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
-            got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
-            raise ValueError(
-                f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
-                f"{name} (B, H, L, R) = {tuple(x.shape)} it returned {got}"
-            )
-        return rotated
-
-    def _call_mask(self, mask: object, B: int, Lq: int, Lk: int) -> tuple[Mask | None, ScoreMod | None]:
-        """The call's mask checked against ``(B, H, Lq, Lk)``, ``& causal()``; a float mask split
-        into its ``-inf`` pattern and a bias (as :func:`multihead.attention` does)."""
-        mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=Lk)
-        if mask is not None:
-            mask.check(B, self.num_heads, Lq, Lk)
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, Lk)
-        if self._causal_mask is not None:
-            mask = self._causal_mask if mask is None else mask & self._causal_mask
-        return mask, score_mod
-
-    def _cache_mask(
-        self, read: CacheRead, mask: object, B: int, Lq: int
-    ) -> tuple[Mask | Tensor | None, ScoreMod | None]:
-        """The call's mask over the slots a cache returned (:meth:`CacheRead.mask`)."""
-        S = read.keys.shape[2]
-        mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=S)
-        if mask is not None:
-            check_mask_parts(type(self).__name__, mask, B, self.num_heads, Lq, S)  # tensors over the slots
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, S)
-        return read.mask(mask, self.causal, self.num_heads), score_mod
 
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}", f"kv_lora_rank={self.kv_lora_rank}"]

@@ -31,27 +31,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
-from multihead.caches.base import check_mask_parts
-from multihead.call import ScoreModArg, Selection, mask_and_score_mod
+from multihead.call import ScoreModArg, Selection
 from multihead.hooks import HookPoints
-from multihead.layers.checks import (
-    check_dropout,
-    check_flag,
-    check_inputs,
-    check_optional_size,
-    check_positions,
-    check_size,
-    dims,
+from multihead.layers.attend import (
+    CallMasks,
+    arange_positions,
+    attend_cached,
+    check_backend,
+    check_cache,
+    check_rope,
+    check_weights_selection,
+    resolve_positions,
+    rotate,
 )
+from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.heads import attend_heads, merge_heads, split_heads
 from multihead.masks import Mask
-from multihead.masks import causal as causal_mask
-from multihead.scores import ScoreMod, as_score_mod
+from multihead.scores import as_score_mod
 from multihead.scores import softcap as softcap_mod
-from multihead.scores.user import UserScoreMod
 
 if TYPE_CHECKING:  # floor 3 beside the layers: imported only when a layer is given one
     from multihead.distributed import ContextParallel
@@ -155,16 +154,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
         vdim = check_optional_size(layer, "vdim", vdim, d_model)
         q_bias, k_bias, v_bias = _qkv_biases(layer, qkv_bias)
         out_bias = check_flag(layer, "out_bias", out_bias)
-        if not isinstance(backend, str):
-            raise TypeError(
-                f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
-            )
-        check_backend_name(backend)
-        if rope is not None and not callable(rope):
-            raise TypeError(
-                f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an "
-                f"nn.Module), got {type(rope).__name__} {rope!r}"
-            )
+        backend = check_backend(layer, backend)
+        check_rope(layer, rope)
 
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.kdim, self.vdim = kdim, vdim
@@ -172,10 +163,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         self.causal = check_flag(layer, "causal", causal)
         self.batch_first = check_flag(layer, "batch_first", batch_first)
         self.backend = backend
-        # Masks are immutable, so the causal mask is built once (no object creation per call,
-        # nothing for torch.compile to trace).
-        self._causal_mask = causal_mask() if causal else None
-        self._combined: dict[Mask, Mask] = {}  # call mask -> call mask & causal(), by value (_combined_mask)
+        self._masks = CallMasks(layer, num_heads, self.causal)
 
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=q_bias, device=device, dtype=dtype)
         self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=k_bias, device=device, dtype=dtype)
@@ -280,7 +268,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
                 layer, self_attention, kv_cache, need_weights, score_mod, self.training and self.dropout
             )
         if kv_cache is not None:
-            _check_cache(layer, kv_cache, self_attention, key)
+            check_cache(layer, kv_cache, "DynamicKVCache()")
+            _check_self_attention(layer, self_attention, key)
         if self.rope is not None and not self_attention:
             raise ValueError(
                 f"{layer}: rope rotates the keys at the query positions, so it needs self-attention "
@@ -300,28 +289,22 @@ class MultiHeadAttention(HookPoints, nn.Module):
             weight=getattr(self.q_proj, "weight", None),
         )
         check_flag(layer, "need_weights", need_weights)
-        if (weights_heads is not None or weights_rows is not None) and not need_weights:
-            raise ValueError(
-                f"{layer}: weights_heads/weights_rows select which weights to return; they need "
-                f"need_weights=True, got need_weights=False"
-            )
+        check_weights_selection(layer, need_weights, weights_heads, weights_rows)
         selection = (weights_heads, weights_rows)
         B, Lq = dims(query, self.batch_first)
         if self.context_parallel is not None:  # the mask is the whole sequence's
             whole = self.context_parallel.whole_length(Lq)
-            mask, score_mod = self._combined_mask(mask, None, B, whole, whole)
+            mask, score_mod = self._masks.over_keys(mask, None, B, whole, whole)
         elif kv_cache is None:
             Lk = dims(key, self.batch_first)[1]
-            mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
+            mask, score_mod = self._masks.over_keys(mask, self._score_mods(score_mod), B, Lq, Lk)
         given = positions is not None  # a cache continues its rows itself unless told where
-        if given:
-            positions = check_positions(layer, positions, B, Lq, query.device)
-        elif self.context_parallel is not None:
+        if given or self.context_parallel is None:
+            positions = resolve_positions(
+                layer, positions, kv_cache, B, Lq, query.device, arange_positions if self.rope is not None else None
+            )
+        else:
             positions = self.context_parallel.positions(Lq, query.device)  # (Lq,): this shard's global positions
-        elif kv_cache is not None:
-            positions = kv_cache.next_positions(Lq, query.device)  # (Lq,) or (B, Lq): after the cached tokens
-        elif self.rope is not None:
-            positions = torch.arange(Lq, device=query.device)  # (Lq,)
         # The arguments are checked. What is left to refuse (a rope result of the wrong shape, keys
         # or positions the cache cannot store, a mask reaching further back than it keeps) is
         # refused before kv_cache.update changes anything; what fails after it (a mask over the
@@ -335,20 +318,21 @@ class MultiHeadAttention(HookPoints, nn.Module):
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
         if self.rope is not None:
             assert positions is not None  # set above whenever there is a rope
-            q = self._rotate(q, positions, "query")  # (B, Hq, Lq, D)
-            k = self._rotate(k, positions, "key")  # (B, Hkv, Lq, D), rotated once, before it is cached
+            q = rotate(layer, self.rope, q, positions, "query heads (B, H, L, D)")  # (B, Hq, Lq, D)
+            # (B, Hkv, Lq, D), rotated once, before it is cached
+            k = rotate(layer, self.rope, k, positions, "key heads (B, H, L, D)")
         if kv_cache is None:
             out, weights = self._attend(q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
         else:
-            kv_cache.check_mask(mask, self.causal, Lq)  # a mask reaching keys the cache no longer holds
-            placed = given and kv_cache.places_by_position  # else: rotary positions only (call-order caches)
-            read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
-            try:
-                mask, score_mod = self._cache_mask(read, mask, self._score_mods(score_mod), B, Lq)
-                out, weights = self._attend(q, read.keys, read.values, mask, score_mod, need_weights, selection)
-            except BaseException:  # e.g. a forced backend that refuses: the cache is as it was
-                kv_cache.rollback()
-                raise
+            call_mods = self._score_mods(score_mod)
+
+            def attend(read: CacheRead) -> tuple[Tensor, Tensor | None]:
+                slot_mask, slot_mods = self._masks.over_slots(read, mask, call_mods, B, Lq)
+                return self._attend(q, read.keys, read.values, slot_mask, slot_mods, need_weights, selection)
+
+            out, weights = attend_cached(
+                kv_cache, k, v, attend, positions=positions, given=given, mask=mask, causal=self.causal
+            )
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
         if need_weights:
@@ -372,7 +356,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
             weight=getattr(self.q_proj, "weight", None),
         )
         B, L = dims(query, self.batch_first)
-        mask, _ = self._combined_mask(mask, None, B, L, L)
+        mask, _ = self._masks.over_keys(mask, None, B, L, L)
         q, k, v = self._project(query, query, query)  # (B, L, Hq·D), (B, L, Hkv·D) x 2; L first if not batch_first
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, L, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
@@ -421,55 +405,6 @@ class MultiHeadAttention(HookPoints, nn.Module):
             mods.append(softcap_mod(self.softcap))
         return mods or None
 
-    def _combined_mask(
-        self, mask: object, score_mod: object, B: int, Lq: int, Lk: int
-    ) -> tuple[Mask | None, ScoreMod | None]:
-        """The call's mask (and score modifier), checked against ``(B, Hq, Lq, Lk)`` before any
-        work, ``& causal()``. A float mask is split as :func:`multihead.attention` splits it.
-
-        The combination is built once per distinct mask value (masks hash by value) and reused,
-        so backends' plan caches see the same mask on every call. (With a cache, :meth:`_cache_mask`.)"""
-        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
-        if mask is not None:
-            mask.check(B, self.num_heads, Lq, Lk)
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, Lk)
-        if self._causal_mask is None:
-            return mask, score_mod
-        if mask is None:
-            return self._causal_mask, score_mod
-        if torch.compiler.is_compiling():  # traced once; a Python dict lookup would break the graph
-            return mask & self._causal_mask, score_mod
-        combined = self._combined.get(mask)
-        if combined is None:
-            combined = mask & self._causal_mask
-            if len(self._combined) >= 8:  # a handful of distinct masks per layer; bounded
-                self._combined.pop(next(iter(self._combined)))
-            self._combined[mask] = combined
-        return combined, score_mod
-
-    def _cache_mask(
-        self, read: CacheRead, mask: object, score_mod: object, B: int, Lq: int
-    ) -> tuple[Mask | Tensor | None, ScoreMod | None]:
-        """The call's mask and modifiers over the slots a cache returned (:meth:`CacheRead.mask`):
-        mask objects at absolute positions, tensors over the ``(Lq, S)`` slots, ``causal=True``
-        as "keys at positions up to the query's"."""
-        S = read.keys.shape[2]
-        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
-        if mask is not None:
-            check_mask_parts(type(self).__name__, mask, B, self.num_heads, Lq, S)  # tensors over the slots
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, S)
-            if not read.contiguous and any(
-                m.relative or isinstance(m, UserScoreMod) for m in getattr(score_mod, "mods", [score_mod])
-            ):
-                raise ValueError(
-                    f"{type(self).__name__}: score_mod {score_mod._describe()} reads query and key "
-                    f"indices, which this cache's slots (not in position order, or rows of different "
-                    f"lengths) do not give as positions; hint: use DynamicKVCache with it"
-                )
-        return read.mask(mask, self.causal, self.num_heads), score_mod
-
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The three input projections, as one matmul where the inputs allow it (:meth:`_fused`)."""
         modules = self._modules  # read once: each attribute read of a submodule is a Python call
@@ -512,18 +447,6 @@ class MultiHeadAttention(HookPoints, nn.Module):
         ):
             return tuple(m(x) for m in linears)
         return _fused_linear(x, linears, *_concatenated(linears))
-
-    def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
-        """``rope(x, positions)``, refusing a result of another shape than ``x (B, H, L, D)``."""
-        assert self.rope is not None  # called only with a rope
-        rotated = self.rope(x, positions)
-        if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
-            got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
-            raise ValueError(
-                f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
-                f"{name} heads (B, H, L, D) = {tuple(x.shape)} it returned {got}"
-            )
-        return rotated
 
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}"]
@@ -638,12 +561,8 @@ def _qkv_biases(layer: str, qkv_bias: object) -> tuple[bool, bool, bool]:
     raise TypeError(f"{layer}: qkv_bias must be a bool or a tuple of three bools (q, k, v), got {qkv_bias!r}")
 
 
-def _check_cache(layer: str, kv_cache: object, self_attention: bool, key: Tensor | None) -> None:
-    if not isinstance(kv_cache, KVCache):
-        raise TypeError(
-            f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
-            f"DynamicKVCache()), got {type(kv_cache).__name__}"
-        )
+def _check_self_attention(layer: str, self_attention: bool, key: Tensor | None) -> None:
+    """A cache stores the keys of the query tokens: self-attention only."""
     if not self_attention:
         raise ValueError(
             f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
