@@ -36,7 +36,6 @@ from multihead.call import ScoreModArg, Selection
 from multihead.hooks import HookPoints
 from multihead.layers.attend import (
     CallMasks,
-    arange_positions,
     attend_cached,
     check_backend,
     check_cache,
@@ -47,7 +46,7 @@ from multihead.layers.attend import (
 )
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.heads import attend_heads, merge_heads, split_heads
+from multihead.layers.heads import Attend, split_heads
 from multihead.masks import Mask
 from multihead.scores import as_score_mod
 from multihead.scores import softcap as softcap_mod
@@ -100,7 +99,12 @@ class MultiHeadAttention(HookPoints, nn.Module):
             projections run on the shard, ``rope`` at the shard's global positions, and attention
             over the whole sequence through ring or all-to-all attention
             (``docs/distributed.md``). A mask is the whole sequence's. Self-attention only;
-            without caches, weights, score modifiers, sinks or dropout.
+            without caches, weights, score modifiers, sinks or dropout. It builds the ``attend``
+            seam :class:`multihead.distributed.ContextParallelAttend`.
+        attend: how the layer attends once its heads are projected, a
+            :class:`multihead.layers.heads.Attend` (default: ``Attend()``, :func:`attend_heads` on
+            this process). An ``Attend`` subclass refuses in its own checks what it cannot do.
+            Give ``attend`` or ``context_parallel``, not both.
         device, dtype: of the parameters.
 
     Parameters live in four ``nn.Linear`` submodules, ``q_proj`` (``E -> Hq·D``, head ``h`` at
@@ -129,6 +133,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         softcap: float | None = None,
         sinks: bool = False,
         context_parallel: ContextParallel | None = None,
+        attend: Attend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -179,7 +184,10 @@ class MultiHeadAttention(HookPoints, nn.Module):
             if check_flag(layer, "sinks", sinks)
             else None
         )
-        self.context_parallel = _check_context_parallel(layer, context_parallel, self)
+        self.attend = _attend_seam(layer, attend, context_parallel)
+        self.attend.check_layer(
+            layer, {"score_mod": score_mod, "softcap": self.softcap, "sinks": self.sinks, "dropout": self.dropout}
+        )
 
     def forward(
         self,
@@ -254,7 +262,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
             and key_padding_mask is None
             and (mask is None or isinstance(mask, Mask))
             and self.rope is None
-            and self.context_parallel is None
+            and not self.attend.sharded
             and self.score_mod is None
             and self.softcap is None
         ):
@@ -263,10 +271,15 @@ class MultiHeadAttention(HookPoints, nn.Module):
         if key_padding_mask is not None:
             _refuse_key_padding_mask(layer, key_padding_mask)
         self_attention = key is None or key is query
-        if self.context_parallel is not None:
-            _check_sharded_call(
-                layer, self_attention, kv_cache, need_weights, score_mod, self.training and self.dropout
-            )
+        attend = self.attend
+        attend.check_call(
+            layer,
+            self_attention=self_attention,
+            kv_cache=kv_cache,
+            need_weights=need_weights,
+            score_mod=score_mod,
+            dropout=self.dropout if self.training else 0.0,
+        )
         if kv_cache is not None:
             check_cache(layer, kv_cache, "DynamicKVCache()")
             _check_self_attention(layer, self_attention, key)
@@ -292,19 +305,13 @@ class MultiHeadAttention(HookPoints, nn.Module):
         check_weights_selection(layer, need_weights, weights_heads, weights_rows)
         selection = (weights_heads, weights_rows)
         B, Lq = dims(query, self.batch_first)
-        if self.context_parallel is not None:  # the mask is the whole sequence's
-            whole = self.context_parallel.whole_length(Lq)
-            mask, score_mod = self._masks.over_keys(mask, None, B, whole, whole)
-        elif kv_cache is None:
-            Lk = dims(key, self.batch_first)[1]
-            mask, score_mod = self._masks.over_keys(mask, self._score_mods(score_mod), B, Lq, Lk)
+        if kv_cache is None:  # (with a cache: over the slots it returns, below)
+            mask_q, mask_k = attend.mask_lengths(Lq, dims(key, self.batch_first)[1])  # a shard's: the whole's
+            mask, score_mod = self._masks.over_keys(mask, self._score_mods(score_mod), B, mask_q, mask_k)
         given = positions is not None  # a cache continues its rows itself unless told where
-        if given or self.context_parallel is None:
-            positions = resolve_positions(
-                layer, positions, kv_cache, B, Lq, query.device, arange_positions if self.rope is not None else None
-            )
-        else:
-            positions = self.context_parallel.positions(Lq, query.device)  # (Lq,): this shard's global positions
+        positions = resolve_positions(
+            layer, positions, kv_cache, B, Lq, query.device, attend.positions if self.rope is not None else None
+        )
         # The arguments are checked. What is left to refuse (a rope result of the wrong shape, keys
         # or positions the cache cannot store, a mask reaching further back than it keeps) is
         # refused before kv_cache.update changes anything; what fails after it (a mask over the
@@ -326,19 +333,25 @@ class MultiHeadAttention(HookPoints, nn.Module):
         else:
             call_mods = self._score_mods(score_mod)
 
-            def attend(read: CacheRead) -> tuple[Tensor, Tensor | None]:
+            def attend_slots(read: CacheRead) -> tuple[Tensor, Tensor | None]:
                 slot_mask, slot_mods = self._masks.over_slots(read, mask, call_mods, B, Lq)
                 return self._attend(q, read.keys, read.values, slot_mask, slot_mods, need_weights, selection)
 
             out, weights = attend_cached(
-                kv_cache, k, v, attend, positions=positions, given=given, mask=mask, causal=self.causal
+                kv_cache, k, v, attend_slots, positions=positions, given=given, mask=mask, causal=self.causal
             )
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
         if need_weights:
-            assert weights is not None  # attend_heads returns them when asked (context_parallel refuses need_weights)
+            assert weights is not None  # attend returns them when asked (or refuses need_weights)
             return out, weights
         return out
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """The :class:`~multihead.distributed.ContextParallel` this layer's input is a shard of
+        (its ``attend`` seam's), or ``None``."""
+        return getattr(self.attend, "context_parallel", None)
 
     # ------------------------------------------------------------------------------ helpers
     def _self_attention(self, query: Tensor, mask: Mask | None) -> Tensor:
@@ -374,12 +387,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
         need_weights: bool,
         selection: tuple[Selection, Selection] = (None, None),
     ) -> tuple[Tensor, Tensor | None]:
-        """:func:`attend_heads` with this layer's projection, sinks, dropout and backend (or the
-        group's sharded attention, for a context-parallel layer)."""
-        if self.context_parallel is not None:
-            y = self.context_parallel.attention(q, k, v, mask=mask, backend=self.backend)  # (B, Hq, Lq, Dv)
-            return self.out_proj(merge_heads(y)), None
-        return attend_heads(
+        """The ``attend`` seam (:func:`attend_heads` by default) with this layer's projection,
+        sinks, dropout and backend."""
+        return self.attend.attend_heads(
             self,
             q,
             k,
@@ -470,6 +480,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
             parts.append(f"softcap={self.softcap}")
         if self.sinks is not None:
             parts.append("sinks=True")
+        if type(self.attend) is not Attend:
+            parts.append(f"attend={self.attend!r}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------ conversion
@@ -572,42 +584,33 @@ def _check_self_attention(layer: str, self_attention: bool, key: Tensor | None) 
         )
 
 
-def _check_context_parallel(layer: str, cp: object, module: MultiHeadAttention) -> ContextParallel | None:
+def _attend_seam(layer: str, attend: object, cp: object) -> Attend:
+    """The layer's ``attend`` seam: given, built from ``context_parallel``, or the default."""
+    if attend is not None:
+        if cp is not None:
+            raise TypeError(
+                f"{layer}: give attend or context_parallel, not both (context_parallel={cp!r} builds "
+                f"its own attend seam); got attend={attend!r}"
+            )
+        if not isinstance(attend, Attend):
+            raise TypeError(
+                f"{layer}: attend must be None or a multihead.layers.heads.Attend (subclass it to attend "
+                f"another way), got {type(attend).__name__}"
+            )
+        return attend
     if cp is None:
-        return None
-    from multihead.distributed import ContextParallel  # floor 3: imported only when used
+        return _LOCAL
+    from multihead.distributed import ContextParallel, ContextParallelAttend  # floor 3: imported only when used
 
     if not isinstance(cp, ContextParallel):
         raise TypeError(
             f"{layer}: context_parallel must be None or a multihead.distributed.ContextParallel, "
             f"got {type(cp).__name__}"
         )
-    for name in ("score_mod", "softcap", "sinks"):
-        if getattr(module, name) is not None:
-            raise ValueError(
-                f"{layer}: context_parallel attention has no {name} yet (ring and all-to-all "
-                f"attention take masks only); got {name}={getattr(module, name)!r}"
-            )
-    if module.dropout:
-        raise ValueError(f"{layer}: context_parallel attention has no dropout yet; got dropout={module.dropout}")
-    return cp
+    return ContextParallelAttend(cp)
 
 
-def _check_sharded_call(
-    layer: str, self_attention: bool, kv_cache: object, need_weights: object, score_mod: object, dropout: object
-) -> None:
-    for what, bad in (
-        ("kv_cache", kv_cache is not None),
-        ("need_weights=True", need_weights is True),
-        ("a call score_mod", score_mod is not None),
-        ("dropout in training", bool(dropout)),
-        ("a separate key (cross-attention)", not self_attention),
-    ):
-        if bad:
-            raise ValueError(
-                f"{layer}: a context_parallel layer attends over a sharded sequence; it takes no "
-                f"{what}; hint: run such calls on a layer without context_parallel"
-            )
+_LOCAL = Attend()  # the default seam holds nothing: one for every layer
 
 
 def _divisors(n: int) -> list[int]:
