@@ -152,14 +152,29 @@ def test_the_parameters_carry_the_published_names_in_both_layouts():
     assert shapes["q_b_proj.weight"] == (H * (N + R), CQ) and shapes["o_proj.weight"] == (E, H * V)
 
 
-def test_explicit_positions_and_the_softmax_scale_follow_the_equations():
-    layer, x = _layer(softmax_scale=0.21), _x()
+def test_explicit_positions_and_the_scale_follow_the_equations():
+    layer, x = _layer(scale=0.21), _x()
     positions = torch.arange(L) * 3 + 5  # any increasing positions: rotation and causality follow them
     torch.testing.assert_close(layer(x, positions=positions), _published(layer, x, positions=positions, scale=0.21))
     layer.mode = "absorbed"
     torch.testing.assert_close(layer(x, positions=positions), _published(layer, x, positions=positions, scale=0.21))
     # A shift of every position changes no score (RoPE is relative).
     torch.testing.assert_close(layer(x, positions=torch.arange(L) + 100), layer(x))
+
+
+def test_softmax_scale_is_the_old_spelling_of_scale_and_warns():
+    with pytest.warns(
+        DeprecationWarning, match=r"MultiHeadLatentAttention\(softmax_scale=...\) is now .*\(scale=...\)"
+    ):
+        old = _layer(softmax_scale=0.21)
+    assert old.scale == 0.21 and "scale=0.21" in repr(old)
+    with pytest.warns(DeprecationWarning, match=r"MultiHeadLatentAttention.softmax_scale is now .*\.scale"):
+        assert old.softmax_scale == 0.21
+    new, x = _layer(scale=0.21), _x()
+    new.load_state_dict(old.state_dict())
+    torch.testing.assert_close(old(x), new(x))
+    with pytest.raises(TypeError, match=r"give scale, not softmax_scale \(its old spelling\) as well"):
+        _layer(scale=0.2, softmax_scale=0.2)
 
 
 def test_a_rotary_embedding_with_another_base_is_passed_in_or_built_from_rope_base():

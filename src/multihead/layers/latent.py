@@ -40,6 +40,7 @@ half-split layout first, which gives the same scores).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -95,10 +96,14 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             interleaved=True)``.
         rope_base: ``θ`` of the default rotary embedding (``rope_theta``; default 10000). Give
             ``rope`` or ``rope_base``, not both.
-        softmax_scale: the score scale; default ``1 / sqrt(N + R)``. DeepSeek's YaRN checkpoints
-            multiply it by ``mscale²`` (``0.1 · mscale_all_dim · ln(factor) + 1``, squared).
-        causal: keys at positions up to the query's (a bottom-right ``causal()``, at absolute
-            positions with a cache), on top of any call mask.
+        scale: the score scale, as :func:`multihead.attention`'s ``scale``; default
+            ``1 / sqrt(N + R)``. DeepSeek's YaRN checkpoints multiply it by ``mscale²``
+            (``0.1 · mscale_all_dim · ln(factor) + 1``, squared). (``softmax_scale``, DeepSeek's
+            name, is the old spelling: it still works, with a ``DeprecationWarning``.)
+        causal: as :class:`multihead.MultiHeadAttention`'s ``causal``: a bottom-right ``causal()``
+            on top of any call mask, at absolute positions with a cache (keys at positions up to
+            the query's). ``True`` by default here, unlike there: MLA is a decoder's attention,
+            while ``MultiHeadAttention`` also serves encoders and cross-attention.
         bias: biases of ``q_proj``/``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``
             (``attention_bias`` in HF configs); ``q_b_proj`` and ``kv_b_proj`` never have one.
         norm_eps: ``ε`` of the two RMSNorms.
@@ -119,16 +124,23 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         mode: str = "naive",
         rope: Callable[[Tensor, Tensor], Tensor] | None = None,
         rope_base: float | None = None,
-        softmax_scale: float | None = None,
+        scale: float | None = None,
         causal: bool = True,
         bias: bool = False,
         norm_eps: float = 1e-6,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        softmax_scale: float | None = None,
     ):
         super().__init__()
         layer = type(self).__name__
+        scale_name = "scale"
+        if softmax_scale is not None:
+            if scale is not None:
+                raise TypeError(f"{layer}: give scale, not softmax_scale (its old spelling) as well")
+            warnings.warn(f"{layer}(softmax_scale=...) is now {layer}(scale=...)", DeprecationWarning, stacklevel=2)
+            scale, scale_name = softmax_scale, "softmax_scale"
         self.d_model = check_size(layer, "d_model", d_model)
         self.num_heads = check_size(layer, "num_heads", num_heads)
         self.kv_lora_rank = check_size(layer, "kv_lora_rank", kv_lora_rank)
@@ -145,7 +157,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         self.causal = check_flag(layer, "causal", causal)
         bias = check_flag(layer, "bias", bias)
         self.backend = check_backend(layer, backend)
-        self.softmax_scale = None if softmax_scale is None else _positive(layer, "softmax_scale", softmax_scale)
+        self.scale = None if scale is None else _positive(layer, scale_name, scale)
         norm_eps = _positive(layer, "norm_eps", norm_eps)
         self.rope = _make_rope(layer, rope, rope_base, qk_rope_head_dim, device)
         self._masks = CallMasks(layer, num_heads, self.causal)
@@ -177,6 +189,21 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
                 f"K/V, or attend to it directly as MQA), got {mode!r}"
             )
         self._mode = mode
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The old spelling of :attr:`scale` (``DeprecationWarning``)."""
+        warnings.warn(
+            f"{type(self).__name__}.softmax_scale is now {type(self).__name__}.scale", DeprecationWarning, stacklevel=2
+        )
+        return self.scale
+
+    @softmax_scale.setter
+    def softmax_scale(self, value: float | None) -> None:
+        warnings.warn(
+            f"{type(self).__name__}.softmax_scale is now {type(self).__name__}.scale", DeprecationWarning, stacklevel=2
+        )
+        self.scale = None if value is None else _positive(type(self).__name__, "scale", value)
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one token takes in a :class:`~multihead.caches.LatentKVCache` of this layer (one
@@ -241,10 +268,16 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         mask: Mask | Tensor | None = None,
         positions: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        need_weights: bool = False,
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
     ) -> Explanation:
         """:func:`multihead.explain` for the attention call ``forward`` would make in this mode:
         its shapes (absorbed: ``Hkv = 1, D = C + R, Dv = C``; naive: ``Hkv = H, D = N + R, Dv = V``),
-        the backend and the kernel. A cache is updated and rolled back: it ends as it was."""
+        the backend and the kernel; ``need_weights``, ``weights_heads`` and ``weights_rows`` as
+        for :meth:`forward`. A cache is updated and rolled back: it ends as it was."""
+        check_flag(type(self).__name__, "need_weights", need_weights)
+        check_weights_selection(type(self).__name__, need_weights, weights_heads, weights_rows)
 
         def report(
             q: Tensor,
@@ -254,7 +287,17 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             score_mod: ScoreMod | None,
             out_proj: Callable[[Tensor], Tensor],
         ) -> Explanation:
-            return explain(q, k, v, mask=mask, score_mod=score_mod, backend=self.backend)
+            return explain(
+                q,
+                k,
+                v,
+                mask=mask,
+                score_mod=score_mod,
+                backend=self.backend,
+                return_weights=need_weights,
+                weights_heads=weights_heads,
+                weights_rows=weights_rows,
+            )
 
         return self._run(x, mask, positions, kv_cache, report, keep=False)
 
@@ -360,7 +403,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
 
         :func:`~multihead.layers.heads.attend_heads` runs attention at the default scale
         ``1 / sqrt(q.shape[-1])``; the wanted scale differs from it in absorbed mode
-        (``D = C + R``, scale ``1 / sqrt(N + R)``) or with ``softmax_scale``, so the queries are
+        (``D = C + R``, scale ``1 / sqrt(N + R)``) or with ``scale``, so the queries are
         multiplied by ``scale · sqrt(D)`` here (rotation is linear: before or after is the same)."""
         B, L, _ = x.shape
         H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
@@ -369,7 +412,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, L, Cq) -> (B, L, H·(N+R))
         q = q.view(B, L, H, N + R).transpose(1, 2)  # (B, H, L, N + R)
-        scale = 1 / math.sqrt(N + R) if self.softmax_scale is None else self.softmax_scale
+        scale = 1 / math.sqrt(N + R) if self.scale is None else self.scale
         D = self.kv_lora_rank + R if self._mode == "absorbed" else N + R  # the head dim attention sees
         fold = scale * math.sqrt(D)
         if fold != 1.0:
@@ -408,8 +451,8 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             f"mode={self._mode!r}",
             f"causal={self.causal}",
         ]
-        if self.softmax_scale is not None:
-            parts.append(f"softmax_scale={self.softmax_scale}")
+        if self.scale is not None:
+            parts.append(f"scale={self.scale}")
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from multihead.caches import CacheRead, KVCache
 from multihead.call import ScoreModArg, Selection
+from multihead.explain import Explanation, explain
 from multihead.hooks import HookPoints
 from multihead.layers.attend import (
     CallMasks,
@@ -267,11 +268,84 @@ class MultiHeadAttention(HookPoints, nn.Module):
             and self.softcap is None
         ):
             return self._self_attention(query, mask)
-        layer = type(self).__name__
         if key_padding_mask is not None:
-            _refuse_key_padding_mask(layer, key_padding_mask)
+            _refuse_key_padding_mask(type(self).__name__, key_padding_mask)
+        return self._call(
+            self.attend,
+            query,
+            key,
+            value,
+            mask,
+            positions,
+            kv_cache,
+            need_weights,
+            score_mod,
+            weights_heads,
+            weights_rows,
+        )
+
+    def explain(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        need_weights: bool = False,
+        score_mod: ScoreModArg = None,
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
+    ) -> Explanation:
+        """:func:`multihead.explain` for the attention call :meth:`forward` would make with these
+        arguments: its shapes ``(B, Hq, Hkv, Lq, Lk, D, Dv)`` after the projections (and the rotation
+        and the cache), the layer's mask (``& causal()``) and modifiers, its dropout in training,
+        the backend and the kernel. The projections run; attention and ``out_proj`` do not. A cache
+        is updated and rolled back: it ends as it was. (The sinks of ``sinks=True`` are not part of
+        :func:`multihead.explain`'s report.)"""
+        layer = type(self).__name__
+        if self.attend.sharded:
+            raise ValueError(
+                f"{layer}.explain: this layer attends through {self.attend!r}, over a sharded sequence; "
+                f"explain reports one multihead.attention call on this process; hint: explain the same "
+                f"layer without context_parallel on the whole sequence"
+            )
+        try:
+            self._call(
+                _Explaining(self.attend),
+                query,
+                key,
+                value,
+                mask,
+                positions,
+                kv_cache,
+                need_weights,
+                score_mod,
+                weights_heads,
+                weights_rows,
+            )
+        except _Explained as done:
+            return done.explanation
+        raise AssertionError("unreachable: _Explaining.attend_heads raises")  # pragma: no cover
+
+    def _call(
+        self,
+        attend: Attend,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        mask: Mask | Tensor | None,
+        positions: Tensor | None,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+        score_mod: ScoreModArg,
+        weights_heads: Selection,
+        weights_rows: Selection,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`forward` of every call but the plain one, attending through ``attend``."""
+        layer = type(self).__name__
         self_attention = key is None or key is query
-        attend = self.attend
         attend.check_call(
             layer,
             self_attention=self_attention,
@@ -329,13 +403,13 @@ class MultiHeadAttention(HookPoints, nn.Module):
             # (B, Hkv, Lq, D), rotated once, before it is cached
             k = rotate(layer, self.rope, k, positions, "key heads (B, H, L, D)")
         if kv_cache is None:
-            out, weights = self._attend(q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
+            out, weights = self._attend(attend, q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
         else:
             call_mods = self._score_mods(score_mod)
 
             def attend_slots(read: CacheRead) -> tuple[Tensor, Tensor | None]:
                 slot_mask, slot_mods = self._masks.over_slots(read, mask, call_mods, B, Lq)
-                return self._attend(q, read.keys, read.values, slot_mask, slot_mods, need_weights, selection)
+                return self._attend(attend, q, read.keys, read.values, slot_mask, slot_mods, need_weights, selection)
 
             out, weights = attend_cached(
                 kv_cache, k, v, attend_slots, positions=positions, given=given, mask=mask, causal=self.causal
@@ -374,11 +448,12 @@ class MultiHeadAttention(HookPoints, nn.Module):
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, L, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
-        out, _ = self._attend(q, k, v, mask, None, False)  # (B, L, E)
+        out, _ = self._attend(self.attend, q, k, v, mask, None, False)  # (B, L, E)
         return out if self.batch_first else out.transpose(0, 1)
 
     def _attend(
         self,
+        attend: Attend,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -389,7 +464,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """The ``attend`` seam (:func:`attend_heads` by default) with this layer's projection,
         sinks, dropout and backend."""
-        return self.attend.attend_heads(
+        return attend.attend_heads(
             self,
             q,
             k,
@@ -581,6 +656,53 @@ def _check_self_attention(layer: str, self_attention: bool, key: Tensor | None) 
             f"stores the keys of the query tokens; got a separate key of shape "
             f"{tuple(key.shape) if key is not None else None}; "
             f"hint: for cross-attention project the memory once and call without kv_cache"
+        )
+
+
+class _Explained(Exception):  # noqa: N818 (not an error: how explain() leaves the call, rolling a cache back)
+    def __init__(self, explanation: Explanation):
+        super().__init__()
+        self.explanation = explanation
+
+
+class _Explaining(Attend):
+    """A layer's own seam for every step, except that the attention is explained, not run."""
+
+    def __init__(self, seam: Attend):
+        self.seam = seam
+        self.check_call = seam.check_call  # type: ignore[method-assign]
+        self.mask_lengths = seam.mask_lengths  # type: ignore[method-assign]
+        self.positions = seam.positions  # type: ignore[method-assign]
+
+    def attend_heads(
+        self,
+        layer: nn.Module,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        score_mod: ScoreModArg = None,
+        dropout_p: float = 0.0,
+        need_weights: bool = False,
+        backend: str = "auto",
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
+        **unexplained: object,  # out_proj, sinks
+    ) -> NoReturn:
+        raise _Explained(
+            explain(
+                q,
+                k,
+                v,
+                mask=mask,
+                score_mod=score_mod,
+                dropout_p=dropout_p,
+                return_weights=need_weights,
+                backend=backend,
+                weights_heads=weights_heads,
+                weights_rows=weights_rows,
+            )
         )
 
 
