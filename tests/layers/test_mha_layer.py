@@ -400,17 +400,18 @@ IN_PLACE_UPDATES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("param", [f"{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")])
 @pytest.mark.parametrize("update", list(IN_PLACE_UPDATES))
-def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_step(update, param):
+def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_step(update, param, device):
     """However a q/k/v weight or bias is changed in place (through ``.data``, which moves no version
     counter, or under ``no_grad``), the next no-grad call, cross-attention call and cached decode
     step compute what a layer built with the new weights computes: no projection weights are kept
-    from before the change."""
+    from before the change (on CUDA a no-grad self-attention joins the weights: per call)."""
     torch.manual_seed(0)
-    make = lambda: mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, dtype=DT).eval()  # noqa: E731
+    make = lambda: mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, dtype=DT, device=device).eval()  # noqa: E731
     layer = make()
-    x, memory = torch.randn(2, 6, 16, dtype=DT), torch.randn(2, 9, 16, dtype=DT)
+    x, memory = torch.randn(2, 6, 16, dtype=DT).to(device), torch.randn(2, 9, 16, dtype=DT).to(device)
 
     def run(m):
         cache = mh.DynamicKVCache()
@@ -421,7 +422,7 @@ def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_s
     with torch.no_grad():
         before = run(layer)  # every projection path used once with the old weights
         p = layer.get_parameter(param)
-        IN_PLACE_UPDATES[update](p, torch.randn(p.shape, dtype=DT))
+        IN_PLACE_UPDATES[update](p, torch.randn(p.shape, dtype=DT).to(device))
         after = run(layer)
         fresh = make()
         fresh.load_state_dict(layer.state_dict())  # the new weights, in a layer that never saw the old

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.caches import CacheRead, KVCache
@@ -48,6 +47,7 @@ from multihead.layers.attend import (
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
 from multihead.layers.heads import Attend, split_heads
+from multihead.layers.projection import project_qkv
 from multihead.masks import Mask
 from multihead.scores import as_score_mod
 from multihead.scores import softcap as softcap_mod
@@ -391,9 +391,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
         # refused before kv_cache.update changes anything; what fails after it (a mask over the
         # cached keys, a backend) rolls the cache back.
 
-        q, k, v = self._project(
-            query, key, value
-        )  # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
+        # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
+        q, k, v = project_qkv(self, query, key, value)
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, Lq, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D); Lk = Lq with a cache
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
@@ -444,7 +443,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         )
         B, L = dims(query, self.batch_first)
         mask, _ = self._masks.over_keys(mask, None, B, L, L)
-        q, k, v = self._project(query, query, query)  # (B, L, Hq·D), (B, L, Hkv·D) x 2; L first if not batch_first
+        q, k, v = project_qkv(self, query, query, query)  # (B, L, Hq·D), (B, L, Hkv·D) x 2; L first if not batch_first
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, L, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
@@ -489,49 +488,6 @@ class MultiHeadAttention(HookPoints, nn.Module):
         if self.softcap is not None:
             mods.append(softcap_mod(self.softcap))
         return mods or None
-
-    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The three input projections, as one matmul where the inputs allow it (:meth:`_fused`)."""
-        modules = self._modules  # read once: each attribute read of a submodule is a Python call
-        q_proj, k_proj, v_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"]
-        assert q_proj is not None and k_proj is not None and v_proj is not None  # set in __init__
-        if torch.compiler.is_compiling():  # apart: the compiler fuses what it can
-            return q_proj(query), k_proj(key), v_proj(value)
-        if not torch.is_grad_enabled():
-            if query.is_cuda and key is query and value is query and _fusable(q_proj, k_proj, v_proj):
-                q, k, v = _fused_linear(query, (q_proj, k_proj, v_proj), *_concatenated((q_proj, k_proj, v_proj)))
-                return q, k, v
-            return q_proj(query), k_proj(key), v_proj(value)
-        if key is query and value is query and _fusable(q_proj, k_proj, v_proj):
-            q, k, v = self._fused(query, (q_proj, k_proj, v_proj))
-            return q, k, v
-        q = q_proj(query)
-        if value is key and _fusable(k_proj, v_proj):
-            k, v = self._fused(key, (k_proj, v_proj))
-            return q, k, v
-        return q, k_proj(key), v_proj(value)
-
-    def _fused(self, x: Tensor, linears: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
-        """``linears`` applied to one input ``x``.
-
-        While training, ``x`` is multiplied by the concatenated weights once, like a hand-fused
-        ``qkv`` layer (one pass over ``x``, one matmul in the backward); the concatenation is part
-        of the graph, cheap next to a training step's matmuls. Without gradients the projections
-        run apart: a concatenation kept between calls goes stale when the weights change through
-        ``.data`` (EMA updates, hand-written init), which moves no version counter, and one made per
-        call costs a copy of the weights per decode step, where the matmul is as cheap as the copy.
-        Under ``torch.compile`` they run apart as well.
-
-        On CUDA, self-attention without gradients concatenates the weights on every call (so it
-        cannot go stale either) and runs one matmul: a launch-bound step pays for each launch on
-        the host, and the copy of the weights costs the GPU next to nothing
-        (docs/performance.md#on-the-gpu-h100, "The layer").
-        """
-        if torch.compiler.is_compiling() or not (
-            torch.is_grad_enabled() and any(p.requires_grad for m in linears for p in m.parameters())
-        ):
-            return tuple(m(x) for m in linears)
-        return _fused_linear(x, linears, *_concatenated(linears))
 
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}"]
@@ -737,29 +693,3 @@ _LOCAL = Attend()  # the default seam holds nothing: one for every layer
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _fusable(*linears: nn.Module) -> bool:
-    """Whether these projections may be run as one matmul: plain ``nn.Linear`` (not a LoRA or
-    quantized replacement, whose forward must run), without hooks, biased alike."""
-    for m in linears:
-        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
-            return False
-    first = linears[0]._parameters  # (a plain nn.Linear's parameters, read without __getattr__)
-    return all(
-        (m._parameters["bias"] is None) == (first["bias"] is None)
-        and m._parameters["weight"].dtype == first["weight"].dtype  # type: ignore[union-attr]
-        for m in linears
-    )
-
-
-def _concatenated(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
-    """The weights ``(sum of out_features, in_features)`` and biases of :func:`_fusable` linears, joined."""
-    params = [m._parameters for m in linears]
-    weight = torch.cat([p["weight"] for p in params])  # type: ignore[misc]
-    bias = None if params[0]["bias"] is None else torch.cat([p["bias"] for p in params])  # type: ignore[misc]
-    return weight, bias
-
-
-def _fused_linear(x: Tensor, linears: tuple[nn.Module, ...], weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
-    return tuple(F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1))
