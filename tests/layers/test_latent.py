@@ -22,7 +22,7 @@ import multihead as mh
 from helpers import assert_relative
 from multihead.caches import DynamicKVCache, PagedKVCache, StaticKVCache
 from multihead.caches.latent import LatentKVCache
-from multihead.layers.latent import MultiHeadLatentAttention
+from multihead.layers.latent import MODES, MultiHeadLatentAttention
 from multihead.positions import RotaryEmbedding
 
 # Small, odd on purpose: E, H, C (kv_lora_rank), Cq (q_lora_rank), N (nope), R (rope), V.
@@ -152,14 +152,29 @@ def test_the_parameters_carry_the_published_names_in_both_layouts():
     assert shapes["q_b_proj.weight"] == (H * (N + R), CQ) and shapes["o_proj.weight"] == (E, H * V)
 
 
-def test_explicit_positions_and_the_softmax_scale_follow_the_equations():
-    layer, x = _layer(softmax_scale=0.21), _x()
+def test_explicit_positions_and_the_scale_follow_the_equations():
+    layer, x = _layer(scale=0.21), _x()
     positions = torch.arange(L) * 3 + 5  # any increasing positions: rotation and causality follow them
     torch.testing.assert_close(layer(x, positions=positions), _published(layer, x, positions=positions, scale=0.21))
     layer.mode = "absorbed"
     torch.testing.assert_close(layer(x, positions=positions), _published(layer, x, positions=positions, scale=0.21))
     # A shift of every position changes no score (RoPE is relative).
     torch.testing.assert_close(layer(x, positions=torch.arange(L) + 100), layer(x))
+
+
+def test_softmax_scale_is_the_old_spelling_of_scale_and_warns():
+    with pytest.warns(
+        DeprecationWarning, match=r"MultiHeadLatentAttention\(softmax_scale=...\) is now .*\(scale=...\)"
+    ):
+        old = _layer(softmax_scale=0.21)
+    assert old.scale == 0.21 and "scale=0.21" in repr(old)
+    with pytest.warns(DeprecationWarning, match=r"MultiHeadLatentAttention.softmax_scale is now .*\.scale"):
+        assert old.softmax_scale == 0.21
+    new, x = _layer(scale=0.21), _x()
+    new.load_state_dict(old.state_dict())
+    torch.testing.assert_close(old(x), new(x))
+    with pytest.raises(TypeError, match=r"give scale, not softmax_scale \(its old spelling\) as well"):
+        _layer(scale=0.2, softmax_scale=0.2)
 
 
 def test_a_rotary_embedding_with_another_base_is_passed_in_or_built_from_rope_base():
@@ -417,6 +432,53 @@ def test_a_call_that_fails_after_the_update_rolls_the_cache_back():
         with pytest.raises(ValueError, match="not broadcastable"):
             layer(x[:, 5:6], kv_cache=cache, mask=torch.ones(1, 3, dtype=torch.bool))  # (Lq, S) is (1, 6)
     assert cache.length == 5
+
+
+# ---------------------------------------------------------------------------- weights changed in place
+def _copy_data(p, new):
+    p.data.copy_(new)  # an EMA update: through .data, no version counter moves
+
+
+def _assign_data(p, new):
+    p.data = new  # another storage
+
+
+def _copy_no_grad(p, new):
+    with torch.no_grad():
+        p.copy_(new)
+
+
+IN_PLACE_UPDATES = {"data.copy_": _copy_data, "data=": _assign_data, "no_grad copy_": _copy_no_grad}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("param", ["q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "o_proj.weight"])
+@pytest.mark.parametrize("update", list(IN_PLACE_UPDATES))
+def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_step(update, param, mode):
+    """However a weight is changed in place (through ``.data`` or under ``no_grad``), the next
+    no-grad call and cached decode step (a DynamicKVCache and a LatentKVCache) compute what a layer
+    built with the new weights computes (absorbed mode reads ``kv_b_proj.weight`` through views:
+    nothing derived from it may be kept)."""
+    layer, x = _layer(mode=mode), _x()
+
+    def run(m):
+        out = [m(x)]
+        for cache in (DynamicKVCache(), LatentKVCache()):
+            m(x[:, :-1], kv_cache=cache)
+            out.append(m(x[:, -1:], kv_cache=cache))  # one decode step
+        return out
+
+    with torch.no_grad():
+        before = run(layer)
+        p = layer.get_parameter(param)
+        IN_PLACE_UPDATES[update](p, torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(5)))
+        after = run(layer)
+        fresh = _layer(mode=mode, seed=7)
+        fresh.load_state_dict(layer.state_dict())  # the new weights, in a layer that never saw the old
+        want = run(fresh)
+    for name, got, expected in zip(["call", "DynamicKVCache step", "LatentKVCache step"], after, want):
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{update} on {param} ({mode}), {name}: {m}")
+    assert not torch.allclose(after[0], before[0]) and not torch.allclose(after[1], before[1])
 
 
 # ---------------------------------------------------------------------------- explain, capture

@@ -405,17 +405,18 @@ IN_PLACE_UPDATES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("param", [f"{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")])
 @pytest.mark.parametrize("update", list(IN_PLACE_UPDATES))
-def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_step(update, param):
+def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_step(update, param, device):
     """However a q/k/v weight or bias is changed in place (through ``.data``, which moves no version
     counter, or under ``no_grad``), the next no-grad call, cross-attention call and cached decode
     step compute what a layer built with the new weights computes: no projection weights are kept
-    from before the change."""
+    from before the change (on CUDA a no-grad self-attention joins the weights: per call)."""
     torch.manual_seed(0)
-    make = lambda: mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, dtype=DT).eval()  # noqa: E731
+    make = lambda: mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, dtype=DT, device=device).eval()  # noqa: E731
     layer = make()
-    x, memory = torch.randn(2, 6, 16, dtype=DT), torch.randn(2, 9, 16, dtype=DT)
+    x, memory = torch.randn(2, 6, 16, dtype=DT).to(device), torch.randn(2, 9, 16, dtype=DT).to(device)
 
     def run(m):
         cache = mh.DynamicKVCache()
@@ -426,7 +427,7 @@ def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_s
     with torch.no_grad():
         before = run(layer)  # every projection path used once with the old weights
         p = layer.get_parameter(param)
-        IN_PLACE_UPDATES[update](p, torch.randn(p.shape, dtype=DT))
+        IN_PLACE_UPDATES[update](p, torch.randn(p.shape, dtype=DT).to(device))
         after = run(layer)
         fresh = make()
         fresh.load_state_dict(layer.state_dict())  # the new weights, in a layer that never saw the old
@@ -437,3 +438,34 @@ def test_a_weight_changed_in_place_is_seen_by_the_next_no_grad_call_and_decode_s
     # scores, which the softmax ignores: it shows in the cached keys only.
     shown = -1 if param == "k_proj.bias" else 0
     assert not torch.allclose(after[shown], before[shown])
+
+
+# ---------------------------------------------------------------------------------- explain
+def test_explain_reports_the_attention_call_the_layer_makes_and_leaves_a_cache_as_it_was():
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, dtype=DT)
+    x, memory = torch.randn(2, 6, 32, dtype=DT), torch.randn(2, 9, 32, dtype=DT)
+    q = layer.q_proj(x).view(2, 6, 4, 8).transpose(1, 2)  # (B, Hq, Lq, D); with gradients, as the call's
+    k = layer.k_proj(x).view(2, 6, 2, 8).transpose(1, 2)  # (B, Hkv, Lk, D)
+    v = layer.v_proj(x).view(2, 6, 2, 8).transpose(1, 2)
+    want = mh.explain(q, k, v, mask=mh.sliding_window(3) & mh.causal())  # the call mask & the layer's causal()
+    got = layer.explain(x, mask=mh.sliding_window(3))
+    assert str(got) == str(want) and got.shape == (2, 4, 2, 6, 6, 8, 8)
+    cross = layer.explain(x, memory, need_weights=True, weights_heads=0)
+    assert cross.shape == (2, 4, 2, 6, 9, 8, 8) and str(cross).startswith("attention call")
+    cache = mh.DynamicKVCache()
+    layer(x[:, :5], kv_cache=cache)
+    keys = cache.keys[:, :, :5].clone()
+    step = layer.explain(x[:, 5:], kv_cache=cache)  # one decode step over the 5 cached keys and its own
+    assert step.shape == (2, 4, 2, 1, 6, 8, 8)
+    assert cache.length == 5 and torch.equal(cache.keys[:, :, :5], keys)
+    with pytest.raises(ValueError, match=r"weights_heads/weights_rows select which weights to return"):
+        layer.explain(x, weights_heads=0)
+
+
+def test_explain_refuses_a_sharded_layer():
+    from multihead.distributed import ContextParallel
+
+    layer = mh.MultiHeadAttention(16, 4, causal=True, context_parallel=ContextParallel())
+    with pytest.raises(ValueError, match=r"MultiHeadAttention.explain: this layer attends through .* sharded"):
+        layer.explain(torch.randn(2, 4, 16))

@@ -395,3 +395,58 @@ def test_capture_records_the_drop_in_per_head_weights():
         _, weights = module(x, x, x, need_weights=True, average_attn_weights=False)
     assert cap.names == ["MultiheadAttention"]
     torch.testing.assert_close(cap.weights[0], weights)  # (B, H, L, S)
+
+
+# ------------------------------------------------------------------------------ the attend seam
+class HalvedKeys(mh.layers.heads.Attend):
+    """Another way of attending: keys halved before the default attention; refuses need_weights and
+    rotary layers, and records the mask lengths and positions it was asked for."""
+
+    def __init__(self):
+        self.asked = []
+
+    def check_layer(self, layer, options):
+        self.asked.append(("layer", sorted(k for k, v in options.items() if v)))
+
+    def check_call(self, layer, *, self_attention, kv_cache, need_weights, score_mod, dropout):
+        if need_weights:
+            raise ValueError(f"{layer}: HalvedKeys takes no need_weights")
+
+    def positions(self, Lq, device):
+        self.asked.append(("positions", Lq))
+        return torch.arange(10, 10 + Lq, device=device)
+
+    def attend_heads(self, layer, q, k, v, **options):
+        return super().attend_heads(layer, q, k / 2, v, **options)
+
+
+def test_a_layer_attends_through_its_attend_seam_with_its_refusals():
+    torch.manual_seed(0)
+    seam = HalvedKeys()
+    rope = PairRotation(6)
+    layer = mh.MultiHeadAttention(24, 4, causal=True, dropout=0.1, rope=rope, attend=seam, dtype=DT).eval()
+    plain = mh.MultiHeadAttention(24, 4, causal=True, rope=PairRotation(6), dtype=DT).eval()
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 5, 24, dtype=DT)
+    assert seam.asked == [("layer", ["dropout"])]
+    # halving every key halves every score: the plain layer's queries halved instead
+    plain.q_proj.weight.data /= 2
+    plain.q_proj.bias.data /= 2
+    torch.testing.assert_close(layer(x), plain(x, positions=torch.arange(10, 15)))
+    assert seam.asked[-1] == ("positions", 5) and rope.calls[-1][1].tolist() == list(range(10, 15))
+    assert "attend=HalvedKeys()" in repr(layer) and layer.context_parallel is None
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: HalvedKeys takes no need_weights"):
+        layer(x, need_weights=True)
+
+
+def test_the_attend_seam_is_an_attend_and_not_given_with_context_parallel():
+    from multihead.distributed import ContextParallel, ContextParallelAttend
+
+    with pytest.raises(TypeError, match=r"attend must be None or a multihead.layers.heads.Attend .*got function"):
+        mh.MultiHeadAttention(16, 2, attend=lambda *a, **k: None)
+    with pytest.raises(TypeError, match=r"give attend or context_parallel, not both"):
+        mh.MultiHeadAttention(16, 2, attend=mh.layers.heads.Attend(), context_parallel=ContextParallel())
+    cp = ContextParallel(layout="contiguous")
+    layer = mh.MultiHeadAttention(16, 2, context_parallel=cp)
+    assert isinstance(layer.attend, ContextParallelAttend) and layer.context_parallel is cp
+    assert type(mh.MultiHeadAttention(16, 2).attend) is mh.layers.heads.Attend

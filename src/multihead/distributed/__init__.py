@@ -7,13 +7,14 @@
   one local :func:`multihead.attention` over the whole sequence.
 * :func:`shard_sequence` / :func:`unshard_sequence` / :func:`shard_positions`: the ``zigzag`` and
   ``contiguous`` layouts (:mod:`multihead.distributed.layout`).
-* :class:`ContextParallel`: group, layout and method as one object, for layers and models.
+* :class:`ContextParallel`: group, layout and method as one object, for layers and models;
+  :class:`ContextParallelAttend`, the ``attend=`` seam a layer with ``context_parallel=`` runs.
 
 Both functions equal :func:`multihead.attention` on the whole sequence, outputs, LSE and
 gradients (``tests/distributed``). See ``docs/distributed.md``.
 """
 
-from multihead.distributed.context import METHODS, ContextParallel
+from multihead.distributed.context import METHODS, ContextParallel, ContextParallelAttend
 from multihead.distributed.layout import LAYOUTS, shard_positions, shard_sequence, unshard_sequence
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.ring import ring_attention
@@ -29,5 +30,6 @@ __all__ = [
     "RingPlan",
     "LAYOUTS",
     "ContextParallel",
+    "ContextParallelAttend",
     "METHODS",
 ]

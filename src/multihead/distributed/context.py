@@ -10,11 +10,14 @@ layer inside a sequence-sharded model needs besides the attention itself::
     out = cp.attention(q, k, v, mask=causal())            # the mask of the whole sequence
 
 Everything position-wise (projections, MLPs, norms) runs on the shard unchanged; only attention
-and positions need the group.
+and positions need the group. A layer built with ``context_parallel=cp`` attends through
+:class:`ContextParallelAttend` (its ``attend=`` seam), which also declares what sharded attention
+cannot do yet.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +27,9 @@ from multihead.distributed.checks import check_group
 from multihead.distributed.layout import check_layout, shard_positions, shard_sequence, unshard_sequence
 from multihead.distributed.ring import ring_attention
 from multihead.distributed.ulysses import ulysses_attention
+from multihead.layers.heads import Attend, merge_heads
 
-__all__ = ["ContextParallel", "METHODS"]
+__all__ = ["ContextParallel", "ContextParallelAttend", "METHODS"]
 
 #: ``ring``: K/V travel, any heads, masks skip blocks; ``ulysses``: two all-to-alls, heads split.
 METHODS = ("ring", "ulysses")
@@ -95,3 +99,79 @@ class ContextParallel:
             return_lse=return_lse,
             backend=backend,
         )
+
+
+class ContextParallelAttend(Attend):
+    """A layer's ``attend=`` seam for a sequence sharded as ``cp`` says: the layer's input is this
+    rank's shard (``cp.shard(x)``), its mask the whole sequence's, ``rope`` turns the shard's
+    tokens at their global positions, and attention runs over the whole sequence through
+    :meth:`ContextParallel.attention`. Self-attention only; without caches, weights, score
+    modifiers, sinks or dropout (ring and all-to-all attention take masks only)."""
+
+    sharded = True
+
+    def __init__(self, cp: ContextParallel):
+        self.context_parallel = cp
+
+    def check_layer(self, layer: str, options: Mapping[str, object]) -> None:
+        for name in ("score_mod", "softcap", "sinks"):
+            if options.get(name) is not None:
+                raise ValueError(
+                    f"{layer}: context_parallel attention has no {name} yet (ring and all-to-all "
+                    f"attention take masks only); got {name}={options[name]!r}"
+                )
+        if options.get("dropout"):
+            raise ValueError(
+                f"{layer}: context_parallel attention has no dropout yet; got dropout={options['dropout']}"
+            )
+
+    def check_call(
+        self,
+        layer: str,
+        *,
+        self_attention: bool,
+        kv_cache: object,
+        need_weights: bool,
+        score_mod: object,
+        dropout: float,
+    ) -> None:
+        for what, bad in (
+            ("kv_cache", kv_cache is not None),
+            ("need_weights=True", need_weights is True),
+            ("a call score_mod", score_mod is not None),
+            ("dropout in training", bool(dropout)),
+            ("a separate key (cross-attention)", not self_attention),
+        ):
+            if bad:
+                raise ValueError(
+                    f"{layer}: a context_parallel layer attends over a sharded sequence; it takes no "
+                    f"{what}; hint: run such calls on a layer without context_parallel"
+                )
+
+    def mask_lengths(self, Lq: int, Lk: int) -> tuple[int, int]:
+        whole = self.context_parallel.whole_length(Lq)  # self-attention: Lk = Lq
+        return whole, whole
+
+    def positions(self, Lq: int, device: torch.device) -> Tensor:
+        return self.context_parallel.positions(Lq, device)  # (Lq,): this shard's global positions
+
+    def attend_heads(
+        self,
+        layer: object,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        out_proj: Callable[[Tensor], Tensor],
+        mask=None,
+        backend: str = "auto",
+        **refused: object,
+    ) -> tuple[Tensor, None]:
+        """``(out_proj(merge(attention over the whole sequence)) (B, Lq, E), None)``; the other
+        arguments of :func:`~multihead.layers.heads.attend_heads` are the defaults that
+        :meth:`check_layer` and :meth:`check_call` let through."""
+        y = self.context_parallel.attention(q, k, v, mask=mask, backend=backend)  # (B, Hq, Lq, Dv)
+        return out_proj(merge_heads(y)), None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.context_parallel!r})"

@@ -15,12 +15,18 @@ The fused kernels write their output ``(B, H, L, D)`` with ``(B, L, H, D)`` stri
 (:mod:`multihead.capture`), and the layer's hook points (:mod:`multihead.hooks`). Every layer and
 model calls it between its own projections (and rotary embedding, cache, appended keys) and its
 output; none re-writes it.
+
+:class:`Attend` is the seam a layer attends through (``MultiHeadAttention(attend=...)``): the
+default runs :func:`attend_heads` on this process; another way of attending (context
+parallelism: :class:`multihead.distributed.ContextParallelAttend`) is a subclass that declares
+what it cannot do in its own checks, so the layer has no branch for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+import torch
 from torch import Tensor, nn
 
 from multihead.attention import attention
@@ -31,7 +37,7 @@ from multihead.hooks import explicit_attention, run_hooks
 from multihead.masks import Mask
 from multihead.validation import validate_weights_selection
 
-__all__ = ["split_heads", "merge_heads", "attend_heads"]
+__all__ = ["split_heads", "merge_heads", "attend_heads", "Attend"]
 
 
 def split_heads(x: Tensor, heads: int, head_dim: int, batch_first: bool) -> Tensor:
@@ -148,3 +154,57 @@ def attend_heads(
         record(layer, weights, q=q, held=held)
     out = out_proj(merge_heads(y))  # (B, Lq, E)
     return out, (take(weights, held, asked) if need_weights and weights is not None else None)
+
+
+class Attend:
+    """How a layer attends once its heads are projected (and rotated, and read from a cache): the
+    default attends on this process, through :func:`attend_heads`.
+
+    A layer calls, in this order:
+
+    * :meth:`check_layer` once, from its constructor, with the options that change attention;
+    * :meth:`check_call` on every call that is not the plain one (see :attr:`sharded`);
+    * :meth:`mask_lengths`: the ``(Lq, Lk)`` the call's mask is over;
+    * :meth:`positions`: the default positions of the query tokens for ``rope`` (no cache, none
+      given);
+    * :meth:`attend_heads`, with :func:`attend_heads`'s arguments, for ``(out (B, Lq, E), weights)``.
+
+    A subclass refuses what it cannot do in the two checks, with its own messages.
+    """
+
+    #: Whether the layer's tokens are a shard of a longer sequence (masks over the whole sequence,
+    #: global positions). ``False``: a plain call (self-attention, at most a mask object) needs
+    #: none of the methods but the call itself, and the layer skips them.
+    sharded: bool = False
+
+    def check_layer(self, layer: str, options: Mapping[str, object]) -> None:
+        """Refuse, at construction, a layer option (``score_mod``, ``softcap``, ``sinks``,
+        ``dropout``: their values, ``None``/``0.0`` when unset) this way of attending cannot run."""
+
+    def check_call(
+        self,
+        layer: str,
+        *,
+        self_attention: bool,
+        kv_cache: object,
+        need_weights: bool,
+        score_mod: object,
+        dropout: float,
+    ) -> None:
+        """Refuse a call this way of attending cannot run, before any work (``dropout``: the
+        probability this call would drop with, 0 outside training)."""
+
+    def mask_lengths(self, Lq: int, Lk: int) -> tuple[int, int]:
+        """The ``(Lq, Lk)`` a call's mask is over, for ``Lq`` queries and ``Lk`` keys given to the layer."""
+        return Lq, Lk
+
+    def positions(self, Lq: int, device: torch.device) -> Tensor:
+        """``(Lq,)`` int64: the positions of the query tokens when neither the call nor a cache gives them."""
+        return torch.arange(Lq, device=device)
+
+    # The module's attend_heads itself (no frame between, which the plain call would pay for; a
+    # staticmethod __call__ would save the name but torch.compile cannot trace it).
+    attend_heads = staticmethod(attend_heads)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -40,23 +40,31 @@ half-split layout first, which gives the same scores).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
-from multihead.caches.base import check_mask_parts
-from multihead.call import Selection, mask_and_score_mod
+from multihead.call import Selection
 from multihead.explain import Explanation, explain
 from multihead.hooks import HookPoints
 from multihead.inputs import check_tensor
-from multihead.layers.checks import check_flag, check_positions, check_size
+from multihead.layers.attend import (
+    CallMasks,
+    arange_positions,
+    attend_cached,
+    check_backend,
+    check_cache,
+    check_weights_selection,
+    resolve_positions,
+    rotate,
+)
+from multihead.layers.checks import check_flag, check_size
 from multihead.layers.heads import attend_heads, merge_heads
 from multihead.masks import Mask
-from multihead.masks import causal as causal_mask
 from multihead.positions.rotary import RotaryEmbedding
 from multihead.scores import ScoreMod
 
@@ -88,10 +96,14 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             interleaved=True)``.
         rope_base: ``θ`` of the default rotary embedding (``rope_theta``; default 10000). Give
             ``rope`` or ``rope_base``, not both.
-        softmax_scale: the score scale; default ``1 / sqrt(N + R)``. DeepSeek's YaRN checkpoints
-            multiply it by ``mscale²`` (``0.1 · mscale_all_dim · ln(factor) + 1``, squared).
-        causal: keys at positions up to the query's (a bottom-right ``causal()``, at absolute
-            positions with a cache), on top of any call mask.
+        scale: the score scale, as :func:`multihead.attention`'s ``scale``; default
+            ``1 / sqrt(N + R)``. DeepSeek's YaRN checkpoints multiply it by ``mscale²``
+            (``0.1 · mscale_all_dim · ln(factor) + 1``, squared). (``softmax_scale``, DeepSeek's
+            name, is the old spelling: it still works, with a ``DeprecationWarning``.)
+        causal: as :class:`multihead.MultiHeadAttention`'s ``causal``: a bottom-right ``causal()``
+            on top of any call mask, at absolute positions with a cache (keys at positions up to
+            the query's). ``True`` by default here, unlike there: MLA is a decoder's attention,
+            while ``MultiHeadAttention`` also serves encoders and cross-attention.
         bias: biases of ``q_proj``/``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``
             (``attention_bias`` in HF configs); ``q_b_proj`` and ``kv_b_proj`` never have one.
         norm_eps: ``ε`` of the two RMSNorms.
@@ -112,16 +124,23 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         mode: str = "naive",
         rope: Callable[[Tensor, Tensor], Tensor] | None = None,
         rope_base: float | None = None,
-        softmax_scale: float | None = None,
+        scale: float | None = None,
         causal: bool = True,
         bias: bool = False,
         norm_eps: float = 1e-6,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        softmax_scale: float | None = None,
     ):
         super().__init__()
         layer = type(self).__name__
+        scale_name = "scale"
+        if softmax_scale is not None:
+            if scale is not None:
+                raise TypeError(f"{layer}: give scale, not softmax_scale (its old spelling) as well")
+            warnings.warn(f"{layer}(softmax_scale=...) is now {layer}(scale=...)", DeprecationWarning, stacklevel=2)
+            scale, scale_name = softmax_scale, "softmax_scale"
         self.d_model = check_size(layer, "d_model", d_model)
         self.num_heads = check_size(layer, "num_heads", num_heads)
         self.kv_lora_rank = check_size(layer, "kv_lora_rank", kv_lora_rank)
@@ -137,16 +156,11 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         self.mode = mode
         self.causal = check_flag(layer, "causal", causal)
         bias = check_flag(layer, "bias", bias)
-        if not isinstance(backend, str):
-            raise TypeError(
-                f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
-            )
-        check_backend_name(backend)
-        self.backend = backend
-        self.softmax_scale = None if softmax_scale is None else _positive(layer, "softmax_scale", softmax_scale)
+        self.backend = check_backend(layer, backend)
+        self.scale = None if scale is None else _positive(layer, scale_name, scale)
         norm_eps = _positive(layer, "norm_eps", norm_eps)
         self.rope = _make_rope(layer, rope, rope_base, qk_rope_head_dim, device)
-        self._causal_mask = causal_mask() if causal else None
+        self._masks = CallMasks(layer, num_heads, self.causal)
 
         H, C, N, R, V = num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         factory = {"device": device, "dtype": dtype}
@@ -175,6 +189,21 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
                 f"K/V, or attend to it directly as MQA), got {mode!r}"
             )
         self._mode = mode
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The old spelling of :attr:`scale` (``DeprecationWarning``)."""
+        warnings.warn(
+            f"{type(self).__name__}.softmax_scale is now {type(self).__name__}.scale", DeprecationWarning, stacklevel=2
+        )
+        return self.scale
+
+    @softmax_scale.setter
+    def softmax_scale(self, value: float | None) -> None:
+        warnings.warn(
+            f"{type(self).__name__}.softmax_scale is now {type(self).__name__}.scale", DeprecationWarning, stacklevel=2
+        )
+        self.scale = None if value is None else _positive(type(self).__name__, "scale", value)
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one token takes in a :class:`~multihead.caches.LatentKVCache` of this layer (one
@@ -217,11 +246,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights``.
         """
         check_flag(type(self).__name__, "need_weights", need_weights)
-        if (weights_heads is not None or weights_rows is not None) and not need_weights:
-            raise ValueError(
-                f"{type(self).__name__}: weights_heads/weights_rows select which weights to return; "
-                f"they need need_weights=True, got need_weights=False"
-            )
+        check_weights_selection(type(self).__name__, need_weights, weights_heads, weights_rows)
         selection = (weights_heads, weights_rows)
 
         def attend(
@@ -243,10 +268,16 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         mask: Mask | Tensor | None = None,
         positions: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        need_weights: bool = False,
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
     ) -> Explanation:
         """:func:`multihead.explain` for the attention call ``forward`` would make in this mode:
         its shapes (absorbed: ``Hkv = 1, D = C + R, Dv = C``; naive: ``Hkv = H, D = N + R, Dv = V``),
-        the backend and the kernel. A cache is updated and rolled back: it ends as it was."""
+        the backend and the kernel; ``need_weights``, ``weights_heads`` and ``weights_rows`` as
+        for :meth:`forward`. A cache is updated and rolled back: it ends as it was."""
+        check_flag(type(self).__name__, "need_weights", need_weights)
+        check_weights_selection(type(self).__name__, need_weights, weights_heads, weights_rows)
 
         def report(
             q: Tensor,
@@ -256,7 +287,17 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             score_mod: ScoreMod | None,
             out_proj: Callable[[Tensor], Tensor],
         ) -> Explanation:
-            return explain(q, k, v, mask=mask, score_mod=score_mod, backend=self.backend)
+            return explain(
+                q,
+                k,
+                v,
+                mask=mask,
+                score_mod=score_mod,
+                backend=self.backend,
+                return_weights=need_weights,
+                weights_heads=weights_heads,
+                weights_rows=weights_rows,
+            )
 
         return self._run(x, mask, positions, kv_cache, report, keep=False)
 
@@ -271,40 +312,37 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
     ) -> _R:
         """Project, rotate, cache, then ``attend(q, k, v, mask, score_mod, out_proj)``."""
         layer = type(self).__name__
-        if kv_cache is not None and not isinstance(kv_cache, KVCache):
-            raise TypeError(
-                f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
-                f"LatentKVCache()), got {type(kv_cache).__name__}"
-            )
+        if kv_cache is not None:
+            check_cache(layer, kv_cache, "LatentKVCache()")
         _check_x(layer, x, self.d_model, self.kv_b_proj.weight)
         B, L, _ = x.shape
         given = positions is not None  # a cache continues its rows itself unless told where
-        if positions is not None:
-            positions = check_positions(layer, positions, B, L, x.device)
-        elif kv_cache is not None:
-            positions = kv_cache.next_positions(L, x.device)  # (L,) or (B, L): after the cached tokens
-        else:
-            positions = torch.arange(L, device=x.device)  # (L,)
+        positions = resolve_positions(layer, positions, kv_cache, B, L, x.device, arange_positions)
+        assert positions is not None  # (L,) or (B, L): every call rotates
         if kv_cache is None:
-            mask, score_mod = self._call_mask(mask, B, L, L)
+            mask, score_mod = self._masks.over_keys(mask, None, B, L, L)
 
         q_nope, q_rope = self._queries(x, positions)  # (B, H, L, N), (B, H, L, R), scaled
         rows = self._latent_rows(x, positions)  # (B, 1, L, C + R): [c_kv | k_rope], what a cache stores
         C = self.kv_lora_rank
         if kv_cache is None:
             return self._attend_rows(attend, q_nope, q_rope, rows, mask, score_mod)
-        kv_cache.check_mask(mask, self.causal, L)  # a mask reaching rows the cache no longer holds
-        placed = given and kv_cache.places_by_position  # else: rotary positions only (call-order caches)
-        read = kv_cache.update(rows, rows[..., :C], positions if placed else None)  # every row and these, (B, 1, S, ·)
-        try:
-            mask, score_mod = self._cache_mask(read, mask, B, L)
-            result = self._attend_rows(attend, q_nope, q_rope, read.keys, mask, score_mod)
-        except BaseException:
-            kv_cache.rollback()
-            raise
-        if not keep:
-            kv_cache.rollback()
-        return result
+
+        def attend_slots(read: CacheRead) -> _R:  # read.keys: every row and these, (B, 1, S, C + R)
+            slot_mask, score_mod = self._masks.over_slots(read, mask, None, B, L)
+            return self._attend_rows(attend, q_nope, q_rope, read.keys, slot_mask, score_mod)
+
+        return attend_cached(
+            kv_cache,
+            rows,
+            rows[..., :C],
+            attend_slots,
+            positions=positions,
+            given=given,
+            mask=mask,
+            causal=self.causal,
+            keep=keep,
+        )
 
     def _attend_rows(
         self,
@@ -365,7 +403,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
 
         :func:`~multihead.layers.heads.attend_heads` runs attention at the default scale
         ``1 / sqrt(q.shape[-1])``; the wanted scale differs from it in absorbed mode
-        (``D = C + R``, scale ``1 / sqrt(N + R)``) or with ``softmax_scale``, so the queries are
+        (``D = C + R``, scale ``1 / sqrt(N + R)``) or with ``scale``, so the queries are
         multiplied by ``scale · sqrt(D)`` here (rotation is linear: before or after is the same)."""
         B, L, _ = x.shape
         H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
@@ -374,19 +412,20 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, L, Cq) -> (B, L, H·(N+R))
         q = q.view(B, L, H, N + R).transpose(1, 2)  # (B, H, L, N + R)
-        scale = 1 / math.sqrt(N + R) if self.softmax_scale is None else self.softmax_scale
+        scale = 1 / math.sqrt(N + R) if self.scale is None else self.scale
         D = self.kv_lora_rank + R if self._mode == "absorbed" else N + R  # the head dim attention sees
         fold = scale * math.sqrt(D)
         if fold != 1.0:
             q = q * fold
         q_nope, q_rope = q.split([N, R], dim=-1)  # (B, H, L, N), (B, H, L, R)
-        return q_nope, self._rotate(q_rope, positions, "query")
+        return q_nope, rotate(type(self).__name__, self.rope, q_rope, positions, "query (B, H, L, R)")
 
     def _latent_rows(self, x: Tensor, positions: Tensor) -> Tensor:
         """``[RMSNorm(c_kv) | rope(k_rope)] (B, 1, L, C + R)``, the rows a cache stores."""
         kv_a = self.kv_a_proj_with_mqa(x)  # (B, L, C + R)
         c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, L, C), (B, L, R)
-        k_rope = self._rotate(k_rope.unsqueeze(1), positions, "key")  # (B, 1, L, R): one rotary key for every head
+        # (B, 1, L, R): one rotary key for every head
+        k_rope = rotate(type(self).__name__, self.rope, k_rope.unsqueeze(1), positions, "key (B, H, L, R)")
         return torch.cat([self.kv_a_layernorm(c_kv).unsqueeze(1), k_rope], dim=-1)  # (B, 1, L, C + R)
 
     def _up_projections(self) -> tuple[Tensor, Tensor]:
@@ -401,40 +440,6 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         out: Tensor = self.o_proj(merge_heads(o @ self._up_projections()[1].transpose(1, 2)))
         return out
 
-    def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
-        rotated = self.rope(x, positions)
-        if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
-            got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
-            raise ValueError(
-                f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
-                f"{name} (B, H, L, R) = {tuple(x.shape)} it returned {got}"
-            )
-        return rotated
-
-    def _call_mask(self, mask: object, B: int, Lq: int, Lk: int) -> tuple[Mask | None, ScoreMod | None]:
-        """The call's mask checked against ``(B, H, Lq, Lk)``, ``& causal()``; a float mask split
-        into its ``-inf`` pattern and a bias (as :func:`multihead.attention` does)."""
-        mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=Lk)
-        if mask is not None:
-            mask.check(B, self.num_heads, Lq, Lk)
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, Lk)
-        if self._causal_mask is not None:
-            mask = self._causal_mask if mask is None else mask & self._causal_mask
-        return mask, score_mod
-
-    def _cache_mask(
-        self, read: CacheRead, mask: object, B: int, Lq: int
-    ) -> tuple[Mask | Tensor | None, ScoreMod | None]:
-        """The call's mask over the slots a cache returned (:meth:`CacheRead.mask`)."""
-        S = read.keys.shape[2]
-        mask, score_mod = mask_and_score_mod(mask, None, q_len=Lq, kv_len=S)
-        if mask is not None:
-            check_mask_parts(type(self).__name__, mask, B, self.num_heads, Lq, S)  # tensors over the slots
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, S)
-        return read.mask(mask, self.causal, self.num_heads), score_mod
-
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}", f"kv_lora_rank={self.kv_lora_rank}"]
         if self.q_lora_rank is not None:
@@ -446,8 +451,8 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             f"mode={self._mode!r}",
             f"causal={self.causal}",
         ]
-        if self.softmax_scale is not None:
-            parts.append(f"softmax_scale={self.softmax_scale}")
+        if self.scale is not None:
+            parts.append(f"scale={self.scale}")
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)

@@ -28,30 +28,29 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.backends.registry import check_backend_name
 from multihead.caches import CacheRead, KVCache
-from multihead.caches.base import check_mask_parts
-from multihead.call import ScoreModArg, Selection, mask_and_score_mod
+from multihead.call import ScoreModArg, Selection
+from multihead.explain import Explanation, explain
 from multihead.hooks import HookPoints
-from multihead.layers.checks import (
-    check_dropout,
-    check_flag,
-    check_inputs,
-    check_optional_size,
-    check_positions,
-    check_size,
-    dims,
+from multihead.layers.attend import (
+    CallMasks,
+    attend_cached,
+    check_backend,
+    check_cache,
+    check_rope,
+    check_weights_selection,
+    resolve_positions,
+    rotate,
 )
+from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.heads import attend_heads, merge_heads, split_heads
+from multihead.layers.heads import Attend, split_heads
+from multihead.layers.projection import project_qkv
 from multihead.masks import Mask
-from multihead.masks import causal as causal_mask
-from multihead.scores import ScoreMod, as_score_mod
+from multihead.scores import as_score_mod
 from multihead.scores import softcap as softcap_mod
-from multihead.scores.user import UserScoreMod
 
 if TYPE_CHECKING:  # floor 3 beside the layers: imported only when a layer is given one
     from multihead.distributed import ContextParallel
@@ -101,7 +100,12 @@ class MultiHeadAttention(HookPoints, nn.Module):
             projections run on the shard, ``rope`` at the shard's global positions, and attention
             over the whole sequence through ring or all-to-all attention
             (``docs/distributed.md``). A mask is the whole sequence's. Self-attention only;
-            without caches, weights, score modifiers, sinks or dropout.
+            without caches, weights, score modifiers, sinks or dropout. It builds the ``attend``
+            seam :class:`multihead.distributed.ContextParallelAttend`.
+        attend: how the layer attends once its heads are projected, a
+            :class:`multihead.layers.heads.Attend` (default: ``Attend()``, :func:`attend_heads` on
+            this process). An ``Attend`` subclass refuses in its own checks what it cannot do.
+            Give ``attend`` or ``context_parallel``, not both.
         device, dtype: of the parameters.
 
     Parameters live in four ``nn.Linear`` submodules, ``q_proj`` (``E -> Hq·D``, head ``h`` at
@@ -130,6 +134,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         softcap: float | None = None,
         sinks: bool = False,
         context_parallel: ContextParallel | None = None,
+        attend: Attend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -155,16 +160,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
         vdim = check_optional_size(layer, "vdim", vdim, d_model)
         q_bias, k_bias, v_bias = _qkv_biases(layer, qkv_bias)
         out_bias = check_flag(layer, "out_bias", out_bias)
-        if not isinstance(backend, str):
-            raise TypeError(
-                f"{layer}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
-            )
-        check_backend_name(backend)
-        if rope is not None and not callable(rope):
-            raise TypeError(
-                f"{layer}: rope must be None or a callable rope(x, positions) -> x (usually an "
-                f"nn.Module), got {type(rope).__name__} {rope!r}"
-            )
+        backend = check_backend(layer, backend)
+        check_rope(layer, rope)
 
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.kdim, self.vdim = kdim, vdim
@@ -172,10 +169,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         self.causal = check_flag(layer, "causal", causal)
         self.batch_first = check_flag(layer, "batch_first", batch_first)
         self.backend = backend
-        # Masks are immutable, so the causal mask is built once (no object creation per call,
-        # nothing for torch.compile to trace).
-        self._causal_mask = causal_mask() if causal else None
-        self._combined: dict[Mask, Mask] = {}  # call mask -> call mask & causal(), by value (_combined_mask)
+        self._masks = CallMasks(layer, num_heads, self.causal)
 
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=q_bias, device=device, dtype=dtype)
         self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=k_bias, device=device, dtype=dtype)
@@ -191,7 +185,10 @@ class MultiHeadAttention(HookPoints, nn.Module):
             if check_flag(layer, "sinks", sinks)
             else None
         )
-        self.context_parallel = _check_context_parallel(layer, context_parallel, self)
+        self.attend = _attend_seam(layer, attend, context_parallel)
+        self.attend.check_layer(
+            layer, {"score_mod": score_mod, "softcap": self.softcap, "sinks": self.sinks, "dropout": self.dropout}
+        )
 
     def forward(
         self,
@@ -266,21 +263,100 @@ class MultiHeadAttention(HookPoints, nn.Module):
             and key_padding_mask is None
             and (mask is None or isinstance(mask, Mask))
             and self.rope is None
-            and self.context_parallel is None
+            and not self.attend.sharded
             and self.score_mod is None
             and self.softcap is None
         ):
             return self._self_attention(query, mask)
-        layer = type(self).__name__
         if key_padding_mask is not None:
-            _refuse_key_padding_mask(layer, key_padding_mask)
-        self_attention = key is None or key is query
-        if self.context_parallel is not None:
-            _check_sharded_call(
-                layer, self_attention, kv_cache, need_weights, score_mod, self.training and self.dropout
+            _refuse_key_padding_mask(type(self).__name__, key_padding_mask)
+        return self._call(
+            self.attend,
+            query,
+            key,
+            value,
+            mask,
+            positions,
+            kv_cache,
+            need_weights,
+            score_mod,
+            weights_heads,
+            weights_rows,
+        )
+
+    def explain(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        need_weights: bool = False,
+        score_mod: ScoreModArg = None,
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
+    ) -> Explanation:
+        """:func:`multihead.explain` for the attention call :meth:`forward` would make with these
+        arguments: its shapes ``(B, Hq, Hkv, Lq, Lk, D, Dv)`` after the projections (and the rotation
+        and the cache), the layer's mask (``& causal()``) and modifiers, its dropout in training,
+        the backend and the kernel. The projections run; attention and ``out_proj`` do not. A cache
+        is updated and rolled back: it ends as it was. (The sinks of ``sinks=True`` are not part of
+        :func:`multihead.explain`'s report.)"""
+        layer = type(self).__name__
+        if self.attend.sharded:
+            raise ValueError(
+                f"{layer}.explain: this layer attends through {self.attend!r}, over a sharded sequence; "
+                f"explain reports one multihead.attention call on this process; hint: explain the same "
+                f"layer without context_parallel on the whole sequence"
             )
+        try:
+            self._call(
+                _Explaining(self.attend),
+                query,
+                key,
+                value,
+                mask,
+                positions,
+                kv_cache,
+                need_weights,
+                score_mod,
+                weights_heads,
+                weights_rows,
+            )
+        except _Explained as done:
+            return done.explanation
+        raise AssertionError("unreachable: _Explaining.attend_heads raises")  # pragma: no cover
+
+    def _call(
+        self,
+        attend: Attend,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        mask: Mask | Tensor | None,
+        positions: Tensor | None,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+        score_mod: ScoreModArg,
+        weights_heads: Selection,
+        weights_rows: Selection,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`forward` of every call but the plain one, attending through ``attend``."""
+        layer = type(self).__name__
+        self_attention = key is None or key is query
+        attend.check_call(
+            layer,
+            self_attention=self_attention,
+            kv_cache=kv_cache,
+            need_weights=need_weights,
+            score_mod=score_mod,
+            dropout=self.dropout if self.training else 0.0,
+        )
         if kv_cache is not None:
-            _check_cache(layer, kv_cache, self_attention, key)
+            check_cache(layer, kv_cache, "DynamicKVCache()")
+            _check_self_attention(layer, self_attention, key)
         if self.rope is not None and not self_attention:
             raise ValueError(
                 f"{layer}: rope rotates the keys at the query positions, so it needs self-attention "
@@ -300,61 +376,55 @@ class MultiHeadAttention(HookPoints, nn.Module):
             weight=getattr(self.q_proj, "weight", None),
         )
         check_flag(layer, "need_weights", need_weights)
-        if (weights_heads is not None or weights_rows is not None) and not need_weights:
-            raise ValueError(
-                f"{layer}: weights_heads/weights_rows select which weights to return; they need "
-                f"need_weights=True, got need_weights=False"
-            )
+        check_weights_selection(layer, need_weights, weights_heads, weights_rows)
         selection = (weights_heads, weights_rows)
         B, Lq = dims(query, self.batch_first)
-        if self.context_parallel is not None:  # the mask is the whole sequence's
-            whole = self.context_parallel.whole_length(Lq)
-            mask, score_mod = self._combined_mask(mask, None, B, whole, whole)
-        elif kv_cache is None:
-            Lk = dims(key, self.batch_first)[1]
-            mask, score_mod = self._combined_mask(mask, self._score_mods(score_mod), B, Lq, Lk)
+        if kv_cache is None:  # (with a cache: over the slots it returns, below)
+            mask_q, mask_k = attend.mask_lengths(Lq, dims(key, self.batch_first)[1])  # a shard's: the whole's
+            mask, score_mod = self._masks.over_keys(mask, self._score_mods(score_mod), B, mask_q, mask_k)
         given = positions is not None  # a cache continues its rows itself unless told where
-        if given:
-            positions = check_positions(layer, positions, B, Lq, query.device)
-        elif self.context_parallel is not None:
-            positions = self.context_parallel.positions(Lq, query.device)  # (Lq,): this shard's global positions
-        elif kv_cache is not None:
-            positions = kv_cache.next_positions(Lq, query.device)  # (Lq,) or (B, Lq): after the cached tokens
-        elif self.rope is not None:
-            positions = torch.arange(Lq, device=query.device)  # (Lq,)
+        positions = resolve_positions(
+            layer, positions, kv_cache, B, Lq, query.device, attend.positions if self.rope is not None else None
+        )
         # The arguments are checked. What is left to refuse (a rope result of the wrong shape, keys
         # or positions the cache cannot store, a mask reaching further back than it keeps) is
         # refused before kv_cache.update changes anything; what fails after it (a mask over the
         # cached keys, a backend) rolls the cache back.
 
-        q, k, v = self._project(
-            query, key, value
-        )  # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
+        # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
+        q, k, v = project_qkv(self, query, key, value)
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, Lq, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D); Lk = Lq with a cache
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
         if self.rope is not None:
             assert positions is not None  # set above whenever there is a rope
-            q = self._rotate(q, positions, "query")  # (B, Hq, Lq, D)
-            k = self._rotate(k, positions, "key")  # (B, Hkv, Lq, D), rotated once, before it is cached
+            q = rotate(layer, self.rope, q, positions, "query heads (B, H, L, D)")  # (B, Hq, Lq, D)
+            # (B, Hkv, Lq, D), rotated once, before it is cached
+            k = rotate(layer, self.rope, k, positions, "key heads (B, H, L, D)")
         if kv_cache is None:
-            out, weights = self._attend(q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
+            out, weights = self._attend(attend, q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
         else:
-            kv_cache.check_mask(mask, self.causal, Lq)  # a mask reaching keys the cache no longer holds
-            placed = given and kv_cache.places_by_position  # else: rotary positions only (call-order caches)
-            read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
-            try:
-                mask, score_mod = self._cache_mask(read, mask, self._score_mods(score_mod), B, Lq)
-                out, weights = self._attend(q, read.keys, read.values, mask, score_mod, need_weights, selection)
-            except BaseException:  # e.g. a forced backend that refuses: the cache is as it was
-                kv_cache.rollback()
-                raise
+            call_mods = self._score_mods(score_mod)
+
+            def attend_slots(read: CacheRead) -> tuple[Tensor, Tensor | None]:
+                slot_mask, slot_mods = self._masks.over_slots(read, mask, call_mods, B, Lq)
+                return self._attend(attend, q, read.keys, read.values, slot_mask, slot_mods, need_weights, selection)
+
+            out, weights = attend_cached(
+                kv_cache, k, v, attend_slots, positions=positions, given=given, mask=mask, causal=self.causal
+            )
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
         if need_weights:
-            assert weights is not None  # attend_heads returns them when asked (context_parallel refuses need_weights)
+            assert weights is not None  # attend returns them when asked (or refuses need_weights)
             return out, weights
         return out
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """The :class:`~multihead.distributed.ContextParallel` this layer's input is a shard of
+        (its ``attend`` seam's), or ``None``."""
+        return getattr(self.attend, "context_parallel", None)
 
     # ------------------------------------------------------------------------------ helpers
     def _self_attention(self, query: Tensor, mask: Mask | None) -> Tensor:
@@ -372,16 +442,17 @@ class MultiHeadAttention(HookPoints, nn.Module):
             weight=getattr(self.q_proj, "weight", None),
         )
         B, L = dims(query, self.batch_first)
-        mask, _ = self._combined_mask(mask, None, B, L, L)
-        q, k, v = self._project(query, query, query)  # (B, L, Hq·D), (B, L, Hkv·D) x 2; L first if not batch_first
+        mask, _ = self._masks.over_keys(mask, None, B, L, L)
+        q, k, v = project_qkv(self, query, query, query)  # (B, L, Hq·D), (B, L, Hkv·D) x 2; L first if not batch_first
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, L, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
-        out, _ = self._attend(q, k, v, mask, None, False)  # (B, L, E)
+        out, _ = self._attend(self.attend, q, k, v, mask, None, False)  # (B, L, E)
         return out if self.batch_first else out.transpose(0, 1)
 
     def _attend(
         self,
+        attend: Attend,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -390,12 +461,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
         need_weights: bool,
         selection: tuple[Selection, Selection] = (None, None),
     ) -> tuple[Tensor, Tensor | None]:
-        """:func:`attend_heads` with this layer's projection, sinks, dropout and backend (or the
-        group's sharded attention, for a context-parallel layer)."""
-        if self.context_parallel is not None:
-            y = self.context_parallel.attention(q, k, v, mask=mask, backend=self.backend)  # (B, Hq, Lq, Dv)
-            return self.out_proj(merge_heads(y)), None
-        return attend_heads(
+        """The ``attend`` seam (:func:`attend_heads` by default) with this layer's projection,
+        sinks, dropout and backend."""
+        return attend.attend_heads(
             self,
             q,
             k,
@@ -421,110 +489,6 @@ class MultiHeadAttention(HookPoints, nn.Module):
             mods.append(softcap_mod(self.softcap))
         return mods or None
 
-    def _combined_mask(
-        self, mask: object, score_mod: object, B: int, Lq: int, Lk: int
-    ) -> tuple[Mask | None, ScoreMod | None]:
-        """The call's mask (and score modifier), checked against ``(B, Hq, Lq, Lk)`` before any
-        work, ``& causal()``. A float mask is split as :func:`multihead.attention` splits it.
-
-        The combination is built once per distinct mask value (masks hash by value) and reused,
-        so backends' plan caches see the same mask on every call. (With a cache, :meth:`_cache_mask`.)"""
-        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
-        if mask is not None:
-            mask.check(B, self.num_heads, Lq, Lk)
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, Lk)
-        if self._causal_mask is None:
-            return mask, score_mod
-        if mask is None:
-            return self._causal_mask, score_mod
-        if torch.compiler.is_compiling():  # traced once; a Python dict lookup would break the graph
-            return mask & self._causal_mask, score_mod
-        combined = self._combined.get(mask)
-        if combined is None:
-            combined = mask & self._causal_mask
-            if len(self._combined) >= 8:  # a handful of distinct masks per layer; bounded
-                self._combined.pop(next(iter(self._combined)))
-            self._combined[mask] = combined
-        return combined, score_mod
-
-    def _cache_mask(
-        self, read: CacheRead, mask: object, score_mod: object, B: int, Lq: int
-    ) -> tuple[Mask | Tensor | None, ScoreMod | None]:
-        """The call's mask and modifiers over the slots a cache returned (:meth:`CacheRead.mask`):
-        mask objects at absolute positions, tensors over the ``(Lq, S)`` slots, ``causal=True``
-        as "keys at positions up to the query's"."""
-        S = read.keys.shape[2]
-        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
-        if mask is not None:
-            check_mask_parts(type(self).__name__, mask, B, self.num_heads, Lq, S)  # tensors over the slots
-        if score_mod is not None:
-            score_mod.check(B, self.num_heads, Lq, S)
-            if not read.contiguous and any(
-                m.relative or isinstance(m, UserScoreMod) for m in getattr(score_mod, "mods", [score_mod])
-            ):
-                raise ValueError(
-                    f"{type(self).__name__}: score_mod {score_mod._describe()} reads query and key "
-                    f"indices, which this cache's slots (not in position order, or rows of different "
-                    f"lengths) do not give as positions; hint: use DynamicKVCache with it"
-                )
-        return read.mask(mask, self.causal, self.num_heads), score_mod
-
-    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The three input projections, as one matmul where the inputs allow it (:meth:`_fused`)."""
-        modules = self._modules  # read once: each attribute read of a submodule is a Python call
-        q_proj, k_proj, v_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"]
-        assert q_proj is not None and k_proj is not None and v_proj is not None  # set in __init__
-        if torch.compiler.is_compiling():  # apart: the compiler fuses what it can
-            return q_proj(query), k_proj(key), v_proj(value)
-        if not torch.is_grad_enabled():
-            if query.is_cuda and key is query and value is query and _fusable(q_proj, k_proj, v_proj):
-                q, k, v = _fused_linear(query, (q_proj, k_proj, v_proj), *_concatenated((q_proj, k_proj, v_proj)))
-                return q, k, v
-            return q_proj(query), k_proj(key), v_proj(value)
-        if key is query and value is query and _fusable(q_proj, k_proj, v_proj):
-            q, k, v = self._fused(query, (q_proj, k_proj, v_proj))
-            return q, k, v
-        q = q_proj(query)
-        if value is key and _fusable(k_proj, v_proj):
-            k, v = self._fused(key, (k_proj, v_proj))
-            return q, k, v
-        return q, k_proj(key), v_proj(value)
-
-    def _fused(self, x: Tensor, linears: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
-        """``linears`` applied to one input ``x``.
-
-        While training, ``x`` is multiplied by the concatenated weights once, like a hand-fused
-        ``qkv`` layer (one pass over ``x``, one matmul in the backward); the concatenation is part
-        of the graph, cheap next to a training step's matmuls. Without gradients the projections
-        run apart: a concatenation kept between calls goes stale when the weights change through
-        ``.data`` (EMA updates, hand-written init), which moves no version counter, and one made per
-        call costs a copy of the weights per decode step, where the matmul is as cheap as the copy.
-        Under ``torch.compile`` they run apart as well.
-
-        On CUDA, self-attention without gradients concatenates the weights on every call (so it
-        cannot go stale either) and runs one matmul: a launch-bound step pays for each launch on
-        the host, and the copy of the weights costs the GPU next to nothing
-        (docs/performance.md#on-the-gpu-h100, "The layer").
-        """
-        if torch.compiler.is_compiling() or not (
-            torch.is_grad_enabled() and any(p.requires_grad for m in linears for p in m.parameters())
-        ):
-            return tuple(m(x) for m in linears)
-        return _fused_linear(x, linears, *_concatenated(linears))
-
-    def _rotate(self, x: Tensor, positions: Tensor, name: str) -> Tensor:
-        """``rope(x, positions)``, refusing a result of another shape than ``x (B, H, L, D)``."""
-        assert self.rope is not None  # called only with a rope
-        rotated = self.rope(x, positions)
-        if not isinstance(rotated, Tensor) or rotated.shape != x.shape:
-            got = tuple(rotated.shape) if isinstance(rotated, Tensor) else type(rotated).__name__
-            raise ValueError(
-                f"{type(self).__name__}: rope must return a tensor of the shape it was given; for the "
-                f"{name} heads (B, H, L, D) = {tuple(x.shape)} it returned {got}"
-            )
-        return rotated
-
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}"]
         if self.num_kv_heads != self.num_heads:
@@ -547,6 +511,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
             parts.append(f"softcap={self.softcap}")
         if self.sinks is not None:
             parts.append("sinks=True")
+        if type(self.attend) is not Attend:
+            parts.append(f"attend={self.attend!r}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------ conversion
@@ -638,12 +604,8 @@ def _qkv_biases(layer: str, qkv_bias: object) -> tuple[bool, bool, bool]:
     raise TypeError(f"{layer}: qkv_bias must be a bool or a tuple of three bools (q, k, v), got {qkv_bias!r}")
 
 
-def _check_cache(layer: str, kv_cache: object, self_attention: bool, key: Tensor | None) -> None:
-    if not isinstance(kv_cache, KVCache):
-        raise TypeError(
-            f"{layer}: kv_cache must be None or a multihead.caches.KVCache (for example "
-            f"DynamicKVCache()), got {type(kv_cache).__name__}"
-        )
+def _check_self_attention(layer: str, self_attention: bool, key: Tensor | None) -> None:
+    """A cache stores the keys of the query tokens: self-attention only."""
     if not self_attention:
         raise ValueError(
             f"{layer}: kv_cache is only valid for self-attention (key=None or key=query): the cache "
@@ -653,69 +615,81 @@ def _check_cache(layer: str, kv_cache: object, self_attention: bool, key: Tensor
         )
 
 
-def _check_context_parallel(layer: str, cp: object, module: MultiHeadAttention) -> ContextParallel | None:
+class _Explained(Exception):  # noqa: N818 (not an error: how explain() leaves the call, rolling a cache back)
+    def __init__(self, explanation: Explanation):
+        super().__init__()
+        self.explanation = explanation
+
+
+class _Explaining(Attend):
+    """A layer's own seam for every step, except that the attention is explained, not run."""
+
+    def __init__(self, seam: Attend):
+        self.seam = seam
+        self.check_call = seam.check_call  # type: ignore[method-assign]
+        self.mask_lengths = seam.mask_lengths  # type: ignore[method-assign]
+        self.positions = seam.positions  # type: ignore[method-assign]
+
+    def attend_heads(
+        self,
+        layer: nn.Module,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        score_mod: ScoreModArg = None,
+        dropout_p: float = 0.0,
+        need_weights: bool = False,
+        backend: str = "auto",
+        weights_heads: Selection = None,
+        weights_rows: Selection = None,
+        **unexplained: object,  # out_proj, sinks
+    ) -> NoReturn:
+        raise _Explained(
+            explain(
+                q,
+                k,
+                v,
+                mask=mask,
+                score_mod=score_mod,
+                dropout_p=dropout_p,
+                return_weights=need_weights,
+                backend=backend,
+                weights_heads=weights_heads,
+                weights_rows=weights_rows,
+            )
+        )
+
+
+def _attend_seam(layer: str, attend: object, cp: object) -> Attend:
+    """The layer's ``attend`` seam: given, built from ``context_parallel``, or the default."""
+    if attend is not None:
+        if cp is not None:
+            raise TypeError(
+                f"{layer}: give attend or context_parallel, not both (context_parallel={cp!r} builds "
+                f"its own attend seam); got attend={attend!r}"
+            )
+        if not isinstance(attend, Attend):
+            raise TypeError(
+                f"{layer}: attend must be None or a multihead.layers.heads.Attend (subclass it to attend "
+                f"another way), got {type(attend).__name__}"
+            )
+        return attend
     if cp is None:
-        return None
-    from multihead.distributed import ContextParallel  # floor 3: imported only when used
+        return _LOCAL
+    from multihead.distributed import ContextParallel, ContextParallelAttend  # floor 3: imported only when used
 
     if not isinstance(cp, ContextParallel):
         raise TypeError(
             f"{layer}: context_parallel must be None or a multihead.distributed.ContextParallel, "
             f"got {type(cp).__name__}"
         )
-    for name in ("score_mod", "softcap", "sinks"):
-        if getattr(module, name) is not None:
-            raise ValueError(
-                f"{layer}: context_parallel attention has no {name} yet (ring and all-to-all "
-                f"attention take masks only); got {name}={getattr(module, name)!r}"
-            )
-    if module.dropout:
-        raise ValueError(f"{layer}: context_parallel attention has no dropout yet; got dropout={module.dropout}")
-    return cp
+    return ContextParallelAttend(cp)
 
 
-def _check_sharded_call(
-    layer: str, self_attention: bool, kv_cache: object, need_weights: object, score_mod: object, dropout: object
-) -> None:
-    for what, bad in (
-        ("kv_cache", kv_cache is not None),
-        ("need_weights=True", need_weights is True),
-        ("a call score_mod", score_mod is not None),
-        ("dropout in training", bool(dropout)),
-        ("a separate key (cross-attention)", not self_attention),
-    ):
-        if bad:
-            raise ValueError(
-                f"{layer}: a context_parallel layer attends over a sharded sequence; it takes no "
-                f"{what}; hint: run such calls on a layer without context_parallel"
-            )
+_LOCAL = Attend()  # the default seam holds nothing: one for every layer
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _fusable(*linears: nn.Module) -> bool:
-    """Whether these projections may be run as one matmul: plain ``nn.Linear`` (not a LoRA or
-    quantized replacement, whose forward must run), without hooks, biased alike."""
-    for m in linears:
-        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
-            return False
-    first = linears[0]._parameters  # (a plain nn.Linear's parameters, read without __getattr__)
-    return all(
-        (m._parameters["bias"] is None) == (first["bias"] is None)
-        and m._parameters["weight"].dtype == first["weight"].dtype  # type: ignore[union-attr]
-        for m in linears
-    )
-
-
-def _concatenated(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
-    """The weights ``(sum of out_features, in_features)`` and biases of :func:`_fusable` linears, joined."""
-    params = [m._parameters for m in linears]
-    weight = torch.cat([p["weight"] for p in params])  # type: ignore[misc]
-    bias = None if params[0]["bias"] is None else torch.cat([p["bias"] for p in params])  # type: ignore[misc]
-    return weight, bias
-
-
-def _fused_linear(x: Tensor, linears: tuple[nn.Module, ...], weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
-    return tuple(F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1))

@@ -1,0 +1,91 @@
+"""A layer's three input projections, ``q_proj``, ``k_proj`` and ``v_proj``, as one matmul where
+the inputs allow it::
+
+    self-attention     x (B, L, E) @ [W_q; W_k; W_v]ᵀ -> (B, L, Hq·D + 2·Hkv·D) -split-> q, k, v
+    key is value       q_proj(query);  memory @ [W_k; W_v]ᵀ -split-> k, v
+    otherwise          q_proj(query), k_proj(key), v_proj(value)
+
+The joined weights are derived from the parameters on every call and never kept: a copy kept
+between calls goes stale when the weights change through ``.data`` (EMA updates, hand-written
+init), which moves no version counter. So the join happens only where it is cheap next to what it
+saves:
+
+* with gradients (training): the concatenation is part of the graph, one pass over ``x`` and one
+  matmul in the backward, like a hand-fused ``qkv`` layer;
+* without gradients on CPU the projections run apart: per decode step the copy of the weights
+  would cost as much as the matmul it saves;
+* without gradients on CUDA, self-attention joins them on every call: a launch-bound step pays
+  for each launch on the host, and the copy costs the GPU next to nothing
+  (docs/performance.md#on-the-gpu-h100, "The layer");
+* under ``torch.compile`` they run apart (the compiler fuses what it can).
+
+A projection that is not a plain ``nn.Linear`` (LoRA, quantized) or has hooks is always called
+itself, never bypassed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["project_qkv"]
+
+
+def project_qkv(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``layer.q_proj(query), layer.k_proj(key), layer.v_proj(value)``, joined as the module
+    docstring says: ``(B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D)`` (``L`` first when the
+    inputs are). ``key is query`` (and ``value is key``) is how a caller says self-attention."""
+    modules = layer._modules  # read once: each attribute read of a submodule is a Python call
+    q_proj, k_proj, v_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"]
+    assert q_proj is not None and k_proj is not None and v_proj is not None  # set in the layer's __init__
+    if torch.compiler.is_compiling():  # apart: the compiler fuses what it can
+        return q_proj(query), k_proj(key), v_proj(value)
+    if not torch.is_grad_enabled():
+        if query.is_cuda and key is query and value is query and _fusable(q_proj, k_proj, v_proj):
+            q, k, v = _fused_linear(query, (q_proj, k_proj, v_proj), *_concatenated((q_proj, k_proj, v_proj)))
+            return q, k, v
+        return q_proj(query), k_proj(key), v_proj(value)
+    if key is query and value is query and _fusable(q_proj, k_proj, v_proj):
+        q, k, v = _fused(query, (q_proj, k_proj, v_proj))
+        return q, k, v
+    q = q_proj(query)
+    if value is key and _fusable(k_proj, v_proj):
+        k, v = _fused(key, (k_proj, v_proj))
+        return q, k, v
+    return q, k_proj(key), v_proj(value)
+
+
+def _fused(x: Tensor, linears: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
+    """``linears`` applied to one input ``x`` with gradients on: one matmul by the joined weights
+    when any of them wants a gradient (the join is then in the graph), else apart."""
+    if not any(p.requires_grad for m in linears for p in m.parameters()):
+        return tuple(m(x) for m in linears)
+    return _fused_linear(x, linears, *_concatenated(linears))
+
+
+def _fusable(*linears: nn.Module) -> bool:
+    """Whether these projections may be run as one matmul: plain ``nn.Linear`` (not a LoRA or
+    quantized replacement, whose forward must run), without hooks, biased alike."""
+    for m in linears:
+        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+            return False
+    first = linears[0]._parameters  # (a plain nn.Linear's parameters, read without __getattr__)
+    return all(
+        (m._parameters["bias"] is None) == (first["bias"] is None)
+        and m._parameters["weight"].dtype == first["weight"].dtype  # type: ignore[union-attr]
+        for m in linears
+    )
+
+
+def _concatenated(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None]:
+    """The weights ``(sum of out_features, in_features)`` and biases of :func:`_fusable` linears,
+    joined now, from the parameters as they are now."""
+    params = [m._parameters for m in linears]
+    weight = torch.cat([p["weight"] for p in params])  # type: ignore[misc]
+    bias = None if params[0]["bias"] is None else torch.cat([p["bias"] for p in params])  # type: ignore[misc]
+    return weight, bias
+
+
+def _fused_linear(x: Tensor, linears: tuple[nn.Module, ...], weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
+    return tuple(F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1))
