@@ -51,6 +51,7 @@ from multihead.distributed.layout import check_divisible, check_layout, chunks_p
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.rotation import GradientReturn, Rotation, buffers_like
 from multihead.masks import Mask
+from multihead.memo import BoundedCache
 
 __all__ = ["ring_attention"]
 
@@ -137,7 +138,7 @@ def _prepare(q, k, v, group, mask, layout, scale, return_lse, backend):
     return shards, mask, plan, scale
 
 
-_PLANS: dict = {}
+_PLANS: BoundedCache[tuple[object, ...], RingPlan] = BoundedCache(32)
 
 
 def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str) -> RingPlan:
@@ -155,9 +156,7 @@ def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str) -> Ri
             mask=mask,
             layout=layout,
         )
-        if len(_PLANS) >= 32:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        _PLANS.put(key, plan)
     return plan
 
 

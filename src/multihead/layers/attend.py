@@ -32,6 +32,7 @@ from multihead.call import Selection, mask_and_score_mod
 from multihead.layers.checks import check_positions
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
+from multihead.memo import BoundedCache
 from multihead.scores import ScoreMod
 from multihead.scores.user import UserScoreMod
 
@@ -66,7 +67,9 @@ class CallMasks:
         # Masks are immutable, so the causal mask is built once (no object creation per call,
         # nothing for torch.compile to trace).
         self._causal = causal_mask() if causal else None
-        self._combined: dict[Mask, Mask] = {}  # call mask -> call mask & causal(), by value
+        self._combined: BoundedCache[Mask, Mask] = BoundedCache(
+            8
+        )  # call mask -> & causal(), by value; a handful per layer
 
     def over_keys(
         self, mask: object, score_mod: object, B: int, Lq: int, Lk: int
@@ -87,9 +90,7 @@ class CallMasks:
         combined = self._combined.get(mask)
         if combined is None:
             combined = mask & causal
-            if len(self._combined) >= 8:  # a handful of distinct masks per layer; bounded
-                self._combined.pop(next(iter(self._combined)))
-            self._combined[mask] = combined
+            self._combined.put(mask, combined)
         return combined, score_mod
 
     def over_slots(
