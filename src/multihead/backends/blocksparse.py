@@ -48,6 +48,7 @@ from torch import Tensor
 from multihead.backends.band_runs import BandRun, interior_run, run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.bias_backward import LOG_TINY, bias_backward, normalise_, row_delta, row_peak
+from multihead.backends.document_runs import document_segments
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
@@ -89,6 +90,7 @@ class Plan:
 
     run: BandRun | None
     blocks: tuple[QueryBlock, ...]
+    documents: bool = False  # the blocks are whole documents (backends/document_runs.py)
 
 
 class BlockSparseBackend(Backend):
@@ -198,8 +200,13 @@ class BlockSparseBackend(Backend):
                 f"kernel calls: {counts[_FULL]} without mask, {counts[_CAUSAL]} is_causal, "
                 f"{counts[_MASKED]} with a block-sized mask"
             )
+        if plan.documents:
+            lines.append(f"{len(plan.blocks)} documents, each one kernel call over its own keys; {skipped} see no key")
+        else:
+            lines.append(
+                f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped"
+            )
         lines += [
-            f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
             calls,
             f"scores computed: {computed} of {Lq * Lk} ({100.0 * computed / max(1, Lq * Lk):.1f}% of the square)",
             "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu, pieces merged by log-sum-exp",
@@ -230,7 +237,8 @@ class BlockSparseBackend(Backend):
             v = F.pad(v, (0, D - Dv))
         mods = call.score_mod
         if _in_torch(call):  # no dropout, no elementwise modifier in the CPU flash kernel: a block at a time in PyTorch
-            out, lse = attention_by_blocks(q, k, v, call.mask, mods, call.scale, call.dropout_p, self.block_size)
+            run = plan.run if mods is None else None  # a band's interior in batched chunks
+            out, lse = attention_by_blocks(q, k, v, call.mask, mods, call.scale, call.dropout_p, self.block_size, run)
         else:
             out, lse = _BlockSparseAttention.apply(
                 q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
@@ -250,15 +258,17 @@ class BlockSparseBackend(Backend):
         if cached is not None:
             self._plans.move_to_end(key)
             return cached
-        blocks = block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
-        run = _band_run(call.mask, Lq, Lk, self.block_size) if batched else None
+        # Packed documents: one call per document, not a few per block (backends/document_runs.py).
+        docs = document_segments(call.mask, Lq, Lk, -(-Lq // self.block_size)) if mods is None else None
+        blocks = _document_blocks(docs) if docs is not None else block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
+        run = _band_run(call.mask, Lq, Lk, self.block_size) if batched and docs is None else None
         if run is not None:
             inside = [b for b in blocks if run.q0 <= b.q0 and b.q1 <= run.q1]
             if sum(b.q1 - b.q0 for b in inside) == run.q1 - run.q0:  # the run replaces exactly these
                 blocks = tuple(b for b in blocks if not (run.q0 <= b.q0 and b.q1 <= run.q1))
             else:
                 run = None
-        plan = Plan(run, blocks)
+        plan = Plan(run, blocks, documents=docs is not None)
         self._plans[key] = plan
         while len(self._plans) > 32:
             self._plans.popitem(last=False)
@@ -328,6 +338,14 @@ def block_plan(
             pieces = _classify(mask, q0, q1, lo, hi, q_len, kv_len, batch, heads, block_size)
         blocks.append(QueryBlock(q0, q1, tuple(_merge(pieces))))
     return _merge_query_blocks(blocks)
+
+
+def _document_blocks(segments) -> tuple[QueryBlock, ...]:
+    """Each document (:class:`document_runs.Segment`) as a query block of one piece."""
+    return tuple(
+        QueryBlock(s.q0, s.q1, (Piece(s.k0, s.k1, _CAUSAL if s.causal else _FULL),) if s.k0 < s.k1 else ())
+        for s in segments
+    )
 
 
 def _in_torch(call: AttentionCall) -> bool:
