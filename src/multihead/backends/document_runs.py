@@ -18,11 +18,11 @@ kinds (top-left *within* the document, which is what these masks mean there)::
 
 The block grid instead cuts the documents into query blocks of 256 rows, each with a few pieces
 (the keys of its document before the block, the causal diagonal, a small mask where a document
-starts mid-block) merged by log-sum-exp: about 25 kernel calls and operations per 256 rows,
+starts mid-block) merged by log-sum-exp: a few dozen kernel calls and operations per 256 rows,
 each an OpenMP parallel region. On an idle machine that costs little; when other processes share
-the cores each region waits for a descheduled thread, and packed documents fell to 0.5x the
-padded dense-mask SDPA baseline (docs/performance.md, "Packed documents"). One call per document
-is one region per document, and the kernel itself skips what is above a causal diagonal.
+the cores each region waits for a descheduled thread, and packed documents fell behind the
+padded dense-mask SDPA baseline (measured: docs/performance.md#packed-documents). One call per
+document is one region per document, and the kernel itself skips what is above a causal diagonal.
 
 The ``blocksparse`` backend runs the documents as its query blocks (one piece each), so its
 forward, backward and LSE handling serve them unchanged. :func:`document_segments` answers only

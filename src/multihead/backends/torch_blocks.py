@@ -21,7 +21,7 @@ Cost follows the visible area of the mask. Fully masked rows give output 0 and L
 A band's interior blocks (``run``, :mod:`multihead.backends.band_runs`; no score modifier) all
 see the same relative window, so they are folded into the batch of the same ops and run together
 (:func:`band_chunks` of at most ``RUN_CHUNK_SCORES`` scores, each checkpointed as a block is):
-each op is one OpenMP parallel region, and about 25 per block made dropout with a window lose to
+each op is one OpenMP parallel region, and a few dozen per block made dropout with a window lose to
 SDPA's dense math kernel when other processes share the cores (docs/performance.md, "Dropout")::
 
     q rows (B, Hq, n*block, D) -> (n, B*Hq, block, D)      K, V windows (n, B*Hkv, span, D)
@@ -151,8 +151,8 @@ def _band(q: Tensor, k: Tensor, v: Tensor, run: BandRun, scale: float, dropout_p
 class _DenseGrad(torch.autograd.Function):
     """The identity, whose backward hands on a contiguous gradient. ``loss = out.sum()`` makes the
     gradient of ``out`` an expanded scalar (stride 0), and CPU ``bmm`` on such an operand leaves
-    the BLAS path: the backward's products ran about 15x slower than on a dense gradient
-    (docs/performance.md, "Dropout")."""
+    the BLAS path: the backward's products ran many times slower than on a dense gradient
+    (measured: docs/performance.md#dropout)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
