@@ -74,23 +74,32 @@ def memory_read_gbps(min_bytes: int = 256 << 20, min_run_time: float = 0.3) -> f
 
 
 # A child that keeps one core busy until it is killed: a pure-Python integer loop ("python") or
-# single-threaded 256x256 fp32 matmuls ("torch", which also uses caches and memory bandwidth).
+# single-threaded 256x256 fp32 matmuls ("torch", which also uses caches and memory bandwidth);
+# or ONE child that keeps every core busy with 512x512 fp32 matmuls on as many threads as there
+# are cores ("torch-threads": another PyTorch job, whose OpenMP threads contend with ours).
 _LOAD_CHILD = {
     "python": "print('ready', flush=True)\nx = 0\nwhile True:\n    x = (x + 1) & 0xFFFF",
     "torch": (
         "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nprint('ready', flush=True)\n"
         "while True:\n    b = a @ a"
     ),
+    "torch-threads": (
+        f"import torch\ntorch.set_num_threads({os.cpu_count() or 1})\na = torch.randn(512, 512)\n"
+        "print('ready', flush=True)\nwhile True:\n    b = a @ a"
+    ),
 }
+#: The kinds of load :func:`background_load` starts (``--load`` of the benchmarks).
+LOAD_KINDS = tuple(_LOAD_CHILD)
 
 
 @contextmanager
 def background_load(kind: str = "python", procs: int | None = None):
-    """Keep ``procs`` cores (default: all of them) busy in child processes for the duration of
-    the ``with`` block, as other users of a shared machine do; the children are killed on exit,
-    also on error. Yields a dict that, after the block, holds ``load_cpu``: the cores the
-    children actually used on average (e.g. 1.4 of 2 while the benchmark competed with them)."""
-    procs = procs or os.cpu_count() or 1
+    """Keep every core busy in ``procs`` child processes for the duration of the ``with`` block, as
+    other users of a shared machine do (default: one child per core, or one multi-threaded child
+    for ``"torch-threads"``); the children are killed on exit, also on error. Yields a dict that,
+    after the block, holds ``load_cpu``: the cores the children actually used on average (e.g.
+    1.4 of 2 while the benchmark competed with them)."""
+    procs = procs or (1 if kind == "torch-threads" else os.cpu_count() or 1)
     children = [
         subprocess.Popen([sys.executable, "-c", _LOAD_CHILD[kind]], stdout=subprocess.PIPE, text=True)
         for _ in range(procs)

@@ -24,6 +24,7 @@ SUITE = [
     "gqa",
     "decode",
     "dropout",
+    "under_load",
     "memory",
     "layers",
     "hf",
@@ -100,6 +101,11 @@ def _headlines(results) -> None:
         )
     for r in results.get("documents") or []:
         print(f"packed documents: {r['speedup']:.1f}x faster than padded + dense mask  (target >= 3)")
+    for r in results.get("under_load") or []:
+        print(
+            f"{r['case']}, load {r['load']}: {r['speedup']:.2f}x SDPA with the dense mask "
+            f"(target under load >= {r['target_loaded']:g})"
+        )
     for r in results.get("hf") or []:
         target = (
             "<= 1.05, and eager/multihead >= 1.3"

@@ -59,7 +59,16 @@ from torch import Tensor
 
 from multihead.backends.bias_backward import bias_backward
 
-__all__ = ["BandRun", "interior_run", "run_forward", "run_backward"]
+__all__ = [
+    "BandRun",
+    "interior_run",
+    "run_forward",
+    "run_backward",
+    "fold_rows",
+    "fold_windows",
+    "unfold_rows",
+    "window_mask",
+]
 
 # torch.ops entries have no annotations (Any); None on a build without them (capabilities refuse then).
 _flash: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -159,9 +168,13 @@ def run_forward(
     """
     B, Hq, Lq, D = q.shape
     _check_inputs(q, k, v, run)
-    qf, kf, vf = _fold_q(q, run), _fold_kv(k, run), _fold_kv(v, run)  # (n, B*Hq, block, D), (n, B*Hkv, span, D)
+    qf, kf, vf = (
+        fold_rows(q, run),
+        fold_windows(k, run),
+        fold_windows(v, run),
+    )  # (n, B*Hq, block, D), (n, B*Hkv, span, D)
     out, lse = _flash(qf, kf, vf, 0.0, False, attn_mask=_run_mask(run, q, bias), scale=scale)
-    return _unfold_rows(out, B, Hq), _unfold_rows(lse, B, Hq)
+    return unfold_rows(out, B, Hq), unfold_rows(lse, B, Hq)
 
 
 def run_backward(
@@ -202,26 +215,26 @@ def run_backward(
     Hkv = k.shape[1]
     _check_inputs(q, k, v, run)
     n = run.blocks
-    go, qf, of = _fold_q(grad_out, run, rows_only=True), _fold_q(q, run), _fold_q(out, run, rows_only=True)
-    lf = _fold_q(lse.unsqueeze(-1), run, rows_only=True).squeeze(-1).contiguous()  # (n, B*Hq, block)
+    go, qf, of = fold_rows(grad_out, run, rows_only=True), fold_rows(q, run), fold_rows(out, run, rows_only=True)
+    lf = fold_rows(lse.unsqueeze(-1), run, rows_only=True).squeeze(-1).contiguous()  # (n, B*Hq, block)
     if bias is None:
         dqf, dkf, dvf = _flash_backward(
             go,
             qf,
-            _fold_kv(k, run),
-            _fold_kv(v, run),
+            fold_windows(k, run),
+            fold_windows(v, run),
             of,
             lf,
             0.0,
             False,
-            attn_mask=_window_mask(run, q.dtype, q.device),
+            attn_mask=window_mask(run, q.dtype, q.device),
             scale=scale,
         )
     else:  # a bias spanning many units makes the kernel's backward crawl through denormals (bias_backward)
         dqf, dkf, dvf = _biased_backward(
-            go, qf, _fold_kv(k, run), _fold_kv(v, run), of, lf, _run_mask(run, q, bias), scale, B, kernel_heads
+            go, qf, fold_windows(k, run), fold_windows(v, run), of, lf, _run_mask(run, q, bias), scale, B, kernel_heads
         )
-    dq = _unfold_rows(dqf, B, Hq)
+    dq = unfold_rows(dqf, B, Hq)
     if dk is None:
         dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     if dv is None:
@@ -232,6 +245,7 @@ def run_backward(
 
 
 # ----------------------------------------------------------------------------------- helpers
+# The folds and the window mask are public: torch_blocks runs dropout on the same views.
 def _biased_backward(go, qf, kf, vf, of, lf, mask, scale, B: int, kernel_heads):
     """The folded backward with a bias: the KV groups whose query heads are all in
     ``kernel_heads`` on the kernel, the others in :func:`bias_backward`. Folded head ``b*H + h``."""
@@ -284,7 +298,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, run: BandRun) -> None:
     run.check(q.shape[2], k.shape[2])
 
 
-def _fold_q(x: Tensor, run: BandRun, rows_only: bool = False) -> Tensor:
+def fold_rows(x: Tensor, run: BandRun, rows_only: bool = False) -> Tensor:
     """``(B, H, Lq, D)`` (or already the run's rows, ``(B, H, q1 - q0, D)``) -> ``(n, B*H, block, D)``.
     A view when ``B`` and ``H`` merge (x contiguous in them), a copy otherwise."""
     B, H, _, D = x.shape
@@ -292,7 +306,7 @@ def _fold_q(x: Tensor, run: BandRun, rows_only: bool = False) -> Tensor:
     return rows.reshape(B, H, run.blocks, run.block, D).permute(2, 0, 1, 3, 4).reshape(run.blocks, B * H, run.block, D)
 
 
-def _fold_kv(x: Tensor, run: BandRun) -> Tensor:
+def fold_windows(x: Tensor, run: BandRun) -> Tensor:
     """``(B, Hkv, Lk, D)`` -> ``(n, B*Hkv, span, D)``: window ``t`` is keys
     ``[k0 + t*block, k0 + t*block + span)``; overlapping windows of one storage (no copy)."""
     B, H, _, D = x.shape
@@ -300,7 +314,7 @@ def _fold_kv(x: Tensor, run: BandRun) -> Tensor:
     return windows.permute(2, 0, 1, 4, 3).reshape(run.blocks, B * H, run.span, D)
 
 
-def _unfold_rows(x: Tensor, B: int, H: int) -> Tensor:
+def unfold_rows(x: Tensor, B: int, H: int) -> Tensor:
     """Kernel output ``(n, B*H, block, ...)`` -> ``(B, H, n*block, ...)`` (one copy)."""
     n, _, block, *rest = x.shape
     return x.view(n, B, H, block, *rest).permute(1, 2, 0, 3, *range(4, 4 + len(rest))).reshape(B, H, n * block, *rest)
@@ -324,7 +338,7 @@ def _overlap_add(acc: Tensor, windows: Tensor, run: BandRun) -> None:
 def _run_mask(run: BandRun, q: Tensor, bias: Tensor | None) -> Tensor:
     """The kernel's ``attn_mask``: the window mask, plus ``bias`` per head when given, for the
     folded heads ``b*Hq + h`` of the batch ``(1, B*Hq, block, span)``."""
-    mask = _window_mask(run, q.dtype, q.device)
+    mask = window_mask(run, q.dtype, q.device)
     if bias is None:
         return mask
     mask = mask + bias  # (1, Hq|1, block, span)
@@ -332,7 +346,7 @@ def _run_mask(run: BandRun, q: Tensor, bias: Tensor | None) -> Tensor:
     return mask.repeat(1, B, 1, 1) if mask.shape[1] > 1 and B > 1 else mask
 
 
-def _window_mask(run: BandRun, dtype: torch.dtype, device: torch.device) -> Tensor:
+def window_mask(run: BandRun, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``(1, 1, block, span)`` additive mask: row ``s`` sees window columns ``s .. s + hi - lo``.
     Shared by every block and head (broadcast by the kernel); cached on the pattern, not the rows."""
     return _cached_mask(run.block, run.hi - run.lo, dtype, device)

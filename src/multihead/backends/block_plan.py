@@ -61,6 +61,7 @@ class Plan:
 
     run: BandRun | None
     blocks: tuple[QueryBlock, ...]
+    documents: bool = False  # the blocks are whole documents (backends/document_runs.py)
 
 
 # ----------------------------------------------------------------------------------- planning

@@ -38,6 +38,7 @@ Fully masked rows give output 0, LSE ``-inf`` and zero gradients (see
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,7 @@ from multihead.backends.block_plan import (
     block_plan,
     kernel_pieces,
 )
+from multihead.backends.document_runs import Segment, document_segments
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.relative_pieces import Bounds, relative_backward, relative_forward, relative_piece, run_bias
 from multihead.call import AttentionCall, AttentionResult
@@ -151,8 +153,13 @@ class BlockSparseBackend(Backend):
                 f"kernel calls: {counts[FULL]} without mask, {counts[CAUSAL]} is_causal, "
                 f"{counts[MASKED]} with a block-sized mask"
             )
+        if plan.documents:
+            lines.append(f"{len(plan.blocks)} documents, each one kernel call over its own keys; {skipped} see no key")
+        else:
+            lines.append(
+                f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped"
+            )
         lines += [
-            f"{len(plan.blocks)} other query blocks of {self.block_size} rows; {skipped} fully masked and skipped",
             calls,
             f"scores computed: {computed} of {Lq * Lk} ({100.0 * computed / max(1, Lq * Lk):.1f}% of the square)",
             "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu, pieces merged by log-sum-exp",
@@ -207,19 +214,29 @@ class BlockSparseBackend(Backend):
         if cached is not None:
             self._plans.move_to_end(key)
             return cached
-        blocks = block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
-        run = band_run(call.mask, Lq, Lk, self.block_size) if batched else None
+        # Packed documents: one call per document, not a few per block (backends/document_runs.py).
+        docs = document_segments(call.mask, Lq, Lk, -(-Lq // self.block_size)) if mods is None else None
+        blocks = _document_blocks(docs) if docs is not None else block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
+        run = band_run(call.mask, Lq, Lk, self.block_size) if batched and docs is None else None
         if run is not None:
             inside = [b for b in blocks if run.q0 <= b.q0 and b.q1 <= run.q1]
             if sum(b.q1 - b.q0 for b in inside) == run.q1 - run.q0:  # the run replaces exactly these
                 blocks = tuple(b for b in blocks if not (run.q0 <= b.q0 and b.q1 <= run.q1))
             else:
                 run = None
-        plan = Plan(run, blocks)
+        plan = Plan(run, blocks, documents=docs is not None)
         self._plans[key] = plan
         while len(self._plans) > 32:
             self._plans.popitem(last=False)
         return plan
+
+
+def _document_blocks(segments: Sequence[Segment]) -> tuple[QueryBlock, ...]:
+    """Each document (:class:`~multihead.backends.document_runs.Segment`) as a query block of one piece."""
+    return tuple(
+        QueryBlock(s.q0, s.q1, (Piece(s.k0, s.k1, CAUSAL if s.causal else FULL),) if s.k0 < s.k1 else ())
+        for s in segments
+    )
 
 
 #: Below this many scores a single SDPA call with a materialized mask beats the per-block loop

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
-from multihead.backends.block_plan import DEFAULT_BLOCK_SIZE
+from multihead.backends.block_plan import DEFAULT_BLOCK_SIZE, band_run
 from multihead.backends.torch_blocks import attention_by_blocks
 from multihead.call import AttentionCall, AttentionResult
 from multihead.masks import Mask
@@ -89,7 +89,11 @@ class TorchBlocksBackend(Backend):
             q, k = F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D))
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
-        out, lse = attention_by_blocks(q, k, v, call.mask, call.score_mod, call.scale, call.dropout_p, self.block_size)
+        # A band's interior blocks in batched chunks (no modifier: each block's own scores otherwise).
+        run = band_run(call.mask, Lq, Lk, self.block_size) if call.score_mod is None else None
+        out, lse = attention_by_blocks(
+            q, k, v, call.mask, call.score_mod, call.scale, call.dropout_p, self.block_size, run
+        )
         if Dv < D:
             out = out[..., :Dv]
         return AttentionResult(out, None, lse if call.return_lse else None)
