@@ -83,8 +83,8 @@ def find(
 
     A call of one query token looks for its growing cache's plan first: a decoding step's exact
     signature is new at every step (its ``Lk`` grew), so reading it first would cost every step
-    a key that is never found (measured in a Hugging Face decode step, caches cold after the LM
-    head: about 18 us per attention call, docs/performance.md). Other calls look for their exact
+    a key that is never found, which costs a decoding step more than its kernel when the caches are
+    cold (measured: docs/performance.md#hugging-face-backend-benchmarkshfpy). Other calls look for their exact
     signature first (a repeated call finds it at once) and for the growing plan on a miss."""
     if not _plain_arguments(q, k, v, mask, scale, backend):
         return None, None, None

@@ -69,7 +69,7 @@ AUTO_MAX_QUERIES = 8
 #: thread, ``Hq=8, Hkv=2, D=64``: the fold loses at 1088 keys, ties at 2048 = 2^20, wins from 4096).
 #: Eager calls only: under ``torch.compile`` the fold's ops fuse into a few Inductor kernels, and
 #: ``sdpa`` there zeroes the unseen slots of a static cache (two copies of K/V per step), so a
-#: compiled decode step takes this path at any size (one layer, 256 slots: 0.64 ms against 0.86 ms).
+#: compiled decode step takes this path at any size (measured: docs/performance.md#the-decode-path-decode).
 AUTO_MIN_WORK = 1 << 20
 #: Score elements (``B·Hq·Lq`` rows x keys) per chunk of the split-K loop: 64 MiB of fp32. Chunks
 #: bound memory only: at one token the scores are ~2% of the K/V bytes, and each chunk adds a few
@@ -78,8 +78,8 @@ SCORES_PER_CHUNK = 1 << 24
 _MIN_CHUNK = 1024
 #: fp32 query rows per KV head (``G·Lq``) padded with zero rows up to 6 before ``q Kᵀ`` when the
 #: K/V of the call stream from memory: there MKL's fp32 GEMM against a transposed K reads 6 rows
-#: faster than 4 (B=1, 32k keys: +18-30%; B=8: +5%), while on K/V that stay in cache the padding
-#: costs 11-26% (docs/performance.md, "The decode path"). 1 and 2 rows run at memory speed as they are.
+#: faster than 4, while on K/V that stay in cache the padding costs more than it saves; 1 and 2
+#: rows run at memory speed as they are (measured: docs/performance.md#the-decode-path-decode).
 _PADDED_ROWS = {3: 6, 4: 6, 5: 6}
 _PAD_MIN_BYTES = 128 << 20  # K/V bytes read by the call
 # Mask kinds whose key_range and block_state are answered from a few integers (no data read).
@@ -208,7 +208,7 @@ class DecodeBackend(Backend):
         plan = _Plan(call, self._chunk(call))
         # fp16/bf16: the scores are the half GEMM's, each rounded once (2^-9 of a score of 10 moves
         # its weight by 2%). An LSE of those would not normalise the weights attention() recomputes
-        # from fp32 scores (rows summed to 0.987-1.024; a differential fuzzer), so none is returned
+        # from fp32 scores (a differential fuzzer found rows that did not sum to 1), so none is returned
         # and attention() computes it from fp32 scores, one blockwise pass, when it is asked for.
         exact = softmax_dtype(call.q.dtype) == call.q.dtype
         out, lse = plan.run(call.q, call.k, call.v, call.scale, call.requires_grad, call.return_lse and exact)

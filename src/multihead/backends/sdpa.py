@@ -196,8 +196,8 @@ class _Arguments:
         )
         # A few query tokens with GQA/MQA on CPU: each KV head's G query heads become rows of one
         # call (K/V read once per group, no head mapping in the kernel), the mask repeated per
-        # group. Measured (one thread, CPU): 0.33-0.75x enable_gqa's time at Lq <= 8, 0.89x at
-        # 16, 1.09-1.13x at 64 and more (docs/performance.md, "The decode path").
+        # group: faster than enable_gqa for a few query tokens, slower from some tens on
+        # (measured: docs/performance.md#the-decode-path-decode).
         self.fold, self.fold_mask = None, None
         if (
             not _compiling()  # first: no comparison of a symbolic Lq (torch.export) may guard the graph
