@@ -120,7 +120,7 @@ def test_user_score_mods_equal_the_built_ins():
     for mine, builtin in pairs:
         for mask in (None, mh.causal()):
             expected = mh.attention(q, k, v, mask=mask, score_mod=builtin, backend="reference")
-            for backend in ("reference", "blocksparse"):
+            for backend in ("reference", "torch_blocks"):  # a function is elementwise: blocksparse refuses it
                 got = mh.attention(q, k, v, mask=mask, score_mod=mine, backend=backend)
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # Lq != Lk: the function's indices are the call's, i.e. top-left alignment.
@@ -141,7 +141,7 @@ def test_user_score_mods_equal_the_built_ins():
     grads = []
     for mod in (my_t5, t5):
         rel.weight.grad = None
-        (mh.attention(q, k, v, mask=mh.causal(), score_mod=mod, backend="blocksparse") * w).sum().backward()
+        (mh.attention(q, k, v, mask=mh.causal(), score_mod=mod, backend="torch_blocks") * w).sum().backward()
         grads.append(rel.weight.grad.clone())
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1])

@@ -28,7 +28,7 @@ import multihead as mh
 from multihead.positions import ALiBi, RelativePositionBias, alibi_slopes, relative_position_bucket
 
 DT = torch.float64
-BACKENDS = ["auto", "reference", "sdpa", "blocksparse"]
+BACKENDS = ["auto", "reference", "sdpa", "blocksparse", "torch_blocks"]
 
 
 # ------------------------------------------------------------------------------ the recipe

@@ -100,8 +100,8 @@ def test_auto_sends_tensor_masks_and_dropout_to_sdpa_with_reasons():
 @pytest.mark.parametrize(
     "L,mask,expected,reason",
     [
-        (2048, mh.sliding_window(512), "blocksparse", None),  # visits 33% of the scores
-        (4096, mh.causal(), "blocksparse", None),  # 53%
+        (2048, mh.sliding_window(512), "torch_blocks", None),  # visits 33% of the scores
+        (4096, mh.causal(), "torch_blocks", None),  # 53%
         (2048, mh.causal(), "sdpa", "visits 56% of the scores"),
         (1024, mh.sliding_window(512), "sdpa", "visits 56% of the scores"),
         (512, mh.sliding_window(16), "sdpa", "Lq*Lk = 262144"),  # 52%, but too small for per-block ops
@@ -114,4 +114,4 @@ def test_auto_takes_the_blockwise_dropout_path_where_it_visits_at_most_about_hal
     report = mh.explain(q, q, q, mask=mask, dropout_p=0.1)
     assert report.backend == expected, str(report)
     if reason is not None:
-        assert reason in "; ".join(report.refused["blocksparse"])
+        assert reason in "; ".join(report.refused["torch_blocks"])
