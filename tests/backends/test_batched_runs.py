@@ -13,8 +13,10 @@ import multihead as mh
 from helpers import assert_relative, naive_attention
 from multihead.backends import torch_blocks
 from multihead.backends.band_runs import interior_run
+from multihead.backends.block_plan import band_run
 from multihead.backends.blocksparse import BlockSparseBackend
 from multihead.backends.document_runs import Segment, document_segments
+from multihead.backends.torch_blocks_backend import TorchBlocksBackend
 from multihead.validation import validate_call
 
 BLOCK = 32  # small blocks: every case crosses several of them
@@ -188,9 +190,9 @@ def test_dropout_on_a_band_runs_in_chunks_and_equals_the_reference_with_the_same
     monkeypatch.setattr(torch_blocks, "RUN_CHUNK_SCORES", 2 * B * Hq * BLOCK * (BLOCK + left + right))  # 2 blocks
     mask = mh.sliding_window(left, right, align=align)
     q, k, v = _inputs(B, Hq, Hkv, Lq, Lk, D, torch.float64, seed=Lq)
-    backend = BlockSparseBackend(BLOCK)
+    backend = TorchBlocksBackend(BLOCK)  # dropout runs in the torch_blocks backend
     call = _call(q, k, v, mask, dropout_p=p)
-    run = backend._plan(call).run
+    run = band_run(mask, Lq, Lk, BLOCK)
     assert run is not None and len(torch_blocks.band_chunks(run, B, Hq)) >= 2, run
     torch.manual_seed(5)
     got = backend.forward(call)
@@ -210,9 +212,9 @@ def test_dropout_band_chunks_in_low_precision(dtype):
     B, Hq, Hkv, L, D = 1, 4, 1, 9 * BLOCK + 1, 16
     mask = mh.sliding_window(BLOCK + 3)
     q, k, v = _inputs(B, Hq, Hkv, L, L, D, dtype, seed=3)
-    backend = BlockSparseBackend(BLOCK)
+    backend = TorchBlocksBackend(BLOCK)
     call = _call(q, k, v, mask, dropout_p=1e-12)
-    assert backend._plan(call).run is not None
+    assert band_run(mask, L, L, BLOCK) is not None
     _check_against_reference(backend.forward(call), q, k, v, mask, dtype)
 
 
@@ -220,7 +222,7 @@ def test_a_sum_loss_gives_the_same_gradients_as_a_dense_one():
     """``out.sum()`` hands an expanded gradient to the backward (torch_blocks._DenseGrad)."""
     q, k, v = _inputs(1, 2, 2, 5 * BLOCK, 5 * BLOCK, 8, torch.float64)
     mask = mh.sliding_window(BLOCK)
-    backend = BlockSparseBackend(BLOCK)
+    backend = TorchBlocksBackend(BLOCK)
     torch.manual_seed(0)
     a = torch.autograd.grad(backend.forward(_call(q, k, v, mask, 0.2)).output.sum(), (q, k, v))
     torch.manual_seed(0)
