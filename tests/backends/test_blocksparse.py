@@ -504,3 +504,12 @@ def test_t5_table_gradient_on_short_key_ranges(dtype):
         msg = f"{what}: max err {float(err.max()):.3e} vs the reference's {float(err_ref.max()):.3e}"
         assert float(err.max()) <= 1.25 * float(err_ref.max()), msg
         assert float(err.mean()) <= 1.25 * float(err_ref.mean()), msg
+
+
+@pytest.mark.parametrize("what", ["dropout", "softcap"])
+def test_forcing_blocksparse_for_what_it_cannot_run_names_the_backend_that_can(what):
+    q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
+    extra = {"dropout_p": 0.1} if what == "dropout" else {"softcap": 5.0}
+    with pytest.raises(mh.BackendRefusedError, match=r"hint: backend='torch_blocks' runs it"):
+        mh.attention(q, k, v, mask=mh.sliding_window(8), backend="blocksparse", **extra)
+    mh.attention(q, k, v, mask=mh.sliding_window(8), backend="torch_blocks", **extra)  # and it does
