@@ -102,13 +102,8 @@ class BlockSparseBackend(Backend):
         reasons = super().refusals(call)
         if flash is None:
             reasons.append("this PyTorch has no CPU flash-attention kernel with a log-sum-exp")
-        # The fused kernel takes neither: the blockwise PyTorch path is a backend of its own.
-        return [
-            f"{r}; hint: backend='torch_blocks' runs it a query block at a time"
-            if r == "dropout not supported" or r.startswith("score modifier") and "elementwise" in r
-            else r
-            for r in reasons
-        ]
+        hint = "; hint: backend='torch_blocks' runs it a query block at a time"  # the fused kernel cannot
+        return [r + hint if r == "dropout not supported" or "is elementwise;" in r else r for r in reasons]
 
     def auto_refusals(self, call: AttentionCall) -> list[str]:
         """Why ``auto`` passes over this backend although it could serve the call (decision table
