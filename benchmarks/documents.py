@@ -14,6 +14,26 @@ import torch.nn.functional as F
 from common import check_close, context, mh, print_table, time_ms, used_backend, write_csv
 
 LENGTHS = [2048, 1536, 1280, 1024, 896, 640, 512, 256]  # sums to 8192
+#: Where each document starts in the packed sequence.
+STARTS = torch.tensor([0] + LENGTHS[:-1]).cumsum(0).tolist()
+
+
+def padded_batch(q, k, v):
+    """The padded equivalent of packed ``(1, H, total, D)`` inputs: one row per document, padded to
+    the longest, ``(n, H, Lmax, D)`` each, and the dense bool mask (causal & key padding) SDPA takes."""
+    n, Lmax = len(LENGTHS), max(LENGTHS)
+
+    def pad(x):
+        out = x.new_zeros(n, x.shape[1], Lmax, x.shape[3])
+        for i, (s, length) in enumerate(zip(STARTS, LENGTHS)):
+            out[i, :, :length] = x[0, :, s : s + length]
+        return out
+
+    lengths = torch.tensor(LENGTHS)
+    dense = (mh.causal() & mh.key_padding(lengths)).materialize(n, q.shape[1], Lmax, Lmax)  # (n, 1, Lmax, Lmax)
+    # Padding query rows see no key; SDPA needs one visible key per row to stay finite.
+    dense = dense | (torch.arange(Lmax).view(1, 1, -1, 1) >= lengths.view(-1, 1, 1, 1))
+    return pad(q), pad(k), pad(v), dense
 
 
 def main(argv=None) -> list[dict]:
@@ -28,25 +48,11 @@ def main(argv=None) -> list[dict]:
     mask = mh.document(ids) & mh.causal()
     packed = lambda: mh.attention(q, k, v, mask=mask)  # noqa: E731
 
-    # The padded equivalent: one row per document, padded to the longest, dense bool mask.
-    Lmax = max(LENGTHS)
-    starts = torch.tensor([0] + LENGTHS[:-1]).cumsum(0).tolist()
-
-    def pad(x):
-        out = x.new_zeros(n, H, Lmax, D)
-        for i, (s, length) in enumerate(zip(starts, LENGTHS)):
-            out[i, :, :length] = x[0, :, s : s + length]
-        return out
-
-    qp, kp, vp = pad(q), pad(k), pad(v)
-    lengths = torch.tensor(LENGTHS)
-    dense = (mh.causal() & mh.key_padding(lengths)).materialize(n, H, Lmax, Lmax)  # (n, 1, Lmax, Lmax)
-    # Padding query rows see no key; SDPA needs one visible key per row to stay finite.
-    dense = dense | (torch.arange(Lmax).view(1, 1, -1, 1) >= lengths.view(-1, 1, 1, 1))
+    qp, kp, vp, dense = padded_batch(q, k, v)  # the padded equivalent, one row per document
     padded = lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=dense)  # noqa: E731
 
     out_packed, out_padded = packed(), padded()
-    for i, (s, length) in enumerate(zip(starts, LENGTHS)):
+    for i, (s, length) in enumerate(zip(STARTS, LENGTHS)):
         check_close(f"document {i}", out_packed[0, :, s : s + length], out_padded[i, :, :length])
     mrt = 0.5 if args.quick else 2.0
     t_packed, t_padded = time_ms(packed, mrt), time_ms(padded, mrt)

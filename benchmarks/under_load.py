@@ -51,7 +51,7 @@ from common import (
     print_table,
     write_csv,
 )
-from documents import LENGTHS
+from documents import LENGTHS, STARTS, padded_batch
 from dtypes import matmul_gflops
 
 H, D = 8, 64
@@ -143,18 +143,7 @@ def _documents():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, total, D, generator=gen) for _ in range(3))
     mask = mh.document(torch.repeat_interleave(torch.arange(n), torch.tensor(LENGTHS))) & mh.causal()
-    Lmax, starts = max(LENGTHS), torch.tensor([0] + LENGTHS[:-1]).cumsum(0).tolist()
-
-    def pad(x):  # (1, H, total, D) -> (n, H, Lmax, D), one row per document
-        out = x.new_zeros(n, H, Lmax, D)
-        for i, (s, length) in enumerate(zip(starts, LENGTHS)):
-            out[i, :, :length] = x[0, :, s : s + length]
-        return out
-
-    qp, kp, vp = pad(q), pad(k), pad(v)
-    lengths = torch.tensor(LENGTHS)
-    dense = (mh.causal() & mh.key_padding(lengths)).materialize(n, H, Lmax, Lmax)  # (n, 1, Lmax, Lmax)
-    dense = dense | (torch.arange(Lmax).view(1, 1, -1, 1) >= lengths.view(-1, 1, 1, 1))  # padding rows: finite
+    qp, kp, vp, dense = padded_batch(q, k, v)  # one row per document, dense causal & padding mask
     fns = {
         "multihead": lambda: mh.attention(q, k, v, mask=mask),
         "sdpa_padded_dense": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=dense),
@@ -163,7 +152,7 @@ def _documents():
     want = fns["sdpa_padded_dense"]()
     for name in ("multihead", "block_grid"):
         got = fns[name]()
-        for i, (s, length) in enumerate(zip(starts, LENGTHS)):
+        for i, (s, length) in enumerate(zip(STARTS, LENGTHS)):
             check_close(f"{name}, document {i}", got[0, :, s : s + length], want[i, :, :length])
     backend = mh.explain(q, k, v, mask=mask).backend
     return fns, f"packed documents, {n} docs, {total} tokens, fwd ({backend} vs padded)"
