@@ -14,11 +14,14 @@ over what it returns::
 * :class:`StaticKVCache`: preallocated, one length per row, compiles without recompiling;
 * :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention;
 * :class:`PagedKVCache`: pages from one pool addressed by block tables (serving);
-* :class:`LatentKVCache`: one latent row per token for multi-head latent attention (MLA).
+* :class:`LatentKVCache`: one latent row per token for multi-head latent attention (MLA);
+* :mod:`~multihead.caches.policies`: eviction policies (``SinksAndWindow``, ``SnapKV``, ``H2O``),
+  passed as ``DynamicKVCache(policy=...)``.
 
 ``docs/inference.md`` shows each in use.
 """
 
+from multihead.caches import policies
 from multihead.caches.base import CacheRead, KVCache
 from multihead.caches.dynamic import DynamicKVCache
 from multihead.caches.latent import LatentKVCache
@@ -34,4 +37,5 @@ __all__ = [
     "SlidingWindowKVCache",
     "PagedKVCache",
     "LatentKVCache",
+    "policies",
 ]
