@@ -15,6 +15,9 @@ over what it returns::
 * :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention;
 * :class:`PagedKVCache`: pages from one pool addressed by block tables (serving);
 * :class:`LatentKVCache`: one latent row per token for multi-head latent attention (MLA);
+* :class:`PrefixCache`: pages shared between requests (reference counts, copy-on-write, an index
+  from token ids to pages, LRU eviction); :func:`prefix_attention` (cascade over the shared
+  pages) and :func:`ragged_attention` (requests with their own query lengths, one call);
 * :mod:`~multihead.caches.policies`: eviction policies (``SinksAndWindow``, ``SnapKV``, ``H2O``),
   passed as ``DynamicKVCache(policy=...)``.
 
@@ -26,6 +29,8 @@ from multihead.caches.base import CacheRead, KVCache
 from multihead.caches.dynamic import DynamicKVCache
 from multihead.caches.latent import LatentKVCache
 from multihead.caches.paged import PagedKVCache
+from multihead.caches.prefix import PrefixCache
+from multihead.caches.ragged import prefix_attention, ragged_attention
 from multihead.caches.sliding import SlidingWindowKVCache
 from multihead.caches.static import StaticKVCache
 
@@ -38,4 +43,7 @@ __all__ = [
     "PagedKVCache",
     "LatentKVCache",
     "policies",
+    "PrefixCache",
+    "ragged_attention",
+    "prefix_attention",
 ]
