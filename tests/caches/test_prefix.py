@@ -138,6 +138,8 @@ def test_random_interleavings_equal_independent_contiguous_caches(seed):
             k, v = cache.read(r)
             want_k, want_v = contiguous(ids)
             assert torch.equal(k, want_k) and torch.equal(v, want_v), (step, r)
+            start = rng.randint(0, len(ids))
+            assert torch.equal(cache.read(r, start)[1], want_v[:, :, start:]), (step, r, start)
     assert refused < 120
 
 
@@ -240,8 +242,10 @@ def test_prefix_attention_reads_the_shared_pages_once_and_equals_each_request_al
         assert cached == 16
         append(cache, [r], [(prompt + tail)[cached:]])
         rids.append(r)
-    append(cache, rids, [[9] * lq for _ in rids])
+    rids.append(cache.fork(rids[1]))  # shares rids[1]'s partial last page until it writes
+    append(cache, rids, [[9 + i] * lq for i, _ in enumerate(rids)])
     assert cache.shared_prefix(rids) == 16
+    assert cache.shared_prefix([rids[1], rids[-1]]) == 16  # the fork copied its last page on writing
     q = torch.randn(len(rids), Hq, lq, D, dtype=DT)
     out = prefix_attention(cache, q, rids)
     for b, r in enumerate(rids):

@@ -102,10 +102,17 @@ class PrefixCache:
         """Request ``rid``'s token ids (a copy)."""
         return list(self._request("tokens", rid).tokens)
 
-    def read(self, rid: int) -> tuple[Tensor, Tensor]:
-        """Request ``rid``'s keys ``(1, Hkv, L, D)`` and values ``(1, Hkv, L, Dv)``, gathered."""
+    def read(self, rid: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """Request ``rid``'s keys ``(1, Hkv, L - start, D)`` and values ``(1, Hkv, L - start, Dv)``
+        from token ``start`` on, gathered (only the pages from ``start``'s on are read)."""
         request = self._request("read", rid)
-        return self._gather(request.table, len(request.tokens))
+        length = len(request.tokens)
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= length:
+            raise ValueError(f"PrefixCache.read: start must be an int in [0, {length}], got {start!r}")
+        first = start // self.page_size
+        keys, values = self._gather(request.table[first:], length - first * self.page_size)
+        skip = start - first * self.page_size
+        return keys[:, :, skip:], values[:, :, skip:]
 
     # ------------------------------------------------------------------------------ requests
     def admit(self, prompt: Sequence[int]) -> tuple[int, int]:
@@ -244,6 +251,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------ reads
     def _gather(self, table: list[int], length: int) -> tuple[Tensor, Tensor]:
+        """The first ``length`` tokens of the pages ``table``: ``(1, Hkv, length, ·)``."""
         pages = torch.tensor(table, dtype=torch.int64, device=self.pool.key_pages.device)
         keys = self.pool.key_pages[pages]  # (pages, Hkv, ps, D)
         values = self.pool.value_pages[pages]
@@ -252,15 +260,16 @@ class PrefixCache:
         return keys, values
 
     def shared_prefix(self, rids: Sequence[int]) -> int:
-        """Tokens at the start of every request in ``rids`` stored in the same pages (whole pages)."""
+        """Tokens at the start of every request in ``rids`` stored in the same full pages: a
+        multiple of ``page_size``."""
         tables = [self._request("shared_prefix", r).table for r in rids]
-        lengths = [len(self._requests[r].tokens) for r in rids]
+        full = min(len(self._requests[r].tokens) for r in rids) // self.page_size
         pages = 0
         for column in zip(*tables):
-            if len(set(column)) != 1:
+            if pages == full or len(set(column)) != 1:
                 break
             pages += 1
-        return min([pages * self.page_size, *lengths])
+        return pages * self.page_size
 
     # ------------------------------------------------------------------------------ checks
     def _request(self, method: str, rid: object) -> _Request:

@@ -91,12 +91,12 @@ def prefix_attention(
             f"prefix_attention: every request must hold its Lq={q.shape[2]} new tokens (append them first); "
             f"the requests hold {lengths}"
         )
-    P = cache.shared_prefix(rids) if len(rids) > 1 else 0
+    P = cache.shared_prefix(rids) if len(rids) > 1 else 0  # whole pages
     whole = causal(kv_lengths=torch.tensor(lengths, device=q.device))  # per request, over prefix + suffix
     if P == 0:
         keys, values = _padded(cache, rids, 0)
         return attention(q, keys, values, mask=whole, scale=scale, backend=backend)
-    prefix_k, prefix_v = cache.read(rids[0])
+    prefix_k, prefix_v = cache.read(rids[0])  # the shared pages, gathered once for the batch
     keys, values = _padded(cache, rids, P)
     return cascade_attention(
         q, prefix_k[:, :, :P], prefix_v[:, :, :P], keys, values, mask=whole, scale=scale, backend=backend
@@ -104,17 +104,18 @@ def prefix_attention(
 
 
 def _padded(cache: PrefixCache, rids: Sequence[int], start: int) -> tuple[Tensor, Tensor]:
-    """Each request's keys and values from ``start`` on, right-padded with zeros to the longest:
-    ``(B, Hkv, Ls, ·)`` (the mask hides the padding)."""
-    reads = [cache.read(r) for r in rids]
-    width = max(k.shape[2] for k, _ in reads) - start
+    """Each request's keys and values from page ``start // page_size`` on, right-padded to the
+    longest: ``(B, Hkv, Ls, ·)``, one gather per tensor (``start`` is a multiple of the page size;
+    the mask hides the padding, which reads page 0)."""
+    ps = cache.page_size
+    tables = [cache.table(r)[start // ps :] for r in rids]
+    width = max(1, max(len(t) for t in tables))
+    device = cache.pool.key_pages.device
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
     out = []
-    for which in (0, 1):
-        parts = [read[which][:, :, start:] for read in reads]
-        padded = parts[0].new_zeros(len(parts), parts[0].shape[1], width, parts[0].shape[3])
-        for b, part in enumerate(parts):
-            padded[b, :, : part.shape[2]] = part[0]
-        out.append(padded)
+    for pages in (cache.pool.key_pages, cache.pool.value_pages):
+        got = pages[table]  # (B, width, Hkv, ps, ·)
+        out.append(got.permute(0, 2, 1, 3, 4).reshape(len(rids), got.shape[2], width * ps, got.shape[-1]))
     return out[0], out[1]
 
 
