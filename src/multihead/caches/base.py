@@ -95,6 +95,9 @@ class CacheRead(NamedTuple):
     query head through the grouped mapping (:func:`~multihead.conventions.kv_head_of`).
     ``policy_mask``: a mask object at positions that an eviction policy adds to every call's mask
     (sinks + window: ``sliding_window(w) | key_padding(s)``), ``None`` for none.
+    ``ordered``: every slot holds a token, in position order, the new tokens last and every other
+    one before them (an eviction policy's read with no hole): with no call mask, the causal rule
+    over the slots is then ``causal()`` itself, and the read gives that object (fast paths).
     """
 
     keys: Tensor
@@ -103,6 +106,7 @@ class CacheRead(NamedTuple):
     key_positions: Tensor | None = None
     window: int | None = None
     policy_mask: Mask | None = None
+    ordered: bool = False
 
     @property
     def contiguous(self) -> bool:
@@ -129,6 +133,8 @@ class CacheRead(NamedTuple):
             check_reach("CacheRead.mask", mask, causal, self.window, self.query_positions)
         if self.policy_mask is not None:  # the policy's rule: an approximation the user chose
             mask = self.policy_mask if mask is None else mask & self.policy_mask
+        if mask is None and self.ordered and self.window is None:
+            return causal_mask() if causal else None  # every earlier slot holds an earlier position
         if self.key_positions is not None and self.key_positions.dim() == 3:
             return self._mask_per_kv_head(mask, causal, heads)
         Lq, S = self.query_positions.shape[-1], self.keys.shape[2]

@@ -77,6 +77,11 @@ class CachePolicy(abc.ABC):
         attention's keys, nothing more)."""
         return None
 
+    def hides_nothing(self, queries: Tensor, key_positions: Tensor) -> bool:
+        """Whether :meth:`policy_mask` lets every query at ``queries (Lq,)`` (ascending) see every
+        key at ``key_positions`` that causality lets it see."""
+        return True
+
     @property
     def reassigns_positions(self) -> bool:
         """Whether positions are slots of the cache rather than of the sequence (StreamingLLM's

@@ -16,9 +16,10 @@ contiguous (fast paths see ``causal()``, as with :class:`~multihead.caches.Dynam
 the heads keep different tokens, a read names each head's positions (``key_positions (B, H, S)``)
 and :meth:`~multihead.caches.CacheRead.mask` gives each query head its KV head's mask.
 
-Nothing is written in place: every update concatenates and gathers into new tensors, so a read
-stays valid after later updates, :meth:`rollback` restores references, and backpropagation
-through cached steps works. A policy that ranks keys by attention gets the update's queries from
+An update writes only past the held tokens (into the room of its storage, which doubles when
+full, as :class:`~multihead.caches.DynamicKVCache` grows), and eviction gathers into new tensors,
+so a read stays valid after later updates, :meth:`rollback` restores references and the held
+count, and under autograd (where updates concatenate) backpropagation through cached steps works. A policy that ranks keys by attention gets the update's queries from
 :meth:`observe` (a layer calls it) and computes the weights a block of query rows at a time
 (:func:`~multihead.caches.policies.mass.attention_mass`).
 """
@@ -36,6 +37,7 @@ from multihead.caches.base import (
     check_crop,
     check_indices,
     check_kv,
+    under_autograd,
 )
 from multihead.caches.policies.base import CachePolicy, Candidates, group_pool
 from multihead.caches.policies.mass import attention_mass
@@ -43,7 +45,7 @@ from multihead.conventions import repeat_kv
 
 __all__ = ["PolicyKVCache"]
 
-_STATE = ("_k", "_v", "_pos", "_ins", "_score", "_length", "_prompt_length", "_contiguous")
+_STATE = ("_k", "_v", "_pos", "_ins", "_score", "_room", "_length", "_prompt_length", "_contiguous")
 
 
 class PolicyKVCache(KVCache):
@@ -73,6 +75,11 @@ class PolicyKVCache(KVCache):
         self._pos: Tensor | None = None  # (B, H, n) absolute positions, EMPTY_POSITION for a hole
         self._ins: Tensor | None = None  # (B, H, n) the slot each key was rotated at (positions="cache")
         self._score: Tensor | None = None  # (B, H, n) accumulated attention (H2O)
+        # Storage with room after the held tokens (k, v, pos, ins; capacity >= n), whose first n
+        # slots the four above are views of: a step that evicts nothing writes its tokens there
+        # in place, as DynamicKVCache does, instead of copying the cache. None: no room (after an
+        # eviction, or under autograd).
+        self._room: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
         self._length = 0  # tokens seen
         self._prompt_length = 0  # tokens of the first update (0: none yet)
         self._contiguous = True  # held = positions 0 .. length-1 in order, in every head
@@ -106,7 +113,8 @@ class PolicyKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self._k, self._v, self._pos, self._ins, self._score) if t is not None)
+        held = self._room if self._room is not None else (self._k, self._v, self._pos, self._ins)
+        return sum(t.nbytes for t in (*held, self._score) if t is not None)
 
     def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
         # positions="cache": the slots the new tokens take after the held ones
@@ -132,10 +140,7 @@ class PolicyKVCache(KVCache):
         n, start, device = self.held, self._length, k.device
         new_pos = torch.arange(start, start + new, device=device).expand(B, heads, new)
         new_ins = torch.arange(n, n + new, device=device).expand(B, heads, new)
-        cand_k, cand_v, cand_pos, cand_ins = (
-            x if old is None else torch.cat([old, x], dim=2)
-            for old, x in ((self._k, k_new), (self._v, v_new), (self._pos, new_pos), (self._ins, new_ins))
-        )
+        cand_k, cand_v, cand_pos, cand_ins = self._candidates((k_new, v_new, new_pos, new_ins))
         read = self._read(cand_k, cand_v, cand_pos, cand_ins, n, new)
         mass = None
         if queries is not None:
@@ -164,24 +169,51 @@ class PolicyKVCache(KVCache):
             self._contiguous = False
         return read
 
+    def _candidates(self, new: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, ...]:
+        """The held tokens followed by ``new`` (keys, values, positions, slots): written into the
+        room after the held ones when there is room, else into new storage with room to grow
+        (doubling); under autograd concatenated (no held tensor is written)."""
+        held = (self._k, self._v, self._pos, self._ins)
+        n, count = self.held, new[0].shape[2]
+        if self._k is None or under_autograd(new[0], new[1], *(t for t in held if t is not None)):
+            self._room = None
+            return tuple(x if old is None else torch.cat([old, x], dim=2) for old, x in zip(held, new))
+        if self._room is None or self._room[0].shape[2] < n + count:
+            capacity = max(16, 2 * (n + count))
+            room = []
+            for old, x in zip(held, new):
+                assert old is not None  # the cache holds tokens (checked above)
+                buffer = old.new_empty(*old.shape[:2], capacity, *old.shape[3:])
+                buffer[:, :, :n] = old
+                room.append(buffer)
+            self._room = (room[0], room[1], room[2], room[3])
+        for buffer, x in zip(self._room, new):
+            buffer[:, :, n : n + count] = x  # past every earlier read's slots
+        return tuple(buffer[:, :, : n + count] for buffer in self._room)
+
     def _read(self, keys: Tensor, values: Tensor, positions: Tensor, inserted: Tensor, n: int, new: int) -> CacheRead:
         """The candidates as a :class:`CacheRead`: contiguous while nothing was evicted; else each
         key's position (one row for all when every head holds the same ones), with the policy's
         mask; under ``positions="cache"`` the positions are slots and moved keys are rotated."""
-        policy_mask = self.policy.policy_mask()
         reassign = self.policy.reassigns_positions
         query_positions = torch.arange(n, n + new, device=keys.device) if reassign else positions[0, 0, n:]
         if self._contiguous:
-            return CacheRead(keys, values, query_positions, None, policy_mask=policy_mask)
+            return CacheRead(keys, values, query_positions, None, policy_mask=self.policy.policy_mask())
         S = keys.shape[2]
         first = positions[0, 0]
         if reassign:  # one set for every head (SinksAndWindow): slots are the positions
             slots = torch.arange(S, device=keys.device)
             keys = self.policy.rotate(keys, slots - inserted[0, 0])
-            return CacheRead(keys, values, query_positions, slots, policy_mask=policy_mask)
-        shared = bool((positions == first).all())
-        key_positions = first if shared else positions
-        return CacheRead(keys, values, query_positions, key_positions, policy_mask=policy_mask)
+            key_positions = slots
+        else:
+            key_positions = first if bool((positions == first).all()) else positions
+        # Held tokens come before the new ones, in position order: with no hole, and a policy mask
+        # that hides nothing from the new queries, causal() says it all.
+        policy_mask = self.policy.policy_mask()
+        if policy_mask is not None and new and self.policy.hides_nothing(query_positions, key_positions):
+            policy_mask = None
+        ordered = policy_mask is None and bool((positions != EMPTY_POSITION).all())
+        return CacheRead(keys, values, query_positions, key_positions, policy_mask=policy_mask, ordered=ordered)
 
     def _compact(self, keep: Tensor) -> None:
         """Keep the ``keep (B, H, n)`` entries of every held tensor, in position order, padded
@@ -198,6 +230,7 @@ class PolicyKVCache(KVCache):
 
         self._k, self._v, self._ins = take(self._k), take(self._v), take(self._ins)
         self._pos = sorted_key[..., :width]
+        self._room = None  # fresh tensors, exactly the kept tokens
         if self._score is not None:
             self._score = take(self._score)
 
@@ -278,7 +311,7 @@ class PolicyKVCache(KVCache):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, indices))
-        self._undo = self._queries = None
+        self._undo = self._queries = self._room = None
 
     def reset(self) -> None:
         self._clear()

@@ -89,6 +89,12 @@ class SinksAndWindow(CachePolicy):
         mask = sliding_window(self.window)
         return mask | key_padding(self.sinks) if self.sinks else mask
 
+    def hides_nothing(self, queries: Tensor, key_positions: Tensor) -> bool:
+        # the last query's window starts furthest on: if it sees every earlier key, all do
+        last = int(queries[-1])
+        earlier = key_positions[key_positions < last]
+        return bool(((earlier < self.sinks) | (earlier >= last - self.window)).all())
+
     def keep(self, candidates: Candidates) -> Tensor:
         pos = candidates.positions
         # the next query, at position length, sees sinks and length - window .. length
