@@ -19,8 +19,9 @@ and :meth:`~multihead.caches.CacheRead.mask` gives each query head its KV head's
 An update writes only past the held tokens (into the room of its storage, which doubles when
 full, as :class:`~multihead.caches.DynamicKVCache` grows), and eviction gathers into new tensors,
 so a read stays valid after later updates, :meth:`rollback` restores references and the held
-count, and under autograd (where updates concatenate) backpropagation through cached steps works. A policy that ranks keys by attention gets the update's queries from
-:meth:`observe` (a layer calls it) and computes the weights a block of query rows at a time
+count, and under autograd (where updates concatenate) backpropagation through cached steps
+works. A policy that ranks keys by attention gets the update's queries from :meth:`observe` (a
+layer calls it) and computes the weights a block of query rows at a time
 (:func:`~multihead.caches.policies.mass.attention_mass`).
 """
 
@@ -181,7 +182,7 @@ class PolicyKVCache(KVCache):
         if self._room is None or self._room[0].shape[2] < n + count:
             capacity = max(16, 2 * (n + count))
             room = []
-            for old, x in zip(held, new):
+            for old in held:
                 assert old is not None  # the cache holds tokens (checked above)
                 buffer = old.new_empty(*old.shape[:2], capacity, *old.shape[3:])
                 buffer[:, :, :n] = old
