@@ -233,14 +233,14 @@ BAD = [  # (name, layer options, call(layer, cache), error, message); the cache 
         {},
         lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([5.0])),
         TypeError,
-        r"positions must have an integer dtype \(torch.int64\), got torch.float32",
+        r"positions must be None or an integer tensor \(Lq,\) = \(1,\) .*\(torch.int64\), got dtype torch.float32",
     ),
     (
         "positions bool",
         {},
         lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([True])),
         TypeError,
-        r"positions must have an integer dtype \(torch.int64\), got torch.bool",
+        r"positions must be None or an integer tensor .*\(torch.int64\), got dtype torch.bool",
     ),
     (
         "positions list",

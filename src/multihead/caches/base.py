@@ -56,7 +56,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from multihead.inputs import check_tensor
+from multihead.inputs import check_positions, check_tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
 from multihead.masks.base import UNBOUNDED, And, Not, Or
@@ -448,22 +448,14 @@ def check_continuation(cache: str, positions: object, expected: Tensor, batch: i
     empty slot and one that goes back would overwrite a kept token (and rotary keys would sit at
     one position, stored at another). The value comparison reads the tensors: eager only."""
     new = expected.shape[-1]
-    shapes = f"({new},) or ({batch}, {new})"
-    if (
-        not isinstance(positions, Tensor)
-        or positions.is_floating_point()
-        or positions.is_complex()
-        or positions.dtype == torch.bool
-    ):
-        got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
-        raise TypeError(
-            f"{cache}.update: positions must be an integer tensor {shapes} (torch.int64), got {got}; "
-            f"hint: leave positions=None and the cache continues each row itself"
-        )
-    if tuple(positions.shape) not in ((new,), (batch, new)):
-        raise ValueError(
-            f"{cache}.update: positions must have shape {shapes} (one per new token), got {tuple(positions.shape)}"
-        )
+    positions = check_positions(
+        f"{cache}.update",
+        positions,
+        ((new,), (batch, new)),
+        None,  # (compared on the cache's device below)
+        expected=f"({new},) or ({batch}, {new}) (one per new token)",
+        hint="leave positions=None and the cache continues each row itself",
+    )
     if torch.compiler.is_compiling():
         return
     want = expected.expand(batch, new)
