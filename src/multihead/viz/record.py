@@ -20,8 +20,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from multihead.capture import capture_attention
-from multihead.hooks import HookPoints, add_hook
+from multihead.capture import capture_attention, layers_of
+from multihead.hooks import add_hook
 from multihead.viz.viewer import ViewerSource
 
 __all__ = ["record_vectors", "QueryKeyCapture", "record_attention", "record_generation"]
@@ -40,11 +40,11 @@ class QueryKeyCapture:
 
 @contextmanager
 def record_vectors(model: nn.Module):
-    """Record the query and key vectors of every `multihead` attention layer in ``model`` called
-    inside the ``with`` block, through their ``q`` and ``k`` hook points (layers with
-    ``context_parallel``, which have none, are skipped)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"record_vectors: model must be an nn.Module, got {type(model).__name__}")
+    """Record the query and key vectors of every attention layer in ``model`` with hook points
+    (:func:`multihead.hooks.hook_points`: `multihead` layers, a Hugging Face model's attention
+    modules on the backend) called inside the ``with`` block, through their ``q`` and ``k`` hook
+    points (layers with ``context_parallel``, which have none, are skipped)."""
+    layers = layers_of(model, "record_vectors")
     capture = QueryKeyCapture()
 
     def on_q(q: Tensor, name: str) -> None:
@@ -56,8 +56,8 @@ def record_vectors(model: nn.Module):
 
     handles = []
     try:
-        for name, module in model.named_modules():
-            if isinstance(module, HookPoints) and getattr(module, "context_parallel", None) is None:
+        for name, module in layers.items():
+            if getattr(module, "context_parallel", None) is None:
                 label = name or type(module).__name__
                 handles += [add_hook(module, "q", on_q, name=label), add_hook(module, "k", on_k, name=label)]
         yield capture
