@@ -32,6 +32,7 @@ from multihead.call import AttentionResult
 from multihead.capture import AttentionCapture, capture_attention
 from multihead.cascade import cascade_attention
 from multihead.explain import Explanation, explain
+from multihead.hooks import hook_points, hooked  # docs/hooks.md: also on Hugging Face models
 from multihead.layers import (
     GroupedQueryAttention,
     MultiHeadAttention,
@@ -65,6 +66,8 @@ __all__ = [
     "plan",
     "capture_attention",
     "AttentionCapture",
+    "hook_points",
+    "hooked",
     "explain",
     "Explanation",
     "reference_attention",
