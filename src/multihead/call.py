@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeAlias
 import torch
 from torch import Tensor
 
+from multihead.blocks import Extent
 from multihead.masks import Mask, TensorMask, additive_blocked, as_mask
 from multihead.scores import Bias, ScoreMod, as_score_mod
 from multihead.scores.base import Chain
@@ -83,12 +84,20 @@ class AttentionCall:
         # lock, on Python 3.11, is a context manager torch.compile cannot trace.)
         B, Hq, Lq, D = self.q.shape
         object.__setattr__(self, "_shape", (B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]))
+        object.__setattr__(self, "_extent", Extent(B, Hq, Lq, self.k.shape[2]))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
         """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
         shape: tuple[int, int, int, int, int, int, int] = self.__dict__["_shape"]  # set by __post_init__
         return shape
+
+    @property
+    def extent(self) -> Extent:
+        """``Extent(B, Hq, Lq, Lk)``: the whole attention, as the mask and score-modifier block
+        protocol takes it (:mod:`multihead.blocks`)."""
+        extent: Extent = self.__dict__["_extent"]  # set by __post_init__
+        return extent
 
     @property
     def requires_grad(self) -> bool:

@@ -20,7 +20,20 @@ SRC = ROOT / "src"
 #: and fails when the two differ.
 FLOORS = {
     **dict.fromkeys(
-        ["conventions", "masks", "scores", "sinks", "scoring", "call", "reference", "blockwise", "merge", "cascade"], 1
+        [
+            "conventions",
+            "blocks",
+            "masks",
+            "scores",
+            "sinks",
+            "scoring",
+            "call",
+            "reference",
+            "blockwise",
+            "merge",
+            "cascade",
+        ],
+        1,
     ),
     **dict.fromkeys(["nonfinite", "inputs", "validation", "attention", "explain", "plans", "memo", "backends"], 1),
     **dict.fromkeys(["caches", "positions"], 2),

@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import multihead as mh
 from helpers import covering_cases, make_inputs
+from multihead.blocks import Extent
 
 CASES = [c for c in covering_cases(n_random=0) if c.Lq * c.Lk <= 128 * 128]
 
@@ -82,7 +83,7 @@ def test_reference_equals_sdpa_math_fp64(case):
         if m is None
         else m.materialize(case.B, case.Hq, case.Lq, case.Lk)
     )
-    empty = None if m is None else m.empty_rows(case.B, case.Hq, case.Lq, case.Lk)
+    empty = None if m is None else m.empty_rows(Extent(case.B, case.Hq, case.Lq, case.Lk))
     with sdpa_kernel(SDPBackend.MATH):
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=case.Hq != case.Hkv)
     got = mh.reference_attention(q, k, v, mask=mask).output

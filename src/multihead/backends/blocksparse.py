@@ -62,6 +62,7 @@ from multihead.backends.block_plan import (
 from multihead.backends.document_runs import Segment, document_segments
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.relative_pieces import Bounds, relative_backward, relative_forward, relative_piece, run_bias
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
 from multihead.masks import Mask
@@ -217,7 +218,7 @@ class BlockSparseBackend(Backend):
             return cached
         # Packed documents: one call per document, not a few per block (backends/document_runs.py).
         docs = document_segments(call.mask, Lq, Lk, -(-Lq // self.block_size)) if mods is None else None
-        blocks = _document_blocks(docs) if docs is not None else block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
+        blocks = _document_blocks(docs) if docs is not None else block_plan(call.mask, call.extent, self.block_size)
         run = band_run(call.mask, Lq, Lk, self.block_size) if batched and docs is None else None
         if run is not None:
             inside = [b for b in blocks if run.q0 <= b.q0 and b.q1 <= run.q1]
@@ -264,20 +265,9 @@ def _piece_mask(
         return None, None, None, None
     # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
     piece_mask = None if piece.kind == FULL else mask
+    extent, block = Extent(q.shape[0], q.shape[1], q_len, kv_len), Block(blk.q0, blk.q1, piece.k0, piece.k1)
     bias, visible, shift = additive_block(
-        piece_mask,
-        mods,
-        q.shape[0],
-        q.shape[1],
-        blk.q0,
-        blk.q1,
-        piece.k0,
-        piece.k1,
-        q_len,
-        kv_len,
-        q.device,
-        q.dtype,
-        mask_dtype=softmax_dtype(q.dtype),
+        piece_mask, mods, extent, block, q.device, q.dtype, mask_dtype=softmax_dtype(q.dtype)
     )
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from multihead.backends import flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner, named
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import fold_query_heads, group_query_heads, softmax_dtype, unfold_query_heads
 from multihead.masks import BlockState, Mask
@@ -376,6 +377,7 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
     if mask is None:
         return 0, Lk, None, "mask: none"
     what = "{mask}"  # filled in by plan() only: describing a mask may read its tensors (a host sync)
+    extent = Extent(B, Hq, Lq, Lk)
     offset = mask.causal_offset(Lq, Lk)  # the common decode step, answered first: O(1), no tensor
     if offset is not None and offset >= Lk - 1:
         return 0, Lk, None, f"mask {what}: a causal diagonal at or past the last key for every row: no mask"
@@ -383,26 +385,27 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
         return (
             0,
             Lk,
-            mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device),
+            mask.materialize_block(extent, extent.whole(), device),
             f"mask {what}: evaluated on every key (under torch.compile)",
         )
-    lo, hi = mask.key_range(0, Lq, Lq, Lk)
+    lo, hi = mask.key_range(extent, extent.whole())
+    keys = Block(0, Lq, lo, hi)
     if hi <= lo:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
     if mask.kinds() <= _STRUCTURAL:
-        state = mask.block_state(0, Lq, lo, hi, Lq, Lk, B, Hq)
+        state = mask.block_state(extent, keys)
         if state is BlockState.EMPTY:
             return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
         if state is BlockState.FULL:
             return lo, hi, None, f"mask {what}: every key in its range [{lo}, {hi}) visible: no mask"
-        visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+        visible = mask.materialize_block(extent, keys, device)
         return (
             lo,
             hi,
             visible,
             (f"mask {what}: keys [{lo}, {hi}) from its structure; a row mask of shape {tuple(visible.shape)} on them"),
         )
-    visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+    visible = mask.materialize_block(extent, keys, device)
     seen = visible.any(dim=2).any(dim=1).any(dim=0).nonzero()  # columns some row may see
     if seen.numel() == 0:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"

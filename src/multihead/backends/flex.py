@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from multihead.backends.base import Backend, Capabilities
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
@@ -162,13 +163,15 @@ class FlexBackend(Backend):
         a repeated call costs a dictionary lookup (the rows are a host question, asked once)."""
         if torch.compiler.is_compiling():
             # Traced: the rows as a tensor always (no data-dependent branch), nothing kept.
-            return self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask._empty_rows(B, Hq, Lq, Lk, device=device)
+            return self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask._empty_rows(
+                Extent(B, Hq, Lq, Lk), device=device
+            )
         key = (mask, B, Hq, Lq, Lk, str(device))  # by value; the key holds the mask's tensors alive
         hit = self._block_masks.get(key)
         if hit is not None:
             self._block_masks.move_to_end(key)
             return hit
-        made = self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask.empty_rows(B, Hq, Lq, Lk, device=device)
+        made = self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask.empty_rows(Extent(B, Hq, Lq, Lk), device=device)
         self._block_masks[key] = made
         while len(self._block_masks) > 16:
             self._block_masks.popitem(last=False)
@@ -180,7 +183,7 @@ class FlexBackend(Backend):
         # device already (a copy inside a compiled flex kernel fails to lower).
         mask = mask.to(device)
         # Dimensions the mask does not depend on are passed as None (one BlockMask row for all).
-        probe = mask.materialize_block(B, Hq, 0, 1, Lq, Lk, device, 0, 1)
+        probe = mask.materialize_block(Extent(B, Hq, Lq, Lk), Block(0, 1, 0, 1), device)
         b = B if probe.shape[0] > 1 else None
         h = Hq if probe.shape[1] > 1 else None
         return create_block_mask(mask.as_mask_mod(Lq, Lk), b, h, Lq, Lk, device=str(device))

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from multihead.backends import flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner
+from multihead.blocks import Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import (
     default_scale,
@@ -316,13 +317,12 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads, mask_
     # they always run, so that no data-dependent branch breaks the graph.
     compiling = _compiling()
     shift = None
+    extent = Extent(B, Hq, Lq, Lk)
     if mods is None:
         dense = visible = mask.materialize(B, Hq, Lq, Lk, device=device)
-        empty = mask._empty_rows(B, Hq, Lq, Lk, device=device)
+        empty = mask._empty_rows(extent, device=device)
     else:
-        dense, visible, shift = additive_block(
-            mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, device, dtype, mask_dtype=mask_dtype
-        )
+        dense, visible, shift = additive_block(mask, mods, extent, extent.whole(), device, dtype, mask_dtype=mask_dtype)
         empty = ~visible.any(-1)
     empty_rows = None
     if compiling or bool(empty.any()):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.block_plan import DEFAULT_BLOCK_SIZE, band_run
 from multihead.backends.torch_blocks import attention_by_blocks
+from multihead.blocks import Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.masks import Mask
 from multihead.scores import ADDITIVE, ELEMENTWISE
@@ -117,9 +118,10 @@ def _visited_share(mask: Mask | None, q_len: int, kv_len: int, block_size: int) 
     if mask is None or q_len * kv_len == 0:
         return 1.0
     visited = 0
+    extent = Extent(1, 1, q_len, kv_len)
     for q0 in range(0, q_len, block_size):
         q1 = min(q0 + block_size, q_len)
-        k0, k1 = mask.key_range(q0, q1, q_len, kv_len)
+        k0, k1 = mask.key_range(extent, extent.rows(q0, q1))
         visited += (q1 - q0) * max(0, k1 - k0)
     return visited / (q_len * kv_len)
 

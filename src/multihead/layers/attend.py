@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from multihead.backends.registry import check_backend_name
+from multihead.blocks import Extent
 from multihead.caches import CacheRead, KVCache
 from multihead.caches.base import check_mask_parts
 from multihead.call import Selection, mask_and_score_mod
@@ -77,7 +78,7 @@ class CallMasks:
         """The call's mask (and score modifier) over ``Lk`` keys, ``& causal()``."""
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
         if mask is not None:
-            mask.check(B, self.heads, Lq, Lk)
+            mask.check(Extent(B, self.heads, Lq, Lk))
         if score_mod is not None:
             score_mod.check(B, self.heads, Lq, Lk)
         causal = self._causal
