@@ -157,7 +157,7 @@ def _whole_mask(mask: object, q: Tensor, B: int, Hq: int, Lq: int, Lk: int) -> t
         if whole is not None:
             whole.check(Extent(B, Hq, Lq, Lk))
         if additive is not None:
-            additive.check(B, Hq, Lq, Lk)
+            additive.check(Extent(B, Hq, Lq, Lk))
     except (TypeError, ValueError) as exc:
         raise type(exc)(
             f"cascade_attention: {exc}; the mask is the whole attention's, Lq={Lq} queries x "

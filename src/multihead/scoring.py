@@ -58,6 +58,7 @@ def score_block(
     """
     B, Hq, q_len, D = q.shape
     Hkv, kv_len = k.shape[1], k.shape[2]
+    extent = Extent(B, Hq, q_len, kv_len)
     q0, q1, k0, k1 = block
     if (k0, k1) != (0, kv_len):
         k = k[:, :, k0:k1]
@@ -66,7 +67,7 @@ def score_block(
     rows = q1 - q0
     visible = None
     if mask is not None:
-        visible = mask.materialize_block(Extent(B, Hq, q_len, kv_len), block, q.device)
+        visible = mask.materialize_block(extent, block, q.device)
         if torch.is_grad_enabled() and q.requires_grad:
             # A key no query of the block sees may hold anything, even NaN; its score is blocked,
             # but dQ = dS · K would still compute 0 · NaN. Such keys are zeroed for the product.
@@ -82,7 +83,7 @@ def score_block(
         kb = k[:, kv_head_of(heads, Hq, Hkv)].to(dtype)  # (B, h, Lk, D): only the KV heads the selection reads
         scores = torch.matmul(qb, kb.transpose(-2, -1)) * scale  # (B, h, rows, Lk)
     if score_mod is not None:
-        scores = score_mod.apply_block(scores, q0, q1, k0, k1, heads)
+        scores = score_mod.apply_block(extent, block, scores, heads)
     if score_mod is not None:  # a modifier may block too (a -inf bias entry)
         finite = ~torch.isneginf(scores)
         visible = finite if visible is None else visible & finite
@@ -128,9 +129,7 @@ def additive_block(
     if score_mod is not None:
         if score_mod.kind != ADDITIVE:
             raise TypeError(f"{score_mod._describe()} is not additive; a fused kernel cannot apply it")
-        bias = score_mod.bias_block(
-            extent.batch, extent.heads, block.q0, block.q1, block.k0, block.k1, device, softmax_dtype(dtype)
-        )
+        bias = score_mod.bias_block(extent, block, device, softmax_dtype(dtype))
     visible = None if mask is None else mask.materialize_block(extent, block, device)
     if bias is not None:
         finite = ~torch.isneginf(bias)

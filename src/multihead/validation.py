@@ -128,7 +128,7 @@ def validate_call(
             raise
         raise ValueError(f"{exc}{hint}") from None
     if score_mod is not None:
-        score_mod.check(B, Hq, Lq, Lk)
+        score_mod.check(Extent(B, Hq, Lq, Lk))
         for t in score_mod.tensors():
             if t.device != q.device:
                 raise ValueError(

@@ -106,3 +106,30 @@ def test_a_subclass_in_the_new_protocol_is_read_by_every_backend_question():
     k, v = torch.randn(1, 2, 9, 8, dtype=torch.float64), torch.randn(1, 2, 9, 8, dtype=torch.float64)
     want = mh.reference_attention(q, k, v, mask=mh.custom(lambda b, h, qi, ki: ki % 2 == 0)).output
     torch.testing.assert_close(mh.attention(q, k, v, mask=m), want)
+
+
+def test_a_score_modifier_with_the_old_positional_signature_is_refused_where_it_is_defined():
+    with pytest.raises(TypeError, match=r"OldBias\.bias_block\(batch, heads, q0.*takes \(extent, block, \.\.\.\)"):
+
+        class OldBias(mh.scores.ScoreMod):  # noqa: F841 (defining it is the test)
+            kind = "additive"
+
+            def __call__(self, score, b, h, q_idx, kv_idx):
+                return score
+
+            def _describe(self):
+                return "old"
+
+            def bias_block(self, batch, heads, q0, q1, k0, k1, device=None, dtype=torch.float32):
+                return torch.zeros(1, 1, q1 - q0, k1 - k0)
+
+
+def test_a_score_modifier_answers_through_the_protocol():
+    alibi = mh.positions.ALiBi(2).for_lengths(3, 5)
+    extent, block = Extent(1, 2, 3, 5), Block(1, 3, 2, 5)
+    whole = alibi.bias_block(extent, extent.whole())  # (1, H, Lq, Lk)
+    torch.testing.assert_close(alibi.bias_block(extent, block), whole[:, :, 1:3, 2:5])
+    scores = torch.zeros(1, 2, 2, 3)
+    torch.testing.assert_close(alibi.apply_block(extent, block, scores), whole[:, :, 1:3, 2:5])
+    with pytest.raises(ValueError, match="num_heads=2 but the attention has Hq=3"):
+        alibi.check(Extent(1, 3, 3, 5))

@@ -131,7 +131,7 @@ def test_masks_are_boolean_and_a_float_mask_splits_into_pattern_and_bias():
     mask, mod = mask_and_score_mod(bias, None)
     assert torch.equal(mask.materialize(1, 1, 4, 4)[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
     assert isinstance(mod, mh.scores.Bias) and mod.kind == "additive"
-    torch.testing.assert_close(mod.bias_block(1, 1, 0, 4, 0, 4)[0, 0], bias)
+    torch.testing.assert_close(mod.bias_block(Extent(1, 1, 4, 4), Block(0, 4, 0, 4))[0, 0], bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

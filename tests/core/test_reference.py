@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import multihead as mh
 from helpers import covering_cases, make_inputs
-from multihead.blocks import Extent
+from multihead.blocks import Block, Extent
 
 CASES = [c for c in covering_cases(n_random=0) if c.Lq * c.Lk <= 128 * 128]
 
@@ -23,7 +23,7 @@ def brute_force(q, k, v, mask, scale=None):
 
     mask, bias = mask_and_score_mod(mask, None, check_binary=False)  # a float mask: its -inf pattern + a bias
     dense = None if mask is None else mask.materialize(B, Hq, Lq, Lk)
-    added = None if bias is None else bias.bias_block(B, Hq, 0, Lq, 0, Lk, dtype=torch.float64)
+    added = None if bias is None else bias.bias_block(Extent(B, Hq, Lq, Lk), Block(0, Lq, 0, Lk), dtype=torch.float64)
     out = torch.zeros(B, Hq, Lq, Dv, dtype=torch.float64)
     lse = torch.full((B, Hq, Lq), -math.inf, dtype=torch.float64)
     for b in range(B):

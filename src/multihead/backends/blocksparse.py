@@ -373,6 +373,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             # The LSE's gradient through one extra column (flash_pieces), dropped at the end.
             q, k, v, out, grad_out = padded(q, k, v, out, grad_out, lse, grad_lse)
         Lq, Lk = q.shape[2], k.shape[2]
+        extent = Extent(q.shape[0], q.shape[1], Lq, Lk)
         acc_dtype = lse_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
@@ -428,9 +429,8 @@ class _BlockSparseAttention(torch.autograd.Function):
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
                 if any(wants_mod_grad):
-                    accumulate_mod_grads(
-                        mods, mod_tensors, d_mods, piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole), blk, p
-                    )
+                    ds = piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole)
+                    accumulate_mod_grads(mods, mod_tensors, d_mods, ds, extent, Block(blk.q0, blk.q1, p.k0, p.k1))
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_mods)

@@ -80,7 +80,7 @@ class CallMasks:
         if mask is not None:
             mask.check(Extent(B, self.heads, Lq, Lk))
         if score_mod is not None:
-            score_mod.check(B, self.heads, Lq, Lk)
+            score_mod.check(Extent(B, self.heads, Lq, Lk))
         causal = self._causal
         if causal is None:
             return mask, score_mod
@@ -105,7 +105,7 @@ class CallMasks:
         if mask is not None:
             check_mask_parts(self.layer, mask, B, self.heads, Lq, S)  # tensors over the slots
         if score_mod is not None:
-            score_mod.check(B, self.heads, Lq, S)
+            score_mod.check(Extent(B, self.heads, Lq, S))
             if not read.contiguous and any(
                 m.relative or isinstance(m, UserScoreMod) for m in getattr(score_mod, "mods", [score_mod])
             ):

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from multihead.blocks import Extent
 from multihead.scores.base import ELEMENTWISE, ScoreMod
 
 __all__ = ["UserScoreMod"]
@@ -63,7 +64,7 @@ class UserScoreMod(ScoreMod):
         # A function that reads a float64 table returns float64 scores: the block keeps its dtype.
         return out.to(score.dtype)
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    def check(self, extent: Extent) -> None:
         """Run the function once on a 2 x 3 block of zeros (on the device of the tensors it reads),
         so a function that returns the wrong thing fails here, before any work or state change."""
         if torch.compiler.is_compiling():
