@@ -23,6 +23,7 @@ FLOORS = {
         [
             "conventions",
             "blocks",
+            "values",
             "masks",
             "scores",
             "sinks",

@@ -35,12 +35,13 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from multihead.blocks import Block, Extent, check_protocol
+from multihead.values import Value, tensor_identity
 
 __all__ = ["Mask", "BlockState", "And", "Or", "Not", "Positioned", "UNBOUNDED", "register_coercion", "tensor_identity"]
 
@@ -49,8 +50,6 @@ __all__ = ["Mask", "BlockState", "And", "Or", "Not", "Positioned", "UNBOUNDED", 
 _CHUNK_ELEMENTS = 1 << 22
 _PICTURE_SIZE = 8
 _PICTURE_ROWS, _PICTURE_COLUMNS = 32, 64  # the most to_string draws
-# Tensors up to this many elements on the CPU take part in a mask's value by content.
-_CONTENT_ELEMENTS = 4096
 #: "No limit" for an unbounded side of a key range, before clamping to ``[0, Lk)``.
 UNBOUNDED = 1 << 62
 #: The block protocol's methods and the parameters each takes first (:mod:`multihead.blocks`).
@@ -67,7 +66,6 @@ _PROTOCOL = {
 # How objects that are not masks (a bool tensor) become one on either side of ``& |``. Filled by
 # the modules that define such masks (masks/tensor.py), so this module imports none of them.
 _COERCIONS: list[tuple[type, Callable[..., Mask]]] = []
-_T = TypeVar("_T")
 
 
 def register_coercion(kind: type, to_mask: Callable[..., Mask]) -> None:
@@ -83,12 +81,13 @@ class BlockState(enum.Enum):
     FULL = "full"  # everything visible: no mask needed
 
 
-class Mask(abc.ABC):
+class Mask(Value, abc.ABC):
     """Base class of all masks, predicates over the ``(B, H, Lq, Lk)`` positions of an attention.
 
     Subclasses implement :meth:`_mod` and :meth:`_describe` and set
-    ``kind`` (the name backends declare support for). Fields set with :meth:`_set` are the mask's
-    value; names starting with ``_`` are derived caches, not part of the value.
+    ``kind`` (the name backends declare support for). A mask is a :class:`~multihead.values.Value`:
+    fields set once in ``__init__`` (with :meth:`_set`) are the mask's value, compared and hashed
+    by value; names starting with ``_`` are derived caches (:meth:`_cached`), not part of it.
 
     The structural answers a subclass may override to be fast (the defaults evaluate :meth:`_mod`
     on the block), all in the block protocol's one order, ``(extent, block, options)`` with an
@@ -111,61 +110,6 @@ class Mask(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         check_protocol(cls, _PROTOCOL)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable; build a new mask instead")
-
-    def _set(self, **fields: Any) -> None:
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
-
-    # ----------------------------------------------------------------------------- value
-    def _value(self) -> tuple[object, ...]:
-        value: tuple[object, ...] | None = self.__dict__.get("_value_cache")  # immutable: computed once per object
-        if value is None:
-            fields = vars(self)
-            value = (type(self), *((k, _field_value(fields[k])) for k in sorted(fields) if k[0] != "_"))
-            object.__setattr__(self, "_value_cache", value)
-        return value
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, Mask) and hash(self) == hash(other) and self._value() == other._value()
-        )
-
-    def __hash__(self) -> int:
-        # Read on every plan lookup (multihead.plans): the cached value without a closure or a call.
-        cached: int | None = self.__dict__.get("_hash_cache")
-        return self._cached("_hash_cache", lambda: hash(self._value())) if cached is None else cached
-
-    def to(self, device: torch.device | str) -> Mask:
-        """This mask with every tensor it holds on ``device`` (``self`` when all are there). Masks
-        accept tensors on any device and move them where a block is read; a compiled kernel that
-        evaluates :meth:`as_mask_mod` inside itself (FlexAttention) needs them on its device first."""
-        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        moved = {k: _moved(v, device) for k, v in fields.items()}
-        if all(moved[k] is fields[k] for k in fields):
-            return self
-        new = object.__new__(type(self))
-        new._set(**moved)
-        return new
-
-    def by_value(self) -> bool:
-        """Whether the value says everything the mask means: every tensor inside is a small host
-        copy the mask owns, compared by content (:func:`tensor_identity`). A tensor taken by
-        identity could change in place after the value was computed (it is computed once), so
-        plan caches (:mod:`multihead.plans`) keep masks only when this is ``True``."""
-        return self._cached(
-            "_by_value_cache", lambda: all(_by_content(v) for name, v in vars(self).items() if not name.startswith("_"))
-        )
-
-    def _cached(self, name: str, compute: Callable[[], _T]) -> _T:
-        """A derived value computed on first use (host synchronisation happens here, when a
-        structural question needs it, never when the mask is built)."""
-        cache = self.__dict__
-        if name not in cache:
-            object.__setattr__(self, name, compute())
-        return cast(_T, cache[name])
 
     # ----------------------------------------------------------------------------- meaning
     @abc.abstractmethod
@@ -628,72 +572,6 @@ class Positioned(Mask):
 
 
 # --------------------------------------------------------------------------------- helpers
-_PLAIN = frozenset({int, float, str, bool})
-
-
-def _field_value(v: object) -> object:
-    """A field as plain data: nested masks by their values (compared without calling back into
-    ``__eq__``), tensors by :func:`tensor_identity`."""
-    if v is None or v.__class__ in _PLAIN:  # most fields (a mask rebuilt per call is hashed per call)
-        return v
-    if isinstance(v, Tensor):
-        return tensor_identity(v)
-    if isinstance(v, Mask):
-        return v._value()
-    if isinstance(v, tuple):
-        return tuple(_field_value(x) for x in v)
-    return v
-
-
-def _moved(v: object, device: torch.device | str) -> object:
-    """A field with its tensors on ``device`` (the same object where nothing moves)."""
-    if isinstance(v, Tensor):
-        want = torch.device(device)
-        same = v.device.type == want.type and (want.index is None or v.device.index == want.index)
-        return v if same else v.to(want)
-    if isinstance(v, Mask):
-        return v.to(device)
-    if isinstance(v, tuple):
-        items = tuple(_moved(x, device) for x in v)
-        return v if all(a is b for a, b in zip(items, v)) else items
-    return v
-
-
-def _by_content(v: object) -> bool:
-    """A field whose value is plain data (tensors by content, nested masks by value)."""
-    if isinstance(v, Tensor):
-        return _content_tensor(v)
-    if isinstance(v, Mask):
-        return v.by_value()
-    if isinstance(v, tuple):
-        return all(_by_content(x) for x in v)
-    return True
-
-
-def _content_tensor(t: Tensor) -> bool:
-    return t.device.type == "cpu" and t.numel() <= _CONTENT_ELEMENTS and not t.requires_grad
-
-
-def tensor_identity(t: Tensor) -> tuple[object, ...]:
-    """How a tensor inside a mask or modifier takes part in its value. Small CPU tensors (lengths,
-    ids, positions) by content, so that ``key_padding(torch.tensor([3, 5]))`` built twice is one
-    mask; others by identity (the same memory viewed the same way, and the same in-place version:
-    no host synchronisation, and a tensor changed in place is another value). Masks copy the small
-    tensors they are built from, so changing the caller's tensor afterwards changes no mask."""
-    if _content_tensor(t):
-        return ("values", t.dtype, tuple(t.shape), tuple(t.flatten().tolist()))
-    return (
-        "tensor",
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-        t.device,
-        t._version,
-    )
-
-
 def _read(pos: int | Tensor, b: Tensor, idx: Tensor) -> Tensor:
     """Positions of call indices ``idx``: an offset added, or a tensor gathered (per batch row)."""
     if isinstance(pos, int):

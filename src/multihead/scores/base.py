@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from multihead.blocks import Block, Extent, check_protocol
-from multihead.masks.base import tensor_identity
+from multihead.values import Value
 
 __all__ = ["ScoreMod", "Chain", "ADDITIVE", "ELEMENTWISE"]
 
@@ -41,9 +41,13 @@ ADDITIVE, ELEMENTWISE = "additive", "elementwise"
 _PROTOCOL = {"check": ("extent",), "bias_block": ("extent", "block"), "apply_block": ("extent", "block")}
 
 
-class ScoreMod(abc.ABC):
+class ScoreMod(Value, abc.ABC):
     """Base class of score modifiers. Subclasses set ``kind`` and implement :meth:`__call__`
     (FlexAttention's signature) and :meth:`_describe`; additive ones also :meth:`bias_block`.
+
+    A modifier is a :class:`~multihead.values.Value`, as a mask is: its fields are set once, in
+    ``__init__`` (``self.x = ...`` or :meth:`_set`), compared and hashed by value (tensors by
+    :func:`~multihead.values.tensor_identity`); :meth:`_replace` gives a copy with some changed.
 
     The block methods a subclass may override take the block protocol's values in its one order
     (:mod:`multihead.blocks`)::
@@ -128,17 +132,6 @@ class ScoreMod(abc.ABC):
         broadcastable to ``(B, H, rows, cols)`` (size 1 where it does not vary)."""
         raise TypeError(f"{self._describe()} is not additive: it has no bias to add")
 
-    # Values and hashing: modifiers are immutable, compared by value (tensors by identity).
-    def _value(self) -> tuple[object, ...]:
-        fields = sorted(vars(self).items())
-        return (type(self), *((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ScoreMod) and self._value() == other._value()
-
-    def __hash__(self) -> int:
-        return hash(self._value())
-
 
 class Chain(ScoreMod):
     """Modifiers applied one after the other (``[bias(t), softcap(30)]`` adds, then caps)."""
@@ -149,8 +142,7 @@ class Chain(ScoreMod):
         flat: list[ScoreMod] = []
         for m in mods:
             flat.extend(m.mods if isinstance(m, Chain) else [m])
-        self.mods = tuple(flat)
-        self.kind = ADDITIVE if all(m.kind == ADDITIVE for m in flat) else ELEMENTWISE
+        self._set(mods=tuple(flat), kind=ADDITIVE if all(m.kind == ADDITIVE for m in flat) else ELEMENTWISE)
 
     # A -inf produced by one modifier (a bias entry that blocks) stays -inf through the next ones:
     # softcap(-inf) would be -cap, a visible score again.

@@ -32,9 +32,11 @@ class Bias(ScoreMod):
     """A dense bias ``(B|1, H|1, Lq|1, Lk|1)`` added to the scores; built by :func:`bias`."""
 
     kind = ADDITIVE
+    tensor: Tensor  # (B|1, H|1, Lq|1, Lk|1)
+    name: str
 
     def __init__(self, tensor: Tensor, name: str = "bias"):
-        self.tensor, self.name = tensor, name  # (B|1, H|1, Lq|1, Lk|1)
+        self._set(tensor=tensor, name=name)  # (B|1, H|1, Lq|1, Lk|1)
 
     def check(self, extent: Extent) -> None:
         expected = tuple(extent)

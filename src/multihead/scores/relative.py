@@ -23,7 +23,6 @@ trains its parameters through the same view (:mod:`multihead.backends.blockspars
 from __future__ import annotations
 
 import abc
-import copy
 
 import torch
 from torch import Tensor
@@ -40,6 +39,9 @@ class RelativeBias(ScoreMod):
     """Base class of relative biases. Subclasses implement :meth:`bias` (and ``_describe``)."""
 
     kind = ADDITIVE
+    num_heads: int | None
+    align: str
+    offset: int | None  # Lk - Lq bottom-right, bound by for_lengths; 0 top-left
 
     def __init__(self, num_heads: int | None, align: str = "bottom_right"):
         name = type(self).__name__
@@ -49,9 +51,7 @@ class RelativeBias(ScoreMod):
             )
         if align not in ALIGNMENTS:
             raise ValueError(f"{name}: align must be one of {ALIGNMENTS}, got {align!r}")
-        self.num_heads = num_heads
-        self.align = align
-        self.offset: int | None = 0 if align == "top_left" else None  # Lk - Lq bottom-right, bound by for_lengths
+        self._set(num_heads=num_heads, align=align, offset=0 if align == "top_left" else None)
 
     @abc.abstractmethod
     def bias(self, h: Tensor, distance: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -64,9 +64,7 @@ class RelativeBias(ScoreMod):
         offset = kv_len - q_len if self.align == "bottom_right" else 0
         if offset == self.offset:
             return self
-        bound = copy.copy(self)
-        bound.offset = offset
-        return bound
+        return self._replace(offset=offset)
 
     def _offset(self) -> int:
         if self.offset is None:

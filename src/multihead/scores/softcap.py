@@ -33,9 +33,10 @@ class Softcap(ScoreMod):
     """``cap · tanh(s / cap)`` on the scaled scores; built by :func:`softcap`."""
 
     kind = ELEMENTWISE
+    cap: float
 
     def __init__(self, cap: float):
-        self.cap = cap
+        self._set(cap=cap)
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.cap * torch.tanh(score / self.cap)

@@ -35,13 +35,14 @@ class UserScoreMod(ScoreMod):
     """A callable ``fn(score, b, h, q_idx, kv_idx) -> score`` as a modifier (compared by identity)."""
 
     kind = ELEMENTWISE
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
     def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]):
         if not callable(fn):
             raise TypeError(
                 f"score_mod: expected a function fn(score, b, h, q_idx, kv_idx) -> score, got {type(fn).__name__}"
             )
-        self.fn = fn
+        self._set(fn=fn)
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = self.fn(score, b, h, q_idx, kv_idx)
