@@ -307,7 +307,7 @@ class _Plan:
         # K/V expanded from one head (k1.expand(B, Hkv, ...)): every KV head is the same memory,
         # so it is MQA: one head read once, all Hq query heads folded into its rows.
         self.kv_heads = 1 if Hkv > 1 and call.k.stride(1) == 0 and call.v.stride(1) == 0 else Hkv
-        self.lo, self.hi, visible, self.note = _visible_keys(call.mask, B, Hq, Lq, Lk, call.q.device)
+        self.lo, self.hi, visible, self.note = _visible_keys(call.mask, call.extent, call.q.device)
         self.read = (self.lo, self.hi)
         if self.hi <= self.lo:  # no row sees any key: one key, all blocked, so the result (0, -inf) keeps the graph
             self.lo = self.hi = 0
@@ -370,14 +370,14 @@ class _Plan:
         return out, (unfold_query_heads(lse, Hq) if return_lse and lse is not None else None)  # (B, Hq, Lq)
 
 
-def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) -> tuple[int, int, Tensor | None, str]:
+def _visible_keys(mask: Mask | None, extent: Extent, device) -> tuple[int, int, Tensor | None, str]:
     """``(lo, hi, visible, note)``: the keys ``[lo, hi)`` any row of the call may see (``lo >= hi``:
     none), the bool mask on them (``(B|1, H|1, Lq, hi - lo)``, ``None`` when all are visible), and
     a line for ``explain()``."""
+    Lq, Lk = extent.lengths
     if mask is None:
         return 0, Lk, None, "mask: none"
     what = "{mask}"  # filled in by plan() only: describing a mask may read its tensors (a host sync)
-    extent = Extent(B, Hq, Lq, Lk)
     offset = mask.causal_offset(Lq, Lk)  # the common decode step, answered first: O(1), no tensor
     if offset is not None and offset >= Lk - 1:
         return 0, Lk, None, f"mask {what}: a causal diagonal at or past the last key for every row: no mask"

@@ -60,7 +60,7 @@ class TorchBlocksBackend(Backend):
                     f"dropout: Lq*Lk = {Lq * Lk} < {DROPOUT_MIN_SQUARE}: the blockwise path's per-block ops cost "
                     "more than sdpa's math kernel on the dense mask (benchmarks/dropout.py)"
                 ]
-            share = _visited_share(call.mask, Lq, Lk, self.block_size)
+            share = _visited_share(call.mask, call.extent, self.block_size)
             if share > DROPOUT_MAX_SHARE:
                 return [
                     f"dropout: the blockwise path visits {share:.0%} of the scores (> {DROPOUT_MAX_SHARE:.0%}), "
@@ -112,13 +112,13 @@ DROPOUT_MIN_SQUARE = 1 << 20
 DROPOUT_DENSE_ELEMENTS = 1 << 28
 
 
-def _visited_share(mask: Mask | None, q_len: int, kv_len: int, block_size: int) -> float:
+def _visited_share(mask: Mask | None, extent: Extent, block_size: int) -> float:
     """The share of the ``Lq x Lk`` scores that the blockwise path computes: each query block's key
     range (``mask.key_range``), as :func:`~multihead.backends.torch_blocks.attention_by_blocks` visits them."""
+    q_len, kv_len = extent.lengths
     if mask is None or q_len * kv_len == 0:
         return 1.0
     visited = 0
-    extent = Extent(1, 1, q_len, kv_len)
     for q0 in range(0, q_len, block_size):
         q1 = min(q0 + block_size, q_len)
         k0, k1 = mask.key_range(extent, extent.rows(q0, q1))
