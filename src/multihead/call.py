@@ -84,7 +84,6 @@ class AttentionCall:
         # lock, on Python 3.11, is a context manager torch.compile cannot trace.)
         B, Hq, Lq, D = self.q.shape
         object.__setattr__(self, "_shape", (B, Hq, self.k.shape[1], Lq, self.k.shape[2], D, self.v.shape[3]))
-        object.__setattr__(self, "_extent", Extent(B, Hq, Lq, self.k.shape[2]))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
@@ -96,7 +95,11 @@ class AttentionCall:
     def extent(self) -> Extent:
         """``Extent(B, Hq, Lq, Lk)``: the whole attention, as the mask and score-modifier block
         protocol takes it (:mod:`multihead.blocks`)."""
-        extent: Extent = self.__dict__["_extent"]  # set by __post_init__
+        extent: Extent | None = self.__dict__.get("_extent")  # made on first use: most calls never ask
+        if extent is None:
+            B, Hq, _, Lq, Lk, _, _ = self.shape
+            extent = Extent(B, Hq, Lq, Lk)
+            object.__setattr__(self, "_extent", extent)
         return extent
 
     @property
