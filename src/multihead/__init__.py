@@ -19,6 +19,7 @@ from multihead._version import __version__ as __version__  # written once, there
 from multihead.attention import attention, plan
 from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
+from multihead.blocks import Block, Extent
 from multihead.caches import (
     CacheRead,
     DynamicKVCache,
@@ -72,6 +73,8 @@ __all__ = [
     "Explanation",
     "reference_attention",
     "AttentionResult",
+    "Extent",
+    "Block",
     "merge_partials",
     "set_nonfinite_check",
     "skip_nonfinite_check",

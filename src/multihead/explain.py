@@ -19,6 +19,7 @@ from torch import Tensor
 
 from multihead.attention import prepare
 from multihead.backends.registry import AUTO_ORDER, available_backends, get_backend, select_backend
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, ScoreModArg, Selection
 from multihead.masks import BlockState, Mask, additive_blocked
 from multihead.masks.recognize import from_dense
@@ -346,7 +347,8 @@ def _visible_fraction(mask: Mask | None, B: int, Lq: int, Lk: int) -> float:
         return 1.0
     size = max(_BLOCK, math.ceil(max(Lq, Lk) / 64))  # at most 64 x 64 blocks to ask about
     blocks = [
-        (q0, min(q0 + size, Lq), k0, min(k0 + size, Lk)) for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)
+        Block(q0, min(q0 + size, Lq), k0, min(k0 + size, Lk)) for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)
     ]
-    visible = sum(mask.block_state(q0, q1, k0, k1, Lq, Lk, batch=B) != BlockState.EMPTY for q0, q1, k0, k1 in blocks)
+    extent = Extent(B, 1, Lq, Lk)
+    visible = sum(mask.block_state(extent, block) != BlockState.EMPTY for block in blocks)
     return max(visible, 1) / len(blocks)

@@ -311,7 +311,9 @@ def explicit_attention(
         q, k, v, mask=mask, score_mod=score_mod, softcap=softcap, sinks=sinks, scale=scale, dropout_p=dropout_p
     )
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-    scores, _ = score_block(call.q, call.k, call.mask, call.score_mod, call.scale, 0, Lq, Lq)  # (B, Hq, Lq, Lk)
+    scores, _ = score_block(
+        call.q, call.k, call.mask, call.score_mod, call.scale, call.extent.whole()
+    )  # (B, Hq, Lq, Lk)
     scores = run_hooks(hooks, "scores", scores)
     # softmax over the keys (and the sink), with m finite so that a row of -inf gives exp(-inf) = 0,
     # never -inf - (-inf) = NaN; a row that sees no key has denominator 0 and pattern 0.

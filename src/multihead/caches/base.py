@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.inputs import check_positions, check_tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
@@ -428,10 +429,10 @@ def check_mask_parts(layer: str, mask: Mask, batch: int, heads: int, q_len: int,
     tensor parts against the read's ``(B, H, Lq, S)``, parts at positions against ``B`` and ``H``
     only (the whole sequence's lengths are theirs)."""
     for part in _position_parts(mask):
-        part.check(batch, heads, None, None)
+        part.check(Extent(batch, heads, None, None))
     for part in _slot_parts(mask):
         try:
-            part.check(batch, heads, q_len, slots)
+            part.check(Extent(batch, heads, q_len, slots))
         except ValueError as exc:
             raise ValueError(
                 f"{layer}: with a cache, a tensor in the mask is over the (Lq, S) = ({q_len}, {slots}) "
@@ -517,7 +518,7 @@ def check_reach(where: str, mask: object, causal: bool, window: int, positions: 
         return  # the mask is too short for these positions: CacheRead.mask says so
     n = max(extent, queries[-1] + 1)  # the square of the whole sequence the mask is read on
     for p in queries:
-        lo, hi = combined._key_range(p, p + 1, n, n)
+        lo, hi = combined._key_range(Extent(1, 1, n, n), Block(p, p + 1, 0, n))
         if lo >= hi or lo >= p - window:
             continue  # sees nothing, or nothing older than the cache holds
         if lo <= -UNBOUNDED // 2:
