@@ -41,6 +41,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +85,7 @@ class HookHandle:
 
     _next_id = 0
 
-    def __init__(self, layer: HookPoints, point: str):
+    def __init__(self, layer: nn.Module | HookPoints, point: str):
         self.layer, self.point = layer, point
         HookHandle._next_id += 1
         self.id = HookHandle._next_id
@@ -109,7 +110,7 @@ class HookHandle:
         return f"HookHandle({type(self.layer).__name__}.{self.point}, id={self.id})"
 
 
-def add_hook(layer: HookPoints, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
+def add_hook(layer: nn.Module | HookPoints, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
     """Call ``fn(tensor, name)`` at ``point`` of ``layer`` on every forward (module docstring);
     hooks at one point run in the order they were added. Returns a :class:`HookHandle`."""
     if not isinstance(layer, HookPoints) and not found_by_finders(layer):
@@ -257,7 +258,9 @@ def observed_attention(
         validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures
     ]
     held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
-    options = dict(mask=mask, score_mod=score_mod, softcap=softcap, sinks=sinks, scale=scale, dropout_p=dropout_p)
+    options: dict[str, Any] = dict(
+        mask=mask, score_mod=score_mod, softcap=softcap, sinks=sinks, scale=scale, dropout_p=dropout_p
+    )
     weights = None
     if hooks is not None and ("scores" in hooks or "pattern" in hooks):
         y, pattern = explicit_attention(q, k, v, hooks=hooks, **options)  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
