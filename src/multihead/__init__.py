@@ -25,6 +25,7 @@ from multihead.caches import (
     KVCache,
     LatentKVCache,
     PagedKVCache,
+    QuantizedKVCache,
     SlidingWindowKVCache,
     StaticKVCache,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "SlidingWindowKVCache",
     "PagedKVCache",
     "LatentKVCache",
+    "QuantizedKVCache",
     "positions",
     "distributed",
 ]

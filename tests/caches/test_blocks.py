@@ -73,17 +73,21 @@ def test_random_page_layouts_equal_the_reference_over_the_same_tokens(seed, B, s
     torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-12)
 
 
-def test_one_row_of_consecutive_pages_is_read_as_views_of_the_pool(small_pieces):
-    """A row whose pages follow each other is read without a copy: every piece is a view of the pool."""
-    cache = PagedKVCache(64, 8, HKV, D, dtype=torch.float64)
-    cache.update(torch.randn(1, HKV, 300, D, dtype=torch.float64), torch.randn(1, HKV, 300, D, dtype=torch.float64))
-    read = cache.update(torch.randn(1, HKV, 1, D, dtype=torch.float64), torch.randn(1, HKV, 1, D, dtype=torch.float64))
-    pieces = list(read.blocks.pieces(0, 301, read.blocks.piece_size()))
-    assert len(pieces) > 1 and [p[0] for p in pieces] == list(range(0, 301, 64))
+def test_runs_of_consecutive_pages_are_read_as_views_of_the_pool(small_pieces):
+    """One row whose pages come in two long runs and a few stray pages: each run is one piece, a
+    view of the pool (no copy), the stray pages are gathered; together they read the row's tokens."""
+    cache = PagedKVCache(400, 8, HKV, D, dtype=torch.float64)
+    order = list(range(0, 150)) + [390, 370, 380] + list(range(200, 340))  # pages in the order rows take them
+    cache.free = list(reversed(order))
+    L = 8 * len(order) - 5
+    k, v = torch.randn(1, HKV, L, D, dtype=torch.float64), torch.randn(1, HKV, L, D, dtype=torch.float64)
+    read = cache.update(k, v)
+    pieces = list(read.blocks.pieces(3, L, read.blocks.piece_size()))
     pool = cache.key_pages.untyped_storage().data_ptr()
-    assert all(k.untyped_storage().data_ptr() == pool for _, k, _ in pieces)
-    keys = torch.cat([k for _, k, _ in pieces], 2)
-    assert torch.equal(keys, read.keys[:, :, :301])
+    views = [start for start, piece, _ in pieces if piece.untyped_storage().data_ptr() == pool]
+    assert views[:2] == [3, 8 * 153] and pieces[0][1].shape[2] == 8 * 150 - 3
+    assert torch.equal(torch.cat([piece for _, piece, _ in pieces], 2), k[:, :, 3:])
+    assert torch.equal(torch.cat([value for _, _, value in pieces], 2), v[:, :, 3:])
 
 
 def _layer(dtype, Hkv=HKV):

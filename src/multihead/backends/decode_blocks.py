@@ -31,9 +31,11 @@ from multihead.merge import merge_partials
 
 __all__ = ["KVBlocks", "decode_blocks", "PIECE_BYTES"]
 
-#: Bytes of K and V per piece: a piece is written (a copy of pages, or dequantized) and read back
-#: at once, so it should stay in the core's L2 cache (2 MiB on the Xeon the benchmarks ran on).
-PIECE_BYTES = 1 << 20
+#: Bytes of K and V per piece made by a copy (gathered pages, dequantized slots): a piece is written
+#: and read back at once, so it should stay in cache, yet each piece costs a handful of ops, each a
+#: parallel region that waits for every thread on a loaded machine; views (pages in one run) are
+#: not cut at all (measured: docs/inference.md, "Decoding through every cache").
+PIECE_BYTES = 8 << 20
 
 
 class KVBlocks(abc.ABC):
@@ -97,6 +99,8 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
         qg, scale = qg * scale, 1.0
     if hi <= lo:  # no row sees any key
         return q.new_zeros(B, Hq, Lq, Dv)
+    if visible is not None and bool(visible.all()):  # a paged read's mask, every slot in range filled
+        visible = None
     blocked = None if visible is None else group_query_heads(~visible, Hkv)  # (B|1, Hkv|1, G|1, Lq, n)
     outs: list[Tensor] = []
     lses: list[Tensor] = []
@@ -104,8 +108,24 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
         for start, k, v in blocks.pieces(lo, hi, blocks.piece_size()):
             n = k.shape[2]
             bc = None if blocked is None else blocked[..., start - lo : start - lo + n]
-            out, lse = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True)
+            if Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2)):
+                # a view whose heads lie apart (a run of pages in a head-major pool): oneDNN's
+                # batched half GEMM copies such an operand whole first, so each head is one GEMM
+                out, lse = _per_head(qg, k, v, bc, scale, acc, G, Lq, half)
+            else:
+                out, lse = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True)
             outs.append(out)
             lses.append(lse)  # type: ignore[arg-type]
         out = outs[0] if len(outs) == 1 else merge_partials(outs, lses)[0]
     return unfold_query_heads(out.to(q.dtype), Hq)  # (B, Hq, Lq, Dv)
+
+
+def _per_head(qg, k, v, blocked, scale, acc, G, Lq, half) -> tuple[Tensor, Tensor]:
+    """:func:`decode._attend` one KV head at a time: ``(out (B, Hkv, G·Lq, Dv), lse (B, Hkv, G·Lq))``."""
+    outs, lses = [], []
+    for h in range(k.shape[1]):
+        bh = None if blocked is None else blocked[:, h : h + 1] if blocked.shape[1] > 1 else blocked
+        out, lse = _attend(qg[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], bh, scale, acc, G, Lq, half, True)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

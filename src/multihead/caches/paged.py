@@ -43,6 +43,10 @@ from multihead.caches.base import (
 
 __all__ = ["PagedKVCache"]
 
+#: Slots a run of consecutive pages must hold to be read as a view of its own rather than gathered
+#: with its neighbours into one piece: each piece costs a handful of ops.
+_MIN_RUN = 1024
+
 
 class PagedKVCache(KVCache):
     """``batch_size`` sequences sharing a pool of ``num_pages`` pages of ``page_size`` tokens: key pages
@@ -325,15 +329,19 @@ class _PageBlocks(KVBlocks):
         first, last = lo // ps, -(-hi // ps)  # pages [first, last) hold the slots [lo, hi)
         per = max(1, size // ps)
         buffers: tuple[Tensor, Tensor] | None = None
-        for p0 in range(first, last, per):
-            p1 = min(p0 + per, last)
-            m = p1 - p0
-            run = self.rows[0][p0]
-            if B == 1 and self.rows[0][p0:p1] == list(range(run, run + m)):  # consecutive pages: a view
-                k = self.key_pages[:, run : run + m].reshape(1, Hkv, m * ps, D)
-                v = self.value_pages[:, run : run + m]
-                v = k[..., :Dv] if self.values_in_keys else v.reshape(1, Hkv, m * ps, Dv)
+        p0 = first
+        while p0 < last:
+            run = self._run(p0, last) if B == 1 else 0
+            if run:  # one row, pages p0.. consecutive in the pool: a view, however long
+                p1, page = p0 + run, self.rows[0][p0]
+                k = self.key_pages[:, page : page + run].reshape(1, Hkv, run * ps, D)
+                v = self.value_pages[:, page : page + run]
+                v = k[..., :Dv] if self.values_in_keys else v.reshape(1, Hkv, run * ps, Dv)
             else:
+                p1 = min(p0 + per, last)
+                if B == 1:  # stop where a run long enough to be a view of its own starts
+                    p1 = next((p for p in range(p0 + 1, p1) if self._run(p, last)), p1)
+                m = p1 - p0
                 if buffers is None or buffers[0].shape[2] != m * ps:
                     k_buf = self.key_pages.new_empty(B, Hkv, m * ps, D)
                     v_buf = k_buf if self.values_in_keys else self.value_pages.new_empty(B, Hkv, m * ps, Dv)
@@ -348,6 +356,16 @@ class _PageBlocks(KVBlocks):
                     v = k[..., :Dv]
             s0, s1 = max(lo, p0 * ps), min(hi, p1 * ps)  # trim the first and last page to [lo, hi)
             yield s0, k[:, :, s0 - p0 * ps : s1 - p0 * ps], v[:, :, s0 - p0 * ps : s1 - p0 * ps]
+            p0 = p1
+
+    def _run(self, p0: int, last: int) -> int:
+        """How many of row 0's pages from ``p0`` (before ``last``) follow each other in the pool,
+        when at least a few do (shorter runs are gathered with their neighbours instead)."""
+        row = self.rows[0]
+        n = 1
+        while p0 + n < last and row[p0 + n] == row[p0] + n:
+            n += 1
+        return n if n * self.ps >= _MIN_RUN else 0
 
     def dense(self) -> tuple[Tensor, Tensor]:
         with torch.set_grad_enabled(self.grad):

@@ -131,10 +131,12 @@ class QuantizedKVCache(KVCache):
 
     @property
     def batch_size(self) -> int:
+        """``B``: the rows held (:meth:`reorder` may change it)."""
         return self.tail_k.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
+        """The compute dtype: what reads return and what new keys and values must have."""
         return self.tail_k.dtype
 
     @property
