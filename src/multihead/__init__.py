@@ -26,6 +26,7 @@ from multihead.caches import (
     KVCache,
     LatentKVCache,
     PagedKVCache,
+    QuantizedKVCache,
     SlidingWindowKVCache,
     StaticKVCache,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "SlidingWindowKVCache",
     "PagedKVCache",
     "LatentKVCache",
+    "QuantizedKVCache",
     "positions",
     "distributed",
 ]

@@ -85,6 +85,7 @@ _PADDED_ROWS = {3: 6, 4: 6, 5: 6}
 _PAD_MIN_BYTES = 128 << 20  # K/V bytes read by the call
 # Mask kinds whose key_range and block_state are answered from a few integers (no data read).
 _STRUCTURAL = frozenset({"band", "key_padding"})
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class DecodeBackend(Backend):
@@ -227,12 +228,19 @@ class DecodeBackend(Backend):
 
 
 def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:
-    """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked."""
-    scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
+    """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked (fp16/bf16: a
+    transposed view of key-major scores)."""
+    if qg.dtype in _HALF:
+        # K Qᵀ: K is the GEMM's streamed left operand, as it lies (B, Hkv, n, D); oneDNN's half GEMM
+        # read a transposed K (q Kᵀ) at about half that speed (docs/performance.md#the-decode-path-decode).
+        scores = torch.matmul(k, qg.transpose(-2, -1)).transpose(-2, -1)  # (B, Hkv, G·Lq, n), key-major
+    else:
+        scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
     if scores.shape[2] != G * Lq:  # zero rows padded for the GEMM's sake (_PADDED_ROWS)
         scores = scores[:, :, : G * Lq]
-    if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once
-        scores = scores.to(acc)
+    if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once; row-major
+        # again (reductions along a key-major view's rows ran an order of magnitude slower)
+        scores = scores.to(acc, memory_format=torch.contiguous_format)
     if scale != 1.0:
         scores = scores.mul_(scale)
     if blocked is not None:  # masked_fill, not an additive -inf: a NaN score of a blocked key is replaced too

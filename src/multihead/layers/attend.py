@@ -100,7 +100,7 @@ class CallMasks:
         """The call's mask and modifiers over the ``S`` slots a cache returned
         (:meth:`CacheRead.mask`): mask objects at absolute positions, tensors over the
         ``(Lq, S)`` slots, ``causal`` as "keys at positions up to the query's"."""
-        S = read.keys.shape[2]
+        S = read.slots
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
         if mask is not None:
             check_mask_parts(self.layer, mask, B, self.heads, Lq, S)  # tensors over the slots

@@ -30,13 +30,15 @@ import torch
 from torch import Tensor, nn
 
 from multihead.attention import attention
+from multihead.backends.decode import AUTO_MAX_QUERIES, MAX_QUERIES
+from multihead.backends.decode_blocks import KVBlocks, decode_blocks
 from multihead.call import ScoreModArg, Selection
 from multihead.capture import captures_of, is_capturing
 from multihead.hooks import ATTRIBUTE as HOOKS
 from multihead.hooks import observed_attention
 from multihead.masks import Mask
 
-__all__ = ["split_heads", "merge_heads", "attend_heads", "Attend"]
+__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "Attend"]
 
 
 def split_heads(x: Tensor, heads: int, head_dim: int, batch_first: bool) -> Tensor:
@@ -123,6 +125,44 @@ def attend_heads(
         backend=backend,
     )  # (B, Hq, Lq, Dv), the call's own selection of the weights or None
     return out_proj(merge_heads(y)), weights
+
+
+def attend_blocks(
+    layer: nn.Module,
+    q: Tensor,
+    blocks: KVBlocks,
+    *,
+    out_proj: Callable[[Tensor], Tensor],
+    mask: Mask | Tensor | None,
+    score_mod: ScoreModArg,
+    sinks: Tensor | None,
+    dropout_p: float,
+    need_weights: bool,
+    backend: str,
+) -> Tensor | None:
+    """``out (B, Lq, E)`` of a decode step over a cache read's :class:`KVBlocks` (pages read through
+    their block table, quantized slots dequantized a piece at a time), or ``None`` when the call
+    needs more than the decode path gives, and the caller runs :func:`attend_heads` over the read's
+    dense keys and values instead: weights, hooks or captures, a score modifier, sinks, dropout,
+    autograd, ``torch.compile``, another backend than ``auto``/``decode``, or more query tokens than
+    the decode path takes (``auto``: :data:`~multihead.backends.decode.AUTO_MAX_QUERIES`)."""
+    Lq = q.shape[2]
+    if (
+        need_weights
+        or score_mod is not None
+        or sinks is not None
+        or dropout_p
+        or backend not in ("auto", "decode")
+        or Lq > (AUTO_MAX_QUERIES if backend == "auto" else MAX_QUERIES)
+        or q.dtype != blocks.dtype
+        or (torch.is_grad_enabled() and q.requires_grad)
+        or torch.compiler.is_compiling()
+        or layer.__dict__.get(HOOKS) is not None
+        or is_capturing(layer)
+    ):
+        return None
+    y = decode_blocks(q, blocks, mask)  # (B, Hq, Lq, Dv)
+    return out_proj(merge_heads(y))
 
 
 class Attend:
