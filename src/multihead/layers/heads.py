@@ -25,6 +25,7 @@ what it cannot do in its own checks, so the layer has no branch for it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +38,13 @@ from multihead.hooks import explicit_attention, run_hooks
 from multihead.masks import Mask
 from multihead.validation import validate_weights_selection
 
-__all__ = ["split_heads", "merge_heads", "attend_heads", "Attend"]
+__all__ = ["split_heads", "merge_heads", "attend_heads", "Attend", "Heads"]
+
+#: How a layer's heads become its output, per call: ``(core, out_proj)``, the attention function
+#: (:func:`multihead.attention`'s signature; ``None`` for that function itself) and the map of the
+#: merged heads ``(B, Lq, Hq·Dv)`` to the output ``(B, Lq, E)``. :func:`attend_heads` runs
+#: ``out_proj(merge(core(q, k, v, ...)))``.
+Heads = tuple["Callable[..., Any] | None", Callable[[Tensor], Tensor]]
 
 
 def split_heads(x: Tensor, heads: int, head_dim: int, batch_first: bool) -> Tensor:
@@ -70,6 +77,7 @@ def attend_heads(
     backend: str = "auto",
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    core: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand and its
     hook points (:mod:`multihead.hooks`).
@@ -85,6 +93,9 @@ def attend_heads(
         need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` (before dropout).
         weights_heads, weights_rows: with ``need_weights``, only these query heads and rows, as
             for :func:`multihead.attention`: ``(B, len(heads), len(rows), Lk)``.
+        core: the attention function, :func:`multihead.attention` (``None``) or a variant's with
+            its signature and results (:class:`~multihead.layers.DifferentialAttention`'s two maps); the
+            ``scores``/``pattern`` hooks need the plain one (they are of one softmax).
 
     Returns:
         ``(out, weights)``: ``out (B, Lq, E)`` batch first whatever the layer's layout (the caller
@@ -93,9 +104,12 @@ def attend_heads(
         rows that the call and the captures select together.
     """
     hooks = layer.__dict__.get(HOOKS)  # None unless a hook is set: the one test the fast path pays
+    plain = core is None
+    if core is None:
+        core = attention
     captures = captures_of(layer) if is_capturing(layer) else ()
     if hooks is None and not captures and not need_weights:
-        y = attention(
+        y = core(
             q,
             k,
             v,
@@ -116,13 +130,18 @@ def attend_heads(
     held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
     weights = None
     if hooks is not None and ("scores" in hooks or "pattern" in hooks):
+        if not plain:
+            raise ValueError(
+                f"{type(layer).__name__}: 'scores'/'pattern' hooks are points of one softmax, and this "
+                f"layer attends through {core!r}; hint: hook 'q', 'k', 'v' or 'output' instead"
+            )
         y, pattern = explicit_attention(
             q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p, hooks=hooks
         )  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
         if wanted:
             weights = take(pattern, (None, None), held).to(q.dtype)
     elif wanted:
-        result = attention(
+        result = core(
             q,
             k,
             v,
@@ -137,7 +156,7 @@ def attend_heads(
         )
         y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
     else:
-        y = attention(
+        y = core(
             q,
             k,
             v,
