@@ -33,6 +33,8 @@ from multihead.capture import AttentionCapture, capture_attention
 from multihead.cascade import cascade_attention
 from multihead.explain import Explanation, explain
 from multihead.layers import (
+    DifferentialAttention,
+    GatedAttention,
     GroupedQueryAttention,
     MultiHeadAttention,
     MultiHeadLatentAttention,
@@ -91,6 +93,8 @@ __all__ = [
     "GroupedQueryAttention",
     "MultiQueryAttention",
     "MultiHeadLatentAttention",
+    "GatedAttention",
+    "DifferentialAttention",
     "compat",
     "caches",
     "KVCache",
