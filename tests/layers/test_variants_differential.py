@@ -216,12 +216,13 @@ def test_compile():
 
 
 def test_explain_and_hooks():
-    """``explain`` reports one map's call (keys ``D / 2`` wide, values ``D``); ``q``/``output``
+    """``explain`` reports one map's call (``[q1 | 0]`` against the whole keys); ``q``/``output``
     hooks see both halves and the combined heads; ``scores`` hooks are refused with a hint."""
     layer = _layer(6, 2, causal=True)
     x = _x(2, 7)
     report = layer.explain(x)
-    assert report.shape == (2, 6, 2, 7, 7, 4, 8)
+    assert report.shape == (2, 6, 2, 7, 7, 8, 8)
+    assert report.backend == layer.explain(x).backend
     seen = []
     with layer.add_hook("q", lambda t, name: seen.append(("q", t.shape))):
         with layer.add_hook("output", lambda t, name: seen.append(("output", t.shape))):

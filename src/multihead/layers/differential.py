@@ -10,8 +10,8 @@ halves of ``d = D / 2``, its value is ``D`` wide. Per head ``h`` (reading KV hea
     y   = [o_1 | ... | o_Hq] W_O + b_O
     λ_init = 0.8 − 0.6 · exp(−0.3 · (depth − 1)),  depth = the layer's index from 1
 
-``A1 V`` and ``A2 V`` are two calls of :func:`multihead.attention` on views of the halves (keys
-``d`` wide, values ``D`` wide), so every mask, score modifier, backend and cache of
+``A1 V`` and ``A2 V`` are two calls of :func:`multihead.attention` (with the other half of the
+query zeroed: :class:`DifferentialCore`), so every mask, score modifier, backend and cache of
 :class:`~multihead.layers.MultiHeadAttention` applies to both maps; the layer *is* one, with its
 projections (``q_proj: E -> Hq·D`` holds head ``h``'s ``[q1 | q2]`` at rows ``[h·D, (h+1)·D)``,
 as the paper's code lays them out), whose attention function and last step
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import attention
@@ -168,21 +169,26 @@ DifferentialAttention.__init__.__doc__ = DifferentialAttention.__doc__
 
 class DifferentialCore:
     """``(A1 - λ A2) V`` with :func:`multihead.attention`'s signature: the attention function of a
-    :class:`DifferentialAttention` call (``q (B, Hq, Lq, 2·half)``, ``k (B, Hkv, Lk, 2·half)``,
-    ``v (B, Hkv, Lk, Dv)``). Every option is passed to both calls; with ``return_weights`` the
-    result's ``weights`` are ``A1 - λ A2`` and its ``lse`` is ``None`` (a difference of two maps
-    has no log-sum-exp)."""
+    :class:`DifferentialAttention` call (``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
+    ``v (B, Hkv, Lk, Dv)``, ``D = 2·half``). Every option is passed to both calls; with
+    ``return_weights`` the result's ``weights`` are ``A1 - λ A2`` and its ``lse`` is ``None`` (a
+    difference of two maps has no log-sum-exp).
+
+    Each map is one call with the other half of the *query* zeroed, ``[q1 | 0] · [k1 | k2] = q1 · k1``,
+    at the scale ``1 / sqrt(half)``: the keys and values are read as they are (from a cache, no
+    copy), and ``D = Dv`` as the fused kernels want (keys of ``D / 2`` against values of ``D``
+    would be padded to ``D`` by the backend, and both halves of ``q`` and ``k`` copied)."""
 
     def __init__(self, lam: Tensor, half: int):
         self.lam, self.half = lam, half
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor | AttentionResult:
-        d = self.half
-        first = attention(q[..., :d], k[..., :d], v, **options)  # A1 V (B, Hq, Lq, Dv), views of the halves
-        second = attention(q[..., d:], k[..., d:], v, **options)  # A2 V
+        scale = 1 / math.sqrt(self.half)
+        first = attention(self._map(q, 0), k, v, scale=scale, **options)  # A1 V (B, Hq, Lq, Dv)
+        second = attention(self._map(q, 1), k, v, scale=scale, **options)  # A2 V
         if isinstance(first, Tensor):
             assert isinstance(second, Tensor)  # the same options ask for the same result
-            return first - self.lam * second
+            return torch.addcmul(first, self.lam, second, value=-1)  # A1 V - λ A2 V, one pass
         assert isinstance(second, AttentionResult)
         weights = None
         if first.weights is not None and second.weights is not None:
@@ -191,8 +197,13 @@ class DifferentialCore:
 
     def explain(self, q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Explanation:
         """:func:`multihead.explain` of the first map's call (the second's is the same call on the
-        other halves)."""
-        return explain(q[..., : self.half], k[..., : self.half], v, **options)
+        other half of ``q``)."""
+        return explain(self._map(q, 0), k, v, scale=1 / math.sqrt(self.half), **options)
+
+    def _map(self, q: Tensor, which: int) -> Tensor:
+        """``[q1 | 0]`` (``which=0``) or ``[0 | q2]``, ``(B, Hq, Lq, D)``."""
+        d = self.half
+        return F.pad(q[..., :d], (0, d)) if which == 0 else F.pad(q[..., d:], (d, 0))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(half={self.half})"
