@@ -255,3 +255,19 @@ BAD = [
 def test_bad_arguments(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+@pytest.mark.slow
+def test_compile_inductor():
+    """Inductor (the slow tier): forward and backward, the λ vectors' gradients included, with
+    RoPE on each half and a GQA layer, equal eager."""
+    torch._dynamo.reset()
+    layer = _layer(4, 2, dtype=torch.float32, causal=True, rope=RotaryEmbedding(E // 8))
+    x = torch.randn(2, 9, E, requires_grad=True)
+    out = torch.compile(layer)(x)
+    torch.testing.assert_close(out, layer(x), atol=1e-5, rtol=1e-5)
+    wrt = [x, layer.lambda_q1, layer.lambda_k2, layer.subln.weight]
+    got = torch.autograd.grad(out.sum(), wrt)
+    want = torch.autograd.grad(layer(x).sum(), wrt)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -226,3 +226,18 @@ BAD = [
 def test_bad_arguments(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+@pytest.mark.slow
+def test_compile_inductor():
+    """Inductor (the slow tier: minutes on a loaded CPU): forward and backward of the elementwise
+    and headwise gates, with RoPE and a GQA layer, equal eager."""
+    torch._dynamo.reset()
+    for gate in ("elementwise", "headwise"):
+        layer = _layer(4, 2, gate, dtype=torch.float32, causal=True, rope=RotaryEmbedding(E // 4))
+        x = torch.randn(2, 9, E, requires_grad=True)
+        out = torch.compile(layer)(x)
+        torch.testing.assert_close(out, layer(x), atol=1e-5, rtol=1e-5)
+        (g,) = torch.autograd.grad(out.sum(), x)
+        (want,) = torch.autograd.grad(layer(x).sum(), x)
+        torch.testing.assert_close(g, want, atol=1e-4, rtol=1e-4)

@@ -20,6 +20,11 @@ an injected rotary module (``rope=``) and a key/value cache (``kv_cache=``, a
 :class:`multihead.caches.KVCache`). The common end, ``attention() -> merge -> out_proj``, is
 :func:`multihead.layers.heads.attend_heads`, shared with the ``nn.MultiheadAttention`` drop-in
 and the models.
+
+A variant changes the common end's two steps, the attention function and the map of the merged
+heads (``MultiHeadAttention._heads(query) -> (core, out_proj)``) and nothing else:
+:class:`~multihead.layers.GatedAttention` (a gate on the merged heads),
+:class:`~multihead.layers.DifferentialAttention` (two maps; a norm per head), ``docs/variants.md``.
 """
 
 from __future__ import annotations
