@@ -13,11 +13,19 @@ One causal self-attention layer, fp32, ``d_model=768``, in one process on the sa
 
 Targets (issue 31): gated <= 1.15x and differential <= 2.1x the plain layer, forward and
 forward+backward. Each contender is first checked against its own float64 copy (BENCHMARKS.md
-rule 1); then they run in interleaved rounds keeping each one's fastest
-(:func:`common.fastest_ms`). The load average is printed before and after: on the shared
-machine the absolute times move, the ratios in one run are what the docs quote.
+rule 1); then they run in interleaved rounds on the same input. Two clocks:
 
-    python benchmarks/variants.py            # B=2, L=1024 and L=2048
+* ``cpu ms``: the process's CPU time per call on one thread, the fastest of the rounds. On a
+  machine shared with other jobs, wall time counts the time the scheduler gave to them (under a
+  load of many times the cores, the wall-time ratio of two layers doing nearly the same work moves
+  far from 1, in both directions: docs/variants.md); CPU time counts this process's work only
+  (one thread: no OpenMP worker spinning between parallel regions either). The docs quote these.
+* ``wall ms`` (``--wall``): :func:`common.fastest_ms` on the benchmark threads, for reference.
+
+The load average is printed before and after.
+
+    python benchmarks/variants.py            # B=2, L=1024 and L=2048, CPU time
+    python benchmarks/variants.py --wall     # and wall time on the benchmark threads
     python benchmarks/variants.py --quick    # B=1, L=512: a smoke run
 """
 
@@ -25,10 +33,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 
 import torch
 
-from common import check_close, context, fastest_ms, machine_state, mh, print_table, write_csv
+from common import THREADS, check_close, context, fastest_ms, machine_state, mh, print_table, write_csv
 
 E = 768
 
@@ -51,7 +60,26 @@ def check(layers: dict[str, torch.nn.Module], x: torch.Tensor) -> None:
             check_close(name, layer(x), copy.deepcopy(layer).double()(x.double()), atol=1e-4)
 
 
-def run(B: int, L: int, rounds: int, min_run_time: float) -> list[dict]:
+def cpu_ms(fns: dict, rounds: int, calls: int) -> dict:
+    """Milliseconds of process CPU time per ``fns[key]()`` on one thread: the fastest of ``rounds``
+    interleaved rounds of ``calls`` calls each (every contender warmed up once first)."""
+    torch.set_num_threads(1)
+    try:
+        for fn in fns.values():
+            fn()
+        best = {key: float("inf") for key in fns}
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                start = time.process_time()
+                for _ in range(calls):
+                    fn()
+                best[key] = min(best[key], (time.process_time() - start) / calls * 1e3)
+        return best
+    finally:
+        torch.set_num_threads(THREADS)
+
+
+def run(B: int, L: int, rounds: int, calls: int, wall: bool) -> list[dict]:
     layers = contenders()
     x = torch.randn(B, L, E)
     check(layers, x)
@@ -72,11 +100,16 @@ def run(B: int, L: int, rounds: int, min_run_time: float) -> list[dict]:
 
     fns = {(name, "forward"): forward(layer) for name, layer in layers.items()}
     fns |= {(name, "forward+backward"): training(layer) for name, layer in layers.items()}
-    best = fastest_ms(fns, rounds, min_run_time)
+    cpu = cpu_ms(fns, rounds, calls)
+    walls = fastest_ms(fns, rounds, min_run_time=0.5) if wall else {}
     rows = []
-    for (name, kind), ms in best.items():
-        plain = best[("plain", kind)]
-        rows.append({"B": B, "L": L, "layer": name, "pass": kind, "ms": ms, "x plain": ms / plain})
+    for name, kind in fns:
+        row = {"B": B, "L": L, "layer": name, "pass": kind, "cpu ms": cpu[(name, kind)]}
+        row["cpu x plain"] = cpu[(name, kind)] / cpu[("plain", kind)]
+        if wall:
+            row["wall ms"] = walls[(name, kind)]
+            row["wall x plain"] = walls[(name, kind)] / walls[("plain", kind)]
+        rows.append(row)
     return sorted(rows, key=lambda r: (r["pass"], list(layers).index(r["layer"])))
 
 
@@ -84,14 +117,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="B=1, L=512, one round: a smoke run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=2, help="calls per round on the CPU clock")
+    parser.add_argument("--wall", action="store_true", help="also wall time on the benchmark threads")
     args = parser.parse_args()
     print(context())
     print("before:", machine_state())
     shapes = [(1, 512)] if args.quick else [(2, 1024), (2, 2048)]
-    rounds, min_run_time = (1, 0.1) if args.quick else (args.rounds, 0.5)
+    rounds, calls = (1, 1) if args.quick else (args.rounds, args.calls)
     rows = []
     for B, L in shapes:
-        rows += run(B, L, rounds, min_run_time)
+        rows += run(B, L, rounds, calls, args.wall)
         print_table(f"causal self-attention layer, fp32, E={E}, B={B}, L={L}", [r for r in rows if r["L"] == L])
     print("after:", machine_state())
     if not args.quick:
