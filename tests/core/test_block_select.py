@@ -38,36 +38,42 @@ def _indices(B, H, nQ, nK, k, seed=0, causal=True):
     return idx
 
 
-def _loop(idx, bs, B, Hq, Lq, Lk, num_heads=None):
+def _loop(idx, bs, B, Hq, Lq, Lk, num_heads=None, qbs=None):
     """The dense ``(B, Hq, Lq, Lk)`` table, one element at a time, from the definition."""
+    qbs = bs if qbs is None else qbs
     Bi, H = idx.shape[:2]
     out = torch.zeros(B, Hq, Lq, Lk, dtype=torch.bool)
     for b in range(B):
         for h in range(Hq):
             row = 0 if H == 1 else (h // (Hq // H) if num_heads else h)
             for i in range(Lq):
-                chosen = set(idx[0 if Bi == 1 else b, row, i // bs].tolist()) - {-1}
+                chosen = set(idx[0 if Bi == 1 else b, row, i // qbs].tolist()) - {-1}
                 for j in range(Lk):
                     out[b, h, i, j] = (j // bs) in chosen
     return out
 
 
 @pytest.mark.parametrize(
-    "B,Hi,Hq,Lq,Lk,bs,num_heads",
-    [(2, 4, 4, 13, 13, 4, None), (2, 1, 4, 9, 17, 3, None), (1, 2, 6, 11, 11, 4, 6), (3, 3, 3, 7, 5, 2, None)],
-    ids=["per-head", "one-row-Lq<Lk", "kv-rows", "Lq>Lk"],
+    "B,Hi,Hq,Lq,Lk,bs,num_heads,qbs",
+    [
+        (2, 4, 4, 13, 13, 4, None, None),
+        (2, 1, 4, 9, 17, 3, None, None),
+        (1, 2, 6, 11, 11, 4, 6, None),
+        (3, 3, 3, 7, 5, 2, None, None),
+        (2, 2, 2, 9, 9, 4, None, 1),
+    ],
+    ids=["per-head", "one-row-Lq<Lk", "kv-rows", "Lq>Lk", "per-token"],
 )
-def test_meaning_equals_the_definition(B, Hi, Hq, Lq, Lk, bs, num_heads):
-    nQ, nK = math.ceil(Lq / bs), math.ceil(Lk / bs)
+def test_meaning_equals_the_definition(B, Hi, Hq, Lq, Lk, bs, num_heads, qbs):
+    nQ, nK = math.ceil(Lq / (qbs or bs)), math.ceil(Lk / bs)
     idx = _indices(B, Hi, nQ, nK, 2, causal=False)
-    mask = block_select(idx, bs, num_heads=num_heads)
+    mask = block_select(idx, bs, num_heads=num_heads, query_block_size=qbs)
     mask.check(B, Hq, Lq, Lk)
     dense = mask.materialize(B, Hq, Lq, Lk).expand(B, Hq, Lq, Lk)
-    assert torch.equal(dense, _loop(idx, bs, B, Hq, Lq, Lk, num_heads))
-    one = block_select(idx[:1], bs, num_heads=num_heads)  # one batch row serves every row
-    assert torch.equal(
-        one.materialize(B, Hq, Lq, Lk).expand(B, Hq, Lq, Lk), _loop(idx[:1], bs, B, Hq, Lq, Lk, num_heads)
-    )
+    assert torch.equal(dense, _loop(idx, bs, B, Hq, Lq, Lk, num_heads, qbs))
+    one = block_select(idx[:1], bs, num_heads=num_heads, query_block_size=qbs)  # one batch row serves every row
+    want = _loop(idx[:1], bs, B, Hq, Lq, Lk, num_heads, qbs)
+    assert torch.equal(one.materialize(B, Hq, Lq, Lk).expand(B, Hq, Lq, Lk), want)
 
 
 def test_masks_compare_by_value_and_draw_themselves():

@@ -3,7 +3,8 @@
 The mask of trainable sparse attention (MoBA, NSA's selected branch): a selection computed per
 call, here a table of key-block numbers. With ``bs = block_size``, query ``i`` of batch ``b`` and
 head ``h`` may attend key ``j`` iff ``j // bs`` is one of ``indices[b, h', i // bs, :]``
-(``h'`` = ``h``, or ``0`` for one row of heads, or the KV head of ``h``). Positions are those of
+(``h'`` = ``h``, or ``0`` for one row of heads, or the KV head of ``h``; ``i // query_block_size``
+when the queries are grouped otherwise, e.g. per token). Positions are those of
 the whole attention, as for every mask; causality is not included, compose it::
 
     indices[0, 0] = [[0, -1], [0, 1], [2, 0]]   (3 query blocks, k = 2, block_size = 2)
@@ -35,18 +36,23 @@ from multihead.masks.base import BlockState, Mask
 __all__ = ["block_select", "BlockSelect"]
 
 
-def block_select(indices: Tensor, block_size: int, *, num_heads: int | None = None) -> BlockSelect:
+def block_select(
+    indices: Tensor, block_size: int, *, num_heads: int | None = None, query_block_size: int | None = None
+) -> BlockSelect:
     """The mask reading, for each query block, the key blocks ``indices`` names.
 
     Args:
-        indices: ``(B, H, nQ, k)`` integer tensor, ``nQ = ceil(Lq / block_size)``: the key-block
+        indices: ``(B, H, nQ, k)`` integer tensor, ``nQ = ceil(Lq / query_block_size)``: the key-block
             numbers query block ``n`` of batch ``b`` and head ``h`` reads, ``-1`` for none (a row
             may name fewer than ``k`` blocks; a block named twice counts once). ``B`` may be 1
             (every batch row), ``H`` 1 (every head), the query heads ``Hq``, or the KV heads
             ``Hkv`` of a GQA call (then give ``num_heads``).
-        block_size: the tokens of a block, queries and keys alike.
+        block_size: the keys of a block (and the queries of one, unless ``query_block_size``).
         num_heads: ``Hq``, when ``1 < H < Hq``: query head ``h`` reads row ``h // (Hq / H)`` (the GQA
             mapping of :mod:`multihead.conventions`).
+        query_block_size: the queries sharing one row of ``indices`` (default ``block_size``;
+            then ``nQ = ceil(Lq / query_block_size)``). ``1`` selects per query token, as MoBA's
+            gate does.
     """
     if (
         not isinstance(indices, Tensor)
@@ -63,8 +69,9 @@ def block_select(indices: Tensor, block_size: int, *, num_heads: int | None = No
             f"block_select: indices must have shape (B, H, ceil(Lq / block_size), k) with no zero dim, "
             f"got {tuple(indices.shape)}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_select: block_size must be a positive int, got {block_size!r}")
+    for name, size in (("block_size", block_size), ("query_block_size", query_block_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"block_select: {name} must be a positive int, got {size!r}")
     H = indices.shape[1]
     if num_heads is not None:
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or num_heads % H:
@@ -72,7 +79,7 @@ def block_select(indices: Tensor, block_size: int, *, num_heads: int | None = No
                 f"block_select: num_heads must be the query heads Hq, a multiple of the {H} rows of heads "
                 f"in indices, got {num_heads!r}"
             )
-    return BlockSelect(indices.to(torch.int64), block_size, num_heads)
+    return BlockSelect(indices.to(torch.int64), block_size, num_heads, query_block_size or block_size)
 
 
 class BlockSelect(Mask):
@@ -82,9 +89,10 @@ class BlockSelect(Mask):
     indices: Tensor
     block_size: int
     num_heads: int | None
+    query_block_size: int
 
-    def __init__(self, indices: Tensor, block_size: int, num_heads: int | None):
-        self._set(indices=indices, block_size=block_size, num_heads=num_heads)
+    def __init__(self, indices: Tensor, block_size: int, num_heads: int | None, query_block_size: int):
+        self._set(indices=indices, block_size=block_size, num_heads=num_heads, query_block_size=query_block_size)
 
     # ----------------------------------------------------------------------------- meaning
     def _mod(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor, q_len: int, kv_len: int) -> Tensor:
@@ -92,7 +100,7 @@ class BlockSelect(Mask):
         if table.device != q.device:
             table = table.to(q.device)
         B, H, nQ, nK = table.shape
-        qb, kb = q // self.block_size, kv // self.block_size
+        qb, kb = q // self.query_block_size, kv // self.block_size
         row = torch.zeros_like(h) if H == 1 else h // (self.num_heads // H) if self.num_heads else h
         batch = torch.zeros_like(b) if B == 1 else b
         picked = table[batch, row, qb.clamp(0, nQ - 1), kb.clamp(0, nK - 1)]  # (B, H, Lq, Lk) by broadcasting
@@ -101,6 +109,8 @@ class BlockSelect(Mask):
     def _describe(self) -> str:
         B, H, nQ, k = self.indices.shape
         heads = "" if self.num_heads is None else f", num_heads={self.num_heads}"
+        if self.query_block_size != self.block_size:
+            heads += f", query_block_size={self.query_block_size}"
         per_row = float(self._host_table().sum()) / (B * H * nQ)
         return (
             f"block_select(indices ({B}, {H}, {nQ}, {k}), block_size={self.block_size}{heads}: "
@@ -117,10 +127,10 @@ class BlockSelect(Mask):
                 f"block_select: indices have {H} rows of heads, the call {heads} query heads; expected 1, "
                 f"{heads}, or the KV heads with num_heads={heads}{hint}"
             )
-        if q_len is not None and math.ceil(q_len / self.block_size) > nQ:
+        if q_len is not None and math.ceil(q_len / self.query_block_size) > nQ:
             raise ValueError(
-                f"block_select: {q_len} queries make {math.ceil(q_len / self.block_size)} blocks of "
-                f"{self.block_size}, but indices name key blocks for {nQ}"
+                f"block_select: {q_len} queries make {math.ceil(q_len / self.query_block_size)} blocks of "
+                f"{self.query_block_size}, but indices name key blocks for {nQ}"
             )
         if kv_len is not None:
             blocks = math.ceil(kv_len / self.block_size)
@@ -131,7 +141,7 @@ class BlockSelect(Mask):
                 )
 
     def extent(self) -> tuple[int | None, int | None]:
-        return self.indices.shape[2] * self.block_size, None  # the queries the table has rows for
+        return self.indices.shape[2] * self.query_block_size, None  # the queries the table has rows for
 
     # ----------------------------------------------------------------------------- structure
     def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
@@ -155,14 +165,14 @@ class BlockSelect(Mask):
         if picked.numel() == 0 or not bool(picked.any()):
             return BlockState.EMPTY
         # FULL: every query has a row (none past the table) and every row reads every key block here
-        covered = (q1 - 1) // self.block_size < nQ and last < nK
+        covered = (q1 - 1) // self.query_block_size < nQ and last < nK
         return BlockState.FULL if covered and bool(picked.all()) else BlockState.PARTIAL
 
     # ----------------------------------------------------------------------------- the table
     def _rows(self, q0: int, q1: int) -> Tensor | None:
         """The host table's rows of query blocks covering queries ``[q0, q1)``, or ``None``."""
         table = self._host_table()
-        first, last = q0 // self.block_size, (q1 - 1) // self.block_size
+        first, last = q0 // self.query_block_size, (q1 - 1) // self.query_block_size
         if q0 >= q1 or first >= table.shape[2]:
             return None
         return table[:, :, first : last + 1]
