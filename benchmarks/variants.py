@@ -9,7 +9,9 @@ One causal self-attention layer, fp32, ``d_model=768``, in one process on the sa
 * ``differential``: :class:`multihead.DifferentialAttention` with 6 heads of 128 (two maps of 64
   per head), the paper's way of keeping the parameters of the 12-head layer: the same projections,
   two attention calls with keys of 64 and values of 128, the per-head RMSNorm;
-* ``differential 12x64``: 12 heads of 64 (maps of 32), the same arithmetic in smaller pieces.
+* ``differential 12x64``: 12 heads of 64 (maps of 32), the same arithmetic in smaller pieces;
+* ``moba 64x8``: :class:`multihead.MixtureOfBlockAttention`, blocks of 64, 8 read per query (its
+  own and the best 7 earlier ones): the gate, then attention through the ``block_select`` mask.
 
 Targets (issue 31): gated <= 1.15x and differential <= 2.1x the plain layer, forward and
 forward+backward. Each contender is first checked against its own float64 copy (BENCHMARKS.md
@@ -50,6 +52,7 @@ def contenders() -> dict[str, torch.nn.Module]:
         "gated headwise": mh.GatedAttention(E, 12, gate="headwise", causal=True),
         "differential": mh.DifferentialAttention(E, 6, causal=True, depth=2),
         "differential 12x64": mh.DifferentialAttention(E, 12, causal=True, depth=2),
+        "moba 64x8": mh.MixtureOfBlockAttention(E, 12, block_size=64, top_k=8),
     }
 
 
@@ -79,8 +82,8 @@ def cpu_ms(fns: dict, rounds: int, calls: int) -> dict:
         torch.set_num_threads(THREADS)
 
 
-def run(B: int, L: int, rounds: int, calls: int, wall: bool) -> list[dict]:
-    layers = contenders()
+def run(B: int, L: int, rounds: int, calls: int, wall: bool, only: list[str] | None = None) -> list[dict]:
+    layers = {name: layer for name, layer in contenders().items() if not only or name in only or name == "plain"}
     x = torch.randn(B, L, E)
     check(layers, x)
     xg = x.clone().requires_grad_()
@@ -119,18 +122,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2, help="calls per round on the CPU clock")
     parser.add_argument("--wall", action="store_true", help="also wall time on the benchmark threads")
+    parser.add_argument("--layers", help="comma-separated contenders to run beside plain (default: all)")
+    parser.add_argument("--lengths", help="comma-separated L (default 1024,2048; B=2)")
     args = parser.parse_args()
     print(context())
     print("before:", machine_state())
-    shapes = [(1, 512)] if args.quick else [(2, 1024), (2, 2048)]
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [1024, 2048]
+    shapes = [(1, 512)] if args.quick else [(2, L) for L in lengths]
+    only = args.layers.split(",") if args.layers else None
     rounds, calls = (1, 1) if args.quick else (args.rounds, args.calls)
     rows = []
     for B, L in shapes:
-        rows += run(B, L, rounds, calls, args.wall)
+        rows += run(B, L, rounds, calls, args.wall, only)
         print_table(f"causal self-attention layer, fp32, E={E}, B={B}, L={L}", [r for r in rows if r["L"] == L])
     print("after:", machine_state())
     if not args.quick:
-        write_csv("variants", rows)
+        write_csv("variants" if only is None else "variants-" + "-".join(n.replace(" ", "_") for n in only), rows)
 
 
 if __name__ == "__main__":
