@@ -1,0 +1,305 @@
+"""The ``triton_blocks`` backend's kernels against the fp64 oracle: forward, LSE and gradients, for
+every mask kind it runs and their ``& | ~``, GQA, odd lengths, tile sizes that do not divide them,
+fully masked rows, non-contiguous inputs.
+
+Where there is no GPU the kernels run on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, which tests/conftest.py sets on such a machine before anything imports
+triton), and the module's fixture turns on the backend's test switch
+(``triton_blocks._cpu_interpreter``), which lets it be forced on the CPU (``auto`` never chooses
+it). Where there is a GPU the same tests run the compiled kernels on it. The interpreter runs a
+kernel in Python, a tile at a time: a handful of cases run in the default tier, the full matrix in
+the slow one. Without triton every test here is skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import multihead as mh
+from helpers import Case, assert_relative, make_inputs, naive_attention, optional
+from multihead.backends import triton_blocks
+from multihead.validation import validate_call
+
+NAME = "triton_blocks"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Tiles much smaller than the defaults, so that lengths up to a few hundred cross many of them;
+# block_m != block_n, and the backward's own tile.
+TILES = [(32, 16, 32), (16, 32, 16)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    optional("triton", "the triton_blocks backend's kernel tests")
+    original = mh.get_backend(NAME)
+    if DEVICE == "cpu":
+        from multihead.backends import triton_kernels
+
+        if not triton_kernels.INTERPRETED:
+            pytest.skip(
+                "triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it on a "
+                "machine without a GPU): its kernels cannot run on the CPU in this process"
+            )
+        _skip_overflow_checks()
+    with triton_blocks._cpu_interpreter():
+        yield
+    mh.register_backend(original)
+
+
+def _skip_overflow_checks() -> None:
+    """The interpreter checks every integer multiply for overflow, which costs a fifth of its time
+    here; the kernels' index arithmetic is int32 on lengths far below the limit. Speed only."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    if builder is not None and hasattr(builder.options, "sanitize_overflow"):
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
+def _use_tiles(tiles) -> None:
+    block_m, block_n, backward = tiles
+    mh.register_backend(triton_blocks.TritonBlocksBackend(block_m, block_n, backward))
+
+
+# ----------------------------------------------------------------------------------- the cases
+#: The mask kinds of tests/helpers.py that the backend runs (bands, key padding, documents, and
+#: their & | ~, read at offsets); the others are refused (test_refusals).
+KINDS = [
+    "none",
+    "causal_br",
+    "causal_tl",
+    "window_3",
+    "window_5_2_tl",
+    "key_padding",
+    "document",
+    "prefix_lm",
+    "causal&padding",
+    "document&causal",
+    "window|prefix",
+    "~causal",
+    "shifted_causal",
+    "shifted_causal_br",
+    "window_per_sequence",
+    "document_causal",
+]
+HEADS = [(1, 1), (4, 2), (3, 1), (2, 2)]
+LENGTHS = [(1, 1), (1, 17), (17, 1), (13, 13), (33, 31), (47, 81), (81, 47), (64, 64)]
+HEAD_DIMS = [(16, 16), (32, 32), (40, 24), (64, 64), (8, 8)]
+
+
+def _cases() -> list[Case]:
+    """Every kind with a rotation of heads, lengths and head dims, batch 1 and 2."""
+    return [
+        Case(
+            1 + i % 2, *HEADS[i % len(HEADS)], *LENGTHS[(3 * i) % len(LENGTHS)], *HEAD_DIMS[i % len(HEAD_DIMS)], kind, i
+        )
+        for i, kind in enumerate(KINDS)
+    ]
+
+
+QUICK = [
+    Case(2, 4, 2, 40, 33, 32, 32, "causal&padding", 7),
+    Case(1, 2, 1, 33, 33, 16, 16, "document_causal", 8),
+    Case(2, 1, 1, 17, 40, 40, 24, "window|prefix", 9),
+]
+
+
+def _factor(dtype: torch.dtype, gradients: bool = False) -> float:
+    return mh.get_backend(NAME).capabilities.tolerance_factor(dtype, gradients)
+
+
+def _check(case: Case, dtype: torch.dtype, tiles) -> None:
+    """Output, LSE and the gradients of q, k, v (through the output and the LSE) against the fp64
+    oracle, by the relative rule against the naive computation in ``dtype``."""
+    _use_tiles(tiles)
+    q64, k64, v64, mask = make_inputs(case)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    grad_out = torch.randn(case.B, case.Hq, case.Lq, case.Dv, generator=gen, dtype=torch.float64)
+    grad_lse = torch.randn(case.B, case.Hq, case.Lq, generator=gen, dtype=torch.float64)
+
+    def run(fn, compute, device):
+        leaves = [t.to(dtype).to(compute).to(device).requires_grad_() for t in (q64, k64, v64)]
+        out, lse = fn(*leaves)
+        finite = torch.isfinite(lse)
+        loss = (out * grad_out.to(device, out.dtype)).sum() + (lse.masked_fill(~finite, 0) * grad_lse.to(device)).sum()
+        loss.backward()
+        return out.detach().cpu(), lse.detach().cpu(), [t.grad.cpu() for t in leaves]
+
+    def ours(q, k, v):
+        got = mh.attention(q, k, v, mask=mask, backend=NAME, return_lse=True)
+        return got.output, got.lse
+
+    def oracle(q, k, v):
+        ref = mh.reference_attention(q, k, v, mask=mask)
+        return ref.output, ref.lse
+
+    def naive(q, k, v):  # the baseline: the same computation in the input dtype
+        scores = (q @ k.repeat_interleave(case.Hq // case.Hkv, 1).transpose(-2, -1)) * case.D**-0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask.materialize(case.B, case.Hq, case.Lq, case.Lk), float("-inf"))
+        return naive_attention(q, k, v, mask), torch.logsumexp(scores, -1)
+
+    out, lse, grads = run(ours, dtype, DEVICE)
+    ref_out, ref_lse, ref_grads = run(oracle, torch.float64, "cpu")
+    base_out, base_lse, base_grads = run(naive, dtype, "cpu")
+    assert out.dtype == dtype and out.shape == (case.B, case.Hq, case.Lq, case.Dv)
+    assert lse.dtype == torch.float32
+    assert_relative(out, ref_out, base_out, _factor(dtype))
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~finite), "the LSE is -inf exactly on fully masked rows"
+    assert_relative(lse[finite].to(dtype), ref_lse[finite], base_lse[finite], _factor(dtype), "lse")
+    magnitude = max(float(g.abs().max()) for g in ref_grads)
+    for name, g, r, b in zip("qkv", grads, ref_grads, base_grads):
+        assert_relative(g, r, b, _factor(dtype, True), f"grad {name}", magnitude=magnitude)
+
+
+@pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
+def test_quick_cases_forward_lse_and_gradients(case):
+    _check(case, torch.float32, TILES[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: "tiles{}x{}-bwd{}".format(*t))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)
+def test_every_mask_kind_forward_lse_and_gradients(case, dtype, tiles):
+    if dtype == torch.float16 and tiles != TILES[0]:
+        pytest.skip("fp16 runs with one tile configuration (its arithmetic is bf16's with more bits)")
+    _check(case, dtype, tiles)
+
+
+def _combinations(B: int, Lq: int, Lk: int) -> dict:
+    ids = torch.tensor([0] * 20 + [1] * 25 + [2] * (Lq - 45))
+    lengths = torch.tensor([Lk, Lk - 30])
+    pad = torch.rand(B, Lk, generator=torch.Generator().manual_seed(2)) > 0.7
+    return {
+        "five leaves": (mh.causal() & mh.sliding_window(20))
+        | (mh.document(ids) & ~mh.key_padding(lengths))
+        | mh.key_padding([3, 0]),
+        "pad table & window": mh.key_padding(pad=pad) & mh.sliding_window(9, 4),
+        "unsorted documents": mh.document(ids[torch.randperm(Lq, generator=torch.Generator().manual_seed(3))]),
+        "per-sequence causal | prefix": mh.causal(q_lengths=[Lq, 50], kv_lengths=lengths) | mh.prefix_lm([4, 9]),
+        "document_causal & window, shifted": (
+            mh.document_causal(torch.cat([ids, ids[-3:]]), torch.cat([ids, ids[-5:]])) & mh.sliding_window(7)
+        ).shifted(3, 5, q_len=Lq + 3, kv_len=Lk + 5),
+        "not (window | padding)": ~(mh.sliding_window(5) | ~mh.key_padding(lengths)),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(_combinations(2, 70, 70)))
+def test_combinations_of_every_leaf_kind(kind):
+    B, Lq, Lk = 2, 70, 70
+    mask = _combinations(B, Lq, Lk)[kind]
+    case = Case(B, 4, 2, Lq, Lk, 32, 32, "none", 11)
+    _use_tiles(TILES[0])
+    q, k, v, _ = make_inputs(case, dtype=torch.float32)
+    got = mh.attention(*(t.to(DEVICE) for t in (q, k, v)), mask=mask, backend=NAME, return_lse=True)
+    ref = mh.reference_attention(q.double(), k.double(), v.double(), mask=mask)
+    base = naive_attention(q, k, v, mask)
+    assert_relative(got.output.cpu(), ref.output, base, _factor(torch.float32))
+    assert torch.equal(torch.isneginf(got.lse.cpu()), torch.isneginf(ref.lse))
+
+
+def test_fully_masked_rows_and_unseen_keys_have_zero_output_and_zero_gradients():
+    # Batch element 1 sees no key at all; in element 0, rows 0..3 of the shifted window see no key
+    # (theirs would be negative) and rows from 27 on none (theirs are past the padding length 20).
+    # Keys past the padding length are seen by nobody: their gradients are exactly zero.
+    _use_tiles(TILES[0])
+    B, Hq, Hkv, Lq, Lk, D = 2, 2, 1, 37, 29, 16
+    mask = mh.sliding_window(3, 0, align="top_left").shifted(-4, 0) & mh.key_padding([20, 0])
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (
+        torch.randn(B, h, L, D, generator=gen).to(DEVICE).requires_grad_() for h, L in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))
+    )
+    got = mh.attention(q, k, v, mask=mask, backend=NAME, return_lse=True)
+    ref = mh.reference_attention(
+        q.detach().double().cpu(), k.detach().double().cpu(), v.detach().double().cpu(), mask=mask
+    )
+    empty = torch.isneginf(ref.lse)
+    assert empty[1].all() and empty[0, :, :4].all() and empty[0, :, 27:].all() and not empty[0, :, 4:27].any()
+    out, lse = got.output.cpu(), got.lse.cpu()
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.isneginf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
+    (got.output.square().sum() + got.lse.masked_fill(torch.isneginf(got.lse), 0).sum()).backward()
+    dq, dk, dv = (t.grad.cpu() for t in (q, k, v))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert torch.equal(dq[empty], torch.zeros_like(dq[empty]))
+    assert torch.equal(dk[0, :, 20:], torch.zeros_like(dk[0, :, 20:])) and torch.equal(dk[1], torch.zeros_like(dk[1]))
+    assert torch.equal(dv[0, :, 20:], torch.zeros_like(dv[0, :, 20:])) and torch.equal(dv[1], torch.zeros_like(dv[1]))
+
+
+def test_gqa_equals_mha_on_repeated_keys_and_values():
+    _use_tiles(TILES[0])
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 45, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 50, 16, generator=gen).to(DEVICE) for _ in range(2))
+    mask = mh.causal() & mh.sliding_window(11)
+    grouped = mh.attention(q, k, v, mask=mask, backend=NAME)
+    repeated = mh.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask=mask, backend=NAME)
+    assert torch.equal(grouped, repeated)  # the same tiles in the same order: the same bits
+
+
+def test_non_contiguous_and_expanded_inputs():
+    _use_tiles(TILES[1])
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(2, 41, 3, 2, 16, generator=gen).to(DEVICE)  # packed (B, L, 3, H, D)
+    q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    v = torch.randn(2, 1, 41, 16, generator=gen).to(DEVICE).expand(2, 2, 41, 16)  # stride 0 over heads
+    mask = mh.causal() & mh.key_padding([41, 30])
+    got = mh.attention(q, k, v, mask=mask, backend=NAME)
+    ref = mh.reference_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask=mask)
+    torch.testing.assert_close(got.double().cpu(), ref.output, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "why,kwargs",
+    [
+        ("custom", dict(mask=mh.custom(lambda b, h, q, kv: (q + kv) % 3 != 0))),
+        ("tensor", dict(mask=torch.ones(9, 9, dtype=torch.bool).tril())),
+        ("position tensors", dict(mask=mh.causal().at(torch.arange(9), torch.arange(9), q_len=9, kv_len=9))),
+        ("score modifier", dict(score_mod=mh.scores.softcap(20.0))),
+        ("dropout", dict(dropout_p=0.1)),
+        ("float64", dict(dtype=torch.float64)),
+        (
+            "six leaves",
+            dict(
+                mask=mh.causal()
+                & mh.key_padding([5])
+                & mh.sliding_window(2)
+                & mh.causal("top_left")
+                & mh.key_padding([7])
+                & mh.sliding_window(4, 1)
+            ),
+        ),
+    ],
+)
+def test_refusals_name_the_reason(why, kwargs):
+    dtype = kwargs.pop("dtype", torch.float32)
+    q = torch.randn(1, 2, 9, 16, dtype=dtype, device=DEVICE)
+    call = validate_call(
+        q, q, q, mask=kwargs.get("mask"), score_mod=kwargs.get("score_mod"), scale=None,
+        dropout_p=kwargs.get("dropout_p", 0.0), dropout_mask=None, return_weights=False, return_lse=False,
+    )  # fmt: skip
+    reasons = mh.get_backend(NAME).refusals(call)
+    assert reasons, why
+    with pytest.raises(mh.BackendRefusedError, match=NAME):
+        mh.attention(q, q, q, backend=NAME, **kwargs)
+
+
+def test_on_the_cpu_it_refuses_outside_the_test_switch_and_auto_never_takes_it():
+    if DEVICE != "cpu":
+        pytest.skip("the CPU switch matters where the kernels run in the interpreter")
+    q = torch.randn(1, 1, 8, 16)
+    with triton_blocks._cpu_interpreter():
+        pass  # leaving the switch restores what was before (on, inside this module's fixture)
+    assert triton_blocks._CPU_INTERPRETER
+    triton_blocks._CPU_INTERPRETER = False
+    try:
+        with pytest.raises(mh.BackendRefusedError, match="device type 'cpu'"):
+            mh.attention(q, q, q, backend=NAME)
+    finally:
+        triton_blocks._CPU_INTERPRETER = True
+    assert NAME not in mh.backends.AUTO_ORDER
