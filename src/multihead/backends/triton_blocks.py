@@ -70,11 +70,28 @@ class TritonBlocksBackend(Backend):
         compile_note="a Triton launch from Python after a tile plan read on the host from the mask's structure",
     )
 
-    def __init__(self, block_m: int = 128, block_n: int = 64, backward_block: int = 64):
+    def __init__(
+        self,
+        block_m: int = 128,
+        block_n: int = 64,
+        backward_block: int = 64,
+        *,
+        num_warps: int = 8,
+        backward_warps: int = 4,
+        num_stages: int = 3,
+    ):
+        """Tiles of ``block_m`` queries x ``block_n`` keys in the forward, ``backward_block`` square
+        in the backward (powers of two, at least 16, ``tl.dot``'s smallest); the warps and software
+        pipeline stages of each launch. The defaults are the shapes of Triton's fused-attention
+        tutorial for head dim 128 until GPU measurements choose (benchmarks/gpu.py --only tiles)."""
         for name, value in (("block_m", block_m), ("block_n", block_n), ("backward_block", backward_block)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"TritonBlocksBackend: {name} must be a power of two >= 16, got {value!r}")
+        for name, value in (("num_warps", num_warps), ("backward_warps", backward_warps), ("num_stages", num_stages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TritonBlocksBackend: {name} must be a positive int, got {value!r}")
         self.block_m, self.block_n, self.backward_block = block_m, block_n, backward_block
+        self.launch = ((num_warps, num_stages), (backward_warps, num_stages))
         # Plans and mask programs per (mask value, shape, tiles, device): a repeated call reads them.
         self._plans: BoundedCache[tuple, tuple[TilePlan, TilePlan]] = BoundedCache(32)
         self._programs: BoundedCache[tuple, MaskProgram | str] = BoundedCache(32)
@@ -119,9 +136,9 @@ class TritonBlocksBackend(Backend):
         bwd = self._plan(call.mask, B, Hq, Lq, Lk, self.backward_block, self.backward_block, device)
         tiles = (self.block_m, self.block_n, self.backward_block)
         if call.requires_grad:
-            out, lse = _Attention.apply(call.q, call.k, call.v, call.scale, program, fwd, bwd, tiles)
+            out, lse = _Attention.apply(call.q, call.k, call.v, call.scale, program, fwd, bwd, tiles, self.launch)
         else:
-            out, lse = _forward(call.q, call.k, call.v, call.scale, program, fwd, self.block_m, self.block_n)
+            out, lse = _forward(call.q, call.k, call.v, call.scale, program, fwd, tiles, self.launch[0])
         return AttentionResult(out, None, lse if call.return_lse else None)
 
     def _program(self, mask: Mask | None, batch: int, q_len: int, kv_len: int) -> MaskProgram | str:
@@ -175,7 +192,8 @@ def _padded(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def _forward(q, k, v, scale, program, plan, block_m, block_n) -> tuple[Tensor, Tensor]:
+def _forward(q, k, v, scale, program, plan, tiles, launch) -> tuple[Tensor, Tensor]:
+    block_m, block_n, _ = tiles
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     kernels = _kernels()
@@ -187,6 +205,7 @@ def _forward(q, k, v, scale, program, plan, block_m, block_n) -> tuple[Tensor, T
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Hq, Hq // Hkv, Lq, Lk, scale * kernels.LOG2E,
         BM=block_m, BN=block_n, **_launch_args(program, _padded(D), _padded(Dv), q.dtype, D, Dv),
+        num_warps=launch[0], num_stages=launch[1],
     )  # fmt: skip
     return out, lse
 
@@ -199,11 +218,10 @@ class _Attention(torch.autograd.Function):
     """The forward kernel, and the backward's two kernels (dQ by query tile; dK, dV by key tile)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, program, fwd, bwd, tiles):
-        block_m, block_n, block = tiles
-        out, lse = _forward(q, k, v, scale, program, fwd, block_m, block_n)
+    def forward(ctx, q, k, v, scale, program, fwd, bwd, tiles, launch):
+        out, lse = _forward(q, k, v, scale, program, fwd, tiles, launch[0])
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.program, ctx.bwd, ctx.block = scale, program, bwd, block
+        ctx.scale, ctx.program, ctx.bwd, ctx.block, ctx.launch = scale, program, bwd, tiles[2], launch[1]
         return out, lse
 
     @staticmethod
@@ -221,6 +239,7 @@ class _Attention(torch.autograd.Function):
         delta = delta.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         consts = dict(BM=block, BN=block, **_launch_args(program, _padded(D), _padded(Dv), q.dtype, D, Dv))
+        consts.update(num_warps=ctx.launch[0], num_stages=ctx.launch[1])
         qk_scale = ctx.scale * kernels.LOG2E
         kernels.backward_dq[(-(-Lq // block), B * Hq)](
             q, k, v, dout, dq, lse, delta, by_query.ptr, _nonempty(by_query.idx), program.params, program.data,
@@ -232,4 +251,4 @@ class _Attention(torch.autograd.Function):
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             Hq, Hkv, Hq // Hkv, Lq, Lk, qk_scale, ctx.scale, **consts,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None

@@ -157,7 +157,7 @@ def forward(
     ``COLS[PTR[0]:PTR[1]]`` (mask evaluated) and full ones ``COLS[PTR[2]:PTR[3]]`` (no mask).
     Writes ``O`` (input dtype) and ``LSE (B·Hq, Lq)`` fp32, natural log."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64: b · stride and bh · Lq may pass 2**31
     b = bh // H
     h = bh % H
     kh = h // G
@@ -271,7 +271,7 @@ def backward_dq(
     """Grid ``(query tiles, B·Hq)``, the forward's plan: ``dQ = scale · dS K`` with
     ``dS = P ∘ (dP - delta)``, ``dP = dO Vᵀ``, ``delta = rowsum(dO ∘ O) - dLSE``."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64: b · stride and bh · Lq may pass 2**31
     b = bh // H
     h = bh % H
     kh = h // G
@@ -391,7 +391,7 @@ def backward_dkdv(
     ``ROWS``): ``dV = Σ Pᵀ dO`` and ``dK = scale · Σ dSᵀ Q`` over the ``G`` query heads of the KV
     head, summed here (GQA without copies or atomics)."""
     pid_n = tl.program_id(0)
-    bkh = tl.program_id(1)
+    bkh = tl.program_id(1).to(tl.int64)  # int64: b · stride and bh · Lq may pass 2**31
     b = bkh // HKV
     kh = bkh % HKV
     offs_n = pid_n * BN + tl.arange(0, BN)
