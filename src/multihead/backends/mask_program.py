@@ -69,7 +69,7 @@ class _Builder:
     def table(self, t: Tensor) -> int:
         """Append an integer table to ``data``; its offset."""
         at = self.size
-        flat = t.reshape(-1).to(torch.int32)
+        flat = t.detach().reshape(-1).to("cpu", torch.int32)  # built on the host, moved once (MaskProgram.to)
         self.chunks.append(flat)
         self.size += flat.numel()
         return at
@@ -141,12 +141,12 @@ def _walk(mask: Mask, b: _Builder, qs: int, ks: int, q_len: int, kv_len: int) ->
     if type(mask) is KeyPadding:
         lengths = mask.key_lengths()
         if lengths is not None:
-            return b.leaf(LENGTHS, qs, ks, b.table(b.per_row(lengths.view(-1))))
+            return b.leaf(LENGTHS, qs, ks, b.table(b.per_row(lengths.detach().cpu().view(-1))))
         assert mask.valid is not None  # a KeyPadding holds lengths or a table (masks/padding.py)
-        valid = b.per_row(mask.valid)
+        valid = b.per_row(mask.valid.detach().cpu())
         return b.leaf(VALID, qs, ks, b.table(valid), valid.shape[1])
     if isinstance(mask, Document) and type(mask) in (Document, DocumentCausal):
-        q_ids, kv_ids = (b.per_row(t) for t in mask.document_ids())
+        q_ids, kv_ids = (b.per_row(t.detach().cpu()) for t in mask.document_ids())
         # Ids renumbered 0.. (int32 in the kernel, whatever the caller's ids are).
         _, inverse = torch.unique(torch.cat([q_ids.reshape(-1), kv_ids.reshape(-1)]), return_inverse=True)
         q_num, kv_num = inverse[: q_ids.numel()].view_as(q_ids), inverse[q_ids.numel() :].view_as(kv_ids)
@@ -155,7 +155,7 @@ def _walk(mask: Mask, b: _Builder, qs: int, ks: int, q_len: int, kv_len: int) ->
             return b.leaf(DOCUMENT, qs, ks, *params)
         # Key j of a run is visible iff its place - count <= the query's (masks/document.py).
         q_place, q_count, kv_place, kv_count = mask._tables()
-        q_at, kv_at = b.per_row(q_place - q_count), b.per_row(kv_place - kv_count)
+        q_at, kv_at = b.per_row((q_place - q_count).cpu()), b.per_row((kv_place - kv_count).cpu())
         return b.leaf(DOCUMENT_CAUSAL, qs, ks, *params, b.table(q_at), b.table(kv_at))
     raise _NoProgram(f"{mask._describe()} ({type(mask).__name__}) has no per-element formula in the kernel")
 
