@@ -563,15 +563,16 @@ def structured_config(run: Run, L: int, H: int, D: int, name: str, spec: dict) -
 # --------------------------------------------------------------------------------------------
 # 2b. the triton_blocks backend's tiles and launch settings
 
-#: (block_m, block_n, backward_block, forward warps, backward warps, stages): the backend's
-#: defaults first, then the shapes worth trying on Hopper for head dim 128.
+#: triton_blocks.Tiles(forward, dkdv, warps, stages) as tuples: the backend's defaults first, then
+#: shapes worth trying on Hopper for head dim 128 (benchmarks/triton_compile.py: their spills).
 TILE_CONFIGS = [
-    (128, 64, 64, 8, 4, 3),
-    (128, 128, 64, 8, 8, 2),
-    (128, 32, 64, 4, 4, 3),
-    (64, 64, 64, 4, 4, 3),
-    (128, 64, 32, 8, 4, 2),
-    (128, 64, 64, 8, 8, 3),
+    ((128, 64), (32, 64), (8, 8, 4), (3, 2, 3)),
+    ((128, 128), (32, 64), (8, 8, 4), (2, 2, 3)),
+    ((64, 64), (32, 64), (4, 8, 4), (3, 3, 3)),
+    ((128, 64), (32, 64), (8, 8, 8), (3, 2, 3)),
+    ((128, 64), (32, 128), (8, 8, 8), (3, 2, 2)),
+    ((128, 64), (16, 64), (8, 8, 4), (3, 2, 3)),
+    ((128, 64), (64, 64), (8, 8, 8), (3, 2, 3)),
 ]
 
 
@@ -579,7 +580,7 @@ def tiles(run: Run) -> list[dict]:
     """``triton_blocks`` with each of :data:`TILE_CONFIGS` on a causal, a windowed and a packed-
     documents call (B=1 H=16 D=128 bf16, L 16k), fwd and fwd+bwd: TFLOP/s per unmasked FLOP, so
     that the backend's defaults are chosen by measurement."""
-    from multihead.backends.triton_blocks import TritonBlocksBackend
+    from multihead.backends.triton_blocks import Tiles, TritonBlocksBackend
 
     L, H, D = (256, 2, 32) if run.dry else (16384, 16, 128)
     gen = torch.Generator(device=run.device).manual_seed(7)
@@ -600,11 +601,9 @@ def tiles(run: Run) -> list[dict]:
             what = f"{name} tiles {config}"
             if run.over(what):
                 continue
-            bm, bn, bb, warps, bwarps, stages = config
+            tiles = Tiles(*config)
             backend = mh.get_backend("triton_blocks")  # the default, put back after the trial
-            mh.register_backend(
-                TritonBlocksBackend(bm, bn, bb, num_warps=warps, backward_warps=bwarps, num_stages=stages)
-            )
+            mh.register_backend(TritonBlocksBackend(tiles))
             try:
                 print(f"  {what}", flush=True)
                 contenders = {"triton_blocks": lambda: mh.attention(q, k, v, mask=mask, backend="triton_blocks")}
@@ -620,12 +619,10 @@ def tiles(run: Run) -> list[dict]:
                         "L": L,
                         "mask": name,
                         "pass": p,
-                        "block_m": bm,
-                        "block_n": bn,
-                        "backward_block": bb,
-                        "warps": warps,
-                        "backward_warps": bwarps,
-                        "stages": stages,
+                        "forward": "x".join(map(str, tiles.forward)),
+                        "dkdv": "x".join(map(str, tiles.dkdv)),
+                        "warps": "/".join(map(str, tiles.warps)),
+                        "stages": "/".join(map(str, tiles.stages)),
                         "ms": ms,
                         "TFLOPs": tflops(flops, ms),
                         "notes": notes.get("triton_blocks", ""),
@@ -634,8 +631,7 @@ def tiles(run: Run) -> list[dict]:
             free()
     print_table(
         "triton_blocks tiles: TFLOP/s per unmasked FLOP",
-        [{k: r[k] for k in ("mask", "pass", "block_m", "block_n", "backward_block", "warps", "backward_warps",
-                             "stages", "TFLOPs")} for r in rows],
+        [{k: r[k] for k in ("mask", "pass", "forward", "dkdv", "warps", "stages", "TFLOPs")} for r in rows],
     )  # fmt: skip
     write(run, "tiles", rows)
     return rows

@@ -31,21 +31,27 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from multihead.backends import mask_program, triton_kernels  # noqa: E402
 
-#: (kernel, tiles (BM, BN), warps, stages): the backend's defaults first, then alternatives.
+#: (kernel, tiles (BM, BN), warps, stages): the backend's defaults (triton_blocks.Tiles) first,
+#: then alternatives.
 CONFIGS = [
     ("forward", (128, 64), 8, 3),
     ("forward", (128, 128), 8, 2),
     ("forward", (64, 64), 4, 3),
-    ("backward_dq", (64, 64), 4, 3),
-    ("backward_dq", (64, 64), 8, 3),
     ("backward_dq", (128, 64), 8, 2),
-    ("backward_dkdv", (64, 64), 4, 3),
-    ("backward_dkdv", (64, 64), 8, 3),
+    ("backward_dq", (64, 64), 8, 3),
+    ("backward_dq", (128, 32), 4, 3),
     ("backward_dkdv", (32, 64), 4, 3),
+    ("backward_dkdv", (32, 64), 8, 3),
+    ("backward_dkdv", (32, 128), 8, 2),
+    ("backward_dkdv", (16, 64), 4, 3),
+    ("backward_dkdv", (64, 64), 8, 3),
 ]
-#: The mask programs compiled: none (no mask evaluated) and all five leaf kinds at once.
-PROGRAMS = {"no mask": (), "5 leaves": tuple(range(1, 6))}
-POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "PTR": "*i32", "COLS": "*i32", "ROWS": "*i32", "MP": "*i32", "MD": "*i32"}
+#: The programs compiled: no mask nor modifier; all five mask leaf kinds at once and a relative
+#: bias under a softcap (the most the kernels evaluate per element).
+PROGRAMS = {"no mask": ((), False), "5 leaves + mods": (tuple(range(1, 6)), True)}
+TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"}  # of the input dtype
+POINTERS = {"RB": "*fp32", "LSE": "*fp32", "DELTA": "*fp32"}
+POINTERS |= dict.fromkeys(["PTR", "COLS", "ROWS", "MP", "MD"], "*i32")
 
 
 def signature(fn, dtype: str, constexprs: dict) -> dict:
@@ -55,16 +61,16 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in POINTERS:
             sig[name] = POINTERS[name]
-        elif name[0].isupper():  # Q, K, V, O, DO, DQ, DK, DV_: tensors of the input dtype
+        elif name in TENSORS:
             sig[name] = f"*{dtype}"
-        elif name in ("qk_scale", "scale"):
+        elif name in ("qk_scale", "scale", "cap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
     return sig
 
 
-def constants(dtype: str, kinds: tuple, D: int, tiles: tuple) -> dict:
+def constants(dtype: str, kinds: tuple, mods: bool, D: int, tiles: tuple) -> dict:
     padded = kinds + (0,) * (mask_program.MAX_LEAVES - len(kinds))
     dt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
     return dict(
@@ -79,6 +85,10 @@ def constants(dtype: str, kinds: tuple, D: int, tiles: tuple) -> dict:
         BDV=D,
         DT=dt,
         PREC="ieee" if dtype == "fp32" else "tf32",
+        MODS=mods,
+        HAS_REL=mods,
+        HAS_CAP=mods,
+        CAP_FIRST=False,
     )
 
 
@@ -114,10 +124,10 @@ def main(argv=None) -> int:
     print(f"# triton {triton.__version__}, target sm_{args.arch}, {args.dtype}")
     failed = 0
     for D in args.head_dims:
-        for program, kinds in PROGRAMS.items():
+        for program, (kinds, mods) in PROGRAMS.items():
             for kernel, tiles, warps, stages in CONFIGS:
                 fn = getattr(triton_kernels, kernel)
-                consts = constants(args.dtype, kinds, D, tiles)
+                consts = constants(args.dtype, kinds, mods, D, tiles)
                 t0 = time.time()
                 try:
                     compiled = triton.compile(
@@ -130,7 +140,7 @@ def main(argv=None) -> int:
                     failed += 1
                     info = "FAILED: " + " ".join(f"{type(e).__name__}: {e}".split())[:400]
                 print(
-                    f"D={D:<4} {program:<9} {kernel:<14} tiles {tiles[0]:>3}x{tiles[1]:<3} warps {warps} "
+                    f"D={D:<4} {program:<15} {kernel:<14} tiles {tiles[0]:>3}x{tiles[1]:<3} warps {warps} "
                     f"stages {stages}: {info} ({time.time() - t0:.0f} s to compile)",
                     flush=True,
                 )

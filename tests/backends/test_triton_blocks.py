@@ -25,9 +25,12 @@ from multihead.validation import validate_call
 
 NAME = "triton_blocks"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Tiles much smaller than the defaults, so that lengths up to a few hundred cross many of them;
-# block_m != block_n, and the backward's own tile.
-TILES = [(32, 16, 32), (16, 32, 16)]
+# Tiles much smaller than the defaults, so that lengths of tens cross several of them; queries !=
+# keys per tile, and dK/dV's tiling other than the forward's (as the defaults are).
+TILES = [
+    triton_blocks.Tiles(forward=(32, 16), dkdv=(16, 32)),
+    triton_blocks.Tiles(forward=(16, 32), dkdv=(32, 16)),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,9 +61,8 @@ def _skip_overflow_checks() -> None:
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
-def _use_tiles(tiles) -> None:
-    block_m, block_n, backward = tiles
-    mh.register_backend(triton_blocks.TritonBlocksBackend(block_m, block_n, backward))
+def _use_tiles(tiles: triton_blocks.Tiles) -> None:
+    mh.register_backend(triton_blocks.TritonBlocksBackend(tiles))
 
 
 # ----------------------------------------------------------------------------------- the cases
@@ -110,11 +112,13 @@ def _factor(dtype: torch.dtype, gradients: bool = False) -> float:
     return mh.get_backend(NAME).capabilities.tolerance_factor(dtype, gradients)
 
 
-def _check(case: Case, dtype: torch.dtype, tiles) -> None:
+def _check(case: Case, dtype: torch.dtype, tiles, score_mod=None) -> None:
     """Output, LSE and the gradients of q, k, v (through the output and the LSE) against the fp64
     oracle, by the relative rule against the naive computation in ``dtype``."""
     _use_tiles(tiles)
     q64, k64, v64, mask = make_inputs(case)
+    mod = mh.scores.as_score_mod(score_mod)
+    mod = None if mod is None else mod.for_lengths(case.Lq, case.Lk)  # as attention() binds it
     gen = torch.Generator().manual_seed(case.seed + 1)
     grad_out = torch.randn(case.B, case.Hq, case.Lq, case.Dv, generator=gen, dtype=torch.float64)
     grad_lse = torch.randn(case.B, case.Hq, case.Lq, generator=gen, dtype=torch.float64)
@@ -128,18 +132,20 @@ def _check(case: Case, dtype: torch.dtype, tiles) -> None:
         return out.detach().cpu(), lse.detach().cpu(), [t.grad.cpu() for t in leaves]
 
     def ours(q, k, v):
-        got = mh.attention(q, k, v, mask=mask, backend=NAME, return_lse=True)
+        got = mh.attention(q, k, v, mask=mask, score_mod=mod, backend=NAME, return_lse=True)
         return got.output, got.lse
 
     def oracle(q, k, v):
-        ref = mh.reference_attention(q, k, v, mask=mask)
+        ref = mh.reference_attention(q, k, v, mask=mask, score_mod=mod)
         return ref.output, ref.lse
 
     def naive(q, k, v):  # the baseline: the same computation in the input dtype
         scores = (q @ k.repeat_interleave(case.Hq // case.Hkv, 1).transpose(-2, -1)) * case.D**-0.5
+        if mod is not None:
+            scores = mod.apply_block(scores, 0, case.Lq, 0, case.Lk)
         if mask is not None:
             scores = scores.masked_fill(~mask.materialize(case.B, case.Hq, case.Lq, case.Lk), float("-inf"))
-        return naive_attention(q, k, v, mask), torch.logsumexp(scores, -1)
+        return naive_attention(q, k, v, mask, score_mod=mod), torch.logsumexp(scores, -1)
 
     out, lse, grads = run(ours, dtype, DEVICE)
     ref_out, ref_lse, ref_grads = run(oracle, torch.float64, "cpu")
@@ -163,9 +169,9 @@ def test_quick_cases_forward_lse_and_gradients(case):
 #: Every case in fp32, bf16 and fp16 with the first tiles, and in fp32 and bf16 with the second
 #: (fp16's arithmetic is bf16's with more mantissa bits: one tile configuration suffices).
 MATRIX = [
-    pytest.param(case, dtype, tiles, id=f"{case.id}-{dtype}-tiles{tiles[0]}x{tiles[1]}-bwd{tiles[2]}")
+    pytest.param(case, dtype, tiles, id=f"{case.id}-{dtype}-tiles{i}")
+    for i, tiles in enumerate(TILES)
     for case in _cases()
-    for tiles in TILES
     for dtype in [torch.float32, torch.bfloat16] + ([torch.float16] if tiles == TILES[0] else [])
 ]
 
@@ -174,6 +180,34 @@ MATRIX = [
 @pytest.mark.parametrize("case,dtype,tiles", MATRIX)
 def test_every_mask_kind_forward_lse_and_gradients(case, dtype, tiles):
     _check(case, dtype, tiles)
+
+
+def _score_mods(heads: int) -> dict:
+    from multihead.positions import ALiBi
+    from multihead.positions.relative_bias import BucketedBias
+
+    weight = torch.randn(8, heads, generator=torch.Generator().manual_seed(12))
+    t5 = BucketedBias(weight, bidirectional=True, num_buckets=8, max_distance=20)
+    return {
+        "softcap": mh.scores.softcap(5.0),
+        "alibi": ALiBi(heads),
+        "alibi then softcap": [ALiBi(heads), mh.scores.softcap(4.0)],
+        "softcap then alibi": [mh.scores.softcap(4.0), ALiBi(heads, align="top_left")],
+        "t5 bucketed + alibi": [t5, ALiBi(heads)],
+    }
+
+
+def test_quick_score_modifiers_in_the_kernel():
+    mod = _score_mods(4)["alibi then softcap"]
+    _check(Case(2, 4, 2, 33, 47, 16, 16, "causal&padding", 13), torch.float32, TILES[0], mod)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["none", "window_5_2_tl", "document_causal"])
+@pytest.mark.parametrize("mod", list(_score_mods(4)))
+def test_score_modifiers_with_masks(mod, kind, dtype):
+    _check(Case(2, 4, 2, 47, 40, 32, 32, kind, 14), dtype, TILES[1], _score_mods(4)[mod])
 
 
 def _combinations(B: int, Lq: int, Lk: int) -> dict:
@@ -260,13 +294,30 @@ def test_non_contiguous_and_expanded_inputs():
     torch.testing.assert_close(got.double().cpu(), ref.output, rtol=1e-5, atol=1e-5)
 
 
+def _alibi(heads: int):
+    from multihead.positions import ALiBi
+
+    return ALiBi(heads)
+
+
+def _trainable_t5(heads: int):
+    from multihead.positions.relative_bias import BucketedBias
+
+    weight = torch.randn(8, heads, requires_grad=True)
+    return BucketedBias(weight, bidirectional=True, num_buckets=8, max_distance=20)
+
+
 @pytest.mark.parametrize(
     "why,kwargs",
     [
         ("custom", dict(mask=mh.custom(lambda b, h, q, kv: (q + kv) % 3 != 0))),
         ("tensor", dict(mask=torch.ones(9, 9, dtype=torch.bool).tril())),
         ("position tensors", dict(mask=mh.causal().at(torch.arange(9), torch.arange(9), q_len=9, kv_len=9))),
-        ("score modifier", dict(score_mod=mh.scores.softcap(20.0))),
+        ("tensor bias", dict(score_mod=mh.scores.bias(torch.randn(9, 9)))),
+        ("a user function", dict(score_mod=lambda s, b, h, q, kv: s * 2)),
+        ("two softcaps", dict(score_mod=[mh.scores.softcap(2.0), mh.scores.softcap(3.0)])),
+        ("bias around a softcap", dict(score_mod=[_alibi(2), mh.scores.softcap(3.0), _alibi(2)])),
+        ("trainable bias", dict(score_mod=_trainable_t5(2))),
         ("dropout", dict(dropout_p=0.1)),
         ("float64", dict(dtype=torch.float64)),
         (

@@ -106,6 +106,30 @@ def _visible(
 
 
 @triton.jit
+def _modified(x, h, offs_m, offs_n, RB, srbh, cap, Lq, Lk, HAS_REL: tl.constexpr, HAS_CAP: tl.constexpr,
+              CAP_FIRST: tl.constexpr):  # fmt: skip
+    """The scaled scores ``x (BM, BN)`` after the score program (score_program.py): a relative bias
+    ``RB[h, kv - q + Lq - 1]`` and ``cap · tanh(x / cap)`` in the program's order, and the
+    derivative of the result by ``x`` (softcap's ``1 - tanh²``; the bias adds 1). A ``-inf`` stays
+    ``-inf`` through the softcap (``Chain``'s rule)."""
+    grad = tl.full(x.shape, 1.0, tl.float32)
+    if HAS_CAP:
+        if CAP_FIRST:
+            t = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)  # tanh(x / cap), saturating without NaN
+            x = tl.where(x == float("-inf"), float("-inf"), cap * t)
+            grad = 1.0 - t * t
+    if HAS_REL:
+        inside = (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
+        x = x + tl.load(RB + h * srbh + (offs_n[None, :] - offs_m[:, None] + Lq - 1), mask=inside, other=0.0)
+    if HAS_CAP:
+        if not CAP_FIRST:
+            t = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
+            x = tl.where(x == float("-inf"), float("-inf"), cap * t)
+            grad = 1.0 - t * t
+    return x, grad
+
+
+@triton.jit
 def forward(
     Q,
     K,
@@ -116,6 +140,9 @@ def forward(
     COLS,
     MP,
     MD,
+    RB,
+    srbh,
+    cap,
     sqb,
     sqh,
     sqm,
@@ -137,6 +164,7 @@ def forward(
     Lq,
     Lk,
     qk_scale,
+    scale,
     D: tl.constexpr,
     DV: tl.constexpr,
     NLEAF: tl.constexpr,
@@ -152,6 +180,10 @@ def forward(
     BDV: tl.constexpr,
     DT: tl.constexpr,
     PREC: tl.constexpr,
+    MODS: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    CAP_FIRST: tl.constexpr,
 ):
     """Grid ``(query tiles, B·Hq)``. ``PTR (tiles, 4)``: the query tile's partial key tiles
     ``COLS[PTR[0]:PTR[1]]`` (mask evaluated) and full ones ``COLS[PTR[2]:PTR[3]]`` (no mask).
@@ -185,7 +217,12 @@ def forward(
                 mask=k_ok[None, :] & (offs_d < D)[:, None],
                 other=0.0,
             )  # (BD, BN)
-            s = tl.dot(q.to(DT), kt.to(DT), input_precision=PREC) * qk_scale  # (BM, BN), log2 units
+            s = tl.dot(q.to(DT), kt.to(DT), input_precision=PREC)  # (BM, BN)
+            if MODS:
+                s, _ = _modified(s * scale, h, offs_m, offs_n, RB, srbh, cap, Lq, Lk, HAS_REL, HAS_CAP, CAP_FIRST)
+                s = s * 1.4426950408889634  # log2 units
+            else:
+                s = s * qk_scale
             if j == 0:
                 ok = _visible(MP, MD, b, offs_m, offs_n, Lq, Lk, NLEAF, K0, K1, K2, K3, K4, TABLE, BM, BN)
                 s = tl.where(ok, s, float("-inf"))
@@ -226,6 +263,9 @@ def backward_dq(
     COLS,
     MP,
     MD,
+    RB,
+    srbh,
+    cap,
     sqb,
     sqh,
     sqm,
@@ -267,6 +307,10 @@ def backward_dq(
     BDV: tl.constexpr,
     DT: tl.constexpr,
     PREC: tl.constexpr,
+    MODS: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    CAP_FIRST: tl.constexpr,
 ):
     """Grid ``(query tiles, B·Hq)``, the forward's plan: ``dQ = scale · dS K`` with
     ``dS = P ∘ (dP - delta)``, ``dP = dO Vᵀ``, ``delta = rowsum(dO ∘ O) - dLSE``."""
@@ -310,7 +354,12 @@ def backward_dq(
                 mask=k_ok[None, :] & (offs_dv < DV)[:, None],
                 other=0.0,
             )  # (BDV, BN)
-            s = tl.dot(q.to(DT), kt.to(DT), input_precision=PREC) * qk_scale
+            s = tl.dot(q.to(DT), kt.to(DT), input_precision=PREC)
+            if MODS:
+                s, dmod = _modified(s * scale, h, offs_m, offs_n, RB, srbh, cap, Lq, Lk, HAS_REL, HAS_CAP, CAP_FIRST)
+                s = s * 1.4426950408889634
+            else:
+                s = s * qk_scale
             if j == 0:
                 ok = _visible(MP, MD, b, offs_m, offs_n, Lq, Lk, NLEAF, K0, K1, K2, K3, K4, TABLE, BM, BN)
             else:
@@ -318,6 +367,8 @@ def backward_dq(
             p = tl.math.exp2(tl.where(ok, s, float("-inf")) - lse2[:, None])  # (BM, BN)
             dp = tl.dot(do.to(DT), vt.to(DT), input_precision=PREC)
             ds = p * (dp - delta[:, None])
+            if MODS:
+                ds = ds * dmod  # through softcap: d cap·tanh(x/cap) / dx
             dq += tl.dot(ds.to(kt.dtype).to(DT), tl.trans(kt).to(DT), input_precision=PREC)
     tl.store(
         DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,
@@ -340,6 +391,9 @@ def backward_dkdv(
     ROWS,
     MP,
     MD,
+    RB,
+    srbh,
+    cap,
     sqb,
     sqh,
     sqm,
@@ -386,6 +440,10 @@ def backward_dkdv(
     BDV: tl.constexpr,
     DT: tl.constexpr,
     PREC: tl.constexpr,
+    MODS: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    CAP_FIRST: tl.constexpr,
 ):
     """Grid ``(key tiles, B·Hkv)``, the transposed plan (``PTR`` per key tile, query tiles in
     ``ROWS``): ``dV = Σ Pᵀ dO`` and ``dK = scale · Σ dSᵀ Q`` over the ``G`` query heads of the KV
@@ -431,7 +489,14 @@ def backward_dkdv(
                 lse = tl.load(LSE + bh * Lq + offs_m, mask=q_ok, other=float("-inf"))
                 lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
                 delta = tl.load(DELTA + bh * Lq + offs_m, mask=q_ok, other=0.0)
-                s = tl.dot(q.to(DT), kt.to(DT), input_precision=PREC) * qk_scale
+                s = tl.dot(q.to(DT), kt.to(DT), input_precision=PREC)
+                if MODS:
+                    s, dmod = _modified(
+                        s * scale, h, offs_m, offs_n, RB, srbh, cap, Lq, Lk, HAS_REL, HAS_CAP, CAP_FIRST
+                    )
+                    s = s * 1.4426950408889634
+                else:
+                    s = s * qk_scale
                 if j == 0:
                     ok = _visible(MP, MD, b, offs_m, offs_n, Lq, Lk, NLEAF, K0, K1, K2, K3, K4, TABLE, BM, BN)
                 else:
@@ -440,6 +505,8 @@ def backward_dkdv(
                 dv += tl.dot(tl.trans(p.to(do.dtype)).to(DT), do.to(DT), input_precision=PREC)
                 dp = tl.dot(do.to(DT), vt.to(DT), input_precision=PREC)
                 ds = p * (dp - delta[:, None])
+                if MODS:
+                    ds = ds * dmod
                 dk += tl.dot(tl.trans(ds.to(q.dtype)).to(DT), q.to(DT), input_precision=PREC)
     tl.store(
         DK + b * sdkb + kh * sdkh + offs_n[:, None] * sdkn + offs_d[None, :] * sdkd,
