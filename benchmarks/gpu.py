@@ -566,10 +566,10 @@ def structured_config(run: Run, L: int, H: int, D: int, name: str, spec: dict) -
 #: triton_blocks.Tiles(forward, dkdv, warps, stages) as tuples: the backend's defaults first, then
 #: shapes worth trying on Hopper for head dim 128 (benchmarks/triton_compile.py: their spills).
 TILE_CONFIGS = [
-    ((128, 64), (32, 64), (8, 8, 4), (3, 2, 3)),
-    ((128, 128), (32, 64), (8, 8, 4), (2, 2, 3)),
-    ((64, 64), (32, 64), (4, 8, 4), (3, 3, 3)),
     ((128, 64), (32, 64), (8, 8, 8), (3, 2, 3)),
+    ((128, 128), (32, 64), (8, 8, 8), (2, 2, 3)),
+    ((64, 64), (32, 64), (4, 8, 8), (3, 3, 3)),
+    ((128, 64), (32, 64), (8, 8, 4), (3, 2, 3)),
     ((128, 64), (32, 128), (8, 8, 8), (3, 2, 2)),
     ((128, 64), (16, 64), (8, 8, 4), (3, 2, 3)),
     ((128, 64), (64, 64), (8, 8, 8), (3, 2, 3)),

@@ -63,7 +63,7 @@ class Tiles:
 
     forward: tuple[int, int] = (128, 64)
     dkdv: tuple[int, int] = (32, 64)
-    warps: tuple[int, int, int] = (8, 8, 4)  # forward, dQ, dK/dV
+    warps: tuple[int, int, int] = (8, 8, 8)  # forward, dQ, dK/dV
     stages: tuple[int, int, int] = (3, 2, 3)
 
     def __post_init__(self) -> None:
