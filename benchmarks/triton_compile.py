@@ -5,6 +5,7 @@ a GPU is lent; what is fast is still the GPU's to say (``benchmarks/gpu.py --onl
 
     python benchmarks/triton_compile.py                      # sm_90 (H100/H200), bf16, D 128
     python benchmarks/triton_compile.py --arch 80 --dtype fp16 --head-dims 64 128
+    python benchmarks/triton_compile.py --defaults --dtype fp32 --head-dims 64 256   # Tiles() only
 
 Needs triton (``make setup-triton``); runs with ``TRITON_INTERPRET`` unset (the interpreter has no
 compiler). Each compile takes seconds to a minute of one core; the default grid is 18 of them.
@@ -118,14 +119,22 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200, 80: A100)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--defaults", action="store_true", help="only the backend's default tilings (Tiles())")
     args = parser.parse_args(argv)
+    configs = CONFIGS
+    if args.defaults:
+        from multihead.backends.triton_blocks import Tiles
+
+        t = Tiles()
+        defaults = [("forward", t.forward, 0), ("backward_dq", t.forward, 1), ("backward_dkdv", t.dkdv, 2)]
+        configs = [(kernel, tiles, t.warps[i], t.stages[i]) for kernel, tiles, i in defaults]
     assert not triton_kernels.INTERPRETED, "TRITON_INTERPRET was set when triton was imported"
     target = GPUTarget("cuda", args.arch, 32)
     print(f"# triton {triton.__version__}, target sm_{args.arch}, {args.dtype}")
     failed = 0
     for D in args.head_dims:
         for program, (kinds, mods) in PROGRAMS.items():
-            for kernel, tiles, warps, stages in CONFIGS:
+            for kernel, tiles, warps, stages in configs:
                 fn = getattr(triton_kernels, kernel)
                 consts = constants(args.dtype, kinds, mods, D, tiles)
                 t0 = time.time()

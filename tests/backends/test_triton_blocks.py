@@ -210,6 +210,20 @@ def test_score_modifiers_with_masks(mod, kind, dtype):
     _check(Case(2, 4, 2, 47, 40, 32, 32, kind, 14), dtype, TILES[1], _score_mods(4)[mod])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D,Dv", [(128, 128), (96, 64), (256, 256)], ids=lambda d: str(d))
+def test_large_and_padded_head_dims(D, Dv, dtype):
+    # 128 and 256 as they are; 96 padded to a 128-wide tile and Dv = 64 beside it.
+    _check(Case(1, 2, 1, 40, 37, D, Dv, "causal&padding", 15), dtype, TILES[0])
+
+
+def test_head_dims_past_256_are_refused():
+    q = torch.randn(1, 1, 8, 320, device=DEVICE)
+    with pytest.raises(mh.BackendRefusedError, match="head dim 320 > 256"):
+        mh.attention(q, q, q, backend=NAME)
+
+
 def _combinations(B: int, Lq: int, Lk: int) -> dict:
     ids = torch.tensor([0] * 20 + [1] * 25 + [2] * (Lq - 45))
     lengths = torch.tensor([Lk, Lk - 30])
