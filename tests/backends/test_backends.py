@@ -200,9 +200,14 @@ def test_capabilities_are_data_the_dispatcher_reads(backend):
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         assert caps.tolerance_factor(dtype) >= 2.0
     q = torch.randn(1, 2, 8, 8)
+    undeclared = {
+        "tensor": torch.ones(8, 8, dtype=torch.bool),
+        "custom": mh.custom(lambda b, h, q, kv: q >= kv),
+        "positions": mh.causal().at(torch.arange(8), torch.arange(8), q_len=8, kv_len=8),
+    }
     for kind in sorted(mh.backends.MASK_KINDS - caps.mask_kinds):  # an undeclared mask kind is refused
-        mask = {"tensor": torch.ones(8, 8, dtype=torch.bool)}[kind]
-        with pytest.raises(mh.BackendRefusedError, match=r"mask kinds \['tensor'\] not supported"):
+        mask = undeclared[kind]
+        with pytest.raises(mh.BackendRefusedError, match=rf"mask kinds \['{kind}'\] not supported"):
             mh.attention(q, q, q, mask=mask, backend=backend)
     if "elementwise" not in caps.score_mods:
         with pytest.raises(mh.BackendRefusedError, match=r"softcap\(5.0\) is elementwise"):
