@@ -18,7 +18,8 @@ file rendezvous) runs after a correctness check of its output against single-pro
 
 ``P = 1`` is plain :func:`multihead.attention` in one process (one thread for the compute
 column, all cores for the times). The load average is printed before and after every world.
-Usage: ``python benchmarks/distributed.py [--quick] [--length 8192] [--reps 5] [--only memory] [--worlds 2,4,8]``;
+Usage: ``python benchmarks/distributed.py [--quick] [--length 8192] [--reps 5] [--only memory] [--worlds 2,4,8]
+[--methods ulysses]``;
 writes ``benchmarks/results/distributed[_quick|_L<length>].csv``.
 """
 
@@ -252,6 +253,7 @@ def main():
     parser.add_argument("--reps", type=int, default=None, help="repetitions per timing (default 3)")
     parser.add_argument("--only", choices=["memory", "time"], default=None, help="measure only this")
     parser.add_argument("--worlds", default="2,4", help="world sizes, e.g. 2,4,8 (8 processes share the cores)")
+    parser.add_argument("--methods", default="ring,ulysses", help="ring, ulysses or both (one process always runs)")
     args = parser.parse_args()
     L = args.length or (2048 if args.quick else 8192)
     reps = args.reps or (1 if args.quick else 3)
@@ -264,7 +266,10 @@ def main():
     )
 
     worlds = {1} | {int(w) for w in args.worlds.split(",")}
-    configs = [c for c in CONFIGS if c[1] in worlds and (not args.quick or c[1] <= 2 or c[0] == "ring")]
+    methods = {"single"} | set(args.methods.split(","))
+    configs = [
+        c for c in CONFIGS if c[1] in worlds and c[0] in methods and (not args.quick or c[1] <= 2 or c[0] == "ring")
+    ]
     table, summary, single_rows = [], [], {}
     for method, world, layout, mask in configs:
         cfg = dict(base, method=method, layout=layout, mask=mask)
