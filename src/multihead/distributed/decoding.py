@@ -71,6 +71,9 @@ class ShardedKVCache:
         group: the process group sharing the sequence (default: the whole world).
         layout: how :meth:`prefill` shards the prompt: ``"zigzag"`` (balanced causal prefill) or
             ``"contiguous"`` (:mod:`multihead.distributed.layout`).
+        capacity: slots this rank allocates at its first update (at least the tokens it brings);
+            later growth doubles (:class:`~multihead.caches.DynamicKVCache`). Pass about
+            ``(prompt + new tokens) / P`` to allocate once.
 
     ``prefill`` once (or not at all), then ``step`` for each new token or group of tokens::
 
@@ -83,11 +86,11 @@ class ShardedKVCache:
     exchange is not defined (tensors that need a gradient under grad mode are refused).
     """
 
-    def __init__(self, *, group=None, layout: str = "zigzag"):
+    def __init__(self, *, group=None, layout: str = "zigzag", capacity: int = 256):
         check_layout(layout, _WHERE)
         self.world, self.rank = check_group(group, _WHERE)
         self.group, self.layout = group, layout
-        self._local = DynamicKVCache()
+        self._local = DynamicKVCache(capacity)
         self._positions: Tensor | None = None  # (local_length,) int64: the global position of each slot
         self._counts = [0] * self.world  # tokens each rank holds: the same list on every rank
         self.last_traffic: StepTraffic | None = None
