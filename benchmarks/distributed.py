@@ -341,6 +341,81 @@ def decode_main(args, L: int) -> None:
     write_csv(f"distributed_decode_L{L}", _uniform(table))
 
 
+# ------------------------------------------------------------------------------------ balance
+def document_lengths(total: int, seed: int = 0) -> list[int]:
+    """Packed documents of a long-tailed length distribution (Pareto, shape 1.2, at least 64 and
+    at most 32768 tokens) filling ``total`` tokens; the last one cut to fit."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        u = float(torch.rand((), generator=g))
+        lengths.append(min(32768, int(64 * (1 - u) ** (-1 / 1.2))))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def causal_pairs(positions: torch.Tensor, starts: torch.Tensor) -> int:
+    """Query-key pairs a document-causal mask shows the queries at ``positions``: each sees its
+    document's keys up to itself."""
+    return int((positions - starts[positions] + 1).sum())
+
+
+def balance_main(L: int, worlds: list[int]) -> None:
+    """``--only balance``: the work of each rank under ``document_causal`` for packed documents,
+    as visible query-key pairs (no processes: counted from the layout)."""
+    lengths = document_lengths(L)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)[ids]  # (L,): the start of each token's document
+    print(
+        f"balance: L={L} tokens in {len(lengths)} documents (Pareto 1.2, 64..32768 tokens; longest "
+        f"{max(lengths)}, median {sorted(lengths)[len(lengths) // 2]}); work = visible pairs of document_causal\n"
+    )
+    table = []
+    for world in worlds:
+        S = L // world
+        layouts = {
+            "contiguous": [torch.arange(r * S, (r + 1) * S) for r in range(world)],
+            "zigzag": [_zigzag(S, r, world) for r in range(world)],
+            "per-document zigzag": _per_document(lengths, world),
+        }
+        for name, held in layouts.items():
+            work = [causal_pairs(pos, starts) for pos in held]
+            mean = sum(work) / world
+            table.append(
+                {
+                    "P": world,
+                    "layout": name,
+                    "tokens_max_min": max(len(h) for h in held) / min(len(h) for h in held),
+                    "work_max_mean": max(work) / mean,
+                    "work_min_mean": min(work) / mean,
+                    "slowest_speedup_vs_1": sum(work) / max(work),
+                }
+            )
+    print_table("document-causal work per rank (max / mean: the slowest rank against a balanced one)", table)
+    write_csv(f"distributed_balance_L{L}", table)
+
+
+def _zigzag(S: int, rank: int, world: int) -> torch.Tensor:
+    c = S // 2
+    return torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
+    )
+
+
+def _per_document(lengths: list[int], world: int) -> list[torch.Tensor]:
+    """Each document cut into ``2P`` near-equal chunks, rank ``r`` holding chunks ``r`` and
+    ``2P-1-r`` of every document (Llama 3's per-document sharding): modelled, not run."""
+    held: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    start = 0
+    for n in lengths:
+        cuts = [start + (n * i) // (2 * world) for i in range(2 * world + 1)]
+        for r in range(world):
+            for c in (r, 2 * world - 1 - r):
+                held[r].append(torch.arange(cuts[c], cuts[c + 1]))
+        start += n
+    return [torch.cat(h) for h in held]
+
+
 CONFIGS = [
     ("single", 1, "-", "causal"),
     ("ring", 2, "zigzag", "causal"),
@@ -366,7 +441,10 @@ def main():
     parser.add_argument("--length", type=int, default=None, help="total sequence length L (default 8192)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per timing (default 3)")
     parser.add_argument(
-        "--only", choices=["memory", "time", "decode"], default=None, help="measure only this (decode: its own table)"
+        "--only",
+        choices=["memory", "time", "decode", "balance"],
+        default=None,
+        help="measure only this (decode, balance: their own tables)",
     )
     parser.add_argument("--worlds", default="2,4", help="world sizes, e.g. 2,4,8 (8 processes share the cores)")
     parser.add_argument("--methods", default="ring,ulysses", help="ring, ulysses or both (one process always runs)")
@@ -378,6 +456,8 @@ def main():
     print(machine_state())
     if args.only == "decode":
         return decode_main(args, L)
+    if args.only == "balance":
+        return balance_main(args.length or 131072, sorted({2, 4, 8} | {int(w) for w in args.worlds.split(",")}))
     print(
         f"B=1, H=8, D=64, L={L}, fp32; P processes get {CORES}//P threads each (P=1: {CORES} threads; "
         f"compute columns: one thread)\n"
