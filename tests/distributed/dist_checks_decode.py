@@ -109,27 +109,34 @@ def _decode_no_prefill(rank, world):
     decode_and_compare(rank, world, layout="zigzag", kind="window_documents", prefill=False)
 
 
-@check("decode-fp32-relative")
-def _decode_fp32(rank, world):
-    """fp32 by the relative rule (TESTING.md): the error against fp64 at most 10x plain fp32
-    attention's (an LSE merge reorders the sums) plus a few ulps."""
-    q, k, v = whole(seed=4)
-    rule = masks.causal()
-    ref = mh.attention(q, k, v, mask=rule)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    base = mh.attention(q32, k32, v32, mask=rule)  # plain fp32 attention: the baseline
-    cache = ShardedKVCache(layout="zigzag")
-    with torch.no_grad():
-        shard = lambda t: shard_sequence(t[:, :, :PROMPT], layout="zigzag", dim=2)  # noqa: E731
-        cache.prefill(shard(q32), shard(k32), shard(v32))
-        start = PROMPT
-        for n in STEPS:
-            got = cache.step(*(t[:, :, start : start + n] for t in (q32, k32, v32)))
-            err = (got.double() - ref[:, :, start : start + n]).abs().max().item()
-            err_base = (base[:, :, start : start + n].double() - ref[:, :, start : start + n]).abs().max().item()
-            floor = 4 * torch.finfo(torch.float32).eps * ref[:, :, start : start + n].abs().max().item()
-            assert err <= 10 * err_base + floor, f"step at {start}: error {err:.2e}, plain fp32 {err_base:.2e}"
-            start += n
+@check("decode-low-precision-relative")
+def _decode_low_precision(rank, world):
+    """fp32, bf16 and fp16 by the relative rule (TESTING.md): the error against fp64 from the same
+    rounded inputs at most F times plain attention's in that dtype plus a few ulps (F = 10 in
+    fp32, where an LSE merge reorders the sums; 2 in bf16/fp16, whose rounding of the output
+    dominates). The step's q is a transposed view ((B, n, Hq, D) memory), as a layer makes it."""
+    for dtype, factor in ((torch.float32, 10), (torch.bfloat16, 2), (torch.float16, 2)):
+        q, k, v = (t.to(dtype) for t in whole(seed=4))
+        rule = masks.causal()
+        ref = mh.attention(q.double(), k.double(), v.double(), mask=rule)
+        base = mh.attention(q, k, v, mask=rule)  # plain attention in dtype: the baseline
+        cache = ShardedKVCache(layout="zigzag")
+        with torch.no_grad():
+            shard = lambda t: shard_sequence(t[:, :, :PROMPT], layout="zigzag", dim=2)  # noqa: E731
+            cache.prefill(shard(q), shard(k), shard(v))
+            start = PROMPT
+            for n in STEPS:
+                q_new = q[:, :, start : start + n].transpose(1, 2).contiguous().transpose(1, 2)  # not contiguous
+                got = cache.step(q_new, k[:, :, start : start + n], v[:, :, start : start + n])
+                assert got.dtype == dtype
+                want = ref[:, :, start : start + n]
+                err = (got.double() - want).abs().max().item()
+                err_base = (base[:, :, start : start + n].double() - want).abs().max().item()
+                floor = 4 * torch.finfo(dtype).eps * want.abs().max().item()
+                assert err <= factor * err_base + floor, (
+                    f"{dtype}, step at {start}: error {err:.2e}, plain {dtype} {err_base:.2e}, floor {floor:.1e}"
+                )
+                start += n
 
 
 # ------------------------------------------------------------------------------------ bad input
