@@ -214,7 +214,12 @@ def _decode_bad(rank, world):
         "dtype of the cache": (
             lambda: cache.step(*_step_inputs(dtype=torch.float32)),
             ValueError,
-            r"does not continue the cache's keys",
+            r"do not continue the cache's \(B, Hkv, ·, D\)",
+        ),
+        "value dim of the cache": (
+            lambda: cache.step(*_step_inputs()[:2], torch.zeros(B, HKV, 1, DV + 1, dtype=torch.float64)),
+            ValueError,
+            rf"do not continue the cache's .* Dv = {DV}",
         ),
         "prefill twice": (
             lambda: cache.prefill(shard(q), shard(k), shard(v)),

@@ -229,13 +229,22 @@ class ShardedKVCache:
             whole = _whole_length(where, mask, total)
             if mask is not None:
                 mask.check(shards.B, shards.Hq, whole, whole)
-            held = self._local.keys
-            if held is not None and (
-                held.shape[:2] != k.shape[:2] or held.shape[3] != k.shape[3] or held.dtype != k.dtype
+            held, held_v = self._local.keys, self._local.values
+            if (
+                held is not None
+                and held_v is not None
+                and (
+                    held.shape[:2] != k.shape[:2]
+                    or (held.shape[3], held_v.shape[3]) != (k.shape[3], v.shape[3])
+                    or held.dtype != k.dtype
+                    or held.device != k.device
+                )
             ):
                 raise ValueError(
-                    f"{where}: k {tuple(k.shape)} {k.dtype} does not continue the cache's keys "
-                    f"(B, Hkv, ·, D) = ({held.shape[0]}, {held.shape[1]}, ·, {held.shape[3]}) {held.dtype}"
+                    f"{where}: k {tuple(k.shape)}, v {tuple(v.shape)} ({k.dtype}, {k.device}) do not continue "
+                    f"the cache's (B, Hkv, ·, D) = ({held.shape[0]}, {held.shape[1]}, ·, {held.shape[3]}) and "
+                    f"Dv = {held_v.shape[3]} ({held.dtype}, {held.device}); hint: one cache per layer, reset() "
+                    "for a new sequence"
                 )
             summary = {
                 "q": tuple(q.shape),
