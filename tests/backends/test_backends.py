@@ -9,6 +9,7 @@ from matrix import backend_dtype_params, backend_params, factor, serve_or_skip
 
 import multihead as mh
 from helpers import Case, assert_relative, covering_cases, make_inputs, naive_attention
+from multihead.blocks import Extent
 
 BACKENDS = backend_params()
 CASES = covering_cases(n_random=24)
@@ -36,7 +37,8 @@ def _masked_scores(q, k, mask, case, dtype):
     scores = (q @ k.repeat_interleave(case.Hq // case.Hkv, 1).transpose(-2, -1)) * case.D**-0.5
     m, mod = mask_and_score_mod(mask, None, check_binary=False)
     if mod is not None:
-        scores = mod.apply_block(scores, 0, case.Lq, 0, case.Lk)
+        extent = Extent(case.B, case.Hq, case.Lq, case.Lk)
+        scores = mod.apply_block(extent, extent.whole(), scores)
     if m is not None:
         scores = scores.masked_fill(~m.materialize(case.B, case.Hq, case.Lq, case.Lk), float("-inf"))
     return scores

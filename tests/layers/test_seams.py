@@ -365,7 +365,8 @@ def test_constructor_refuses_a_rope_that_is_not_callable():
 # ------------------------------------------------------------------------------ one helper for every caller
 def test_layers_and_models_share_one_attention_call(monkeypatch):
     """``MultiHeadAttention``, the ``nn.MultiheadAttention`` drop-in and the decoder's cached path all
-    reach :func:`multihead.attention` through ``layers.heads.attend_heads``."""
+    reach :func:`multihead.attention` through ``layers.heads.attend_heads`` (a call with weights
+    or hooks through ``hooks.observed_attention``, which it calls)."""
     callers = []
     real = mh.layers.heads.attention
 
@@ -374,6 +375,7 @@ def test_layers_and_models_share_one_attention_call(monkeypatch):
         return real(q, k, v, **kwargs)
 
     monkeypatch.setattr(mh.layers.heads, "attention", spy)
+    monkeypatch.setattr(mh.hooks, "attention", spy)
     x = torch.randn(2, 3, 16)
     mh.MultiHeadAttention(16, 2)(x)
     MultiheadAttention(16, 2, batch_first=True)(x, x, x)

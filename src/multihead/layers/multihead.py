@@ -46,7 +46,7 @@ from multihead.layers.attend import (
 )
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.heads import Attend, split_heads
+from multihead.layers.heads import Attend, attend_blocks, split_heads
 from multihead.layers.projection import project_qkv
 from multihead.masks import Mask
 from multihead.scores import as_score_mod
@@ -408,6 +408,21 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
             def attend_slots(read: CacheRead) -> tuple[Tensor, Tensor | None]:
                 slot_mask, slot_mods = self._masks.over_slots(read, mask, call_mods, B, Lq)
+                if read.blocks is not None and type(attend) is Attend:  # pages, quantized slots: a piece at a time
+                    out = attend_blocks(
+                        self,
+                        q,
+                        read.blocks,
+                        out_proj=self.out_proj,
+                        mask=slot_mask,
+                        score_mod=slot_mods,
+                        sinks=self.sinks,
+                        dropout_p=self.dropout if self.training else 0.0,
+                        need_weights=need_weights,
+                        backend=self.backend,
+                    )
+                    if out is not None:
+                        return out, None
                 return self._attend(attend, q, read.keys, read.values, slot_mask, slot_mods, need_weights, selection)
 
             out, weights = attend_cached(
