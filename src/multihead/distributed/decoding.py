@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from multihead.attention import attention
+from multihead.blocks import Extent
 from multihead.caches import DynamicKVCache
 from multihead.conventions import lse_dtype
 from multihead.distributed.checks import agree, check_group, check_qkv, check_scale
@@ -228,7 +229,7 @@ class ShardedKVCache:
             total = self.length + shards.Sq
             whole = _whole_length(where, mask, total)
             if mask is not None:
-                mask.check(shards.B, shards.Hq, whole, whole)
+                mask.check(Extent(shards.B, shards.Hq, whole, whole))
             held, held_v = self._local.keys, self._local.values
             if (
                 held is not None
