@@ -179,6 +179,7 @@ class ShardedKVCache:
         self._local.update(k, v)
         self._positions = shard_positions(S, group=self.group, layout=self.layout, device=k.device)
         self._counts = [S] * self.world
+        assert isinstance(out, Tensor)  # (no LSE asked for)
         return out
 
     # ------------------------------------------------------------------------------ decode
@@ -300,7 +301,7 @@ class ShardedKVCache:
         return q, k, v
 
     def _partial(
-        self, q: Tensor, Dv: int, mask: Mask | None, start: int, whole: int, scale: float, backend: str
+        self, q: Tensor, Dv: int, mask: Mask | None, start: int, whole: int, scale: float | None, backend: str
     ) -> tuple[Tensor, Tensor]:
         """This rank's attention of ``q (B, Hq, n, D)`` over the keys it holds: ``(output
         (B, Hq, n, Dv), lse (B, Hq, n))``; output 0 and LSE ``-inf`` where it holds none a query
@@ -310,7 +311,7 @@ class ShardedKVCache:
         acc = lse_dtype(q.dtype)
         if keys is None:  # nothing held here yet
             return q.new_zeros(B, Hq, n, Dv), torch.full((B, Hq, n), float("-inf"), dtype=acc, device=q.device)
-        assert self._positions is not None  # set with the first keys
+        assert self._positions is not None and values is not None  # set with the first keys
         rule = causal() if mask is None else causal() & mask
         q_positions = torch.arange(start, start + n, device=q.device)
         local = rule.at(q_positions, self._positions, q_len=whole, kv_len=whole)  # the whole mask at our keys
