@@ -45,6 +45,7 @@ from multihead.caches import (
     StaticKVCache,
 )
 from multihead.caches.base import EMPTY_POSITION
+from multihead.caches.policies import SinksAndWindow
 
 B, HKV, D, DV = 2, 3, 7, 5  # Dv <= D: latent rows hold the values as their first Dv features
 DT = torch.float64
@@ -94,6 +95,14 @@ KINDS = [
         "paged",
         lambda h, d, dv, dev: PagedKVCache(200, 4, h, d, value_dim=dv, batch_size=B, dtype=DT, device=dev),
         per_row=True,
+    ),
+    # An eviction policy whose window outlasts the walks: the policy's read (its mask at
+    # positions, per-head bookkeeping) under every contract check; eviction has its own oracles
+    # in test_policies.py.
+    Kind("policy-sinks", lambda h, d, dv, dev: DynamicKVCache(policy=SinksAndWindow(2, 2 * MAX_LEN))),
+    Kind(
+        "policy-sinks-cache-positions",
+        lambda h, d, dv, dev: DynamicKVCache(policy=SinksAndWindow(2, 2 * MAX_LEN, positions="cache")),
     ),
     Kind(
         "paged-latent",

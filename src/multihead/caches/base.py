@@ -58,7 +58,7 @@ from torch import Tensor
 from multihead.backends.decode_blocks import KVBlocks
 from multihead.blocks import Block, Extent
 from multihead.inputs import check_positions, check_tensor
-from multihead.masks import Mask
+from multihead.masks import Mask, head_range
 from multihead.masks import causal as causal_mask
 from multihead.masks.base import UNBOUNDED, And, Not, Or
 
@@ -95,9 +95,17 @@ class CacheRead:
     decode step reads a piece at a time (pages through their block table, quantized slots
     dequantized a piece at a time); then ``keys`` and ``values`` may be left ``None`` and are
     built from it (:meth:`KVBlocks.dense`) the first time they are read.
+    ``key_positions`` may also be ``(B, Hkv, S)``: each KV head keeps its own tokens (an eviction
+    policy, :mod:`multihead.caches.policies`); the mask then differs per KV head and is given per
+    query head through the grouped mapping (:func:`~multihead.conventions.kv_head_of`).
+    ``policy_mask``: a mask object at positions that an eviction policy adds to every call's mask
+    (sinks + window: ``sliding_window(w) | key_padding(s)``), ``None`` for none.
+    ``ordered``: every slot holds a token, in position order, the new tokens last and every other
+    one before them (an eviction policy's read with no hole): with no call mask, the causal rule
+    over the slots is then ``causal()`` itself, and the read gives that object (fast paths).
     """
 
-    __slots__ = ("_keys", "_values", "query_positions", "key_positions", "window", "blocks")
+    __slots__ = ("_keys", "_values", "query_positions", "key_positions", "window", "blocks", "policy_mask", "ordered")
 
     def __init__(
         self,
@@ -107,6 +115,8 @@ class CacheRead:
         key_positions: Tensor | None = None,
         window: int | None = None,
         blocks: KVBlocks | None = None,
+        policy_mask: Mask | None = None,
+        ordered: bool = False,
     ):
         if (keys is None or values is None) and blocks is None:
             raise ValueError("CacheRead: keys and values may be None only with blocks to build them from")
@@ -117,6 +127,7 @@ class CacheRead:
             window,
             blocks,
         )
+        self.policy_mask, self.ordered = policy_mask, ordered
 
     @property
     def keys(self) -> Tensor:
@@ -167,6 +178,12 @@ class CacheRead:
         """
         if self.window is not None:  # a ring: refuse a mask reaching keys it no longer holds
             check_reach("CacheRead.mask", mask, causal, self.window, self.query_positions)
+        if self.policy_mask is not None:  # the policy's rule: an approximation the user chose
+            mask = self.policy_mask if mask is None else mask & self.policy_mask
+        if mask is None and self.ordered and self.window is None:
+            return causal_mask() if causal else None  # every earlier slot holds an earlier position
+        if self.key_positions is not None and self.key_positions.dim() == 3:
+            return self._mask_per_kv_head(mask, causal, heads)
         Lq, S = self.query_positions.shape[-1], self.slots
         whole = _whole_length(mask, S) if isinstance(mask, Mask) else S
         if self.contiguous:
@@ -198,6 +215,35 @@ class CacheRead:
             allowed = allowed & (mask if mask.dtype == torch.bool else mask != float("-inf"))
         return allowed
 
+    def _mask_per_kv_head(self, mask: Mask | Tensor | None, causal: bool, heads: int) -> Tensor:
+        """:meth:`mask` of a read whose KV heads keep their own tokens (``key_positions (B, Hkv,
+        S)``): each KV head's mask from its own positions, read by the query heads of its group:
+        a bool ``(B, heads, Lq, S)``."""
+        key_positions = self.key_positions
+        assert key_positions is not None and key_positions.dim() == 3  # the caller checked
+        B, Hkv, S = key_positions.shape
+        per_kv = [
+            CacheRead(self.keys[:, h : h + 1], self.values[:, h : h + 1], self.query_positions, key_positions[:, h])
+            for h in range(Hkv)
+        ]
+        if heads < Hkv or heads % Hkv:
+            raise ValueError(
+                f"CacheRead.mask: each of the {Hkv} KV heads keeps its own tokens, so heads must be the "
+                f"query heads Hq, a multiple of {Hkv}; got heads={heads}"
+            )
+        group = heads // Hkv  # query heads of one KV head (contiguous groups: kv_head_of)
+        parts = []
+        for h, read in enumerate(per_kv):
+            own: Mask | Tensor | None = mask
+            if isinstance(mask, Mask):
+                own = head_range(mask, h * group, group, heads)  # this group's query heads
+            elif isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] > 1:
+                own = mask[:, h * group : (h + 1) * group]
+            allowed = read.mask(own, causal, group)
+            assert isinstance(allowed, Tensor)  # not contiguous: a bool tensor
+            parts.append(allowed.expand(B, group, allowed.shape[2], S))
+        return torch.cat(parts, dim=1)  # (B, Hkv·group, Lq, S)
+
 
 class KVCache(abc.ABC):
     """One attention layer's keys and values for the tokens seen so far.
@@ -224,6 +270,13 @@ class KVCache(abc.ABC):
         :attr:`window` accepts every mask here."""
         if self.window is not None:
             check_reach(type(self).__name__, mask, causal, self.window, self.next_positions(new))
+
+    def observe(self, q: Tensor, scale: float | None = None) -> None:
+        """Hand the cache the rotated queries ``q (B, Hq, Lq, D)`` of the next :meth:`update`
+        (and the call's ``scale``, default ``1/sqrt(D)``). A cache whose eviction policy ranks keys
+        by the attention they receive (:mod:`multihead.caches.policies`: SnapKV, H2O) needs them; a
+        layer calls this before every update, and other caches ignore it."""
+        return None  # a cache that keeps every token has no use for them
 
     @property
     @abc.abstractmethod

@@ -13,6 +13,8 @@ concatenates instead, so that no step's saved keys are overwritten in place.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -25,8 +27,12 @@ from multihead.caches.base import (
     check_kv,
     under_autograd,
 )
+from multihead.caches.policies.cache import PolicyKVCache
 
 __all__ = ["DynamicKVCache"]
+
+if TYPE_CHECKING:
+    from multihead.caches.policies.base import CachePolicy
 
 
 class DynamicKVCache(KVCache):
@@ -36,6 +42,9 @@ class DynamicKVCache(KVCache):
         capacity: slots allocated at the first update (at least the tokens it brings); later
             growth doubles it. Shapes, dtype and device come from the first update and hold until
             :meth:`reset`.
+        policy: an eviction policy (:mod:`multihead.caches.policies`: ``SinksAndWindow``,
+            ``SnapKV``, ``H2O``); the cache built is then a
+            :class:`~multihead.caches.policies.PolicyKVCache`, which keeps what the policy says.
 
     ``keys``/``values`` are views of the filled slots (``None`` while empty)::
 
@@ -50,7 +59,14 @@ class DynamicKVCache(KVCache):
 
     places_by_position = False
 
-    def __init__(self, capacity: int = 256):
+    def __new__(cls, capacity: int = 256, *, policy: CachePolicy | None = None) -> DynamicKVCache:
+        # With an eviction policy the cache keeps its own layout (per-head kept tokens): the
+        # policy's cache is built instead (multihead.caches.policies.PolicyKVCache).
+        if policy is not None and cls is DynamicKVCache:
+            return PolicyKVCache(policy)  # type: ignore[return-value]  # the same KVCache interface
+        return super().__new__(cls)
+
+    def __init__(self, capacity: int = 256, *, policy: CachePolicy | None = None):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"DynamicKVCache: capacity must be a positive int, got {capacity!r}")
         self.initial_capacity = capacity

@@ -165,6 +165,7 @@ def attend_cached(
     mask: object,
     causal: bool,
     keep: bool = True,
+    queries: Tensor | None = None,
 ) -> _R:
     """``attend(kv_cache.update(k, v))``: the new keys ``k (B, Hkv, Lq, D)`` and values stored,
     then attention over every slot the cache returns.
@@ -174,8 +175,11 @@ def attend_cached(
     that places tokens by position stores them at ``positions`` when they were ``given``; a
     call-order cache (and any cache, for positions it chose itself) stores them in call order, and
     the positions only rotate. A call that raises after the update leaves the cache as it was
-    (:meth:`~multihead.caches.KVCache.rollback`); so does one with ``keep=False`` (``explain``)."""
+    (:meth:`~multihead.caches.KVCache.rollback`); so does one with ``keep=False`` (``explain``).
+    ``queries`` (rotated, ``(B, Hq, Lq, D)``) go to :meth:`~multihead.caches.KVCache.observe` first."""
     kv_cache.check_mask(mask, causal, k.shape[2])
+    if queries is not None:  # an eviction policy ranks keys by the attention they receive
+        kv_cache.observe(queries)
     placed = given and kv_cache.places_by_position
     read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
     try:

@@ -435,7 +435,15 @@ class MultiHeadAttention(HookPoints, nn.Module):
                 )
 
             out, weights = attend_cached(
-                kv_cache, k, v, attend_slots, positions=positions, given=given, mask=mask, causal=self.causal
+                kv_cache,
+                k,
+                v,
+                attend_slots,
+                positions=positions,
+                given=given,
+                mask=mask,
+                causal=self.causal,
+                queries=q,
             )
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
