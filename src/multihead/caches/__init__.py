@@ -15,6 +15,7 @@ over what it returns::
 * :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention;
 * :class:`PagedKVCache`: pages from one pool addressed by block tables (serving);
 * :class:`LatentKVCache`: one latent row per token for multi-head latent attention (MLA);
+* :class:`QuantizedKVCache`: int8 or fp8 slots with scales, full-precision sinks and residual window.
 * :class:`PrefixCache`: pages shared between requests (reference counts, copy-on-write, an index
   from token ids to pages, LRU eviction); :func:`prefix_attention` (cascade over the shared
   pages) and :func:`ragged_attention` (requests with their own query lengths, one call);
@@ -30,6 +31,7 @@ from multihead.caches.dynamic import DynamicKVCache
 from multihead.caches.latent import LatentKVCache
 from multihead.caches.paged import PagedKVCache
 from multihead.caches.prefix import PrefixCache
+from multihead.caches.quantized import QuantizedKVCache
 from multihead.caches.ragged import prefix_attention, ragged_attention
 from multihead.caches.sliding import SlidingWindowKVCache
 from multihead.caches.static import StaticKVCache
@@ -42,6 +44,7 @@ __all__ = [
     "SlidingWindowKVCache",
     "PagedKVCache",
     "LatentKVCache",
+    "QuantizedKVCache",
     "policies",
     "PrefixCache",
     "ragged_attention",

@@ -285,7 +285,8 @@ class PolicyKVCache(KVCache):
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        *state, self._heads_in, self._queries = self._undo
+        *state, heads_in, queries = self._undo
+        self._heads_in, self._queries = heads_in, queries  # type: ignore[assignment]
         for name, value in zip(_STATE, state):
             setattr(self, name, value)
         self._undo = None

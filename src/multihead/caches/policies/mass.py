@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block
 from multihead.blockwise import safe_logsumexp
 from multihead.conventions import default_scale
 from multihead.masks import Mask, as_mask
@@ -52,7 +53,7 @@ def attention_mass(
     with torch.no_grad():  # a ranking, not part of any graph
         for q0 in range(r0, r1, step):
             q1 = min(q0 + step, r1)
-            scores, _ = score_block(q, k, block_mask, None, scale, q0, q1, Lq, dtype=dtype)  # (B, Hq, rows, S)
+            scores, _ = score_block(q, k, block_mask, None, scale, Block(q0, q1, 0, S), dtype=dtype)  # (B, Hq, rows, S)
             lse = safe_logsumexp(scores).unsqueeze(-1)  # (B, Hq, rows, 1)
             seen = torch.isfinite(lse)
             weights = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse)))
