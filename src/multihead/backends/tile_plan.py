@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.masks import BlockState, Mask
 
 __all__ = ["TilePlan", "tile_plan", "visible_tiles"]
@@ -45,20 +46,22 @@ def visible_tiles(
     """The key tiles (index, partial?) that queries ``[q0, q1)`` see in any batch row and head.
 
     The one function of this backend that asks the mask protocol (``key_range``, ``block_state``
-    at whole-attention positions): a change of that protocol changes this function only. A range
+    on an ``Extent`` and a ``Block`` of whole-attention positions): a change of that protocol
+    changes this function only. A range
     of tiles the mask calls FULL or EMPTY is answered in one question; only mixed ranges are split,
     so a causal row costs a few questions, not one per tile."""
+    extent = Extent(batch, heads, q_len, kv_len)
     if mask is None:
         lo, hi = 0, kv_len
     else:
-        lo, hi = mask.key_range(q0, q1, q_len, kv_len)
+        lo, hi = mask.key_range(extent, Block(q0, q1, 0, kv_len))
     if lo >= hi:
         return []
     found: list[tuple[int, bool]] = []
 
     def classify(n0: int, n1: int) -> None:  # key tiles [n0, n1)
         k0, k1 = n0 * block_n, min(n1 * block_n, kv_len)
-        state = BlockState.FULL if mask is None else mask.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
+        state = BlockState.FULL if mask is None else mask.block_state(extent, Block(q0, q1, k0, k1))
         if state is BlockState.EMPTY:
             return
         if state is BlockState.FULL or n1 - n0 == 1:
