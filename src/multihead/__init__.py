@@ -36,7 +36,10 @@ from multihead.cascade import cascade_attention
 from multihead.explain import Explanation, explain
 from multihead.hooks import hook_points, hooked  # docs/hooks.md: also on Hugging Face models
 from multihead.layers import (
+    DifferentialAttention,
+    GatedAttention,
     GroupedQueryAttention,
+    MixtureOfBlockAttention,
     MultiHeadAttention,
     MultiHeadLatentAttention,
     MultiQueryAttention,
@@ -98,6 +101,9 @@ __all__ = [
     "GroupedQueryAttention",
     "MultiQueryAttention",
     "MultiHeadLatentAttention",
+    "GatedAttention",
+    "DifferentialAttention",
+    "MixtureOfBlockAttention",
     "compat",
     "caches",
     "KVCache",

@@ -236,6 +236,7 @@ def observed_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     check_finite: bool = False,
+    core: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of ``layer`` while hooks (its ``hooks``) or captures watch it: the one way every
     layer, and the Hugging Face backend, runs a watched call.
@@ -246,7 +247,9 @@ def observed_attention(
     for, computed once for the union of their selections), the ``output`` hook sees each head's
     ``(B, Hq, Lq, Dv)``, and every capture records its selection of the weights. The other
     arguments are :func:`multihead.attention`'s (``check_finite`` applies to the fast path only:
-    the explicit one computes plainly).
+    the explicit one computes plainly). ``core``: a layer variant's attention function in place of
+    :func:`multihead.attention` (:func:`multihead.layers.heads.attend_heads`'s ``core``), called with
+    the layer's arguments only; the ``scores``/``pattern`` hooks, points of one softmax, refuse it.
 
     Returns ``(y (B, Hq, Lq, Dv), weights)``: ``weights (B, h, r, Lk)`` for ``need_weights``'s own
     ``weights_heads``/``weights_rows`` selection, else ``None``.
@@ -258,29 +261,37 @@ def observed_attention(
         validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures
     ]
     held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
-    options: dict[str, Any] = dict(
-        mask=mask, score_mod=score_mod, softcap=softcap, sinks=sinks, scale=scale, dropout_p=dropout_p
-    )
+    options: dict[str, Any] = dict(mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p, backend=backend)
+    if core is None:
+        core, options = attention, {**options, "softcap": softcap, "scale": scale, "check_finite": check_finite}
+    elif softcap is not None or scale is not None:
+        raise ValueError(f"{type(layer).__name__}: a variant's attention takes no softcap= or scale= here")
     weights = None
     if hooks is not None and ("scores" in hooks or "pattern" in hooks):
-        y, pattern = explicit_attention(q, k, v, hooks=hooks, **options)  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
-        if wanted:
-            weights = take(pattern, (None, None), held).to(q.dtype)
-    elif wanted:
-        result = attention(
+        if core is not attention:
+            raise ValueError(
+                f"{type(layer).__name__}: 'scores'/'pattern' hooks are points of one softmax, and this "
+                f"layer attends through {core!r}; hint: hook 'q', 'k', 'v' or 'output' instead"
+            )
+        y, pattern = explicit_attention(  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
             q,
             k,
             v,
-            **options,
-            return_weights=True,
-            backend=backend,
-            check_finite=check_finite,
-            weights_heads=held[0],
-            weights_rows=held[1],
+            hooks=hooks,
+            mask=mask,
+            score_mod=score_mod,
+            softcap=softcap,
+            sinks=sinks,
+            scale=scale,
+            dropout_p=dropout_p,
         )
+        if wanted:
+            weights = take(pattern, (None, None), held).to(q.dtype)
+    elif wanted:
+        result = core(q, k, v, **options, return_weights=True, weights_heads=held[0], weights_rows=held[1])
         y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
     else:
-        y = attention(q, k, v, **options, backend=backend, check_finite=check_finite)
+        y = core(q, k, v, **options)
     if hooks is not None:
         y = run_hooks(hooks, "output", y)  # (B, Hq, Lq, Dv): head h at y[:, h]
     if captures:

@@ -25,6 +25,7 @@ what it cannot do in its own checks, so the layer has no branch for it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +39,13 @@ from multihead.hooks import ATTRIBUTE as HOOKS
 from multihead.hooks import observed_attention
 from multihead.masks import Mask
 
-__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "Attend"]
+__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "Attend", "Heads"]
+
+#: How a layer's heads become its output, per call: ``(core, out_proj)``, the attention function
+#: (:func:`multihead.attention`'s signature; ``None`` for that function itself) and the map of the
+#: merged heads ``(B, Lq, Hq·Dv)`` to the output ``(B, Lq, E)``. :func:`attend_heads` runs
+#: ``out_proj(merge(core(q, k, v, ...)))``.
+Heads = tuple["Callable[..., Any] | None", Callable[[Tensor], Tensor]]
 
 
 def split_heads(x: Tensor, heads: int, head_dim: int, batch_first: bool) -> Tensor:
@@ -71,6 +78,7 @@ def attend_heads(
     backend: str = "auto",
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    core: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand and its
     hook points (:mod:`multihead.hooks`).
@@ -86,6 +94,9 @@ def attend_heads(
         need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` (before dropout).
         weights_heads, weights_rows: with ``need_weights``, only these query heads and rows, as
             for :func:`multihead.attention`: ``(B, len(heads), len(rows), Lk)``.
+        core: the attention function, :func:`multihead.attention` (``None``) or a variant's with
+            its signature and results (:class:`~multihead.layers.DifferentialAttention`'s two maps); the
+            ``scores``/``pattern`` hooks need the plain one (they are of one softmax).
 
     Returns:
         ``(out, weights)``: ``out (B, Lq, E)`` batch first whatever the layer's layout (the caller
@@ -94,9 +105,12 @@ def attend_heads(
         rows that the call and the captures select together.
     """
     hooks = layer.__dict__.get(HOOKS)  # None unless a hook is set: the one test the fast path pays
+    plain = core is None
+    if core is None:
+        core = attention
     captures = captures_of(layer) if is_capturing(layer) else ()
     if hooks is None and not captures and not need_weights:
-        y = attention(
+        y = core(
             q,
             k,
             v,
@@ -123,6 +137,7 @@ def attend_heads(
         sinks=sinks,
         dropout_p=dropout_p,
         backend=backend,
+        core=None if plain else core,
     )  # (B, Hq, Lq, Dv), the call's own selection of the weights or None
     return out_proj(merge_heads(y)), weights
 

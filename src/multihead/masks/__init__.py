@@ -11,6 +11,7 @@ from multihead.masks.base import And, BlockState, Mask, Not, Or, Positioned, reg
 from multihead.masks.document import Document, DocumentCausal, document, document_causal
 from multihead.masks.heads import HeadRange, head_range
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
+from multihead.masks.select import BlockSelect, block_select
 from multihead.masks.tensor import Custom, TensorMask, additive_blocked, as_mask, bias, custom
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "document",
     "document_causal",
     "head_range",
+    "block_select",
     "custom",
     "as_mask",
     "additive_blocked",
@@ -40,6 +42,7 @@ __all__ = [
     "Document",
     "DocumentCausal",
     "HeadRange",
+    "BlockSelect",
     "TensorMask",
     "Custom",
 ]
