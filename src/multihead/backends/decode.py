@@ -416,6 +416,8 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
     first, last = seen[[0, -1], 0].tolist()
     visible = visible[..., first : last + 1]
+    if bool(visible.all()):  # a full ring, a paged read of filled slots: nothing to mask
+        return lo + first, lo + last + 1, None, f"mask {what}: evaluated on these {Lq} row(s); every key read visible"
     return (
         lo + first,
         lo + last + 1,

@@ -99,8 +99,6 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
         qg, scale = qg * scale, 1.0
     if hi <= lo:  # no row sees any key
         return q.new_zeros(B, Hq, Lq, Dv)
-    if visible is not None and bool(visible.all()):  # a paged read's mask, every slot in range filled
-        visible = None
     blocked = None if visible is None else group_query_heads(~visible, Hkv)  # (B|1, Hkv|1, G|1, Lq, n)
     outs: list[Tensor] = []
     lses: list[Tensor] = []
