@@ -19,6 +19,7 @@ from multihead._version import __version__ as __version__  # written once, there
 from multihead.attention import attention, plan
 from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
+from multihead.blocks import Block, Extent
 from multihead.caches import (
     CacheRead,
     DynamicKVCache,
@@ -33,8 +34,12 @@ from multihead.call import AttentionResult
 from multihead.capture import AttentionCapture, capture_attention
 from multihead.cascade import cascade_attention
 from multihead.explain import Explanation, explain
+from multihead.hooks import hook_points, hooked  # docs/hooks.md: also on Hugging Face models
 from multihead.layers import (
+    DifferentialAttention,
+    GatedAttention,
     GroupedQueryAttention,
+    MixtureOfBlockAttention,
     MultiHeadAttention,
     MultiHeadLatentAttention,
     MultiQueryAttention,
@@ -66,10 +71,14 @@ __all__ = [
     "plan",
     "capture_attention",
     "AttentionCapture",
+    "hook_points",
+    "hooked",
     "explain",
     "Explanation",
     "reference_attention",
     "AttentionResult",
+    "Extent",
+    "Block",
     "merge_partials",
     "set_nonfinite_check",
     "skip_nonfinite_check",
@@ -92,6 +101,9 @@ __all__ = [
     "GroupedQueryAttention",
     "MultiQueryAttention",
     "MultiHeadLatentAttention",
+    "GatedAttention",
+    "DifferentialAttention",
+    "MixtureOfBlockAttention",
     "compat",
     "caches",
     "KVCache",

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from multihead.backends import flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner, named
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import fold_query_heads, group_query_heads, softmax_dtype, unfold_query_heads
 from multihead.masks import BlockState, Mask
@@ -324,7 +325,7 @@ class _Plan:
         # K/V expanded from one head (k1.expand(B, Hkv, ...)): every KV head is the same memory,
         # so it is MQA: one head read once, all Hq query heads folded into its rows.
         self.kv_heads = 1 if Hkv > 1 and call.k.stride(1) == 0 and call.v.stride(1) == 0 else Hkv
-        self.lo, self.hi, visible, self.note = _visible_keys(call.mask, B, Hq, Lq, Lk, call.q.device)
+        self.lo, self.hi, visible, self.note = _visible_keys(call.mask, call.extent, call.q.device)
         self.read = (self.lo, self.hi)
         if self.hi <= self.lo:  # no row sees any key: one key, all blocked, so the result (0, -inf) keeps the graph
             self.lo = self.hi = 0
@@ -387,10 +388,11 @@ class _Plan:
         return out, (unfold_query_heads(lse, Hq) if return_lse and lse is not None else None)  # (B, Hq, Lq)
 
 
-def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) -> tuple[int, int, Tensor | None, str]:
+def _visible_keys(mask: Mask | None, extent: Extent, device) -> tuple[int, int, Tensor | None, str]:
     """``(lo, hi, visible, note)``: the keys ``[lo, hi)`` any row of the call may see (``lo >= hi``:
     none), the bool mask on them (``(B|1, H|1, Lq, hi - lo)``, ``None`` when all are visible), and
     a line for ``explain()``."""
+    Lq, Lk = extent.lengths
     if mask is None:
         return 0, Lk, None, "mask: none"
     what = "{mask}"  # filled in by plan() only: describing a mask may read its tensors (a host sync)
@@ -401,26 +403,27 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
         return (
             0,
             Lk,
-            mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device),
+            mask.materialize_block(extent, extent.whole(), device),
             f"mask {what}: evaluated on every key (under torch.compile)",
         )
-    lo, hi = mask.key_range(0, Lq, Lq, Lk)
+    lo, hi = mask.key_range(extent, extent.whole())
+    keys = Block(0, Lq, lo, hi)
     if hi <= lo:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
     if mask.kinds() <= _STRUCTURAL:
-        state = mask.block_state(0, Lq, lo, hi, Lq, Lk, B, Hq)
+        state = mask.block_state(extent, keys)
         if state is BlockState.EMPTY:
             return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
         if state is BlockState.FULL:
             return lo, hi, None, f"mask {what}: every key in its range [{lo}, {hi}) visible: no mask"
-        visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+        visible = mask.materialize_block(extent, keys, device)
         return (
             lo,
             hi,
             visible,
             (f"mask {what}: keys [{lo}, {hi}) from its structure; a row mask of shape {tuple(visible.shape)} on them"),
         )
-    visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+    visible = mask.materialize_block(extent, keys, device)
     seen = visible.any(dim=2).any(dim=1).any(dim=0).nonzero()  # columns some row may see
     if seen.numel() == 0:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from multihead.backends.decode import MAX_QUERIES, _attend, _visible_keys
+from multihead.blocks import Extent
 from multihead.conventions import default_scale, fold_query_heads, group_query_heads, softmax_dtype, unfold_query_heads
 from multihead.masks import Mask, as_mask
 from multihead.merge import merge_partials
@@ -90,7 +91,7 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
         raise ValueError(f"decode_blocks: Lq={Lq} > {MAX_QUERIES} query tokens; a prefill reads blocks.dense()")
     mask = as_mask(mask)  # a bool tensor over the slots: a TensorMask, evaluated on these rows only
     scale = default_scale(D) if scale is None else scale
-    lo, hi, visible, _ = _visible_keys(mask, B, Hq, Lq, S, q.device)
+    lo, hi, visible, _ = _visible_keys(mask, Extent(B, Hq, Lq, S), q.device)
     acc = softmax_dtype(q.dtype)
     half = acc != q.dtype
     G = Hq // Hkv
@@ -109,9 +110,11 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
             # a view whose heads lie apart (a run of pages in a head-major pool): oneDNN's batched
             # half GEMM copied such an operand whole first, so its GEMMs run one head at a time
             apart = Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2))
-            out, lse = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True, _per_head if apart else torch.matmul)
+            out, maybe = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True, _per_head if apart else torch.matmul)
+            assert maybe is not None  # (asked for)
+            lse = maybe
             outs.append(out)
-            lses.append(lse)  # type: ignore[arg-type]
+            lses.append(lse)
         out = outs[0] if len(outs) == 1 else merge_partials(outs, lses)[0]
     return unfold_query_heads(out.to(q.dtype), Hq)  # (B, Hq, Lq, Dv)
 

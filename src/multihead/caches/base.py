@@ -56,7 +56,8 @@ import torch
 from torch import Tensor
 
 from multihead.backends.decode_blocks import KVBlocks
-from multihead.inputs import check_tensor
+from multihead.blocks import Block, Extent
+from multihead.inputs import check_positions, check_tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
 from multihead.masks.base import UNBOUNDED, And, Not, Or
@@ -473,10 +474,10 @@ def check_mask_parts(layer: str, mask: Mask, batch: int, heads: int, q_len: int,
     tensor parts against the read's ``(B, H, Lq, S)``, parts at positions against ``B`` and ``H``
     only (the whole sequence's lengths are theirs)."""
     for part in _position_parts(mask):
-        part.check(batch, heads, None, None)
+        part.check(Extent(batch, heads, None, None))
     for part in _slot_parts(mask):
         try:
-            part.check(batch, heads, q_len, slots)
+            part.check(Extent(batch, heads, q_len, slots))
         except ValueError as exc:
             raise ValueError(
                 f"{layer}: with a cache, a tensor in the mask is over the (Lq, S) = ({q_len}, {slots}) "
@@ -493,22 +494,14 @@ def check_continuation(cache: str, positions: object, expected: Tensor, batch: i
     empty slot and one that goes back would overwrite a kept token (and rotary keys would sit at
     one position, stored at another). The value comparison reads the tensors: eager only."""
     new = expected.shape[-1]
-    shapes = f"({new},) or ({batch}, {new})"
-    if (
-        not isinstance(positions, Tensor)
-        or positions.is_floating_point()
-        or positions.is_complex()
-        or positions.dtype == torch.bool
-    ):
-        got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
-        raise TypeError(
-            f"{cache}.update: positions must be an integer tensor {shapes} (torch.int64), got {got}; "
-            f"hint: leave positions=None and the cache continues each row itself"
-        )
-    if tuple(positions.shape) not in ((new,), (batch, new)):
-        raise ValueError(
-            f"{cache}.update: positions must have shape {shapes} (one per new token), got {tuple(positions.shape)}"
-        )
+    positions = check_positions(
+        f"{cache}.update",
+        positions,
+        ((new,), (batch, new)),
+        None,  # (compared on the cache's device below)
+        expected=f"({new},) or ({batch}, {new}) (one per new token)",
+        hint="leave positions=None and the cache continues each row itself",
+    )
     if torch.compiler.is_compiling():
         return
     want = expected.expand(batch, new)
@@ -570,7 +563,7 @@ def check_reach(where: str, mask: object, causal: bool, window: int, positions: 
         return  # the mask is too short for these positions: CacheRead.mask says so
     n = max(extent, queries[-1] + 1)  # the square of the whole sequence the mask is read on
     for p in queries:
-        lo, hi = combined._key_range(p, p + 1, n, n)
+        lo, hi = combined._key_range(Extent(1, 1, n, n), Block(p, p + 1, 0, n))
         if lo >= hi or lo >= p - window:
             continue  # sees nothing, or nothing older than the cache holds
         if lo <= -UNBOUNDED // 2:

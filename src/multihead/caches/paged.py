@@ -24,7 +24,7 @@ calls (a prefill, weights, autograd) read ``CacheRead.keys``: every row's pages 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -311,7 +311,9 @@ class _PageBlocks(KVBlocks):
     one row and its pages in the piece are consecutive, else the pages copied, per row, into one
     buffer that every piece reuses (``index_select`` along the pool's page dim, no other copy)."""
 
-    def __init__(self, key_pages: Tensor, value_pages: Tensor, values_in_keys: bool, table: Tensor, tables):
+    def __init__(
+        self, key_pages: Tensor, value_pages: Tensor, values_in_keys: bool, table: Tensor, tables: list[list[int]]
+    ):
         Hkv, N, ps, D = key_pages.shape
         B, width = table.shape
         self.key_pages, self.value_pages, self.values_in_keys = key_pages, value_pages, values_in_keys
@@ -323,7 +325,7 @@ class _PageBlocks(KVBlocks):
         self.dtype, self.device = key_pages.dtype, key_pages.device
         self.grad = torch.is_grad_enabled()  # dense() records autograd as the update that read would have
 
-    def pieces(self, lo: int, hi: int, size: int):
+    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
         B, Hkv, S, D, Dv = self.shape
         ps = self.ps
         first, last = lo // ps, -(-hi // ps)  # pages [first, last) hold the slots [lo, hi)

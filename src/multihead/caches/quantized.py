@@ -31,6 +31,9 @@ every row's slots and scales together. Error against the fp32 cache: ``docs/infe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -108,7 +111,7 @@ class QuantizedKVCache(KVCache):
         self.max_len = max_len
         B, Hkv, D, Dv = batch_size, num_kv_heads, head_dim, value_dim
         groups = -(-max(0, max_len - sinks) // group)
-        full = dict(dtype=dtype, device=device)
+        full: dict[str, Any] = dict(dtype=dtype, device=device)
         self.sink_k, self.sink_v = torch.zeros(B, Hkv, sinks, D, **full), torch.zeros(B, Hkv, sinks, Dv, **full)
         self.q_k = torch.zeros(B, Hkv, groups * group, D, dtype=storage, device=device)
         self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
@@ -118,7 +121,7 @@ class QuantizedKVCache(KVCache):
         self.tail_v = torch.zeros(B, Hkv, residual + group, Dv, **full)
         self._length = 0  # tokens per row
         self._quantized = 0  # tokens in the 8-bit region (a multiple of group)
-        self._undo: tuple | None = None
+        self._undo: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -313,7 +316,7 @@ class _QuantizedBlocks(KVBlocks):
         self.dtype, self.device = cache.dtype, cache.tail_k.device
         self.grad = torch.is_grad_enabled()  # dense() records autograd as the update would have
 
-    def pieces(self, lo: int, hi: int, size: int):
+    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
         s, nq = self.sinks, self.quantized
         if lo < s:
             yield lo, self.sink_k[:, :, lo : min(hi, s)], self.sink_v[:, :, lo : min(hi, s)]

@@ -3,12 +3,27 @@
 * :class:`MultiHeadAttention`: MHA, GQA (``num_kv_heads``), MQA and cross-attention in one class,
   with :class:`GroupedQueryAttention` and :class:`MultiQueryAttention` as named aliases.
 * :class:`MultiHeadLatentAttention`: DeepSeek's MLA (latent K/V cache; naive and absorbed modes).
+* :class:`GatedAttention`, :class:`DifferentialAttention`, :class:`MixtureOfBlockAttention` (MoBA):
+  the variants of ``docs/variants.md``,
+  each a :class:`MultiHeadAttention` with its own attention function and last step.
 * ``multihead.compat.MultiheadAttention`` (module ``multihead.layers.compat``): a drop-in for
   ``torch.nn.MultiheadAttention``.
 """
 
 from multihead.layers import compat
+from multihead.layers.differential import DifferentialAttention
+from multihead.layers.gated import GatedAttention
 from multihead.layers.latent import MultiHeadLatentAttention
+from multihead.layers.moba import MixtureOfBlockAttention
 from multihead.layers.multihead import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 
-__all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "MultiHeadLatentAttention", "compat"]
+__all__ = [
+    "MultiHeadAttention",
+    "GroupedQueryAttention",
+    "MultiQueryAttention",
+    "MultiHeadLatentAttention",
+    "GatedAttention",
+    "DifferentialAttention",
+    "MixtureOfBlockAttention",
+    "compat",
+]

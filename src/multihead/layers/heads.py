@@ -25,6 +25,7 @@ what it cannot do in its own checks, so the layer has no branch for it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,13 +34,18 @@ from multihead.attention import attention
 from multihead.backends.decode import AUTO_MAX_QUERIES, MAX_QUERIES
 from multihead.backends.decode_blocks import KVBlocks, decode_blocks
 from multihead.call import ScoreModArg, Selection
-from multihead.capture import captures_of, is_capturing, record, take, union
+from multihead.capture import captures_of, is_capturing
 from multihead.hooks import ATTRIBUTE as HOOKS
-from multihead.hooks import explicit_attention, run_hooks
+from multihead.hooks import observed_attention
 from multihead.masks import Mask
-from multihead.validation import validate_weights_selection
 
-__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "Attend"]
+__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "Attend", "Heads"]
+
+#: How a layer's heads become its output, per call: ``(core, out_proj)``, the attention function
+#: (:func:`multihead.attention`'s signature; ``None`` for that function itself) and the map of the
+#: merged heads ``(B, Lq, Hq·Dv)`` to the output ``(B, Lq, E)``. :func:`attend_heads` runs
+#: ``out_proj(merge(core(q, k, v, ...)))``.
+Heads = tuple["Callable[..., Any] | None", Callable[[Tensor], Tensor]]
 
 
 def split_heads(x: Tensor, heads: int, head_dim: int, batch_first: bool) -> Tensor:
@@ -72,6 +78,7 @@ def attend_heads(
     backend: str = "auto",
     weights_heads: Selection = None,
     weights_rows: Selection = None,
+    core: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``attention() -> merge_heads -> out_proj`` for ``layer``, with its weights on demand and its
     hook points (:mod:`multihead.hooks`).
@@ -87,6 +94,9 @@ def attend_heads(
         need_weights: also return the probabilities ``(B, Hq, Lq, Lk)`` (before dropout).
         weights_heads, weights_rows: with ``need_weights``, only these query heads and rows, as
             for :func:`multihead.attention`: ``(B, len(heads), len(rows), Lk)``.
+        core: the attention function, :func:`multihead.attention` (``None``) or a variant's with
+            its signature and results (:class:`~multihead.layers.DifferentialAttention`'s two maps); the
+            ``scores``/``pattern`` hooks need the plain one (they are of one softmax).
 
     Returns:
         ``(out, weights)``: ``out (B, Lq, E)`` batch first whatever the layer's layout (the caller
@@ -95,9 +105,12 @@ def attend_heads(
         rows that the call and the captures select together.
     """
     hooks = layer.__dict__.get(HOOKS)  # None unless a hook is set: the one test the fast path pays
+    plain = core is None
+    if core is None:
+        core = attention
     captures = captures_of(layer) if is_capturing(layer) else ()
     if hooks is None and not captures and not need_weights:
-        y = attention(
+        y = core(
             q,
             k,
             v,
@@ -109,53 +122,24 @@ def attend_heads(
             backend=backend,
         )  # (B, Hq, Lq, Dv): the call made before hooks existed
         return out_proj(merge_heads(y)), None
-    asked = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=need_weights)
-    if hooks is not None:
-        q, k, v = run_hooks(hooks, "q", q), run_hooks(hooks, "k", k), run_hooks(hooks, "v", v)
-    wanted = ([asked] if need_weights else []) + [
-        validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures
-    ]
-    held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
-    weights = None
-    if hooks is not None and ("scores" in hooks or "pattern" in hooks):
-        y, pattern = explicit_attention(
-            q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p, hooks=hooks
-        )  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
-        if wanted:
-            weights = take(pattern, (None, None), held).to(q.dtype)
-    elif wanted:
-        result = attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=score_mod,
-            sinks=sinks,
-            dropout_p=dropout_p,
-            return_weights=True,
-            backend=backend,
-            weights_heads=held[0],
-            weights_rows=held[1],
-        )
-        y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
-    else:
-        y = attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=score_mod,
-            sinks=sinks,
-            dropout_p=dropout_p,
-            return_weights=False,
-            backend=backend,
-        )
-    if hooks is not None:
-        y = run_hooks(hooks, "output", y)  # (B, Hq, Lq, Dv): head h at y[:, h]
-    if captures:
-        record(layer, weights, q=q, held=held)
-    out = out_proj(merge_heads(y))  # (B, Lq, E)
-    return out, (take(weights, held, asked) if need_weights and weights is not None else None)
+    y, weights = observed_attention(
+        layer,
+        q,
+        k,
+        v,
+        hooks=hooks,
+        captures=captures,
+        need_weights=need_weights,
+        weights_heads=weights_heads,
+        weights_rows=weights_rows,
+        mask=mask,
+        score_mod=score_mod,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        backend=backend,
+        core=None if plain else core,
+    )  # (B, Hq, Lq, Dv), the call's own selection of the weights or None
+    return out_proj(merge_heads(y)), weights
 
 
 def attend_blocks(

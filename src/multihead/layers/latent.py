@@ -64,6 +64,7 @@ from multihead.layers.attend import (
 )
 from multihead.layers.checks import check_flag, check_size
 from multihead.layers.heads import attend_heads, merge_heads
+from multihead.layers.norm import RMSNorm
 from multihead.masks import Mask
 from multihead.positions.rotary import RotaryEmbedding
 from multihead.scores import ScoreMod
@@ -460,27 +461,6 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
 
 # help(MultiHeadLatentAttention.__init__) shows the arguments, not nn.Module.__init__'s text.
 MultiHeadLatentAttention.__init__.__doc__ = MultiHeadLatentAttention.__doc__
-
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + ε) · weight`` over the last dim, computed in fp32 (fp64 for fp64
-    inputs) and rounded once to the input dtype, as DeepSeek's and Hugging Face's RMSNorm."""
-
-    def __init__(
-        self, dim: int, *, eps: float = 1e-6, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = x.to(compute)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -20,6 +20,11 @@ an injected rotary module (``rope=``) and a key/value cache (``kv_cache=``, a
 :class:`multihead.caches.KVCache`). The common end, ``attention() -> merge -> out_proj``, is
 :func:`multihead.layers.heads.attend_heads`, shared with the ``nn.MultiheadAttention`` drop-in
 and the models.
+
+A variant changes the common end's two steps, the attention function and the map of the merged
+heads (``MultiHeadAttention._heads(query) -> (core, out_proj)``) and nothing else:
+:class:`~multihead.layers.GatedAttention` (a gate on the merged heads),
+:class:`~multihead.layers.DifferentialAttention` (two maps; a norm per head), ``docs/variants.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from multihead.layers.attend import (
 )
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.heads import Attend, attend_blocks, split_heads
+from multihead.layers.heads import Attend, Heads, attend_blocks, split_heads
 from multihead.layers.projection import project_qkv
 from multihead.masks import Mask
 from multihead.scores import as_score_mod
@@ -393,6 +398,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
         # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
         q, k, v = project_qkv(self, query, key, value)
+        heads = self._heads(query)
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, Lq, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D); Lk = Lq with a cache
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, Lk, D)
@@ -402,18 +408,19 @@ class MultiHeadAttention(HookPoints, nn.Module):
             # (B, Hkv, Lq, D), rotated once, before it is cached
             k = rotate(layer, self.rope, k, positions, "key heads (B, H, L, D)")
         if kv_cache is None:
-            out, weights = self._attend(attend, q, k, v, mask, score_mod, need_weights, selection)  # (B, Lq, E)
+            out, weights = self._attend(attend, q, k, v, mask, score_mod, need_weights, heads, selection)  # (B, Lq, E)
         else:
             call_mods = self._score_mods(score_mod)
 
             def attend_slots(read: CacheRead) -> tuple[Tensor, Tensor | None]:
                 slot_mask, slot_mods = self._masks.over_slots(read, mask, call_mods, B, Lq)
-                if read.blocks is not None and type(attend) is Attend:  # pages, quantized slots: a piece at a time
+                # pages, quantized slots: a piece at a time (a plain softmax through the default seam)
+                if read.blocks is not None and type(attend) is Attend and heads[0] is None:
                     out = attend_blocks(
                         self,
                         q,
                         read.blocks,
-                        out_proj=self.out_proj,
+                        out_proj=heads[1],
                         mask=slot_mask,
                         score_mod=slot_mods,
                         sinks=self.sinks,
@@ -423,7 +430,9 @@ class MultiHeadAttention(HookPoints, nn.Module):
                     )
                     if out is not None:
                         return out, None
-                return self._attend(attend, q, read.keys, read.values, slot_mask, slot_mods, need_weights, selection)
+                return self._attend(
+                    attend, q, read.keys, read.values, slot_mask, slot_mods, need_weights, heads, selection
+                )
 
             out, weights = attend_cached(
                 kv_cache, k, v, attend_slots, positions=positions, given=given, mask=mask, causal=self.causal
@@ -462,7 +471,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
         q = split_heads(q, self.num_heads, self.head_dim, self.batch_first)  # (B, Hq, L, D)
         k = split_heads(k, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
         v = split_heads(v, self.num_kv_heads, self.head_dim, self.batch_first)  # (B, Hkv, L, D)
-        out, _ = self._attend(self.attend, q, k, v, mask, None, False)  # (B, L, E)
+        out, _ = self._attend(self.attend, q, k, v, mask, None, False, self._heads(query))  # (B, L, E)
         return out if self.batch_first else out.transpose(0, 1)
 
     def _attend(
@@ -474,16 +483,18 @@ class MultiHeadAttention(HookPoints, nn.Module):
         mask: Mask | Tensor | None,
         score_mod: ScoreModArg,
         need_weights: bool,
+        heads: Heads,
         selection: tuple[Selection, Selection] = (None, None),
     ) -> tuple[Tensor, Tensor | None]:
-        """The ``attend`` seam (:func:`attend_heads` by default) with this layer's projection,
-        sinks, dropout and backend."""
+        """The ``attend`` seam (:func:`attend_heads` by default) with this call's ``heads``
+        (:meth:`_heads`), and this layer's sinks, dropout and backend."""
         return attend.attend_heads(
             self,
             q,
             k,
             v,
-            out_proj=self.out_proj,
+            out_proj=heads[1],
+            core=heads[0],
             mask=mask,
             score_mod=score_mod,
             sinks=self.sinks,
@@ -493,6 +504,16 @@ class MultiHeadAttention(HookPoints, nn.Module):
             weights_heads=selection[0],
             weights_rows=selection[1],
         )
+
+    def _heads(self, query: Tensor) -> Heads:
+        """How this call's heads become the output: ``(core, out_proj)``
+        (:data:`~multihead.layers.heads.Heads`), the attention function and
+        ``(B, Lq, Hq·Dv) -> (B, Lq, E)`` applied to the merged heads. Here
+        ``(None, self.out_proj)``: :func:`multihead.attention` and the projection; a variant built on this layer
+        changes these two steps and nothing else (:class:`~multihead.layers.GatedAttention` gates
+        the merged heads by ``query``, :class:`~multihead.layers.DifferentialAttention` attends
+        with two maps and normalises each head)."""
+        return None, self.out_proj
 
     def _score_mods(self, call_mod: ScoreModArg) -> list[Any] | None:
         """The layer's modifier (a module is called for it), then the call's, then the softcap."""
@@ -659,10 +680,13 @@ class _Explaining(Attend):
         backend: str = "auto",
         weights_heads: Selection = None,
         weights_rows: Selection = None,
+        core: Callable[..., Any] | None = None,
         **unexplained: object,  # out_proj, sinks
     ) -> NoReturn:
+        # A variant's core attends its own way (two maps, a selection) and explains that way.
+        explain_call = explain if core is None else core.explain  # type: ignore[attr-defined]
         raise _Explained(
-            explain(
+            explain_call(
                 q,
                 k,
                 v,

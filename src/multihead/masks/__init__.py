@@ -5,16 +5,20 @@ Masks are read at absolute positions of the whole attention (:meth:`Mask.shifted
 :meth:`Mask.at`). What is added to the scores lives in :mod:`multihead.scores`.
 """
 
+from multihead.blocks import Block, Extent
 from multihead.masks.band import Band, Window, causal, sliding_window
 from multihead.masks.base import And, BlockState, Mask, Not, Or, Positioned, register_coercion
 from multihead.masks.document import Document, DocumentCausal, document, document_causal
 from multihead.masks.heads import HeadRange, head_range
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
+from multihead.masks.select import BlockSelect, block_select
 from multihead.masks.tensor import Custom, TensorMask, additive_blocked, as_mask, bias, custom
 
 __all__ = [
     "Mask",
     "BlockState",
+    "Extent",
+    "Block",
     "And",
     "Or",
     "Not",
@@ -28,6 +32,7 @@ __all__ = [
     "document",
     "document_causal",
     "head_range",
+    "block_select",
     "custom",
     "as_mask",
     "additive_blocked",
@@ -37,6 +42,7 @@ __all__ = [
     "Document",
     "DocumentCausal",
     "HeadRange",
+    "BlockSelect",
     "TensorMask",
     "Custom",
 ]
