@@ -10,7 +10,7 @@ LOCK    := requirements/lock.txt
 # which writes the lock, is told).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: help setup check test test-slow test-all test-compat compat-newest compat-lowest lock dist demo bench \
+.PHONY: help setup setup-triton check test test-slow test-all test-compat compat-newest compat-lowest lock dist demo bench \
         bench-quick clean
 
 help:
@@ -18,6 +18,7 @@ help:
 	@echo "make check       lint (ruff check), formatting (ruff format --check) and types (mypy)"
 	@echo "make demo        set up .venv and run 'multihead demo'"
 	@echo "make test-slow   the opt-in slow tier"
+	@echo "make setup-triton add triton (the Triton backend's interpreter tests on the CPU)"
 	@echo "make test-compat the integration tests with the newest and the lowest release in every range"
 	@echo "make lock        refresh requirements/lock.txt to the newest releases in pyproject.toml's ranges"
 	@echo "make dist        build the sdist and the wheel into dist/"
@@ -43,12 +44,21 @@ setup: $(VENV)/.installed
 # Run it after changing a range in pyproject.toml or requirements/tools.in, or to take new releases;
 # then `make test` (and `make test-compat`) before committing the new lock. The lock records the
 # digest of its inputs (requirements/inputs.py): a test fails when they change without a new lock.
+# triton (the `triton` extra, 285 MB) is locked on its own in requirements/triton.txt and installed
+# only by `make setup-triton`: the Triton backend's interpreter tests skip without it.
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --python-version 3.11 --find-links $(TORCH_WHEELS) \
              -c constraints.txt --no-emit-package torch --quiet --custom-compile-command "make lock"
+TRITON_LOCK := requirements/triton.txt
 
 lock: setup
-	$(UV_COMPILE) requirements/tools.in --all-extras --generate-hashes --upgrade -o $(LOCK)
+	$(UV_COMPILE) requirements/tools.in --all-extras --no-emit-package triton --generate-hashes --upgrade -o $(LOCK)
+	$(UV_COMPILE) --extra triton --no-deps --generate-hashes --upgrade --no-header \
+	    -o $(TRITON_LOCK)
 	$(BIN)/python requirements/inputs.py --write
+
+# The optional Triton backend's kernels, for its tests through the interpreter on the CPU.
+setup-triton: setup
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(TRITON_LOCK)
 
 # The habits: lint, formatting and types (configured in pyproject.toml).
 LINTED  := src tests benchmarks examples requirements

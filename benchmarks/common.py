@@ -248,3 +248,11 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
     return "" if x is None else str(x)
+
+
+def speed_words(ratio: float, than: str) -> str:
+    """``ratio`` = their time / ours, said the way it reads: ``"1.59x faster than X"`` at or above
+    1, ``"1.59x slower than X"`` below (1 / ratio), never ``"0.63x faster"``."""
+    if ratio >= 1:
+        return f"{ratio:.2f}x faster than {than}"
+    return f"{1 / ratio:.2f}x slower than {than}"

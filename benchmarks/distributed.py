@@ -18,7 +18,10 @@ file rendezvous) runs after a correctness check of its output against single-pro
 
 ``P = 1`` is plain :func:`multihead.attention` in one process (one thread for the compute
 column, all cores for the times). The load average is printed before and after every world.
-Usage: ``python benchmarks/distributed.py [--quick] [--length 8192] [--reps 5] [--only memory] [--worlds 2,4,8]``;
+Usage: ``python benchmarks/distributed.py [--quick] [--length 8192] [--reps 5] [--only memory] [--worlds 2,4,8]
+[--methods ulysses]``; ``--only decode`` measures context-parallel decoding instead
+(:class:`~multihead.distributed.ShardedKVCache`: per-rank cache bytes, bytes moved and time per
+step, against one process's :class:`~multihead.caches.DynamicKVCache`);
 writes ``benchmarks/results/distributed[_quick|_L<length>].csv``.
 """
 
@@ -39,7 +42,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import multihead as mh  # noqa: E402
 from common import context, machine_state, print_table, write_csv  # noqa: E402
-from multihead.distributed import ring, ring_attention, shard_sequence, ulysses, ulysses_attention  # noqa: E402
+from multihead.caches import DynamicKVCache  # noqa: E402
+from multihead.distributed import (  # noqa: E402
+    ShardedKVCache,
+    ring,
+    ring_attention,
+    shard_sequence,
+    ulysses,
+    ulysses_attention,
+)
 from multihead.distributed.checks import Shards  # noqa: E402
 from multihead.distributed.memory import TensorMemory  # noqa: E402
 from multihead.distributed.ring import _cached_plan  # noqa: E402
@@ -214,16 +225,195 @@ def _single_worker(cfg, queue):
     queue.put(row)
 
 
-def world_run(world: int, cfg: dict) -> list[dict]:
+def world_run(world: int, cfg: dict, worker=None) -> list[dict]:
     folder = tempfile.mkdtemp(prefix="multihead_bench_")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = mp.start_processes(
-        _worker, args=(world, folder, cfg, queue), nprocs=world, join=False, start_method="spawn"
+        worker or _worker, args=(world, folder, cfg, queue), nprocs=world, join=False, start_method="spawn"
     )
     rows = [queue.get() for _ in range(world)]
     procs.join()
     return sorted(rows, key=lambda r: r["rank"])
+
+
+# ------------------------------------------------------------------------------------ decoding
+def _decode_inputs(cfg):
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, T = cfg["B"], cfg["H"], cfg["Hkv"], cfg["D"], cfg["L"] + cfg["steps"]
+    return tuple(torch.randn(B, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+
+
+def _decode_worker(rank, world, folder, cfg, out_queue):
+    """A sharded KV cache: prefill ``L`` tokens (zigzag), then ``steps`` one-token steps, each
+    timed; per rank the cache's bytes and tokens, and the bytes the last step moved."""
+    torch.set_num_threads(max(1, CORES // world))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{folder}/rdzv",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=900),
+    )
+    L, steps = cfg["L"], cfg["steps"]
+    q, k, v = _decode_inputs(cfg)
+    cache = ShardedKVCache(layout="zigzag", capacity=(L + steps) // world + steps)
+    times = []
+    with torch.no_grad():
+        cache.prefill(*(shard_sequence(t[:, :, :L], layout="zigzag", dim=2) for t in (q, k, v)))
+        for t in range(L, L + steps):
+            dist.barrier()
+            start = time.perf_counter()
+            y = cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            times.append(time.perf_counter() - start)
+    traffic = cache.last_traffic
+    row = {
+        "rank": rank,
+        "tokens": cache.local_length,
+        "cache_mib": cache.nbytes / MIB,
+        "step_ms": 1e3 * statistics.median(times[1:]),
+        "query_b": traffic.query,
+        "kv_b": traffic.kv,
+        "partial_b": traffic.partial,
+        "received_b": traffic.received_per_rank,
+    }
+    if rank == 0:  # the last step against one process over every token
+        with torch.no_grad():
+            want = mh.attention(q[:, :, -1:], k, v)
+        row["max_err"] = float((y - want).abs().max())
+    out_queue.put(row)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _decode_single(cfg, queue):
+    torch.set_num_threads(CORES)
+    L, steps = cfg["L"], cfg["steps"]
+    q, k, v = _decode_inputs(cfg)
+    cache = DynamicKVCache(capacity=L + steps)
+    times = []
+    with torch.no_grad():
+        cache.update(k[:, :, :L], v[:, :, :L])
+        for t in range(L, L + steps):
+            start = time.perf_counter()
+            read = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            mh.attention(q[:, :, t : t + 1], read.keys, read.values)
+            times.append(time.perf_counter() - start)
+    queue.put(
+        {
+            "rank": 0,
+            "tokens": cache.length,
+            "cache_mib": cache.nbytes / MIB,
+            "step_ms": 1e3 * statistics.median(times[1:]),
+        }
+    )
+
+
+def decode_main(args, L: int) -> None:
+    """``--only decode``: context-parallel decoding against one process's cache."""
+    cfg = {"B": 1, "H": 32, "Hkv": 8, "D": 128, "L": L, "steps": args.reps or 16}
+    print(f"decode: B=1, Hq=32, Hkv=8, D=128, fp32, prompt L={L}, {cfg['steps']} one-token steps (zigzag prefill)\n")
+    table = []
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_decode_single, args=(cfg, queue))
+    p.start()
+    one = queue.get()
+    p.join()
+    gather_b = L * cfg["Hkv"] * 2 * cfg["D"] * 4  # what gathering the cache would move per step
+    table.append({"P": 1, "load": f"{os.getloadavg()[0]:.1f}", **one, "cache_vs_1": 1.0})
+    for world in sorted({int(w) for w in args.worlds.split(",")}):
+        rows = world_run(world, cfg, worker=_decode_worker)
+        worst = {key: max(r[key] for r in rows) for key in ("tokens", "cache_mib", "step_ms", "received_b")}
+        table.append(
+            {
+                "P": world,
+                "load": f"{os.getloadavg()[0]:.1f}",
+                **worst,
+                "cache_vs_1": worst["cache_mib"] / one["cache_mib"],
+                "query_b": rows[0]["query_b"],
+                "partial_b": rows[0]["partial_b"],
+                "gather_cache_b": gather_b,
+                "max_err": rows[0]["max_err"],
+            }
+        )
+    print_table("decoding over a sharded KV cache (the largest rank; bytes per step and layer)", _uniform(table))
+    write_csv(f"distributed_decode_L{L}", _uniform(table))
+
+
+# ------------------------------------------------------------------------------------ balance
+def document_lengths(total: int, seed: int = 0) -> list[int]:
+    """Packed documents of a long-tailed length distribution (Pareto, shape 1.2, at least 64 and
+    at most 32768 tokens) filling ``total`` tokens; the last one cut to fit."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        u = float(torch.rand((), generator=g))
+        lengths.append(min(32768, int(64 * (1 - u) ** (-1 / 1.2))))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def causal_pairs(positions: torch.Tensor, starts: torch.Tensor) -> int:
+    """Query-key pairs a document-causal mask shows the queries at ``positions``: each sees its
+    document's keys up to itself."""
+    return int((positions - starts[positions] + 1).sum())
+
+
+def balance_main(L: int, worlds: list[int]) -> None:
+    """``--only balance``: the work of each rank under ``document_causal`` for packed documents,
+    as visible query-key pairs (no processes: counted from the layout)."""
+    lengths = document_lengths(L)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)[ids]  # (L,): the start of each token's document
+    print(
+        f"balance: L={L} tokens in {len(lengths)} documents (Pareto 1.2, 64..32768 tokens; longest "
+        f"{max(lengths)}, median {sorted(lengths)[len(lengths) // 2]}); work = visible pairs of document_causal\n"
+    )
+    table = []
+    for world in worlds:
+        S = L // world
+        layouts = {
+            "contiguous": [torch.arange(r * S, (r + 1) * S) for r in range(world)],
+            "zigzag": [_zigzag(S, r, world) for r in range(world)],
+            "per-document zigzag": _per_document(lengths, world),
+        }
+        for name, held in layouts.items():
+            work = [causal_pairs(pos, starts) for pos in held]
+            mean = sum(work) / world
+            table.append(
+                {
+                    "P": world,
+                    "layout": name,
+                    "tokens_max_min": max(len(h) for h in held) / min(len(h) for h in held),
+                    "work_max_mean": max(work) / mean,
+                    "work_min_mean": min(work) / mean,
+                    "slowest_speedup_vs_1": sum(work) / max(work),
+                }
+            )
+    print_table("document-causal work per rank (max / mean: the slowest rank against a balanced one)", table)
+    write_csv(f"distributed_balance_L{L}", table)
+
+
+def _zigzag(S: int, rank: int, world: int) -> torch.Tensor:
+    c = S // 2
+    return torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
+    )
+
+
+def _per_document(lengths: list[int], world: int) -> list[torch.Tensor]:
+    """Each document cut into ``2P`` near-equal chunks, rank ``r`` holding chunks ``r`` and
+    ``2P-1-r`` of every document (Llama 3's per-document sharding): modelled, not run."""
+    held: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    start = 0
+    for n in lengths:
+        cuts = [start + (n * i) // (2 * world) for i in range(2 * world + 1)]
+        for r in range(world):
+            for c in (r, 2 * world - 1 - r):
+                held[r].append(torch.arange(cuts[c], cuts[c + 1]))
+        start += n
+    return [torch.cat(h) for h in held]
 
 
 CONFIGS = [
@@ -250,21 +440,34 @@ def main():
     parser.add_argument("--quick", action="store_true", help="L = 2048, one repetition, fewer worlds")
     parser.add_argument("--length", type=int, default=None, help="total sequence length L (default 8192)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per timing (default 3)")
-    parser.add_argument("--only", choices=["memory", "time"], default=None, help="measure only this")
+    parser.add_argument(
+        "--only",
+        choices=["memory", "time", "decode", "balance"],
+        default=None,
+        help="measure only this (decode, balance: their own tables)",
+    )
     parser.add_argument("--worlds", default="2,4", help="world sizes, e.g. 2,4,8 (8 processes share the cores)")
+    parser.add_argument("--methods", default="ring,ulysses", help="ring, ulysses or both (one process always runs)")
     args = parser.parse_args()
     L = args.length or (2048 if args.quick else 8192)
     reps = args.reps or (1 if args.quick else 3)
     base = {"B": 1, "H": 8, "D": 64, "L": L, "reps": reps, "only": args.only}
     print(context())
     print(machine_state())
+    if args.only == "decode":
+        return decode_main(args, L)
+    if args.only == "balance":
+        return balance_main(args.length or 131072, sorted({2, 4, 8} | {int(w) for w in args.worlds.split(",")}))
     print(
         f"B=1, H=8, D=64, L={L}, fp32; P processes get {CORES}//P threads each (P=1: {CORES} threads; "
         f"compute columns: one thread)\n"
     )
 
     worlds = {1} | {int(w) for w in args.worlds.split(",")}
-    configs = [c for c in CONFIGS if c[1] in worlds and (not args.quick or c[1] <= 2 or c[0] == "ring")]
+    methods = {"single"} | set(args.methods.split(","))
+    configs = [
+        c for c in CONFIGS if c[1] in worlds and c[0] in methods and (not args.quick or c[1] <= 2 or c[0] == "ring")
+    ]
     table, summary, single_rows = [], [], {}
     for method, world, layout, mask in configs:
         cfg = dict(base, method=method, layout=layout, mask=mask)

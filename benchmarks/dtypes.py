@@ -79,7 +79,9 @@ def main(argv=None) -> list[dict]:
     layer_rows = layers(lengths, rounds, min_run_time)
     print_table("MultiHeadAttention / the hand-fused layer (fastest of interleaved rounds; one run)", layer_rows)
     print(f"# {machine_state()}")
-    write_csv("dtypes" + ("_quick" if args.quick else ""), rows + layer_rows)
+    suffix = "_quick" if args.quick else ""
+    write_csv("dtypes" + suffix, rows)
+    write_csv("dtypes_layer" + suffix, layer_rows)
     return rows + layer_rows
 
 

@@ -3,7 +3,7 @@
 Not part of ``run_all.py``'s suite (that one runs on CPU). Commands, from the repository root:
 
     python benchmarks/gpu.py                       # all four sections, default grid (~4.5 min on an H100)
-    python benchmarks/gpu.py --only sweep          # one or more of: sweep structured layer decode
+    python benchmarks/gpu.py --only sweep          # one or more of: sweep structured tiles layer decode
     python benchmarks/gpu.py --only sweep --full   # the whole FlashAttention grid: 6 lengths (~4 min)
     python benchmarks/gpu.py --only sweep --passes fwd fwdbwd
     python benchmarks/gpu.py --budget 600          # seconds for the whole run (default 320)
@@ -19,19 +19,24 @@ Sections (each writes ``benchmarks/results/gpu_<section>.csv``, the GPU's name i
   and 128, causal and not, bf16, passes fwd, bwd, fwd+bwd. Default: L in {1k, 4k, 16k};
   ``--full``: L in {512, 1k, 2k, 4k, 8k, 16k}. Contenders: ``multihead.attention``
   (auto), SDPA pinned to FLASH_ATTENTION / EFFICIENT_ATTENTION / CUDNN_ATTENTION (a kernel that
-  refuses the input is "n/a" with its reason) and compiled FlexAttention (block mask built once,
-  outside the timed region). TFLOP/s with the FlashAttention count: forward ``4·B·L²·H·D``,
-  halved when causal; backward 2.5x, fwd+bwd 3.5x the forward. The forward is timed with grad
-  enabled on inputs that require grad (as FlashAttention's own benchmark does), so one compiled
-  flex graph serves every pass. ``bwd`` is the backward alone on a retained graph; compiled flex
-  refuses ``retain_graph``, so its bwd is fwd+bwd minus fwd (said in the row's notes).
+  refuses the input is "n/a" with its reason), compiled FlexAttention (block mask built once,
+  outside the timed region) and multihead's own Triton kernels (``backend="triton_blocks"``).
+  TFLOP/s with the FlashAttention count: forward ``4·B·L²·H·D``, halved when causal; backward
+  2.5x, fwd+bwd 3.5x the forward. The forward is timed with grad enabled on inputs that require
+  grad (as FlashAttention's own benchmark does), so one compiled flex graph serves every pass.
+  ``bwd`` is the backward alone on a retained graph; compiled flex refuses ``retain_graph``, so
+  its bwd is fwd+bwd minus fwd (said in the row's notes).
 * ``structured``: sliding window (1024, 4096; causal) and packed documents (random lengths
   averaging 2k, causal within each) at L 8k / 16k / 32k, B=1 H=16 D=128 bf16, fwd and fwd+bwd:
-  multihead with the mask object, SDPA with a dense bool mask (EFFICIENT_ATTENTION), compiled
-  flex with the same block structure, and multihead's dense causal run at the same L (passes:
-  fwd and fwd+bwd unless ``--passes``). TFLOP/s
-  per *unmasked* FLOP (``4·D·H·B·visible``, visible counted from the dense mask), and the ratio
-  to the dense-causal TFLOP/s.
+  multihead with the mask object (auto, and forced to ``triton_blocks``), SDPA with a dense bool
+  mask (EFFICIENT_ATTENTION), compiled flex with the same block structure, and multihead's dense
+  causal run at the same L (passes: fwd and fwd+bwd unless ``--passes``). TFLOP/s per *unmasked*
+  FLOP (``4·D·H·B·visible``, visible counted from the dense mask), and the ratio to the
+  dense-causal TFLOP/s (``tb/dense causal``: triton_blocks', the issue-34 target >= 0.9;
+  ``tb/flex``: triton_blocks over compiled flex, target >= 1.0).
+* ``tiles``: the ``triton_blocks`` backend with each of ``TILE_CONFIGS`` (tiles, warps, stages)
+  on causal, window 1024 and packed documents at L 16k, B=1 H=16 D=128 bf16, fwd and fwd+bwd:
+  TFLOP/s per unmasked FLOP, from which its defaults are chosen.
 * ``layer``: ``multihead.MultiHeadAttention`` at B=8 L=1024 E=768 H=12 causal, fwd and fwd+bwd,
   fp32 with TF32 on and bf16, against a fused-QKV + SDPA module and ``nn.MultiheadAttention``
   (need_weights=False, causal attn_mask); ms and tokens/s.
@@ -79,8 +84,8 @@ try:
 except Exception:  # noqa: BLE001 (no triton, or a broken install: CUDA events instead)
     do_bench = None
 
-SECTIONS = ("sweep", "structured", "layer", "decode")
-SHARES = {"sweep": 0.42, "structured": 0.33, "layer": 0.08, "decode": 0.17}  # of --budget
+SECTIONS = ("sweep", "structured", "tiles", "layer", "decode")
+SHARES = {"sweep": 0.42, "structured": 0.33, "tiles": 0.15, "layer": 0.08, "decode": 0.17}  # of --budget
 PASSES = ("fwd", "bwd", "fwdbwd")
 PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}  # FlashAttention's count, times the forward
 GiB = 1 << 30
@@ -314,7 +319,7 @@ def causal_mod(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-SWEEP_CONTENDERS = ("multihead", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
+SWEEP_CONTENDERS = ("multihead", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex", "triton_blocks")
 
 
 def sweep(run: Run) -> list[dict]:
@@ -375,6 +380,7 @@ def sweep_config(run: Run, B: int, H: int, L: int, D: int, causal: bool) -> list
         "sdpa_flash": pinned_sdpa("FLASH_ATTENTION", q, k, v, is_causal=causal),
         "sdpa_efficient": pinned_sdpa("EFFICIENT_ATTENTION", q, k, v, is_causal=causal),
         "sdpa_cudnn": pinned_sdpa("CUDNN_ATTENTION", q, k, v, is_causal=causal),
+        "triton_blocks": lambda: mh.attention(q, k, v, mask=mask, backend="triton_blocks"),
     }
     try:
         flex = run.compiled_flex()
@@ -449,7 +455,7 @@ def dense_mask(kind: str, L: int, device, w: int = 0, ids: torch.Tensor | None =
     return allowed
 
 
-STRUCT_CONTENDERS = ("multihead", "sdpa_dense_mask", "flex", "multihead_dense_causal")
+STRUCT_CONTENDERS = ("multihead", "sdpa_dense_mask", "flex", "triton_blocks")
 DENSE_MASK_LIMIT = 4 * GiB  # bytes of the bool mask (SDPA's efficient kernel adds a bf16 copy)
 
 
@@ -478,7 +484,7 @@ def structured(run: Run) -> list[dict]:
     dense = {(r["L"], r["pass"]): r["multihead_TFLOPs"] for r in rows if r["mask"] == "dense causal"}
     for r in rows:
         base = dense.get((r["L"], r["pass"]))
-        for c in STRUCT_CONTENDERS[:3]:
+        for c in STRUCT_CONTENDERS:
             t = r.get(f"{c}_TFLOPs")
             r[f"{c}/dense_causal"] = t / base if t and base else None
     table = [
@@ -487,8 +493,12 @@ def structured(run: Run) -> list[dict]:
             "mask": r["mask"],
             "visible %": 100 * r["visible"] / r["L"] ** 2,
             "pass": r["pass"],
-            **{c: r[f"{c}_TFLOPs"] if r[f"{c}_TFLOPs"] is not None else "n/a" for c in STRUCT_CONTENDERS[:3]},
+            **{c: r[f"{c}_TFLOPs"] if r[f"{c}_TFLOPs"] is not None else "n/a" for c in STRUCT_CONTENDERS},
             "mh/dense causal": r["multihead/dense_causal"],
+            "tb/dense causal": r["triton_blocks/dense_causal"],
+            "tb/flex": r["triton_blocks_TFLOPs"] / r["flex_TFLOPs"]
+            if r.get("triton_blocks_TFLOPs") and r.get("flex_TFLOPs")
+            else None,
             "mh backend": r["mh_backend"],
         }
         for r in rows
@@ -517,7 +527,10 @@ def structured_config(run: Run, L: int, H: int, D: int, name: str, spec: dict) -
     print(f"    multihead explain: backend: {mh_backend}; PyTorch kernel: {mh_kernel or '-'}", flush=True)
     if mh_backend != "sdpa":
         print(f"      plan: {mh_plan}", flush=True)
-    contenders = {"multihead": lambda: mh.attention(q, k, v, mask=mask)}
+    contenders = {
+        "multihead": lambda: mh.attention(q, k, v, mask=mask),
+        "triton_blocks": lambda: mh.attention(q, k, v, mask=mask, backend="triton_blocks"),
+    }
     if kind != "causal":
         if L * L <= DENSE_MASK_LIMIT:
             contenders["sdpa_dense_mask"] = pinned_sdpa("EFFICIENT_ATTENTION", q, k, v, attn_mask=allowed)
@@ -538,12 +551,89 @@ def structured_config(run: Run, L: int, H: int, D: int, name: str, spec: dict) -
     for p in run.struct_passes:
         flops = PASS_FLOPS[p] * 4 * D * H * visible  # B = 1
         row = {"gpu": run.gpu, "L": L, "H": H, "D": D, "mask": name, "visible": visible, "pass": p}
-        for c in STRUCT_CONTENDERS[:3]:
+        for c in STRUCT_CONTENDERS:
             ms = times.get(c, {}).get(p)
             row[f"{c}_ms"], row[f"{c}_TFLOPs"] = ms, tflops(flops, ms)
         row["mh_backend"], row["mh_kernel"], row["mh_plan"] = mh_backend, mh_kernel, mh_plan
         row["notes"] = "; ".join(f"{c}: {n}" for c, n in notes.items())
         rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 2b. the triton_blocks backend's tiles and launch settings
+
+#: triton_blocks.Tiles(forward, dkdv, warps, stages) as tuples: the backend's defaults first, then
+#: shapes worth trying on Hopper for head dim 128 (benchmarks/triton_compile.py: their spills).
+TILE_CONFIGS = [
+    ((128, 64), (32, 64), (8, 8, 8), (3, 2, 3)),
+    ((128, 128), (32, 64), (8, 8, 8), (2, 2, 3)),
+    ((64, 64), (32, 64), (4, 8, 8), (3, 3, 3)),
+    ((128, 64), (32, 64), (8, 8, 4), (3, 2, 3)),
+    ((128, 64), (32, 128), (8, 8, 8), (3, 2, 2)),
+    ((128, 64), (16, 64), (8, 8, 4), (3, 2, 3)),
+    ((128, 64), (64, 64), (8, 8, 8), (3, 2, 3)),
+]
+
+
+def tiles(run: Run) -> list[dict]:
+    """``triton_blocks`` with each of :data:`TILE_CONFIGS` on a causal, a windowed and a packed-
+    documents call (B=1 H=16 D=128 bf16, L 16k), fwd and fwd+bwd: TFLOP/s per unmasked FLOP, so
+    that the backend's defaults are chosen by measurement."""
+    from multihead.backends.triton_blocks import Tiles, TritonBlocksBackend
+
+    L, H, D = (256, 2, 32) if run.dry else (16384, 16, 128)
+    gen = torch.Generator(device=run.device).manual_seed(7)
+    q, k, v, dout = (torch.randn(1, H, L, D, device=run.device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    ids = doc_ids(L, 32 if run.dry else 2048, run.device, seed=L)
+    masks = {
+        "causal": (mh.causal(), dense_mask("causal", L, run.device)),
+        "window 1024": (mh.sliding_window(1024), dense_mask("window", L, run.device, w=1024)),
+        "documents": (mh.document_causal(ids), dense_mask("documents", L, run.device, ids=ids)),
+    }
+    rows = []
+    for name, (mask, allowed) in masks.items():
+        visible = int(allowed.sum())
+        ref = math_ref(q[:, :1], k[:, :1], v[:, :1], attn_mask=allowed)
+        check = checker(ref, lambda out: out[:, :1], 3e-2)
+        for config in TILE_CONFIGS:
+            what = f"{name} tiles {config}"
+            if run.over(what):
+                continue
+            tiles = Tiles(*config)
+            backend = mh.get_backend("triton_blocks")  # the default, put back after the trial
+            mh.register_backend(TritonBlocksBackend(tiles))
+            try:
+                print(f"  {what}", flush=True)
+                contenders = {"triton_blocks": lambda: mh.attention(q, k, v, mask=mask, backend="triton_blocks")}
+                times, notes = measure(run, contenders, check, run.struct_passes, inputs, dout)
+            finally:
+                mh.register_backend(backend)
+            for p in run.struct_passes:
+                ms = times.get("triton_blocks", {}).get(p)
+                flops = PASS_FLOPS[p] * 4 * D * H * visible
+                rows.append(
+                    {
+                        "gpu": run.gpu,
+                        "L": L,
+                        "mask": name,
+                        "pass": p,
+                        "forward": "x".join(map(str, tiles.forward)),
+                        "dkdv": "x".join(map(str, tiles.dkdv)),
+                        "warps": "/".join(map(str, tiles.warps)),
+                        "stages": "/".join(map(str, tiles.stages)),
+                        "ms": ms,
+                        "TFLOPs": tflops(flops, ms),
+                        "notes": notes.get("triton_blocks", ""),
+                    }
+                )
+            free()
+    print_table(
+        "triton_blocks tiles: TFLOP/s per unmasked FLOP",
+        [{k: r[k] for k in ("mask", "pass", "forward", "dkdv", "warps", "stages", "TFLOPs")} for r in rows],
+    )  # fmt: skip
+    write(run, "tiles", rows)
     return rows
 
 

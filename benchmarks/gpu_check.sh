@@ -3,12 +3,17 @@
 # tests, then the GPU benchmarks. Run from the repository root on the CUDA machine, with a
 # transformers wheel of the tested range in .whl/ when the machine's own is older:
 #
-#   OUT=/some/folder bash benchmarks/gpu_check.sh [seconds for the benchmarks, default 240]
+#   OUT=/some/folder bash benchmarks/gpu_check.sh [seconds for the benchmarks, default 240] [steps]
 #
+# steps: "all" (default: the CUDA tier, the layer, decode and sweep benchmarks) or "triton" (the
+# triton_blocks backend of issue 34: its kernel tests, default and slow tier, compiled on the GPU;
+# then structured masks, the tile settings and the sweep with it beside cuDNN/flash/efficient SDPA
+# and compiled flex). Each fits one device command of 10 minutes at the default budget.
 # Logs and CSVs land in $OUT; docs/performance.md ("On the GPU") says what each run found.
 set -u
 OUT=${OUT:-benchmarks/results/gpu-check}
 BUDGET=${1:-240}
+STEPS=${2:-all}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -21,6 +26,20 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, 'transformers', transformers.__version__)"
     git log --oneline -1 2>/dev/null || true
 } 2>&1 | tee "$OUT/machine.txt"
+
+if [ "$STEPS" = "triton" ]; then
+    # 1. The kernels compiled for the GPU against the fp64 oracle: every mask kind, fp32/bf16/fp16.
+    timeout 240 python3 -m pytest tests/backends/test_triton_blocks.py -m "slow or not slow" -q -n 12 \
+        -p no:cacheprovider -o addopts="" 2>&1 | tail -n 60 > "$OUT/triton_tests.log"
+    echo "triton_blocks tests: exit ${PIPESTATUS[0]}"; tail -n 15 "$OUT/triton_tests.log"
+    # 2. Structured masks and the tiles (fwd, fwd+bwd), then the dense sweep, with triton_blocks.
+    timeout $((BUDGET + 60)) python3 benchmarks/gpu.py --only structured tiles sweep --passes fwd fwdbwd \
+        --budget "$BUDGET" > "$OUT/gpu_triton.log" 2>&1
+    echo "gpu.py: exit $?"; grep -A 40 -E "^## (structured|triton_blocks tiles|sweep D=128)" "$OUT/gpu_triton.log" | head -n 120
+    cp benchmarks/results/gpu_structured.csv benchmarks/results/gpu_tiles.csv benchmarks/results/gpu_sweep.csv "$OUT/" \
+        2>/dev/null
+    exit 0
+fi
 
 # 1. The CUDA variants of the default tier (the slow tier's take longer than one lease allows).
 timeout 220 python3 -m pytest -m "not slow" -k cuda -q -n 12 -p no:cacheprovider -o addopts="" 2>&1 \

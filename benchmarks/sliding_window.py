@@ -150,8 +150,7 @@ class _PerBlock(mh.backends.BlockSparseBackend):
         plan = super()._plan(call)
         from multihead.backends.blocksparse import Plan, block_plan
 
-        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        return Plan(None, block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)) if plan.run is not None else plan
+        return Plan(None, block_plan(call.mask, call.extent, self.block_size)) if plan.run is not None else plan
 
 
 def _time_idle_and_loaded(contenders, L, window, load, min_run_time, rounds) -> list[dict]:

@@ -199,8 +199,7 @@ class BlockGrid(mh.backends.BlockSparseBackend):
     def _plan(self, call):
         from multihead.backends.blocksparse import Plan, block_plan
 
-        B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        return Plan(None, block_plan(call.mask, B, Hq, Lq, Lk, self.block_size))
+        return Plan(None, block_plan(call.mask, call.extent, self.block_size))
 
 
 def _window(L: int):

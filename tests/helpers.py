@@ -45,6 +45,7 @@ def optional(module: str, reason: str, minversion: str | None = None) -> ModuleT
 
 def naive_attention(q, k, v, mask, scale=None, score_mod=None):
     """Attention computed plainly *in the input dtype* (no upcast): the error baseline."""
+    from multihead.blocks import Extent
     from multihead.call import mask_and_score_mod
 
     B, Hq, Lq, D = q.shape
@@ -55,7 +56,8 @@ def naive_attention(q, k, v, mask, scale=None, score_mod=None):
     scores = (q @ k.transpose(-2, -1)) * scale
     mask, score_mod = mask_and_score_mod(mask, score_mod, check_binary=False)
     if score_mod is not None:
-        scores = score_mod.apply_block(scores, 0, Lq, 0, Lk)
+        extent = Extent(B, Hq, Lq, Lk)
+        scores = score_mod.apply_block(extent, extent.whole(), scores)
     if mask is not None:
         scores = scores.masked_fill(~mask.materialize(B, Hq, Lq, Lk), float("-inf"))
     # Rows with no visible key get finite scores (so no NaN reaches autograd), then probability 0.

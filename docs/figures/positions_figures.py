@@ -30,7 +30,8 @@ def alibi_bias(num_heads: int, length: int, symmetric: bool) -> torch.Tensor:
     """``(H, L, L)``: the bias ALiBi adds to the scores of an ``L x L`` attention (bottom-right
     alignment, which for ``Lq == Lk`` is query ``i`` at key ``i``)."""
     mod = ALiBi(num_heads, symmetric=symmetric).for_lengths(length, length)
-    return mod.bias_block(1, num_heads, 0, length, 0, length)[0]  # (H, L, L)
+    extent = mh.Extent(1, num_heads, length, length)
+    return mod.bias_block(extent, extent.whole())[0]  # (H, L, L)
 
 
 def t5_bias(num_heads: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -39,7 +40,8 @@ def t5_bias(num_heads: int, length: int, seed: int = 0) -> torch.Tensor:
     rel = RelativePositionBias(num_heads, num_buckets=32, max_distance=128, bidirectional=True)
     with torch.no_grad():
         rel.weight.copy_(torch.randn(rel.weight.shape, generator=torch.Generator().manual_seed(seed)))
-    return rel().for_lengths(length, length).bias_block(1, num_heads, 0, length, 0, length)[0].detach()
+    extent = mh.Extent(1, num_heads, length, length)
+    return rel().for_lengths(length, length).bias_block(extent, extent.whole())[0].detach()
 
 
 def _fraction(m: float) -> str:

@@ -19,12 +19,14 @@ from multihead._version import __version__ as __version__  # written once, there
 from multihead.attention import attention, plan
 from multihead.backends import available_backends, get_backend, register_backend, unregister_backend
 from multihead.backends.registry import BackendRefusedError
+from multihead.blocks import Block, Extent
 from multihead.caches import (
     CacheRead,
     DynamicKVCache,
     KVCache,
     LatentKVCache,
     PagedKVCache,
+    QuantizedKVCache,
     SlidingWindowKVCache,
     StaticKVCache,
 )
@@ -32,6 +34,7 @@ from multihead.call import AttentionResult
 from multihead.capture import AttentionCapture, capture_attention
 from multihead.cascade import cascade_attention
 from multihead.explain import Explanation, explain
+from multihead.hooks import hook_points, hooked  # docs/hooks.md: also on Hugging Face models
 from multihead.layers import (
     DifferentialAttention,
     GatedAttention,
@@ -68,10 +71,14 @@ __all__ = [
     "plan",
     "capture_attention",
     "AttentionCapture",
+    "hook_points",
+    "hooked",
     "explain",
     "Explanation",
     "reference_attention",
     "AttentionResult",
+    "Extent",
+    "Block",
     "merge_partials",
     "set_nonfinite_check",
     "skip_nonfinite_check",
@@ -106,6 +113,7 @@ __all__ = [
     "SlidingWindowKVCache",
     "PagedKVCache",
     "LatentKVCache",
+    "QuantizedKVCache",
     "positions",
     "distributed",
 ]

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from multihead.blocks import Block
 from multihead.masks import Mask
 from multihead.scores import ScoreMod
 from multihead.scoring import score_block
@@ -34,7 +35,7 @@ def _row_step(q: Tensor, k: Tensor, heads: int) -> int:
 
 def lse_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float) -> Tensor:
     """Log-sum-exp of the scores: ``(B, Hq, Lq)``, ``-inf`` on fully masked rows."""
-    Lq = q.shape[2]
+    Lq, Lk = q.shape[2], k.shape[2]
     step = _row_step(q, k, q.shape[1])
     # Under autograd (an LSE that is differentiated: sinks, a merge) each block is checkpointed:
     # its scores are recomputed in the backward instead of kept, so memory stays at one block.
@@ -43,15 +44,15 @@ def lse_by_blocks(q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod |
     )
     parts = []
     for q0 in range(0, Lq, step):
-        args = (q, k, mask, score_mod, scale, q0, min(q0 + step, Lq), Lq)
+        args = (q, k, mask, score_mod, scale, Block(q0, min(q0 + step, Lq), 0, Lk))
         parts.append(checkpoint(_block_lse, *args, use_reentrant=False) if grad else _block_lse(*args))
     return torch.cat(parts, dim=-1)
 
 
 def _block_lse(
-    q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float, q0: int, q1: int, q_len: int
+    q: Tensor, k: Tensor, mask: Mask | None, score_mod: ScoreMod | None, scale: float, block: Block
 ) -> Tensor:
-    scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, q_len)
+    scores, _ = score_block(q, k, mask, score_mod, scale, block)
     return safe_logsumexp(scores)
 
 
@@ -93,7 +94,7 @@ def weights_by_blocks(
             for c in ((chunk,) if int(chunk.max()) - int(chunk.min()) < 2 * len(chunk) + 64 else chunk.split(1))
         ]
     for q0, q1, chunk in chunks:
-        scores, _ = score_block(q, k, mask, score_mod, scale, q0, q1, Lq, heads=heads)
+        scores, _ = score_block(q, k, mask, score_mod, scale, Block(q0, q1, 0, k.shape[2]), heads=heads)
         n = q1 - q0 if chunk is None else len(chunk)
         picked = slice(q0, q1) if chunk is None else chunk
         if chunk is not None:

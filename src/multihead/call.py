@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeAlias
 import torch
 from torch import Tensor
 
+from multihead.blocks import Extent
 from multihead.masks import Mask, TensorMask, additive_blocked, as_mask
 from multihead.scores import Bias, ScoreMod, as_score_mod
 from multihead.scores.base import Chain
@@ -89,6 +90,17 @@ class AttentionCall:
         """``(B, Hq, Hkv, Lq, Lk, D, Dv)``."""
         shape: tuple[int, int, int, int, int, int, int] = self.__dict__["_shape"]  # set by __post_init__
         return shape
+
+    @property
+    def extent(self) -> Extent:
+        """``Extent(B, Hq, Lq, Lk)``: the whole attention, as the mask and score-modifier block
+        protocol takes it (:mod:`multihead.blocks`)."""
+        extent: Extent | None = self.__dict__.get("_extent")  # made on first use: most calls never ask
+        if extent is None:
+            B, Hq, _, Lq, Lk, _, _ = self.shape
+            extent = Extent(B, Hq, Lq, Lk)
+            object.__setattr__(self, "_extent", extent)
+        return extent
 
     @property
     def requires_grad(self) -> bool:

@@ -17,7 +17,8 @@ only head 0's last row, ``(B, 1, 1, Lk)``, one block at a time, never the whole 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -27,9 +28,27 @@ from torch import Tensor, nn
 from multihead.call import Selection
 from multihead.validation import validate_weights_selection
 
-__all__ = ["capture_attention", "AttentionCapture", "is_capturing", "captures_of", "record"]
+__all__ = [
+    "capture_attention",
+    "AttentionCapture",
+    "is_capturing",
+    "captures_of",
+    "record",
+    "layers_of",
+    "register_layer_finder",
+]
 
 _ACTIVE: list[AttentionCapture] = []
+
+#: A finder of the attention modules of a model that can be watched (their weights captured, hooks
+#: run in them): ``fn(model) -> (modules, reason)``, the modules whose attention runs through
+#: :func:`multihead.hooks.observed_attention` or `multihead`'s layers, and, when it finds none
+#: although the model has attention of its kind, why (``None`` otherwise). :mod:`multihead.hooks`
+#: registers `multihead`'s layers; :mod:`multihead.integrations.hf` Hugging Face's attention modules.
+Finder = Callable[[nn.Module], "tuple[list[nn.Module], str | None]"]
+_FINDERS: dict[str, Finder] = {}
+#: Every module a finder has named (weakly: a model that is dropped is forgotten).
+_FOUND: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @dataclass(eq=False)  # one capture is itself, whatever it recorded (removed by identity)
@@ -98,6 +117,7 @@ def capture_attention(
         raise TypeError(f"capture_attention: model must be an nn.Module or None, got {type(model).__name__}")
     capture = AttentionCapture(weights_heads=weights_heads, weights_rows=weights_rows)
     if model is not None:
+        layers_of(model, "capture_attention")  # a model with nothing to record is told why, never an empty capture
         capture._module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         capture._modules = frozenset(capture._module_names)
     capture._detach = detach
@@ -106,6 +126,54 @@ def capture_attention(
         yield capture
     finally:
         _ACTIVE.remove(capture)
+
+
+def register_layer_finder(name: str, finder: Finder) -> None:
+    """Let :func:`layers_of` (and so :func:`capture_attention`, :func:`multihead.hooks.hook_points`,
+    :func:`multihead.hooks.hooked` and the viewer's recording) find a kind of attention module;
+    registered again under the same ``name``: replaced."""
+    if not callable(finder):
+        raise TypeError(f"register_layer_finder: finder must be callable as fn(model), got {type(finder).__name__}")
+    _FINDERS[name] = finder
+
+
+def found_by_finders(module: nn.Module) -> bool:
+    """Whether a finder has named ``module`` (a Hugging Face attention module on the backend)."""
+    return module in _FOUND
+
+
+def layers_of(model: nn.Module, who: str = "layers_of") -> dict[str, nn.Module]:
+    """``{module name: layer}`` of every attention layer of ``model`` that can be watched, in
+    ``model.named_modules()`` order (``model`` itself named ``""``): `multihead` layers and the
+    modules registered finders name. Raises ``ValueError`` saying why when there is none (never
+    an empty answer: a model that cannot be watched is told so); ``who`` names the caller."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
+    found: set[int] = set()
+    reasons = []
+    for finder in list(_FINDERS.values()):
+        modules, reason = finder(model)
+        _FOUND.update(modules)
+        found.update(id(m) for m in modules)
+        if reason:
+            reasons.append(reason)
+    layers = {name: m for name, m in model.named_modules() if id(m) in found}
+    if layers:
+        return layers
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not reasons and isinstance(implementation, str):  # a Hugging Face model, and no finder for it
+        reasons.append(
+            f"it is a Hugging Face model running attn_implementation={implementation!r}, and its attention "
+            "modules can be watched only on the multihead backend: import multihead.integrations.hf as "
+            "mh_hf; mh_hf.register(); model.set_attn_implementation('multihead')"
+        )
+    if not reasons:
+        reasons.append(
+            "it holds no multihead attention layer (MultiHeadAttention, MultiHeadLatentAttention, "
+            "compat.MultiheadAttention); hint: build it of those (an nn.MultiheadAttention converts with "
+            "MultiHeadAttention.from_torch(module))"
+        )
+    raise ValueError(f"{who}: {type(model).__name__} has no attention layer to watch: {'; '.join(reasons)}")
 
 
 def is_capturing(module: nn.Module) -> bool:

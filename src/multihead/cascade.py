@@ -28,6 +28,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from multihead.attention import attention
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionResult, mask_and_score_mod
 from multihead.masks import BlockState, Mask
 from multihead.merge import merge_partials
@@ -92,7 +93,9 @@ def cascade_attention(
     whole, additive = _whole_mask(mask, q, B, Hq, Lq, Lk)
 
     # Prefix part: keys [0, P) of the whole attention.
-    if additive is None and (whole is None or whole.block_state(0, Lq, 0, P, Lq, Lk, B, Hq) is BlockState.FULL):
+    if additive is None and (
+        whole is None or whole.block_state(Extent(B, Hq, Lq, Lk), Block(0, Lq, 0, P)) is BlockState.FULL
+    ):
         # Every query of every request sees every prefix key: one attention, the requests as rows.
         rows = q.transpose(0, 1).reshape(1, Hq, B * Lq, D)  # (1, Hq, B·Lq, D)
         shared = _part(
@@ -152,9 +155,9 @@ def _whole_mask(mask: object, q: Tensor, B: int, Hq: int, Lq: int, Lk: int) -> t
     try:
         whole, additive = mask_and_score_mod(mask, None, q_len=Lq, kv_len=Lk)
         if whole is not None:
-            whole.check(B, Hq, Lq, Lk)
+            whole.check(Extent(B, Hq, Lq, Lk))
         if additive is not None:
-            additive.check(B, Hq, Lq, Lk)
+            additive.check(Extent(B, Hq, Lq, Lk))
     except (TypeError, ValueError) as exc:
         raise type(exc)(
             f"cascade_attention: {exc}; the mask is the whole attention's, Lq={Lq} queries x "

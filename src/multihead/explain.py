@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from multihead.backends.registry import AUTO_ORDER, available_backends, check_backend_name, get_backend, select_backend
+from multihead.attention import prepare
+from multihead.backends.registry import AUTO_ORDER, available_backends, get_backend, select_backend
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, ScoreModArg, Selection
 from multihead.masks import BlockState, Mask, additive_blocked
 from multihead.masks.recognize import from_dense
 from multihead.scores import Bias
-from multihead.validation import validate_call, validate_weights_selection
 
 __all__ = ["explain", "Explanation"]
 
@@ -67,6 +68,8 @@ def explain(
     *,
     mask: Mask | Tensor | None = None,
     score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -84,24 +87,31 @@ def explain(
     much faster the object is here; ``probe=None`` (default) does so only when one call is cheap
     (``B·Hq·Lq·Lk·D <= 2^27``) and otherwise estimates from the blocks the object skips;
     ``probe=False`` always estimates. The report says which it did."""
-    check_backend_name(backend)
-    call = validate_call(
+    call = prepare(  # the arguments checked as attention() checks them, every one named
         q,
         k,
         v,
         mask=mask,
         score_mod=score_mod,
+        softcap=softcap,
+        sinks=sinks,
         scale=scale,
         dropout_p=dropout_p,
         dropout_mask=dropout_mask,
         return_weights=return_weights,
         return_lse=return_lse,
+        weights_heads=weights_heads,
+        weights_rows=weights_rows,
+        max_weights_bytes=None,  # (explained, not refused: the report gives the weights' size)
+        backend=backend,
     )
-    heads, rows = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=return_weights)
+    heads, rows = (None, None) if call.returns is None else (call.returns.heads, call.returns.rows)
     mask_text = "none" if call.mask is None else call.mask._describe()
     if call.score_mod is not None:
         mask_text += f"; score_mod: {call.score_mod._describe()}"
     notes = []
+    if call.sinks is not None:
+        notes.append("sinks: one logit per head joins each softmax's denominator, through the LSE (multihead.sinks)")
     if call.scale_folded:
         notes.append(
             f"scale {scale!r} <= 0 folded into q (q * scale, kernel scale 1): PyTorch's fused kernels "
@@ -129,7 +139,11 @@ def explain(
     if return_weights:
         nh = q.shape[1] if heads is None else len(heads)
         nr = q.shape[2] if rows is None else len(rows)
-        plan.append(f"weights: {nh} head(s) x {nr} row(s) recomputed block by block from q, k and the LSE")
+        size = q.shape[0] * nh * nr * k.shape[2] * q.element_size()
+        plan.append(
+            f"weights: {nh} head(s) x {nr} row(s) recomputed block by block from q, k and the LSE "
+            f"({size / 2**20:.1f} MiB; attention() refuses more than max_weights_bytes, default 2 GiB)"
+        )
     advice = advise(
         call,
         chosen.name,
@@ -333,7 +347,8 @@ def _visible_fraction(mask: Mask | None, B: int, Lq: int, Lk: int) -> float:
         return 1.0
     size = max(_BLOCK, math.ceil(max(Lq, Lk) / 64))  # at most 64 x 64 blocks to ask about
     blocks = [
-        (q0, min(q0 + size, Lq), k0, min(k0 + size, Lk)) for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)
+        Block(q0, min(q0 + size, Lq), k0, min(k0 + size, Lk)) for q0 in range(0, Lq, size) for k0 in range(0, Lk, size)
     ]
-    visible = sum(mask.block_state(q0, q1, k0, k1, Lq, Lk, batch=B) != BlockState.EMPTY for q0, q1, k0, k1 in blocks)
+    extent = Extent(B, 1, Lq, Lk)
+    visible = sum(mask.block_state(extent, block) != BlockState.EMPTY for block in blocks)
     return max(visible, 1) / len(blocks)

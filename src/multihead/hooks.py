@@ -22,6 +22,11 @@ full name (``"layers.0.attn.pattern"`` under :func:`hooked`, the bare point for
     with multihead.hooks.hooked(model, {"layers.0.attn.output": ablate_head_3}):
         logits = model(tokens)
 
+Hugging Face models running on the `multihead` backend (``attn_implementation="multihead"``,
+:mod:`multihead.integrations.hf`) have the same six points at each attention module, named by the
+model's own module paths (``"model.layers.0.self_attn.pattern"``): that integration registers a
+:func:`register_layer_finder`. A model with no point raises, saying why (:func:`layers_of`).
+
 Cost: a layer with no hook runs its fast path exactly as before (one dictionary lookup tells it
 none is set). ``q``/``k``/``v``/``output`` hooks keep the fast kernels. ``scores``/``pattern``
 hooks need the ``(B, Hq, Lq, Lk)`` tensors, so while one is set the layer computes attention
@@ -34,19 +39,33 @@ as the hooks left it.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from multihead.call import ScoreModArg
+from multihead.attention import attention, prepare
+from multihead.call import ScoreModArg, Selection
+from multihead.capture import AttentionCapture, found_by_finders, layers_of, record, register_layer_finder, take, union
 from multihead.conventions import repeat_kv
 from multihead.masks import Mask
 from multihead.scoring import score_block
-from multihead.validation import validate_call
+from multihead.validation import validate_weights_selection
 
-__all__ = ["POINTS", "HookPoints", "HookHandle", "add_hook", "hook_points", "hooked", "explicit_attention"]
+__all__ = [
+    "POINTS",
+    "HookPoints",
+    "HookHandle",
+    "add_hook",
+    "hook_points",
+    "hooked",
+    "layers_of",
+    "register_layer_finder",
+    "explicit_attention",
+    "observed_attention",
+]
 
 #: The hook points of every layer, in the order a forward pass reaches them.
 POINTS = ("q", "k", "v", "scores", "pattern", "output")
@@ -66,7 +85,7 @@ class HookHandle:
 
     _next_id = 0
 
-    def __init__(self, layer: HookPoints, point: str):
+    def __init__(self, layer: nn.Module | HookPoints, point: str):
         self.layer, self.point = layer, point
         HookHandle._next_id += 1
         self.id = HookHandle._next_id
@@ -91,13 +110,15 @@ class HookHandle:
         return f"HookHandle({type(self.layer).__name__}.{self.point}, id={self.id})"
 
 
-def add_hook(layer: HookPoints, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
+def add_hook(layer: nn.Module | HookPoints, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
     """Call ``fn(tensor, name)`` at ``point`` of ``layer`` on every forward (module docstring);
     hooks at one point run in the order they were added. Returns a :class:`HookHandle`."""
-    if not isinstance(layer, HookPoints):
+    if not isinstance(layer, HookPoints) and not found_by_finders(layer):
         raise TypeError(
             f"add_hook: layer must be a multihead attention layer (MultiHeadAttention, "
-            f"MultiHeadLatentAttention, compat.MultiheadAttention), got {type(layer).__name__}"
+            f"MultiHeadLatentAttention, compat.MultiheadAttention) or an attention module that "
+            f"hook_points(model) named (a Hugging Face model on the multihead backend), got "
+            f"{type(layer).__name__}; hint: hooked(model, {{'<module name>.<point>': fn}}) finds them"
         )
     if point not in POINTS:
         raise ValueError(f"add_hook: point must be one of {POINTS}, got {point!r}")
@@ -126,14 +147,19 @@ class HookPoints:
         return POINTS
 
 
+def _multihead_layers(model: nn.Module) -> tuple[list[nn.Module], str | None]:
+    """The finder of `multihead`'s own layers (:func:`layers_of`)."""
+    return [m for m in model.modules() if isinstance(m, HookPoints)], None
+
+
+register_layer_finder("multihead", _multihead_layers)
+
+
 def hook_points(model: nn.Module) -> list[str]:
-    """Every ``"<module name>.<point>"`` of the `multihead` layers in ``model`` (the model
-    itself included, named by its point alone)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"hook_points: model must be an nn.Module, got {type(model).__name__}")
-    return [
-        f"{name}.{p}" if name else p for name, m in model.named_modules() if isinstance(m, HookPoints) for p in POINTS
-    ]
+    """Every ``"<module name>.<point>"`` of the attention layers of ``model`` (:func:`layers_of`:
+    `multihead` layers, and a Hugging Face model's attention modules on the `multihead` backend;
+    the model itself named by its point alone). Raises when there is none, saying why."""
+    return [f"{name}.{p}" if name else p for name in layers_of(model, "hook_points") for p in POINTS]
 
 
 @contextmanager
@@ -143,9 +169,7 @@ def hooked(model: nn.Module, hooks: dict[str, Hook]) -> Iterator[list[HookHandle
     pattern). A name that matches no point raises, listing the points there are."""
     if not isinstance(hooks, dict):
         raise TypeError(f"hooked: hooks must be a dict {{'<module name>.<point>': fn}}, got {type(hooks).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"hooked: model must be an nn.Module, got {type(model).__name__}")
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, HookPoints)}
+    layers = layers_of(model, "hooked")
     handles: list[HookHandle] = []
     try:
         for pattern, fn in hooks.items():
@@ -156,7 +180,7 @@ def hooked(model: nn.Module, hooks: dict[str, Hook]) -> Iterator[list[HookHandle
                 if fnmatch.fnmatchcase(f"{name}.{p}" if name else p, pattern)
             ]
             if not matched:
-                known = hook_points(model)
+                known = [f"{name}.{p}" if name else p for name in layers for p in POINTS]
                 raise ValueError(
                     f"hooked: {pattern!r} names no hook point of this model; expected one of "
                     f"{known[:12]}{' ...' if len(known) > 12 else ''} (wildcards allowed: '*.pattern')"
@@ -193,6 +217,88 @@ def run_hooks(hooks: Hooks, point: str, tensor: Tensor) -> Tensor:
     return tensor
 
 
+def observed_attention(
+    layer: nn.Module,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    hooks: Hooks | None,
+    captures: Sequence[AttentionCapture] = (),
+    need_weights: bool = False,
+    weights_heads: Selection = None,
+    weights_rows: Selection = None,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    check_finite: bool = False,
+    core: Callable[..., Any] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention of ``layer`` while hooks (its ``hooks``) or captures watch it: the one way every
+    layer, and the Hugging Face backend, runs a watched call.
+
+    ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` pass the ``q``/``k``/``v``
+    hooks, attention runs (explicitly, :func:`explicit_attention`, when a ``scores`` or ``pattern``
+    hook is set; else :func:`multihead.attention` with the weights the call and the captures ask
+    for, computed once for the union of their selections), the ``output`` hook sees each head's
+    ``(B, Hq, Lq, Dv)``, and every capture records its selection of the weights. The other
+    arguments are :func:`multihead.attention`'s (``check_finite`` applies to the fast path only:
+    the explicit one computes plainly). ``core``: a layer variant's attention function in place of
+    :func:`multihead.attention` (:func:`multihead.layers.heads.attend_heads`'s ``core``), called with
+    the layer's arguments only; the ``scores``/``pattern`` hooks, points of one softmax, refuse it.
+
+    Returns ``(y (B, Hq, Lq, Dv), weights)``: ``weights (B, h, r, Lk)`` for ``need_weights``'s own
+    ``weights_heads``/``weights_rows`` selection, else ``None``.
+    """
+    asked = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=need_weights)
+    if hooks is not None:
+        q, k, v = run_hooks(hooks, "q", q), run_hooks(hooks, "k", k), run_hooks(hooks, "v", v)
+    wanted = ([asked] if need_weights else []) + [
+        validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures
+    ]
+    held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
+    options: dict[str, Any] = dict(mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p, backend=backend)
+    if core is None:
+        core, options = attention, {**options, "softcap": softcap, "scale": scale, "check_finite": check_finite}
+    elif softcap is not None or scale is not None:
+        raise ValueError(f"{type(layer).__name__}: a variant's attention takes no softcap= or scale= here")
+    weights = None
+    if hooks is not None and ("scores" in hooks or "pattern" in hooks):
+        if core is not attention:
+            raise ValueError(
+                f"{type(layer).__name__}: 'scores'/'pattern' hooks are points of one softmax, and this "
+                f"layer attends through {core!r}; hint: hook 'q', 'k', 'v' or 'output' instead"
+            )
+        y, pattern = explicit_attention(  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
+            q,
+            k,
+            v,
+            hooks=hooks,
+            mask=mask,
+            score_mod=score_mod,
+            softcap=softcap,
+            sinks=sinks,
+            scale=scale,
+            dropout_p=dropout_p,
+        )
+        if wanted:
+            weights = take(pattern, (None, None), held).to(q.dtype)
+    elif wanted:
+        result = core(q, k, v, **options, return_weights=True, weights_heads=held[0], weights_rows=held[1])
+        y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
+    else:
+        y = core(q, k, v, **options)
+    if hooks is not None:
+        y = run_hooks(hooks, "output", y)  # (B, Hq, Lq, Dv): head h at y[:, h]
+    if captures:
+        record(layer, weights, q=q, held=held)
+    return y, (take(weights, held, asked) if need_weights and weights is not None else None)
+
+
 def explicit_attention(
     q: Tensor,
     k: Tensor,
@@ -200,32 +306,28 @@ def explicit_attention(
     *,
     mask: Mask | Tensor | None = None,
     score_mod: ScoreModArg = None,
+    softcap: float | None = None,
     sinks: Tensor | None = None,
+    scale: float | None = None,
     dropout_p: float = 0.0,
     hooks: Hooks | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention with the scores and the pattern materialised, through the ``scores`` and
     ``pattern`` hooks: ``(output (B, Hq, Lq, Dv) in q's dtype, pattern (B, Hq, Lq, Lk))``.
 
-    The same meaning as :func:`multihead.attention` at the default scale (conventions: a row that
-    sees no key gives 0; ``sinks (Hq,)`` join each row's denominator), computed plainly in the
-    softmax dtype. Dropout, when ``dropout_p > 0``, is drawn here (not the fast path's stream).
+    The same meaning as :func:`multihead.attention` with the same arguments (conventions: a row
+    that sees no key gives 0; ``sinks (Hq,)`` join each row's denominator; ``softcap`` after the
+    other score modifiers), computed plainly in the softmax dtype. Dropout, when ``dropout_p > 0``,
+    is drawn here (not the fast path's stream).
     """
     hooks = hooks or {}
-    call = validate_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        score_mod=score_mod,
-        scale=None,
-        dropout_p=dropout_p,
-        dropout_mask=None,
-        return_weights=False,
-        return_lse=False,
+    call = prepare(
+        q, k, v, mask=mask, score_mod=score_mod, softcap=softcap, sinks=sinks, scale=scale, dropout_p=dropout_p
     )
     B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-    scores, _ = score_block(call.q, call.k, call.mask, call.score_mod, call.scale, 0, Lq, Lq)  # (B, Hq, Lq, Lk)
+    scores, _ = score_block(
+        call.q, call.k, call.mask, call.score_mod, call.scale, call.extent.whole()
+    )  # (B, Hq, Lq, Lk)
     scores = run_hooks(hooks, "scores", scores)
     # softmax over the keys (and the sink), with m finite so that a row of -inf gives exp(-inf) = 0,
     # never -inf - (-inf) = NaN; a row that sees no key has denominator 0 and pattern 0.

@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import repeat_kv
 
@@ -156,10 +157,9 @@ def _zeroed(t: Tensor) -> Tensor:
 
 
 def _empty_rows(call: AttentionCall) -> Tensor:
-    B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
     if call.mask is None:
         return torch.zeros((1, 1, 1), dtype=torch.bool, device=call.q.device)
-    return call.mask._empty_rows(B, Hq, Lq, Lk, device=call.q.device)
+    return call.mask._empty_rows(call.extent, device=call.q.device)
 
 
 def _rows_seeing(call: AttentionCall, bad_kv: Tensor) -> Tensor:
@@ -176,6 +176,6 @@ def _rows_seeing(call: AttentionCall, bad_kv: Tensor) -> Tensor:
     rows = []
     for q0 in range(0, Lq, step):
         q1 = min(q0 + step, Lq)
-        visible = call.mask.materialize_block(B, Hq, q0, q1, Lq, Lk, call.q.device, k0, k1)
+        visible = call.mask.materialize_block(call.extent, Block(q0, q1, k0, k1), call.q.device)
         rows.append((visible & bad).any(dim=-1).expand(B, Hq, q1 - q0))
     return torch.cat(rows, dim=-1)

@@ -90,9 +90,10 @@ def find(
         return None, None, None
     growing = None
     try:
-        one_query = q.dim() == 4 and q.shape[2] == 1
+        qs = q.shape  # (read once: every attribute read of a tensor costs a fraction of a microsecond)
     except RuntimeError:  # nested tensors have no sizes: validation says what is wrong
         return None, None, None
+    one_query = len(qs) == 4 and qs[2] == 1
     if one_query:
         try:
             growing = _growing_tuple(q, k, v, mask, scale, backend)
@@ -101,7 +102,7 @@ def find(
         plan = None if growing is None else _PLANS.get(growing)
         if plan is not None:
             return plan, None, growing
-    key = _key(q, k, v, mask, scale, backend)
+    key = _key(q, k, v, mask, scale, backend, qs)
     plan = None if key is None else _PLANS.get(key)
     if plan is None and key is not None and not one_query:
         growing = _growing_key(q, k, v, mask, scale, backend)
@@ -117,11 +118,13 @@ def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, back
     return _key(q, k, v, mask, scale, backend)
 
 
-def _key(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object) -> Key | None:
+def _key(
+    q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object, q_shape: object = None
+) -> Key | None:
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     try:
         return (
-            q.shape,
+            q.shape if q_shape is None else q_shape,
             k.shape,
             v.shape,
             q.stride(),
@@ -257,8 +260,10 @@ def repeated(key: Key) -> bool:
 
 
 def store(key: Key, runner: Runner) -> None:
-    """Keep ``runner(q, k, v) -> output`` for ``key``, dropping the oldest plan beyond :data:`MAX_PLANS`."""
-    _PLANS.put(key, runner)
+    """Keep ``runner(q, k, v) -> output`` for ``key``, dropping the oldest plan beyond :data:`MAX_PLANS`.
+    A :class:`multihead.backends.base.Runner` is kept as its ``run`` function: a stored plan runs
+    without the object's own call in between (a Python frame, a fraction of a small call)."""
+    _PLANS.put(key, getattr(runner, "run", runner))
 
 
 def clear() -> None:
@@ -274,10 +279,11 @@ class Plan:
     :func:`multihead.plan`; ``plan(q, k, v)`` runs it on inputs of that signature, and refuses any
     other (naming what differs) rather than run a decision made for other inputs."""
 
-    __slots__ = ("key", "runner", "_mask", "_scale", "_backend")
+    __slots__ = ("key", "runner", "_run", "_mask", "_scale", "_backend")
 
     def __init__(self, key: Key, runner: Runner, mask: object, scale: object, backend: object):
         self.key, self.runner = key, runner
+        self._run = getattr(runner, "run", runner)  # (called without the Runner's own frame)
         self._mask, self._scale, self._backend = mask, scale, backend
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -294,7 +300,7 @@ class Plan:
                 "Plan: q, k and v start at one address (a plan serves separate tensors); call "
                 "multihead.attention(q, k, v, ...) for these"
             )
-        return self.runner(q, k, v)
+        return self._run(q, k, v)
 
     def __repr__(self) -> str:
         q_shape, k_shape, v_shape = self.key[0], self.key[1], self.key[2]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block
 from multihead.call import AttentionResult, ScoreModArg, mask_and_score_mod
 from multihead.conventions import default_scale, repeat_kv, softmax_dtype
 from multihead.masks import Mask
@@ -64,7 +65,7 @@ def reference_attention(
 
     # S = s * Q K^T, modified, -inf where blocked (multihead.scoring, shared with the blockwise
     # code). Query head h reads KV head h // G (G = Hq // Hkv).                 (B, Hq, Lq, Lk)
-    scores, visible = score_block(q, k, mask, score_mod, scale, 0, Lq, Lq, dtype=dtype)
+    scores, visible = score_block(q, k, mask, score_mod, scale, Block(0, Lq, 0, k.shape[2]), dtype=dtype)
     if visible is None:
         visible = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
     visible = visible.expand_as(scores)

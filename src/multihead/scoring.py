@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.conventions import kv_head_of, softmax_dtype
 from multihead.masks import Mask
 from multihead.scores import ADDITIVE, ScoreMod
@@ -41,26 +42,24 @@ def score_block(
     mask: Mask | None,
     score_mod: ScoreMod | None,
     scale: float,
-    q0: int,
-    q1: int,
-    q_len: int,
+    block: Block,
     *,
     heads: Tensor | None = None,
     dtype: torch.dtype | None = None,
-    k0: int = 0,
-    k1: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Scores of query rows ``[q0, q1)`` against keys ``[k0, k1)`` (default every key):
-    ``(B, h, rows, keys)`` with ``-inf`` where blocked, and the bool ``visible`` block (``None``
-    when nothing is masked).
+    """Scores of the block's query rows ``[q0, q1)`` against its keys ``[k0, k1)``, positions in
+    the whole attention of ``q`` and ``k`` (``Block(q0, q1, 0, Lk)``: a block of rows against every
+    key): ``(B, h, rows, keys)`` with ``-inf`` where blocked, and the bool ``visible`` block
+    (``None`` when nothing is masked).
 
     ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``; ``heads`` selects query heads (default all);
     ``dtype`` defaults to the softmax dtype. For all heads K is not copied per group: the ``G``
     query heads of a KV head are folded into the rows of one matmul.
     """
-    B, Hq, _, D = q.shape
+    B, Hq, q_len, D = q.shape
     Hkv, kv_len = k.shape[1], k.shape[2]
-    k1 = kv_len if k1 is None else k1
+    extent = Extent(B, Hq, q_len, kv_len)
+    q0, q1, k0, k1 = block
     if (k0, k1) != (0, kv_len):
         k = k[:, :, k0:k1]
     Lk = k1 - k0
@@ -68,7 +67,7 @@ def score_block(
     rows = q1 - q0
     visible = None
     if mask is not None:
-        visible = mask.materialize_block(B, Hq, q0, q1, q_len, kv_len, q.device, k0, k1)
+        visible = mask.materialize_block(extent, block, q.device)
         if torch.is_grad_enabled() and q.requires_grad:
             # A key no query of the block sees may hold anything, even NaN; its score is blocked,
             # but dQ = dS · K would still compute 0 · NaN. Such keys are zeroed for the product.
@@ -84,7 +83,7 @@ def score_block(
         kb = k[:, kv_head_of(heads, Hq, Hkv)].to(dtype)  # (B, h, Lk, D): only the KV heads the selection reads
         scores = torch.matmul(qb, kb.transpose(-2, -1)) * scale  # (B, h, rows, Lk)
     if score_mod is not None:
-        scores = score_mod.apply_block(scores, q0, q1, k0, k1, heads)
+        scores = score_mod.apply_block(extent, block, scores, heads)
     if score_mod is not None:  # a modifier may block too (a -inf bias entry)
         finite = ~torch.isneginf(scores)
         visible = finite if visible is None else visible & finite
@@ -96,20 +95,15 @@ def score_block(
 def additive_block(
     mask: Mask | None,
     score_mod: ScoreMod | None,
-    batch: int,
-    heads: int,
-    q0: int,
-    q1: int,
-    k0: int,
-    k1: int,
-    q_len: int,
-    kv_len: int,
+    extent: Extent,
+    block: Block,
     device: torch.device | str | None,
     dtype: torch.dtype,
     *,
     mask_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The additive ``attn_mask`` of queries ``[q0, q1)`` x keys ``[k0, k1)`` for a fused kernel
+    """The additive ``attn_mask`` of the block's queries ``[q0, q1)`` x keys ``[k0, k1)`` (in the
+    whole attention ``extent``) for a fused kernel
     whose inputs are in ``dtype``: the additive modifiers' bias, ``-inf`` where blocked, in
     ``mask_dtype`` (default ``dtype``); the bool ``visible`` block; and a per-row ``shift``
     (``(B|1, H|1, rows)`` fp32, or ``None``). Mask and visible broadcast to ``(B, H, rows, keys)``.
@@ -135,13 +129,13 @@ def additive_block(
     if score_mod is not None:
         if score_mod.kind != ADDITIVE:
             raise TypeError(f"{score_mod._describe()} is not additive; a fused kernel cannot apply it")
-        bias = score_mod.bias_block(batch, heads, q0, q1, k0, k1, device, softmax_dtype(dtype))
-    visible = None if mask is None else mask.materialize_block(batch, heads, q0, q1, q_len, kv_len, device, k0, k1)
+        bias = score_mod.bias_block(extent, block, device, softmax_dtype(dtype))
+    visible = None if mask is None else mask.materialize_block(extent, block, device)
     if bias is not None:
         finite = ~torch.isneginf(bias)
         visible = finite if visible is None else visible & finite
     if visible is None:
-        visible = torch.ones((1, 1, q1 - q0, k1 - k0), dtype=torch.bool, device=device)
+        visible = torch.ones((1, 1, block.rows, block.cols), dtype=torch.bool, device=device)
     shift = None
     if bias is not None and dtype != torch.float64:
         peak = torch.where(visible, bias, float("-inf")).amax(dim=-1).detach()  # (B|1, H|1, rows)

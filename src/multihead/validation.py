@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from multihead.blocks import Extent
 from multihead.call import AttentionCall, mask_and_score_mod
 from multihead.conventions import default_scale
 from multihead.inputs import check_tensor
@@ -119,7 +120,7 @@ def validate_call(
             mask = mask.to(q.device)
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
         if mask is not None:
-            mask.check(B, Hq, Lq, Lk)
+            mask.check(Extent(B, Hq, Lq, Lk))
     except ValueError as exc:
         # A mask of the whole sequence does not fit inputs in (B, L, H, D): often the only sign.
         hint = "" if _mask_fits(given, (B, Hq, Lq, Lk)) else _layout_hint(q, k, given)
@@ -127,7 +128,7 @@ def validate_call(
             raise
         raise ValueError(f"{exc}{hint}") from None
     if score_mod is not None:
-        score_mod.check(B, Hq, Lq, Lk)
+        score_mod.check(Extent(B, Hq, Lq, Lk))
         for t in score_mod.tensors():
             if t.device != q.device:
                 raise ValueError(
@@ -204,7 +205,7 @@ def _mask_fits(mask: object, expected: tuple[int, int, int, int]) -> bool:
         return 2 <= mask.dim() <= 4 and _broadcasts(tuple(mask.shape), expected)
     if isinstance(mask, Mask):
         try:
-            mask.check(*expected)
+            mask.check(Extent(*expected))
         except (TypeError, ValueError):
             return False
         return True

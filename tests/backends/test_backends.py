@@ -9,6 +9,7 @@ from matrix import backend_dtype_params, backend_params, factor, serve_or_skip
 
 import multihead as mh
 from helpers import Case, assert_relative, covering_cases, make_inputs, naive_attention
+from multihead.blocks import Extent
 
 BACKENDS = backend_params()
 CASES = covering_cases(n_random=24)
@@ -36,7 +37,8 @@ def _masked_scores(q, k, mask, case, dtype):
     scores = (q @ k.repeat_interleave(case.Hq // case.Hkv, 1).transpose(-2, -1)) * case.D**-0.5
     m, mod = mask_and_score_mod(mask, None, check_binary=False)
     if mod is not None:
-        scores = mod.apply_block(scores, 0, case.Lq, 0, case.Lk)
+        extent = Extent(case.B, case.Hq, case.Lq, case.Lk)
+        scores = mod.apply_block(extent, extent.whole(), scores)
     if m is not None:
         scores = scores.masked_fill(~m.materialize(case.B, case.Hq, case.Lq, case.Lk), float("-inf"))
     return scores
@@ -198,9 +200,14 @@ def test_capabilities_are_data_the_dispatcher_reads(backend):
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         assert caps.tolerance_factor(dtype) >= 2.0
     q = torch.randn(1, 2, 8, 8)
+    undeclared = {
+        "tensor": torch.ones(8, 8, dtype=torch.bool),
+        "custom": mh.custom(lambda b, h, q, kv: q >= kv),
+        "positions": mh.causal().at(torch.arange(8), torch.arange(8), q_len=8, kv_len=8),
+    }
     for kind in sorted(mh.backends.MASK_KINDS - caps.mask_kinds):  # an undeclared mask kind is refused
-        mask = {"tensor": torch.ones(8, 8, dtype=torch.bool)}[kind]
-        with pytest.raises(mh.BackendRefusedError, match=r"mask kinds \['tensor'\] not supported"):
+        mask = undeclared[kind]
+        with pytest.raises(mh.BackendRefusedError, match=rf"mask kinds \['{kind}'\] not supported"):
             mh.attention(q, q, q, mask=mask, backend=backend)
     if "elementwise" not in caps.score_mods:
         with pytest.raises(mh.BackendRefusedError, match=r"softcap\(5.0\) is elementwise"):

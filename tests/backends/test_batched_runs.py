@@ -17,6 +17,7 @@ from multihead.backends.block_plan import band_run
 from multihead.backends.blocksparse import BlockSparseBackend
 from multihead.backends.document_runs import Segment, document_segments
 from multihead.backends.torch_blocks_backend import TorchBlocksBackend
+from multihead.blocks import Block, Extent
 from multihead.validation import validate_call
 
 BLOCK = 32  # small blocks: every case crosses several of them
@@ -168,7 +169,7 @@ def _replayed_keep(seed, mask, run, B, Hq, Lq, Lk, block, p):
                     keep[:, :, r : r + block, c : c + span] = drawn[t].view(B, Hq, block, span)
             continue
         q1 = min(q0 + block, Lq)
-        k0, k1 = mask.key_range(q0, q1, Lq, Lk)
+        k0, k1 = mask.key_range(Extent(B, Hq, Lq, Lk), Block(q0, q1, 0, Lk))
         if k0 < k1:
             keep[:, :, q0:q1, k0:k1] = F.dropout(torch.ones(B, Hq, q1 - q0, k1 - k0, dtype=torch.float64), p) != 0
     return keep

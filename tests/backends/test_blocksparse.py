@@ -10,6 +10,7 @@ import multihead as mh
 from helpers import LargestAllocation, assert_relative, covering_cases, make_inputs, naive_attention
 from multihead.backends.blocksparse import DEFAULT_BLOCK_SIZE, BlockSparseBackend, block_plan
 from multihead.backends.torch_blocks_backend import TorchBlocksBackend
+from multihead.blocks import Block, Extent
 from multihead.validation import validate_call
 
 STRUCTURED = [
@@ -163,12 +164,12 @@ def test_no_tensor_of_lq_by_lk_is_allocated(mask):
 
 def test_plan_skips_empty_blocks_and_uses_no_mask_on_full_ones():
     L = 8 * DEFAULT_BLOCK_SIZE
-    blocks = block_plan(mh.sliding_window(DEFAULT_BLOCK_SIZE), 1, 1, L, L, DEFAULT_BLOCK_SIZE)
+    blocks = block_plan(mh.sliding_window(DEFAULT_BLOCK_SIZE), Extent(1, 1, L, L), DEFAULT_BLOCK_SIZE)
     computed = sum((b.q1 - b.q0) * (p.k1 - p.k0) for b in blocks for p in b.pieces)
     assert computed <= 3 * DEFAULT_BLOCK_SIZE * L  # linear in L, not L^2
     kinds = {p.kind for b in blocks for p in b.pieces}
     assert "causal" in kinds  # the right edge runs as is_causal, with no mask tensor
-    causal = block_plan(mh.causal(), 1, 1, L, L, DEFAULT_BLOCK_SIZE)
+    causal = block_plan(mh.causal(), Extent(1, 1, L, L), DEFAULT_BLOCK_SIZE)
     assert all(p.kind != "masked" for b in causal for p in b.pieces)
 
 
@@ -267,7 +268,7 @@ def _replayed_keep(seed, mask, B, Hq, Lq, Lk, block, p):
     keep = torch.ones(B, Hq, Lq, Lk, dtype=torch.bool)
     for q0 in range(0, Lq, block):
         q1 = min(q0 + block, Lq)
-        k0, k1 = mask.key_range(q0, q1, Lq, Lk)
+        k0, k1 = mask.key_range(Extent(B, Hq, Lq, Lk), Block(q0, q1, 0, Lk))
         if k0 < k1:
             keep[:, :, q0:q1, k0:k1] = (
                 torch.nn.functional.dropout(torch.ones(B, Hq, q1 - q0, k1 - k0, dtype=torch.float64), p) != 0

@@ -11,6 +11,7 @@ import torch
 import multihead as mh
 from helpers import DEVICES, LargestAllocation, assert_relative, naive_attention
 from multihead.backends.decode import AUTO_MAX_QUERIES, MAX_QUERIES
+from multihead.blocks import Block, Extent
 from multihead.call import mask_and_score_mod
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -97,7 +98,7 @@ def _baseline_lse(q, k, mask, scale=None):
     scores = (q @ k.repeat_interleave(Hq // k.shape[1], 1).transpose(-2, -1)) * (D**-0.5 if scale is None else scale)
     m, mod = mask_and_score_mod(mask, None, check_binary=False)
     if mod is not None:
-        scores = mod.apply_block(scores, 0, Lq, 0, Lk)
+        scores = mod.apply_block(Extent(B, Hq, Lq, Lk), Block(0, Lq, 0, Lk), scores)
     if m is not None:
         scores = scores.masked_fill(~m.materialize(B, Hq, Lq, Lk), float("-inf"))
     return torch.logsumexp(scores, -1)

@@ -23,6 +23,7 @@ from matrix import DEVICES, backend_params, factor, serve_or_skip
 
 import multihead as mh
 from helpers import LargestAllocation, aligned_distance, assert_relative, loop_bucket, paper_slopes
+from multihead.blocks import Extent
 from multihead.positions import ALiBi, BucketedBias, RelativePositionBias, alibi_slopes, relative_position_bucket
 from multihead.scores import as_score_mod
 
@@ -244,7 +245,8 @@ def naive(q, k, v, mask, mods, sinks):
     s = (q @ k.transpose(-2, -1)) * D**-0.5
     mod = as_score_mod(mods)
     if mod is not None:
-        s = mod.for_lengths(Lq, Lk).apply_block(s, 0, Lq, 0, Lk)
+        extent = Extent(B, Hq, Lq, Lk)
+        s = mod.for_lengths(Lq, Lk).apply_block(extent, extent.whole(), s)
     if mask is not None:
         s = s.masked_fill(~mask.materialize(B, Hq, Lq, Lk), float("-inf"))
     if sinks is not None:

@@ -40,6 +40,7 @@ from multihead.caches import (
     KVCache,
     LatentKVCache,
     PagedKVCache,
+    QuantizedKVCache,
     SlidingWindowKVCache,
     StaticKVCache,
 )
@@ -103,6 +104,17 @@ KINDS = [
         per_row=True,
     ),
 ]
+# Quantized: every value the tests compare stays in the full-precision sinks and residual window
+# (<= 10 tokens); the random walks (up to MAX_LEN tokens) quantize groups, crop into them, reorder them.
+for fmt in ("int8", "fp8"):
+    KINDS.append(
+        Kind(
+            f"quantized-{fmt}",
+            lambda h, d, dv, dev, fmt=fmt: QuantizedKVCache(
+                B, MAX_LEN, h, d, value_dim=dv, format=fmt, residual=8, sinks=2, group=2, dtype=DT, device=dev
+            ),
+        )
+    )
 IDS = [kind.name for kind in KINDS]
 every_kind = pytest.mark.parametrize("kind", KINDS, ids=IDS)
 per_row_kinds = pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import torch
 
 import multihead as mh
 from helpers import refuses
+from multihead.blocks import Block, Extent
 from multihead.masks import BlockState, block_select
 
 
@@ -68,7 +69,7 @@ def test_meaning_equals_the_definition(B, Hi, Hq, Lq, Lk, bs, num_heads, qbs):
     nQ, nK = math.ceil(Lq / (qbs or bs)), math.ceil(Lk / bs)
     idx = _indices(B, Hi, nQ, nK, 2, causal=False)
     mask = block_select(idx, bs, num_heads=num_heads, query_block_size=qbs)
-    mask.check(B, Hq, Lq, Lk)
+    mask.check(Extent(B, Hq, Lq, Lk))
     dense = mask.materialize(B, Hq, Lq, Lk).expand(B, Hq, Lq, Lk)
     assert torch.equal(dense, _loop(idx, bs, B, Hq, Lq, Lk, num_heads, qbs))
     one = block_select(idx[:1], bs, num_heads=num_heads, query_block_size=qbs)  # one batch row serves every row
@@ -129,7 +130,7 @@ def test_structure_agrees_with_the_dense_form():
         if q0 == q1 or k0 == k1:
             continue
         block = dense[:, :, q0:q1, k0:k1]
-        state = mask.block_state(q0, q1, k0, k1, L, L, B, H)
+        state = mask.block_state(Extent(B, H, L, L), Block(q0, q1, k0, k1))
         seen.add(state)
         if state is BlockState.EMPTY:
             assert not block.any()
@@ -137,7 +138,7 @@ def test_structure_agrees_with_the_dense_form():
             assert block.all()
         else:
             assert block.any()
-        lo, hi = mask.key_range(q0, q1, L, L)
+        lo, hi = mask.key_range(Extent(B, H, L, L), Block(q0, q1, 0, L))
         visible = dense[:, :, q0:q1].any(dim=(0, 1, 2)).nonzero().flatten()
         if visible.numel():
             assert lo <= int(visible[0]) and int(visible[-1]) < hi
@@ -179,22 +180,22 @@ BAD = [
     ),
     (lambda: block_select(torch.full((1, 1, 2, 2), -2), 4).materialize(1, 1, 8, 8), ValueError, r"-1 for none, got -2"),
     (
-        lambda: block_select(torch.zeros(2, 1, 2, 1, dtype=torch.long), 4).check(3, 1, 8, 8),
+        lambda: block_select(torch.zeros(2, 1, 2, 1, dtype=torch.long), 4).check(Extent(3, 1, 8, 8)),
         ValueError,
         r"2 batch rows, the call 3",
     ),
     (
-        lambda: block_select(torch.zeros(1, 2, 2, 1, dtype=torch.long), 4).check(1, 4, 8, 8),
+        lambda: block_select(torch.zeros(1, 2, 2, 1, dtype=torch.long), 4).check(Extent(1, 4, 8, 8)),
         ValueError,
         r"give num_heads=4",
     ),
     (
-        lambda: block_select(torch.zeros(1, 1, 2, 1, dtype=torch.long), 4).check(1, 1, 9, 9),
+        lambda: block_select(torch.zeros(1, 1, 2, 1, dtype=torch.long), 4).check(Extent(1, 1, 9, 9)),
         ValueError,
         r"9 queries make 3 blocks of 4, but indices name key blocks for 2",
     ),
     (
-        lambda: block_select(torch.full((1, 1, 2, 1), 3), 4).check(1, 1, 8, 8),
+        lambda: block_select(torch.full((1, 1, 2, 1), 3), 4).check(Extent(1, 1, 8, 8)),
         ValueError,
         r"name key block 3, but 8 keys make 2 blocks",
     ),

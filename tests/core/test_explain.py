@@ -166,3 +166,23 @@ def test_a_broadcast_mask_tensor_is_read_over_the_whole_square():
     padding = torch.arange(100).view(1, 1, 1, 100) < torch.tensor([60, 100]).view(2, 1, 1, 1)  # (B, 1, 1, Lk)
     [line] = mh.explain(q, k, k, mask=padding, probe=False).advice
     assert "key_padding" in line and "2x1x1x100" in line, line
+
+
+def test_explain_takes_what_attention_takes_and_chooses_what_attention_runs():
+    """explain() reads its arguments through attention's own prepare step: softcap and sinks are
+    explained (not refused as unknown), the backend it names is the one attention() dispatches to,
+    and a bad argument is refused with attention's message."""
+    q = torch.randn(1, 4, 16, 8)
+    sinks = torch.zeros(4)
+    report = mh.explain(q, q, q, mask=mh.causal(), softcap=30.0, sinks=sinks)
+    assert "softcap(30" in report.mask and any(line.startswith("sinks:") for line in report.plan)
+    got = mh.attention(q, q, q, mask=mh.causal(), softcap=30.0, sinks=sinks, return_lse=True)
+    assert got.lse is not None and report.backend in mh.available_backends()
+    for bad, message in (({"sinks": torch.zeros(3)}, r"sinks"), ({"softcap": -1.0}, r"softcap")):
+        with pytest.raises((TypeError, ValueError), match=message) as explained:
+            mh.explain(q, q, q, **bad)
+        with pytest.raises((TypeError, ValueError), match=message) as attended:
+            mh.attention(q, q, q, **bad)
+        assert str(explained.value) == str(attended.value)
+    big = mh.explain(q, q, q, return_weights=True)  # the size is reported, never refused by explain
+    assert any("MiB" in line and "max_weights_bytes" in line for line in big.plan)

@@ -20,7 +20,21 @@ SRC = ROOT / "src"
 #: and fails when the two differ.
 FLOORS = {
     **dict.fromkeys(
-        ["conventions", "masks", "scores", "sinks", "scoring", "call", "reference", "blockwise", "merge", "cascade"], 1
+        [
+            "conventions",
+            "blocks",
+            "values",
+            "masks",
+            "scores",
+            "sinks",
+            "scoring",
+            "call",
+            "reference",
+            "blockwise",
+            "merge",
+            "cascade",
+        ],
+        1,
     ),
     **dict.fromkeys(["nonfinite", "inputs", "validation", "attention", "explain", "plans", "memo", "backends"], 1),
     **dict.fromkeys(["caches", "positions"], 2),
@@ -173,3 +187,14 @@ def test_the_floors_are_the_ones_the_architecture_doc_draws():
 def test_no_module_imports_from_a_higher_floor():
     found = upward_imports(import_graph())
     assert found == [], "imports from a higher floor (module level, deferred or type-only):\n" + "\n".join(found)
+
+
+def test_masks_and_scores_share_the_value_base_and_import_nothing_of_each_other():
+    """Issue 27, item 4: one value-object base (multihead.values) under both families, so that
+    neither reaches into the other for its value machinery."""
+    graph = import_graph()
+    for family, other in (("multihead.scores", "multihead.masks"), ("multihead.masks", "multihead.scores")):
+        members = [m for m in graph if m == family or m.startswith(family + ".")]
+        crossing = sorted((m, t) for m in members for t in graph[m] if t == other or t.startswith(other + "."))
+        assert crossing == [], f"{family} imports {other}: {crossing}"
+    assert "multihead.values" in graph["multihead.masks.base"] and "multihead.values" in graph["multihead.scores.base"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import multihead as mh
+from multihead.blocks import Block, Extent
 from multihead.masks import BlockState
 
 
@@ -130,7 +131,7 @@ def test_masks_are_boolean_and_a_float_mask_splits_into_pattern_and_bias():
     mask, mod = mask_and_score_mod(bias, None)
     assert torch.equal(mask.materialize(1, 1, 4, 4)[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
     assert isinstance(mod, mh.scores.Bias) and mod.kind == "additive"
-    torch.testing.assert_close(mod.bias_block(1, 1, 0, 4, 0, 4)[0, 0], bias)
+    torch.testing.assert_close(mod.bias_block(Extent(1, 1, 4, 4), Block(0, 4, 0, 4))[0, 0], bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -187,9 +188,9 @@ def test_building_a_mask_never_synchronises_with_the_host():
     kp = mh.key_padding(torch.tensor([3, 5]))
     doc = mh.document(torch.tensor([0, 0, 1, 1]))
     assert not any(k.endswith("_cache") for k in vars(kp)) and not any(k.endswith("_cache") for k in vars(doc))
-    assert kp.block_state(0, 2, 0, 3, 2, 5) is BlockState.FULL and "_max_cache" not in vars(kp)
-    assert kp.block_state(0, 2, 3, 5, 2, 5) is BlockState.PARTIAL and "_max_cache" in vars(kp)
-    assert doc.key_range(0, 2, 4, 4) == (0, 2) and "_sorted_cache" in vars(doc)
+    assert kp.block_state(Extent(1, 1, 2, 5), Block(0, 2, 0, 3)) is BlockState.FULL and "_max_cache" not in vars(kp)
+    assert kp.block_state(Extent(1, 1, 2, 5), Block(0, 2, 3, 5)) is BlockState.PARTIAL and "_max_cache" in vars(kp)
+    assert doc.key_range(Extent(1, 1, 4, 4), Block(0, 2, 0, 4)) == (0, 2) and "_sorted_cache" in vars(doc)
 
 
 def test_integer_masks_are_refused_with_a_hint():
@@ -226,21 +227,22 @@ def test_structural_answers_agree_with_the_dense_mask(name):
     mask = structured_masks()[name]
     B, H, Lq, Lk = 2, 1, 13, 11
     full = dense(mask, B, H, Lq, Lk)
+    extent = Extent(B, H, Lq, Lk)
     for q0 in range(0, Lq, 3):
         q1 = min(q0 + 3, Lq)
-        lo, hi = mask.key_range(q0, q1, Lq, Lk)
+        lo, hi = mask.key_range(extent, extent.rows(q0, q1))
         visible = full[:, :, q0:q1].any(dim=(0, 1, 2)).nonzero().flatten()
         if len(visible):
             assert lo <= int(visible.min()) and int(visible.max()) < hi, (q0, lo, hi, visible)
         for k0 in range(0, Lk, 4):
             k1 = min(k0 + 4, Lk)
             block = full[:, :, q0:q1, k0:k1]
-            state = mask.block_state(q0, q1, k0, k1, Lq, Lk, B, H)
+            state = mask.block_state(extent, Block(q0, q1, k0, k1))
             if state is BlockState.FULL:
                 assert block.all(), (q0, k0)
             elif state is BlockState.EMPTY:
                 assert not block.any(), (q0, k0)
-    empty = mask.empty_rows(B, H, Lq, Lk)
+    empty = mask.empty_rows(extent)
     truth = ~full.any(-1)
     if empty is None:
         assert not truth.any()
@@ -253,10 +255,11 @@ def test_structural_answers_agree_with_the_dense_mask(name):
 
 def test_tight_structure_for_bands():
     """Bands answer exactly (FULL/EMPTY, not merely PARTIAL), which is what makes skipping pay."""
-    m = mh.sliding_window(4)
-    assert m.block_state(8, 12, 0, 4, 16, 16) is BlockState.EMPTY
-    assert m.block_state(8, 10, 6, 8, 16, 16) is BlockState.FULL
-    assert m.key_range(8, 12, 16, 16) == (4, 12)
+    m, extent = mh.sliding_window(4), Extent(1, 1, 16, 16)
+    assert m.block_state(extent, Block(8, 12, 0, 4)) is BlockState.EMPTY
+    assert m.block_state(extent, Block(8, 10, 6, 8)) is BlockState.FULL
+    assert m.key_range(extent, extent.rows(8, 12)) == (4, 12)
+    assert m.key_range(extent, Block(8, 12, 6, 16)) == (6, 12)  # clamped to the block's keys
     assert mh.causal().causal_offset(3, 7) == 4 and mh.causal("top_left").causal_offset(3, 7) == 0
 
 
@@ -300,8 +303,8 @@ def test_document_causal_empty_rows_from_its_tables_equal_the_definition():
         if trial % 3:
             q, k = q.sort().values, k.sort().values
         mask = mh.document_causal(q, k)
-        want = Mask._empty_rows(mask, B, 1, Lq, Lk).expand(B, 1, Lq)
-        assert torch.equal(mask._empty_rows(B, 1, Lq, Lk).expand(B, 1, Lq), want), (q, k)
+        want = Mask._empty_rows(mask, Extent(B, 1, Lq, Lk)).expand(B, 1, Lq)
+        assert torch.equal(mask._empty_rows(Extent(B, 1, Lq, Lk)).expand(B, 1, Lq), want), (q, k)
         empty_rows_seen += int(want.sum())
     assert empty_rows_seen > 100  # the cases do reach rows that see nothing
 
@@ -318,11 +321,11 @@ def test_head_range_reads_the_whole_attentions_heads():
         dense = whole.materialize(B, Hq, L, L).expand(B, Hq, L, L)
         for first, count in ((0, 2), (2, 2), (3, 3), (5, 1)):
             part = mh.masks.head_range(whole, first, count, Hq)
-            part.check(B, count, L, L)
+            part.check(Extent(B, count, L, L))
             got = part.materialize(B, count, L, L).expand(B, count, L, L)
             assert torch.equal(got, dense[:, first : first + count]), (whole, first, count)
             for q0, q1, k0, k1 in ((0, 4, 0, 4), (4, 9, 0, 9), (0, 1, 5, 9)):  # answers true of its heads
-                state = part.block_state(q0, q1, k0, k1, L, L, B, count)
+                state = part.block_state(Extent(B, count, L, L), Block(q0, q1, k0, k1))
                 block = dense[:, first : first + count, q0:q1, k0:k1]
                 assert state is not mh.masks.BlockState.FULL or bool(block.all())
                 assert state is not mh.masks.BlockState.EMPTY or not bool(block.any())
@@ -333,4 +336,4 @@ def test_head_range_reads_the_whole_attentions_heads():
     with pytest.raises(ValueError, match=r"heads \[5, 7\) are not a range of the 6 heads"):
         mh.masks.head_range(by_head, 5, 2, Hq)
     with pytest.raises(ValueError, match="read by a call of 3 heads; expected 2"):
-        mh.masks.head_range(by_head, 0, 2, Hq).check(B, 3, L, L)
+        mh.masks.head_range(by_head, 0, 2, Hq).check(Extent(B, 3, L, L))

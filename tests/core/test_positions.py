@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import multihead as mh
+from multihead.blocks import Extent
 from multihead.masks import BlockState
 
 
@@ -64,14 +65,15 @@ def test_every_block_of_a_grid_is_the_slice_of_the_whole_mask(kind, Lq, Lk):
             assert torch.equal(at.materialize(2, 3, q1 - q0, k1 - k0).expand_as(want), want)
             # What backends ask of a block agrees with its materialized form.
             lq, lk = q1 - q0, k1 - k0
-            state = block.block_state(0, lq, 0, lk, lq, lk, 2, 3)  # FULL/EMPTY are promises; PARTIAL may be cautious
+            extent = Extent(2, 3, lq, lk)
+            state = block.block_state(extent, extent.whole())  # FULL/EMPTY are promises; PARTIAL may be cautious
             assert state is not BlockState.FULL or bool(want.all())
             assert state is not BlockState.EMPTY or not bool(want.any())
-            lo, hi = block.key_range(0, lq, lq, lk)
+            lo, hi = block.key_range(extent, extent.whole())
             visible_keys = want.any(0).any(0).any(0).nonzero().flatten()
             if len(visible_keys):
                 assert lo <= int(visible_keys.min()) and int(visible_keys.max()) < hi
-            empty = block.empty_rows(2, 3, lq, lk)
+            empty = block.empty_rows(extent)
             want_empty = ~want.any(-1)
             got_empty = torch.zeros_like(want_empty) if empty is None else empty.expand_as(want_empty)
             assert torch.equal(got_empty, want_empty)

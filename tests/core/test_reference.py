@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import multihead as mh
 from helpers import covering_cases, make_inputs
+from multihead.blocks import Block, Extent
 
 CASES = [c for c in covering_cases(n_random=0) if c.Lq * c.Lk <= 128 * 128]
 
@@ -22,7 +23,7 @@ def brute_force(q, k, v, mask, scale=None):
 
     mask, bias = mask_and_score_mod(mask, None, check_binary=False)  # a float mask: its -inf pattern + a bias
     dense = None if mask is None else mask.materialize(B, Hq, Lq, Lk)
-    added = None if bias is None else bias.bias_block(B, Hq, 0, Lq, 0, Lk, dtype=torch.float64)
+    added = None if bias is None else bias.bias_block(Extent(B, Hq, Lq, Lk), Block(0, Lq, 0, Lk), dtype=torch.float64)
     out = torch.zeros(B, Hq, Lq, Dv, dtype=torch.float64)
     lse = torch.full((B, Hq, Lq), -math.inf, dtype=torch.float64)
     for b in range(B):
@@ -82,7 +83,7 @@ def test_reference_equals_sdpa_math_fp64(case):
         if m is None
         else m.materialize(case.B, case.Hq, case.Lq, case.Lk)
     )
-    empty = None if m is None else m.empty_rows(case.B, case.Hq, case.Lq, case.Lk)
+    empty = None if m is None else m.empty_rows(Extent(case.B, case.Hq, case.Lq, case.Lk))
     with sdpa_kernel(SDPBackend.MATH):
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=case.Hq != case.Hkv)
     got = mh.reference_attention(q, k, v, mask=mask).output

@@ -581,3 +581,28 @@ def _ring_memory(rank, world):
             f"alive then: {memory.at_peak(12)}"
         )
         assert forward >= unit, "the meter saw less than the output itself: it measures nothing"
+
+
+@check("ulysses-memory-per-rank")
+def _ulysses_memory(rank, world):
+    """Ulysses' forward keeps its head shards of q, k, v and the local output (4 shards of q:
+    ``u = B·H·S·D`` elements), and an exchange holds one send and one receive buffer of its
+    tensor's size on top (2): at most 6u when B = 1 (the send buffer of q, k, v is a view), 7u
+    with B > 1 (the output's head blocks are then copied out of the receive buffer). Before
+    (the parts, the received parts, their concatenation and the reorder alive together) the
+    forward took 8u."""
+    from multihead.distributed.memory import TensorMemory
+
+    H, D, Lw = 2 * world, 16, 24 * world
+    for B, bound in ((1, 6), (2, 7)):
+        q, k, v, gout, _ = inputs(B, H, H, Lw, Lw, D, D, torch.float64, seed=2)
+        unit = B * H * (Lw // world) * D * 8
+        qs, ks, vs = (shard_sequence(t, layout="zigzag", dim=2).contiguous().requires_grad_() for t in (q, k, v))
+        with TensorMemory() as memory:
+            out = ulysses_attention(qs, ks, vs, mask=masks.causal())
+            forward = memory.peak
+            out.backward(shard_sequence(gout, layout="zigzag", dim=2))
+        assert unit <= forward <= bound * unit + unit / 4, (
+            f"B={B}: forward peak {forward / unit:.2f} shards of q, expected <= {bound}; "
+            f"alive then: {memory.at_peak(10)}"
+        )

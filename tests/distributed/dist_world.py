@@ -45,6 +45,8 @@ def start_method() -> str:
             "dist_checks",
             "dist_checks_slow",
             "dist_checks_agree",
+            "dist_checks_decode",
+            "dist_checks_fsdp",
         ]
     )
     return "forkserver"
@@ -116,6 +118,8 @@ def _worker(rank: int, world: int, folder: str, names: list[str], group_timeout:
     )
     import dist_checks
     import dist_checks_agree  # noqa: F401 (registers the agreement checks)
+    import dist_checks_decode  # noqa: F401 (registers the decoding checks)
+    import dist_checks_fsdp  # noqa: F401 (registers the FSDP2 training example)
     import dist_checks_slow  # noqa: F401 (registers the slow tier's checks)
 
     try:

@@ -22,6 +22,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_checks  # noqa: E402
+import dist_checks_decode  # noqa: E402, F401 (registers the decoding checks)
+import dist_checks_fsdp  # noqa: E402, F401 (registers the FSDP2 training example)
 import dist_checks_slow  # noqa: E402
 from dist_world import report, run_world  # noqa: E402
 

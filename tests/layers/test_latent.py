@@ -588,7 +588,7 @@ CASES = [
         "positions float",
         lambda: _mla()(xf, positions=torch.arange(5.0)),
         TypeError,
-        r"positions must have an integer dtype",
+        r"positions must be None or an integer tensor .*got dtype torch.float32",
     ),
     (
         "cache type",

@@ -233,14 +233,14 @@ BAD = [  # (name, layer options, call(layer, cache), error, message); the cache 
         {},
         lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([5.0])),
         TypeError,
-        r"positions must have an integer dtype \(torch.int64\), got torch.float32",
+        r"positions must be None or an integer tensor \(Lq,\) = \(1,\) .*\(torch.int64\), got dtype torch.float32",
     ),
     (
         "positions bool",
         {},
         lambda m, c: m(x1, kv_cache=c, positions=torch.tensor([True])),
         TypeError,
-        r"positions must have an integer dtype \(torch.int64\), got torch.bool",
+        r"positions must be None or an integer tensor .*\(torch.int64\), got dtype torch.bool",
     ),
     (
         "positions list",
@@ -365,7 +365,8 @@ def test_constructor_refuses_a_rope_that_is_not_callable():
 # ------------------------------------------------------------------------------ one helper for every caller
 def test_layers_and_models_share_one_attention_call(monkeypatch):
     """``MultiHeadAttention``, the ``nn.MultiheadAttention`` drop-in and the decoder's cached path all
-    reach :func:`multihead.attention` through ``layers.heads.attend_heads``."""
+    reach :func:`multihead.attention` through ``layers.heads.attend_heads`` (a call with weights
+    or hooks through ``hooks.observed_attention``, which it calls)."""
     callers = []
     real = mh.layers.heads.attention
 
@@ -374,6 +375,7 @@ def test_layers_and_models_share_one_attention_call(monkeypatch):
         return real(q, k, v, **kwargs)
 
     monkeypatch.setattr(mh.layers.heads, "attention", spy)
+    monkeypatch.setattr(mh.hooks, "attention", spy)
     x = torch.randn(2, 3, 16)
     mh.MultiHeadAttention(16, 2)(x)
     MultiheadAttention(16, 2, batch_first=True)(x, x, x)

@@ -126,8 +126,8 @@ def test_user_score_mods_equal_the_built_ins():
     # Lq != Lk: the function's indices are the call's, i.e. top-left alignment.
     q_short = q[:, :, :5]
     for mine, builtin in [(my_alibi, ALiBi(8, align="top_left")), (my_t5, RelativePositionBias(8, align="top_left")())]:
-        if isinstance(builtin, type(t5)):
-            builtin.weight = rel.weight
+        if isinstance(builtin, type(t5)):  # the same table (a modifier is immutable: a copy that reads it)
+            builtin = builtin._replace(weight=rel.weight)
         torch.testing.assert_close(
             mh.attention(q_short, k, v, score_mod=mine, backend="reference"),
             mh.attention(q_short, k, v, score_mod=builtin, backend="reference"),

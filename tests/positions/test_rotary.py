@@ -715,9 +715,14 @@ BAD = [
         "positions float",
         lambda: _rope8()(X, torch.arange(5.0)),
         TypeError,
-        r"positions must have an integer dtype \(torch.int64\), got torch.float32",
+        r"positions must be an integer tensor \(L,\) = \(5,\) .*\(torch.int64\), got dtype torch.float32",
     ),
-    ("positions bool", lambda: _rope8()(X, torch.ones(5, dtype=torch.bool)), TypeError, r"integer dtype.*torch.bool"),
+    (
+        "positions bool",
+        lambda: _rope8()(X, torch.ones(5, dtype=torch.bool)),
+        TypeError,
+        r"integer tensor.*got dtype torch.bool",
+    ),
     (
         "positions list",
         lambda: _rope8()(X, [0, 1, 2, 3, 4]),

@@ -16,6 +16,7 @@ from multihead.backends.registry import (
 )
 from multihead.backends.sdpa import SDPABackend
 from multihead.backends.torch_blocks_backend import TorchBlocksBackend
+from multihead.backends.triton_blocks import TritonBlocksBackend
 
 # The auto order, lower first (measured; docs/performance.md). decode takes calls of a few query
 # tokens (a decode step) and passes (auto_refusals) on longer ones. blocksparse passes (auto_refusals)
@@ -30,6 +31,9 @@ register_backend(TorchBlocksBackend(), priority=11)
 register_backend(FlexBackend(), priority=15)
 register_backend(SDPABackend(), priority=20)
 register_backend(ReferenceBackend(), priority=100)
+# triton_blocks (CUDA; Triton kernels of our own) is forced by name only until GPU measurements
+# place it in this order (benchmarks/gpu.py).
+register_backend(TritonBlocksBackend())
 
 __all__ = [
     "Backend",
@@ -49,4 +53,5 @@ __all__ = [
     "TorchBlocksBackend",
     "FlexBackend",
     "DecodeBackend",
+    "TritonBlocksBackend",
 ]

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
+
 __all__ = [
     "bias_backward",
     "piece_ds",
@@ -175,13 +177,14 @@ def piece_ds(go, qb, kb, vb, ob, lb, bias, scale, whole_rows=False) -> Tensor:
     return p * (dp - delta)
 
 
-def accumulate_mod_grads(mods, tensors, grads, ds, blk, piece) -> None:
-    """Add ``dS`` of one piece to the gradients of the tensors an additive modifier reads, through
-    the same ``bias_block`` the forward used (autograd of a slice: memory of one piece)."""
+def accumulate_mod_grads(mods, tensors, grads, ds, extent: Extent, block: Block) -> None:
+    """Add ``dS`` of one piece (``block`` of the whole attention ``extent``) to the gradients of the
+    tensors an additive modifier reads, through the same ``bias_block`` the forward used (autograd
+    of a slice: memory of one piece)."""
     with torch.enable_grad():
-        block = mods.bias_block(ds.shape[0], ds.shape[1], blk.q0, blk.q1, piece.k0, piece.k1, ds.device, ds.dtype)
-        reduce = [d for d in range(4) if block.shape[d] == 1 and ds.shape[d] != 1]
-        add_grads(block, ds.sum(dim=reduce, keepdim=True) if reduce else ds, tensors, grads)
+        bias = mods.bias_block(extent, block, ds.device, ds.dtype)
+        reduce = [d for d in range(4) if bias.shape[d] == 1 and ds.shape[d] != 1]
+        add_grads(bias, ds.sum(dim=reduce, keepdim=True) if reduce else ds, tensors, grads)
 
 
 def add_grads(output: Tensor, grad: Tensor, tensors, grads) -> None:

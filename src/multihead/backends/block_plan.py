@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from multihead.backends.band_runs import BandRun, interior_run
+from multihead.blocks import Block, Extent
 from multihead.masks import And, Band, BlockState, Mask
 from multihead.scores import ScoreMod
 
@@ -65,10 +66,10 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------------- planning
-def block_plan(
-    mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, block_size: int = DEFAULT_BLOCK_SIZE
-) -> tuple[QueryBlock, ...]:
-    """The kernel calls for every query block, from the mask's structural answers only."""
+def block_plan(mask: Mask | None, extent: Extent, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[QueryBlock, ...]:
+    """The kernel calls for every query block of ``extent`` ``(B, Hq, Lq, Lk)``, from the mask's
+    structural answers only."""
+    q_len, kv_len = extent.lengths
     diagonal = _upper_diagonal(mask, q_len, kv_len)
     blocks = []
     for q0 in range(0, q_len, block_size):
@@ -76,22 +77,20 @@ def block_plan(
         if mask is None:
             blocks.append(QueryBlock(q0, q1, (Piece(0, kv_len, FULL),)))
             continue
-        lo, hi = mask.key_range(q0, q1, q_len, kv_len)
+        lo, hi = mask.key_range(extent, extent.rows(q0, q1))
         pieces: list[Piece] = []
         if lo < hi and diagonal is not None:
             d, rest = diagonal
             c0, c1 = q0 + d, min(q1 + d, kv_len)  # the block's diagonal, aligned for is_causal
             # Keys >= q1 + d are above every row's diagonal; keys < q0 + d are below it.
             hi = min(hi, c1)
-            if lo <= c0 < c1 and (
-                rest is None or rest.block_state(q0, q1, c0, c1, q_len, kv_len, batch, heads) is BlockState.FULL
-            ):
-                pieces = _classify(mask, q0, q1, lo, c0, q_len, kv_len, batch, heads, block_size)
+            if lo <= c0 < c1 and (rest is None or rest.block_state(extent, Block(q0, q1, c0, c1)) is BlockState.FULL):
+                pieces = _classify(mask, extent, Block(q0, q1, lo, c0), block_size)
                 pieces.append(Piece(c0, c1, CAUSAL))
                 blocks.append(QueryBlock(q0, q1, tuple(_merge(pieces))))
                 continue
         if lo < hi:
-            pieces = _classify(mask, q0, q1, lo, hi, q_len, kv_len, batch, heads, block_size)
+            pieces = _classify(mask, extent, Block(q0, q1, lo, hi), block_size)
         blocks.append(QueryBlock(q0, q1, tuple(_merge(pieces))))
     return _merge_query_blocks(blocks)
 
@@ -150,13 +149,12 @@ def _merge_query_blocks(blocks: list[QueryBlock]) -> tuple[QueryBlock, ...]:
     return tuple(merged)
 
 
-def _classify(
-    mask: Mask, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int, heads: int, block_size: int
-) -> list[Piece]:
-    """Split keys ``[k0, k1)`` on the block grid until each part is EMPTY, FULL or one block."""
+def _classify(mask: Mask, extent: Extent, block: Block, block_size: int) -> list[Piece]:
+    """Split the block's keys ``[k0, k1)`` on the block grid until each part is EMPTY, FULL or one block."""
+    k0, k1 = block.k0, block.k1
     if k0 >= k1:
         return []
-    state = mask.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
+    state = mask.block_state(extent, block)
     if state is BlockState.EMPTY:
         return []
     if state is BlockState.FULL:
@@ -166,8 +164,8 @@ def _classify(
     mid = (k0 + k1) // 2 // block_size * block_size
     if mid <= k0:
         mid = (k0 // block_size + 1) * block_size
-    return _classify(mask, q0, q1, k0, mid, q_len, kv_len, batch, heads, block_size) + _classify(
-        mask, q0, q1, mid, k1, q_len, kv_len, batch, heads, block_size
+    return _classify(mask, extent, block.with_keys(k0, mid), block_size) + _classify(
+        mask, extent, block.with_keys(mid, k1), block_size
     )
 
 

@@ -62,6 +62,7 @@ from multihead.backends.block_plan import (
 from multihead.backends.document_runs import Segment, document_segments
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.relative_pieces import Bounds, relative_backward, relative_forward, relative_piece, run_bias
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
 from multihead.masks import Mask
@@ -217,7 +218,7 @@ class BlockSparseBackend(Backend):
             return cached
         # Packed documents: one call per document, not a few per block (backends/document_runs.py).
         docs = document_segments(call.mask, Lq, Lk, -(-Lq // self.block_size)) if mods is None else None
-        blocks = _document_blocks(docs) if docs is not None else block_plan(call.mask, B, Hq, Lq, Lk, self.block_size)
+        blocks = _document_blocks(docs) if docs is not None else block_plan(call.mask, call.extent, self.block_size)
         run = band_run(call.mask, Lq, Lk, self.block_size) if batched and docs is None else None
         if run is not None:
             inside = [b for b in blocks if run.q0 <= b.q0 and b.q1 <= run.q1]
@@ -251,8 +252,7 @@ def _piece_mask(
     q: Tensor,
     blk: QueryBlock,
     piece: Piece,
-    q_len: int,
-    kv_len: int,
+    extent: Extent,
     k_heads: int,
 ):
     """The additive ``attn_mask`` of one piece ``(B|1, Hq|1, rows, keys)`` in the softmax dtype
@@ -264,20 +264,9 @@ def _piece_mask(
         return None, None, None, None
     # A FULL piece sees every key; a CAUSAL one with a modifier needs its diagonal as -inf.
     piece_mask = None if piece.kind == FULL else mask
+    block = Block(blk.q0, blk.q1, piece.k0, piece.k1)
     bias, visible, shift = additive_block(
-        piece_mask,
-        mods,
-        q.shape[0],
-        q.shape[1],
-        blk.q0,
-        blk.q1,
-        piece.k0,
-        piece.k1,
-        q_len,
-        kv_len,
-        q.device,
-        q.dtype,
-        mask_dtype=softmax_dtype(q.dtype),
+        piece_mask, mods, extent, block, q.device, q.dtype, mask_dtype=softmax_dtype(q.dtype)
     )
     return bias, ~visible.any(-1), unseen_keys(visible, k_heads), shift
 
@@ -291,7 +280,7 @@ def _zero_unseen(kb: Tensor, vb: Tensor, unseen: Tensor | None) -> tuple[Tensor,
     return torch.where(unseen, zero, kb), torch.where(unseen, zero, vb)
 
 
-def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=None):
+def _run_piece(q, k, v, mask, mods, scale, blk, piece, extent: Extent, bounds=None):
     """Output, LSE as the kernel computed it, and the shift taken off the bias (``None``, or
     broadcastable to ``(B, Hq, rows)``: the piece's LSE is the kernel's plus the shift); rows
     that see none of its keys get LSE ``-inf``."""
@@ -300,7 +289,7 @@ def _run_piece(q, k, v, mask, mods, scale, blk, piece, q_len, kv_len, bounds=Non
     relative = relative_piece(mods, q, blk, piece, bounds)
     if relative is not None:  # rows reversed: the bias is a strided view (relative_pieces)
         return relative_forward(relative, qb, kb, vb, scale)
-    bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, q_len, kv_len, k.shape[1])
+    bias, empty, unseen, shift = _piece_mask(mask, mods, q, blk, piece, extent, k.shape[1])
     if bias is None:
         return *flash(qb, kb, vb, 0.0, piece.kind == CAUSAL, scale=scale), None
     kb, vb = _zero_unseen(kb, vb, unseen)
@@ -338,6 +327,7 @@ class _BlockSparseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, mods, scale, plan, *mod_tensors):
         B, Hq, Lq, _ = q.shape
         Lk, Dv = k.shape[2], v.shape[3]
+        extent = Extent(B, Hq, Lq, Lk)
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         # The LSE is kept relative to a per-row base (the shift of the bias the kernels saw, see
         # _frame) and returned as lse + base: the backward needs each piece's LSE as its kernel
@@ -353,7 +343,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             if shift is not None:
                 base[:, :, rows] = shift
         for blk in plan.blocks:
-            parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, Lq, Lk, bounds) for p in kernel_pieces(blk, mods)]
+            parts = [_run_piece(q, k, v, mask, mods, scale, blk, p, extent, bounds) for p in kernel_pieces(blk, mods)]
             if not parts:
                 continue  # fully masked block: output 0, LSE -inf
             rows = slice(blk.q0, blk.q1)
@@ -383,6 +373,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             # The LSE's gradient through one extra column (flash_pieces), dropped at the end.
             q, k, v, out, grad_out = padded(q, k, v, out, grad_out, lse, grad_lse)
         Lq, Lk = q.shape[2], k.shape[2]
+        extent = Extent(q.shape[0], q.shape[1], Lq, Lk)
         acc_dtype = lse_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
@@ -429,7 +420,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                     trains = (mods, mod_tensors, d_mods) if any(wants_mod_grad) else None
                     relative_backward(relative, go, qb, kb, vb, ob, lp, ctx.scale, whole, (dq, dk, dv), blk, p, trains)
                     continue
-                bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, Lq, Lk, k.shape[1])
+                bias, _, unseen, shift = _piece_mask(ctx.mask, mods, q, blk, p, extent, k.shape[1])
                 kb, vb = _zero_unseen(kb, vb, unseen)
                 causal = bias is None and p.kind == CAUSAL
                 lp = lb + _offset(lb_base, shift)  # the kernel saw the bias shifted down
@@ -438,9 +429,8 @@ class _BlockSparseAttention(torch.autograd.Function):
                 dk[:, :, keys] += g_k
                 dv[:, :, keys] += g_v
                 if any(wants_mod_grad):
-                    accumulate_mod_grads(
-                        mods, mod_tensors, d_mods, piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole), blk, p
-                    )
+                    ds = piece_ds(go, qb, kb, vb, ob, lp, bias, ctx.scale, whole)
+                    accumulate_mod_grads(mods, mod_tensors, d_mods, ds, extent, Block(blk.q0, blk.q1, p.k0, p.k1))
         if grad_lse is not None:
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_mods)

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from multihead.backends import flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner, named
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import fold_query_heads, group_query_heads, softmax_dtype, unfold_query_heads
 from multihead.masks import BlockState, Mask
@@ -84,6 +85,7 @@ _PADDED_ROWS = {3: 6, 4: 6, 5: 6}
 _PAD_MIN_BYTES = 128 << 20  # K/V bytes read by the call
 # Mask kinds whose key_range and block_state are answered from a few integers (no data read).
 _STRUCTURAL = frozenset({"band", "key_padding"})
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class DecodeBackend(Backend):
@@ -226,12 +228,19 @@ class DecodeBackend(Backend):
 
 
 def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:
-    """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked."""
-    scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
+    """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked (fp16/bf16: a
+    transposed view of key-major scores)."""
+    if qg.dtype in _HALF:
+        # K Qᵀ: K is the GEMM's streamed left operand, as it lies (B, Hkv, n, D); oneDNN's half GEMM
+        # read a transposed K (q Kᵀ) at about half that speed (docs/performance.md#the-decode-path-decode).
+        scores = torch.matmul(k, qg.transpose(-2, -1)).transpose(-2, -1)  # (B, Hkv, G·Lq, n), key-major
+    else:
+        scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
     if scores.shape[2] != G * Lq:  # zero rows padded for the GEMM's sake (_PADDED_ROWS)
         scores = scores[:, :, : G * Lq]
-    if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once
-        scores = scores.to(acc)
+    if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once; row-major
+        # again (reductions along a key-major view's rows ran an order of magnitude slower)
+        scores = scores.to(acc, memory_format=torch.contiguous_format)
     if scale != 1.0:
         scores = scores.mul_(scale)
     if blocked is not None:  # masked_fill, not an additive -inf: a NaN score of a blocked key is replaced too
@@ -306,7 +315,7 @@ class _Plan:
         # K/V expanded from one head (k1.expand(B, Hkv, ...)): every KV head is the same memory,
         # so it is MQA: one head read once, all Hq query heads folded into its rows.
         self.kv_heads = 1 if Hkv > 1 and call.k.stride(1) == 0 and call.v.stride(1) == 0 else Hkv
-        self.lo, self.hi, visible, self.note = _visible_keys(call.mask, B, Hq, Lq, Lk, call.q.device)
+        self.lo, self.hi, visible, self.note = _visible_keys(call.mask, call.extent, call.q.device)
         self.read = (self.lo, self.hi)
         if self.hi <= self.lo:  # no row sees any key: one key, all blocked, so the result (0, -inf) keeps the graph
             self.lo = self.hi = 0
@@ -369,10 +378,11 @@ class _Plan:
         return out, (unfold_query_heads(lse, Hq) if return_lse and lse is not None else None)  # (B, Hq, Lq)
 
 
-def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) -> tuple[int, int, Tensor | None, str]:
+def _visible_keys(mask: Mask | None, extent: Extent, device) -> tuple[int, int, Tensor | None, str]:
     """``(lo, hi, visible, note)``: the keys ``[lo, hi)`` any row of the call may see (``lo >= hi``:
     none), the bool mask on them (``(B|1, H|1, Lq, hi - lo)``, ``None`` when all are visible), and
     a line for ``explain()``."""
+    Lq, Lk = extent.lengths
     if mask is None:
         return 0, Lk, None, "mask: none"
     what = "{mask}"  # filled in by plan() only: describing a mask may read its tensors (a host sync)
@@ -383,26 +393,27 @@ def _visible_keys(mask: Mask | None, B: int, Hq: int, Lq: int, Lk: int, device) 
         return (
             0,
             Lk,
-            mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device),
+            mask.materialize_block(extent, extent.whole(), device),
             f"mask {what}: evaluated on every key (under torch.compile)",
         )
-    lo, hi = mask.key_range(0, Lq, Lq, Lk)
+    lo, hi = mask.key_range(extent, extent.whole())
+    keys = Block(0, Lq, lo, hi)
     if hi <= lo:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
     if mask.kinds() <= _STRUCTURAL:
-        state = mask.block_state(0, Lq, lo, hi, Lq, Lk, B, Hq)
+        state = mask.block_state(extent, keys)
         if state is BlockState.EMPTY:
             return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
         if state is BlockState.FULL:
             return lo, hi, None, f"mask {what}: every key in its range [{lo}, {hi}) visible: no mask"
-        visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+        visible = mask.materialize_block(extent, keys, device)
         return (
             lo,
             hi,
             visible,
             (f"mask {what}: keys [{lo}, {hi}) from its structure; a row mask of shape {tuple(visible.shape)} on them"),
         )
-    visible = mask.materialize_block(B, Hq, 0, Lq, Lq, Lk, device, lo, hi)
+    visible = mask.materialize_block(extent, keys, device)
     seen = visible.any(dim=2).any(dim=1).any(dim=0).nonzero()  # columns some row may see
     if seen.numel() == 0:
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall
 from multihead.masks import BlockState, Mask
 
@@ -133,17 +134,18 @@ def _tiled_backward(
     rows: keys outside ``mask.key_range`` of a tile are skipped, a tile that sees no key is skipped
     (its rows' gradient from this block is 0), a fully visible tile runs with no mask."""
     B, H, rows, _ = q.shape
-    keys = k.shape[2]
+    extent = Extent(B, H, rows, k.shape[2])
     gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for r0 in range(0, rows, TILE):
         r1 = min(rows, r0 + TILE)
-        lo, hi = mask.key_range(r0, r1, rows, keys)
-        state = BlockState.EMPTY if lo >= hi else mask.block_state(r0, r1, lo, hi, rows, keys, B, H)
+        lo, hi = mask.key_range(extent, extent.rows(r0, r1))
+        tile = Block(r0, r1, lo, hi)
+        state = BlockState.EMPTY if lo >= hi else mask.block_state(extent, tile)
         if state is BlockState.EMPTY:
             continue
         additive = None
         if state is BlockState.PARTIAL:
-            allowed = mask.materialize_block(B, H, r0, r1, rows, keys, q.device, lo, hi)  # (B|1, H|1, r, k)
+            allowed = mask.materialize_block(extent, tile, q.device)  # (B|1, H|1, r, k)
             additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         tq, tk, tv = flash_backward(
             dout[:, :, r0:r1],

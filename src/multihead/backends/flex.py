@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from multihead.backends.base import Backend, Capabilities
+from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
@@ -129,7 +130,7 @@ class FlexBackend(Backend):
         # and the fully masked rows zeroed without asking first whether there are any (a host sync).
         compiling = torch.compiler.is_compiling()
         block_mask, empty = (
-            (None, None) if call.mask is None else self._block_mask(call.mask, B, Hq, Lq, Lk, call.q.device)
+            (None, None) if call.mask is None else self._block_mask(call.mask, call.extent, call.q.device)
         )
         if not compiling:
             self._compiled.add(self._compile_key(call))
@@ -157,30 +158,32 @@ class FlexBackend(Backend):
                     lse = lse.masked_fill(empty.expand_as(lse), float("-inf"))
         return AttentionResult(out, None, None if lse is None else lse.to(lse_dtype(call.q.dtype)))
 
-    def _block_mask(self, mask: Mask, B, Hq, Lq, Lk, device):
-        """``(BlockMask, fully masked rows (B|1, Hq|1, Lq) or None)``, kept per mask value and shape:
-        a repeated call costs a dictionary lookup (the rows are a host question, asked once)."""
+    def _block_mask(self, mask: Mask, extent: Extent, device):
+        """``(BlockMask, fully masked rows (B|1, Hq|1, Lq) or None)`` of the call's ``extent``, kept
+        per mask value and extent: a repeated call costs a dictionary lookup (the rows are a host
+        question, asked once)."""
         if torch.compiler.is_compiling():
             # Traced: the rows as a tensor always (no data-dependent branch), nothing kept.
-            return self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask._empty_rows(B, Hq, Lq, Lk, device=device)
-        key = (mask, B, Hq, Lq, Lk, str(device))  # by value; the key holds the mask's tensors alive
+            return self._new_block_mask(mask, extent, device), mask._empty_rows(extent, device=device)
+        key = (mask, extent, str(device))  # by value; the key holds the mask's tensors alive
         hit = self._block_masks.get(key)
         if hit is not None:
             self._block_masks.move_to_end(key)
             return hit
-        made = self._new_block_mask(mask, B, Hq, Lq, Lk, device), mask.empty_rows(B, Hq, Lq, Lk, device=device)
+        made = self._new_block_mask(mask, extent, device), mask.empty_rows(extent, device=device)
         self._block_masks[key] = made
         while len(self._block_masks) > 16:
             self._block_masks.popitem(last=False)
         return made
 
     @staticmethod
-    def _new_block_mask(mask: Mask, B, Hq, Lq, Lk, device):
+    def _new_block_mask(mask: Mask, extent: Extent, device):
         # The kernel evaluates the mask_mod inside itself: every tensor it reads must be on its
         # device already (a copy inside a compiled flex kernel fails to lower).
         mask = mask.to(device)
+        Lq, Lk = extent.lengths
         # Dimensions the mask does not depend on are passed as None (one BlockMask row for all).
-        probe = mask.materialize_block(B, Hq, 0, 1, Lq, Lk, device, 0, 1)
-        b = B if probe.shape[0] > 1 else None
-        h = Hq if probe.shape[1] > 1 else None
+        probe = mask.materialize_block(extent, Block(0, 1, 0, 1), device)
+        b = extent.batch if probe.shape[0] > 1 else None
+        h = extent.heads if probe.shape[1] > 1 else None
         return create_block_mask(mask.as_mask_mod(Lq, Lk), b, h, Lq, Lk, device=str(device))

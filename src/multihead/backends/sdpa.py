@@ -29,6 +29,7 @@ from torch import Tensor
 
 from multihead.backends import flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner
+from multihead.blocks import Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import (
     default_scale,
@@ -158,7 +159,7 @@ class _Arguments:
         elif offset is not None and offset >= Lk - 1:
             self.mask_note = "mask: causal diagonal beyond the last key masks nothing; passed as none"
         else:
-            prepared = _prepared_mask(mask, mods, B, Hq, Lq, Lk, q.device, q.dtype, Hkv, mask_dtype)
+            prepared = _prepared_mask(mask, mods, call.extent, q.device, q.dtype, Hkv, mask_dtype)
             self.attn_mask, self.empty_rows, self.unseen, self.lse_shift, self.mask_note = prepared
             if self.unseen is not None:
                 self.zero = torch.zeros((), dtype=q.dtype, device=q.device)
@@ -301,14 +302,17 @@ _MASK_CACHE_SIZE = 16
 _MASK_CACHE_ELEMENTS = 1 << 20
 
 
-def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads, mask_dtype=None):
+def _prepared_mask(mask, mods, extent: Extent, device, dtype, num_kv_heads, mask_dtype=None):
     """``(attn_mask, empty_rows | None, unseen_keys | None, lse_shift | None, note)`` for a mask that
-    must be materialized: the dense mask with fully masked rows opened, the rows to zero after the
-    call, the keys to zero before it, and what the kernel's LSE lacks (a shifted bias, additive_block)."""
+    must be materialized over the call's ``extent``: the dense mask with fully masked rows opened,
+    the rows to zero after the call, the keys to zero before it, and what the kernel's LSE lacks (a
+    shifted bias, additive_block)."""
+    B, Hq = extent.batch, extent.heads
+    Lq, Lk = extent.lengths
     cacheable = (
         not _compiling() and mods is None and "tensor" not in mask.kinds() and B * Hq * Lq * Lk <= _MASK_CACHE_ELEMENTS
     )
-    key = (mask, B, Hq, num_kv_heads, Lq, Lk, str(device), dtype)
+    key = (mask, extent, num_kv_heads, str(device), dtype)
     if cacheable and key in _MASKS:
         _MASKS.move_to_end(key)
         return _MASKS[key]
@@ -318,11 +322,9 @@ def _prepared_mask(mask, mods, B, Hq, Lq, Lk, device, dtype, num_kv_heads, mask_
     shift = None
     if mods is None:
         dense = visible = mask.materialize(B, Hq, Lq, Lk, device=device)
-        empty = mask._empty_rows(B, Hq, Lq, Lk, device=device)
+        empty = mask._empty_rows(extent, device=device)
     else:
-        dense, visible, shift = additive_block(
-            mask, mods, B, Hq, 0, Lq, 0, Lk, Lq, Lk, device, dtype, mask_dtype=mask_dtype
-        )
+        dense, visible, shift = additive_block(mask, mods, extent, extent.whole(), device, dtype, mask_dtype=mask_dtype)
         empty = ~visible.any(-1)
     empty_rows = None
     if compiling or bool(empty.any()):

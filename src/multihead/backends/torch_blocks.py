@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from multihead.backends.band_runs import BandRun, fold_rows, fold_windows, unfold_rows, window_mask
+from multihead.blocks import Block, Extent
 from multihead.blockwise import safe_logsumexp, zero_anchor
 from multihead.conventions import lse_dtype, softmax_dtype
 from multihead.scoring import score_block
@@ -56,6 +57,7 @@ def attention_by_blocks(
     ``run``: the interior of a band on the same block grid, run in batched chunks (no modifier)."""
     B, Hq, Lq, _ = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
+    extent = Extent(B, Hq, Lq, Lk)
     grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (mods is not None and mods.requires_grad)
     )
@@ -80,7 +82,7 @@ def attention_by_blocks(
                     outs.append(out)
                     lses.append(lse)
             continue
-        k0, k1 = (0, Lk) if mask is None else mask.key_range(q0, q1, Lq, Lk)
+        k0, k1 = (0, Lk) if mask is None else mask.key_range(extent, extent.rows(q0, q1))
         if k0 >= k1:  # the block sees no key: output 0, LSE -inf
             out = q.new_zeros((B, Hq, q1 - q0, Dv))
             lse = torch.full((B, Hq, q1 - q0), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
@@ -91,7 +93,7 @@ def attention_by_blocks(
             outs.append(out)
             lses.append(lse)
             continue
-        args = (q, k, v, mask, mods, scale, dropout_p, q0, q1, k0, k1)
+        args = (q, k, v, mask, mods, scale, dropout_p, Block(q0, q1, k0, k1))
         out, lse = checkpoint(_block, *args, use_reentrant=False, preserve_rng_state=True) if grad else _block(*args)
         outs.append(out)
         lses.append(lse)
@@ -99,13 +101,15 @@ def attention_by_blocks(
 
 
 def _block(
-    q: Tensor, k: Tensor, v: Tensor, mask, mods, scale: float, dropout_p: float, q0: int, q1: int, k0: int, k1: int
+    q: Tensor, k: Tensor, v: Tensor, mask, mods, scale: float, dropout_p: float, block: Block
 ) -> tuple[Tensor, Tensor]:
-    """Queries ``[q0, q1)`` against keys ``[k0, k1)``: ``(B, Hq, rows, Dv)`` and the LSE ``(B, Hq, rows)``."""
+    """The block's queries ``[q0, q1)`` against its keys ``[k0, k1)``: ``(B, Hq, rows, Dv)`` and the
+    LSE ``(B, Hq, rows)``."""
     B, Hq, Lq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
-    rows, keys = q1 - q0, k1 - k0
-    s, _ = score_block(q, k, mask, mods, scale, q0, q1, Lq, k0=k0, k1=k1)  # (B, Hq, rows, keys), softmax dtype
+    q0, q1, k0, k1 = block
+    rows, keys = block.rows, block.cols
+    s, _ = score_block(q, k, mask, mods, scale, block)  # (B, Hq, rows, keys), softmax dtype
     lse = safe_logsumexp(s)  # (B, Hq, rows); -inf for a row that sees no key of the range
     # exp(-inf - (-inf)) would be NaN: rows that see no key get a finite LSE here, then probability 0.
     empty = torch.isneginf(lse).unsqueeze(-1)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.block_plan import DEFAULT_BLOCK_SIZE, band_run
 from multihead.backends.torch_blocks import attention_by_blocks
+from multihead.blocks import Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.masks import Mask
 from multihead.scores import ADDITIVE, ELEMENTWISE
@@ -59,7 +60,7 @@ class TorchBlocksBackend(Backend):
                     f"dropout: Lq*Lk = {Lq * Lk} < {DROPOUT_MIN_SQUARE}: the blockwise path's per-block ops cost "
                     "more than sdpa's math kernel on the dense mask (benchmarks/dropout.py)"
                 ]
-            share = _visited_share(call.mask, Lq, Lk, self.block_size)
+            share = _visited_share(call.mask, call.extent, self.block_size)
             if share > DROPOUT_MAX_SHARE:
                 return [
                     f"dropout: the blockwise path visits {share:.0%} of the scores (> {DROPOUT_MAX_SHARE:.0%}), "
@@ -111,15 +112,16 @@ DROPOUT_MIN_SQUARE = 1 << 20
 DROPOUT_DENSE_ELEMENTS = 1 << 28
 
 
-def _visited_share(mask: Mask | None, q_len: int, kv_len: int, block_size: int) -> float:
+def _visited_share(mask: Mask | None, extent: Extent, block_size: int) -> float:
     """The share of the ``Lq x Lk`` scores that the blockwise path computes: each query block's key
     range (``mask.key_range``), as :func:`~multihead.backends.torch_blocks.attention_by_blocks` visits them."""
+    q_len, kv_len = extent.lengths
     if mask is None or q_len * kv_len == 0:
         return 1.0
     visited = 0
     for q0 in range(0, q_len, block_size):
         q1 = min(q0 + block_size, q_len)
-        k0, k1 = mask.key_range(q0, q1, q_len, kv_len)
+        k0, k1 = mask.key_range(extent, extent.rows(q0, q1))
         visited += (q1 - q0) * max(0, k1 - k0)
     return visited / (q_len * kv_len)
 

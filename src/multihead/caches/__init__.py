@@ -14,7 +14,8 @@ over what it returns::
 * :class:`StaticKVCache`: preallocated, one length per row, compiles without recompiling;
 * :class:`SlidingWindowKVCache`: a ring buffer for ``sliding_window(window)`` attention;
 * :class:`PagedKVCache`: pages from one pool addressed by block tables (serving);
-* :class:`LatentKVCache`: one latent row per token for multi-head latent attention (MLA).
+* :class:`LatentKVCache`: one latent row per token for multi-head latent attention (MLA);
+* :class:`QuantizedKVCache`: int8 or fp8 slots with scales, full-precision sinks and residual window.
 
 ``docs/inference.md`` shows each in use.
 """
@@ -23,6 +24,7 @@ from multihead.caches.base import CacheRead, KVCache
 from multihead.caches.dynamic import DynamicKVCache
 from multihead.caches.latent import LatentKVCache
 from multihead.caches.paged import PagedKVCache
+from multihead.caches.quantized import QuantizedKVCache
 from multihead.caches.sliding import SlidingWindowKVCache
 from multihead.caches.static import StaticKVCache
 
@@ -34,4 +36,5 @@ __all__ = [
     "SlidingWindowKVCache",
     "PagedKVCache",
     "LatentKVCache",
+    "QuantizedKVCache",
 ]

@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from multihead.inputs import check_tensor
+from multihead.backends.decode_blocks import KVBlocks
+from multihead.blocks import Block, Extent
+from multihead.inputs import check_positions, check_tensor
 from multihead.masks import Mask
 from multihead.masks import causal as causal_mask
 from multihead.masks.base import UNBOUNDED, And, Not, Or
@@ -80,7 +81,7 @@ __all__ = [
 EMPTY_POSITION = 1 << 62
 
 
-class CacheRead(NamedTuple):
+class CacheRead:
     """What :meth:`KVCache.update` returns: the slots to attend over and where their tokens sit.
 
     ``keys (B, Hkv, S, D)``, ``values (B, Hkv, S, Dv)``: ``S`` slots, the new tokens included.
@@ -90,13 +91,58 @@ class CacheRead(NamedTuple):
     every slot is filled (then the new tokens are the last ``Lq`` slots, rows alike).
     ``window``: the cache keeps only the ``window`` keys before each query: a query sees
     positions ``p - window .. p`` and no older one (``None``: no limit).
+    ``blocks``: the same slots as a :class:`~multihead.backends.decode_blocks.KVBlocks` that a
+    decode step reads a piece at a time (pages through their block table, quantized slots
+    dequantized a piece at a time); then ``keys`` and ``values`` may be left ``None`` and are
+    built from it (:meth:`KVBlocks.dense`) the first time they are read.
     """
 
-    keys: Tensor
-    values: Tensor
-    query_positions: Tensor
-    key_positions: Tensor | None = None
-    window: int | None = None
+    __slots__ = ("_keys", "_values", "query_positions", "key_positions", "window", "blocks")
+
+    def __init__(
+        self,
+        keys: Tensor | None,
+        values: Tensor | None,
+        query_positions: Tensor,
+        key_positions: Tensor | None = None,
+        window: int | None = None,
+        blocks: KVBlocks | None = None,
+    ):
+        if (keys is None or values is None) and blocks is None:
+            raise ValueError("CacheRead: keys and values may be None only with blocks to build them from")
+        self._keys, self._values = keys, values
+        self.query_positions, self.key_positions, self.window, self.blocks = (
+            query_positions,
+            key_positions,
+            window,
+            blocks,
+        )
+
+    @property
+    def keys(self) -> Tensor:
+        """``(B, Hkv, S, D)``; with :attr:`blocks` and no keys given, built densely on first use."""
+        if self._keys is None:
+            assert self.blocks is not None  # __init__ refuses a read with neither
+            self._keys, self._values = self.blocks.dense()
+        return self._keys
+
+    @property
+    def values(self) -> Tensor:
+        """``(B, Hkv, S, Dv)``; built with :attr:`keys` when only blocks were given."""
+        if self._values is None:
+            self.keys  # noqa: B018 - builds both
+        assert self._values is not None
+        return self._values
+
+    @property
+    def batch(self) -> int:
+        """``B``, without building dense keys."""
+        return self.blocks.shape[0] if self._keys is None and self.blocks is not None else self.keys.shape[0]
+
+    @property
+    def slots(self) -> int:
+        """``S``, without building dense keys."""
+        return self.blocks.shape[2] if self._keys is None and self.blocks is not None else self.keys.shape[2]
 
     @property
     def contiguous(self) -> bool:
@@ -121,7 +167,7 @@ class CacheRead(NamedTuple):
         """
         if self.window is not None:  # a ring: refuse a mask reaching keys it no longer holds
             check_reach("CacheRead.mask", mask, causal, self.window, self.query_positions)
-        Lq, S = self.query_positions.shape[-1], self.keys.shape[2]
+        Lq, S = self.query_positions.shape[-1], self.slots
         whole = _whole_length(mask, S) if isinstance(mask, Mask) else S
         if self.contiguous:
             if isinstance(mask, Mask) and (S > Lq or whole != S):
@@ -147,7 +193,7 @@ class CacheRead(NamedTuple):
             kv_read = torch.where(key_positions == EMPTY_POSITION, 0, key_positions)  # empty: hidden, read anywhere
             q_read = self.query_positions
             placed = _place(mask, lambda m: m.at(q_read, kv_read, q_len=whole, kv_len=whole))  # square
-            allowed = allowed & placed.materialize(self.keys.shape[0], heads, Lq, S, q.device)
+            allowed = allowed & placed.materialize(self.batch, heads, Lq, S, q.device)
         elif isinstance(mask, Tensor):
             allowed = allowed & (mask if mask.dtype == torch.bool else mask != float("-inf"))
         return allowed
@@ -428,10 +474,10 @@ def check_mask_parts(layer: str, mask: Mask, batch: int, heads: int, q_len: int,
     tensor parts against the read's ``(B, H, Lq, S)``, parts at positions against ``B`` and ``H``
     only (the whole sequence's lengths are theirs)."""
     for part in _position_parts(mask):
-        part.check(batch, heads, None, None)
+        part.check(Extent(batch, heads, None, None))
     for part in _slot_parts(mask):
         try:
-            part.check(batch, heads, q_len, slots)
+            part.check(Extent(batch, heads, q_len, slots))
         except ValueError as exc:
             raise ValueError(
                 f"{layer}: with a cache, a tensor in the mask is over the (Lq, S) = ({q_len}, {slots}) "
@@ -448,22 +494,14 @@ def check_continuation(cache: str, positions: object, expected: Tensor, batch: i
     empty slot and one that goes back would overwrite a kept token (and rotary keys would sit at
     one position, stored at another). The value comparison reads the tensors: eager only."""
     new = expected.shape[-1]
-    shapes = f"({new},) or ({batch}, {new})"
-    if (
-        not isinstance(positions, Tensor)
-        or positions.is_floating_point()
-        or positions.is_complex()
-        or positions.dtype == torch.bool
-    ):
-        got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
-        raise TypeError(
-            f"{cache}.update: positions must be an integer tensor {shapes} (torch.int64), got {got}; "
-            f"hint: leave positions=None and the cache continues each row itself"
-        )
-    if tuple(positions.shape) not in ((new,), (batch, new)):
-        raise ValueError(
-            f"{cache}.update: positions must have shape {shapes} (one per new token), got {tuple(positions.shape)}"
-        )
+    positions = check_positions(
+        f"{cache}.update",
+        positions,
+        ((new,), (batch, new)),
+        None,  # (compared on the cache's device below)
+        expected=f"({new},) or ({batch}, {new}) (one per new token)",
+        hint="leave positions=None and the cache continues each row itself",
+    )
     if torch.compiler.is_compiling():
         return
     want = expected.expand(batch, new)
@@ -525,7 +563,7 @@ def check_reach(where: str, mask: object, causal: bool, window: int, positions: 
         return  # the mask is too short for these positions: CacheRead.mask says so
     n = max(extent, queries[-1] + 1)  # the square of the whole sequence the mask is read on
     for p in queries:
-        lo, hi = combined._key_range(p, p + 1, n, n)
+        lo, hi = combined._key_range(Extent(1, 1, n, n), Block(p, p + 1, 0, n))
         if lo >= hi or lo >= p - window:
             continue  # sees nothing, or nothing older than the cache holds
         if lo <= -UNBOUNDED // 2:

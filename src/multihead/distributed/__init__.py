@@ -7,6 +7,8 @@
   one local :func:`multihead.attention` over the whole sequence.
 * :func:`shard_sequence` / :func:`unshard_sequence` / :func:`shard_positions`: the ``zigzag`` and
   ``contiguous`` layouts (:mod:`multihead.distributed.layout`).
+* :class:`ShardedKVCache`: decoding over keys and values sharded by position across the ranks
+  (prefill by ring attention, each step one query broadcast and one LSE merge).
 * :class:`ContextParallel`: group, layout and method as one object, for layers and models;
   :class:`ContextParallelAttend`, the ``attend=`` seam a layer with ``context_parallel=`` runs.
 
@@ -15,6 +17,7 @@ gradients (``tests/distributed``). See ``docs/distributed.md``.
 """
 
 from multihead.distributed.context import METHODS, ContextParallel, ContextParallelAttend
+from multihead.distributed.decoding import ShardedKVCache, StepTraffic
 from multihead.distributed.layout import LAYOUTS, shard_positions, shard_sequence, unshard_sequence
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.ring import ring_attention
@@ -32,4 +35,6 @@ __all__ = [
     "ContextParallel",
     "ContextParallelAttend",
     "METHODS",
+    "ShardedKVCache",
+    "StepTraffic",
 ]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead.blocks import Extent
 from multihead.distributed.fingerprint import mask_fingerprint
 from multihead.inputs import check_tensor
 from multihead.masks import Mask
@@ -116,7 +117,7 @@ def check_mask(where: str, mask, shards: Shards) -> Mask | None:
         raise TypeError(f"{where}: mask must be None, a multihead mask or a bool tensor, got {type(mask).__name__}")
     mask = as_mask(mask)
     try:
-        mask.check(shards.B, shards.Hq, shards.Lq, shards.Lk)
+        mask.check(Extent(shards.B, shards.Hq, shards.Lq, shards.Lk))
     except ValueError as e:
         raise ValueError(
             f"{where}: mask does not fit the whole attention (B, Hq, Lq, Lk) = "

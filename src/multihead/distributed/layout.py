@@ -149,15 +149,6 @@ def unshard_sequence(x: Tensor, *, dim: int | None = None, group=None, layout: s
     return out
 
 
-def layout_order(shard_len: int, world: int, layout: str) -> Tensor:
-    """``(P * shard_len,)``: the global position of each row of the shards concatenated in rank
-    order (what an all-gather or all-to-all along the sequence produces)."""
-    runs = [
-        torch.arange(p.start, p.start + p.length) for r in range(world) for p in pieces(shard_len, r, world, layout)
-    ]
-    return torch.cat(runs)
-
-
 def _world_and_rank(group, rank, where: str) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(

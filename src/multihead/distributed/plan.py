@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from multihead.blocks import Block, Extent
 from multihead.distributed.layout import Piece, pieces
 from multihead.masks import BlockState, Mask
 
@@ -144,7 +145,9 @@ def _calls(
 def _state(mask, q: Piece, k: Piece, Lq, Lk, batch, heads) -> BlockState:
     if mask is None:
         return BlockState.FULL
-    return mask.block_state(q.start, q.start + q.length, k.start, k.start + k.length, Lq, Lk, batch, heads)
+    return mask.block_state(
+        Extent(batch, heads, Lq, Lk), Block(q.start, q.start + q.length, k.start, k.start + k.length)
+    )
 
 
 def _joined(qp, kp, rows, cols) -> Call:

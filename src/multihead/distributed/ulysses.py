@@ -25,7 +25,7 @@ from torch import Tensor
 from multihead.attention import attention
 from multihead.call import AttentionResult
 from multihead.distributed.checks import agree, call_summary, check_group, check_mask, check_qkv, check_scale
-from multihead.distributed.layout import check_divisible, check_layout, layout_order
+from multihead.distributed.layout import check_divisible, check_layout, pieces
 from multihead.masks import Mask, head_range
 
 __all__ = ["ulysses_attention"]
@@ -90,55 +90,102 @@ def ulysses_attention(
     assert shards is not None and not isinstance(mask, Tensor)  # checked above: agree() raised on every rank otherwise
 
     S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
-    if Hkv % world:  # replicate: rank j then receives KV head kv_head_of(j·Hq/P)
-        k = k.repeat_interleave(world // Hkv, dim=1)  # (B, P, S, D)
-        v = v.repeat_interleave(world // Hkv, dim=1)  # (B, P, S, Dv)
-    order = layout_order(S, world, layout).to(q.device)  # the position of each gathered row
-    natural = None if layout == "contiguous" else torch.argsort(order)
-    qh = _to_heads(q, group, natural)  # (B, Hq/P, L, D)
-    kh = _to_heads(k, group, natural)  # (B, Hkv/P or 1, L, D)
-    vh = _to_heads(v, group, natural)  # (B, Hkv/P or 1, L, Dv)
+    runs = _Runs(S, world, layout)
+    # With P > Hkv each KV head travels to the P/Hkv ranks whose query heads read it: rank j
+    # receives KV head kv_head_of(j·Hq/P) = j // (P/Hkv), replicated inside the exchange's one copy.
+    replicas = world // Hkv if Hkv % world else 1
+    qh = _SequenceToHeads.apply(q, group, runs, 1)  # (B, Hq/P, L, D) in position order
+    kh = _SequenceToHeads.apply(k, group, runs, replicas)  # (B, Hkv/P or 1, L, D)
+    vh = _SequenceToHeads.apply(v, group, runs, replicas)  # (B, Hkv/P or 1, L, Dv)
     local_mask = head_range(mask, rank * (Hq // world), Hq // world, Hq)  # this rank's heads, read as 0..Hq/P-1
     # The LSE only when asked for: under autograd a kernel without a differentiable LSE would
     # have it recomputed from the weights (row blocks of scores: memory and time for nothing).
     res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=return_lse, backend=backend)
     if isinstance(res, Tensor):  # return_lse=False
-        return _to_sequence(res, group, order if natural is not None else None)  # (B, Hq, S, Dv)
+        return _HeadsToSequence.apply(res, group, runs)  # (B, Hq, S, Dv)
     assert res.lse is not None  # asked for
-    out = _to_sequence(res.output, group, order if natural is not None else None)  # (B, Hq, S, Dv)
-    lse = _to_sequence(res.lse.unsqueeze(-1), group, order if natural is not None else None).squeeze(-1)
-    return AttentionResult(out, None, lse)  # lse (B, Hq, S)
+    out = _HeadsToSequence.apply(res.output, group, runs)  # (B, Hq, S, Dv)
+    lse = _HeadsToSequence.apply(res.lse.unsqueeze(-1), group, runs).squeeze(-1)  # (B, Hq, S)
+    return AttentionResult(out, None, lse)
 
 
-def _to_heads(x: Tensor, group, natural: Tensor | None) -> Tensor:
-    """``(B, H, S, ·)`` sequence shards -> ``(B, H/P, L, ·)`` head shards in position order."""
-    y = _AllToAll.apply(x, group, 1, 2)  # (B, H/P, L, ·) in layout order
-    return y if natural is None else y.index_select(2, natural)
+class _Runs:
+    """Where each rank's shard sits in the whole sequence: ``(rank, local, start, length)`` runs of
+    consecutive positions (:func:`~multihead.distributed.layout.pieces`), one per contiguous
+    shard, two per zigzag shard."""
+
+    def __init__(self, shard_len: int, world: int, layout: str):
+        self.S, self.P, self.layout = shard_len, world, layout
+        self.runs = [(r, *p) for r in range(world) for p in pieces(shard_len, r, world, layout)]
 
 
-def _to_sequence(y: Tensor, group, order: Tensor | None) -> Tensor:
+# One exchange = one send buffer, one receive buffer, one reorder, each written by a single copy:
+#   sequence -> heads: send (P, B, H/P, S, ·) is x's head blocks (a view of x when B = 1 and x is
+#     contiguous); what arrives from rank i is rank i's positions; copied run by run into the
+#     (B, H/P, L, ·) result in position order.
+#   heads -> sequence: send (P, B, H/P, S, ·) is the positions of rank j, copied run by run from
+#     y; what arrives is head block i of this rank's positions, (B, H, S, ·) as a view when B = 1.
+# The send buffer is released before the reorder, so an exchange holds at most two buffers of
+# its size at once (the previous version held four: the parts, the received parts, their
+# concatenation and the reorder).
+
+
+def _sequence_to_heads(x: Tensor, group, runs: _Runs, replicas: int) -> Tensor:
+    """``(B, H, S, ·)`` sequence shards -> ``(B, H·replicas/P, L, ·)`` head shards in position order;
+    virtual head ``h·replicas + i`` is head ``h``."""
+    B, H, S, E = x.shape
+    P = runs.P
+    Hs = H * replicas // P
+    if replicas == 1:
+        send = x.unflatten(1, (P, Hs)).transpose(0, 1).contiguous()  # (P, B, Hs, S, E)
+    else:  # Hs = 1: rank j receives head j // replicas
+        send = x.transpose(0, 1).unsqueeze(1).expand(H, replicas, B, S, E).contiguous().view(P, B, 1, S, E)
+    received = torch.empty_like(send)  # [i]: rank i's positions of this rank's heads
+    dist.all_to_all_single(received, send, group=group)
+    del send
+    out = x.new_empty(B, Hs, P * S, E)
+    for r, local, start, length in runs.runs:
+        out[:, :, start : start + length].copy_(received[r, :, :, local : local + length])
+    return out
+
+
+def _heads_to_sequence(y: Tensor, group, runs: _Runs) -> Tensor:
     """``(B, H/P, L, ·)`` in position order -> ``(B, H, S, ·)`` this rank's sequence shard."""
-    y = y if order is None else y.index_select(2, order)  # layout order
-    return _AllToAll.apply(y, group, 2, 1)
+    B, Hs, _, E = y.shape
+    P, S = runs.P, runs.S
+    send = y.new_empty(P, B, Hs, S, E)  # [j]: rank j's positions
+    for r, local, start, length in runs.runs:
+        send[r, :, :, local : local + length].copy_(y[:, :, start : start + length])
+    received = torch.empty_like(send)  # [i]: head block i of this rank's positions
+    dist.all_to_all_single(received, send, group=group)
+    del send
+    return received.transpose(0, 1).reshape(B, P * Hs, S, E)  # a view when B = 1
 
 
-class _AllToAll(torch.autograd.Function):
-    """Split ``x`` along ``scatter`` into ``P`` parts, part ``j`` to rank ``j``; concatenate what
-    arrives along ``gather`` in rank order. Its gradient is the opposite exchange."""
+class _SequenceToHeads(torch.autograd.Function):
+    """:func:`_sequence_to_heads`; its gradient is the opposite exchange (replicas summed)."""
 
     @staticmethod
-    def forward(ctx, x, group, scatter: int, gather: int):
-        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
-        return _all_to_all(x, group, scatter, gather)
+    def forward(ctx, x, group, runs: _Runs, replicas: int):
+        ctx.group, ctx.runs, ctx.replicas = group, runs, replicas
+        return _sequence_to_heads(x, group, runs, replicas)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
+        g = _heads_to_sequence(grad, ctx.group, ctx.runs)  # (B, H·replicas, S, ·)
+        if ctx.replicas > 1:
+            g = g.unflatten(1, (-1, ctx.replicas)).sum(2)  # (B, H, S, ·)
+        return g, None, None, None
 
 
-def _all_to_all(x: Tensor, group, scatter: int, gather: int) -> Tensor:
-    P = dist.get_world_size(group)
-    parts = [p.contiguous() for p in x.chunk(P, dim=scatter)]
-    received = [torch.empty_like(parts[0]) for _ in range(P)]
-    dist.all_to_all(received, parts, group=group)
-    return torch.cat(received, dim=gather)
+class _HeadsToSequence(torch.autograd.Function):
+    """:func:`_heads_to_sequence`; its gradient is the opposite exchange."""
+
+    @staticmethod
+    def forward(ctx, y, group, runs: _Runs):
+        ctx.group, ctx.runs = group, runs
+        return _heads_to_sequence(y, group, runs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad, ctx.group, ctx.runs, 1), None, None

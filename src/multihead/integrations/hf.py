@@ -38,6 +38,13 @@ dense 4-D mask (a user's)       recognised (``hf_masks.from_dense``): band / doc
                                 ``causal()`` (& ``sliding_window(w - 1)``), else no mask
 ==============================  ====================================================================
 
+Hook points and captures: with the backend registered, each attention module of the model (those
+it declares for ``output_attentions``, :mod:`multihead.integrations.hf_hooks`) has the hook points
+of a `multihead` layer (``q``, ``k``, ``v``, ``scores``, ``pattern``, ``output``; names such as
+``"model.layers.0.self_attn.pattern"``), and :func:`multihead.capture_attention` and the viewer's
+recording read its weights: a watched call runs :func:`multihead.hooks.observed_attention`, an
+unwatched one pays one dictionary lookup. ``docs/hooks.md`` shows it on MiniLM and Llama.
+
 ``sliding_window`` is part of the mask object when one arrives (HF builds it into the mask) and is
 read only when none does. Continuous batching's paged cache (``cache=``) is refused.
 """
@@ -56,7 +63,11 @@ import multihead
 from multihead import scores
 from multihead.backends.registry import check_backend_name
 from multihead.call import AttentionResult
+from multihead.capture import captures_of, is_capturing, register_layer_finder
+from multihead.hooks import ATTRIBUTE as HOOKS
+from multihead.hooks import observed_attention
 from multihead.integrations.hf_closures import TESTED, MaskFunction, UntestedTransformersWarning
+from multihead.integrations.hf_hooks import REGISTERED, attention_modules
 from multihead.integrations.hf_masks import band_blocks_nothing, from_dense, from_mask_function
 from multihead.layers.checks import check_flag
 from multihead.masks import Mask, causal
@@ -87,6 +98,9 @@ def register(
     default, as for every call: a model then gives what ``transformers``' ``sdpa`` gives there.
     (``nonfinite_check=`` is its former name: it warns and means the same.) Registering again
     replaces the functions. Returns ``name``, for ``attn_implementation=register()``.
+
+    From then on the attention modules of a model running ``name`` have hook points
+    (:func:`multihead.hooks.hook_points`) and are recorded by :func:`multihead.capture_attention`.
     """
     _check_transformers()
     from transformers import AttentionInterface
@@ -101,6 +115,8 @@ def register(
     check_finite_flag("register", check_finite)
     AttentionInterface.register(name, functools.partial(attention_forward, backend=backend, check_finite=check_finite))
     AttentionMaskInterface.register(name, mask_interface)
+    REGISTERED.add(name)
+    register_layer_finder("huggingface", attention_modules)
     return name
 
 
@@ -151,6 +167,7 @@ def unregister(name: str = NAME) -> None:
 
     AttentionInterface._global_mapping.pop(name, None)
     AttentionMaskInterface._global_mapping.pop(name, None)
+    REGISTERED.discard(name)
 
 
 _NOT_A_TENSOR = (
@@ -307,6 +324,26 @@ def attention_forward(
             f"'multihead' after multihead.integrations.hf.register(), so that its masks are mask objects"
         )
     want_weights = _weights_wanted(module, kwargs)
+    hooks = module.__dict__.get(HOOKS)  # None unless a hook is set: with no capture, the one test paid
+    if hooks is not None or is_capturing(module):
+        y, weights = observed_attention(
+            module,
+            query,
+            key,
+            value,
+            hooks=hooks,
+            captures=captures_of(module),
+            need_weights=want_weights,
+            mask=mask,
+            score_mod=score_mod or None,
+            softcap=softcap,
+            sinks=s_aux,
+            scale=scaling,
+            dropout_p=float(dropout),
+            backend=backend,
+            check_finite=check_finite,
+        )  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk) or None
+        return y.transpose(1, 2).contiguous(), weights
     result = multihead.attention(
         query,
         key,

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from multihead.backends.registry import check_backend_name
+from multihead.blocks import Extent
 from multihead.caches import CacheRead, KVCache
 from multihead.caches.base import check_mask_parts
 from multihead.call import Selection, mask_and_score_mod
@@ -77,9 +78,9 @@ class CallMasks:
         """The call's mask (and score modifier) over ``Lk`` keys, ``& causal()``."""
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
         if mask is not None:
-            mask.check(B, self.heads, Lq, Lk)
+            mask.check(Extent(B, self.heads, Lq, Lk))
         if score_mod is not None:
-            score_mod.check(B, self.heads, Lq, Lk)
+            score_mod.check(Extent(B, self.heads, Lq, Lk))
         causal = self._causal
         if causal is None:
             return mask, score_mod
@@ -99,12 +100,12 @@ class CallMasks:
         """The call's mask and modifiers over the ``S`` slots a cache returned
         (:meth:`CacheRead.mask`): mask objects at absolute positions, tensors over the
         ``(Lq, S)`` slots, ``causal`` as "keys at positions up to the query's"."""
-        S = read.keys.shape[2]
+        S = read.slots
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
         if mask is not None:
             check_mask_parts(self.layer, mask, B, self.heads, Lq, S)  # tensors over the slots
         if score_mod is not None:
-            score_mod.check(B, self.heads, Lq, S)
+            score_mod.check(Extent(B, self.heads, Lq, S))
             if not read.contiguous and any(
                 m.relative or isinstance(m, UserScoreMod) for m in getattr(score_mod, "mods", [score_mod])
             ):

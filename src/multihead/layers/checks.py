@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.inputs import check_positions as _check_positions
 from multihead.inputs import check_tensor
 
 __all__ = [
@@ -144,24 +145,16 @@ def dims(t: Tensor, batch_first: bool) -> tuple[int, int]:
     return (t.shape[0], t.shape[1]) if batch_first else (t.shape[1], t.shape[0])
 
 
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
 def check_positions(layer: str, positions: object, B: int, Lq: int, device: torch.device) -> Tensor:
-    """``positions`` as an ``int64`` tensor ``(Lq,)`` or ``(B, Lq)`` on the device of the query."""
-    expected = f"(Lq,) = ({Lq},) or (B, Lq) = ({B}, {Lq})"
-    if not isinstance(positions, Tensor):
-        raise TypeError(
-            f"{layer}: positions must be None or an integer tensor {expected} of absolute token "
-            f"positions, got {type(positions).__name__}"
-        )
-    if positions.dtype not in _INTEGER_DTYPES:
-        raise TypeError(
-            f"{layer}: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
-            f"hint: positions count tokens, e.g. torch.arange(Lq)"
-        )
-    if tuple(positions.shape) not in ((Lq,), (B, Lq)):
-        raise ValueError(f"{layer}: positions must have shape {expected}, got {tuple(positions.shape)}")
-    if positions.device != device:
-        raise ValueError(f"{layer}: positions must be on the device of query, {device}, got {positions.device}")
-    return positions.long()
+    """``positions`` as an ``int64`` tensor ``(Lq,)`` or ``(B, Lq)`` on the device of the query
+    (:func:`multihead.inputs.check_positions`, the one check of positions)."""
+    return _check_positions(
+        layer,
+        positions,
+        ((Lq,), (B, Lq)),
+        device,
+        device_of="query",
+        expected=f"(Lq,) = ({Lq},) or (B, Lq) = ({B}, {Lq})",
+        optional=True,
+        hint="positions count tokens, e.g. torch.arange(Lq)",
+    )

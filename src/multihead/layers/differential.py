@@ -122,7 +122,7 @@ class DifferentialAttention(MultiHeadAttention):
             )
         self.depth, self.lambda_init = depth, init
         weight = self.q_proj.weight
-        factory = {"device": weight.device, "dtype": weight.dtype}
+        factory: dict[str, Any] = {"device": weight.device, "dtype": weight.dtype}
         self.lambda_q1 = nn.Parameter(torch.zeros(half, **factory).normal_(0, 0.1))
         self.lambda_k1 = nn.Parameter(torch.zeros(half, **factory).normal_(0, 0.1))
         self.lambda_q2 = nn.Parameter(torch.zeros(half, **factory).normal_(0, 0.1))

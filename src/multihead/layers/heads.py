@@ -31,14 +31,15 @@ import torch
 from torch import Tensor, nn
 
 from multihead.attention import attention
+from multihead.backends.decode import AUTO_MAX_QUERIES, MAX_QUERIES
+from multihead.backends.decode_blocks import KVBlocks, decode_blocks
 from multihead.call import ScoreModArg, Selection
-from multihead.capture import captures_of, is_capturing, record, take, union
+from multihead.capture import captures_of, is_capturing
 from multihead.hooks import ATTRIBUTE as HOOKS
-from multihead.hooks import explicit_attention, run_hooks
+from multihead.hooks import observed_attention
 from multihead.masks import Mask
-from multihead.validation import validate_weights_selection
 
-__all__ = ["split_heads", "merge_heads", "attend_heads", "Attend", "Heads"]
+__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "Attend", "Heads"]
 
 #: How a layer's heads become its output, per call: ``(core, out_proj)``, the attention function
 #: (:func:`multihead.attention`'s signature; ``None`` for that function itself) and the map of the
@@ -121,58 +122,62 @@ def attend_heads(
             backend=backend,
         )  # (B, Hq, Lq, Dv): the call made before hooks existed
         return out_proj(merge_heads(y)), None
-    asked = validate_weights_selection(weights_heads, weights_rows, q=q, return_weights=need_weights)
-    if hooks is not None:
-        q, k, v = run_hooks(hooks, "q", q), run_hooks(hooks, "k", k), run_hooks(hooks, "v", v)
-    wanted = ([asked] if need_weights else []) + [
-        validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures
-    ]
-    held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
-    weights = None
-    if hooks is not None and ("scores" in hooks or "pattern" in hooks):
-        if not plain:
-            raise ValueError(
-                f"{type(layer).__name__}: 'scores'/'pattern' hooks are points of one softmax, and this "
-                f"layer attends through {core!r}; hint: hook 'q', 'k', 'v' or 'output' instead"
-            )
-        y, pattern = explicit_attention(
-            q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, dropout_p=dropout_p, hooks=hooks
-        )  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
-        if wanted:
-            weights = take(pattern, (None, None), held).to(q.dtype)
-    elif wanted:
-        result = core(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=score_mod,
-            sinks=sinks,
-            dropout_p=dropout_p,
-            return_weights=True,
-            backend=backend,
-            weights_heads=held[0],
-            weights_rows=held[1],
-        )
-        y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
-    else:
-        y = core(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=score_mod,
-            sinks=sinks,
-            dropout_p=dropout_p,
-            return_weights=False,
-            backend=backend,
-        )
-    if hooks is not None:
-        y = run_hooks(hooks, "output", y)  # (B, Hq, Lq, Dv): head h at y[:, h]
-    if captures:
-        record(layer, weights, q=q, held=held)
-    out = out_proj(merge_heads(y))  # (B, Lq, E)
-    return out, (take(weights, held, asked) if need_weights and weights is not None else None)
+    y, weights = observed_attention(
+        layer,
+        q,
+        k,
+        v,
+        hooks=hooks,
+        captures=captures,
+        need_weights=need_weights,
+        weights_heads=weights_heads,
+        weights_rows=weights_rows,
+        mask=mask,
+        score_mod=score_mod,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        backend=backend,
+        core=None if plain else core,
+    )  # (B, Hq, Lq, Dv), the call's own selection of the weights or None
+    return out_proj(merge_heads(y)), weights
+
+
+def attend_blocks(
+    layer: nn.Module,
+    q: Tensor,
+    blocks: KVBlocks,
+    *,
+    out_proj: Callable[[Tensor], Tensor],
+    mask: Mask | Tensor | None,
+    score_mod: ScoreModArg,
+    sinks: Tensor | None,
+    dropout_p: float,
+    need_weights: bool,
+    backend: str,
+) -> Tensor | None:
+    """``out (B, Lq, E)`` of a decode step over a cache read's :class:`KVBlocks` (pages read through
+    their block table, quantized slots dequantized a piece at a time), or ``None`` when the call
+    needs more than the decode path gives, and the caller runs :func:`attend_heads` over the read's
+    dense keys and values instead: weights, hooks or captures, a score modifier, sinks, dropout,
+    autograd, ``torch.compile``, another backend than ``auto``/``decode``, or more query tokens than
+    the decode path takes (``auto``: :data:`~multihead.backends.decode.AUTO_MAX_QUERIES`)."""
+    Lq = q.shape[2]
+    if (
+        need_weights
+        or score_mod is not None
+        or sinks is not None
+        or dropout_p
+        or backend not in ("auto", "decode")
+        or Lq > (AUTO_MAX_QUERIES if backend == "auto" else MAX_QUERIES)
+        or q.dtype != blocks.dtype
+        or (torch.is_grad_enabled() and q.requires_grad)
+        or torch.compiler.is_compiling()
+        or layer.__dict__.get(HOOKS) is not None
+        or is_capturing(layer)
+    ):
+        return None
+    y = decode_blocks(q, blocks, mask)  # (B, Hq, Lq, Dv)
+    return out_proj(merge_heads(y))
 
 
 class Attend:

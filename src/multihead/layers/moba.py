@@ -113,7 +113,8 @@ class MobaCore:
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
     ) -> Tensor | AttentionResult:
-        return attention(q, k, v, mask=self._mask(q, k, mask), **options)
+        result: Tensor | AttentionResult = attention(q, k, v, mask=self._mask(q, k, mask), **options)
+        return result
 
     def explain(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any

@@ -51,7 +51,7 @@ from multihead.layers.attend import (
 )
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.heads import Attend, Heads, split_heads
+from multihead.layers.heads import Attend, Heads, attend_blocks, split_heads
 from multihead.layers.projection import project_qkv
 from multihead.masks import Mask
 from multihead.scores import as_score_mod
@@ -414,6 +414,22 @@ class MultiHeadAttention(HookPoints, nn.Module):
 
             def attend_slots(read: CacheRead) -> tuple[Tensor, Tensor | None]:
                 slot_mask, slot_mods = self._masks.over_slots(read, mask, call_mods, B, Lq)
+                # pages, quantized slots: a piece at a time (a plain softmax through the default seam)
+                if read.blocks is not None and type(attend) is Attend and heads[0] is None:
+                    out = attend_blocks(
+                        self,
+                        q,
+                        read.blocks,
+                        out_proj=heads[1],
+                        mask=slot_mask,
+                        score_mod=slot_mods,
+                        sinks=self.sinks,
+                        dropout_p=self.dropout if self.training else 0.0,
+                        need_weights=need_weights,
+                        backend=self.backend,
+                    )
+                    if out is not None:
+                        return out, None
                 return self._attend(
                     attend, q, read.keys, read.values, slot_mask, slot_mods, need_weights, heads, selection
                 )

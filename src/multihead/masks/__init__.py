@@ -5,6 +5,7 @@ Masks are read at absolute positions of the whole attention (:meth:`Mask.shifted
 :meth:`Mask.at`). What is added to the scores lives in :mod:`multihead.scores`.
 """
 
+from multihead.blocks import Block, Extent
 from multihead.masks.band import Band, Window, causal, sliding_window
 from multihead.masks.base import And, BlockState, Mask, Not, Or, Positioned, register_coercion
 from multihead.masks.document import Document, DocumentCausal, document, document_causal
@@ -16,6 +17,8 @@ from multihead.masks.tensor import Custom, TensorMask, additive_blocked, as_mask
 __all__ = [
     "Mask",
     "BlockState",
+    "Extent",
+    "Block",
     "And",
     "Or",
     "Not",

@@ -23,6 +23,7 @@ from typing import NamedTuple, TypeAlias
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.conventions import check_align, resolve_alignment_offset
 from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
@@ -103,7 +104,8 @@ class Band(Mask):
             return self.q_lengths is None or self.kv_lengths is None
         return self.align == "bottom_right"
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, extent: Extent) -> None:
+        batch, _, q_len, kv_len = extent
         for name, lengths, whole, what in (
             ("q_lengths", self.q_lengths, q_len, "Lq"),
             ("kv_lengths", self.kv_lengths, kv_len, "Lk"),
@@ -176,16 +178,16 @@ class Band(Mask):
             return self._offset(q_len, kv_len) + self.right
         return None
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
-        low, high = self._offset_range(q_len, kv_len)
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
+        q0, q1 = block.q0, block.q1
+        low, high = self._offset_range(*extent.lengths)
         lo = -UNBOUNDED if self.left is None else q0 + low - self.left
         hi = UNBOUNDED if self.right is None else q1 - 1 + high + self.right + 1
         return lo, hi
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
-        low, high = self._offset_range(q_len, kv_len)  # the same offset unless aligned per sequence
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        q0, q1, k0, k1 = block
+        low, high = self._offset_range(*extent.lengths)  # the same offset unless aligned per sequence
         if self.right is not None and k0 > q1 - 1 + high + self.right:
             return BlockState.EMPTY
         if self.left is not None and k1 - 1 < q0 + low - self.left:
@@ -194,9 +196,8 @@ class Band(Mask):
         right_ok = self.right is None or k1 - 1 <= q0 + low + self.right
         return BlockState.FULL if left_ok and right_ok else BlockState.PARTIAL
 
-    def _empty_rows(
-        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
-    ) -> Tensor:
+    def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
+        q_len, kv_len = extent.lengths
         offs = self._offsets(q_len, kv_len)
         offs = torch.tensor([self._offset(q_len, kv_len)]) if offs is None else offs
         center = torch.arange(q_len).view(1, -1) + offs.view(-1, 1)  # (B|1, Lq)

@@ -18,6 +18,14 @@ Every mask answers three kinds of question:
   :meth:`Mask.causal_offset`, :meth:`Mask.key_range`, :meth:`Mask.block_state`,
   :meth:`Mask.empty_rows`, :meth:`Mask.kinds`.
 
+The block protocol: every method about part of the attention takes the whole attention's
+:class:`~multihead.blocks.Extent` ``(B, H, Lq, Lk)`` first and the :class:`~multihead.blocks.Block`
+``(q0, q1, k0, k1)`` second, then options (``device``)::
+
+    mask.block_state(extent, block)            mask.materialize_block(extent, block, device)
+    mask.key_range(extent, block)              mask.empty_rows(extent, device)
+    mask.check(extent)                         (lengths may be None there: not known yet)
+
 Masks compare and hash by value (tensors inside them by identity), so caches of plans key on
 what a mask means, not on which Python object carries it.
 """
@@ -27,10 +35,13 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+
+from multihead.blocks import Block, Extent, check_protocol
+from multihead.values import Value, tensor_identity
 
 __all__ = ["Mask", "BlockState", "And", "Or", "Not", "Positioned", "UNBOUNDED", "register_coercion", "tensor_identity"]
 
@@ -39,15 +50,22 @@ __all__ = ["Mask", "BlockState", "And", "Or", "Not", "Positioned", "UNBOUNDED", 
 _CHUNK_ELEMENTS = 1 << 22
 _PICTURE_SIZE = 8
 _PICTURE_ROWS, _PICTURE_COLUMNS = 32, 64  # the most to_string draws
-# Tensors up to this many elements on the CPU take part in a mask's value by content.
-_CONTENT_ELEMENTS = 4096
 #: "No limit" for an unbounded side of a key range, before clamping to ``[0, Lk)``.
 UNBOUNDED = 1 << 62
+#: The block protocol's methods and the parameters each takes first (:mod:`multihead.blocks`).
+_PROTOCOL = {
+    "check": ("extent",),
+    "materialize_block": ("extent", "block"),
+    "block_state": ("extent", "block"),
+    "key_range": ("extent", "block"),
+    "_key_range": ("extent", "block"),
+    "empty_rows": ("extent",),
+    "_empty_rows": ("extent",),
+}
 
 # How objects that are not masks (a bool tensor) become one on either side of ``& |``. Filled by
 # the modules that define such masks (masks/tensor.py), so this module imports none of them.
 _COERCIONS: list[tuple[type, Callable[..., Mask]]] = []
-_T = TypeVar("_T")
 
 
 def register_coercion(kind: type, to_mask: Callable[..., Mask]) -> None:
@@ -63,69 +81,35 @@ class BlockState(enum.Enum):
     FULL = "full"  # everything visible: no mask needed
 
 
-class Mask(abc.ABC):
+class Mask(Value, abc.ABC):
     """Base class of all masks, predicates over the ``(B, H, Lq, Lk)`` positions of an attention.
 
     Subclasses implement :meth:`_mod` and :meth:`_describe` and set
-    ``kind`` (the name backends declare support for). Fields set with :meth:`_set` are the mask's
-    value; names starting with ``_`` are derived caches, not part of the value."""
+    ``kind`` (the name backends declare support for). A mask is a :class:`~multihead.values.Value`:
+    fields set once in ``__init__`` (with :meth:`_set`) are the mask's value, compared and hashed
+    by value; names starting with ``_`` are derived caches (:meth:`_cached`), not part of it.
+
+    The structural answers a subclass may override to be fast (the defaults evaluate :meth:`_mod`
+    on the block), all in the block protocol's one order, ``(extent, block, options)`` with an
+    :class:`~multihead.blocks.Extent` ``(B, H, Lq, Lk)`` of the whole attention and a
+    :class:`~multihead.blocks.Block` ``(q0, q1, k0, k1)`` of positions in it::
+
+        check(self, extent)                                  ValueError if it cannot apply
+        materialize_block(self, extent, block, device=None)  bool (B|1, H|1, rows, cols)
+        block_state(self, extent, block)                     EMPTY / FULL / PARTIAL
+        _key_range(self, extent, block)                      (lo, hi) of the block's rows, unclamped
+        _empty_rows(self, extent, device=None)               bool (B|1, H|1, Lq)
+        causal_offset(self, q_len, kv_len)                   the diagonal, if it is exactly causal
+
+    A subclass written for the positional signatures of before (``block_state(q0, q1, k0, k1,
+    q_len, kv_len, ...)``) is refused when its class is defined, with the new signature in the
+    message."""
 
     kind: str = "mask"
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable; build a new mask instead")
-
-    def _set(self, **fields: Any) -> None:
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
-
-    # ----------------------------------------------------------------------------- value
-    def _value(self) -> tuple[object, ...]:
-        value: tuple[object, ...] | None = self.__dict__.get("_value_cache")  # immutable: computed once per object
-        if value is None:
-            fields = vars(self)
-            value = (type(self), *((k, _field_value(fields[k])) for k in sorted(fields) if k[0] != "_"))
-            object.__setattr__(self, "_value_cache", value)
-        return value
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, Mask) and hash(self) == hash(other) and self._value() == other._value()
-        )
-
-    def __hash__(self) -> int:
-        # Read on every plan lookup (multihead.plans): the cached value without a closure or a call.
-        cached: int | None = self.__dict__.get("_hash_cache")
-        return self._cached("_hash_cache", lambda: hash(self._value())) if cached is None else cached
-
-    def to(self, device: torch.device | str) -> Mask:
-        """This mask with every tensor it holds on ``device`` (``self`` when all are there). Masks
-        accept tensors on any device and move them where a block is read; a compiled kernel that
-        evaluates :meth:`as_mask_mod` inside itself (FlexAttention) needs them on its device first."""
-        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        moved = {k: _moved(v, device) for k, v in fields.items()}
-        if all(moved[k] is fields[k] for k in fields):
-            return self
-        new = object.__new__(type(self))
-        new._set(**moved)
-        return new
-
-    def by_value(self) -> bool:
-        """Whether the value says everything the mask means: every tensor inside is a small host
-        copy the mask owns, compared by content (:func:`tensor_identity`). A tensor taken by
-        identity could change in place after the value was computed (it is computed once), so
-        plan caches (:mod:`multihead.plans`) keep masks only when this is ``True``."""
-        return self._cached(
-            "_by_value_cache", lambda: all(_by_content(v) for name, v in vars(self).items() if not name.startswith("_"))
-        )
-
-    def _cached(self, name: str, compute: Callable[[], _T]) -> _T:
-        """A derived value computed on first use (host synchronisation happens here, when a
-        structural question needs it, never when the mask is built)."""
-        cache = self.__dict__
-        if name not in cache:
-            object.__setattr__(self, name, compute())
-        return cast(_T, cache[name])
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_protocol(cls, _PROTOCOL)
 
     # ----------------------------------------------------------------------------- meaning
     @abc.abstractmethod
@@ -179,35 +163,27 @@ class Mask(abc.ABC):
 
         return mask_mod
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:  # noqa: B027 (a default)
-        """Raise ``ValueError`` if this mask cannot apply to ``(B, H, Lq, Lk)`` (a length ``None``:
-        unknown, not checked)."""
+    def check(self, extent: Extent) -> None:  # noqa: B027 (a default)
+        """Raise ``ValueError`` if this mask cannot apply to ``extent`` ``(B, H, Lq, Lk)`` (a length
+        ``None``: unknown, not checked)."""
 
     # ----------------------------------------------------------------------------- dense form
     def materialize(
         self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
     ) -> Tensor:
         """The mask as a bool tensor broadcastable to ``(B, H, Lq, Lk)``; dimensions the mask
-        does not depend on have size 1."""
-        return self.materialize_block(batch, heads, 0, q_len, q_len, kv_len, device)
+        does not depend on have size 1. (The whole attention's block: :meth:`materialize_block`
+        with ``Extent(batch, heads, q_len, kv_len)``.)"""
+        extent = Extent(batch, heads, q_len, kv_len)
+        return self.materialize_block(extent, extent.whole(), device)
 
-    def materialize_block(
-        self,
-        batch: int,
-        heads: int,
-        q0: int,
-        q1: int,
-        q_len: int,
-        kv_len: int,
-        device: torch.device | str | None = None,
-        k0: int = 0,
-        k1: int | None = None,
-    ) -> Tensor:
-        """Queries ``[q0, q1)`` x keys ``[k0, k1)`` of :meth:`materialize`, built from the block's
-        indices only (memory proportional to the block)."""
-        k1 = kv_len if k1 is None else k1
-        b, h, q, kv = _grid(batch, heads, q0, q1, k0, k1, device)
-        return _as_4d(self._mod(b, h, q, kv, q_len, kv_len), q1 - q0, k1 - k0)
+    def materialize_block(self, extent: Extent, block: Block, device: torch.device | str | None = None) -> Tensor:
+        """The block's queries ``[q0, q1)`` x keys ``[k0, k1)`` of :meth:`materialize`, as a bool
+        tensor broadcastable to ``(B, H, rows, cols)``, built from the block's indices only
+        (memory proportional to the block)."""
+        q_len, kv_len = extent.lengths
+        b, h, q, kv = _grid(extent, block, device)
+        return _as_4d(self._mod(b, h, q, kv, q_len, kv_len), block.rows, block.cols)
 
     def to_string(self, q_len: int | None = None, kv_len: int | None = None, b: int = 0, h: int = 0) -> str:
         """A picture of the mask for batch ``b``, head ``h`` in a call of ``Lq = q_len`` queries
@@ -297,49 +273,49 @@ class Mask(abc.ABC):
         """``d`` if this mask is exactly "key ``j`` visible iff ``j <= i + d``", else ``None``."""
         return None
 
-    def key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
-        """A range ``[lo, hi)`` of keys covering every key visible to queries ``[q0, q1)`` in
-        any batch or head (conservative: it may include masked keys, never omits visible ones)."""
-        lo, hi = self._key_range(q0, q1, q_len, kv_len)
-        lo, hi = max(lo, 0), min(hi, kv_len)
+    def key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
+        """A range ``[lo, hi)`` of keys, within the block's ``[k0, k1)``, covering every key visible
+        to the block's queries ``[q0, q1)`` in any batch or head (conservative: it may include
+        masked keys, never omits visible ones); ``(0, 0)`` when there is none. Usually asked of
+        ``extent.rows(q0, q1)``: the block's queries against every key."""
+        lo, hi = self._key_range(extent, block)
+        lo, hi = max(lo, block.k0, 0), min(hi, block.k1)
         return (lo, hi) if lo < hi else (0, 0)
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
-        """Unclamped range in this mask's own key coordinates (``UNBOUNDED`` where unknown)."""
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
+        """Unclamped range in this mask's own key coordinates for the block's queries (only
+        ``q0, q1`` are read; ``UNBOUNDED`` where unknown)."""
         return -UNBOUNDED, UNBOUNDED
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
-        """Whether queries ``[q0, q1)`` x keys ``[k0, k1)`` are all visible, all blocked, or mixed,
-        across every batch and head. Subclasses answer in O(1); this fallback evaluates the block."""
-        block = self.materialize_block(batch, heads, q0, q1, q_len, kv_len, None, k0, k1)
-        if bool(block.all()):
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        """Whether the block's queries ``[q0, q1)`` x keys ``[k0, k1)`` are all visible, all
+        blocked, or mixed, across every batch and head of ``extent``. Subclasses answer in O(1);
+        this fallback evaluates the block."""
+        allowed = self.materialize_block(extent, block)
+        if bool(allowed.all()):
             return BlockState.FULL
-        if not bool(block.any()):
+        if not bool(allowed.any()):
             return BlockState.EMPTY
         return BlockState.PARTIAL
 
-    def empty_rows(
-        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
-    ) -> Tensor | None:
+    def empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor | None:
         """Queries that see no key, as a bool tensor broadcastable to ``(B, H, Lq)``, or
         ``None`` when there are none."""
-        empty = self._empty_rows(batch, heads, q_len, kv_len, device)
+        empty = self._empty_rows(extent, device)
         return empty if bool(empty.any()) else None
 
-    def _empty_rows(
-        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
-    ) -> Tensor:
+    def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
         """:meth:`empty_rows` as a tensor always (no data-dependent branch: compiles in one graph).
         The fallback evaluates the mask a chunk of rows at a time; traced (torch.compile,
         torch.export), all rows at once, since a loop over a symbolic ``Lq`` would fix its value."""
         if torch.compiler.is_compiling():
-            return ~self.materialize_block(batch, heads, 0, q_len, q_len, kv_len, device).any(-1)
+            return ~self.materialize_block(extent, extent.whole(), device).any(-1)
+        batch, heads = extent.batch, extent.heads
+        q_len, kv_len = extent.lengths
         step = max(1, _CHUNK_ELEMENTS // max(1, kv_len * batch * heads))
         parts = []
         for q0 in range(0, q_len, step):
-            rows = self.materialize_block(batch, heads, q0, min(q0 + step, q_len), q_len, kv_len, device)
+            rows = self.materialize_block(extent, extent.rows(q0, min(q0 + step, q_len)), device)
             parts.append(~rows.any(-1))
         lead = torch.broadcast_shapes(*(p.shape[:2] for p in parts))  # (B|1, H|1): chunks differ in rows only
         return torch.cat([p.expand(*lead, p.shape[-1]) for p in parts], dim=-1)
@@ -370,9 +346,9 @@ class _Combination(Mask):
             out = op(out, p._mod(b, h, q, kv, q_len, kv_len))
         return out
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, extent: Extent) -> None:
         for p in self.parts:
-            p.check(batch, heads, q_len, kv_len)
+            p.check(extent)
 
     def depends_on_lengths(self) -> bool:
         return any(p.depends_on_lengths() for p in self.parts)
@@ -404,14 +380,12 @@ class And(_Combination):
         # a single causal part qualifies.
         return self.parts[0].causal_offset(q_len, kv_len) if len(self.parts) == 1 else None
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
-        ranges = [p._key_range(q0, q1, q_len, kv_len) for p in self.parts]
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
+        ranges = [p._key_range(extent, block) for p in self.parts]
         return max(r[0] for r in ranges), min(r[1] for r in ranges)
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
-        states = [p.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) for p in self.parts]
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        states = [p.block_state(extent, block) for p in self.parts]
         if BlockState.EMPTY in states:
             return BlockState.EMPTY
         if all(s is BlockState.FULL for s in states):
@@ -428,16 +402,14 @@ class Or(_Combination):
     def _describe(self) -> str:
         return " | ".join(_paren(p, And) for p in self.parts)
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
-        ranges = [r for r in (p._key_range(q0, q1, q_len, kv_len) for p in self.parts) if r[0] < r[1]]
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
+        ranges = [r for r in (p._key_range(extent, block) for p in self.parts) if r[0] < r[1]]
         if not ranges:
             return 0, 0
         return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
-        states = [p.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) for p in self.parts]
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        states = [p.block_state(extent, block) for p in self.parts]
         if BlockState.FULL in states:
             return BlockState.FULL
         if all(s is BlockState.EMPTY for s in states):
@@ -459,8 +431,8 @@ class Not(Mask):
     def _describe(self) -> str:
         return f"~{_paren(self.inner, (And, Or))}"
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
-        self.inner.check(batch, heads, q_len, kv_len)
+    def check(self, extent: Extent) -> None:
+        self.inner.check(extent)
 
     def depends_on_lengths(self) -> bool:
         return self.inner.depends_on_lengths()
@@ -471,10 +443,8 @@ class Not(Mask):
     def extent(self) -> tuple[int | None, int | None]:
         return self.inner.extent()
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
-        state = self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        state = self.inner.block_state(extent, block)
         swap = {BlockState.FULL: BlockState.EMPTY, BlockState.EMPTY: BlockState.FULL}
         return swap.get(state, BlockState.PARTIAL)
 
@@ -533,7 +503,8 @@ class Positioned(Mask):
             return f"{inner}.at(<q_positions {q_shape}>, <kv_positions {kv_shape}>{lengths})"
         return f"{inner}.shifted(q_offset={q_pos}, kv_offset={kv_pos}{lengths})"
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, extent: Extent) -> None:
+        batch, _, q_len, kv_len = extent
         whole = [w if w is not None else e for w, e in zip((self.q_len, self.kv_len), self.inner.extent())]
         for name, pos, length, what, limit in (
             ("q", self.q_pos, q_len, "Lq", whole[0]),
@@ -566,7 +537,7 @@ class Positioned(Mask):
                     f"[{pos}, {pos + length}), outside the whole attention's {what}={limit}"
                 )
         # The inner mask applies to the whole attention: its batch, heads and (when known) lengths.
-        self.inner.check(batch, heads, whole[0], whole[1])
+        self.inner.check(extent.with_lengths(whole[0], whole[1]))
 
     def kinds(self) -> frozenset[str]:
         return self.inner.kinds() | ({"positions"} if not self._offsets else frozenset())
@@ -586,90 +557,21 @@ class Positioned(Mask):
         inner = self.inner.causal_offset(*self._whole())
         return None if inner is None else inner + offsets[0] - offsets[1]
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
         offsets = self._int_offsets()
         if offsets is None:
             return -UNBOUNDED, UNBOUNDED
-        lo, hi = self.inner._key_range(q0 + offsets[0], q1 + offsets[0], *self._whole())
+        lo, hi = self.inner._key_range(extent.with_lengths(*self._whole()), block.shifted(*offsets))
         return lo - offsets[1], hi - offsets[1]
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
         offsets = self._int_offsets()
         if offsets is None:
-            return super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
-        qo, ko = offsets
-        return self.inner.block_state(q0 + qo, q1 + qo, k0 + ko, k1 + ko, *self._whole(), batch, heads)
+            return super().block_state(extent, block)
+        return self.inner.block_state(extent.with_lengths(*self._whole()), block.shifted(*offsets))
 
 
 # --------------------------------------------------------------------------------- helpers
-_PLAIN = frozenset({int, float, str, bool})
-
-
-def _field_value(v: object) -> object:
-    """A field as plain data: nested masks by their values (compared without calling back into
-    ``__eq__``), tensors by :func:`tensor_identity`."""
-    if v is None or v.__class__ in _PLAIN:  # most fields (a mask rebuilt per call is hashed per call)
-        return v
-    if isinstance(v, Tensor):
-        return tensor_identity(v)
-    if isinstance(v, Mask):
-        return v._value()
-    if isinstance(v, tuple):
-        return tuple(_field_value(x) for x in v)
-    return v
-
-
-def _moved(v: object, device: torch.device | str) -> object:
-    """A field with its tensors on ``device`` (the same object where nothing moves)."""
-    if isinstance(v, Tensor):
-        want = torch.device(device)
-        same = v.device.type == want.type and (want.index is None or v.device.index == want.index)
-        return v if same else v.to(want)
-    if isinstance(v, Mask):
-        return v.to(device)
-    if isinstance(v, tuple):
-        items = tuple(_moved(x, device) for x in v)
-        return v if all(a is b for a, b in zip(items, v)) else items
-    return v
-
-
-def _by_content(v: object) -> bool:
-    """A field whose value is plain data (tensors by content, nested masks by value)."""
-    if isinstance(v, Tensor):
-        return _content_tensor(v)
-    if isinstance(v, Mask):
-        return v.by_value()
-    if isinstance(v, tuple):
-        return all(_by_content(x) for x in v)
-    return True
-
-
-def _content_tensor(t: Tensor) -> bool:
-    return t.device.type == "cpu" and t.numel() <= _CONTENT_ELEMENTS and not t.requires_grad
-
-
-def tensor_identity(t: Tensor) -> tuple[object, ...]:
-    """How a tensor inside a mask or modifier takes part in its value. Small CPU tensors (lengths,
-    ids, positions) by content, so that ``key_padding(torch.tensor([3, 5]))`` built twice is one
-    mask; others by identity (the same memory viewed the same way, and the same in-place version:
-    no host synchronisation, and a tensor changed in place is another value). Masks copy the small
-    tensors they are built from, so changing the caller's tensor afterwards changes no mask."""
-    if _content_tensor(t):
-        return ("values", t.dtype, tuple(t.shape), tuple(t.flatten().tolist()))
-    return (
-        "tensor",
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-        t.device,
-        t._version,
-    )
-
-
 def _read(pos: int | Tensor, b: Tensor, idx: Tensor) -> Tensor:
     """Positions of call indices ``idx``: an offset added, or a tensor gathered (per batch row)."""
     if isinstance(pos, int):
@@ -697,14 +599,12 @@ def _check_whole_lengths(mask: Mask, method: str, q_len: object, kv_len: object)
     return cast("int | None", q_len), cast("int | None", kv_len)
 
 
-def _grid(
-    batch: int, heads: int, q0: int, q1: int, k0: int, k1: int, device: torch.device | str | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Broadcastable index tensors ``b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), kv (1,1,1,Lk)``."""
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    q = torch.arange(q0, q1, device=device).view(1, 1, -1, 1)
-    kv = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
+def _grid(extent: Extent, block: Block, device: torch.device | str | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcastable index tensors ``b (B,1,1,1), h (1,H,1,1), q (1,1,rows,1), kv (1,1,1,cols)``."""
+    b = torch.arange(extent.batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(extent.heads, device=device).view(1, -1, 1, 1)
+    q = torch.arange(block.q0, block.q1, device=device).view(1, 1, -1, 1)
+    kv = torch.arange(block.k0, block.k1, device=device).view(1, 1, 1, -1)
     return b, h, q, kv
 
 

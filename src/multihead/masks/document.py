@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
 __all__ = ["document", "document_causal", "Document", "DocumentCausal"]
@@ -70,7 +71,8 @@ class Document(Mask):
             lambda: bool((self._q_cpu.diff(dim=-1) >= 0).all()) and bool((self._kv_cpu.diff(dim=-1) >= 0).all()),
         )
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, extent: Extent) -> None:
+        batch, _, q_len, kv_len = extent
         for name, ids, length, what in (("q_ids", self.q_ids, q_len, "Lq"), ("kv_ids", self.kv_ids, kv_len, "Lk")):
             # (not `in (1, B)`: dynamo, torch 2.13, answers it False for a symbolic B)
             if ids.shape[0] != 1 and ids.shape[0] != batch:
@@ -99,10 +101,10 @@ class Document(Mask):
             return None
         return ids[:, i0], ids[:, i1 - 1]
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
         if not self._sorted:
             return -UNBOUNDED, UNBOUNDED
-        span = self._id_span(self._q_cpu, q0, q1)
+        span = self._id_span(self._q_cpu, block.q0, block.q1)
         if span is None:
             return 0, 0
         lo_id, hi_id = span
@@ -112,12 +114,10 @@ class Document(Mask):
         hi = torch.searchsorted(kv, hi_id.unsqueeze(-1).contiguous(), right=True)
         return int(lo.min()), int(hi.max())
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
         if not self._sorted:
-            return super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads)
-        qs, ks = self._id_span(self._q_cpu, q0, q1), self._id_span(self._kv_cpu, k0, k1)
+            return super().block_state(extent, block)
+        qs, ks = self._id_span(self._q_cpu, block.q0, block.q1), self._id_span(self._kv_cpu, block.k0, block.k1)
         if qs is None or ks is None:
             return BlockState.EMPTY
         (qlo, qhi), (klo, khi) = qs, ks
@@ -127,9 +127,7 @@ class Document(Mask):
             return BlockState.FULL
         return BlockState.PARTIAL
 
-    def _empty_rows(
-        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
-    ) -> Tensor:
+    def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
         q, kv = self._q_cpu, self._kv_cpu
         rows = max(q.shape[0], kv.shape[0])
         empty = torch.stack(
@@ -193,18 +191,14 @@ class DocumentCausal(Document):
     def _describe(self) -> str:
         return "document_causal" + super()._describe()[len("document") :]
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
-        if super().block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads) is BlockState.EMPTY:
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        if super().block_state(extent, block) is BlockState.EMPTY:
             return BlockState.EMPTY  # other documents: skipped without looking at the positions
-        return Mask.block_state(self, q0, q1, k0, k1, q_len, kv_len, batch, heads)
+        return Mask.block_state(self, extent, block)
 
-    def _empty_rows(
-        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
-    ) -> Tensor:
+    def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
         if torch.compiler.is_compiling():
-            return Mask._empty_rows(self, batch, heads, q_len, kv_len, device)
+            return Mask._empty_rows(self, extent, device)
         # O(L) from the tables, on the host: query ``p`` of a run of ``m`` sees a key iff some run
         # of keys with its id is at least ``m - p`` long (the key at place 0 of a run of ``n`` is
         # visible iff ``0 <= p + n - m``).

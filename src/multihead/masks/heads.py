@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.masks.base import BlockState, Mask
 from multihead.masks.tensor import TensorMask
 
@@ -66,13 +67,14 @@ class HeadRange(Mask):
         heads = f"first={self.first}, count={self.count}, num_heads={self.num_heads}"
         return f"head_range({self.inner._describe()}, {heads})"
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, extent: Extent) -> None:
+        heads = extent.heads
         if heads != self.count:
             raise ValueError(
                 f"head_range: a mask of heads [{self.first}, {self.first + self.count}) is read by a call of "
                 f"{heads} heads; expected {self.count}"
             )
-        self.inner.check(batch, self.num_heads, q_len, kv_len)
+        self.inner.check(extent.with_heads(self.num_heads))
 
     def depends_on_lengths(self) -> bool:
         return self.inner.depends_on_lengths()
@@ -80,11 +82,9 @@ class HeadRange(Mask):
     def extent(self) -> tuple[int | None, int | None]:
         return self.inner.extent()
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
-        return self.inner._key_range(q0, q1, q_len, kv_len)  # covers every head: ours too
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
+        return self.inner._key_range(extent, block)  # covers every head: ours too
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
         # The inner answer over every head up to ours is true of ours: conservative, never wrong.
-        return self.inner.block_state(q0, q1, k0, k1, q_len, kv_len, batch, heads + self.first)
+        return self.inner.block_state(extent.with_heads(extent.heads + self.first), block)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.masks.base import UNBOUNDED, BlockState, Mask
 
 __all__ = ["key_padding", "prefix_lm", "KeyPadding"]
@@ -167,7 +168,8 @@ class KeyPadding(Mask):
     def _batch(self) -> int:
         return self.lengths.shape[0] if self.lengths is not None else self._valid().shape[0]
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, extent: Extent) -> None:
+        batch, kv_len = extent.batch, extent.kv_len
         n = self._batch()
         # (not `in (1, B)`: dynamo, torch 2.13, answers it False for a symbolic B)
         if n != 1 and n != batch:
@@ -195,15 +197,14 @@ class KeyPadding(Mask):
             return f"key_padding(lengths={self.lengths.tolist()})"
         return f"key_padding(valid=<bool {tuple(self._valid().shape)}>)"
 
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
         if self.lengths is not None:
             return -UNBOUNDED, self._max()
         columns = self._table().any(0).nonzero()
         return (int(columns.min()), int(columns.max()) + 1) if len(columns) else (0, 0)
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        k0, k1 = block.k0, block.k1
         if self.lengths is None:
             cols = self._table()[:, max(k0, 0) : max(k1, 0)]
             if cols.numel() and bool(cols.all()):
@@ -217,9 +218,8 @@ class KeyPadding(Mask):
             return BlockState.EMPTY
         return BlockState.PARTIAL
 
-    def _empty_rows(
-        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
-    ) -> Tensor:
+    def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
+        q_len = extent.lengths[0]
         if self.lengths is not None:
             empty = self.lengths.to(device) <= 0
         else:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.masks.band import Band, causal, sliding_window
 from multihead.masks.base import Mask
 from multihead.masks.document import document, document_causal
@@ -103,7 +104,7 @@ def _agrees(candidate: Mask, p: Tensor) -> bool:
     wrong candidates differ there, cheaply), then the whole square."""
     B, _, Lq, Lk = p.shape
     for q0, q1 in ((0, min(Lq, 16)), (max(0, Lq - 16), Lq), (0, Lq)):
-        block = candidate.materialize_block(B, 1, q0, q1, Lq, Lk, "cpu").expand(B, 1, q1 - q0, Lk)
+        block = candidate.materialize_block(Extent(B, 1, Lq, Lk), Block(q0, q1, 0, Lk), "cpu").expand(B, 1, q1 - q0, Lk)
         if not torch.equal(block, p[:, :, q0:q1]):
             return False
     return True

@@ -31,6 +31,7 @@ import math
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.masks.base import BlockState, Mask
 
 __all__ = ["block_select", "BlockSelect"]
@@ -117,7 +118,8 @@ class BlockSelect(Mask):
             f"{per_row:.1f} key blocks per query block)"
         )
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
+    def check(self, extent: Extent) -> None:
+        batch, heads, q_len, kv_len = extent.batch, extent.heads, extent.q_len, extent.kv_len
         B, H, nQ, _ = self.indices.shape
         if B not in (1, batch):
             raise ValueError(f"block_select: indices have {B} batch rows, the call {batch}; expected 1 or {batch}")
@@ -144,8 +146,8 @@ class BlockSelect(Mask):
         return self.indices.shape[2] * self.query_block_size, None  # the queries the table has rows for
 
     # ----------------------------------------------------------------------------- structure
-    def _key_range(self, q0: int, q1: int, q_len: int, kv_len: int) -> tuple[int, int]:
-        rows = self._rows(q0, q1)
+    def _key_range(self, extent: Extent, block: Block) -> tuple[int, int]:
+        rows = self._rows(block.q0, block.q1)
         if rows is None:
             return 0, 0
         picked = rows.flatten(0, 2).any(0).nonzero()  # the key blocks any of these rows reads
@@ -153,9 +155,8 @@ class BlockSelect(Mask):
             return 0, 0
         return int(picked[0]) * self.block_size, (int(picked[-1]) + 1) * self.block_size
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        q0, q1, k0, k1 = block.q0, block.q1, block.k0, block.k1
         rows = self._rows(q0, q1)
         if rows is None or k0 >= k1:
             return BlockState.EMPTY

@@ -15,6 +15,7 @@ from typing import NoReturn, overload
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.masks.base import BlockState, Mask, register_coercion
 
 __all__ = ["additive_blocked", "as_mask", "bias", "custom", "TensorMask", "Custom"]
@@ -99,8 +100,8 @@ class TensorMask(Mask):
         t4 = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
         self._set(tensor=t4, name=name)
 
-    def check(self, batch: int, heads: int, q_len: int | None, kv_len: int | None) -> None:
-        expected = (batch, heads, q_len, kv_len)
+    def check(self, extent: Extent) -> None:
+        expected = tuple(extent)
         # (not `s not in (1, e)`: dynamo, torch 2.13, answers it True for a symbolic size e)
         if any(s != 1 and s != e for s, e in zip(self.tensor.shape, expected) if e is not None):
             raise ValueError(
@@ -122,24 +123,13 @@ class TensorMask(Mask):
     ) -> Tensor:
         return self.tensor.to(device) if device is not None else self.tensor
 
-    def materialize_block(
-        self,
-        batch: int,
-        heads: int,
-        q0: int,
-        q1: int,
-        q_len: int,
-        kv_len: int,
-        device: torch.device | str | None = None,
-        k0: int = 0,
-        k1: int | None = None,
-    ) -> Tensor:
-        k1 = kv_len if k1 is None else k1
+    def materialize_block(self, extent: Extent, block: Block, device: torch.device | str | None = None) -> Tensor:
+        q0, q1, k0, k1 = block
         t = self.tensor
         rows = slice(q0, q1) if t.shape[2] > 1 else slice(0, 1)
         cols = slice(k0, k1) if t.shape[3] > 1 else slice(0, 1)
-        block = t[:, :, rows, cols].expand(t.shape[0], t.shape[1], q1 - q0, k1 - k0)
-        return block.to(device) if device is not None else block
+        part = t[:, :, rows, cols].expand(t.shape[0], t.shape[1], q1 - q0, k1 - k0)
+        return part.to(device) if device is not None else part
 
     def _describe(self) -> str:
         return f"{self.name}(<bool tensor {tuple(self.tensor.shape)}>)"
@@ -147,17 +137,14 @@ class TensorMask(Mask):
     def by_value(self) -> bool:
         return False  # a view of the caller's tensor, not a copy: it may change in place
 
-    def block_state(
-        self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int, batch: int = 1, heads: int = 1
-    ) -> BlockState:
-        block = self.materialize_block(1, 1, q0, q1, q_len, kv_len, k0=k0, k1=k1)
-        if bool(block.all()):
+    def block_state(self, extent: Extent, block: Block) -> BlockState:
+        allowed = self.materialize_block(extent, block)  # the tensor's own (B|1, H|1, ...): no expansion
+        if bool(allowed.all()):
             return BlockState.FULL
-        return BlockState.PARTIAL if bool(block.any()) else BlockState.EMPTY
+        return BlockState.PARTIAL if bool(allowed.any()) else BlockState.EMPTY
 
-    def _empty_rows(
-        self, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
-    ) -> Tensor:
+    def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
+        q_len = extent.lengths[0]
         t = self.tensor.to(device) if device is not None else self.tensor
         empty = ~t.any(-1)
         return empty.expand(empty.shape[0], empty.shape[1], q_len)

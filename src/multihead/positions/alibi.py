@@ -52,6 +52,9 @@ class ALiBi(RelativeBias):
             position meets which key position when ``Lq != Lk`` (:mod:`multihead.scores.relative`).
     """
 
+    slopes: Tensor  # (Hq,) float64 on CPU
+    symmetric: bool
+
     def __init__(
         self,
         num_heads: int,
@@ -81,8 +84,7 @@ class ALiBi(RelativeBias):
             )
         if not isinstance(symmetric, bool):
             raise TypeError(f"ALiBi: symmetric must be a bool, got {type(symmetric).__name__}")
-        self.slopes = slopes  # (Hq,) float64 on CPU; moved to the scores' device when used
-        self.symmetric = symmetric
+        self._set(slopes=slopes, symmetric=symmetric)  # slopes (Hq,) float64 on CPU; moved where used
 
     def bias(self, h: Tensor, distance: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
         m = self.slopes.to(device=h.device, dtype=dtype)[h]

@@ -52,12 +52,16 @@ def relative_position_bucket(
 class BucketedBias(RelativeBias):
     """The score modifier of a :class:`RelativePositionBias`: ``weight[bucket(j - i), h]``."""
 
+    weight: Tensor  # (num_buckets, Hq)
+    bidirectional: bool
+    num_buckets: int
+    max_distance: int
+
     def __init__(
         self, weight: Tensor, *, bidirectional: bool, num_buckets: int, max_distance: int, align: str = "bottom_right"
     ):
         super().__init__(weight.shape[1], align)
-        self.weight, self.bidirectional = weight, bidirectional
-        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self._set(weight=weight, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
 
     def bias(self, h: Tensor, distance: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
         bucket = relative_position_bucket(

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.inputs import check_tensor
+from multihead.inputs import check_positions, check_tensor
 
 __all__ = [
     "apply_rotary",
@@ -453,7 +453,6 @@ class RotaryEmbedding(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- helpers
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _default_thetas(rotary_dim: int, base: float) -> list[float]:
@@ -572,23 +571,16 @@ def _check_positions(positions: object, x: Tensor, values: bool = True) -> int:
     def expected() -> str:  # written only for an error: formatting a traced size would fix it in the graph
         return f"(L,) = ({L},)" + (f" or (B, L) = ({x.shape[0]}, {L})" if x.dim() == 4 else "")
 
-    if not isinstance(positions, Tensor):
-        raise TypeError(
-            f"RotaryEmbedding: positions must be an integer tensor {expected()} of absolute token "
-            f"positions, got {type(positions).__name__}; hint: torch.arange(L)"
-        )
-    if positions.dtype not in _INTEGER_DTYPES:
-        raise TypeError(
-            f"RotaryEmbedding: positions must have an integer dtype (torch.int64), got {positions.dtype}; "
-            f"hint: positions count tokens, e.g. torch.arange(L); a fractional position is a scaling"
-        )
-    if not (tuple(positions.shape) == (L,) or (x.dim() == 4 and tuple(positions.shape) == (x.shape[0], L))):
-        raise ValueError(
-            f"RotaryEmbedding: positions must have shape {expected()} for x of shape {tuple(x.shape)}, "
-            f"got {tuple(positions.shape)}"
-        )
-    if positions.device != x.device:
-        raise ValueError(f"RotaryEmbedding: positions must be on the device of x, {x.device}, got {positions.device}")
+    shapes = ((L,), (x.shape[0], L)) if x.dim() == 4 else ((L,),)
+    positions = check_positions(
+        "RotaryEmbedding",
+        positions,
+        shapes,
+        x.device,
+        device_of="x",
+        expected=expected,
+        hint="torch.arange(L); a fractional position is a scaling",
+    )
     if not values:
         return -1
     if positions.numel() == 0:

@@ -13,6 +13,14 @@ Every modifier has a ``kind`` that backends declare support for:
   ``attn_mask`` can run it, one block of the bias at a time (:meth:`ScoreMod.bias_block`);
 * ``"elementwise"``: any other function of the score (softcap); needs a kernel that applies it
   inside the softmax (the reference, flex).
+
+The block methods follow the block protocol of :mod:`multihead.blocks`, as masks do: the whole
+attention's :class:`~multihead.blocks.Extent` ``(B, H, Lq, Lk)`` first, the
+:class:`~multihead.blocks.Block` ``(q0, q1, k0, k1)`` second, then the rest::
+
+    score_mod.check(extent)
+    score_mod.bias_block(extent, block, device, dtype)      (B|1, H|1, rows, cols)
+    score_mod.apply_block(extent, block, scores, heads)     scores (B, H|h, rows, cols), modified
 """
 
 from __future__ import annotations
@@ -23,18 +31,39 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from multihead.masks.base import tensor_identity
+from multihead.blocks import Block, Extent, check_protocol
+from multihead.values import Value
 
 __all__ = ["ScoreMod", "Chain", "ADDITIVE", "ELEMENTWISE"]
 
 ADDITIVE, ELEMENTWISE = "additive", "elementwise"
+#: The block protocol's methods and the parameters each takes first (:mod:`multihead.blocks`).
+_PROTOCOL = {"check": ("extent",), "bias_block": ("extent", "block"), "apply_block": ("extent", "block")}
 
 
-class ScoreMod(abc.ABC):
+class ScoreMod(Value, abc.ABC):
     """Base class of score modifiers. Subclasses set ``kind`` and implement :meth:`__call__`
-    (FlexAttention's signature) and :meth:`_describe`; additive ones also :meth:`bias_block`."""
+    (FlexAttention's signature) and :meth:`_describe`; additive ones also :meth:`bias_block`.
+
+    A modifier is a :class:`~multihead.values.Value`, as a mask is: its fields are set once, in
+    ``__init__`` (``self.x = ...`` or :meth:`_set`), compared and hashed by value (tensors by
+    :func:`~multihead.values.tensor_identity`); :meth:`_replace` gives a copy with some changed.
+
+    The block methods a subclass may override take the block protocol's values in its one order
+    (:mod:`multihead.blocks`)::
+
+        check(self, extent)                                      ValueError if it cannot apply
+        bias_block(self, extent, block, device=None, dtype=...)  additive: (B|1, H|1, rows, cols)
+        apply_block(self, extent, block, scores, heads=None)     scores of the block, modified
+
+    A subclass written for the positional integers of before (``bias_block(batch, heads, q0, q1,
+    k0, k1, ...)``) is refused when its class is defined, with the new signature in the message."""
 
     kind: str = ELEMENTWISE
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        check_protocol(cls, _PROTOCOL)
 
     @abc.abstractmethod
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -47,8 +76,8 @@ class ScoreMod(abc.ABC):
     def __repr__(self) -> str:
         return self._describe()
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:  # noqa: B027 (a default)
-        """Raise ``ValueError`` if this modifier cannot apply to ``(B, Hq, Lq, Lk)``."""
+    def check(self, extent: Extent) -> None:  # noqa: B027 (a default)
+        """Raise ``ValueError`` if this modifier cannot apply to ``extent`` ``(B, Hq, Lq, Lk)``."""
 
     def for_lengths(self, q_len: int, kv_len: int) -> ScoreMod:
         """This modifier for an attention of ``Lq`` queries and ``Lk`` keys. Modifiers whose value
@@ -80,42 +109,28 @@ class ScoreMod(abc.ABC):
         """Whether a tensor the modifier reads needs a gradient (and autograd is on)."""
         return torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors())
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
-        """``scores (B, H|h, q1-q0, k1-k0)`` of queries ``[q0, q1)`` x keys ``[k0, k1)``, modified.
-        ``heads`` selects query heads (default all). Subclasses may slice instead of gathering."""
+    def apply_block(self, extent: Extent, block: Block, scores: Tensor, heads: Tensor | None = None) -> Tensor:
+        """``scores (B, H|h, rows, cols)`` of the block's queries ``[q0, q1)`` x keys ``[k0, k1)``
+        in the whole attention ``extent``, modified. ``heads`` selects query heads (default all).
+        Subclasses may slice instead of gathering."""
         B, H = scores.shape[0], scores.shape[1]
         dev = scores.device
         b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
         h = (torch.arange(H, device=dev) if heads is None else heads).view(1, -1, 1, 1)
-        q = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
-        kv = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
+        q = torch.arange(block.q0, block.q1, device=dev).view(1, 1, -1, 1)
+        kv = torch.arange(block.k0, block.k1, device=dev).view(1, 1, 1, -1)
         return self(scores, b, h, q, kv)
 
     def bias_block(
         self,
-        batch: int,
-        heads: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
+        extent: Extent,
+        block: Block,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> Tensor:
-        """Additive modifiers: the bias of queries ``[q0, q1)`` x keys ``[k0, k1)``, broadcastable
-        to ``(B, H, rows, keys)`` (size 1 where it does not vary)."""
+        """Additive modifiers: the bias of the block's queries ``[q0, q1)`` x keys ``[k0, k1)``,
+        broadcastable to ``(B, H, rows, cols)`` (size 1 where it does not vary)."""
         raise TypeError(f"{self._describe()} is not additive: it has no bias to add")
-
-    # Values and hashing: modifiers are immutable, compared by value (tensors by identity).
-    def _value(self) -> tuple[object, ...]:
-        fields = sorted(vars(self).items())
-        return (type(self), *((k, tensor_identity(v) if isinstance(v, Tensor) else v) for k, v in fields))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ScoreMod) and self._value() == other._value()
-
-    def __hash__(self) -> int:
-        return hash(self._value())
 
 
 class Chain(ScoreMod):
@@ -127,8 +142,7 @@ class Chain(ScoreMod):
         flat: list[ScoreMod] = []
         for m in mods:
             flat.extend(m.mods if isinstance(m, Chain) else [m])
-        self.mods = tuple(flat)
-        self.kind = ADDITIVE if all(m.kind == ADDITIVE for m in flat) else ELEMENTWISE
+        self._set(mods=tuple(flat), kind=ADDITIVE if all(m.kind == ADDITIVE for m in flat) else ELEMENTWISE)
 
     # A -inf produced by one modifier (a bias entry that blocks) stays -inf through the next ones:
     # softcap(-inf) would be -cap, a visible score again.
@@ -137,32 +151,28 @@ class Chain(ScoreMod):
             score = _keep_blocked(score, m(score, b, h, q_idx, kv_idx))
         return score
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, extent: Extent, block: Block, scores: Tensor, heads: Tensor | None = None) -> Tensor:
         for m in self.mods:
-            scores = _keep_blocked(scores, m.apply_block(scores, q0, q1, k0, k1, heads))
+            scores = _keep_blocked(scores, m.apply_block(extent, block, scores, heads))
         return scores
 
     def bias_block(
         self,
-        batch: int,
-        heads: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
+        extent: Extent,
+        block: Block,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> Tensor:
         if self.kind != ADDITIVE:
-            return super().bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
-        total = self.mods[0].bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
+            return super().bias_block(extent, block, device, dtype)
+        total = self.mods[0].bias_block(extent, block, device, dtype)
         for m in self.mods[1:]:
-            total = total + m.bias_block(batch, heads, q0, q1, k0, k1, device, dtype)
+            total = total + m.bias_block(extent, block, device, dtype)
         return total
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    def check(self, extent: Extent) -> None:
         for m in self.mods:
-            m.check(batch, heads, q_len, kv_len)
+            m.check(extent)
 
     def for_lengths(self, q_len: int, kv_len: int) -> ScoreMod:
         resolved = [m.for_lengths(q_len, kv_len) for m in self.mods]

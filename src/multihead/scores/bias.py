@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.scores.base import ADDITIVE, ScoreMod
 
 __all__ = ["bias", "Bias"]
@@ -31,12 +32,14 @@ class Bias(ScoreMod):
     """A dense bias ``(B|1, H|1, Lq|1, Lk|1)`` added to the scores; built by :func:`bias`."""
 
     kind = ADDITIVE
+    tensor: Tensor  # (B|1, H|1, Lq|1, Lk|1)
+    name: str
 
     def __init__(self, tensor: Tensor, name: str = "bias"):
-        self.tensor, self.name = tensor, name  # (B|1, H|1, Lq|1, Lk|1)
+        self._set(tensor=tensor, name=name)  # (B|1, H|1, Lq|1, Lk|1)
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        expected = (batch, heads, q_len, kv_len)
+    def check(self, extent: Extent) -> None:
+        expected = tuple(extent)
         # (not `s not in (1, e)`: dynamo, torch 2.13, answers it True for a symbolic size e)
         if any(s != 1 and s != e for s, e in zip(self.tensor.shape, expected)):
             raise ValueError(
@@ -54,26 +57,23 @@ class Bias(ScoreMod):
 
     def bias_block(
         self,
-        batch: int,
-        heads: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
+        extent: Extent,
+        block: Block,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> Tensor:
+        q0, q1, k0, k1 = block
         t = self.tensor
         rows = slice(q0, q1) if t.shape[2] > 1 else slice(0, 1)
         cols = slice(k0, k1) if t.shape[3] > 1 else slice(0, 1)
-        block = t[:, :, rows, cols]
-        return block.to(device=device if device is not None else block.device, dtype=dtype)
+        part = t[:, :, rows, cols]
+        return part.to(device=device if device is not None else part.device, dtype=dtype)
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
-        block = self.bias_block(1, 1, q0, q1, k0, k1, scores.device, scores.dtype)
-        if heads is not None and block.shape[1] > 1:
-            block = block[:, heads]
-        return scores + block
+    def apply_block(self, extent: Extent, block: Block, scores: Tensor, heads: Tensor | None = None) -> Tensor:
+        bias = self.bias_block(extent, block, scores.device, scores.dtype)
+        if heads is not None and bias.shape[1] > 1:
+            bias = bias[:, heads]
+        return scores + bias
 
     def _describe(self) -> str:
         return f"{self.name}(<{str(self.tensor.dtype).replace('torch.', '')} tensor {tuple(self.tensor.shape)}>)"

@@ -23,11 +23,11 @@ trains its parameters through the same view (:mod:`multihead.backends.blockspars
 from __future__ import annotations
 
 import abc
-import copy
 
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.scores.base import ADDITIVE, ScoreMod
 
 __all__ = ["RelativeBias", "ALIGNMENTS"]
@@ -39,6 +39,9 @@ class RelativeBias(ScoreMod):
     """Base class of relative biases. Subclasses implement :meth:`bias` (and ``_describe``)."""
 
     kind = ADDITIVE
+    num_heads: int | None
+    align: str
+    offset: int | None  # Lk - Lq bottom-right, bound by for_lengths; 0 top-left
 
     def __init__(self, num_heads: int | None, align: str = "bottom_right"):
         name = type(self).__name__
@@ -48,9 +51,7 @@ class RelativeBias(ScoreMod):
             )
         if align not in ALIGNMENTS:
             raise ValueError(f"{name}: align must be one of {ALIGNMENTS}, got {align!r}")
-        self.num_heads = num_heads
-        self.align = align
-        self.offset: int | None = 0 if align == "top_left" else None  # Lk - Lq bottom-right, bound by for_lengths
+        self._set(num_heads=num_heads, align=align, offset=0 if align == "top_left" else None)
 
     @abc.abstractmethod
     def bias(self, h: Tensor, distance: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -63,9 +64,7 @@ class RelativeBias(ScoreMod):
         offset = kv_len - q_len if self.align == "bottom_right" else 0
         if offset == self.offset:
             return self
-        bound = copy.copy(self)
-        bound.offset = offset
-        return bound
+        return self._replace(offset=offset)
 
     def _offset(self) -> int:
         if self.offset is None:
@@ -81,7 +80,8 @@ class RelativeBias(ScoreMod):
     def relative(self) -> bool:
         return True
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    def check(self, extent: Extent) -> None:
+        heads = extent.heads
         if self.num_heads is not None and self.num_heads != heads:
             raise ValueError(
                 f"{self._describe()} has num_heads={self.num_heads} but the attention has Hq={heads} "
@@ -104,26 +104,23 @@ class RelativeBias(ScoreMod):
 
     def bias_block(
         self,
-        batch: int,
-        heads: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
+        extent: Extent,
+        block: Block,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> Tensor:
+        q0, q1, k0, k1 = block
         d0 = k0 - (q1 - 1)  # the smallest index distance of the block: last row, first key
         vec = self.distance_bias(d0, k1 - q0, device, dtype)  # (H|1, R + K - 1)
         rows = torch.arange(q0, q1, device=vec.device).view(-1, 1)
         cols = torch.arange(k0, k1, device=vec.device).view(1, -1)
         return vec[:, cols - rows - d0].unsqueeze(0)  # (1, H|1, R, K)
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
-        block = self.bias_block(1, 1, q0, q1, k0, k1, scores.device, scores.dtype)
-        if heads is not None and block.shape[1] > 1:
-            block = block[:, heads]
-        return scores + block
+    def apply_block(self, extent: Extent, block: Block, scores: Tensor, heads: Tensor | None = None) -> Tensor:
+        bias = self.bias_block(extent, block, scores.device, scores.dtype)
+        if heads is not None and bias.shape[1] > 1:
+            bias = bias[:, heads]
+        return scores + bias
 
 
 def toeplitz_view(vec: Tensor, rows: int, keys: int) -> Tensor:

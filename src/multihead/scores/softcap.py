@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from multihead.blocks import Block, Extent
 from multihead.scores.base import ELEMENTWISE, ScoreMod
 
 __all__ = ["softcap", "Softcap"]
@@ -32,14 +33,15 @@ class Softcap(ScoreMod):
     """``cap · tanh(s / cap)`` on the scaled scores; built by :func:`softcap`."""
 
     kind = ELEMENTWISE
+    cap: float
 
     def __init__(self, cap: float):
-        self.cap = cap
+        self._set(cap=cap)
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.cap * torch.tanh(score / self.cap)
 
-    def apply_block(self, scores: Tensor, q0: int, q1: int, k0: int, k1: int, heads: Tensor | None = None) -> Tensor:
+    def apply_block(self, extent: Extent, block: Block, scores: Tensor, heads: Tensor | None = None) -> Tensor:
         return self.cap * torch.tanh(scores / self.cap)
 
     def _describe(self) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from multihead.blocks import Extent
 from multihead.scores.base import ELEMENTWISE, ScoreMod
 
 __all__ = ["UserScoreMod"]
@@ -34,13 +35,14 @@ class UserScoreMod(ScoreMod):
     """A callable ``fn(score, b, h, q_idx, kv_idx) -> score`` as a modifier (compared by identity)."""
 
     kind = ELEMENTWISE
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
     def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]):
         if not callable(fn):
             raise TypeError(
                 f"score_mod: expected a function fn(score, b, h, q_idx, kv_idx) -> score, got {type(fn).__name__}"
             )
-        self.fn = fn
+        self._set(fn=fn)
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = self.fn(score, b, h, q_idx, kv_idx)
@@ -63,7 +65,7 @@ class UserScoreMod(ScoreMod):
         # A function that reads a float64 table returns float64 scores: the block keeps its dtype.
         return out.to(score.dtype)
 
-    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    def check(self, extent: Extent) -> None:
         """Run the function once on a 2 x 3 block of zeros (on the device of the tensors it reads),
         so a function that returns the wrong thing fails here, before any work or state change."""
         if torch.compiler.is_compiling():

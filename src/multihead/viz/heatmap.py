@@ -226,6 +226,12 @@ def _stack(weights) -> Tensor:
     if isinstance(weights, Tensor):
         w = weights
     else:
+        batched = [i for i, t in enumerate(weights) if t.dim() == 4 and t.shape[0] != 1]
+        if batched:  # never element 0 in silence: the tokens name one sequence
+            raise ValueError(
+                f"plot_attention_grid: weights of layer {batched[0]} are batched, shape "
+                f"{tuple(weights[batched[0]].shape)}; pass one sequence: [w[i] for w in weights]"
+            )
         w = torch.stack([t[0] if t.dim() == 4 else t for t in weights])
     if w.dim() != 4:
         raise ValueError(f"plot_attention_grid: weights must be (layers, H, Lq, Lk), got shape {tuple(w.shape)}")

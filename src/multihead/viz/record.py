@@ -20,8 +20,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from multihead.capture import capture_attention
-from multihead.hooks import HookPoints, add_hook
+from multihead.capture import capture_attention, layers_of
+from multihead.hooks import add_hook
 from multihead.viz.viewer import ViewerSource
 
 __all__ = ["record_vectors", "QueryKeyCapture", "record_attention", "record_generation"]
@@ -40,11 +40,11 @@ class QueryKeyCapture:
 
 @contextmanager
 def record_vectors(model: nn.Module):
-    """Record the query and key vectors of every `multihead` attention layer in ``model`` called
-    inside the ``with`` block, through their ``q`` and ``k`` hook points (layers with
-    ``context_parallel``, which have none, are skipped)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"record_vectors: model must be an nn.Module, got {type(model).__name__}")
+    """Record the query and key vectors of every attention layer in ``model`` with hook points
+    (:func:`multihead.hooks.hook_points`: `multihead` layers, a Hugging Face model's attention
+    modules on the backend) called inside the ``with`` block, through their ``q`` and ``k`` hook
+    points (layers with ``context_parallel``, which have none, are skipped)."""
+    layers = layers_of(model, "record_vectors")
     capture = QueryKeyCapture()
 
     def on_q(q: Tensor, name: str) -> None:
@@ -56,8 +56,8 @@ def record_vectors(model: nn.Module):
 
     handles = []
     try:
-        for name, module in model.named_modules():
-            if isinstance(module, HookPoints) and getattr(module, "context_parallel", None) is None:
+        for name, module in layers.items():
+            if getattr(module, "context_parallel", None) is None:
                 label = name or type(module).__name__
                 handles += [add_hook(module, "q", on_q, name=label), add_hook(module, "k", on_k, name=label)]
         yield capture
@@ -75,11 +75,14 @@ def record_attention(
     name: str = "model",
     caption: str = "",
     highlight=None,
+    batch: int | None = None,
     **kwargs,
 ) -> ViewerSource:
     """One forward ``model(*inputs, **kwargs)`` as a :class:`ViewerSource` with queries and keys
-    (the neuron view), for the first sequence of the batch. ``tokens`` name its query tokens,
-    ``k_tokens`` its keys when they differ (cross-attention)."""
+    (the neuron view), for sequence ``batch`` of the batch (needed when there are several).
+    ``tokens`` name its query tokens, ``k_tokens`` its keys when they differ (cross-attention).
+    ``model`` is a model of `multihead` layers or a Hugging Face model on the backend
+    (:func:`multihead.hooks.hook_points`)."""
     with capture_attention(model) as cap, record_vectors(model) as vec:
         model(*inputs, **kwargs)
     if not cap.weights:
@@ -89,16 +92,29 @@ def record_attention(
             f"record_attention: {len(cap.weights)} attention calls recorded weights but "
             f"{len(vec.queries)} recorded vectors; only multihead attention layers give their vectors"
         )
+    # A Hugging Face module's scale is its own (Gemma 2's is not 1/sqrt(D)): the neuron view splits
+    # each score into q_d k_d scale.
+    scales = {getattr(m, "scaling", None) for m in layers_of(model, "record_attention").values()}
+    B = cap.weights[0].shape[0]
+    if batch is None and B != 1:  # never sequence 0 in silence: the tokens name one sequence
+        raise ValueError(
+            f"record_attention: the inputs hold B={B} sequences and the tokens name one; pass batch=i "
+            f"(0 <= i < {B}) with the tokens of sequence i"
+        )
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or not -B <= batch < B):
+        raise ValueError(f"record_attention: batch must be an int in [0, {B}) (the sequence shown), got {batch!r}")
+    i = 0 if batch is None else batch
     return ViewerSource(
         name,
         tokens,
         tokens if k_tokens is None else k_tokens,
-        [w[0] for w in cap.weights],
+        [w[i] for w in cap.weights],
         list(cap.names),
         caption=caption,
         highlight=highlight,
-        queries=[q[0] for q in vec.queries],
-        keys=[k[0] for k in vec.keys],
+        queries=[q[i] for q in vec.queries],
+        keys=[k[i] for k in vec.keys],
+        scale=scales.pop() if len(scales) == 1 else None,
     )
 
 

@@ -55,7 +55,9 @@ class ViewerSource:
         q_tokens, k_tokens: ``Lq`` and ``Lk`` strings.
         weights: ``(layers, H, Lq, Lk)`` or a list of per-layer ``(H, Lq, Lk)`` / ``(1, H, Lq, Lk)``
             tensors (what :func:`multihead.capture_attention` records for one sequence): probabilities
-            in ``[0, 1]``, not scores.
+            in ``[0, 1]``, not scores. Batched weights (``(layers, B, H, Lq, Lk)``, per-layer
+            ``(B, H, Lq, Lk)`` with ``B > 1``: a capture of a batch, HF's ``attentions`` of a padded
+            batch) need ``batch``.
         layer_names: one per layer; default ``layer 0``, ``layer 1``, ...
         caption: a line shown above the views.
         highlight: ``(layer, head, label)`` of a head to open first and mark in the model view.
@@ -71,6 +73,9 @@ class ViewerSource:
             is decode step ``s`` (the token fed in, attending to the keys up to it).
         generated: the token each decode step produced, one per step (``Lq - prompt_len + 1``);
             default: the next token of ``q_tokens``, and ``""`` for the last step.
+        batch: which sequence of batched ``weights`` (and ``queries``, ``keys``) the tokens belong
+            to; batched tensors without it are refused (the page would otherwise pair one
+            sequence's weights with another's tokens). A batch of one needs none.
     """
 
     name: str
@@ -85,10 +90,13 @@ class ViewerSource:
     scale: float | None = None
     prompt_len: int | None = None
     generated: list[str] | None = None
+    batch: int | None = None
 
     def to_json(self) -> dict:
         """The source as the viewer's JSON: tokens, weights ``(layers, H, Lq, Lk)`` rounded, names."""
-        w = _stack(self.weights, self.name, "weights")  # (layers, H, Lq, Lk)
+        if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int)):
+            raise TypeError(f"ViewerSource {self.name!r}: batch must be None or an int, got {self.batch!r}")
+        w = _stack(self.weights, self.name, "weights", self.batch)  # (layers, H, Lq, Lk)
         layers, heads, lq, lk = w.shape
         if len(self.q_tokens) != lq or len(self.k_tokens) != lk:
             raise ValueError(
@@ -150,8 +158,8 @@ class ViewerSource:
                 f"ViewerSource {self.name!r}: the neuron view needs both queries and keys, got only "
                 f"{'queries' if self.keys is None else 'keys'}"
             )
-        q = _stack(self.queries, self.name, "queries")  # (layers, H, Lq, D)
-        k = _stack(_keys_per_query_head(self.keys, heads), self.name, "keys")  # (layers, H or Hkv, Lk, D)
+        q = _stack(self.queries, self.name, "queries", self.batch)  # (layers, H, Lq, D)
+        k = _stack(_keys_per_query_head(self.keys, heads, self.name, self.batch), self.name, "keys", self.batch)
         D = q.shape[-1]
         if q.shape != (layers, heads, lq, D):
             raise ValueError(
@@ -275,13 +283,23 @@ def _template(name: str) -> str:
     return resources.files("multihead.viz").joinpath(name).read_text(encoding="utf-8")
 
 
-def _stack(tensors, name: str, what: str) -> Tensor:
-    """``(layers, H, L, ·)`` from a tensor or a list of per-layer ``(H, L, ·)`` / ``(1, H, L, ·)``."""
+def _stack(tensors, name: str, what: str, batch: int | None = None) -> Tensor:
+    """``(layers, H, L, ·)`` from a tensor or a list of per-layer ``(H, L, ·)`` / ``(B, H, L, ·)``,
+    the sequence ``batch`` of batched ones (:func:`_one_sequence`)."""
     shape = "(layers, H, Lq, Lk)" if what == "weights" else "(layers, H, L, D)"
     if isinstance(tensors, Tensor):
         w = tensors
+        if w.dim() == 5:  # (layers, B, H, L, ·)
+            w = _one_sequence(w.transpose(0, 1), batch, name, what, "", f"(layers, B, H, L, ·) = {tuple(w.shape)}")
+        elif batch not in (None, 0):
+            raise ValueError(
+                f"ViewerSource {name!r}: batch={batch} but {what} {tuple(w.shape)} hold one sequence "
+                f"{shape}; pass batch=None"
+            )
     else:
-        layers = [t[0] if t.dim() == 4 else t for t in tensors]
+        layers = [
+            _one_sequence(t, batch, name, what, f" of layer {i}") if t.dim() == 4 else t for i, t in enumerate(tensors)
+        ]
         if not layers:
             raise ValueError(f"ViewerSource {name!r}: {what} is an empty list; expected one ({shape[9:]} per layer")
         if len({tuple(t.shape) for t in layers}) > 1:
@@ -295,14 +313,30 @@ def _stack(tensors, name: str, what: str) -> Tensor:
     return w.detach().float().cpu()
 
 
-def _keys_per_query_head(keys, heads: int):
+def _one_sequence(t: Tensor, batch: int | None, name: str, what: str, where: str, shape: str = "") -> Tensor:
+    """Sequence ``batch`` of ``t (B, ...)``; with ``batch=None`` only a batch of one is taken, a
+    larger one is refused with the fix (never element 0 in silence)."""
+    B = t.shape[0]
+    if batch is None:
+        if B != 1:
+            raise ValueError(
+                f"ViewerSource {name!r}: {what}{where} are batched, shape {shape or tuple(t.shape)} with B={B}, and "
+                f"the tokens name one sequence; pass batch=i (0 <= i < {B}) to show sequence i, with its tokens"
+            )
+        return t[0]
+    if not -B <= batch < B:
+        raise ValueError(f"ViewerSource {name!r}: batch={batch} is out of range for {what}{where} with B={B}")
+    return t[batch]
+
+
+def _keys_per_query_head(keys, heads: int, name: str, batch: int | None):
     """Per-layer keys with each KV head copied to the query heads that read it, so that layers of
     different ``Hkv`` (an MHA layer beside a GQA one) stack; a tensor is returned as it is."""
     if isinstance(keys, Tensor):
         return keys
     out = []
-    for k in keys:
-        k = k[0] if k.dim() == 4 else k  # (Hkv, Lk, D)
+    for i, k in enumerate(keys):
+        k = _one_sequence(k, batch, name, "keys", f" of layer {i}") if k.dim() == 4 else k  # (Hkv, Lk, D)
         if k.dim() == 3 and 1 <= k.shape[0] < heads and heads % k.shape[0] == 0:
             k = k.repeat_interleave(heads // k.shape[0], dim=0)  # query head h reads kv_head_of(h)
         out.append(k)

@@ -1,0 +1,343 @@
+"""``QuantizedKVCache``: keys and values stored in 8 bits (int8 or fp8) with scales, the first
+tokens (sinks) and the most recent ones (the residual window) kept in full precision.
+
+A decode step's cost is reading the cache; 8-bit slots halve a bf16 cache's bytes and quarter an
+fp32 one's. Following KIVI, keys are scaled per channel (outlier channels keep their own range)
+and values per token, and a token is quantized only once it leaves the residual window, a group of
+``group`` tokens at a time, since per-channel key scales need several tokens::
+
+    position  0 .. sinks-1 | sinks .. sinks+nq-1            | ... length-1
+              full precision | 8 bits: keys per channel per group, | full precision: the residual
+              (sinks)        | values per token                    | window, residual .. residual+group-1 tokens
+
+The tail holds between ``residual`` and ``residual + group - 1`` tokens: when it reaches
+``residual + group``, its oldest whole groups are quantized together (per channel over each group's
+tokens for keys, per token for values; symmetric, ``scale = amax / 127`` for int8 and
+``amax / 448`` for fp8 ``e4m3fn``). The last ``residual`` tokens written are therefore always
+exact, and so are the first ``sinks``.
+
+Every read returns what the cache holds: slot ``j`` is position ``j`` (one length for every row),
+quantized slots as ``q · scale`` in ``dtype``. A decode step reads them through ``CacheRead.blocks``,
+dequantized a piece at a time into a buffer that stays in cache (never the whole cache dequantized:
+:mod:`multihead.backends.decode_blocks`); a prefill, weights or autograd read ``CacheRead.keys``,
+the whole read dequantized once. Quantized slots carry no gradient (rounding has none); the full-
+precision ones do, as in the other caches.
+
+:meth:`crop` into the quantized region dequantizes the kept part of the last group back into the
+tail (its values are the ones reads returned, so nothing a query sees changes) and keeps the other
+groups with their scales; :meth:`rollback` restores the counts and the tail; :meth:`reorder` moves
+every row's slots and scales together. Error against the fp32 cache: ``docs/inference.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from multihead.backends.decode_blocks import KVBlocks
+from multihead.caches.base import (
+    CacheRead,
+    KVCache,
+    check_continuation,
+    check_crop,
+    check_indices,
+    check_kv,
+    under_autograd,
+)
+
+__all__ = ["QuantizedKVCache", "FORMATS"]
+
+#: format -> (storage dtype name, largest magnitude stored)
+FORMATS = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
+
+
+class QuantizedKVCache(KVCache):
+    """``B`` rows of up to ``max_len`` tokens, one length for every row, stored in 8 bits.
+
+    Args:
+        batch_size, max_len, num_kv_heads, head_dim: ``B``, the tokens a row may hold, ``Hkv``, ``D``;
+            ``value_dim``: ``Dv`` (default ``D``; MLA latent rows: the latent width).
+        bits: 8 (int8 and fp8 ``e4m3fn`` are both 8-bit formats; no other width is implemented).
+        format: ``"int8"`` (symmetric, round to nearest) or ``"fp8"`` (``torch.float8_e4m3fn``).
+        residual: the most recent tokens always kept in full precision.
+        sinks: the first tokens always kept in full precision (attention sinks).
+        group: tokens quantized together; each group has its own per-channel key scales.
+        dtype, device: the compute dtype (what reads return, what new keys must have) and device.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        bits: int = 8,
+        format: str = "int8",
+        residual: int = 64,
+        sinks: int = 4,
+        group: int = 32,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        name = "QuantizedKVCache"
+        value_dim = head_dim if value_dim is None else value_dim
+        for arg, value, low in (
+            ("batch_size", batch_size, 1),
+            ("max_len", max_len, 1),
+            ("num_kv_heads", num_kv_heads, 1),
+            ("head_dim", head_dim, 1),
+            ("value_dim", value_dim, 1),
+            ("residual", residual, 0),
+            ("sinks", sinks, 0),
+            ("group", group, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
+        if format not in FORMATS:
+            raise ValueError(f"{name}: format must be one of {sorted(FORMATS)}, got {format!r}")
+        if bits != 8:
+            raise ValueError(f"{name}: bits must be 8 (int8 and fp8 e4m3fn are 8-bit formats), got {bits!r}")
+        storage = getattr(torch, FORMATS[format][0], None)
+        if storage is None:
+            raise ValueError(f"{name}: format='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            raise TypeError(f"{name}: dtype must be a floating-point torch.dtype of 16 bits or more, got {dtype!r}")
+        self.format, self.bits, self.residual, self.sinks, self.group = format, bits, residual, sinks, group
+        self.max_len = max_len
+        B, Hkv, D, Dv = batch_size, num_kv_heads, head_dim, value_dim
+        groups = -(-max(0, max_len - sinks) // group)
+        full: dict[str, Any] = dict(dtype=dtype, device=device)
+        self.sink_k, self.sink_v = torch.zeros(B, Hkv, sinks, D, **full), torch.zeros(B, Hkv, sinks, Dv, **full)
+        self.q_k = torch.zeros(B, Hkv, groups * group, D, dtype=storage, device=device)
+        self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
+        self.k_scale = torch.ones(B, Hkv, groups, 1, D, **full)  # per channel, per group of tokens
+        self.v_scale = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
+        self.tail_k = torch.zeros(B, Hkv, residual + group, D, **full)
+        self.tail_v = torch.zeros(B, Hkv, residual + group, Dv, **full)
+        self._length = 0  # tokens per row
+        self._quantized = 0  # tokens in the 8-bit region (a multiple of group)
+        self._undo: tuple[Any, ...] | None = None
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def lengths(self) -> Tensor:
+        return torch.full((self.batch_size,), self._length, dtype=torch.int64, device=self.tail_k.device)
+
+    @property
+    def batch_size(self) -> int:
+        """``B``: the rows held (:meth:`reorder` may change it)."""
+        return self.tail_k.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: what reads return and what new keys and values must have."""
+        return self.tail_k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        held = (self.sink_k, self.sink_v, self.q_k, self.q_v, self.k_scale, self.v_scale, self.tail_k, self.tail_v)
+        return sum(t.numel() * t.element_size() for t in held)
+
+    @property
+    def _tail(self) -> int:
+        """Tokens in the full-precision tail."""
+        return max(0, self._length - self.sinks - self._quantized)
+
+    def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
+        return torch.arange(self._length, self._length + new, device=device)
+
+    def slots(self, new: int) -> int:
+        return self._length + new
+
+    def _held(self) -> str:
+        B, Hkv, _, D = self.tail_k.shape
+        return (
+            f"QuantizedKVCache(batch_size={B}, max_len={self.max_len}, num_kv_heads={Hkv}, head_dim={D}, "
+            f"format={self.format!r}, dtype={self.dtype})"
+        )
+
+    # ------------------------------------------------------------------------------ changes
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
+        name = type(self).__name__
+        B, Hkv, _, D = self.tail_k.shape
+        check_kv(
+            name,
+            k,
+            v,
+            batch=B,
+            heads=Hkv,
+            head_dim=D,
+            value_dim=self.tail_v.shape[3],
+            dtype=self.dtype,
+            device=self.tail_k.device,
+            held=self._held(),
+        )
+        new = k.shape[2]
+        expected = self.next_positions(new, k.device)
+        if positions is not None:
+            check_continuation(name, positions, expected, B)
+        if self._length + new > self.max_len:
+            raise ValueError(
+                f"{name}.update: writing {new} tokens after the {self._length} stored would pass "
+                f"max_len={self.max_len}; hint: allocate a larger cache or crop it first"
+            )
+        copies = under_autograd(k, v, self.sink_k, self.sink_v, self.tail_k, self.tail_v)
+        self._undo = (
+            self._length,
+            self._quantized,
+            (self.sink_k, self.sink_v, self.tail_k, self.tail_v) if copies else None,
+            None if copies else (self.sink_k.clone(), self.sink_v.clone(), self.tail_k.clone(), self.tail_v.clone()),
+        )
+        if copies:  # earlier steps saved these buffers for their backward: write into copies
+            self.sink_k, self.sink_v = self.sink_k.clone(), self.sink_v.clone()
+            self.tail_k, self.tail_v = self.tail_k.clone(), self.tail_v.clone()
+        into_sinks = max(0, min(new, self.sinks - self._length))
+        if into_sinks:
+            self.sink_k[:, :, self._length : self._length + into_sinks] = k[:, :, :into_sinks]
+            self.sink_v[:, :, self._length : self._length + into_sinks] = v[:, :, :into_sinks]
+        rest_k, rest_v = k[:, :, into_sinks:], v[:, :, into_sinks:]
+        tail = self._tail
+        held_k = torch.cat([self.tail_k[:, :, :tail], rest_k], dim=2)  # (B, Hkv, tail + rest, D)
+        held_v = torch.cat([self.tail_v[:, :, :tail], rest_v], dim=2)
+        over = held_k.shape[2] - self.residual
+        count = (over // self.group) * self.group if over >= self.group else 0  # whole groups leave the window
+        if count:
+            self._store(held_k[:, :, :count].detach(), held_v[:, :, :count].detach())
+        kept = held_k.shape[2] - count
+        self.tail_k[:, :, :kept] = held_k[:, :, count:]
+        self.tail_v[:, :, :kept] = held_v[:, :, count:]
+        self._length += new
+        return CacheRead(None, None, expected, blocks=_QuantizedBlocks(self))
+
+    def _store(self, k: Tensor, v: Tensor) -> None:
+        """Quantize ``count`` tokens (whole groups) after the 8-bit region: keys per channel per
+        group, values per token; the scales are rounded to ``dtype`` before use, so that ``q ·
+        scale`` is what every read returns."""
+        B, Hkv, count, D = k.shape
+        top = FORMATS[self.format][1]
+        g, n0 = self.group, self._quantized
+        k = k.view(B, Hkv, count // g, g, D)
+        k_scale = (k.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=1e-30).to(self.dtype)  # (B,Hkv,n,1,D)
+        v_scale = (v.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=1e-30).to(self.dtype)  # (B,Hkv,n·g,1)
+        self.k_scale[:, :, n0 // g : (n0 + count) // g] = k_scale
+        self.v_scale[:, :, n0 : n0 + count] = v_scale
+        q_k = _quantize(k.float() / k_scale.float(), self.q_k.dtype, top)  # (B, Hkv, n, g, D)
+        self.q_k[:, :, n0 : n0 + count] = q_k.view(B, Hkv, count, D)
+        self.q_v[:, :, n0 : n0 + count] = _quantize(v.float() / v_scale.float(), self.q_v.dtype, top)
+        self._quantized += count
+
+    def dequantized(self, a: int, b: int) -> tuple[Tensor, Tensor]:
+        """The 8-bit slots ``[a, b)`` of the quantized region (``a`` a multiple of ``group``) as
+        ``(keys, values)`` in ``dtype``: ``q · scale``, each rounded once."""
+        B, Hkv, _, D = self.q_k.shape
+        g = self.group
+        n = b - a
+        whole = -(-n // g) * g
+        keys = self.q_k[:, :, a : a + whole].to(self.dtype).view(B, Hkv, whole // g, g, D)
+        keys = keys.mul_(self.k_scale[:, :, a // g : (a + whole) // g]).view(B, Hkv, whole, D)[:, :, :n]
+        values = self.q_v[:, :, a:b].to(self.dtype).mul_(self.v_scale[:, :, a:b])
+        return keys, values
+
+    def rollback(self) -> None:
+        if self._undo is None:
+            raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
+        self._length, self._quantized, originals, copies = self._undo
+        if originals is not None:
+            self.sink_k, self.sink_v, self.tail_k, self.tail_v = originals
+        else:
+            for buffer, saved in zip((self.sink_k, self.sink_v, self.tail_k, self.tail_v), copies):
+                buffer.copy_(saved)
+        self._undo = None
+
+    def crop(self, length: int | Tensor) -> None:
+        name = type(self).__name__
+        length = check_crop(name, length, None, per_row=False)
+        assert isinstance(length, int)  # per_row=False refuses tensors
+        n = min(length, self._length)
+        first = self.sinks + self._quantized  # the tail's first position
+        if self.sinks < n < first:  # inside the 8-bit region: its last, partial group back to the tail
+            kept = n - self.sinks
+            whole = (kept // self.group) * self.group
+            if kept > whole:
+                keys, values = self.dequantized(whole, kept)
+                if under_autograd(None, None, self.tail_k, self.tail_v):
+                    self.tail_k, self.tail_v = self.tail_k.detach().clone(), self.tail_v.detach().clone()
+                self.tail_k[:, :, : kept - whole] = keys
+                self.tail_v[:, :, : kept - whole] = values
+            self._quantized = whole
+        elif n <= self.sinks:
+            self._quantized = 0
+        self._length, self._undo = n, None
+
+    def reorder(self, indices: Tensor) -> None:
+        """Row ``i`` becomes the old row ``indices[i]`` (slots and scales together); ``B' = len(indices)``."""
+        indices = check_indices(type(self).__name__, indices, self.batch_size, self.tail_k.device)
+        for attr in ("sink_k", "sink_v", "q_k", "q_v", "k_scale", "v_scale", "tail_k", "tail_v"):
+            setattr(self, attr, getattr(self, attr).index_select(0, indices))
+        self._undo = None
+
+    def reset(self) -> None:
+        for attr in ("sink_k", "sink_v", "tail_k", "tail_v"):
+            if getattr(self, attr).requires_grad:  # let go of the last sequence's graph
+                setattr(self, attr, getattr(self, attr).detach().clone())
+        self._length, self._quantized, self._undo = 0, 0, None
+
+    def __repr__(self) -> str:
+        return f"{self._held()[:-1]}, length={self._length}, quantized={self._quantized}, nbytes={self.nbytes})"
+
+
+def _quantize(x: Tensor, storage: torch.dtype, top: float) -> Tensor:
+    """``x`` (already divided by its scale, so within ``[-top, top]``) in the storage dtype."""
+    if storage == torch.int8:
+        return x.round_().clamp_(-top, top).to(torch.int8)
+    return x.clamp_(-top, top).to(storage)
+
+
+class _QuantizedBlocks(KVBlocks):
+    """The slots of a read: sinks and tail as views, the 8-bit region dequantized a piece (whole
+    groups) at a time. Holds the cache's buffers and counts as they were at the read."""
+
+    def __init__(self, cache: QuantizedKVCache):
+        B, Hkv, _, D = cache.tail_k.shape
+        self.cache = cache
+        self.sink_k, self.sink_v, self.tail_k, self.tail_v = cache.sink_k, cache.sink_v, cache.tail_k, cache.tail_v
+        self.sinks = min(cache.sinks, cache.length)
+        self.quantized, self.tail = cache._quantized, cache._tail
+        self.shape = (B, Hkv, cache.length, D, cache.tail_v.shape[3])
+        self.dtype, self.device = cache.dtype, cache.tail_k.device
+        self.grad = torch.is_grad_enabled()  # dense() records autograd as the update would have
+
+    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
+        s, nq = self.sinks, self.quantized
+        if lo < s:
+            yield lo, self.sink_k[:, :, lo : min(hi, s)], self.sink_v[:, :, lo : min(hi, s)]
+        g = self.cache.group
+        step = max(g, (size // g) * g)
+        a0, b0 = max(lo, s) - s, min(hi, s + nq) - s  # within the 8-bit region
+        start = (a0 // g) * g
+        for a in range(start, b0, step):
+            b = min(a + step, b0)
+            keys, values = self.cache.dequantized(a, b)
+            cut = max(a0 - a, 0)
+            yield s + a + cut, keys[:, :, cut:], values[:, :, cut:]
+        t0 = max(lo, s + nq)
+        if t0 < hi:
+            yield t0, self.tail_k[:, :, t0 - s - nq : hi - s - nq], self.tail_v[:, :, t0 - s - nq : hi - s - nq]
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        s, nq, t = self.sinks, self.quantized, self.tail
+        keys, values = self.cache.dequantized(0, nq) if nq else (self.tail_k[:, :, :0], self.tail_v[:, :, :0])
+        with torch.set_grad_enabled(self.grad):
+            return (
+                torch.cat([self.sink_k[:, :, :s], keys, self.tail_k[:, :, :t]], dim=2),
+                torch.cat([self.sink_v[:, :, :s], values, self.tail_v[:, :, :t]], dim=2),
+            )
