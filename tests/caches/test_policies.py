@@ -360,3 +360,32 @@ def test_low_precision_and_non_contiguous_inputs_follow_the_relative_rule(dtype)
         ref, _ = dense_attention(qt, read.keys, read.values, mask)
         baseline = naive_attention(qt, read.keys, read.values, mask)
         assert_relative(out, ref, baseline, 2.0, what=f"{dtype} step {t}")
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [H2O(4, 3), H2O(3, 2, selection="head"), SnapKV(7, window=3), SnapKV(6, window=2, selection="head")],
+    ids=["h2o", "h2o-head", "snapkv", "snapkv-head"],
+)
+def test_through_the_layer_each_step_equals_the_layer_with_the_dropped_keys_masked(policy):
+    """A GQA layer with rotary positions decoding through a policy cache: each step equals the
+    layer without a cache over the whole sequence, with a mask hiding exactly the keys the cache
+    had dropped before that step (per query head, through the grouped mapping)."""
+    torch.manual_seed(0)
+    Hq, Hkv, E, L, P = 4, 2, 32, 20, 9
+    layer = mh.MultiHeadAttention(E, Hq, num_kv_heads=Hkv, causal=True, rope=RotaryEmbedding(E // Hq)).double().eval()
+    x = torch.randn(2, L, E, dtype=DT)
+    cache = mh.DynamicKVCache(policy=policy)
+    with torch.no_grad():
+        layer(x[:, :P], kv_cache=cache)
+        for t in range(P, L):
+            kept = cache.kept_positions  # (B, H, n): H = Hkv, or Hq for per-head selection
+            allowed = torch.zeros(2, kept.shape[1], t + 1, t + 1, dtype=torch.bool)
+            for b in range(2):
+                for h in range(kept.shape[1]):
+                    allowed[b, h, t, [p for p in kept[b, h].tolist() if p >= 0] + [t]] = True
+            allowed[:, :, :t] = torch.ones(t, t + 1, dtype=torch.bool).tril()  # earlier rows: unused
+            allowed = allowed.repeat_interleave(Hq // kept.shape[1], 1)
+            step = layer(x[:, t : t + 1], kv_cache=cache)
+            want = layer(x[:, : t + 1], mask=allowed)[:, t : t + 1]
+            torch.testing.assert_close(step, want)
