@@ -17,6 +17,10 @@ const DATA = JSON.parse(document.getElementById("attention-data").textContent);
 const ROW = 18;            // px per token row in the head and neuron views
 const MIN_WEIGHT = 3;      // lines below 3/255 ~ 0.012 are not drawn: invisible, and costly at 1024 tokens
 const HEAT = 320;          // px of the heatmap's longer side
+const HEAT_MAX = 640;      // px it may grow to, so that up to 53 tokens keep a label each
+const LABEL_ROW = 12;      // px of one 11px label: rows thinner than this label every n-th token
+const LABEL_CHARS = 12;    // characters of a token label before it is cut with "…" (the status line has it whole)
+const LABEL_FONT = "11px ui-monospace, SFMono-Regular, Menlo, monospace";
 const HEAD_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                      "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#843c39", "#7b4173", "#3182bd"];
 const MONO = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
@@ -27,10 +31,12 @@ const state = {
   nkey: null,          // neuron view: hovered key
   pin: { q: null, k: null },
   step: null,          // generation: decode step shown, or null for the whole sequence
+  scale: "one",        // heatmap colour scale: full colour at weight 1 ("one") or at the largest shown ("max")
+  contrast: 1,         // ... divided by this: weights above top / contrast saturate
 };
 // What the last frame drew, for tests and for anyone curious (window.__viewerStats in the console).
 const stats = window.__viewerStats = { renders: 0, lastMs: 0, lines: 0, linesByHead: {}, heatmapLabels: { q: [], k: [] },
-                                       neuron: null };
+                                       neuron: null, colorScale: null };
 const cache = new Map();   // "kind/source/layer/head" -> typed array
 
 const $ = (id) => document.getElementById(id);
@@ -315,7 +321,7 @@ const heatImages = new Map();  // "source/layer/heads" -> canvas of one pixel pe
 function heatImage() {
   const s = src();
   const heads = shown();
-  const key = `${state.source}/${state.layer}/${heads.join(",")}`;
+  const key = `${state.source}/${state.layer}/${heads.join(",")}/${state.scale}/${state.contrast}`;
   if (heatImages.has(key)) return heatImages.get(key);
   const off = document.createElement("canvas");
   off.width = s.lk;
@@ -323,21 +329,68 @@ function heatImage() {
   const octx = off.getContext("2d");
   const img = octx.createImageData(s.lk, s.lq);
   const mats = heads.map((h) => matrix(state.layer, h));
-  const sum = new Float32Array(s.lq * s.lk);
-  for (const m of mats) for (let p = 0; p < sum.length; p++) sum[p] += m[p];
-  for (let p = 0; p < sum.length; p++) blues(img, p, mats.length ? sum[p] / mats.length : 0);
+  const mean = new Float32Array(s.lq * s.lk);  // 0..255, the shown heads' mean
+  for (const m of mats) for (let p = 0; p < mean.length; p++) mean[p] += m[p] / mats.length;
+  let lo = mean.length ? Infinity : 0, hi = mean.length ? -Infinity : 0;
+  for (let p = 0; p < mean.length; p++) { lo = Math.min(lo, mean[p]); hi = Math.max(hi, mean[p]); }
+  // The weight drawn in full colour: 1, or the largest shown; the contrast divides it.
+  const full = Math.max(1e-6, (state.scale === "max" ? Math.max(hi, 1) : 255) / state.contrast);
+  for (let p = 0; p < mean.length; p++) blues(img, p, Math.min(255, (mean[p] * 255) / full));
   octx.putImageData(img, 0, 0);
+  const out = { canvas: off, min: lo / 255, max: hi / 255, full: full / 255 };
   if (heatImages.size > 24) heatImages.delete(heatImages.keys().next().value);
-  heatImages.set(key, off);
-  return off;
+  heatImages.set(key, out);
+  return out;
 }
 
+// The colour bar under the heatmap: white to blue from 0 to the weight in full colour, with the
+// shown matrix's smallest and largest weight marked on it.
+function drawColorbar(heat, width) {
+  const h = 30, bar = 10, pad = 8;
+  const ctx = sizeCanvas($("colorbar"), width, h);
+  const w = width - 2 * pad;
+  const img = ctx.createImageData(Math.max(1, Math.round(w)), 1);
+  for (let x = 0; x < img.width; x++) blues(img, x, (255 * x) / Math.max(1, img.width - 1));
+  const strip = document.createElement("canvas");
+  strip.width = img.width;
+  strip.height = 1;
+  strip.getContext("2d").putImageData(img, 0, 0);
+  ctx.imageSmoothingEnabled = false;
+  ctx.drawImage(strip, pad, 0, w, bar);
+  ctx.strokeStyle = "#d9d9de";
+  ctx.strokeRect(pad, 0, w, bar);
+  ctx.font = LABEL_FONT;
+  ctx.fillStyle = "#1d1d1f";
+  ctx.textBaseline = "top";
+  const at = (v) => pad + Math.min(1, v / heat.full) * w;
+  for (const v of [heat.min, heat.max]) ctx.fillRect(at(v) - 0.5, 0, 1.5, bar + 3);  // ticks at the shown extremes
+  ctx.textAlign = "left";
+  ctx.fillText("0", pad, bar + 5);
+  ctx.textAlign = "right";
+  const saturated = heat.max > heat.full + 1e-6;
+  ctx.fillText(`${saturated ? "≥ " : ""}${heat.full.toFixed(2)}`, pad + w, bar + 5);
+  $("scale-label").textContent =
+    `colour: 0 (white) to ${heat.full.toFixed(2)} (full blue)${saturated ? ", darker weights saturate" : ""}; ` +
+    `shown min ${heat.min.toFixed(2)}, max ${heat.max.toFixed(2)}`;
+  stats.colorScale = { min: heat.min, max: heat.max, full: heat.full, scale: state.scale, contrast: state.contrast };
+}
+
+const measurer = document.createElement("canvas").getContext("2d");
+
+// Cells, label step and margins of the heatmap: cells grow (up to HEAT_MAX px in all) before
+// labels are dropped, every n-th token is labelled when rows are thinner than a label, and the
+// margins are the labels' measured widths, so no label runs into another or off the canvas.
 function heatGeometry() {
   const s = src();
-  const cell = Math.min(HEAT / s.lk, HEAT / s.lq, 28);
-  const longest = Math.max(...s.q_tokens.map((t) => Math.min(t.length, 10)), ...s.k_tokens.map((t) => Math.min(t.length, 10)));
-  const margin = cell >= 6 ? 14 + 7 * longest : 34;  // room for labels, or for an axis note
-  return { cell, left: margin, top: margin, width: margin + s.lk * cell + 6, height: margin + s.lq * cell + 6 };
+  let cell = Math.min(HEAT / s.lk, HEAT / s.lq, 28);
+  if (cell < LABEL_ROW) cell = Math.max(cell, Math.min(LABEL_ROW, HEAT_MAX / s.lk, HEAT_MAX / s.lq));
+  const every = Math.max(1, Math.ceil(LABEL_ROW / cell));
+  const labels = (tokens) => tokens.map((t, i) => (i % every ? null : every > 1 ? `${i} ${label(t, LABEL_CHARS)}` : label(t, LABEL_CHARS)));
+  const q = labels(s.q_tokens), k = labels(s.k_tokens);
+  measurer.font = LABEL_FONT;
+  const widest = (texts) => Math.max(0, ...texts.filter((t) => t !== null).map((t) => measurer.measureText(t).width));
+  const left = Math.ceil(widest(q)) + 10, top = Math.ceil(widest(k)) + 10;
+  return { cell, every, left, top, qLabels: q, kLabels: k, width: left + s.lk * cell + 6, height: top + s.lq * cell + 6 };
 }
 
 function drawHeatmap() {
@@ -346,42 +399,37 @@ function drawHeatmap() {
   const ctx = sizeCanvas($("heatmap"), g.width, g.height);
   const pw = s.lk * g.cell, ph = s.lq * g.cell;
   ctx.imageSmoothingEnabled = g.cell < 1;
-  ctx.drawImage(heatImage(), g.left, g.top, pw, ph);
+  const heat = heatImage();
+  ctx.drawImage(heat.canvas, g.left, g.top, pw, ph);
   const row = stepRow();
   if (row !== null) {  // keys and queries that do not exist yet at this step
     ctx.fillStyle = "rgba(255,255,255,0.8)";
     ctx.fillRect(g.left, g.top + (row + 1) * g.cell, pw, ph - (row + 1) * g.cell);
     ctx.fillRect(g.left + (row + 1) * g.cell, g.top, pw - (row + 1) * g.cell, (row + 1) * g.cell);
   }
-  // Token labels: every token when cells are tall enough for text, else every n-th.
-  const every = Math.max(1, Math.ceil(11 / g.cell));
+  // Token labels: every token when cells are tall enough for text, else every n-th, numbered.
   stats.heatmapLabels = { q: [], k: [] };
+  stats.heatmapEvery = g.every;
   ctx.fillStyle = "#1d1d1f";
-  ctx.font = "11px ui-monospace, SFMono-Regular, Menlo, monospace";
+  ctx.font = LABEL_FONT;
   ctx.textBaseline = "middle";
   ctx.textAlign = "right";
-  for (let i = 0; i < s.lq; i += every) {
-    const text = g.cell >= 6 ? label(s.q_tokens[i], 10) : String(i);
-    ctx.fillText(text, g.left - 4, g.top + (i + 0.5) * g.cell);
-    stats.heatmapLabels.q.push(text);
+  for (let i = 0; i < s.lq; i += g.every) {
+    ctx.fillText(g.qLabels[i], g.left - 4, g.top + (i + 0.5) * g.cell);
+    stats.heatmapLabels.q.push(g.qLabels[i]);
   }
   ctx.save();
   ctx.textAlign = "left";
-  for (let j = 0; j < s.lk; j += every) {
-    const text = g.cell >= 6 ? label(s.k_tokens[j], 10) : String(j);
+  for (let j = 0; j < s.lk; j += g.every) {
     const dpr = window.devicePixelRatio || 1;
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.translate(g.left + (j + 0.5) * g.cell, g.top - 4);
     ctx.rotate(-Math.PI / 2);
-    ctx.fillText(text, 0, 0);
-    stats.heatmapLabels.k.push(text);
+    ctx.fillText(g.kLabels[j], 0, 0);
+    stats.heatmapLabels.k.push(g.kLabels[j]);
   }
   ctx.restore();
-  if (g.cell < 6) {
-    ctx.fillStyle = "#6b6b70";
-    ctx.textAlign = "left";
-    ctx.fillText("rows: queries, columns: keys (token numbers)", 4, 10);
-  }
+  drawColorbar(heat, g.width);
   // Outlines: the hovered token's row or column, the hovered cell, the step's row.
   ctx.strokeStyle = "#e0892b";
   ctx.lineWidth = 1.5;
@@ -758,6 +806,8 @@ $("step-prev").addEventListener("click", () => setStep(Math.max(0, (state.step =
 $("step-next").addEventListener("click", () =>
   setStep(Math.min(src().lq - src().prompt_len, state.step === null ? 0 : state.step + 1)));
 $("step-all").addEventListener("click", () => setStep(null));
+$("scale").addEventListener("change", (e) => { state.scale = e.target.value; render(); });
+$("contrast").addEventListener("input", (e) => { state.contrast = Number(e.target.value); render(); });
 $("thumb-size").addEventListener("input", (e) => document.documentElement.style.setProperty("--thumb", `${e.target.value}px`));
 for (const v of ["head", "model", "neuron"]) $(`tab-${v}`).addEventListener("click", () => setView(v));
 
