@@ -580,7 +580,7 @@ def test_colour_scale_and_contrast_change_the_heatmap_and_say_its_range(browser,
     scale = _stats(browser)["colorScale"]
     assert abs(scale["full"] - hi / 4) < 1e-6 and scale["contrast"] == 4
     assert _darkness(browser) > relative * 1.3
-    assert "darker weights saturate" in browser.find_element("id", "scale-label").text
+    assert "stronger values saturate" in browser.find_element("id", "scale-label").text
 
     _select(browser, "scale", "one")
     _set_range(browser, "contrast", 1)
@@ -615,4 +615,55 @@ def test_heatmap_labels_every_token_up_to_53_and_every_nth_numbered_beyond(brows
     labels = _stats(browser)["heatmapLabels"]["k"]
     assert every == 4 and labels[:3] == ["0 t0", "4 t4", "8 t8"] and len(labels) == L // every
     assert browser.execute_script("return heatGeometry().cell") * every >= 12  # a label's height apart
+    assert _errors(browser) == []
+
+
+def _reds_and_blues(driver) -> tuple[int, int]:
+    """Pixels of the heatmap's matrix area leaning red (negative) and blue (positive)."""
+    return tuple(
+        driver.execute_script(
+            """const g = heatGeometry(), s = DATA.sources[state.source], c = document.getElementById('heatmap');
+            const dpr = window.devicePixelRatio || 1;
+            const d = c.getContext('2d').getImageData(g.left * dpr, g.top * dpr, s.lk * g.cell * dpr,
+                                                      s.lq * g.cell * dpr).data;
+            let red = 0, blue = 0;
+            for (let p = 0; p < d.length; p += 4) {
+              if (d[p] > d[p + 2] + 40) red++;
+              else if (d[p + 2] > d[p] + 40) blue++;
+            }
+            return [red, blue];"""
+        )
+    )
+
+
+def test_signed_values_take_a_diverging_palette_and_are_said_with_their_sign(browser, tmp_path):
+    g = torch.Generator().manual_seed(5)
+    scores = 3 * torch.randn(1, 2, 6, 6, generator=g)  # e.g. scores, or the difference of two heads
+    signed = ViewerSource("diff", TOKENS, TOKENS, scores, signed=True)
+    probabilities = ViewerSource("p", TOKENS, TOKENS, torch.softmax(scores, -1))
+    _load(browser, write_viewer(tmp_path / "v.html", [signed, probabilities]))
+    _click(browser, ".head-toggle[data-head='0']", double=True)
+    step = float(scores.abs().max()) / 127  # one step of the 8-bit code
+    scale = _stats(browser)["colorScale"]
+    assert scale["signed"] and abs(scale["full"] - float(scores.abs().max())) < 1e-4
+    assert (
+        abs(scale["min"] - float(scores[0, 0].min())) <= step and abs(scale["max"] - float(scores[0, 0].max())) <= step
+    )
+    red, blue = _reds_and_blues(browser)
+    assert red > 0 and blue > 0, (red, blue)  # negative and positive values, each in its colour
+    assert "(full red), 0 (white) to +" in browser.find_element("id", "scale-label").text
+    i, j = int(scores[0, 0].argmin()) // 6, int(scores[0, 0].argmin()) % 6
+    _hover_cell(browser, i, j)
+    top = float(scores.abs().max())
+    value = f"{round(127 * float(scores[0, 0, i, j]) / top) * top / 127:.2f}"  # as the page stores it (8 bits)
+    assert value.startswith("-") and f"value {value}" in _status(browser), _status(browser)
+    _hover_token(browser, "q", 2)  # "attends most": the largest value, not the largest magnitude
+    k = int(scores[0, 0, 2].argmax())
+    assert f'attends most to key {k} "{TOKENS[k]}"' in _status(browser)
+    assert _region_spread(browser, "colorbar") > 0.02
+
+    _select(browser, "source", "1")  # the probabilities of the same scores: blues only
+    assert not _stats(browser)["colorScale"]["signed"]
+    red, blue = _reds_and_blues(browser)
+    assert red == 0 and blue > 0
     assert _errors(browser) == []
