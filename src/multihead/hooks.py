@@ -84,7 +84,7 @@ class HookHandle:
 
     _next_id = 0
 
-    def __init__(self, layer: HookPoints, point: str):
+    def __init__(self, layer: HookPoints | nn.Module, point: str):
         self.layer, self.point = layer, point
         HookHandle._next_id += 1
         self.id = HookHandle._next_id
@@ -109,7 +109,7 @@ class HookHandle:
         return f"HookHandle({type(self.layer).__name__}.{self.point}, id={self.id})"
 
 
-def add_hook(layer: HookPoints, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
+def add_hook(layer: HookPoints | nn.Module, point: str, fn: Hook, *, name: str | None = None) -> HookHandle:
     """Call ``fn(tensor, name)`` at ``point`` of ``layer`` on every forward (module docstring);
     hooks at one point run in the order they were added. Returns a :class:`HookHandle`."""
     if not isinstance(layer, HookPoints) and not found_by_finders(layer):
@@ -257,10 +257,20 @@ def observed_attention(
         validate_weights_selection(c.weights_heads, c.weights_rows, q=q, return_weights=True) for c in captures
     ]
     held = (union([h for h, _ in wanted]), union([r for _, r in wanted]))
-    options = dict(mask=mask, score_mod=score_mod, softcap=softcap, sinks=sinks, scale=scale, dropout_p=dropout_p)
     weights = None
     if hooks is not None and ("scores" in hooks or "pattern" in hooks):
-        y, pattern = explicit_attention(q, k, v, hooks=hooks, **options)  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
+        y, pattern = explicit_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            softcap=softcap,
+            sinks=sinks,
+            scale=scale,
+            dropout_p=dropout_p,
+            hooks=hooks,
+        )  # (B, Hq, Lq, Dv), (B, Hq, Lq, Lk)
         if wanted:
             weights = take(pattern, (None, None), held).to(q.dtype)
     elif wanted:
@@ -268,7 +278,12 @@ def observed_attention(
             q,
             k,
             v,
-            **options,
+            mask=mask,
+            score_mod=score_mod,
+            softcap=softcap,
+            sinks=sinks,
+            scale=scale,
+            dropout_p=dropout_p,
             return_weights=True,
             backend=backend,
             check_finite=check_finite,
@@ -277,7 +292,19 @@ def observed_attention(
         )
         y, weights = result.output, result.weights  # (B, Hq, Lq, Dv), (B, h, r, Lk)
     else:
-        y = attention(q, k, v, **options, backend=backend, check_finite=check_finite)
+        y = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            softcap=softcap,
+            sinks=sinks,
+            scale=scale,
+            dropout_p=dropout_p,
+            backend=backend,
+            check_finite=check_finite,
+        )
     if hooks is not None:
         y = run_hooks(hooks, "output", y)  # (B, Hq, Lq, Dv): head h at y[:, h]
     if captures:

@@ -80,7 +80,7 @@ def _declarations(module: nn.Module) -> list[Any] | None:
     """The attention specs ``module`` declares as a Hugging Face model, ``None`` when it is none."""
     if not hasattr(type(module), "_can_record_outputs") or getattr(module, "config", None) is None:
         return None  # not a PreTrainedModel (its attention modules have a config, not this attribute)
-    table = type(module)._can_record_outputs or {}
+    table = getattr(type(module), "_can_record_outputs", None) or {}
     specs = []
     for key in _KEYS:
         found = table.get(key)
