@@ -1,6 +1,7 @@
-"""Decode step: one new token per sequence against a KV cache, ``Hq=32, Hkv=8, D=128``, fp32,
-cache lengths 1k / 4k / 8k / 32k, batch 1 and 8 (``--quick``: batch 1 at 4k and 32k, and batch 8 at
-8k, whose 512 MiB of K/V exceed the last-level cache).
+"""Decode step: one new token per sequence against a KV cache, ``Hq=32, Hkv=8, D=128``, fp32 and
+bf16 (``--dtypes``), cache lengths 1k / 4k / 8k / 32k, batch 1 and 8 (``--quick``: batch 1 at 4k
+and 32k, and batch 8 at 8k, whose 512 MiB of fp32 K/V exceed the last-level cache). The matmul
+peaks (2048³, fp32 and bf16) are printed first.
 
 A decode step is bound by reading K/V from memory, so the unit is bytes of K/V read per second
 (``2·B·Hkv·Lk·D·4`` bytes per step) against the machine's memory read bandwidth, measured in
@@ -15,6 +16,12 @@ fp64 reference (batch element 0):
   rows of one matmul per KV head, ``softmax(q Kᵀ) V``;
 * ``multihead auto``: ``multihead.attention(q, k, v, mask=causal())`` (the backend auto
   chose is printed), and ``multihead decode``: the same with ``backend="decode"``.
+
+``--caches``: one new token (B=1) after 4k and 32k cached tokens through each cache, a full step
+(update, attention, rollback): a contiguous ``StaticKVCache``, a ``PagedKVCache`` (one run of pages,
+fragmented pages, and the gather of every page that the read did before), a
+``SlidingWindowKVCache`` ring against the static cache with the same window, and a
+``QuantizedKVCache`` (int8; fp8 at 4k) against the contiguous bf16 step (``decode_caches.csv``).
 
 Every call is timed in interleaved rounds keeping its fastest (:func:`common.fastest_ms`): on a
 shared machine other processes only ever add time. Threads: the suite's (``BENCH_THREADS=1`` for

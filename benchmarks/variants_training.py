@@ -11,7 +11,7 @@ learned positions) with the attention of every block swapped for the variant:
 The task needs attention: each sequence is 24 random tokens (vocabulary 16) then the same 24
 again, and the loss is the cross-entropy of the second half, which only a head that looks back
 24 tokens can bring below ``ln 16``. Every variant starts from the same seed, sees the same
-batches (32 sequences a step) and trains with AdamW (lr 3e-3) for ``--steps`` steps. Printed:
+batches (32 sequences a step) and trains with AdamW (lr 3e-3) for ``--steps`` steps, on one thread. Printed:
 the loss every 25 steps (the mean of the last 25) and the wall time of each run; written: a CSV
 and, with ``--update-docs``, ``docs/img/variants_training.png``.
 
@@ -72,7 +72,7 @@ def train(name: str, steps: int, every: int) -> tuple[list[int], list[float], fl
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % every == 0:
             xs.append(step)
             ys.append(sum(losses[-every:]) / every)
@@ -80,6 +80,9 @@ def train(name: str, steps: int, every: int) -> tuple[list[int], list[float], fl
 
 
 def main() -> None:
+    # One thread: the model is tiny, and a second OpenMP thread on a shared machine spins for
+    # work between the many small ops instead of doing it.
+    torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--update-docs", action="store_true", help="write docs/img/variants_training.png")

@@ -380,6 +380,21 @@ def test_auto_takes_decode_shaped_calls_and_explain_names_it():
             assert "backend: decode (chosen by auto)" in str(report) and "folded into the rows" in str(report)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_auto_takes_decode_for_half_steps_that_see_every_key(dtype):
+    """fp16/bf16: the decode path's K Qᵀ read beat SDPA's fold (docs/performance.md), so a GQA step
+    that sees every key runs here, and is as exact as the relative rule asks."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 1, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 1024, 64, generator=g).to(dtype) for _ in range(2))
+    for mask in (None, mh.causal()):
+        report = mh.explain(q, k, v, mask=mask)
+        assert report.backend == "decode", str(report)
+        out = mh.attention(q, k, v, mask=mask)
+        ref = mh.reference_attention(q.double(), k.double(), v.double()).output
+        assert_relative(out, ref, naive_attention(q, k, v, None), factor=2)
+
+
 def test_auto_leaves_prefill_shaped_and_tiny_calls_to_the_fused_kernels():
     tiny = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 64, 16)
     report = mh.explain(tiny[0], tiny[1], tiny[1], mask=mh.causal())

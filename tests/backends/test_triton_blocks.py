@@ -21,6 +21,7 @@ import torch
 import multihead as mh
 from helpers import Case, assert_relative, make_inputs, naive_attention, optional
 from multihead.backends import triton_blocks
+from multihead.blocks import Extent
 from multihead.validation import validate_call
 
 NAME = "triton_blocks"
@@ -142,7 +143,8 @@ def _check(case: Case, dtype: torch.dtype, tiles, score_mod=None) -> None:
     def naive(q, k, v):  # the baseline: the same computation in the input dtype
         scores = (q @ k.repeat_interleave(case.Hq // case.Hkv, 1).transpose(-2, -1)) * case.D**-0.5
         if mod is not None:
-            scores = mod.apply_block(scores, 0, case.Lq, 0, case.Lk)
+            extent = Extent(case.B, case.Hq, case.Lq, case.Lk)
+            scores = mod.apply_block(extent, extent.whole(), scores)
         if mask is not None:
             scores = scores.masked_fill(~mask.materialize(case.B, case.Hq, case.Lq, case.Lk), float("-inf"))
         return naive_attention(q, k, v, mask, score_mod=mod), torch.logsumexp(scores, -1)

@@ -532,3 +532,138 @@ def test_1024_tokens_render_and_respond_in_time(browser, tmp_path):
     _click(browser, "#tab-model")
     assert _region_spread(browser, "grid") > 0.02
     assert _errors(browser) == []
+
+
+# ---------------------------------------------------------------------- colour scale and labels
+def _darkness(driver) -> float:
+    """Mean of 255 - red over the heatmap's matrix area (0: white; blues lower the red channel most)."""
+    return driver.execute_script(
+        """const g = heatGeometry(), s = DATA.sources[state.source], c = document.getElementById('heatmap');
+        const dpr = window.devicePixelRatio || 1;
+        const d = c.getContext('2d').getImageData(g.left * dpr, g.top * dpr, s.lk * g.cell * dpr,
+                                                  s.lq * g.cell * dpr).data;
+        let sum = 0;
+        for (let p = 0; p < d.length; p += 4) sum += 255 - d[p];
+        return sum / (d.length / 4);"""
+    )
+
+
+def _set_range(driver, element_id: str, value: float):
+    driver.execute_script(
+        "const e = document.getElementById(arguments[0]); e.value = arguments[1];"
+        "e.dispatchEvent(new Event('input', {bubbles: true}));",
+        element_id,
+        str(value),
+    )
+    _frame(driver)
+
+
+def test_colour_scale_and_contrast_change_the_heatmap_and_say_its_range(browser, tmp_path):
+    g = torch.Generator().manual_seed(3)
+    w = torch.softmax(torch.randn(1, 2, 6, 6, generator=g), dim=-1)  # diffuse: the largest weight is well below 1
+    _load(browser, write_viewer(tmp_path / "v.html", [ViewerSource("m", TOKENS, TOKENS, w)]))
+    _click(browser, ".head-toggle[data-head='0']", double=True)
+    lo, hi = _q(w[0, 0].min()), _q(w[0, 0].max())
+    scale = _stats(browser)["colorScale"]
+    assert scale["full"] == 1 and abs(scale["min"] - lo) < 1e-6 and abs(scale["max"] - hi) < 1e-6
+    label = browser.find_element("id", "scale-label").text
+    assert "0 (white) to 1.00 (full blue)" in label and f"shown min {lo:.2f}, max {hi:.2f}" in label
+    assert _region_spread(browser, "colorbar") > 0.02  # a gradient, not a blank strip
+    absolute = _darkness(browser)
+
+    _select(browser, "scale", "max")  # full colour at the largest shown weight
+    assert abs(_stats(browser)["colorScale"]["full"] - hi) < 1e-6
+    relative = _darkness(browser)
+    assert relative > absolute * 1.3, (absolute, relative)
+
+    _set_range(browser, "contrast", 4)
+    scale = _stats(browser)["colorScale"]
+    assert abs(scale["full"] - hi / 4) < 1e-6 and scale["contrast"] == 4
+    assert _darkness(browser) > relative * 1.3
+    assert "stronger values saturate" in browser.find_element("id", "scale-label").text
+
+    _select(browser, "scale", "one")
+    _set_range(browser, "contrast", 1)
+    assert abs(_darkness(browser) - absolute) < 1e-6  # back where it started
+    assert _errors(browser) == []
+
+
+def test_heatmap_labels_every_token_up_to_53_and_every_nth_numbered_beyond(browser, tmp_path):
+    tokens = [f"tok{i}" for i in range(32)]  # at 32 tokens every second label was hidden
+    tokens[5] = "a_very_long_word_piece_that_goes_on_and_on"
+    w32 = torch.softmax(torch.randn(1, 1, 32, 32), dim=-1)
+    _load(browser, write_viewer(tmp_path / "v32.html", [ViewerSource("m", tokens, tokens, w32)]))
+    labels = _stats(browser)["heatmapLabels"]
+    assert len(labels["q"]) == len(labels["k"]) == 32 and _stats(browser)["heatmapEvery"] == 1
+    assert labels["q"][5] == "a_very_long…" and labels["q"][7] == "tok7"
+    # The margins hold the widest label: none runs off the canvas or into the matrix.
+    room = browser.execute_script(
+        """const g = heatGeometry(); const c = document.getElementById('heatmap').getContext('2d');
+        c.font = LABEL_FONT;
+        const widest = Math.max(...g.qLabels.filter((t) => t !== null).map((t) => c.measureText(t).width));
+        return [g.left - 4 - widest, g.top - 4 - widest];"""
+    )
+    assert min(room) >= 0, room
+    _hover_cell(browser, 5, 7)
+    assert 'query 5 "a_very_long_word_piece_that_goes_on_and_on" → key 7 "tok7"' in _status(browser)  # whole here
+
+    L = 200
+    tokens = [f"t{i}" for i in range(L)]
+    uniform = torch.full((1, 1, L, L), 1 / L)
+    _load(browser, write_viewer(tmp_path / "v200.html", [ViewerSource("m", tokens, tokens, uniform)]))
+    every = _stats(browser)["heatmapEvery"]
+    labels = _stats(browser)["heatmapLabels"]["k"]
+    assert every == 4 and labels[:3] == ["0 t0", "4 t4", "8 t8"] and len(labels) == L // every
+    assert browser.execute_script("return heatGeometry().cell") * every >= 12  # a label's height apart
+    assert _errors(browser) == []
+
+
+def _reds_and_blues(driver) -> tuple[int, int]:
+    """Pixels of the heatmap's matrix area leaning red (negative) and blue (positive)."""
+    return tuple(
+        driver.execute_script(
+            """const g = heatGeometry(), s = DATA.sources[state.source], c = document.getElementById('heatmap');
+            const dpr = window.devicePixelRatio || 1;
+            const d = c.getContext('2d').getImageData(g.left * dpr, g.top * dpr, s.lk * g.cell * dpr,
+                                                      s.lq * g.cell * dpr).data;
+            let red = 0, blue = 0;
+            for (let p = 0; p < d.length; p += 4) {
+              if (d[p] > d[p + 2] + 40) red++;
+              else if (d[p + 2] > d[p] + 40) blue++;
+            }
+            return [red, blue];"""
+        )
+    )
+
+
+def test_signed_values_take_a_diverging_palette_and_are_said_with_their_sign(browser, tmp_path):
+    g = torch.Generator().manual_seed(5)
+    scores = 3 * torch.randn(1, 2, 6, 6, generator=g)  # e.g. scores, or the difference of two heads
+    signed = ViewerSource("diff", TOKENS, TOKENS, scores, signed=True)
+    probabilities = ViewerSource("p", TOKENS, TOKENS, torch.softmax(scores, -1))
+    _load(browser, write_viewer(tmp_path / "v.html", [signed, probabilities]))
+    _click(browser, ".head-toggle[data-head='0']", double=True)
+    step = float(scores.abs().max()) / 127  # one step of the 8-bit code
+    scale = _stats(browser)["colorScale"]
+    assert scale["signed"] and abs(scale["full"] - float(scores.abs().max())) < 1e-4
+    assert (
+        abs(scale["min"] - float(scores[0, 0].min())) <= step and abs(scale["max"] - float(scores[0, 0].max())) <= step
+    )
+    red, blue = _reds_and_blues(browser)
+    assert red > 0 and blue > 0, (red, blue)  # negative and positive values, each in its colour
+    assert "(full red), 0 (white) to +" in browser.find_element("id", "scale-label").text
+    i, j = int(scores[0, 0].argmin()) // 6, int(scores[0, 0].argmin()) % 6
+    _hover_cell(browser, i, j)
+    top = float(scores.abs().max())
+    value = f"{round(127 * float(scores[0, 0, i, j]) / top) * top / 127:.2f}"  # as the page stores it (8 bits)
+    assert value.startswith("-") and f"value {value}" in _status(browser), _status(browser)
+    _hover_token(browser, "q", 2)  # "attends most": the largest value, not the largest magnitude
+    k = int(scores[0, 0, 2].argmax())
+    assert f'attends most to key {k} "{TOKENS[k]}"' in _status(browser)
+    assert _region_spread(browser, "colorbar") > 0.02
+
+    _select(browser, "source", "1")  # the probabilities of the same scores: blues only
+    assert not _stats(browser)["colorScale"]["signed"]
+    red, blue = _reds_and_blues(browser)
+    assert red == 0 and blue > 0
+    assert _errors(browser) == []

@@ -96,6 +96,7 @@ def test_walkthrough_prints_every_step(capsys):
     )
     out = capsys.readouterr().out
     assert code == 0
+    assert out.startswith("multihead walkthrough: one grouped-query (GQA) attention layer")  # its own name
     titles = [
         "input",
         "project to queries, keys and values",

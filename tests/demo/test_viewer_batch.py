@@ -101,3 +101,57 @@ def test_record_attention_of_a_batch_needs_the_index_and_shows_that_sequence():
     source = record_attention(model, x, tokens=TOKENS, batch=2)
     for recorded, captured in zip(source.weights, cap.weights):
         torch.testing.assert_close(recorded, captured[2])
+
+
+# ---------------------------------------------------------------------------------- signed values
+def test_signed_values_are_stored_against_the_largest_magnitude():
+    g = torch.Generator().manual_seed(0)
+    w = 5 * torch.randn(2, 3, 4, 4, generator=g)
+    data = _data(ViewerSource("m", TOKENS, TOKENS, w, signed=True))["sources"][0]
+    scale = float(w.abs().max())
+    assert data["signed"] is True and abs(data["value_scale"] - scale) < 1e-6
+    import base64
+
+    stored = torch.frombuffer(bytearray(base64.b64decode(data["weights"][1][2])), dtype=torch.int8).float()
+    torch.testing.assert_close(stored.view(4, 4) * scale / 127, w[1, 2], rtol=0, atol=scale / 254 + 1e-6)
+    zero = torch.zeros(1, 1, 4, 4)
+    assert _data(ViewerSource("z", TOKENS, TOKENS, zero, signed=True))["sources"][0]["value_scale"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "source, error, pattern",
+    [
+        (
+            lambda: ViewerSource("m", TOKENS, TOKENS, torch.randn(1, 1, 4, 4)),
+            ValueError,
+            r"weights must be attention probabilities in \[0, 1\].*signed=True",
+        ),
+        (
+            lambda: ViewerSource("m", TOKENS, TOKENS, torch.full((1, 1, 4, 4), float("-inf")), signed=True),
+            ValueError,
+            r"signed values must be finite.*masked scores are -inf: replace them",
+        ),
+        (
+            lambda: ViewerSource(
+                "m",
+                TOKENS,
+                TOKENS,
+                torch.randn(1, 1, 4, 4),
+                queries=torch.randn(1, 1, 4, 8),
+                keys=torch.randn(1, 1, 4, 8),
+                signed=True,
+            ),
+            ValueError,
+            r"a signed source takes no queries= or keys=",
+        ),
+        (
+            lambda: ViewerSource("m", TOKENS, TOKENS, torch.rand(1, 1, 4, 4), signed=1),
+            TypeError,
+            r"signed must be a bool",
+        ),
+    ],
+    ids=["unsigned-out-of-range", "signed-inf", "signed-with-vectors", "signed-not-bool"],
+)
+def test_bad_signed_sources_are_refused_with_the_fix(source, error, pattern):
+    with pytest.raises(error, match=pattern):
+        render_viewer([source()])

@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
 
 def test_the_page_runs_and_its_claims_hold():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), namespace)
@@ -21,3 +21,5 @@ def test_the_page_runs_and_its_claims_hold():
     assert namespace["w"].shape == (1, 1, 1, 512)
     assert "`sliding_window(128)`" in namespace["report"].advice[0]
     assert not torch.allclose(namespace["ablated"], namespace["out"])
+    assert namespace["llama_cap"].names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]  # Hugging Face
+    assert not torch.allclose(namespace["patched"], namespace["logits"])

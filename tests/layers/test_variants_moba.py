@@ -129,3 +129,17 @@ BAD = [
 def test_bad_arguments(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+def test_compile_with_a_break_at_the_selection():
+    """``torch.compile`` runs the layer (the mask reads its table of chosen blocks on the host:
+    a graph break there, not a failure); forward and input gradient equal eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    layer = mh.MixtureOfBlockAttention(32, 4, num_kv_heads=2, block_size=4, top_k=2)
+    x = torch.randn(2, 13, 32, requires_grad=True)
+    out = torch.compile(layer, backend="aot_eager")(x)
+    torch.testing.assert_close(out, layer(x))
+    (g,) = torch.autograd.grad(out.sum(), x)
+    (want,) = torch.autograd.grad(layer(x).sum(), x)
+    torch.testing.assert_close(g, want)

@@ -1,4 +1,5 @@
-"""``multihead explain``: one attention layer on random data, every step printed with its shapes.
+"""``multihead walkthrough`` (alias ``multihead explain``): one attention layer on random data,
+every step printed with its shapes.
 
 The walk-through of seed 001, generated from the real code path instead of written by hand: it
 builds a real :class:`multihead.MultiHeadAttention`, runs its own projections and head split,
@@ -111,7 +112,7 @@ def walkthrough(
 
     kind = "multi-head (MHA)" if Hkv == Hq else ("multi-query (MQA)" if Hkv == 1 else "grouped-query (GQA)")
     header = [
-        f"multihead explain: one {kind} attention layer, step by step, on random data (seed {seed})",
+        f"multihead walkthrough: one {kind} attention layer, step by step, on random data (seed {seed})",
         f"layer: MultiHeadAttention({layer.extra_repr()})",
         f"sizes: B={B} batch, L={L} tokens, E={E} model dim, Hq={Hq} query heads, Hkv={Hkv} key/value heads, "
         f"D={D} head dim" + (f", G={G} query heads per KV head" if G > 1 else ""),

@@ -147,10 +147,16 @@ class DecodeBackend(Backend):
             return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less than the fold's few ops"]
         offset = None if call.mask is None else call.mask.causal_offset(Lq, Lk)
         sees_all = call.mask is None or (offset is not None and offset >= Lk - 1)
-        if Hq > Hkv and sees_all and call.score_mod is None and not torch.compiler.is_compiling():
+        if (
+            Hq > Hkv
+            and sees_all
+            and call.score_mod is None
+            and call.q.dtype not in _HALF
+            and not torch.compiler.is_compiling()
+        ):
             return [
-                "every query sees every key: sdpa folds each KV head's query heads into the rows of one "
-                "fused call, as this path does (1.03-1.26x faster at 1k-16k keys; docs/performance.md)"
+                "every query sees every key (fp32): sdpa folds each KV head's query heads into the rows of one "
+                "fused call, as this path does, and runs faster (docs/performance.md); fp16/bf16 steps run here"
             ]
         return []
 
@@ -227,15 +233,17 @@ class DecodeBackend(Backend):
         return Runner(run, self.name)
 
 
-def _scores(qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int) -> Tensor:
+def _scores(
+    qg: Tensor, k: Tensor, blocked: Tensor | None, scale: float, acc: torch.dtype, G: int, Lq: int, matmul=torch.matmul
+) -> Tensor:
     """``(B, Hkv, G·Lq, n)`` scores in the softmax dtype, ``-inf`` where blocked (fp16/bf16: a
     transposed view of key-major scores)."""
     if qg.dtype in _HALF:
         # K Qᵀ: K is the GEMM's streamed left operand, as it lies (B, Hkv, n, D); oneDNN's half GEMM
         # read a transposed K (q Kᵀ) at about half that speed (docs/performance.md#the-decode-path-decode).
-        scores = torch.matmul(k, qg.transpose(-2, -1)).transpose(-2, -1)  # (B, Hkv, G·Lq, n), key-major
+        scores = matmul(k, qg.transpose(-2, -1)).transpose(-2, -1)  # (B, Hkv, G·Lq, n), key-major
     else:
-        scores = torch.matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
+        scores = matmul(qg, k.transpose(-2, -1))  # one matmul per KV head: K read once, as it is
     if scores.shape[2] != G * Lq:  # zero rows padded for the GEMM's sake (_PADDED_ROWS)
         scores = scores[:, :, : G * Lq]
     if scores.dtype != acc:  # fp16/bf16: the GEMM accumulated in fp32 and rounded once; row-major
@@ -259,18 +267,20 @@ def _attend(
     Lq: int,
     half: bool,
     need_lse: bool,
+    matmul=torch.matmul,
 ) -> tuple[Tensor, Tensor | None]:
     """One chunk of keys, no autograd: the output ``(B, Hkv, G·Lq, Dv)`` normalised over these keys
     (``acc`` dtype; 0 on rows that see none) and the LSE ``(B, Hkv, G·Lq)`` (``-inf`` there) when
-    ``need_lse``. Fused passes: the per-call cost of a one-token step is a handful of ops."""
-    scores = _scores(qg, k, blocked, scale, acc, G, Lq)
+    ``need_lse``. Fused passes: the per-call cost of a one-token step is a handful of ops.
+    ``matmul``: the two GEMMs (:mod:`~multihead.backends.decode_blocks` runs K/V views one head at a time)."""
+    scores = _scores(qg, k, blocked, scale, acc, G, Lq, matmul)
     lse = torch.logsumexp(scores, dim=-1) if need_lse else None  # -inf on rows that see no key
     probs = torch.softmax(scores, dim=-1)  # NaN on rows that see no key: zeroed below
     if blocked is not None:
         B, kv_heads, rows, n = probs.shape
         empty = blocked.all(dim=-1, keepdim=True)  # (B|1, Hkv|1, G|1, Lq, 1)
         probs.view(B, kv_heads, G, Lq, n).masked_fill_(empty, 0.0)
-    out = torch.matmul(probs.to(v.dtype) if half else probs, v)  # V read once
+    out = matmul(probs.to(v.dtype) if half else probs, v)  # V read once
     return (out.to(acc) if half else out), lse
 
 
@@ -419,6 +429,8 @@ def _visible_keys(mask: Mask | None, extent: Extent, device) -> tuple[int, int, 
         return 0, 0, None, f"mask {what}: no query sees any key (output 0, LSE -inf)"
     first, last = seen[[0, -1], 0].tolist()
     visible = visible[..., first : last + 1]
+    if bool(visible.all()):  # a full ring, a paged read of filled slots: nothing to mask
+        return lo + first, lo + last + 1, None, f"mask {what}: evaluated on these {Lq} row(s); every key read visible"
     return (
         lo + first,
         lo + last + 1,

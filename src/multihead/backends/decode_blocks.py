@@ -100,8 +100,6 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
         qg, scale = qg * scale, 1.0
     if hi <= lo:  # no row sees any key
         return q.new_zeros(B, Hq, Lq, Dv)
-    if visible is not None and bool(visible.all()):  # a paged read's mask, every slot in range filled
-        visible = None
     blocked = None if visible is None else group_query_heads(~visible, Hkv)  # (B|1, Hkv|1, G|1, Lq, n)
     outs: list[Tensor] = []
     lses: list[Tensor] = []
@@ -109,37 +107,22 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
         for start, k, v in blocks.pieces(lo, hi, blocks.piece_size()):
             n = k.shape[2]
             bc = None if blocked is None else blocked[..., start - lo : start - lo + n]
-            if Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2)):
-                # a view whose heads lie apart (a run of pages in a head-major pool): oneDNN's
-                # batched half GEMM copies such an operand whole first, so each head is one GEMM
-                out, lse = _per_head(qg, k, v, bc, scale, acc, G, Lq, half)
-            else:
-                out, maybe = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True)
-                assert maybe is not None  # (asked for)
-                lse = maybe
+            # a view whose heads lie apart (a run of pages in a head-major pool): oneDNN's batched
+            # half GEMM copied such an operand whole first, so its GEMMs run one head at a time
+            apart = Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2))
+            out, maybe = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True, _per_head if apart else torch.matmul)
+            assert maybe is not None  # (asked for)
+            lse = maybe
             outs.append(out)
             lses.append(lse)
         out = outs[0] if len(outs) == 1 else merge_partials(outs, lses)[0]
     return unfold_query_heads(out.to(q.dtype), Hq)  # (B, Hq, Lq, Dv)
 
 
-def _per_head(
-    qg: Tensor,
-    k: Tensor,
-    v: Tensor,
-    blocked: Tensor | None,
-    scale: float,
-    acc: torch.dtype,
-    G: int,
-    Lq: int,
-    half: bool,
-) -> tuple[Tensor, Tensor]:
-    """:func:`decode._attend` one KV head at a time: ``(out (B, Hkv, G·Lq, Dv), lse (B, Hkv, G·Lq))``."""
-    outs, lses = [], []
-    for h in range(k.shape[1]):
-        bh = None if blocked is None else blocked[:, h : h + 1] if blocked.shape[1] > 1 else blocked
-        out, lse = _attend(qg[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], bh, scale, acc, G, Lq, half, True)
-        assert lse is not None  # (asked for)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+def _per_head(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``(B, H, m, k) @ (B, H, k, n)``, one GEMM per head ``h`` into ``out[:, h]``."""
+    B, H = a.shape[0], a.shape[1]
+    out = torch.empty(B, H, a.shape[2], b.shape[3], dtype=a.dtype, device=a.device)
+    for h in range(H):
+        torch.matmul(a[:, h], b[:, h], out=out[:, h])
+    return out

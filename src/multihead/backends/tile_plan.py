@@ -46,9 +46,9 @@ def visible_tiles(
     """The key tiles (index, partial?) that queries ``[q0, q1)`` see in any batch row and head.
 
     The one function of this backend that asks the mask protocol (``key_range``, ``block_state``
-    at whole-attention positions): a change of that protocol changes this function only. A range
-    of tiles the mask calls FULL or EMPTY is answered in one question; only mixed ranges are split,
-    so a causal row costs a few questions, not one per tile."""
+    on an ``Extent`` and a ``Block`` of whole-attention positions): a change of that protocol
+    changes this function only. A range of tiles the mask calls FULL or EMPTY is answered in one
+    question; only mixed ranges are split, so a causal row costs a few questions, not one per tile."""
     extent = Extent(batch, heads, q_len, kv_len)
     if mask is None:
         lo, hi = 0, kv_len

@@ -5,9 +5,10 @@
 //
 // Data (the JSON in #attention-data): {title, sources: [{name, caption, q_tokens, k_tokens,
 // layers, heads, lq, lk, weights[layer][head], thumbs[layer][head], thumb_q, thumb_k, highlight,
-// [dim, scale, queries[layer][head], keys[layer][head]], [prompt_len, generated]}]}.
+// [dim, scale, queries[layer][head], keys[layer][head]], [prompt_len, generated], [signed, value_scale]}]}.
 // weights are base64 uint8 matrices (Lq x Lk, row-major, value = round(255 * weight)), queries and
-// keys base64 float32 (L x D); all are decoded only when a head is shown.
+// keys base64 float32 (L x D); all are decoded only when a head is shown. A signed source (scores,
+// differences) stores int8 round(127 * value / value_scale) and is drawn with a diverging palette.
 // Only the rows inside a scroll window are drawn, so 1024 tokens stay responsive.
 "use strict";
 window.__viewerErrors = [];
@@ -17,6 +18,10 @@ const DATA = JSON.parse(document.getElementById("attention-data").textContent);
 const ROW = 18;            // px per token row in the head and neuron views
 const MIN_WEIGHT = 3;      // lines below 3/255 ~ 0.012 are not drawn: invisible, and costly at 1024 tokens
 const HEAT = 320;          // px of the heatmap's longer side
+const HEAT_MAX = 640;      // px it may grow to, so that up to 53 tokens keep a label each
+const LABEL_ROW = 12;      // px of one 11px label: rows thinner than this label every n-th token
+const LABEL_CHARS = 12;    // characters of a token label before it is cut with "…" (the status line has it whole)
+const LABEL_FONT = "11px ui-monospace, SFMono-Regular, Menlo, monospace";
 const HEAD_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                      "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#843c39", "#7b4173", "#3182bd"];
 const MONO = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
@@ -27,10 +32,12 @@ const state = {
   nkey: null,          // neuron view: hovered key
   pin: { q: null, k: null },
   step: null,          // generation: decode step shown, or null for the whole sequence
+  scale: "one",        // heatmap colour scale: full colour at weight 1 ("one") or at the largest shown ("max")
+  contrast: 1,         // ... divided by this: weights above top / contrast saturate
 };
 // What the last frame drew, for tests and for anyone curious (window.__viewerStats in the console).
 const stats = window.__viewerStats = { renders: 0, lastMs: 0, lines: 0, linesByHead: {}, heatmapLabels: { q: [], k: [] },
-                                       neuron: null };
+                                       neuron: null, colorScale: null };
 const cache = new Map();   // "kind/source/layer/head" -> typed array
 
 const $ = (id) => document.getElementById(id);
@@ -59,7 +66,17 @@ function cached(kind, layer, head, make) {
   return cache.get(key);
 }
 
-const matrix = (layer, head) => cached("w", layer, head, () => bytes(src().weights[layer][head]));
+// A head's matrix in "byte units": 0..255 for weights (255 = 1); for a signed source -255..255
+// (255 = value_scale, the source's largest magnitude), so thresholds and line strengths read alike.
+const matrix = (layer, head) => cached("w", layer, head, () => {
+  const raw = bytes(src().weights[layer][head]);
+  if (!src().signed) return raw;
+  const signed = new Int8Array(raw.buffer), out = new Float32Array(signed.length);
+  for (let p = 0; p < out.length; p++) out[p] = (signed[p] * 255) / 127;
+  return out;
+});
+// A matrix entry (byte units) as the value it stands for.
+const real = (b) => (b / 255) * (src().signed ? src().value_scale : 1);
 const vectors = (kind, layer, head) =>
   cached(kind, layer, head, () => new Float32Array(bytes(src()[kind][layer][head]).buffer));
 
@@ -94,6 +111,8 @@ function setSource(index) {
   fillSelect($("layer"), s.layers.map((name, i) => [i, `${i}: ${name}`]), state.layer);
   fillSelect($("neuron-query"), s.q_tokens.map((t, i) => [i, `${i}: ${t}`]), 0);
   $("caption").textContent = s.caption || "";
+  $("scale").options[0].text = s.signed ? "± the source's largest" : "0 to 1";
+  $("scale").options[1].text = s.signed ? "± the largest shown" : "0 to the largest shown";
   const rowsHeight = Math.max(s.lq, s.lk) * ROW + 2 * ROW;
   $("spacer").style.height = `${rowsHeight}px`;
   $("scroller").style.height = `min(68vh, ${rowsHeight + 4}px)`;
@@ -213,6 +232,15 @@ function diverging(v) {  // -1..1 -> red..white..blue
     : `rgb(${255 - 41 * a},${255 - 216 * a},${255 - 215 * a})`;
 }
 
+function divergingPixel(img, p, v) {  // the same palette into an ImageData, v clamped to -1..1
+  const a = Math.min(1, Math.abs(v));
+  const [r, g, b] = v >= 0 ? [208, 144, 75] : [41, 216, 215];
+  img.data[4 * p] = 255 - r * a;
+  img.data[4 * p + 1] = 255 - g * a;
+  img.data[4 * p + 2] = 255 - b * a;
+  img.data[4 * p + 3] = 255;
+}
+
 // The best entry of row i (over keys < nk) or of column j (over queries < nq) of one head.
 function best(m, lk, along, index, n) {
   let arg = -1, top = -1;
@@ -220,7 +248,7 @@ function best(m, lk, along, index, n) {
     const w = along === "row" ? m[index * lk + t] : m[t * lk + index];
     if (w > top) { top = w; arg = t; }
   }
-  return [arg, top / 255];
+  return [arg, real(top)];
 }
 
 // ------------------------------------------------------------------------------ head view
@@ -259,10 +287,11 @@ function drawHeadView() {
       const n = cols ? cols.length : nk;
       for (let c = 0; c < n; c++) {
         const j = cols ? cols[c] : c;
-        const w = m[base + j];
+        const w = Math.abs(m[base + j]);
         if (w < MIN_WEIGHT) continue;
         ctx.globalAlpha = Math.min(1, (w / 255) * (heads.length > 1 ? 0.8 : 1.0));
         ctx.lineWidth = 0.5 + 2.5 * (w / 255);
+        ctx.setLineDash(m[base + j] < 0 ? [4, 3] : []);  // a negative value (signed sources): dashed
         ctx.beginPath();
         ctx.moveTo(xLeft + 6, y(i));
         ctx.lineTo(xRight - 6, y(j));
@@ -274,6 +303,7 @@ function drawHeadView() {
     stats.lines += count;
   }
   ctx.globalAlpha = 1;
+  ctx.setLineDash([]);
 
   // Tokens: only the visible ones (and in a generation only those that exist at the step).
   ctx.textBaseline = "middle";
@@ -315,7 +345,7 @@ const heatImages = new Map();  // "source/layer/heads" -> canvas of one pixel pe
 function heatImage() {
   const s = src();
   const heads = shown();
-  const key = `${state.source}/${state.layer}/${heads.join(",")}`;
+  const key = `${state.source}/${state.layer}/${heads.join(",")}/${state.scale}/${state.contrast}`;
   if (heatImages.has(key)) return heatImages.get(key);
   const off = document.createElement("canvas");
   off.width = s.lk;
@@ -323,21 +353,83 @@ function heatImage() {
   const octx = off.getContext("2d");
   const img = octx.createImageData(s.lk, s.lq);
   const mats = heads.map((h) => matrix(state.layer, h));
-  const sum = new Float32Array(s.lq * s.lk);
-  for (const m of mats) for (let p = 0; p < sum.length; p++) sum[p] += m[p];
-  for (let p = 0; p < sum.length; p++) blues(img, p, mats.length ? sum[p] / mats.length : 0);
+  const mean = new Float32Array(s.lq * s.lk);  // byte units, the shown heads' mean
+  for (const m of mats) for (let p = 0; p < mean.length; p++) mean[p] += m[p] / mats.length;
+  let lo = mean.length ? Infinity : 0, hi = mean.length ? -Infinity : 0;
+  for (let p = 0; p < mean.length; p++) { lo = Math.min(lo, mean[p]); hi = Math.max(hi, mean[p]); }
+  // The value drawn in full colour: 1 (signed: the source's largest magnitude), or the largest
+  // shown; the contrast divides it. Signed values take the diverging palette, from -full to +full.
+  const largest = s.signed ? Math.max(Math.abs(lo), Math.abs(hi)) : hi;
+  const full = Math.max(1e-6, (state.scale === "max" ? Math.max(largest, 1) : 255) / state.contrast);
+  for (let p = 0; p < mean.length; p++) {
+    if (s.signed) divergingPixel(img, p, mean[p] / full);
+    else blues(img, p, Math.min(255, (mean[p] * 255) / full));
+  }
   octx.putImageData(img, 0, 0);
+  const out = { canvas: off, min: real(lo), max: real(hi), full: real(full), signed: Boolean(s.signed) };
   if (heatImages.size > 24) heatImages.delete(heatImages.keys().next().value);
-  heatImages.set(key, off);
-  return off;
+  heatImages.set(key, out);
+  return out;
 }
 
+// The colour bar under the heatmap: white to blue from 0 to the weight in full colour, with the
+// shown matrix's smallest and largest weight marked on it.
+function drawColorbar(heat, width) {
+  const h = 30, bar = 10, pad = 8;
+  const ctx = sizeCanvas($("colorbar"), width, h);
+  const w = width - 2 * pad;
+  const img = ctx.createImageData(Math.max(1, Math.round(w)), 1);
+  for (let x = 0; x < img.width; x++) {
+    const t = x / Math.max(1, img.width - 1);  // 0..1 along the bar
+    if (heat.signed) divergingPixel(img, x, 2 * t - 1);
+    else blues(img, x, 255 * t);
+  }
+  const strip = document.createElement("canvas");
+  strip.width = img.width;
+  strip.height = 1;
+  strip.getContext("2d").putImageData(img, 0, 0);
+  ctx.imageSmoothingEnabled = false;
+  ctx.drawImage(strip, pad, 0, w, bar);
+  ctx.strokeStyle = "#d9d9de";
+  ctx.strokeRect(pad, 0, w, bar);
+  ctx.font = LABEL_FONT;
+  ctx.fillStyle = "#1d1d1f";
+  ctx.textBaseline = "top";
+  const at = heat.signed ? (v) => pad + (0.5 + Math.max(-0.5, Math.min(0.5, v / heat.full / 2))) * w
+    : (v) => pad + Math.min(1, v / heat.full) * w;
+  for (const v of [heat.min, heat.max]) ctx.fillRect(at(v) - 0.5, 0, 1.5, bar + 3);  // ticks at the shown extremes
+  const saturated = Math.max(heat.max, heat.signed ? -heat.min : 0) > heat.full * 1.0001;
+  const end = `${saturated ? "≥ " : ""}${heat.full.toPrecision(3)}`;
+  ctx.textAlign = "left";
+  ctx.fillText(heat.signed ? `-${end.replace("≥ ", "≤ ")}` : "0", pad, bar + 5);
+  ctx.textAlign = "right";
+  ctx.fillText(heat.signed ? `+${end}` : end, pad + w, bar + 5);
+  if (heat.signed) { ctx.textAlign = "center"; ctx.fillText("0", pad + w / 2, bar + 5); }
+  const range = heat.signed ? `-${heat.full.toPrecision(3)} (full red), 0 (white) to +${heat.full.toPrecision(3)} (full blue)`
+    : `0 (white) to ${heat.full.toFixed(2)} (full blue)`;
+  const fmt = (v) => (heat.signed ? v.toPrecision(3) : v.toFixed(2));
+  $("scale-label").textContent = `colour: ${range}${saturated ? ", stronger values saturate" : ""}; ` +
+    `shown min ${fmt(heat.min)}, max ${fmt(heat.max)}`;
+  stats.colorScale = { min: heat.min, max: heat.max, full: heat.full, scale: state.scale, contrast: state.contrast,
+                       signed: heat.signed };
+}
+
+const measurer = document.createElement("canvas").getContext("2d");
+
+// Cells, label step and margins of the heatmap: cells grow (up to HEAT_MAX px in all) before
+// labels are dropped, every n-th token is labelled when rows are thinner than a label, and the
+// margins are the labels' measured widths, so no label runs into another or off the canvas.
 function heatGeometry() {
   const s = src();
-  const cell = Math.min(HEAT / s.lk, HEAT / s.lq, 28);
-  const longest = Math.max(...s.q_tokens.map((t) => Math.min(t.length, 10)), ...s.k_tokens.map((t) => Math.min(t.length, 10)));
-  const margin = cell >= 6 ? 14 + 7 * longest : 34;  // room for labels, or for an axis note
-  return { cell, left: margin, top: margin, width: margin + s.lk * cell + 6, height: margin + s.lq * cell + 6 };
+  let cell = Math.min(HEAT / s.lk, HEAT / s.lq, 28);
+  if (cell < LABEL_ROW) cell = Math.max(cell, Math.min(LABEL_ROW, HEAT_MAX / s.lk, HEAT_MAX / s.lq));
+  const every = Math.max(1, Math.ceil(LABEL_ROW / cell));
+  const labels = (tokens) => tokens.map((t, i) => (i % every ? null : every > 1 ? `${i} ${label(t, LABEL_CHARS)}` : label(t, LABEL_CHARS)));
+  const q = labels(s.q_tokens), k = labels(s.k_tokens);
+  measurer.font = LABEL_FONT;
+  const widest = (texts) => Math.max(0, ...texts.filter((t) => t !== null).map((t) => measurer.measureText(t).width));
+  const left = Math.ceil(widest(q)) + 10, top = Math.ceil(widest(k)) + 10;
+  return { cell, every, left, top, qLabels: q, kLabels: k, width: left + s.lk * cell + 6, height: top + s.lq * cell + 6 };
 }
 
 function drawHeatmap() {
@@ -346,42 +438,37 @@ function drawHeatmap() {
   const ctx = sizeCanvas($("heatmap"), g.width, g.height);
   const pw = s.lk * g.cell, ph = s.lq * g.cell;
   ctx.imageSmoothingEnabled = g.cell < 1;
-  ctx.drawImage(heatImage(), g.left, g.top, pw, ph);
+  const heat = heatImage();
+  ctx.drawImage(heat.canvas, g.left, g.top, pw, ph);
   const row = stepRow();
   if (row !== null) {  // keys and queries that do not exist yet at this step
     ctx.fillStyle = "rgba(255,255,255,0.8)";
     ctx.fillRect(g.left, g.top + (row + 1) * g.cell, pw, ph - (row + 1) * g.cell);
     ctx.fillRect(g.left + (row + 1) * g.cell, g.top, pw - (row + 1) * g.cell, (row + 1) * g.cell);
   }
-  // Token labels: every token when cells are tall enough for text, else every n-th.
-  const every = Math.max(1, Math.ceil(11 / g.cell));
+  // Token labels: every token when cells are tall enough for text, else every n-th, numbered.
   stats.heatmapLabels = { q: [], k: [] };
+  stats.heatmapEvery = g.every;
   ctx.fillStyle = "#1d1d1f";
-  ctx.font = "11px ui-monospace, SFMono-Regular, Menlo, monospace";
+  ctx.font = LABEL_FONT;
   ctx.textBaseline = "middle";
   ctx.textAlign = "right";
-  for (let i = 0; i < s.lq; i += every) {
-    const text = g.cell >= 6 ? label(s.q_tokens[i], 10) : String(i);
-    ctx.fillText(text, g.left - 4, g.top + (i + 0.5) * g.cell);
-    stats.heatmapLabels.q.push(text);
+  for (let i = 0; i < s.lq; i += g.every) {
+    ctx.fillText(g.qLabels[i], g.left - 4, g.top + (i + 0.5) * g.cell);
+    stats.heatmapLabels.q.push(g.qLabels[i]);
   }
   ctx.save();
   ctx.textAlign = "left";
-  for (let j = 0; j < s.lk; j += every) {
-    const text = g.cell >= 6 ? label(s.k_tokens[j], 10) : String(j);
+  for (let j = 0; j < s.lk; j += g.every) {
     const dpr = window.devicePixelRatio || 1;
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.translate(g.left + (j + 0.5) * g.cell, g.top - 4);
     ctx.rotate(-Math.PI / 2);
-    ctx.fillText(text, 0, 0);
-    stats.heatmapLabels.k.push(text);
+    ctx.fillText(g.kLabels[j], 0, 0);
+    stats.heatmapLabels.k.push(g.kLabels[j]);
   }
   ctx.restore();
-  if (g.cell < 6) {
-    ctx.fillStyle = "#6b6b70";
-    ctx.textAlign = "left";
-    ctx.fillText("rows: queries, columns: keys (token numbers)", 4, 10);
-  }
+  drawColorbar(heat, g.width);
   // Outlines: the hovered token's row or column, the hovered cell, the step's row.
   ctx.strokeStyle = "#e0892b";
   ctx.lineWidth = 1.5;
@@ -419,9 +506,9 @@ function describe() {
   const one = heads.length === 1;
   if (state.view === "head" && state.cell) {
     const { i, j } = state.cell;
-    const ws = perHead((h, m) => [h, m[i * s.lk + j] / 255]);
+    const ws = perHead((h, m) => [h, real(m[i * s.lk + j])]);
     const mean = ws.reduce((a, [, w]) => a + w, 0) / ws.length;
-    return `query ${i} ${quote(s.q_tokens[i])} → key ${j} ${quote(s.k_tokens[j])}: weight ${mean.toFixed(2)} ` +
+    return `query ${i} ${quote(s.q_tokens[i])} → key ${j} ${quote(s.k_tokens[j])}: ${s.signed ? "value" : "weight"} ${mean.toFixed(2)} ` +
       (one ? `(${which})` : `(mean of ${heads.length} heads; ${ws.map(([h, w]) => `head ${h} ${w.toFixed(2)}`).join(", ")})`);
   }
   const hover = state.hover;
@@ -435,7 +522,7 @@ function describe() {
   if (state.view === "head" && hover && hover.side === "k") {
     const j = hover.index;
     if (row !== null) {
-      const parts = perHead((h, m) => [h, m[row * s.lk + j] / 255]);
+      const parts = perHead((h, m) => [h, real(m[row * s.lk + j])]);
       return `step ${state.step + 1}: query ${row} ${quote(s.q_tokens[row])} gives key ${j} ${quote(s.k_tokens[j])} weight ` +
         parts.map(([h, w]) => (one ? w.toFixed(2) : `${w.toFixed(2)} (head ${h})`)).join(", ");
     }
@@ -458,7 +545,10 @@ function describe() {
 function paintThumb(canvas, pix) {
   const ctx = canvas.getContext("2d");
   const img = ctx.createImageData(canvas.width, canvas.height);
-  for (let p = 0; p < pix.length; p++) blues(img, p, pix[p]);
+  if (src().signed) {  // int8, each thumbnail scaled to its own largest magnitude
+    const v = new Int8Array(pix.buffer);
+    for (let p = 0; p < v.length; p++) divergingPixel(img, p, v[p] / 127);
+  } else for (let p = 0; p < pix.length; p++) blues(img, p, pix[p]);
   ctx.putImageData(img, 0, 0);
 }
 
@@ -520,8 +610,11 @@ function drawPreview(layer, head) {
   const img = octx.createImageData(s.lk, s.lq);
   const m = matrix(layer, head);
   let top = 1;
-  for (let p = 0; p < m.length; p++) top = Math.max(top, m[p]);
-  for (let p = 0; p < m.length; p++) blues(img, p, (m[p] * 255) / top);  // scaled like the thumbnails
+  for (let p = 0; p < m.length; p++) top = Math.max(top, Math.abs(m[p]));
+  for (let p = 0; p < m.length; p++) {  // scaled like the thumbnails
+    if (src().signed) divergingPixel(img, p, m[p] / top);
+    else blues(img, p, (m[p] * 255) / top);
+  }
   octx.putImageData(img, 0, 0);
   ctx.imageSmoothingEnabled = w < s.lk;
   ctx.drawImage(off, 0, 0, w, h);
@@ -758,6 +851,8 @@ $("step-prev").addEventListener("click", () => setStep(Math.max(0, (state.step =
 $("step-next").addEventListener("click", () =>
   setStep(Math.min(src().lq - src().prompt_len, state.step === null ? 0 : state.step + 1)));
 $("step-all").addEventListener("click", () => setStep(null));
+$("scale").addEventListener("change", (e) => { state.scale = e.target.value; render(); });
+$("contrast").addEventListener("input", (e) => { state.contrast = Number(e.target.value); render(); });
 $("thumb-size").addEventListener("input", (e) => document.documentElement.style.setProperty("--thumb", `${e.target.value}px`));
 for (const v of ["head", "model", "neuron"]) $(`tab-${v}`).addEventListener("click", () => setView(v));
 

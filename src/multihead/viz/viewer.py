@@ -15,6 +15,10 @@ The page has three views (``docs/demo.md``, "The viewer"):
 * **neuron view** (sources with ``queries`` and ``keys``): one query against every key of the
   focused head, each score split into its ``D`` elementwise terms ``q_d · k_d · scale``.
 
+Under the heatmap a colour bar gives the scale (0 to 1, or to the largest weight shown, with a
+contrast slider) and the shown minimum and maximum. A ``signed`` source (scores, attributions,
+differences) is drawn with a diverging palette around 0. Batched weights need ``batch=``.
+
 A source with ``prompt_len`` is a generation: row ``prompt_len - 1 + s`` is decode step ``s``, one
 query against the keys up to it, and the page shows a step slider.
 
@@ -76,6 +80,12 @@ class ViewerSource:
         batch: which sequence of batched ``weights`` (and ``queries``, ``keys``) the tokens belong
             to; batched tensors without it are refused (the page would otherwise pair one
             sequence's weights with another's tokens). A batch of one needs none.
+        signed: ``weights`` are any finite values, not probabilities: scores, attributions, the
+            difference between two heads or two runs. Drawn with a diverging palette (red
+            negative, white 0, blue positive) around 0, lines of negative values dashed; stored
+            as 8 bits of ``value / max|value|`` (one scale for the whole source, so heads
+            compare). Masked scores (``-inf``) must be replaced first (by 0, or with
+            ``torch.where``); the neuron view (``queries``, ``keys``) is for probabilities only.
     """
 
     name: str
@@ -91,6 +101,7 @@ class ViewerSource:
     prompt_len: int | None = None
     generated: list[str] | None = None
     batch: int | None = None
+    signed: bool = False
 
     def to_json(self) -> dict:
         """The source as the viewer's JSON: tokens, weights ``(layers, H, Lq, Lk)`` rounded, names."""
@@ -103,23 +114,61 @@ class ViewerSource:
                 f"ViewerSource {self.name!r}: weights are (layers, H, Lq, Lk) = {tuple(w.shape)} but "
                 f"got {len(self.q_tokens)} query tokens and {len(self.k_tokens)} key tokens"
             )
+        if not isinstance(self.signed, bool):
+            raise TypeError(f"ViewerSource {self.name!r}: signed must be a bool, got {self.signed!r}")
+        if self.signed:
+            return self._signed_json(w)
         if w.numel() and not (bool(torch.isfinite(w).all()) and w.min() >= 0 and w.max() <= 1 + 1e-3):
             # stored as round(255 * w) clamped to [0, 1]: scores or NaN would be drawn as something else
             raise ValueError(
                 f"ViewerSource {self.name!r}: weights must be attention probabilities in [0, 1], got "
                 f"values in [{float(w.nan_to_num().min()):.3g}, {float(w.nan_to_num().max()):.3g}]"
                 f"{' with NaN or inf' if not bool(torch.isfinite(w).all()) else ''}; pass the softmax "
-                "of the scores (need_weights=True or capture_attention record it)"
+                "of the scores (need_weights=True or capture_attention record it), or "
+                "ViewerSource(..., signed=True) for scores, attributions or differences"
             )
-        names = list(self.layer_names) if self.layer_names is not None else [f"layer {i}" for i in range(layers)]
-        if len(names) != layers:
-            raise ValueError(f"ViewerSource {self.name!r}: {len(names)} layer names for {layers} layers")
         q8 = _to_uint8(w)
         tq, tk = min(lq, THUMB), min(lk, THUMB)
         thumbs = F.adaptive_avg_pool2d(w.reshape(layers * heads, 1, lq, lk), (tq, tk)).reshape(layers, heads, tq, tk)
         # Each thumbnail scaled to its own maximum: a head's pattern matters there, not its scale.
         thumbs = thumbs / thumbs.amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12)
         t8 = _to_uint8(thumbs)
+        data = self._common_json(w, q8, t8)
+        data.update(self._vectors_json(layers, heads, lq, lk))
+        data.update(self._generation_json(lq, lk))
+        return data
+
+    def _signed_json(self, w: Tensor) -> dict:
+        """The JSON of a ``signed`` source: int8 of ``w / max|w|``, thumbnails likewise each to its own."""
+        layers, heads, lq, lk = w.shape
+        if w.numel() and not bool(torch.isfinite(w).all()):
+            raise ValueError(
+                f"ViewerSource {self.name!r}: signed values must be finite, got NaN or inf (masked "
+                "scores are -inf: replace them, e.g. torch.where(torch.isinf(s), 0.0, s), or show "
+                "the probabilities instead)"
+            )
+        if self.queries is not None or self.keys is not None:
+            raise ValueError(
+                f"ViewerSource {self.name!r}: the neuron view splits the scores of probabilities; "
+                "a signed source takes no queries= or keys= (show them in a second, unsigned source)"
+            )
+        scale = float(w.abs().max()) if w.numel() else 0.0
+        scale = scale if scale > 0 else 1.0
+        tq, tk = min(lq, THUMB), min(lk, THUMB)
+        thumbs = F.adaptive_avg_pool2d(w.reshape(layers * heads, 1, lq, lk), (tq, tk)).reshape(layers, heads, tq, tk)
+        thumbs = thumbs / thumbs.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12)
+        data = self._common_json(w, _to_int8(w / scale), _to_int8(thumbs))
+        data.update({"signed": True, "value_scale": scale})
+        data.update(self._generation_json(lq, lk))
+        return data
+
+    def _common_json(self, w: Tensor, q8: Tensor, t8: Tensor) -> dict:
+        """Names, tokens, the encoded weights ``q8`` and thumbnails ``t8``, the highlight."""
+        layers, heads, lq, lk = w.shape
+        tq, tk = t8.shape[-2:]
+        names = list(self.layer_names) if self.layer_names is not None else [f"layer {i}" for i in range(layers)]
+        if len(names) != layers:
+            raise ValueError(f"ViewerSource {self.name!r}: {len(names)} layer names for {layers} layers")
         data = {
             "name": self.name,
             "caption": self.caption,
@@ -146,8 +195,6 @@ class ViewerSource:
                     f"{layers} layers x {heads} heads"
                 )
             data["highlight"] = {"layer": int(layer), "head": int(head), "label": str(label)}
-        data.update(self._vectors_json(layers, heads, lq, lk))
-        data.update(self._generation_json(lq, lk))
         return data
 
     def _vectors_json(self, layers: int, heads: int, lq: int, lk: int) -> dict:
@@ -345,6 +392,11 @@ def _keys_per_query_head(keys, heads: int, name: str, batch: int | None):
 
 def _to_uint8(w: Tensor) -> Tensor:
     return (w.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def _to_int8(w: Tensor) -> Tensor:
+    """``w`` in ``[-1, 1]`` as ``round(127 * w)``: 0 stays exactly 0, signs are symmetric."""
+    return (w.clamp(-1, 1) * 127).round().to(torch.int8)
 
 
 def _b64(t: Tensor) -> str:
