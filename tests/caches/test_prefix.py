@@ -131,7 +131,8 @@ def test_random_interleavings_equal_independent_contiguous_caches(seed):
         for p, (k, v) in before.items():  # shared before and still the same page's content: never written
             key, held = identity[p]
             if (key is not None and cache.index.key_of(p) == key) or held & holders(cache, p):
-                assert torch.equal(cache.pool.key_pages[:, p], k) and torch.equal(cache.pool.value_pages[:, p], v), (step, p)
+                same = torch.equal(cache.pool.key_pages[:, p], k) and torch.equal(cache.pool.value_pages[:, p], v)
+                assert same, (step, p)
         assert sorted(live) == sorted(cache.requests())
         for r, ids in live.items():
             assert cache.tokens(r) == ids
