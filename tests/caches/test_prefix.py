@@ -86,7 +86,7 @@ def test_random_interleavings_equal_independent_contiguous_caches(seed):
     refused = 0
     for step in range(120):
         shared = {p for p in range(cache.pool.num_pages) if cache.refs[p] > 1 or p in cache.index}
-        before = {p: (cache.pool.key_pages[p].clone(), cache.pool.value_pages[p].clone()) for p in shared}
+        before = {p: (cache.pool.key_pages[:, p].clone(), cache.pool.value_pages[:, p].clone()) for p in shared}
         identity = {p: (cache.index.key_of(p), holders(cache, p)) for p in shared}
         action = rng.random()
         try:
@@ -131,7 +131,8 @@ def test_random_interleavings_equal_independent_contiguous_caches(seed):
         for p, (k, v) in before.items():  # shared before and still the same page's content: never written
             key, held = identity[p]
             if (key is not None and cache.index.key_of(p) == key) or held & holders(cache, p):
-                assert torch.equal(cache.pool.key_pages[p], k) and torch.equal(cache.pool.value_pages[p], v), (step, p)
+                same = torch.equal(cache.pool.key_pages[:, p], k) and torch.equal(cache.pool.value_pages[:, p], v)
+                assert same, (step, p)
         assert sorted(live) == sorted(cache.requests())
         for r, ids in live.items():
             assert cache.tokens(r) == ids
@@ -174,10 +175,10 @@ def test_fork_copies_the_shared_last_page_on_the_first_write():
     b = cache.fork(a)
     assert cache.table(a) == cache.table(b) and cache.refs[cache.table(a)[1]] == 2
     last = cache.table(a)[1]
-    before = cache.pool.key_pages[last].clone()
+    before = cache.pool.key_pages[:, last].clone()
     append(cache, [b], [[7]])
     assert cache.table(b)[1] != last and cache.table(b)[0] == cache.table(a)[0]
-    assert torch.equal(cache.pool.key_pages[last], before)  # the shared page was not written
+    assert torch.equal(cache.pool.key_pages[:, last], before)  # the shared page was not written
     append(cache, [a], [[8]])  # a holds it alone now: written in place
     assert cache.table(a)[1] == last
     for r, ids in ((a, [1, 2, 3, 4, 5, 6, 8]), (b, [1, 2, 3, 4, 5, 6, 7])):

@@ -47,7 +47,7 @@ class PrefixCache:
     Args:
         num_pages, page_size, num_kv_heads, head_dim, value_dim, dtype, device: the pool, as
             :class:`~multihead.caches.PagedKVCache` takes them (``pool``: that cache, whose
-            ``key_pages (N, Hkv, ps, D)``, ``value_pages`` and ``free`` list this one manages).
+            head-major ``key_pages (Hkv, N, ps, D)``, ``value_pages`` and ``free`` list this one manages).
 
     A request: ``rid, cached = cache.admit(prompt_ids)`` holds the indexed pages the prompt starts
     with (``cached`` tokens, a multiple of ``page_size``, always fewer than the prompt: its last
@@ -215,9 +215,9 @@ class PrefixCache:
         """Copy-on-write: the request's last page becomes a fresh copy only it holds."""
         old = request.table[-1]
         new = self._take()
-        self.pool.key_pages[new] = self.pool.key_pages[old]
+        self.pool.key_pages[:, new] = self.pool.key_pages[:, old]  # the pool is head-major
         if not self.pool.values_in_keys:
-            self.pool.value_pages[new] = self.pool.value_pages[old]
+            self.pool.value_pages[:, new] = self.pool.value_pages[:, old]
         request.table[-1] = new
         self._drop(old)
 
@@ -253,10 +253,10 @@ class PrefixCache:
     def _gather(self, table: list[int], length: int) -> tuple[Tensor, Tensor]:
         """The first ``length`` tokens of the pages ``table``: ``(1, Hkv, length, ·)``."""
         pages = torch.tensor(table, dtype=torch.int64, device=self.pool.key_pages.device)
-        keys = self.pool.key_pages[pages]  # (pages, Hkv, ps, D)
-        values = self.pool.value_pages[pages]
-        keys = keys.permute(1, 0, 2, 3).reshape(1, keys.shape[1], -1, keys.shape[3])[:, :, :length]
-        values = values.permute(1, 0, 2, 3).reshape(1, values.shape[1], -1, values.shape[3])[:, :, :length]
+        keys = self.pool.key_pages[:, pages]  # (Hkv, pages, ps, D): the pool is head-major
+        values = self.pool.value_pages[:, pages]
+        keys = keys.reshape(1, keys.shape[0], -1, keys.shape[3])[:, :, :length]
+        values = values.reshape(1, values.shape[0], -1, values.shape[3])[:, :, :length]
         return keys, values
 
     def shared_prefix(self, rids: Sequence[int]) -> int:
@@ -289,7 +289,7 @@ class PrefixCache:
             raise ValueError(f"{where}: each request appears once per call, got rids {list(rids)}")
         requests = [self._request("append", r) for r in rids]
         ids = [_check_ids(where, f"tokens[{i}]", t) for i, t in enumerate(tokens)]
-        N, Hkv, ps, D = self.pool.key_pages.shape
+        Hkv, N, ps, D = self.pool.key_pages.shape  # head-major
         Dv = self.pool.value_pages.shape[3]
         T = sum(len(t) for t in ids)
         for name, t, want in (("k", k, (1, Hkv, T, D)), ("v", v, (1, Hkv, T, Dv))):

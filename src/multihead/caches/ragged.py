@@ -114,8 +114,8 @@ def _padded(cache: PrefixCache, rids: Sequence[int], start: int) -> tuple[Tensor
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
     out = []
     for pages in (cache.pool.key_pages, cache.pool.value_pages):
-        got = pages[table]  # (B, width, Hkv, ps, ·)
-        out.append(got.permute(0, 2, 1, 3, 4).reshape(len(rids), got.shape[2], width * ps, got.shape[-1]))
+        got = pages[:, table]  # (Hkv, B, width, ps, ·): the pool is head-major
+        out.append(got.transpose(0, 1).reshape(len(rids), got.shape[0], width * ps, got.shape[-1]))
     return out[0], out[1]
 
 
