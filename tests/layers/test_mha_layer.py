@@ -217,13 +217,14 @@ def test_capture_records_weights_only_while_capturing(monkeypatch):
     model = nn.Sequential(mh.MultiHeadAttention(16, 2, causal=True), mh.MultiHeadAttention(16, 2))
     x = torch.randn(1, 4, 16)
     asked = []
-    real = mh.layers.heads.attention  # the one call site of every layer
+    real = mh.layers.heads.attention  # a layer's two call sites: its fast path, and a watched call
 
     def spy(*args, **kwargs):
-        asked.append(kwargs["return_weights"])
+        asked.append(kwargs.get("return_weights", False))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mh.layers.heads, "attention", spy)
+    monkeypatch.setattr(mh.hooks, "attention", spy)
     model(x)
     assert asked == [False, False]  # the fast path computes no weights
     with mh.capture_attention(model) as cap:
