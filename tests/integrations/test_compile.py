@@ -32,7 +32,11 @@ from multihead.positions import ALiBi, RotaryEmbedding
 from multihead.validation import validate_call
 
 COMPILING = [n for n in mh.available_backends() if mh.get_backend(n).capabilities.compiles]
-NOT_COMPILING = [n for n in mh.available_backends() if not mh.get_backend(n).capabilities.compiles]
+NOT_COMPILING = [
+    n
+    for n in mh.available_backends()
+    if not mh.get_backend(n).capabilities.compiles and "cpu" in mh.get_backend(n).capabilities.device_types
+]
 # flex compiles flex_attention into the caller's graph: 10-60 s per mask on 2 cores (slow tier).
 SLOW_BACKENDS = {"flex"}
 B, Hq, Hkv, D = 2, 4, 2, 16
