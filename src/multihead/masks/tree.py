@@ -211,9 +211,22 @@ class Tree(Mask):
         return BlockState.PARTIAL
 
     def materialize_block(self, extent: Extent, block: Block, device: torch.device | str | None = None) -> Tensor:
+        band = self._band().materialize_block(extent, block, device)  # causal's comparison
         if not self._meets_tree(extent, block):
-            return self._band().materialize_block(extent, block, device)  # no gather: causal's comparison
-        return super().materialize_block(extent, block, device)
+            return band
+        if isinstance(self.start, Tensor):  # a tree per row at its own position: gathered (_mod)
+            return super().materialize_block(extent, block, device)
+        # causal, with the tree x tree square copied from the ancestor table (inside it, the
+        # ancestors are all causal lets through: a parent comes before its child)
+        shift, lo, hi = self._span(extent)
+        r0, r1 = max(block.q0 + shift, lo), min(block.q1 + shift, hi)  # the square's rows, as key positions
+        c0, c1 = max(block.k0, lo), min(block.k1, hi)
+        table = self._ancestors()
+        out = band.expand(table.shape[0], 1, block.rows, block.cols).clone()
+        out[:, 0, r0 - shift - block.q0 : r1 - shift - block.q0, c0 - block.k0 : c1 - block.k0] = table[
+            :, r0 - lo : r1 - lo, c0 - lo : c1 - lo
+        ].to(out.device)
+        return out
 
     def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
         return self._band()._empty_rows(extent, device)  # a node sees itself: only causal empties a row
