@@ -137,8 +137,6 @@ class Tree(Mask):
             table = table.to(q.device)
         T = self.size
         shift, s = self._frame(b, q_len, kv_len)
-        if isinstance(s, Tensor):
-            s = s.to(q.device)
         qk = q + shift  # the query's own position among the keys
         n, m = qk - s, kv - s  # node numbers (outside [0, T): not a tree node)
         both = (n >= 0) & (n < T) & (m >= 0) & (m < T)
@@ -243,6 +241,7 @@ class Tree(Mask):
             return kv_len - q_len, kv_len - self.size
         if isinstance(start, int):
             return 0, start
+        start = start.to(b.device)  # a host copy; the call's indices may be on the GPU
         return 0, start[torch.zeros_like(b) if start.shape[0] == 1 else b]
 
     def _span(self, extent: Extent) -> tuple[int, int, int]:
