@@ -89,20 +89,10 @@ def commit_path(cache: KVCache, draft: Tree | Tensor, path: Sequence[int] | Sequ
             f"expected as many in every row (StaticKVCache and PagedKVCache take one length per row)"
         )
     start = lengths - T  # (B,): the prefix of each row
-    # Read every slot back (an empty update returns them all), undo that update, then gather the
-    # accepted tokens into new tensors before anything is overwritten.
-    k0, v0 = _empty_kv(cache, B)
-    read = cache.update(k0, v0)
-    cache.rollback()
     A = max(accepted)
-    if A:
+    if A:  # the accepted tokens gathered into new tensors before anything is overwritten
         node = torch.tensor([row + [row[-1] if row else 0] * (A - len(row)) for row in rows])  # (B, A) padded
-        want = (start.view(B, 1) + node).to(read.query_positions.device)  # (B, A) positions
-        slots = _slots_of(read.key_positions, want, B)
-        keys, values = read.keys, read.values
-        index = slots.to(keys.device).view(B, 1, A, 1)
-        k_acc = keys.gather(2, index.expand(B, keys.shape[1], A, keys.shape[3]))  # (B, Hkv, A, D)
-        v_acc = values.gather(2, index.expand(B, values.shape[1], A, values.shape[3]))  # (B, Hkv, A, Dv)
+        k_acc, v_acc = _gather(cache, start.view(B, 1) + node)  # (B, Hkv, A, ·)
     uniform = int(start.min()) == int(start.max())
     cache.crop(int(start[0]) if uniform else start.to(cache.lengths.device))
     if A:
@@ -161,13 +151,28 @@ def _check_chain(row: list[int], parents: list[int], b: int, T: int) -> None:
             )
 
 
+def _gather(cache: KVCache, want: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys and values ``(B, Hkv, A, ·)`` of the tokens at positions ``want (B, A)``."""
+    B, A = want.shape
+    if isinstance(cache, PagedKVCache):  # straight from the pages: no dense read of the whole cache
+        ps = cache.page_size
+        pages = torch.tensor([[cache.tables[b][p // ps] for p in row] for b, row in enumerate(want.tolist())])
+        page, offset = pages.to(cache.key_pages.device), (want % ps).to(cache.key_pages.device)
+        keys = cache.key_pages[:, page, offset].transpose(0, 1)  # (Hkv, B, A, D) -> (B, Hkv, A, D)
+        return keys, cache.value_pages[:, page, offset].transpose(0, 1)
+    # Every slot read back (an empty update returns them all, then undone), the wanted ones gathered.
+    k0, v0 = _empty_kv(cache, B)
+    read = cache.update(k0, v0)
+    cache.rollback()
+    slots = _slots_of(read.key_positions, want.to(read.query_positions.device), B)
+    keys, values = read.keys, read.values
+    index = slots.to(keys.device).view(B, 1, A, 1)
+    k_acc = keys.gather(2, index.expand(B, keys.shape[1], A, keys.shape[3]))
+    return k_acc, values.gather(2, index.expand(B, values.shape[1], A, values.shape[3]))
+
+
 def _empty_kv(cache: KVCache, B: int) -> tuple[Tensor, Tensor]:
     """Keys and values of no token, shaped as the cache stores them (for an update that reads every slot)."""
-    if isinstance(cache, PagedKVCache):
-        Hkv, _, _, D = cache.key_pages.shape
-        k = cache.key_pages.new_empty(B, Hkv, 0, D)
-        Dv = cache.value_pages.shape[3]
-        return k, (k[..., :Dv] if cache.values_in_keys else cache.value_pages.new_empty(B, Hkv, 0, Dv))
     assert isinstance(cache, (DynamicKVCache, StaticKVCache))  # the kinds commit_path takes (checked first)
     keys, values = cache.keys, cache.values
     assert keys is not None and values is not None  # the cache holds the tree (checked above)
