@@ -242,3 +242,14 @@ def test_a_rotary_layer_verifies_a_tree_like_each_path_alone_then_commits(kind):
     step = layer(last, kv_cache=cache)
     whole = layer(torch.cat([prefix, drafts[:, accepted], last], dim=1))
     torch.testing.assert_close(step[:, -1], whole[:, -1])
+
+
+def test_a_latent_cache_commits_its_rows():
+    """MLA's one latent row per token (values are the keys' first features): the accepted rows kept."""
+    cache = mh.LatentKVCache()
+    rows = torch.randn(1, 1, 10, 12, dtype=torch.float64)  # 6 prefix tokens, then 4 drafts
+    cache.update(rows, rows[..., :8])
+    commit_path(cache, torch.tensor([-1, 0, 0, 1]), [0, 2])
+    assert cache.length == 8
+    assert torch.equal(cache.keys[0, 0], rows[0, 0, [0, 1, 2, 3, 4, 5, 6, 8]])
+    assert cache.values.data_ptr() == cache.keys.data_ptr()  # still stored once
