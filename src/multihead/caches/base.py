@@ -359,11 +359,28 @@ def check_kv(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     held: str = "",
+    stored: Tensor | None = None,
 ) -> None:
     """Refuse keys/values the cache could not store. ``k (B, Hkv, Lnew, D)``, ``v (B, Hkv, Lnew, Dv)``
     must be 4-D tensors of one dtype and device agreeing on ``B, Hkv, Lnew``, and agree with what
-    the cache holds where given (``held`` describes it for messages)."""
+    the cache holds where given (``held`` describes it for messages). ``stored``: the buffer the
+    update writes into, refused while it is an inference tensor and inference mode is off."""
     where = f"{cache}.update"
+    if (
+        stored is not None
+        and not torch.compiler.is_compiling()
+        and stored.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
+        # PyTorch refuses the write itself, but only after a cache has started changing (pages
+        # claimed, the undo record replaced, keys written and values not): refuse it first.
+        raise RuntimeError(
+            f"{where}: the cache's buffers were allocated under torch.inference_mode(), and PyTorch "
+            f"allows no in-place write to them outside it (inference mode is off here); "
+            f"hint: make every call that updates this cache under torch.inference_mode(), or use "
+            f"torch.no_grad() for all of them (a cache created and first updated outside "
+            f"inference mode may be used inside it)"
+        )
     for name, t, last in (("k", k, "D"), ("v", v, "Dv")):
         check_tensor(name, t, f"(B, Hkv, Lnew, {last})", where=where)
         if t.dim() != 4:

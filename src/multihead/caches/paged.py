@@ -173,6 +173,7 @@ class PagedKVCache(KVCache):
             dtype=self.key_pages.dtype,
             device=self.key_pages.device,
             held=self._held(),
+            stored=self.key_pages,
         )
         if self.values_in_keys:
             check_prefix(name, k, v)

@@ -180,6 +180,7 @@ class QuantizedKVCache(KVCache):
             dtype=self.dtype,
             device=self.tail_k.device,
             held=self._held(),
+            stored=self.tail_k,
         )
         new = k.shape[2]
         expected = self.next_positions(new, k.device)
