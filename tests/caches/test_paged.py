@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from cache_state import everything, identical
 
 import multihead as mh
 from helpers import DEVICES
@@ -130,6 +131,52 @@ def test_a_released_row_starts_a_new_sequence_beside_a_running_one():
         torch.testing.assert_close(steps[1], layer(c[:, :5])[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(first[0], layer(a[:, :4])[0], rtol=1e-12, atol=1e-12)
     assert cache.lengths.tolist() == [9, 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("new", [1, 2, 3])
+def test_nan_left_in_the_pool_never_reaches_another_sequence(new, dtype):
+    """A sequence that went non-finite (an fp16 overflow) is released; its pages go back to the
+    pool holding NaN and inf, and so do the tokens a crop drops. A read returns whole pages with
+    the slots past a row's length hidden by the mask, but a multi-token step multiplied their
+    values by a weight of 0: 0 * NaN poisoned the other rows (rows of different lengths, 2 and 3
+    query tokens). Claimed pages and dropped slots are zeroed: every step equals the full
+    forward of each row's own sequence."""
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, dtype=dtype).eval()
+    a, b, bad = (torch.randn(1, 12, 32, dtype=dtype) for _ in range(3))
+    cache = PagedKVCache(12, 4, 2, 8, batch_size=2, dtype=dtype)
+    with torch.no_grad():
+        layer(torch.cat([bad, bad])[:, :10], kv_cache=cache)  # a batch that went bad: NaN and inf everywhere
+        cache.key_pages[:, cache.tables[0] + cache.tables[1]] = float("nan")
+        cache.value_pages[:, cache.tables[0]] = float("inf")
+        cache.value_pages[:, cache.tables[1]] = float("nan")
+        cache.reset()  # every page back to the pool, still holding them
+        layer(torch.cat([a, b])[:, :6], kv_cache=cache)
+        cache.value_pages[:, cache.tables[1][-1], 1:] = float("nan")  # row 1's tokens 5.. go bad,
+        cache.crop(torch.tensor([6, 5]))  # and are dropped (row 1 holds 5 tokens, in pages of 4)
+        out = layer(torch.cat([a[:, 6 : 6 + new], b[:, 5 : 5 + new]]), kv_cache=cache)
+        want_a = layer(a[:, : 6 + new])[:, 6:]
+        want_b = layer(b[:, : 5 + new])[:, 5:]
+    assert torch.isfinite(out).all()
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=0.02, atol=0.02)
+    torch.testing.assert_close(out[:1], want_a, **tol)
+    torch.testing.assert_close(out[1:], want_b, **tol)
+
+
+def test_a_crop_that_clears_slots_of_an_inference_mode_pool_outside_it_changes_nothing():
+    """A crop inside a page zeroes the dropped slots: in a pool allocated under inference mode,
+    outside it, that is refused before any bookkeeping changes; a crop to a page boundary writes
+    nothing and is taken."""
+    with torch.inference_mode():
+        cache = PagedKVCache(8, 4, HKV, D, value_dim=DV, batch_size=2, dtype=torch.float64)
+        cache.update(*_kv(2, 7, torch.Generator().manual_seed(0)))
+    before = everything(cache)
+    with pytest.raises(RuntimeError, match=r"^PagedKVCache\.crop: the cache's buffers were allocated under"):
+        cache.crop(5)
+    assert identical(everything(cache), before)
+    cache.crop(4)
+    assert cache.lengths.tolist() == [4, 4] and len(cache.free) == 6
 
 
 @pytest.mark.parametrize(

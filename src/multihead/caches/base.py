@@ -67,6 +67,7 @@ __all__ = [
     "CacheRead",
     "check_kv",
     "check_indices",
+    "check_writable",
     "check_crop",
     "check_continuation",
     "check_reach",
@@ -359,11 +360,14 @@ def check_kv(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     held: str = "",
+    stored: Tensor | None = None,
 ) -> None:
     """Refuse keys/values the cache could not store. ``k (B, Hkv, Lnew, D)``, ``v (B, Hkv, Lnew, Dv)``
     must be 4-D tensors of one dtype and device agreeing on ``B, Hkv, Lnew``, and agree with what
-    the cache holds where given (``held`` describes it for messages)."""
+    the cache holds where given (``held`` describes it for messages). ``stored``: the buffer the
+    update writes into, refused while it is an inference tensor and inference mode is off."""
     where = f"{cache}.update"
+    check_writable(where, stored)
     for name, t, last in (("k", k, "D"), ("v", v, "Dv")):
         check_tensor(name, t, f"(B, Hkv, Lnew, {last})", where=where)
         if t.dim() != 4:
@@ -395,6 +399,26 @@ def check_kv(
         raise TypeError(f"{where}: new keys/values have dtype {k.dtype} but the cache holds {dtype} ({held}){hint}")
     if device is not None and k.device != torch.device(device):
         raise ValueError(f"{where}: new keys/values are on {k.device} but the cache is on {device} ({held}){hint}")
+
+
+def check_writable(where: str, stored: Tensor | None) -> None:
+    """Refuse to write into ``stored``, a cache's buffer, while it is an inference tensor and
+    inference mode is off. PyTorch refuses the write itself, but only when it comes: after a
+    cache has started changing (pages claimed, the undo record replaced, keys written and values
+    not). A cache calls this before any change."""
+    if (
+        stored is not None
+        and not torch.compiler.is_compiling()
+        and stored.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
+        raise RuntimeError(
+            f"{where}: the cache's buffers were allocated under torch.inference_mode(), and PyTorch "
+            f"allows no in-place write to them outside it (inference mode is off here); "
+            f"hint: make every call that updates this cache under torch.inference_mode(), or use "
+            f"torch.no_grad() for all of them (a cache created and first updated outside "
+            f"inference mode may be used inside it)"
+        )
 
 
 def check_indices(cache: str, indices: object, batch: int, device: torch.device | str | None) -> Tensor:

@@ -151,6 +151,7 @@ class StaticKVCache(KVCache):
             dtype=self.keys.dtype,
             device=self.keys.device,
             held=self._held(),
+            stored=self.keys,
         )
         new = k.shape[2]
         if positions is not None:  # given positions must continue each row, so they never change the read
