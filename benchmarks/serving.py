@@ -16,6 +16,10 @@ before it is timed. The load average is printed before and after each part.
 * ``snapkv``: a 16384-token prompt, ``SnapKV(compression_ratio=0.75)`` (a quarter kept): the
   selection's cost against the prompt's causal attention, and 128 decode steps against the full
   cache.
+* ``tree``: a tree of 64 draft tokens (random parents, drafter order) verified in one call after a
+  prefix of 4096 and 16384 keys, ``mask=tree(parents)``, against a 64-token chunk with
+  ``causal()`` on the same keys (the issue's bound: at most 1.5x); ``auto`` and each backend that
+  runs it; then ``commit_path`` of a depth-8 path on a ``DynamicKVCache`` against ``crop``.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import time
 
 import torch
 
-from common import check_close, context, machine_state, mh, print_table, write_csv
-from multihead.caches import PrefixCache, prefix_attention
+from common import check_close, context, fastest_ms, machine_state, mh, print_table, used_backend, write_csv
+from multihead.caches import PrefixCache, commit_path, prefix_attention
 from multihead.caches.policies import SinksAndWindow, SnapKV
 
 HQ, HKV, D = 8, 2, 64
@@ -203,10 +207,79 @@ def snapkv_part(prompt: int, steps: int, rounds: int) -> list[dict]:
     ]
 
 
+# ---------------------------------------------------------------------------------- tree
+def _drafts(T: int, g: torch.Generator) -> torch.Tensor:
+    """A drafter's tree: node ``i`` hangs under a random one of the 8 nodes before it (-1 for the first)."""
+    return torch.tensor([-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=g)) for i in range(1, T)])
+
+
+def tree_part(prefixes: list[int], T: int, rounds: int) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    parents = _drafts(T, g)
+    draft = mh.tree(parents)
+    rows = []
+    for P in prefixes:
+        q = torch.randn(1, HQ, T, D, generator=g)
+        k, v = torch.randn(1, HKV, P + T, D, generator=g), torch.randn(1, HKV, P + T, D, generator=g)
+        dense = draft.materialize(1, 1, T, P + T)
+        want = mh.attention(q.double(), k.double(), v.double(), mask=dense, backend="reference").float()
+        fns = {"chunk causal (auto)": lambda: mh.attention(q, k, v, mask=mh.causal())}
+        for backend in ("auto", "sdpa", "blocksparse", "decode"):
+            got = mh.attention(q, k, v, mask=draft, backend=backend)
+            check_close(f"tree {backend}", got, want)
+            fns[f"tree ({backend})"] = lambda b=backend: mh.attention(q, k, v, mask=draft, backend=b)
+        ms = fastest_ms(fns, rounds)
+        base = ms["chunk causal (auto)"]
+        chunk_backend = used_backend(q, k, v, mask=mh.causal())
+        for name, t in ms.items():
+            ran = (
+                used_backend(q, k, v, mask=draft) if name == "tree (auto)" else chunk_backend if "chunk" in name else ""
+            )
+            rows.append(
+                {"prefix": P, "T": T, "call": name, "ran": ran, "ms": round(t, 3), "x chunk": round(t / base, 2)}
+            )
+        # commit: a depth-8 path of the tree kept, against a plain crop of the drafts
+        node, path = T - 1, []
+        while node != -1:
+            path.append(node)
+            node = int(parents[node])
+        path = path[::-1][:8]
+
+        def verified(cache_k=k, cache_v=v):
+            cache = mh.DynamicKVCache(capacity=P + T)
+            cache.update(cache_k, cache_v)
+            return cache
+
+        commit_ms = fastest_ms(
+            {"commit": lambda: commit_path(verified(), draft, path), "crop": lambda: verified().crop(P)}, rounds
+        )
+        rows.append(
+            {
+                "prefix": P,
+                "T": T,
+                "call": f"commit_path (depth {len(path)})",
+                "ran": "DynamicKVCache",
+                "ms": round(commit_ms["commit"], 3),
+                "x chunk": round(commit_ms["commit"] / base, 2),
+            }
+        )
+        rows.append(
+            {
+                "prefix": P,
+                "T": T,
+                "call": "the same cache, crop(P) only",
+                "ran": "DynamicKVCache",
+                "ms": round(commit_ms["crop"], 3),
+                "x chunk": round(commit_ms["crop"] / base, 2),
+            }
+        )
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one round")
-    parser.add_argument("--only", choices=["prefix", "stream", "snapkv"], default=None)
+    parser.add_argument("--only", choices=["prefix", "stream", "snapkv", "tree"], default=None)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds, fastest kept")
     args = parser.parse_args(argv)
     print(context())
@@ -217,6 +290,7 @@ def main(argv=None) -> None:
             8192 if args.quick else 65536, [1024, 4096, 8192] if args.quick else [1024, 8192, 16384, 32768, 65536]
         ),
         "snapkv": lambda: snapkv_part(4096 if args.quick else 16384, 32 if args.quick else 128, rounds),
+        "tree": lambda: tree_part([1024] if args.quick else [4096, 16384], 64, rounds),
     }
     for name, run in parts.items():
         if args.only not in (None, name):

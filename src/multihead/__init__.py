@@ -45,7 +45,7 @@ from multihead.layers import (
     MultiQueryAttention,
     compat,
 )
-from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window
+from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window, tree
 from multihead.merge import merge_partials
 from multihead.nonfinite import set_nonfinite_check, skip_nonfinite_check
 from multihead.reference import reference_attention
@@ -91,6 +91,7 @@ __all__ = [
     "document",
     "document_causal",
     "prefix_lm",
+    "tree",
     "custom",
     "available_backends",
     "get_backend",

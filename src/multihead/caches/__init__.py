@@ -19,6 +19,7 @@ over what it returns::
 * :class:`PrefixCache`: pages shared between requests (reference counts, copy-on-write, an index
   from token ids to pages, LRU eviction); :func:`prefix_attention` (cascade over the shared
   pages) and :func:`ragged_attention` (requests with their own query lengths, one call);
+* :func:`commit_path`: speculative decoding, the accepted path of a verified draft tree kept;
 * :mod:`~multihead.caches.policies`: eviction policies (``SinksAndWindow``, ``SnapKV``, ``H2O``),
   passed as ``DynamicKVCache(policy=...)``.
 
@@ -34,6 +35,7 @@ from multihead.caches.prefix import PrefixCache
 from multihead.caches.quantized import QuantizedKVCache
 from multihead.caches.ragged import prefix_attention, ragged_attention
 from multihead.caches.sliding import SlidingWindowKVCache
+from multihead.caches.speculative import commit_path
 from multihead.caches.static import StaticKVCache
 
 __all__ = [
@@ -49,4 +51,5 @@ __all__ = [
     "PrefixCache",
     "ragged_attention",
     "prefix_attention",
+    "commit_path",
 ]

@@ -58,7 +58,7 @@ from torch import Tensor
 from multihead.backends.decode_blocks import KVBlocks
 from multihead.blocks import Block, Extent
 from multihead.inputs import check_positions, check_tensor
-from multihead.masks import Mask, head_range
+from multihead.masks import Mask, at_new_tokens, head_range
 from multihead.masks import causal as causal_mask
 from multihead.masks.base import UNBOUNDED, And, Not, Or
 
@@ -171,12 +171,17 @@ class CacheRead:
         is over the call's ``(Lq, S)`` slots as returned (``S = cache.slots(Lq)``). A combined
         mask (``&``, ``|``, ``~``) applies the rule to each of its parts, so in
         ``document(ids) & t`` the ids are read at positions and ``t`` over the slots: a tensor
-        never moves the other parts to the slots. With a ``window``, the parts at positions (and
-        ``causal``) must not let a query see further back than the window (:func:`check_reach`):
-        a tensor part cannot bound it. A contiguous read keeps mask objects (fast paths see
-        ``causal()``); other reads give a bool tensor ``(B|1, heads|1, Lq, S)``, small for the
-        decode steps such caches serve. ``heads`` is ``Hq``, for masks that differ per head.
+        never moves the other parts to the slots. A token tree placed bottom-right
+        (:func:`~multihead.masks.tree`) is the call's last ``T`` new tokens in every row
+        (:func:`~multihead.masks.at_new_tokens`), however many slots the read has. With a
+        ``window``, the parts at positions (and ``causal``) must not let a query see further back
+        than the window (:func:`check_reach`): a tensor part cannot bound it. A contiguous read
+        keeps mask objects (fast paths see ``causal()``); other reads give a bool tensor
+        ``(B|1, heads|1, Lq, S)``, small for the decode steps such caches serve. ``heads`` is
+        ``Hq``, for masks that differ per head.
         """
+        if isinstance(mask, Mask):  # a token tree's nodes are this call's new tokens, whatever the slots
+            mask = at_new_tokens(mask, self.query_positions)
         if self.window is not None:  # a ring: refuse a mask reaching keys it no longer holds
             check_reach("CacheRead.mask", mask, causal, self.window, self.query_positions)
         if self.policy_mask is not None:  # the policy's rule: an approximation the user chose

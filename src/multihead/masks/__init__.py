@@ -13,6 +13,7 @@ from multihead.masks.heads import HeadRange, head_range
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
 from multihead.masks.select import BlockSelect, block_select
 from multihead.masks.tensor import Custom, TensorMask, additive_blocked, as_mask, bias, custom
+from multihead.masks.tree import Tree, at_new_tokens, tree
 
 __all__ = [
     "Mask",
@@ -33,6 +34,8 @@ __all__ = [
     "document_causal",
     "head_range",
     "block_select",
+    "tree",
+    "at_new_tokens",
     "custom",
     "as_mask",
     "additive_blocked",
@@ -43,6 +46,7 @@ __all__ = [
     "DocumentCausal",
     "HeadRange",
     "BlockSelect",
+    "Tree",
     "TensorMask",
     "Custom",
 ]
