@@ -43,6 +43,7 @@ from multihead.layers import (
     MultiHeadAttention,
     MultiHeadLatentAttention,
     MultiQueryAttention,
+    NativeSparseAttention,
     compat,
 )
 from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window, tree
@@ -105,6 +106,7 @@ __all__ = [
     "GatedAttention",
     "DifferentialAttention",
     "MixtureOfBlockAttention",
+    "NativeSparseAttention",
     "compat",
     "caches",
     "KVCache",

@@ -47,6 +47,7 @@ from torch import Tensor
 from multihead.backends.band_runs import run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.bias_backward import LOG_TINY, accumulate_mod_grads, piece_ds
+from multihead.backends.block_gather import gathered_attention, gathered_plan, selection_of
 from multihead.backends.block_plan import (
     CAUSAL,
     DEFAULT_BLOCK_SIZE,
@@ -126,6 +127,9 @@ class BlockSparseBackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        selection = _gathers(call)
+        if selection is not None:
+            return gathered_plan(selection, call.shape)
         plan = self._plan(call)
         mods = call.score_mod
         relative = mods is not None and mods.relative
@@ -198,6 +202,10 @@ class BlockSparseBackend(Backend):
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
         mods = call.score_mod
+        selection = _gathers(call)
+        if selection is not None:
+            out, lse = gathered_attention(q, k, v, selection, call.scale)
+            return AttentionResult(out[..., :Dv], None, lse if call.return_lse else None)
         out, lse = _BlockSparseAttention.apply(
             q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
         )
@@ -231,6 +239,12 @@ class BlockSparseBackend(Backend):
         while len(self._plans) > 32:
             self._plans.popitem(last=False)
         return plan
+
+
+def _gathers(call: AttentionCall):
+    """The call's block selection when it runs gathered (:mod:`multihead.backends.block_gather`):
+    a ``block_select`` joined by ``&`` to any other mask, and no score modifier."""
+    return selection_of(call.mask) if call.score_mod is None else None
 
 
 def _document_blocks(segments: Sequence[Segment]) -> tuple[QueryBlock, ...]:
