@@ -22,11 +22,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead import scores
 from multihead.attention import attention
-from multihead.call import AttentionResult
-from multihead.distributed.checks import agree, call_summary, check_group, check_mask, check_qkv, check_scale
+from multihead.call import AttentionResult, ScoreModArg
+from multihead.distributed.checks import (
+    agree,
+    call_summary,
+    check_group,
+    check_mask,
+    check_qkv,
+    check_scale,
+    check_score_mod,
+)
 from multihead.distributed.layout import check_divisible, check_layout, pieces
 from multihead.masks import Mask, head_range
+from multihead.sinks import check_sinks
 
 __all__ = ["ulysses_attention"]
 
@@ -40,6 +50,9 @@ def ulysses_attention(
     *,
     group=None,
     mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     layout: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
@@ -52,9 +65,12 @@ def ulysses_attention(
     ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` in ``layout``; the mask of the whole attention),
     with two more conditions: ``P`` divides ``Hq``, and ``P`` divides ``Hkv`` or ``Hkv`` divides
     ``P`` (KV heads are then replicated). Any mask: the local call sees the whole sequence.
+    ``score_mod``, ``softcap`` and ``sinks`` as in :func:`~multihead.distributed.ring_attention`:
+    the local call reads them at this rank's heads (:func:`multihead.scores.head_range`,
+    :func:`multihead.scores.sinks_range`), at positions that are already the whole sequence's.
     """
     world, rank = check_group(group, _WHERE)
-    error, summary, shards = None, {}, None
+    error, summary, shards, mod = None, {}, None, None
     try:
         shards = check_qkv(_WHERE, q, k, v, world)
         check_layout(layout, _WHERE)
@@ -83,7 +99,20 @@ def ulysses_attention(
             raise TypeError(
                 f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
             )
-        summary = call_summary(q, k, v, mask=mask, layout=layout, scale=scale, return_lse=return_lse, backend=backend)
+        mod = check_score_mod(_WHERE, score_mod, softcap, shards)
+        check_sinks(sinks, q)
+        summary = call_summary(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=mod,
+            sinks=sinks,
+            layout=layout,
+            scale=scale,
+            return_lse=return_lse,
+            backend=backend,
+        )
     except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
         error = e
     agree(_WHERE, group, rank, error, summary)
@@ -97,10 +126,24 @@ def ulysses_attention(
     qh = _SequenceToHeads.apply(q, group, runs, 1)  # (B, Hq/P, L, D) in position order
     kh = _SequenceToHeads.apply(k, group, runs, replicas)  # (B, Hkv/P or 1, L, D)
     vh = _SequenceToHeads.apply(v, group, runs, replicas)  # (B, Hkv/P or 1, L, Dv)
-    local_mask = head_range(mask, rank * (Hq // world), Hq // world, Hq)  # this rank's heads, read as 0..Hq/P-1
+    # This rank's heads [first, first + Hq/P), read by the local call as 0 .. Hq/P - 1.
+    first, count = rank * (Hq // world), Hq // world
+    local_mask = head_range(mask, first, count, Hq)
+    local_mod = scores.head_range(mod, first, count, Hq)
+    local_sinks = scores.sinks_range(sinks, first, count, Hq)
     # The LSE only when asked for: under autograd a kernel without a differentiable LSE would
     # have it recomputed from the weights (row blocks of scores: memory and time for nothing).
-    res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=return_lse, backend=backend)
+    res = attention(
+        qh,
+        kh,
+        vh,
+        mask=local_mask,
+        score_mod=local_mod,
+        sinks=local_sinks,
+        scale=scale,
+        return_lse=return_lse,
+        backend=backend,
+    )
     if isinstance(res, Tensor):  # return_lse=False
         return _HeadsToSequence.apply(res, group, runs)  # (B, Hq, S, Dv)
     assert res.lse is not None  # asked for
