@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dist_checks import L, check, inputs, loss_of, make_mask
 
 import multihead as mh
-from multihead import scores
+from multihead import masks, scores
 from multihead.distributed import ring_attention, shard_sequence, ulysses_attention
 from multihead.positions import ALiBi, RelativePositionBias
 
@@ -135,3 +135,42 @@ def _ulysses_replicated(rank, world):
     """Hkv = 1 < P (the KV head replicated) with per-head modifiers."""
     for name in ("alibi_sinks", "t5", "bias_tensor"):
         compare_modifier(ulysses_attention, name, mask_kind="causal", layout="zigzag", Hq=2 * world, Hkv=1)
+
+
+@check("context-parallel-layer-score-mods")
+def _layer_modifiers(rank, world):
+    """``MultiHeadAttention(context_parallel=cp)`` with T5's trainable relative bias, softcap and
+    trainable sinks (GQA, RoPE, causal) on a sharded input: its output rows and every parameter's
+    gradient (summed over ranks) equal the layer on the whole sequence."""
+    from multihead.distributed import ContextParallel
+    from multihead.positions import RotaryEmbedding
+
+    E, H, Hkv = 16, 2 * world, world
+    torch.manual_seed(0)
+    rel = RelativePositionBias(H, num_buckets=8, max_distance=16)
+    options = dict(num_kv_heads=Hkv, rope=RotaryEmbedding(4), causal=True, sinks=True, softcap=4.0)
+    layer = mh.MultiHeadAttention(E, H, score_mod=rel, head_dim=4, **options).double()
+    with torch.no_grad():
+        layer.sinks.copy_(torch.linspace(-1, 1, H))
+    x = torch.randn(2, L, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    window = masks.sliding_window(7)
+    want = layer(x, mask=window)
+    want_grads = torch.autograd.grad((want * want).sum(), list(layer.parameters()))
+    for method in ("ring", "ulysses"):
+        cp = ContextParallel(layout="zigzag", method=method)
+        sharded = mh.MultiHeadAttention(
+            E,
+            H,
+            score_mod=RelativePositionBias(H, num_buckets=8, max_distance=16),
+            head_dim=4,
+            context_parallel=cp,
+            **options,
+        ).double()
+        sharded.load_state_dict(layer.state_dict())
+        out = sharded(cp.shard(x, dim=1), mask=window)  # (B, L/P, E)
+        torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
+        grads = torch.autograd.grad((out * out).sum(), list(sharded.parameters()))
+        for (name, _), g, w in zip(sharded.named_parameters(), grads, want_grads):
+            g = g.clone()
+            dist.all_reduce(g)
+            torch.testing.assert_close(g, w, msg=lambda m: f"layer {method} {name}: {m}")

@@ -81,12 +81,16 @@ class ContextParallel:
         v: Tensor,
         *,
         mask=None,
+        score_mod=None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
         scale: float | None = None,
         return_lse: bool = False,
         backend: str = "auto",
     ):
         """Sharded attention of ``q (B, Hq, S, D)``, ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
-        under the mask of the whole sequence; same result as :func:`multihead.attention` on it."""
+        under the mask and score modifiers of the whole sequence; same result as
+        :func:`multihead.attention` on it."""
         fn = ring_attention if self.method == "ring" else ulysses_attention
         return fn(
             q,
@@ -94,6 +98,9 @@ class ContextParallel:
             v,
             group=self.group,
             mask=mask,
+            score_mod=score_mod,
+            softcap=softcap,
+            sinks=sinks,
             layout=self.layout,
             scale=scale,
             return_lse=return_lse,
@@ -105,8 +112,8 @@ class ContextParallelAttend(Attend):
     """A layer's ``attend=`` seam for a sequence sharded as ``cp`` says: the layer's input is this
     rank's shard (``cp.shard(x)``), its mask the whole sequence's, ``rope`` turns the shard's
     tokens at their global positions, and attention runs over the whole sequence through
-    :meth:`ContextParallel.attention`. Self-attention only; without caches, weights, score
-    modifiers, sinks or dropout (ring and all-to-all attention take masks only)."""
+    :meth:`ContextParallel.attention`, score modifiers and sinks included (read at absolute
+    positions and at each rank's heads). Self-attention only; without caches, weights or dropout."""
 
     sharded = True
 
@@ -114,12 +121,6 @@ class ContextParallelAttend(Attend):
         self.context_parallel = cp
 
     def check_layer(self, layer: str, options: Mapping[str, object]) -> None:
-        for name in ("score_mod", "softcap", "sinks"):
-            if options.get(name) is not None:
-                raise ValueError(
-                    f"{layer}: context_parallel attention has no {name} yet (ring and all-to-all "
-                    f"attention take masks only); got {name}={options[name]!r}"
-                )
         if options.get("dropout"):
             raise ValueError(
                 f"{layer}: context_parallel attention has no dropout yet; got dropout={options['dropout']}"
@@ -138,7 +139,6 @@ class ContextParallelAttend(Attend):
         for what, bad in (
             ("kv_cache", kv_cache is not None),
             ("need_weights=True", need_weights is True),
-            ("a call score_mod", score_mod is not None),
             ("dropout in training", bool(dropout)),
             ("a separate key (cross-attention)", not self_attention),
         ):
@@ -164,13 +164,18 @@ class ContextParallelAttend(Attend):
         *,
         out_proj: Callable[[Tensor], Tensor],
         mask=None,
+        score_mod=None,
+        sinks: Tensor | None = None,
         backend: str = "auto",
         **refused: object,
     ) -> tuple[Tensor, None]:
-        """``(out_proj(merge(attention over the whole sequence)) (B, Lq, E), None)``; the other
+        """``(out_proj(merge(attention over the whole sequence)) (B, Lq, E), None)``; ``mask`` and
+        ``score_mod`` are the whole sequence's (the layer bound them to its lengths); the other
         arguments of :func:`~multihead.layers.heads.attend_heads` are the defaults that
         :meth:`check_layer` and :meth:`check_call` let through."""
-        y = self.context_parallel.attention(q, k, v, mask=mask, backend=backend)  # (B, Hq, Lq, Dv)
+        y = self.context_parallel.attention(
+            q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, backend=backend
+        )  # (B, Hq, Lq, Dv)
         return out_proj(merge_heads(y)), None
 
     def __repr__(self) -> str:
