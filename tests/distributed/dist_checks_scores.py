@@ -68,12 +68,17 @@ MODIFIERS = (
 )
 
 
-def compare_modifier(fn, name, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=None, D=8, Dv=6, lse=True, **kw):
+def compare_modifier(
+    fn, name, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=None, D=8, Dv=6, lse=True, shard=None, **kw
+):
+    """``fn`` against one process with modifier ``name`` (``None``: no modifier). ``shard``:
+    this rank's shard of a whole ``(B, H, L, ·)`` tensor (default: ``shard_sequence`` in ``layout``)."""
     Lk = Lq if Lk is None else Lk
     q, k, v, gout, glse = inputs(B, Hq, Hkv, Lq, Lk, D, Dv, torch.float64, seed=4)
     mask = make_mask(mask_kind, B, Lq, Lk)
-    score_mod, sinks, trainable = modifier(name, B, Hq, Lq, Lk)
-    shard = lambda t: shard_sequence(t, layout=layout, dim=2)  # noqa: E731
+    score_mod, sinks, trainable = (None, None, ()) if name is None else modifier(name, B, Hq, Lq, Lk)
+    if shard is None:
+        shard = lambda t: shard_sequence(t, layout=layout, dim=2)  # noqa: E731
 
     # one process, the whole sequence
     qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
@@ -84,7 +89,11 @@ def compare_modifier(fn, name, *, mask_kind, layout, B=2, Hq=4, Hkv=2, Lq=L, Lk=
 
     # sharded
     qs, ks, vs = (shard(t).detach().requires_grad_() for t in (q, k, v))
-    got = fn(qs, ks, vs, mask=mask, score_mod=score_mod, sinks=sinks, layout=layout, return_lse=lse, **kw)
+    if score_mod is not None:
+        kw["score_mod"] = score_mod
+    if sinks is not None:
+        kw["sinks"] = sinks
+    got = fn(qs, ks, vs, mask=mask, layout=layout, return_lse=lse, **kw)
     out, out_lse = (got.output, got.lse) if lse else (got, None)
     loss = loss_of(out, out_lse, shard(gout), shard(glse)) if lse else (out * shard(gout)).sum()
     grads = list(torch.autograd.grad(loss, (qs, ks, vs, *trainable), allow_unused=True))

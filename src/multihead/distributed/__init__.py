@@ -5,6 +5,8 @@
   mask hides are neither computed nor sent.
 * :func:`ulysses_attention`: two all-to-alls turn the sequence shards into head shards around
   one local :func:`multihead.attention` over the whole sequence.
+* :func:`hybrid_attention`: a 2-D mesh (:class:`Mesh2D`), Ulysses inside a group and the ring
+  across groups, the layouts composed (:func:`hybrid_shard`, :func:`hybrid_positions`).
 * :func:`shard_sequence` / :func:`unshard_sequence` / :func:`shard_positions`: the ``zigzag`` and
   ``contiguous`` layouts (:mod:`multihead.distributed.layout`).
 * :class:`ShardedKVCache`: decoding over keys and values sharded by position across the ranks
@@ -18,6 +20,7 @@ gradients (``tests/distributed``). See ``docs/distributed.md``.
 
 from multihead.distributed.context import METHODS, ContextParallel, ContextParallelAttend
 from multihead.distributed.decoding import ShardedKVCache, StepTraffic
+from multihead.distributed.hybrid import Mesh2D, hybrid_attention, hybrid_positions, hybrid_shard, hybrid_unshard
 from multihead.distributed.layout import LAYOUTS, shard_positions, shard_sequence, unshard_sequence
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.ring import ring_attention
@@ -26,6 +29,11 @@ from multihead.distributed.ulysses import ulysses_attention
 __all__ = [
     "ring_attention",
     "ulysses_attention",
+    "hybrid_attention",
+    "Mesh2D",
+    "hybrid_shard",
+    "hybrid_unshard",
+    "hybrid_positions",
     "shard_sequence",
     "unshard_sequence",
     "shard_positions",

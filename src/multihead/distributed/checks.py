@@ -35,6 +35,7 @@ __all__ = [
     "check_scale",
     "call_summary",
     "agree",
+    "agree_mesh",
 ]
 
 
@@ -235,6 +236,26 @@ def agree(where: str, group, rank: int, error: BaseException | None, summary: di
             "shard of the same shape, dtype and arguments (one call, sharded), the same mask built "
             "from the same values, and the same requires_grad and grad mode (a backward communicates)"
         )
+
+
+def agree_mesh(where: str, inner, outer, error: BaseException | None, summary: dict) -> None:
+    """:func:`agree` over a 2-D mesh given as two groups (every rank is in one ``inner`` group and
+    one ``outer`` group, e.g. Ulysses inside, ring across): raise on *every* rank of the mesh if
+    any rank failed or any two disagree, before anything moves.
+
+    Three rounds: within ``inner``, then ``outer`` (each rank carries its inner group's outcome),
+    then ``inner`` again (each carries what its outer group learnt). After the second round rank
+    ``(i, o)`` knows about every inner group that meets outer group ``o``, which is all of them;
+    the third round gives that to the ranks of its inner group. Raising after the first round
+    alone would leave the ranks of other inner groups waiting in the next exchange."""
+    outcome = error
+    for group in (inner, outer, inner):
+        try:
+            agree(where, group, dist.get_rank(group), outcome, summary)
+        except (TypeError, ValueError) as e:
+            outcome = e
+    if outcome is not None:
+        raise outcome
 
 
 def _difference(name: str, values: list) -> str | None:

@@ -38,7 +38,7 @@ from multihead.distributed.layout import check_divisible, check_layout, pieces
 from multihead.masks import Mask, head_range
 from multihead.sinks import check_sinks
 
-__all__ = ["ulysses_attention"]
+__all__ = ["ulysses_attention", "Runs", "to_heads", "to_sequence"]
 
 _WHERE = "ulysses_attention"
 
@@ -119,7 +119,7 @@ def ulysses_attention(
     assert shards is not None and not isinstance(mask, Tensor)  # checked above: agree() raised on every rank otherwise
 
     S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
-    runs = _Runs(S, world, layout)
+    runs = Runs(S, world, layout)
     # With P > Hkv each KV head travels to the P/Hkv ranks whose query heads read it: rank j
     # receives KV head kv_head_of(j·Hq/P) = j // (P/Hkv), replicated inside the exchange's one copy.
     replicas = world // Hkv if Hkv % world else 1
@@ -152,7 +152,7 @@ def ulysses_attention(
     return AttentionResult(out, None, lse)
 
 
-class _Runs:
+class Runs:
     """Where each rank's shard sits in the whole sequence: ``(rank, local, start, length)`` runs of
     consecutive positions (:func:`~multihead.distributed.layout.pieces`), one per contiguous
     shard, two per zigzag shard."""
@@ -160,6 +160,17 @@ class _Runs:
     def __init__(self, shard_len: int, world: int, layout: str):
         self.S, self.P, self.layout = shard_len, world, layout
         self.runs = [(r, *p) for r in range(world) for p in pieces(shard_len, r, world, layout)]
+
+
+def to_heads(x: Tensor, group, runs: Runs, replicas: int = 1) -> Tensor:
+    """Sequence shards ``(B, H, S, ·)`` -> head shards ``(B, H·replicas/P, P·S, ·)``, the positions
+    of ``runs`` in order (differentiable: its gradient is the opposite exchange)."""
+    return _SequenceToHeads.apply(x, group, runs, replicas)
+
+
+def to_sequence(y: Tensor, group, runs: Runs) -> Tensor:
+    """Head shards ``(B, H/P, P·S, ·)`` -> this rank's sequence shard ``(B, H, S, ·)``."""
+    return _HeadsToSequence.apply(y, group, runs)
 
 
 # One exchange = one send buffer, one receive buffer, one reorder, each written by a single copy:
@@ -173,7 +184,7 @@ class _Runs:
 # concatenation and the reorder).
 
 
-def _sequence_to_heads(x: Tensor, group, runs: _Runs, replicas: int) -> Tensor:
+def _sequence_to_heads(x: Tensor, group, runs: Runs, replicas: int) -> Tensor:
     """``(B, H, S, ·)`` sequence shards -> ``(B, H·replicas/P, L, ·)`` head shards in position order;
     virtual head ``h·replicas + i`` is head ``h``."""
     B, H, S, E = x.shape
@@ -192,7 +203,7 @@ def _sequence_to_heads(x: Tensor, group, runs: _Runs, replicas: int) -> Tensor:
     return out
 
 
-def _heads_to_sequence(y: Tensor, group, runs: _Runs) -> Tensor:
+def _heads_to_sequence(y: Tensor, group, runs: Runs) -> Tensor:
     """``(B, H/P, L, ·)`` in position order -> ``(B, H, S, ·)`` this rank's sequence shard."""
     B, Hs, _, E = y.shape
     P, S = runs.P, runs.S
@@ -209,7 +220,7 @@ class _SequenceToHeads(torch.autograd.Function):
     """:func:`_sequence_to_heads`; its gradient is the opposite exchange (replicas summed)."""
 
     @staticmethod
-    def forward(ctx, x, group, runs: _Runs, replicas: int):
+    def forward(ctx, x, group, runs: Runs, replicas: int):
         ctx.group, ctx.runs, ctx.replicas = group, runs, replicas
         return _sequence_to_heads(x, group, runs, replicas)
 
@@ -225,7 +236,7 @@ class _HeadsToSequence(torch.autograd.Function):
     """:func:`_heads_to_sequence`; its gradient is the opposite exchange."""
 
     @staticmethod
-    def forward(ctx, y, group, runs: _Runs):
+    def forward(ctx, y, group, runs: Runs):
         ctx.group, ctx.runs = group, runs
         return _heads_to_sequence(y, group, runs)
 
