@@ -75,7 +75,7 @@ def compare_modifier(
     this rank's shard of a whole ``(B, H, L, ·)`` tensor (default: ``shard_sequence`` in ``layout``)."""
     Lk = Lq if Lk is None else Lk
     q, k, v, gout, glse = inputs(B, Hq, Hkv, Lq, Lk, D, Dv, torch.float64, seed=4)
-    mask = make_mask(mask_kind, B, Lq, Lk)
+    mask = make_mask(mask_kind, B, Lq, Lk) if isinstance(mask_kind, str) else mask_kind  # a kind, or a mask
     score_mod, sinks, trainable = (None, None, ()) if name is None else modifier(name, B, Hq, Lq, Lk)
     if shard is None:
         shard = lambda t: shard_sequence(t, layout=layout, dim=2)  # noqa: E731

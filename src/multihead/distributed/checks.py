@@ -20,6 +20,7 @@ from torch import Tensor
 
 from multihead.blocks import Extent
 from multihead.distributed.fingerprint import mask_fingerprint, tensor_fingerprint
+from multihead.distributed.layout import Layout
 from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks.tensor import as_mask
@@ -183,6 +184,8 @@ def call_summary(
     rank without one leaves the others waiting), the mask and the score modifier by content
     (:func:`~multihead.distributed.fingerprint.mask_fingerprint`), the sinks by content, and the
     other ``arguments``."""
+    # A layout object counts by its description (its runs' digest), not by the ids it holds.
+    arguments = {k: repr(a) if isinstance(a, Layout) else a for k, a in arguments.items()}
     summary = {
         "q": tuple(q.shape),
         "k": tuple(k.shape),

@@ -142,6 +142,7 @@ def _prepare(q, k, v, group, mask, score_mod, softcap, sinks, layout, scale, ret
                         f"key_padding()) or use layout='contiguous'"
                     )
         check_divisible(_WHERE, "Lq", shards.Lq, world, layout)
+        check_divisible(_WHERE, "Lk", shards.Lk, world, layout)  # a layout object: Lk = Lq = its length
         mask = check_mask(_WHERE, mask, shards)
         scale = check_scale(_WHERE, scale, shards.D)
         if not isinstance(return_lse, bool):
