@@ -594,7 +594,7 @@ def test_heatmap_labels_every_token_up_to_53_and_every_nth_numbered_beyond(brows
     w32 = torch.softmax(torch.randn(1, 1, 32, 32), dim=-1)
     _load(browser, write_viewer(tmp_path / "v32.html", [ViewerSource("m", tokens, tokens, w32)]))
     labels = _stats(browser)["heatmapLabels"]
-    assert len(labels["q"]) == len(labels["k"]) == 32 and _stats(browser)["heatmapEvery"] == 1
+    assert len(labels["q"]) == len(labels["k"]) == 32 and _stats(browser)["heatmapEvery"] == {"q": 1, "k": 1}
     assert labels["q"][5] == "a_very_long…" and labels["q"][7] == "tok7"
     # The margins hold the widest label: none runs off the canvas or into the matrix.
     room = browser.execute_script(
@@ -611,7 +611,7 @@ def test_heatmap_labels_every_token_up_to_53_and_every_nth_numbered_beyond(brows
     tokens = [f"t{i}" for i in range(L)]
     uniform = torch.full((1, 1, L, L), 1 / L)
     _load(browser, write_viewer(tmp_path / "v200.html", [ViewerSource("m", tokens, tokens, uniform)]))
-    every = _stats(browser)["heatmapEvery"]
+    every = _stats(browser)["heatmapEvery"]["k"]
     labels = _stats(browser)["heatmapLabels"]["k"]
     assert every == 4 and labels[:3] == ["0 t0", "4 t4", "8 t8"] and len(labels) == L // every
     assert browser.execute_script("return heatGeometry().cell") * every >= 12  # a label's height apart
