@@ -601,7 +601,7 @@ def test_heatmap_labels_every_token_up_to_53_and_every_nth_numbered_beyond(brows
         """const g = heatGeometry(); const c = document.getElementById('heatmap').getContext('2d');
         c.font = LABEL_FONT;
         const widest = Math.max(...g.qLabels.filter((t) => t !== null).map((t) => c.measureText(t).width));
-        return [g.left - 4 - widest, g.top - 4 - widest];"""
+        return [g.left - LABEL_GAP - widest, g.top - LABEL_GAP - widest];"""
     )
     assert min(room) >= 0, room
     _hover_cell(browser, 5, 7)

@@ -20,6 +20,9 @@ const MIN_WEIGHT = 3;      // lines below 3/255 ~ 0.012 are not drawn: invisible
 const HEAT = 320;          // px of the heatmap's longer side
 const HEAT_MAX = 640;      // px it may grow to, so that up to 53 tokens keep a label each
 const LABEL_ROW = 12;      // px of one 11px label: rows thinner than this label every n-th token
+// px between the matrix and its labels: more than half a label's height, so that the first row's
+// label and the first column's (rotated) never meet at the corner however thin the cells.
+const LABEL_GAP = 6;
 const LABEL_CHARS = 12;    // characters of a token label before it is cut with "…" (the status line has it whole)
 const LABEL_FONT = "11px ui-monospace, SFMono-Regular, Menlo, monospace";
 const HEAD_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -506,7 +509,7 @@ function heatGeometry() {
   const q = labels(s.q_tokens, everyQ), k = labels(s.k_tokens, everyK);
   measurer.font = LABEL_FONT;
   const widest = (texts) => Math.max(0, ...texts.filter((t) => t !== null).map((t) => measurer.measureText(t).width));
-  const left = Math.ceil(widest(q)) + 10, top = Math.ceil(widest(k)) + 10;
+  const left = Math.ceil(widest(q)) + LABEL_GAP + 6, top = Math.ceil(widest(k)) + LABEL_GAP + 6;
   return { cw, ch, cell: cw === ch ? cw : null, everyQ, everyK, left, top, qLabels: q, kLabels: k,
            width: left + s.lk * cw + 6, height: top + s.lq * ch + 6 };
 }
@@ -538,20 +541,20 @@ function drawHeatmap() {
   ctx.textAlign = "right";
   for (let i = 0; i < s.lq; i += g.everyQ) {
     const y = g.top + (i + 0.5) * g.ch, w = ctx.measureText(g.qLabels[i]).width;
-    ctx.fillText(g.qLabels[i], g.left - 4, y);
+    ctx.fillText(g.qLabels[i], g.left - LABEL_GAP, y);
     stats.heatmapLabels.q.push(g.qLabels[i]);
-    boxes.q.push([g.left - 4 - w, y - half, g.left - 4, y + half]);
+    boxes.q.push([g.left - LABEL_GAP - w, y - half, g.left - LABEL_GAP, y + half]);
   }
   ctx.save();
   ctx.textAlign = "left";
   for (let j = 0; j < s.lk; j += g.everyK) {
     const dpr = window.devicePixelRatio || 1, x = g.left + (j + 0.5) * g.cw, w = ctx.measureText(g.kLabels[j]).width;
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.translate(x, g.top - 4);
+    ctx.translate(x, g.top - LABEL_GAP);
     ctx.rotate(-Math.PI / 2);
     ctx.fillText(g.kLabels[j], 0, 0);
     stats.heatmapLabels.k.push(g.kLabels[j]);
-    boxes.k.push([x - half, g.top - 4 - w, x + half, g.top - 4]);
+    boxes.k.push([x - half, g.top - LABEL_GAP - w, x + half, g.top - LABEL_GAP]);
   }
   ctx.restore();
   drawColorbar(heat, g.width);
