@@ -180,6 +180,9 @@ def test_demo_viewer_switches_heads_layers_and_models(browser, quick_demo, tmp_p
     assert "lookup" in browser.find_element("css selector", "#grid canvas.highlight").get_attribute("title")
     assert browser.find_element("id", "stepbar").is_displayed()  # decoded step by step: a generation
     assert browser.find_element("id", "step-label").text.startswith("step 1/")
+    _click(browser, "#tab-lens")  # the decoder carries its logit lens: a row per layer, a column per token
+    assert len(browser.find_elements("css selector", "#lens-grid tr")) == 1 + 2
+    assert _stats(browser)["lens"]["pos"] == int(browser.execute_script("return src().lq")) - 1
     _click(browser, "#tab-model")
     assert len(browser.find_elements("css selector", "#grid canvas")) == 2 * 4
     assert _region_spread(browser, "grid") > 0.02, "the model view is blank"
