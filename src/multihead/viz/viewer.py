@@ -14,6 +14,14 @@ The page has three views (``docs/demo.md``, "The viewer"):
   on hover); click one to open it in the head view.
 * **neuron view** (sources with ``queries`` and ``keys``): one query against every key of the
   focused head, each score split into its ``D`` elementwise terms ``q_d · k_d · scale``.
+* **text view**: the tokens as text, each coloured by the chosen token's weight on it (its row) or
+  its weight on the chosen token (its column), for the shown heads' mean or one line per head.
+* **logit lens** (sources with ``logit_lens``, :func:`multihead.viz.logit_lens`): per layer and
+  position, the top next token through the model's final norm and unembedding.
+
+Sources of one ``name`` with ``kind`` ``"encoder"``, ``"decoder"`` and ``"cross"`` are one model
+with a switch between them; ``segments`` (a sentence pair) adds an A→B filter; a button switches
+to a dark theme.
 
 Under the heatmap a colour bar gives the scale (0 to 1, or to the largest weight shown, with a
 contrast slider) and the shown minimum and maximum. A ``signed`` source (scores, attributions,
