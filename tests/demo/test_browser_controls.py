@@ -348,3 +348,31 @@ def test_logit_lens_column_labels_never_overlap_at_200_positions(browser, tmp_pa
     assert all(h[2] - h[0] < 20 for h in headers)  # written vertically: a line's height wide
     assert _overlaps(cells) == []
     assert _errors(browser) == []
+
+
+def test_text_view_and_logit_lens_respond_in_time_at_1024_tokens(browser, tmp_path):
+    L = 1024
+    torch.manual_seed(0)
+    model = CausalDecoder(DecoderConfig(64, L, d_model=32, num_layers=4, num_heads=4)).eval()
+    ids = torch.randint(0, 64, (1, L), generator=torch.Generator().manual_seed(3))
+    names = lambda ids: [f"t{i}" for i in ids]  # noqa: E731
+    source = record_attention(model, ids, tokens=names(ids[0].tolist()), name="long")
+    source.logit_lens = logit_lens(model, ids, token_names=names)
+    _load(browser, write_viewer(tmp_path / "long.html", [source]))
+    timed = """const [what, done] = [arguments[0], arguments[arguments.length - 1]];
+        const t0 = performance.now();
+        if (what === 'text') document.getElementById('tab-text').click();
+        if (what === 'pick') document.querySelector('.text-line .tok[data-index="500"]').click();
+        if (what === 'heads') { const s = document.getElementById('text-mode'); s.value = 'heads';
+                                s.dispatchEvent(new Event('change')); }
+        if (what === 'lens') document.getElementById('tab-lens').click();
+        if (what === 'column') document.querySelector('#lens-grid th[data-pos="700"]').click();
+        requestAnimationFrame(() => requestAnimationFrame(() => done(performance.now() - t0)));"""
+    for what in ("text", "pick", "heads", "lens", "column"):
+        ms = browser.execute_async_script(timed, what)
+        print(f"{what}: {ms:.0f} ms")
+        assert ms < 3000, f"{what} took {ms:.0f} ms at {L} tokens"
+    assert _stats(browser)["lens"]["pos"] == 700 and len(_stats(browser)["lens"]["top1"]) == 4
+    _click(browser, "#tab-text")
+    assert _stats(browser)["text"]["chosen"] == 500 and len(_stats(browser)["text"]["rows"]) == 4
+    assert _errors(browser) == []
