@@ -285,8 +285,8 @@ class KVCache(abc.ABC):
         """``(B,)`` ``torch.int64`` on the cache's device: the tokens each row has seen, which is the
         position its next token takes (FlashAttention's ``cache_seqlens``). The same type on every
         cache, so a serving loop reads it without asking which kind it holds, and reading it never
-        waits for the device (a static cache returns its own buffer: read it, change it only
-        through :meth:`crop`, :meth:`reorder`, :meth:`reset`). A ring
+        waits for the device. It is a copy on every cache: writing into it changes nothing (change
+        lengths through :meth:`crop`, :meth:`reorder`, :meth:`reset`). A ring
         (:class:`~multihead.caches.SlidingWindowKVCache`) counts the tokens seen, not the ones it
         still holds. ``(0,)`` while a cache that learns its batch from the first update is empty."""
 
