@@ -164,10 +164,11 @@ def test_nan_left_in_the_pool_never_reaches_another_sequence(new, dtype):
     torch.testing.assert_close(out[1:], want_b, **tol)
 
 
-def test_a_crop_that_clears_slots_of_an_inference_mode_pool_outside_it_changes_nothing():
-    """A crop inside a page zeroes the dropped slots: in a pool allocated under inference mode,
-    outside it, that is refused before any bookkeeping changes; a crop to a page boundary writes
-    nothing and is taken."""
+def test_a_crop_or_reorder_that_writes_an_inference_mode_pool_outside_it_changes_nothing():
+    """A crop inside a page zeroes the dropped slots, and a reorder taking a row twice copies its
+    pages: in a pool allocated under inference mode, outside it, both are refused before any
+    bookkeeping changes (the reorder had given pages back to the free list when the copy
+    failed); a crop to a page boundary and a permutation write nothing and are taken."""
     with torch.inference_mode():
         cache = PagedKVCache(8, 4, HKV, D, value_dim=DV, batch_size=2, dtype=torch.float64)
         cache.update(*_kv(2, 7, torch.Generator().manual_seed(0)))
@@ -175,7 +176,11 @@ def test_a_crop_that_clears_slots_of_an_inference_mode_pool_outside_it_changes_n
     with pytest.raises(RuntimeError, match=r"^PagedKVCache\.crop: the cache's buffers were allocated under"):
         cache.crop(5)
     assert identical(everything(cache), before)
+    with pytest.raises(RuntimeError, match=r"^PagedKVCache\.reorder: the cache's buffers were allocated under"):
+        cache.reorder(torch.tensor([0, 0]))  # row 0 twice: its pages copied
+    assert identical(everything(cache), before)
     cache.crop(4)
+    cache.reorder(torch.tensor([1, 0]))  # no page copied
     assert cache.lengths.tolist() == [4, 4] and len(cache.free) == 6
 
 

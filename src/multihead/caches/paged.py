@@ -298,6 +298,8 @@ class PagedKVCache(KVCache):
                 f"pages, but {len(self.free) + freed} are free (rows not taken included); hint: "
                 f"release() finished rows, or allocate a larger pool"
             )
+        if needed:  # pages copied in place
+            check_writable(f"{name}.reorder", self.key_pages)
         old_tables, old_lengths = self.tables, self._lengths
         for r in range(self.batch_size):
             if r not in taken:
