@@ -319,6 +319,20 @@ class KVCache(abc.ABC):
     def rollback(self) -> None:
         """Undo the last :meth:`update` (once): a layer whose attention call fails after it."""
 
+    def undo_record(self) -> object:
+        """What :meth:`rollback` would undo now (opaque). A caller that updates and then rolls back
+        (a layer's ``explain()``, a call that fails after the update) takes it before the update
+        and hands it back with :meth:`restore_undo_record` after the rollback, so the cache ends
+        as it was, its own last update still undoable. A cache keeping its record in ``_undo``
+        (every cache here) needs no override."""
+        return getattr(self, "_undo", None)
+
+    def restore_undo_record(self, record: object) -> None:
+        """Make ``record``, from :meth:`undo_record` before an update that was rolled back since,
+        what :meth:`rollback` undoes again."""
+        if hasattr(self, "_undo"):
+            self._undo = record
+
     @abc.abstractmethod
     def crop(self, length: int | Tensor) -> None:
         """Keep each row's first ``length`` tokens and forget the rest: speculative decoding drops
