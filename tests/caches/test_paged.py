@@ -200,3 +200,29 @@ def test_release_refuses_rows_outside_the_batch():
     cache = PagedKVCache(4, 4, 1, 8, batch_size=2)
     with pytest.raises(ValueError, match=r"PagedKVCache.release: rows must be in \[0, 2\), got \[2\]"):
         cache.release(2)
+
+
+BAD_ROWS = [  # (name, rows, message after "PagedKVCache.release: ")
+    ("bool tensor", torch.tensor([False, False, True]), r"rows must be an int.* got a tensor of dtype torch.bool.*"),
+    ("bool list", [False, False, True], r"rows must be ints, got \[False, False, True\]; hint"),
+    ("a bool", True, r"rows must be an int, a sequence of ints or a 1-D integer tensor, got True"),
+    ("a string", "1", r"rows must be an int, a sequence of ints or a 1-D integer tensor, got '1'"),
+    ("a float tensor", torch.tensor([1.0]), r"rows must be .* got a tensor of dtype torch.float32"),
+    ("a 2-D tensor", torch.tensor([[0, 1]]), r"rows must be .* got a tensor of dtype torch.int64, shape \(1, 2\)"),
+]
+
+
+@pytest.mark.parametrize("name, rows, pattern", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+def test_release_refuses_rows_that_are_not_indices_and_changes_nothing(name, rows, pattern):
+    """A "finished" bool mask ``tensor([False, False, True])`` was read as the indices 0, 0, 1 and
+    released rows 0 and 1, the running ones, keeping the finished one; a bool list released
+    nothing, and ``"1"`` released row 1: all with no error."""
+    cache = PagedKVCache(16, 4, 1, 4, batch_size=3)
+    cache.update(torch.randn(3, 1, 5, 4), torch.randn(3, 1, 5, 4))
+    before = everything(cache)
+    with pytest.raises(TypeError, match=r"^PagedKVCache\.release: " + pattern):
+        cache.release(rows)
+    assert identical(everything(cache), before)
+    cache.release(torch.tensor([False, False, True]).nonzero().flatten())  # the hint
+    cache.release(torch.tensor(1))
+    assert cache.lengths.tolist() == [5, 0, 0] and len(cache.free) == 14
