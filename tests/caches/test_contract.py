@@ -601,3 +601,16 @@ def test_a_cache_filled_under_inference_mode_refuses_an_update_outside_it_and_ch
     with torch.inference_mode():
         read = cache.update(k, v)
     assert cache.lengths.tolist() == [6, 6] and read.query_positions.reshape(-1).unique().tolist() == [5]
+
+
+@every_kind
+def test_writing_into_the_lengths_a_cache_returned_changes_nothing(kind):
+    """A static cache returned its own lengths buffer: ``cache.lengths[1] = 2`` (a row "cropped"
+    by hand) changed the device lengths behind the host copy eager steps read, and the next step
+    wrote and read the wrong slots with no error. ``lengths`` is a copy on every cache."""
+    cache = _filled(kind)
+    before = everything(cache)
+    lengths = cache.lengths
+    lengths[1] = 2
+    lengths += 1
+    assert identical(everything(cache), before) and cache.lengths.tolist() == [5, 5]

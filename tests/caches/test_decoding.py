@@ -494,3 +494,29 @@ def test_a_query_batch_other_than_the_caches_names_the_cache(kind):
         with pytest.raises(ValueError, match=r"the query has B=3 rows but kv_cache holds 2 \(" + type(cache).__name__):
             layer(_x(3, 1), kv_cache=cache)
     assert identical(everything(cache), before)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged", "quantized"])
+def test_explain_and_a_failed_call_keep_the_last_updates_undo_record(kind):
+    """``layer.explain(..., kv_cache=)`` and a call that fails after the update roll the cache back;
+    the rollback used to clear the record of the update before, so the user's own
+    ``cache.rollback()`` of their last step then raised "no update to undo". The cache now ends
+    as it was: that step is still undone, exactly."""
+    layer = _layer(2, rope=True)
+    x = _x(2, 8)
+    cache = _every_cache(layer, 2)[kind]
+    window = mh.sliding_window(3) if kind == "sliding" else None
+    refusing = _layer(2, rope=True, backend="sdpa", softcap=2.0)
+    with torch.no_grad():
+        layer(x[:, :5], kv_cache=cache, mask=window)
+        layer(x[:, 5:6], kv_cache=cache, mask=window)
+        layer.explain(x[:, 6:7], kv_cache=cache, mask=window)
+        with pytest.raises(ValueError, match="sdpa"):
+            refusing(x[:, 6:7], kv_cache=cache, mask=window)
+        assert cache.length == 6
+        cache.rollback()  # the user's own last step
+        assert cache.length == 5
+        rest = _decode(layer, x[:, 5:], cache, [1, 2], mask=window)
+        fresh = _every_cache(layer, 2)[kind]  # (a quantized cache is lossy: the same steps, unbroken)
+        want = _decode(layer, x[:, :8], fresh, [5, 1, 2], mask=window)
+    torch.testing.assert_close(rest, want[:, 5:], rtol=1e-12, atol=1e-12)

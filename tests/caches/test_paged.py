@@ -164,10 +164,11 @@ def test_nan_left_in_the_pool_never_reaches_another_sequence(new, dtype):
     torch.testing.assert_close(out[1:], want_b, **tol)
 
 
-def test_a_crop_that_clears_slots_of_an_inference_mode_pool_outside_it_changes_nothing():
-    """A crop inside a page zeroes the dropped slots: in a pool allocated under inference mode,
-    outside it, that is refused before any bookkeeping changes; a crop to a page boundary writes
-    nothing and is taken."""
+def test_a_crop_or_reorder_that_writes_an_inference_mode_pool_outside_it_changes_nothing():
+    """A crop inside a page zeroes the dropped slots, and a reorder taking a row twice copies its
+    pages: in a pool allocated under inference mode, outside it, both are refused before any
+    bookkeeping changes (the reorder had given pages back to the free list when the copy
+    failed); a crop to a page boundary and a permutation write nothing and are taken."""
     with torch.inference_mode():
         cache = PagedKVCache(8, 4, HKV, D, value_dim=DV, batch_size=2, dtype=torch.float64)
         cache.update(*_kv(2, 7, torch.Generator().manual_seed(0)))
@@ -175,7 +176,11 @@ def test_a_crop_that_clears_slots_of_an_inference_mode_pool_outside_it_changes_n
     with pytest.raises(RuntimeError, match=r"^PagedKVCache\.crop: the cache's buffers were allocated under"):
         cache.crop(5)
     assert identical(everything(cache), before)
+    with pytest.raises(RuntimeError, match=r"^PagedKVCache\.reorder: the cache's buffers were allocated under"):
+        cache.reorder(torch.tensor([0, 0]))  # row 0 twice: its pages copied
+    assert identical(everything(cache), before)
     cache.crop(4)
+    cache.reorder(torch.tensor([1, 0]))  # no page copied
     assert cache.lengths.tolist() == [4, 4] and len(cache.free) == 6
 
 
@@ -195,3 +200,29 @@ def test_release_refuses_rows_outside_the_batch():
     cache = PagedKVCache(4, 4, 1, 8, batch_size=2)
     with pytest.raises(ValueError, match=r"PagedKVCache.release: rows must be in \[0, 2\), got \[2\]"):
         cache.release(2)
+
+
+BAD_ROWS = [  # (name, rows, message after "PagedKVCache.release: ")
+    ("bool tensor", torch.tensor([False, False, True]), r"rows must be an int.* got a tensor of dtype torch.bool.*"),
+    ("bool list", [False, False, True], r"rows must be ints, got \[False, False, True\]; hint"),
+    ("a bool", True, r"rows must be an int, a sequence of ints or a 1-D integer tensor, got True"),
+    ("a string", "1", r"rows must be an int, a sequence of ints or a 1-D integer tensor, got '1'"),
+    ("a float tensor", torch.tensor([1.0]), r"rows must be .* got a tensor of dtype torch.float32"),
+    ("a 2-D tensor", torch.tensor([[0, 1]]), r"rows must be .* got a tensor of dtype torch.int64, shape \(1, 2\)"),
+]
+
+
+@pytest.mark.parametrize("name, rows, pattern", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+def test_release_refuses_rows_that_are_not_indices_and_changes_nothing(name, rows, pattern):
+    """A "finished" bool mask ``tensor([False, False, True])`` was read as the indices 0, 0, 1 and
+    released rows 0 and 1, the running ones, keeping the finished one; a bool list released
+    nothing, and ``"1"`` released row 1: all with no error."""
+    cache = PagedKVCache(16, 4, 1, 4, batch_size=3)
+    cache.update(torch.randn(3, 1, 5, 4), torch.randn(3, 1, 5, 4))
+    before = everything(cache)
+    with pytest.raises(TypeError, match=r"^PagedKVCache\.release: " + pattern):
+        cache.release(rows)
+    assert identical(everything(cache), before)
+    cache.release(torch.tensor([False, False, True]).nonzero().flatten())  # the hint
+    cache.release(torch.tensor(1))
+    assert cache.lengths.tolist() == [5, 0, 0] and len(cache.free) == 14

@@ -39,6 +39,7 @@ from multihead.caches.base import (
     check_indices,
     check_kv,
     check_prefix,
+    check_rows,
     check_writable,
 )
 
@@ -228,20 +229,9 @@ class PagedKVCache(KVCache):
         self._undo = None
 
     def release(self, rows: int | Sequence[int] | Tensor) -> None:
-        """Give the pages of ``rows`` (an int or a sequence of ints) back to the pool; those rows
-        are empty again and may start new sequences."""
-        if isinstance(rows, bool):
-            raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}")
-        given = [rows] if isinstance(rows, int) else rows
-        try:
-            ids: list[int] = (
-                [int(r) for r in given if not isinstance(r, bool)] if not isinstance(given, Tensor) else given.tolist()
-            )
-        except TypeError as exc:
-            raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}") from exc
-        bad = [r for r in ids if not 0 <= r < self.batch_size]
-        if bad:
-            raise ValueError(f"PagedKVCache.release: rows must be in [0, {self.batch_size}), got {bad}")
+        """Give the pages of ``rows`` (an int, a sequence of ints or a 1-D integer tensor; not a bool
+        mask) back to the pool; those rows are empty again and may start new sequences."""
+        ids = check_rows("PagedKVCache.release", rows, self.batch_size)
         for r in ids:
             self.free.extend(reversed(self.tables[r]))
             self.tables[r], self._lengths[r] = [], 0
@@ -298,6 +288,8 @@ class PagedKVCache(KVCache):
                 f"pages, but {len(self.free) + freed} are free (rows not taken included); hint: "
                 f"release() finished rows, or allocate a larger pool"
             )
+        if needed:  # pages copied in place
+            check_writable(f"{name}.reorder", self.key_pages)
         old_tables, old_lengths = self.tables, self._lengths
         for r in range(self.batch_size):
             if r not in taken:

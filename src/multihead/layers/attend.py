@@ -115,7 +115,7 @@ class CallMasks:
     def over_slots_fit(self, mask: object, score_mod: object, B: int, Lq: int, S: int) -> None:
         """Refuse a mask or modifier that does not fit ``S`` slots (a tensor over other columns):
         :func:`attend_cached` asks with ``S = kv_cache.slots(Lq)`` before the update, since a
-        rollback after it restores the lengths but not the undo record or the slots written."""
+        rollback after it restores what reads see but not the slots written past the lengths."""
         if mask is not None or score_mod is not None:
             self._over(mask, score_mod, B, Lq, S)
 
@@ -195,7 +195,8 @@ def attend_cached(
     that places tokens by position stores them at ``positions`` when they were ``given``; a
     call-order cache (and any cache, for positions it chose itself) stores them in call order, and
     the positions only rotate. A call that raises after the update leaves the cache as it was
-    (:meth:`~multihead.caches.KVCache.rollback`); so does one with ``keep=False`` (``explain``).
+    (:meth:`~multihead.caches.KVCache.rollback`, then the record of the update before is handed
+    back: :meth:`~multihead.caches.KVCache.undo_record`); so does one with ``keep=False`` (``explain``).
     ``queries`` (rotated, ``(B, Hq, Lq, D)``) go to :meth:`~multihead.caches.KVCache.observe` first.
     ``fits(S)`` refuses the call's mask if it cannot fit the ``S = kv_cache.slots(Lq)`` slots the
     update will return (:meth:`CallMasks.over_slots_fit`)."""
@@ -205,14 +206,17 @@ def attend_cached(
     if queries is not None:  # an eviction policy ranks keys by the attention they receive
         kv_cache.observe(queries)
     placed = given and kv_cache.places_by_position
+    record = kv_cache.undo_record()  # the last update's, restored after a rollback of this one
     read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
     try:
         result = attend(read)
     except BaseException:  # e.g. a forced backend that refuses: the cache is as it was
         kv_cache.rollback()
+        kv_cache.restore_undo_record(record)
         raise
     if not keep:
         kv_cache.rollback()
+        kv_cache.restore_undo_record(record)
     return result
 
 
