@@ -389,3 +389,13 @@ def test_through_the_layer_each_step_equals_the_layer_with_the_dropped_keys_mask
             step = layer(x[:, t : t + 1], kv_cache=cache)
             want = layer(x[:, : t + 1], mask=allowed)[:, t : t + 1]
             torch.testing.assert_close(step, want)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_caches_a_policy_does_not_fit_refuse_it_with_the_reason(kind):
+    for policy in (SinksAndWindow(2, 4), H2O(heavy=2, recent=2)):
+        with pytest.raises(TypeError, match=r"policy=\w+ is not supported: a (static cache keeps fixed|row's block)"):
+            if kind == "static":
+                mh.StaticKVCache(1, 8, 1, 4, policy=policy)
+            else:
+                mh.PagedKVCache(4, 4, 1, 4, policy=policy)

@@ -297,6 +297,52 @@ def test_ragged_attention_reads_a_mask_object_at_each_requests_positions():
         start += n
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "blocksparse"])
+def test_ragged_attention_takes_a_mask_per_request(backend):
+    """One call: a prefill chunk under a window, a decode token, and a draft tree being verified,
+    each equal to its request attended alone (packed queries, no padding)."""
+    Hq = 4
+    cache = PrefixCache(64, 4, HKV, D, value_dim=DV, dtype=DT)
+    parents = torch.tensor([-1, 0, 0, 1])
+    rids = []
+    for prompt, new in (([1] * 6, [5] * 5), ([2] * 10, [6]), ([3] * 7, [7, 8, 9, 10])):
+        r, _ = cache.admit(prompt)
+        append(cache, [r], [prompt])
+        append(cache, [r], [new])  # this step's tokens: a chunk, one token, the tree's 4 drafts
+        rids.append(r)
+    lengths = [5, 1, 4]
+    masks = [mh.sliding_window(3), None, mh.tree(parents)]
+    q = torch.randn(1, Hq, sum(lengths), D, dtype=DT)
+    out = ragged_attention(cache, q, rids, lengths, mask=masks, backend=backend)
+    start = 0
+    for r, n, own in zip(rids, lengths, masks, strict=True):
+        k, v = cache.read(r)
+        alone = mh.causal() if own is None else own & mh.causal()
+        want = mh.attention(q[:, :, start : start + n], k, v, mask=alone, backend="reference")
+        torch.testing.assert_close(out[:, :, start : start + n], want)
+        start += n
+
+
+def test_ragged_attention_reads_a_bottom_right_tree_in_each_request():
+    """One tree for every request (each verifying its own 3 drafts after prefixes of different
+    lengths): read on each request's own sequence, so it is each request's last 3 tokens."""
+    cache = PrefixCache(64, 4, HKV, D, value_dim=DV, dtype=DT)
+    draft = mh.tree(torch.tensor([-1, 0, 0]))
+    rids = []
+    for prompt in ([1] * 5, [2] * 12):
+        r, _ = cache.admit(prompt)
+        append(cache, [r], [prompt + [4, 5, 6]])
+        rids.append(r)
+    q = torch.randn(1, 2, 6, D, dtype=DT)
+    out = ragged_attention(cache, q, rids, [3, 3], mask=draft)
+    for i, r in enumerate(rids):
+        k, v = cache.read(r)
+        want = mh.attention(q[:, :, 3 * i : 3 * i + 3], k, v, mask=draft, backend="reference")
+        torch.testing.assert_close(out[:, :, 3 * i : 3 * i + 3], want)
+    with pytest.raises(TypeError, match=r"one per request \(2: mask objects or None\), got \['Band'\]"):
+        ragged_attention(cache, q, rids, [3, 3], mask=[mh.causal()])
+
+
 def test_ragged_attention_refuses_queries_the_cache_does_not_hold():
     cache = PrefixCache(8, 4, HKV, D, value_dim=DV, dtype=DT)
     r, _ = cache.admit([1, 2])

@@ -211,11 +211,13 @@ def test_caches_that_cannot_commit_say_why():
         commit_path(k, PARENTS, [0])
 
 
-def test_a_rotary_layer_verifies_a_tree_like_each_path_alone_then_commits():
-    """A GQA layer with rotary positions and a dynamic cache (call order: positions only rotate):
-    the drafts at positions ``P + depth`` with ``mask=tree(parents)`` give, node by node, the
-    layer's output for the prefix followed by that node's path alone; after ``commit_path`` the
-    next token's output equals that of a cache that decoded the accepted path."""
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
+def test_a_rotary_layer_verifies_a_tree_like_each_path_alone_then_commits(kind):
+    """A GQA layer with rotary positions: the drafts at positions ``P + depth`` with
+    ``mask=tree(parents)`` (stored after the prefix, in call order, on every cache: the positions
+    only rotate them) give, node by node, the layer's output for the prefix followed by that node's
+    path alone; after ``commit_path`` the next token's output equals the full forward of the
+    accepted text."""
     torch.manual_seed(0)
     E, P = 32, 6
     layer = mh.MultiHeadAttention(E, HQ, num_kv_heads=HKV, causal=True, rope=mh.positions.RotaryEmbedding(8))
@@ -224,9 +226,13 @@ def test_a_rotary_layer_verifies_a_tree_like_each_path_alone_then_commits():
     x = torch.randn(1, P + T + 1, E, dtype=torch.float64)
     prefix, drafts, last = x[:, :P], x[:, P : P + T], x[:, P + T :]
     draft = tree(parents)
-    cache = DynamicKVCache()
+    cache = {
+        "dynamic": lambda: DynamicKVCache(),
+        "static": lambda: StaticKVCache(1, 32, HKV, E // HQ, dtype=torch.float64),
+        "paged": lambda: PagedKVCache(8, 4, HKV, E // HQ, dtype=torch.float64),
+    }[kind]()
     layer(prefix, kv_cache=cache)
-    out = layer(drafts, mask=draft, positions=P + draft.depths(), kv_cache=cache)
+    out = layer(drafts, mask=draft, positions=P + draft.depths()[0], kv_cache=cache)
     for node in range(T):
         path = _path_to(parents[0].tolist(), node)
         alone = layer(torch.cat([prefix, drafts[:, path]], dim=1))

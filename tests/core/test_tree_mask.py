@@ -292,3 +292,21 @@ def test_is_a_mask_that_composes():
     mask = tree(torch.tensor([-1, 0, 0])) & mh.causal()
     assert isinstance(mask.parts[0], Tree)
     assert "tree([-1, 0, 0]) & causal" in mask._describe()
+
+
+@pytest.mark.slow
+def test_flex_runs_it_like_the_reference():
+    """Compiled FlexAttention (slow tier: a compile per mask) reads the tree through its mask_mod."""
+    B, Hq, Hkv, Lq, Lk, D, T = 2, 4, 2, 40, 200, 32, 40
+    gen = torch.Generator().manual_seed(9)
+    parents = _random_parents(T, gen, B=B)
+    mask = tree(parents)
+    q = torch.randn(B, Hq, Lq, D, generator=gen)
+    k, v = (torch.randn(B, Hkv, Lk, D, generator=gen) for _ in range(2))
+    if refuses("flex", q, k, v, mask=mask):
+        pytest.skip("flex refuses this call (checked: forcing it raises)")
+    got = mh.attention(q, k, v, mask=mask, backend="flex")
+    dense = _oracle(parents, B, Lq, Lk)
+    want = mh.reference_attention(q.double(), k.double(), v.double(), mask=dense).output
+    factor = mh.get_backend("flex").capabilities.tolerance_factor(torch.float32, False)
+    assert_relative(got, want, naive_attention(q, k, v, dense), factor)

@@ -56,3 +56,9 @@ def test_export_onnx(tmp_path):
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_speculative_tree_equals_greedy_decoding_in_fewer_calls():
+    result = example("speculative_tree").main(["--quick"])
+    assert result["tokens"] == result["greedy"] and len(result["tokens"]) == 24
+    assert result["rounds"] < 24 and result["accepted"] > 0  # drafts accepted: fewer target calls than tokens

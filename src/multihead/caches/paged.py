@@ -42,6 +42,7 @@ from multihead.caches.base import (
     check_rows,
     check_writable,
 )
+from multihead.caches.policies.base import refuse_policy
 
 __all__ = ["PagedKVCache"]
 
@@ -66,6 +67,8 @@ class PagedKVCache(KVCache):
             ``value_dim = C``, as in :class:`~multihead.caches.LatentKVCache`); an update's ``v``
             must then be ``k[..., :value_dim]``.
         dtype, device: of the pool.
+        policy: refused (an eviction policy does not fit one block table per row: the reason is
+            in the message and ``docs/inference.md``); ``DynamicKVCache(policy=...)`` takes one.
     """
 
     def __init__(
@@ -80,7 +83,9 @@ class PagedKVCache(KVCache):
         values_in_keys: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        policy: object = None,
     ):
+        refuse_policy(type(self).__name__, policy)
         value_dim = head_dim if value_dim is None else value_dim
         for name, value in (
             ("num_pages", num_pages),

@@ -15,12 +15,16 @@ whose mask keeps each request to its own keys, bottom-right causal per request::
 
 The mask is ``document(request ids) & causal()`` read at each token's position in its own request
 (:meth:`~multihead.masks.Mask.at`), and a call's own ``mask`` object is read there too, so it
-means for each request what it means for that request alone.
+means for each request what it means for that request alone. Each request may bring its own mask
+(a sequence of masks: a draft tree for a request verifying speculative tokens, a window for
+another); the call's mask is then ``|`` of one part per request, each ``document`` to its keys and
+its mask read on its own sequence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -28,7 +32,7 @@ from torch import Tensor
 from multihead.attention import attention
 from multihead.caches.prefix import PrefixCache
 from multihead.cascade import cascade_attention
-from multihead.masks import Mask, causal, document
+from multihead.masks import Mask, Or, causal, document
 
 __all__ = ["ragged_attention", "prefix_attention"]
 
@@ -39,7 +43,7 @@ def ragged_attention(
     rids: Sequence[int],
     query_lengths: Sequence[int],
     *,
-    mask: Mask | None = None,
+    mask: Mask | Sequence[Mask | None] | None = None,
     scale: float | None = None,
     backend: str = "auto",
 ) -> Tensor:
@@ -50,8 +54,11 @@ def ragged_attention(
         q: ``(1, Hq, T, D)``: the new queries of ``rids[0]``, then of ``rids[1]``, ... packed
             (``T = sum(query_lengths)``); request ``r``'s ``n`` queries are its last ``n`` tokens.
         query_lengths: ``n`` per request, ``>= 0``.
-        mask: a mask object read at each request's own positions (as for a request alone), or
-            ``None``; causal always applies.
+        mask: a mask object read at each request's own positions (as for a request alone), one
+            per request (a sequence, ``None`` for none: a request verifying a draft tree beside
+            others prefilling), or ``None``; causal always applies. A mask whose meaning depends
+            on the lengths (bottom-right: ``tree(parents)``) is read on each request's own
+            ``L_r x L_r``, so a tree is that request's last ``T`` tokens.
         scale, backend: as in :func:`multihead.attention`.
 
     Returns:
@@ -67,11 +74,44 @@ def ragged_attention(
     kv_ids = torch.repeat_interleave(torch.arange(len(rids)), torch.tensor(lengths))
     q_pos = torch.cat([torch.arange(L - n, L) for L, n in zip(lengths, query_lengths)])  # own positions
     kv_pos = torch.cat([torch.arange(L) for L in lengths])
-    whole = max(lengths, default=1)  # positions of every request lie in [0, whole)
-    at_positions = causal() if mask is None else mask & causal()
-    placed = at_positions.at(q_pos.to(device), kv_pos.to(device), q_len=whole, kv_len=whole)
-    call_mask = document(q_ids.to(device), kv_ids.to(device)) & placed
+    masks = _per_request(where, mask, len(rids))
+    if masks is None:  # one mask read alike in every request: one read at positions
+        whole = max(lengths, default=1)  # positions of every request lie in [0, whole)
+        at_positions = causal() if mask is None else cast(Mask, mask) & causal()
+        placed = at_positions.at(q_pos.to(device), kv_pos.to(device), q_len=whole, kv_len=whole)
+        call_mask = document(q_ids.to(device), kv_ids.to(device)) & placed
+        return attention(q, keys, values, mask=call_mask, scale=scale, backend=backend)
+    # A mask per request: request r's rows see r's keys through its own mask, read on its own
+    # L_r x L_r (other rows' positions clamped into it: its document part hides them anyway).
+    parts = []
+    for r, (own, L) in enumerate(zip(masks, lengths, strict=True)):
+        rows = torch.where(q_ids == r, r, len(rids))  # an id no key has: rows of other requests see nothing
+        at_positions = causal() if own is None else own & causal()
+        whole = max([L, *(e for e in own.extent() if e is not None)] if own is not None else [L])
+        placed = at_positions.at(
+            q_pos.clamp(max=whole - 1).to(device), kv_pos.clamp(max=whole - 1).to(device), q_len=whole, kv_len=whole
+        )
+        parts.append(document(rows.to(device), kv_ids.to(device)) & placed)
+    call_mask = parts[0] if len(parts) == 1 else Or(*parts)
     return attention(q, keys, values, mask=call_mask, scale=scale, backend=backend)
+
+
+def _per_request(where: str, mask: object, requests: int) -> list[Mask | None] | None:
+    """``mask`` as one mask (or ``None``) per request, or ``None`` when a single mask reads alike
+    in every request (it does not depend on the lengths): then one read at positions serves all."""
+    if mask is None:
+        return None
+    if isinstance(mask, Mask):
+        return [mask] * requests if mask.depends_on_lengths() else None
+    if isinstance(mask, Sequence) and not isinstance(mask, (str, bytes)):
+        masks = list(mask)
+        if len(masks) != requests or not all(m is None or isinstance(m, Mask) for m in masks):
+            got = [type(m).__name__ for m in masks]
+            raise TypeError(
+                f"{where}: mask must be a mask object, or one per request ({requests}: mask objects or None), got {got}"
+            )
+        return masks
+    raise TypeError(f"{where}: mask must be a mask object, a sequence of one per request, or None, got {mask!r}")
 
 
 def prefix_attention(

@@ -129,9 +129,9 @@ def _paths(path: object, B: int) -> list[list[int]]:
             f"commit_path: path must be node indices (a list of ints, one list per row, or a tensor), got {path!r}"
         )
     elif isinstance(path, Sequence) and all(isinstance(n, int) and not isinstance(n, bool) for n in path):
-        rows = [list(path)]  # type: ignore[arg-type]  # ints, checked
+        rows = [list(path)]  # ints, checked
     elif isinstance(path, Sequence) and all(isinstance(r, Sequence) for r in path):
-        rows = [list(r) for r in path]  # type: ignore[arg-type]
+        rows = [list(r) for r in path]
         for b, row in enumerate(rows):
             if not all(isinstance(n, int) and not isinstance(n, bool) for n in row):
                 raise TypeError(f"commit_path: path row {b} must be node indices (ints), got {row!r}")
@@ -168,6 +168,7 @@ def _empty_kv(cache: KVCache, B: int) -> tuple[Tensor, Tensor]:
         k = cache.key_pages.new_empty(B, Hkv, 0, D)
         Dv = cache.value_pages.shape[3]
         return k, (k[..., :Dv] if cache.values_in_keys else cache.value_pages.new_empty(B, Hkv, 0, Dv))
+    assert isinstance(cache, (DynamicKVCache, StaticKVCache))  # the kinds commit_path takes (checked first)
     keys, values = cache.keys, cache.values
     assert keys is not None and values is not None  # the cache holds the tree (checked above)
     k = keys[:, :, :0]

@@ -42,6 +42,7 @@ from multihead.caches.base import (
     check_kv,
     under_autograd,
 )
+from multihead.caches.policies.base import refuse_policy
 
 __all__ = ["StaticKVCache"]
 
@@ -53,6 +54,8 @@ class StaticKVCache(KVCache):
         batch_size, max_len, num_kv_heads, head_dim: ``B``, the slots per row, ``Hkv`` and ``D``.
         value_dim: ``Dv``; default ``head_dim``.
         dtype, device: of the stored keys and values.
+        policy: refused (an eviction policy does not fit fixed shapes: the reason is in the message
+            and ``docs/inference.md``); ``DynamicKVCache(policy=...)`` takes one.
     """
 
     def __init__(
@@ -65,7 +68,9 @@ class StaticKVCache(KVCache):
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        policy: object = None,
     ):
+        refuse_policy(type(self).__name__, policy)
         for name, value in (
             ("batch_size", batch_size),
             ("max_len", max_len),

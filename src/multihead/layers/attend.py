@@ -31,7 +31,7 @@ from multihead.caches import CacheRead, KVCache
 from multihead.caches.base import check_mask_parts
 from multihead.call import Selection, mask_and_score_mod
 from multihead.layers.checks import check_positions
-from multihead.masks import Mask
+from multihead.masks import Mask, holds_tree
 from multihead.masks import causal as causal_mask
 from multihead.memo import BoundedCache
 from multihead.scores import ScoreMod
@@ -194,7 +194,8 @@ def attend_cached(
     (:meth:`~multihead.caches.KVCache.check_mask`), and positions the cache cannot store. A cache
     that places tokens by position stores them at ``positions`` when they were ``given``; a
     call-order cache (and any cache, for positions it chose itself) stores them in call order, and
-    the positions only rotate. A call that raises after the update leaves the cache as it was
+    the positions only rotate; so does a call whose mask holds a draft tree
+    (:func:`~multihead.masks.tree`). A call that raises after the update leaves the cache as it was
     (:meth:`~multihead.caches.KVCache.rollback`, then the record of the update before is handed
     back: :meth:`~multihead.caches.KVCache.undo_record`); so does one with ``keep=False`` (``explain``).
     ``queries`` (rotated, ``(B, Hq, Lq, D)``) go to :meth:`~multihead.caches.KVCache.observe` first.
@@ -205,7 +206,9 @@ def attend_cached(
         fits(kv_cache.slots(k.shape[2]))
     if queries is not None:  # an eviction policy ranks keys by the attention they receive
         kv_cache.observe(queries)
-    placed = given and kv_cache.places_by_position
+    # A draft tree's tokens go to the slots after the cached ones, whatever their positions: those
+    # (P + depth, the positions they keep if accepted) only rotate them (masks.tree).
+    placed = given and kv_cache.places_by_position and not holds_tree(mask)
     record = kv_cache.undo_record()  # the last update's, restored after a rollback of this one
     read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
     try:

@@ -13,7 +13,7 @@ from multihead.masks.heads import HeadRange, head_range
 from multihead.masks.padding import KeyPadding, key_padding, prefix_lm
 from multihead.masks.select import BlockSelect, block_select
 from multihead.masks.tensor import Custom, TensorMask, additive_blocked, as_mask, bias, custom
-from multihead.masks.tree import Tree, at_new_tokens, tree
+from multihead.masks.tree import Tree, at_new_tokens, holds_tree, tree
 
 __all__ = [
     "Mask",
@@ -36,6 +36,7 @@ __all__ = [
     "block_select",
     "tree",
     "at_new_tokens",
+    "holds_tree",
     "custom",
     "as_mask",
     "additive_blocked",

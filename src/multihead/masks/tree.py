@@ -39,7 +39,7 @@ from multihead.blocks import Block, Extent
 from multihead.masks.band import Band, causal
 from multihead.masks.base import And, BlockState, Mask, Not, Or
 
-__all__ = ["tree", "Tree", "at_new_tokens"]
+__all__ = ["tree", "Tree", "at_new_tokens", "holds_tree"]
 
 _SHOWN_NODES = 16  # a tree of at most this many nodes prints its parents
 
@@ -307,6 +307,17 @@ def at_new_tokens(mask: Mask, query_positions: Tensor) -> Mask:
         inner = at_new_tokens(mask.inner, query_positions)
         return mask if inner is mask.inner else Not(inner)
     return mask
+
+
+def holds_tree(mask: object) -> bool:
+    """Whether ``mask`` is a tree or combines one (``&``, ``|``, ``~``): a call verifying drafts,
+    whose tokens a cache stores after the ones it holds while their positions (``P + depth``) only
+    rotate them."""
+    if isinstance(mask, Tree):
+        return True
+    if isinstance(mask, (And, Or)):
+        return any(holds_tree(p) for p in mask.parts)
+    return isinstance(mask, Not) and holds_tree(mask.inner)
 
 
 def _rows(start: int | Tensor | None) -> int:

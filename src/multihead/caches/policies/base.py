@@ -29,7 +29,7 @@ from torch import Tensor
 from multihead.caches.base import EMPTY_POSITION
 from multihead.masks import Mask
 
-__all__ = ["CachePolicy", "Candidates", "group_pool"]
+__all__ = ["REFUSED_BY", "refuse_policy", "CachePolicy", "Candidates", "group_pool"]
 
 
 class Candidates(NamedTuple):
@@ -130,3 +130,29 @@ def top_by_score(scores: Tensor, eligible: Tensor, count: int) -> Tensor:
 def most_recent(positions: Tensor, valid: Tensor, count: int) -> Tensor:
     """A bool ``(B, H, S)``: the ``count`` valid candidates of highest position per ``(B, H)``."""
     return top_by_score(positions.to(torch.float64), valid, count)
+
+
+#: The cache kinds an eviction policy does not compose with, and why (``docs/inference.md`` says
+#: the same); each takes ``policy=`` only to refuse it with this reason.
+REFUSED_BY = {
+    "StaticKVCache": (
+        "a static cache keeps fixed shapes (compiled steps never recompile) and one length per row, while a "
+        "policy gives each KV head its own kept tokens, gathered into new tensors whenever it evicts, and rows "
+        "of different lengths would evict at different steps"
+    ),
+    "PagedKVCache": (
+        "a row's block table maps its positions to pages in order, one table for every KV head, while SnapKV "
+        "and H2O keep different tokens per head and sinks + window would leave a hole in the table that reads "
+        "cannot skip (freeing the window's pages as they slide out is not built)"
+    ),
+}
+
+
+def refuse_policy(cache: str, policy: object) -> None:
+    """Raise, with the reason, when a ``policy`` is given to a cache kind in :data:`REFUSED_BY`."""
+    if policy is None:
+        return
+    raise TypeError(
+        f"{cache}: policy={type(policy).__name__} is not supported: {REFUSED_BY[cache]}; use "
+        f"DynamicKVCache(policy=...) (rows share one length), or SlidingWindowKVCache for a window with fixed shapes"
+    )
