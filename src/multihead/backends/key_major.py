@@ -32,9 +32,9 @@ from multihead.conventions import lse_dtype, softmax_dtype
 
 __all__ = ["key_major_attention", "TILE_ROWS"]
 
-#: Query rows per tile: enough for the kernel's matmuls, few enough that a block chosen by few
-#: queries wastes little.
-TILE_ROWS = 64
+#: Query rows per tile: enough for the kernel's matmuls and to read each key block few times, few enough
+#: that a block chosen by few queries wastes little (measured: docs/variants.md#measured-cost).
+TILE_ROWS = 256
 
 #: Most scores per chunk of tiles (as block_gather.CHUNK_SCORES).
 CHUNK_SCORES = 1 << 22
