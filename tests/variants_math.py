@@ -118,3 +118,38 @@ def published_nsa(params, x, *, Hq, Hkv, D, l, d, ls, n, w, positions=None):
                 out[b][h] = torch.stack(rows[h])  # (L, D)
     heads = torch.stack([torch.cat(out[b], dim=-1) for b in range(B)])  # (B, L, Hq·D)
     return linear(heads, params, "out_proj")
+
+
+def published_topk(params, x, *, Hq, Hkv, D, top_k, HI, dI, positions=None):
+    """DSA's sparse attention (DeepSeek-V3.2) from the equations, one query token at a time:
+    ``I(t, s) = Σ_j w_tj · ReLU(q_I,tj · k_I,s)`` over ``s <= t``, the ``top_k`` keys by ``I``
+    (ties: the lower position), every head's softmax over them. Returns ``(y, weights, chosen)``:
+    ``(B, L, E)``, ``(B, Hq, L, L)`` and the chosen sets ``[b][t]``."""
+    B, L, _ = x.shape
+    q = linear(x, params, "q_proj").unflatten(-1, (Hq, D)).transpose(1, 2)  # (B, Hq, L, D)
+    k = linear(x, params, "k_proj").unflatten(-1, (Hkv, D)).transpose(1, 2)
+    v = linear(x, params, "v_proj").unflatten(-1, (Hkv, D)).transpose(1, 2)
+    if positions is not None:
+        q, k = rope(q, positions), rope(k, positions)
+    qi = linear(x, params, "index_q").unflatten(-1, (HI, dI))  # (B, L, HI, dI)
+    ki = linear(x, params, "index_k")  # (B, L, dI)
+    wi = linear(x, params, "index_w")  # (B, L, HI)
+    weights = torch.zeros(B, Hq, L, L, dtype=x.dtype)
+    heads = torch.zeros(B, Hq, L, D, dtype=x.dtype)
+    chosen_all = []
+    for b in range(B):
+        chosen_b = []
+        for t in range(L):
+            score = {
+                s: float(sum(wi[b, t, j] * torch.relu(qi[b, t, j] @ ki[b, s]) for j in range(HI))) for s in range(t + 1)
+            }
+            chosen = sorted(sorted(score, key=lambda s: (-score[s], s))[:top_k])
+            chosen_b.append(chosen)
+            for h in range(Hq):
+                g = h // (Hq // Hkv)
+                p = torch.softmax(k[b, g, chosen] @ q[b, h, t] / math.sqrt(D), dim=0)
+                weights[b, h, t, chosen] = p
+                heads[b, h, t] = p @ v[b, g, chosen]
+        chosen_all.append(chosen_b)
+    y = linear(heads.transpose(1, 2).flatten(-2), params, "out_proj")
+    return y, weights, chosen_all

@@ -44,6 +44,7 @@ from multihead.layers import (
     MultiHeadLatentAttention,
     MultiQueryAttention,
     NativeSparseAttention,
+    TopKIndexerAttention,
     compat,
 )
 from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window, tree
@@ -107,6 +108,7 @@ __all__ = [
     "DifferentialAttention",
     "MixtureOfBlockAttention",
     "NativeSparseAttention",
+    "TopKIndexerAttention",
     "compat",
     "caches",
     "KVCache",

@@ -9,7 +9,8 @@
 * the causal diagonal on one grid runs as the kernel's ``is_causal`` (one shared triangle);
 * fp32 and bf16 by the relative rule of shared/TESTING.md;
 * ``explain()`` names the path and the selection's density; work follows the selection (the
-  kernel sees only the gathered keys).
+  kernel sees only the gathered keys); a selection per query token runs key-major
+  (``backends/key_major.py``: each chosen key block read once per tile of the queries that chose it).
 """
 
 from __future__ import annotations
@@ -177,3 +178,34 @@ def test_work_follows_the_selection(monkeypatch):
         q = torch.randn(B, H, L, 8)
         mh.attention(q, q, q, mask=block_select(idx, bs) & causal(), backend="blocksparse")
         assert sum(keys) <= B * H * nQ * k * bs  # not ∝ L²
+
+
+def test_per_token_selections_run_key_major(monkeypatch):
+    """One query per block (NSA, MoBA, a top-k indexer): each chosen key block is read once per tile
+    of the queries that chose it; the query rows the kernel sees are the pairs chosen (padded to
+    tiles), not ``k · bs`` keys copied per query."""
+    from multihead.backends import key_major
+
+    rows = []
+    real = key_major.flash
+
+    def spy(q, k, v, p, is_causal, attn_mask=None, scale=None):
+        assert k.shape[2] == 16  # one key block per tile
+        rows.append(q.shape[0] * q.shape[2])
+        return real(q, k, v, p, is_causal, attn_mask=attn_mask, scale=scale)
+
+    monkeypatch.setattr(key_major, "flash", spy)
+    B, Hq, Hkv, L, bs, k = 1, 4, 2, 256, 16, 3
+    gen = torch.Generator().manual_seed(0)
+    own = (torch.arange(L) // bs).view(1, 1, L, 1)
+    idx = torch.cat([own.expand(B, Hkv, L, 1), torch.randint(0, 4, (B, Hkv, L, k - 1), generator=gen)], -1).expand(
+        B, Hkv, L, k
+    )
+    mask = block_select(idx, bs, num_heads=Hq, query_block_size=1) & causal()
+    q = torch.randn(B, Hq, L, 8, dtype=torch.float64, generator=gen)
+    kk, v = (torch.randn(B, Hkv, L, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    assert "key-major" in str(mh.explain(q, kk, v, mask=mask, backend="blocksparse"))
+    got = mh.attention(q, kk, v, mask=mask, backend="blocksparse")
+    torch.testing.assert_close(got, mh.attention(q, kk, v, mask=mask, backend="reference"))
+    pairs = B * Hq * L * k
+    assert pairs <= sum(rows) <= 2 * pairs  # tiles of 64 rows, a few part-filled per block

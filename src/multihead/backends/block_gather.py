@@ -40,7 +40,7 @@ from multihead.conventions import lse_dtype, softmax_dtype
 from multihead.masks import And, BlockSelect, Mask
 from multihead.merge import merge_partials
 
-__all__ = ["Selection", "selection_of", "gathered_attention", "gathered_plan", "CHUNK_SCORES"]
+__all__ = ["Selection", "selection_of", "gathered_attention", "CHUNK_SCORES"]
 
 #: The most scores (``B·Hq·qbs·k·bs`` per chunk of query blocks) one chunk of kernel calls holds:
 #: 16 MiB of fp32 scores, with the gathered keys and values of the same order.
@@ -94,25 +94,6 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, selection: Selection, sc
     ``q, k, v``."""
     out, lse = _GatheredAttention.apply(q, k, v, selection, scale)
     return out, lse
-
-
-def gathered_plan(selection: Selection, shape: tuple[int, ...]) -> list[str]:
-    """What ``explain()`` says of a call ``(B, Hq, Hkv, Lq, Lk, D, Dv)`` run here: the units, the
-    selection's density, the rest of the mask."""
-    B, Hq, Hkv, Lq, Lk = shape[:5]
-    He, Gp, _, _ = selection.units(Hq, Hkv)
-    per_block, blocks = selection.density(Lq, Lk)
-    sel, rest = selection.select, selection.rest
-    return [
-        f"block selection: each of {B}x{He} units ({Gp} query head(s) sharing a row and a KV head) x "
-        f"{-(-Lq // sel.query_block_size)} query blocks of {sel.query_block_size} reads only its selected "
-        f"key blocks, gathered (backends/block_gather.py)",
-        f"selection density: {per_block:.2f} of {blocks} key blocks of {sel.block_size} per query block "
-        f"({100.0 * per_block / max(1, blocks):.1f}%)",
-        "no other mask" if rest is None else f"the rest of the mask, {rest._describe()}, read at the gathered keys",
-        "PyTorch kernel: aten._scaled_dot_product_flash_attention_for_cpu over the gathered keys, "
-        "query blocks folded into the batch",
-    ]
 
 
 # ----------------------------------------------------------------------------------- the plan

@@ -47,7 +47,6 @@ from torch import Tensor
 from multihead.backends.band_runs import run_backward, run_forward
 from multihead.backends.base import MASK_KINDS, Backend, Capabilities
 from multihead.backends.bias_backward import LOG_TINY, accumulate_mod_grads, piece_ds
-from multihead.backends.block_gather import gathered_attention, gathered_plan, selection_of
 from multihead.backends.block_plan import (
     CAUSAL,
     DEFAULT_BLOCK_SIZE,
@@ -63,6 +62,7 @@ from multihead.backends.block_plan import (
 from multihead.backends.document_runs import Segment, document_segments
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.relative_pieces import Bounds, relative_backward, relative_forward, relative_piece, run_bias
+from multihead.backends.selection_runs import selected_attention, selected_plan, selection_of
 from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
@@ -129,7 +129,7 @@ class BlockSparseBackend(Backend):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         selection = _gathers(call)
         if selection is not None:
-            return gathered_plan(selection, call.shape)
+            return selected_plan(selection, call.shape)
         plan = self._plan(call)
         mods = call.score_mod
         relative = mods is not None and mods.relative
@@ -204,7 +204,7 @@ class BlockSparseBackend(Backend):
         mods = call.score_mod
         selection = _gathers(call)
         if selection is not None:
-            out, lse = gathered_attention(q, k, v, selection, call.scale)
+            out, lse = selected_attention(q, k, v, selection, call.scale)
             return AttentionResult(out[..., :Dv], None, lse if call.return_lse else None)
         out, lse = _BlockSparseAttention.apply(
             q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
@@ -242,7 +242,7 @@ class BlockSparseBackend(Backend):
 
 
 def _gathers(call: AttentionCall):
-    """The call's block selection when it runs gathered (:mod:`multihead.backends.block_gather`):
+    """The call's block selection when it runs gathered (:mod:`multihead.backends.selection_runs`):
     a ``block_select`` joined by ``&`` to any other mask, and no score modifier."""
     return selection_of(call.mask) if call.score_mod is None else None
 
