@@ -154,3 +154,28 @@ def test_equal_by_value_and_described_briefly():
 def test_bad_arguments(args, exc, pattern):
     with pytest.raises(exc, match=pattern):
         document_layout(*args)
+
+
+def test_document_causal_block_state_is_structural_and_exact_enough():
+    """Self-attention over one packing: ``document_causal``'s block answers come from the block's
+    corners (a ring block is a shard wide: materializing it is what the plan must not do), and
+    are never wrong: EMPTY blocks show nothing, FULL blocks everything."""
+    from multihead.blocks import Block, Extent
+    from multihead.masks import BlockState
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        ids = packed(pareto_lengths(40, seed=int(torch.randint(1000, (), generator=g))))
+        mask = masks.document_causal(ids.view(1, -1))
+        dense = mask.materialize(1, 1, 40, 40)[0, 0]
+        for _ in range(20):
+            q0, q1 = sorted(torch.randint(0, 41, (2,), generator=g).tolist())
+            k0, k1 = sorted(torch.randint(0, 41, (2,), generator=g).tolist())
+            if q0 == q1 or k0 == k1:
+                continue
+            state = mask.block_state(Extent(1, 1, 40, 40), Block(q0, q1, k0, k1))
+            block = dense[q0:q1, k0:k1]
+            assert state is not BlockState.EMPTY or not block.any()
+            assert state is not BlockState.FULL or block.all()
+    big = masks.document_causal(torch.zeros(1, 1 << 20, dtype=torch.int64))  # one document of 2^20 tokens
+    assert big.block_state(Extent(1, 1, 1 << 20, 1 << 20), Block(1 << 19, 1 << 20, 0, 1 << 19)) is BlockState.FULL

@@ -111,6 +111,13 @@ def plan_ring(
     covers consecutive positions (module docstring). Pure: no communication."""
     Lq, Lk = q_shard * world, kv_shard * world
     blocks = {}
+    reach: dict[Piece, tuple[int, int]] = {}  # a run of queries -> the keys it may see (Mask.key_range)
+
+    def keys_of(q: Piece) -> tuple[int, int]:
+        if q not in reach:
+            extent = Extent(batch, heads, Lq, Lk)
+            reach[q] = (0, Lk) if mask is None else mask.key_range(extent, extent.rows(q.start, q.start + q.length))
+        return reach[q]
 
     def between(rq: int, rk: int) -> tuple[Call, ...]:
         if (rq, rk) not in blocks:
@@ -123,6 +130,7 @@ def plan_ring(
                 batch,
                 heads,
                 positions,
+                keys_of,
             )
         return blocks[(rq, rk)]
 
@@ -144,12 +152,15 @@ def _calls(
     batch: int,
     heads: int,
     positions: bool,
+    keys_of,
 ) -> tuple[Call, ...]:
     """The calls covering queries ``qp`` x keys ``kp``: full blocks joined where they form a
     rectangle of consecutive local rows (and, with ``positions``, consecutive positions),
     partial blocks one call each."""
     joinable = _adjacent if positions else _consecutive
-    state = [[_state(mask, q, k, Lq, Lk, batch, heads) for k in kp] for q in qp]
+    # A pair outside the keys a run of queries may see is empty without asking the block: with
+    # many runs (packed documents, document_layout) most pairs are, and a block's answer costs more.
+    state = [[_state(mask, q, k, Lq, Lk, batch, heads, keys_of(q)) for k in kp] for q in qp]
     visible = [(i, j) for i in range(len(qp)) for j in range(len(kp)) if state[i][j] is not BlockState.EMPTY]
     if not visible:
         return ()
@@ -181,9 +192,11 @@ def _calls(
     return tuple(out)
 
 
-def _state(mask, q: Piece, k: Piece, Lq, Lk, batch, heads) -> BlockState:
+def _state(mask, q: Piece, k: Piece, Lq, Lk, batch, heads, reach: tuple[int, int]) -> BlockState:
     if mask is None:
         return BlockState.FULL
+    if k.start >= reach[1] or k.start + k.length <= reach[0]:
+        return BlockState.EMPTY
     return mask.block_state(
         Extent(batch, heads, Lq, Lk), Block(q.start, q.start + q.length, k.start, k.start + k.length)
     )
