@@ -487,7 +487,7 @@ def print_summary(result: DemoResult, say=print) -> None:
     say("")
     say(f"done in {result.seconds:.0f} s. Outputs in {result.out}:")
     descriptions = {
-        "viewer.html": "open in a browser: head, model and neuron views of both models",
+        "viewer.html": "open in a browser: head, model, neuron and text views of both models, the decoder's logit lens",
         "encoder_heads.png": "four heads of the encoder, with the numbers the demo measured (the docs' claims)",
         "encoder_attention.png": "every layer x head of the pretrained encoder on one sentence",
         "recall_attention.png": "every layer x head of the recall decoder",

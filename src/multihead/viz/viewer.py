@@ -57,6 +57,8 @@ from multihead.viz.lens import LogitLens
 __all__ = ["ViewerSource", "Viewer", "render_viewer", "write_viewer"]
 
 THUMB = 48  # max thumbnail side, in cells
+#: The page's script, one concept a file, joined in this order: each uses what the ones before declare.
+SCRIPTS = ("viewer.js", "viewer_text.js", "viewer_lens.js", "viewer_main.js")
 KINDS = ("encoder", "decoder", "cross")  # a seq2seq model's attentions, in the page's order
 
 
@@ -336,7 +338,7 @@ def render_viewer(sources: ViewerSource | list[ViewerSource], *, title: str = "m
     parts = {
         "TITLE": html.escape(title),
         "CSS": _template("viewer.css"),
-        "JS": _template("viewer.js").replace("</", "<\\/"),
+        "JS": "\n".join(_template(name) for name in SCRIPTS).replace("</", "<\\/"),
         "DATA": payload,
     }
     # One pass, so text inside one part (a token "{{JS}}") is never substituted again.
