@@ -45,6 +45,8 @@ from common import context, machine_state, print_table, write_csv  # noqa: E402
 from multihead.caches import DynamicKVCache  # noqa: E402
 from multihead.distributed import (  # noqa: E402
     ShardedKVCache,
+    document_layout,
+    plan_ring,
     ring,
     ring_attention,
     shard_sequence,
@@ -52,6 +54,7 @@ from multihead.distributed import (  # noqa: E402
     ulysses_attention,
 )
 from multihead.distributed.checks import Shards  # noqa: E402
+from multihead.distributed.layout import pieces  # noqa: E402
 from multihead.distributed.memory import TensorMemory  # noqa: E402
 from multihead.distributed.ring import _cached_plan  # noqa: E402
 
@@ -362,10 +365,14 @@ def causal_pairs(positions: torch.Tensor, starts: torch.Tensor) -> int:
 
 def balance_main(L: int, worlds: list[int]) -> None:
     """``--only balance``: the work of each rank under ``document_causal`` for packed documents,
-    as visible query-key pairs (no processes: counted from the layout)."""
+    read from the layouts themselves (``document_layout`` is the object the ring runs with): the
+    visible query-key pairs of each rank's positions, and the pairs each rank's ring plan scores
+    (``RingPlan.elements``: a partial block counted whole), its runs, its messages, and the time
+    to make every rank's plan. No processes."""
     lengths = document_lengths(L)
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)[ids]  # (L,): the start of each token's document
+    mask = mh.masks.document_causal(ids.view(1, -1))
     print(
         f"balance: L={L} tokens in {len(lengths)} documents (Pareto 1.2, 64..32768 tokens; longest "
         f"{max(lengths)}, median {sorted(lengths)[len(lengths) // 2]}); work = visible pairs of document_causal\n"
@@ -373,47 +380,39 @@ def balance_main(L: int, worlds: list[int]) -> None:
     table = []
     for world in worlds:
         S = L // world
-        layouts = {
-            "contiguous": [torch.arange(r * S, (r + 1) * S) for r in range(world)],
-            "zigzag": [_zigzag(S, r, world) for r in range(world)],
-            "per-document zigzag": _per_document(lengths, world),
-        }
-        for name, held in layouts.items():
+        layouts = {"contiguous": "contiguous", "zigzag": "zigzag"}
+        for min_chunk in (16, 64, 256):
+            layouts[f"document_layout(min_chunk={min_chunk})"] = document_layout(ids, world, min_chunk=min_chunk)
+        for name, layout in layouts.items():
+            held = [
+                torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces(S, r, world, layout)])
+                for r in range(world)
+            ]
             work = [causal_pairs(pos, starts) for pos in held]
+            start = time.perf_counter()
+            plans = [
+                plan_ring(world=world, rank=r, batch=1, heads=1, q_shard=S, kv_shard=S, mask=mask, layout=layout)
+                for r in range(world)
+            ]
+            plan_s = time.perf_counter() - start
+            scored = [p.elements for p in plans]
             mean = sum(work) / world
             table.append(
                 {
                     "P": world,
                     "layout": name,
-                    "tokens_max_min": max(len(h) for h in held) / min(len(h) for h in held),
+                    "runs_per_rank_max": max(len(pieces(S, r, world, layout)) for r in range(world)),
                     "work_max_mean": max(work) / mean,
                     "work_min_mean": min(work) / mean,
                     "slowest_speedup_vs_1": sum(work) / max(work),
+                    "scored_max_mean": max(scored) / (sum(scored) / world),
+                    "scored_over_visible": sum(scored) / sum(work),
+                    "messages_max": max(p.messages for p in plans),
+                    "plans_s": plan_s,
                 }
             )
     print_table("document-causal work per rank (max / mean: the slowest rank against a balanced one)", table)
     write_csv(f"distributed_balance_L{L}", table)
-
-
-def _zigzag(S: int, rank: int, world: int) -> torch.Tensor:
-    c = S // 2
-    return torch.cat(
-        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
-    )
-
-
-def _per_document(lengths: list[int], world: int) -> list[torch.Tensor]:
-    """Each document cut into ``2P`` near-equal chunks, rank ``r`` holding chunks ``r`` and
-    ``2P-1-r`` of every document (Llama 3's per-document sharding): modelled, not run."""
-    held: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    start = 0
-    for n in lengths:
-        cuts = [start + (n * i) // (2 * world) for i in range(2 * world + 1)]
-        for r in range(world):
-            for c in (r, 2 * world - 1 - r):
-                held[r].append(torch.arange(cuts[c], cuts[c + 1]))
-        start += n
-    return [torch.cat(h) for h in held]
 
 
 CONFIGS = [

@@ -20,6 +20,14 @@ fastest (:func:`common.fastest_ms`); the load average is printed before and afte
 "cache MB read" is what the step reads from the cache (``S`` tokens times the bytes per cached
 token); naive mode in addition builds (writes, then reads) ``K/V built MB`` of up-projected keys
 and values per step.
+
+The absorbed step against the machine's ceilings (issue 29, item 4), measured in the same run:
+the bytes it must read (every weight of the layer once, ``W_UK`` and ``W_UV`` included, and the
+latent cache) over its time, as a fraction of the memory read bandwidth; and its flops (two per
+weight, ``2·H·S·(C + R)`` for the scores, ``2·H·S·C`` for the values) over its time, as a
+fraction of the fp32 matmul peak. The step reads about 8 bytes per flop's worth of matmul work
+less than the peak needs (``H = 16`` query heads share each latent row), so it is memory-bound:
+the fraction of the read bandwidth is its measure.
 """
 
 from __future__ import annotations
@@ -28,7 +36,18 @@ import argparse
 
 import torch
 
-from common import check_close, context, fastest_ms, machine_state, mh, print_table, write_csv
+from common import (
+    check_close,
+    context,
+    fastest_ms,
+    last_level_cache_bytes,
+    machine_state,
+    memory_read_gbps,
+    mh,
+    print_table,
+    write_csv,
+)
+from dtypes import matmul_gflops
 from multihead.positions import RotaryEmbedding
 
 E, H, C, R, N, V = 2048, 16, 512, 64, 128, 128  # d_model, heads, kv_lora_rank, rope, nope, v
@@ -171,6 +190,13 @@ def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bo
     row["MLA naive K/V built MB"] = S * H * (N + R + V) * 4 / 1e6
     row["naive / absorbed"] = best["MLA naive"] / best["MLA absorbed"]
     row["GQA / absorbed"] = best["GQA"] / best["MLA absorbed"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in mla.parameters())
+    step_bytes = weight_bytes + read["MLA absorbed"]
+    step_flops = 2 * weight_bytes / 4 + 2 * H * S * (C + R) + 2 * H * S * C
+    row["absorbed MB read"] = step_bytes / 1e6
+    row["absorbed MFLOP"] = step_flops / 1e6
+    row["absorbed GB/s"] = step_bytes / (best["MLA absorbed"] * 1e-3) / 1e9
+    row["absorbed GFLOP/s"] = step_flops / (best["MLA absorbed"] * 1e-3) / 1e9
     row["notes"] = "; ".join(notes)
     return row
 
@@ -214,6 +240,12 @@ def main(argv=None) -> list[dict]:
     ).eval()
     layers["gqa64"].load_state_dict(layers["gqa"].state_dict())
     print(f"before: {machine_state()}")
+    read_gbps, peak = memory_read_gbps(), matmul_gflops(torch.float32)
+    llc = last_level_cache_bytes()
+    print(
+        f"ceilings measured now: memory read {read_gbps:.1f} GB/s, fp32 matmul {peak:.0f} GFLOP/s; "
+        f"last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB"
+    )
     rows = []
     for i, S in enumerate(lengths):
         row = run_case(S, layers, rounds, min_run_time=0.3 if args.quick else 0.5, check64=i == 0)
@@ -235,6 +267,23 @@ def main(argv=None) -> list[dict]:
         for r in rows
     ]
     print_table(f"Decode step, tokens/s (batch 1), fastest of {rounds} interleaved rounds; {after}", table)
+    ceiling = [
+        {
+            "cache": r["cache"],
+            "MB read": r["absorbed MB read"],
+            "MFLOP": r["absorbed MFLOP"],
+            "GB/s": r["absorbed GB/s"],
+            "of read bandwidth": r["absorbed GB/s"] / read_gbps,
+            "GFLOP/s": r["absorbed GFLOP/s"],
+            "of fp32 matmul peak": r["absorbed GFLOP/s"] / peak,
+        }
+        for r in rows
+    ]
+    print_table(
+        f"The absorbed step against the ceilings measured in this run (read {read_gbps:.1f} GB/s, "
+        f"fp32 matmul {peak:.0f} GFLOP/s)",
+        ceiling,
+    )
     for r in rows:
         print(
             f"cache {r['cache']}: absorbed {r['naive / absorbed']:.1f}x faster than naive (target > 1 at >= 4k), "

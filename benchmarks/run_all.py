@@ -18,6 +18,7 @@ PLOTS = {"core", "sliding_window"}  # the benchmarks that draw a plot (and take 
 SUITE = [
     "core",
     "dtypes",
+    "bf16_prefill",
     "overhead",
     "sliding_window",
     "documents",

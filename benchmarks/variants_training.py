@@ -6,7 +6,12 @@ learned positions) with the attention of every block swapped for the variant:
 * ``plain``: :class:`multihead.MultiHeadAttention` (4 heads of 16), the decoder's own;
 * ``gated elementwise`` / ``gated headwise``: :class:`multihead.GatedAttention` (4 heads);
 * ``differential``: :class:`multihead.DifferentialAttention` with 2 heads of 32 (the paper halves
-  the heads), ``depth`` = the block's index from 1.
+  the heads), ``depth`` = the block's index from 1;
+* ``moba``: :class:`multihead.MixtureOfBlockAttention`, blocks of 8, 3 read per query;
+* ``nsa``: :class:`multihead.NativeSparseAttention`, compressed blocks of 4 every 2 keys, 3
+  selected blocks of 8, a window of 8 (too short for the task: the other branches must look back);
+* ``topk``: :class:`multihead.TopKIndexerAttention`, 8 keys per query, its indexer trained by its
+  KL loss (:meth:`~multihead.TopKIndexerAttention.indexer_loss`, added to the task's loss).
 
 The task needs attention: each sequence is 24 random tokens (vocabulary 16) then the same 24
 again, and the loss is the cross-entropy of the second half, which only a head that looks back
@@ -41,7 +46,29 @@ def variant(name: str, depth: int) -> torch.nn.Module:
         return mh.GatedAttention(E, HEADS, causal=True)
     if name == "gated headwise":
         return mh.GatedAttention(E, HEADS, gate="headwise", causal=True)
+    if name == "moba":
+        return mh.MixtureOfBlockAttention(E, HEADS, block_size=8, top_k=3)
+    if name == "nsa":
+        return mh.NativeSparseAttention(
+            E, HEADS, compress_block=4, compress_stride=2, select_block=8, select_count=3, window=8
+        )
+    if name == "topk":
+        return mh.TopKIndexerAttention(E, HEADS, top_k=8, index_heads=2, index_dim=16)
     return mh.DifferentialAttention(E, HEADS // 2, causal=True, depth=depth)
+
+
+NAMES = ["plain", "gated elementwise", "gated headwise", "differential", "moba", "nsa", "topk"]
+
+
+def indexer_inputs(model: CausalDecoder) -> list:
+    """``(layer, [its last input])`` of every top-k layer: the indexer's loss reads the input."""
+    seen = []
+    for block in model.blocks:
+        if isinstance(block.attn, mh.TopKIndexerAttention):
+            box: list = []
+            block.attn.register_forward_pre_hook(lambda mod, args, box=box: box.__setitem__(slice(None), [args[0]]))
+            seen.append((block.attn, box))
+    return seen
 
 
 def model_with(name: str) -> CausalDecoder:
@@ -62,6 +89,7 @@ def batches(steps: int):
 
 def train(name: str, steps: int, every: int) -> tuple[list[int], list[float], float]:
     model = model_with(name)
+    indexers = indexer_inputs(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, xs, ys = [], [], []
     start = time.perf_counter()
@@ -69,8 +97,10 @@ def train(name: str, steps: int, every: int) -> tuple[list[int], list[float], fl
         logits = model(ids[:, :-1])  # (B, L - 1, V): position t predicts token t + 1
         second = logits[:, HALF - 1 :]  # the predictions of the repeated half
         loss = F.cross_entropy(second.reshape(-1, VOCAB), ids[:, HALF:].reshape(-1))
+        # the indexers' KL losses train the indexers only (their input is detached)
+        extra = sum((layer.indexer_loss(box[0]) for layer, box in indexers), torch.zeros(()))
         opt.zero_grad()
-        loss.backward()
+        (loss + extra).backward()
         opt.step()
         losses.append(float(loss.detach()))
         if step % every == 0:
@@ -86,11 +116,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--update-docs", action="store_true", help="write docs/img/variants_training.png")
+    parser.add_argument("--variants", help=f"comma-separated, of {NAMES} (default: all)")
     args = parser.parse_args()
     print(context())
     print("before:", machine_state())
     every = 25
-    names = ["plain", "gated elementwise", "gated headwise", "differential"]
+    names = args.variants.split(",") if args.variants else NAMES
     series, rows = {}, []
     for name in names:
         xs, ys, seconds = train(name, args.steps, every)

@@ -5,8 +5,11 @@
 
 On GPUs (one per process) it uses NCCL. Every rank builds the same whole sequence from a seed,
 keeps its shard (zigzag layout), runs ring attention (forward and backward) and Ulysses
-attention, checks its rows against single-process ``multihead.attention`` on the whole sequence
-(skipped with ``--no-check`` for lengths one process cannot hold), and prints its time and peak
+attention, checks its rows of the output and of the gradients of q, k and v against
+single-process ``multihead.attention`` on the whole sequence in float64 (the oracle), beside the
+same single-process attention in float32 (what one process would get: the baseline of
+``shared/TESTING.md``'s relative rule), skipped with ``--no-check`` for lengths one process cannot
+hold, and prints its time and peak
 memory of a second run (the first pays for first-call imports): on GPUs
 ``torch.cuda.max_memory_allocated``, on CPUs the peak bytes of the tensors it created
 (:class:`multihead.distributed.memory.TensorMemory`; the inputs are not counted).
@@ -59,6 +62,8 @@ def main():
     }[args.mask]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, L, D, generator=g) for h in (H, Hkv, Hkv))  # the whole sequence, on every rank
+    if not args.no_check:  # one process on the whole sequence: the fp64 oracle and the fp32 baseline
+        oracle, single = whole_sequence(q, k, v, mask, torch.float64), whole_sequence(q, k, v, mask, torch.float32)
 
     for method in ("ring", "ulysses"):
         if method == "ulysses" and (H % world or (Hkv % world and world % Hkv)):
@@ -74,6 +79,8 @@ def main():
             meter = contextlib.nullcontext() if cuda else TensorMemory()
             dist.barrier()
             start = time.perf_counter()
+            for t in (qs, ks, vs):
+                t.grad = None  # each run's own gradients, not the sum of both
             with meter:
                 out = cp.attention(qs, ks, vs, mask=mask)
                 out.backward(grad)
@@ -97,15 +104,34 @@ def main():
             )
             line += f", {plan.steps_computed} of {world} steps computed, {plan.messages} K/V shards received"
         if not args.no_check:
-            with torch.no_grad():
-                want = mh.attention(q, k, v, mask=mask)
-            err = float((out.detach().cpu() - cp.shard(want, dim=2)).abs().max())
-            line += f", max |out - one process| = {err:.1e}"
+            # This rank's rows of the output and of every gradient, against the oracle's rows; the
+            # same for one fp32 process: context parallelism should err about as much as that.
+            mine = [out.detach(), qs.grad, ks.grad, vs.grad]
+            errs = [errors(mine, oracle, cp), errors([cp.shard(t, dim=2) for t in single], oracle, cp)]
+            line += (
+                f", max |out - fp64| = {errs[0][0]:.2e} (one process: {errs[1][0]:.2e})"
+                f", max |grad - fp64| = {errs[0][1]:.2e} (one process: {errs[1][1]:.2e})"
+            )
         for r in range(world):  # one line per rank, in order
             dist.barrier()
             if r == rank:
                 print(line, flush=True)
     dist.destroy_process_group()
+
+
+def whole_sequence(q, k, v, mask, dtype) -> list:
+    """Single-process attention on the whole sequence in ``dtype``: the output and the gradients of
+    ``q``, ``k`` and ``v`` for an upstream gradient of ones (the one the ranks use)."""
+    q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))  # copies: inputs stay grad-free
+    out = mh.attention(q, k, v, mask=mask)
+    out.backward(torch.ones_like(out))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def errors(mine, oracle, cp) -> tuple[float, float]:
+    """``(max |out - oracle|, max over q, k, v of max |grad - oracle|)`` on this rank's rows."""
+    diffs = [float((m.detach().cpu().double() - cp.shard(r, dim=2)).abs().max()) for m, r in zip(mine, oracle)]
+    return diffs[0], max(diffs[1:])
 
 
 if __name__ == "__main__":

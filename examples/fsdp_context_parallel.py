@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/fsdp_context_parallel.py              # 2 x 2 mesh, gloo
     torchrun --nproc-per-node 4 examples/fsdp_context_parallel.py --dp 1 --cp 4 --steps 5
+    torchrun --nproc-per-node 4 examples/fsdp_context_parallel.py --dp 1 --cp 4 --method hybrid --ulysses 2 --sinks
 
 The ranks form a ``DeviceMesh`` of ``(dp, cp)``: ``dp`` splits the batch, ``cp`` splits each
 sequence (zigzag layout), so rank ``(d, c)`` holds batch rows ``d`` of ``dp`` and sequence shard
@@ -10,6 +11,10 @@ sequence (zigzag layout), so rank ``(d, c)`` holds batch rows ``d`` of ``dp`` an
 shard, RoPE turns at the global positions and attention goes round the ring of the ``cp`` group.
 ``fully_shard`` (FSDP2) shards every block's parameters over the ``cp`` dimension and replicates
 them over ``dp`` (HSDP on the 2-D mesh); its gradient reduction averages over all ``P`` ranks.
+``--method ulysses`` attends by all-to-all instead; ``--method hybrid --ulysses U`` splits the
+``cp`` ranks once more into a 2-D context-parallel mesh of ``cp/U`` ring ranks by ``U`` Ulysses
+ranks (:func:`multihead.distributed.hybrid_attention`), whose groups are made inside each ``cp``
+group. ``--sinks``: attention sinks in every layer (trainable, sharded by FSDP like any weight).
 
 Each rank's loss is its tokens' summed cross-entropy times ``P / N`` (``N``: target tokens of the
 whole batch), so the average FSDP takes is the gradient of the whole batch's mean loss, although
@@ -36,18 +41,24 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import multihead as mh  # noqa: E402
-from multihead.distributed import ContextParallel  # noqa: E402
+from multihead.distributed import ContextParallel, Mesh2D  # noqa: E402
 from multihead.positions import RotaryEmbedding  # noqa: E402
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: GQA attention with RoPE, then an MLP."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, cp: ContextParallel | None):
+    def __init__(self, dim: int, heads: int, kv_heads: int, cp: ContextParallel | None, sinks: bool = False):
         super().__init__()
         self.norm1 = nn.RMSNorm(dim)
         self.attn = mh.MultiHeadAttention(
-            dim, heads, num_kv_heads=kv_heads, causal=True, rope=RotaryEmbedding(dim // heads), context_parallel=cp
+            dim,
+            heads,
+            num_kv_heads=kv_heads,
+            causal=True,
+            rope=RotaryEmbedding(dim // heads),
+            sinks=sinks,
+            context_parallel=cp,
         )
         self.norm2 = nn.RMSNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
@@ -60,10 +71,19 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Embedding, ``layers`` blocks, a final norm and an untied head; ``cp=None``: one process."""
 
-    def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, layers: int, cp: ContextParallel | None):
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        heads: int,
+        kv_heads: int,
+        layers: int,
+        cp: ContextParallel | None,
+        sinks: bool = False,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, cp) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, cp, sinks) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -87,8 +107,42 @@ def batch(steps: int, size: int, length: int, vocab: int, seed: int = 0) -> list
     return out
 
 
+def context_of(mesh, method: str, ulysses: int) -> ContextParallel:
+    """This rank's :class:`ContextParallel` over the ``cp`` dimension of ``mesh``: the ``cp`` group
+    itself (ring or Ulysses), or a 2-D mesh of ``cp/ulysses`` ring ranks by ``ulysses`` Ulysses
+    ranks inside it (cp rank ``r·ulysses + u``). Every rank creates every group, in the same order:
+    ``new_group`` is collective over the world."""
+    if method != "hybrid":
+        return ContextParallel(group=mesh.get_group("cp"), layout="zigzag", method=method)
+    dp, cp = mesh.shape
+    if cp % ulysses:
+        raise ValueError(f"train: ulysses={ulysses} does not divide cp={cp}")
+    R, me = cp // ulysses, dist.get_rank()
+    ranks = mesh.mesh.tolist()  # ranks[d][c]: global rank of mesh coordinate (d, c)
+    ring = ulysses_group = None
+    for d in range(dp):
+        for u in range(ulysses):
+            members = [ranks[d][r * ulysses + u] for r in range(R)]
+            group = dist.new_group(members)
+            ring = group if me in members else ring
+        for r in range(R):
+            members = [ranks[d][r * ulysses + u] for u in range(ulysses)]
+            group = dist.new_group(members)
+            ulysses_group = group if me in members else ulysses_group
+    return ContextParallel(group=Mesh2D(ring, ulysses_group), layout="zigzag", method="hybrid")
+
+
 def train(
-    *, dp: int, cp: int, steps: int = 3, batch_size: int = 4, length: int = 24, check: bool = True
+    *,
+    dp: int,
+    cp: int,
+    steps: int = 3,
+    batch_size: int = 4,
+    length: int = 24,
+    check: bool = True,
+    method: str = "ring",
+    ulysses: int = 1,
+    sinks: bool = False,
 ) -> list[float]:
     """Train on this rank of an initialised ``dp·cp`` world; returns the whole batch's loss per
     step (the same on every rank). With ``check``, raises if a loss, a gradient or a parameter
@@ -100,11 +154,15 @@ def train(
         raise ValueError(f"train: batch_size={batch_size} does not split over dp={dp} ranks")
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
     d, c = mesh.get_coordinate()
-    context = ContextParallel(group=mesh.get_group("cp"), layout="zigzag")
+    context = context_of(mesh, method, ulysses)
     vocab, dim = 64, 32
     torch.manual_seed(0)  # the same initial weights on every rank, and in the reference
-    model = TinyLM(vocab, dim, heads=4, kv_heads=2, layers=2, cp=context).double()
-    reference = TinyLM(vocab, dim, heads=4, kv_heads=2, layers=2, cp=None).double()
+    model = TinyLM(vocab, dim, heads=4, kv_heads=2, layers=2, cp=context, sinks=sinks).double()
+    reference = TinyLM(vocab, dim, heads=4, kv_heads=2, layers=2, cp=None, sinks=sinks).double()
+    if sinks:  # sinks start at 0; spread them so that each head's own sink is checked
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.sinks.copy_(torch.linspace(-1.0, 1.0, 4))
     reference.load_state_dict(model.state_dict())
     for block in model.blocks:
         fully_shard(block, mesh=mesh)  # 2-D mesh: replicated over dp, sharded over cp
@@ -152,6 +210,9 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--length", type=int, default=24, help="sequence length (a multiple of 2·cp)")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--method", choices=("ring", "ulysses", "hybrid"), default="ring")
+    parser.add_argument("--ulysses", type=int, default=1, help="with --method hybrid: Ulysses ranks per ring rank")
+    parser.add_argument("--sinks", action="store_true", help="attention sinks in every layer")
     parser.add_argument("--no-check", action="store_true", help="skip the one-process comparison")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # torchrun sets the environment
@@ -164,6 +225,9 @@ def main():
             batch_size=args.batch_size,
             length=args.length,
             check=not args.no_check,
+            method=args.method,
+            ulysses=args.ulysses,
+            sinks=args.sinks,
         )
         if dist.get_rank() == 0 and not args.no_check:
             print("losses, gradients and parameters equal one process at every step")

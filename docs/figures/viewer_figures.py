@@ -87,8 +87,34 @@ def main(page: Path) -> None:
     ActionChains(d).move_to_element(d.find_element("css selector", "#grid canvas.highlight")).perform()
     settle()
     d.save_screenshot(str(OUT / "viewer_model.png"))
+
+    # Logit lens of the recall decoder: the column of its third asked key, every layer's top tokens.
+    click("#tab-lens")
+    prompt = d.execute_script("return DATA.sources[1].prompt_len")
+    click(f"#lens-grid th[data-pos='{prompt - 1 + 4}']")
+    move("lens-detail", 5, 5)
+    d.save_screenshot(str(OUT / "viewer_lens.png"))
+
+    # Text view of the encoder: layer 5, head 11 alone, the query "it" chosen (docs/demo.md's finding).
+    Select(d.find_element("id", "source")).select_by_value("0")
+    settle()
+    Select(d.find_element("id", "layer")).select_by_value("5")
+    click(".head-toggle[data-head='11']", double=True)
+    click("#tab-text")
+    click(f'.text-line[data-row="mean"] .tok[data-index="{token_index("it")}"]')
+    move("text-body", 5, 5)
+    d.save_screenshot(str(OUT / "viewer_text.png"))
+
+    # Dark mode: the head view of layer 0, head 2 (the previous-token head), the mouse on "it".
+    click("#tab-head")
+    Select(d.find_element("id", "layer")).select_by_value("0")
+    click(".head-toggle[data-head='2']", double=True)
+    click("#theme")
+    move("lines", d.find_element("id", "lines").size["width"] * 0.2, ROW + token_index("it") * ROW + ROW / 2)
+    d.save_screenshot(str(OUT / "viewer_dark.png"))
     d.quit()
-    for name in ("viewer_heads", "viewer_neuron", "viewer_generation", "viewer_model"):
+    for name in ("viewer_heads", "viewer_neuron", "viewer_generation", "viewer_model", "viewer_lens", "viewer_text",
+                 "viewer_dark"):
         print(OUT / f"{name}.png")
 
 

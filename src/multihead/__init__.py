@@ -43,6 +43,8 @@ from multihead.layers import (
     MultiHeadAttention,
     MultiHeadLatentAttention,
     MultiQueryAttention,
+    NativeSparseAttention,
+    TopKIndexerAttention,
     compat,
 )
 from multihead.masks import causal, custom, document, document_causal, key_padding, prefix_lm, sliding_window, tree
@@ -105,6 +107,8 @@ __all__ = [
     "GatedAttention",
     "DifferentialAttention",
     "MixtureOfBlockAttention",
+    "NativeSparseAttention",
+    "TopKIndexerAttention",
     "compat",
     "caches",
     "KVCache",

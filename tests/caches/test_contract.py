@@ -568,3 +568,49 @@ def test_a_ring_refuses_a_tensor_part_that_could_reach_past_its_window():
         ):
             layer(x[:, 5:], kv_cache=cache, mask=mh.sliding_window(3) | t)
     assert identical(everything(cache), before)
+
+
+# ---------------------------------------------------------------------------- inference mode
+@every_kind
+def test_a_cache_filled_under_inference_mode_refuses_an_update_outside_it_and_changes_nothing(kind):
+    """PyTorch refuses in-place writes to inference tensors outside inference mode, but only at the
+    write: a paged cache had claimed its pages by then (leaked from the pool, lengths unchanged),
+    others had replaced their undo record or written keys and not values. The update is refused
+    first, naming inference mode; under inference mode the cache goes on. (An eviction policy's
+    cache writes no buffer in place: it takes the update anywhere.)"""
+    with torch.inference_mode():
+        cache = _filled(kind)
+    before = everything(cache)
+    k, v = kind.kv(1, seed=1)
+    if kind.name.startswith("policy"):
+        with torch.no_grad():
+            read = cache.update(k, v)
+        assert cache.lengths.tolist() == [6, 6] and _stored(read, 0)[5].equal(k[0, :, 0])
+        return
+    for outside in (torch.no_grad, torch.enable_grad):
+        with (
+            outside(),
+            pytest.raises(
+                RuntimeError,
+                match=rf"^{type(cache).__name__}\.update: the cache's buffers were allocated under "
+                r"torch.inference_mode\(\).*hint: make every call",
+            ),
+        ):
+            cache.update(k, v)
+        assert identical(everything(cache), before)
+    with torch.inference_mode():
+        read = cache.update(k, v)
+    assert cache.lengths.tolist() == [6, 6] and read.query_positions.reshape(-1).unique().tolist() == [5]
+
+
+@every_kind
+def test_writing_into_the_lengths_a_cache_returned_changes_nothing(kind):
+    """A static cache returned its own lengths buffer: ``cache.lengths[1] = 2`` (a row "cropped"
+    by hand) changed the device lengths behind the host copy eager steps read, and the next step
+    wrote and read the wrong slots with no error. ``lengths`` is a copy on every cache."""
+    cache = _filled(kind)
+    before = everything(cache)
+    lengths = cache.lengths
+    lengths[1] = 2
+    lengths += 1
+    assert identical(everything(cache), before) and cache.lengths.tolist() == [5, 5]

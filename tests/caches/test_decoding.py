@@ -11,7 +11,13 @@ from cache_state import everything, identical
 
 import multihead as mh
 from helpers import DEVICES
-from multihead.caches import DynamicKVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.caches import (
+    DynamicKVCache,
+    PagedKVCache,
+    QuantizedKVCache,
+    SlidingWindowKVCache,
+    StaticKVCache,
+)
 from multihead.positions import RotaryEmbedding
 
 DT = torch.float64
@@ -439,3 +445,78 @@ def test_a_window_0_cache_crops_far_back_and_decodes_exactly():
         cache.crop(3)
         rest = _decode(layer, x[:, 3:], cache, [1, 3, 1, 2], mask=band)
     torch.testing.assert_close(rest, full[:, 3:], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- refused before the update
+def _every_cache(layer, B):
+    """One of each cache kind a MultiHeadAttention decodes through (sliding: window 3)."""
+    Hkv, D = layer.num_kv_heads, layer.head_dim
+    return {
+        "dynamic": DynamicKVCache(capacity=4),
+        "static": StaticKVCache(B, 16, Hkv, D, dtype=DT),
+        "sliding": SlidingWindowKVCache(3, B, Hkv, D, dtype=DT),
+        "paged": PagedKVCache(16, 4, Hkv, D, batch_size=B, dtype=DT),
+        "quantized": QuantizedKVCache(B, 16, Hkv, D, residual=2, sinks=1, group=2, dtype=DT),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged", "quantized"])
+def test_a_tensor_mask_that_does_not_fit_the_slots_is_refused_before_the_update(kind):
+    """A tensor mask over the wrong number of slots used to be refused only after the keys were
+    stored, and the rollback cleared the undo record and left the written slots behind (a cache
+    not as it was). It is now refused against ``slots(Lq)`` before the update: bit-identical."""
+    layer = _layer(2, rope=True)
+    x = _x(2, 8)
+    cache = _every_cache(layer, 2)[kind]
+    window = mh.sliding_window(3) if kind == "sliding" else None
+    with torch.no_grad():
+        layer(x[:, :5], kv_cache=cache, mask=window)
+        before = everything(cache)
+        S = cache.slots(1)
+        wrong = torch.ones(1, S + 1, dtype=torch.bool)  # one column too many
+        bad = wrong if window is None else window & wrong
+        with pytest.raises(ValueError, match=rf"over the \(Lq, S\) = \(1, {S}\) slots the cache returns"):
+            layer(x[:, 5:6], kv_cache=cache, mask=bad)
+        assert identical(everything(cache), before)
+        cache.rollback()  # the prefill's undo record survived the refused call
+        assert cache.length == 0
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_query_batch_other_than_the_caches_names_the_cache(kind):
+    """A per-row cache hands the rotary embedding ``(B_cache, Lq)`` positions: a query of another
+    batch was refused by the rotary embedding, naming positions the user never passed."""
+    layer = _layer(2, rope=True)
+    cache = _every_cache(layer, 2)[kind]
+    with torch.no_grad():
+        layer(_x(2, 3), kv_cache=cache)
+        before = everything(cache)
+        with pytest.raises(ValueError, match=r"the query has B=3 rows but kv_cache holds 2 \(" + type(cache).__name__):
+            layer(_x(3, 1), kv_cache=cache)
+    assert identical(everything(cache), before)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged", "quantized"])
+def test_explain_and_a_failed_call_keep_the_last_updates_undo_record(kind):
+    """``layer.explain(..., kv_cache=)`` and a call that fails after the update roll the cache back;
+    the rollback used to clear the record of the update before, so the user's own
+    ``cache.rollback()`` of their last step then raised "no update to undo". The cache now ends
+    as it was: that step is still undone, exactly."""
+    layer = _layer(2, rope=True)
+    x = _x(2, 8)
+    cache = _every_cache(layer, 2)[kind]
+    window = mh.sliding_window(3) if kind == "sliding" else None
+    refusing = _layer(2, rope=True, backend="sdpa", softcap=2.0)
+    with torch.no_grad():
+        layer(x[:, :5], kv_cache=cache, mask=window)
+        layer(x[:, 5:6], kv_cache=cache, mask=window)
+        layer.explain(x[:, 6:7], kv_cache=cache, mask=window)
+        with pytest.raises(ValueError, match="sdpa"):
+            refusing(x[:, 6:7], kv_cache=cache, mask=window)
+        assert cache.length == 6
+        cache.rollback()  # the user's own last step
+        assert cache.length == 5
+        rest = _decode(layer, x[:, 5:], cache, [1, 2], mask=window)
+        fresh = _every_cache(layer, 2)[kind]  # (a quantized cache is lossy: the same steps, unbroken)
+        want = _decode(layer, x[:, :8], fresh, [5, 1, 2], mask=window)
+    torch.testing.assert_close(rest, want[:, 5:], rtol=1e-12, atol=1e-12)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from cache_state import everything, identical
 
 import multihead as mh
 from helpers import DEVICES
@@ -132,6 +133,57 @@ def test_a_released_row_starts_a_new_sequence_beside_a_running_one():
     assert cache.lengths.tolist() == [9, 5]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("new", [1, 2, 3])
+def test_nan_left_in_the_pool_never_reaches_another_sequence(new, dtype):
+    """A sequence that went non-finite (an fp16 overflow) is released; its pages go back to the
+    pool holding NaN and inf, and so do the tokens a crop drops. A read returns whole pages with
+    the slots past a row's length hidden by the mask, but a multi-token step multiplied their
+    values by a weight of 0: 0 * NaN poisoned the other rows (rows of different lengths, 2 and 3
+    query tokens). Claimed pages and dropped slots are zeroed: every step equals the full
+    forward of each row's own sequence."""
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, dtype=dtype).eval()
+    a, b, bad = (torch.randn(1, 12, 32, dtype=dtype) for _ in range(3))
+    cache = PagedKVCache(12, 4, 2, 8, batch_size=2, dtype=dtype)
+    with torch.no_grad():
+        layer(torch.cat([bad, bad])[:, :10], kv_cache=cache)  # a batch that went bad: NaN and inf everywhere
+        cache.key_pages[:, cache.tables[0] + cache.tables[1]] = float("nan")
+        cache.value_pages[:, cache.tables[0]] = float("inf")
+        cache.value_pages[:, cache.tables[1]] = float("nan")
+        cache.reset()  # every page back to the pool, still holding them
+        layer(torch.cat([a, b])[:, :6], kv_cache=cache)
+        cache.value_pages[:, cache.tables[1][-1], 1:] = float("nan")  # row 1's tokens 5.. go bad,
+        cache.crop(torch.tensor([6, 5]))  # and are dropped (row 1 holds 5 tokens, in pages of 4)
+        out = layer(torch.cat([a[:, 6 : 6 + new], b[:, 5 : 5 + new]]), kv_cache=cache)
+        want_a = layer(a[:, : 6 + new])[:, 6:]
+        want_b = layer(b[:, : 5 + new])[:, 5:]
+    assert torch.isfinite(out).all()
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=0.02, atol=0.02)
+    torch.testing.assert_close(out[:1], want_a, **tol)
+    torch.testing.assert_close(out[1:], want_b, **tol)
+
+
+def test_a_crop_or_reorder_that_writes_an_inference_mode_pool_outside_it_changes_nothing():
+    """A crop inside a page zeroes the dropped slots, and a reorder taking a row twice copies its
+    pages: in a pool allocated under inference mode, outside it, both are refused before any
+    bookkeeping changes (the reorder had given pages back to the free list when the copy
+    failed); a crop to a page boundary and a permutation write nothing and are taken."""
+    with torch.inference_mode():
+        cache = PagedKVCache(8, 4, HKV, D, value_dim=DV, batch_size=2, dtype=torch.float64)
+        cache.update(*_kv(2, 7, torch.Generator().manual_seed(0)))
+    before = everything(cache)
+    with pytest.raises(RuntimeError, match=r"^PagedKVCache\.crop: the cache's buffers were allocated under"):
+        cache.crop(5)
+    assert identical(everything(cache), before)
+    with pytest.raises(RuntimeError, match=r"^PagedKVCache\.reorder: the cache's buffers were allocated under"):
+        cache.reorder(torch.tensor([0, 0]))  # row 0 twice: its pages copied
+    assert identical(everything(cache), before)
+    cache.crop(4)
+    cache.reorder(torch.tensor([1, 0]))  # no page copied
+    assert cache.lengths.tolist() == [4, 4] and len(cache.free) == 6
+
+
 @pytest.mark.parametrize(
     "make, pattern",
     [
@@ -148,3 +200,29 @@ def test_release_refuses_rows_outside_the_batch():
     cache = PagedKVCache(4, 4, 1, 8, batch_size=2)
     with pytest.raises(ValueError, match=r"PagedKVCache.release: rows must be in \[0, 2\), got \[2\]"):
         cache.release(2)
+
+
+BAD_ROWS = [  # (name, rows, message after "PagedKVCache.release: ")
+    ("bool tensor", torch.tensor([False, False, True]), r"rows must be an int.* got a tensor of dtype torch.bool.*"),
+    ("bool list", [False, False, True], r"rows must be ints, got \[False, False, True\]; hint"),
+    ("a bool", True, r"rows must be an int, a sequence of ints or a 1-D integer tensor, got True"),
+    ("a string", "1", r"rows must be an int, a sequence of ints or a 1-D integer tensor, got '1'"),
+    ("a float tensor", torch.tensor([1.0]), r"rows must be .* got a tensor of dtype torch.float32"),
+    ("a 2-D tensor", torch.tensor([[0, 1]]), r"rows must be .* got a tensor of dtype torch.int64, shape \(1, 2\)"),
+]
+
+
+@pytest.mark.parametrize("name, rows, pattern", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+def test_release_refuses_rows_that_are_not_indices_and_changes_nothing(name, rows, pattern):
+    """A "finished" bool mask ``tensor([False, False, True])`` was read as the indices 0, 0, 1 and
+    released rows 0 and 1, the running ones, keeping the finished one; a bool list released
+    nothing, and ``"1"`` released row 1: all with no error."""
+    cache = PagedKVCache(16, 4, 1, 4, batch_size=3)
+    cache.update(torch.randn(3, 1, 5, 4), torch.randn(3, 1, 5, 4))
+    before = everything(cache)
+    with pytest.raises(TypeError, match=r"^PagedKVCache\.release: " + pattern):
+        cache.release(rows)
+    assert identical(everything(cache), before)
+    cache.release(torch.tensor([False, False, True]).nonzero().flatten())  # the hint
+    cache.release(torch.tensor(1))
+    assert cache.lengths.tolist() == [5, 0, 0] and len(cache.free) == 14

@@ -173,3 +173,21 @@ def test_bytes_held_are_about_half_a_bf16_cache_and_a_quarter_of_fp32(dtype):
     per_element = torch.empty((), dtype=dtype).element_size()
     # 8 bits, plus scales (one per group of 32 keys per channel, one per value token), sinks and window
     assert ratio < 1.25 / per_element
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_an_all_zero_channel_or_token_reads_back_as_zero_in_every_dtype(fmt, dtype):
+    """A key channel (or a value token) that is zero over a group had its scale clamped to 1e-30,
+    which fp16 rounds to 0: the cache stored 0 / 0 = NaN (fp8 keeps it) and every read of the
+    group was NaN. Scales now stay at or above the dtype's smallest normal."""
+    cache = _cache(fmt, dtype=dtype)
+    k, v = _kv(SINKS + RESIDUAL + 2 * GROUP, dtype=dtype)
+    k[..., 3] = 0  # a dead channel
+    v[:, :, SINKS + 1] = 0  # a zero value token inside the first quantized group
+    read = cache.update(k, v)
+    assert cache._quantized == 2 * GROUP
+    keys, values = read.keys, read.values
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert not keys[..., 3].any() and not values[:, :, SINKS + 1].any()
+    torch.testing.assert_close(keys.float(), k.float(), rtol=0.07, atol=0.1)  # within the format's rounding

@@ -180,6 +180,9 @@ def test_demo_viewer_switches_heads_layers_and_models(browser, quick_demo, tmp_p
     assert "lookup" in browser.find_element("css selector", "#grid canvas.highlight").get_attribute("title")
     assert browser.find_element("id", "stepbar").is_displayed()  # decoded step by step: a generation
     assert browser.find_element("id", "step-label").text.startswith("step 1/")
+    _click(browser, "#tab-lens")  # the decoder carries its logit lens: a row per layer, a column per token
+    assert len(browser.find_elements("css selector", "#lens-grid tr")) == 1 + 2
+    assert _stats(browser)["lens"]["pos"] == int(browser.execute_script("return src().lq")) - 1
     _click(browser, "#tab-model")
     assert len(browser.find_elements("css selector", "#grid canvas")) == 2 * 4
     assert _region_spread(browser, "grid") > 0.02, "the model view is blank"
@@ -508,7 +511,9 @@ def test_1024_tokens_render_and_respond_in_time(browser, tmp_path):
     tokens = [f"t{i}" for i in range(L)]
     qk = torch.randn(1, 2, L, 16)
     path = write_viewer(tmp_path / "long.html", [ViewerSource("long", tokens, tokens, w, queries=qk, keys=qk)])
+    start = time.perf_counter()
     _load(browser, path)
+    print(f"1024 tokens: {path.stat().st_size / 2**20:.1f} MiB page opened in {time.perf_counter() - start:.2f} s")
     assert _stats(browser)["lines"] > 0
     # Hover, toggle and scroll, each timed in the page from the event to the end of the next frame.
     timed = """const [what, done] = [arguments[0], arguments[arguments.length - 1]];
@@ -523,6 +528,7 @@ def test_1024_tokens_render_and_respond_in_time(browser, tmp_path):
         requestAnimationFrame(() => requestAnimationFrame(() => done(performance.now() - t0)));"""
     for what in ("toggle", "scroll", "hover", "toggle"):
         ms = browser.execute_async_script(timed, what)
+        print(f"1024 tokens: {what} drawn in {ms:.0f} ms")  # docs/demo.md quotes these (pytest -s)
         assert ms < 1500, f"{what} took {ms:.0f} ms at {L} tokens"
         assert _stats(browser)["lastMs"] < 1000
     assert "is read most by" in _status(browser)  # the hover reached a key, after scrolling
@@ -594,14 +600,14 @@ def test_heatmap_labels_every_token_up_to_53_and_every_nth_numbered_beyond(brows
     w32 = torch.softmax(torch.randn(1, 1, 32, 32), dim=-1)
     _load(browser, write_viewer(tmp_path / "v32.html", [ViewerSource("m", tokens, tokens, w32)]))
     labels = _stats(browser)["heatmapLabels"]
-    assert len(labels["q"]) == len(labels["k"]) == 32 and _stats(browser)["heatmapEvery"] == 1
+    assert len(labels["q"]) == len(labels["k"]) == 32 and _stats(browser)["heatmapEvery"] == {"q": 1, "k": 1}
     assert labels["q"][5] == "a_very_long…" and labels["q"][7] == "tok7"
     # The margins hold the widest label: none runs off the canvas or into the matrix.
     room = browser.execute_script(
         """const g = heatGeometry(); const c = document.getElementById('heatmap').getContext('2d');
         c.font = LABEL_FONT;
         const widest = Math.max(...g.qLabels.filter((t) => t !== null).map((t) => c.measureText(t).width));
-        return [g.left - 4 - widest, g.top - 4 - widest];"""
+        return [g.left - LABEL_GAP - widest, g.top - LABEL_GAP - widest];"""
     )
     assert min(room) >= 0, room
     _hover_cell(browser, 5, 7)
@@ -611,7 +617,7 @@ def test_heatmap_labels_every_token_up_to_53_and_every_nth_numbered_beyond(brows
     tokens = [f"t{i}" for i in range(L)]
     uniform = torch.full((1, 1, L, L), 1 / L)
     _load(browser, write_viewer(tmp_path / "v200.html", [ViewerSource("m", tokens, tokens, uniform)]))
-    every = _stats(browser)["heatmapEvery"]
+    every = _stats(browser)["heatmapEvery"]["k"]
     labels = _stats(browser)["heatmapLabels"]["k"]
     assert every == 4 and labels[:3] == ["0 t0", "4 t4", "8 t8"] and len(labels) == L // every
     assert browser.execute_script("return heatGeometry().cell") * every >= 12  # a label's height apart

@@ -47,6 +47,9 @@ def start_method() -> str:
             "dist_checks_agree",
             "dist_checks_decode",
             "dist_checks_fsdp",
+            "dist_checks_scores",
+            "dist_checks_mesh",
+            "dist_checks_documents",
         ]
     )
     return "forkserver"
@@ -119,7 +122,10 @@ def _worker(rank: int, world: int, folder: str, names: list[str], group_timeout:
     import dist_checks
     import dist_checks_agree  # noqa: F401 (registers the agreement checks)
     import dist_checks_decode  # noqa: F401 (registers the decoding checks)
+    import dist_checks_documents  # noqa: F401 (registers the document-layout checks)
     import dist_checks_fsdp  # noqa: F401 (registers the FSDP2 training example)
+    import dist_checks_mesh  # noqa: F401 (registers the 2-D mesh checks)
+    import dist_checks_scores  # noqa: F401 (registers the score-modifier checks)
     import dist_checks_slow  # noqa: F401 (registers the slow tier's checks)
 
     try:

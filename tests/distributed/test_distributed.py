@@ -23,7 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_checks  # noqa: E402
 import dist_checks_decode  # noqa: E402, F401 (registers the decoding checks)
+import dist_checks_documents  # noqa: E402, F401 (registers the document-layout checks)
 import dist_checks_fsdp  # noqa: E402, F401 (registers the FSDP2 training example)
+import dist_checks_mesh  # noqa: E402, F401 (registers the 2-D mesh checks)
+import dist_checks_scores  # noqa: E402, F401 (registers the score-modifier checks)
 import dist_checks_slow  # noqa: E402
 from dist_world import report, run_world  # noqa: E402
 

@@ -21,9 +21,6 @@ CP = ContextParallel(layout="zigzag")
             TypeError,
             r"context_parallel must be None or a multihead.distributed.ContextParallel, got str",
         ),
-        (dict(sinks=True), ValueError, r"context_parallel attention has no sinks yet"),
-        (dict(softcap=30.0), ValueError, r"context_parallel attention has no softcap yet"),
-        (dict(score_mod=mh.positions.ALiBi(4)), ValueError, r"context_parallel attention has no score_mod yet"),
         (dict(dropout=0.1), ValueError, r"context_parallel attention has no dropout yet; got dropout=0.1"),
     ],
 )
@@ -38,11 +35,10 @@ def test_constructor_refuses_what_sharded_attention_cannot_do(options, error, pa
     [
         (lambda m, x: m(x, kv_cache=DynamicKVCache()), "kv_cache"),
         (lambda m, x: m(x, need_weights=True), r"need_weights=True"),
-        (lambda m, x: m(x, score_mod=mh.scores.softcap(5.0)), "a call score_mod"),
         (lambda m, x: m(x, torch.randn(2, 3, 16)), r"a separate key \(cross-attention\)"),
     ],
 )
-def test_a_sharded_call_refuses_caches_weights_modifiers_and_cross_attention(call, what):
+def test_a_sharded_call_refuses_caches_weights_and_cross_attention(call, what):
     layer = mh.MultiHeadAttention(16, 4, causal=True, context_parallel=CP)
     with pytest.raises(
         ValueError, match=rf"a context_parallel layer attends over a sharded sequence; it takes no {what}"

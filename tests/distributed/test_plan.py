@@ -126,6 +126,48 @@ def test_plan_blocks_states():
     assert [(c.q0, c.q1, c.k0, c.k1, c.mask) for c in p.calls[1]] == [(2, 4, 0, 4, None)]
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("kind", ["none", "causal", "window-large", "documents"])
+def test_plans_for_score_modifiers_cover_consecutive_positions(world, layout, kind):
+    """``positions=True`` (a score modifier reads positions): every call is one rectangle of
+    consecutive positions starting at ``q_start``/``k_start``, the calls still cover every visible
+    pair exactly once, and only the joins across runs that are not adjacent are undone."""
+    S, B = 8, 2
+    mask = CASES[kind](B, S * world)
+    covered = torch.zeros(S * world, S * world, dtype=torch.int64)
+    for rank in range(world):
+        plain, positioned = (
+            plan_ring(
+                world=world, rank=rank, batch=B, heads=2, q_shard=S, kv_shard=S, mask=mask, layout=layout, positions=p
+            )
+            for p in (False, True)
+        )
+        assert plain.recv == positioned.recv and plain.send == positioned.send and plain.steps == positioned.steps
+        assert plain.elements == positioned.elements
+        q_pos = _positions(S, rank, world, layout)
+        for s, calls in enumerate(positioned.calls):
+            kv_pos = _positions(S, (rank - s) % world, world, layout)
+            for c in calls:
+                assert c.q_start is not None and c.k_start is not None, c
+                rows, cols = q_pos[c.q0 : c.q1], kv_pos[c.k0 : c.k1]
+                assert torch.equal(rows, torch.arange(c.q_start, c.q_start + c.q1 - c.q0)), c
+                assert torch.equal(cols, torch.arange(c.k_start, c.k_start + c.k1 - c.k0)), c
+                covered[rows.view(-1, 1), cols.view(1, -1)] += 1
+    assert covered.max() <= 1
+    # zigzag with no mask: rank 0's runs (chunks 0 and 2P - 1) are not adjacent, so its own step
+    # is four calls, not one
+    if kind == "none" and layout == "zigzag":
+        first = {
+            p: plan_ring(
+                world=world, rank=0, batch=B, heads=2, q_shard=S, kv_shard=S, mask=None, layout=layout, positions=p
+            )
+            for p in (False, True)
+        }
+        assert len(first[True].calls[0]) == 4 and len(first[False].calls[0]) == 1
+        assert first[False].calls[0][0].q_start is None
+
+
 def _positions(S, rank, world, layout):
     return torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces(S, rank, world, layout)])
 

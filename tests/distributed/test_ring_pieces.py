@@ -8,7 +8,7 @@ import torch
 
 import multihead as mh
 from multihead.backends import flash_pieces
-from multihead.distributed import ring
+from multihead.distributed import ring_steps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -25,7 +25,7 @@ def test_merge_into_equals_merge_partials(dtype):
     out[:, :, 1] = 0
     want_out, want_lse = mh.merge_partials([out, part], [lse, part_lse])
     merged, merged_lse = out.clone(), lse.clone()
-    ring._merge_into(merged, merged_lse, part, part_lse)
+    ring_steps.merge_into(merged, merged_lse, part, part_lse)
     torch.testing.assert_close(merged, want_out)
     torch.testing.assert_close(merged_lse, want_lse)
     assert torch.equal(merged[:, :, 0], torch.zeros_like(merged[:, :, 0]))
@@ -85,7 +85,7 @@ def test_a_block_backward_comes_from_the_backend_that_runs_it(backend, monkeypat
     asked = []
     real = flash_pieces.backward_from_lse
     monkeypatch.setattr(flash_pieces, "backward_from_lse", lambda *a: asked.append(1) or real(*a))
-    got = ring._block_backward(q, k, v, block, D**-0.5, backend, res.output, res.lse, dout, dlse)
+    got = ring_steps.block_backward(q, k, v, block, D**-0.5, backend, res.output, res.lse, dout, dlse)
     assert bool(asked) == (backend != "reference")
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     r = mh.attention(qq, kk, vv, mask=block, return_lse=True)

@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
 
 def test_the_page_runs_and_its_claims_hold():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), namespace)
@@ -23,3 +23,4 @@ def test_the_page_runs_and_its_claims_hold():
     assert not torch.allclose(namespace["ablated"], namespace["out"])
     assert namespace["llama_cap"].names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]  # Hugging Face
     assert not torch.allclose(namespace["patched"], namespace["logits"])
+    assert torch.equal(namespace["lens"].top_ids[-1, :, 0], namespace["logits"][0].argmax(-1))  # the logit lens

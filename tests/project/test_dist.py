@@ -23,7 +23,9 @@ from multihead import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a wheel must carry besides the modules: the viewer's page and scripts, and the type marker.
-DATA = ["multihead/py.typed", "multihead/viz/viewer.html", "multihead/viz/viewer.js", "multihead/viz/viewer.css"]
+DATA = ["multihead/py.typed", "multihead/viz/viewer.html", "multihead/viz/viewer.css"] + [
+    f"multihead/viz/{name}" for name in ("viewer.js", "viewer_text.js", "viewer_lens.js", "viewer_main.js")
+]
 
 
 def _run(*command: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

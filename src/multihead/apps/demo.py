@@ -210,7 +210,7 @@ def _similarity_table(sentences: list[str], sim: torch.Tensor) -> str:
 
 # ---------------------------------------------------------------------------------------- decoder
 def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResult, say) -> ViewerSource:
-    from multihead.viz import plot_attention, plot_attention_grid
+    from multihead.viz import logit_lens, plot_attention, plot_attention_grid
 
     recipe = _recipe(options.quick)
     task = recipe.task
@@ -285,6 +285,8 @@ def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
     # cached steps read (the same positions), and the weights above equal its own to ~1e-6.
     with torch.no_grad(), record_vectors(model) as vectors:
         model(decoded.unsqueeze(0))
+    # The logit lens: what each layer would answer at each position, through the final norm and head.
+    lens = logit_lens(model, decoded.unsqueeze(0), token_names=lambda ids: task.token_names(torch.tensor(ids)))
     return ViewerSource(
         "recall decoder (trained from scratch)",
         tokens,
@@ -294,6 +296,7 @@ def _decoder_part(options: DemoOptions, device, staging: Path, result: DemoResul
         caption="Multi-query associative recall, decoded with a KV cache: at each query key the "
         "lookup head attends to the value whose key matches.",
         highlight=(layer, head, "lookup head"),
+        logit_lens=lens,
         queries=[q[0] for q in vectors.queries],
         keys=[k[0] for k in vectors.keys],
         # Decode steps in the viewer: after the prefill (the pairs and the first asked key) each
@@ -484,7 +487,7 @@ def print_summary(result: DemoResult, say=print) -> None:
     say("")
     say(f"done in {result.seconds:.0f} s. Outputs in {result.out}:")
     descriptions = {
-        "viewer.html": "open in a browser: head, model and neuron views of both models",
+        "viewer.html": "open in a browser: head, model, neuron and text views of both models, the decoder's logit lens",
         "encoder_heads.png": "four heads of the encoder, with the numbers the demo measured (the docs' claims)",
         "encoder_attention.png": "every layer x head of the pretrained encoder on one sentence",
         "recall_attention.png": "every layer x head of the recall decoder",

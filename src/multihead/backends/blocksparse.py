@@ -62,6 +62,7 @@ from multihead.backends.block_plan import (
 from multihead.backends.document_runs import Segment, document_segments
 from multihead.backends.flash_pieces import call_backward, flash, flash_backward, padded
 from multihead.backends.relative_pieces import Bounds, relative_backward, relative_forward, relative_piece, run_bias
+from multihead.backends.selection_runs import selected_attention, selected_plan, selection_of
 from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype, softmax_dtype
@@ -126,6 +127,9 @@ class BlockSparseBackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
+        selection = _gathers(call)
+        if selection is not None:
+            return selected_plan(selection, call.shape)
         plan = self._plan(call)
         mods = call.score_mod
         relative = mods is not None and mods.relative
@@ -198,6 +202,10 @@ class BlockSparseBackend(Backend):
         elif Dv < D:  # zero value columns give zero output columns, dropped below
             v = F.pad(v, (0, D - Dv))
         mods = call.score_mod
+        selection = _gathers(call)
+        if selection is not None:
+            out, lse = selected_attention(q, k, v, selection, call.scale)
+            return AttentionResult(out[..., :Dv], None, lse if call.return_lse else None)
         out, lse = _BlockSparseAttention.apply(
             q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
         )
@@ -231,6 +239,12 @@ class BlockSparseBackend(Backend):
         while len(self._plans) > 32:
             self._plans.popitem(last=False)
         return plan
+
+
+def _gathers(call: AttentionCall):
+    """The call's block selection when it runs gathered (:mod:`multihead.backends.selection_runs`):
+    a ``block_select`` joined by ``&`` to any other mask, and no score modifier."""
+    return selection_of(call.mask) if call.score_mod is None else None
 
 
 def _document_blocks(segments: Sequence[Segment]) -> tuple[QueryBlock, ...]:

@@ -67,6 +67,8 @@ __all__ = [
     "CacheRead",
     "check_kv",
     "check_indices",
+    "check_rows",
+    "check_writable",
     "check_crop",
     "check_continuation",
     "check_reach",
@@ -289,8 +291,8 @@ class KVCache(abc.ABC):
         """``(B,)`` ``torch.int64`` on the cache's device: the tokens each row has seen, which is the
         position its next token takes (FlashAttention's ``cache_seqlens``). The same type on every
         cache, so a serving loop reads it without asking which kind it holds, and reading it never
-        waits for the device (a static cache returns its own buffer: read it, change it only
-        through :meth:`crop`, :meth:`reorder`, :meth:`reset`). A ring
+        waits for the device. It is a copy on every cache: writing into it changes nothing (change
+        lengths through :meth:`crop`, :meth:`reorder`, :meth:`reset`). A ring
         (:class:`~multihead.caches.SlidingWindowKVCache`) counts the tokens seen, not the ones it
         still holds. ``(0,)`` while a cache that learns its batch from the first update is empty."""
 
@@ -322,6 +324,20 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def rollback(self) -> None:
         """Undo the last :meth:`update` (once): a layer whose attention call fails after it."""
+
+    def undo_record(self) -> object:
+        """What :meth:`rollback` would undo now (opaque). A caller that updates and then rolls back
+        (a layer's ``explain()``, a call that fails after the update) takes it before the update
+        and hands it back with :meth:`restore_undo_record` after the rollback, so the cache ends
+        as it was, its own last update still undoable. A cache keeping its record in ``_undo``
+        (every cache here) needs no override."""
+        return getattr(self, "_undo", None)
+
+    def restore_undo_record(self, record: object) -> None:
+        """Make ``record``, from :meth:`undo_record` before an update that was rolled back since,
+        what :meth:`rollback` undoes again."""
+        if hasattr(self, "_undo"):
+            self._undo = record
 
     @abc.abstractmethod
     def crop(self, length: int | Tensor) -> None:
@@ -364,11 +380,14 @@ def check_kv(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     held: str = "",
+    stored: Tensor | None = None,
 ) -> None:
     """Refuse keys/values the cache could not store. ``k (B, Hkv, Lnew, D)``, ``v (B, Hkv, Lnew, Dv)``
     must be 4-D tensors of one dtype and device agreeing on ``B, Hkv, Lnew``, and agree with what
-    the cache holds where given (``held`` describes it for messages)."""
+    the cache holds where given (``held`` describes it for messages). ``stored``: the buffer the
+    update writes into, refused while it is an inference tensor and inference mode is off."""
     where = f"{cache}.update"
+    check_writable(where, stored)
     for name, t, last in (("k", k, "D"), ("v", v, "Dv")):
         check_tensor(name, t, f"(B, Hkv, Lnew, {last})", where=where)
         if t.dim() != 4:
@@ -402,6 +421,26 @@ def check_kv(
         raise ValueError(f"{where}: new keys/values are on {k.device} but the cache is on {device} ({held}){hint}")
 
 
+def check_writable(where: str, stored: Tensor | None) -> None:
+    """Refuse to write into ``stored``, a cache's buffer, while it is an inference tensor and
+    inference mode is off. PyTorch refuses the write itself, but only when it comes: after a
+    cache has started changing (pages claimed, the undo record replaced, keys written and values
+    not). A cache calls this before any change."""
+    if (
+        stored is not None
+        and not torch.compiler.is_compiling()
+        and stored.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
+        raise RuntimeError(
+            f"{where}: the cache's buffers were allocated under torch.inference_mode(), and PyTorch "
+            f"allows no in-place write to them outside it (inference mode is off here); "
+            f"hint: make every call that updates this cache under torch.inference_mode(), or use "
+            f"torch.no_grad() for all of them (a cache created and first updated outside "
+            f"inference mode may be used inside it)"
+        )
+
+
 def check_indices(cache: str, indices: object, batch: int, device: torch.device | str | None) -> Tensor:
     """``indices`` of :meth:`KVCache.reorder`: a 1-D integer tensor (or list) of rows in ``[0, batch)``."""
     where = f"{cache}.reorder"
@@ -429,6 +468,32 @@ def check_indices(cache: str, indices: object, batch: int, device: torch.device 
         if low < 0 or high >= batch:
             raise ValueError(f"{where}: indices must be rows in [0, {batch}), got values in [{low}, {high}]")
     return indices.to(device=device, dtype=torch.int64)
+
+
+def check_rows(where: str, rows: object, batch: int) -> list[int]:
+    """Batch rows named by the caller (``PagedKVCache.release``): an int, a sequence of ints or a
+    0-/1-D integer tensor, each in ``[0, batch)``; none is allowed. A bool tensor or list is
+    refused, not read as indices: ``tensor([False, True])`` would name rows 0 and 1, the opposite of
+    the row a "finished" mask means."""
+    hint = "hint: pass the rows' indices, e.g. finished.nonzero().flatten() for a bool mask"
+    if isinstance(rows, Tensor):
+        if rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex() or rows.dim() > 1:
+            raise TypeError(
+                f"{where}: rows must be an int, a sequence of ints or a 1-D integer tensor, got a tensor "
+                f"of dtype {rows.dtype}, shape {tuple(rows.shape)}; {hint}"
+            )
+        ids = [int(r) for r in rows.reshape(-1).tolist()]
+    elif isinstance(rows, (str, bytes)) or isinstance(rows, bool) or not isinstance(rows, (int, list, tuple, range)):
+        raise TypeError(f"{where}: rows must be an int, a sequence of ints or a 1-D integer tensor, got {rows!r}")
+    else:
+        given = [rows] if isinstance(rows, int) else list(rows)
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in given):
+            raise TypeError(f"{where}: rows must be ints, got {rows!r}; {hint}")
+        ids = given
+    bad = [r for r in ids if not 0 <= r < batch]
+    if bad:
+        raise ValueError(f"{where}: rows must be in [0, {batch}), got {bad}")
+    return ids
 
 
 def check_crop(cache: str, length: object, batch: int | None, *, per_row: bool = True) -> int | Tensor:

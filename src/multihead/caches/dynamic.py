@@ -169,6 +169,7 @@ class DynamicKVCache(KVCache):
                 dtype=self._k.dtype,
                 device=self._k.device,
                 held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}",
+                stored=self._k,
             )
         if positions is not None:
             check_continuation(name, positions, self.next_positions(k.shape[2], k.device), k.shape[0])

@@ -39,6 +39,8 @@ from multihead.caches.base import (
     check_indices,
     check_kv,
     check_prefix,
+    check_rows,
+    check_writable,
 )
 from multihead.caches.policies.base import refuse_policy
 
@@ -178,6 +180,7 @@ class PagedKVCache(KVCache):
             dtype=self.key_pages.dtype,
             device=self.key_pages.device,
             held=self._held(),
+            stored=self.key_pages,
         )
         if self.values_in_keys:
             check_prefix(name, k, v)
@@ -193,8 +196,13 @@ class PagedKVCache(KVCache):
                 f"hint: release() finished rows, or allocate a larger pool"
             )
         self._undo = ([list(t) for t in self.tables], list(self._lengths), list(self.free))
+        claimed: list[int] = []
         for row_table, count in zip(self.tables, needed):
-            row_table.extend(self.free.pop() for _ in range(count))
+            pages = [self.free.pop() for _ in range(count)]
+            row_table.extend(pages)
+            claimed.extend(pages)
+        if claimed:  # what an earlier sequence left in them must not reach this one's hidden slots
+            self._clear(torch.tensor(claimed, dtype=torch.int64, device=self.key_pages.device))
         # Every new token's page and offset, then one scatter per tensor into the pool.
         table = self._table_tensor(k.device)  # (B, max pages), -1 padded
         page = table.gather(1, torch.div(expected, ps, rounding_mode="floor"))  # (B, new)
@@ -226,20 +234,9 @@ class PagedKVCache(KVCache):
         self._undo = None
 
     def release(self, rows: int | Sequence[int] | Tensor) -> None:
-        """Give the pages of ``rows`` (an int or a sequence of ints) back to the pool; those rows
-        are empty again and may start new sequences."""
-        if isinstance(rows, bool):
-            raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}")
-        given = [rows] if isinstance(rows, int) else rows
-        try:
-            ids: list[int] = (
-                [int(r) for r in given if not isinstance(r, bool)] if not isinstance(given, Tensor) else given.tolist()
-            )
-        except TypeError as exc:
-            raise TypeError(f"PagedKVCache.release: rows must be an int or a sequence of ints, got {rows!r}") from exc
-        bad = [r for r in ids if not 0 <= r < self.batch_size]
-        if bad:
-            raise ValueError(f"PagedKVCache.release: rows must be in [0, {self.batch_size}), got {bad}")
+        """Give the pages of ``rows`` (an int, a sequence of ints or a 1-D integer tensor; not a bool
+        mask) back to the pool; those rows are empty again and may start new sequences."""
+        ids = check_rows("PagedKVCache.release", rows, self.batch_size)
         for r in ids:
             self.free.extend(reversed(self.tables[r]))
             self.tables[r], self._lengths[r] = [], 0
@@ -252,11 +249,30 @@ class PagedKVCache(KVCache):
         length = check_crop(name, length, self.batch_size)
         wanted = [length] * self.batch_size if isinstance(length, int) else [int(n) for n in length.tolist()]
         target = [min(t, n) for t, n in zip(wanted, self._lengths)]
+        # the last kept page of each row that drops tokens from it, and the first slot dropped
+        partial = [
+            (self.tables[r][self._pages_for(t) - 1], t % self.page_size)
+            for r, t in enumerate(target)
+            if t < self._lengths[r] and t % self.page_size
+        ]
+        if partial:
+            check_writable(f"{name}.crop", self.key_pages)
+        for page, start in partial:
+            self._clear(torch.tensor([page], device=self.key_pages.device), start)
         for r, t in enumerate(target):
             keep = self._pages_for(t)
             self.free.extend(reversed(self.tables[r][keep:]))
             self.tables[r], self._lengths[r] = self.tables[r][:keep], t
         self._undo = None
+
+    def _clear(self, pages: Tensor, start: int = 0) -> None:
+        """Zero the slots ``start..`` of ``pages``. A read returns whole pages, and the slots of a
+        row's last page past its length are hidden by the mask, but attention multiplies their
+        values by a weight of 0: a NaN or inf left there (by the sequence that held the page
+        before, or by dropped tokens) gives NaN, so every slot holding no token holds 0."""
+        self.key_pages[:, pages, start:] = 0
+        if not self.values_in_keys:
+            self.value_pages[:, pages, start:] = 0
 
     def reorder(self, indices: Tensor) -> None:
         """Row ``i`` becomes a copy of the old row ``indices[i]``; ``batch_size`` becomes
@@ -277,6 +293,8 @@ class PagedKVCache(KVCache):
                 f"pages, but {len(self.free) + freed} are free (rows not taken included); hint: "
                 f"release() finished rows, or allocate a larger pool"
             )
+        if needed:  # pages copied in place
+            check_writable(f"{name}.reorder", self.key_pages)
         old_tables, old_lengths = self.tables, self._lengths
         for r in range(self.batch_size):
             if r not in taken:

@@ -180,6 +180,7 @@ class QuantizedKVCache(KVCache):
             dtype=self.dtype,
             device=self.tail_k.device,
             held=self._held(),
+            stored=self.tail_k,
         )
         new = k.shape[2]
         expected = self.next_positions(new, k.device)
@@ -226,8 +227,11 @@ class QuantizedKVCache(KVCache):
         top = FORMATS[self.format][1]
         g, n0 = self.group, self._quantized
         k = k.view(B, Hkv, count // g, g, D)
-        k_scale = (k.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=1e-30).to(self.dtype)  # (B,Hkv,n,1,D)
-        v_scale = (v.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=1e-30).to(self.dtype)  # (B,Hkv,n·g,1)
+        # The smallest normal of dtype, not a fixed 1e-30: fp16 rounds 1e-30 (and any scale below
+        # its subnormals) to 0, and an all-zero channel then stored 0 / 0 = NaN (fp8 keeps it).
+        tiny = torch.finfo(self.dtype).tiny
+        k_scale = (k.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=tiny).to(self.dtype)  # (B,Hkv,n,1,D)
+        v_scale = (v.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=tiny).to(self.dtype)  # (B,Hkv,n·g,1)
         self.k_scale[:, :, n0 // g : (n0 + count) // g] = k_scale
         self.v_scale[:, :, n0 : n0 + count] = v_scale
         q_k = _quantize(k.float() / k_scale.float(), self.q_k.dtype, top)  # (B, Hkv, n, g, D)

@@ -140,6 +140,7 @@ class SlidingWindowKVCache(KVCache):
             dtype=self.keys.dtype,
             device=self.keys.device,
             held=f"SlidingWindowKVCache(window={self.window}, batch_size={B}, num_kv_heads={Hkv}, head_dim={D})",
+            stored=self.keys,
         )
         new = k.shape[2]
         expected = self.next_positions(new, self.keys.device)

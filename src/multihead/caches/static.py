@@ -96,8 +96,11 @@ class StaticKVCache(KVCache):
     # ------------------------------------------------------------------------------ state
     @property
     def lengths(self) -> Tensor:
-        """``(B,)`` on the cache's device: the buffer itself (no copy; compiled steps read it)."""
-        return self._lengths
+        """``(B,)`` on the cache's device: a copy of the buffer (a device copy, no synchronisation).
+        The buffer itself would let a write such as ``cache.lengths[b] = n`` change the lengths
+        behind the host copy that eager steps read, and those steps then wrote and read the wrong
+        slots with no error."""
+        return self._lengths.clone()
 
     @property
     def length(self) -> int:
@@ -156,6 +159,7 @@ class StaticKVCache(KVCache):
             dtype=self.keys.dtype,
             device=self.keys.device,
             held=self._held(),
+            stored=self.keys,
         )
         new = k.shape[2]
         if positions is not None:  # given positions must continue each row, so they never change the read

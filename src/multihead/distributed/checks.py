@@ -4,7 +4,7 @@ A bad input on one rank must not leave the other ranks waiting forever in a send
 all-to-all. So each rank checks its own arguments, catches its own error, and then every rank
 takes part in one small ``all_gather_object`` of ``(error, summary)``: if any rank failed, or
 the ranks disagree (:func:`call_summary`: shapes, dtype, which of q, k, v need gradients, layout,
-the mask by content, scale...), every rank raises, naming the rank and the argument. Only a
+the mask and score modifier by content, scale...), every rank raises, naming the rank and the argument. Only a
 process that never calls the function at all can still hang the others; the process group's
 ``timeout`` bounds that.
 """
@@ -19,12 +19,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from multihead.blocks import Extent
-from multihead.distributed.fingerprint import mask_fingerprint
+from multihead.distributed.fingerprint import mask_fingerprint, tensor_fingerprint
+from multihead.distributed.layout import Layout
 from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks.tensor import as_mask
+from multihead.scores import Chain, ScoreMod, as_score_mod
+from multihead.scores import softcap as softcap_mod
 
-__all__ = ["Shards", "check_group", "check_qkv", "check_mask", "check_scale", "call_summary", "agree"]
+__all__ = [
+    "Shards",
+    "check_group",
+    "check_qkv",
+    "check_mask",
+    "check_score_mod",
+    "check_scale",
+    "call_summary",
+    "agree",
+    "agree_mesh",
+]
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,27 @@ def check_mask(where: str, mask, shards: Shards) -> Mask | None:
     return mask
 
 
+def check_score_mod(where: str, score_mod, softcap, shards: Shards) -> ScoreMod | None:
+    """``score_mod=`` and ``softcap=`` as one modifier (as :func:`multihead.attention` reads them),
+    bound to the whole attention's lengths and checked against ``(B, Hq, Lq, Lk)``."""
+    mod = as_score_mod(score_mod)
+    if softcap is not None:
+        cap = softcap_mod(softcap)
+        mod = cap if mod is None else Chain([mod, cap])
+    if mod is None:
+        return None
+    mod = mod.for_lengths(shards.Lq, shards.Lk)
+    try:
+        mod.check(Extent(shards.B, shards.Hq, shards.Lq, shards.Lk))
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: score_mod does not fit the whole attention (B, Hq, Lq, Lk) = "
+            f"({shards.B}, {shards.Hq}, {shards.Lq}, {shards.Lk}) of {shards.world} shards: {e}; "
+            "hint: a modifier describes the whole sequence, not this rank's shard"
+        ) from None
+    return mod
+
+
 def check_scale(where: str, scale, D: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(D)
@@ -135,25 +169,46 @@ def check_scale(where: str, scale, D: int) -> float:
     return float(scale)
 
 
-def call_summary(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None, **arguments: object) -> dict:
+def call_summary(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | None,
+    score_mod: ScoreMod | None = None,
+    sinks: Tensor | None = None,
+    **arguments: object,
+) -> dict:
     """What every rank of one sharded call must have alike, as plain data: the shapes and dtype of
     its shards, whether autograd will run a backward through each (a backward communicates, so a
-    rank without one leaves the others waiting), the mask by content
-    (:func:`~multihead.distributed.fingerprint.mask_fingerprint`), and the other ``arguments``."""
-    return {
+    rank without one leaves the others waiting), the mask and the score modifier by content
+    (:func:`~multihead.distributed.fingerprint.mask_fingerprint`), the sinks by content, and the
+    other ``arguments``."""
+    # A layout object counts by its description (its runs' digest), not by the ids it holds.
+    arguments = {k: repr(a) if isinstance(a, Layout) else a for k, a in arguments.items()}
+    summary = {
         "q": tuple(q.shape),
         "k": tuple(k.shape),
         "v": tuple(v.shape),
         "dtype": str(q.dtype),
-        "requires_grad": _gradients(q, k, v),
+        "requires_grad": _gradients(q, k, v, score_mod, sinks),
         "mask": mask_fingerprint(mask),
         **arguments,
     }
+    if score_mod is not None:
+        summary["score_mod"] = mask_fingerprint(score_mod)
+    if sinks is not None:
+        summary["sinks"] = (tuple(sinks.shape), str(sinks.dtype), tensor_fingerprint(sinks))
+    return summary
 
 
-def _gradients(q: Tensor, k: Tensor, v: Tensor) -> str:
-    """Which of q, k, v autograd will differentiate: ``'q, k, v'``, ``'q'``, ``'none'``..."""
-    wanted = [name for name, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad]
+def _gradients(q: Tensor, k: Tensor, v: Tensor, score_mod=None, sinks=None) -> str:
+    """Which of q, k, v (and the modifier's tensors, the sinks) autograd will differentiate:
+    ``'q, k, v'``, ``'q'``, ``'none'``..."""
+    named = [("q", q), ("k", k), ("v", v)]
+    named += [("score_mod", t) for t in (score_mod.tensors() if score_mod is not None else ())]
+    named += [("sinks", sinks)] if sinks is not None else []
+    wanted = list(dict.fromkeys(name for name, t in named if t.requires_grad))
     if wanted and not torch.is_grad_enabled():
         return "none (grad mode is off: torch.no_grad or inference_mode)"
     return ", ".join(wanted) or "none"
@@ -184,6 +239,26 @@ def agree(where: str, group, rank: int, error: BaseException | None, summary: di
             "shard of the same shape, dtype and arguments (one call, sharded), the same mask built "
             "from the same values, and the same requires_grad and grad mode (a backward communicates)"
         )
+
+
+def agree_mesh(where: str, inner, outer, error: BaseException | None, summary: dict) -> None:
+    """:func:`agree` over a 2-D mesh given as two groups (every rank is in one ``inner`` group and
+    one ``outer`` group, e.g. Ulysses inside, ring across): raise on *every* rank of the mesh if
+    any rank failed or any two disagree, before anything moves.
+
+    Three rounds: within ``inner``, then ``outer`` (each rank carries its inner group's outcome),
+    then ``inner`` again (each carries what its outer group learnt). After the second round rank
+    ``(i, o)`` knows about every inner group that meets outer group ``o``, which is all of them;
+    the third round gives that to the ranks of its inner group. Raising after the first round
+    alone would leave the ranks of other inner groups waiting in the next exchange."""
+    outcome = error
+    for group in (inner, outer, inner):
+        try:
+            agree(where, group, dist.get_rank(group), outcome, summary)
+        except (TypeError, ValueError) as e:
+            outcome = e
+    if outcome is not None:
+        raise outcome
 
 
 def _difference(name: str, values: list) -> str | None:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from multihead.masks import Mask
+from multihead.values import Value
 
 __all__ = ["mask_fingerprint", "tensor_fingerprint"]
 
@@ -42,11 +43,13 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _DESCRIPTION_CHARS = 120
 
 
-def mask_fingerprint(mask: Mask | None) -> str | None:
+def mask_fingerprint(mask: Mask | Value | None) -> str | None:
     """``mask`` as a short string, equal on two processes iff the masks are (but for a chance
     collision, about 1 in 2^64): its description, then a digest of its structure (classes,
     plain fields, each tensor's dtype and shape) and of every tensor's content. A custom
-    ``mask_mod`` counts by its name only: a function has no value another process could compare."""
+    ``mask_mod`` counts by its name only: a function has no value another process could compare.
+    A score modifier (the other :class:`~multihead.values.Value`) is fingerprinted the same way;
+    a user's ``score_mod`` function by its name, so the tensors it reads are not compared."""
     if mask is None:
         return None
     tensors: list[Tensor] = []
@@ -130,7 +133,7 @@ def _host_tables() -> list[list[int]]:
 def _structure(value: object, tensors: list[Tensor]) -> object:
     """``value`` as plain data with every tensor replaced by its dtype, shape and place in
     ``tensors`` (fingerprinted afterwards): nothing here depends on an address or a device."""
-    if isinstance(value, Mask):
+    if isinstance(value, Value):  # a mask or a score modifier
         fields = vars(value)
         # Names starting with "_" are a mask's derived caches, not its value (multihead.masks.base).
         parts = tuple((k, _structure(fields[k], tensors)) for k in sorted(fields) if not k.startswith("_"))

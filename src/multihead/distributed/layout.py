@@ -10,6 +10,11 @@ early chunk (few keys to see) and one late chunk (many), and does the same work:
     zigzag       rank      0 0   1 1   2 2   3 3   3 3   2  2    1  1    0  0
 
 A rank's shard is its chunks in order (zigzag rank 1 above holds positions ``2 3 12 13``).
+
+A layout may also be an object (a :class:`Layout`: which runs of positions each rank holds, for
+one length and one number of ranks), such as
+:class:`~multihead.distributed.documents.DocumentLayout`, which balances packed documents; every
+function here and every sharded attention takes it where it takes a name.
 Everything in :mod:`multihead.distributed` reads positions from here: the ring's blocks, the
 global position ids RoPE needs (:func:`shard_positions`), :func:`shard_sequence` and
 :func:`unshard_sequence`.
@@ -25,6 +30,7 @@ from torch import Tensor
 
 __all__ = [
     "LAYOUTS",
+    "Layout",
     "Piece",
     "pieces",
     "shard_positions",
@@ -47,21 +53,50 @@ class Piece(NamedTuple):
     length: int
 
 
-def check_layout(layout, where: str) -> str:
+class Layout:
+    """A layout as an object: rank ``r`` of ``world`` holds the runs ``pieces(r)`` of a sequence
+    of ``length`` positions, ``length / world`` of them per rank, in increasing order of position.
+    Subclasses set ``world`` and ``length`` and implement :meth:`pieces`; they compare and hash by
+    value (the ring's plans are kept per layout) and describe themselves briefly (``repr``)."""
+
+    world: int
+    length: int
+
+    def pieces(self, rank: int) -> tuple[Piece, ...]:
+        raise NotImplementedError
+
+    @property
+    def shard_len(self) -> int:
+        return self.length // self.world
+
+
+def check_layout(layout, where: str) -> str | Layout:
+    if isinstance(layout, Layout):
+        return layout
     if layout not in LAYOUTS:
         raise ValueError(
-            f"{where}: layout must be one of {LAYOUTS}, got {layout!r}; "
-            "hint: 'zigzag' balances causal work, 'contiguous' lets a sliding window skip ranks"
+            f"{where}: layout must be one of {LAYOUTS} or a multihead.distributed Layout object, got "
+            f"{layout!r}; hint: 'zigzag' balances causal work, 'contiguous' lets a sliding window skip ranks, "
+            "document_layout(ids, world) balances packed documents"
         )
     return layout
 
 
-def chunks_per_rank(layout: str) -> int:
+def chunks_per_rank(layout: str | Layout) -> int:
     return 2 if layout == "zigzag" else 1
 
 
-def check_divisible(where: str, name: str, length: int, world: int, layout: str) -> None:
-    """A global length ``length`` must split into ``world`` shards of whole chunks."""
+def check_divisible(where: str, name: str, length: int, world: int, layout: str | Layout) -> None:
+    """A global length ``length`` must split into ``world`` shards of whole chunks (or be the
+    length and world a layout object was made for)."""
+    if isinstance(layout, Layout):
+        if (length, world) != (layout.length, layout.world):
+            raise ValueError(
+                f"{where}: {name}={length} over {world} ranks, but the layout {layout!r} was made for "
+                f"{layout.length} positions over {layout.world} ranks; expected those (the layout holds "
+                "the whole sequence's positions)"
+            )
+        return
     parts = world * chunks_per_rank(layout)
     if length % parts != 0:
         lower, upper = length // parts * parts, (length // parts + 1) * parts
@@ -73,8 +108,15 @@ def check_divisible(where: str, name: str, length: int, world: int, layout: str)
         )
 
 
-def pieces(shard_len: int, rank: int, world: int, layout: str) -> tuple[Piece, ...]:
+def pieces(shard_len: int, rank: int, world: int, layout: str | Layout) -> tuple[Piece, ...]:
     """The runs of global positions held by ``rank`` when each rank holds ``shard_len`` of them."""
+    if isinstance(layout, Layout):
+        if (shard_len, world) != (layout.shard_len, layout.world):
+            raise ValueError(
+                f"pieces: {shard_len} positions per rank over {world} ranks, but the layout {layout!r} holds "
+                f"{layout.shard_len} per rank over {layout.world}"
+            )
+        return layout.pieces(rank)
     if layout == "contiguous":
         return (Piece(0, rank * shard_len, shard_len),)
     c = shard_len // 2  # zigzag: chunks r and 2P-1-r of size c
@@ -85,7 +127,7 @@ def shard_positions(
     shard_len: int,
     *,
     group=None,
-    layout: str = "zigzag",
+    layout: str | Layout = "zigzag",
     rank: int | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
@@ -106,7 +148,7 @@ def shard_positions(
 
 
 def shard_sequence(
-    x: Tensor, *, dim: int | None = None, group=None, layout: str = "zigzag", rank: int | None = None
+    x: Tensor, *, dim: int | None = None, group=None, layout: str | Layout = "zigzag", rank: int | None = None
 ) -> Tensor:
     """This rank's shard of the whole sequence ``x`` (every rank passes the same ``x``).
 
@@ -124,7 +166,7 @@ def shard_sequence(
     return runs[0] if len(runs) == 1 else torch.cat(runs, dim=dim)
 
 
-def unshard_sequence(x: Tensor, *, dim: int | None = None, group=None, layout: str = "zigzag") -> Tensor:
+def unshard_sequence(x: Tensor, *, dim: int | None = None, group=None, layout: str | Layout = "zigzag") -> Tensor:
     """The whole sequence from every rank's shard ``x`` (an all-gather; every rank gets it).
 
     The inverse of :func:`shard_sequence`, with its required ``dim``. Not differentiable: it is

@@ -35,8 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.attention import attention, dispatch
-from multihead.call import AttentionCall, AttentionResult
+from multihead.call import AttentionResult, ScoreModArg
 from multihead.conventions import lse_dtype
 from multihead.distributed.checks import (
     Shards,
@@ -46,12 +45,15 @@ from multihead.distributed.checks import (
     check_mask,
     check_qkv,
     check_scale,
+    check_score_mod,
 )
 from multihead.distributed.layout import check_divisible, check_layout, chunks_per_rank
 from multihead.distributed.plan import RingPlan, plan_ring
+from multihead.distributed.ring_steps import ModGradients, step_backward, step_forward
 from multihead.distributed.rotation import GradientReturn, Rotation, buffers_like
 from multihead.masks import Mask
 from multihead.memo import BoundedCache
+from multihead.sinks import apply_sinks, check_sinks
 
 __all__ = ["ring_attention"]
 
@@ -65,6 +67,9 @@ def ring_attention(
     *,
     group=None,
     mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     layout: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
@@ -83,6 +88,16 @@ def ring_attention(
             rank: ``causal()`` (either alignment), ``sliding_window(...)``, ``document(ids)`` with
             the ids of the whole sequence, ``key_padding(lengths)``, their combinations, or a bool
             tensor over the whole sequence.
+        score_mod: modifiers of the *whole* attention's scores, as :func:`multihead.attention`
+            takes them (``positions.ALiBi(Hq)``, ``positions.RelativePositionBias``,
+            ``scores.bias(t)`` with ``t`` over the whole sequence, a function ``fn(score, b, h,
+            q_idx, kv_idx)`` of absolute positions, a list of them); each block reads them at
+            its absolute positions (:func:`multihead.scores.shifted`). Tensors they read that
+            require grad receive this rank's share of their gradient (the sum over ranks is the
+            whole gradient, as for any parameter shared by the ranks).
+        softcap: ``cap · tanh(s / cap)`` after ``score_mod``, as in :func:`multihead.attention`.
+        sinks: ``(Hq,)`` per-head sink logits, joined to the merged result through its LSE
+            (:mod:`multihead.sinks`); the returned LSE includes them, as one process's does.
         layout: ``"zigzag"`` (default; rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``:
             balanced causal work) or ``"contiguous"`` (rank ``r`` holds the ``r``-th of ``P``
             pieces: a sliding window then never communicates beyond its reach).
@@ -100,14 +115,20 @@ def ring_attention(
     Inputs are checked on every rank before any K/V moves, and one bad input or one disagreement
     raises on every rank (``docs/distributed.md``, Checked before anything moves).
     """
-    shards, mask, plan, scale = _prepare(q, k, v, group, mask, layout, scale, return_lse, backend)
-    out, lse = _RingAttention.apply(q, k, v, mask, plan, scale, group, backend)
+    shards, mask, mod, plan, scale = _prepare(
+        q, k, v, group, mask, score_mod, softcap, sinks, layout, scale, return_lse, backend
+    )
+    positioned = None if mod is None else (mod, shards.Lq, shards.Lk)
+    tensors = () if mod is None else tuple({id(t): t for t in mod.tensors()}.values())  # each once
+    out, lse = _RingAttention.apply(q, k, v, mask, plan, scale, group, backend, positioned, *tensors)
+    if sinks is not None:  # on the merged rows, as one process joins them to its whole rows
+        out, lse, _ = apply_sinks(out, lse, sinks)
     return AttentionResult(out, None, lse) if return_lse else out
 
 
-def _prepare(q, k, v, group, mask, layout, scale, return_lse, backend):
+def _prepare(q, k, v, group, mask, score_mod, softcap, sinks, layout, scale, return_lse, backend):
     world, rank = check_group(group, _WHERE)
-    error, shards, summary = None, None, {}
+    error, shards, summary, mod = None, None, {}, None
     try:
         shards = check_qkv(_WHERE, q, k, v, world)
         check_layout(layout, _WHERE)
@@ -121,6 +142,7 @@ def _prepare(q, k, v, group, mask, layout, scale, return_lse, backend):
                         f"key_padding()) or use layout='contiguous'"
                     )
         check_divisible(_WHERE, "Lq", shards.Lq, world, layout)
+        check_divisible(_WHERE, "Lk", shards.Lk, world, layout)  # a layout object: Lk = Lq = its length
         mask = check_mask(_WHERE, mask, shards)
         scale = check_scale(_WHERE, scale, shards.D)
         if not isinstance(return_lse, bool):
@@ -129,21 +151,34 @@ def _prepare(q, k, v, group, mask, layout, scale, return_lse, backend):
             raise TypeError(
                 f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
             )
-        summary = call_summary(q, k, v, mask=mask, layout=layout, scale=scale, return_lse=return_lse, backend=backend)
+        mod = check_score_mod(_WHERE, score_mod, softcap, shards)
+        check_sinks(sinks, q)
+        summary = call_summary(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=mod,
+            sinks=sinks,
+            layout=layout,
+            scale=scale,
+            return_lse=return_lse,
+            backend=backend,
+        )
     except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
         error = e
     agree(_WHERE, group, rank, error, summary)
     assert shards is not None  # checked above: agree() raised on every rank otherwise
-    plan = _cached_plan(world, rank, shards, mask, layout)
-    return shards, mask, plan, scale
+    plan = _cached_plan(world, rank, shards, mask, layout, positions=mod is not None)
+    return shards, mask, mod, plan, scale
 
 
 _PLANS: BoundedCache[tuple[object, ...], RingPlan] = BoundedCache(32)
 
 
-def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str) -> RingPlan:
+def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str, positions: bool) -> RingPlan:
     """Plans keyed on what the mask means (masks hash by value), so a model's layers share one."""
-    key = (world, rank, shards.B, shards.Hq, shards.Sq, shards.Sk, mask, layout)
+    key = (world, rank, shards.B, shards.Hq, shards.Sq, shards.Sk, mask, layout, positions)
     plan = _PLANS.get(key)
     if plan is None:
         plan = plan_ring(
@@ -155,6 +190,7 @@ def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str) -> Ri
             kv_shard=shards.Sk,
             mask=mask,
             layout=layout,
+            positions=positions,
         )
         _PLANS.put(key, plan)
     return plan
@@ -162,7 +198,9 @@ def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str) -> Ri
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, plan: RingPlan, scale: float, group, backend: str):
+    def forward(ctx, q, k, v, mask, plan: RingPlan, scale: float, group, backend: str, positioned, *mod_tensors):
+        # positioned: (score_mod of the whole attention, Lq, Lk) or None; mod_tensors: the
+        # tensors it reads, inputs here so that autograd asks this function for their gradients.
         # An output the caller does not use reaches backward as None, not as zeros: an unused LSE
         # then costs no padded column in the flash backward.
         ctx.set_materialize_grads(False)
@@ -175,11 +213,12 @@ class _RingAttention(torch.autograd.Function):
             if plan.calls[s]:
                 kv = (k, v) if s == 0 else held
                 assert kv is not None  # a step with calls has its shard
-                _step_forward(plan.calls[s], q, kv[0], kv[1], out, lse, scale, backend)
+                step_forward(plan.calls[s], q, kv[0], kv[1], out, lse, scale, backend, positioned)
             if held is not None:
                 held.clear()  # freed before the shard after next arrives
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.mask, ctx.scale, ctx.group, ctx.backend = plan, mask, scale, group, backend
+        ctx.positioned, ctx.mod_tensors = positioned, mod_tensors
         return out.to(q.dtype), lse
 
     @staticmethod
@@ -195,6 +234,8 @@ class _RingAttention(torch.autograd.Function):
         ]  # (B, Hkv, Sk, Dv)
         own = (k.contiguous(), v.contiguous()) if any(plan.send) else None
         returns = GradientReturn(plan, group, dkv_own)
+        positioned = ctx.positioned
+        mod_grads = ModGradients(ctx.mod_tensors)
         for s, held in Rotation(plan, group, own, buffers_like(k, v)):
             dkv = None
             if plan.calls[s]:
@@ -202,95 +243,24 @@ class _RingAttention(torch.autograd.Function):
                 dkv = dkv_own if s == 0 else [torch.zeros_like(dkv_own[0]), torch.zeros_like(dkv_own[1])]
                 kv = (k, v) if s == 0 else held
                 assert kv is not None  # a step with calls has its shard
-                _step_backward(plan.calls[s], q, kv[0], kv[1], dq, dkv[0], dkv[1], out, lse, dout, dlse, scale, backend)
+                step_backward(
+                    plan.calls[s],
+                    q,
+                    kv[0],
+                    kv[1],
+                    (dq, dkv[0], dkv[1], mod_grads),
+                    out,
+                    lse,
+                    dout,
+                    dlse,
+                    scale,
+                    backend,
+                    positioned,
+                )
             if held is not None:
                 held.clear()  # these keys are done with: freed before the gradients travel
             if s > 0:
                 returns.exchange(s, dkv)  # back to the owner of these keys, rank r - s
         returns.finish()
-        return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype), None, None, None, None, None
-
-
-def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
-    """``(out, lse) <- merge_partials([out, part], [lse, part_lse])``, written into ``out`` and
-    ``lse`` (views of the merged result) with no temporary of ``out``'s size, so the forward's
-    peak is the merged result, one block's output and the K/V in flight. The same weights as
-    :func:`multihead.merge_partials` (``test_ring_pieces`` compares the two):
-    ``w = exp(lse_i - lse_new)``, exactly 0 for a part a row cannot see; a row that sees neither
-    keeps output 0 and LSE ``-inf``."""
-    new = torch.logaddexp(lse, part_lse.to(lse.dtype))  # (B, H, rows); -inf only where both are
-    safe = new.masked_fill(torch.isneginf(new), 0.0)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).addcmul_(part, torch.exp(part_lse - safe).unsqueeze(-1))
-    lse.copy_(new)
-
-
-def _step_forward(calls, q, k, v, out, lse, scale, backend) -> None:
-    """One step of the forward: each call's partial result merged into ``(out, lse)``, one at a time."""
-    for c in calls:
-        res = attention(
-            q[:, :, c.q0 : c.q1],
-            k[:, :, c.k0 : c.k1],
-            v[:, :, c.k0 : c.k1],
-            mask=c.mask,
-            scale=scale,
-            return_lse=True,
-            backend=backend,
-        )
-        assert res.lse is not None  # asked for
-        _merge_into(out[:, :, c.q0 : c.q1], lse[:, :, c.q0 : c.q1], res.output.to(out.dtype), res.lse)
-        del res  # before the next call's output exists
-
-
-def _step_backward(calls, q, k, v, dq, dk, dv, out, lse, dout, dlse, scale, backend) -> None:
-    """One step of the backward: each call's gradients added to ``dq`` (this rank's queries) and
-    ``dk, dv`` (the keys ``k, v`` held at this step)."""
-    for c in calls:
-        rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-        gq, gk, gv = _block_backward(
-            q[:, :, rows],
-            k[:, :, keys],
-            v[:, :, keys],
-            c.mask,
-            scale,
-            backend,
-            out[:, :, rows],
-            lse[:, :, rows],
-            dout[:, :, rows],
-            None if dlse is None else dlse[:, :, rows],
-        )
-        dq[:, :, rows] += gq
-        dk[:, :, keys] += gk
-        dv[:, :, keys] += gv
-
-
-def _block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
-    """Gradients of ``q, k, v`` of one block, from the gradients of the merged ``(out, lse)``: from
-    the backend that runs the block's call, where it offers them from ``(out, lse)``
-    (:meth:`~multihead.backends.base.Backend.backward_from_lse`; on CPU the flash backward), else
-    by autograd through the block's :func:`multihead.attention` call with that ``backend``."""
-    call = AttentionCall(q, k, v, mask, None, scale, 0.0, None, True)  # the forward's block call
-    grads = dispatch(call, backend).backward_from_lse(call, out, lse, dout, dlse)
-    if grads is not None:
-        return grads
-    return _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse)
-
-
-def _autograd_block_backward(q, k, v, mask, scale, backend, out, lse, dout, dlse):
-    """Any device, backend and mask: the block recomputed with :func:`multihead.attention` under
-    autograd, and its output and LSE given the merge's gradients (module docstring)."""
-    with torch.enable_grad():
-        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        res = attention(q, k, v, mask=mask, scale=scale, return_lse=True, backend=backend)
-        assert res.lse is not None  # asked for
-        part_lse = res.lse.detach()
-        # w = exp(lse_i - lse): 0 where the block has no key for the row (also when no block has any)
-        w = torch.where(torch.isneginf(part_lse), torch.zeros_like(part_lse), torch.exp(part_lse - lse))
-        g_out = w.unsqueeze(-1) * dout  # (B, Hq, rows, Dv)
-        g_lse = w * (dout * (res.output.detach().to(out.dtype) - out)).sum(-1)  # (B, Hq, rows)
-        if dlse is not None:
-            g_lse = g_lse + w * dlse
-        gq, gk, gv = torch.autograd.grad(
-            [res.output, res.lse], [q, k, v], [g_out.to(res.output.dtype), g_lse], allow_unused=True
-        )
-    zero = torch.zeros_like
-    return (zero(q) if gq is None else gq), (zero(k) if gk is None else gk), (zero(v) if gv is None else gv)
+        grads = (dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype))
+        return grads + (None,) * 6 + mod_grads.result()

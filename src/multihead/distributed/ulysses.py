@@ -22,13 +22,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead import scores
 from multihead.attention import attention
-from multihead.call import AttentionResult
-from multihead.distributed.checks import agree, call_summary, check_group, check_mask, check_qkv, check_scale
+from multihead.call import AttentionResult, ScoreModArg
+from multihead.distributed.checks import (
+    agree,
+    call_summary,
+    check_group,
+    check_mask,
+    check_qkv,
+    check_scale,
+    check_score_mod,
+)
 from multihead.distributed.layout import check_divisible, check_layout, pieces
 from multihead.masks import Mask, head_range
+from multihead.sinks import check_sinks
 
-__all__ = ["ulysses_attention"]
+__all__ = ["ulysses_attention", "Runs", "to_heads", "to_sequence"]
 
 _WHERE = "ulysses_attention"
 
@@ -40,6 +50,9 @@ def ulysses_attention(
     *,
     group=None,
     mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     layout: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
@@ -52,9 +65,12 @@ def ulysses_attention(
     ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` in ``layout``; the mask of the whole attention),
     with two more conditions: ``P`` divides ``Hq``, and ``P`` divides ``Hkv`` or ``Hkv`` divides
     ``P`` (KV heads are then replicated). Any mask: the local call sees the whole sequence.
+    ``score_mod``, ``softcap`` and ``sinks`` as in :func:`~multihead.distributed.ring_attention`:
+    the local call reads them at this rank's heads (:func:`multihead.scores.head_range`,
+    :func:`multihead.scores.sinks_range`), at positions that are already the whole sequence's.
     """
     world, rank = check_group(group, _WHERE)
-    error, summary, shards = None, {}, None
+    error, summary, shards, mod = None, {}, None, None
     try:
         shards = check_qkv(_WHERE, q, k, v, world)
         check_layout(layout, _WHERE)
@@ -83,24 +99,51 @@ def ulysses_attention(
             raise TypeError(
                 f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
             )
-        summary = call_summary(q, k, v, mask=mask, layout=layout, scale=scale, return_lse=return_lse, backend=backend)
+        mod = check_score_mod(_WHERE, score_mod, softcap, shards)
+        check_sinks(sinks, q)
+        summary = call_summary(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=mod,
+            sinks=sinks,
+            layout=layout,
+            scale=scale,
+            return_lse=return_lse,
+            backend=backend,
+        )
     except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
         error = e
     agree(_WHERE, group, rank, error, summary)
     assert shards is not None and not isinstance(mask, Tensor)  # checked above: agree() raised on every rank otherwise
 
     S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
-    runs = _Runs(S, world, layout)
+    runs = Runs(S, world, layout)
     # With P > Hkv each KV head travels to the P/Hkv ranks whose query heads read it: rank j
     # receives KV head kv_head_of(j·Hq/P) = j // (P/Hkv), replicated inside the exchange's one copy.
     replicas = world // Hkv if Hkv % world else 1
     qh = _SequenceToHeads.apply(q, group, runs, 1)  # (B, Hq/P, L, D) in position order
     kh = _SequenceToHeads.apply(k, group, runs, replicas)  # (B, Hkv/P or 1, L, D)
     vh = _SequenceToHeads.apply(v, group, runs, replicas)  # (B, Hkv/P or 1, L, Dv)
-    local_mask = head_range(mask, rank * (Hq // world), Hq // world, Hq)  # this rank's heads, read as 0..Hq/P-1
+    # This rank's heads [first, first + Hq/P), read by the local call as 0 .. Hq/P - 1.
+    first, count = rank * (Hq // world), Hq // world
+    local_mask = head_range(mask, first, count, Hq)
+    local_mod = scores.head_range(mod, first, count, Hq)
+    local_sinks = scores.sinks_range(sinks, first, count, Hq)
     # The LSE only when asked for: under autograd a kernel without a differentiable LSE would
     # have it recomputed from the weights (row blocks of scores: memory and time for nothing).
-    res = attention(qh, kh, vh, mask=local_mask, scale=scale, return_lse=return_lse, backend=backend)
+    res = attention(
+        qh,
+        kh,
+        vh,
+        mask=local_mask,
+        score_mod=local_mod,
+        sinks=local_sinks,
+        scale=scale,
+        return_lse=return_lse,
+        backend=backend,
+    )
     if isinstance(res, Tensor):  # return_lse=False
         return _HeadsToSequence.apply(res, group, runs)  # (B, Hq, S, Dv)
     assert res.lse is not None  # asked for
@@ -109,7 +152,7 @@ def ulysses_attention(
     return AttentionResult(out, None, lse)
 
 
-class _Runs:
+class Runs:
     """Where each rank's shard sits in the whole sequence: ``(rank, local, start, length)`` runs of
     consecutive positions (:func:`~multihead.distributed.layout.pieces`), one per contiguous
     shard, two per zigzag shard."""
@@ -117,6 +160,17 @@ class _Runs:
     def __init__(self, shard_len: int, world: int, layout: str):
         self.S, self.P, self.layout = shard_len, world, layout
         self.runs = [(r, *p) for r in range(world) for p in pieces(shard_len, r, world, layout)]
+
+
+def to_heads(x: Tensor, group, runs: Runs, replicas: int = 1) -> Tensor:
+    """Sequence shards ``(B, H, S, ·)`` -> head shards ``(B, H·replicas/P, P·S, ·)``, the positions
+    of ``runs`` in order (differentiable: its gradient is the opposite exchange)."""
+    return _SequenceToHeads.apply(x, group, runs, replicas)
+
+
+def to_sequence(y: Tensor, group, runs: Runs) -> Tensor:
+    """Head shards ``(B, H/P, P·S, ·)`` -> this rank's sequence shard ``(B, H, S, ·)``."""
+    return _HeadsToSequence.apply(y, group, runs)
 
 
 # One exchange = one send buffer, one receive buffer, one reorder, each written by a single copy:
@@ -130,7 +184,7 @@ class _Runs:
 # concatenation and the reorder).
 
 
-def _sequence_to_heads(x: Tensor, group, runs: _Runs, replicas: int) -> Tensor:
+def _sequence_to_heads(x: Tensor, group, runs: Runs, replicas: int) -> Tensor:
     """``(B, H, S, ·)`` sequence shards -> ``(B, H·replicas/P, L, ·)`` head shards in position order;
     virtual head ``h·replicas + i`` is head ``h``."""
     B, H, S, E = x.shape
@@ -149,7 +203,7 @@ def _sequence_to_heads(x: Tensor, group, runs: _Runs, replicas: int) -> Tensor:
     return out
 
 
-def _heads_to_sequence(y: Tensor, group, runs: _Runs) -> Tensor:
+def _heads_to_sequence(y: Tensor, group, runs: Runs) -> Tensor:
     """``(B, H/P, L, ·)`` in position order -> ``(B, H, S, ·)`` this rank's sequence shard."""
     B, Hs, _, E = y.shape
     P, S = runs.P, runs.S
@@ -166,7 +220,7 @@ class _SequenceToHeads(torch.autograd.Function):
     """:func:`_sequence_to_heads`; its gradient is the opposite exchange (replicas summed)."""
 
     @staticmethod
-    def forward(ctx, x, group, runs: _Runs, replicas: int):
+    def forward(ctx, x, group, runs: Runs, replicas: int):
         ctx.group, ctx.runs, ctx.replicas = group, runs, replicas
         return _sequence_to_heads(x, group, runs, replicas)
 
@@ -182,7 +236,7 @@ class _HeadsToSequence(torch.autograd.Function):
     """:func:`_heads_to_sequence`; its gradient is the opposite exchange."""
 
     @staticmethod
-    def forward(ctx, y, group, runs: _Runs):
+    def forward(ctx, y, group, runs: Runs):
         ctx.group, ctx.runs = group, runs
         return _heads_to_sequence(y, group, runs)
 

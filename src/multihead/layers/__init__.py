@@ -3,7 +3,8 @@
 * :class:`MultiHeadAttention`: MHA, GQA (``num_kv_heads``), MQA and cross-attention in one class,
   with :class:`GroupedQueryAttention` and :class:`MultiQueryAttention` as named aliases.
 * :class:`MultiHeadLatentAttention`: DeepSeek's MLA (latent K/V cache; naive and absorbed modes).
-* :class:`GatedAttention`, :class:`DifferentialAttention`, :class:`MixtureOfBlockAttention` (MoBA):
+* :class:`GatedAttention`, :class:`DifferentialAttention`, :class:`MixtureOfBlockAttention` (MoBA),
+  :class:`NativeSparseAttention` (NSA), :class:`TopKIndexerAttention` (DSA's indexer):
   the variants of ``docs/variants.md``,
   each a :class:`MultiHeadAttention` with its own attention function and last step.
 * ``multihead.compat.MultiheadAttention`` (module ``multihead.layers.compat``): a drop-in for
@@ -16,6 +17,8 @@ from multihead.layers.gated import GatedAttention
 from multihead.layers.latent import MultiHeadLatentAttention
 from multihead.layers.moba import MixtureOfBlockAttention
 from multihead.layers.multihead import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
+from multihead.layers.nsa import NativeSparseAttention
+from multihead.layers.topk_indexer import TopKIndexerAttention
 
 __all__ = [
     "MultiHeadAttention",
@@ -25,5 +28,7 @@ __all__ = [
     "GatedAttention",
     "DifferentialAttention",
     "MixtureOfBlockAttention",
+    "NativeSparseAttention",
+    "TopKIndexerAttention",
     "compat",
 ]

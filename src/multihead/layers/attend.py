@@ -100,12 +100,8 @@ class CallMasks:
         """The call's mask and modifiers over the ``S`` slots a cache returned
         (:meth:`CacheRead.mask`): mask objects at absolute positions, tensors over the
         ``(Lq, S)`` slots, ``causal`` as "keys at positions up to the query's"."""
-        S = read.slots
-        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
-        if mask is not None:
-            check_mask_parts(self.layer, mask, B, self.heads, Lq, S)  # tensors over the slots
+        mask, score_mod = self._over(mask, score_mod, B, Lq, read.slots)
         if score_mod is not None:
-            score_mod.check(Extent(B, self.heads, Lq, S))
             if not read.contiguous and any(
                 m.relative or isinstance(m, UserScoreMod) for m in getattr(score_mod, "mods", [score_mod])
             ):
@@ -115,6 +111,22 @@ class CallMasks:
                     f"lengths) do not give as positions; hint: use DynamicKVCache with it"
                 )
         return read.mask(mask, self.causal, self.heads), score_mod
+
+    def over_slots_fit(self, mask: object, score_mod: object, B: int, Lq: int, S: int) -> None:
+        """Refuse a mask or modifier that does not fit ``S`` slots (a tensor over other columns):
+        :func:`attend_cached` asks with ``S = kv_cache.slots(Lq)`` before the update, since a
+        rollback after it restores what reads see but not the slots written past the lengths."""
+        if mask is not None or score_mod is not None:
+            self._over(mask, score_mod, B, Lq, S)
+
+    def _over(self, mask: object, score_mod: object, B: int, Lq: int, S: int) -> tuple[Mask | None, ScoreMod | None]:
+        """The call's mask and modifiers read over ``S`` slots, checked part by part."""
+        mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=S)
+        if mask is not None:
+            check_mask_parts(self.layer, mask, B, self.heads, Lq, S)  # tensors over the slots
+        if score_mod is not None:
+            score_mod.check(Extent(B, self.heads, Lq, S))
+        return mask, score_mod
 
 
 def resolve_positions(
@@ -132,7 +144,14 @@ def resolve_positions(
     if positions is not None:
         return check_positions(layer, positions, B, Lq, device)
     if kv_cache is not None:
-        return kv_cache.next_positions(Lq, device)  # (Lq,) or (B, Lq): after the cached tokens
+        following = kv_cache.next_positions(Lq, device)  # (Lq,) or (B, Lq): after the cached tokens
+        if following.dim() == 2 and following.shape[0] != B:  # else the rotary embedding refuses them, unclearly
+            raise ValueError(
+                f"{layer}: the query has B={B} rows but kv_cache holds {following.shape[0]} "
+                f"({type(kv_cache).__name__}, one row per sequence); hint: use one cache per batch of "
+                f"sequences, reorder(indices) it to the new rows (beam search), or reset() it"
+            )
+        return following
     return None if default is None else default(Lq, device)
 
 
@@ -166,6 +185,7 @@ def attend_cached(
     causal: bool,
     keep: bool = True,
     queries: Tensor | None = None,
+    fits: Callable[[int], None] | None = None,
 ) -> _R:
     """``attend(kv_cache.update(k, v))``: the new keys ``k (B, Hkv, Lq, D)`` and values stored,
     then attention over every slot the cache returns.
@@ -176,22 +196,30 @@ def attend_cached(
     call-order cache (and any cache, for positions it chose itself) stores them in call order, and
     the positions only rotate; so does a call whose mask holds a draft tree
     (:func:`~multihead.masks.tree`). A call that raises after the update leaves the cache as it was
-    (:meth:`~multihead.caches.KVCache.rollback`); so does one with ``keep=False`` (``explain``).
-    ``queries`` (rotated, ``(B, Hq, Lq, D)``) go to :meth:`~multihead.caches.KVCache.observe` first."""
+    (:meth:`~multihead.caches.KVCache.rollback`, then the record of the update before is handed
+    back: :meth:`~multihead.caches.KVCache.undo_record`); so does one with ``keep=False`` (``explain``).
+    ``queries`` (rotated, ``(B, Hq, Lq, D)``) go to :meth:`~multihead.caches.KVCache.observe` first.
+    ``fits(S)`` refuses the call's mask if it cannot fit the ``S = kv_cache.slots(Lq)`` slots the
+    update will return (:meth:`CallMasks.over_slots_fit`)."""
     kv_cache.check_mask(mask, causal, k.shape[2])
+    if fits is not None:
+        fits(kv_cache.slots(k.shape[2]))
     if queries is not None:  # an eviction policy ranks keys by the attention they receive
         kv_cache.observe(queries)
     # A draft tree's tokens go to the slots after the cached ones, whatever their positions: those
     # (P + depth, the positions they keep if accepted) only rotate them (masks.tree).
     placed = given and kv_cache.places_by_position and not holds_tree(mask)
+    record = kv_cache.undo_record()  # the last update's, restored after a rollback of this one
     read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
     try:
         result = attend(read)
     except BaseException:  # e.g. a forced backend that refuses: the cache is as it was
         kv_cache.rollback()
+        kv_cache.restore_undo_record(record)
         raise
     if not keep:
         kv_cache.rollback()
+        kv_cache.restore_undo_record(record)
     return result
 
 

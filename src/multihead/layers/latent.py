@@ -343,6 +343,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             mask=mask,
             causal=self.causal,
             keep=keep,
+            fits=lambda S: self._masks.over_slots_fit(mask, None, B, L, S),
         )
 
     def _attend_rows(

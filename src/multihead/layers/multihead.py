@@ -393,8 +393,8 @@ class MultiHeadAttention(HookPoints, nn.Module):
         )
         # The arguments are checked. What is left to refuse (a rope result of the wrong shape, keys
         # or positions the cache cannot store, a mask reaching further back than it keeps) is
-        # refused before kv_cache.update changes anything; what fails after it (a mask over the
-        # cached keys, a backend) rolls the cache back.
+        # refused before kv_cache.update changes anything; what fails after it (a score modifier
+        # this cache's read cannot give indices to, a backend) rolls the cache back.
 
         # (B, Lq, Hq·D), (B, Lk, Hkv·D), (B, Lk, Hkv·D); L first if not batch_first
         q, k, v = project_qkv(self, query, key, value)
@@ -444,6 +444,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
                 mask=mask,
                 causal=self.causal,
                 queries=q,
+                fits=lambda S: self._masks.over_slots_fit(mask, call_mods, B, Lq, S),
             )
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view

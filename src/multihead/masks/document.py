@@ -192,9 +192,29 @@ class DocumentCausal(Document):
         return "document_causal" + super()._describe()[len("document") :]
 
     def block_state(self, extent: Extent, block: Block) -> BlockState:
-        if super().block_state(extent, block) is BlockState.EMPTY:
+        documents = super().block_state(extent, block)
+        if documents is BlockState.EMPTY:
             return BlockState.EMPTY  # other documents: skipped without looking at the positions
+        if self._same_ids():
+            # Queries and keys share their runs (m = n in every document), so each document's
+            # bottom-right diagonal is the whole attention's top-left one: this mask is
+            # document(ids) & causal("top_left"), answered from the block's corners in O(1),
+            # not from a rows x keys block (a ring's blocks are a shard wide).
+            if block.k0 > block.q1 - 1:
+                return BlockState.EMPTY  # every key after every query
+            if documents is BlockState.FULL and block.k1 - 1 <= block.q0:
+                return BlockState.FULL
+            return BlockState.PARTIAL
         return Mask.block_state(self, extent, block)
+
+    def _same_ids(self) -> bool:
+        """Whether the query and key ids are the same tensor values (self-attention over one packing)."""
+
+        def same() -> bool:
+            q, kv = self._q_cpu, self._kv_cpu
+            return q.shape == kv.shape and bool(torch.equal(q, kv))
+
+        return self._cached("_same_ids_cache", same)
 
     def _empty_rows(self, extent: Extent, device: torch.device | str | None = None) -> Tensor:
         if torch.compiler.is_compiling():

@@ -4,6 +4,7 @@ matplotlib is imported only when a PNG is drawn; the HTML viewer needs nothing b
 """
 
 from multihead.viz.heatmap import plot_attention, plot_attention_grid
+from multihead.viz.lens import LogitLens, logit_lens
 from multihead.viz.record import QueryKeyCapture, record_attention, record_generation, record_vectors
 from multihead.viz.viewer import Viewer, ViewerSource, render_viewer, write_viewer
 
@@ -18,4 +19,6 @@ __all__ = [
     "record_generation",
     "record_vectors",
     "QueryKeyCapture",
+    "LogitLens",
+    "logit_lens",
 ]

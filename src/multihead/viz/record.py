@@ -76,13 +76,16 @@ def record_attention(
     caption: str = "",
     highlight=None,
     batch: int | None = None,
+    segments: list[int] | None = None,
     **kwargs,
 ) -> ViewerSource:
     """One forward ``model(*inputs, **kwargs)`` as a :class:`ViewerSource` with queries and keys
     (the neuron view), for sequence ``batch`` of the batch (needed when there are several).
     ``tokens`` name its query tokens, ``k_tokens`` its keys when they differ (cross-attention).
     ``model`` is a model of `multihead` layers or a Hugging Face model on the backend
-    (:func:`multihead.hooks.hook_points`)."""
+    (:func:`multihead.hooks.hook_points`). ``segments`` marks a sentence pair (0 = A, 1 = B per
+    token); by default a ``token_type_ids=`` keyword argument that holds a sentence B gives it
+    (the page's A→B filter)."""
     with capture_attention(model) as cap, record_vectors(model) as vec:
         model(*inputs, **kwargs)
     if not cap.weights:
@@ -104,6 +107,9 @@ def record_attention(
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or not -B <= batch < B):
         raise ValueError(f"record_attention: batch must be an int in [0, {B}) (the sequence shown), got {batch!r}")
     i = 0 if batch is None else batch
+    types = kwargs.get("token_type_ids")
+    if segments is None and isinstance(types, Tensor) and bool((types[i] == 1).any()):
+        segments = types[i].tolist()
     return ViewerSource(
         name,
         tokens,
@@ -115,6 +121,7 @@ def record_attention(
         queries=[q[i] for q in vec.queries],
         keys=[k[i] for k in vec.keys],
         scale=scales.pop() if len(scales) == 1 else None,
+        segments=segments,
     )
 
 

@@ -1,11 +1,14 @@
 // multihead attention viewer: head view (lines between query and key tokens, one colour per head,
 // a legend of head toggles), a token-labelled heatmap, a model view (thumbnails of every layer x
 // head, enlargeable), a neuron view (one query's scores split into q_d * k_d * scale terms) and a
-// step slider for generations. Inlined into the HTML file; everything is drawn on canvases.
+// step slider for generations, the kind switch, the sentence-pair filter and the themes. Inlined
+// into the HTML file as one script with viewer_text.js (the text view), viewer_lens.js (the logit
+// lens) and viewer_main.js (events and start), in that order; everything is drawn on canvases.
 //
 // Data (the JSON in #attention-data): {title, sources: [{name, caption, q_tokens, k_tokens,
 // layers, heads, lq, lk, weights[layer][head], thumbs[layer][head], thumb_q, thumb_k, highlight,
-// [dim, scale, queries[layer][head], keys[layer][head]], [prompt_len, generated], [signed, value_scale]}]}.
+// [dim, scale, queries[layer][head], keys[layer][head]], [prompt_len, generated], [signed, value_scale],
+// [kind], [segments, k_segments], [lens: {layers, tokens, k, names[layer][pos][rank], probs[...]}]}]}.
 // weights are base64 uint8 matrices (Lq x Lk, row-major, value = round(255 * weight)), queries and
 // keys base64 float32 (L x D); all are decoded only when a head is shown. A signed source (scores,
 // differences) stores int8 round(127 * value / value_scale) and is drawn with a diverging palette.
@@ -20,11 +23,22 @@ const MIN_WEIGHT = 3;      // lines below 3/255 ~ 0.012 are not drawn: invisible
 const HEAT = 320;          // px of the heatmap's longer side
 const HEAT_MAX = 640;      // px it may grow to, so that up to 53 tokens keep a label each
 const LABEL_ROW = 12;      // px of one 11px label: rows thinner than this label every n-th token
+// px between the matrix and its labels: more than half a label's height, so that the first row's
+// label and the first column's (rotated) never meet at the corner however thin the cells.
+const LABEL_GAP = 6;
 const LABEL_CHARS = 12;    // characters of a token label before it is cut with "…" (the status line has it whole)
 const LABEL_FONT = "11px ui-monospace, SFMono-Regular, Menlo, monospace";
 const HEAD_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                      "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#843c39", "#7b4173", "#3182bd"];
 const MONO = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
+// Canvas colours of each theme (the page's CSS has the same in its variables). lo is a weight of 0
+// (the background), blue a weight of 1, pos / neg the ends of the signed palette.
+const THEMES = {
+  light: { ink: "#1d1d1f", muted: "#6b6b70", line: "#d9d9de", veil: "rgba(255,255,255,0.8)", hoverRow: "#fff3e0",
+           strip: "#f4f4f6", off: [234, 234, 238], lo: [255, 255, 255], blue: [45.9, 109.65, 221.85], pos: [47, 111, 180], neg: [214, 39, 40] },
+  dark: { ink: "#e6e6ea", muted: "#a3a3ab", line: "#3b3b42", veil: "rgba(30,30,34,0.82)", hoverRow: "#3d3322",
+          strip: "#2a2a30", off: [52, 52, 58], lo: [30, 30, 34], blue: [110, 175, 255], pos: [110, 175, 255], neg: [255, 105, 97] },
+};
 const state = {
   source: 0, layer: 0, heads: new Set(), focus: 0, view: "head",
   hover: null,         // head view: {side: "q"|"k", index}
@@ -34,13 +48,20 @@ const state = {
   step: null,          // generation: decode step shown, or null for the whole sequence
   scale: "one",        // heatmap colour scale: full colour at weight 1 ("one") or at the largest shown ("max")
   contrast: 1,         // ... divided by this: weights above top / contrast saturate
+  theme: window.matchMedia && window.matchMedia("(prefers-color-scheme: dark)").matches ? "dark" : "light",
+  pair: "all",         // sentence-pair filter: "all" or "AB" (queries of A, keys of B), "AA", "BA", "BB"
+  textMode: "mean",    // text view: "mean" of the shown heads, or one line per shown "heads"
+  textDir: "from",     // text view: the chosen token's row ("from") or its column ("to")
+  lensPos: null,       // logit lens: the position whose top tokens are listed (null: the last)
 };
 // What the last frame drew, for tests and for anyone curious (window.__viewerStats in the console).
 const stats = window.__viewerStats = { renders: 0, lastMs: 0, lines: 0, linesByHead: {}, heatmapLabels: { q: [], k: [] },
-                                       neuron: null, colorScale: null };
+                                       heatmapBoxes: null, neuron: null, colorScale: null, text: null, lens: null };
 const cache = new Map();   // "kind/source/layer/head" -> typed array
 
 const $ = (id) => document.getElementById(id);
+const VIEWS = ["head", "model", "neuron", "text", "lens"];
+const T = () => THEMES[state.theme];
 const src = () => DATA.sources[state.source];
 // Up to 16 heads take the palette; more take hues a golden angle apart, so no two heads share a colour.
 const color = (head) => src().heads <= HEAD_COLORS.length ? HEAD_COLORS[head]
@@ -80,6 +101,12 @@ const real = (b) => (b / 255) * (src().signed ? src().value_scale : 1);
 const vectors = (kind, layer, head) =>
   cached(kind, layer, head, () => new Float32Array(bytes(src()[kind][layer][head]).buffer));
 
+// Sentence pairs: whether query i and key j pass the A→B filter (all pass without segments).
+const SENTENCE = { A: 0, B: 1 };
+const qPasses = (i) => state.pair === "all" || !src().segments || src().segments[i] === SENTENCE[state.pair[0]];
+const kPasses = (j) => state.pair === "all" || !src().k_segments || src().k_segments[j] === SENTENCE[state.pair[1]];
+const pairPasses = (i, j) => qPasses(i) && kPasses(j);
+
 // Generation: the row of the shown step (null: the whole sequence), and how many keys exist then.
 const isGeneration = () => src().prompt_len !== undefined;
 const stepRow = () => (isGeneration() && state.step !== null ? src().prompt_len - 1 + state.step : null);
@@ -98,13 +125,48 @@ function fillSelect(select, items, value) {
   select.value = String(value);
 }
 
-function setSource(index) {
+// Models on the page: sources of one name with a kind are one model, its attention kinds
+// (encoder, decoder, cross) switched by the kind bar; every other source is a model of its own.
+const KINDS = { encoder: "Encoder (self)", decoder: "Decoder (self)", cross: "Cross (decoder → encoder)" };
+const MODELS = [];
+DATA.sources.forEach((s, i) => {
+  const model = s.kind !== undefined ? MODELS.find((m) => m.kinds && m.name === s.name) : undefined;
+  if (model) model.kinds[s.kind] = i;
+  else MODELS.push({ name: s.name, first: i, kinds: s.kind !== undefined ? { [s.kind]: i } : null });
+});
+const modelOf = (index) => MODELS.find((m) => m.first === index || (m.kinds && Object.values(m.kinds).includes(index)));
+
+// Show source `index`. A switch of attention kind (keep: true) keeps the layer and heads where the
+// other kind has them, as bertviz does; a new model opens on its highlight or every head.
+function setSource(index, keep = false) {
+  const before = { layer: state.layer, heads: shown(), focus: state.focus };
   state.source = index;
   const s = src();
   const hl = s.highlight;
   state.layer = hl ? hl.layer : 0;
   state.heads = new Set(hl ? [hl.head] : [...Array(s.heads).keys()]);  // bertviz opens on every head
   state.focus = hl ? hl.head : 0;
+  if (keep && before.layer < s.layers.length && before.heads.every((h) => h < s.heads)) {
+    Object.assign(state, { layer: before.layer, heads: new Set(before.heads), focus: before.focus });
+  }
+  const model = modelOf(index);
+  $("source").value = String(model.first);
+  const kinds = model.kinds ? Object.keys(KINDS).filter((k) => k in model.kinds) : [];
+  $("kindbar").hidden = kinds.length < 2;
+  $("kinds").innerHTML = "";
+  for (const kind of kinds) {
+    const button = document.createElement("button");
+    button.dataset.kind = kind;
+    button.textContent = KINDS[kind];
+    button.classList.toggle("active", s.kind === kind);
+    button.setAttribute("aria-pressed", String(s.kind === kind));
+    button.addEventListener("click", () => setSource(model.kinds[kind], true));
+    $("kinds").appendChild(button);
+  }
+  $("pairbar").hidden = !s.segments;
+  if (!s.segments) state.pair = "all";
+  $("pair-filter").value = state.pair;
+  state.lensPos = null;
   state.hover = state.cell = state.nkey = null;
   state.pin = { q: null, k: null };
   state.step = isGeneration() ? 0 : null;
@@ -195,7 +257,7 @@ function setStep(step) {
 
 function setView(view) {
   state.view = view;
-  for (const v of ["head", "model", "neuron"]) {
+  for (const v of VIEWS) {
     $(`${v}-panel`).hidden = view !== v;
     $(`tab-${v}`).classList.toggle("active", view === v);
   }
@@ -219,32 +281,40 @@ function sizeCanvas(canvas, width, height) {
 
 function label(token, max) { return token.length > max ? token.slice(0, max - 1) + "…" : token; }
 
-function blues(img, p, w) {  // weight 0..255 -> white..blue
-  img.data[4 * p] = 255 - w * 0.82;
-  img.data[4 * p + 1] = 255 - w * 0.57;
-  img.data[4 * p + 2] = 255 - w * 0.13;
+// Palettes run from the theme's background (lo: a weight of 0) to a full colour, so that 0 is the
+// page's own background in either theme.
+const mix = (lo, hi, t) => [0, 1, 2].map((c) => lo[c] + (hi[c] - lo[c]) * t);
+
+function blues(img, p, w) {  // weight 0..255 -> background..blue
+  const [r, g, b] = mix(T().lo, T().blue, Math.min(1, w / 255));
+  img.data[4 * p] = r;
+  img.data[4 * p + 1] = g;
+  img.data[4 * p + 2] = b;
   img.data[4 * p + 3] = 255;
 }
 
-function diverging(v) {  // -1..1 -> red..white..blue
+function divergingRGB(v) {  // -1..1 -> red..background..blue
   const a = Math.min(1, Math.abs(v));
-  return v >= 0 ? `rgb(${255 - 208 * a},${255 - 144 * a},${255 - 75 * a})`
-    : `rgb(${255 - 41 * a},${255 - 216 * a},${255 - 215 * a})`;
+  return mix(T().lo, v >= 0 ? T().pos : T().neg, a);
 }
 
+function diverging(v) { const [r, g, b] = divergingRGB(v); return `rgb(${r},${g},${b})`; }
+
+function bluesCSS(w) { const [r, g, b] = mix(T().lo, T().blue, Math.min(1, Math.max(0, w))); return `rgb(${r},${g},${b})`; }
+
 function divergingPixel(img, p, v) {  // the same palette into an ImageData, v clamped to -1..1
-  const a = Math.min(1, Math.abs(v));
-  const [r, g, b] = v >= 0 ? [208, 144, 75] : [41, 216, 215];
-  img.data[4 * p] = 255 - r * a;
-  img.data[4 * p + 1] = 255 - g * a;
-  img.data[4 * p + 2] = 255 - b * a;
+  const [r, g, b] = divergingRGB(v);
+  img.data[4 * p] = r;
+  img.data[4 * p + 1] = g;
+  img.data[4 * p + 2] = b;
   img.data[4 * p + 3] = 255;
 }
 
 // The best entry of row i (over keys < nk) or of column j (over queries < nq) of one head.
 function best(m, lk, along, index, n) {
-  let arg = -1, top = -1;
+  let arg = -1, top = -Infinity;
   for (let t = 0; t < n; t++) {
+    if (!(along === "row" ? kPasses(t) : qPasses(t))) continue;  // outside the sentence-pair filter
     const w = along === "row" ? m[index * lk + t] : m[t * lk + index];
     if (w > top) { top = w; arg = t; }
   }
@@ -283,12 +353,13 @@ function drawHeadView() {
     let count = 0;
     ctx.strokeStyle = color(head);
     for (const i of rows) {
+      if (!qPasses(i)) continue;
       const base = i * s.lk;
       const n = cols ? cols.length : nk;
       for (let c = 0; c < n; c++) {
         const j = cols ? cols[c] : c;
         const w = Math.abs(m[base + j]);
-        if (w < MIN_WEIGHT) continue;
+        if (w < MIN_WEIGHT || !kPasses(j)) continue;
         ctx.globalAlpha = Math.min(1, (w / 255) * (heads.length > 1 ? 0.8 : 1.0));
         ctx.lineWidth = 0.5 + 2.5 * (w / 255);
         ctx.setLineDash(m[base + j] < 0 ? [4, 3] : []);  // a negative value (signed sources): dashed
@@ -313,12 +384,12 @@ function drawHeadView() {
     for (let i = first; i < Math.min(last, n); i++) {
       const focused = (hover && hover.side === side && hover.index === i) || (row === i && side === "q");
       const pinned = state.pin[side] === i;
-      ctx.fillStyle = focused ? "#2f6fde" : pinned ? "#e0892b" : "#1d1d1f";
+      ctx.fillStyle = focused ? "#2f6fde" : pinned ? "#e0892b" : T().ink;
       ctx.font = (focused || pinned ? "bold " : "") + MONO;
       ctx.fillText(label(tokens[i], maxChars), x, y(i));
     }
   }
-  ctx.fillStyle = "#6b6b70";
+  ctx.fillStyle = T().muted;
   ctx.textAlign = "center";
   ctx.font = "11px system-ui, sans-serif";
   if (top < ROW) {
@@ -345,28 +416,35 @@ const heatImages = new Map();  // "source/layer/heads" -> canvas of one pixel pe
 function heatImage() {
   const s = src();
   const heads = shown();
-  const key = `${state.source}/${state.layer}/${heads.join(",")}/${state.scale}/${state.contrast}`;
+  const key = `${state.source}/${state.layer}/${heads.join(",")}/${state.scale}/${state.contrast}/${state.theme}/${state.pair}`;
   if (heatImages.has(key)) return heatImages.get(key);
-  const off = document.createElement("canvas");
-  off.width = s.lk;
-  off.height = s.lq;
-  const octx = off.getContext("2d");
+  const canvas = document.createElement("canvas");
+  canvas.width = s.lk;
+  canvas.height = s.lq;
+  const octx = canvas.getContext("2d");
   const img = octx.createImageData(s.lk, s.lq);
   const mats = heads.map((h) => matrix(state.layer, h));
   const mean = new Float32Array(s.lq * s.lk);  // byte units, the shown heads' mean
   for (const m of mats) for (let p = 0; p < mean.length; p++) mean[p] += m[p] / mats.length;
-  let lo = mean.length ? Infinity : 0, hi = mean.length ? -Infinity : 0;
-  for (let p = 0; p < mean.length; p++) { lo = Math.min(lo, mean[p]); hi = Math.max(hi, mean[p]); }
+  const passes = new Uint8Array(mean.length);  // the sentence-pair filter: cells outside it are greyed
+  let lo = Infinity, hi = -Infinity;
+  for (let p = 0; p < mean.length; p++) {
+    passes[p] = pairPasses(Math.floor(p / s.lk), p % s.lk) ? 1 : 0;
+    if (passes[p]) { lo = Math.min(lo, mean[p]); hi = Math.max(hi, mean[p]); }
+  }
+  if (lo > hi) lo = hi = 0;  // nothing shown
   // The value drawn in full colour: 1 (signed: the source's largest magnitude), or the largest
   // shown; the contrast divides it. Signed values take the diverging palette, from -full to +full.
   const largest = s.signed ? Math.max(Math.abs(lo), Math.abs(hi)) : hi;
   const full = Math.max(1e-6, (state.scale === "max" ? Math.max(largest, 1) : 255) / state.contrast);
+  const off = T().off;
   for (let p = 0; p < mean.length; p++) {
+    if (!passes[p]) { img.data.set([off[0], off[1], off[2], 255], 4 * p); continue; }
     if (s.signed) divergingPixel(img, p, mean[p] / full);
     else blues(img, p, Math.min(255, (mean[p] * 255) / full));
   }
   octx.putImageData(img, 0, 0);
-  const out = { canvas: off, min: real(lo), max: real(hi), full: real(full), signed: Boolean(s.signed) };
+  const out = { canvas, min: real(lo), max: real(hi), full: real(full), signed: Boolean(s.signed) };
   if (heatImages.size > 24) heatImages.delete(heatImages.keys().next().value);
   heatImages.set(key, out);
   return out;
@@ -390,10 +468,10 @@ function drawColorbar(heat, width) {
   strip.getContext("2d").putImageData(img, 0, 0);
   ctx.imageSmoothingEnabled = false;
   ctx.drawImage(strip, pad, 0, w, bar);
-  ctx.strokeStyle = "#d9d9de";
+  ctx.strokeStyle = T().line;
   ctx.strokeRect(pad, 0, w, bar);
   ctx.font = LABEL_FONT;
-  ctx.fillStyle = "#1d1d1f";
+  ctx.fillStyle = T().ink;
   ctx.textBaseline = "top";
   const at = heat.signed ? (v) => pad + (0.5 + Math.max(-0.5, Math.min(0.5, v / heat.full / 2))) * w
     : (v) => pad + Math.min(1, v / heat.full) * w;
@@ -405,8 +483,8 @@ function drawColorbar(heat, width) {
   ctx.textAlign = "right";
   ctx.fillText(heat.signed ? `+${end}` : end, pad + w, bar + 5);
   if (heat.signed) { ctx.textAlign = "center"; ctx.fillText("0", pad + w / 2, bar + 5); }
-  const range = heat.signed ? `-${heat.full.toPrecision(3)} (full red), 0 (white) to +${heat.full.toPrecision(3)} (full blue)`
-    : `0 (white) to ${heat.full.toFixed(2)} (full blue)`;
+  const range = heat.signed ? `-${heat.full.toPrecision(3)} (full red), 0 (${state.theme === "dark" ? "background" : "white"}) to +${heat.full.toPrecision(3)} (full blue)`
+    : `0 (${state.theme === "dark" ? "background" : "white"}) to ${heat.full.toFixed(2)} (full blue)`;
   const fmt = (v) => (heat.signed ? v.toPrecision(3) : v.toFixed(2));
   $("scale-label").textContent = `colour: ${range}${saturated ? ", stronger values saturate" : ""}; ` +
     `shown min ${fmt(heat.min)}, max ${fmt(heat.max)}`;
@@ -416,71 +494,85 @@ function drawColorbar(heat, width) {
 
 const measurer = document.createElement("canvas").getContext("2d");
 
-// Cells, label step and margins of the heatmap: cells grow (up to HEAT_MAX px in all) before
-// labels are dropped, every n-th token is labelled when rows are thinner than a label, and the
-// margins are the labels' measured widths, so no label runs into another or off the canvas.
+// Cells, label steps and margins of the heatmap. Each axis sizes its own cells (square when
+// Lq = Lk): they grow (up to HEAT_MAX px in all) before labels are dropped, every n-th token is
+// labelled when cells are thinner than a label, and the margins are the labels' measured widths,
+// so no label runs into another, into the matrix or off the canvas at any length.
 function heatGeometry() {
   const s = src();
-  let cell = Math.min(HEAT / s.lk, HEAT / s.lq, 28);
-  if (cell < LABEL_ROW) cell = Math.max(cell, Math.min(LABEL_ROW, HEAT_MAX / s.lk, HEAT_MAX / s.lq));
-  const every = Math.max(1, Math.ceil(LABEL_ROW / cell));
-  const labels = (tokens) => tokens.map((t, i) => (i % every ? null : every > 1 ? `${i} ${label(t, LABEL_CHARS)}` : label(t, LABEL_CHARS)));
-  const q = labels(s.q_tokens), k = labels(s.k_tokens);
+  const fit = (n) => {
+    let c = Math.min(HEAT / n, 28);
+    return c < LABEL_ROW ? Math.max(c, Math.min(LABEL_ROW, HEAT_MAX / n)) : c;
+  };
+  let cw = fit(s.lk), ch = fit(s.lq);
+  if (s.lq === s.lk) cw = ch = Math.min(cw, ch);
+  const everyQ = Math.max(1, Math.ceil(LABEL_ROW / ch)), everyK = Math.max(1, Math.ceil(LABEL_ROW / cw));
+  const labels = (tokens, every) =>
+    tokens.map((t, i) => (i % every ? null : every > 1 ? `${i} ${label(t, LABEL_CHARS)}` : label(t, LABEL_CHARS)));
+  const q = labels(s.q_tokens, everyQ), k = labels(s.k_tokens, everyK);
   measurer.font = LABEL_FONT;
   const widest = (texts) => Math.max(0, ...texts.filter((t) => t !== null).map((t) => measurer.measureText(t).width));
-  const left = Math.ceil(widest(q)) + 10, top = Math.ceil(widest(k)) + 10;
-  return { cell, every, left, top, qLabels: q, kLabels: k, width: left + s.lk * cell + 6, height: top + s.lq * cell + 6 };
+  const left = Math.ceil(widest(q)) + LABEL_GAP + 6, top = Math.ceil(widest(k)) + LABEL_GAP + 6;
+  return { cw, ch, cell: cw === ch ? cw : null, everyQ, everyK, left, top, qLabels: q, kLabels: k,
+           width: left + s.lk * cw + 6, height: top + s.lq * ch + 6 };
 }
 
 function drawHeatmap() {
   const s = src();
   const g = heatGeometry();
   const ctx = sizeCanvas($("heatmap"), g.width, g.height);
-  const pw = s.lk * g.cell, ph = s.lq * g.cell;
-  ctx.imageSmoothingEnabled = g.cell < 1;
+  const pw = s.lk * g.cw, ph = s.lq * g.ch;
+  ctx.imageSmoothingEnabled = g.cw < 1 || g.ch < 1;
   const heat = heatImage();
   ctx.drawImage(heat.canvas, g.left, g.top, pw, ph);
   const row = stepRow();
   if (row !== null) {  // keys and queries that do not exist yet at this step
-    ctx.fillStyle = "rgba(255,255,255,0.8)";
-    ctx.fillRect(g.left, g.top + (row + 1) * g.cell, pw, ph - (row + 1) * g.cell);
-    ctx.fillRect(g.left + (row + 1) * g.cell, g.top, pw - (row + 1) * g.cell, (row + 1) * g.cell);
+    ctx.fillStyle = T().veil;
+    ctx.fillRect(g.left, g.top + (row + 1) * g.ch, pw, ph - (row + 1) * g.ch);
+    ctx.fillRect(g.left + (row + 1) * g.cw, g.top, pw - (row + 1) * g.cw, (row + 1) * g.ch);
   }
-  // Token labels: every token when cells are tall enough for text, else every n-th, numbered.
+  // Token labels: every token when cells are tall enough for text, else every n-th, numbered. Each
+  // label's box is kept (stats.heatmapBoxes) so that a test can check that none overlaps another.
   stats.heatmapLabels = { q: [], k: [] };
-  stats.heatmapEvery = g.every;
-  ctx.fillStyle = "#1d1d1f";
+  stats.heatmapEvery = { q: g.everyQ, k: g.everyK };
+  const boxes = stats.heatmapBoxes = { q: [], k: [], matrix: [g.left, g.top, g.left + pw, g.top + ph],
+                                       canvas: [0, 0, g.width, g.height] };
+  const half = LABEL_ROW / 2 - 1;  // an 11px label's half height, drawn centred on its row
+  ctx.fillStyle = T().ink;
   ctx.font = LABEL_FONT;
   ctx.textBaseline = "middle";
   ctx.textAlign = "right";
-  for (let i = 0; i < s.lq; i += g.every) {
-    ctx.fillText(g.qLabels[i], g.left - 4, g.top + (i + 0.5) * g.cell);
+  for (let i = 0; i < s.lq; i += g.everyQ) {
+    const y = g.top + (i + 0.5) * g.ch, w = ctx.measureText(g.qLabels[i]).width;
+    ctx.fillText(g.qLabels[i], g.left - LABEL_GAP, y);
     stats.heatmapLabels.q.push(g.qLabels[i]);
+    boxes.q.push([g.left - LABEL_GAP - w, y - half, g.left - LABEL_GAP, y + half]);
   }
   ctx.save();
   ctx.textAlign = "left";
-  for (let j = 0; j < s.lk; j += g.every) {
-    const dpr = window.devicePixelRatio || 1;
+  for (let j = 0; j < s.lk; j += g.everyK) {
+    const dpr = window.devicePixelRatio || 1, x = g.left + (j + 0.5) * g.cw, w = ctx.measureText(g.kLabels[j]).width;
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.translate(g.left + (j + 0.5) * g.cell, g.top - 4);
+    ctx.translate(x, g.top - LABEL_GAP);
     ctx.rotate(-Math.PI / 2);
     ctx.fillText(g.kLabels[j], 0, 0);
     stats.heatmapLabels.k.push(g.kLabels[j]);
+    boxes.k.push([x - half, g.top - LABEL_GAP - w, x + half, g.top - LABEL_GAP]);
   }
   ctx.restore();
   drawColorbar(heat, g.width);
   // Outlines: the hovered token's row or column, the hovered cell, the step's row.
   ctx.strokeStyle = "#e0892b";
   ctx.lineWidth = 1.5;
-  const c = Math.max(1, g.cell);
+  const cw = Math.max(1, g.cw), ch = Math.max(1, g.ch);
   if (state.hover && state.view === "head") {
-    if (state.hover.side === "q") ctx.strokeRect(g.left, g.top + state.hover.index * g.cell, pw, c);
-    else ctx.strokeRect(g.left + state.hover.index * g.cell, g.top, c, ph);
+    if (state.hover.side === "q") ctx.strokeRect(g.left, g.top + state.hover.index * g.ch, pw, ch);
+    else ctx.strokeRect(g.left + state.hover.index * g.cw, g.top, cw, ph);
   }
-  if (row !== null) { ctx.strokeStyle = "#2f6fde"; ctx.strokeRect(g.left, g.top + row * g.cell, (row + 1) * g.cell, c); }
+  if (row !== null) { ctx.strokeStyle = "#2f6fde"; ctx.strokeRect(g.left, g.top + row * g.ch, (row + 1) * g.cw, ch); }
   if (state.cell) {
     ctx.strokeStyle = "#d62728";
-    ctx.strokeRect(g.left + state.cell.j * g.cell, g.top + state.cell.i * g.cell, c, c);
+    ctx.strokeRect(g.left + state.cell.j * g.cw, g.top + state.cell.i * g.ch, cw, ch);
   }
 }
 
@@ -488,8 +580,8 @@ function cellAt(event) {
   const s = src();
   const g = heatGeometry();
   const rect = $("heatmap").getBoundingClientRect();
-  const j = Math.floor((event.clientX - rect.left - g.left) / g.cell);
-  const i = Math.floor((event.clientY - rect.top - g.top) / g.cell);
+  const j = Math.floor((event.clientX - rect.left - g.left) / g.cw);
+  const i = Math.floor((event.clientY - rect.top - g.top) / g.ch);
   return i >= 0 && i < queryCount() && j >= 0 && j < Math.min(s.lk, keyCount()) ? { i, j } : null;
 }
 
@@ -689,15 +781,15 @@ function drawNeuron() {
   for (let j = first; j < last; j++) {
     const y = (j + 1) * ROW - top;   // row 0 of the canvas is the query's strip
     if (y < ROW - 1 || y > height) continue;
-    if (j === key) { ctx.fillStyle = "#fff3e0"; ctx.fillRect(0, y, width, ROW); }
-    ctx.fillStyle = "#1d1d1f";
+    if (j === key) { ctx.fillStyle = T().hoverRow; ctx.fillRect(0, y, width, ROW); }
+    ctx.fillStyle = T().ink;
     ctx.textAlign = "right";
     ctx.fillText(label(`${j} ${s.k_tokens[j]}`, 14), labelW - 6, y + ROW / 2);
     for (let d = 0; d < t.D; d++) {
       ctx.fillStyle = diverging(t.terms[j * t.D + d] / t.maxTerm);
       ctx.fillRect(x0 + d * cw, y + 2, cw - (cw > 3 ? 1 : 0), ROW - 4);
     }
-    ctx.fillStyle = "#1d1d1f";
+    ctx.fillStyle = T().ink;
     ctx.textAlign = "right";
     ctx.fillText(t.scores[j].toFixed(2), xNum + numW - 10, y + ROW / 2);
     const w = t.m[t.i * s.lk + j] / 255;
@@ -705,7 +797,7 @@ function drawNeuron() {
     ctx.fillRect(xBar, y + 4, Math.max(0.5, w * barW), ROW - 8);
   }
   // The query's own vector on top (sticky), scaled to its largest |q_d|.
-  ctx.fillStyle = "#f4f4f6";
+  ctx.fillStyle = T().strip;
   ctx.fillRect(0, 0, width, ROW);
   let qmax = 1e-12;
   for (let d = 0; d < t.D; d++) qmax = Math.max(qmax, Math.abs(t.q[d]));
@@ -713,7 +805,7 @@ function drawNeuron() {
   ctx.textAlign = "right";
   ctx.fillText(label(`q ${t.i} ${s.q_tokens[t.i]}`, 14), labelW - 6, ROW / 2);
   for (let d = 0; d < t.D; d++) { ctx.fillStyle = diverging(t.q[d] / qmax); ctx.fillRect(x0 + d * cw, 2, cw - (cw > 3 ? 1 : 0), ROW - 4); }
-  ctx.fillStyle = "#6b6b70";
+  ctx.fillStyle = T().muted;
   ctx.textAlign = "left";
   ctx.font = "11px system-ui, sans-serif";
   ctx.fillText("score", xNum + 8, ROW / 2);
@@ -736,10 +828,10 @@ function drawPair(t, j) {
     const mid = 10 + r * band + band / 2;
     let vmax = 1e-12;
     for (let d = 0; d < D; d++) vmax = Math.max(vmax, Math.abs(vec[d]));
-    ctx.fillStyle = "#1d1d1f";
+    ctx.fillStyle = T().ink;
     ctx.textAlign = "right";
     ctx.fillText(name, 122, mid);
-    ctx.strokeStyle = "#d9d9de";
+    ctx.strokeStyle = T().line;
     ctx.beginPath(); ctx.moveTo(130, mid); ctx.lineTo(130 + bw * D, mid); ctx.stroke();
     for (let d = 0; d < D; d++) {
       const h = (vec[d] / vmax) * (band / 2 - 4);
@@ -749,7 +841,7 @@ function drawPair(t, j) {
   });
   const weight = t.m[t.i * s.lk + j] / 255;
   const order = [...prod.keys()].sort((a, b) => Math.abs(prod[b]) - Math.abs(prod[a])).slice(0, 3);
-  ctx.fillStyle = "#1d1d1f";
+  ctx.fillStyle = T().ink;
   ctx.textAlign = "left";
   ctx.fillText(`score = Σ_d q_d k_d · scale = ${t.scores[j].toFixed(3)}   weight ${weight.toFixed(2)}   ` +
     `(head ${t.head}, D = ${D}, scale = ${s.scale.toPrecision(3)})`, 8, 10 + 3 * band + 10);
@@ -767,95 +859,15 @@ function neuronRowAt(event) {
   return j >= 0 && j < nk ? j : null;
 }
 
-// ------------------------------------------------------------------------------ render loop
-let pending = false;
-function render() {
-  if (pending) return;
-  pending = true;
-  requestAnimationFrame(() => {
-    pending = false;
-    const t0 = performance.now();
-    markSelected();
-    syncLegend();
-    if (state.view === "head") {
-      drawHeadView();
-      drawHeatmap();
-      $("status").textContent = describe();
-    } else if (state.view === "neuron") {
-      drawNeuron();
-      if (!src().queries) $("status").textContent = describe();
-    } else if (state.view === "model") {
-      drawPreview(Number($("preview").dataset.layer || state.layer), Number($("preview").dataset.head || state.focus));
-    }
-    stats.lastMs = performance.now() - t0;
-    stats.renders++;
-  });
-}
-
-function same(a, b) { return JSON.stringify(a) === JSON.stringify(b); }
-
-$("lines").addEventListener("mousemove", (event) => {
-  const next = hoverAt(event);
-  if (!same(next, state.hover)) { state.hover = next; state.cell = null; render(); }
-});
-$("lines").addEventListener("mouseleave", () => { state.hover = null; render(); });
-$("lines").addEventListener("click", (event) => {
-  const at = hoverAt(event);
-  if (at) { state.pin[at.side] = state.pin[at.side] === at.index ? null : at.index; render(); }
-});
-$("heatmap").addEventListener("mousemove", (event) => {
-  const next = cellAt(event);
-  if (!same(next, state.cell)) { state.cell = next; state.hover = null; render(); }
-});
-$("heatmap").addEventListener("mouseleave", () => { state.cell = null; render(); });
-$("heatmap").addEventListener("click", (event) => {
-  const at = cellAt(event);
-  if (at) { state.pin = { q: at.i, k: at.j }; $("neuron-query").value = String(at.i); render(); }
-});
-$("neuron").addEventListener("mousemove", (event) => {
-  const j = neuronRowAt(event);
-  if (j !== state.nkey) { state.nkey = j; render(); }
-});
-$("neuron").addEventListener("mouseleave", () => { state.nkey = null; render(); });
-$("neuron").addEventListener("click", (event) => {
-  const j = neuronRowAt(event);
-  if (j !== null) { state.pin.k = j; render(); }
-});
-$("neuron-query").addEventListener("change", (e) => {
-  const i = Number(e.target.value);
-  state.pin.q = i;
-  if (isGeneration()) {  // a query of the generated part is a step; one of the prompt shows the whole sequence
-    const step = i - (src().prompt_len - 1);
-    setStep(step >= 0 ? step : null);
-    state.pin.q = i;
-  }
+// ------------------------------------------------------------------------------ theme
+function setTheme(theme, redraw = true) {
+  state.theme = theme;
+  document.documentElement.dataset.theme = theme;
+  $("theme").setAttribute("aria-pressed", String(theme === "dark"));
+  $("theme").textContent = theme === "dark" ? "Light mode" : "Dark mode";
+  if (!redraw) return;
+  heatImages.clear();
+  lensBuilt = null;
+  buildGrid();  // thumbnails are painted once per source
   render();
-});
-$("scroller").addEventListener("scroll", render, { passive: true });
-$("neuron-scroller").addEventListener("scroll", render, { passive: true });
-window.addEventListener("resize", render);
-// The scrollers' heights are in vh: a page inside a notebook's frame can get its viewport only after
-// its first frame was drawn (Chromium gives a sandboxed frame its size late), and the window's resize
-// event does not always follow. Redraw whenever either scroller's box changes size.
-if (window.ResizeObserver) {
-  const resized = new ResizeObserver(render);
-  resized.observe($("scroller"));
-  resized.observe($("neuron-scroller"));
 }
-$("source").addEventListener("change", (e) => setSource(Number(e.target.value)));
-$("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); render(); });
-$("heads-all").addEventListener("click", () => showHeads([...Array(src().heads).keys()], state.focus));
-$("heads-none").addEventListener("click", () => showHeads([], state.focus));
-$("step").addEventListener("input", (e) => setStep(Number(e.target.value)));
-$("step-prev").addEventListener("click", () => setStep(Math.max(0, (state.step === null ? 1 : state.step) - 1)));
-$("step-next").addEventListener("click", () =>
-  setStep(Math.min(src().lq - src().prompt_len, state.step === null ? 0 : state.step + 1)));
-$("step-all").addEventListener("click", () => setStep(null));
-$("scale").addEventListener("change", (e) => { state.scale = e.target.value; render(); });
-$("contrast").addEventListener("input", (e) => { state.contrast = Number(e.target.value); render(); });
-$("thumb-size").addEventListener("input", (e) => document.documentElement.style.setProperty("--thumb", `${e.target.value}px`));
-for (const v of ["head", "model", "neuron"]) $(`tab-${v}`).addEventListener("click", () => setView(v));
-
-fillSelect($("source"), DATA.sources.map((s, i) => [i, s.name]), 0);
-setSource(0);
-window.__viewerReady = true;

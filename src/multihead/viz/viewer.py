@@ -14,6 +14,14 @@ The page has three views (``docs/demo.md``, "The viewer"):
   on hover); click one to open it in the head view.
 * **neuron view** (sources with ``queries`` and ``keys``): one query against every key of the
   focused head, each score split into its ``D`` elementwise terms ``q_d · k_d · scale``.
+* **text view**: the tokens as text, each coloured by the chosen token's weight on it (its row) or
+  its weight on the chosen token (its column), for the shown heads' mean or one line per head.
+* **logit lens** (sources with ``logit_lens``, :func:`multihead.viz.logit_lens`): per layer and
+  position, the top next token through the model's final norm and unembedding.
+
+Sources of one ``name`` with ``kind`` ``"encoder"``, ``"decoder"`` and ``"cross"`` are one model
+with a switch between them; ``segments`` (a sentence pair) adds an A→B filter; a button switches
+to a dark theme.
 
 Under the heatmap a colour bar gives the scale (0 to 1, or to the largest weight shown, with a
 contrast slider) and the shown minimum and maximum. A ``signed`` source (scores, attributions,
@@ -44,10 +52,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.conventions import default_scale, repeat_kv
+from multihead.viz.lens import LogitLens
 
 __all__ = ["ViewerSource", "Viewer", "render_viewer", "write_viewer"]
 
 THUMB = 48  # max thumbnail side, in cells
+#: The page's script, one concept a file, joined in this order: each uses what the ones before declare.
+SCRIPTS = ("viewer.js", "viewer_text.js", "viewer_lens.js", "viewer_main.js")
+KINDS = ("encoder", "decoder", "cross")  # a seq2seq model's attentions, in the page's order
 
 
 @dataclass
@@ -86,6 +98,15 @@ class ViewerSource:
             as 8 bits of ``value / max|value|`` (one scale for the whole source, so heads
             compare). Masked scores (``-inf``) must be replaced first (by 0, or with
             ``torch.where``); the neuron view (``queries``, ``keys``) is for probabilities only.
+        kind: ``"encoder"``, ``"decoder"`` or ``"cross"``: one attention of a model with several
+            (a seq2seq model). Sources of one ``name`` and different kinds are one model on the
+            page, with a switch between them (bertviz's encoder / decoder / cross views).
+        segments: the sentence (0 = A, 1 = B) of each query token, e.g. BERT's ``token_type_ids``
+            of a sentence pair; the page then filters the attention to A→A, A→B, B→A or B→B.
+        k_segments: the sentence of each key token; default ``segments`` when the keys are the
+            query tokens.
+        logit_lens: a :class:`multihead.viz.LogitLens` of the same tokens (decoders): per layer,
+            the top next tokens, shown in the page's "Logit lens" tab.
     """
 
     name: str
@@ -102,6 +123,10 @@ class ViewerSource:
     generated: list[str] | None = None
     batch: int | None = None
     signed: bool = False
+    kind: str | None = None
+    segments: list[int] | None = None
+    k_segments: list[int] | None = None
+    logit_lens: LogitLens | None = None
 
     def to_json(self) -> dict:
         """The source as the viewer's JSON: tokens, weights ``(layers, H, Lq, Lk)`` rounded, names."""
@@ -116,8 +141,9 @@ class ViewerSource:
             )
         if not isinstance(self.signed, bool):
             raise TypeError(f"ViewerSource {self.name!r}: signed must be a bool, got {self.signed!r}")
+        extras = self._extras_json(lq, lk)
         if self.signed:
-            return self._signed_json(w)
+            return {**self._signed_json(w), **extras}
         if w.numel() and not (bool(torch.isfinite(w).all()) and w.min() >= 0 and w.max() <= 1 + 1e-3):
             # stored as round(255 * w) clamped to [0, 1]: scores or NaN would be drawn as something else
             raise ValueError(
@@ -136,6 +162,7 @@ class ViewerSource:
         data = self._common_json(w, q8, t8)
         data.update(self._vectors_json(layers, heads, lq, lk))
         data.update(self._generation_json(lq, lk))
+        data.update(extras)
         return data
 
     def _signed_json(self, w: Tensor) -> dict:
@@ -196,6 +223,38 @@ class ViewerSource:
                 )
             data["highlight"] = {"layer": int(layer), "head": int(head), "label": str(label)}
         return data
+
+    def _extras_json(self, lq: int, lk: int) -> dict:
+        """The attention kind, the sentences of a pair and the logit lens, checked against the shape."""
+        out: dict = {}
+        if self.kind is not None:
+            if self.kind not in KINDS:
+                raise ValueError(f"ViewerSource {self.name!r}: kind must be None or one of {KINDS}, got {self.kind!r}")
+            out["kind"] = self.kind
+        if self.segments is not None or self.k_segments is not None:
+            same = lq == lk and list(self.q_tokens) == list(self.k_tokens)
+            if self.segments is None or (self.k_segments is None and not same):
+                raise ValueError(
+                    f"ViewerSource {self.name!r}: a sentence pair needs segments= (one per query token) and, "
+                    "when the keys are other tokens, k_segments= (one per key token)"
+                )
+            q_seg = _segments(self.segments, lq, self.name, "segments")
+            k_seg = q_seg if self.k_segments is None else _segments(self.k_segments, lk, self.name, "k_segments")
+            out.update({"segments": q_seg, "k_segments": k_seg})
+        if self.logit_lens is not None:
+            lens = self.logit_lens
+            if not isinstance(lens, LogitLens):
+                raise TypeError(
+                    f"ViewerSource {self.name!r}: logit_lens must be a multihead.viz.LogitLens "
+                    f"(multihead.viz.logit_lens(model, ids, ...)), got {type(lens).__name__}"
+                )
+            if len(lens.tokens) != lq:
+                raise ValueError(
+                    f"ViewerSource {self.name!r}: the logit lens has {len(lens.tokens)} positions for "
+                    f"{lq} query tokens; record it on the same ids"
+                )
+            out["lens"] = lens.to_json()
+        return out
 
     def _vectors_json(self, layers: int, heads: int, lq: int, lk: int) -> dict:
         if self.queries is None and self.keys is None:
@@ -263,13 +322,23 @@ def render_viewer(sources: ViewerSource | list[ViewerSource], *, title: str = "m
         )
     if not items:
         raise ValueError("render_viewer: sources is empty; expected at least one ViewerSource")
+    kinds: dict[tuple[str, str | None], int] = {}
+    for s in items:
+        kinds[(s.name, s.kind)] = kinds.get((s.name, s.kind), 0) + 1
+    for name, kind in kinds:
+        if kind is not None and ((name, None) in kinds or kinds[(name, kind)] > 1):
+            raise ValueError(
+                f"render_viewer: the sources named {name!r} are one model's attention kinds; each needs "
+                f"its own kind ({', '.join(KINDS)}), got {kinds[(name, kind)]} of kind {kind!r}"
+                f"{' and one without a kind' if (name, None) in kinds else ''}"
+            )
     payload = json.dumps({"title": title, "sources": [s.to_json() for s in items]}, separators=(",", ":"))
     # Inside <script> only "</" can end the element early; "<\/" is the same string to JSON.
     payload = payload.replace("</", "<\\/")
     parts = {
         "TITLE": html.escape(title),
         "CSS": _template("viewer.css"),
-        "JS": _template("viewer.js").replace("</", "<\\/"),
+        "JS": "\n".join(_template(name) for name in SCRIPTS).replace("</", "<\\/"),
         "DATA": payload,
     }
     # One pass, so text inside one part (a token "{{JS}}") is never substituted again.
@@ -388,6 +457,17 @@ def _keys_per_query_head(keys, heads: int, name: str, batch: int | None):
             k = k.repeat_interleave(heads // k.shape[0], dim=0)  # query head h reads kv_head_of(h)
         out.append(k)
     return out
+
+
+def _segments(values, n: int, name: str, what: str) -> list[int]:
+    """``values`` (a list or a tensor of 0s and 1s, one per token) as a list of ints."""
+    seg = values.tolist() if isinstance(values, Tensor) else list(values)
+    if len(seg) != n or any(isinstance(v, bool) or v not in (0, 1) for v in seg):
+        raise ValueError(
+            f"ViewerSource {name!r}: {what} must be {n} values of 0 (sentence A) or 1 (sentence B), one per "
+            f"token, got {len(seg)} values {sorted(set(map(repr, seg)))[:4]}"
+        )
+    return [int(v) for v in seg]
 
 
 def _to_uint8(w: Tensor) -> Tensor:

@@ -1,0 +1,216 @@
+"""``hybrid_attention``: a 2-D context-parallel mesh, Ulysses inside a group, the ring across
+groups (USP's hybrid, LoongTrain's head x context parallelism).
+
+``P = R · U`` ranks form a mesh of ``R`` ring ranks by ``U`` Ulysses ranks (:class:`Mesh2D`: two
+process groups, or a 2-D ``DeviceMesh`` whose dims are ``(ring, ulysses)``). Ulysses alone
+cannot use more ranks than heads; the ring alone sends its K/V over every link. Here the
+all-to-alls stay inside a Ulysses group (one node, fast links) and only the ring's K/V shards,
+``U`` times fewer heads of them, cross groups::
+
+    q (B, Hq, S, D) on rank (r, u) ──all-to-all in ulysses group r──> (B, Hq/U, U·S, D)
+        = ring rank r's shard of the sequence, heads [u·Hq/U, (u+1)·Hq/U)
+    ring_attention over the ring group u (the whole mask, score modifiers and sinks read at
+        those heads: multihead.masks.head_range, multihead.scores.head_range)
+    out (B, Hq, S, Dv)    <──all-to-all in ulysses group r── (B, Hq/U, U·S, Dv)
+
+**The layout is composed**: the sequence is cut over the ``R`` ring ranks in ``layout`` (zigzag
+by default: balanced causal work across ring ranks), and each ring rank's shard is cut
+contiguously over its ``U`` Ulysses ranks (the heads balance the work inside a group)::
+
+    L = 16, R = 2, U = 2, zigzag    positions  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15
+    ring rank                                  0         1         1           0
+    ring shard of ring rank 0: 0 1 2 3 12 13 14 15  ->  ulysses rank 0: 0 1 2 3, 1: 12 13 14 15
+
+:func:`hybrid_shard`, :func:`hybrid_unshard` and :func:`hybrid_positions` cut, gather and number
+a sequence this way (RoPE must rotate by :func:`hybrid_positions`). GQA: ``U`` divides ``Hkv``
+(KV heads split) or ``Hkv`` divides ``U`` (each KV head replicated to the ranks that read it),
+as for Ulysses; the ring has no condition on heads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from multihead.call import AttentionResult, ScoreModArg
+from multihead.distributed.checks import (
+    Shards,
+    agree_mesh,
+    call_summary,
+    check_mask,
+    check_qkv,
+    check_scale,
+    check_score_mod,
+)
+from multihead.distributed.layout import (
+    check_divisible,
+    check_layout,
+    shard_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from multihead.distributed.ring import ring_attention
+from multihead.distributed.ulysses import Runs, to_heads, to_sequence
+from multihead.masks import Mask, head_range
+from multihead.scores import head_range as score_head_range
+from multihead.scores import sinks_range
+from multihead.sinks import check_sinks
+
+__all__ = ["Mesh2D", "hybrid_attention", "hybrid_shard", "hybrid_unshard", "hybrid_positions"]
+
+_WHERE = "hybrid_attention"
+
+
+class Mesh2D(NamedTuple):
+    """The two process groups of a 2-D context-parallel mesh: ``ring``, the ranks that hold the
+    other Ulysses groups' parts of the sequence with the same heads (across nodes), and
+    ``ulysses``, the ranks that share one ring rank's part of the sequence by heads (inside a
+    node). :meth:`of` builds it from a 2-D ``DeviceMesh``."""
+
+    ring: object
+    ulysses: object
+
+    @classmethod
+    def of(cls, mesh) -> Mesh2D:
+        """``mesh``: a :class:`Mesh2D`, a pair ``(ring_group, ulysses_group)``, or a 2-D
+        ``torch.distributed.device_mesh.DeviceMesh`` of dims ``(ring, ulysses)``."""
+        if isinstance(mesh, Mesh2D):
+            return mesh
+        if isinstance(mesh, tuple) and len(mesh) == 2:
+            return cls(*mesh)
+        if hasattr(mesh, "get_group") and getattr(mesh, "ndim", None) == 2:
+            return cls(mesh.get_group(0), mesh.get_group(1))
+        got = f"a {getattr(mesh, 'ndim', '?')}-D DeviceMesh" if hasattr(mesh, "get_group") else type(mesh).__name__
+        raise TypeError(
+            f"{_WHERE}: mesh must be a 2-D DeviceMesh of dims (ring, ulysses), a pair (ring_group, "
+            f"ulysses_group) or a Mesh2D, got {got}"
+        )
+
+    def sizes(self) -> tuple[int, int]:
+        """``(R, U)``."""
+        return dist.get_world_size(self.ring), dist.get_world_size(self.ulysses)
+
+
+def hybrid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mesh,
+    mask: Mask | Tensor | None = None,
+    score_mod: ScoreModArg = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | AttentionResult:
+    """Attention over a sequence sharded across a 2-D mesh of ``R x U`` ranks (module docstring),
+    equal to :func:`multihead.attention` on the whole sequence.
+
+    Arguments and result as in :func:`multihead.distributed.ring_attention`, with ``mesh`` (see
+    :meth:`Mesh2D.of`) in place of ``group``: ``q (B, Hq, S, D)``, ``k (B, Hkv, S, D)``,
+    ``v (B, Hkv, S, Dv)`` this rank's shard of ``L = R·U·S`` positions in the composed layout
+    (:func:`hybrid_shard`); ``U`` divides ``Hq``, and ``U`` divides ``Hkv`` or ``Hkv`` divides
+    ``U``. Inputs are checked and agreed on by every rank of the mesh before anything moves."""
+    groups = Mesh2D.of(mesh)
+    R, U = groups.sizes()
+    u = dist.get_rank(groups.ulysses)
+    error, summary, shards, mod = None, {}, None, None
+    try:
+        shards = check_qkv(_WHERE, q, k, v, R * U)
+        check_layout(layout, _WHERE)
+        if shards.Sq != shards.Sk:
+            raise ValueError(
+                f"{_WHERE}: q holds {shards.Sq} positions but k holds {shards.Sk} on this rank; the "
+                "all-to-all exchanges one sequence, so expected equal shards (use ring_attention for Lq != Lk)"
+            )
+        check_divisible(_WHERE, "L", shards.Lq, R, layout)
+        _check_heads(shards, U)
+        mask = check_mask(_WHERE, mask, shards)
+        mod = check_score_mod(_WHERE, score_mod, softcap, shards)
+        check_sinks(sinks, q)
+        scale = check_scale(_WHERE, scale, shards.D)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
+            )
+        summary = call_summary(
+            q, k, v, mask=mask, score_mod=mod, sinks=sinks, layout=layout, scale=scale, mesh=(R, U), backend=backend
+        )
+    except Exception as e:  # any failure here must reach every rank of the mesh
+        error = e
+    agree_mesh(_WHERE, groups.ulysses, groups.ring, error, summary)
+    assert shards is not None and not isinstance(mask, Tensor)  # agree_mesh raised otherwise
+
+    S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
+    runs = Runs(S, U, "contiguous")  # the ring shard's local order: Ulysses rank u holds [u·S, (u+1)·S)
+    replicas = U // Hkv if Hkv % U else 1
+    qh = to_heads(q, groups.ulysses, runs)  # (B, Hq/U, U·S, D): ring rank r's shard, this rank's heads
+    kh = to_heads(k, groups.ulysses, runs, replicas)  # (B, Hkv/U or 1, U·S, D)
+    vh = to_heads(v, groups.ulysses, runs, replicas)  # (B, Hkv/U or 1, U·S, Dv)
+    first, count = u * (Hq // U), Hq // U
+    res = ring_attention(
+        qh,
+        kh,
+        vh,
+        group=groups.ring,
+        mask=head_range(mask, first, count, Hq),
+        score_mod=score_head_range(mod, first, count, Hq),
+        sinks=sinks_range(sinks, first, count, Hq),
+        layout=layout,
+        scale=scale,
+        return_lse=True,
+        backend=backend,
+    )
+    assert isinstance(res, AttentionResult) and res.lse is not None  # asked for
+    out = to_sequence(res.output, groups.ulysses, runs)  # (B, Hq, S, Dv)
+    if not return_lse:
+        return out
+    lse = to_sequence(res.lse.unsqueeze(-1), groups.ulysses, runs).squeeze(-1)  # (B, Hq, S)
+    return AttentionResult(out, None, lse)
+
+
+def _check_heads(shards: Shards, U: int) -> None:
+    if shards.Hq % U:
+        raise ValueError(
+            f"{_WHERE}: Hq={shards.Hq} query heads do not split over the {U} ranks of a Ulysses group; "
+            f"expected a multiple of {U}; hint: a smaller Ulysses dimension, or ring_attention alone"
+        )
+    if shards.Hkv % U and U % shards.Hkv:
+        raise ValueError(
+            f"{_WHERE}: Hkv={shards.Hkv} key/value heads neither split over the {U} ranks of a Ulysses "
+            f"group nor divide {U} (to be replicated); expected a multiple or a divisor of {U}"
+        )
+
+
+def hybrid_shard(x: Tensor, *, mesh, dim: int, layout: str = "zigzag") -> Tensor:
+    """This rank's shard of the whole sequence ``x`` (the same on every rank) in the composed
+    layout: ``layout`` over the ring ranks, then contiguous over the Ulysses ranks."""
+    groups = Mesh2D.of(mesh)
+    ring_shard = shard_sequence(x, dim=dim, group=groups.ring, layout=layout)
+    return shard_sequence(ring_shard, dim=dim, group=groups.ulysses, layout="contiguous")
+
+
+def hybrid_unshard(x: Tensor, *, mesh, dim: int, layout: str = "zigzag") -> Tensor:
+    """The whole sequence from every rank's shard (all-gathers; the inverse of :func:`hybrid_shard`)."""
+    groups = Mesh2D.of(mesh)
+    ring_shard = unshard_sequence(x, dim=dim, group=groups.ulysses, layout="contiguous")
+    return unshard_sequence(ring_shard, dim=dim, group=groups.ring, layout=layout)
+
+
+def hybrid_positions(
+    shard_len: int, *, mesh, layout: str = "zigzag", device: torch.device | str | None = None
+) -> Tensor:
+    """The global positions ``(shard_len,)`` of this rank's tokens in the composed layout."""
+    groups = Mesh2D.of(mesh)
+    U = dist.get_world_size(groups.ulysses)
+    u = dist.get_rank(groups.ulysses)
+    ring = shard_positions(shard_len * U, group=groups.ring, layout=layout, device=device)  # (U·S,)
+    return ring[u * shard_len : (u + 1) * shard_len]

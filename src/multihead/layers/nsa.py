@@ -1,0 +1,268 @@
+"""``NativeSparseAttention``: NSA (Yuan et al., 2025, DeepSeek), three branches mixed by gates.
+
+Per query token ``t`` (at position ``p``) and query head ``h`` of KV group ``g``, with ``l`` the
+compression block, ``d`` its stride, ``l'`` the selection block, ``n`` the blocks selected and
+``w`` the window::
+
+    compressed  K̃_i = φ_K(K[i·d : i·d + l]),  Ṽ_i = φ_V(V[...])     block i, complete at i·d + l - 1
+                p_cmp = softmax(q K̃ᵀ / sqrt(D) over blocks with i·d + l - 1 <= p)
+                o_cmp = p_cmp Ṽ
+    selected    s_j = Σ_{h in g} Σ_{i: block i overlaps block j of l'} p_cmp[h, i]     (pooled per group)
+                chosen = block 0, the query's own block and the one before it, and the best others
+                         by s_j among blocks starting at or before p: n in all (ties: lower j)
+                o_slc = softmax(q Kᵀ / sqrt(D) over the keys of the chosen blocks, causal) V
+    window      o_win = softmax(q Kᵀ / sqrt(D) over keys p - w < j <= p) V
+    out         o = σ(x W_g)_cmp · o_cmp + σ(x W_g)_slc · o_slc + σ(x W_g)_win · o_win   per head
+
+``φ`` (``compress_k``, ``compress_v``) is a linear map of the block's ``l`` keys flattened, after
+adding a learned intra-block position encoding (``compress_pos_k``/``_v``, ``(l, D)``): the
+paper's "MLP with intra-block position encoding" with one layer. The selection is not
+differentiated (as in the paper); gradients reach the gates, ``φ``, and q, k, v through all three
+branches. The three branches share the layer's keys and values (the paper gives each its own;
+one set keeps a plain layer's projections and cache; documented in docs/variants.md).
+
+The selected branch is a :func:`~multihead.masks.block_select` mask per query token, shared by
+the query heads of a KV group, so it runs on ``blocksparse``'s gathered path (cost follows the
+blocks); the window is a ``sliding_window`` (a band); the compressed branch is small
+(``Lq x Lk / d`` scores) and runs in plain PyTorch (its probabilities are what selects).
+
+With a :class:`~multihead.caches.DynamicKVCache` (slots are positions), the compressed blocks of
+a cache are kept beside it (by the cache object, weakly) and extended as blocks fill: a call's
+new tokens are the cache's last ``Lq`` slots, so blocks ending before them are reused and the
+rest computed; prefill + decode steps equal the full forward.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead.attention import attention
+from multihead.caches import DynamicKVCache
+from multihead.layers.heads import Heads
+from multihead.layers.multihead import MultiHeadAttention
+from multihead.masks import Mask, block_select, causal, sliding_window
+
+__all__ = ["NativeSparseAttention", "NsaCore"]
+
+
+class NativeSparseAttention(MultiHeadAttention):
+    """NSA: compressed, selected and sliding-window attention per head, mixed by sigmoid gates.
+
+    Args:
+        d_model, num_heads: as :class:`~multihead.layers.MultiHeadAttention`.
+        num_kv_heads: ``Hkv``; default ``num_heads``. The selection is shared by a KV group.
+        compress_block: ``l``, keys per compressed block (the paper: 32).
+        compress_stride: ``d``, between compressed blocks (the paper: 16); divides ``l`` and ``l'``.
+        select_block: ``l'``, keys per selected block (the paper: 64).
+        select_count: ``n``, blocks each query reads, the forced ones included (the paper: 16).
+        window: ``w``, the sliding window's keys (the paper: 512).
+        **options: every other argument of :class:`~multihead.layers.MultiHeadAttention`
+            (``rope``, ``backend``, ``head_dim``, ...); ``causal`` is always ``True``; not
+            ``dropout``, ``attend`` or ``context_parallel``.
+
+    ``forward(x, *, positions=None, kv_cache=None)``: self-attention, causal; ``kv_cache`` a
+    :class:`~multihead.caches.DynamicKVCache`. No ``mask=`` (the three branches are causal by
+    construction), no ``need_weights`` (three maps, no one probability table).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        compress_block: int = 32,
+        compress_stride: int = 16,
+        select_block: int = 64,
+        select_count: int = 16,
+        window: int = 512,
+        **options: Any,
+    ):
+        layer = type(self).__name__
+        sizes = {
+            "compress_block": compress_block,
+            "compress_stride": compress_stride,
+            "select_block": select_block,
+            "select_count": select_count,
+            "window": window,
+        }
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
+        if compress_block % compress_stride or select_block % compress_stride:
+            raise ValueError(
+                f"{layer}: compress_stride must divide compress_block and select_block (blocks on one grid), got "
+                f"compress_stride={compress_stride}, compress_block={compress_block}, select_block={select_block}"
+            )
+        if options.pop("causal", True) is not True:
+            raise ValueError(f"{layer}: causal must be True (NSA's branches never read a later key)")
+        for name in ("attend", "context_parallel"):
+            if options.get(name) is not None:
+                raise TypeError(f"{layer}: {name} is not supported (it attends in one call), got {options[name]!r}")
+        if options.get("dropout", 0.0):
+            raise ValueError(
+                f"{layer}: dropout is not supported (the selection reads the probabilities), got {options['dropout']!r}"
+            )
+        super().__init__(d_model, num_heads, num_kv_heads=num_kv_heads, causal=True, **options)
+        self.compress_block, self.compress_stride = compress_block, compress_stride
+        self.select_block, self.select_count, self.window = select_block, select_count, window
+        weight = self.q_proj.weight
+        kw = {"device": weight.device, "dtype": weight.dtype}
+        D = self.head_dim
+        self.compress_k = nn.Linear(compress_block * D, D, **kw)
+        self.compress_v = nn.Linear(compress_block * D, D, **kw)
+        self.compress_pos_k = nn.Parameter(torch.zeros(compress_block, D, **kw))
+        self.compress_pos_v = nn.Parameter(torch.zeros(compress_block, D, **kw))
+        self.gate_proj = nn.Linear(d_model, 3 * num_heads, **kw)  # (cmp, slc, win) per head
+        self._compressed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._cache: DynamicKVCache | None = None
+
+    def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
+        layer = type(self).__name__
+        if kv_cache is not None and not isinstance(kv_cache, DynamicKVCache):
+            raise TypeError(
+                f"{layer}: kv_cache must be a DynamicKVCache (its slots are positions, so blocks are cut where "
+                f"they were in the prefill), got {type(kv_cache).__name__}"
+            )
+        if args or kwargs.get("key") is not None or kwargs.get("value") is not None:
+            raise TypeError(f"{layer}: self-attention only (forward(x, ...)); got key/value arguments")
+        for name in ("mask", "score_mod"):
+            if kwargs.get(name) is not None:
+                raise TypeError(f"{layer}: {name}= is not supported (the branches are causal by construction)")
+        if kwargs.get("need_weights"):
+            raise TypeError(f"{layer}: need_weights is not supported (three attention maps, no one table)")
+        self._cache = kv_cache
+        try:
+            return super().forward(query, kv_cache=kv_cache, **kwargs)
+        finally:
+            self._cache = None
+
+    def _heads(self, query: Tensor) -> Heads:
+        g = torch.sigmoid(self.gate_proj(query))  # (B, Lq, 3·Hq); L first if not batch_first
+        if not self.batch_first:
+            g = g.transpose(0, 1)
+        return NsaCore(self, g, self._cache), self.out_proj
+
+    def compress(self, k: Tensor, v: Tensor, first: int = 0) -> tuple[Tensor, Tensor]:
+        """``φ_K, φ_V`` of the compressed blocks ``first, first + 1, ...`` complete in ``k (B, Hkv,
+        Lk, D)``, ``v``: ``(B, Hkv, nC - first, D)`` each."""
+        l, d = self.compress_block, self.compress_stride
+        Lk = k.shape[2]
+        total = (Lk - l) // d + 1 if Lk >= l else 0
+        if total <= first:
+            empty = k.new_zeros(k.shape[0], k.shape[1], 0, self.head_dim)
+            return empty, empty.clone()
+        start = first * d
+        kb = k[:, :, start:].unfold(2, l, d)  # (B, Hkv, n, D, l)
+        vb = v[:, :, start:].unfold(2, l, d)
+        kb = kb.transpose(-1, -2) + self.compress_pos_k  # (B, Hkv, n, l, D)
+        vb = vb.transpose(-1, -2) + self.compress_pos_v
+        return self.compress_k(kb.flatten(-2)), self.compress_v(vb.flatten(-2))
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, compress_block={self.compress_block}, compress_stride={self.compress_stride}, "
+            f"select_block={self.select_block}, select_count={self.select_count}, window={self.window}"
+        )
+
+
+NativeSparseAttention.__init__.__doc__ = NativeSparseAttention.__doc__
+
+
+class NsaCore:
+    """The three branches with :func:`multihead.attention`'s signature: ``q (B, Hq, Lq, D)``,
+    ``k``, ``v (B, Hkv, Lk, D)``, query ``i`` at position ``Lk - Lq + i``; gates ``(B, Lq, 3·Hq)``."""
+
+    def __init__(self, layer: NativeSparseAttention, gates: Tensor, cache: DynamicKVCache | None):
+        self.layer, self.gates, self.cache = layer, gates, cache
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any) -> Tensor:
+        for name in ("score_mod", "sinks"):
+            if options.get(name) is not None:
+                raise TypeError(f"NativeSparseAttention: {name} is not supported")
+        if options.get("return_weights"):
+            raise TypeError("NativeSparseAttention: weights are not supported (three attention maps, no one table)")
+        backend = options.get("backend", "auto")
+        B, Hq, Lq, D = q.shape
+        o_cmp, p_cmp = self.compressed(q, k, v)
+        idx = self.choose(p_cmp, Lq, k.shape[2])
+        selected = block_select(idx, self.layer.select_block, num_heads=Hq, query_block_size=1) & causal()
+        o_slc = attention(q, k, v, mask=selected, backend=backend)
+        o_win = attention(q, k, v, mask=sliding_window(self.layer.window - 1), backend=backend)
+        g = self.gates.view(B, Lq, 3, Hq).permute(2, 0, 3, 1).unsqueeze(-1)  # (3, B, Hq, Lq, 1)
+        return g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # (B, Hq, Lq, D)
+
+    def compressed(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``o_cmp (B, Hq, Lq, D)`` and ``p_cmp (B, Hq, Lq, nC)``: attention over the compressed
+        blocks complete at each query's position (rows with none: 0)."""
+        layer = self.layer
+        B, Hq, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        kc, vc = self._blocks(k, v, Lq)  # (B, Hkv, nC, D)
+        nC = kc.shape[2]
+        G = Hq // Hkv
+        scores = q.view(B, Hkv, G, Lq, D) @ kc.unsqueeze(2).transpose(-1, -2) / math.sqrt(D)  # (B, Hkv, G, Lq, nC)
+        ends = torch.arange(nC, device=q.device) * layer.compress_stride + layer.compress_block - 1
+        pos = torch.arange(Lq, device=q.device) + (Lk - Lq)
+        allowed = ends <= pos[:, None]  # (Lq, nC)
+        has = allowed.any(-1, keepdim=True)
+        scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has, 0.0)
+        p = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
+        p = p.masked_fill(~has, 0.0).to(q.dtype)
+        o = p @ vc.unsqueeze(2)  # (B, Hkv, G, Lq, D)
+        return o.view(B, Hq, Lq, D), p.view(B, Hq, Lq, nC)
+
+    def choose(self, p_cmp: Tensor, Lq: int, Lk: int) -> Tensor:
+        """``(B, Hkv, Lq, n)`` int64: the selected blocks of each query token and KV group, best
+        first, ``-1`` for none (fewer blocks exist yet)."""
+        layer = self.layer
+        B, Hq, _, nC = p_cmp.shape
+        Hkv = self.layer.num_kv_heads
+        l, d, ls = layer.compress_block, layer.compress_stride, layer.select_block
+        nS = math.ceil(Lk / ls)
+        with torch.no_grad():
+            pooled = p_cmp.detach().view(B, Hkv, Hq // Hkv, Lq, nC).sum(2).float()  # (B, Hkv, Lq, nC)
+            starts = torch.arange(nC, device=p_cmp.device) * d
+            sel = torch.arange(nS, device=p_cmp.device) * ls
+            # compressed block i, keys [i·d, i·d + l), overlaps selection block j, keys [j·l', (j+1)·l')
+            overlap = (starts[:, None] < sel[None, :] + ls) & (starts[:, None] + l > sel[None, :])
+            scores = pooled @ overlap.to(pooled.dtype)  # (B, Hkv, Lq, nS)
+            pos = torch.arange(Lq, device=p_cmp.device) + (Lk - Lq)
+            own = (pos // ls)[:, None]
+            block = torch.arange(nS, device=p_cmp.device)
+            forced = (block == 0) | (block == own) | (block == own - 1)
+            scores = scores.masked_fill(forced, float("inf")).masked_fill(block > own, float("-inf"))
+            # stable: equal scores keep block order, so ties go to the lower block number
+            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+            n = min(layer.select_count, nS)
+            return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n])
+
+    def _blocks(self, k: Tensor, v: Tensor, Lq: int) -> tuple[Tensor, Tensor]:
+        """The compressed blocks of ``k, v``; with a cache, those ending before this call's new
+        tokens (its last ``Lq`` slots) are read from the cache's record and the rest computed."""
+        layer, cache = self.layer, self.cache
+        if cache is None:
+            return layer.compress(k, v)
+        Lk = k.shape[2]
+        l, d = layer.compress_block, layer.compress_stride
+        old = Lk - Lq  # slots written before this call
+        keep = (old - l) // d + 1 if old >= l else 0
+        record = layer._compressed.get(cache)
+        if record is None or record[0].shape[:2] != k.shape[:2]:
+            keep = 0
+        else:
+            keep = min(keep, record[0].shape[2])
+        kn, vn = layer.compress(k, v, first=keep)
+        if keep:
+            kn = torch.cat([record[0][:, :, :keep], kn], dim=2)
+            vn = torch.cat([record[1][:, :, :keep], vn], dim=2)
+        layer._compressed[cache] = (kn, vn)
+        return kn, vn
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.layer.extra_repr()})"

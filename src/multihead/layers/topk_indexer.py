@@ -1,0 +1,196 @@
+"""``TopKIndexerAttention``: DeepSeek-V3.2's sparse attention (DSA), a lightning indexer choosing
+the ``top_k`` keys of each query.
+
+Per query token ``t`` (position ``p``) with the layer input ``x``, ``H_I`` indexer heads of
+``d_I`` features::
+
+    q_I[t, j] = x_t W_Q^j          (d_I,)  per indexer head j
+    k_I[s]    = x_s W_K            (d_I,)  one key per token, shared by the indexer heads
+    w[t, j]   = x_t W_w            (H_I,)
+    I(t, s)   = Σ_j w[t, j] · ReLU(q_I[t, j] · k_I[s])          for s <= p (causal)
+    S_t       = the top_k keys by I(t, s) (ties: the lower position), all of them while p < top_k
+    o_t       = softmax(q_t Kᵀ / sqrt(D) over S_t) V              every head reads the same S_t
+
+The selection is not differentiated: the main loss trains the attention (q, k, v, out) and not
+the indexer, which the paper trains with a KL loss toward the main attention
+(:meth:`TopKIndexerAttention.indexer_loss`): the target is the main attention's probabilities
+summed over the heads and renormalised, over the selected keys; the indexer's input is detached
+from the rest of the model (as the paper does), so the loss trains the indexer alone.
+
+The choice is a token-level :func:`~multihead.masks.block_select` (blocks of one key, one row per
+query token, one row for every head), so it runs on ``blocksparse``'s gathered path (cost ∝
+``top_k``, not ``Lk``). With a :class:`~multihead.caches.DynamicKVCache` the indexer keys of the
+cached tokens are kept beside the cache (by the cache object, weakly) and extended by each call's
+new tokens (the cache's last ``Lq`` slots), so prefill + decode steps equal the full forward. The
+paper's indexer also rotates part of ``q_I``/``k_I`` and runs in FP8; here it is unrotated and in
+the layer's dtype (docs/variants.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention import attention
+from multihead.caches import DynamicKVCache
+from multihead.call import AttentionResult
+from multihead.layers.heads import Heads
+from multihead.layers.multihead import MultiHeadAttention
+from multihead.masks import Mask, block_select, causal
+
+__all__ = ["TopKIndexerAttention", "IndexerCore"]
+
+
+class TopKIndexerAttention(MultiHeadAttention):
+    """Each query reads its ``top_k`` keys by a light indexer's score (DSA).
+
+    Args:
+        d_model, num_heads: as :class:`~multihead.layers.MultiHeadAttention`.
+        num_kv_heads: ``Hkv``; default ``num_heads``.
+        top_k: keys per query (the paper: 2048).
+        index_heads: ``H_I``, the indexer's heads (the paper: 64).
+        index_dim: ``d_I``, their features (the paper: 128).
+        **options: every other argument of :class:`~multihead.layers.MultiHeadAttention`
+            (``rope``, ``backend``, ...); ``causal`` is always ``True``; not ``attend`` or
+            ``context_parallel``.
+
+    ``forward(x, *, positions=None, kv_cache=None, need_weights=False)``: self-attention, causal,
+    ``kv_cache`` a :class:`~multihead.caches.DynamicKVCache`; ``need_weights`` gives the
+    probabilities over every key (zero outside the selected ones). No ``mask=``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        top_k: int = 2048,
+        index_heads: int = 4,
+        index_dim: int = 32,
+        **options: Any,
+    ):
+        layer = type(self).__name__
+        for name, value in (("top_k", top_k), ("index_heads", index_heads), ("index_dim", index_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
+        if options.pop("causal", True) is not True:
+            raise ValueError(f"{layer}: causal must be True (the indexer never reads a later key)")
+        for name in ("attend", "context_parallel"):
+            if options.get(name) is not None:
+                raise TypeError(f"{layer}: {name} is not supported (it attends in one call), got {options[name]!r}")
+        super().__init__(d_model, num_heads, num_kv_heads=num_kv_heads, causal=True, **options)
+        self.top_k, self.index_heads, self.index_dim = top_k, index_heads, index_dim
+        weight = self.q_proj.weight
+        kw = {"device": weight.device, "dtype": weight.dtype}
+        self.index_q = nn.Linear(d_model, index_heads * index_dim, bias=False, **kw)
+        self.index_k = nn.Linear(d_model, index_dim, bias=False, **kw)
+        self.index_w = nn.Linear(d_model, index_heads, bias=False, **kw)
+        self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._cache: DynamicKVCache | None = None
+
+    def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
+        layer = type(self).__name__
+        if kv_cache is not None and not isinstance(kv_cache, DynamicKVCache):
+            raise TypeError(
+                f"{layer}: kv_cache must be a DynamicKVCache (its slots are positions), got {type(kv_cache).__name__}"
+            )
+        if args or kwargs.get("key") is not None or kwargs.get("value") is not None:
+            raise TypeError(f"{layer}: self-attention only (forward(x, ...)); got key/value arguments")
+        for name in ("mask", "score_mod"):
+            if kwargs.get(name) is not None:
+                raise TypeError(f"{layer}: {name}= is not supported (the selection is causal by construction)")
+        self._cache = kv_cache
+        try:
+            return super().forward(query, kv_cache=kv_cache, **kwargs)
+        finally:
+            self._cache = None
+
+    def _heads(self, query: Tensor) -> Heads:
+        x = query if self.batch_first else query.transpose(0, 1)  # (B, Lq, E)
+        return IndexerCore(self, x, self._cache), self.out_proj
+
+    def index_scores(self, x: Tensor, keys: Tensor) -> Tensor:
+        """``I (B, Lq, Lk)`` of the queries ``x (B, Lq, E)`` against indexer keys ``(B, Lk, d_I)``."""
+        q = self.index_q(x).unflatten(-1, (self.index_heads, self.index_dim))  # (B, Lq, H_I, d_I)
+        w = self.index_w(x)  # (B, Lq, H_I)
+        dots = F.relu(torch.einsum("bqjd,bkd->bqjk", q, keys))  # (B, Lq, H_I, Lk)
+        return torch.einsum("bqj,bqjk->bqk", w, dots)
+
+    def indexer_loss(self, x: Tensor, *, positions: Tensor | None = None) -> Tensor:
+        """The indexer's training loss on ``x (B, L, E)`` (batch first): the mean over tokens of
+        ``KL(p_main ‖ softmax(I over S_t))``, ``p_main`` the main attention's probabilities
+        summed over heads and renormalised on the selected keys ``S_t`` (no gradient), ``I`` on
+        the detached input. Gradients reach ``index_q``, ``index_k``, ``index_w`` only."""
+        x = x.detach()
+        with torch.no_grad():
+            inputs = x if self.batch_first else x.transpose(0, 1)
+            _, weights = self(inputs, positions=positions, need_weights=True)  # (B, Hq, L, L)
+            target = weights.sum(1)
+            target = target / target.sum(-1, keepdim=True).clamp_min(torch.finfo(target.dtype).tiny)
+        scores = self.index_scores(x, self.index_k(x))  # (B, L, L)
+        chosen = target > 0  # the selected keys the main attention weighs
+        logp = torch.log_softmax(scores.masked_fill(~chosen, float("-inf")), dim=-1)
+        kl = torch.where(chosen, target * (torch.log(target.clamp_min(1e-30)) - logp), 0.0).sum(-1)
+        return kl.mean()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, top_k={self.top_k}, index_heads={self.index_heads}, index_dim={self.index_dim}"
+
+
+TopKIndexerAttention.__init__.__doc__ = TopKIndexerAttention.__doc__
+
+
+class IndexerCore:
+    """:func:`multihead.attention` over each query's ``top_k`` keys by the indexer: ``q (B, Hq, Lq,
+    D)``, ``k``, ``v (B, Hkv, Lk, D)``, query ``i`` at position ``Lk - Lq + i``; ``x (B, Lq, E)``
+    the new tokens' layer input."""
+
+    def __init__(self, layer: TopKIndexerAttention, x: Tensor, cache: DynamicKVCache | None):
+        self.layer, self.x, self.cache = layer, x, cache
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
+    ) -> Tensor | AttentionResult:
+        result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
+        return result
+
+    def choose(self, Lq: int, Lk: int) -> Tensor:
+        """``(B, 1, Lq, top_k)`` int64: each query's keys, best first, ``-1`` for none."""
+        layer = self.layer
+        with torch.no_grad():  # the choice is not differentiated
+            scores = layer.index_scores(self.x, self._keys(Lq, Lk)).float()  # (B, Lq, Lk)
+            pos = torch.arange(Lq, device=scores.device)[:, None] + (Lk - Lq)
+            scores = scores.masked_fill(torch.arange(Lk, device=scores.device) > pos, float("-inf"))
+            # stable: equal scores keep key order, so ties go to the lower position
+            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+            n = min(layer.top_k, Lk)
+            return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n]).unsqueeze(1)
+
+    def mask(self, Lq: int, Lk: int) -> Mask:
+        return block_select(self.choose(Lq, Lk), 1, query_block_size=1) & causal()
+
+    def _keys(self, Lq: int, Lk: int) -> Tensor:
+        """Indexer keys ``(B, Lk, d_I)``: with a cache, those of the cached tokens from its record
+        and the new tokens' (the cache's last ``Lq`` slots) computed now."""
+        layer, cache = self.layer, self.cache
+        new = layer.index_k(self.x)  # (B, Lq, d_I)
+        if cache is None:
+            return new
+        old = Lk - Lq
+        record = layer._keys.get(cache)
+        if old and (record is None or record.shape[1] < old or record.shape[0] != new.shape[0]):
+            raise RuntimeError(
+                f"{type(layer).__name__}: the cache holds {old} tokens this layer did not index; hint: fill a "
+                f"cache through this layer only"
+            )
+        keys = new if not old else torch.cat([record[:, :old], new], dim=1)
+        layer._keys[cache] = keys.detach()
+        return keys
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(top_k={self.layer.top_k})"
