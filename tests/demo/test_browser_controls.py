@@ -376,3 +376,36 @@ def test_text_view_and_logit_lens_respond_in_time_at_1024_tokens(browser, tmp_pa
     _click(browser, "#tab-text")
     assert _stats(browser)["text"]["chosen"] == 500 and len(_stats(browser)["text"]["rows"]) == 4
     assert _errors(browser) == []
+
+
+def test_a_recorded_bart_switches_between_its_three_attentions(browser, tmp_path):
+    from test_seq2seq import SRC, TGT, names, transformers  # noqa: F401 (skips without transformers)
+
+    from multihead.integrations import hf as mh_hf
+    from multihead.viz import record_seq2seq
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=60, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    bart = transformers.BartForConditionalGeneration(config).eval()
+    bart.set_attn_implementation(mh_hf.register())
+    sources = record_seq2seq(
+        bart, input_ids=SRC, decoder_input_ids=TGT, src_tokens=names(SRC), tgt_tokens=names(TGT), name="bart"
+    )
+    _load(browser, write_viewer(tmp_path / "bart.html", sources))
+    assert [b.get_attribute("data-kind") for b in browser.find_elements("css selector", "#kinds button")] == [
+        "encoder",
+        "decoder",
+        "cross",
+    ]
+    assert _status(browser).startswith("layer 0 (model.encoder.layers.0.self_attn), all 4 heads: 7 queries x 7 keys")
+    _click(browser, "#kinds button[data-kind='cross']")
+    assert _stats(browser)["heatmapLabels"] == {"q": names(TGT), "k": names(SRC)}
+    assert _status(browser).startswith("layer 0 (model.decoder.layers.0.encoder_attn), all 4 heads: 5 queries x 7 keys")
+    _click(browser, "#tab-neuron")  # the cross-attention's own q and k: each target token against 7 source keys
+    n = _stats(browser)["neuron"]
+    assert (n["keys"], n["dim"]) == (7, 8)
+    assert n["weight"] == pytest.approx(float(sources[2].weights[0][n["head"], n["query"], n["key"]]), abs=1 / 255)
+    assert _errors(browser) == []
