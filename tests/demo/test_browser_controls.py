@@ -181,6 +181,14 @@ def test_the_sentence_pair_filter_keeps_only_the_chosen_direction(browser, tmp_p
     assert [s["value"] for s in spans if not s["off"]] == pytest.approx([_q(w[0, 0, 2, j]) for j in B], abs=1e-4)
     _click(browser, "#tab-head")
 
+    # The other three directions: each block's range, and lines only inside it.
+    for pair, rows, cols in (("AA", A, A), ("BA", B, A), ("BB", B, B)):
+        _select(browser, "pair-filter", pair)
+        block = torch.tensor([[_q(w[0, 0, i, j]) for j in cols] for i in rows])
+        scale = _stats(browser)["colorScale"]
+        assert abs(scale["min"] - float(block.min())) < 1e-6 and abs(scale["max"] - float(block.max())) < 1e-6, pair
+        assert 0 < _stats(browser)["lines"] <= len(rows) * len(cols), pair
+
     _select(browser, "pair-filter", "all")
     assert _stats(browser)["lines"] == every
     assert _errors(browser) == []
@@ -214,6 +222,10 @@ def test_the_logit_lens_panel_shows_each_layers_top_tokens_as_recorded(browser, 
         assert [t for t, _ in n["detail"][layer]] == lens.top_names[layer][2]
         assert [p for _, p in n["detail"][layer]] == pytest.approx(lens.top_probs[layer, 2].tolist(), abs=1e-3)
     assert 'position 2 "w4"' in browser.find_element("id", "lens-detail").text
+    browser.find_element("css selector", "#lens-grid td[data-layer='1'][data-pos='5']").click()  # a cell: its column
+    _frame(browser)
+    assert _stats(browser)["lens"]["pos"] == 5
+    assert 'position 5 "w9"' in browser.find_element("id", "lens-detail").text
     # A cell whose top token is the text's next one is outlined.
     hits = browser.execute_script(
         "return [...document.querySelectorAll('#lens-grid td.hit')].map((c) => [c.dataset.layer, c.dataset.pos])"
