@@ -66,6 +66,17 @@ def test_text_view_colours_each_token_by_the_chosen_tokens_attention(browser, tm
     assert _darkest(spans) == max(range(6), key=lambda j: mean[j])
     best = max(range(6), key=lambda j: mean[j])
     assert f'query 2 "sat" reads "{TOKENS[best]}" most' in _status(browser)
+    # The colour scale applies: at "the largest shown" the strongest token is full blue, below it lighter.
+    before = _rgb(spans[best]["background"])
+    _click(browser, "#tab-head")  # the colour scale is set beside the heatmap
+    _select(browser, "scale", "max")
+    _click(browser, "#tab-text")
+    after = _rgb(_tokens(browser, "mean")[best]["background"])
+    assert max(abs(a - b) for a, b in zip(after[:3], (45.9, 109.65, 221.85))) < 1.5, after
+    assert sum(after[:3]) < sum(before[:3])
+    _click(browser, "#tab-head")
+    _select(browser, "scale", "one")
+    _click(browser, "#tab-text")
 
     # One line per head, each in its colour, each head's own row.
     _select(browser, "text-mode", "heads")
