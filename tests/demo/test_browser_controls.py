@@ -66,6 +66,17 @@ def test_text_view_colours_each_token_by_the_chosen_tokens_attention(browser, tm
     assert _darkest(spans) == max(range(6), key=lambda j: mean[j])
     best = max(range(6), key=lambda j: mean[j])
     assert f'query 2 "sat" reads "{TOKENS[best]}" most' in _status(browser)
+    # The colour scale applies: at "the largest shown" the strongest token is full blue, below it lighter.
+    before = _rgb(spans[best]["background"])
+    _click(browser, "#tab-head")  # the colour scale is set beside the heatmap
+    _select(browser, "scale", "max")
+    _click(browser, "#tab-text")
+    after = _rgb(_tokens(browser, "mean")[best]["background"])
+    assert max(abs(a - b) for a, b in zip(after[:3], (45.9, 109.65, 221.85))) < 1.5, after
+    assert sum(after[:3]) < sum(before[:3])
+    _click(browser, "#tab-head")
+    _select(browser, "scale", "one")
+    _click(browser, "#tab-text")
 
     # One line per head, each in its colour, each head's own row.
     _select(browser, "text-mode", "heads")
@@ -181,6 +192,14 @@ def test_the_sentence_pair_filter_keeps_only_the_chosen_direction(browser, tmp_p
     assert [s["value"] for s in spans if not s["off"]] == pytest.approx([_q(w[0, 0, 2, j]) for j in B], abs=1e-4)
     _click(browser, "#tab-head")
 
+    # The other three directions: each block's range, and lines only inside it.
+    for pair, rows, cols in (("AA", A, A), ("BA", B, A), ("BB", B, B)):
+        _select(browser, "pair-filter", pair)
+        block = torch.tensor([[_q(w[0, 0, i, j]) for j in cols] for i in rows])
+        scale = _stats(browser)["colorScale"]
+        assert abs(scale["min"] - float(block.min())) < 1e-6 and abs(scale["max"] - float(block.max())) < 1e-6, pair
+        assert 0 < _stats(browser)["lines"] <= len(rows) * len(cols), pair
+
     _select(browser, "pair-filter", "all")
     assert _stats(browser)["lines"] == every
     assert _errors(browser) == []
@@ -214,6 +233,10 @@ def test_the_logit_lens_panel_shows_each_layers_top_tokens_as_recorded(browser, 
         assert [t for t, _ in n["detail"][layer]] == lens.top_names[layer][2]
         assert [p for _, p in n["detail"][layer]] == pytest.approx(lens.top_probs[layer, 2].tolist(), abs=1e-3)
     assert 'position 2 "w4"' in browser.find_element("id", "lens-detail").text
+    browser.find_element("css selector", "#lens-grid td[data-layer='1'][data-pos='5']").click()  # a cell: its column
+    _frame(browser)
+    assert _stats(browser)["lens"]["pos"] == 5
+    assert 'position 5 "w9"' in browser.find_element("id", "lens-detail").text
     # A cell whose top token is the text's next one is outlined.
     hits = browser.execute_script(
         "return [...document.querySelectorAll('#lens-grid td.hit')].map((c) => [c.dataset.layer, c.dataset.pos])"
@@ -375,4 +398,37 @@ def test_text_view_and_logit_lens_respond_in_time_at_1024_tokens(browser, tmp_pa
     assert _stats(browser)["lens"]["pos"] == 700 and len(_stats(browser)["lens"]["top1"]) == 4
     _click(browser, "#tab-text")
     assert _stats(browser)["text"]["chosen"] == 500 and len(_stats(browser)["text"]["rows"]) == 4
+    assert _errors(browser) == []
+
+
+def test_a_recorded_bart_switches_between_its_three_attentions(browser, tmp_path):
+    from test_seq2seq import SRC, TGT, names, transformers  # noqa: F401 (skips without transformers)
+
+    from multihead.integrations import hf as mh_hf
+    from multihead.viz import record_seq2seq
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=60, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    bart = transformers.BartForConditionalGeneration(config).eval()
+    bart.set_attn_implementation(mh_hf.register())
+    sources = record_seq2seq(
+        bart, input_ids=SRC, decoder_input_ids=TGT, src_tokens=names(SRC), tgt_tokens=names(TGT), name="bart"
+    )
+    _load(browser, write_viewer(tmp_path / "bart.html", sources))
+    assert [b.get_attribute("data-kind") for b in browser.find_elements("css selector", "#kinds button")] == [
+        "encoder",
+        "decoder",
+        "cross",
+    ]
+    assert _status(browser).startswith("layer 0 (model.encoder.layers.0.self_attn), all 4 heads: 7 queries x 7 keys")
+    _click(browser, "#kinds button[data-kind='cross']")
+    assert _stats(browser)["heatmapLabels"] == {"q": names(TGT), "k": names(SRC)}
+    assert _status(browser).startswith("layer 0 (model.decoder.layers.0.encoder_attn), all 4 heads: 5 queries x 7 keys")
+    _click(browser, "#tab-neuron")  # the cross-attention's own q and k: each target token against 7 source keys
+    n = _stats(browser)["neuron"]
+    assert (n["keys"], n["dim"]) == (7, 8)
+    assert n["weight"] == pytest.approx(float(sources[2].weights[0][n["head"], n["query"], n["key"]]), abs=1 / 255)
     assert _errors(browser) == []

@@ -6,6 +6,7 @@ matplotlib is imported only when a PNG is drawn; the HTML viewer needs nothing b
 from multihead.viz.heatmap import plot_attention, plot_attention_grid
 from multihead.viz.lens import LogitLens, logit_lens
 from multihead.viz.record import QueryKeyCapture, record_attention, record_generation, record_vectors
+from multihead.viz.seq2seq import record_seq2seq
 from multihead.viz.viewer import Viewer, ViewerSource, render_viewer, write_viewer
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "QueryKeyCapture",
     "LogitLens",
     "logit_lens",
+    "record_seq2seq",
 ]
