@@ -78,9 +78,9 @@ def _tiles(lay: _Layout, selection: Selection, Lqp: int, Hkv: int, device) -> li
     elif d is not None:
         whole &= (idx + 1) * bs - 1 <= first_row + d
         valid &= idx * bs <= last_row + d
-    T = max(1, TILE_ROWS // (Gp * qbs))
     out = []
     for keep, masked in ((whole, False), (valid & ~whole, True)):
+        T = max(1, TILE_ROWS // (Gp * qbs))
         b, e, nq, slot = keep.nonzero(as_tuple=True)
         if b.numel() == 0:
             continue
@@ -89,6 +89,7 @@ def _tiles(lay: _Layout, selection: Selection, Lqp: int, Hkv: int, device) -> li
         group, order = torch.sort(group, stable=True)
         b, e, nq, j = b[order], e[order], nq[order], j[order]
         _, counts = torch.unique_consecutive(group, return_counts=True)
+        T = min(T, int(counts.max()))  # no tile longer than the most any block is chosen (the diagonal: qbs)
         tiles_per = (counts + T - 1) // T
         starts = torch.cumsum(counts, 0) - counts  # first pair of each group
         tile_start = torch.cumsum(tiles_per, 0) - tiles_per  # first tile of each group
