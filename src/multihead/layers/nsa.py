@@ -236,11 +236,14 @@ class NsaCore:
         nS = math.ceil(Lk / ls)
         with torch.no_grad():
             pooled = p_cmp.detach().view(B, Hkv, Hq // Hkv, Lq, nC).sum(2).float()  # (B, Hkv, Lq, nC)
-            starts = torch.arange(nC, device=p_cmp.device) * d
-            sel = torch.arange(nS, device=p_cmp.device) * ls
-            # compressed block i, keys [i·d, i·d + l), overlaps selection block j, keys [j·l', (j+1)·l')
-            overlap = (starts[:, None] < sel[None, :] + ls) & (starts[:, None] + l > sel[None, :])
-            scores = pooled @ overlap.to(pooled.dtype)  # (B, Hkv, Lq, nS)
+            # compressed block i, keys [i·d, i·d + l), overlaps selection block j, keys [j·l', (j+1)·l'),
+            # for i in [lo_j, hi_j): a difference of running sums (a matmul by the overlap table
+            # would cost Lq·nC·nS)
+            j = torch.arange(nS, device=p_cmp.device)
+            lo = torch.div(j * ls - l, d, rounding_mode="floor").add(1).clamp(0, nC)
+            hi = torch.div((j + 1) * ls + d - 1, d, rounding_mode="floor").clamp(0, nC)
+            running = torch.nn.functional.pad(pooled.double().cumsum(-1), (1, 0))  # (B, Hkv, Lq, nC + 1)
+            scores = (running[..., hi] - running[..., lo]).float()  # (B, Hkv, Lq, nS)
             pos = torch.arange(Lq, device=p_cmp.device) + (Lk - Lq)
             own = (pos // ls)[:, None]
             block = torch.arange(nS, device=p_cmp.device)
