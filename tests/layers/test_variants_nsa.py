@@ -184,7 +184,8 @@ def test_the_selected_branch_runs_gathered():
     assert torch.equal(idx, core.choose(p, L, L))  # deterministic
     mask = mh.masks.block_select(idx, 4, num_heads=4, query_block_size=1) & mh.masks.causal()
     text = str(mh.explain(q, k, k, mask=mask))
-    assert "blocksparse" in text and "gathered" in text
+    assert "blocksparse" in text and "key blocks" in text
+    assert "selection density" in str(layer.explain(x))  # the layer's explain() reports the selection
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,8 @@ def test_the_selection_runs_gathered():
     q = torch.randn(1, 4, 300, layer.head_dim, dtype=torch.float64)
     k = torch.randn(1, 2, 300, layer.head_dim, dtype=torch.float64)
     text = str(mh.explain(q, k, k, mask=core.mask(300, 300)))
-    assert "blocksparse" in text and "gathered" in text
+    assert "blocksparse" in text and "key blocks" in text
+    assert "selection density" in str(layer.explain(x))  # the layer's explain() reports the selection
 
 
 @pytest.mark.parametrize(

@@ -78,9 +78,9 @@ def _tiles(lay: _Layout, selection: Selection, Lqp: int, Hkv: int, device) -> li
     elif d is not None:
         whole &= (idx + 1) * bs - 1 <= first_row + d
         valid &= idx * bs <= last_row + d
-    T = max(1, TILE_ROWS // (Gp * qbs))
     out = []
     for keep, masked in ((whole, False), (valid & ~whole, True)):
+        T = max(1, TILE_ROWS // (Gp * qbs))
         b, e, nq, slot = keep.nonzero(as_tuple=True)
         if b.numel() == 0:
             continue
@@ -89,6 +89,7 @@ def _tiles(lay: _Layout, selection: Selection, Lqp: int, Hkv: int, device) -> li
         group, order = torch.sort(group, stable=True)
         b, e, nq, j = b[order], e[order], nq[order], j[order]
         _, counts = torch.unique_consecutive(group, return_counts=True)
+        T = min(T, int(counts.max()))  # no tile longer than the most any block is chosen (the diagonal: qbs)
         tiles_per = (counts + T - 1) // T
         starts = torch.cumsum(counts, 0) - counts  # first pair of each group
         tile_start = torch.cumsum(tiles_per, 0) - tiles_per  # first tile of each group
@@ -179,16 +180,20 @@ class _KeyMajor(torch.autograd.Function):
                 l = l.masked_fill(empty, float("-inf")).reshape(-1).to(acc)
                 o = o.reshape(-1, Ev).to(acc)
                 rid = tiles.rows[t0:t1].reshape(-1)
-                # online log-sum-exp join: rescale what the rows hold to the new peak, then add
-                new_peak = peak.scatter_reduce(0, rid, l, reduce="amax")
-                finite = torch.isfinite(new_peak)
-                rescale = torch.where(finite, torch.exp(peak - new_peak.where(finite, 0.0)), 0.0)
-                total.mul_(rescale)
-                out.mul_(rescale[:, None])
-                w = torch.exp(l - new_peak[rid].where(finite[rid], 0.0)).where(torch.isfinite(l), 0.0)
+                # online log-sum-exp join of the rows this chunk touches (only those: a pass over
+                # every row per chunk would grow as L²): rescale what they hold to the new peak, add
+                touched = torch.unique(rid)
+                before = peak[touched]
+                peak.scatter_reduce_(0, rid, l, reduce="amax")
+                after = peak[touched]
+                finite = torch.isfinite(after)
+                rescale = torch.where(finite, torch.exp(before - after.where(finite, 0.0)), 0.0)
+                total[touched] = total[touched] * rescale
+                out[touched] = out[touched] * rescale[:, None]
+                here = peak[rid]
+                w = torch.exp(l - here.where(torch.isfinite(here), 0.0)).where(torch.isfinite(l), 0.0)
                 total.index_add_(0, rid, w)
                 out.index_add_(0, rid, w[:, None] * o)
-                peak = new_peak
         seen = total > 0
         out = torch.where(seen[:, None], out / total.where(seen, 1.0)[:, None], 0.0)
         lse = torch.where(seen, peak + torch.log(total.where(seen, 1.0)), float("-inf"))

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from multihead.attention import attention
 from multihead.caches import DynamicKVCache
+from multihead.explain import Explanation, explain
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.masks import Mask, block_select, causal, sliding_window
@@ -190,12 +191,20 @@ class NsaCore:
         backend = options.get("backend", "auto")
         B, Hq, Lq, D = q.shape
         o_cmp, p_cmp = self.compressed(q, k, v)
-        idx = self.choose(p_cmp, Lq, k.shape[2])
-        selected = block_select(idx, self.layer.select_block, num_heads=Hq, query_block_size=1) & causal()
-        o_slc = attention(q, k, v, mask=selected, backend=backend)
+        o_slc = attention(q, k, v, mask=self._selected(q, p_cmp, k.shape[2]), backend=backend)
         o_win = attention(q, k, v, mask=sliding_window(self.layer.window - 1), backend=backend)
         g = self.gates.view(B, Lq, 3, Hq).permute(2, 0, 3, 1).unsqueeze(-1)  # (3, B, Hq, Lq, 1)
         return g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # (B, Hq, Lq, D)
+
+    def explain(self, q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Explanation:
+        """:func:`multihead.explain` of the selected branch's call (its backend, path and density);
+        the window is a band, the compressed branch plain PyTorch."""
+        _, p_cmp = self.compressed(q, k, v)
+        return explain(q, k, v, mask=self._selected(q, p_cmp, k.shape[2]), backend=options.get("backend", "auto"))
+
+    def _selected(self, q: Tensor, p_cmp: Tensor, Lk: int) -> Mask:
+        idx = self.choose(p_cmp, q.shape[2], Lk)
+        return block_select(idx, self.layer.select_block, num_heads=q.shape[1], query_block_size=1) & causal()
 
     def compressed(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``o_cmp (B, Hq, Lq, D)`` and ``p_cmp (B, Hq, Lq, nC)``: attention over the compressed
@@ -227,11 +236,14 @@ class NsaCore:
         nS = math.ceil(Lk / ls)
         with torch.no_grad():
             pooled = p_cmp.detach().view(B, Hkv, Hq // Hkv, Lq, nC).sum(2).float()  # (B, Hkv, Lq, nC)
-            starts = torch.arange(nC, device=p_cmp.device) * d
-            sel = torch.arange(nS, device=p_cmp.device) * ls
-            # compressed block i, keys [i·d, i·d + l), overlaps selection block j, keys [j·l', (j+1)·l')
-            overlap = (starts[:, None] < sel[None, :] + ls) & (starts[:, None] + l > sel[None, :])
-            scores = pooled @ overlap.to(pooled.dtype)  # (B, Hkv, Lq, nS)
+            # compressed block i, keys [i·d, i·d + l), overlaps selection block j, keys [j·l', (j+1)·l'),
+            # for i in [lo_j, hi_j): a difference of running sums (a matmul by the overlap table
+            # would cost Lq·nC·nS)
+            j = torch.arange(nS, device=p_cmp.device)
+            lo = torch.div(j * ls - l, d, rounding_mode="floor").add(1).clamp(0, nC)
+            hi = torch.div((j + 1) * ls + d - 1, d, rounding_mode="floor").clamp(0, nC)
+            running = torch.nn.functional.pad(pooled.double().cumsum(-1), (1, 0))  # (B, Hkv, Lq, nC + 1)
+            scores = (running[..., hi] - running[..., lo]).float()  # (B, Hkv, Lq, nS)
             pos = torch.arange(Lq, device=p_cmp.device) + (Lk - Lq)
             own = (pos // ls)[:, None]
             block = torch.arange(nS, device=p_cmp.device)

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from multihead.attention import attention
 from multihead.caches import DynamicKVCache
 from multihead.call import AttentionResult
+from multihead.explain import Explanation, explain
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.masks import Mask, block_select, causal
@@ -158,6 +159,12 @@ class IndexerCore:
     ) -> Tensor | AttentionResult:
         result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
         return result
+
+    def explain(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
+    ) -> Explanation:
+        """:func:`multihead.explain` of the call over the selected keys (backend, path, density)."""
+        return explain(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
 
     def choose(self, Lq: int, Lk: int) -> Tensor:
         """``(B, 1, Lq, top_k)`` int64: each query's keys, best first, ``-1`` for none."""
