@@ -113,14 +113,14 @@ class NativeSparseAttention(MultiHeadAttention):
         self.compress_block, self.compress_stride = compress_block, compress_stride
         self.select_block, self.select_count, self.window = select_block, select_count, window
         weight = self.q_proj.weight
-        kw = {"device": weight.device, "dtype": weight.dtype}
+        device, dtype = weight.device, weight.dtype
         D = self.head_dim
-        self.compress_k = nn.Linear(compress_block * D, D, **kw)
-        self.compress_v = nn.Linear(compress_block * D, D, **kw)
-        self.compress_pos_k = nn.Parameter(torch.zeros(compress_block, D, **kw))
-        self.compress_pos_v = nn.Parameter(torch.zeros(compress_block, D, **kw))
-        self.gate_proj = nn.Linear(d_model, 3 * num_heads, **kw)  # (cmp, slc, win) per head
-        self._compressed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.compress_k = nn.Linear(compress_block * D, D, device=device, dtype=dtype)
+        self.compress_v = nn.Linear(compress_block * D, D, device=device, dtype=dtype)
+        self.compress_pos_k = nn.Parameter(torch.zeros(compress_block, D, device=device, dtype=dtype))
+        self.compress_pos_v = nn.Parameter(torch.zeros(compress_block, D, device=device, dtype=dtype))
+        self.gate_proj = nn.Linear(d_model, 3 * num_heads, device=device, dtype=dtype)  # (cmp, slc, win) per head
+        self._compressed: weakref.WeakKeyDictionary[DynamicKVCache, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
         self._cache: DynamicKVCache | None = None
 
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
@@ -271,6 +271,7 @@ class NsaCore:
             keep = min(keep, record[0].shape[2])
         kn, vn = layer.compress(k, v, first=keep)
         if keep:
+            assert record is not None  # keep > 0 only with a record
             kn = torch.cat([record[0][:, :, :keep], kn], dim=2)
             vn = torch.cat([record[1][:, :, :keep], vn], dim=2)
         layer._compressed[cache] = (kn, vn)

@@ -87,11 +87,11 @@ class TopKIndexerAttention(MultiHeadAttention):
         super().__init__(d_model, num_heads, num_kv_heads=num_kv_heads, causal=True, **options)
         self.top_k, self.index_heads, self.index_dim = top_k, index_heads, index_dim
         weight = self.q_proj.weight
-        kw = {"device": weight.device, "dtype": weight.dtype}
-        self.index_q = nn.Linear(d_model, index_heads * index_dim, bias=False, **kw)
-        self.index_k = nn.Linear(d_model, index_dim, bias=False, **kw)
-        self.index_w = nn.Linear(d_model, index_heads, bias=False, **kw)
-        self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        device, dtype = weight.device, weight.dtype
+        self.index_q = nn.Linear(d_model, index_heads * index_dim, bias=False, device=device, dtype=dtype)
+        self.index_k = nn.Linear(d_model, index_dim, bias=False, device=device, dtype=dtype)
+        self.index_w = nn.Linear(d_model, index_heads, bias=False, device=device, dtype=dtype)
+        self._keys: weakref.WeakKeyDictionary[DynamicKVCache, Tensor] = weakref.WeakKeyDictionary()
         self._cache: DynamicKVCache | None = None
 
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
@@ -185,7 +185,7 @@ class IndexerCore:
         """Indexer keys ``(B, Lk, d_I)``: with a cache, those of the cached tokens from its record
         and the new tokens' (the cache's last ``Lq`` slots) computed now."""
         layer, cache = self.layer, self.cache
-        new = layer.index_k(self.x)  # (B, Lq, d_I)
+        new: Tensor = layer.index_k(self.x)  # (B, Lq, d_I)
         if cache is None:
             return new
         old = Lk - Lq
@@ -195,7 +195,11 @@ class IndexerCore:
                 f"{type(layer).__name__}: the cache holds {old} tokens this layer did not index; hint: fill a "
                 f"cache through this layer only"
             )
-        keys = new if not old else torch.cat([record[:, :old], new], dim=1)
+        if not old:
+            keys = new
+        else:
+            assert record is not None  # refused above otherwise
+            keys = torch.cat([record[:, :old], new], dim=1)
         layer._keys[cache] = keys.detach()
         return keys
 
