@@ -50,6 +50,7 @@ update calls it).
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -324,6 +325,40 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def rollback(self) -> None:
         """Undo the last :meth:`update` (once): a layer whose attention call fails after it."""
+
+    def check_owner(self, layer: object, where: str) -> None:
+        """Refuse ``layer`` writing into this cache while it holds another layer's tokens (the ones
+        of the last layer to :meth:`claim` it). One cache passed to every layer of a model has the
+        same shapes at each, so nothing else notices: the second layer then attended over the
+        first layer's keys as if they were earlier tokens. Eager only; an empty cache (after
+        :meth:`reset`, ``crop(0)``) may go to any layer, and so may one whose layer no longer
+        exists (a model rebuilt around its caches)."""
+        owner = getattr(self, "_owner", None)
+        if owner is None or torch.compiler.is_compiling():
+            return
+        held = owner()
+        if held is None or held is layer or not self.length:
+            return
+        raise ValueError(
+            f"{where}: kv_cache holds the keys and values of another layer ({type(held).__name__}), "
+            f"{self.length} tokens; each "
+            f"attention layer needs a cache of its own (one per layer, e.g. a list of caches); hint: "
+            f"reset() it before handing it to another layer"
+        )
+
+    def claim(self, layer: object) -> None:
+        """Record ``layer`` as the one whose tokens this cache holds (:meth:`check_owner`): a
+        layer calls it after each update it keeps. Held by weak reference; eager only, as the check."""
+        if torch.compiler.is_compiling():
+            return
+        owner = getattr(self, "_owner", None)
+        if owner is None or owner() is not layer:
+            self._owner = weakref.ref(layer)
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state.pop("_owner", None)  # a weak reference does not pickle; a copy is unclaimed
+        return state
 
     def undo_record(self) -> object:
         """What :meth:`rollback` would undo now (opaque). A caller that updates and then rolls back

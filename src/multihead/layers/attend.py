@@ -186,6 +186,7 @@ def attend_cached(
     keep: bool = True,
     queries: Tensor | None = None,
     fits: Callable[[int], None] | None = None,
+    owner: object = None,
 ) -> _R:
     """``attend(kv_cache.update(k, v))``: the new keys ``k (B, Hkv, Lq, D)`` and values stored,
     then attention over every slot the cache returns.
@@ -199,8 +200,12 @@ def attend_cached(
     (:meth:`~multihead.caches.KVCache.rollback`, then the record of the update before is handed
     back: :meth:`~multihead.caches.KVCache.undo_record`); so does one with ``keep=False`` (``explain``).
     ``queries`` (rotated, ``(B, Hq, Lq, D)``) go to :meth:`~multihead.caches.KVCache.observe` first.
+    ``owner`` (the layer) is refused while the cache holds another layer's tokens
+    (:meth:`~multihead.caches.KVCache.check_owner`) and claims it after an update it keeps.
     ``fits(S)`` refuses the call's mask if it cannot fit the ``S = kv_cache.slots(Lq)`` slots the
     update will return (:meth:`CallMasks.over_slots_fit`)."""
+    if owner is not None:
+        kv_cache.check_owner(owner, type(owner).__name__)
     kv_cache.check_mask(mask, causal, k.shape[2])
     if fits is not None:
         fits(kv_cache.slots(k.shape[2]))
@@ -220,6 +225,8 @@ def attend_cached(
     if not keep:
         kv_cache.rollback()
         kv_cache.restore_undo_record(record)
+    elif owner is not None:
+        kv_cache.claim(owner)
     return result
 
 

@@ -344,6 +344,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             causal=self.causal,
             keep=keep,
             fits=lambda S: self._masks.over_slots_fit(mask, None, B, L, S),
+            owner=self,
         )
 
     def _attend_rows(

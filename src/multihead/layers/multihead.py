@@ -445,6 +445,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
                 causal=self.causal,
                 queries=q,
                 fits=lambda S: self._masks.over_slots_fit(mask, call_mods, B, Lq, S),
+                owner=self,
             )
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, E), a view
