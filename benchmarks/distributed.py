@@ -47,8 +47,8 @@ from multihead.distributed import (  # noqa: E402
     ShardedKVCache,
     document_layout,
     plan_ring,
-    ring,
     ring_attention,
+    ring_steps,
     shard_sequence,
     ulysses,
     ulysses_attention,
@@ -73,11 +73,12 @@ def inputs(B, H, L, D, seed=0):
 
 class ComputeClock:
     """CPU seconds of this thread inside the block calls of the forward (``attention``) and of the
-    backward (the ring's ``_block_backward``): patched into the modules for the timed runs."""
+    backward (the ring's ``block_backward``, in ``ring_steps``): patched into the modules for the
+    timed runs."""
 
     def __init__(self):
         self.forward = self.backward = 0.0
-        self._originals = (ring.attention, ulysses.attention, ring._block_backward)
+        self._originals = (ring_steps.attention, ulysses.attention, ring_steps.block_backward)
 
     def _wrap(self, fn, field):
         def timed(*a, **kw):
@@ -91,12 +92,12 @@ class ComputeClock:
 
     def __enter__(self):
         self.forward = self.backward = 0.0
-        ring.attention = ulysses.attention = self._wrap(self._originals[0], "forward")
-        ring._block_backward = self._wrap(self._originals[2], "backward")
+        ring_steps.attention = ulysses.attention = self._wrap(self._originals[0], "forward")
+        ring_steps.block_backward = self._wrap(self._originals[2], "backward")
         return self
 
     def __exit__(self, *exc):
-        ring.attention, ulysses.attention, ring._block_backward = self._originals
+        ring_steps.attention, ulysses.attention, ring_steps.block_backward = self._originals
 
 
 def _worker(rank, world, folder, cfg, out_queue):

@@ -470,7 +470,11 @@ BAD_INPUTS = {
         ValueError,
         r"ranks disagree on dtype: rank 1 has 'torch.float64'",
     ),
-    "unknown-layout": (_bad_layout, ValueError, r"layout must be one of \('zigzag', 'contiguous'\), got 'diagonal'"),
+    "unknown-layout": (
+        _bad_layout,
+        ValueError,
+        r"layout must be one of \('zigzag', 'contiguous'\) or a multihead.distributed Layout object, got 'diagonal'",
+    ),
     "odd-zigzag-shard": (_bad_odd, ValueError, r"q holds 5 positions on this rank, an odd number.*multiple of"),
     "mask-does-not-fit": (_bad_mask_length, ValueError, r"mask does not fit the whole attention \(B, Hq, Lq, Lk\)"),
     "float-mask": (_bad_float_mask, TypeError, r"mask must be a multihead mask or a bool tensor.*torch.float32"),

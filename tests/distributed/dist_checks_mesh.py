@@ -104,3 +104,17 @@ def _bad_input(rank, world):
             with pytest.raises(ValueError, match=rf"Hq={U + 1} query heads do not split over the {U} ranks of a"):
                 hybrid_attention(q[:, :1].expand(1, U + 1, S, 8), q[:, :1], q[:, :1], mesh=mesh)
         _compare(mesh, "zigzag", "causal", Hq=2 * U, Hkv=U)  # still usable
+
+
+@check("mesh-document-layout")
+def _mesh_documents(rank, world):
+    """The ring dimension of the mesh in a ``document_layout`` made for its ``R`` ranks."""
+    from multihead import masks
+    from multihead.distributed import document_layout
+
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([5, 9, 3, 13, 18]))  # 48 tokens
+    for (R, U), mesh in meshes(world).items():
+        layout = document_layout(ids, R, min_chunk=1)
+        for mask in (masks.document_causal(ids.view(1, -1)), masks.document(ids.view(1, -1))):
+            _compare(mesh, layout, mask, Hq=2 * U, Hkv=U, Lq=48)
+        _compare(mesh, layout, masks.document_causal(ids.view(1, -1)), name="alibi_sinks", Hq=2 * U, Hkv=1, Lq=48)

@@ -183,3 +183,33 @@ def _layer_modifiers(rank, world):
             g = g.clone()
             dist.all_reduce(g)
             torch.testing.assert_close(g, w, msg=lambda m: f"layer {method} {name}: {m}")
+
+
+@check("score-mods-bad-input-raises-everywhere")
+def _bad_modifiers(rank, world):
+    """Ranks that disagree on a modifier, on the sinks, or on whether the modifier's tensors need a
+    gradient, and one rank's modifier that does not fit the whole attention, raise the same error
+    on every rank before anything moves; the group still works afterwards."""
+    import pytest
+
+    B, Hq, S = 1, 2 * world, L // world
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, S, 8, generator=g, dtype=torch.float64)
+    kv = q[:, :world]
+    last = rank == world - 1
+    for fn in (ring_attention, ulysses_attention):
+        where = fn.__name__
+        with pytest.raises(ValueError, match=rf"{where}: ranks disagree on score_mod"):
+            fn(q, kv, kv, score_mod=scores.softcap(2.0 if last else 3.0))
+        sinks = torch.zeros(Hq, dtype=torch.float64) + (1.0 if last else 0.0)
+        with pytest.raises(ValueError, match=rf"{where}: ranks disagree on sinks"):
+            fn(q, kv, kv, sinks=sinks)
+        table = torch.zeros(L, dtype=torch.float64).requires_grad_(last)
+        with pytest.raises(ValueError, match=rf"{where}: ranks disagree on requires_grad"):
+            fn(q, kv, kv, score_mod=scores.bias(table.view(1, L)))
+        bad = ALiBi(Hq + 1 if last else Hq)
+        with pytest.raises(
+            ValueError, match=rf"{where}: (rank {world - 1} received bad input.*)?score_mod does not fit the whole"
+        ):
+            fn(q, kv, kv, score_mod=bad)
+    compare_modifier(ring_attention, "alibi_sinks", mask_kind="causal", layout="zigzag")  # still usable

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -107,6 +108,7 @@ class ContextParallel:
         """Sharded attention of ``q (B, Hq, S, D)``, ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``
         under the mask and score modifiers of the whole sequence; same result as
         :func:`multihead.attention` on it."""
+        fn: Callable[..., Any]
         if self.method == "hybrid":
             fn, where = hybrid_attention, {"mesh": self.group}
         else:

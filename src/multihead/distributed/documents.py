@@ -83,6 +83,7 @@ class DocumentLayout(Layout):
         self.digest = hashlib.sha1(repr(self._key).encode()).hexdigest()[:12]
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
+        """``rank``'s runs: its chunks of every document or segment, touching ones joined."""
         return self.runs[rank]
 
     def positions(self, rank: int) -> Tensor:

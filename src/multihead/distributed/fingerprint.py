@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from multihead.masks import Mask
+from multihead.scores import ScoreMod
 from multihead.values import Value
 
 __all__ = ["mask_fingerprint", "tensor_fingerprint"]
@@ -43,7 +44,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _DESCRIPTION_CHARS = 120
 
 
-def mask_fingerprint(mask: Mask | Value | None) -> str | None:
+def mask_fingerprint(mask: Mask | ScoreMod | None) -> str | None:
     """``mask`` as a short string, equal on two processes iff the masks are (but for a chance
     collision, about 1 in 2^64): its description, then a digest of its structure (classes,
     plain fields, each tensor's dtype and shape) and of every tensor's content. A custom

@@ -29,7 +29,7 @@ as for Ulysses; the ring has no condition on heads.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -70,8 +70,8 @@ class Mesh2D(NamedTuple):
     ``ulysses``, the ranks that share one ring rank's part of the sequence by heads (inside a
     node). :meth:`of` builds it from a 2-D ``DeviceMesh``."""
 
-    ring: object
-    ulysses: object
+    ring: Any  # a ProcessGroup
+    ulysses: Any
 
     @classmethod
     def of(cls, mesh) -> Mesh2D:

@@ -63,10 +63,12 @@ class Layout:
     length: int
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
+        """The runs of positions ``rank`` holds, in the order of its shard."""
         raise NotImplementedError
 
     @property
     def shard_len(self) -> int:
+        """Positions per rank: ``length / world``."""
         return self.length // self.world
 
 

@@ -176,7 +176,7 @@ def _prepare(q, k, v, group, mask, score_mod, softcap, sinks, layout, scale, ret
 _PLANS: BoundedCache[tuple[object, ...], RingPlan] = BoundedCache(32)
 
 
-def _cached_plan(world: int, rank: int, shards: Shards, mask, layout: str, positions: bool) -> RingPlan:
+def _cached_plan(world: int, rank: int, shards: Shards, mask, layout, positions: bool = False) -> RingPlan:
     """Plans keyed on what the mask means (masks hash by value), so a model's layers share one."""
     key = (world, rank, shards.B, shards.Hq, shards.Sq, shards.Sk, mask, layout, positions)
     plan = _PLANS.get(key)

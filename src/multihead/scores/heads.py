@@ -37,7 +37,8 @@ def head_range(score_mod: ScoreMod | None, first: int, count: int, num_heads: in
     if score_mod is None:
         return None
     if isinstance(score_mod, Chain):
-        return Chain([head_range(m, first, count, num_heads) for m in score_mod.mods])
+        parts = (head_range(m, first, count, num_heads) for m in score_mod.mods)
+        return Chain([m for m in parts if m is not None])  # (none is: each part is a modifier)
     if isinstance(score_mod, Softcap) or (isinstance(score_mod, RelativeBias) and score_mod.num_heads is None):
         return score_mod
     if isinstance(score_mod, Bias):

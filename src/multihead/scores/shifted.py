@@ -42,7 +42,8 @@ def shifted(score_mod: ScoreMod | None, q_offset: int, kv_offset: int, *, q_len:
         raise TypeError(f"shifted: expected a multihead.scores.ScoreMod, got {type(score_mod).__name__}")
     bound = score_mod.for_lengths(q_len, kv_len)
     if isinstance(bound, Chain):
-        return Chain([shifted(m, q_offset, kv_offset, q_len=q_len, kv_len=kv_len) for m in bound.mods])
+        parts = (shifted(m, q_offset, kv_offset, q_len=q_len, kv_len=kv_len) for m in bound.mods)
+        return Chain([m for m in parts if m is not None])  # (none is: each part is a modifier)
     if isinstance(bound, Softcap):
         return bound  # reads no position
     # Wrapped even at offsets (0, 0): the wrapper keeps the whole attention's lengths, which a
