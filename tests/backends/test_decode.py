@@ -395,6 +395,24 @@ def test_auto_takes_decode_for_half_steps_that_see_every_key(dtype):
         assert_relative(out, ref, naive_attention(q, k, v, None), factor=2)
 
 
+@pytest.mark.parametrize("view", [True, False], ids=["v_in_k", "own_v"])
+def test_auto_takes_decode_for_fp32_steps_with_two_head_sizes(view):
+    """fp32, D != Dv (MLA's absorbed step: V the first Dv features of K; or a V of its own): sdpa
+    first makes the head sizes one and is 2.9-5x slower than the fold (benchmarks/decode_head_sizes.py),
+    so auto takes decode, exact by the relative rule; with D == Dv it still leaves the step to sdpa."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 16, 1, 96, generator=g)
+    k = torch.randn(1, 1, 1024, 96, generator=g)
+    v = k[..., :64] if view else torch.randn(1, 1, 1024, 64, generator=g)
+    for mask in (None, mh.causal()):
+        report = mh.explain(q, k, v, mask=mask)
+        assert report.backend == "decode", str(report)
+        ref = mh.reference_attention(q.double(), k.double(), v.double()).output
+        assert_relative(mh.attention(q, k, v, mask=mask), ref, naive_attention(q, k, v, None), factor=2)
+    same = torch.randn(1, 1, 1024, 96, generator=g)
+    assert mh.explain(q, k, same).backend == "sdpa"
+
+
 def test_auto_leaves_prefill_shaped_and_tiny_calls_to_the_fused_kernels():
     tiny = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 64, 16)
     report = mh.explain(tiny[0], tiny[1], tiny[1], mask=mh.causal())

@@ -147,16 +147,21 @@ class DecodeBackend(Backend):
             return [f"a tiny call ({work} < {AUTO_MIN_WORK}): one fused SDPA call costs less than the fold's few ops"]
         offset = None if call.mask is None else call.mask.causal_offset(Lq, Lk)
         sees_all = call.mask is None or (offset is not None and offset >= Lk - 1)
+        # With two head sizes (MLA: V the first Dv features of K), sdpa's kernel first makes them one
+        # (a wider output or a padded copy), and this path, reading them as they are, is faster.
+        # measured: docs/performance.md#the-decode-path-decode
         if (
             Hq > Hkv
             and sees_all
+            and D == Dv
             and call.score_mod is None
             and call.q.dtype not in _HALF
             and not torch.compiler.is_compiling()
         ):
             return [
                 "every query sees every key (fp32): sdpa folds each KV head's query heads into the rows of one "
-                "fused call, as this path does, and runs faster (docs/performance.md); fp16/bf16 steps run here"
+                "fused call, as this path does, and runs faster (docs/performance.md); fp16/bf16 steps and "
+                "two head sizes (D != Dv) run here"
             ]
         return []
 
