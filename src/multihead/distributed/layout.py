@@ -22,6 +22,7 @@ global position ids RoPE needs (:func:`shard_positions`), :func:`shard_sequence`
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
@@ -53,7 +54,7 @@ class Piece(NamedTuple):
     length: int
 
 
-class Layout:
+class Layout(ABC):
     """A layout as an object: rank ``r`` of ``world`` holds the runs ``pieces(r)`` of a sequence
     of ``length`` positions, ``length / world`` of them per rank, in increasing order of position.
     Subclasses set ``world`` and ``length`` and implement :meth:`pieces`; they compare and hash by
@@ -62,9 +63,9 @@ class Layout:
     world: int
     length: int
 
+    @abstractmethod
     def pieces(self, rank: int) -> tuple[Piece, ...]:
         """The runs of positions ``rank`` holds, in the order of its shard."""
-        raise NotImplementedError
 
     @property
     def shard_len(self) -> int:
