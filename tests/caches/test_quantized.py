@@ -1,8 +1,8 @@
 """``QuantizedKVCache``: what it stores and what it gives back.
 
 * the sinks and the residual window read back exactly; quantized slots within half a step of
-  their scale (int8) or the format's rounding (fp8), keys scaled per channel per group, values
-  per token;
+  their scale (int8) or the format's rounding (fp8), keys scaled per channel per span (set by the
+  span's first group) and then per token, values per token;
 * ``crop`` into the quantized region, ``rollback`` and ``reorder`` keep what reads return
   consistent (same slots, same values, same scales);
 * refused constructor arguments; bytes held.
@@ -17,11 +17,13 @@ import multihead as mh
 from multihead.caches import QuantizedKVCache, StaticKVCache
 
 B, HKV, D = 2, 3, 16
-SINKS, RESIDUAL, GROUP = 2, 5, 4
+SINKS, RESIDUAL, GROUP, SPAN = 2, 5, 4, 12
 
 
 def _cache(fmt="int8", dtype=torch.float32, **kw):
-    return QuantizedKVCache(B, 200, HKV, D, format=fmt, residual=RESIDUAL, sinks=SINKS, group=GROUP, dtype=dtype, **kw)
+    return QuantizedKVCache(
+        B, 200, HKV, D, format=fmt, residual=RESIDUAL, sinks=SINKS, group=GROUP, span=SPAN, dtype=dtype, **kw
+    )
 
 
 def _kv(L, seed=0, dtype=torch.float32):
@@ -47,16 +49,32 @@ def test_sinks_and_residual_window_are_exact_and_quantized_slots_within_their_st
         assert hi <= max(SINKS, t - RESIDUAL) and (hi - lo) % GROUP == 0
         if hi > lo:
             top = 127.0 if fmt == "int8" else 448.0
-            kq = k[:, :, lo:hi].unflatten(2, (-1, GROUP))  # (B, Hkv, groups, group, D): per channel per group
-            k_step = kq.abs().amax(dim=3, keepdim=True) / top
+            kq = k[:, :, lo:hi]
+            k_step = _key_steps(cache, kq, top)  # per channel per span, then per token
             v_step = v[:, :, lo:hi].abs().amax(dim=3, keepdim=True) / top  # per token
-            k_err = (keys[:, :, lo:hi].unflatten(2, (-1, GROUP)) - kq).abs()
+            k_err = (keys[:, :, lo:hi] - kq).abs()
             v_err = (values[:, :, lo:hi] - v[:, :, lo:hi]).abs()
             if fmt == "int8":  # round to nearest: half a step, plus the scale's own rounding
                 assert bool((k_err <= 0.5001 * k_step + 1e-6).all()) and bool((v_err <= 0.5001 * v_step + 1e-6).all())
             else:  # e4m3: 3 mantissa bits, relative 2^-4 of the value (or a subnormal step)
                 assert bool((k_err <= kq.abs() / 16 + k_step * 2**-6).all())
                 assert bool((v_err <= v[:, :, lo:hi].abs() / 16 + v_step * 2**-6).all())
+
+
+def _key_steps(cache, k, top):
+    """The step of each quantized key element ``(B, Hkv, n, D)``: the span's channel scale times
+    the token's scale, the token's recomputed from the keys (its amax after dividing by the channel
+    scales, over ``top``). The channel scales are the cache's; what makes them right is checked
+    here too: each is at least the channel's amax over the span's first group (no key that set it
+    is clipped) and at least 1/32 of the span's largest."""
+    steps = torch.empty_like(k)
+    for a in range(0, k.shape[2], cache.span):
+        channel = cache.k_channel[:, :, a // cache.span].unsqueeze(2).float()  # (B, Hkv, 1, D)
+        first = k[:, :, a : a + GROUP].abs().amax(dim=2, keepdim=True)
+        assert bool((channel >= first).all()) and bool((channel >= channel.amax(dim=3, keepdim=True) / 32.001).all())
+        token = (k[:, :, a : a + cache.span] / channel).abs().amax(dim=3, keepdim=True) / top
+        steps[:, :, a : a + cache.span] = channel * token
+    return steps
 
 
 def test_a_step_reads_what_the_cache_holds():

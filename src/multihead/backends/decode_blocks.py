@@ -62,6 +62,16 @@ class KVBlocks(abc.ABC):
     def dense(self) -> tuple[Tensor, Tensor]:
         """Every slot as ``(keys (B, Hkv, S, D), values (B, Hkv, S, Dv))``: what the slow paths read."""
 
+    def partials(
+        self, qg: Tensor, lo: int, hi: int, blocked: Tensor | None, scale: float, G: int, Lq: int
+    ) -> list[tuple[Tensor, Tensor]] | None:
+        """The partial attentions ``(out (B, Hkv, G·Lq, Dv), lse (B, Hkv, G·Lq))`` over slots
+        ``[lo, hi)``, fp32 for fp16/bf16 (as :func:`decode_blocks` makes them from :meth:`pieces`),
+        for a cache that attends over its own storage without making dense pieces (int8 slots
+        multiplied as they are); ``None``: read :meth:`pieces`. ``qg (B, Hkv, G·Lq, D)``: the folded
+        query rows (times ``scale`` unless ``scale != 1``); ``blocked``: as ``decode._attend`` takes it."""
+        return None
+
     def piece_size(self) -> int:
         """Slots per piece: :data:`PIECE_BYTES` of K and V, at least 64 slots."""
         B, Hkv, S, D, Dv = self.shape
@@ -104,7 +114,8 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
     outs: list[Tensor] = []
     lses: list[Tensor] = []
     with torch.no_grad():
-        for start, k, v in blocks.pieces(lo, hi, blocks.piece_size()):
+        own = blocks.partials(qg, lo, hi, blocked, scale, G, Lq)
+        for start, k, v in blocks.pieces(lo, hi, blocks.piece_size()) if own is None else ():
             n = k.shape[2]
             bc = None if blocked is None else blocked[..., start - lo : start - lo + n]
             # a view whose heads lie apart (a run of pages in a head-major pool): oneDNN's batched
@@ -115,6 +126,8 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
             lse = maybe
             outs.append(out)
             lses.append(lse)
+        if own is not None:
+            outs, lses = [out for out, _ in own], [lse for _, lse in own]
         out = outs[0] if len(outs) == 1 else merge_partials(outs, lses)[0]
     return unfold_query_heads(out.to(q.dtype), Hq)  # (B, Hq, Lq, Dv)
 

@@ -2,25 +2,33 @@
 tokens (sinks) and the most recent ones (the residual window) kept in full precision.
 
 A decode step's cost is reading the cache; 8-bit slots halve a bf16 cache's bytes and quarter an
-fp32 one's. Following KIVI, keys are scaled per channel (outlier channels keep their own range)
-and values per token, and a token is quantized only once it leaves the residual window, a group of
-``group`` tokens at a time, since per-channel key scales need several tokens::
+fp32 one's. Keys carry outlier channels (KIVI), so they are scaled per channel first, then per
+token; values per token. A token is quantized only once it leaves the residual window, a group of
+``group`` tokens at a time::
 
-    position  0 .. sinks-1 | sinks .. sinks+nq-1            | ... length-1
-              full precision | 8 bits: keys per channel per group, | full precision: the residual
-              (sinks)        | values per token                    | window, residual .. residual+group-1 tokens
+    position  0 .. sinks-1 | sinks .. sinks+nq-1                   | ... length-1
+              full precision | 8 bits: k = K8 · kc[span] · kt,       | full precision: the residual
+              (sinks)        | v = V8 · vt (kc per channel per span, | window, residual ..
+                             | kt and vt per token)                  | residual+group-1 tokens
 
 The tail holds between ``residual`` and ``residual + group - 1`` tokens: when it reaches
-``residual + group``, its oldest whole groups are quantized together (per channel over each group's
-tokens for keys, per token for values; symmetric, ``scale = amax / 127`` for int8 and
-``amax / 448`` for fp8 ``e4m3fn``). The last ``residual`` tokens written are therefore always
+``residual + group``, its oldest whole groups are quantized together, symmetric (``top`` = 127 for
+int8, 448 for fp8 ``e4m3fn``): values ``vt = amax over the token / top``; keys divided by their
+span's channel scales ``kc`` (set by the first store into a span of ``span`` tokens: each
+channel's amax over the span's tokens in that store, a group or more, at least 1/32 of the
+largest channel's, so that a channel quiet there cannot blow up later tokens), then
+``kt = amax over the token / top``. A token whose channels outgrow ``kc`` is never clipped (its
+``kt`` grows). The factors are one per channel per span and one per token, not one per channel
+per group as in KIVI, so that a decode step can move them onto the query and the attention
+weights and multiply the int8 slots as they are (:mod:`multihead.backends.decode_int8`). The last ``residual`` tokens written are always
 exact, and so are the first ``sinks``.
 
 Every read returns what the cache holds: slot ``j`` is position ``j`` (one length for every row),
-quantized slots as ``q · scale`` in ``dtype``. A decode step reads them through ``CacheRead.blocks``,
-dequantized a piece at a time into a buffer that stays in cache (never the whole cache dequantized:
-:mod:`multihead.backends.decode_blocks`); a prefill, weights or autograd read ``CacheRead.keys``,
-the whole read dequantized once. Quantized slots carry no gradient (rounding has none); the full-
+quantized slots as ``K8 · kc · kt`` and ``V8 · vt`` rounded once to ``dtype``. A decode step reads
+them through ``CacheRead.blocks``: int8 slots with integer GEMMs over the stored bytes
+(fp16/bf16/fp32 compute), fp8 (and fp64 compute) dequantized a piece at a time into a buffer that
+stays in cache (:mod:`multihead.backends.decode_blocks`); a prefill, weights or autograd read
+``CacheRead.keys``, the whole read dequantized once. Quantized slots carry no gradient (rounding has none); the full-
 precision ones do, as in the other caches.
 
 :meth:`crop` into the quantized region dequantizes the kept part of the last group back into the
@@ -37,7 +45,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from multihead.backends.decode import _attend
 from multihead.backends.decode_blocks import KVBlocks
+from multihead.backends.decode_int8 import digits_for, int8_attention
 from multihead.caches.base import (
     CacheRead,
     KVCache,
@@ -52,6 +62,8 @@ __all__ = ["QuantizedKVCache", "FORMATS"]
 
 #: format -> (storage dtype name, largest magnitude stored)
 FORMATS = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
+#: A key channel's scale is at least this share of the largest channel's in its span's first group.
+_CHANNEL_FLOOR = 1 / 32
 
 
 class QuantizedKVCache(KVCache):
@@ -64,7 +76,10 @@ class QuantizedKVCache(KVCache):
         format: ``"int8"`` (symmetric, round to nearest) or ``"fp8"`` (``torch.float8_e4m3fn``).
         residual: the most recent tokens always kept in full precision.
         sinks: the first tokens always kept in full precision (attention sinks).
-        group: tokens quantized together; each group has its own per-channel key scales.
+        group: tokens quantized together (they leave the residual window together).
+        span: tokens sharing one row of per-channel key scales (rounded down to a multiple of
+            ``group``, at least one group); a decode step multiplies each span's int8 keys with
+            one integer GEMM per KV head.
         dtype, device: the compute dtype (what reads return, what new keys must have) and device.
     """
 
@@ -81,6 +96,7 @@ class QuantizedKVCache(KVCache):
         residual: int = 64,
         sinks: int = 4,
         group: int = 32,
+        span: int = 4096,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
@@ -95,6 +111,7 @@ class QuantizedKVCache(KVCache):
             ("residual", residual, 0),
             ("sinks", sinks, 0),
             ("group", group, 1),
+            ("span", span, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
@@ -109,13 +126,16 @@ class QuantizedKVCache(KVCache):
             raise TypeError(f"{name}: dtype must be a floating-point torch.dtype of 16 bits or more, got {dtype!r}")
         self.format, self.bits, self.residual, self.sinks, self.group = format, bits, residual, sinks, group
         self.max_len = max_len
+        self.span = max(1, span // group) * group
         B, Hkv, D, Dv = batch_size, num_kv_heads, head_dim, value_dim
         groups = -(-max(0, max_len - sinks) // group)
+        spans = -(-groups * group // self.span)
         full: dict[str, Any] = dict(dtype=dtype, device=device)
         self.sink_k, self.sink_v = torch.zeros(B, Hkv, sinks, D, **full), torch.zeros(B, Hkv, sinks, Dv, **full)
         self.q_k = torch.zeros(B, Hkv, groups * group, D, dtype=storage, device=device)
         self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
-        self.k_scale = torch.ones(B, Hkv, groups, 1, D, **full)  # per channel, per group of tokens
+        self.k_channel = torch.ones(B, Hkv, spans, D, **full)  # per channel, per span of tokens
+        self.k_token = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
         self.v_scale = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
         self.tail_k = torch.zeros(B, Hkv, residual + group, D, **full)
         self.tail_v = torch.zeros(B, Hkv, residual + group, Dv, **full)
@@ -144,7 +164,8 @@ class QuantizedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        held = (self.sink_k, self.sink_v, self.q_k, self.q_v, self.k_scale, self.v_scale, self.tail_k, self.tail_v)
+        held = [self.sink_k, self.sink_v, self.q_k, self.q_v, self.k_channel, self.k_token, self.v_scale]
+        held += [self.tail_k, self.tail_v]
         return sum(t.numel() * t.element_size() for t in held)
 
     @property
@@ -220,34 +241,42 @@ class QuantizedKVCache(KVCache):
         return CacheRead(None, None, expected, blocks=_QuantizedBlocks(self))
 
     def _store(self, k: Tensor, v: Tensor) -> None:
-        """Quantize ``count`` tokens (whole groups) after the 8-bit region: keys per channel per
-        group, values per token; the scales are rounded to ``dtype`` before use, so that ``q ·
-        scale`` is what every read returns."""
+        """Quantize ``count`` tokens (whole groups) after the 8-bit region. A span's channel scales
+        are set by the first store into it (and kept by later stores into the span); the
+        scales are rounded to ``dtype`` before use, so that what reads return is ``K8 · kc · kt``."""
         B, Hkv, count, D = k.shape
         top = FORMATS[self.format][1]
-        g, n0 = self.group, self._quantized
-        k = k.view(B, Hkv, count // g, g, D)
+        n0, span = self._quantized, self.span
+        work = torch.promote_types(self.dtype, torch.float32)
         # The smallest normal of dtype, not a fixed 1e-30: fp16 rounds 1e-30 (and any scale below
         # its subnormals) to 0, and an all-zero channel then stored 0 / 0 = NaN (fp8 keeps it).
         tiny = torch.finfo(self.dtype).tiny
-        k_scale = (k.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=tiny).to(self.dtype)  # (B,Hkv,n,1,D)
-        v_scale = (v.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=tiny).to(self.dtype)  # (B,Hkv,n·g,1)
-        self.k_scale[:, :, n0 // g : (n0 + count) // g] = k_scale
+        for j in range(-(-n0 // span), (n0 + count - 1) // span + 1):  # spans that start in this store
+            first = k[:, :, j * span - n0 : (j + 1) * span - n0].to(work)  # (B, Hkv, >= group, D)
+            amax = first.abs().amax(dim=2)  # (B, Hkv, D)
+            floor = amax.amax(dim=2, keepdim=True) * _CHANNEL_FLOOR
+            self.k_channel[:, :, j] = torch.maximum(amax, floor).clamp_(min=tiny).to(self.dtype)
+        channel = self._channel_scales(n0, n0 + count).to(work)  # (B, Hkv, count, D)
+        keys = k.to(work) / channel
+        k_token = (keys.abs().amax(dim=3, keepdim=True) / top).clamp_(min=tiny).to(self.dtype)  # (B, Hkv, count, 1)
+        v_scale = (v.abs().amax(dim=3, keepdim=True).to(work) / top).clamp_(min=tiny).to(self.dtype)
+        self.k_token[:, :, n0 : n0 + count] = k_token
         self.v_scale[:, :, n0 : n0 + count] = v_scale
-        q_k = _quantize(k.float() / k_scale.float(), self.q_k.dtype, top)  # (B, Hkv, n, g, D)
-        self.q_k[:, :, n0 : n0 + count] = q_k.view(B, Hkv, count, D)
-        self.q_v[:, :, n0 : n0 + count] = _quantize(v.float() / v_scale.float(), self.q_v.dtype, top)
+        self.q_k[:, :, n0 : n0 + count] = _quantize(k.to(work) / (channel * k_token.to(work)), self.q_k.dtype, top)
+        self.q_v[:, :, n0 : n0 + count] = _quantize(v.to(work) / v_scale.to(work), self.q_v.dtype, top)
         self._quantized += count
 
+    def _channel_scales(self, a: int, b: int) -> Tensor:
+        """``kc`` of the 8-bit slots ``[a, b)``, one row per slot: ``(B, Hkv, b - a, D)``."""
+        spans = torch.arange(a, b, device=self.k_channel.device) // self.span
+        return self.k_channel.index_select(2, spans)
+
     def dequantized(self, a: int, b: int) -> tuple[Tensor, Tensor]:
-        """The 8-bit slots ``[a, b)`` of the quantized region (``a`` a multiple of ``group``) as
-        ``(keys, values)`` in ``dtype``: ``q · scale``, each rounded once."""
-        B, Hkv, _, D = self.q_k.shape
-        g = self.group
-        n = b - a
-        whole = -(-n // g) * g
-        keys = self.q_k[:, :, a : a + whole].to(self.dtype).view(B, Hkv, whole // g, g, D)
-        keys = keys.mul_(self.k_scale[:, :, a // g : (a + whole) // g]).view(B, Hkv, whole, D)[:, :, :n]
+        """The 8-bit slots ``[a, b)`` of the quantized region as ``(keys, values)`` in ``dtype``:
+        ``K8 · kc · kt`` and ``V8 · vt``, each rounded once."""
+        work = torch.promote_types(self.dtype, torch.float32)
+        scales = self._channel_scales(a, b).to(work) * self.k_token[:, :, a:b].to(work)
+        keys = (self.q_k[:, :, a:b].to(work) * scales).to(self.dtype)
         values = self.q_v[:, :, a:b].to(self.dtype).mul_(self.v_scale[:, :, a:b])
         return keys, values
 
@@ -285,7 +314,7 @@ class QuantizedKVCache(KVCache):
     def reorder(self, indices: Tensor) -> None:
         """Row ``i`` becomes the old row ``indices[i]`` (slots and scales together); ``B' = len(indices)``."""
         indices = check_indices(type(self).__name__, indices, self.batch_size, self.tail_k.device)
-        for attr in ("sink_k", "sink_v", "q_k", "q_v", "k_scale", "v_scale", "tail_k", "tail_v"):
+        for attr in ("sink_k", "sink_v", "q_k", "q_v", "k_channel", "k_token", "v_scale", "tail_k", "tail_v"):
             setattr(self, attr, getattr(self, attr).index_select(0, indices))
         self._undo = None
 
@@ -336,6 +365,52 @@ class _QuantizedBlocks(KVBlocks):
         t0 = max(lo, s + nq)
         if t0 < hi:
             yield t0, self.tail_k[:, :, t0 - s - nq : hi - s - nq], self.tail_v[:, :, t0 - s - nq : hi - s - nq]
+
+    def partials(
+        self, qg: Tensor, lo: int, hi: int, blocked: Tensor | None, scale: float, G: int, Lq: int
+    ) -> list[tuple[Tensor, Tensor]] | None:
+        """int8 slots: sinks and tail as views (the decode path's chunk), the 8-bit region through
+        integer GEMMs over the stored bytes (:func:`~multihead.backends.decode_int8.int8_attention`),
+        a few spans at a time. ``None`` (dequantized pieces) for fp8 and for fp64 compute."""
+        digits = digits_for(self.dtype)
+        if self.cache.format != "int8" or digits is None:
+            return None
+        cache, s, nq = self.cache, self.sinks, self.quantized
+        acc = torch.promote_types(self.dtype, torch.float32)
+        half = acc != self.dtype
+
+        def cut(a: int, b: int) -> Tensor | None:
+            return None if blocked is None else blocked[..., a - lo : b - lo]
+
+        parts = []
+        if lo < s:  # sinks
+            b = min(hi, s)
+            k, v = self.sink_k[:, :, lo:b], self.sink_v[:, :, lo:b]
+            parts.append(_attend(qg, k, v, cut(lo, b), scale, acc, G, Lq, half, True))
+        a0, b0 = max(lo, s) - s, min(hi, s + nq) - s  # within the 8-bit region
+        starts = [a0, *range((a0 // cache.span + 1) * cache.span, b0, cache.span)] if a0 < b0 else []
+        for a in starts:  # a span at a time: one row of channel scales, one GEMM per KV head
+            b = min((a // cache.span + 1) * cache.span, b0)
+            parts.append(
+                int8_attention(
+                    qg,
+                    scale,
+                    cache.q_k[:, :, a:b],
+                    cache.k_channel[:, :, a // cache.span],
+                    cache.k_token[:, :, a:b, 0],
+                    cache.q_v[:, :, a:b],
+                    cache.v_scale[:, :, a:b, 0],
+                    cut(s + a, s + b),
+                    G,
+                    Lq,
+                    digits,
+                )
+            )
+        t0 = max(lo, s + nq)
+        if t0 < hi:  # the residual window
+            k, v = self.tail_k[:, :, t0 - s - nq : hi - s - nq], self.tail_v[:, :, t0 - s - nq : hi - s - nq]
+            parts.append(_attend(qg, k, v, cut(t0, hi), scale, acc, G, Lq, half, True))
+        return [(out, lse) for out, lse in parts if lse is not None]
 
     def dense(self) -> tuple[Tensor, Tensor]:
         s, nq, t = self.sinks, self.quantized, self.tail
