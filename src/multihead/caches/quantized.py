@@ -20,8 +20,8 @@ largest channel's, so that a channel quiet there cannot blow up later tokens), t
 ``kt = amax over the token / top``. A token whose channels outgrow ``kc`` is never clipped (its
 ``kt`` grows). The factors are one per channel per span and one per token, not one per channel
 per group as in KIVI, so that a decode step can move them onto the query and the attention
-weights and multiply the int8 slots as they are (:mod:`multihead.backends.decode_int8`). The last ``residual`` tokens written are always
-exact, and so are the first ``sinks``.
+weights and multiply the int8 slots as they are (:mod:`multihead.backends.decode_int8`). The
+last ``residual`` tokens written are always exact, and so are the first ``sinks``.
 
 Every read returns what the cache holds: slot ``j`` is position ``j`` (one length for every row),
 quantized slots as ``K8 · kc · kt`` and ``V8 · vt`` rounded once to ``dtype``. A decode step reads
