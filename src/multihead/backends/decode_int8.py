@@ -55,77 +55,96 @@ def int8_attention(
     key_token: Tensor,
     values: Tensor,
     value_token: Tensor,
+    first: int,
+    span: int,
     blocked: Tensor | None,
     G: int,
     Lq: int,
     digits: int,
 ) -> tuple[Tensor, Tensor]:
-    """One partial attention over ``n`` int8 slots of one span: ``(out (B, Hkv, R, Dv) fp32,
-    lse (B, Hkv, R) fp32)``, ``out`` normalised over these slots (0 and ``-inf`` on rows that see none).
+    """One partial attention over ``n`` int8 slots: ``(out (B, Hkv, R, Dv) fp32, lse (B, Hkv, R) fp32)``,
+    ``out`` normalised over these slots (0 and ``-inf`` on rows that see none).
 
     ``qg (B, Hkv, R = G·Lq, D)``: the folded query rows (``conventions.fold_query_heads``), times
-    ``scale``; ``keys (B, Hkv, n, D)`` and ``values (B, Hkv, n, Dv)`` int8; ``key_channel (B, Hkv, D)``:
-    the span's channel scales; ``key_token`` and ``value_token (B, Hkv, n)``; ``blocked``: ``None``
-    or ``(B|1, Hkv|1, G|1, Lq, n)``, True where a row may not see the slot. A span at a time, so that
-    every buffer of the step stays in cache (the caller joins the spans by their LSE)."""
+    ``scale``; ``keys (B, Hkv, n, D)`` and ``values (B, Hkv, n, Dv)`` int8; ``key_token`` and
+    ``value_token (B, Hkv, n)``; ``key_channel (B, Hkv, spans, D)``, row ``j`` for the slots
+    ``[j·span, (j+1)·span)`` of the region, whose slot ``first`` is ``keys[:, :, 0]``;
+    ``blocked``: ``None`` or ``(B|1, Hkv|1, G|1, Lq, n)``, True where a row may not see the slot.
+    The GEMMs run a span at a time (one ``q'`` per span); the passes between them over every span
+    at once (few ops: on a shared machine each op waits for every thread)."""
     B, Hkv, R, D = qg.shape
     n, Dv = keys.shape[2], values.shape[3]
+    j0, j1 = first // span, (first + n - 1) // span + 1
+    spans, off = j1 - j0, first - j0 * span  # slots padded to whole spans: [off, off + n) of spans·span
+    padded = spans * span
+    chunks = [(max(j * span, off) - off, min((j + 1) * span, off + n) - off) for j in range(spans)]
     top = 127 * (1 << (_BASE * (digits - 1)))
 
-    # q' = q · scale · kc, as digits: (B, Hkv, L, R, D) int8
-    qc = qg.float() * key_channel.float().unsqueeze(2)  # (B, Hkv, R, D)
+    # q' = q · scale · kc per span, as digits (B, Hkv, spans, D, L, R) int8: the GEMM's right operand
+    # as it lies (oneDNN's int8 GEMM read a transposed one at well under half the speed)
+    qc = qg.float().unsqueeze(2) * key_channel[:, :, j0:j1].float().unsqueeze(3)  # (B, Hkv, spans, R, D)
     if scale != 1.0:
         qc = qc.mul_(scale)
-    q_step = qc.abs().amax(dim=-1, keepdim=True).div_(top).clamp_(min=_TINY)  # (B, Hkv, R, 1)
-    q_digits = torch.empty(B, Hkv, digits, R, D, dtype=torch.int8, device=qg.device)
-    _digits(qc.div_(q_step), q_digits.unbind(2))
+    q_step = qc.abs().amax(dim=-1, keepdim=True).div_(top).clamp_(min=_TINY)  # (B, Hkv, spans, R, 1)
+    q_digits = torch.empty(B, Hkv, spans, D, digits, R, dtype=torch.int8, device=qg.device)
+    _digits(qc.div_(q_step), [d.transpose(3, 4) for d in q_digits.unbind(4)])
 
-    # integer scores, slot-major (B, Hkv, n, L·R) int32; then s = kt · q_step · Σ_l S_l 128^(L-1-l)
-    raw = torch.empty(B, Hkv, n, digits * R, dtype=torch.int32, device=qg.device)
+    # integer scores, slot-major (B, Hkv, padded, L·R) int32 (padding rows unwritten, then -inf)
+    raw = torch.empty(B, Hkv, padded, digits * R, dtype=torch.int32, device=qg.device)
     for b in range(B):
         for h in range(Hkv):
-            torch._int_mm(keys[b, h], q_digits[b, h].view(digits * R, D).t(), out=raw[b, h])
-    combined = _combine(raw.view(B, Hkv, n, digits, R), dim=3, exact=D <= 512)  # (B, Hkv, n, R)
-    scores = torch.empty(B, Hkv, R, n, device=qg.device)  # row-major for the reductions
-    torch.mul(combined.transpose(2, 3), q_step, out=scores)
-    scores.mul_(key_token.float().unsqueeze(2))
+            for j, (c0, c1) in enumerate(chunks):
+                right = q_digits[b, h, j].view(D, digits * R)
+                torch._int_mm(keys[b, h, c0:c1], right, out=raw[b, h, off + c0 : off + c1])
+    # s = kt · q_step · Σ_l S_l 128^(L-1-l), row-major (B, Hkv, R, spans, span) for the reductions
+    combined = _combine(raw.view(B, Hkv, spans, span, digits, R), dim=4, exact=D <= 512)
+    scores = torch.empty(B, Hkv, R, spans, span, device=qg.device)
+    torch.mul(combined.permute(0, 1, 4, 2, 3), q_step.view(B, Hkv, spans, R).transpose(2, 3).unsqueeze(-1), out=scores)
+    flat = scores.view(B, Hkv, R, padded)
+    flat[..., off : off + n].mul_(key_token.float().unsqueeze(2))
+    if off or off + n < padded:  # the first and last spans' padding: no slot there
+        flat[..., :off] = float("-inf")
+        flat[..., off + n :] = float("-inf")
     if blocked is not None:  # masked_fill: a blocked slot's score goes whatever it was
-        scores.view(B, Hkv, G, Lq, n).masked_fill_(blocked, float("-inf"))
+        flat[..., off : off + n].unflatten(2, (G, Lq)).masked_fill_(blocked, float("-inf"))
 
     # p = exp(s - max) in place; rows that see no slot: max -inf -> 0, every p 0, l 0
-    peak = scores.amax(dim=-1, keepdim=True)  # (B, Hkv, R, 1)
+    peak = flat.amax(dim=-1, keepdim=True)  # (B, Hkv, R, 1)
     peak.masked_fill_(torch.isneginf(peak), 0.0)
-    probs = scores.sub_(peak).exp_()
+    probs = flat.sub_(peak).exp_()
     total = probs.sum(dim=-1, keepdim=True)
     lse = torch.where(total > 0, peak + torch.log(total), float("-inf")).squeeze(-1)  # (B, Hkv, R)
 
-    # p' = p · vt as digits (B, Hkv, L, R, n) int8; o = p_step · Σ_l O_l 128^(L-1-l) / l
-    probs.mul_(value_token.float().unsqueeze(2))
-    p_step = probs.amax(dim=-1, keepdim=True).div_(top).clamp_(min=_TINY)  # (B, Hkv, R, 1)
-    p_digits = torch.empty(B, Hkv, digits, R, n, dtype=torch.int8, device=qg.device)
-    _digits(probs.div_(p_step), p_digits.unbind(2))
-    raw_out = torch.empty(B, Hkv, digits * R, Dv, dtype=torch.int32, device=qg.device)
+    # p' = p · vt as digits per row per span: (B, Hkv, spans, L, R, span) int8
+    probs[..., off : off + n].mul_(value_token.float().unsqueeze(2))
+    p_step = scores.amax(dim=-1, keepdim=True).div_(top).clamp_(min=_TINY)  # (B, Hkv, R, spans, 1)
+    p_digits = torch.empty(B, Hkv, spans, digits, R, span, dtype=torch.int8, device=qg.device)
+    _digits(scores.div_(p_step), [d.permute(0, 1, 3, 2, 4) for d in p_digits.unbind(3)])
+
+    # o = Σ_j p_step · Σ_l O_l 128^(L-1-l), normalised by l
+    raw_out = torch.empty(B, Hkv, spans, digits * R, Dv, dtype=torch.int32, device=qg.device)
     for b in range(B):
         for h in range(Hkv):
-            torch._int_mm(p_digits[b, h].view(digits * R, n), values[b, h], out=raw_out[b, h])
-    out = _combine(raw_out.view(B, Hkv, digits, R, Dv), dim=2, exact=False).mul_(p_step)  # (B, Hkv, R, Dv)
+            for j, (c0, c1) in enumerate(chunks):
+                a = off + c0 - j * span  # where the chunk starts inside span j
+                rows = p_digits[b, h, j].view(digits * R, span)[:, a : a + c1 - c0]
+                torch._int_mm(rows, values[b, h, c0:c1], out=raw_out[b, h, j])
+    out = _combine(raw_out.view(B, Hkv, spans, digits, R, Dv), dim=3, exact=False)  # (B, Hkv, spans, R, Dv)
+    out = out.mul_(p_step.view(B, Hkv, R, spans).transpose(2, 3).unsqueeze(-1)).sum(dim=2)  # (B, Hkv, R, Dv)
     return out.div_(total.masked_fill_(total == 0, 1.0)), lse
 
 
 def _digits(x: Tensor, out: list[Tensor] | tuple[Tensor, ...]) -> None:
     """``x`` (already divided by its step: ``|x| <= 127 · 128^(L-1)``) as ``L`` int8 digits
-    written into ``out`` (views of ``x``'s shape): ``x ≈ Σ_l a_l · 128^(L-1-l)``, round to
-    nearest; ``a_0`` signed, the others in ``[0, 127]``. In fp32, whose integers are exact up to
-    ``2^24``, beyond ``127 · 128^2``; ``x`` is overwritten."""
-    whole = x.round_()
+    written into ``out`` (views of ``x``'s shape): ``x ≈ Σ_l a_l · 128^(L-1-l)``, each digit the
+    rounded rest of the ones before (``a_0`` within 127, the others within 64): the error is at
+    most one half. In fp32, exact for these integers (below ``2^24``); ``x`` is overwritten."""
     for level, digit in enumerate(out):
-        if level == len(out) - 1:
-            digit.copy_(whole)
-            break
         base = float(1 << (_BASE * (len(out) - 1 - level)))
-        high = torch.floor(whole * (1.0 / base))
+        high = torch.round(x * (1.0 / base)) if base != 1.0 else x.round_()
         digit.copy_(high)
-        whole = whole.add_(high, alpha=-base)  # the rest, in [0, base)
+        if base != 1.0:
+            x = x.add_(high, alpha=-base)  # the rest, within base / 2
 
 
 def _combine(raw: Tensor, dim: int, exact: bool) -> Tensor:

@@ -62,6 +62,8 @@ __all__ = ["QuantizedKVCache", "FORMATS"]
 
 #: format -> (storage dtype name, largest magnitude stored)
 FORMATS = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
+#: Score elements of one int8 partial (``B·Hkv·G·Lq`` rows x slots, fp32): bounds its buffers.
+_INT8_SCORES = 1 << 22
 #: A key channel's scale is at least this share of the largest channel's in its span's first group.
 _CHANNEL_FLOOR = 1 / 32
 
@@ -388,24 +390,29 @@ class _QuantizedBlocks(KVBlocks):
             k, v = self.sink_k[:, :, lo:b], self.sink_v[:, :, lo:b]
             parts.append(_attend(qg, k, v, cut(lo, b), scale, acc, G, Lq, half, True))
         a0, b0 = max(lo, s) - s, min(hi, s + nq) - s  # within the 8-bit region
-        starts = [a0, *range((a0 // cache.span + 1) * cache.span, b0, cache.span)] if a0 < b0 else []
-        for a in starts:  # a span at a time: one row of channel scales, one GEMM per KV head
-            b = min((a // cache.span + 1) * cache.span, b0)
+        B, Hkv, R = qg.shape[0], qg.shape[1], qg.shape[2]
+        step = max(1, _INT8_SCORES // (B * Hkv * R * cache.span)) * cache.span  # whole spans per partial
+        a = a0
+        while a < b0:
+            b = min((a // cache.span) * cache.span + step, b0)
             parts.append(
                 int8_attention(
                     qg,
                     scale,
                     cache.q_k[:, :, a:b],
-                    cache.k_channel[:, :, a // cache.span],
+                    cache.k_channel,
                     cache.k_token[:, :, a:b, 0],
                     cache.q_v[:, :, a:b],
                     cache.v_scale[:, :, a:b, 0],
+                    a,
+                    cache.span,
                     cut(s + a, s + b),
                     G,
                     Lq,
                     digits,
                 )
             )
+            a = b
         t0 = max(lo, s + nq)
         if t0 < hi:  # the residual window
             k, v = self.tail_k[:, :, t0 - s - nq : hi - s - nq], self.tail_v[:, :, t0 - s - nq : hi - s - nq]
