@@ -10,7 +10,9 @@ over every piece and joins them by their log-sum-exp (:func:`multihead.merge_par
 
 So a paged cache is read through its block table (each piece is a few pages, copied into a buffer
 that stays in cache, never the whole cache), and a quantized cache is dequantized a piece at a time
-(never a dequantized copy of the whole cache). A cache returns such an object in
+(never a dequantized copy of the whole cache), or, for int8 slots, gives its partials itself
+(:meth:`KVBlocks.partials`: integer GEMMs over the stored bytes,
+:mod:`multihead.backends.decode_int8`). A cache returns such an object in
 ``CacheRead.blocks``; a layer reads it through :func:`decode_blocks` when the call is a plain decode
 step (:func:`multihead.layers.attend.reads_blocks` says when), and through the dense ``keys`` and
 ``values`` (:meth:`KVBlocks.dense`, built once on demand) otherwise.

@@ -24,7 +24,7 @@ weights and multiply the int8 slots as they are (:mod:`multihead.backends.decode
 last ``residual`` tokens written are always exact, and so are the first ``sinks``.
 
 Every read returns what the cache holds: slot ``j`` is position ``j`` (one length for every row),
-quantized slots as ``K8 · kc · kt`` and ``V8 · vt`` rounded once to ``dtype``. A decode step reads
+quantized slots as ``K8 · kt · kc`` and ``V8 · vt`` in ``dtype``. A decode step reads
 them through ``CacheRead.blocks``: int8 slots with integer GEMMs over the stored bytes
 (fp16/bf16/fp32 compute), fp8 (and fp64 compute) dequantized a piece at a time into a buffer that
 stays in cache (:mod:`multihead.backends.decode_blocks`); a prefill, weights or autograd read
@@ -275,10 +275,12 @@ class QuantizedKVCache(KVCache):
 
     def dequantized(self, a: int, b: int) -> tuple[Tensor, Tensor]:
         """The 8-bit slots ``[a, b)`` of the quantized region as ``(keys, values)`` in ``dtype``:
-        ``K8 · kc · kt`` and ``V8 · vt``, each rounded once."""
-        work = torch.promote_types(self.dtype, torch.float32)
-        scales = self._channel_scales(a, b).to(work) * self.k_token[:, :, a:b].to(work)
-        keys = (self.q_k[:, :, a:b].to(work) * scales).to(self.dtype)
+        ``K8 · kt · kc`` and ``V8 · vt`` (each product rounded to ``dtype``: a conversion and one
+        pass per factor, since this is what a piece of an fp8 read costs)."""
+        keys = self.q_k[:, :, a:b].to(self.dtype).mul_(self.k_token[:, :, a:b])
+        for j in range(a // self.span, (b - 1) // self.span + 1 if b > a else a // self.span):
+            lo, hi = max(a, j * self.span), min(b, (j + 1) * self.span)
+            keys[:, :, lo - a : hi - a].mul_(self.k_channel[:, :, j : j + 1])
         values = self.q_v[:, :, a:b].to(self.dtype).mul_(self.v_scale[:, :, a:b])
         return keys, values
 
