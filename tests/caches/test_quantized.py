@@ -157,6 +157,7 @@ def test_rollback_and_reorder_keep_slots_and_scales_together(fmt):
         (dict(format="int4"), ValueError, r"QuantizedKVCache: format must be one of \['fp8', 'int8'\], got 'int4'"),
         (dict(residual=-1), ValueError, r"QuantizedKVCache: residual must be an int >= 0, got -1"),
         (dict(group=0), ValueError, r"QuantizedKVCache: group must be an int >= 1, got 0"),
+        (dict(span=0), ValueError, r"QuantizedKVCache: span must be an int >= 1, got 0"),
         (dict(dtype=torch.int8), TypeError, r"QuantizedKVCache: dtype must be a floating-point torch.dtype"),
     ],
 )

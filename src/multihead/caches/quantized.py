@@ -375,9 +375,10 @@ class _QuantizedBlocks(KVBlocks):
     ) -> list[tuple[Tensor, Tensor]] | None:
         """int8 slots: sinks and tail as views (the decode path's chunk), the 8-bit region through
         integer GEMMs over the stored bytes (:func:`~multihead.backends.decode_int8.int8_attention`),
-        a few spans at a time. ``None`` (dequantized pieces) for fp8 and for fp64 compute."""
+        a few spans at a time. ``None`` (dequantized pieces) for fp8, for fp64 compute and off the
+        CPU (CUDA's ``_int_mm`` wants more than 16 rows and sizes in multiples of 8)."""
         digits = digits_for(self.dtype)
-        if self.cache.format != "int8" or digits is None:
+        if self.cache.format != "int8" or digits is None or self.device.type != "cpu":
             return None
         cache, s, nq = self.cache, self.sinks, self.quantized
         acc = torch.promote_types(self.dtype, torch.float32)
