@@ -299,6 +299,34 @@ def test_a_refused_update_leaves_the_cache_bit_identical(kind):
         assert cache.lengths.tolist() == [6, 6], name
 
 
+@every_kind
+def test_a_refused_dtype_or_device_says_what_to_do_and_the_advice_holds(kind):
+    """The refusal of keys in another dtype names the cast, and says whether ``reset()`` helps: on a
+    cache that takes its dtype from its first update it does (the next update then succeeds); on
+    one allocated up front it does not (still refused after ``reset()``), and the message says to
+    build another cache instead."""
+    cache = _filled(kind)
+    k1, v1 = kind.kv(1, seed=1)
+    k32, v32 = k1.float(), (k1.float()[..., :DV] if kind.values_in_keys else v1.float())
+    with pytest.raises(TypeError, match=r"hint: pass k.to\(torch.float64\) and v.to\(torch.float64\), or ") as refused:
+        cache.update(k32, v32)
+    says_reset = "reset() the cache: its next update sets the dtype" in str(refused.value)
+    if not says_reset:
+        assert "build the cache with dtype=torch.float32 (reset() keeps the dtype it was built with)" in str(
+            refused.value
+        )
+    moved = r"pass k.to\('cpu'\) and v.to\('cpu'\), or (reset|build the cache with device='meta')"
+    with pytest.raises(ValueError, match=moved):
+        cache.update(k1.to("meta"), v1.to("meta"))
+    cache.reset()
+    if says_reset:
+        cache.update(k32, v32)
+        assert cache.lengths.tolist() == [1, 1]
+    else:
+        with pytest.raises(TypeError, match=r"but the cache holds torch.float64"):
+            cache.update(k32, v32)
+
+
 ONE_LENGTH = r"every row has the same length here, so length must be an int, got a tensor of shape"
 BAD_CROPS = [  # (name, length, error, message after "<Cache>.crop: " on a per-row cache, on the others)
     ("negative", -1, ValueError, r"length must be >= 0, got -1", None),
@@ -331,6 +359,14 @@ BAD_CROPS = [  # (name, length, error, message after "<Cache>.crop: " on a per-r
         ONE_LENGTH,
     ),
     ("negative row", torch.tensor([1, -1]), ValueError, r"lengths must be >= 0, got \[1, -1\]", ONE_LENGTH),
+    (
+        "meta tensor",
+        torch.tensor([1, 1], device="meta"),
+        ValueError,
+        r"length is on the meta device \(a shape without values\), got torch.int64 of shape \(2,\); expected a "
+        r"\(B,\) = \(2,\) integer tensor with values",
+        ONE_LENGTH,
+    ),
 ]
 
 
@@ -353,6 +389,13 @@ BAD_INDICES = [  # (name, indices, error, message after "<Cache>.reorder: ")
     ("float", torch.tensor([0.0, 1.0]), TypeError, r"indices must be a 1-D integer tensor .*float32"),
     ("bools", [True, False], TypeError, r"indices must be ints"),
     ("no row", torch.tensor([], dtype=torch.int64), ValueError, r"indices select no row"),
+    (
+        "meta",
+        torch.tensor([1, 0], device="meta"),
+        ValueError,
+        r"indices is on the meta device \(a shape without values\), got torch.int64 of shape \(2,\); expected "
+        r"a 1-D integer tensor of batch rows with values",
+    ),
 ]
 
 
