@@ -226,17 +226,27 @@ class QuantizedKVCache(KVCache):
         B, Hkv, count, D = k.shape
         top = FORMATS[self.format][1]
         g, n0 = self.group, self._quantized
-        k = k.view(B, Hkv, count // g, g, D)
+        # A non-finite entry (NaN, ±inf) would make its channel's scale NaN or inf for the whole
+        # group, so every token of the group would read back as NaN or garbage, and rows that never
+        # see the bad token would get NaN. The scales are taken over finite entries only, a bad
+        # entry is stored as 0, and the bad token's value scale is NaN: the token's value reads
+        # back as NaN (its key finite), so exactly the rows that read it get NaN (int8 has no NaN
+        # to store in the slot itself; docs/inference.md, "Non-finite keys and values").
+        finite_k, finite_v = torch.isfinite(k), torch.isfinite(v)
+        bad = ~(finite_k.all(dim=-1) & finite_v.all(dim=-1))  # (B, Hkv, count): tokens holding one
+        k = k.where(finite_k, 0.0).view(B, Hkv, count // g, g, D)
+        v = v.where(finite_v, 0.0)
         # The smallest normal of dtype, not a fixed 1e-30: fp16 rounds 1e-30 (and any scale below
         # its subnormals) to 0, and an all-zero channel then stored 0 / 0 = NaN (fp8 keeps it).
         tiny = torch.finfo(self.dtype).tiny
         k_scale = (k.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=tiny).to(self.dtype)  # (B,Hkv,n,1,D)
         v_scale = (v.abs().amax(dim=3, keepdim=True).float() / top).clamp_(min=tiny).to(self.dtype)  # (B,Hkv,n·g,1)
-        self.k_scale[:, :, n0 // g : (n0 + count) // g] = k_scale
-        self.v_scale[:, :, n0 : n0 + count] = v_scale
         q_k = _quantize(k.float() / k_scale.float(), self.q_k.dtype, top)  # (B, Hkv, n, g, D)
+        q_v = _quantize(v.float() / v_scale.float(), self.q_v.dtype, top)
+        self.k_scale[:, :, n0 // g : (n0 + count) // g] = k_scale
+        self.v_scale[:, :, n0 : n0 + count] = v_scale.masked_fill(bad.unsqueeze(-1), float("nan"))
         self.q_k[:, :, n0 : n0 + count] = q_k.view(B, Hkv, count, D)
-        self.q_v[:, :, n0 : n0 + count] = _quantize(v.float() / v_scale.float(), self.q_v.dtype, top)
+        self.q_v[:, :, n0 : n0 + count] = q_v
         self._quantized += count
 
     def dequantized(self, a: int, b: int) -> tuple[Tensor, Tensor]:
