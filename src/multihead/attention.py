@@ -33,6 +33,8 @@ from multihead.validation import (
 
 __all__ = ["attention", "plan", "prepare", "dispatch", "finish"]
 
+_is_compiling = torch.compiler.is_compiling  # (one global read on every call; dynamo knows the function)
+
 
 @overload
 def attention(
@@ -215,7 +217,7 @@ def attention(
         and dropout_p.__class__ is float
         and dropout_p == 0.0
         and check_finite is False
-        and not torch.compiler.is_compiling()
+        and not _is_compiling()
     ):
         plan, key, growing = plans.find(q, k, v, mask, scale, backend)
         if plan is not None:
@@ -406,7 +408,7 @@ def _keep_plans(
     runner = None
     if key is not None and plans.worth_keeping(key, call, *inputs):
         runner = chosen.runner(call)
-        plans.store(key, runner)
+        plans.store(key, runner, inputs)
     if growing is not None and plans.worth_keeping(growing, call, *inputs):
         runner = runner or chosen.runner(call)
         if runner.any_kv_len and _chosen_over_bucket(call, chosen, backend):

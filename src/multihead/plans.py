@@ -4,9 +4,13 @@ A *plain* call passes only ``q, k, v``, a mask object and a scale (no score modi
 sinks, dropout, weights or LSE). Everything validation and dispatch decide for it follows from
 facts that are cheap to read, and that :func:`signature` puts in one key::
 
-    q, k, v: type, shape, stride, dtype, device      (the checks of validation.py, the kernels' strides)
+    q, k, v: type, shape, strides, dtype, device     (the checks of validation.py, the kernels' strides;
+                                                      one flag for "all contiguous", one for "all on the CPU")
     autograd records (grad mode and requires_grad)   (backends without a backward refuse it)
     the mask's value (masks are immutable and compare by value), the scale, the backend name
+
+The plan found last is also kept with a *guard* of its inputs (:mod:`multihead.guards`): a loop
+calling one signature runs its plan on that one C++ check instead of building the key.
 
 A call takes the whole path (validation, every refusal, the backend's own plan) until its
 signature has been seen once before; then it stores a *runner*, :meth:`Backend.runner`: a
@@ -38,11 +42,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 from torch import Tensor
 
+from multihead.guards import Guard, tensor_guard
 from multihead.masks import Mask
 from multihead.memo import BoundedCache
 
@@ -72,6 +77,10 @@ Key: TypeAlias = "tuple[object, ...]"
 Runner: TypeAlias = "Callable[[Tensor, Tensor, Tensor], Tensor]"
 _PLANS: BoundedCache[Key, Runner] = BoundedCache(MAX_PLANS)
 _SEEN: BoundedCache[Key, None] = BoundedCache(MAX_PLANS)  # signatures met once, oldest first (an ordered set)
+_GUARDS: BoundedCache[Key, Guard] = BoundedCache(MAX_PLANS)  # the C-level check of a stored plan's q, k, v
+#: The plan found last, with what a call must match to run it without a key: its guard of
+#: ``q, k, v`` (multihead.guards), mask (the same object), scale, backend and grad mode.
+_last: tuple[Guard, object, object, object, bool, Runner] | None = None
 
 
 def find(
@@ -85,7 +94,23 @@ def find(
     signature is new at every step (its ``Lk`` grew), so reading it first would cost every step
     a key that is never found, which costs a decoding step more than its kernel when the caches are
     cold (measured: docs/performance.md#hugging-face-backend-benchmarkshfpy). Other calls look for their exact
-    signature first (a repeated call finds it at once) and for the growing plan on a miss."""
+    signature first (a repeated call finds it at once) and for the growing plan on a miss.
+
+    Before any key, the plan found last is tried: a call with the same mask object, scale, backend
+    and grad mode whose ``q, k, v`` pass that plan's guard (:mod:`multihead.guards`: the key's facts
+    about the tensors, checked in one C++ call) runs it without building a key."""
+    global _last
+    last = _last
+    if last is not None:  # the plan found last, checked in one C++ call instead of a key
+        guard, last_mask, last_scale, last_backend, grad_mode, run = last
+        if (
+            mask is last_mask
+            and backend is last_backend
+            and (scale is last_scale or (scale.__class__ is float and scale == last_scale))
+            and torch.is_grad_enabled() is grad_mode
+            and guard(q, k, v)
+        ):
+            return run, None, None
     if not _plain_arguments(q, k, v, mask, scale, backend):
         return None, None, None
     growing = None
@@ -103,8 +128,14 @@ def find(
         if plan is not None:
             return plan, None, growing
     key = _key(q, k, v, mask, scale, backend, qs)
-    plan = None if key is None else _PLANS.get(key)
-    if plan is None and key is not None and not one_query:
+    if key is None:
+        return None, None, None
+    plan = _PLANS.get(key)
+    if plan is not None:
+        stored_guard = _GUARDS.get(key)
+        if stored_guard is not None:
+            _last = (stored_guard, mask, scale, backend, torch.is_grad_enabled(), plan)
+    elif not one_query:
         growing = _growing_key(q, k, v, mask, scale, backend)
         plan = None if growing is None else _PLANS.get(growing)
     return plan, key, growing
@@ -121,22 +152,21 @@ def signature(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, back
 def _key(
     q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object, backend: object, q_shape: object = None
 ) -> Key | None:
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # Each tensor attribute read from Python builds an object: contiguous tensors (the common case)
+    # enter as one flag instead of three stride tuples (their strides follow from their shapes),
+    # CPU tensors as one flag instead of three devices (docs/performance.md#per-call-overhead).
     try:
+        contiguous = q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         return (
             q.shape if q_shape is None else q_shape,
             k.shape,
             v.shape,
-            q.stride(),
-            k.stride(),
-            v.stride(),
+            None if contiguous else (q.stride(), k.stride(), v.stride()),
             q.dtype,
             k.dtype,
             v.dtype,
-            q.device,
-            k.device,
-            v.device,
-            grad,
+            None if q.is_cpu and k.is_cpu and v.is_cpu else (q.device, k.device, v.device),
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
             mask,
             scale,
             backend,
@@ -259,17 +289,25 @@ def repeated(key: Key) -> bool:
     return False
 
 
-def store(key: Key, runner: Runner) -> None:
+def store(key: Key, runner: Runner, inputs: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
     """Keep ``runner(q, k, v) -> output`` for ``key``, dropping the oldest plan beyond :data:`MAX_PLANS`.
     A :class:`multihead.backends.base.Runner` is kept as its ``run`` function: a stored plan runs
-    without the object's own call in between (a Python frame, a fraction of a small call)."""
+    without the object's own call in between (a Python frame, a fraction of a small call).
+    ``inputs``: the ``q, k, v`` of ``key`` (an exact signature, not a growing one), from which the
+    plan's guard is built: the plan found last then runs on a guard's check, without a key."""
     _PLANS.put(key, getattr(runner, "run", runner))
+    guard = None if inputs is None else tensor_guard(*inputs)
+    if guard is not None:
+        _GUARDS.put(key, guard)
 
 
 def clear() -> None:
     """Forget every plan (the registry calls this whenever the backends change)."""
+    global _last
+    _last = None
     _PLANS.clear()
     _SEEN.clear()
+    _GUARDS.clear()
 
 
 class Plan:
@@ -304,9 +342,11 @@ class Plan:
 
     def __repr__(self) -> str:
         q_shape, k_shape, v_shape = self.key[0], self.key[1], self.key[2]
+        devices = cast("tuple[torch.device, ...] | None", self.key[7])
         return (
-            f"Plan(q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}, {self.key[6]}, "  # type: ignore[arg-type]
-            f"{self.key[9]}, mask={self._mask!r}, backend={getattr(self.runner, 'backend', self._backend)!r})"
+            f"Plan(q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}, {self.key[4]}, "  # type: ignore[arg-type]
+            f"{'cpu' if devices is None else devices[0]}, mask={self._mask!r}, "
+            f"backend={getattr(self.runner, 'backend', self._backend)!r})"
         )
 
 
@@ -315,15 +355,11 @@ _FIELDS = (
     "q shape",
     "k shape",
     "v shape",
-    "q strides",
-    "k strides",
-    "v strides",
+    "strides of q, k, v (None: all contiguous)",
     "q dtype",
     "k dtype",
     "v dtype",
-    "q device",
-    "k device",
-    "v device",
+    "devices of q, k, v (None: all on the CPU)",
     "autograd (grad mode and requires_grad)",
     "mask",
     "scale",

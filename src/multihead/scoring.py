@@ -22,7 +22,10 @@ from multihead.conventions import kv_head_of, softmax_dtype
 from multihead.masks import Mask
 from multihead.scores import ADDITIVE, ScoreMod
 
-__all__ = ["score_block", "additive_block", "unseen_keys"]
+__all__ = ["score_block", "additive_block", "unseen_keys", "mask_unseen_keys"]
+
+# Query rows x keys of a mask evaluated at a time by mask_unseen_keys (bool elements).
+_ROWS_ELEMENTS = 1 << 22
 
 
 def unseen_keys(visible: Tensor, num_kv_heads: int) -> Tensor:
@@ -34,6 +37,22 @@ def unseen_keys(visible: Tensor, num_kv_heads: int) -> Tensor:
     if seen.shape[1] > 1:  # query head h belongs to KV head h // G (conventions.kv_head_of)
         seen = seen.view(seen.shape[0], num_kv_heads, seen.shape[1] // num_kv_heads, seen.shape[-1]).any(dim=2)
     return (~seen).unsqueeze(-1)
+
+
+def mask_unseen_keys(mask: Mask, extent: Extent, num_kv_heads: int, device: torch.device | str | None) -> Tensor:
+    """:func:`unseen_keys` of ``mask`` over the whole ``extent``, the mask evaluated a chunk of
+    query rows at a time (never ``Lq x Lk`` at once); traced (``torch.compile``), all rows at once,
+    since a loop over a symbolic ``Lq`` would fix its value."""
+    if torch.compiler.is_compiling():
+        return unseen_keys(mask.materialize_block(extent, extent.whole(), device), num_kv_heads)
+    Lq, Lk = extent.lengths
+    step = max(1, _ROWS_ELEMENTS // max(1, Lk * extent.batch * extent.heads))
+    seen: Tensor | None = None
+    for q0 in range(0, Lq, step):
+        rows = mask.materialize_block(extent, extent.rows(q0, min(q0 + step, Lq)), device).any(dim=2, keepdim=True)
+        seen = rows if seen is None else seen | rows  # (B|1, H|1, 1, Lk)
+    assert seen is not None  # Lq >= 1: a call with no query never reaches a kernel
+    return unseen_keys(seen, num_kv_heads)
 
 
 def score_block(

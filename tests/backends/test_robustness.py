@@ -5,11 +5,19 @@ compared with the fp64 reference. The non-finite rules are asked for with ``chec
 
 import pytest
 import torch
+from matrix import SLOW_BACKENDS as SLOW_BACKEND_NAMES
 from matrix import backend_params, serve_or_skip
 
 import multihead as mh
 
 BACKENDS = backend_params()
+# The backends the default tier leaves out (flex compiles for a minute), for the tests that must
+# cover every backend: in the slow tier.
+SLOW_BACKENDS = [
+    pytest.param(*p.values, marks=pytest.mark.slow, id=p.id)
+    for p in backend_params(include_slow=True)
+    if p.values[0] in SLOW_BACKEND_NAMES
+]
 
 
 def _ref(q, k, v, **kw):
@@ -58,6 +66,57 @@ def test_item2_nan_in_keys_no_query_may_see(backend, device, case):
     assert torch.isfinite(out).all()
     for g in torch.autograd.grad(out.sum(), (q, k, v)):
         assert torch.isfinite(g).all()
+
+
+def _unseen_case(mask_kind: str, Lq: int, device: str):
+    """``(q, k, v, poisoned_k, poisoned_v, mask)``: GQA 4/2 over 12 keys, NaN in every key and value
+    that no query row of its batch row may see (keys some other batch row sees included)."""
+    gen = torch.Generator().manual_seed(7)
+    B, Lk = 3, 12
+    q = torch.randn(B, 4, Lq, 8, generator=gen)
+    k, v = torch.randn(B, 2, Lk, 8, generator=gen), torch.randn(B, 2, Lk, 8, generator=gen)
+    if mask_kind == "per-row padding":  # row 1's keys 5..8 are seen by row 2's queries
+        mask = mh.key_padding(torch.tensor([Lk, 5, 9]))
+    elif mask_kind == "hole":  # keys 4..6 seen by no row, between keys every row sees
+        hole = torch.ones(1, 1, Lq, Lk, dtype=torch.bool)
+        hole[..., 4:7] = False
+        mask = hole
+    else:  # keys left of every row's window
+        mask = mh.causal() & mh.sliding_window(3)
+    seen = mh.masks.as_mask(mask).materialize(B, 4, Lq, Lk).any(2).any(1).expand(B, Lk)  # some row of b sees it
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for b in range(B):
+        poisoned_k[b, :, ~seen[b]] = float("nan")
+        poisoned_v[b, :, ~seen[b]] = float("nan")
+    assert not seen.all()
+    moved = (t.to(device) for t in (q, k, v, poisoned_k, poisoned_v))
+    return (*moved, mask if not isinstance(mask, torch.Tensor) else mask.to(device))
+
+
+@pytest.mark.parametrize("Lq", [1, 3])
+@pytest.mark.parametrize("mask_kind", ["per-row padding", "hole", "window"])
+@pytest.mark.parametrize("backend,device", BACKENDS + SLOW_BACKENDS)
+def test_item2_keys_no_row_may_see_hold_anything_by_default(backend, device, mask_kind, Lq):
+    """Without ``check_finite`` too (docs/conventions.md, "Non-finite inputs"): a key or value that
+    no row of a call may see can hold anything, NaN included, on every backend as on ``sdpa`` and
+    the reference. ``decode`` and ``flex`` computed ``0 · NaN`` in ``P V`` for such a value inside
+    the keys they read (a cache's unused slot of a shorter row, a hole in a mask): every row NaN."""
+    q, k, v, bad_k, bad_v, mask = _unseen_case(mask_kind, Lq, device)
+    serve_or_skip(backend, q, bad_k, bad_v, mask=mask)
+    want = _ref(q.cpu(), k.cpu(), v.cpu(), mask=mask if not isinstance(mask, torch.Tensor) else mask.cpu()).output
+    with torch.no_grad():
+        got = mh.attention(q, bad_k, bad_v, mask=mask, backend=backend)
+    assert torch.isfinite(got).all(), "a NaN in a key or value no row may see reached the output"
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    leaves = [t.clone().requires_grad_() for t in (q, bad_k, bad_v)]
+    try:
+        serve_or_skip(backend, *leaves, mask=mask)
+    except pytest.skip.Exception:
+        return  # an inference-only backend (flex on CPU): its forward is checked above
+    got = mh.attention(*leaves, mask=mask, backend=backend)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    for name, g in zip("qkv", torch.autograd.grad(got.sum(), leaves)):
+        assert torch.isfinite(g).all(), f"d{name} read the NaN of a key no row may see"
 
 
 def test_item3_the_oracle_with_every_visible_score_below_minus_88():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_state import everything, identical
 
 import multihead as mh
 from helpers import assert_relative, naive_attention
@@ -340,6 +341,75 @@ def test_refused_updates_change_nothing():
         with pytest.raises((ValueError, TypeError), match=pattern):
             cache.update(bad_k, bad_v, positions)
         assert torch.equal(cache.kept_positions, pos) and cache.length == 6
+
+
+_POLICIES = [SinksAndWindow(1, 3), SnapKV(4, window=2), H2O(2, 2)]
+_POLICY_IDS = ["sinks-window", "snapkv", "h2o"]
+
+
+@pytest.mark.parametrize("policy", _POLICIES, ids=_POLICY_IDS)
+def test_refused_observes_and_updates_leave_every_field_as_before(policy):
+    """Every attribute (tensors bit for bit, the observed queries and the undo record included) is
+    the same after a refused :meth:`observe` or :meth:`update` as before it."""
+    B, Hq, Hkv, D = 2, 4, 2, 8
+    cache = mh.DynamicKVCache(policy=policy)
+    _step(cache, _draw(B, Hq, 6, D, 1), _draw(B, Hkv, 6, D, 2), _draw(B, Hkv, 6, D, 3))
+    q, k = _draw(B, Hq, 1, D, 4), _draw(B, Hkv, 1, D, 5)
+    for bad_q, scale, error, pattern in [
+        ("q", None, TypeError, r"observe: q must be a torch.Tensor \(B, Hq, Lq, D\), got str"),
+        (q.long(), None, TypeError, r"observe: q must be a floating-point tensor .*got dtype torch.int64"),
+        (q[0], None, ValueError, r"observe: q must be the queries \(B, Hq, Lq, D\), got shape \(4, 1, 8\)"),
+        (q[:1], None, ValueError, r"q must be \(B, Hq, Lq, D\) = \(2, a multiple of 2, Lq, 8\) .* got \(1, 4, 1, 8\)"),
+        (q[..., :4], None, ValueError, r"= \(2, a multiple of 2, Lq, 8\) for the 6 tokens held, got \(2, 4, 1, 4\)"),
+        (q[:, :3], None, ValueError, r"a multiple of 2, Lq, 8\) for the 6 tokens held, got \(2, 3, 1, 8\)"),
+        (q.to("meta"), None, ValueError, r"observe: q is on meta but the cache is on cpu"),
+        (q, "0.5", TypeError, r"observe: scale must be None \(1/sqrt\(D\)\) or a finite number, got '0.5'"),
+        (q, float("nan"), TypeError, r"scale must be None .* or a finite number, got nan"),
+    ]:
+        before = everything(cache)
+        with pytest.raises(error, match=pattern):
+            cache.observe(bad_q, scale)
+        after = everything(cache)
+        assert [n for n in before if not identical(before[n], after[n])] == [], "a refused observe changed"
+    cache.observe(q)
+    for bad_k, bad_v, positions, error, pattern in [
+        (k[:1], k[:1], None, ValueError, r"new keys/values have B=1 but the cache holds B=2"),
+        (k.float(), k.float(), None, TypeError, r"dtype torch.float32 but the cache holds torch.float64"),
+        (k, k, torch.tensor([3]), ValueError, r"positions must continue each row"),
+        (k[:, :, :0], k[:, :, :0], None, ValueError, r"observed queries \(2, 4, 1, 8\) do not match"),
+    ]:
+        if not policy.needs_queries and "observed" in pattern:
+            continue  # a policy that reads no queries does not compare them
+        before = everything(cache)
+        with pytest.raises(error, match=pattern):
+            cache.update(bad_k, bad_v, positions)
+        after = everything(cache)
+        assert [n for n in before if not identical(before[n], after[n])] == [], "a refused update changed"
+
+
+@pytest.mark.parametrize("policy", _POLICIES, ids=_POLICY_IDS)
+def test_a_refused_layer_call_leaves_the_policy_cache_as_it_was(policy):
+    """A layer observes its queries, then updates: when the update is refused, or attention after
+    it (a forced backend that cannot serve the call), or the call only explains itself, the queries
+    are withdrawn with the update, so no later update reads this call's queries."""
+    torch.manual_seed(0)
+    Hq, Hkv, E = 4, 2, 32
+    layer = mh.MultiHeadAttention(E, Hq, num_kv_heads=Hkv, causal=True).double().eval()
+    cache = mh.DynamicKVCache(policy=policy)
+    x = torch.randn(2, 9, E, dtype=DT)
+    with torch.no_grad():
+        layer(x[:, :6], kv_cache=cache)
+        before = everything(cache)
+        layer.backend = "decode"
+        with pytest.raises(mh.BackendRefusedError):  # decode serves at most 64 query tokens
+            layer(torch.randn(2, 70, E, dtype=DT), kv_cache=cache)
+        layer.backend = "auto"
+        after = everything(cache)
+        assert [n for n in before if not identical(before[n], after[n])] == []
+        layer.explain(x[:, 6:7], kv_cache=cache)
+        after = everything(cache)
+        assert [n for n in before if not identical(before[n], after[n])] == []
+        assert cache._queries is None  # the next update without observe() is refused, not fed stale queries
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

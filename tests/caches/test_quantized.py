@@ -210,3 +210,69 @@ def test_an_all_zero_channel_or_token_reads_back_as_zero_in_every_dtype(fmt, dty
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     assert not keys[..., 3].any() and not values[:, :, SINKS + 1].any()
     torch.testing.assert_close(keys.float(), k.float(), rtol=0.07, atol=0.1)  # within the format's rounding
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("bad", ["nan key", "inf key", "nan value", "-inf value"])
+def test_a_non_finite_token_reaches_only_the_rows_that_read_it(fmt, bad):
+    """One token of a group holds a NaN or an infinity. The other slots of its group keep scales
+    of the finite entries (they read back within their step), the bad token's value reads back as
+    NaN (its key finite), and a decode step whose window leaves that token out, in another row or
+    head, or in the same one, gives what the fp64 reference gives over what the cache holds:
+    finite, except where a row reads the token."""
+    L, p = SINKS + 2 * GROUP + RESIDUAL, SINKS + GROUP  # p: the first token of the second group
+    k, v = _kv(L, seed=3)
+    bad_k, bad_v = k.clone(), v.clone()
+    where = (0, 1, p, 5)  # batch 0, KV head 1, channel 5
+    {"nan key": bad_k, "inf key": bad_k, "nan value": bad_v, "-inf value": bad_v}[bad][where] = {
+        "nan key": float("nan"),
+        "inf key": float("inf"),
+        "nan value": float("nan"),
+        "-inf value": float("-inf"),
+    }[bad]
+    clean, poisoned = _cache(fmt), _cache(fmt)
+    clean.update(k, v)
+    poisoned.update(bad_k, bad_v)
+    assert poisoned._quantized == 2 * GROUP  # the bad token is in the 8-bit region
+    ck, cv = _peek(clean)
+    pk, pv = _peek(poisoned)
+    assert torch.isfinite(pk).all(), "a non-finite key entry reached other slots' keys"
+    assert torch.isnan(pv[0, 1, p]).all()
+    assert torch.isfinite(pv[0, 1, :p]).all() and torch.isfinite(pv[0, 1, p + 1 :]).all()
+    assert torch.isfinite(pv[1]).all() and torch.isfinite(pv[0, [0, 2]]).all()
+    # every other slot of the bad token's group: within a step of the scales of the finite entries
+    others = [j for j in range(p, p + GROUP) if j != p]
+    top = 127.0 if fmt == "int8" else 448.0
+    region = bad_k[:, :, SINKS : SINKS + poisoned._quantized]
+    steps = _key_steps(poisoned, region.where(torch.isfinite(region), 0.0), top)  # the bad entry as 0
+    step = steps[0, 1, [j - SINKS for j in others]]  # (GROUP - 1, D)
+    kq = k[0, 1, others]  # (GROUP - 1, D)
+    tol = 0.5001 * step + 1e-6 if fmt == "int8" else kq.abs() / 16 + step * 2**-6
+    assert bool(((pk[0, 1, others] - kq).abs() <= tol).all())
+    assert torch.equal(pk[:, :, :p], ck[:, :, :p]) and torch.equal(pv[:, :, :p], cv[:, :, :p])
+    # a decode step: 2 query heads per KV head, its window (bottom-right) leaving out positions <= p
+    q = torch.randn(B, 2 * HKV, 1, D, generator=torch.Generator().manual_seed(4))
+    window = mh.sliding_window(L - p - 1)  # the new query at position L sees L - window .. L
+    step_k, step_v = torch.randn(B, HKV, 1, D), torch.randn(B, HKV, 1, D)
+    outs = {}
+    for name, cache in (("clean", clean), ("poisoned", poisoned)):
+        read = cache.update(step_k, step_v)
+        keys, values = read.keys, read.values
+        outs[name] = mh.attention(q, keys, values, mask=read.mask(window, True, 2 * HKV))
+        want = mh.reference_attention(q.double(), keys.double(), values.double(), mask=read.mask(window, True, 2 * HKV))
+        torch.testing.assert_close(outs[name].double(), want.output, rtol=1e-5, atol=1e-5)
+        # the cache's own decode read (pieces dequantized one at a time)
+        assert read.blocks is not None
+        from_blocks = mh.backends.decode_blocks.decode_blocks(q, read.blocks, read.mask(window, True, 2 * HKV))
+        torch.testing.assert_close(from_blocks.double(), want.output, rtol=1e-5, atol=1e-5)
+        cache.rollback()
+    assert torch.isfinite(outs["poisoned"]).all()
+    # the full causal step reads the token: NaN in exactly the rows of batch 0's KV head 1
+    read = poisoned.update(step_k, step_v)
+    out = mh.attention(q, read.keys, read.values, mask=read.mask(None, True, 2 * HKV))
+    nan_rows = torch.isnan(out).any(-1)[..., 0]  # (B, Hq)
+    expected = torch.zeros(B, 2 * HKV, dtype=torch.bool)
+    expected[0, 2:4] = True  # query heads 2 and 3 read KV head 1
+    assert torch.equal(nan_rows, expected)
+    from_blocks = mh.backends.decode_blocks.decode_blocks(q, read.blocks, read.mask(None, True, 2 * HKV))
+    assert torch.equal(torch.isnan(from_blocks).any(-1)[..., 0], expected)  # the int8 step: the same rows

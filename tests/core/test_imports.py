@@ -36,7 +36,9 @@ FLOORS = {
         ],
         1,
     ),
-    **dict.fromkeys(["nonfinite", "inputs", "validation", "attention", "explain", "plans", "memo", "backends"], 1),
+    **dict.fromkeys(
+        ["nonfinite", "inputs", "validation", "attention", "explain", "plans", "guards", "memo", "backends"], 1
+    ),
     **dict.fromkeys(["caches", "positions"], 2),
     **dict.fromkeys(["layers", "capture", "hooks", "distributed"], 3),
     **dict.fromkeys(["models", "viz", "apps", "integrations"], 4),

@@ -9,6 +9,7 @@ import multihead as mh
 from multihead import plans
 from multihead.backends import Backend, Capabilities
 from multihead.call import AttentionResult
+from multihead.guards import tensor_guard
 from multihead.nonfinite import all_finite
 
 
@@ -34,6 +35,9 @@ def _cached(q, k, v, **kw):
     assert plans.lookup(key) is not None, "a plain call met twice stores its plan"
     third = mh.attention(q, k, v, **kw)
     assert torch.equal(first, third)
+    if tensor_guard(q, k, v) is not None:  # the plan found last runs on its guard, no key
+        assert plans._last is not None and plans._last[-1] is plans.lookup(key)
+        assert torch.equal(mh.attention(q, k, v, **kw), first)
     return third
 
 
@@ -454,3 +458,39 @@ def test_calls_that_cannot_be_planned_are_refused_with_the_reason():
         mh.plan(q, q, v)
     with pytest.raises(ValueError, match=r"unknown backend 'nope'"):
         mh.plan(q, k, v, backend="nope")
+
+
+def test_the_plan_found_last_runs_on_its_guard_and_every_changed_fact_takes_the_key():
+    """After a plan is found, the next call of the same signature runs it on one C-level check of
+    q, k, v (multihead.guards); a call that changes any fact the key holds (dtype, shape, strides,
+    device, requires_grad, grad mode, mask object, scale, backend) must not: it gets its own right
+    answer or its own error."""
+    q, k, v = _qkv()
+    _cached(q, k, v, mask=BAND)
+    if plans._last is None:
+        pytest.skip("this PyTorch has no trusted tensor guard (multihead.guards): the key serves every call")
+    for name, (q2, k2, v2, kw) in {
+        "dtype": (q.double(), k.double(), v.double(), {"mask": BAND}),
+        "shape": (*_qkv(L=17), {"mask": BAND}),
+        "strides": (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, {"mask": BAND}),
+        "mask object": (q, k, v, {"mask": mh.causal()}),
+        "scale": (q, k, v, {"mask": BAND, "scale": 0.5}),
+        "backend": (q, k, v, {"mask": BAND, "backend": "reference"}),
+    }.items():
+        got = mh.attention(q2, k2, v2, **kw)
+        assert got.dtype == q2.dtype, name
+        want = _ref(q2, k2, v2, **{key: value for key, value in kw.items() if key != "backend"})
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=name)
+    mh.attention(q, k, v, mask=BAND)  # the plan is the last found again
+    with pytest.raises(ValueError, match=r"q, k and v must be on one device"):
+        mh.attention(q, k.to("meta"), v, mask=BAND)
+    qg = q.clone().requires_grad_()
+    mh.attention(qg, k, v, mask=BAND).sum().backward()  # requires_grad: a plan with a backward
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    mh.attention(q, k, v, mask=BAND)
+    with torch.no_grad():  # grad mode changed, the same tensors: the plan without autograd
+        got = mh.attention(q, k, v, mask=BAND)
+    torch.testing.assert_close(got.double(), _ref(q, k, v, mask=BAND), rtol=1e-5, atol=1e-5)
+    mh.attention(q, k, v, mask=BAND)
+    plans.clear()
+    assert plans._last is None, "clearing the plans (a backend registered) forgets the last one too"

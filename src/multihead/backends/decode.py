@@ -33,15 +33,19 @@ LSE is returned from the same pass (fp32/fp64; for fp16/bf16 inputs, whose score
 half GEMM rounded once, as exact as a naive computation in that dtype, ``attention()`` computes
 the LSE from fp32 scores instead, so that it normalises the weights it recomputes).
 
-A NaN or inf in a key or value that no query may see: keys outside the range read are never
-touched; inside it, a blocked key's score is replaced by ``-inf`` (``masked_fill``, NaN
-included), and a blocked value of NaN makes ``0 · NaN`` in ``P V``, which
-:func:`multihead.nonfinite.apply_policy` catches after the call (one rerun on cleaned inputs,
-only when it happens). With autograd, keys no query sees are zeroed first, since ``dQ = dS K``
-would compute ``0 · NaN``. Under ``torch.compile`` there is no host synchronisation: every key
-is read, with the mask evaluated on it, and no policy runs (``nonfinite.py``), so unused cache
-slots must hold finite values (zeros). (``sdpa`` zeroes unseen keys there instead: one more pass
-over K/V, which a memory-bound step cannot afford.)
+A NaN or inf in a key or value that no query may see (``docs/conventions.md``: such a key can
+hold anything, with or without ``check_finite``, as on ``sdpa`` and the reference): keys outside
+the range read are never touched; inside it, a blocked key's score is replaced by ``-inf``
+(``masked_fill``, NaN included), and a blocked value of NaN would make ``0 · NaN`` in ``P V``:
+when a chunk's output is not finite, the values no row of the call sees are zeroed and ``P V``
+redone (a look at the small output per masked chunk, not a pass over V on every call). With
+autograd, keys and values no query sees are zeroed first, since ``dQ = dS K`` and ``dP = dO Vᵀ``
+would compute ``0 · NaN``. A value that some row sees and another may not is ``0 · NaN`` for the
+other row, as on the fused kernels (``check_finite=True`` marks exactly the rows that see it).
+Under ``torch.compile`` there is no host synchronisation: every key is read, with the mask
+evaluated on it, and the output is not looked at (``nonfinite.py``), so unused cache slots must
+hold finite values (zeros). (``sdpa`` zeroes unseen keys there instead: one more pass over K/V,
+which a memory-bound step cannot afford.)
 Score modifiers and dropout are refused (``sdpa``/``blocksparse`` run them).
 """
 
@@ -286,6 +290,15 @@ def _attend(
         empty = blocked.all(dim=-1, keepdim=True)  # (B|1, Hkv|1, G|1, Lq, 1)
         probs.view(B, kv_heads, G, Lq, n).masked_fill_(empty, 0.0)
     out = matmul(probs.to(v.dtype) if half else probs, v)  # V read once
+    if blocked is not None and not torch.compiler.is_compiling() and not bool(torch.isfinite(out).all()):
+        # A key no row of the call may see can hold anything (a cache's unused or stale slot, a
+        # padded key), but its weight 0 times a NaN value is NaN in P V. Zeroing such values costs a
+        # pass over V, so it is done only when the small output shows a non-finite entry (a NaN that
+        # some row does see stays NaN, as the kernel gives it).
+        unseen = blocked.all(dim=3).all(dim=2).unsqueeze(-1)  # (B|1, Hkv|1, n, 1): no row of the call sees it
+        if bool(unseen.any()):
+            v = torch.where(unseen, torch.zeros((), dtype=v.dtype, device=v.device), v)
+            out = matmul(probs.to(v.dtype) if half else probs, v)
     return (out.to(acc) if half else out), lse
 
 
@@ -368,9 +381,11 @@ class _Plan:
             qg = torch.cat([qg, qg.new_zeros(B, kv_heads, self.pad, D)], dim=2)
         blocked = self.blocked  # (B|1, Hkv|1, G|1, Lq, n) bool, True = masked; None: nothing
         if blocked is not None and requires_grad:
-            # dQ = dS · K computes 0 · NaN for a blocked key holding NaN: zero keys no query sees.
+            # dQ = dS · K computes 0 · NaN for a blocked key holding NaN, and P V (and dP = dO Vᵀ)
+            # 0 · NaN for a blocked value holding one: zero the keys and values no query sees.
             unseen = unseen_keys(~blocked.flatten(1, 2), kv_heads)  # (B|1, Hkv|1, n, 1)
             k = torch.where(unseen, torch.zeros((), dtype=k.dtype, device=k.device), k)
+            v = torch.where(unseen, torch.zeros((), dtype=v.dtype, device=v.device), v)
         n, step = k.shape[2], self.chunk
         # Without autograd, each chunk runs on fused softmax/logsumexp passes; with it, a plain
         # softmax whose backward stays finite on fully masked rows (softmax's own gives NaN there).

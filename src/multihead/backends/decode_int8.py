@@ -108,6 +108,15 @@ def int8_attention(
     if blocked is not None:  # masked_fill: a blocked slot's score goes whatever it was
         flat[..., off : off + n].unflatten(2, (G, Lq)).masked_fill_(blocked, float("-inf"))
 
+    # A slot stored from a NaN or inf has a NaN value scale (QuantizedKVCache, "Non-finite keys and
+    # values"): the rows that may see it get NaN, as 0 · NaN gives in a float P V; the rows it is
+    # blocked for do not (a NaN scale times the weight 0 would spread it to every row of the GEMM).
+    bad_values = torch.isnan(value_token)  # (B, Hkv, n)
+    reads_bad = None
+    if bool(bad_values.any()):
+        reads_bad = (torch.isfinite(flat[..., off : off + n]) & bad_values.unsqueeze(2)).any(dim=-1)  # (B, Hkv, R)
+        value_token = value_token.masked_fill(bad_values, 0.0)
+
     # p = exp(s - max) in place; rows that see no slot: max -inf -> 0, every p 0, l 0
     peak = flat.amax(dim=-1, keepdim=True)  # (B, Hkv, R, 1)
     peak.masked_fill_(torch.isneginf(peak), 0.0)
@@ -131,7 +140,10 @@ def int8_attention(
                 torch._int_mm(rows, values[b, h, c0:c1], out=raw_out[b, h, j])
     out = _combine(raw_out.view(B, Hkv, spans, digits, R, Dv), dim=3, exact=False)  # (B, Hkv, spans, R, Dv)
     out = out.mul_(p_step.view(B, Hkv, R, spans).transpose(2, 3).unsqueeze(-1)).sum(dim=2)  # (B, Hkv, R, Dv)
-    return out.div_(total.masked_fill_(total == 0, 1.0)), lse
+    out = out.div_(total.masked_fill_(total == 0, 1.0))
+    if reads_bad is not None:
+        out.masked_fill_(reads_bad.unsqueeze(-1), float("nan"))
+    return out, lse
 
 
 def _digits(x: Tensor, out: list[Tensor] | tuple[Tensor, ...]) -> None:

@@ -23,6 +23,7 @@ from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
 from multihead.conventions import lse_dtype
 from multihead.masks import Mask
+from multihead.scoring import mask_unseen_keys
 
 __all__ = ["FlexBackend"]
 
@@ -129,9 +130,15 @@ class FlexBackend(Backend):
         # caller's graph: no compile of their own, no BlockMask cache (a dict keyed by a mask object),
         # and the fully masked rows zeroed without asking first whether there are any (a host sync).
         compiling = torch.compiler.is_compiling()
-        block_mask, empty = (
-            (None, None) if call.mask is None else self._block_mask(call.mask, call.extent, call.q.device)
+        block_mask, empty, unseen = (
+            (None, None, None) if call.mask is None else self._block_mask(call.mask, call.extent, Hkv, call.q.device)
         )
+        k, v = call.k, call.v
+        if unseen is not None:
+            # A key no query may see can hold anything (docs/conventions.md), but the kernel computes
+            # 0 · value for it inside a partly visible block, and 0 · NaN = NaN: zeroed first, as sdpa does.
+            zero = torch.zeros((), dtype=k.dtype, device=k.device)
+            k, v = torch.where(unseen, zero, k), torch.where(unseen, zero, v)
         if not compiling:
             self._compiled.add(self._compile_key(call))
         # The kernel's LSE where it has one; compiled flex on CPU has none (PyTorch 2.13: "return_lse
@@ -139,8 +146,8 @@ class FlexBackend(Backend):
         with_lse = call.return_lse and call.q.device.type != "cpu"
         result = (flex_attention if compiling else _compiled_flex())(
             call.q,
-            call.k,
-            call.v,
+            k,
+            v,
             score_mod=call.score_mod,
             block_mask=block_mask,
             scale=call.scale,
@@ -158,19 +165,28 @@ class FlexBackend(Backend):
                     lse = lse.masked_fill(empty.expand_as(lse), float("-inf"))
         return AttentionResult(out, None, None if lse is None else lse.to(lse_dtype(call.q.dtype)))
 
-    def _block_mask(self, mask: Mask, extent: Extent, device):
-        """``(BlockMask, fully masked rows (B|1, Hq|1, Lq) or None)`` of the call's ``extent``, kept
-        per mask value and extent: a repeated call costs a dictionary lookup (the rows are a host
-        question, asked once)."""
+    def _block_mask(self, mask: Mask, extent: Extent, num_kv_heads: int, device):
+        """``(BlockMask, fully masked rows (B|1, Hq|1, Lq) or None, keys no query sees (B|1, Hkv|1,
+        Lk, 1) or None)`` of the call's ``extent``, kept per mask value, extent and ``Hkv``: a
+        repeated call costs a dictionary lookup (the rows and keys are host questions, asked once)."""
         if torch.compiler.is_compiling():
-            # Traced: the rows as a tensor always (no data-dependent branch), nothing kept.
-            return self._new_block_mask(mask, extent, device), mask._empty_rows(extent, device=device)
-        key = (mask, extent, str(device))  # by value; the key holds the mask's tensors alive
+            # Traced: the rows and keys as tensors always (no data-dependent branch), nothing kept.
+            return (
+                self._new_block_mask(mask, extent, device),
+                mask._empty_rows(extent, device=device),
+                mask_unseen_keys(mask, extent, num_kv_heads, device),
+            )
+        key = (mask, extent, num_kv_heads, str(device))  # by value; the key holds the mask's tensors alive
         hit = self._block_masks.get(key)
         if hit is not None:
             self._block_masks.move_to_end(key)
             return hit
-        made = self._new_block_mask(mask, extent, device), mask.empty_rows(extent, device=device)
+        unseen = mask_unseen_keys(mask, extent, num_kv_heads, device)
+        made = (
+            self._new_block_mask(mask, extent, device),
+            mask.empty_rows(extent, device=device),
+            unseen if bool(unseen.any()) else None,
+        )
         self._block_masks[key] = made
         while len(self._block_masks) > 16:
             self._block_masks.popitem(last=False)

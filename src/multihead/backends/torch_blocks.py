@@ -40,7 +40,7 @@ from multihead.backends.band_runs import BandRun, fold_rows, fold_windows, unfol
 from multihead.blocks import Block, Extent
 from multihead.blockwise import safe_logsumexp, zero_anchor
 from multihead.conventions import lse_dtype, softmax_dtype
-from multihead.scoring import score_block
+from multihead.scoring import score_block, unseen_keys
 
 __all__ = ["attention_by_blocks", "band_chunks", "RUN_CHUNK_SCORES"]
 
@@ -109,7 +109,7 @@ def _block(
     Hkv, Dv = k.shape[1], v.shape[3]
     q0, q1, k0, k1 = block
     rows, keys = block.rows, block.cols
-    s, _ = score_block(q, k, mask, mods, scale, block)  # (B, Hq, rows, keys), softmax dtype
+    s, visible = score_block(q, k, mask, mods, scale, block)  # (B, Hq, rows, keys), softmax dtype
     lse = safe_logsumexp(s)  # (B, Hq, rows); -inf for a row that sees no key of the range
     # exp(-inf - (-inf)) would be NaN: rows that see no key get a finite LSE here, then probability 0.
     empty = torch.isneginf(lse).unsqueeze(-1)
@@ -118,6 +118,9 @@ def _block(
     if dropout_p > 0:
         p = torch.nn.functional.dropout(p, dropout_p)  # keep ~ Bernoulli(1 - p), kept ones scaled by 1 / (1 - p)
     vb = v[:, :, k0:k1].to(p.dtype)
+    if visible is not None:  # a key no row of the block sees may hold anything: its 0 weight times NaN is NaN
+        unseen = unseen_keys(visible, Hkv)  # (B|1, Hkv|1, keys, 1)
+        vb = torch.where(unseen, torch.zeros((), dtype=vb.dtype, device=vb.device), vb)
     # Query head h = kv * G + g reads KV head kv: the G heads of a group fold into one matmul.
     out = _DenseGrad.apply(torch.matmul(p.reshape(B, Hkv, (Hq // Hkv) * rows, keys), vb)).view(B, Hq, rows, Dv)
     return out.to(q.dtype), lse.to(lse_dtype(q.dtype))

@@ -279,11 +279,13 @@ class KVCache(abc.ABC):
         if self.window is not None:
             check_reach(type(self).__name__, mask, causal, self.window, self.next_positions(new))
 
-    def observe(self, q: Tensor, scale: float | None = None) -> None:
+    def observe(self, q: Tensor | None, scale: float | None = None) -> None:
         """Hand the cache the rotated queries ``q (B, Hq, Lq, D)`` of the next :meth:`update`
         (and the call's ``scale``, default ``1/sqrt(D)``). A cache whose eviction policy ranks keys
         by the attention they receive (:mod:`multihead.caches.policies`: SnapKV, H2O) needs them; a
-        layer calls this before every update, and other caches ignore it."""
+        layer calls this before every update, and other caches ignore it. ``None`` drops the
+        queries observed: a layer whose update was refused withdraws them, so the refused call
+        leaves the cache as it was."""
         return None  # a cache that keeps every token has no use for them
 
     @property
@@ -416,11 +418,15 @@ def check_kv(
     device: torch.device | str | None = None,
     held: str = "",
     stored: Tensor | None = None,
+    sized_by_updates: bool = False,
 ) -> None:
     """Refuse keys/values the cache could not store. ``k (B, Hkv, Lnew, D)``, ``v (B, Hkv, Lnew, Dv)``
     must be 4-D tensors of one dtype and device agreeing on ``B, Hkv, Lnew``, and agree with what
     the cache holds where given (``held`` describes it for messages). ``stored``: the buffer the
-    update writes into, refused while it is an inference tensor and inference mode is off."""
+    update writes into, refused while it is an inference tensor and inference mode is off.
+    ``sized_by_updates``: the cache takes its shapes, dtype and device from the first update after
+    a ``reset()`` (dynamic caches), so the hint may say so; a cache allocated up front keeps them
+    through ``reset()``, and the hint says what to change instead."""
     where = f"{cache}.update"
     check_writable(where, stored)
     for name, t, last in (("k", k, "D"), ("v", v, "Dv")):
@@ -438,7 +444,13 @@ def check_kv(
         raise TypeError(f"{where}: k and v must share a dtype, got {k.dtype} and {v.dtype}")
     if k.device != v.device:
         raise ValueError(f"{where}: k and v must be on one device, got {k.device} and {v.device}")
-    hint = "; hint: use one cache per layer, and reset() it before a sequence of another shape"
+    if sized_by_updates:
+        hint = "; hint: use one cache per layer, and reset() it before a sequence of another shape, dtype or device"
+    else:  # reset() empties an allocated cache but keeps its buffers: their shape, dtype and device
+        hint = (
+            "; hint: use one cache per layer; this cache was allocated with that shape, dtype and device, and "
+            "reset() keeps them: build a new cache for another shape"
+        )
     for what, got, expected in (
         ("B", k.shape[0], batch),
         ("Hkv", k.shape[1], heads),
@@ -451,9 +463,25 @@ def check_kv(
                 f"({held}; got k {tuple(k.shape)}, v {tuple(v.shape)}){hint}"
             )
     if dtype is not None and k.dtype != dtype:
-        raise TypeError(f"{where}: new keys/values have dtype {k.dtype} but the cache holds {dtype} ({held}){hint}")
+        to = f"pass k.to({dtype}) and v.to({dtype})"
+        raise TypeError(
+            f"{where}: new keys/values have dtype {k.dtype} but the cache holds {dtype} ({held}); hint: "
+            + (
+                f"{to}, or reset() the cache: its next update sets the dtype"
+                if sized_by_updates
+                else f"{to}, or build the cache with dtype={k.dtype} (reset() keeps the dtype it was built with)"
+            )
+        )
     if device is not None and k.device != torch.device(device):
-        raise ValueError(f"{where}: new keys/values are on {k.device} but the cache is on {device} ({held}){hint}")
+        to = f"pass k.to({str(device)!r}) and v.to({str(device)!r})"
+        raise ValueError(
+            f"{where}: new keys/values are on {k.device} but the cache is on {device} ({held}); hint: "
+            + (
+                f"{to}, or reset() the cache: its next update sets the device"
+                if sized_by_updates
+                else f"{to}, or build the cache with device={str(k.device)!r} (reset() keeps its device)"
+            )
+        )
 
 
 def check_writable(where: str, stored: Tensor | None) -> None:
@@ -473,6 +501,17 @@ def check_writable(where: str, stored: Tensor | None) -> None:
             f"hint: make every call that updates this cache under torch.inference_mode(), or use "
             f"torch.no_grad() for all of them (a cache created and first updated outside "
             f"inference mode may be used inside it)"
+        )
+
+
+def check_readable(where: str, name: str, t: Tensor, expected: str) -> None:
+    """Refuse a tensor whose values must be read (indices, lengths, rows) on the ``meta`` device: it
+    has a shape and no values, and PyTorch's own error ("Tensor.item() cannot be called on meta
+    tensors") names neither the argument nor what to pass."""
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{where}: {name} is on the meta device (a shape without values), got {t.dtype} of shape "
+            f"{tuple(t.shape)}; expected {expected} with values (on the CPU or the cache's device)"
         )
 
 
@@ -496,6 +535,7 @@ def check_indices(cache: str, indices: object, batch: int, device: torch.device 
             else type(indices).__name__
         )
         raise TypeError(f"{where}: indices must be a 1-D integer tensor of batch rows (beam search), got {got}")
+    check_readable(where, "indices", indices, "a 1-D integer tensor of batch rows")
     if indices.numel() == 0:
         raise ValueError(f"{where}: indices select no row; expected at least one row in [0, {batch})")
     if not torch.compiler.is_compiling():
@@ -517,6 +557,7 @@ def check_rows(where: str, rows: object, batch: int) -> list[int]:
                 f"{where}: rows must be an int, a sequence of ints or a 1-D integer tensor, got a tensor "
                 f"of dtype {rows.dtype}, shape {tuple(rows.shape)}; {hint}"
             )
+        check_readable(where, "rows", rows, "the rows' indices")
         ids = [int(r) for r in rows.reshape(-1).tolist()]
     elif isinstance(rows, (str, bytes)) or isinstance(rows, bool) or not isinstance(rows, (int, list, tuple, range)):
         raise TypeError(f"{where}: rows must be an int, a sequence of ints or a 1-D integer tensor, got {rows!r}")
@@ -558,6 +599,7 @@ def check_crop(cache: str, length: object, batch: int | None, *, per_row: bool =
             f"{where}: a length tensor must be integers of shape (B,) = ({batch},), got dtype "
             f"{length.dtype}, shape {tuple(length.shape)}"
         )
+    check_readable(where, "length", length, f"a (B,) = ({batch},) integer tensor")
     if not torch.compiler.is_compiling() and length.numel() and int(length.min()) < 0:
         raise ValueError(f"{where}: lengths must be >= 0, got {length.tolist()}")
     return length

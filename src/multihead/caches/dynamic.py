@@ -155,7 +155,7 @@ class DynamicKVCache(KVCache):
         (slot ``j`` holds position ``j``), before anything changes."""
         name = type(self).__name__
         if self._k is None:
-            check_kv(name, k, v)
+            check_kv(name, k, v, sized_by_updates=True)
         else:
             B, Hkv, _, D = self._k.shape
             check_kv(
@@ -169,6 +169,7 @@ class DynamicKVCache(KVCache):
                 dtype=self._k.dtype,
                 device=self._k.device,
                 held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}",
+                sized_by_updates=True,
                 stored=self._k,
             )
         if positions is not None:

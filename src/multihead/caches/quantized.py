@@ -250,22 +250,32 @@ class QuantizedKVCache(KVCache):
         top = FORMATS[self.format][1]
         n0, span = self._quantized, self.span
         work = torch.promote_types(self.dtype, torch.float32)
+        # A non-finite entry (NaN, ±inf) would make its channel's scale NaN or inf for the whole
+        # span, so every token of it would read back as NaN or garbage, and rows that never see
+        # the bad token would get NaN. The scales are taken over finite entries only, a bad entry
+        # is stored as 0, and the bad token's value scale is NaN: the token's value reads back as
+        # NaN (its key finite), so exactly the rows that read it get NaN (int8 has no NaN to store
+        # in the slot itself; docs/inference.md, "Non-finite keys and values").
+        finite_k, finite_v = torch.isfinite(k), torch.isfinite(v)
+        bad = ~(finite_k.all(dim=-1) & finite_v.all(dim=-1))  # (B, Hkv, count): tokens holding one
+        k = k.where(finite_k, 0.0).to(work)
+        v = v.where(finite_v, 0.0).to(work)
         # The smallest normal of dtype, not a fixed 1e-30: fp16 rounds 1e-30 (and any scale below
         # its subnormals) to 0, and an all-zero channel then stored 0 / 0 = NaN (fp8 keeps it).
         tiny = torch.finfo(self.dtype).tiny
         for j in range(-(-n0 // span), (n0 + count - 1) // span + 1):  # spans that start in this store
-            first = k[:, :, j * span - n0 : (j + 1) * span - n0].to(work)  # (B, Hkv, >= group, D)
-            amax = first.abs().amax(dim=2)  # (B, Hkv, D)
+            amax = k[:, :, j * span - n0 : (j + 1) * span - n0].abs().amax(dim=2)  # (B, Hkv, D): >= a group
             floor = amax.amax(dim=2, keepdim=True) * _CHANNEL_FLOOR
             self.k_channel[:, :, j] = torch.maximum(amax, floor).clamp_(min=tiny).to(self.dtype)
         channel = self._channel_scales(n0, n0 + count).to(work)  # (B, Hkv, count, D)
-        keys = k.to(work) / channel
-        k_token = (keys.abs().amax(dim=3, keepdim=True) / top).clamp_(min=tiny).to(self.dtype)  # (B, Hkv, count, 1)
-        v_scale = (v.abs().amax(dim=3, keepdim=True).to(work) / top).clamp_(min=tiny).to(self.dtype)
+        k_token = ((k / channel).abs().amax(dim=3, keepdim=True) / top).clamp_(min=tiny).to(self.dtype)
+        v_scale = (v.abs().amax(dim=3, keepdim=True) / top).clamp_(min=tiny).to(self.dtype)  # (B, Hkv, count, 1)
+        q_k = _quantize(k / (channel * k_token.to(work)), self.q_k.dtype, top)
+        q_v = _quantize(v / v_scale.to(work), self.q_v.dtype, top)
         self.k_token[:, :, n0 : n0 + count] = k_token
-        self.v_scale[:, :, n0 : n0 + count] = v_scale
-        self.q_k[:, :, n0 : n0 + count] = _quantize(k.to(work) / (channel * k_token.to(work)), self.q_k.dtype, top)
-        self.q_v[:, :, n0 : n0 + count] = _quantize(v.to(work) / v_scale.to(work), self.q_v.dtype, top)
+        self.v_scale[:, :, n0 : n0 + count] = v_scale.masked_fill(bad.unsqueeze(-1), float("nan"))
+        self.q_k[:, :, n0 : n0 + count] = q_k
+        self.q_v[:, :, n0 : n0 + count] = q_v
         self._quantized += count
 
     def _channel_scales(self, a: int, b: int) -> Tensor:

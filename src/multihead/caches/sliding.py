@@ -204,7 +204,15 @@ class SlidingWindowKVCache(KVCache):
                 f"crop at most {self._length - self.window - oldest} tokens back (to length >= "
                 f"{oldest + self.window}), or create the cache with a larger extra="
             )
-        self.positions.masked_fill_(self.positions >= length, EMPTY_POSITION)
+        dropped = self.positions >= length  # (C,): slots of the tokens the crop drops
+        if bool(dropped.any()):
+            # Zeroed, not only marked empty: every read returns the whole ring, and its slots must
+            # not hold the dropped tokens (docs/inference.md, "Crop, reorder, rollback, refusals").
+            if under_autograd(None, None, self.keys, self.values):  # earlier steps saved the ring
+                self.keys, self.values = self.keys.clone(), self.values.clone()
+            self.keys[:, :, dropped] = 0.0
+            self.values[:, :, dropped] = 0.0
+            self.positions.masked_fill_(dropped, EMPTY_POSITION)
         self._length, self._undo = length, None
 
     def reorder(self, indices: Tensor) -> None:

@@ -20,7 +20,8 @@ eager mode and are skipped while compiling.
 
 Rows of different lengths come from a padded prefill: run the prompts right-padded to one length,
 then :meth:`crop` each row to its real length (the pads sit after the real tokens, so no real
-token saw them, and the next tokens overwrite them).
+token saw them; the crop zeroes their slots, as :meth:`rollback` zeroes the slots of the update
+it undoes, since a read returns slots past a row's length).
 
 Under autograd (keys that require grad: backpropagating through cached steps) an update writes
 into a copy of the buffers instead of into them, so no step's saved keys change under it (an
@@ -87,7 +88,8 @@ class StaticKVCache(KVCache):
         self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype, device=device)
         self._lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.keys.device)  # (B,)
         self.max_len = max_len
-        self._undo: Tensor | None = None  # the lengths before the last update
+        # the last update: (the lengths before it, tokens written, the buffers before it when it wrote into copies)
+        self._undo: tuple[Tensor, int, tuple[Tensor, Tensor] | None] | None = None
         # The lengths as host ints while eager code knows them (None: unknown, e.g. after compiled
         # steps): an eager step with every row at one length reads only the filled slots, in order.
         self._host: list[int] | None = [0] * batch_size
@@ -183,8 +185,8 @@ class StaticKVCache(KVCache):
         keys, values = self._writable(k, v)
         keys[rows, :, expected] = k.transpose(1, 2)  # (B, new, Hkv, D) at [b, :, slot]
         values[rows, :, expected] = v.transpose(1, 2)
+        self._undo = (self._lengths.clone(), new, None if keys is self.keys else (self.keys, self.values))
         self.keys, self.values = keys, values
-        self._undo = self._lengths.clone()
         self._lengths += new
         self._host = None if torch.compiler.is_compiling() or self._host is None else [n + new for n in self._host]
         stored = torch.where(self._slots < self._lengths.view(-1, 1), self._slots, EMPTY_POSITION)  # (B, S)
@@ -196,8 +198,8 @@ class StaticKVCache(KVCache):
         keys, values = self._writable(k, v)
         keys[:, :, T : T + new] = k
         values[:, :, T : T + new] = v
+        self._undo = (self._lengths.clone(), new, None if keys is self.keys else (self.keys, self.values))
         self.keys, self.values = keys, values
-        self._undo = self._lengths.clone()
         self._lengths += new
         self._host = [T + new] * self._lengths.shape[0]
         positions = torch.arange(T, T + new, device=k.device)
@@ -214,21 +216,57 @@ class StaticKVCache(KVCache):
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        self._lengths.copy_(self._undo)
+        before, new, originals = self._undo
+        if originals is not None:  # written into copies: the buffers before the update are whole
+            self.keys, self.values = originals
+        elif new:
+            # The written slots back to zeros: a read returns slots past a row's length (rows of other
+            # lengths; every slot under torch.compile, where the decode path needs them finite), and
+            # those must not hold the dropped tokens (docs/inference.md, "Crop, reorder, rollback").
+            B = self.keys.shape[0]
+            rows = torch.arange(B, device=self.keys.device).view(B, 1).expand(B, new)  # (B, new)
+            slots = before.view(B, 1) + torch.arange(new, device=self.keys.device)  # (B, new)
+            self.keys[rows, :, slots] = 0.0
+            self.values[rows, :, slots] = 0.0
+        self._lengths.copy_(before)
         self._undo, self._host = None, None
 
     def crop(self, length: int | Tensor) -> None:
-        """Row ``b`` keeps ``min(lengths[b], length)`` tokens (``length`` an int or ``(B,)``): no
-        host synchronisation, so a compiled loop may crop too."""
+        """Row ``b`` keeps ``min(lengths[b], length)`` tokens (``length`` an int or ``(B,)``), the
+        dropped slots zeroed (as :meth:`rollback` does); no host synchronisation under
+        ``torch.compile``, so a compiled loop may crop too."""
         B = self.keys.shape[0]
         length = check_crop(type(self).__name__, length, B)
+        old = self._lengths.clone()
         if isinstance(length, int):
             host = None if self._host is None else [min(n, length) for n in self._host]
             self._lengths.clamp_(max=length)
         else:
             host = None
             torch.minimum(self._lengths, length.to(self._lengths.device, torch.int64), out=self._lengths)
+        self._wipe(old)
         self._undo, self._host = None, host
+
+    def _wipe(self, old: Tensor) -> None:
+        """Zero row ``b``'s slots ``lengths[b] .. old[b]`` (the tokens a crop dropped): one slice per
+        row that lost tokens, read on the host eagerly; traced, one masked pass over the slots."""
+        compiling = torch.compiler.is_compiling()
+        cut = (
+            []
+            if compiling
+            else [(r, a, b) for r, (a, b) in enumerate(zip(self._lengths.tolist(), old.tolist())) if a < b]
+        )
+        if not compiling and not cut:
+            return
+        if under_autograd(None, None, self.keys, self.values):  # earlier steps saved these buffers: no write into them
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+        if compiling:
+            dropped = (self._slots >= self._lengths.view(-1, 1)) & (self._slots < old.view(-1, 1))  # (B, S)
+            self.keys.masked_fill_(dropped[:, None, :, None], 0.0)
+            self.values.masked_fill_(dropped[:, None, :, None], 0.0)
+        for row, kept, held in cut:
+            self.keys[row, :, kept:held] = 0.0
+            self.values[row, :, kept:held] = 0.0
 
     def reorder(self, indices: Tensor) -> None:
         """Row ``i`` becomes the old row ``indices[i]``; ``B' = len(indices)`` rows from then on.

@@ -215,16 +215,27 @@ def attend_cached(
     # (P + depth, the positions they keep if accepted) only rotate them (masks.tree).
     placed = given and kv_cache.places_by_position and not holds_tree(mask)
     record = kv_cache.undo_record()  # the last update's, restored after a rollback of this one
-    read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
+
+    def withdraw() -> None:  # the queries observed were for this update only (a rollback brings them back)
+        if queries is not None:
+            kv_cache.observe(None)
+
+    try:
+        read = kv_cache.update(k, v, positions if placed else None)  # the cached keys and these, (B, Hkv, S, ·)
+    except BaseException:  # refused before any change
+        withdraw()
+        raise
     try:
         result = attend(read)
     except BaseException:  # e.g. a forced backend that refuses: the cache is as it was
         kv_cache.rollback()
         kv_cache.restore_undo_record(record)
+        withdraw()
         raise
     if not keep:
         kv_cache.rollback()
         kv_cache.restore_undo_record(record)
+        withdraw()
     elif owner is not None:
         kv_cache.claim(owner)
     return result

@@ -27,6 +27,8 @@ layer calls it) and computes the weights a block of query rows at a time
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -43,6 +45,7 @@ from multihead.caches.base import (
 from multihead.caches.policies.base import CachePolicy, Candidates, group_pool
 from multihead.caches.policies.mass import attention_mass
 from multihead.conventions import repeat_kv
+from multihead.inputs import check_tensor
 
 __all__ = ["PolicyKVCache"]
 
@@ -125,10 +128,31 @@ class PolicyKVCache(KVCache):
     def slots(self, new: int) -> int:
         return self.held + new
 
-    def observe(self, q: Tensor, scale: float | None = None) -> None:
-        if not isinstance(q, Tensor) or q.dim() != 4:
-            got = f"shape {tuple(q.shape)}" if isinstance(q, Tensor) else type(q).__name__
-            raise ValueError(f"PolicyKVCache.observe: q must be the queries (B, Hq, Lq, D), got {got}")
+    def observe(self, q: Tensor | None, scale: float | None = None) -> None:
+        """The queries of the next :meth:`update`, checked against what the cache holds before
+        they are kept (a refused call keeps the queries observed before it); ``None`` drops them
+        (a layer whose update was refused: the queries were for that update only)."""
+        where = "PolicyKVCache.observe"
+        if q is None:
+            self._queries = None
+            return
+        check_tensor("q", q, "(B, Hq, Lq, D)", where=where)
+        if q.dim() != 4:
+            raise ValueError(f"{where}: q must be the queries (B, Hq, Lq, D), got shape {tuple(q.shape)}")
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+        ):
+            raise TypeError(f"{where}: scale must be None (1/sqrt(D)) or a finite number, got {scale!r}")
+        if self._k is not None and self._heads_in is not None:
+            B, _, _, D = self._k.shape
+            Hkv = self._heads_in
+            if q.shape[0] != B or q.shape[3] != D or q.shape[1] % Hkv:
+                raise ValueError(
+                    f"{where}: q must be (B, Hq, Lq, D) = ({B}, a multiple of {Hkv}, Lq, {D}) for the "
+                    f"{self._length} tokens held, got {tuple(q.shape)}"
+                )
+            if q.device != self._k.device:
+                raise ValueError(f"{where}: q is on {q.device} but the cache is on {self._k.device}")
         self._queries = (q.detach(), scale)
 
     # ------------------------------------------------------------------------------ changes
@@ -141,6 +165,8 @@ class PolicyKVCache(KVCache):
         n, start, device = self.held, self._length, k.device
         new_pos = torch.arange(start, start + new, device=device).expand(B, heads, new)
         new_ins = torch.arange(n, n + new, device=device).expand(B, heads, new)
+        # Taken before _candidates, which may replace the room: a rollback restores the room too
+        undo = (*(getattr(self, name) for name in _STATE), self._heads_in, self._queries)
         cand_k, cand_v, cand_pos, cand_ins = self._candidates((k_new, v_new, new_pos, new_ins))
         read = self._read(cand_k, cand_v, cand_pos, cand_ins, n, new)
         mass = None
@@ -162,7 +188,7 @@ class PolicyKVCache(KVCache):
         candidates = Candidates(cand_pos, start + new, new, prompt, prompt_length, scores, mass, Hq)
         keep = self.policy.keep(candidates)
 
-        self._undo = (*(getattr(self, name) for name in _STATE), self._heads_in, self._queries)
+        self._undo = undo
         self._k, self._v, self._pos, self._ins, self._score = cand_k, cand_v, cand_pos, cand_ins, scores
         self._length, self._prompt_length, self._heads_in, self._queries = start + new, prompt_length, k.shape[1], None
         if not bool(keep.all()):
@@ -240,7 +266,7 @@ class PolicyKVCache(KVCache):
         queries, before anything changes; the observed queries when the policy reads them."""
         name = type(self).__name__
         if self._k is None or self._v is None:
-            check_kv(name, k, v)
+            check_kv(name, k, v, sized_by_updates=True)
         else:
             B, _, n, D = self._k.shape
             check_kv(
@@ -254,6 +280,7 @@ class PolicyKVCache(KVCache):
                 dtype=self._k.dtype,
                 device=self._k.device,
                 held=f"{self._length} tokens seen, {n} kept, policy {self.policy!r}",
+                sized_by_updates=True,
             )
         if positions is not None:
             check_continuation(name, positions, self.next_positions(k.shape[2], k.device), k.shape[0])
