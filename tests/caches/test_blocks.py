@@ -86,8 +86,24 @@ def test_runs_of_consecutive_pages_are_read_as_views_of_the_pool(small_pieces):
     pool = cache.key_pages.untyped_storage().data_ptr()
     views = [start for start, piece, _ in pieces if piece.untyped_storage().data_ptr() == pool]
     assert views[:2] == [3, 8 * 153] and pieces[0][1].shape[2] == 8 * 150 - 3
-    assert torch.equal(torch.cat([piece for _, piece, _ in pieces], 2), k[:, :, 3:])
-    assert torch.equal(torch.cat([value for _, _, value in pieces], 2), v[:, :, 3:])
+    got_k, got_v = _by_slot(pieces, L)
+    assert torch.equal(got_k[:, :, 3:], k[:, :, 3:]) and torch.equal(got_v[:, :, 3:], v[:, :, 3:])
+
+
+def _by_slot(pieces, S):
+    """The pieces' keys and values put back at their slots (``S`` of them); each slot read once."""
+    first = pieces[0][1]
+    k = torch.full((*first.shape[:2], S, first.shape[3]), float("nan"), dtype=first.dtype)
+    v = torch.full((*first.shape[:2], S, pieces[0][2].shape[3]), float("nan"), dtype=first.dtype)
+    seen = torch.zeros(S, dtype=torch.int64)
+    for where, piece_k, piece_v in pieces:
+        n = piece_k.shape[2]
+        slots = torch.arange(where, where + n) if isinstance(where, int) else where
+        inside = slots < S  # past the read: none here
+        k[:, :, slots[inside]], v[:, :, slots[inside]] = piece_k[:, :, inside], piece_v[:, :, inside]
+        seen.index_add_(0, slots[inside], torch.ones_like(slots[inside]))
+    assert int(seen.max()) <= 1, "a slot was read twice"
+    return k, v
 
 
 def _layer(dtype, Hkv=HKV):

@@ -4,12 +4,15 @@ each piece dense in the compute dtype, small enough to stay in cache; :func:`dec
 over every piece and joins them by their log-sum-exp (:func:`multihead.merge_partials`)::
 
     slots [lo, hi) a query may see            the mask's key range (decode._visible_keys)
-    for (start, k, v) in blocks.pieces(lo, hi, size):      k (B, Hkv, n, D), v (B, Hkv, n, Dv)
+    for (where, k, v) in blocks.pieces(lo, hi, size):      k (B, Hkv, n, D), v (B, Hkv, n, Dv)
         out_i, lse_i = one chunk of the decode path     (decode._attend: folded query heads)
     out = merge_partials(outs, lses)                    (B, Hq, Lq, Dv)
 
-So a paged cache is read through its block table (each piece is a few pages, copied into a buffer
-that stays in cache, never the whole cache), and a quantized cache is dequantized a piece at a time
+A piece's keys are slots ``where ..`` in order, or carry their slot numbers (``where`` a tensor: a
+run of pages that lie in a different order in the pool than in the block table), so the mask
+follows each key. So a paged cache is read through its block table in pool order (runs of pages
+as views, short runs copied into a buffer that stays in cache, never the whole cache:
+:mod:`multihead.caches.paged_blocks`), and a quantized cache is dequantized a piece at a time
 (never a dequantized copy of the whole cache). A cache returns such an object in
 ``CacheRead.blocks``; a layer reads it through :func:`decode_blocks` when the call is a plain decode
 step (:func:`multihead.layers.attend.reads_blocks` says when), and through the dense ``keys`` and
@@ -53,10 +56,14 @@ class KVBlocks(abc.ABC):
     device: torch.device
 
     @abc.abstractmethod
-    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """``(start, k (B, Hkv, n, D), v (B, Hkv, n, Dv))`` covering slots ``[lo, hi)`` in order,
-        each piece at most ``size`` slots and starting at slot ``start``. A piece may be a buffer
-        that the next piece overwrites: use it before asking for the next."""
+    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int | Tensor, Tensor, Tensor]]:
+        """``(where, k (B, Hkv, n, D), v (B, Hkv, n, Dv))`` covering each slot of ``[lo, hi)`` once.
+        ``where``: an ``int``, the piece holds the slots ``where .. where + n`` in order, within
+        ``[lo, hi)`` and at most ``size`` of them (made by a copy) or any number (a view); or a
+        host ``int64`` tensor ``(n,)``, the slot of each key, in any order (attention over a set of
+        keys does not depend on their order): slots outside ``[lo, hi)`` may appear only where they
+        hold no token and finite values (they are masked). A piece may be a buffer that the next
+        piece overwrites: use it before asking for the next."""
 
     @abc.abstractmethod
     def dense(self) -> tuple[Tensor, Tensor]:
@@ -104,12 +111,16 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
     outs: list[Tensor] = []
     lses: list[Tensor] = []
     with torch.no_grad():
-        for start, k, v in blocks.pieces(lo, hi, blocks.piece_size()):
+        for where, k, v in blocks.pieces(lo, hi, blocks.piece_size()):
             n = k.shape[2]
-            bc = None if blocked is None else blocked[..., start - lo : start - lo + n]
+            if isinstance(where, int):  # slots where .. where + n
+                bc = None if blocked is None else blocked[..., where - lo : where - lo + n]
+            else:
+                bc = _blocked_at(blocked, where, lo, hi, q.device)
             # a view whose heads lie apart (a run of pages in a head-major pool): oneDNN's batched
             # half GEMM copied such an operand whole first, so its GEMMs run one head at a time
-            apart = Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2))
+            # (MKL's fp32 batched GEMM reads it as it lies)
+            apart = half and Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2))
             out, maybe = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True, _per_head if apart else torch.matmul)
             assert maybe is not None  # (asked for)
             lse = maybe
@@ -117,6 +128,16 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
             lses.append(lse)
         out = outs[0] if len(outs) == 1 else merge_partials(outs, lses)[0]
     return unfold_query_heads(out.to(q.dtype), Hq)  # (B, Hq, Lq, Dv)
+
+
+def _blocked_at(blocked: Tensor | None, slots: Tensor, lo: int, hi: int, device: torch.device) -> Tensor | None:
+    """The row mask ``(B|1, Hkv|1, G|1, Lq, n)`` of a piece whose keys are the slots ``slots`` (``(n,)``,
+    any order, on the host): ``blocked``'s columns at those slots, and blocked outside ``[lo, hi)``."""
+    outside = (slots < lo) | (slots >= hi)
+    if blocked is None:
+        return outside.view(1, 1, 1, 1, -1).to(device) if bool(outside.any()) else None
+    cols = torch.where(outside, 0, slots - lo).to(device)
+    return blocked.index_select(-1, cols) | outside.to(device)
 
 
 def _per_head(a: Tensor, b: Tensor) -> Tensor:
