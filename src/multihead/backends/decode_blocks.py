@@ -141,9 +141,11 @@ def _blocked_at(blocked: Tensor | None, slots: Tensor, lo: int, hi: int, device:
 
 
 def _per_head(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``(B, H, m, k) @ (B, H, k, n)``, one GEMM per head ``h`` into ``out[:, h]``."""
-    B, H = a.shape[0], a.shape[1]
-    out = torch.empty(B, H, a.shape[2], b.shape[3], dtype=a.dtype, device=a.device)
-    for h in range(H):
-        torch.matmul(a[:, h], b[:, h], out=out[:, h])
+    """``a @ b`` for ``(B, H, m, k) @ (B, H, k, n)``, one 2-D GEMM per batch row and head into
+    ``out[i, h]`` (``torch.mm``: a 3-D ``matmul`` per head went through the batched path, each call
+    dearer: docs/inference.md#decoding-through-every-cache)."""
+    out = torch.empty(a.shape[0], a.shape[1], a.shape[2], b.shape[3], dtype=a.dtype, device=a.device)
+    for a_i, b_i, out_i in zip(a.unbind(0), b.unbind(0), out.unbind(0)):  # one op per operand, not B·H
+        for a_h, b_h, out_h in zip(a_i.unbind(0), b_i.unbind(0), out_i.unbind(0)):
+            torch.mm(a_h, b_h, out=out_h)
     return out
