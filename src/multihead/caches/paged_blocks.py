@@ -71,6 +71,7 @@ class PageBlocks(KVBlocks):
         self.shape = (B, Hkv, width * ps, D, value_pages.shape[-1])
         self.dtype, self.device = key_pages.dtype, key_pages.device
         self.grad = torch.is_grad_enabled()  # dense() records autograd as the update that read would have
+        self._host: Tensor | None = None
 
     def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int | Tensor, Tensor, Tensor]]:
         if self.shape[0] == 1:
@@ -80,45 +81,56 @@ class PageBlocks(KVBlocks):
 
     # ------------------------------------------------------------------------------ one row
     def _pool_order(self, lo: int, hi: int, size: int) -> Iterator[tuple[int | Tensor, Tensor, Tensor]]:
-        """Row 0's pages ``[first, last)`` (those holding the slots ``[lo, hi)``) in pool order."""
+        """Row 0's pages ``[first, last)`` (those holding the slots ``[lo, hi)``) in pool order,
+        planned with a few host tensor ops (a Python loop over thousands of pages costs more than
+        the ops of a piece)."""
         ps = self.ps
         first, last = lo // ps, -(-hi // ps)
-        row = self.rows[0]
-        if all(row[t] == row[first] + t - first for t in range(first + 1, last)):  # one run, in table order
+        pages = self._host_table()[first:last]  # (n,) the pool page of each table position
+        if last - first == 1 or bool((pages[1:] - pages[:-1] == 1).all()):  # one run, in table order
             yield self._view(first, last - first, lo, hi)
             return
-        # pages with tokens outside [lo, hi): at an end of a run in table order the view is trimmed;
-        # elsewhere (a run out of order, a copy) each is read alone, trimmed, so no such key is touched
-        dirty = {t for t, cut in ((first, lo % ps), (last - 1, hi % ps and hi < self.lengths[0])) if cut}
-        runs: list[list[int]] = []  # table positions, in pool order, of pages consecutive in the pool
-        for t in sorted(range(first, last), key=row.__getitem__):
-            if runs and row[t] == row[runs[-1][-1]] + 1:
-                runs[-1].append(t)
-            else:
-                runs.append([t])
-        short: list[int] = []
-        for whole in runs:
-            if whole == list(range(whole[0], whole[0] + len(whole))):  # in table order too: slots whole[0]·ps ..
-                if len(whole) * ps >= MIN_RUN or dirty.intersection(whole):  # a dirty page is at an end
-                    yield self._view(whole[0], len(whole), lo, hi)
-                else:
-                    short.extend(whole)
-                continue
-            for run in _split(whole, dirty):
-                if run[0] in dirty:
-                    yield self._view(run[0], 1, lo, hi)
-                elif len(run) * ps < MIN_RUN:
-                    short.extend(run)
-                else:
-                    k, v = self._pool_view(row[run[0]], len(run))
-                    yield self._slots(run), k, v
-        per = max(1, size // ps)
-        buffers: tuple[Tensor, Tensor] | None = None
-        for c in range(0, len(short), per):
-            chunk = short[c : c + per]
-            buffers = self._copy(row, chunk, buffers)
-            m = len(chunk) * ps
-            yield self._slots(chunk), buffers[0][:, :, :m], buffers[1][:, :, :m]
+        # Pages with tokens outside [lo, hi) are read alone, trimmed, so no such key is touched.
+        dirty = [t for t, cut in ((first, lo % ps), (last - 1, hi % ps and hi < self.lengths[0])) if cut]
+        for t in dict.fromkeys(dirty):
+            yield self._view(t, 1, lo, hi)
+        keep = torch.ones(last - first, dtype=torch.bool)
+        keep[[t - first for t in dirty]] = False
+        order = keep.nonzero()[:, 0]  # relative table positions, sorted below by pool page
+        order = order[torch.argsort(pages[order], stable=True)]
+        pool = pages[order]  # (m,) ascending
+        m = order.numel()
+        starts = torch.ones(m, dtype=torch.bool)  # where a run of pages consecutive in the pool starts
+        starts[1:] = pool[1:] != pool[:-1] + 1
+        run = starts.cumsum(0) - 1  # (m,) run of each page
+        begin = starts.nonzero()[:, 0]
+        count = torch.diff(begin, append=torch.tensor([m]))  # pages per run
+        stepped = torch.zeros(m, dtype=torch.bool)  # a page not one table position after the previous
+        stepped[1:] = (order[1:] != order[:-1] + 1) & ~starts[1:]
+        mixed = torch.zeros(count.numel(), dtype=torch.bool).index_put_((run[stepped],), torch.tensor(True))
+        long = count * ps >= MIN_RUN
+        for r in long.nonzero()[:, 0].tolist():
+            b, n = int(begin[r]), int(count[r])
+            if not mixed[r]:  # in table order too: the slots from its first page's on
+                yield self._view(first + int(order[b]), n, lo, hi)
+            else:  # out of order in the table: the keys carry their slots
+                k, v = self._pool_view(int(pool[b]), n)
+                yield self._slots(first + order[b : b + n]), k, v
+        short = ~long[run]
+        if bool(short.any()):  # pages of short runs, copied a piece at a time in pool order
+            positions, chosen = first + order[short], pool[short]
+            per = max(1, size // ps)
+            buffers: tuple[Tensor, Tensor] | None = None
+            for c in range(0, positions.numel(), per):
+                buffers = self._copy(chosen[c : c + per], buffers)
+                n = min(per, positions.numel() - c) * ps
+                yield self._slots(positions[c : c + per]), buffers[0][:, :, :n], buffers[1][:, :, :n]
+
+    def _host_table(self) -> Tensor:
+        """Row 0's block table as a host ``int64`` tensor (made once per read)."""
+        if self._host is None:
+            self._host = self.table[0].cpu()
+        return self._host
 
     def _view(self, t: int, count: int, lo: int, hi: int) -> tuple[int, Tensor, Tensor]:
         """Table positions ``t .. t + count`` of row 0, consecutive in the pool: one view, trimmed to
@@ -136,24 +148,22 @@ class PageBlocks(KVBlocks):
             return k, k[..., :Dv]
         return k, self.value_pages[:, page : page + count].reshape(1, Hkv, count * self.ps, Dv)
 
-    def _slots(self, positions: list[int]) -> Tensor:
-        """``(len(positions)·ps,)`` int64 on the host: the slot of each key of these table positions' pages."""
-        ps = self.ps
-        return (torch.tensor(positions).view(-1, 1) * ps + torch.arange(ps)).view(-1)
+    def _slots(self, positions: Tensor) -> Tensor:
+        """``(len(positions)·ps,)`` int64 on the host: the slot of each key of the pages at these
+        table positions (a host tensor)."""
+        return (positions.view(-1, 1) * self.ps + torch.arange(self.ps)).view(-1)
 
-    def _copy(
-        self, row: list[int], positions: list[int], buffers: tuple[Tensor, Tensor] | None
-    ) -> tuple[Tensor, Tensor]:
-        """The pages of ``positions`` copied into the buffers ``(1, Hkv, ≥ len·ps, ·)``: their first
-        ``len(positions)·ps`` slots."""
+    def _copy(self, pages: Tensor, buffers: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """The pool's ``pages`` (a host tensor) copied into the buffers ``(1, Hkv, ≥ len·ps, ·)``:
+        their first ``len(pages)·ps`` slots."""
         B, Hkv, S, D, Dv = self.shape
-        m = len(positions)
+        m = pages.numel()
         if buffers is None or buffers[0].shape[2] < m * self.ps:
             k_buf = self.key_pages.new_empty(1, Hkv, m * self.ps, D)
             v_buf = k_buf if self.values_in_keys else self.value_pages.new_empty(1, Hkv, m * self.ps, Dv)
             buffers = (k_buf, v_buf)
         k_buf, v_buf = buffers
-        pages = torch.tensor([row[t] for t in positions], dtype=torch.int64, device=self.device)
+        pages = pages.to(self.device)
         torch.index_select(self.key_pages, 1, pages, out=k_buf[0, :, : m * self.ps].view(Hkv, m, self.ps, D))
         if self.values_in_keys:
             return k_buf, k_buf[..., :Dv]
@@ -201,14 +211,3 @@ class PageBlocks(KVBlocks):
         else:
             values = self.value_pages.index_select(1, self.table.reshape(-1)).view(Hkv, B, S, Dv).transpose(0, 1)
         return keys, values
-
-
-def _split(run: list[int], alone: set[int]) -> list[list[int]]:
-    """``run`` cut around the positions in ``alone``, each of which becomes a run of its own."""
-    parts: list[list[int]] = [[]]
-    for t in run:
-        if t in alone:
-            parts += [[t], []]
-        else:
-            parts[-1].append(t)
-    return [part for part in parts if part]
