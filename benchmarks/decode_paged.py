@@ -23,17 +23,25 @@ Contenders (``contiguous``: ``attention(q, k, v, backend="decode")`` on the same
   strided view), masked to the row's pages: no copy, but the other rows' pages are read too.
 
 Timed in interleaved rounds, fastest kept (:func:`common.fastest_ms`); load printed before and after.
-``--quick``: Lk 4k and 32k at page size 16, bf16 only.
+With one thread (``BENCH_THREADS=1``) each contender's CPU time per call is measured too, in
+interleaved rounds of its own (the fastest kept): on a machine shared with other jobs the wall
+time of a call includes the time the scheduler gave them, the thread's CPU time does not (memory
+contention still shows in both). ``--quick``: Lk 4k and 32k at page size 16, bf16 only;
+``--contenders``: a subset (``contiguous`` is always run). ``--primitives``: instead, the two
+costs behind the table (bf16, CPU time of one thread): eight 2-D ``torch.mm`` (one per KV head, as
+a view whose heads lie apart is read) against one batched GEMM of the same shapes, and
+``index_select`` of scattered pages against a contiguous ``copy_`` of as many bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import time
 
 import torch
 
-from common import context, fastest_ms, machine_state, mh, print_table, write_csv
+from common import THREADS, context, fastest_ms, machine_state, mh, print_table, write_csv
 from multihead.backends import decode_blocks as blocks_module
 from multihead.backends.decode import _attend
 from multihead.backends.decode_blocks import KVBlocks, _per_head, decode_blocks
@@ -140,7 +148,22 @@ def pool_span(q, key_pages, value_pages, table: list[int], length: int):
     return out.to(q.dtype).view(1, HQ, 1, D)
 
 
-def run_case(dtype, Lk: int, ps: int, kinds, rounds: int, min_run_time: float) -> list[dict]:
+def fastest_cpu_ms(fns: dict, rounds: int, min_cpu_time: float) -> dict:
+    """Milliseconds of this thread's CPU time per call of each ``fns[key]()``: the fastest of
+    ``rounds`` interleaved rounds, each averaging calls over ``min_cpu_time`` CPU seconds."""
+    best = {key: float("inf") for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            fn()
+            calls, start = 0, time.thread_time()
+            while time.thread_time() - start < min_cpu_time:
+                fn()
+                calls += 1
+            best[key] = min(best[key], (time.thread_time() - start) / calls * 1e3)
+    return best
+
+
+def run_case(dtype, Lk: int, ps: int, kinds, rounds: int, min_run_time: float, contenders=None) -> list[dict]:
     gen = torch.Generator().manual_seed(Lk + ps)
     k = torch.randn(1, HKV, Lk, D, generator=gen).to(dtype)
     v = torch.randn(1, HKV, Lk, D, generator=gen).to(dtype)
@@ -166,6 +189,8 @@ def run_case(dtype, Lk: int, ps: int, kinds, rounds: int, min_run_time: float) -
             "two passes": lambda read=read: two_passes(q, read.blocks, Lk),
             "pool span": lambda cache=cache, table=table: pool_span(q, cache.key_pages, cache.value_pages, table, Lk),
         }
+        if contenders:
+            fns = {name: fn for name, fn in fns.items() if name == "contiguous" or name in contenders}
         pieces = list(read.blocks.pieces(0, Lk, read.blocks.piece_size()))
         pool_ptr = cache.key_pages.untyped_storage().data_ptr()
         views = sum(p[1].untyped_storage().data_ptr() == pool_ptr for p in pieces)
@@ -175,6 +200,7 @@ def run_case(dtype, Lk: int, ps: int, kinds, rounds: int, min_run_time: float) -
                 if not err <= 3 * naive + 1e-4:
                     raise AssertionError(f"{name} ({kind}): max error {err:.2e}; not timing a wrong result")
             best = fastest_ms(fns, rounds=rounds, min_run_time=min_run_time)
+            cpu = fastest_cpu_ms(fns, rounds, min_run_time) if THREADS == 1 else None
         row = {
             "dtype": str(dtype).replace("torch.", ""),
             "Lk": Lk,
@@ -187,8 +213,55 @@ def run_case(dtype, Lk: int, ps: int, kinds, rounds: int, min_run_time: float) -
         for name in fns:
             if name != "contiguous":
                 row[name] = best[name] / best["contiguous"]
+        if cpu is not None:
+            row["contiguous cpu ms"] = cpu["contiguous"]
+            for name in fns:
+                if name != "contiguous":
+                    row[f"{name} (cpu)"] = cpu[name] / cpu["contiguous"]
         rows.append(row)
         print({key: (round(x, 3) if isinstance(x, float) else x) for key, x in row.items()}, flush=True)
+    return rows
+
+
+def primitives() -> list[dict]:
+    """Per-head half GEMMs against one batched GEMM; page copies against a contiguous copy."""
+    rows = []
+    for n in (1024, 2848, 4096):
+        k = torch.randn(HKV, n, D).to(torch.bfloat16)
+        qt = torch.randn(HKV, G, D).to(torch.bfloat16).transpose(-1, -2)  # (Hkv, D, G), as decode reads it
+        p = torch.randn(HKV, G, n).to(torch.bfloat16)
+        heads = list(zip(k.unbind(0), qt.unbind(0), p.unbind(0)))
+        cpu = fastest_cpu_ms(
+            {
+                "K q^T batched": lambda: torch.bmm(k, qt),
+                "K q^T per head": lambda: [torch.mm(kh, qh) for kh, qh, _ in heads],
+                "P V batched": lambda: torch.bmm(p, k),
+                "P V per head": lambda: [torch.mm(ph, kh) for kh, _, ph in heads],
+            },
+            3,
+            0.3,
+        )
+        rows.append({"what": f"{n} keys per head", **{key: round(ms, 3) for key, ms in cpu.items()}})
+        rows[-1]["per head / batched (K, PV)"] = (
+            f"{cpu['K q^T per head'] / cpu['K q^T batched']:.2f}, {cpu['P V per head'] / cpu['P V batched']:.2f}"
+        )
+    for ps in (16, 256):
+        n = 4096 // ps
+        pool = torch.randn(HKV, 4 * n, ps, D).to(torch.bfloat16)
+        pages = torch.randperm(4 * n)[:n].sort().values
+        buf = torch.empty(HKV, n, ps, D, dtype=torch.bfloat16)
+        cpu = fastest_cpu_ms(
+            {
+                "copy_ (contiguous)": lambda: buf.copy_(pool[:, :n]),
+                "index_select": lambda: torch.index_select(pool, 1, pages, out=buf),
+                "index_select as int64": lambda: torch.index_select(
+                    pool.view(torch.int64), 1, pages, out=buf.view(torch.int64)
+                ),
+            },
+            3,
+            0.3,
+        )
+        rows.append({"what": f"copy 4096 slots, page {ps}", **{key: round(ms, 3) for key, ms in cpu.items()}})
     return rows
 
 
@@ -200,7 +273,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--page-sizes", default="16,64,256")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contenders", default="", help="comma-separated subset of the contenders")
+    parser.add_argument("--primitives", action="store_true", help="only the GEMM and copy costs behind the table")
     args = parser.parse_args(argv)
+    if args.primitives:
+        print(f"# per-head half GEMMs, page copies: CPU ms of one thread ({context()}); {machine_state()}")
+        rows = primitives()
+        print_table("CPU ms per call: GEMMs", [r for r in rows if "keys" in r["what"]])
+        print_table("CPU ms per call: copies", [r for r in rows if "copy" in r["what"]])
+        return rows
     dtypes = ["bfloat16"] if args.quick else args.dtypes.split(",")
     sizes = [16] if args.quick else [int(x) for x in args.page_sizes.split(",")]
     print(f"# paged decode step: designs side by side ({context()})")
@@ -209,10 +290,18 @@ def main(argv=None) -> list[dict]:
     for name in dtypes:
         for Lk in (int(x) for x in args.lengths.split(",")):
             for ps in sizes:
-                rows += run_case(getattr(torch, name), Lk, ps, args.layouts.split(","), args.rounds, 0.2)
+                rows += run_case(
+                    getattr(torch, name),
+                    Lk,
+                    ps,
+                    args.layouts.split(","),
+                    args.rounds,
+                    0.2,
+                    [c for c in args.contenders.split(",") if c],
+                )
     print(f"after: {machine_state()}")
     print_table("Paged decode step: time / the contiguous step's (same tokens, same rounds)", rows)
-    write_csv("decode_paged", rows)
+    write_csv("decode_paged" + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
     return rows
 
 
