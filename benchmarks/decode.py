@@ -18,8 +18,10 @@ fp64 reference (batch element 0):
   chose is printed), and ``multihead decode``: the same with ``backend="decode"``.
 
 ``--caches``: one new token (B=1) after 4k and 32k cached tokens through each cache, a full step
-(update, attention, rollback): a contiguous ``StaticKVCache``, a ``PagedKVCache`` (one run of pages,
-fragmented pages, and the gather of every page that the read did before), a
+(update, attention, rollback): a contiguous ``StaticKVCache``, a ``PagedKVCache`` of ``--page-size``
+tokens per page (16 by default: one run of pages; fragmented pages, a shuffled free list of the
+row's own pool; shared, the row's pages a random quarter of a pool four times its size, the
+others being other rows'; and the gather of every page that the read did before), a
 ``SlidingWindowKVCache`` ring against the static cache with the same window, and a
 ``QuantizedKVCache`` (int8 through integer GEMMs, and the same slots dequantized a piece at a time
 as before them; fp8 at 4k) against the contiguous bf16 step (``decode_caches.csv``).
@@ -168,7 +170,9 @@ class _Pieces:
         return None
 
 
-def run_caches(Lk: int, dtype: torch.dtype, read_buffer: torch.Tensor, rounds: int, min_run_time: float) -> dict:
+def run_caches(
+    Lk: int, dtype: torch.dtype, read_buffer: torch.Tensor, rounds: int, min_run_time: float, ps: int = 16
+) -> dict:
     """One new token (``B = 1``) after ``Lk - 1`` cached: the same tokens in a contiguous
     ``StaticKVCache``, a ``PagedKVCache`` (pages in one run, and fragmented: a shuffled free list),
     a ``SlidingWindowKVCache`` ring of ``Lk`` slots (``sliding_window(Lk - 1)``, against the static
@@ -183,12 +187,14 @@ def run_caches(Lk: int, dtype: torch.dtype, read_buffer: torch.Tensor, rounds: i
     v = torch.randn(1, HKV, Lk, D, generator=gen).to(dtype)
     q = torch.randn(1, HQ, 1, D, generator=gen).to(dtype)
     old_k, old_v, k1, v1 = k[:, :, :-1], v[:, :, :-1], k[:, :, -1:], v[:, :, -1:]
-    ps = 16
     static = _fill(StaticKVCache(1, Lk, HKV, D, dtype=dtype), old_k, old_v)
     run = _fill(PagedKVCache(Lk // ps + 1, ps, HKV, D, dtype=dtype), old_k, old_v)
     fragmented = PagedKVCache(Lk // ps + 1, ps, HKV, D, dtype=dtype)
     random.Random(0).shuffle(fragmented.free)
     _fill(fragmented, old_k, old_v)
+    shared = PagedKVCache(4 * (Lk // ps + 1), ps, HKV, D, dtype=dtype)  # pages not in its free list: other rows'
+    shared.free = random.Random(1).sample(range(4 * (Lk // ps + 1)), Lk // ps + 1)
+    _fill(shared, old_k, old_v)
     ring = _fill(SlidingWindowKVCache(Lk - 1, 1, HKV, D, dtype=dtype), old_k, old_v)
     int8 = _fill(QuantizedKVCache(1, Lk, HKV, D, dtype=dtype), old_k, old_v)
     window = mh.sliding_window(Lk - 1)
@@ -203,6 +209,7 @@ def run_caches(Lk: int, dtype: torch.dtype, read_buffer: torch.Tensor, rounds: i
         ),
         "paged run": lambda: _step(run, q, k1, v1, blocks),
         "paged fragmented": lambda: _step(fragmented, q, k1, v1, blocks),
+        "paged shared": lambda: _step(shared, q, k1, v1, blocks),
         "paged gather": lambda: _step(fragmented, q, k1, v1, contiguous),
         "ring": lambda: _step(
             ring, q, k1, v1, lambda r: mh.attention(q, r.keys, r.values, mask=r.mask(window, True, HQ))
@@ -230,12 +237,13 @@ def run_caches(Lk: int, dtype: torch.dtype, read_buffer: torch.Tensor, rounds: i
         best = fastest_ms(fns, rounds=rounds, min_run_time=min_run_time)
     read_gbps = read_buffer.numel() * read_buffer.element_size() / best.pop("memory read") / 1e6
     kv_bytes = 2 * k.numel() * k.element_size()
-    row = {"dtype": str(dtype).replace("torch.", ""), "Lk": Lk, "read_GBps": read_gbps}
+    row = {"dtype": str(dtype).replace("torch.", ""), "Lk": Lk, "page": ps, "read_GBps": read_gbps}
     for name, ms in best.items():
         row[f"{name} ms"] = ms
     row["contiguous %read"] = 100 * kv_bytes / best["contiguous"] / 1e6 / read_gbps
     row["paged run / contiguous"] = best["paged run"] / best["contiguous"]
     row["paged fragmented / contiguous"] = best["paged fragmented"] / best["contiguous"]
+    row["paged shared / contiguous"] = best["paged shared"] / best["contiguous"]
     row["paged gather / contiguous"] = best["paged gather"] / best["contiguous"]
     row["ring / contiguous window"] = best["ring"] / best["contiguous window"]
     row["int8 tokens/s / contiguous"] = best["contiguous"] / best["int8"]
@@ -253,6 +261,7 @@ def main(argv=None) -> list[dict]:
         "--dtypes", default="float32,bfloat16", help="comma-separated dtypes of the K/V (default fp32, bf16)"
     )
     parser.add_argument("--caches", action="store_true", help="only the cache comparisons (paged, ring, int8)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the paged caches (--caches)")
     args = parser.parse_args(argv)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     cases = (
@@ -281,12 +290,13 @@ def main(argv=None) -> list[dict]:
     if args.caches:
         for dtype in dtypes:
             for Lk in (4096, 32768):
-                row = run_caches(Lk, dtype, read_buffer, rounds, min_run_time)
+                row = run_caches(Lk, dtype, read_buffer, rounds, min_run_time, args.page_size)
                 rows.append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         print(f"after: {machine_state()}")
         print_table("Decode step through each cache (B=1, one new token): ms and ratios", rows)
-        write_csv("decode_caches" + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
+        page = "" if args.page_size == 16 else f"_page{args.page_size}"
+        write_csv("decode_caches" + page + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
         return rows
     for dtype in dtypes:
         for B, Lk in cases:

@@ -4,12 +4,15 @@ each piece dense in the compute dtype, small enough to stay in cache; :func:`dec
 over every piece and joins them by their log-sum-exp (:func:`multihead.merge_partials`)::
 
     slots [lo, hi) a query may see            the mask's key range (decode._visible_keys)
-    for (start, k, v) in blocks.pieces(lo, hi, size):      k (B, Hkv, n, D), v (B, Hkv, n, Dv)
+    for (where, k, v) in blocks.pieces(lo, hi, size):      k (B, Hkv, n, D), v (B, Hkv, n, Dv)
         out_i, lse_i = one chunk of the decode path     (decode._attend: folded query heads)
     out = merge_partials(outs, lses)                    (B, Hq, Lq, Dv)
 
-So a paged cache is read through its block table (each piece is a few pages, copied into a buffer
-that stays in cache, never the whole cache), and a quantized cache is dequantized a piece at a time
+A piece's keys are slots ``where ..`` in order, or carry their slot numbers (``where`` a tensor: a
+run of pages that lie in a different order in the pool than in the block table), so the mask
+follows each key. So a paged cache is read through its block table in pool order (runs of pages
+as views, short runs copied into a buffer that stays in cache, never the whole cache:
+:mod:`multihead.caches.paged_blocks`), and a quantized cache is dequantized a piece at a time
 (never a dequantized copy of the whole cache), or, for int8 slots, gives its partials itself
 (:meth:`KVBlocks.partials`: integer GEMMs over the stored bytes,
 :mod:`multihead.backends.decode_int8`). A cache returns such an object in
@@ -55,10 +58,14 @@ class KVBlocks(abc.ABC):
     device: torch.device
 
     @abc.abstractmethod
-    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """``(start, k (B, Hkv, n, D), v (B, Hkv, n, Dv))`` covering slots ``[lo, hi)`` in order,
-        each piece at most ``size`` slots and starting at slot ``start``. A piece may be a buffer
-        that the next piece overwrites: use it before asking for the next."""
+    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int | Tensor, Tensor, Tensor]]:
+        """``(where, k (B, Hkv, n, D), v (B, Hkv, n, Dv))`` covering each slot of ``[lo, hi)`` once.
+        ``where``: an ``int``, the piece holds the slots ``where .. where + n`` in order, within
+        ``[lo, hi)`` and at most ``size`` of them (made by a copy) or any number (a view); or a
+        host ``int64`` tensor ``(n,)``, the slot of each key, in any order (attention over a set of
+        keys does not depend on their order): slots outside ``[lo, hi)`` may appear only where they
+        hold no token and finite values (they are masked). A piece may be a buffer that the next
+        piece overwrites: use it before asking for the next."""
 
     @abc.abstractmethod
     def dense(self) -> tuple[Tensor, Tensor]:
@@ -117,12 +124,16 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
     lses: list[Tensor] = []
     with torch.no_grad():
         own = blocks.partials(qg, lo, hi, blocked, scale, G, Lq)
-        for start, k, v in blocks.pieces(lo, hi, blocks.piece_size()) if own is None else ():
+        for where, k, v in blocks.pieces(lo, hi, blocks.piece_size()) if own is None else ():
             n = k.shape[2]
-            bc = None if blocked is None else blocked[..., start - lo : start - lo + n]
+            if isinstance(where, int):  # slots where .. where + n
+                bc = None if blocked is None else blocked[..., where - lo : where - lo + n]
+            else:
+                bc = _blocked_at(blocked, where, lo, hi, q.device)
             # a view whose heads lie apart (a run of pages in a head-major pool): oneDNN's batched
             # half GEMM copied such an operand whole first, so its GEMMs run one head at a time
-            apart = Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2))
+            # (MKL's fp32 batched GEMM reads it as it lies)
+            apart = half and Hkv > 1 and (k.stride(1) != n * k.stride(2) or v.stride(1) != n * v.stride(2))
             out, maybe = _attend(qg, k, v, bc, scale, acc, G, Lq, half, True, _per_head if apart else torch.matmul)
             assert maybe is not None  # (asked for)
             lse = maybe
@@ -134,10 +145,22 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
     return unfold_query_heads(out.to(q.dtype), Hq)  # (B, Hq, Lq, Dv)
 
 
+def _blocked_at(blocked: Tensor | None, slots: Tensor, lo: int, hi: int, device: torch.device) -> Tensor | None:
+    """The row mask ``(B|1, Hkv|1, G|1, Lq, n)`` of a piece whose keys are the slots ``slots`` (``(n,)``,
+    any order, on the host): ``blocked``'s columns at those slots, and blocked outside ``[lo, hi)``."""
+    outside = (slots < lo) | (slots >= hi)
+    if blocked is None:
+        return outside.view(1, 1, 1, 1, -1).to(device) if bool(outside.any()) else None
+    cols = torch.where(outside, 0, slots - lo).to(device)
+    return blocked.index_select(-1, cols) | outside.to(device)
+
+
 def _per_head(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``(B, H, m, k) @ (B, H, k, n)``, one GEMM per head ``h`` into ``out[:, h]``."""
-    B, H = a.shape[0], a.shape[1]
-    out = torch.empty(B, H, a.shape[2], b.shape[3], dtype=a.dtype, device=a.device)
-    for h in range(H):
-        torch.matmul(a[:, h], b[:, h], out=out[:, h])
+    """``a @ b`` for ``(B, H, m, k) @ (B, H, k, n)``, one 2-D GEMM per batch row and head into
+    ``out[i, h]`` (``torch.mm``: a 3-D ``matmul`` per head went through the batched path, each call
+    dearer: docs/inference.md#decoding-through-every-cache)."""
+    out = torch.empty(a.shape[0], a.shape[1], a.shape[2], b.shape[3], dtype=a.dtype, device=a.device)
+    for a_i, b_i, out_i in zip(a.unbind(0), b.unbind(0), out.unbind(0)):  # one op per operand, not B·H
+        for a_h, b_h, out_h in zip(a_i.unbind(0), b_i.unbind(0), out_i.unbind(0)):
+            torch.mm(a_h, b_h, out=out_h)
     return out

@@ -12,10 +12,10 @@ table*, the list of its pages in order: token ``t`` of row ``b`` lives in page
 
 An update claims pages from the free list as rows cross a page boundary, then writes every row's
 new tokens with one scatter into the pool. :meth:`release` gives a finished row's pages back (the
-row may then start a new sequence). A decode step reads a row's pages in table order through the
-block table (``CacheRead.blocks``): a piece of a few pages at a time, a view of the pool where a
-row's pages are consecutive and a copy that stays in cache where they are not, never a gather of
-the whole cache (:mod:`multihead.backends.decode_blocks`). The pool is head-major,
+row may then start a new sequence). A decode step reads a row's pages through the block table
+(``CacheRead.blocks``, :mod:`multihead.caches.paged_blocks`) in pool order: a view of the pool
+for each run of pages consecutive there, whatever their order in the table, and a copy that stays
+in cache for the pages in short runs, never a gather of the whole cache. The pool is head-major,
 ``(Hkv, num_pages, page_size, D)``, so that consecutive pages of a head are one strided run. Other
 calls (a prefill, weights, autograd) read ``CacheRead.keys``: every row's pages gathered into
 ``(B, Hkv, pages·page_size, D)``. Slots past a row's length are hidden by the mask
@@ -24,12 +24,11 @@ calls (a prefill, weights, autograd) read ``CacheRead.keys``: every row's pages 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from multihead.backends.decode_blocks import KVBlocks
 from multihead.caches.base import (
     EMPTY_POSITION,
     CacheRead,
@@ -42,13 +41,10 @@ from multihead.caches.base import (
     check_rows,
     check_writable,
 )
+from multihead.caches.paged_blocks import PageBlocks
 from multihead.caches.policies.base import refuse_policy
 
 __all__ = ["PagedKVCache"]
-
-#: Slots a run of consecutive pages must hold to be read as a view of its own rather than gathered
-#: with its neighbours into one piece: each piece costs a handful of ops.
-_MIN_RUN = 1024
 
 
 class PagedKVCache(KVCache):
@@ -218,13 +214,13 @@ class PagedKVCache(KVCache):
         return torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.int64, device=device)
 
     def _read(self, query_positions: Tensor, table: Tensor) -> CacheRead:
-        """Each row's pages in table order, read through the block table (:class:`_PageBlocks`);
+        """Each row's pages, read through the block table (:class:`~multihead.caches.paged_blocks.PageBlocks`);
         ``keys (B, Hkv, pages·ps, D)`` gathered only when asked for."""
         B, width = table.shape
         slot = torch.arange(width * self.page_size, device=table.device).view(1, -1)  # (1, S): position of the slot
         lengths = torch.tensor(self._lengths, dtype=torch.int64, device=table.device).view(-1, 1)
         key_positions = torch.where(slot < lengths, slot, EMPTY_POSITION)  # (B, S)
-        blocks = _PageBlocks(self.key_pages, self.value_pages, self.values_in_keys, table, self.tables)
+        blocks = PageBlocks(self.key_pages, self.value_pages, self.values_in_keys, table, self.tables, self._lengths)
         return CacheRead(None, None, query_positions, key_positions, blocks=blocks)
 
     def rollback(self) -> None:
@@ -326,82 +322,3 @@ def _scatter(pages: Tensor, flat: Tensor, x: Tensor) -> None:
     ps = pages.shape[2]
     tokens = x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])  # (Hkv, B·new, ·), row-major like flat
     pages[:, flat // ps, flat % ps] = tokens  # advanced indices on (page, offset) after the heads
-
-
-class _PageBlocks(KVBlocks):
-    """The slots of a paged read, ``(B, Hkv, width·ps, ·)``, from the pool and the block tables as
-    they were at the read. A piece is a run of whole pages: a view of the pool when the batch has
-    one row and its pages in the piece are consecutive, else the pages copied, per row, into one
-    buffer that every piece reuses (``index_select`` along the pool's page dim, no other copy)."""
-
-    def __init__(
-        self, key_pages: Tensor, value_pages: Tensor, values_in_keys: bool, table: Tensor, tables: list[list[int]]
-    ):
-        Hkv, N, ps, D = key_pages.shape
-        B, width = table.shape
-        self.key_pages, self.value_pages, self.values_in_keys = key_pages, value_pages, values_in_keys
-        self.table = table.clamp(min=0)  # (B, width): padding reads page 0, hidden by the mask
-        # a row's pages as host lists (a copy: the cache's own lists change with the next update)
-        self.rows = [list(t) + [0] * (width - len(t)) for t in tables]
-        self.ps = ps
-        self.shape = (B, Hkv, width * ps, D, value_pages.shape[-1])
-        self.dtype, self.device = key_pages.dtype, key_pages.device
-        self.grad = torch.is_grad_enabled()  # dense() records autograd as the update that read would have
-
-    def pieces(self, lo: int, hi: int, size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
-        B, Hkv, S, D, Dv = self.shape
-        ps = self.ps
-        first, last = lo // ps, -(-hi // ps)  # pages [first, last) hold the slots [lo, hi)
-        per = max(1, size // ps)
-        buffers: tuple[Tensor, Tensor] | None = None
-        p0 = first
-        while p0 < last:
-            run = self._run(p0, last) if B == 1 else 0
-            if run:  # one row, pages p0.. consecutive in the pool: a view, however long
-                p1, page = p0 + run, self.rows[0][p0]
-                k = self.key_pages[:, page : page + run].reshape(1, Hkv, run * ps, D)
-                v = self.value_pages[:, page : page + run]
-                v = k[..., :Dv] if self.values_in_keys else v.reshape(1, Hkv, run * ps, Dv)
-            else:
-                p1 = min(p0 + per, last)
-                if B == 1:  # stop where a run long enough to be a view of its own starts
-                    p1 = next((p for p in range(p0 + 1, p1) if self._run(p, last)), p1)
-                m = p1 - p0
-                if buffers is None or buffers[0].shape[2] != m * ps:
-                    k_buf = self.key_pages.new_empty(B, Hkv, m * ps, D)
-                    v_buf = k_buf if self.values_in_keys else self.value_pages.new_empty(B, Hkv, m * ps, Dv)
-                    buffers = (k_buf, v_buf)
-                k, v = buffers
-                for b in range(B):  # (Hkv, m, ps, ·): row b's pages, gathered into its slice of the buffer
-                    pages = self.table[b, p0:p1]
-                    torch.index_select(self.key_pages, 1, pages, out=k[b].view(Hkv, m, ps, D))
-                    if not self.values_in_keys:
-                        torch.index_select(self.value_pages, 1, pages, out=v[b].view(Hkv, m, ps, Dv))
-                if self.values_in_keys:
-                    v = k[..., :Dv]
-            s0, s1 = max(lo, p0 * ps), min(hi, p1 * ps)  # trim the first and last page to [lo, hi)
-            yield s0, k[:, :, s0 - p0 * ps : s1 - p0 * ps], v[:, :, s0 - p0 * ps : s1 - p0 * ps]
-            p0 = p1
-
-    def _run(self, p0: int, last: int) -> int:
-        """How many of row 0's pages from ``p0`` (before ``last``) follow each other in the pool,
-        when at least a few do (shorter runs are gathered with their neighbours instead)."""
-        row = self.rows[0]
-        n = 1
-        while p0 + n < last and row[p0 + n] == row[p0] + n:
-            n += 1
-        return n if n * self.ps >= _MIN_RUN else 0
-
-    def dense(self) -> tuple[Tensor, Tensor]:
-        with torch.set_grad_enabled(self.grad):
-            return self._gather()
-
-    def _gather(self) -> tuple[Tensor, Tensor]:
-        B, Hkv, S, D, Dv = self.shape
-        # (Hkv, B·width, ps, D) -> (B, Hkv, width·ps, D): every row's pages gathered, in table order
-        keys = self.key_pages.index_select(1, self.table.reshape(-1)).view(Hkv, B, S, D).transpose(0, 1)
-        if self.values_in_keys:
-            values = keys[..., :Dv]
-        else:
-            values = self.value_pages.index_select(1, self.table.reshape(-1)).view(Hkv, B, S, Dv).transpose(0, 1)
-        return keys, values
