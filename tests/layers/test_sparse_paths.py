@@ -1,0 +1,154 @@
+"""The fast paths of the sparse layers' choices against their plain definitions.
+
+* ``best_first`` (one ``topk`` of order-preserving integer keys) == a stable descending sort's
+  first ``n`` (ties to the lower index, ``-inf`` never chosen), with ties, ``±inf``, ``-0.0``,
+  negative scores, in fp32/bf16/fp16, and fp64 (the sort);
+* NSA's ``compressed_and_chosen`` (the compressed branch a query chunk at a time on the fused
+  kernel, the probabilities recomputed from its LSE and ranked per chunk) == ``compressed`` +
+  ``choose`` (the whole ``(B, Hq, Lq, nC)`` table): output, chosen blocks and gradients, over
+  MHA/GQA/MQA, odd lengths, ``Lq < Lk`` (a cache's new tokens), chunk boundaries anywhere
+  (``CHUNK_ROWS`` small), block sizes ± 1 around the length, rows with no complete compressed
+  block (output 0, gradient 0); bf16 by the relative rule;
+* MoBA's chunked choice == the choice from the whole table by a stable sort.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import multihead as mh
+from helpers import assert_relative
+from multihead.layers import moba as moba_module
+from multihead.layers import nsa as nsa_module
+from multihead.layers.moba import MobaCore
+from multihead.layers.nsa import NsaCore
+from multihead.layers.ranking import best_first
+
+
+def _stable_first(scores, n):
+    ranked, order = torch.sort(scores.double(), dim=-1, descending=True, stable=True)
+    n = min(n, scores.shape[-1])
+    return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_best_first_is_the_stable_sort(dtype):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        m = int(torch.randint(1, 40, (), generator=g))
+        n = int(torch.randint(1, 45, (), generator=g))
+        s = (torch.randint(-3, 4, (4, 3, m), generator=g) * 0.5).to(dtype)  # many ties
+        s[torch.rand(s.shape, generator=g) < 0.2] = float("-inf")
+        s[torch.rand(s.shape, generator=g) < 0.1] = float("inf")
+        s[torch.rand(s.shape, generator=g) < 0.1] = -0.0
+        got = best_first(s, n)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, _stable_first(s, n)), (s, n)
+    s = torch.randn(3, 1000, generator=g, dtype=dtype)
+    assert torch.equal(best_first(s, 16), _stable_first(s, 16))
+
+
+def _nsa(Hq, Hkv, l, d, ls, n, dtype=torch.float64):
+    torch.manual_seed(0)
+    layer = mh.NativeSparseAttention(
+        8 * Hq,
+        Hq,
+        num_kv_heads=Hkv,
+        compress_block=l,
+        compress_stride=d,
+        select_block=ls,
+        select_count=n,
+        window=5,
+    ).to(dtype)
+    with torch.no_grad():
+        layer.compress_pos_k.normal_()
+        layer.compress_pos_v.normal_()
+    return layer
+
+
+def _qkv(B, Hq, Hkv, Lq, Lk, D, dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+CASES = [  # Hq, Hkv, l, d, ls, n, Lq, Lk, chunk rows
+    (4, 2, 4, 2, 4, 3, 37, 37, 2048),
+    (4, 2, 4, 2, 4, 3, 37, 37, 8),  # chunks of 2 tokens x 2 heads
+    (6, 3, 8, 4, 8, 5, 101, 101, 30),  # chunk boundaries off the blocks' grid
+    (4, 4, 4, 2, 8, 3, 7, 50, 8),  # the new tokens of a cache: Lq < Lk
+    (4, 1, 4, 2, 4, 9, 13, 13, 2048),  # MQA, more blocks asked than there are
+    (2, 1, 4, 4, 4, 3, 3, 3, 2048),  # shorter than a compressed block: every row reads nothing
+    (4, 2, 8, 4, 16, 4, 15, 15, 8),  # L = select block - 1
+    (4, 2, 8, 4, 16, 4, 17, 17, 8),  # L = select block + 1
+    (4, 2, 8, 4, 8, 4, 7, 7, 2048),  # L = compress block - 1: no block
+    (4, 2, 8, 4, 8, 4, 9, 9, 2048),  # L = compress block + 1
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "Hq{}-Hkv{}-l{}-d{}-ls{}-n{}-Lq{}-Lk{}-rows{}".format(*c))
+def test_nsa_chunked_compressed_branch_equals_the_table(case, monkeypatch):
+    Hq, Hkv, l, d, ls, n, Lq, Lk, rows = case
+    monkeypatch.setattr(nsa_module, "CHUNK_ROWS", rows)
+    layer = _nsa(Hq, Hkv, l, d, ls, n)
+    q, k, v = _qkv(2, Hq, Hkv, Lq, Lk, layer.head_dim)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    core = NsaCore(layer, torch.rand(2, Lq, 3 * Hq, dtype=torch.float64), None)
+    want, p = core.compressed(q, k, v)
+    chosen = core.choose(p, Lq, Lk)
+    got, got_chosen = core.compressed_and_chosen(q, k, v)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_chosen, chosen)
+    assert got_chosen.shape == (2, Hkv, Lq, min(n, math.ceil(Lk / ls)))
+    none = (torch.arange(Lq) + Lk - Lq) < l - 1  # rows with no complete compressed block
+    assert (got[:, :, none] == 0).all()
+    if Lk < l:  # nothing to attend to: a constant 0, as the table's is
+        assert not got.requires_grad
+        return
+    w = torch.randn_like(want)
+    inputs = (q, k, v, layer.compress_k.weight, layer.compress_pos_v)  # unused where no block is complete: 0
+    grads = torch.autograd.grad((want * w).sum(), inputs, allow_unused=True, materialize_grads=True)
+    got_grads = torch.autograd.grad((got * w).sum(), inputs, allow_unused=True, materialize_grads=True)
+    for a, b in zip(got_grads, grads):
+        torch.testing.assert_close(a, b)
+    assert (got_grads[0][:, :, none] == 0).all()
+
+
+def test_nsa_chunked_compressed_branch_bf16(monkeypatch):
+    monkeypatch.setattr(nsa_module, "CHUNK_ROWS", 24)
+    layer = _nsa(4, 2, 4, 2, 4, 3)
+    q, k, v = _qkv(2, 4, 2, 61, 61, layer.head_dim)
+    core = NsaCore(layer, torch.rand(2, 61, 12, dtype=torch.float64), None)
+    ref, _ = core.compressed(q, k, v)
+    low = _nsa(4, 2, 4, 2, 4, 3, dtype=torch.bfloat16)
+    core_low = NsaCore(low, torch.rand(2, 61, 12, dtype=torch.bfloat16), None)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    got, chosen = core_low.compressed_and_chosen(qb, kb, vb)
+    baseline, _ = core_low.compressed(qb, kb, vb)  # the whole table in bf16
+    assert got.dtype == torch.bfloat16 and chosen.shape == (2, 2, 61, 3)
+    # the layer's weights are rounded to bf16 in both: compare against fp64 of those weights
+    ref, _ = NsaCore(_nsa(4, 2, 4, 2, 4, 3).to(torch.bfloat16).double(), core.gates, None).compressed(
+        qb.double(), kb.double(), vb.double()
+    )
+    assert_relative(got, ref, baseline, 2.0)
+
+
+@pytest.mark.parametrize("Lq,Lk,chunk", [(37, 37, 1 << 20), (37, 37, 40), (5, 41, 30), (64, 64, 100), (65, 65, 7)])
+def test_moba_chunked_choice_equals_the_sort(Lq, Lk, chunk, monkeypatch):
+    monkeypatch.setattr(moba_module, "CHUNK_SCORES", chunk)
+    q, k, _ = _qkv(2, 4, 2, Lq, Lk, 8, dtype=torch.float32)
+    k[:, :, :8] = k[:, :, 8:16]  # equal block means: ties
+    core = MobaCore(8, 3)
+    B, Hq, _, D = q.shape
+    nK = math.ceil(Lk / 8)
+    means = torch.stack([k[:, :, j * 8 : (j + 1) * 8].mean(2) for j in range(nK)], 2)  # (B, Hkv, nK, D)
+    scores = q @ means.repeat_interleave(2, dim=1).transpose(-1, -2)  # (B, Hq, Lq, nK)
+    own = (torch.arange(Lq) + Lk - Lq) // 8
+    block = torch.arange(nK)
+    scores = scores.masked_fill(block > own[:, None], float("-inf")).masked_fill(block == own[:, None], float("inf"))
+    assert torch.equal(core.choose(q, k), _stable_first(scores, 3))
