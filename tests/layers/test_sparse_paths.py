@@ -152,3 +152,36 @@ def test_moba_chunked_choice_equals_the_sort(Lq, Lk, chunk, monkeypatch):
     block = torch.arange(nK)
     scores = scores.masked_fill(block > own[:, None], float("-inf")).masked_fill(block == own[:, None], float("inf"))
     assert torch.equal(core.choose(q, k), _stable_first(scores, 3))
+
+
+def _small(kind):
+    torch.manual_seed(5)
+    if kind == "nsa":
+        return mh.NativeSparseAttention(
+            32, 4, num_kv_heads=2, compress_block=4, compress_stride=2, select_block=4, select_count=3, window=5
+        )
+    return mh.TopKIndexerAttention(32, 4, num_kv_heads=2, top_k=5, index_heads=2, index_dim=8)
+
+
+@pytest.mark.parametrize("kind", ["nsa", "topk"])
+def test_compile_breaks_only_at_the_selection(kind):
+    """``torch.compile(fullgraph=False)`` of the layer equals eager, forward and the input's
+    gradient; its graph breaks are all where the ``block_select`` mask reads its data-dependent
+    table (``masks/select.py``: the table's width is the largest block chosen, read on the host
+    with ``int(...)``, and the backend plans its tiles from it): the projections, the compressed
+    branch (NSA), the indexer (top-k), the window and the gates trace into graphs."""
+    torch._dynamo.reset()
+    layer = _small(kind)
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    out = torch.compile(layer, backend="aot_eager", fullgraph=False)(x)
+    want = layer(x)
+    torch.testing.assert_close(out, want)
+    (g,) = torch.autograd.grad(out.sum(), x)
+    (g_want,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(g, g_want)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count >= 1  # the selection is data-dependent: a break is expected
+    for reason in explained.break_reasons:
+        frames = [f.filename.replace("\\", "/") for f in reason.user_stack]
+        assert any(f.endswith("multihead/masks/select.py") for f in frames), (reason.reason, frames)
