@@ -185,3 +185,55 @@ def test_compile_breaks_only_at_the_selection(kind):
     for reason in explained.break_reasons:
         frames = [f.filename.replace("\\", "/") for f in reason.user_stack]
         assert any(f.endswith("multihead/masks/select.py") for f in frames), (reason.reason, frames)
+
+
+@pytest.mark.parametrize(
+    "Hq,Hkv,ls,n,Lq,Lk",
+    [
+        (4, 2, 4, 3, 1, 37),  # one decode step
+        (4, 4, 4, 3, 3, 41),  # three new tokens (speculative decoding)
+        (6, 1, 5, 3, 1, 23),  # MQA, blocks of 5, the own block holds 3 keys
+        (4, 2, 8, 2, 1, 17),  # L = 2 blocks + 1: the own block holds one key
+        (4, 2, 8, 1, 1, 15),  # L = 2 blocks - 1, one block read: the own one
+    ],
+)
+def test_nsa_decode_reads_only_the_chosen_blocks(Hq, Hkv, ls, n, Lq, Lk):
+    """A few new tokens against a cache: the selected branch gathers each token's chosen blocks
+    (``_selected_attention``) and equals the ``block_select`` mask over the whole cache, output
+    and gradients; it never reads a key outside them (NaN there changes nothing)."""
+    layer = _nsa(Hq, Hkv, 4, 1, ls, n)
+    assert Lq * min(n, math.ceil(Lk / ls)) * ls < Lk  # the gathered path
+    q, k, v = _qkv(2, Hq, Hkv, Lq, Lk, layer.head_dim)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    core = NsaCore(layer, torch.rand(2, Lq, 3 * Hq, dtype=torch.float64), None)
+    with torch.no_grad():
+        _, idx = core.compressed_and_chosen(q, k, v)
+    want = mh.attention(q, k, v, mask=core._selected(idx, Hq), backend="reference")
+    got = core._selected_attention(q, k, v, idx, "auto")
+    torch.testing.assert_close(got, want)
+    w = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+    read = torch.zeros(2, Hkv, Lk, dtype=torch.bool)
+    pos = torch.arange(Lk - Lq, Lk).view(1, 1, Lq, 1)
+    for j in range(math.ceil(Lk / ls)):
+        chosen = ((idx == j).any(-1, keepdim=True) & (j * ls <= pos)).any(2).squeeze(-1)  # (2, Hkv)
+        read[:, :, j * ls : (j + 1) * ls] |= chosen.unsqueeze(-1)
+    poisoned_k, poisoned_v = k.detach().clone(), v.detach().clone()
+    poisoned_k[~read], poisoned_v[~read] = float("nan"), float("nan")
+    again = core._selected_attention(q.detach(), poisoned_k, poisoned_v, idx, "auto")
+    torch.testing.assert_close(again, want.detach())
+
+
+def test_nsa_decode_gathered_bf16():
+    layer = _nsa(4, 2, 4, 1, 4, 3)
+    q, k, v = _qkv(1, 4, 2, 2, 61, layer.head_dim)
+    core = NsaCore(layer, torch.rand(1, 2, 12, dtype=torch.float64), None)
+    with torch.no_grad():
+        _, idx = core.compressed_and_chosen(q, k, v)
+    ref = mh.attention(q, k, v, mask=core._selected(idx, 4), backend="reference")
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    got = core._selected_attention(qb, kb, vb, idx, "auto")
+    baseline = mh.attention(qb, kb, vb, mask=core._selected(idx, 4), backend="reference")
+    assert got.dtype == torch.bfloat16
+    assert_relative(got, ref, baseline, 2.0)

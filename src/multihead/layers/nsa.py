@@ -199,7 +199,7 @@ class NsaCore:
         backend = options.get("backend", "auto")
         B, Hq, Lq, D = q.shape
         o_cmp, idx = self.compressed_and_chosen(q, k, v)
-        o_slc = attention(q, k, v, mask=self._selected(idx, Hq), backend=backend)
+        o_slc = self._selected_attention(q, k, v, idx, backend)
         o_win = attention(q, k, v, mask=sliding_window(self.layer.window - 1), backend=backend)
         g = self.gates.view(B, Lq, 3, Hq).permute(2, 0, 3, 1).unsqueeze(-1)  # (3, B, Hq, Lq, 1)
         return g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # (B, Hq, Lq, D)
@@ -210,6 +210,34 @@ class NsaCore:
         with torch.no_grad():
             _, idx = self.compressed_and_chosen(q, k, v)
         return explain(q, k, v, mask=self._selected(idx, q.shape[1]), backend=options.get("backend", "auto"))
+
+    def _selected_attention(self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, backend: Any) -> Tensor:
+        """The selected branch. A few new tokens against a long cache (decode steps: fewer keys
+        chosen than cached) read only their chosen blocks: the keys at ``j·l' + t`` gathered per
+        token and KV group, ``(B·Lq, Hkv, n·l', D)``, attended with a mask of the slots that are
+        chosen and causal; the ``block_select`` mask would have the call read every cached key.
+        Otherwise (prefill, training) the mask, run key-major by ``blocksparse``."""
+        B, Hq, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        ls, n = self.layer.select_block, idx.shape[-1]
+        if Lq * n * ls >= Lk:
+            return attention(q, k, v, mask=self._selected(idx, Hq), backend=backend)
+        pos = torch.arange(Lk - Lq, Lk, device=q.device).view(1, 1, Lq, 1)  # the queries' positions
+        keys = (idx.unsqueeze(-1) * ls + torch.arange(ls, device=q.device)).flatten(-2)  # (B, Hkv, Lq, n·l')
+        visible = (idx >= 0).repeat_interleave(ls, dim=-1) & (keys <= pos)  # chosen, causal (own block: up to p)
+        where = keys.clamp(0, Lk - 1).flatten(2).unsqueeze(-1)  # (B, Hkv, Lq·n·l', 1)
+        kg = k.gather(2, where.expand(-1, -1, -1, D)).view(B, Hkv, Lq, n * ls, D).transpose(1, 2)
+        vg = v.gather(2, where.expand(-1, -1, -1, v.shape[-1])).view(B, Hkv, Lq, n * ls, -1).transpose(1, 2)
+        G = Hq // Hkv
+        mask = visible.transpose(1, 2).repeat_interleave(G, dim=1).reshape(B * Lq, Hq, 1, n * ls)
+        out = attention(
+            q.transpose(1, 2).reshape(B * Lq, Hq, 1, D),  # each token its own batch row: its own keys
+            kg.reshape(B * Lq, Hkv, n * ls, D),
+            vg.reshape(B * Lq, Hkv, n * ls, -1),
+            mask=mask,
+            backend=backend,
+        )
+        return out.view(B, Lq, Hq, -1).transpose(1, 2)  # (B, Hq, Lq, Dv)
 
     def _selected(self, idx: Tensor, Hq: int) -> Mask:
         return block_select(idx, self.layer.select_block, num_heads=Hq, query_block_size=1) & causal()
