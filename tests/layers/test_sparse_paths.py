@@ -237,3 +237,41 @@ def test_nsa_decode_gathered_bf16():
     baseline = mh.attention(qb, kb, vb, mask=core._selected(idx, 4), backend="reference")
     assert got.dtype == torch.bfloat16
     assert_relative(got, ref, baseline, 2.0)
+
+
+@pytest.mark.parametrize("rescale_above", [None, -1.0, float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_key_major_join_with_far_apart_partials(rescale_above, dtype, monkeypatch):
+    """The key-major forward joins a row's partials relative to its first LSE and rescales only
+    when a later one is more than ``RESCALE_ABOVE`` above it: a later key block whose scores
+    exceed the first's by ~140 (the rescale), always rescaling, never rescaling (ordinary
+    scores) all equal the fp64 reference, output and LSE."""
+    from multihead.backends import key_major
+
+    if rescale_above is not None:
+        monkeypatch.setattr(key_major, "RESCALE_ABOVE", rescale_above)
+    monkeypatch.setattr(key_major, "CHUNK_SCORES", 1)  # one tile per chunk: a row's partials arrive one by one
+    rescaled = []
+    unique = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **kw: rescaled.append(1) or unique(*a, **kw))
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, L, D, bs = 1, 4, 2, 40, 8, 8
+    q = torch.randn(B, Hq, L, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64)
+    if rescale_above is None:  # block 3's keys along every query: scores ~ +140 there, ~0 in block 0
+        k[:, :, 3 * bs : 4 * bs] = 60.0 * q.mean(dim=(1, 2), keepdim=True).sign()
+        q = q.abs() * q.mean(dim=(1, 2), keepdim=True).sign()
+    idx = torch.full((B, Hkv, L, 3), -1, dtype=torch.long)
+    own = torch.arange(L) // bs
+    idx[..., 0] = own
+    idx[..., 1] = 0
+    idx[..., 2] = torch.where(own > 3, 3, -1)
+    mask = mh.masks.block_select(idx, bs, num_heads=Hq, query_block_size=1) & mh.masks.causal()
+    want, _, want_lse = mh.attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    got, _, lse = mh.attention(*(t.to(dtype) for t in (q, k, v)), mask=mask, backend="blocksparse", return_lse=True)
+    assert "key-major" in str(mh.explain(q, k, v, mask=mask, backend="blocksparse"))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, **tol)
+    assert bool(rescaled) == (rescale_above != float("inf"))  # the rescaling path ran, or did not
