@@ -229,6 +229,21 @@ class NsaCore:
         kg = k.gather(2, where.expand(-1, -1, -1, D)).view(B, Hkv, Lq, n * ls, D).transpose(1, 2)
         vg = v.gather(2, where.expand(-1, -1, -1, v.shape[-1])).view(B, Hkv, Lq, n * ls, -1).transpose(1, 2)
         G = Hq // Hkv
+        if available(q):  # the fused kernel on the folded heads: (B·Lq, Hkv, G, D) rows, the mask per KV group
+            additive = torch.zeros(visible.shape, dtype=softmax_dtype(q.dtype), device=q.device)
+            additive.masked_fill_(~visible, float("-inf"))  # every row sees its own key: none is empty
+            qf = q.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4).reshape(B * Lq, Hkv, G, D)
+            o, _ = flash(
+                qf,
+                kg.reshape(B * Lq, Hkv, n * ls, D),
+                vg.reshape(B * Lq, Hkv, n * ls, -1),
+                0.0,
+                False,
+                attn_mask=additive.transpose(1, 2).reshape(B * Lq, Hkv, 1, n * ls),
+                scale=1 / math.sqrt(D),
+            )  # (B·Lq, Hkv, G, Dv)
+            heads: Tensor = o.view(B, Lq, Hq, -1).transpose(1, 2)  # (B, Hq, Lq, Dv)
+            return heads
         mask = visible.transpose(1, 2).repeat_interleave(G, dim=1).reshape(B * Lq, Hq, 1, n * ls)
         out = attention(
             q.transpose(1, 2).reshape(B * Lq, Hq, 1, D),  # each token its own batch row: its own keys
