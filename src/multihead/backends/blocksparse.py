@@ -205,8 +205,7 @@ class BlockSparseBackend(Backend):
         if selection is not None:
             out, lse = selected_attention(q, k, v, selection, call.scale)
             return AttentionResult(out[..., :Dv], None, lse if call.return_lse else None)
-        # planned only here: a selection's plan would classify every block of its (data-dependent) table
-        plan = self._plan(call)
+        plan = self._plan(call)  # not for a selection: it would classify every block of its table
         out, lse = _BlockSparseAttention.apply(
             q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
         )
