@@ -17,6 +17,7 @@ per token. The load average is printed before and after.
 
     python benchmarks/sparse_layers.py                    # L = 4096, 8192, 16384
     python benchmarks/sparse_layers.py --lengths 2048 --rounds 1
+    python benchmarks/sparse_layers.py --lengths 16384 --layers nsa,moba    # without the top-k layer
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--layers", default="plain,nsa,moba,topk", help="which contenders (plain always runs)")
     args = parser.parse_args()
     print(context())
     print("before:", machine_state())
-    layers = contenders()
+    wanted = {"plain", *args.layers.split(",")}
+    layers = {name: layer for name, layer in contenders().items() if name in wanted}
     x = torch.randn(1, 256, E)
     with torch.no_grad():
         for name, layer in layers.items():

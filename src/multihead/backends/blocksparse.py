@@ -195,7 +195,6 @@ class BlockSparseBackend(Backend):
 
     def forward(self, call: AttentionCall) -> AttentionResult:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        plan = self._plan(call)
         q, k, v = call.q, call.k, call.v
         if D < Dv:  # the kernel needs one head size: zero columns leave q.k unchanged
             q, k = F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D))
@@ -206,6 +205,7 @@ class BlockSparseBackend(Backend):
         if selection is not None:
             out, lse = selected_attention(q, k, v, selection, call.scale)
             return AttentionResult(out[..., :Dv], None, lse if call.return_lse else None)
+        plan = self._plan(call)  # not for a selection: it would classify every block of its table
         out, lse = _BlockSparseAttention.apply(
             q, k, v, call.mask, mods, call.scale, plan, *(mods.tensors() if mods is not None else ())
         )

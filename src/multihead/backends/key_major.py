@@ -11,12 +11,13 @@ that chose one block are gathered into tiles of about :data:`TILE_ROWS` rows aga
     Q rows (tiles, 1, T·Gp·qbs, D)  gathered     K, V block (tiles, 1, bs, D)  gathered once per tile
 
 Each tile gives a partial output and LSE per row; a row's partials (one per block it chose) are
-joined by log-sum-exp, online over chunks of tiles (a running max, sum and weighted output per
-row, as :func:`multihead.merge_partials` computes them at once). Tiles whose every row sees every
-key of the block run with no mask; the others (the causal diagonal, a short last block, another
-mask) with one evaluated at their positions. The backward is the flash kernel's per tile, given
-the merged output and LSE of its rows (:mod:`multihead.backends.flash_pieces`), gradients summed
-back with ``index_add``.
+joined by log-sum-exp, online over chunks of tiles (a reference, sum and weighted output per
+row, as :func:`multihead.merge_partials` computes them at once; the reference is the row's first
+LSE, moved to a new maximum only when a partial exceeds it by more than ``RESCALE_ABOVE``).
+Tiles whose every row sees every key of the block run with no mask; the others (the causal
+diagonal, a short last block, another mask) with one evaluated at their positions. The backward
+is the flash kernel's per tile, given the merged output and LSE of its rows
+(:mod:`multihead.backends.flash_pieces`), gradients summed back with ``index_add``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ TILE_ROWS = 256
 
 #: Most scores per chunk of tiles (as block_gather.CHUNK_SCORES).
 CHUNK_SCORES = 1 << 22
+
+#: How far a partial's LSE may exceed its row's reference before the row's sums are rescaled
+#: to it (the forward's join of partials; the exponent of a weight, far below fp32's 88).
+RESCALE_ABOVE = 40.0
 
 
 def key_major_attention(q: Tensor, k: Tensor, v: Tensor, selection: Selection, scale: float) -> tuple[Tensor, Tensor]:
@@ -180,6 +185,19 @@ class _KeyMajor(torch.autograd.Function):
                 l = l.masked_fill(empty, float("-inf")).reshape(-1).to(acc)
                 o = o.reshape(-1, Ev).to(acc)
                 rid = tiles.rows[t0:t1].reshape(-1)
+                # a row's sums are kept relative to a reference, its first partial's LSE: later
+                # partials add exp(l - reference) (no pass over what the row holds) while none
+                # exceeds it by more than RESCALE_ABOVE (exp(40) ~ 2e17: far from fp32's range)
+                first = torch.isneginf(peak[rid]) & torch.isfinite(l)
+                if bool(first.any()):
+                    peak.scatter_reduce_(0, rid[first], l[first], reduce="amax")
+                here = peak[rid]
+                ahead = torch.where(torch.isfinite(l), l - here, 0.0)
+                if not bool((ahead > RESCALE_ABOVE).any()):
+                    w = torch.exp(l - here.where(torch.isfinite(here), 0.0)).where(torch.isfinite(l), 0.0)
+                    total.index_add_(0, rid, w)
+                    out.index_add_(0, rid, w[:, None] * o)
+                    continue
                 # online log-sum-exp join of the rows this chunk touches (only those: a pass over
                 # every row per chunk would grow as L²): rescale what they hold to the new peak, add
                 touched = torch.unique(rid)

@@ -37,9 +37,14 @@ from multihead.call import AttentionResult
 from multihead.explain import Explanation, explain
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
+from multihead.layers.ranking import best_first
 from multihead.masks import Mask, block_select
 
 __all__ = ["MixtureOfBlockAttention", "MobaCore"]
+
+#: Most gate scores (query heads x queries x key blocks) ranked at once: a chunk of queries whose
+#: scores and ranking keys stay a few MiB (the whole table is 50M scores at 16k tokens, blocks of 64).
+CHUNK_SCORES = 1 << 20
 
 
 class MixtureOfBlockAttention(MultiHeadAttention):
@@ -133,16 +138,21 @@ class MobaCore:
             counts[-1] = Lk - (nK - 1) * bs  # the last block may be short
             means = sums / counts[:, None]
             G = Hq // Hkv
-            # (B, Hkv, G, Lq, D) @ (B, Hkv, 1, D, nK) -> (B, Hq, Lq, nK): each query head scores its KV head's blocks
-            scores = (q.view(B, Hkv, G, Lq, D) @ means.unsqueeze(2).transpose(-1, -2)).view(B, Hq, Lq, nK)
-            own = (torch.arange(Lq, device=q.device) + (Lk - Lq)) // bs  # (Lq,) the block of each query
             block = torch.arange(nK, device=q.device)
-            scores = scores.masked_fill(block > own[:, None], float("-inf"))
-            scores = scores.masked_fill(block == own[:, None], float("inf"))
-            # stable: equal scores keep block order, so ties go to the lower block number
-            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-            k_ = min(self.top_k, nK)
-            return torch.where(torch.isneginf(ranked[..., :k_]), -1, order[..., :k_])
+            chosen = []
+            step = max(1, CHUNK_SCORES // (Hq * nK))
+            for a in range(0, Lq, step):  # a chunk of queries at a time: their scores stay in cache
+                b = min(Lq, a + step)
+                # (B, Hkv, G, C, D) @ (B, Hkv, 1, D, nK) -> (B, Hq, C, nK): each query head scores its KV head's blocks
+                m = (b - 1 + Lk - Lq) // bs + 1  # blocks up to the chunk's last query's own: no later one is read
+                qc = q[:, :, a:b].reshape(B, Hkv, G, b - a, D)
+                scores = (qc @ means[:, :, None, :m].transpose(-1, -2)).view(B, Hq, b - a, m)
+                own = (torch.arange(a, b, device=q.device) + (Lk - Lq)) // bs  # (C,) the block of each query
+                scores = scores.masked_fill_(block[:m] > own[:, None], float("-inf"))
+                scores = scores.masked_fill_(block[:m] == own[:, None], float("inf"))
+                top = best_first(scores, self.top_k)  # ties to the lower block number
+                chosen.append(F.pad(top, (0, min(self.top_k, nK) - top.shape[-1]), value=-1))
+            return torch.cat(chosen, dim=2)
 
     def _mask(self, q: Tensor, k: Tensor, mask: Mask | Tensor | None) -> Mask:
         select = block_select(self.choose(q, k), self.block_size, query_block_size=1)

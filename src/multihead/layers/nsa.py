@@ -42,13 +42,21 @@ import torch
 from torch import Tensor, nn
 
 from multihead.attention import attention
+from multihead.backends.flash_pieces import available, flash
 from multihead.caches import DynamicKVCache
+from multihead.conventions import softmax_dtype
 from multihead.explain import Explanation, explain
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
+from multihead.layers.ranking import best_first
 from multihead.masks import Mask, block_select, causal, sliding_window
 
 __all__ = ["NativeSparseAttention", "NsaCore"]
+
+#: Query rows (query heads x tokens) per chunk of the compressed branch: its scores against every
+#: compressed block (``Lk / d`` of them) stay a few MiB, in cache, where the whole table was
+#: ``Hq · Lq · Lk / d`` (800 MB at 16k tokens).
+CHUNK_ROWS = 2048
 
 
 class NativeSparseAttention(MultiHeadAttention):
@@ -190,8 +198,8 @@ class NsaCore:
             raise TypeError("NativeSparseAttention: weights are not supported (three attention maps, no one table)")
         backend = options.get("backend", "auto")
         B, Hq, Lq, D = q.shape
-        o_cmp, p_cmp = self.compressed(q, k, v)
-        o_slc = attention(q, k, v, mask=self._selected(q, p_cmp, k.shape[2]), backend=backend)
+        o_cmp, idx = self.compressed_and_chosen(q, k, v)
+        o_slc = self._selected_attention(q, k, v, idx, backend)
         o_win = attention(q, k, v, mask=sliding_window(self.layer.window - 1), backend=backend)
         g = self.gates.view(B, Lq, 3, Hq).permute(2, 0, 3, 1).unsqueeze(-1)  # (3, B, Hq, Lq, 1)
         return g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # (B, Hq, Lq, D)
@@ -199,12 +207,92 @@ class NsaCore:
     def explain(self, q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Explanation:
         """:func:`multihead.explain` of the selected branch's call (its backend, path and density);
         the window is a band, the compressed branch plain PyTorch."""
-        _, p_cmp = self.compressed(q, k, v)
-        return explain(q, k, v, mask=self._selected(q, p_cmp, k.shape[2]), backend=options.get("backend", "auto"))
+        with torch.no_grad():
+            _, idx = self.compressed_and_chosen(q, k, v)
+        return explain(q, k, v, mask=self._selected(idx, q.shape[1]), backend=options.get("backend", "auto"))
 
-    def _selected(self, q: Tensor, p_cmp: Tensor, Lk: int) -> Mask:
-        idx = self.choose(p_cmp, q.shape[2], Lk)
-        return block_select(idx, self.layer.select_block, num_heads=q.shape[1], query_block_size=1) & causal()
+    def _selected_attention(self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, backend: Any) -> Tensor:
+        """The selected branch. A few new tokens against a long cache (decode steps: fewer keys
+        chosen than cached) read only their chosen blocks: the keys at ``j·l' + t`` gathered per
+        token and KV group, ``(B·Lq, Hkv, n·l', D)``, attended with a mask of the slots that are
+        chosen and causal; the ``block_select`` mask would have the call read every cached key.
+        Otherwise (prefill, training) the mask, run key-major by ``blocksparse``."""
+        B, Hq, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        ls, n = self.layer.select_block, idx.shape[-1]
+        if Lq * n * ls >= Lk:
+            return attention(q, k, v, mask=self._selected(idx, Hq), backend=backend)
+        pos = torch.arange(Lk - Lq, Lk, device=q.device).view(1, 1, Lq, 1)  # the queries' positions
+        keys = (idx.unsqueeze(-1) * ls + torch.arange(ls, device=q.device)).flatten(-2)  # (B, Hkv, Lq, n·l')
+        visible = (idx >= 0).repeat_interleave(ls, dim=-1) & (keys <= pos)  # chosen, causal (own block: up to p)
+        where = keys.clamp(0, Lk - 1).flatten(2).unsqueeze(-1)  # (B, Hkv, Lq·n·l', 1)
+        kg = k.gather(2, where.expand(-1, -1, -1, D)).view(B, Hkv, Lq, n * ls, D).transpose(1, 2)
+        vg = v.gather(2, where.expand(-1, -1, -1, v.shape[-1])).view(B, Hkv, Lq, n * ls, -1).transpose(1, 2)
+        G = Hq // Hkv
+        if available(q):  # the fused kernel on the folded heads: (B·Lq, Hkv, G, D) rows, the mask per KV group
+            additive = torch.zeros(visible.shape, dtype=softmax_dtype(q.dtype), device=q.device)
+            additive.masked_fill_(~visible, float("-inf"))  # every row sees its own key: none is empty
+            qf = q.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4).reshape(B * Lq, Hkv, G, D)
+            o, _ = flash(
+                qf,
+                kg.reshape(B * Lq, Hkv, n * ls, D),
+                vg.reshape(B * Lq, Hkv, n * ls, -1),
+                0.0,
+                False,
+                attn_mask=additive.transpose(1, 2).reshape(B * Lq, Hkv, 1, n * ls),
+                scale=1 / math.sqrt(D),
+            )  # (B·Lq, Hkv, G, Dv)
+            heads: Tensor = o.view(B, Lq, Hq, -1).transpose(1, 2)  # (B, Hq, Lq, Dv)
+            return heads
+        mask = visible.transpose(1, 2).repeat_interleave(G, dim=1).reshape(B * Lq, Hq, 1, n * ls)
+        out = attention(
+            q.transpose(1, 2).reshape(B * Lq, Hq, 1, D),  # each token its own batch row: its own keys
+            kg.reshape(B * Lq, Hkv, n * ls, D),
+            vg.reshape(B * Lq, Hkv, n * ls, -1),
+            mask=mask,
+            backend=backend,
+        )
+        return out.view(B, Lq, Hq, -1).transpose(1, 2)  # (B, Hq, Lq, Dv)
+
+    def _selected(self, idx: Tensor, Hq: int) -> Mask:
+        return block_select(idx, self.layer.select_block, num_heads=Hq, query_block_size=1) & causal()
+
+    def compressed_and_chosen(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``o_cmp (B, Hq, Lq, D)`` as :meth:`compressed` and the chosen blocks ``(B, Hkv, Lq,
+        n)`` as :meth:`choose`, without the ``(B, Hq, Lq, nC)`` table of probabilities: a query
+        chunk at a time, the compressed branch runs on the fused kernel (its output and LSE,
+        differentiable) over the blocks complete by the chunk's last query, and the chunk's
+        probabilities ``exp(s − lse)`` are recomputed, pooled and ranked before the next chunk.
+        Cost ``∝ Lq · Lk / d`` multiply-adds, memory ``∝ chunk · Lk / d``."""
+        layer = self.layer
+        B, Hq, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        kc, vc = self._blocks(k, v, Lq)  # (B, Hkv, nC, D)
+        nC = kc.shape[2]
+        l, d = layer.compress_block, layer.compress_stride
+        scale = 1 / math.sqrt(D)
+        first = min(Lq, max(0, l - 1 - (Lk - Lq)))  # queries before it see no complete block
+        outs = [q.new_zeros(B, Hq, first, vc.shape[-1])]
+        chosen = []
+        if first:
+            none = q.new_zeros(B, Hkv, first, 0, dtype=torch.float32)
+            chosen.append(self._rank(none, Lk - Lq, Lk))
+        ends = torch.arange(nC, device=q.device) * d + l - 1  # the last key of each compressed block
+        step = max(d, CHUNK_ROWS // G // d * d)
+        for a in range(first, Lq, step):
+            b = min(Lq, a + step)
+            pos = torch.arange(a, b, device=q.device) + (Lk - Lq)
+            n = min(nC, (b + Lk - Lq - l) // d + 1)  # blocks complete by the chunk's last query (at b - 1)
+            additive = torch.zeros(b - a, n, dtype=softmax_dtype(q.dtype), device=q.device)
+            additive.masked_fill_(ends[:n] > pos[:, None], float("-inf"))  # (C, n); every row sees block 0
+            additive = additive.repeat(G, 1)  # rows of the folded query heads: (G·C, n)
+            qf = q[:, :, a:b].reshape(B, Hkv, G * (b - a), D)  # a group's heads folded into rows
+            o, p = _attend(qf, kc[:, :, :n], vc[:, :, :n], additive, scale)  # p: (B, Hkv, G·C, n), no grad
+            outs.append(o.view(B, Hq, b - a, -1))
+            pooled = p.view(B, Hkv, G, b - a, n).sum(2)  # (B, Hkv, C, n): summed over the group's heads
+            chosen.append(self._rank(pooled, a + Lk - Lq, Lk))
+        return torch.cat(outs, dim=2), torch.cat(chosen, dim=2)
 
     def compressed(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``o_cmp (B, Hq, Lq, D)`` and ``p_cmp (B, Hq, Lq, nC)``: attention over the compressed
@@ -228,31 +316,34 @@ class NsaCore:
 
     def choose(self, p_cmp: Tensor, Lq: int, Lk: int) -> Tensor:
         """``(B, Hkv, Lq, n)`` int64: the selected blocks of each query token and KV group, best
-        first, ``-1`` for none (fewer blocks exist yet)."""
-        layer = self.layer
+        first, ``-1`` for none (fewer blocks exist yet), from ``p_cmp (B, Hq, Lq, nC)``."""
         B, Hq, _, nC = p_cmp.shape
         Hkv = self.layer.num_kv_heads
-        l, d, ls = layer.compress_block, layer.compress_stride, layer.select_block
-        nS = math.ceil(Lk / ls)
         with torch.no_grad():
             pooled = p_cmp.detach().view(B, Hkv, Hq // Hkv, Lq, nC).sum(2).float()  # (B, Hkv, Lq, nC)
-            # compressed block i, keys [i·d, i·d + l), overlaps selection block j, keys [j·l', (j+1)·l'),
-            # for i in [lo_j, hi_j): a difference of running sums (a matmul by the overlap table
-            # would cost Lq·nC·nS)
-            j = torch.arange(nS, device=p_cmp.device)
-            lo = torch.div(j * ls - l, d, rounding_mode="floor").add(1).clamp(0, nC)
-            hi = torch.div((j + 1) * ls + d - 1, d, rounding_mode="floor").clamp(0, nC)
-            running = torch.nn.functional.pad(pooled.double().cumsum(-1), (1, 0))  # (B, Hkv, Lq, nC + 1)
-            scores = (running[..., hi] - running[..., lo]).float()  # (B, Hkv, Lq, nS)
-            pos = torch.arange(Lq, device=p_cmp.device) + (Lk - Lq)
-            own = (pos // ls)[:, None]
-            block = torch.arange(nS, device=p_cmp.device)
-            forced = (block == 0) | (block == own) | (block == own - 1)
-            scores = scores.masked_fill(forced, float("inf")).masked_fill(block > own, float("-inf"))
-            # stable: equal scores keep block order, so ties go to the lower block number
-            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-            n = min(layer.select_count, nS)
-            return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n])
+            return self._rank(pooled, Lk - Lq, Lk)
+
+    def _rank(self, pooled: Tensor, p0: int, Lk: int) -> Tensor:
+        """The chosen blocks ``(B, Hkv, C, n)`` of the queries at positions ``p0, ..., p0 + C - 1``
+        from their pooled probabilities ``(B, Hkv, C, nC')`` of the first ``nC'`` compressed blocks."""
+        layer = self.layer
+        l, d, ls = layer.compress_block, layer.compress_stride, layer.select_block
+        n = min(layer.select_count, math.ceil(Lk / ls))
+        C = pooled.shape[2]
+        pos = torch.arange(p0, p0 + C, device=pooled.device)
+        nS = (p0 + C - 1) // ls + 1  # up to the last query's own block: no later one is read
+        # compressed block i, keys [i·d, i·d + l), overlaps selection block j, keys [j·l', (j+1)·l'),
+        # for i in [j·r − c + 1, (j+1)·r) with r = l'/d, c = l/d (both whole: the blocks share a
+        # grid): a window of r + c − 1 blocks every r, one unfold of the zero-padded row
+        r, c = ls // d, l // d
+        padded = torch.nn.functional.pad(pooled[..., : nS * r], (c - 1, nS * r - min(nS * r, pooled.shape[-1])))
+        scores = padded.unfold(-1, r + c - 1, r).sum(-1)  # (B, Hkv, C, nS)
+        own = (pos // ls)[:, None]
+        block = torch.arange(nS, device=pooled.device)
+        forced = (block == 0) | (block == own) | (block == own - 1)
+        scores = scores.masked_fill(forced, float("inf")).masked_fill(block > own, float("-inf"))
+        top = best_first(scores, n)  # ties to the lower block number
+        return torch.nn.functional.pad(top, (0, n - top.shape[-1]), value=-1)
 
     def _blocks(self, k: Tensor, v: Tensor, Lq: int) -> tuple[Tensor, Tensor]:
         """The compressed blocks of ``k, v``; with a cache, those ending before this call's new
@@ -279,3 +370,19 @@ class NsaCore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layer.extra_repr()})"
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, additive: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of ``q (B, H, R, D)`` over ``k, v (B, H, n, D)`` with ``additive (R, n)`` (every
+    row sees a key): the output, differentiable, and the probabilities in fp32, not. On the CPU
+    the fused kernel gives the output and its LSE, and the probabilities are ``exp(s − lse)``
+    (one matmul and one pass; no softmax graph is kept for the backward); elsewhere a softmax."""
+    if available(q):
+        o, lse = flash(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+        with torch.no_grad():
+            acc = additive.dtype  # the softmax dtype
+            bias = additive - lse.to(acc).unsqueeze(-1)  # (B, H, R, n): the GEMM adds it as it writes
+            qs, kt = (q.detach().to(acc) * scale).flatten(0, 1), k.detach().to(acc).transpose(-1, -2).flatten(0, 1)
+            return o, torch.exp_(torch.baddbmm(bias.flatten(0, 1), qs, kt)).view(bias.shape)
+    p = torch.softmax((q.to(additive.dtype) @ k.to(additive.dtype).transpose(-1, -2)) * scale + additive, dim=-1)
+    return (p.to(v.dtype) @ v), p.detach()

@@ -41,6 +41,7 @@ from multihead.call import AttentionResult
 from multihead.explain import Explanation, explain
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
+from multihead.layers.ranking import best_first
 from multihead.masks import Mask, block_select, causal
 
 __all__ = ["TopKIndexerAttention", "IndexerCore"]
@@ -173,10 +174,7 @@ class IndexerCore:
             scores = layer.index_scores(self.x, self._keys(Lq, Lk)).float()  # (B, Lq, Lk)
             pos = torch.arange(Lq, device=scores.device)[:, None] + (Lk - Lq)
             scores = scores.masked_fill(torch.arange(Lk, device=scores.device) > pos, float("-inf"))
-            # stable: equal scores keep key order, so ties go to the lower position
-            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-            n = min(layer.top_k, Lk)
-            return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n]).unsqueeze(1)
+            return best_first(scores, layer.top_k).unsqueeze(1)  # ties to the lower position
 
     def mask(self, Lq: int, Lk: int) -> Mask:
         return block_select(self.choose(Lq, Lk), 1, query_block_size=1) & causal()

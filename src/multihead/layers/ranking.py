@@ -1,0 +1,43 @@
+"""``best_first``: the ``n`` best of each row of scores, ties to the lower index, as one ``topk``.
+
+The sparse layers (MoBA, NSA, the top-k indexer) choose blocks or keys per query token: ``L``
+rows of up to ``L`` scores. A stable descending sort gives the rule they document (best first,
+equal scores to the lower index, ``-inf`` never chosen) but sorts every row whole; ``topk`` finds
+the ``n`` best in one pass and does not say how it orders ties. Here ties cannot happen: each
+fp32 score becomes an int64 key that orders as the score does, with the index inverted in the
+low bits, so ``topk`` of the keys is exactly the stable sort's first ``n``::
+
+    key = ordered_bits(score) · m + (m − 1 − index)          m = the row's length
+    ordered_bits: the fp32 bits as int32, negative ones with the magnitude bits flipped
+
+fp64 scores (the fp64 layers the tests compare with the papers' equations) keep every bit and
+take the stable sort: a key of 64 bits has no room for the index.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["best_first"]
+
+_NONE = torch.iinfo(torch.int64).min  # the key of a score that is never chosen (-inf)
+
+
+def best_first(scores: Tensor, n: int) -> Tensor:
+    """``(..., min(n, m))`` int64: the indices of the ``n`` largest of ``scores (..., m)`` along
+    the last dimension, best first, equal scores to the lower index; ``-1`` in place of a
+    ``-inf`` (fewer than ``n`` to choose from). Not differentiated."""
+    m = scores.shape[-1]
+    n = min(n, m)
+    with torch.no_grad():
+        if scores.dtype == torch.float64:
+            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+            return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n])
+        s = scores.float() + 0.0  # -0.0 -> 0.0: one key for equal scores
+        bits = s.view(torch.int32)
+        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # int order = float order
+        inverted = (m - 1) - torch.arange(m, device=scores.device)
+        key = (ordered * m + inverted).masked_fill_(torch.isneginf(s), _NONE)
+        top = key.topk(n, dim=-1).values  # sorted, largest first
+        return torch.where(top == _NONE, -1, (m - 1) - torch.remainder(top, m))
