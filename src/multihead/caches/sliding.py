@@ -220,7 +220,10 @@ class SlidingWindowKVCache(KVCache):
     def reset(self) -> None:
         self.positions.fill_(EMPTY_POSITION)
         if self.keys.requires_grad or self.values.requires_grad:  # let go of the last sequence's graph
-            self.keys, self.values = self.keys.detach().clone(), self.values.detach().clone()
+            self.keys, self.values = torch.zeros_like(self.keys.detach()), torch.zeros_like(self.values.detach())
+        else:  # the ring to zeros, as a crop of every token leaves it (every read returns the whole ring)
+            self.keys.zero_()
+            self.values.zero_()
         self._length, self._undo = 0, None
 
     def __repr__(self) -> str:

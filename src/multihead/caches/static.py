@@ -276,7 +276,10 @@ class StaticKVCache(KVCache):
     def reset(self) -> None:
         self._lengths.zero_()
         if self.keys.requires_grad or self.values.requires_grad:  # let go of the last sequence's graph
-            self.keys, self.values = self.keys.detach().clone(), self.values.detach().clone()
+            self.keys, self.values = torch.zeros_like(self.keys.detach()), torch.zeros_like(self.values.detach())
+        else:  # the slots to zeros, as a crop of every token leaves them (reads return slots past a length)
+            self.keys.zero_()
+            self.values.zero_()
         self._undo, self._host = None, [0] * self._lengths.shape[0]
 
     def __repr__(self) -> str:
