@@ -135,6 +135,24 @@ MASK_KINDS = [
     "document_causal",
 ]
 
+#: The kinds above made of bands, key padding and documents and their ``& | ~``: what the
+#: block-sparse backends read from the mask's structure (test_blocksparse, test_tile_plan,
+#: test_triton_blocks add the kinds each also runs).
+STRUCTURED_KINDS = [
+    "none",
+    "causal_br",
+    "causal_tl",
+    "window_3",
+    "window_5_2_tl",
+    "key_padding",
+    "document",
+    "prefix_lm",
+    "causal&padding",
+    "document&causal",
+    "window|prefix",
+    "~causal",
+]
+
 HEADS = [(1, 1), (4, 4), (8, 2), (6, 3), (8, 1)]
 LENGTHS = [(1, 1), (1, 17), (17, 1), (13, 13), (113, 203), (203, 113), (127, 128)]
 HEAD_DIMS = [(8, 8), (40, 40), (59, 59), (64, 64), (128, 128), (16, 24)]
