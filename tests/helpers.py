@@ -110,32 +110,7 @@ class Case:
         return f"B{self.B}-H{self.Hq}x{self.Hkv}-L{self.Lq}x{self.Lk}-D{self.D}v{self.Dv}-{self.mask}"
 
 
-MASK_KINDS = [
-    "none",
-    "causal_br",
-    "causal_tl",
-    "window_3",
-    "window_5_2_tl",
-    "key_padding",
-    "document",
-    "prefix_lm",
-    "causal&padding",
-    "document&causal",
-    "window|prefix",
-    "~causal",
-    "custom",
-    "bool_tensor",
-    "bool_keys_only",
-    "additive_tensor",
-    "additive&causal",
-    "shifted_causal",
-    "shifted_causal_br",
-    "positions_window",
-    "window_per_sequence",
-    "document_causal",
-]
-
-#: The kinds above made of bands, key padding and documents and their ``& | ~``: what the
+#: The kinds made of bands, key padding and documents and their ``& | ~``: what the
 #: block-sparse backends read from the mask's structure (test_blocksparse, test_tile_plan,
 #: test_triton_blocks add the kinds each also runs).
 STRUCTURED_KINDS = [
@@ -152,6 +127,20 @@ STRUCTURED_KINDS = [
     "window|prefix",
     "~causal",
 ]
+MASK_KINDS = [
+    *STRUCTURED_KINDS,
+    "custom",
+    "bool_tensor",
+    "bool_keys_only",
+    "additive_tensor",
+    "additive&causal",
+    "shifted_causal",
+    "shifted_causal_br",
+    "positions_window",
+    "window_per_sequence",
+    "document_causal",
+]
+
 
 HEADS = [(1, 1), (4, 4), (8, 2), (6, 3), (8, 1)]
 LENGTHS = [(1, 1), (1, 17), (17, 1), (13, 13), (113, 203), (203, 113), (127, 128)]
