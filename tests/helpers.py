@@ -110,7 +110,10 @@ class Case:
         return f"B{self.B}-H{self.Hq}x{self.Hkv}-L{self.Lq}x{self.Lk}-D{self.D}v{self.Dv}-{self.mask}"
 
 
-MASK_KINDS = [
+#: The kinds made of bands, key padding and documents and their ``& | ~``: what the
+#: block-sparse backends read from the mask's structure (test_blocksparse, test_tile_plan,
+#: test_triton_blocks add the kinds each also runs).
+STRUCTURED_KINDS = [
     "none",
     "causal_br",
     "causal_tl",
@@ -123,6 +126,9 @@ MASK_KINDS = [
     "document&causal",
     "window|prefix",
     "~causal",
+]
+MASK_KINDS = [
+    *STRUCTURED_KINDS,
     "custom",
     "bool_tensor",
     "bool_keys_only",
@@ -134,6 +140,7 @@ MASK_KINDS = [
     "window_per_sequence",
     "document_causal",
 ]
+
 
 HEADS = [(1, 1), (4, 4), (8, 2), (6, 3), (8, 1)]
 LENGTHS = [(1, 1), (1, 17), (17, 1), (13, 13), (113, 203), (203, 113), (127, 128)]

@@ -7,28 +7,13 @@ import torch
 from matrix import factor
 
 import multihead as mh
-from helpers import LargestAllocation, assert_relative, covering_cases, make_inputs, naive_attention
+from helpers import STRUCTURED_KINDS, LargestAllocation, assert_relative, covering_cases, make_inputs, naive_attention
 from multihead.backends.blocksparse import DEFAULT_BLOCK_SIZE, BlockSparseBackend, block_plan
 from multihead.backends.torch_blocks_backend import TorchBlocksBackend
 from multihead.blocks import Block, Extent
 from multihead.validation import validate_call
 
-STRUCTURED = [
-    "none",
-    "causal_br",
-    "causal_tl",
-    "window_3",
-    "window_5_2_tl",
-    "key_padding",
-    "document",
-    "prefix_lm",
-    "causal&padding",
-    "document&causal",
-    "window|prefix",
-    "~causal",
-    "custom",
-    "shifted_causal",
-]
+STRUCTURED = [*STRUCTURED_KINDS, "custom", "shifted_causal"]
 CASES = [c for c in covering_cases(n_random=40, seed=4) if c.mask in STRUCTURED]
 
 

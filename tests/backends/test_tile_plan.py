@@ -9,30 +9,13 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import make_mask
+from helpers import STRUCTURED_KINDS, make_mask
 from multihead.backends import mask_program as mp
 from multihead.backends.tile_plan import tile_plan, visible_tiles
 from multihead.masks import Band
 
 #: The kinds of tests/helpers.py the backend runs (test_triton_blocks.py, KINDS).
-KINDS = [
-    "none",
-    "causal_br",
-    "causal_tl",
-    "window_3",
-    "window_5_2_tl",
-    "key_padding",
-    "document",
-    "prefix_lm",
-    "causal&padding",
-    "document&causal",
-    "window|prefix",
-    "~causal",
-    "shifted_causal",
-    "shifted_causal_br",
-    "window_per_sequence",
-    "document_causal",
-]
+KINDS = [*STRUCTURED_KINDS, "shifted_causal", "shifted_causal_br", "window_per_sequence", "document_causal"]
 SHAPES = [(1, 1), (13, 13), (40, 33), (33, 70), (70, 33)]
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import Case, assert_relative, make_inputs, naive_attention, optional
+from helpers import STRUCTURED_KINDS, Case, assert_relative, make_inputs, naive_attention, optional
 from multihead.backends import triton_blocks
 from multihead.blocks import Extent
 from multihead.validation import validate_call
@@ -69,24 +69,7 @@ def _use_tiles(tiles: triton_blocks.Tiles) -> None:
 # ----------------------------------------------------------------------------------- the cases
 #: The mask kinds of tests/helpers.py that the backend runs (bands, key padding, documents, and
 #: their & | ~, read at offsets); the others are refused (test_refusals).
-KINDS = [
-    "none",
-    "causal_br",
-    "causal_tl",
-    "window_3",
-    "window_5_2_tl",
-    "key_padding",
-    "document",
-    "prefix_lm",
-    "causal&padding",
-    "document&causal",
-    "window|prefix",
-    "~causal",
-    "shifted_causal",
-    "shifted_causal_br",
-    "window_per_sequence",
-    "document_causal",
-]
+KINDS = [*STRUCTURED_KINDS, "shifted_causal", "shifted_causal_br", "window_per_sequence", "document_causal"]
 HEADS = [(1, 1), (4, 2), (3, 1), (2, 2)]
 LENGTHS = [(1, 1), (1, 17), (17, 1), (13, 13), (33, 31), (47, 81), (81, 47), (64, 64)]
 HEAD_DIMS = [(16, 16), (32, 32), (40, 24), (64, 64), (8, 8)]

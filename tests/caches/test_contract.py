@@ -155,9 +155,9 @@ def _stored(read: CacheRead, row: int) -> dict[int, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- dropped tokens
 @every_kind
-@pytest.mark.parametrize("how", ["rollback", "crop"])
+@pytest.mark.parametrize("how", ["rollback", "crop", "reset"])
 def test_dropped_tokens_leave_no_trace_in_later_reads(kind, how, request):
-    """Tokens a rollback or a crop drops are gone from every later read: a read that returns slots
+    """Tokens a rollback, a crop or a reset drops are gone from every later read: a read that returns slots
     past a row's length (a static cache's rows of other lengths, a ring, every slot under
     ``torch.compile``) returns zeros there, never the dropped keys; caches whose reads stop at the
     length never return those slots (docs/inference.md, "Crop, reorder, rollback, refusals").
@@ -177,8 +177,13 @@ def test_dropped_tokens_leave_no_trace_in_later_reads(kind, how, request):
     cache.update(nan_k, nan_k[..., :DV] if kind.values_in_keys else torch.full((B, HKV, 7, DV), float("nan"), dtype=DT))
     if how == "rollback":
         cache.rollback()
-    else:
+    elif how == "crop":
         cache.crop(torch.tensor(lengths) if kind.per_row else 5)
+    else:  # every token dropped, then the same prefill again
+        cache.reset()
+        cache.update(*kind.kv(max(lengths), 0))
+        if len(set(lengths)) > 1:
+            cache.crop(torch.tensor(lengths))
     assert cache.lengths.tolist() == lengths
     for step in range(3):  # the next tokens, each read whole
         k1, v1 = kind.kv(1, seed=10 + step)

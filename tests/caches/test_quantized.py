@@ -250,23 +250,25 @@ def test_a_non_finite_token_reaches_only_the_rows_that_read_it(fmt, bad):
     tol = 0.5001 * step + 1e-6 if fmt == "int8" else kq.abs() / 16 + step * 2**-6
     assert bool(((pk[0, 1, others] - kq).abs() <= tol).all())
     assert torch.equal(pk[:, :, :p], ck[:, :, :p]) and torch.equal(pv[:, :, :p], cv[:, :, :p])
-    # a decode step: 2 query heads per KV head, its window (bottom-right) leaving out positions <= p
+    # a decode step: 2 query heads per KV head, with masks leaving the bad token out of every row of
+    # its batch row: a window (bottom-right) ending after it, and padding at it in batch row 0 only
+    # (batch row 1 reads that slot: inside the keys the decode path reads, weighed 0 in row 0)
     q = torch.randn(B, 2 * HKV, 1, D, generator=torch.Generator().manual_seed(4))
-    window = mh.sliding_window(L - p - 1)  # the new query at position L sees L - window .. L
     step_k, step_v = torch.randn(B, HKV, 1, D), torch.randn(B, HKV, 1, D)
-    outs = {}
-    for name, cache in (("clean", clean), ("poisoned", poisoned)):
-        read = cache.update(step_k, step_v)
-        keys, values = read.keys, read.values
-        outs[name] = mh.attention(q, keys, values, mask=read.mask(window, True, 2 * HKV))
-        want = mh.reference_attention(q.double(), keys.double(), values.double(), mask=read.mask(window, True, 2 * HKV))
-        torch.testing.assert_close(outs[name].double(), want.output, rtol=1e-5, atol=1e-5)
-        # the cache's own decode read (pieces dequantized one at a time)
-        assert read.blocks is not None
-        from_blocks = mh.backends.decode_blocks.decode_blocks(q, read.blocks, read.mask(window, True, 2 * HKV))
-        torch.testing.assert_close(from_blocks.double(), want.output, rtol=1e-5, atol=1e-5)
-        cache.rollback()
-    assert torch.isfinite(outs["poisoned"]).all()
+    for mask in (mh.sliding_window(L - p - 1), mh.key_padding(torch.tensor([p, L + 1]))):
+        outs = {}
+        for name, cache in (("clean", clean), ("poisoned", poisoned)):
+            read = cache.update(step_k, step_v)
+            keys, values, over_slots = read.keys, read.values, read.mask(mask, True, 2 * HKV)
+            outs[name] = mh.attention(q, keys, values, mask=over_slots)
+            want = mh.reference_attention(q.double(), keys.double(), values.double(), mask=over_slots)
+            torch.testing.assert_close(outs[name].double(), want.output, rtol=1e-5, atol=1e-5)
+            # the cache's own decode read (pieces dequantized one at a time)
+            assert read.blocks is not None
+            from_blocks = mh.backends.decode_blocks.decode_blocks(q, read.blocks, over_slots)
+            torch.testing.assert_close(from_blocks.double(), want.output, rtol=1e-5, atol=1e-5)
+            cache.rollback()
+        assert torch.isfinite(outs["poisoned"]).all(), mask
     # the full causal step reads the token: NaN in exactly the rows of batch 0's KV head 1
     read = poisoned.update(step_k, step_v)
     out = mh.attention(q, read.keys, read.values, mask=read.mask(None, True, 2 * HKV))

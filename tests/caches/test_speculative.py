@@ -167,6 +167,12 @@ BAD = [
     (torch.tensor([[0, -1, 1], [0, 1, 2]]), ValueError, r"-1 before a node"),
     (torch.tensor([0.0, 1.0]), TypeError, r"integer tensor \(A,\) or \(B, A\)"),
     ("0,1", TypeError, r"path must be node indices"),
+    (
+        torch.tensor([0, 1], device="meta"),
+        ValueError,
+        r"commit_path: path is on the meta device \(a shape without values\), got torch.int64 of shape \(2,\); "
+        r"expected an integer tensor \(A,\) or \(B, A\) of accepted nodes with values",
+    ),
 ]
 
 

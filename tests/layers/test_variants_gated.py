@@ -20,6 +20,7 @@ import multihead as mh
 from helpers import assert_relative
 from multihead.caches import DynamicKVCache, StaticKVCache
 from multihead.positions import RotaryEmbedding
+from variants_cases import HEADS, MASKS, SHAPES, assert_gradients_match, draw, fp64_params, mask_case
 from variants_math import allowed_table, linear, rope, softmax_rows
 
 E = 48
@@ -55,28 +56,8 @@ def _layer(Hq=6, Hkv=2, gate="elementwise", dtype=torch.float64, seed=0, **kw):
     return layer
 
 
-def _params(layer):
-    return {name: p.detach().double() for name, p in layer.state_dict().items()}
-
-
 def _x(B, L, dtype=torch.float64, seed=1):
-    return torch.randn(B, L, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-# (Hq, Hkv): MHA, GQA, MQA; (Lq, Lk) with Lq == Lk for self-attention; mask kinds.
-HEADS = [(6, 6), (6, 2), (6, 1)]
-SHAPES = [(13, 13), (7, 11), (11, 7), (1, 9)]
-MASKS = ["none", "causal", "padding"]
-
-
-def _mask(kind, B, Lq, Lk):
-    """The call's mask object and the dense table the equations read."""
-    if kind == "none":
-        return None, allowed_table(B, Lq, Lk)
-    if kind == "causal":
-        return mh.causal(), allowed_table(B, Lq, Lk, causal=True)
-    lengths = torch.tensor([Lk - 2, 0, Lk][:B])  # row 1: no key at all (fully masked rows)
-    return mh.key_padding(lengths), allowed_table(B, Lq, Lk, lengths=lengths)
+    return draw(B, L, E, dtype, seed)
 
 
 @pytest.mark.parametrize("gate", ["elementwise", "headwise"])
@@ -89,24 +70,17 @@ def test_equals_the_equations_forward_and_gradients(gate, heads, shape, kind):
     layer = _layer(Hq, Hkv, gate)
     x = _x(B, Lq).requires_grad_()
     memory = x if Lq == Lk else _x(B, Lk, seed=2).requires_grad_()
-    mask, allowed = _mask(kind, B, Lq, Lk)
+    mask, allowed = mask_case(kind, B, Lq, Lk)
     out, weights = layer(x, None if memory is x else memory, mask=mask, need_weights=True)
 
-    params = {n: p.detach().clone().requires_grad_() for n, p in _params(layer).items()}
+    params = {n: p.detach().clone().requires_grad_() for n, p in fp64_params(layer).items()}
     expected, probs = published_gated(
         params, x, None if memory is x else memory, Hq=Hq, Hkv=Hkv, D=E // Hq, gate=gate, allowed=allowed
     )
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(weights, probs)
 
-    grad = torch.randn_like(out)
-    inputs = [x] if memory is x else [x, memory]
-    got = torch.autograd.grad(out, [*inputs, *layer.parameters()], grad)
-    names = [n for n, _ in layer.named_parameters()]
-    want = torch.autograd.grad(expected, [*inputs, *(params[n] for n in names)], grad)
-    for name, g, w in zip(["x", "memory"][: len(inputs)] + names, got, want, strict=True):
-        assert torch.isfinite(g).all(), name
-        torch.testing.assert_close(g, w, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    assert_gradients_match(layer, out, expected, [x] if memory is x else [x, memory], params)
     if kind == "padding":  # a row with no key: attention gives 0, the gate changes nothing
         torch.testing.assert_close(out[1], layer.out_proj.bias.expand(Lq, E))
 
@@ -134,7 +108,7 @@ def test_low_precision_by_the_relative_rule(dtype, factor, gate):
     x = _x(2, 37, dtype=dtype)
     allowed = allowed_table(2, 37, 37, causal=True)
     kw = {"Hq": 6, "Hkv": 2, "D": 8, "gate": gate, "allowed": allowed}
-    ref, _ = published_gated(_params(layer), x.double(), **kw)
+    ref, _ = published_gated(fp64_params(layer), x.double(), **kw)
     low = {n: p.detach() for n, p in layer.state_dict().items()}
     baseline, _ = published_gated(low, x, **kw)
     assert_relative(layer(x, mask=mh.causal()), ref, baseline, factor, what=f"{dtype} output")
@@ -149,7 +123,7 @@ def test_prefill_and_decode_equal_the_full_forward(cache):
     x = _x(2, 13)
     full = layer(x)
     expected, _ = published_gated(
-        _params(layer),
+        fp64_params(layer),
         x,
         Hq=Hq,
         Hkv=Hkv,

@@ -484,6 +484,29 @@ def check_kv(
         )
 
 
+def check_kv_held(
+    cache: str, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, *, held: str, sized_by_updates: bool = False
+) -> None:
+    """:func:`check_kv` against what a cache holds, read from its buffers: ``keys (B, Hkv, S, D)``,
+    the buffer the update writes into, and ``values (B, Hkv, S, Dv)`` (the one reading of a cache's
+    shapes, dtype and device that every cache of one rectangle per row shares)."""
+    B, Hkv, _, D = keys.shape
+    check_kv(
+        cache,
+        k,
+        v,
+        batch=B,
+        heads=Hkv,
+        head_dim=D,
+        value_dim=values.shape[3],
+        dtype=keys.dtype,
+        device=keys.device,
+        held=held,
+        stored=keys,
+        sized_by_updates=sized_by_updates,
+    )
+
+
 def check_writable(where: str, stored: Tensor | None) -> None:
     """Refuse to write into ``stored``, a cache's buffer, while it is an inference tensor and
     inference mode is off. PyTorch refuses the write itself, but only when it comes: after a

@@ -25,6 +25,7 @@ from multihead.caches.base import (
     check_crop,
     check_indices,
     check_kv,
+    check_kv_held,
     under_autograd,
 )
 from multihead.caches.policies.cache import PolicyKVCache
@@ -158,20 +159,8 @@ class DynamicKVCache(KVCache):
             check_kv(name, k, v, sized_by_updates=True)
         else:
             B, Hkv, _, D = self._k.shape
-            check_kv(
-                name,
-                k,
-                v,
-                batch=B,
-                heads=Hkv,
-                head_dim=D,
-                value_dim=self._values(0).shape[3],
-                dtype=self._k.dtype,
-                device=self._k.device,
-                held=f"{self._length} tokens, k {(B, Hkv, self._length, D)}",
-                sized_by_updates=True,
-                stored=self._k,
-            )
+            held = f"{self._length} tokens, k {(B, Hkv, self._length, D)}"
+            check_kv_held(name, k, v, self._k, self._values(0), held=held, sized_by_updates=True)
         if positions is not None:
             check_continuation(name, positions, self.next_positions(k.shape[2], k.device), k.shape[0])
 

@@ -36,7 +36,7 @@ from multihead.caches.base import (
     check_continuation,
     check_crop,
     check_indices,
-    check_kv,
+    check_kv_held,
     under_autograd,
 )
 
@@ -129,19 +129,8 @@ class SlidingWindowKVCache(KVCache):
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         name = type(self).__name__
         B, Hkv, C, D = self.keys.shape
-        check_kv(
-            name,
-            k,
-            v,
-            batch=B,
-            heads=Hkv,
-            head_dim=D,
-            value_dim=self.values.shape[3],
-            dtype=self.keys.dtype,
-            device=self.keys.device,
-            held=f"SlidingWindowKVCache(window={self.window}, batch_size={B}, num_kv_heads={Hkv}, head_dim={D})",
-            stored=self.keys,
-        )
+        held = f"SlidingWindowKVCache(window={self.window}, batch_size={B}, num_kv_heads={Hkv}, head_dim={D})"
+        check_kv_held(name, k, v, self.keys, self.values, held=held)
         new = k.shape[2]
         expected = self.next_positions(new, self.keys.device)
         if positions is not None:
@@ -231,7 +220,10 @@ class SlidingWindowKVCache(KVCache):
     def reset(self) -> None:
         self.positions.fill_(EMPTY_POSITION)
         if self.keys.requires_grad or self.values.requires_grad:  # let go of the last sequence's graph
-            self.keys, self.values = self.keys.detach().clone(), self.values.detach().clone()
+            self.keys, self.values = torch.zeros_like(self.keys.detach()), torch.zeros_like(self.values.detach())
+        else:  # the ring to zeros, as a crop of every token leaves it (every read returns the whole ring)
+            self.keys.zero_()
+            self.values.zero_()
         self._length, self._undo = 0, None
 
     def __repr__(self) -> str:

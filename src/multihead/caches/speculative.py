@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from multihead.caches.base import KVCache
+from multihead.caches.base import KVCache, check_readable
 from multihead.caches.dynamic import DynamicKVCache
 from multihead.caches.paged import PagedKVCache
 from multihead.caches.static import StaticKVCache
@@ -67,6 +67,8 @@ def commit_path(cache: KVCache, draft: Tree | Tensor, path: Sequence[int] | Sequ
             f"commit_path: {name} cannot commit a tree path: {why}; expected a DynamicKVCache, StaticKVCache "
             f"or PagedKVCache"
         )
+    if isinstance(draft, Tensor):
+        check_readable("commit_path", "draft", draft, "the tree's parents (T,) or (B, T)")
     draft = draft if isinstance(draft, Tree) else tree(draft)
     lengths = cache.lengths.to("cpu")  # (B,): prefix + T
     B, T = lengths.shape[0], draft.size
@@ -104,6 +106,7 @@ def commit_path(cache: KVCache, draft: Tree | Tensor, path: Sequence[int] | Sequ
 def _paths(path: object, B: int) -> list[list[int]]:
     """``path`` as one list of node indices per row."""
     if isinstance(path, Tensor):
+        check_readable("commit_path", "path", path, "an integer tensor (A,) or (B, A) of accepted nodes")
         if path.is_floating_point() or path.dtype == torch.bool or path.dim() not in (1, 2):
             raise TypeError(
                 f"commit_path: path must be an integer tensor (A,) or (B, A), got dtype {path.dtype}, "

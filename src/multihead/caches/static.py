@@ -40,7 +40,7 @@ from multihead.caches.base import (
     check_continuation,
     check_crop,
     check_indices,
-    check_kv,
+    check_kv_held,
     under_autograd,
 )
 from multihead.caches.policies.base import refuse_policy
@@ -150,19 +150,7 @@ class StaticKVCache(KVCache):
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         name = type(self).__name__
         B, Hkv, S, D = self.keys.shape
-        check_kv(
-            name,
-            k,
-            v,
-            batch=B,
-            heads=Hkv,
-            head_dim=D,
-            value_dim=self.values.shape[3],
-            dtype=self.keys.dtype,
-            device=self.keys.device,
-            held=self._held(),
-            stored=self.keys,
-        )
+        check_kv_held(name, k, v, self.keys, self.values, held=self._held())
         new = k.shape[2]
         if positions is not None:  # given positions must continue each row, so they never change the read
             check_continuation(name, positions, self.next_positions(new), B)  # the value comparison: eager only
@@ -288,7 +276,10 @@ class StaticKVCache(KVCache):
     def reset(self) -> None:
         self._lengths.zero_()
         if self.keys.requires_grad or self.values.requires_grad:  # let go of the last sequence's graph
-            self.keys, self.values = self.keys.detach().clone(), self.values.detach().clone()
+            self.keys, self.values = torch.zeros_like(self.keys.detach()), torch.zeros_like(self.values.detach())
+        else:  # the slots to zeros, as a crop of every token leaves them (reads return slots past a length)
+            self.keys.zero_()
+            self.values.zero_()
         self._undo, self._host = None, [0] * self._lengths.shape[0]
 
     def __repr__(self) -> str:

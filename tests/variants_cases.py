@@ -1,0 +1,53 @@
+"""The cases and the check the variant layers' equation tests share (``tests/layers/
+test_variants_gated.py``, ``test_variants_differential.py``): heads (MHA, GQA, MQA), lengths
+(self-attention, ``Lq != Lk`` both ways, one query), masks with their dense tables (a row with no
+key included), the layer's parameters in fp64, a drawn input, and one comparison of outputs and
+every gradient against the fp64 equations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+import multihead as mh
+from variants_math import allowed_table
+
+# (Hq, Hkv): MHA, GQA, MQA; (Lq, Lk) with Lq == Lk for self-attention; mask kinds.
+HEADS = [(6, 6), (6, 2), (6, 1)]
+SHAPES = [(13, 13), (7, 11), (11, 7), (1, 9)]
+MASKS = ["none", "causal", "padding"]
+
+
+def mask_case(kind: str, B: int, Lq: int, Lk: int) -> tuple[mh.Mask | None, Tensor]:
+    """The call's mask object and the dense table ``(B, Lq, Lk)`` the equations read; ``padding``
+    leaves batch row 1 with no key at all (fully masked rows)."""
+    if kind == "none":
+        return None, allowed_table(B, Lq, Lk)
+    if kind == "causal":
+        return mh.causal(), allowed_table(B, Lq, Lk, causal=True)
+    lengths = torch.tensor([Lk - 2, 0, Lk][:B])
+    return mh.key_padding(lengths), allowed_table(B, Lq, Lk, lengths=lengths)
+
+
+def fp64_params(layer: nn.Module) -> dict[str, Tensor]:
+    """The layer's state dict in fp64, detached: what the equations read."""
+    return {name: p.detach().double() for name, p in layer.state_dict().items()}
+
+
+def draw(B: int, L: int, E: int, dtype: torch.dtype = torch.float64, seed: int = 1) -> Tensor:
+    """An input ``(B, L, E)`` drawn from its own seeded generator."""
+    return torch.randn(B, L, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def assert_gradients_match(layer: nn.Module, out: Tensor, expected: Tensor, inputs: list[Tensor], params: dict) -> None:
+    """The gradients of ``out`` (the layer's) and ``expected`` (the equations' on ``params``, leaves
+    that require grad) for one random output gradient: of each of ``inputs`` (named ``x``,
+    ``memory``) and of every parameter, finite and close."""
+    grad = torch.randn_like(out)
+    names = [n for n, _ in layer.named_parameters()]
+    got = torch.autograd.grad(out, [*inputs, *layer.parameters()], grad)
+    want = torch.autograd.grad(expected, [*inputs, *(params[n] for n in names)], grad)
+    for name, g, w in zip(["x", "memory"][: len(inputs)] + names, got, want, strict=True):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, w, msg=lambda m, name=name: f"gradient of {name}: {m}")
