@@ -57,9 +57,20 @@ def slow_names_for(world: int) -> list[str]:
     return [n for n in dist_checks.CHECKS if n.startswith("slow-")] + extra
 
 
+NOTES: dict[str, list[str]] = {}  # "P2 name" -> the lines its ranks wrote with dist_checks.note (conftest prints them)
+
+
+def _run(world: int, names: list[str], timeout: float) -> dict:
+    notes: dict = {}
+    results = run_world(world, names, timeout=timeout, notes=notes)
+    for name, lines in notes.items():
+        NOTES[f"P{world} {name}"] = lines
+    return results
+
+
 @functools.cache
 def world_results(world: int) -> dict:
-    return run_world(world, names_for(world), timeout=WORLD_TIMEOUT)
+    return _run(world, names_for(world), WORLD_TIMEOUT)
 
 
 CASES = [(w, n) for w in (2, 3, 4) for n in names_for(w)]
@@ -69,12 +80,14 @@ CASES = [(w, n) for w in (2, 3, 4) for n in names_for(w)]
 def test_sharded_equals_single_process(world, name):
     results = world_results(world)[name]
     failures = report(results)
-    assert not failures, f"{name} failed in a world of {world}:\n{failures}"
+    notes = "\n".join(NOTES.get(f"P{world} {name}", []))
+    print(notes)
+    assert not failures, f"{name} failed in a world of {world}:\n{notes}\n{failures}"
 
 
 @functools.cache
 def slow_world_results(world: int) -> dict:
-    return run_world(world, slow_names_for(world), timeout=SLOW_TIMEOUT)
+    return _run(world, slow_names_for(world), SLOW_TIMEOUT)
 
 
 def _slow_id(world: int, name: str) -> str:
@@ -91,4 +104,6 @@ SLOW_CASES = [(w, n) for w in SLOW_WORLDS for n in slow_names_for(w)]
 def test_sharded_equals_single_process_slow(world, name):
     results = slow_world_results(world)[name]
     failures = report(results)
-    assert not failures, f"{name} failed in a world of {world}:\n{failures}"
+    notes = "\n".join(NOTES.get(f"P{world} {name}", []))
+    print(notes)
+    assert not failures, f"{name} failed in a world of {world}:\n{notes}\n{failures}"
