@@ -52,6 +52,7 @@ def start_method() -> str:
             "dist_checks_scores",
             "dist_checks_mesh",
             "dist_checks_documents",
+            "dist_checks_traffic",
         ]
     )
     return "forkserver"
@@ -137,6 +138,7 @@ def _worker(rank: int, world: int, folder: str, names: list[str], group_timeout:
     import dist_checks_mesh  # noqa: F401 (registers the 2-D mesh checks)
     import dist_checks_scores  # noqa: F401 (registers the score-modifier checks)
     import dist_checks_slow  # noqa: F401 (registers the slow tier's checks)
+    import dist_checks_traffic  # noqa: F401 (registers the bytes-moved checks)
 
     try:
         for name in names:

@@ -28,6 +28,7 @@ import dist_checks_fsdp  # noqa: E402, F401 (registers the FSDP2 training exampl
 import dist_checks_mesh  # noqa: E402, F401 (registers the 2-D mesh checks)
 import dist_checks_scores  # noqa: E402, F401 (registers the score-modifier checks)
 import dist_checks_slow  # noqa: E402
+import dist_checks_traffic  # noqa: E402, F401 (registers the bytes-moved checks)
 from dist_world import report, run_world  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -52,8 +53,9 @@ SLOW_TIMEOUT = 900.0
 
 
 def slow_names_for(world: int) -> list[str]:
-    # Eight ranks: the memory bound also catches sent gradients kept until the end of the ring.
-    extra = ["ring-memory-per-rank"] if world == 8 else []
+    # Eight ranks: the memory bound also catches sent gradients kept until the end of the ring;
+    # the bytes-moved formulas are checked at the largest world the scale model is checked at.
+    extra = ["ring-memory-per-rank", "traffic-equals-formulas"] if world == 8 else []
     return [n for n in dist_checks.CHECKS if n.startswith("slow-")] + extra
 
 
