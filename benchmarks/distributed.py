@@ -504,6 +504,7 @@ def main():
     parser.add_argument(
         "--methods", default="ring,ulysses,hybrid", help="ring, ulysses, hybrid (one process always runs)"
     )
+    parser.add_argument("--masks", default="causal,window", help="causal, window or both (default both)")
     parser.add_argument("--batch", type=int, default=1, help="B, sequences per rank (default 1)")
     parser.add_argument("--ulysses", type=int, default=2, help="U, the Ulysses size of the 2-D mesh (default 2)")
     args = parser.parse_args()
@@ -531,6 +532,7 @@ def main():
         and c[0] in methods
         and (not args.quick or c[1] <= 2 or c[0] == "ring")
         and not (c[0] == "single" and args.only == "traffic")
+        and c[3] in args.masks.split(",")
     ]
     table, summary, single_rows = [], [], {}
     for method, world, layout, mask in configs:
