@@ -44,8 +44,11 @@ import multihead as mh  # noqa: E402
 from common import context, machine_state, print_table, write_csv  # noqa: E402
 from multihead.caches import DynamicKVCache  # noqa: E402
 from multihead.distributed import (  # noqa: E402
+    Mesh2D,
     ShardedKVCache,
     document_layout,
+    hybrid_attention,
+    hybrid_shard,
     plan_ring,
     ring_attention,
     ring_steps,
@@ -54,9 +57,11 @@ from multihead.distributed import (  # noqa: E402
     ulysses_attention,
 )
 from multihead.distributed.checks import Shards  # noqa: E402
+from multihead.distributed.cost import hybrid_traffic, ring_traffic, ulysses_traffic  # noqa: E402
 from multihead.distributed.layout import pieces  # noqa: E402
 from multihead.distributed.memory import TensorMemory  # noqa: E402
 from multihead.distributed.ring import _cached_plan  # noqa: E402
+from multihead.distributed.traffic import TrafficMeter  # noqa: E402
 
 CORES = os.cpu_count() or 1
 MIB = 2**20
@@ -110,11 +115,21 @@ def _worker(rank, world, folder, cfg, out_queue):
         timeout=datetime.timedelta(seconds=900),
     )
     B, H, L, D, reps = cfg["B"], cfg["H"], cfg["L"], cfg["D"], cfg["reps"]
-    fn = {"ring": ring_attention, "ulysses": ulysses_attention}[cfg["method"]]
     layout, mask = cfg["layout"], mask_of(cfg["mask"])
-    qs, ks, vs, gs = (shard_sequence(t, layout=layout, dim=2).contiguous() for t in inputs(B, H, L, D))
+    if cfg["method"] == "hybrid":  # R ring ranks by U = cfg["U"] Ulysses ranks, rank r·U + u
+        U = cfg["U"]
+        R = world // U
+        rings = [dist.new_group([r * U + u for r in range(R)]) for u in range(U)]
+        groups = [dist.new_group([r * U + u for u in range(U)]) for r in range(R)]
+        mesh = Mesh2D(rings[rank % U], groups[rank // U])
+        fn = lambda q, k, v, mask, layout: hybrid_attention(q, k, v, mesh=mesh, mask=mask, layout=layout)  # noqa: E731
+        shard = lambda t: hybrid_shard(t, mesh=mesh, dim=2, layout=layout)  # noqa: E731
+    else:
+        fn = {"ring": ring_attention, "ulysses": ulysses_attention}[cfg["method"]]
+        shard = lambda t: shard_sequence(t, layout=layout, dim=2)  # noqa: E731
+    qs, ks, vs, gs = (shard(t).contiguous() for t in inputs(B, H, L, D))
     # warm-up on a small sequence: first-call imports and allocations
-    small = [shard_sequence(t, layout=layout, dim=2).requires_grad_() for t in inputs(B, H, 64 * world, D)[:3]]
+    small = [shard(t).requires_grad_() for t in inputs(B, H, 64 * world, D)[:3]]
     fn(*small, mask=mask, layout=layout).sum().backward()
     row = {"rank": rank}
     if cfg["only"] in (None, "memory"):
@@ -132,8 +147,11 @@ def _worker(rank, world, folder, cfg, out_queue):
                 threads=max(1, CORES // world),
             )
         )
-    if cfg["method"] == "ulysses":
-        row.pop("compute_bwd_s", None)  # its backward is autograd through one local call: not clocked
+    if cfg["only"] in (None, "memory", "traffic"):
+        row.update(_traffic(lambda q, k, v: fn(q, k, v, mask=mask, layout=layout), qs, ks, vs, gs))
+        row.update(_formula(cfg, world, rank, mask, layout))
+    if cfg["method"] != "ring":
+        row.pop("compute_bwd_s", None)  # its backward is autograd through local calls: not clocked
     if cfg["method"] == "ring":
         S = L // world
         plan = _cached_plan(world, rank, Shards(B, H, H, S, S, D, D, world), mask, layout)
@@ -145,16 +163,18 @@ def _worker(rank, world, folder, cfg, out_queue):
     if rank == 0:
         q, k, v, _ = inputs(B, H, L, D)
         with torch.no_grad():
-            row["max_err"] = float(
-                (got - shard_sequence(mh.attention(q, k, v, mask=mask), layout=layout, dim=2)).abs().max()
-            )
+            row["max_err"] = float((got - shard(mh.attention(q, k, v, mask=mask))).abs().max())
     out_queue.put(row)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _memory(run, q, k, v, grad) -> dict:
-    """Peak tensor bytes of one forward, and of forward+backward, and what was alive at the peak."""
+    """Peak tensor bytes of one forward (without autograd, and with it), of forward+backward, and
+    what was alive at the peak."""
+    with torch.no_grad(), TensorMemory() as memory:
+        run(q, k, v)
+    inference = memory.peak
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     with TensorMemory() as memory:
         out = run(q, k, v)
@@ -162,7 +182,38 @@ def _memory(run, q, k, v, grad) -> dict:
         out.backward(grad)
         del out
     top = ", ".join(f"{b / MIB:.0f} {op}{list(shape)}" for b, op, shape in memory.at_peak(8) if b >= MIB)
-    return {"fwd_mib": forward / MIB, "fwd_bwd_mib": memory.peak / MIB, "at_peak": top}
+    return {
+        "fwd_nograd_mib": inference / MIB,
+        "fwd_mib": forward / MIB,
+        "fwd_bwd_mib": memory.peak / MIB,
+        "at_peak": top,
+    }
+
+
+def _traffic(run, q, k, v, grad) -> dict:
+    """Bytes this rank sends through torch.distributed in one forward and one backward
+    (:class:`TrafficMeter`: the payload of every call; the agreement checks' objects apart)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with TrafficMeter() as meter:
+        out = run(q, k, v)
+        forward, control = meter.sent, meter.control_bytes
+        out.backward(grad)
+    return {"sent_fwd_b": forward, "sent_bwd_b": meter.sent - forward, "control_fwd_b": control}
+
+
+def _formula(cfg, world, rank, mask, layout) -> dict:
+    """The bytes :mod:`multihead.distributed.cost` gives for this rank (the ring's messages from its plan)."""
+    B, H, D, S = cfg["B"], cfg["H"], cfg["D"], cfg["L"] // world
+    if cfg["method"] == "ring":
+        plan = _cached_plan(world, rank, Shards(B, H, H, S, S, D, D, world), mask, layout)
+        sends, recvs = sum(plan.send[s] for s in plan.steps), sum(plan.recv[s] for s in plan.steps)
+        model = ring_traffic(B=B, Hkv=H, S=S, D=D, Dv=D, P=world, b=4, b_acc=4, messages=sends, returns=recvs)
+    elif cfg["method"] == "ulysses":
+        model = ulysses_traffic(B=B, Hq=H, Hkv=H, S=S, D=D, Dv=D, P=world, b=4)
+    else:
+        U = cfg["U"]
+        model = hybrid_traffic(B=B, Hq=H, Hkv=H, S=S, D=D, Dv=D, R=world // U, U=U, b=4, b_acc=4)
+    return {"formula_fwd_b": model.forward, "formula_bwd_b": model.backward}
 
 
 def _times(run, q, k, v, grad, reps, barrier, threads) -> dict:
@@ -432,6 +483,9 @@ CONFIGS = [
     ("ulysses", 4, "zigzag", "window"),
     ("ring", 8, "zigzag", "causal"),
     ("ring", 8, "contiguous", "window"),
+    ("ulysses", 8, "zigzag", "causal"),
+    ("hybrid", 4, "zigzag", "causal"),
+    ("hybrid", 8, "zigzag", "causal"),
 ]
 
 
@@ -442,16 +496,21 @@ def main():
     parser.add_argument("--reps", type=int, default=None, help="repetitions per timing (default 3)")
     parser.add_argument(
         "--only",
-        choices=["memory", "time", "decode", "balance"],
+        choices=["memory", "time", "traffic", "decode", "balance"],
         default=None,
         help="measure only this (decode, balance: their own tables)",
     )
     parser.add_argument("--worlds", default="2,4", help="world sizes, e.g. 2,4,8 (8 processes share the cores)")
-    parser.add_argument("--methods", default="ring,ulysses", help="ring, ulysses or both (one process always runs)")
+    parser.add_argument(
+        "--methods", default="ring,ulysses,hybrid", help="ring, ulysses, hybrid (one process always runs)"
+    )
+    parser.add_argument("--masks", default="causal,window", help="causal, window or both (default both)")
+    parser.add_argument("--batch", type=int, default=1, help="B, sequences per rank (default 1)")
+    parser.add_argument("--ulysses", type=int, default=2, help="U, the Ulysses size of the 2-D mesh (default 2)")
     args = parser.parse_args()
     L = args.length or (2048 if args.quick else 8192)
     reps = args.reps or (1 if args.quick else 3)
-    base = {"B": 1, "H": 8, "D": 64, "L": L, "reps": reps, "only": args.only}
+    base = {"B": args.batch, "H": 8, "D": 64, "L": L, "reps": reps, "only": args.only, "U": args.ulysses}
     print(context())
     print(machine_state())
     if args.only == "decode":
@@ -459,20 +518,29 @@ def main():
     if args.only == "balance":
         return balance_main(args.length or 131072, sorted({2, 4, 8} | {int(w) for w in args.worlds.split(",")}))
     print(
-        f"B=1, H=8, D=64, L={L}, fp32; P processes get {CORES}//P threads each (P=1: {CORES} threads; "
+        f"B={args.batch}, H=8, D=64, L={L}, fp32, 2-D mesh (P/{args.ulysses}) x {args.ulysses}; "
+        f"P processes get {CORES}//P threads each (P=1: {CORES} threads; "
         f"compute columns: one thread)\n"
     )
 
     worlds = {1} | {int(w) for w in args.worlds.split(",")}
     methods = {"single"} | set(args.methods.split(","))
     configs = [
-        c for c in CONFIGS if c[1] in worlds and c[0] in methods and (not args.quick or c[1] <= 2 or c[0] == "ring")
+        c
+        for c in CONFIGS
+        if c[1] in worlds
+        and c[0] in methods
+        and (not args.quick or c[1] <= 2 or c[0] == "ring")
+        and not (c[0] == "single" and args.only == "traffic")
+        and c[3] in args.masks.split(",")
     ]
     table, summary, single_rows = [], [], {}
     for method, world, layout, mask in configs:
         cfg = dict(base, method=method, layout=layout, mask=mask)
         load_before = os.getloadavg()[0]
         rows = [single(cfg)] if method == "single" else world_run(world, cfg)
+        if method == "hybrid":
+            layout = f"{world // args.ulysses}x{args.ulysses} {layout}"
         load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
         print(f"{method} P={world} {layout} {mask}: {machine_state()}")
         if method == "single":
@@ -501,6 +569,7 @@ def _summary_line(method, world, layout, mask, load, rows, ref) -> dict:
         "layout": layout,
         "mask": mask,
         "load": load,
+        "fwd_nograd_mib": worst("fwd_nograd_mib"),
         "fwd_mib": worst("fwd_mib"),
         "fwd_vs_1": ratio("fwd_mib"),
         "fwd_bwd_mib": worst("fwd_bwd_mib"),
@@ -521,6 +590,14 @@ def _summary_line(method, world, layout, mask, load, rows, ref) -> dict:
             steps_walked=rows[0]["steps"],
             steps_computed="/".join(str(r["computed"]) for r in rows),
             messages="/".join(str(r["messages"]) for r in rows),
+        )
+    if "sent_fwd_b" in rows[0]:
+        line.update(
+            sent_fwd_mib=worst("sent_fwd_b") / MIB,
+            sent_bwd_mib=worst("sent_bwd_b") / MIB,
+            formula_equal="yes"
+            if all((r["sent_fwd_b"], r["sent_bwd_b"]) == (r["formula_fwd_b"], r["formula_bwd_b"]) for r in rows)
+            else "NO",
         )
     if "max_err" in rows[0]:
         line["max_err"] = rows[0]["max_err"]

@@ -5,7 +5,9 @@ world runs many checks and reports each one: ``run_world(P, names)`` starts ``P`
 ``torch.multiprocessing`` (:func:`start_method`; file-based rendezvous in a temporary folder, no
 port), each runs every
 check of :mod:`dist_checks` in ``names`` in order and writes one line per check, and the parent
-returns ``{name: {rank: None | traceback}}``. A world that outlives its ``timeout`` is killed and
+returns ``{name: {rank: None | traceback}}`` (and, if asked, the lines each check wrote with
+``dist_checks.note``: measurements the test log keeps whether the check passes or not). A world
+that outlives its ``timeout`` is killed and
 its unfinished checks are reported as timed out, so a hang fails instead of blocking.
 """
 
@@ -50,16 +52,23 @@ def start_method() -> str:
             "dist_checks_scores",
             "dist_checks_mesh",
             "dist_checks_documents",
+            "dist_checks_traffic",
         ]
     )
     return "forkserver"
 
 
 def run_world(
-    world: int, names: list[str], timeout: float = 240.0, times: dict | None = None, group_timeout: float = 60.0
+    world: int,
+    names: list[str],
+    timeout: float = 240.0,
+    times: dict | None = None,
+    group_timeout: float = 60.0,
+    notes: dict | None = None,
 ) -> dict[str, dict[int, str | None]]:
     """``{name: {rank: None (passed) | the traceback}}``; ``times`` (if given) receives each
-    check's slowest rank's seconds. ``group_timeout``: the process group's ``timeout``, after
+    check's slowest rank's seconds, ``notes`` (if given) ``{name: ["rank r: line", ...]}``.
+    ``group_timeout``: the process group's ``timeout``, after
     which a rank waiting in a collective raises."""
     folder = tempfile.mkdtemp(prefix="multihead_dist_")
     try:
@@ -92,6 +101,8 @@ def run_world(
                     for line in f:
                         entry = json.loads(line)
                         results[entry["name"]][rank] = entry["error"]
+                        if notes is not None and entry.get("notes"):
+                            notes.setdefault(entry["name"], []).extend(f"rank {rank}: {n}" for n in entry["notes"])
                         if times is not None:
                             times[entry["name"]] = max(times.get(entry["name"], 0.0), entry["seconds"])
         missing = (
@@ -127,6 +138,7 @@ def _worker(rank: int, world: int, folder: str, names: list[str], group_timeout:
     import dist_checks_mesh  # noqa: F401 (registers the 2-D mesh checks)
     import dist_checks_scores  # noqa: F401 (registers the score-modifier checks)
     import dist_checks_slow  # noqa: F401 (registers the slow tier's checks)
+    import dist_checks_traffic  # noqa: F401 (registers the bytes-moved checks)
 
     try:
         for name in names:
@@ -136,8 +148,11 @@ def _worker(rank: int, world: int, folder: str, names: list[str], group_timeout:
                 error = None
             except Exception:
                 error = traceback.format_exc()
+            seconds = time.perf_counter() - start
+            entry = {"name": name, "error": error, "seconds": seconds, "notes": dist_checks.NOTES[:]}
+            dist_checks.NOTES.clear()
             with open(os.path.join(folder, f"rank{rank}.jsonl"), "a") as f:
-                f.write(json.dumps({"name": name, "error": error, "seconds": time.perf_counter() - start}) + "\n")
+                f.write(json.dumps(entry) + "\n")
             # A check that failed on one rank between collectives leaves the ranks out of step;
             # then the remaining checks would only report that, so the world stops here.
             done: list = [None] * world

@@ -28,6 +28,7 @@ import dist_checks_fsdp  # noqa: E402, F401 (registers the FSDP2 training exampl
 import dist_checks_mesh  # noqa: E402, F401 (registers the 2-D mesh checks)
 import dist_checks_scores  # noqa: E402, F401 (registers the score-modifier checks)
 import dist_checks_slow  # noqa: E402
+import dist_checks_traffic  # noqa: E402, F401 (registers the bytes-moved checks)
 from dist_world import report, run_world  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -52,14 +53,26 @@ SLOW_TIMEOUT = 900.0
 
 
 def slow_names_for(world: int) -> list[str]:
-    # Eight ranks: the memory bound also catches sent gradients kept until the end of the ring.
-    extra = ["ring-memory-per-rank"] if world == 8 else []
+    # Eight ranks: the memory bound also catches sent gradients kept until the end of the ring;
+    # the bytes-moved formulas are checked at the largest world the scale model is checked at.
+    extra = ["ring-memory-per-rank", "traffic-equals-formulas"] if world == 8 else []
     return [n for n in dist_checks.CHECKS if n.startswith("slow-")] + extra
+
+
+NOTES: dict[str, list[str]] = {}  # "P2 name" -> the lines its ranks wrote with dist_checks.note (conftest prints them)
+
+
+def _run(world: int, names: list[str], timeout: float) -> dict:
+    notes: dict = {}
+    results = run_world(world, names, timeout=timeout, notes=notes)
+    for name, lines in notes.items():
+        NOTES[f"P{world} {name}"] = lines
+    return results
 
 
 @functools.cache
 def world_results(world: int) -> dict:
-    return run_world(world, names_for(world), timeout=WORLD_TIMEOUT)
+    return _run(world, names_for(world), WORLD_TIMEOUT)
 
 
 CASES = [(w, n) for w in (2, 3, 4) for n in names_for(w)]
@@ -69,12 +82,14 @@ CASES = [(w, n) for w in (2, 3, 4) for n in names_for(w)]
 def test_sharded_equals_single_process(world, name):
     results = world_results(world)[name]
     failures = report(results)
-    assert not failures, f"{name} failed in a world of {world}:\n{failures}"
+    notes = "\n".join(NOTES.get(f"P{world} {name}", []))
+    print(notes)
+    assert not failures, f"{name} failed in a world of {world}:\n{notes}\n{failures}"
 
 
 @functools.cache
 def slow_world_results(world: int) -> dict:
-    return run_world(world, slow_names_for(world), timeout=SLOW_TIMEOUT)
+    return _run(world, slow_names_for(world), SLOW_TIMEOUT)
 
 
 def _slow_id(world: int, name: str) -> str:
@@ -91,4 +106,6 @@ SLOW_CASES = [(w, n) for w in SLOW_WORLDS for n in slow_names_for(w)]
 def test_sharded_equals_single_process_slow(world, name):
     results = slow_world_results(world)[name]
     failures = report(results)
-    assert not failures, f"{name} failed in a world of {world}:\n{failures}"
+    notes = "\n".join(NOTES.get(f"P{world} {name}", []))
+    print(notes)
+    assert not failures, f"{name} failed in a world of {world}:\n{notes}\n{failures}"

@@ -45,6 +45,7 @@ from multihead.distributed.checks import (
     check_scale,
     check_score_mod,
 )
+from multihead.distributed.exchange import Runs, Scratch, to_heads, to_sequence
 from multihead.distributed.layout import (
     check_divisible,
     check_layout,
@@ -53,7 +54,6 @@ from multihead.distributed.layout import (
     unshard_sequence,
 )
 from multihead.distributed.ring import ring_attention
-from multihead.distributed.ulysses import Runs, to_heads, to_sequence
 from multihead.masks import Mask, head_range
 from multihead.scores import head_range as score_head_range
 from multihead.scores import sinks_range
@@ -152,9 +152,14 @@ def hybrid_attention(
     S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
     runs = Runs(S, U, "contiguous")  # the ring shard's local order: Ulysses rank u holds [u·S, (u+1)·S)
     replicas = U // Hkv if Hkv % U else 1
-    qh = to_heads(q, groups.ulysses, runs)  # (B, Hq/U, U·S, D): ring rank r's shard, this rank's heads
-    kh = to_heads(k, groups.ulysses, runs, replicas)  # (B, Hkv/U or 1, U·S, D)
-    vh = to_heads(v, groups.ulysses, runs, replicas)  # (B, Hkv/U or 1, U·S, Dv)
+    # One buffer for the three exchanges in (exchange.py: why); not kept through the ring, whose
+    # K/V in flight dominate the memory, so the exchange out gets its own.
+    scratch = Scratch()
+    scratch.reserve(q, Hq * S * max(shards.D, shards.Dv))
+    qh = to_heads(q, groups.ulysses, runs, 1, scratch)  # (B, Hq/U, U·S, D): ring rank r's shard, this rank's heads
+    kh = to_heads(k, groups.ulysses, runs, replicas, scratch)  # (B, Hkv/U or 1, U·S, D)
+    vh = to_heads(v, groups.ulysses, runs, replicas, scratch)  # (B, Hkv/U or 1, U·S, Dv)
+    del scratch
     first, count = u * (Hq // U), Hq // U
     res = ring_attention(
         qh,

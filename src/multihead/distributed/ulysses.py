@@ -18,8 +18,6 @@ backward, independent of the mask.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from multihead import scores
@@ -34,11 +32,12 @@ from multihead.distributed.checks import (
     check_scale,
     check_score_mod,
 )
-from multihead.distributed.layout import check_divisible, check_layout, pieces
+from multihead.distributed.exchange import Runs, Scratch, to_heads, to_sequence
+from multihead.distributed.layout import check_divisible, check_layout
 from multihead.masks import Mask, head_range
 from multihead.sinks import check_sinks
 
-__all__ = ["ulysses_attention", "Runs", "to_heads", "to_sequence"]
+__all__ = ["ulysses_attention"]
 
 _WHERE = "ulysses_attention"
 
@@ -123,9 +122,14 @@ def ulysses_attention(
     # With P > Hkv each KV head travels to the P/Hkv ranks whose query heads read it: rank j
     # receives KV head kv_head_of(j·Hq/P) = j // (P/Hkv), replicated inside the exchange's one copy.
     replicas = world // Hkv if Hkv % world else 1
-    qh = _SequenceToHeads.apply(q, group, runs, 1)  # (B, Hq/P, L, D) in position order
-    kh = _SequenceToHeads.apply(k, group, runs, replicas)  # (B, Hkv/P or 1, L, D)
-    vh = _SequenceToHeads.apply(v, group, runs, replicas)  # (B, Hkv/P or 1, L, Dv)
+    # One scratch buffer for the four exchanges (exchange.py: why), a batch row of the largest.
+    scratch = Scratch()
+    scratch.reserve(q, Hq * S * max(shards.D, shards.Dv))
+    if replicas > 1 or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        scratch.reserve(q, Hq * S * max(shards.D, shards.Dv), role="b")
+    qh = to_heads(q, group, runs, 1, scratch)  # (B, Hq/P, L, D) in position order
+    kh = to_heads(k, group, runs, replicas, scratch)  # (B, Hkv/P or 1, L, D)
+    vh = to_heads(v, group, runs, replicas, scratch)  # (B, Hkv/P or 1, L, Dv)
     # This rank's heads [first, first + Hq/P), read by the local call as 0 .. Hq/P - 1.
     first, count = rank * (Hq // world), Hq // world
     local_mask = head_range(mask, first, count, Hq)
@@ -144,102 +148,10 @@ def ulysses_attention(
         return_lse=return_lse,
         backend=backend,
     )
+    del qh, kh, vh  # without autograd nothing else holds them: freed before the exchange out
     if isinstance(res, Tensor):  # return_lse=False
-        return _HeadsToSequence.apply(res, group, runs)  # (B, Hq, S, Dv)
+        return to_sequence(res, group, runs, scratch)  # (B, Hq, S, Dv)
     assert res.lse is not None  # asked for
-    out = _HeadsToSequence.apply(res.output, group, runs)  # (B, Hq, S, Dv)
-    lse = _HeadsToSequence.apply(res.lse.unsqueeze(-1), group, runs).squeeze(-1)  # (B, Hq, S)
+    out = to_sequence(res.output, group, runs, scratch)  # (B, Hq, S, Dv)
+    lse = to_sequence(res.lse.unsqueeze(-1), group, runs).squeeze(-1)  # (B, Hq, S): fp32, its own buffer
     return AttentionResult(out, None, lse)
-
-
-class Runs:
-    """Where each rank's shard sits in the whole sequence: ``(rank, local, start, length)`` runs of
-    consecutive positions (:func:`~multihead.distributed.layout.pieces`), one per contiguous
-    shard, two per zigzag shard."""
-
-    def __init__(self, shard_len: int, world: int, layout: str):
-        self.S, self.P, self.layout = shard_len, world, layout
-        self.runs = [(r, *p) for r in range(world) for p in pieces(shard_len, r, world, layout)]
-
-
-def to_heads(x: Tensor, group, runs: Runs, replicas: int = 1) -> Tensor:
-    """Sequence shards ``(B, H, S, ·)`` -> head shards ``(B, H·replicas/P, P·S, ·)``, the positions
-    of ``runs`` in order (differentiable: its gradient is the opposite exchange)."""
-    return _SequenceToHeads.apply(x, group, runs, replicas)
-
-
-def to_sequence(y: Tensor, group, runs: Runs) -> Tensor:
-    """Head shards ``(B, H/P, P·S, ·)`` -> this rank's sequence shard ``(B, H, S, ·)``."""
-    return _HeadsToSequence.apply(y, group, runs)
-
-
-# One exchange = one send buffer, one receive buffer, one reorder, each written by a single copy:
-#   sequence -> heads: send (P, B, H/P, S, ·) is x's head blocks (a view of x when B = 1 and x is
-#     contiguous); what arrives from rank i is rank i's positions; copied run by run into the
-#     (B, H/P, L, ·) result in position order.
-#   heads -> sequence: send (P, B, H/P, S, ·) is the positions of rank j, copied run by run from
-#     y; what arrives is head block i of this rank's positions, (B, H, S, ·) as a view when B = 1.
-# The send buffer is released before the reorder, so an exchange holds at most two buffers of
-# its size at once (the previous version held four: the parts, the received parts, their
-# concatenation and the reorder).
-
-
-def _sequence_to_heads(x: Tensor, group, runs: Runs, replicas: int) -> Tensor:
-    """``(B, H, S, ·)`` sequence shards -> ``(B, H·replicas/P, L, ·)`` head shards in position order;
-    virtual head ``h·replicas + i`` is head ``h``."""
-    B, H, S, E = x.shape
-    P = runs.P
-    Hs = H * replicas // P
-    if replicas == 1:
-        send = x.unflatten(1, (P, Hs)).transpose(0, 1).contiguous()  # (P, B, Hs, S, E)
-    else:  # Hs = 1: rank j receives head j // replicas
-        send = x.transpose(0, 1).unsqueeze(1).expand(H, replicas, B, S, E).contiguous().view(P, B, 1, S, E)
-    received = torch.empty_like(send)  # [i]: rank i's positions of this rank's heads
-    dist.all_to_all_single(received, send, group=group)
-    del send
-    out = x.new_empty(B, Hs, P * S, E)
-    for r, local, start, length in runs.runs:
-        out[:, :, start : start + length].copy_(received[r, :, :, local : local + length])
-    return out
-
-
-def _heads_to_sequence(y: Tensor, group, runs: Runs) -> Tensor:
-    """``(B, H/P, L, ·)`` in position order -> ``(B, H, S, ·)`` this rank's sequence shard."""
-    B, Hs, _, E = y.shape
-    P, S = runs.P, runs.S
-    send = y.new_empty(P, B, Hs, S, E)  # [j]: rank j's positions
-    for r, local, start, length in runs.runs:
-        send[r, :, :, local : local + length].copy_(y[:, :, start : start + length])
-    received = torch.empty_like(send)  # [i]: head block i of this rank's positions
-    dist.all_to_all_single(received, send, group=group)
-    del send
-    return received.transpose(0, 1).reshape(B, P * Hs, S, E)  # a view when B = 1
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    """:func:`_sequence_to_heads`; its gradient is the opposite exchange (replicas summed)."""
-
-    @staticmethod
-    def forward(ctx, x, group, runs: Runs, replicas: int):
-        ctx.group, ctx.runs, ctx.replicas = group, runs, replicas
-        return _sequence_to_heads(x, group, runs, replicas)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = _heads_to_sequence(grad, ctx.group, ctx.runs)  # (B, H·replicas, S, ·)
-        if ctx.replicas > 1:
-            g = g.unflatten(1, (-1, ctx.replicas)).sum(2)  # (B, H, S, ·)
-        return g, None, None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """:func:`_heads_to_sequence`; its gradient is the opposite exchange."""
-
-    @staticmethod
-    def forward(ctx, y, group, runs: Runs):
-        ctx.group, ctx.runs = group, runs
-        return _heads_to_sequence(y, group, runs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sequence_to_heads(grad, ctx.group, ctx.runs, 1), None, None
