@@ -156,20 +156,12 @@ def _stored(read: CacheRead, row: int) -> dict[int, torch.Tensor]:
 # ---------------------------------------------------------------------------- dropped tokens
 @every_kind
 @pytest.mark.parametrize("how", ["rollback", "crop", "reset"])
-def test_dropped_tokens_leave_no_trace_in_later_reads(kind, how, request):
+def test_dropped_tokens_leave_no_trace_in_later_reads(kind, how):
     """Tokens a rollback, a crop or a reset drops are gone from every later read: a read that returns slots
     past a row's length (a static cache's rows of other lengths, a ring, every slot under
     ``torch.compile``) returns zeros there, never the dropped keys; caches whose reads stop at the
     length never return those slots (docs/inference.md, "Crop, reorder, rollback, refusals").
     The dropped tokens are NaN here, so a trace of them would show."""
-    if kind.name.startswith("paged") and how == "rollback":  # runs, and must fail until it is fixed
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="PagedKVCache.rollback keeps the dropped tokens in the row's pages (caches/paged.py is "
-                "being changed on another branch; issue 27 reliability item 3 left open there)",
-            )
-        )
     lengths = [5, 3] if kind.per_row else [5, 5]  # rows of their own lengths: reads past row 1's length
     cache = _filled(kind, lengths)
     k, _ = kind.kv(7, seed=2)
