@@ -209,6 +209,23 @@ def test_a_static_cache_zeroes_dropped_slots_inside_a_compiled_step_too():
         assert not cache.keys[row, :, n:].any() and not cache.values[row, :, n:].any()
 
 
+# ---------------------------------------------------------------------------- zero new tokens
+@every_kind
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_read_of_zero_new_tokens_has_a_mask_with_no_rows(kind, causal):
+    """An update of no tokens (a peek at what the cache holds) reads every slot, and its ``mask``
+    has no query rows; a cache whose reads name each slot's position once raised a reshape error
+    there (``view(-1, ...)`` of no elements)."""
+    cache = _filled(kind, [5, 3] if kind.per_row else [5, 5])
+    k, v = kind.kv(0)
+    read = cache.update(k, v)
+    mask = read.mask(kind.mask(), causal, HKV)
+    if isinstance(mask, torch.Tensor):
+        assert mask.shape[-2] in (0, 1) and mask.shape[-1] == read.keys.shape[2]  # Lq or broadcast
+    cache.rollback()
+    assert cache.lengths.tolist() == ([5, 3] if kind.per_row else [5, 5])
+
+
 # ---------------------------------------------------------------------------- lengths, length
 @every_kind
 @pytest.mark.parametrize("device", DEVICES)
