@@ -166,6 +166,25 @@ def test_constructor_refuses_bad_arguments(kwargs, error, pattern):
         QuantizedKVCache(1, 16, 1, 8, **kwargs)
 
 
+@pytest.mark.parametrize("span,expected", [(5, 4), (12, 12), (10**9, 80), (8 * 4096, 80)])
+def test_span_is_whole_groups_within_the_8_bit_region(span, expected):
+    """``span`` is rounded down to whole groups and capped at the groups ``max_len`` holds
+    (``max_len - sinks = 78`` tokens: 20 groups of 4, 80 slots): an int8 step pads its slots to
+    whole spans, so a span past ``max_len`` made every step allocate span-sized buffers (out of
+    memory at ``10**9``) for slots that cannot exist. The step equals the one with the capped span."""
+    cache = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=span)
+    assert cache.span == expected and cache.k_channel.shape[2] == -(-80 // expected)
+    k, v = torch.randn(1, 2, 60, 8, dtype=torch.float32), torch.randn(1, 2, 60, 8, dtype=torch.float32)
+    same = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=expected)
+    q = torch.randn(1, 4, 1, 8)
+    outs = []
+    for c in (cache, same):
+        c.update(k, v)
+        read = c.update(k[:, :, :1], v[:, :, :1])
+        outs.append(mh.backends.decode_blocks.decode_blocks(q, read.blocks, read.mask(None, True, 4)))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_a_write_past_max_len_is_refused_with_the_cache_unchanged():
     cache = QuantizedKVCache(1, 10, 1, 8, residual=2, sinks=1, group=2)
     cache.update(torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8))
