@@ -154,6 +154,8 @@ def test_rollback_and_reorder_keep_slots_and_scales_together(fmt):
             ValueError,
             r"QuantizedKVCache: bits must be 8 \(int8 and fp8 e4m3fn are 8-bit formats\), got 4",
         ),
+        (dict(bits=8.0), ValueError, r"QuantizedKVCache: bits must be 8 .*, got 8\.0"),
+        (dict(format=["int8"]), ValueError, r"QuantizedKVCache: format must be one of .*, got \['int8'\]"),
         (dict(format="int4"), ValueError, r"QuantizedKVCache: format must be one of \['fp8', 'int8'\], got 'int4'"),
         (dict(residual=-1), ValueError, r"QuantizedKVCache: residual must be an int >= 0, got -1"),
         (dict(group=0), ValueError, r"QuantizedKVCache: group must be an int >= 1, got 0"),

@@ -117,9 +117,9 @@ class QuantizedKVCache(KVCache):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
-        if format not in FORMATS:
+        if not isinstance(format, str) or format not in FORMATS:  # not a bare `in`: a list raised "unhashable"
             raise ValueError(f"{name}: format must be one of {sorted(FORMATS)}, got {format!r}")
-        if bits != 8:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits != 8:  # 8.0 passed as 8 before
             raise ValueError(f"{name}: bits must be 8 (int8 and fp8 e4m3fn are 8-bit formats), got {bits!r}")
         storage = getattr(torch, FORMATS[format][0], None)
         if storage is None:
