@@ -156,20 +156,12 @@ def _stored(read: CacheRead, row: int) -> dict[int, torch.Tensor]:
 # ---------------------------------------------------------------------------- dropped tokens
 @every_kind
 @pytest.mark.parametrize("how", ["rollback", "crop", "reset"])
-def test_dropped_tokens_leave_no_trace_in_later_reads(kind, how, request):
+def test_dropped_tokens_leave_no_trace_in_later_reads(kind, how):
     """Tokens a rollback, a crop or a reset drops are gone from every later read: a read that returns slots
     past a row's length (a static cache's rows of other lengths, a ring, every slot under
     ``torch.compile``) returns zeros there, never the dropped keys; caches whose reads stop at the
     length never return those slots (docs/inference.md, "Crop, reorder, rollback, refusals").
     The dropped tokens are NaN here, so a trace of them would show."""
-    if kind.name.startswith("paged") and how == "rollback":  # runs, and must fail until it is fixed
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="PagedKVCache.rollback keeps the dropped tokens in the row's pages (caches/paged.py is "
-                "being changed on another branch; issue 27 reliability item 3 left open there)",
-            )
-        )
     lengths = [5, 3] if kind.per_row else [5, 5]  # rows of their own lengths: reads past row 1's length
     cache = _filled(kind, lengths)
     k, _ = kind.kv(7, seed=2)
@@ -215,6 +207,23 @@ def test_a_static_cache_zeroes_dropped_slots_inside_a_compiled_step_too():
             cache.values[row, :, :n], v[row, :, :n]
         )
         assert not cache.keys[row, :, n:].any() and not cache.values[row, :, n:].any()
+
+
+# ---------------------------------------------------------------------------- zero new tokens
+@every_kind
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_read_of_zero_new_tokens_has_a_mask_with_no_rows(kind, causal):
+    """An update of no tokens (a peek at what the cache holds) reads every slot, and its ``mask``
+    has no query rows; a cache whose reads name each slot's position once raised a reshape error
+    there (``view(-1, ...)`` of no elements)."""
+    cache = _filled(kind, [5, 3] if kind.per_row else [5, 5])
+    k, v = kind.kv(0)
+    read = cache.update(k, v)
+    mask = read.mask(kind.mask(), causal, HKV)
+    if isinstance(mask, torch.Tensor):
+        assert mask.shape[-2] in (0, 1) and mask.shape[-1] == read.keys.shape[2]  # Lq or broadcast
+    cache.rollback()
+    assert cache.lengths.tolist() == ([5, 3] if kind.per_row else [5, 5])
 
 
 # ---------------------------------------------------------------------------- lengths, length

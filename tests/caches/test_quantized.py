@@ -154,6 +154,8 @@ def test_rollback_and_reorder_keep_slots_and_scales_together(fmt):
             ValueError,
             r"QuantizedKVCache: bits must be 8 \(int8 and fp8 e4m3fn are 8-bit formats\), got 4",
         ),
+        (dict(bits=8.0), ValueError, r"QuantizedKVCache: bits must be 8 .*, got 8\.0"),
+        (dict(format=["int8"]), ValueError, r"QuantizedKVCache: format must be one of .*, got \['int8'\]"),
         (dict(format="int4"), ValueError, r"QuantizedKVCache: format must be one of \['fp8', 'int8'\], got 'int4'"),
         (dict(residual=-1), ValueError, r"QuantizedKVCache: residual must be an int >= 0, got -1"),
         (dict(group=0), ValueError, r"QuantizedKVCache: group must be an int >= 1, got 0"),
@@ -164,6 +166,25 @@ def test_rollback_and_reorder_keep_slots_and_scales_together(fmt):
 def test_constructor_refuses_bad_arguments(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         QuantizedKVCache(1, 16, 1, 8, **kwargs)
+
+
+@pytest.mark.parametrize("span,expected", [(5, 4), (12, 12), (10**9, 80), (8 * 4096, 80)])
+def test_span_is_whole_groups_within_the_8_bit_region(span, expected):
+    """``span`` is rounded down to whole groups and capped at the groups ``max_len`` holds
+    (``max_len - sinks = 78`` tokens: 20 groups of 4, 80 slots): an int8 step pads its slots to
+    whole spans, so a span past ``max_len`` made every step allocate span-sized buffers (out of
+    memory at ``10**9``) for slots that cannot exist. The step equals the one with the capped span."""
+    cache = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=span)
+    assert cache.span == expected and cache.k_channel.shape[2] == -(-80 // expected)
+    k, v = torch.randn(1, 2, 60, 8, dtype=torch.float32), torch.randn(1, 2, 60, 8, dtype=torch.float32)
+    same = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=expected)
+    q = torch.randn(1, 4, 1, 8)
+    outs = []
+    for c in (cache, same):
+        c.update(k, v)
+        read = c.update(k[:, :, :1], v[:, :, :1])
+        outs.append(mh.backends.decode_blocks.decode_blocks(q, read.blocks, read.mask(None, True, 4)))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_a_write_past_max_len_is_refused_with_the_cache_unchanged():

@@ -171,6 +171,33 @@ def test_the_compressed_blocks_are_extended_as_the_cache_grows(monkeypatch):
     assert sum(count for _, count in firsts) == (20 - 4) // 2 + 1
 
 
+def test_compressed_blocks_follow_a_reorder_and_the_compression_weights():
+    """The compressed blocks kept beside a cache are derived from its rows and from φ's weights:
+    after ``reorder`` (beam search: rows moved, batch the same size) or a change of ``compress_k``
+    (an optimizer step between calls), a step equals the full forward of the reordered rows with
+    the new weights (before, the old rows' blocks were reused: errors of order 1)."""
+    layer = _layer(4, 2, 4, 2, 4, 3, 5)
+    x = _x(2, 16)
+    with torch.no_grad():
+        for p in layer.parameters():  # weights large enough that stale blocks change the output
+            p.normal_(0, 0.3)
+        for order in ([1, 0], [1, 1]):
+            cache = mh.DynamicKVCache()
+            layer(x[:, :12], kv_cache=cache)
+            cache.reorder(torch.tensor(order))
+            step = layer(x[order, 12:13], kv_cache=cache)
+            torch.testing.assert_close(step, layer(x[order, :13])[:, 12:])
+        cache = mh.DynamicKVCache()
+        layer(x[:, :12], kv_cache=cache)
+        layer.compress_k.weight.mul_(2)
+        torch.testing.assert_close(layer(x[:, 12:13], kv_cache=cache), layer(x[:, :13])[:, 12:])
+        cache.crop(9)  # crop and rollback only shorten: the blocks of the kept slots stay valid
+        revision = cache.revision
+        steps = [layer(x[:, 9:11], kv_cache=cache), layer(x[:, 11:12], kv_cache=cache)]
+        assert cache.revision == revision
+        torch.testing.assert_close(torch.cat(steps, dim=1), layer(x[:, :12])[:, 9:])
+
+
 def test_the_selected_branch_runs_gathered():
     layer = _layer(4, 2, 4, 2, 4, 3, 5)
     x = _x(1, 300)

@@ -135,6 +135,31 @@ def test_prefill_and_decode_steps_equal_the_full_forward(prefill, step):
     torch.testing.assert_close(torch.cat(outs, dim=1), full)
 
 
+def test_a_reordered_cache_or_new_index_weights_are_refused_with_the_cache_unchanged():
+    """The indexer keys of cached tokens come from the layer's input, which the cache does not
+    hold: after ``reorder`` (rows moved, batch the same size) or a change of ``index_k`` they
+    cannot be computed again, and reusing them selected by another row's keys (silently wrong).
+    The step is refused, naming the cause, and the cache keeps its tokens."""
+    layer = _layer(4, 2, 3)
+    x = _x(2, 14)
+    with torch.no_grad():
+        cache = mh.DynamicKVCache()
+        layer(x[:, :12], kv_cache=cache)
+        cache.reorder(torch.tensor([1, 0]))
+        keys = cache.keys.clone()
+        with pytest.raises(RuntimeError, match=r"cache was reordered or reset .*\(revision 0 then, 1 now\)"):
+            layer(x[[1, 0], 12:13], kv_cache=cache)
+        assert cache.length == 12 and torch.equal(cache.keys, keys)
+        cache = mh.DynamicKVCache()
+        layer(x[:, :12], kv_cache=cache)
+        layer.index_k.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="has new index_k weights"):
+            layer(x[:, 12:13], kv_cache=cache)
+        assert cache.length == 12
+        cache.reset()  # a new sequence after a reset needs no earlier keys
+        torch.testing.assert_close(layer(x[:, :13], kv_cache=cache), layer(x[:, :13]))
+
+
 def test_the_selection_runs_gathered():
     layer = _layer(4, 2, 16)
     x = torch.randn(1, 300, E, dtype=torch.float64)

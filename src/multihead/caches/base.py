@@ -203,8 +203,10 @@ class CacheRead:
             return causal_mask() if mask is None else mask & causal_mask()
         key_positions = self.key_positions
         assert key_positions is not None  # not contiguous
-        q = self.query_positions.view(-1, 1, Lq, 1)  # (B|1, 1, Lq, 1)
-        kv = key_positions.view(-1, 1, 1, S)  # (B|1, 1, 1, S)
+        # the batch dim named, not -1: a read of zero new tokens (Lq = 0) has no size to infer it from
+        qp = self.query_positions
+        q = qp.view(qp.shape[0] if qp.dim() == 2 else 1, 1, Lq, 1)  # (B|1, 1, Lq, 1)
+        kv = key_positions.view(key_positions.shape[0] if key_positions.dim() == 2 else 1, 1, 1, S)  # (B|1, 1, 1, S)
         stored = kv != EMPTY_POSITION
         allowed = stored & (kv <= q) if causal else stored
         if self.window is not None:

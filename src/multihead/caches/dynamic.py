@@ -75,6 +75,7 @@ class DynamicKVCache(KVCache):
         self._v: Tensor | None = None  # (B, Hkv, capacity, Dv)
         self._length = 0
         self._undo: int | None = None  # the length before the last update
+        self._revision = 0  # bumped when held slots may hold other tokens (reorder, reset)
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -89,6 +90,14 @@ class DynamicKVCache(KVCache):
         if self._k is None:
             return torch.zeros(0, dtype=torch.int64)
         return torch.full((self._k.shape[0],), self._length, dtype=torch.int64, device=self._k.device)
+
+    @property
+    def revision(self) -> int:
+        """A count that changes whenever the slots below :attr:`length` may hold other tokens than
+        before: :meth:`reorder` (rows moved) and :meth:`reset`. An update, :meth:`crop` and
+        :meth:`rollback` only append or shorten, so what is derived from the first ``n`` slots
+        (NSA's compressed blocks) stays valid for those slots while this is unchanged."""
+        return self._revision
 
     @property
     def capacity(self) -> int:
@@ -194,11 +203,11 @@ class DynamicKVCache(KVCache):
         self._k = self._k.index_select(0, indices)
         if self._separate_values and self._v is not None:
             self._v = self._v.index_select(0, indices)
-        self._undo = None
+        self._undo, self._revision = None, self._revision + 1
 
     def reset(self) -> None:
         self._k = self._v = None
-        self._length, self._undo = 0, None
+        self._length, self._undo, self._revision = 0, None, self._revision + 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(length={self._length}, capacity={self.capacity}, nbytes={self.nbytes})"

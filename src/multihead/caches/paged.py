@@ -226,7 +226,17 @@ class PagedKVCache(KVCache):
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        self.tables, self._lengths, self.free = self._undo
+        tables, lengths, free = self._undo
+        # The update's tokens in the pages the rows keep (each row's last page, from its old length
+        # on) back to zeros, as crop and the static caches do: a read returns whole pages, and a NaN
+        # left there reaches the output through its weight of 0 (see _clear). The pages the update
+        # claimed go back to the free list and are cleared when claimed again.
+        partial = [(t[-1], n % self.page_size) for t, n in zip(tables, lengths) if n % self.page_size]
+        if partial:
+            check_writable(f"{type(self).__name__}.rollback", self.key_pages)
+        for page, start in partial:
+            self._clear(torch.tensor([page], device=self.key_pages.device), start)
+        self.tables, self._lengths, self.free = tables, lengths, free
         self._undo = None
 
     def release(self, rows: int | Sequence[int] | Tensor) -> None:

@@ -80,8 +80,8 @@ class QuantizedKVCache(KVCache):
         sinks: the first tokens always kept in full precision (attention sinks).
         group: tokens quantized together (they leave the residual window together).
         span: tokens sharing one row of per-channel key scales (rounded down to a multiple of
-            ``group``, at least one group); a decode step multiplies each span's int8 keys with
-            one integer GEMM per KV head.
+            ``group``, at least one group, at most the groups ``max_len`` holds); a decode step
+            multiplies each span's int8 keys with one integer GEMM per KV head.
         dtype, device: the compute dtype (what reads return, what new keys must have) and device.
     """
 
@@ -117,9 +117,9 @@ class QuantizedKVCache(KVCache):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
-        if format not in FORMATS:
+        if not isinstance(format, str) or format not in FORMATS:  # not a bare `in`: a list raised "unhashable"
             raise ValueError(f"{name}: format must be one of {sorted(FORMATS)}, got {format!r}")
-        if bits != 8:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits != 8:  # 8.0 passed as 8 before
             raise ValueError(f"{name}: bits must be 8 (int8 and fp8 e4m3fn are 8-bit formats), got {bits!r}")
         storage = getattr(torch, FORMATS[format][0], None)
         if storage is None:
@@ -128,9 +128,12 @@ class QuantizedKVCache(KVCache):
             raise TypeError(f"{name}: dtype must be a floating-point torch.dtype of 16 bits or more, got {dtype!r}")
         self.format, self.bits, self.residual, self.sinks, self.group = format, bits, residual, sinks, group
         self.max_len = max_len
-        self.span = max(1, span // group) * group
         B, Hkv, D, Dv = batch_size, num_kv_heads, head_dim, value_dim
         groups = -(-max(0, max_len - sinks) // group)
+        # At most the 8-bit region: an int8 step pads its slots to whole spans, so a span past
+        # max_len made every step allocate and scan span-sized buffers (out of memory for a large
+        # one) for slots that can never exist.
+        self.span = min(max(1, span // group), max(1, groups)) * group
         spans = -(-groups * group // self.span)
         full: dict[str, Any] = dict(dtype=dtype, device=device)
         self.sink_k, self.sink_v = torch.zeros(B, Hkv, sinks, D, **full), torch.zeros(B, Hkv, sinks, Dv, **full)

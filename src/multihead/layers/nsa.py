@@ -128,7 +128,10 @@ class NativeSparseAttention(MultiHeadAttention):
         self.compress_pos_k = nn.Parameter(torch.zeros(compress_block, D, device=device, dtype=dtype))
         self.compress_pos_v = nn.Parameter(torch.zeros(compress_block, D, device=device, dtype=dtype))
         self.gate_proj = nn.Linear(d_model, 3 * num_heads, device=device, dtype=dtype)  # (cmp, slc, win) per head
-        self._compressed: weakref.WeakKeyDictionary[DynamicKVCache, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
+        # per cache: its compressed blocks and what they were derived from (_compress_stamp)
+        self._compressed: weakref.WeakKeyDictionary[DynamicKVCache, tuple[Tensor, Tensor, tuple[Any, ...]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._cache: DynamicKVCache | None = None
 
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
@@ -172,6 +175,15 @@ class NativeSparseAttention(MultiHeadAttention):
         kb = kb.transpose(-1, -2) + self.compress_pos_k  # (B, Hkv, n, l, D)
         vb = vb.transpose(-1, -2) + self.compress_pos_v
         return self.compress_k(kb.flatten(-2)), self.compress_v(vb.flatten(-2))
+
+    def _compress_stamp(self, cache: DynamicKVCache) -> tuple[Any, ...]:
+        """What a cache's compressed blocks derive from besides the slots they cover: the cache's
+        :attr:`~multihead.caches.DynamicKVCache.revision` (a reorder moves rows under the blocks:
+        beam search) and the compression's parameters (an optimizer step, ``.data =``, ``.to()``
+        change them). Blocks recorded under another stamp are computed again."""
+        params = [*self.compress_k.parameters(), *self.compress_v.parameters()]
+        params += [self.compress_pos_k, self.compress_pos_v]
+        return (cache.revision, *((id(p), p.data_ptr(), p._version) for p in params))
 
     def extra_repr(self) -> str:
         return (
@@ -356,7 +368,8 @@ class NsaCore:
         old = Lk - Lq  # slots written before this call
         keep = (old - l) // d + 1 if old >= l else 0
         record = layer._compressed.get(cache)
-        if record is None or record[0].shape[:2] != k.shape[:2]:
+        stamp = layer._compress_stamp(cache)
+        if record is None or record[2] != stamp or record[0].shape[:2] != k.shape[:2]:
             keep = 0
         else:
             keep = min(keep, record[0].shape[2])
@@ -365,7 +378,7 @@ class NsaCore:
             assert record is not None  # keep > 0 only with a record
             kn = torch.cat([record[0][:, :, :keep], kn], dim=2)
             vn = torch.cat([record[1][:, :, :keep], vn], dim=2)
-        layer._compressed[cache] = (kn, vn)
+        layer._compressed[cache] = (kn, vn, stamp)
         return kn, vn
 
     def __repr__(self) -> str:

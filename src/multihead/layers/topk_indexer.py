@@ -92,7 +92,11 @@ class TopKIndexerAttention(MultiHeadAttention):
         self.index_q = nn.Linear(d_model, index_heads * index_dim, bias=False, device=device, dtype=dtype)
         self.index_k = nn.Linear(d_model, index_dim, bias=False, device=device, dtype=dtype)
         self.index_w = nn.Linear(d_model, index_heads, bias=False, device=device, dtype=dtype)
-        self._keys: weakref.WeakKeyDictionary[DynamicKVCache, Tensor] = weakref.WeakKeyDictionary()
+        # per cache: the indexer keys of its tokens and the cache's revision and index_k's weight when
+        # they were computed (a reorder moves rows under them; an optimizer step changes index_k)
+        self._keys: weakref.WeakKeyDictionary[DynamicKVCache, tuple[Tensor, tuple[int, ...]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._cache: DynamicKVCache | None = None
 
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
@@ -187,7 +191,20 @@ class IndexerCore:
         if cache is None:
             return new
         old = Lk - Lq
-        record = layer._keys.get(cache)
+        weight = layer.index_k.weight
+        stamp = (cache.revision, id(weight), weight.data_ptr(), weight._version)
+        entry = layer._keys.get(cache)
+        record = None if entry is None else entry[0]
+        if old and entry is not None and entry[1] != stamp:
+            # The indexer keys come from the layer's input, which the cache does not hold: they
+            # cannot be computed again, and reusing them would select by other rows' (or other
+            # weights') keys.
+            changed = "was reordered or reset" if entry[1][0] != stamp[0] else "has new index_k weights"
+            raise RuntimeError(
+                f"{type(layer).__name__}: the cache {changed} since this layer indexed its {old} tokens "
+                f"(revision {entry[1][0]} then, {stamp[0]} now), so their indexer keys no longer match; "
+                f"hint: prefill a new cache (reorder and weight updates are not supported with a cache)"
+            )
         if old and (record is None or record.shape[1] < old or record.shape[0] != new.shape[0]):
             raise RuntimeError(
                 f"{type(layer).__name__}: the cache holds {old} tokens this layer did not index; hint: fill a "
@@ -198,7 +215,7 @@ class IndexerCore:
         else:
             assert record is not None  # refused above otherwise
             keys = torch.cat([record[:, :old], new], dim=1)
-        layer._keys[cache] = keys.detach()
+        layer._keys[cache] = (keys.detach(), stamp)
         return keys
 
     def __repr__(self) -> str:
