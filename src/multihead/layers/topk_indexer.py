@@ -18,8 +18,11 @@ summed over the heads and renormalised, over the selected keys; the indexer's in
 from the rest of the model (as the paper does), so the loss trains the indexer alone.
 
 The choice is a token-level :func:`~multihead.masks.block_select` (blocks of one key, one row per
-query token, one row for every head), so it runs on ``blocksparse``'s gathered path (cost ∝
-``top_k``, not ``Lk``). With a :class:`~multihead.caches.DynamicKVCache` the indexer keys of the
+query token, one row for every head). A plain call (``backend="auto"``, no weights, no score
+modifier) runs it a chunk of queries at a time against the keys they chose together
+(:func:`~multihead.layers.token_selection.token_selected_attention`: no copy of each query's keys);
+weights, a named backend or a score modifier run the mask on ``blocksparse``'s gathered path
+(each query's ``top_k`` keys copied beside it). With a :class:`~multihead.caches.DynamicKVCache` the indexer keys of the
 cached tokens are kept beside the cache (by the cache object, weakly) and extended by each call's
 new tokens (the cache's last ``Lq`` slots), so prefill + decode steps equal the full forward. The
 paper's indexer also rotates part of ``q_I``/``k_I`` and runs in FP8; here it is unrotated and in
@@ -42,6 +45,7 @@ from multihead.explain import Explanation, explain
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
+from multihead.layers.token_selection import token_selected_attention
 from multihead.masks import Mask, block_select, causal
 
 __all__ = ["TopKIndexerAttention", "IndexerCore"]
@@ -158,7 +162,15 @@ class IndexerCore:
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
     ) -> Tensor | AttentionResult:
-        result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
+        Lq, Lk = q.shape[2], k.shape[2]
+        plain = options.get("backend", "auto") == "auto" and options.get("score_mod") is None
+        if plain and not options.get("return_weights"):
+            # the queries a chunk at a time against the keys they chose together (token_selection.py):
+            # no copy of each query's top_k keys
+            return token_selected_attention(q, k, v, self.choose(Lq, Lk), **options)
+        # weights, a named backend or a score modifier (positions are those of the whole call):
+        # the block_select mask, every key copied beside its query
+        result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(Lq, Lk), **options)
         return result
 
     def explain(
