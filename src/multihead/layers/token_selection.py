@@ -64,14 +64,17 @@ def token_selected_attention(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, **
         r = Lk - Lq + c1  # keys up to the chunk's last query: no choice lies beyond
         idx = chosen[:, :, c0:c1]  # (B, 1, C, n)
         valid = idx >= 0
-        keys = torch.unique(idx[valid])  # sorted
-        if keys.numel() == 0:  # no query of the chunk chose a key: the fully masked rule, zeros
+        present = torch.zeros(r + 1, dtype=torch.bool, device=q.device)
+        present[torch.where(valid, idx, r)] = True  # a scatter: no sort of the chunk's choices
+        count = int(present[:r].sum())
+        if count == 0:  # no query of the chunk chose a key: the fully masked rule, zeros
             outs.append(q.new_zeros(*q.shape[:2], c1 - c0, v.shape[-1]))
             continue
-        if keys.numel() < GATHER_BELOW * r:
+        if count < GATHER_BELOW * r:
+            keys = present[:r].nonzero().squeeze(1)  # (|U|,) sorted
             kc, vc = k.index_select(2, keys), v.index_select(2, keys)  # (B, Hkv, |U|, D)
             column = torch.searchsorted(keys, idx.clamp(min=0))
-            width = keys.numel()
+            width = count
         else:
             kc, vc = k[:, :, :r], v[:, :, :r]  # a view: the chunk's causal range
             column, width = idx.clamp(min=0), r

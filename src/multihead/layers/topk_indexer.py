@@ -42,6 +42,7 @@ from multihead.attention import attention
 from multihead.caches import DynamicKVCache
 from multihead.call import AttentionResult
 from multihead.explain import Explanation, explain
+from multihead.layers import token_selection
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
@@ -182,11 +183,22 @@ class IndexerCore:
     def choose(self, Lq: int, Lk: int) -> Tensor:
         """``(B, 1, Lq, top_k)`` int64: each query's keys, best first, ``-1`` for none."""
         layer = self.layer
+        n = min(layer.top_k, Lk)
         with torch.no_grad():  # the choice is not differentiated
-            scores = layer.index_scores(self.x, self._keys(Lq, Lk)).float()  # (B, Lq, Lk)
-            pos = torch.arange(Lq, device=scores.device)[:, None] + (Lk - Lq)
-            scores = scores.masked_fill(torch.arange(Lk, device=scores.device) > pos, float("-inf"))
-            return best_first(scores, layer.top_k).unsqueeze(1)  # ties to the lower position
+            keys = self._keys(Lq, Lk)  # (B, Lk, d_I)
+            chosen = torch.full((keys.shape[0], 1, Lq, n), -1, dtype=torch.long, device=keys.device)
+            # a chunk of queries at a time against the keys up to its last one: half the scores
+            # of the whole table, and a table a chunk high (the whole one is L² · H_I floats)
+            step = token_selection.QUERY_CHUNK
+            for c0 in range(0, Lq, step):
+                c1 = min(Lq, c0 + step)
+                r = Lk - Lq + c1
+                scores = layer.index_scores(self.x[:, c0:c1], keys[:, :r]).float()  # (B, C, r)
+                pos = torch.arange(c0, c1, device=scores.device)[:, None] + (Lk - Lq)
+                scores = scores.masked_fill(torch.arange(r, device=scores.device) > pos, float("-inf"))
+                best = best_first(scores, n)  # (B, C, min(n, r)), ties to the lower position
+                chosen[:, 0, c0:c1, : best.shape[-1]] = best
+            return chosen
 
     def mask(self, Lq: int, Lk: int) -> Mask:
         return block_select(self.choose(Lq, Lk), 1, query_block_size=1) & causal()
