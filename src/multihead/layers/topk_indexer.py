@@ -177,7 +177,10 @@ class IndexerCore:
     def explain(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
     ) -> Explanation:
-        """:func:`multihead.explain` of the call over the selected keys (backend, path, density)."""
+        """:func:`multihead.explain` of the call over the selected keys as a ``block_select`` mask
+        (backend, path, density): what a call with weights or a named backend runs; a plain call
+        runs :func:`~multihead.layers.token_selection.token_selected_attention` instead (query
+        chunks, each one :func:`multihead.attention` call with a boolean mask over its keys)."""
         return explain(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
 
     def choose(self, Lq: int, Lk: int) -> Tensor:
