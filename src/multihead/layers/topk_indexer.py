@@ -165,7 +165,9 @@ class IndexerCore:
     ) -> Tensor | AttentionResult:
         Lq, Lk = q.shape[2], k.shape[2]
         plain = options.get("backend", "auto") == "auto" and options.get("score_mod") is None
-        if plain and not options.get("return_weights"):
+        # under torch.compile the mask (its one graph break is where block_select reads its table):
+        # the chunks decide on the host per chunk
+        if plain and not options.get("return_weights") and not torch.compiler.is_compiling():
             # the queries a chunk at a time against the keys they chose together (token_selection.py):
             # no copy of each query's top_k keys
             return token_selected_attention(q, k, v, self.choose(Lq, Lk), **options)
