@@ -8,7 +8,10 @@ indexer attention, causal, fp32, in one process on the same input.
   32 every 16 keys, 16 selected blocks of 64, a window of 512 (``--nsa`` to change);
 * ``moba``: :class:`multihead.MixtureOfBlockAttention`, blocks of 64, 16 read per query;
 * ``topk``: :class:`multihead.TopKIndexerAttention`, 1024 keys per query (as many as NSA's
-  selected branch), an indexer of 4 heads of 32.
+  selected branch), an indexer of 4 heads of 32 (chunks of queries against the keys they chose,
+  ``layers/token_selection.py``);
+* ``topk-mask``: the same layer with ``backend="blocksparse"``: its ``block_select`` mask, each
+  query's keys copied beside it (the path before ``token_selection.py``).
 
 Each contender is first checked against a float64 copy of itself at ``L = 256``. Printed per
 length: CPU time per call on one thread (process time; the machine is shared: see
@@ -35,13 +38,21 @@ E, H, HKV = 768, 12, 2
 
 def contenders() -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
+    topk = mh.TopKIndexerAttention(E, H, num_kv_heads=HKV, top_k=1024, index_heads=4, index_dim=32)
+    # the same layer run on the block_select mask (each query's keys copied: the path before
+    # token_selection.py), which a named backend keeps
+    mask_path = mh.TopKIndexerAttention(
+        E, H, num_kv_heads=HKV, top_k=1024, index_heads=4, index_dim=32, backend="blocksparse"
+    )
+    mask_path.load_state_dict(topk.state_dict())
     return {
         "plain": mh.MultiHeadAttention(E, H, num_kv_heads=HKV, causal=True),
         "nsa": mh.NativeSparseAttention(
             E, H, num_kv_heads=HKV, compress_block=32, compress_stride=16, select_block=64, select_count=16, window=512
         ),
         "moba": mh.MixtureOfBlockAttention(E, H, num_kv_heads=HKV, block_size=64, top_k=16),
-        "topk": mh.TopKIndexerAttention(E, H, num_kv_heads=HKV, top_k=1024, index_heads=4, index_dim=32),
+        "topk": topk,
+        "topk-mask": mask_path,
     }
 
 
@@ -67,7 +78,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--forward-only", action="store_true")
-    parser.add_argument("--layers", default="plain,nsa,moba,topk", help="which contenders (plain always runs)")
+    parser.add_argument(
+        "--layers", default="plain,nsa,moba,topk,topk-mask", help="which contenders (plain always runs)"
+    )
     args = parser.parse_args()
     print(context())
     print("before:", machine_state())

@@ -49,6 +49,18 @@ def test_best_first_is_the_stable_sort(dtype):
         assert torch.equal(got, _stable_first(s, n)), (s, n)
     s = torch.randn(3, 1000, generator=g, dtype=dtype)
     assert torch.equal(best_first(s, 16), _stable_first(s, 16))
+    # rows without ties (the fp32 topk) beside rows with a tie at, above or below the n-th
+    # best, and rows with fewer than n finite scores, in one call
+    s = torch.randn(8, 300, generator=g, dtype=dtype)
+    ranked = s.sort(dim=-1, descending=True).values
+    s[1, 7] = ranked[1, 19]  # a tie across the boundary (n = 20)
+    s[2, 9] = ranked[2, 3]  # a tie inside the chosen
+    s[3, 11] = ranked[3, 40]  # a tie below the boundary: the fast order holds
+    s[4, 50:] = float("-inf")
+    s[5, 10:] = float("-inf")  # fewer than n finite
+    s[6, :] = 0.0  # every score tied
+    assert torch.equal(best_first(s, 20), _stable_first(s, 20))
+    assert torch.equal(best_first(s[:, :20], 20), _stable_first(s[:, :20], 20))  # n = m
 
 
 def _nsa(Hq, Hkv, l, d, ls, n, dtype=torch.float64):

@@ -12,6 +12,10 @@ low bits, so ``topk`` of the keys is exactly the stable sort's first ``n``::
 
 fp64 scores (the fp64 layers the tests compare with the papers' equations) keep every bit and
 take the stable sort: a key of 64 bits has no room for the index.
+
+Rows whose ``n + 1`` best fp32 scores are all different (most rows of real scores) have one
+order only: those take a ``topk`` of the scores themselves, and only rows with a tie (or a NaN)
+build the keys.
 """
 
 from __future__ import annotations
@@ -35,9 +39,26 @@ def best_first(scores: Tensor, n: int) -> Tensor:
             ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
             return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n])
         s = scores.float() + 0.0  # -0.0 -> 0.0: one key for equal scores
+        if torch.compiler.is_compiling():  # the rows with a tie are a host decision: keys, no graph break
+            return _keyed(s, n)
+        # most rows of real scores hold no tie among their n + 1 best: there the fp32 topk's
+        # order is the only one, and it runs faster than a topk of int64 keys (measured:
+        # docs/variants.md "The top-k indexer's cost"); rows with a tie (or a NaN) take the keys
+        vals, order = s.topk(min(n + 1, m), dim=-1)  # sorted, largest first
+        tied = ((vals[..., 1:] == vals[..., :-1]) & ~torch.isneginf(vals[..., 1:])).any(-1) | vals.isnan().any(-1)
+        fast = torch.where(torch.isneginf(vals[..., :n]), -1, order[..., :n])
+        if bool(tied.any()):
+            fast[tied] = _keyed(s[tied], n)
+        return fast
+
+
+def _keyed(s: Tensor, n: int) -> Tensor:
+    """``best_first`` of fp32 rows ``s (R, m)`` through one ``topk`` of int64 keys (ties exact)."""
+    m = s.shape[-1]
+    with torch.no_grad():
         bits = s.view(torch.int32)
         ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # int order = float order
-        inverted = (m - 1) - torch.arange(m, device=scores.device)
+        inverted = (m - 1) - torch.arange(m, device=s.device)
         key = (ordered * m + inverted).masked_fill_(torch.isneginf(s), _NONE)
         top = key.topk(n, dim=-1).values  # sorted, largest first
         return torch.where(top == _NONE, -1, (m - 1) - torch.remainder(top, m))

@@ -18,8 +18,11 @@ summed over the heads and renormalised, over the selected keys; the indexer's in
 from the rest of the model (as the paper does), so the loss trains the indexer alone.
 
 The choice is a token-level :func:`~multihead.masks.block_select` (blocks of one key, one row per
-query token, one row for every head), so it runs on ``blocksparse``'s gathered path (cost ∝
-``top_k``, not ``Lk``). With a :class:`~multihead.caches.DynamicKVCache` the indexer keys of the
+query token, one row for every head). A plain call (``backend="auto"``, no weights, no score
+modifier) runs it a chunk of queries at a time against the keys they chose together
+(:func:`~multihead.layers.token_selection.token_selected_attention`: no copy of each query's keys);
+weights, a named backend or a score modifier run the mask on ``blocksparse``'s gathered path
+(each query's ``top_k`` keys copied beside it). With a :class:`~multihead.caches.DynamicKVCache` the indexer keys of the
 cached tokens are kept beside the cache (by the cache object, weakly) and extended by each call's
 new tokens (the cache's last ``Lq`` slots), so prefill + decode steps equal the full forward. The
 paper's indexer also rotates part of ``q_I``/``k_I`` and runs in FP8; here it is unrotated and in
@@ -39,9 +42,11 @@ from multihead.attention import attention
 from multihead.caches import DynamicKVCache
 from multihead.call import AttentionResult
 from multihead.explain import Explanation, explain
+from multihead.layers import token_selection
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
+from multihead.layers.token_selection import token_selected_attention
 from multihead.masks import Mask, block_select, causal
 
 __all__ = ["TopKIndexerAttention", "IndexerCore"]
@@ -162,23 +167,47 @@ class IndexerCore:
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
     ) -> Tensor | AttentionResult:
-        result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
+        Lq, Lk = q.shape[2], k.shape[2]
+        plain = options.get("backend", "auto") == "auto" and options.get("score_mod") is None
+        # under torch.compile the mask (its one graph break is where block_select reads its table):
+        # the chunks decide on the host per chunk
+        if plain and not options.get("return_weights") and not torch.compiler.is_compiling():
+            # the queries a chunk at a time against the keys they chose together (token_selection.py):
+            # no copy of each query's top_k keys
+            return token_selected_attention(q, k, v, self.choose(Lq, Lk), **options)
+        # weights, a named backend or a score modifier (positions are those of the whole call):
+        # the block_select mask, every key copied beside its query
+        result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(Lq, Lk), **options)
         return result
 
     def explain(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
     ) -> Explanation:
-        """:func:`multihead.explain` of the call over the selected keys (backend, path, density)."""
+        """:func:`multihead.explain` of the call over the selected keys as a ``block_select`` mask
+        (backend, path, density): what a call with weights or a named backend runs; a plain call
+        runs :func:`~multihead.layers.token_selection.token_selected_attention` instead (query
+        chunks, each one :func:`multihead.attention` call with a boolean mask over its keys)."""
         return explain(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
 
     def choose(self, Lq: int, Lk: int) -> Tensor:
         """``(B, 1, Lq, top_k)`` int64: each query's keys, best first, ``-1`` for none."""
         layer = self.layer
+        n = min(layer.top_k, Lk)
         with torch.no_grad():  # the choice is not differentiated
-            scores = layer.index_scores(self.x, self._keys(Lq, Lk)).float()  # (B, Lq, Lk)
-            pos = torch.arange(Lq, device=scores.device)[:, None] + (Lk - Lq)
-            scores = scores.masked_fill(torch.arange(Lk, device=scores.device) > pos, float("-inf"))
-            return best_first(scores, layer.top_k).unsqueeze(1)  # ties to the lower position
+            keys = self._keys(Lq, Lk)  # (B, Lk, d_I)
+            chosen = torch.full((keys.shape[0], 1, Lq, n), -1, dtype=torch.long, device=keys.device)
+            # a chunk of queries at a time against the keys up to its last one: half the scores
+            # of the whole table, and a table a chunk high (the whole one is L² · H_I floats)
+            step = token_selection.QUERY_CHUNK
+            for c0 in range(0, Lq, step):
+                c1 = min(Lq, c0 + step)
+                r = Lk - Lq + c1
+                scores = layer.index_scores(self.x[:, c0:c1], keys[:, :r]).float()  # (B, C, r)
+                pos = torch.arange(c0, c1, device=scores.device)[:, None] + (Lk - Lq)
+                scores = scores.masked_fill(torch.arange(r, device=scores.device) > pos, float("-inf"))
+                best = best_first(scores, n)  # (B, C, min(n, r)), ties to the lower position
+                chosen[:, 0, c0:c1, : best.shape[-1]] = best
+            return chosen
 
     def mask(self, Lq: int, Lk: int) -> Mask:
         return block_select(self.choose(Lq, Lk), 1, query_block_size=1) & causal()
