@@ -120,6 +120,22 @@ def published_nsa(params, x, *, Hq, Hkv, D, l, d, ls, n, w, positions=None):
     return linear(heads, params, "out_proj")
 
 
+def published_topk_of(layer, params, x, rope=True):
+    """:func:`published_topk` with a ``TopKIndexerAttention``'s sizes (``rope``: positions
+    ``0 .. L-1`` rotated, as the layer with a rotary embedding does)."""
+    return published_topk(
+        params,
+        x,
+        Hq=layer.num_heads,
+        Hkv=layer.num_kv_heads,
+        D=layer.head_dim,
+        top_k=layer.top_k,
+        HI=layer.index_heads,
+        dI=layer.index_dim,
+        positions=torch.arange(x.shape[1]) if rope else None,
+    )
+
+
 def published_topk(params, x, *, Hq, Hkv, D, top_k, HI, dI, positions=None):
     """DSA's sparse attention (DeepSeek-V3.2) from the equations, one query token at a time:
     ``I(t, s) = Σ_j w_tj · ReLU(q_I,tj · k_I,s)`` over ``s <= t``, the ``top_k`` keys by ``I``

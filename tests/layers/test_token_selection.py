@@ -22,7 +22,7 @@ from helpers import assert_relative
 from multihead.layers.token_selection import token_selected_attention
 from multihead.positions import RotaryEmbedding
 from multihead.reference import reference_attention
-from variants_math import published_topk
+from variants_math import published_topk_of
 
 E = 48
 
@@ -40,20 +40,6 @@ def _rope(Hq, on):
 
 def _x(B, L, seed=1):
     return torch.randn(B, L, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _oracle(layer, params, x):
-    return published_topk(
-        params,
-        x,
-        Hq=layer.num_heads,
-        Hkv=layer.num_kv_heads,
-        D=layer.head_dim,
-        top_k=layer.top_k,
-        HI=layer.index_heads,
-        dI=layer.index_dim,
-        positions=torch.arange(x.shape[1]),
-    )
 
 
 @pytest.fixture(params=[0.0, 2.0], ids=["view", "gather"])
@@ -87,7 +73,7 @@ def test_plain_call_equals_the_equations_across_chunks(small_chunks, monkeypatch
     assert seen, "the plain call did not run token_selected_attention"
     xr = x.detach().clone().requires_grad_()
     params = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
-    want = _oracle(layer, params, xr)[0]
+    want = published_topk_of(layer, params, xr)[0]
     torch.testing.assert_close(y, want)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     names = [n for n, _ in layer.named_parameters()]
@@ -106,7 +92,7 @@ def test_ties_in_the_indexer_go_to_the_lower_position(small_chunks):
         layer.index_w.weight.zero_()  # every score 0: every choice a tie, the first top_k keys win
     x = _x(2, 19)
     params = {n: p.detach() for n, p in layer.named_parameters()}
-    want, _, chosen = _oracle(layer, params, x)
+    want, _, chosen = published_topk_of(layer, params, x)
     assert chosen[0][18] == [0, 1, 2, 3]
     torch.testing.assert_close(layer(x), want)
 

@@ -22,7 +22,7 @@ import torch
 import multihead as mh
 from helpers import assert_relative
 from multihead.positions import RotaryEmbedding
-from variants_math import published_topk
+from variants_math import published_topk_of
 
 E = 48
 
@@ -44,20 +44,6 @@ def _x(B, L, seed=1):
     return torch.randn(B, L, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _oracle(layer, params, x, rope):
-    return published_topk(
-        params,
-        x,
-        Hq=layer.num_heads,
-        Hkv=layer.num_kv_heads,
-        D=layer.head_dim,
-        top_k=layer.top_k,
-        HI=layer.index_heads,
-        dI=layer.index_dim,
-        positions=torch.arange(x.shape[1]) if rope else None,
-    )
-
-
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("L,top_k", [(19, 5), (7, 9), (1, 3)], ids=lambda c: str(c))
 @pytest.mark.parametrize("rope", [False, True], ids=["no-rope", "rope"])
@@ -68,7 +54,7 @@ def test_equals_the_equations_forward_weights_and_gradients(heads, L, top_k, rop
     y, w = layer(x, need_weights=True)
     xr = x.detach().clone().requires_grad_()
     params = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
-    want, want_w, chosen = _oracle(layer, params, xr, rope)
+    want, want_w, chosen = published_topk_of(layer, params, xr, rope)
     torch.testing.assert_close(y, want)
     torch.testing.assert_close(w, want_w)
     assert all(len(c) == min(top_k, t + 1) for cb in chosen for t, c in enumerate(cb))
@@ -88,7 +74,7 @@ def test_the_indexer_loss_is_the_kl_to_the_main_attention_and_trains_the_indexer
     x = _x(2, 13)
     loss = layer.indexer_loss(x)
     params = {name: p.detach() for name, p in layer.named_parameters()}
-    _, weights, chosen = _oracle(layer, params, x, True)
+    _, weights, chosen = published_topk_of(layer, params, x, True)
     qi = (x @ params["index_q.weight"].T).unflatten(-1, (3, 8))
     ki = x @ params["index_k.weight"].T
     wi = x @ params["index_w.weight"].T
@@ -114,11 +100,11 @@ def test_low_precision_by_the_relative_rule(dtype):
     layer = _layer(4, 2, 5, rope=True)
     x = _x(2, 17)
     params = {n: p.detach() for n, p in layer.named_parameters()}
-    ref = _oracle(layer, params, x, True)[0]
+    ref = published_topk_of(layer, params, x, True)[0]
     low = _layer(4, 2, 5, rope=True).to(dtype)
     low.load_state_dict(layer.state_dict())
     got = low(x.to(dtype))
-    base = _oracle(layer, {n: p.detach() for n, p in low.named_parameters()}, x.to(dtype), True)[0]
+    base = published_topk_of(layer, {n: p.detach() for n, p in low.named_parameters()}, x.to(dtype), True)[0]
     assert_relative(got, ref, base, factor=10 if dtype == torch.float32 else 2)
 
 
