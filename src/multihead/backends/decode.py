@@ -51,10 +51,12 @@ Score modifiers and dropout are refused (``sdpa``/``blocksparse`` run them).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from multihead.backends import flash_pieces
+from multihead.backends import cpu_kernels, flash_pieces
 from multihead.backends.base import Backend, Capabilities, Runner, named
 from multihead.blocks import Block, Extent
 from multihead.call import AttentionCall, AttentionResult
@@ -106,16 +108,22 @@ class DecodeBackend(Backend):
         masks="every mask, as a row mask over the keys each call reads (bands and key padding by their key range)",
     )
 
-    def __init__(self, chunk_size: int | None = None):
+    def __init__(self, chunk_size: int | None = None, kernel: str = "auto"):
         """``chunk_size``: keys per chunk; ``None``: as many as keep a chunk's scores within
-        :data:`SCORES_PER_CHUNK` elements (at least 1024 keys)."""
+        :data:`SCORES_PER_CHUNK` elements (at least 1024 keys). ``kernel``: ``"auto"`` runs
+        multihead's CPU decode kernel (:mod:`~multihead.backends.cpu_kernels`) where it is built and
+        takes the call (CPU, fp32/bf16/fp16, no autograd, eager), PyTorch's GEMMs elsewhere;
+        ``"torch"`` always PyTorch's GEMMs."""
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
             raise ValueError(
                 f"DecodeBackend: chunk_size must be a positive int (keys per chunk) or None, got {chunk_size!r}"
             )
+        if kernel not in ("auto", "torch"):
+            raise ValueError(f"DecodeBackend: kernel must be 'auto' or 'torch', got {kernel!r}")
         self.chunk_size = chunk_size
+        self.kernel = kernel
 
     def _chunk(self, call: AttentionCall) -> int:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
@@ -171,7 +179,7 @@ class DecodeBackend(Backend):
 
     def plan(self, call: AttentionCall) -> list[str]:
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
-        plan = _Plan(call, self._chunk(call))
+        plan = _Plan(call, self._chunk(call), self.kernel)
         G = Hq // plan.kv_heads
         lines = []
         if plan.kv_heads != Hkv:
@@ -197,6 +205,15 @@ class DecodeBackend(Backend):
                 f"{G * Lq} query rows padded with {plan.pad} zero rows for q Kᵀ: on K/V streamed from memory "
                 f"MKL's fp32 GEMM reads {G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)"
             )
+        if plan.native:
+            lines.append(
+                "kernel: multihead's CPU decode kernel (cpu_decode.c, built for this CPU): each key and value read "
+                "once as stored, converted to fp32 in registers; scores, softmax and P V in fp32, one pass per KV head"
+            )
+            return lines
+        if call.q.device.type == "cpu" and self.kernel == "auto":
+            why = cpu_kernels.unavailable() or "it does not take this call (autograd, compile, dtype or head size)"
+            lines.append(f"kernel: PyTorch's GEMMs (the CPU decode kernel: {why})")
         precision = {
             torch.float16: "fp32 (inputs fp16; matmuls in fp16, scores upcast)",
             torch.bfloat16: "fp32 (inputs bf16; matmuls in bf16, scores upcast)",
@@ -222,7 +239,7 @@ class DecodeBackend(Backend):
         return flash_pieces.call_backward(call, out, lse, dout, dlse)
 
     def forward(self, call: AttentionCall) -> AttentionResult:
-        plan = _Plan(call, self._chunk(call))
+        plan = _Plan(call, self._chunk(call), self.kernel)
         # fp16/bf16: the scores are the half GEMM's, each rounded once (2^-9 of a score of 10 moves
         # its weight by 2%). An LSE of those would not normalise the weights attention() recomputes
         # from fp32 scores (a differential fuzzer found rows that did not sum to 1), so none is returned
@@ -234,7 +251,7 @@ class DecodeBackend(Backend):
     def runner(self, call: AttentionCall) -> Runner:
         """Calls that repeat (same shapes, strides, mask value, scale: :mod:`multihead.plans`) reuse
         the plan: the key range, the row mask and the padding are decided once."""
-        plan, scale, grad = _Plan(call, self._chunk(call)), call.scale, call.requires_grad
+        plan, scale, grad = _Plan(call, self._chunk(call), self.kernel), call.scale, call.requires_grad
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return plan.run(q, k, v, scale, grad, False)[0]
@@ -277,11 +294,15 @@ def _attend(
     half: bool,
     need_lse: bool,
     matmul=torch.matmul,
+    native: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """One chunk of keys, no autograd: the output ``(B, Hkv, G·Lq, Dv)`` normalised over these keys
     (``acc`` dtype; 0 on rows that see none) and the LSE ``(B, Hkv, G·Lq)`` (``-inf`` there) when
     ``need_lse``. Fused passes: the per-call cost of a one-token step is a handful of ops.
-    ``matmul``: the two GEMMs (:mod:`~multihead.backends.decode_blocks` runs K/V views one head at a time)."""
+    ``matmul``: the two GEMMs (:mod:`~multihead.backends.decode_blocks` runs K/V views one head at a time).
+    ``native``: run multihead's CPU decode kernel where it takes the call (fp32 out and LSE, always)."""
+    if native and cpu_kernels.supports(qg, k, v, blocked):
+        return cpu_kernels.decode_partial(qg[:, :, : G * Lq], k, v, scale, G, Lq, blocked)
     scores = _scores(qg, k, blocked, scale, acc, G, Lq, matmul)
     lse = torch.logsumexp(scores, dim=-1) if need_lse else None  # -inf on rows that see no key
     probs = torch.softmax(scores, dim=-1)  # NaN on rows that see no key: zeroed below
@@ -337,9 +358,11 @@ class _Plan:
     Keys ``[lo, hi)`` are read (``lo == hi``: no row sees any key); ``blocked`` is ``None`` or
     ``(B|1, kv_heads|1, G|1, Lq, n)``, True where a query row may not see the key."""
 
-    def __init__(self, call: AttentionCall, chunk: int):
+    def __init__(self, call: AttentionCall, chunk: int, kernel: str = "auto"):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         self.shape, self.chunk = call.shape, chunk
+        # multihead's CPU kernel where it takes the call (checked again per chunk: the same answer)
+        self.native = kernel == "auto" and not call.requires_grad and cpu_kernels.supports(call.q, call.k, call.v)
         # K/V expanded from one head (k1.expand(B, Hkv, ...)): every KV head is the same memory,
         # so it is MQA: one head read once, all Hq query heads folded into its rows.
         self.kv_heads = 1 if Hkv > 1 and call.k.stride(1) == 0 and call.v.stride(1) == 0 else Hkv
@@ -357,7 +380,9 @@ class _Plan:
         rows = (Hq // self.kv_heads) * Lq
         kv_bytes = B * self.kv_heads * (self.read[1] - self.read[0]) * (D + Dv) * call.k.element_size()
         self.pad = (
-            _PADDED_ROWS.get(rows, rows) - rows if (call.q.dtype == torch.float32 and kv_bytes >= _PAD_MIN_BYTES) else 0
+            _PADDED_ROWS.get(rows, rows) - rows
+            if (call.q.dtype == torch.float32 and kv_bytes >= _PAD_MIN_BYTES and not self.native)
+            else 0
         )
 
     def run(
@@ -389,7 +414,7 @@ class _Plan:
         n, step = k.shape[2], self.chunk
         # Without autograd, each chunk runs on fused softmax/logsumexp passes; with it, a plain
         # softmax whose backward stays finite on fully masked rows (softmax's own gives NaN there).
-        attend = _attend_with_grad if requires_grad else _attend
+        attend = _attend_with_grad if requires_grad else functools.partial(_attend, native=self.native)
         need_lse = return_lse or n > step
         if n <= step:  # one chunk, unsliced (a guard on n when traced with a symbolic Lk: no loop over it)
             out, lse = attend(qg, k, v, blocked, scale, acc, G, Lq, half, need_lse)

@@ -1,0 +1,402 @@
+/* multihead's CPU decode kernel: attention of a few query rows over K/V read once, as stored.
+ *
+ * One partial attention per (batch row b, KV head h): the R = G·Lq folded query rows against the
+ * n slots [lo, hi) of a cache, each slot's key and value read from memory once and converted to
+ * fp32 in registers (fp32, bf16, fp16 or int8 storage; int8 with per-token and per-channel scales).
+ *
+ *   s[r, t] = scale · Σ_c q[r, c] · k[t, c]           (int8: k = K8 · kc[span(t)] · kt[t])
+ *   s[r, t] = -inf where blocked[r, t]
+ *   m = max_t s, p = exp(s - m), l = Σ p, lse = m + log l
+ *   o[r, :] = Σ_t p[r, t] · v[t, :] / l               (int8: v = V8 · vt[t])
+ *
+ * Slot t lies in page table[b, t / ps] at t % ps: a paged pool, or a dense (B, H, n, D) tensor as
+ * one page per row. Rows that see no slot give o = 0 and lse = -inf; a slot no row of a (b, h)
+ * sees is never read in P V (a NaN value there stays out, as the decode path promises).
+ * Threads: pthreads over the (b, h) pairs, so no OpenMP runtime meets PyTorch's.
+ * Built by multihead/backends/cpu_kernels.py with the host's compiler (-O3 -march=native).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef _Float16 v16fp16 __attribute__((vector_size(32)));
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* AVX-512: one widening load and one conversion per 16 elements (GCC scalarises the int8 one) */
+static inline v16f load_f32(const float *p) { return (v16f)_mm512_loadu_ps(p); }
+static inline v16f load_bf16(const uint16_t *p) {
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline v16f load_f16(const _Float16 *p) { return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline v16f load_i8(const int8_t *p) {
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+static inline v16f load_f32(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+static inline v16f load_bf16(const uint16_t *p) {
+    v16h h; memcpy(&h, p, 32);
+    v16u w = __builtin_convertvector(h, v16u) << 16;
+    return (v16f)w;
+}
+static inline v16f load_f16(const _Float16 *p) { v16fp16 h; memcpy(&h, p, 32); return __builtin_convertvector(h, v16f); }
+static inline v16f load_i8(const int8_t *p) { v16b b; memcpy(&b, p, 16); return __builtin_convertvector(__builtin_convertvector(b, v16i), v16f); }
+#endif
+
+static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+/* a scale of the cache's dtype: 0 fp32, 1 bf16, 2 fp16 */
+static inline float load_scale(const void *p, long i, int dt) {
+    if (dt == 0) return ((const float *)p)[i];
+    if (dt == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return (float)((const _Float16 *)p)[i];
+}
+
+#ifdef __AVX512F__
+static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
+#else
+static inline float hsum(v16f v) {
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+#endif
+#ifdef __AVX512F__
+/* four vectors -> their four sums, [Σ v0, Σ v1, Σ v2, Σ v3] */
+static inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+    __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+    __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+    __m256 w = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
+}
+#endif
+static inline v16f sel(v16i m, v16f a, v16f b) { return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
+
+/* exp(x) for x <= 0 (scores minus their max), 0 below -87: Cody-Waite reduction, degree-6
+ * polynomial (relative error ~2e-7, as fp32's own expf) */
+static inline v16f vexp(v16f x) {
+    const v16i under = x < -87.0f;
+    x = sel(under, (v16f){0} - 87.0f, x);
+    v16f t = x * 1.44269504088896341f;  /* <= 0: round to nearest as -trunc(0.5 - t) */
+    v16f n = -__builtin_convertvector(__builtin_convertvector(0.5f - t, v16i), v16f);
+    v16f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return sel(under, (v16f){0}, p * (v16f)e);
+}
+
+typedef struct {
+    int B, H, G, Lq, D, Dv;
+    long lo, n;                 /* slots [lo, lo + n) */
+    const float *q;             /* (B, H, R, D) fp32, contiguous */
+    float scale;
+    const void *K, *V;          /* storage */
+    long k_h, k_page, k_t, v_h, v_page, v_t;
+    const int64_t *table;       /* (B, width) */
+    long width, ps;
+    const uint8_t *blocked;     /* NULL or bool with strides (b, h, g, l, t) */
+    long m_b, m_h, m_g, m_l, m_t;
+    /* int8 only */
+    const void *kc, *kt, *vt;   /* kc (B, H, spans, D) strides kc_b, kc_h, kc_j; kt, vt (B, H, N) strides */
+    long kc_b, kc_h, kc_j, kt_b, kt_h, vt_b, vt_h;
+    long first, span;           /* slot lo + t is quantized slot first + t */
+    int sdt;
+    float *out, *lse;           /* (B, H, R, Dv), (B, H, R) */
+    int next;                   /* the next (b, h) pair to take */
+    pthread_mutex_t lock;
+} job_t;
+
+#ifndef PF
+#define PF 8
+#endif
+/* 4 query rows (padded with zero rows) x one key: the four scores */
+#define DOT4(LOAD, kr, qs, D, out4)                                                                      \
+    do {                                                                                                 \
+        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                     \
+        for (int c = 0; c < (D); c += 16) {                                                              \
+            v16f kv = LOAD((kr) + c);                                                                    \
+            a0 += load_f32((qs) + c) * kv;                                                               \
+            a1 += load_f32((qs) + (D) + c) * kv;                                                         \
+            a2 += load_f32((qs) + 2 * (D) + c) * kv;                                                     \
+            a3 += load_f32((qs) + 3 * (D) + c) * kv;                                                     \
+        }                                                                                                \
+        (out4)[0] = hsum(a0); (out4)[1] = hsum(a1); (out4)[2] = hsum(a2); (out4)[3] = hsum(a3);          \
+    } while (0)
+
+#ifdef __AVX512F__
+/* 4 keys x 4 query rows at a time: 16 accumulators, reduced by hsum4 (one reduction per 4 scores) */
+#define BLOCK4(T, LOAD, QUANT)                                                                           \
+    if (R4 == 4)                                                                                         \
+        for (; i + 4 <= count; i += 4) {                                                                 \
+            const T *kr = kp + i * k_t;                                                                  \
+            if (i + PF < count)                                                                          \
+                for (int j = 0; j < 4; j++)                                                              \
+                    for (int c = 0; c < D * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(kr + (PF + j) * k_t) + c); \
+            __m512 a[4][4];                                                                              \
+            for (int r = 0; r < 4; r++) for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();     \
+            for (int c = 0; c < D; c += 16) {                                                            \
+                __m512 k0 = (__m512)LOAD(kr + c), k1 = (__m512)LOAD(kr + k_t + c);                       \
+                __m512 k2 = (__m512)LOAD(kr + 2 * k_t + c), k3 = (__m512)LOAD(kr + 3 * k_t + c);         \
+                for (int r = 0; r < 4; r++) {                                                            \
+                    __m512 qv = _mm512_loadu_ps(qs + r * D + c);                                         \
+                    a[r][0] = _mm512_fmadd_ps(qv, k0, a[r][0]); a[r][1] = _mm512_fmadd_ps(qv, k1, a[r][1]); \
+                    a[r][2] = _mm512_fmadd_ps(qv, k2, a[r][2]); a[r][3] = _mm512_fmadd_ps(qv, k3, a[r][3]); \
+                }                                                                                        \
+            }                                                                                            \
+            __m128 f4 = _mm_set1_ps(1.0f);                                                               \
+            if (QUANT) {                                                                                 \
+                long base = b * J->kt_b + h * J->kt_h + J->first + t + i;                                \
+                f4 = _mm_setr_ps(load_scale(J->kt, base, J->sdt), load_scale(J->kt, base + 1, J->sdt),   \
+                                 load_scale(J->kt, base + 2, J->sdt), load_scale(J->kt, base + 3, J->sdt)); \
+            }                                                                                            \
+            for (int r = 0; r < R; r++)                                                                  \
+                _mm_storeu_ps(s + (long)r * n + t + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), f4)); \
+        }
+#else
+#define BLOCK4(T, LOAD, QUANT)
+#endif
+
+#define DEFINE_KERNEL(SUFFIX, T, LOAD, QUANT)                                                              \
+static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {                                  \
+    const int b = bh / J->H, h = bh % J->H, R = J->G * J->Lq, D = J->D, Dv = J->Dv;                      \
+    const int R4 = (R + 3) & ~3; /* rows padded to a multiple of 4 (zero rows) */                        \
+    const long n = J->n, lo = J->lo, ps = J->ps, k_t = J->k_t, v_t = J->v_t;                             \
+    const T *K = (const T *)J->K + h * J->k_h, *V = (const T *)J->V + h * J->v_h;                        \
+    const int64_t *table = J->table + b * J->width;                                                      \
+    const float *q = J->q + (long)bh * R * D;                                                            \
+    const float scale = J->scale;                                                                        \
+    float *out = J->out + (long)bh * R * Dv, *lse = J->lse + (long)bh * R;                               \
+    float *norm = qs + (long)R4 * D;                                                                     \
+    memset(qs, 0, sizeof(float) * R4 * D);                                                               \
+    for (int i = 0; i < R * D; i++) qs[i] = q[i] * scale;                                                \
+    /* scores, a piece (within one page and one span) at a time */                                      \
+    for (long t = 0; t < n;) {                                                                           \
+        long slot = lo + t, off = slot % ps;                                                             \
+        long count = ps - off < n - t ? ps - off : n - t;                                                \
+        float f = 1.0f;                                                                                  \
+        if (QUANT) { /* q' = q · scale · kc[j]; pieces end at span boundaries */                         \
+            long qi = J->first + t, j = qi / J->span, end = (j + 1) * J->span - qi;                      \
+            count = count < end ? count : end;                                                           \
+            for (int r = 0; r < R; r++)                                                                  \
+                for (int c = 0; c < D; c++)                                                              \
+                    qs[r * D + c] = q[r * D + c] * scale *                                               \
+                        load_scale(J->kc, b * J->kc_b + h * J->kc_h + j * J->kc_j + c, J->sdt);           \
+        }                                                                                                \
+        const T *kp = K + table[slot / ps] * J->k_page + off * k_t;                                      \
+        long i = 0;                                                                                      \
+        BLOCK4(T, LOAD, QUANT)                                                                           \
+        for (; i < count; i++) {                                                                         \
+            const T *kr = kp + i * k_t;                                                                  \
+            if (i + PF < count)                                                                          \
+                for (int c = 0; c < D * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(kr + PF * k_t) + c); \
+            if (QUANT) f = load_scale(J->kt, b * J->kt_b + h * J->kt_h + J->first + t + i, J->sdt);      \
+            for (int r0 = 0; r0 < R4; r0 += 4) {                                                         \
+                float d4[4];                                                                             \
+                DOT4(LOAD, kr, qs + (long)r0 * D, D, d4);                                                \
+                for (int r = 0; r < 4 && r0 + r < R; r++) s[(long)(r0 + r) * n + t + i] = d4[r] * f;    \
+            }                                                                                            \
+        }                                                                                                \
+        t += count;                                                                                      \
+    }                                                                                                    \
+    /* mask, max, exp, sum */                                                                            \
+    for (int r = 0; r < R; r++) {                                                                        \
+        float *sr = s + (long)r * n;                                                                     \
+        if (J->blocked) {                                                                                \
+            int g = r / J->Lq, l = r % J->Lq;                                                            \
+            const uint8_t *m = J->blocked + b * J->m_b + h * J->m_h + g * J->m_g + l * J->m_l;           \
+            const long m_t = J->m_t;                                                                     \
+            for (long t = 0; t < n; t++) if (m[t * m_t]) sr[t] = -INFINITY;                              \
+        }                                                                                                \
+        float mx = -INFINITY;                                                                            \
+        int any_nan = 0;                                                                                 \
+        {                                                                                                \
+            v16f vm = (v16f){0} - INFINITY;                                                              \
+            v16i vn = {0};                                                                               \
+            long t = 0;                                                                                  \
+            for (; t + 16 <= n; t += 16) {                                                               \
+                v16f x = load_f32(sr + t);                                                               \
+                vm = sel(x > vm, x, vm);                                                                 \
+                vn |= x != x;                                                                            \
+            }                                                                                            \
+            for (int i = 0; i < 16; i++) { mx = vm[i] > mx ? vm[i] : mx; any_nan |= vn[i] != 0; }       \
+            for (; t < n; t++) { mx = sr[t] > mx ? sr[t] : mx; any_nan |= sr[t] != sr[t]; }              \
+        }                                                                                                \
+        if (mx == -INFINITY) { /* no slot visible */                                                     \
+            memset(sr, 0, sizeof(float) * n);                                                            \
+            lse[r] = any_nan ? NAN : -INFINITY;                                                          \
+            norm[r] = any_nan ? NAN : 0.f;                                                               \
+            continue;                                                                                    \
+        }                                                                                                \
+        v16f sum = {0};                                                                                  \
+        long t = 0;                                                                                      \
+        for (; t + 16 <= n; t += 16) {                                                                   \
+            v16f e = vexp(load_f32(sr + t) - mx);                                                        \
+            memcpy(sr + t, &e, 64);                                                                      \
+            sum += e;                                                                                    \
+        }                                                                                                \
+        float tot = hsum(sum);                                                                           \
+        for (; t < n; t++) { float e = sr[t] == -INFINITY ? 0.f : expf(sr[t] - mx); sr[t] = e; tot += e; } \
+        if (any_nan) tot = NAN;                                                                          \
+        lse[r] = mx + logf(tot);                                                                         \
+        norm[r] = 1.0f / tot;                                                                            \
+    }                                                                                                    \
+    /* o = P V: 4 rows x 64 features of accumulators in registers per pass over a piece */             \
+    memset(out, 0, sizeof(float) * R * Dv);                                                              \
+    if (R4 == 4 && !J->blocked) { /* every row sees every slot: the weights token-major, no checks */  \
+        float *w = s + (long)R * n;                                                                        \
+        for (long t = 0; t < n; t++) {                                                                   \
+            float f = QUANT ? load_scale(J->vt, b * J->vt_b + h * J->vt_h + J->first + t, J->sdt) : 1.0f; \
+            for (int r = 0; r < 4; r++) w[t * 4 + r] = r < R ? s[(long)r * n + t] * f : 0.f;             \
+        }                                                                                                \
+        for (long t = 0; t < n;) {                                                                       \
+            long slot = lo + t, off = slot % ps;                                                         \
+            long count = ps - off < n - t ? ps - off : n - t;                                            \
+            count = count < 256 ? count : 256;                                                           \
+            const T *vp = V + table[slot / ps] * J->v_page + off * v_t;                                  \
+            for (int c0 = 0; c0 < Dv; c0 += 64) {                                                        \
+                const int cb = Dv - c0 < 64 ? (Dv - c0) / 16 : 4;                                        \
+                v16f a[4][4] = {{{0}}};                                                                  \
+                for (long i = 0; i < count; i++) {                                                       \
+                    const T *vr = vp + i * v_t + c0;                                                     \
+                    if (c0 == 0 && i + PF < count)                                                       \
+                        for (int c = 0; c < Dv * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(vr + PF * v_t) + c); \
+                    const float *wi = w + (t + i) * 4;                                                   \
+                    const float w0 = wi[0], w1 = wi[1], w2 = wi[2], w3 = wi[3];                           \
+                    if (cb == 4) {                                                                       \
+                        for (int c = 0; c < 4; c++) {                                                    \
+                            v16f vv = LOAD(vr + 16 * c);                                                 \
+                            a[0][c] += w0 * vv; a[1][c] += w1 * vv; a[2][c] += w2 * vv; a[3][c] += w3 * vv; \
+                        }                                                                                \
+                    } else {                                                                             \
+                        for (int c = 0; c < cb; c++) {                                                   \
+                            v16f vv = LOAD(vr + 16 * c);                                                 \
+                            a[0][c] += w0 * vv; a[1][c] += w1 * vv; a[2][c] += w2 * vv; a[3][c] += w3 * vv; \
+                        }                                                                                \
+                    }                                                                                    \
+                }                                                                                        \
+                for (int r = 0; r < R; r++)                                                              \
+                    for (int c = 0; c < cb; c++) {                                                       \
+                        float *o = out + (long)r * Dv + c0 + 16 * c;                                     \
+                        v16f cur = load_f32(o) + a[r][c];                                                \
+                        memcpy(o, &cur, 64);                                                             \
+                    }                                                                                    \
+            }                                                                                            \
+            t += count;                                                                                  \
+        }                                                                                                \
+    } else                                                                                               \
+    for (long t = 0; t < n;) {                                                                           \
+        long slot = lo + t, off = slot % ps;                                                             \
+        long count = ps - off < n - t ? ps - off : n - t;                                                \
+        count = count < 256 ? count : 256; /* a piece of V stays in L1/L2 across the passes */          \
+        const T *vp = V + table[slot / ps] * J->v_page + off * v_t;                                      \
+        for (int r0 = 0; r0 < R; r0 += 4) {                                                              \
+            const int rb = R - r0 < 4 ? R - r0 : 4;                                                      \
+            for (int c0 = 0; c0 < Dv; c0 += 64) {                                                        \
+                const int wide = Dv - c0 >= 64;                                                          \
+                v16f a[4][4] = {{{0}}};                                                                  \
+                for (long i = 0; i < count; i++) {                                                       \
+                    float w[4] = {0.f, 0.f, 0.f, 0.f};                                                   \
+                    int seen = 0;                                                                        \
+                    for (int r = 0; r < rb; r++) { w[r] = s[(long)(r0 + r) * n + t + i]; seen += w[r] != 0.f; } \
+                    if (!seen) continue; /* no row sees it: its value is never touched */               \
+                    if (QUANT) {                                                                         \
+                        float f = load_scale(J->vt, b * J->vt_b + h * J->vt_h + J->first + t + i, J->sdt); \
+                        for (int r = 0; r < 4; r++) w[r] = w[r] != 0.f ? w[r] * f : 0.f;                 \
+                    }                                                                                    \
+                    const T *vr = vp + i * v_t + c0;                                                     \
+                    if (c0 == 0 && r0 == 0 && i + PF < count)                                            \
+                        for (int c = 0; c < Dv * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(vr + PF * v_t) + c); \
+                    if (seen == rb && wide) {                                                            \
+                        for (int c = 0; c < 4; c++) {                                                    \
+                            v16f vv = LOAD(vr + 16 * c);                                                 \
+                            a[0][c] += w[0] * vv; a[1][c] += w[1] * vv;                                  \
+                            a[2][c] += w[2] * vv; a[3][c] += w[3] * vv;                                  \
+                        }                                                                                \
+                    } else { /* rows that do not see it take nothing from it, NaN included */           \
+                        for (int c = 0; c < 4 && c0 + 16 * c < Dv; c++) {                                \
+                            v16f vv = LOAD(vr + 16 * c);                                                 \
+                            for (int r = 0; r < rb; r++) if (w[r] != 0.f) a[r][c] += w[r] * vv;          \
+                        }                                                                                \
+                    }                                                                                    \
+                }                                                                                        \
+                for (int r = 0; r < rb; r++)                                                             \
+                    for (int c = 0; c < 4 && c0 + 16 * c < Dv; c++) {                                    \
+                        float *o = out + (long)(r0 + r) * Dv + c0 + 16 * c;                              \
+                        v16f cur = load_f32(o) + a[r][c];                                                \
+                        memcpy(o, &cur, 64);                                                             \
+                    }                                                                                    \
+            }                                                                                            \
+        }                                                                                                \
+        t += count;                                                                                      \
+    }                                                                                                    \
+    for (int r = 0; r < R; r++)                                                                          \
+        for (int c = 0; c < Dv; c++) out[(long)r * Dv + c] *= norm[r];                                   \
+}
+
+DEFINE_KERNEL(f32, float, load_f32, 0)
+DEFINE_KERNEL(bf16, uint16_t, load_bf16, 0)
+DEFINE_KERNEL(f16, _Float16, load_f16, 0)
+DEFINE_KERNEL(i8, int8_t, load_i8, 1)
+
+typedef void (*one_fn)(const job_t *, int, float *, float *);
+typedef struct { job_t *job; one_fn fn; } worker_t;
+
+static void *work(void *arg) {
+    worker_t *w = (worker_t *)arg;
+    job_t *J = w->job;
+    int R = J->G * J->Lq;
+    float *s = (float *)malloc(sizeof(float) * ((size_t)(R + 4) * J->n + 16));
+    float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + (size_t)R + 16));
+    if (!s || !qs) { /* the caller raises MemoryError; the other threads finish the pairs */
+        free(s);
+        free(qs);
+        return NULL;
+    }
+    for (;;) {
+        pthread_mutex_lock(&J->lock);
+        int bh = J->next++;
+        pthread_mutex_unlock(&J->lock);
+        if (bh >= J->B * J->H) break;
+        w->fn(J, bh, s, qs);
+    }
+    free(s);
+    free(qs);
+    return NULL;
+}
+
+/* kind: 0 fp32, 1 bf16, 2 fp16, 3 int8. Returns 0, or -1 when a thread could not allocate its
+ * buffers and no thread did every pair (the output is then incomplete). A thread that cannot start
+ * leaves its share to the others. */
+int mh_decode(job_t *J, int kind, int threads) {
+    one_fn fns[4] = {one_f32, one_bf16, one_f16, one_i8};
+    worker_t w = {J, fns[kind]};
+    J->next = 0;
+    pthread_mutex_init(&J->lock, NULL);
+    int pairs = J->B * J->H;
+    if (threads > pairs) threads = pairs;
+    pthread_t ids[64];
+    int started = 0;
+    for (int i = 1; i < threads && i < 64; i++)
+        if (pthread_create(&ids[started], NULL, work, &w) == 0) started++;
+    work(&w);
+    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+    pthread_mutex_destroy(&J->lock);
+    return J->next >= J->B * J->H ? 0 : -1;
+}
+
+long mh_job_size(void) { return (long)sizeof(job_t); }

@@ -1,0 +1,290 @@
+"""multihead's CPU decode kernel (``cpu_decode.c``): built for this machine on first use, called through ``ctypes``.
+
+A decode step's cost is reading the cache, and PyTorch's CPU ops cannot read a half or 8-bit cache
+at memory speed for a few query rows: oneDNN's GEMMs run a few output columns well below it, an
+``int8 -> bf16`` conversion costs more per element than reading the element, and a paged or
+quantized cache must be copied or converted before a GEMM may read it (docs/inference.md). The
+kernel reads each key and value once, as stored (fp32, bf16, fp16, int8 with scales; through a
+page table), converts it in registers and does both products and the softmax of a partial
+attention in one pass per (batch row, KV head)::
+
+    out (B, Hkv, R, Dv) fp32, lse (B, Hkv, R) fp32  =  decode_partial(qg (B, Hkv, R, D), slots [lo, lo + n))
+
+It is C, not a PyTorch extension: the host's compiler (``cc``, ``-O3 -march=native``) builds it
+into ``$XDG_CACHE_HOME/multihead`` (``~/.cache/multihead``) under a name that hashes the source,
+the flags, the compiler and the CPU, so nothing is rebuilt until one of them changes; no
+dependency is added, no PyTorch header is needed. Where no compiler is found, the build fails or
+the first call's self-test disagrees with PyTorch, :func:`kernel` is ``None`` (with
+:func:`unavailable` saying why) and the callers run their PyTorch paths, which give the same
+results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", "build"]
+
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+class _Job(ctypes.Structure):
+    """``job_t`` of ``cpu_decode.c``, field for field."""
+
+    _fields_ = [
+        *((name, _I) for name in ("B", "H", "G", "Lq", "D", "Dv")),
+        ("lo", _L),
+        ("n", _L),
+        ("q", _P),
+        ("scale", _F),
+        ("K", _P),
+        ("V", _P),
+        *((name, _L) for name in ("k_h", "k_page", "k_t", "v_h", "v_page", "v_t")),
+        ("table", _P),
+        ("width", _L),
+        ("ps", _L),
+        ("blocked", _P),
+        *((name, _L) for name in ("m_b", "m_h", "m_g", "m_l", "m_t")),
+        ("kc", _P),
+        ("kt", _P),
+        ("vt", _P),
+        *((name, _L) for name in ("kc_b", "kc_h", "kc_j", "kt_b", "kt_h", "vt_b", "vt_h", "first", "span")),
+        ("sdt", _I),
+        ("out", _P),
+        ("lse", _P),
+        ("next", _I),
+        ("lock", ctypes.c_byte * 64),  # pthread_mutex_t (40 bytes on x86-64 glibc), with room
+    ]
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}
+_why: dict[tuple[str, ...], str] = {}
+
+
+def kernel(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+    """The built kernel, or ``None`` (see :func:`unavailable`). Built and self-tested once per process."""
+    lib = _loaded.get(flags, False)
+    if lib is not False:
+        return lib  # type: ignore[return-value]
+    with _lock:
+        if flags not in _loaded:
+            try:
+                lib = build(flags)
+                _self_test(lib)
+                _loaded[flags] = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError, AssertionError) as error:
+                _why[flags] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                _loaded[flags] = None
+    return _loaded[flags]
+
+
+def unavailable(flags: tuple[str, ...] = FLAGS) -> str | None:
+    """Why :func:`kernel` is ``None`` (no compiler, a failed build, a failed self-test); ``None`` if it is not."""
+    return None if kernel(flags) is not None else _why.get(flags, "not built")
+
+
+def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """Compile ``cpu_decode.c`` with ``flags`` (or reuse the build of the same source, flags,
+    compiler and CPU) and load it. Raises ``RuntimeError`` when no compiler is found or the build fails."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise RuntimeError("no C compiler found (cc, gcc or clang on PATH): the decode path runs PyTorch's GEMMs")
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu().encode()]))
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multihead"
+    path = folder / f"cpu_decode-{digest.hexdigest()[:16]}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        # built beside its final name and renamed: a process that loads it never sees half a file
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as part:
+            partial = Path(part.name)
+        try:
+            done = subprocess.run(
+                [compiler, *flags, str(_SOURCE), "-o", str(partial), "-lm", "-lpthread"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"building {_SOURCE.name} failed: {done.stderr.strip()[:2000]}")
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(path))
+    lib.mh_decode.argtypes = [ctypes.POINTER(_Job), _I, _I]
+    lib.mh_decode.restype = _I
+    return lib
+
+
+def _cpu() -> str:
+    """What ``-march=native`` depends on: the CPU's model and flags (a shared home folder may serve
+    machines of several kinds)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+        return platform.machine() + "\n" + "\n".join(lines)
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def supports(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> bool:
+    """Whether :func:`decode_partial` takes these operands: CPU tensors without autograd, outside
+    ``torch.compile``, keys and values stored as fp32, bf16, fp16 (or int8, with scales) with
+    contiguous features, head sizes multiples of 16, and the kernel built."""
+    return (
+        q.device.type == "cpu"
+        and k.device.type == "cpu"
+        and v.device.type == "cpu"
+        and k.dtype in _KINDS
+        and v.dtype == k.dtype
+        and (k.dtype == torch.int8 or q.dtype == k.dtype)
+        and k.shape[-1] % 16 == 0
+        and v.shape[-1] % 16 == 0
+        and k.shape[-1] <= 4096
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and not torch.compiler.is_compiling()
+        and (blocked is None or blocked.device.type == "cpu")
+        and kernel() is not None
+    )
+
+
+class Int8Scales:
+    """The scales of int8 slots (:class:`multihead.caches.QuantizedKVCache`): ``k = K8 · kc[span] · kt``,
+    ``v = V8 · vt``. ``key_channel (B, Hkv, spans, D)``, ``key_token`` and ``value_token (B, Hkv, N)``
+    in one float dtype; the slots read are ``first ..`` of the quantized region, spans of ``span`` slots."""
+
+    def __init__(self, key_channel: Tensor, key_token: Tensor, value_token: Tensor, first: int, span: int):
+        self.key_channel, self.key_token, self.value_token = key_channel, key_token, value_token
+        self.first, self.span = first, span
+
+
+def decode_partial(
+    qg: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    scale: float,
+    G: int,
+    Lq: int,
+    blocked: Tensor | None = None,
+    table: Tensor | None = None,
+    lo: int = 0,
+    n: int | None = None,
+    scales: Int8Scales | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One partial attention per (batch row, KV head): ``(out (B, Hkv, R, Dv) fp32, lse (B, Hkv, R) fp32)``,
+    ``out`` normalised over the slots read, 0 and ``-inf`` on rows that see none.
+
+    ``qg (B, Hkv, R = G·Lq, D)``: the folded query rows (``conventions.fold_query_heads``), times
+    ``scale`` inside. ``keys``/``values``: ``(B, Hkv, n, D|Dv)`` (any strides but the last), or with
+    ``table (B, width)`` int64 a head-major pool ``(Hkv, pages, ps, D|Dv)`` whose row ``b`` holds
+    slot ``s`` in page ``table[b, s // ps]`` at ``s % ps``: the slots ``[lo, lo + n)`` are read.
+    ``blocked``: ``None`` or ``(B|1, Hkv|1, G|1, Lq, n)`` bool, True where a row may not see the slot.
+    ``scales``: for int8 ``keys``/``values`` (:class:`Int8Scales`). Callers check :func:`supports` first."""
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError(f"decode_partial: the CPU decode kernel is unavailable: {unavailable()}")
+    return _run(lib, qg, keys, values, scale, G, Lq, blocked, table, lo, n, scales, torch.get_num_threads())
+
+
+def _run(
+    lib: ctypes.CDLL,
+    qg: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    scale: float,
+    G: int,
+    Lq: int,
+    blocked: Tensor | None,
+    table: Tensor | None,
+    lo: int,
+    n: int | None,
+    scales: Int8Scales | None,
+    threads: int,
+) -> tuple[Tensor, Tensor]:
+    B, Hkv, R, D = qg.shape
+    if R != G * Lq:
+        raise ValueError(f"decode_partial: qg has {R} rows per KV head, expected G·Lq = {G}·{Lq}")
+    Dv = values.shape[-1]
+    q = qg.to(torch.float32).contiguous()
+    if table is None:  # (B, Hkv, n, ·): row b is one page
+        n = keys.shape[2] if n is None else n
+        width, ps = 1, max(1, keys.shape[2])
+        pages = torch.arange(B, dtype=torch.int64)
+        (k_page, k_h, k_t), (v_page, v_h, v_t) = keys.stride()[:3], values.stride()[:3]
+    else:  # a head-major pool (Hkv, pages, ps, ·)
+        if n is None:
+            raise ValueError("decode_partial: a paged read needs n, the slots read")
+        pages = table.to(torch.int64).contiguous()
+        width, ps = pages.shape[1], keys.shape[2]
+        (k_h, k_page, k_t), (v_h, v_page, v_t) = keys.stride()[:3], values.stride()[:3]
+    out = torch.empty(B, Hkv, R, Dv, dtype=torch.float32)
+    lse = torch.empty(B, Hkv, R, dtype=torch.float32)
+    job = _Job(B=B, H=Hkv, G=G, Lq=Lq, D=D, Dv=Dv, lo=lo, n=n, q=q.data_ptr(), scale=float(scale))
+    job.K, job.V = keys.data_ptr(), values.data_ptr()
+    job.k_h, job.k_page, job.k_t, job.v_h, job.v_page, job.v_t = k_h, k_page, k_t, v_h, v_page, v_t
+    job.table, job.width, job.ps = pages.data_ptr(), width, ps
+    job.out, job.lse = out.data_ptr(), lse.data_ptr()
+    mask = None
+    if blocked is not None:
+        mask = blocked.expand(B, Hkv, G, Lq, n)  # stride 0 where it broadcasts
+        job.blocked = mask.data_ptr()
+        job.m_b, job.m_h, job.m_g, job.m_l, job.m_t = mask.stride()
+    if scales is not None:
+        kc, kt, vt = scales.key_channel, scales.key_token, scales.value_token
+        job.kc, job.kt, job.vt = kc.data_ptr(), kt.data_ptr(), vt.data_ptr()
+        job.kc_b, job.kc_h, job.kc_j = kc.stride()[:3]
+        job.kt_b, job.kt_h, job.vt_b, job.vt_h = kt.stride(0), kt.stride(1), vt.stride(0), vt.stride(1)
+        job.first, job.span, job.sdt = scales.first, scales.span, _SCALE_DTYPES[kc.dtype]
+    # q, pages and mask are locals: alive until the call returns
+    if lib.mh_decode(ctypes.byref(job), _KINDS[keys.dtype], threads) != 0:
+        raise MemoryError(f"decode_partial: the kernel could not allocate its buffers ({R} x {n} scores per thread)")
+    del mask
+    return out, lse
+
+
+def _self_test(lib: ctypes.CDLL) -> None:
+    """The built kernel against an fp64 computation on a small case of each storage kind, masked
+    rows and one that sees nothing included (a wrong build, or a compiler that miscompiles it, must
+    not give wrong answers): raises ``AssertionError``."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 3, 32, generator=generator)
+    k = torch.randn(2, 2, 37, 32, generator=generator)
+    v = torch.randn(2, 2, 37, 16, generator=generator)
+    blocked = torch.rand(2, 1, 3, 1, 37, generator=generator) < 0.3
+    blocked[1, :, 2] = True  # a row that sees nothing
+    kt, vt = torch.rand(2, 2, 37, generator=generator) / 64, torch.rand(2, 2, 37, generator=generator) / 64
+    k8 = (k * 40).round().clamp(-127, 127).to(torch.int8)
+    v8 = (v * 40).round().clamp(-127, 127).to(torch.int8)
+    kc = torch.rand(2, 2, 1, 32, generator=generator) + 0.5
+    cases: list[tuple[torch.dtype, Tensor, Tensor, Int8Scales | None]]
+    cases = [(dtype, k.to(dtype), v.to(dtype), None) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    cases.append((torch.int8, k8, v8, Int8Scales(kc, kt, vt, 0, 64)))
+    for dtype, kd, vd, scales in cases:
+        keys, values = kd.double(), vd.double()
+        if scales is not None:
+            keys, values = keys * kc.double() * kt.double()[..., None], values * vt.double()[..., None]
+        scores = (q.double() @ keys.transpose(-1, -2) * 0.5).masked_fill(blocked.squeeze(-2), float("-inf"))
+        expected = torch.nan_to_num(torch.softmax(scores, dim=-1)) @ values
+        out, _ = _run(lib, q, kd, vd, 0.5, 3, 1, blocked, None, 0, None, scales, 2)
+        error = (out.double() - expected).abs().max().item()
+        assert error < 1e-4, f"the CPU decode kernel's self-test failed for {dtype} (error {error:.2e})"
