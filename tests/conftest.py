@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Tests import their helpers as a plain module.
@@ -16,3 +17,19 @@ if torch.cuda.is_available():
     # 10 mantissa bits, which the relative rule's naive fp32 baseline does not do.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(params=["cpu_kernel", "torch_gemms"])
+def decode_kernel(request, monkeypatch):
+    """A decode test twice on the CPU: through multihead's CPU decode kernel (where it is built:
+    the decode backend, paged and int8 reads) and through PyTorch's GEMMs (what runs without a
+    compiler, under autograd and off the CPU). The plans stored by the other run are dropped."""
+    from multihead import plans
+    from multihead.backends import cpu_kernels
+
+    plans.clear()
+    if request.param == "torch_gemms":
+        monkeypatch.setattr(cpu_kernels, "supports", lambda *args, **kwargs: False)
+    elif cpu_kernels.kernel() is None:
+        pytest.skip(f"the CPU decode kernel is unavailable: {cpu_kernels.unavailable()}")
+    return request.param

@@ -17,19 +17,8 @@ from multihead.call import mask_and_score_mod
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["cpu_kernel", "torch_gemms"], autouse=True)
-def kernel(request, monkeypatch):
-    """Every test of this file twice on the CPU: through multihead's CPU decode kernel (where it is
-    built) and through PyTorch's GEMMs (what runs without a compiler, and off the CPU)."""
-    from multihead import plans
-    from multihead.backends import cpu_kernels
-
-    plans.clear()  # each run decides its own plans (a stored one would carry the other run's kernel)
-    if request.param == "torch_gemms":
-        monkeypatch.setattr(cpu_kernels, "supports", lambda *args, **kwargs: False)
-    elif cpu_kernels.kernel() is None:
-        pytest.skip(f"the CPU decode kernel is unavailable: {cpu_kernels.unavailable()}")
-    return request.param
+# every test twice: multihead's CPU decode kernel and PyTorch's GEMMs (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("decode_kernel")
 
 
 HEADS = [(4, 4), (8, 2), (6, 3), (8, 1)]
@@ -527,12 +516,12 @@ def test_a_repeated_decode_call_runs_its_plan(mask):
     [((6, 2), 1), ((8, 2), 1), ((10, 2), 1), ((4, 2), 2), ((8, 8), 4)],
     ids=["rows3", "rows4", "rows5", "rows4_two_tokens", "rows4_mha"],
 )
-def test_padded_query_rows_change_nothing(heads, Lq, monkeypatch, kernel):
+def test_padded_query_rows_change_nothing(heads, Lq, monkeypatch, decode_kernel):
     """3 to 5 fp32 query rows per KV head run padded to 6 on large K/V (forced here on small ones):
     outputs, LSE, fully masked rows and gradients as without."""
     import multihead.backends.decode as decode
 
-    if kernel == "cpu_kernel":
+    if decode_kernel == "cpu_kernel":
         pytest.skip("padding is for PyTorch's fp32 GEMM; the CPU kernel takes any number of rows")
     monkeypatch.setattr(decode, "_PAD_MIN_BYTES", 0)
     (Hq, Hkv), B, Lk = heads, 2, 37

@@ -15,6 +15,9 @@ from helpers import DEVICES
 from multihead.caches import PagedKVCache
 from multihead.caches.base import EMPTY_POSITION
 
+# every test twice: multihead's CPU decode kernel and PyTorch's GEMMs (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("decode_kernel")
+
 HKV, D, DV = 2, 3, 4
 
 

@@ -16,6 +16,9 @@ import torch
 import multihead as mh
 from multihead.caches import QuantizedKVCache, StaticKVCache
 
+# every test twice: multihead's CPU decode kernel and PyTorch's GEMMs (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("decode_kernel")
+
 B, HKV, D = 2, 3, 16
 SINKS, RESIDUAL, GROUP, SPAN = 2, 5, 4, 12
 

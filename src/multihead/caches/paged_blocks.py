@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from multihead.backends import cpu_kernels
 from multihead.backends.decode_blocks import KVBlocks
 
 __all__ = ["PageBlocks", "MIN_RUN"]
@@ -78,6 +79,18 @@ class PageBlocks(KVBlocks):
             yield from self._pool_order(lo, hi, size)
         else:
             yield from self._table_order(lo, hi, size)
+
+    def partials(
+        self, qg: Tensor, lo: int, hi: int, blocked: Tensor | None, scale: float, G: int, Lq: int
+    ) -> list[tuple[Tensor, Tensor]] | None:
+        """multihead's CPU kernel reads every row's pages through the block table where it is built:
+        one call, no copy, whatever the layout (:mod:`multihead.backends.cpu_kernels`); ``None``
+        (pieces, below) elsewhere."""
+        B, Hkv, S, D, Dv = self.shape
+        values = self.key_pages[..., :Dv] if self.values_in_keys else self.value_pages
+        if not cpu_kernels.supports(qg, self.key_pages, values, blocked):
+            return None
+        return [cpu_kernels.decode_partial(qg, self.key_pages, values, scale, G, Lq, blocked, self.table, lo, hi - lo)]
 
     # ------------------------------------------------------------------------------ one row
     def _pool_order(self, lo: int, hi: int, size: int) -> Iterator[tuple[int | Tensor, Tensor, Tensor]]:

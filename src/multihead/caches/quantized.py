@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from multihead.backends import cpu_kernels
 from multihead.backends.decode import _attend
 from multihead.backends.decode_blocks import KVBlocks
 from multihead.backends.decode_int8 import digits_for, int8_attention
@@ -409,6 +410,14 @@ class _QuantizedBlocks(KVBlocks):
         B, Hkv, R = qg.shape[0], qg.shape[1], qg.shape[2]
         step = max(1, _INT8_SCORES // (B * Hkv * R * cache.span)) * cache.span  # whole spans per partial
         a = a0
+        if a < b0 and cpu_kernels.supports(qg, cache.q_k, cache.q_v, blocked):
+            # multihead's CPU kernel: each int8 slot read once and converted in registers, the
+            # scales applied as it goes (docs/inference.md), one call for the whole region
+            kt, vt = cache.k_token[..., 0], cache.v_scale[..., 0]
+            scales = cpu_kernels.Int8Scales(cache.k_channel, kt, vt, a0, cache.span)
+            qk, qv = cache.q_k[:, :, a0:b0], cache.q_v[:, :, a0:b0]
+            parts.append(cpu_kernels.decode_partial(qg, qk, qv, scale, G, Lq, cut(s + a0, s + b0), scales=scales))
+            a = b0
         while a < b0:
             b = min((a // cache.span) * cache.span + step, b0)
             parts.append(

@@ -1,0 +1,182 @@
+"""multihead's CPU decode kernel (``backends/cpu_decode.c`` through ``backends/cpu_kernels.py``)
+against an fp64 computation over the very values it reads (the stored fp32/bf16/fp16 values, the
+dequantized int8 ones): it computes in fp32, so its error is fp32's whatever the storage.
+
+Head sizes around the 16-wide vectors and the 64-feature blocks of ``P V``; query rows per KV
+head 1 to 33 (the 4-row blocks and their remainders); lengths around the 4-key blocks and the
+16-wide softmax; strided views; row masks with fully masked rows; NaN in keys and values no row
+sees; pages through a shuffled block table; int8 slots across spans of channel scales; the
+build without AVX-512 (the portable vector code); one thread and two.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead.backends import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.kernel() is None, reason=f"the CPU decode kernel is unavailable: {cpu_kernels.unavailable()}"
+)
+
+
+def _expected(qg, keys, values, scale, G, Lq, blocked):
+    """fp64 ``(out, lse)`` of the folded rows over ``keys``/``values`` (B, Hkv, n, ·); 0 and -inf
+    on rows that see nothing."""
+    scores = qg.double() @ keys.double().transpose(-1, -2) * scale  # (B, Hkv, R, n)
+    if blocked is not None:
+        B, Hkv, R, n = scores.shape
+        full = blocked.expand(B, Hkv, G, Lq, n).reshape(B, Hkv, R, n)
+        scores = scores.masked_fill(full, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) @ values.double()
+    return out, lse
+
+
+def _close(got, want, what):
+    out, lse = got
+    torch.testing.assert_close(out.double(), want[0], rtol=2e-5, atol=2e-6, msg=lambda m: f"{what}: out: {m}")
+    torch.testing.assert_close(lse.double(), want[1], rtol=2e-5, atol=2e-5, msg=lambda m: f"{what}: lse: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("D,Dv", [(16, 16), (64, 64), (80, 48), (128, 128), (128, 80)])
+@pytest.mark.parametrize("G,Lq", [(1, 1), (3, 1), (4, 1), (5, 1), (4, 2), (8, 4), (33, 1)])
+def test_dense_reads_equal_fp64_over_the_stored_values(dtype, D, Dv, G, Lq):
+    gen = torch.Generator().manual_seed(D * 100 + G * 10 + Lq)
+    B, Hkv = 2, 3
+    for n in (1, 4, 17, 301):
+        q = torch.randn(B, Hkv, G * Lq, D, generator=gen)
+        k = torch.randn(B, Hkv, n, D, generator=gen).to(dtype)
+        v = torch.randn(B, Hkv, n, Dv, generator=gen).to(dtype)
+        for blocked in (None, torch.rand(B, 1, G, Lq, n, generator=gen) < 0.4):
+            if blocked is not None:
+                blocked[0, 0, 0] = True  # a row that sees nothing
+            got = cpu_kernels.decode_partial(q, k, v, 0.3, G, Lq, blocked)
+            _close(got, _expected(q, k, v, 0.3, G, Lq, blocked), f"{dtype} D={D} Dv={Dv} G={G} Lq={Lq} n={n}")
+
+
+def test_strided_views_and_broadcast_masks():
+    """K/V slices of a larger cache (strides of batch, head and token apart), a mask broadcast
+    over batch and heads, values that are the first features of the keys (MLA's latent rows)."""
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(3, 4, 500, 96, generator=gen).to(torch.bfloat16)
+    k = big[1:3, ::2, 37:250]  # (2, 2, 213, 96)
+    v = big[1:3, ::2, 37:250, :64]
+    q = torch.randn(2, 2, 4, 96, generator=gen)
+    blocked = torch.rand(1, 1, 4, 1, 213, generator=gen) < 0.5
+    _close(cpu_kernels.decode_partial(q, k, v, 0.1, 4, 1, blocked), _expected(q, k, v, 0.1, 4, 1, blocked), "views")
+
+
+def test_nan_where_no_row_looks_never_reaches_the_output_and_a_seen_nan_does():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 4, 32, generator=gen)
+    k = torch.randn(1, 2, 40, 32, generator=gen)
+    v = torch.randn(1, 2, 40, 32, generator=gen)
+    blocked = torch.zeros(1, 1, 4, 1, 40, dtype=torch.bool)
+    blocked[..., 7] = True  # no row sees slot 7
+    blocked[:, :, 1, :, 20] = True  # row 1 does not see slot 20
+    k[:, :, 7] = float("nan")
+    v[:, :, 7] = float("nan")
+    v[:, :, 20] = float("inf")
+    clean_k, clean_v = k.clone(), v.clone()
+    clean_k[:, :, 7], clean_v[:, :, 7], clean_v[:, :, 20] = 0.0, 0.0, 0.0
+    out, lse = cpu_kernels.decode_partial(q, k, v, 0.2, 4, 1, blocked)
+    want_out, want_lse = _expected(q, clean_k, clean_v, 0.2, 4, 1, blocked)
+    assert torch.isfinite(out[:, :, 1]).all(), "a row that does not see the inf value took it"
+    torch.testing.assert_close(out[:, :, 1].double(), want_out[:, :, 1], rtol=2e-5, atol=2e-6)
+    assert not torch.isfinite(out[:, :, [0, 2, 3]]).all(dim=-1).any(), "rows that see the inf value must show it"
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_pages_through_a_shuffled_block_table_equal_the_gathered_read(dtype, page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    B, Hkv, D, pages = 3, 2, 64, 40
+    pool_k = torch.randn(Hkv, pages, page_size, D, generator=gen).to(dtype)
+    pool_v = torch.randn(Hkv, pages, page_size, D, generator=gen).to(dtype)
+    width = pages // B
+    table = torch.randperm(pages, generator=gen)[: B * width].view(B, width)
+    keys = pool_k[:, table.reshape(-1)].view(Hkv, B, width * page_size, D).transpose(0, 1)  # gathered
+    values = pool_v[:, table.reshape(-1)].view(Hkv, B, width * page_size, D).transpose(0, 1)
+    q = torch.randn(B, Hkv, 4, D, generator=gen)
+    S = width * page_size
+    for lo, hi in ((0, S), (page_size + 1, S - 2), (S - 1, S)):
+        blocked = torch.rand(B, 1, 4, 1, hi - lo, generator=gen) < 0.2
+        got = cpu_kernels.decode_partial(q, pool_k, pool_v, 0.125, 4, 1, blocked, table, lo, hi - lo)
+        want = _expected(q, keys[:, :, lo:hi], values[:, :, lo:hi], 0.125, 4, 1, blocked)
+        _close(got, want, f"pages of {page_size}, slots [{lo}, {hi})")
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_int8_slots_with_channel_scales_per_span_equal_fp64_over_their_dequantized_values(scale_dtype):
+    gen = torch.Generator().manual_seed(3)
+    B, Hkv, N, D, span = 2, 2, 200, 64, 32
+    k8 = torch.randint(-127, 128, (B, Hkv, N, D), generator=gen, dtype=torch.int8)
+    v8 = torch.randint(-127, 128, (B, Hkv, N, D), generator=gen, dtype=torch.int8)
+    kc = (torch.rand(B, Hkv, -(-N // span), D, generator=gen) + 0.1).to(scale_dtype)
+    kt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
+    vt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
+    spans = torch.arange(N) // span
+    keys = k8.double() * kc.double()[:, :, spans] * kt.double()[..., None]
+    values = v8.double() * vt.double()[..., None]
+    q = torch.randn(B, Hkv, 4, D, generator=gen)
+    for first, n in ((0, N), (31, 70), (64, 1), (5, 195)):
+        scales = cpu_kernels.Int8Scales(kc, kt, vt, first, span)
+        blocked = torch.rand(B, 1, 4, 1, n, generator=gen) < 0.3
+        got = cpu_kernels.decode_partial(
+            q, k8[:, :, first : first + n], v8[:, :, first : first + n], 0.2, 4, 1, blocked, scales=scales
+        )
+        want = _expected(q, keys[:, :, first : first + n], values[:, :, first : first + n], 0.2, 4, 1, blocked)
+        _close(got, want, f"int8 slots [{first}, {first + n})")
+
+
+def test_the_portable_build_without_avx512_gives_the_same_answers():
+    """``cpu_decode.c`` also builds its plain vector code (for CPUs without AVX-512): built here
+    with AVX-512 off, it must agree with the fp64 computation too."""
+    try:
+        lib = cpu_kernels.build((*cpu_kernels.FLAGS, "-mno-avx512f"))
+    except RuntimeError as error:  # a compiler that does not take the flag (not x86-64)
+        pytest.skip(str(error))
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+        q = torch.randn(2, 2, 5, 48, generator=gen)
+        if dtype == torch.int8:
+            k = torch.randint(-127, 128, (2, 2, 77, 48), generator=gen, dtype=torch.int8)
+            v = torch.randint(-127, 128, (2, 2, 77, 32), generator=gen, dtype=torch.int8)
+            kc, kt, vt = torch.rand(2, 2, 1, 48, generator=gen), torch.rand(2, 2, 77) / 99, torch.rand(2, 2, 77) / 99
+            scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, 1 << 20)
+            keys, values = k.double() * kc.double() * kt.double()[..., None], v.double() * vt.double()[..., None]
+        else:
+            k = torch.randn(2, 2, 77, 48, generator=gen).to(dtype)
+            v = torch.randn(2, 2, 77, 32, generator=gen).to(dtype)
+            scales, keys, values = None, k, v
+        blocked = torch.rand(2, 1, 5, 1, 77, generator=gen) < 0.3
+        got = cpu_kernels._run(lib, q, k, v, 0.25, 5, 1, blocked, None, 0, None, scales, 2)
+        _close(got, _expected(q, keys, values, 0.25, 5, 1, blocked), f"portable build, {dtype}")
+
+
+def test_one_thread_and_two_give_the_same_bits():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 4, 64, generator=gen)
+    k, v = torch.randn(2, 4, 999, 64, generator=gen), torch.randn(2, 4, 999, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.decode_partial(q, k, v, 0.1, 4, 1)
+        torch.set_num_threads(2)
+        two = cpu_kernels.decode_partial(q, k, v, 0.1, 4, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_supports_refuses_what_the_kernel_does_not_take():
+    q, k = torch.randn(1, 1, 4, 64), torch.randn(1, 1, 10, 64)
+    assert cpu_kernels.supports(q, k, k)
+    assert not cpu_kernels.supports(q.double(), k.double(), k.double()), "fp64"
+    assert not cpu_kernels.supports(q[..., :40], k[..., :40], k[..., :40]), "a head size not a multiple of 16"
+    assert not cpu_kernels.supports(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), k), "features apart"
+    assert not cpu_kernels.supports(q.requires_grad_(), k, k), "autograd"
