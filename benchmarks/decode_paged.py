@@ -9,9 +9,14 @@ check of every contender against the fp64 reference. Page layouts of the row's `
 * ``shared random``: the row holds a random quarter of a pool four times its size (the other
   pages are other rows'): runs in the pool of about one page.
 
-Contenders (``contiguous``: ``attention(q, k, v, backend="decode")`` on the same tokens in one tensor):
+Contenders (``contiguous``: ``attention(q, k, v, backend="decode")`` on the same tokens in one
+tensor, through multihead's CPU decode kernel where it is built):
 
-* ``pool order``: what the library runs (``decode_blocks`` over ``CacheRead.blocks``): runs of
+* ``cpu kernel``: what the library runs where the kernel is built (``decode_blocks`` over
+  ``CacheRead.blocks``): every page read through the block table in one call, no copy;
+* ``contiguous, PyTorch GEMMs``: the contiguous step without the kernel (what runs without a C
+  compiler); the contenders below are PyTorch-only designs too (the kernel switched off):
+* ``pool order``: what the library runs without the kernel: runs of
   pages consecutive in the pool as views, short runs copied 8 MiB at a time, partials joined by LSE;
 * ``pool order, 1 MiB copies``: the same with copies sized to stay in the L2 cache
   (``PIECE_BYTES``);
@@ -42,8 +47,9 @@ import time
 import torch
 
 from common import THREADS, context, fastest_ms, machine_state, mh, print_table, write_csv
+from multihead.backends import cpu_kernels
 from multihead.backends import decode_blocks as blocks_module
-from multihead.backends.decode import _attend
+from multihead.backends.decode import DecodeBackend, _attend
 from multihead.backends.decode_blocks import KVBlocks, _per_head, decode_blocks
 from multihead.caches import PagedKVCache
 
@@ -69,6 +75,28 @@ def layout(kind: str, pages: int, rng: random.Random) -> tuple[list[int], int]:
         p += n + rng.randint(1, 16)
     rng.shuffle(runs)
     return [page for run in runs for page in run][:pages], p
+
+
+class _TorchDecode(DecodeBackend):
+    """The decode backend without multihead's CPU kernel, under a name of its own (plans key on it)."""
+
+    name = "decode_torch_gemms"
+
+    def __init__(self):
+        super().__init__(kernel="torch")
+
+
+def torch_gemms(fn):
+    """``fn`` with the CPU kernel switched off (pieces read by PyTorch's GEMMs)."""
+
+    def run():
+        old, cpu_kernels.supports = cpu_kernels.supports, lambda *args, **kwargs: False
+        try:
+            return fn()
+        finally:
+            cpu_kernels.supports = old
+
+    return run
 
 
 class TableOrder(KVBlocks):
@@ -181,13 +209,19 @@ def run_case(dtype, Lk: int, ps: int, kinds, rounds: int, min_run_time: float, c
         mask = read.mask(None, True, HQ)
         fns = {
             "contiguous": lambda: mh.attention(q, k, v, backend="decode"),
-            "pool order": lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask),
-            "pool order, 1 MiB copies": with_piece_bytes(
-                1 << 20, lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask)
+            "cpu kernel": lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask),
+            "contiguous, PyTorch GEMMs": lambda: mh.attention(q, k, v, backend=_TorchDecode.name),
+            "pool order": torch_gemms(lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask)),
+            "pool order, 1 MiB copies": torch_gemms(
+                with_piece_bytes(1 << 20, lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask))
             ),
-            "table order (before)": lambda read=read, mask=mask: decode_blocks(q, TableOrder(read.blocks), mask),
-            "two passes": lambda read=read: two_passes(q, read.blocks, Lk),
-            "pool span": lambda cache=cache, table=table: pool_span(q, cache.key_pages, cache.value_pages, table, Lk),
+            "table order (before)": torch_gemms(
+                lambda read=read, mask=mask: decode_blocks(q, TableOrder(read.blocks), mask)
+            ),
+            "two passes": torch_gemms(lambda read=read: two_passes(q, read.blocks, Lk)),
+            "pool span": torch_gemms(
+                lambda cache=cache, table=table: pool_span(q, cache.key_pages, cache.value_pages, table, Lk)
+            ),
         }
         if contenders:
             fns = {name: fn for name, fn in fns.items() if name == "contiguous" or name in contenders}
@@ -282,6 +316,8 @@ def main(argv=None) -> list[dict]:
         print_table("CPU ms per call: GEMMs", [r for r in rows if "keys" in r["what"]])
         print_table("CPU ms per call: copies", [r for r in rows if "copy" in r["what"]])
         return rows
+    if _TorchDecode.name not in mh.available_backends():  # never chosen by auto, only by name
+        mh.register_backend(_TorchDecode(), priority=None)
     dtypes = ["bfloat16"] if args.quick else args.dtypes.split(",")
     sizes = [16] if args.quick else [int(x) for x in args.page_sizes.split(",")]
     print(f"# paged decode step: designs side by side ({context()})")

@@ -122,9 +122,30 @@ typedef struct {
 } job_t;
 
 #ifndef PF
-#define PF 8
+#define PF 8 /* keys ahead whose rows are prefetched: the loads of a step stream from memory */
 #endif
-/* 4 query rows (padded with zero rows) x one key: the four scores */
+#define TB 64 /* keys per block: their row pointers found once (pages crossed), V rows stay in L1 */
+
+/* Pointers to the rows of slots [slot, slot + count), with `count` at most TB + PF: the page
+ * table followed, one division per block. */
+static inline void rows_of(const char **rows, long count, const char *base, const int64_t *table, long ps,
+                           long page_bytes, long t_bytes, long slot) {
+    long page = slot / ps, off = slot % ps;
+    const char *p = base + table[page] * page_bytes + off * t_bytes;
+    for (long i = 0; i < count; i++, off++, p += t_bytes) {
+        if (off == ps) { /* the next page (looked up only when a slot lies in it) */
+            off = 0;
+            p = base + table[++page] * page_bytes;
+        }
+        rows[i] = p;
+    }
+}
+
+static inline void prefetch_row(const char *row, int bytes) {
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
+}
+
+/* 4 query rows (zero rows past R) x one key: the four scores */
 #define DOT4(LOAD, kr, qs, D, out4)                                                                      \
     do {                                                                                                 \
         v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                     \
@@ -140,78 +161,80 @@ typedef struct {
 
 #ifdef __AVX512F__
 /* 4 keys x 4 query rows at a time: 16 accumulators, reduced by hsum4 (one reduction per 4 scores) */
-#define BLOCK4(T, LOAD, QUANT)                                                                           \
+#define BLOCK4(T, LOAD)                                                                                  \
     if (R4 == 4)                                                                                         \
-        for (; i + 4 <= count; i += 4) {                                                                 \
-            const T *kr = kp + i * k_t;                                                                  \
-            if (i + PF < count)                                                                          \
-                for (int j = 0; j < 4; j++)                                                              \
-                    for (int c = 0; c < D * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(kr + (PF + j) * k_t) + c); \
+        for (; i + 4 <= cnt; i += 4) {                                                                   \
+            const T *k0r = (const T *)rows[i], *k1r = (const T *)rows[i + 1];                            \
+            const T *k2r = (const T *)rows[i + 2], *k3r = (const T *)rows[i + 3];                        \
+            for (int j = 0; j < 4; j++) if (i + j + PF < got) prefetch_row(rows[i + j + PF], kbytes);    \
             __m512 a[4][4];                                                                              \
             for (int r = 0; r < 4; r++) for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();     \
             for (int c = 0; c < D; c += 16) {                                                            \
-                __m512 k0 = (__m512)LOAD(kr + c), k1 = (__m512)LOAD(kr + k_t + c);                       \
-                __m512 k2 = (__m512)LOAD(kr + 2 * k_t + c), k3 = (__m512)LOAD(kr + 3 * k_t + c);         \
+                __m512 k0 = (__m512)LOAD(k0r + c), k1 = (__m512)LOAD(k1r + c);                           \
+                __m512 k2 = (__m512)LOAD(k2r + c), k3 = (__m512)LOAD(k3r + c);                           \
                 for (int r = 0; r < 4; r++) {                                                            \
                     __m512 qv = _mm512_loadu_ps(qs + r * D + c);                                         \
                     a[r][0] = _mm512_fmadd_ps(qv, k0, a[r][0]); a[r][1] = _mm512_fmadd_ps(qv, k1, a[r][1]); \
                     a[r][2] = _mm512_fmadd_ps(qv, k2, a[r][2]); a[r][3] = _mm512_fmadd_ps(qv, k3, a[r][3]); \
                 }                                                                                        \
             }                                                                                            \
-            __m128 f4 = _mm_set1_ps(1.0f);                                                               \
-            if (QUANT) {                                                                                 \
-                long base = b * J->kt_b + h * J->kt_h + J->first + t + i;                                \
-                f4 = _mm_setr_ps(load_scale(J->kt, base, J->sdt), load_scale(J->kt, base + 1, J->sdt),   \
-                                 load_scale(J->kt, base + 2, J->sdt), load_scale(J->kt, base + 3, J->sdt)); \
-            }                                                                                            \
+            __m128 f4 = _mm_loadu_ps(kf + i);                                                            \
             for (int r = 0; r < R; r++)                                                                  \
                 _mm_storeu_ps(s + (long)r * n + t + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), f4)); \
         }
 #else
-#define BLOCK4(T, LOAD, QUANT)
+#define BLOCK4(T, LOAD)
 #endif
 
 #define DEFINE_KERNEL(SUFFIX, T, LOAD, QUANT)                                                              \
 static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {                                  \
     const int b = bh / J->H, h = bh % J->H, R = J->G * J->Lq, D = J->D, Dv = J->Dv;                      \
     const int R4 = (R + 3) & ~3; /* rows padded to a multiple of 4 (zero rows) */                        \
-    const long n = J->n, lo = J->lo, ps = J->ps, k_t = J->k_t, v_t = J->v_t;                             \
-    const T *K = (const T *)J->K + h * J->k_h, *V = (const T *)J->V + h * J->v_h;                        \
+    const int kbytes = D * (int)sizeof(T), vbytes = Dv * (int)sizeof(T);                                 \
+    const long n = J->n, lo = J->lo, ps = J->ps;                                                         \
+    const char *K = (const char *)((const T *)J->K + h * J->k_h);                                        \
+    const char *V = (const char *)((const T *)J->V + h * J->v_h);                                        \
+    const long kpb = J->k_page * (long)sizeof(T), ktb = J->k_t * (long)sizeof(T);                        \
+    const long vpb = J->v_page * (long)sizeof(T), vtb = J->v_t * (long)sizeof(T);                        \
     const int64_t *table = J->table + b * J->width;                                                      \
     const float *q = J->q + (long)bh * R * D;                                                            \
     const float scale = J->scale;                                                                        \
     float *out = J->out + (long)bh * R * Dv, *lse = J->lse + (long)bh * R;                               \
     float *norm = qs + (long)R4 * D;                                                                     \
+    const char *rows[TB + PF];                                                                           \
+    float kf[TB];                                                                                        \
+    long span_now = -1;                                                                                  \
     memset(qs, 0, sizeof(float) * R4 * D);                                                               \
     for (int i = 0; i < R * D; i++) qs[i] = q[i] * scale;                                                \
-    /* scores, a piece (within one page and one span) at a time */                                      \
-    for (long t = 0; t < n;) {                                                                           \
-        long slot = lo + t, off = slot % ps;                                                             \
-        long count = ps - off < n - t ? ps - off : n - t;                                                \
-        float f = 1.0f;                                                                                  \
-        if (QUANT) { /* q' = q · scale · kc[j]; pieces end at span boundaries */                         \
+    for (int i = 0; i < TB; i++) kf[i] = 1.0f;                                                           \
+    /* scores, a block of TB keys at a time (int8: blocks end at span boundaries) */                    \
+    for (long t = 0, cnt; t < n; t += cnt) {                                                             \
+        cnt = n - t < TB ? n - t : TB;                                                                   \
+        if (QUANT) {                                                                                     \
             long qi = J->first + t, j = qi / J->span, end = (j + 1) * J->span - qi;                      \
-            count = count < end ? count : end;                                                           \
-            for (int r = 0; r < R; r++)                                                                  \
-                for (int c = 0; c < D; c++)                                                              \
-                    qs[r * D + c] = q[r * D + c] * scale *                                               \
-                        load_scale(J->kc, b * J->kc_b + h * J->kc_h + j * J->kc_j + c, J->sdt);           \
+            cnt = cnt < end ? cnt : end;                                                                 \
+            if (j != span_now) { /* q' = q · scale · kc[j] */                                            \
+                span_now = j;                                                                            \
+                for (int r = 0; r < R; r++)                                                              \
+                    for (int c = 0; c < D; c++)                                                          \
+                        qs[r * D + c] = q[r * D + c] * scale *                                           \
+                            load_scale(J->kc, b * J->kc_b + h * J->kc_h + j * J->kc_j + c, J->sdt);       \
+            }                                                                                            \
+            for (long i = 0; i < cnt; i++) kf[i] = load_scale(J->kt, b * J->kt_b + h * J->kt_h + qi + i, J->sdt); \
         }                                                                                                \
-        const T *kp = K + table[slot / ps] * J->k_page + off * k_t;                                      \
+        const long got = n - t < cnt + PF ? n - t : cnt + PF; /* the block and the keys to prefetch */   \
+        rows_of(rows, got, K, table, ps, kpb, ktb, lo + t);                                              \
         long i = 0;                                                                                      \
-        BLOCK4(T, LOAD, QUANT)                                                                           \
-        for (; i < count; i++) {                                                                         \
-            const T *kr = kp + i * k_t;                                                                  \
-            if (i + PF < count)                                                                          \
-                for (int c = 0; c < D * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(kr + PF * k_t) + c); \
-            if (QUANT) f = load_scale(J->kt, b * J->kt_b + h * J->kt_h + J->first + t + i, J->sdt);      \
+        BLOCK4(T, LOAD)                                                                                  \
+        for (; i < cnt; i++) {                                                                           \
+            const T *kr = (const T *)rows[i];                                                            \
+            if (i + PF < got) prefetch_row(rows[i + PF], kbytes);                                        \
             for (int r0 = 0; r0 < R4; r0 += 4) {                                                         \
                 float d4[4];                                                                             \
                 DOT4(LOAD, kr, qs + (long)r0 * D, D, d4);                                                \
-                for (int r = 0; r < 4 && r0 + r < R; r++) s[(long)(r0 + r) * n + t + i] = d4[r] * f;    \
+                for (int r = 0; r < 4 && r0 + r < R; r++) s[(long)(r0 + r) * n + t + i] = d4[r] * kf[i]; \
             }                                                                                            \
         }                                                                                                \
-        t += count;                                                                                      \
     }                                                                                                    \
     /* mask, max, exp, sum */                                                                            \
     for (int r = 0; r < R; r++) {                                                                        \
@@ -255,94 +278,56 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
         lse[r] = mx + logf(tot);                                                                         \
         norm[r] = 1.0f / tot;                                                                            \
     }                                                                                                    \
-    /* o = P V: 4 rows x 64 features of accumulators in registers per pass over a piece */             \
-    memset(out, 0, sizeof(float) * R * Dv);                                                              \
-    if (R4 == 4 && !J->blocked) { /* every row sees every slot: the weights token-major, no checks */  \
-        float *w = s + (long)R * n;                                                                        \
-        for (long t = 0; t < n; t++) {                                                                   \
-            float f = QUANT ? load_scale(J->vt, b * J->vt_b + h * J->vt_h + J->first + t, J->sdt) : 1.0f; \
-            for (int r = 0; r < 4; r++) w[t * 4 + r] = r < R ? s[(long)r * n + t] * f : 0.f;             \
+    /* the weights token-major (w[t][r], 4 rows per group, times vt for int8): P V reads 4 at once */  \
+    const int groups = R4 / 4;                                                                           \
+    float *w = s + (long)R * n;                                                                          \
+    for (long t = 0; t < n; t++) {                                                                       \
+        float f = QUANT ? load_scale(J->vt, b * J->vt_b + h * J->vt_h + J->first + t, J->sdt) : 1.0f;    \
+        for (int r = 0; r < R4; r++) {                                                                   \
+            float p = r < R ? s[(long)r * n + t] : 0.f;                                                  \
+            w[(long)(r / 4) * n * 4 + t * 4 + r % 4] = p != 0.f ? p * f : 0.f;                           \
         }                                                                                                \
-        for (long t = 0; t < n;) {                                                                       \
-            long slot = lo + t, off = slot % ps;                                                         \
-            long count = ps - off < n - t ? ps - off : n - t;                                            \
-            count = count < 256 ? count : 256;                                                           \
-            const T *vp = V + table[slot / ps] * J->v_page + off * v_t;                                  \
+    }                                                                                                    \
+    /* o = P V: 4 rows x 64 features of accumulators in registers, a block of TB keys at a time */     \
+    memset(out, 0, sizeof(float) * R * Dv);                                                              \
+    for (long t = 0, cnt; t < n; t += cnt) {                                                             \
+        cnt = n - t < TB ? n - t : TB;                                                                   \
+        const long got = n - t < cnt + PF ? n - t : cnt + PF;                                            \
+        rows_of(rows, got, V, table, ps, vpb, vtb, lo + t);                                              \
+        for (int g4 = 0; g4 < groups; g4++) {                                                            \
+            const int rb = R - 4 * g4 < 4 ? R - 4 * g4 : 4;                                             \
+            const float *wg = w + (long)g4 * n * 4 + t * 4;                                              \
             for (int c0 = 0; c0 < Dv; c0 += 64) {                                                        \
                 const int cb = Dv - c0 < 64 ? (Dv - c0) / 16 : 4;                                        \
+                const int first_pass = g4 == 0 && c0 == 0;                                               \
                 v16f a[4][4] = {{{0}}};                                                                  \
-                for (long i = 0; i < count; i++) {                                                       \
-                    const T *vr = vp + i * v_t + c0;                                                     \
-                    if (c0 == 0 && i + PF < count)                                                       \
-                        for (int c = 0; c < Dv * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(vr + PF * v_t) + c); \
-                    const float *wi = w + (t + i) * 4;                                                   \
-                    const float w0 = wi[0], w1 = wi[1], w2 = wi[2], w3 = wi[3];                           \
-                    if (cb == 4) {                                                                       \
-                        for (int c = 0; c < 4; c++) {                                                    \
-                            v16f vv = LOAD(vr + 16 * c);                                                 \
-                            a[0][c] += w0 * vv; a[1][c] += w1 * vv; a[2][c] += w2 * vv; a[3][c] += w3 * vv; \
-                        }                                                                                \
-                    } else {                                                                             \
+                for (long i = 0; i < cnt; i++) {                                                         \
+                    if (first_pass && i + PF < got) prefetch_row(rows[i + PF], vbytes);                  \
+                    const float w0 = wg[i * 4], w1 = wg[i * 4 + 1], w2 = wg[i * 4 + 2], w3 = wg[i * 4 + 3]; \
+                    const int seen = (w0 != 0.f) + (w1 != 0.f) + (w2 != 0.f) + (w3 != 0.f);              \
+                    if (!seen) continue; /* no row sees it: its value is never touched */               \
+                    const T *vr = (const T *)rows[i] + c0;                                               \
+                    if (seen == rb || !J->blocked) {                                                     \
                         for (int c = 0; c < cb; c++) {                                                   \
                             v16f vv = LOAD(vr + 16 * c);                                                 \
                             a[0][c] += w0 * vv; a[1][c] += w1 * vv; a[2][c] += w2 * vv; a[3][c] += w3 * vv; \
                         }                                                                                \
-                    }                                                                                    \
-                }                                                                                        \
-                for (int r = 0; r < R; r++)                                                              \
-                    for (int c = 0; c < cb; c++) {                                                       \
-                        float *o = out + (long)r * Dv + c0 + 16 * c;                                     \
-                        v16f cur = load_f32(o) + a[r][c];                                                \
-                        memcpy(o, &cur, 64);                                                             \
-                    }                                                                                    \
-            }                                                                                            \
-            t += count;                                                                                  \
-        }                                                                                                \
-    } else                                                                                               \
-    for (long t = 0; t < n;) {                                                                           \
-        long slot = lo + t, off = slot % ps;                                                             \
-        long count = ps - off < n - t ? ps - off : n - t;                                                \
-        count = count < 256 ? count : 256; /* a piece of V stays in L1/L2 across the passes */          \
-        const T *vp = V + table[slot / ps] * J->v_page + off * v_t;                                      \
-        for (int r0 = 0; r0 < R; r0 += 4) {                                                              \
-            const int rb = R - r0 < 4 ? R - r0 : 4;                                                      \
-            for (int c0 = 0; c0 < Dv; c0 += 64) {                                                        \
-                const int wide = Dv - c0 >= 64;                                                          \
-                v16f a[4][4] = {{{0}}};                                                                  \
-                for (long i = 0; i < count; i++) {                                                       \
-                    float w[4] = {0.f, 0.f, 0.f, 0.f};                                                   \
-                    int seen = 0;                                                                        \
-                    for (int r = 0; r < rb; r++) { w[r] = s[(long)(r0 + r) * n + t + i]; seen += w[r] != 0.f; } \
-                    if (!seen) continue; /* no row sees it: its value is never touched */               \
-                    if (QUANT) {                                                                         \
-                        float f = load_scale(J->vt, b * J->vt_b + h * J->vt_h + J->first + t + i, J->sdt); \
-                        for (int r = 0; r < 4; r++) w[r] = w[r] != 0.f ? w[r] * f : 0.f;                 \
-                    }                                                                                    \
-                    const T *vr = vp + i * v_t + c0;                                                     \
-                    if (c0 == 0 && r0 == 0 && i + PF < count)                                            \
-                        for (int c = 0; c < Dv * (int)sizeof(T); c += 64) __builtin_prefetch((const char *)(vr + PF * v_t) + c); \
-                    if (seen == rb && wide) {                                                            \
-                        for (int c = 0; c < 4; c++) {                                                    \
-                            v16f vv = LOAD(vr + 16 * c);                                                 \
-                            a[0][c] += w[0] * vv; a[1][c] += w[1] * vv;                                  \
-                            a[2][c] += w[2] * vv; a[3][c] += w[3] * vv;                                  \
-                        }                                                                                \
                     } else { /* rows that do not see it take nothing from it, NaN included */           \
-                        for (int c = 0; c < 4 && c0 + 16 * c < Dv; c++) {                                \
+                        const float wr[4] = {w0, w1, w2, w3};                                            \
+                        for (int c = 0; c < cb; c++) {                                                   \
                             v16f vv = LOAD(vr + 16 * c);                                                 \
-                            for (int r = 0; r < rb; r++) if (w[r] != 0.f) a[r][c] += w[r] * vv;          \
+                            for (int r = 0; r < 4; r++) if (wr[r] != 0.f) a[r][c] += wr[r] * vv;         \
                         }                                                                                \
                     }                                                                                    \
                 }                                                                                        \
                 for (int r = 0; r < rb; r++)                                                             \
-                    for (int c = 0; c < 4 && c0 + 16 * c < Dv; c++) {                                    \
-                        float *o = out + (long)(r0 + r) * Dv + c0 + 16 * c;                              \
+                    for (int c = 0; c < cb; c++) {                                                       \
+                        float *o = out + (long)(4 * g4 + r) * Dv + c0 + 16 * c;                          \
                         v16f cur = load_f32(o) + a[r][c];                                                \
                         memcpy(o, &cur, 64);                                                             \
                     }                                                                                    \
             }                                                                                            \
         }                                                                                                \
-        t += count;                                                                                      \
     }                                                                                                    \
     for (int r = 0; r < R; r++)                                                                          \
         for (int c = 0; c < Dv; c++) out[(long)r * Dv + c] *= norm[r];                                   \
@@ -360,7 +345,7 @@ static void *work(void *arg) {
     worker_t *w = (worker_t *)arg;
     job_t *J = w->job;
     int R = J->G * J->Lq;
-    float *s = (float *)malloc(sizeof(float) * ((size_t)(R + 4) * J->n + 16));
+    float *s = (float *)malloc(sizeof(float) * ((size_t)(2 * R + 8) * J->n + 16));
     float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + (size_t)R + 16));
     if (!s || !qs) { /* the caller raises MemoryError; the other threads finish the pairs */
         free(s);
