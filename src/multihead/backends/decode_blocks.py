@@ -13,9 +13,11 @@ run of pages that lie in a different order in the pool than in the block table),
 follows each key. So a paged cache is read through its block table in pool order (runs of pages
 as views, short runs copied into a buffer that stays in cache, never the whole cache:
 :mod:`multihead.caches.paged_blocks`), and a quantized cache is dequantized a piece at a time
-(never a dequantized copy of the whole cache), or, for int8 slots, gives its partials itself
-(:meth:`KVBlocks.partials`: integer GEMMs over the stored bytes,
-:mod:`multihead.backends.decode_int8`). A cache returns such an object in
+(never a dequantized copy of the whole cache). Where multihead's CPU decode kernel runs
+(:mod:`multihead.backends.cpu_kernels`), a cache gives its partials itself
+(:meth:`KVBlocks.partials`): pages read through the block table, int8 slots with their scales, in
+one call, no piece made; without the kernel, int8 slots go through integer GEMMs
+(:mod:`multihead.backends.decode_int8`). A cache returns such an object in
 ``CacheRead.blocks``; a layer reads it through :func:`decode_blocks` when the call is a plain decode
 step (:func:`multihead.layers.attend.reads_blocks` says when), and through the dense ``keys`` and
 ``values`` (:meth:`KVBlocks.dense`, built once on demand) otherwise.

@@ -25,11 +25,13 @@ last ``residual`` tokens written are always exact, and so are the first ``sinks`
 
 Every read returns what the cache holds: slot ``j`` is position ``j`` (one length for every row),
 quantized slots as ``K8 · kt · kc`` and ``V8 · vt`` in ``dtype``. A decode step reads
-them through ``CacheRead.blocks``: int8 slots with integer GEMMs over the stored bytes
-(fp16/bf16/fp32 compute), fp8 (and fp64 compute) dequantized a piece at a time into a buffer that
-stays in cache (:mod:`multihead.backends.decode_blocks`); a prefill, weights or autograd read
-``CacheRead.keys``, the whole read dequantized once. Quantized slots carry no gradient (rounding has none); the full-
-precision ones do, as in the other caches.
+them through ``CacheRead.blocks``: int8 slots through multihead's CPU decode kernel
+(:mod:`multihead.backends.cpu_kernels`: each slot converted in registers, its scales applied as it
+is read) or, without it, integer GEMMs over the stored bytes (fp16/bf16/fp32 compute); fp8 (and
+fp64 compute) dequantized a piece at a time into a buffer that stays in cache
+(:mod:`multihead.backends.decode_blocks`); a prefill, weights or autograd read ``CacheRead.keys``,
+the whole read dequantized once. Quantized slots carry no gradient (rounding has none); the
+full-precision ones do, as in the other caches.
 
 :meth:`crop` into the quantized region dequantizes the kept part of the last group back into the
 tail (its values are the ones reads returned, so nothing a query sees changes) and keeps the other
@@ -388,9 +390,10 @@ class _QuantizedBlocks(KVBlocks):
         self, qg: Tensor, lo: int, hi: int, blocked: Tensor | None, scale: float, G: int, Lq: int
     ) -> list[tuple[Tensor, Tensor]] | None:
         """int8 slots: sinks and tail as views (the decode path's chunk), the 8-bit region through
-        integer GEMMs over the stored bytes (:func:`~multihead.backends.decode_int8.int8_attention`),
-        a few spans at a time. ``None`` (dequantized pieces) for fp8, for fp64 compute and off the
-        CPU (CUDA's ``_int_mm`` wants more than 16 rows and sizes in multiples of 8)."""
+        the CPU decode kernel in one call, or without it through integer GEMMs over the stored bytes
+        (:func:`~multihead.backends.decode_int8.int8_attention`), a few spans at a time. ``None``
+        (dequantized pieces) for fp8, for fp64 compute and off the CPU (CUDA's ``_int_mm`` wants
+        more than 16 rows and sizes in multiples of 8)."""
         digits = digits_for(self.dtype)
         if self.cache.format != "int8" or digits is None or self.device.type != "cpu":
             return None
