@@ -160,28 +160,30 @@ static inline void prefetch_row(const char *row, int bytes) {
     } while (0)
 
 #ifdef __AVX512F__
-/* 4 keys x 4 query rows at a time: 16 accumulators, reduced by hsum4 (one reduction per 4 scores) */
+/* 4 keys x 4 query rows at a time (each group of 4 rows in turn): 16 accumulators, reduced by hsum4 */
 #define BLOCK4(T, LOAD)                                                                                  \
-    if (R4 == 4)                                                                                         \
-        for (; i + 4 <= cnt; i += 4) {                                                                   \
-            const T *k0r = (const T *)rows[i], *k1r = (const T *)rows[i + 1];                            \
-            const T *k2r = (const T *)rows[i + 2], *k3r = (const T *)rows[i + 3];                        \
-            for (int j = 0; j < 4; j++) if (i + j + PF < got) prefetch_row(rows[i + j + PF], kbytes);    \
+    for (; i + 4 <= cnt; i += 4) {                                                                       \
+        const T *k0r = (const T *)rows[i], *k1r = (const T *)rows[i + 1];                                \
+        const T *k2r = (const T *)rows[i + 2], *k3r = (const T *)rows[i + 3];                            \
+        for (int j = 0; j < 4; j++) if (i + j + PF < got) prefetch_row(rows[i + j + PF], kbytes);        \
+        const __m128 f4 = _mm_loadu_ps(kf + i);                                                          \
+        for (int r0 = 0; r0 < R4; r0 += 4) { /* the keys stay in L1 across the row groups */           \
+            const float *qg4 = qs + (long)r0 * D;                                                        \
             __m512 a[4][4];                                                                              \
             for (int r = 0; r < 4; r++) for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();     \
             for (int c = 0; c < D; c += 16) {                                                            \
                 __m512 k0 = (__m512)LOAD(k0r + c), k1 = (__m512)LOAD(k1r + c);                           \
                 __m512 k2 = (__m512)LOAD(k2r + c), k3 = (__m512)LOAD(k3r + c);                           \
                 for (int r = 0; r < 4; r++) {                                                            \
-                    __m512 qv = _mm512_loadu_ps(qs + r * D + c);                                         \
+                    __m512 qv = _mm512_loadu_ps(qg4 + r * D + c);                                        \
                     a[r][0] = _mm512_fmadd_ps(qv, k0, a[r][0]); a[r][1] = _mm512_fmadd_ps(qv, k1, a[r][1]); \
                     a[r][2] = _mm512_fmadd_ps(qv, k2, a[r][2]); a[r][3] = _mm512_fmadd_ps(qv, k3, a[r][3]); \
                 }                                                                                        \
             }                                                                                            \
-            __m128 f4 = _mm_loadu_ps(kf + i);                                                            \
-            for (int r = 0; r < R; r++)                                                                  \
-                _mm_storeu_ps(s + (long)r * n + t + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), f4)); \
-        }
+            for (int r = 0; r < 4 && r0 + r < R; r++)                                                    \
+                _mm_storeu_ps(s + (long)(r0 + r) * n + t + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), f4)); \
+        }                                                                                                \
+    }
 #else
 #define BLOCK4(T, LOAD)
 #endif
