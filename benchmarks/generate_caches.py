@@ -19,7 +19,9 @@ round (checked); against fp32 its tokens may differ, since the weights and the c
 In the same run: the load before and after, the memory read bandwidth and the fp32 / bf16 matmul
 peaks (``decode.matmul_peaks``), and per step the bytes a step must read (every ``nn.Linear``
 weight once, plus the K/V it attends over at the mean length), as GB/s and a fraction of the read
-bandwidth. The backend and kernel one layer's decode step runs on (``explain``) are printed.
+bandwidth; beside each step's time, the time of every ``nn.Linear`` of its model applied to one
+token in the same rounds (the weights read once: the floor under any step of that model). The
+backend and kernel one layer's decode step runs on (``explain``) are printed.
 
 Usage: ``python benchmarks/generate_caches.py`` (``BENCH_THREADS=1`` on a loaded machine).
 """
@@ -67,6 +69,17 @@ def decode(name: str, model: CausalDecoder, prompt: torch.Tensor, new: int) -> d
     return {"tokens": tokens, "prefill s": t1 - t0, "decode s": t2 - t1, "cache bytes": cache.nbytes, "cache": cache}
 
 
+def _linears_s(linears: list[torch.nn.Linear], tokens: int) -> float:
+    """Seconds per token of every ``Linear`` applied to one token: the model's weights read once,
+    the floor under any decode step of this model (``generate.py`` times the same)."""
+    xs = [torch.randn(1, 1, m.in_features, dtype=m.weight.dtype) for m in linears]
+    t = time.perf_counter()
+    for _ in range(tokens):
+        for m, x in zip(linears, xs):
+            m(x)
+    return (time.perf_counter() - t) / tokens
+
+
 def _agreement(a: list[int], b: list[int]) -> str:
     same = [x == y for x, y in zip(a, b)]
     first = same.index(False) if False in same else None
@@ -106,9 +119,13 @@ def main(argv=None) -> list[dict]:
         f"bf16 {peaks['bfloat16']:.0f} GFLOP/s"
     )
 
+    linears = {name: [m for m in model.modules() if isinstance(m, torch.nn.Linear)] for name, model in models.items()}
+    floor = {"fp32": float("inf"), "bf16": float("inf")}
     best: dict[str, dict] = {}
     with torch.no_grad():
         for r in range(rounds):
+            for name in floor:  # the weights read once: every Linear on one token (20 tokens, per token)
+                floor[name] = min(floor[name], _linears_s(linears[name], 20))
             for name in CONTENDERS:
                 run = decode(name, models[name], prompt, new)
                 if name not in best:
@@ -123,10 +140,7 @@ def main(argv=None) -> list[dict]:
     print(f"after: {after}")
 
     steps = new - 1
-    weight_bytes = {
-        name: sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        for name, model in models.items()
-    }
+    weight_bytes = {name: sum(m.weight.numel() * m.weight.element_size() for m in ms) for name, ms in linears.items()}
     mean_fill = (prompt_len + new / 2) / (prompt_len + new)  # a step reads the filled slots only
     rows = []
     for name in CONTENDERS:
@@ -142,6 +156,8 @@ def main(argv=None) -> list[dict]:
                 "prefill s": run["prefill s"],
                 "cache MiB": run["cache bytes"] / 2**20,
                 "weights MiB": weight_bytes[name] / 2**20,
+                "step ms": step_s * 1e3,
+                "weights-only ms": floor["fp32" if name == "fp32" else "bf16"] * 1e3,
                 "step GB/s": step_bytes / step_s / 1e9,
                 "of read BW": step_bytes / step_s / 1e9 / read_gbps,
                 "tokens vs fp32": _agreement(run["tokens"], best["fp32"]["tokens"]),
