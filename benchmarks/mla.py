@@ -437,7 +437,7 @@ def _ceilings_main(args) -> list[dict]:
     after = machine_state()
     print(f"after: {after}")
     print_table(
-        f"The absorbed step (whole layer, and its attention call alone), fastest of {rounds} interleaved rounds, "
+        f"The absorbed step (the whole layer; its attention call three ways), fastest of {rounds} interleaved rounds, "
         f"against read {read_gbps:.1f} GB/s and matmul fp32 {peaks['float32']:.0f} / bf16 {peaks['bfloat16']:.0f} "
         f"GFLOP/s measured in this run; {after}",
         [{k: v for k, v in r.items() if k != "runs on"} for r in rows],
