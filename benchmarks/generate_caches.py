@@ -2,7 +2,8 @@
 
 The model is ``CausalDecoder`` with 12 layers, ``d_model=768``, 12 heads (GPT-2 small's shape as in
 ``generate.py``; seeded random weights, vocabulary 4096), batch 1, greedy decoding of 200 new tokens
-after a 2048-token prompt (``--quick``: 2 layers, a 256-token prompt, 32 new tokens). Contenders:
+after a 2048-token prompt (``--quick``: 2 layers, a 1536-token prompt, 32 new tokens: long enough
+that ``auto`` still takes ``decode`` for the steps). Contenders:
 
 * ``fp32``: the fp32 model over fp32 ``StaticKVCache`` s;
 * ``bf16``: the same weights in bf16 over bf16 ``StaticKVCache`` s;
@@ -96,10 +97,10 @@ def _dispatch(name: str, model: CausalDecoder, cache: DecoderCache) -> str:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="2 layers, 256-token prompt, 32 new tokens, 1 round")
+    parser.add_argument("--quick", action="store_true", help="2 layers, 1536-token prompt, 32 new tokens, 1 round")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, quick 1)")
     args = parser.parse_args(argv)
-    layers, prompt_len, new, rounds = (2, 256, 32, 1) if args.quick else (12, 2048, 200, 3)
+    layers, prompt_len, new, rounds = (2, 1536, 32, 1) if args.quick else (12, 2048, 200, 3)
     rounds = args.rounds or rounds
     torch.manual_seed(0)
     config = DecoderConfig(vocab_size=VOCAB, max_len=prompt_len + new, d_model=E, num_layers=layers, num_heads=HEADS)

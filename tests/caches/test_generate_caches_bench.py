@@ -18,7 +18,8 @@ def test_generate_caches_quick_reports_every_cache(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import common
 
-    monkeypatch.setattr(common, "RESULTS", tmp_path)  # the CSV lands in the test's folder
+    monkeypatch.setattr(common, "ROOT", tmp_path)  # the CSV lands in the test's folder
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
     import generate_caches
 
     rows = generate_caches.main(["--quick"])
@@ -32,5 +33,5 @@ def test_generate_caches_quick_reports_every_cache(tmp_path, monkeypatch):
         assert total == 32 and 0 <= agreed <= total
     assert rows[0]["tokens vs fp32"] == "32/32, first difference none"  # fp32 against itself
     assert rows[2]["tokens vs bf16"].startswith(tuple(f"{n}/32" for n in range(33)))
-    assert (tmp_path / "generate_caches_quick.csv").is_file()
+    assert (tmp_path / "results" / "generate_caches_quick.csv").is_file()
     sys.modules.pop("generate_caches", None)
