@@ -28,6 +28,12 @@ weight, ``2·H·S·(C + R)`` for the scores, ``2·H·S·C`` for the values) over
 fraction of the fp32 matmul peak. The step reads about 8 bytes per flop's worth of matmul work
 less than the peak needs (``H = 16`` query heads share each latent row), so it is memory-bound:
 the fraction of the read bandwidth is its measure.
+
+``--ceilings`` times only the absorbed step, in fp32 and bf16, at caches of 4k and 32k tokens: the
+whole layer step, its attention call alone (``attention()``), and that attention as two ``torch.mm``
+in the cache's dtype (the GEMM library's rate on the same call), each against the read bandwidth and the matmul peak
+of its dtype (``decode.matmul_peaks``: fp32, and bf16 on AMX where the CPU has it), all measured in
+the same run, with the backend and kernel each runs on (``explain``).
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ from common import (
     print_table,
     write_csv,
 )
+from decode import matmul_peaks
 from dtypes import matmul_gflops
+from multihead.backends import DecodeBackend, register_backend
 from multihead.positions import RotaryEmbedding
 
 E, H, C, R, N, V = 2048, 16, 512, 64, 128, 128  # d_model, heads, kv_lora_rank, rope, nope, v
@@ -123,11 +131,11 @@ def _filled(layer, S: int, capacity: int, gen) -> mh.KVCache:
     return cache
 
 
-def _copy64(cache: mh.KVCache) -> mh.KVCache:
-    """A float64 copy of a filled cache, for the check against the float64 layer."""
+def _copy64(cache: mh.KVCache, dtype: torch.dtype = torch.float64) -> mh.KVCache:
+    """A copy of a filled cache in ``dtype`` (float64: for the check against the float64 layer)."""
     if isinstance(cache, mh.LatentKVCache):
         copy = mh.LatentKVCache(capacity=cache.length + 1)
-        rows = cache.keys.double()
+        rows = cache.keys.to(dtype)
         copy.update(rows, rows[..., :C])
         return copy
     copy = mh.DynamicKVCache(capacity=cache.length + 1)
@@ -150,7 +158,8 @@ def _explained(layer, x, cache, mode: str) -> str:
     layer.mode = mode
     report = layer.explain(x, kv_cache=cache)
     B, Hq, Hkv, Lq, Lk, D, Dv = report.shape
-    kernel = next((line.split(": ", 1)[1] for line in report.plan if line.startswith("PyTorch kernel")), None)
+    named = (line.split(": ", 1)[1] for line in report.plan if line.startswith(("PyTorch kernel", "kernel:")))
+    kernel = next((line.split(":")[0] for line in named), None)  # the kernel's name, not its description
     return f"{mode}: Hq={Hq} Hkv={Hkv} D={D} Dv={Dv} -> backend {report.backend}" + (
         f" (kernel {kernel})" if kernel else ""
     )
@@ -201,11 +210,120 @@ def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bo
     return row
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GEMMS_BACKEND = "decode-torch-gemms"
+
+
+class _DecodeWithGemms(DecodeBackend):
+    """The decode backend with its CPU kernel off (``kernel="torch"``: the fold's PyTorch GEMMs),
+    under its own name so that one run times both; registered by this script only, never in auto."""
+
+    name = GEMMS_BACKEND
+
+    def __init__(self):
+        super().__init__(kernel="torch")
+
+
+def absorbed_ceilings(lengths, rounds: int, min_run_time: float, read_gbps: float, peaks: dict) -> list[dict]:
+    """The absorbed step in fp32 and bf16 against the ceilings of its dtype (issue 29, item 4).
+
+    Four contenders per dtype and cache, interleaved in one :func:`common.fastest_ms`: the whole
+    layer step (as :func:`run_case` times it), its attention call alone (16 query heads over the
+    one latent head, ``D = C + R``, ``Dv = C`` a view of the rows), since the layer's weights
+    (55 MB in fp32) hide the attention's own rate at short caches, the same call on the decode
+    backend with its CPU kernel off (PyTorch's GEMMs), and that attention by hand
+    (:func:`_absorbed_by_hand`). Each is checked against float64
+    first (fp32: 1e-4; bf16: 2% of the output's largest magnitude, a bf16 rounding of weights and
+    cache)."""
+    base = _mla()
+    layer64 = _mla(dtype=torch.float64)
+    layer64.load_state_dict(base.state_dict())
+    layer64.mode = "absorbed"
+    fns, cases = {}, {}
+    with torch.no_grad():
+        for S in lengths:
+            gen = torch.Generator().manual_seed(S)
+            x = torch.randn(1, 1, E, generator=gen)
+            rows32 = _filled(base, S, S + 8, gen)
+            for name, dtype in DTYPES.items():
+                layer = _mla(dtype=dtype)
+                layer.load_state_dict(base.state_dict())
+                cache = _copy64(rows32, dtype)
+                xd = x.to(dtype)
+                want = layer64(xd.double(), kv_cache=_copy64(cache))  # the same rounded inputs, in float64
+                layer.mode = "absorbed"
+                got = layer(xd, kv_cache=cache)
+                cache.crop(S)
+                tol = 1e-4 if dtype == torch.float32 else 2e-2 * float(want.abs().max())
+                check_close(f"MLA absorbed {name} S={S} vs float64", got, want, atol=tol)
+                rows = cache.keys  # (1, 1, S, C + R): the latent head
+                q = torch.randn(1, H, 1, C + R, generator=gen).to(dtype)
+                fns[(name, S, "layer")] = _step(layer, xd, cache, S, "absorbed")
+                fns[(name, S, "attention")] = lambda q=q, rows=rows: mh.attention(q, rows, rows[..., :C])
+                fns[(name, S, "decode, torch GEMMs")] = lambda q=q, rows=rows: mh.attention(
+                    q, rows, rows[..., :C], backend=GEMMS_BACKEND
+                )
+                fns[(name, S, "by hand")] = lambda q=q, rows=rows: _absorbed_by_hand(q, rows)
+                check_close(
+                    f"absorbed attention by hand {name} S={S}",
+                    _absorbed_by_hand(q, rows),
+                    mh.attention(q, rows, rows[..., :C])[0, :, 0],
+                    atol=1e-4 if dtype == torch.float32 else 2e-2,
+                )
+                report = mh.explain(q, rows, rows[..., :C])
+                kernel = next((line for line in report.plan if line.startswith(("kernel:", "PyTorch kernel"))), "")
+                cases[(name, S)] = {
+                    "layer": _explained(layer, xd, cache, "absorbed"),
+                    "attention": f"backend {report.backend}, {kernel.split(':', 1)[0]}: "
+                    + kernel.split(": ", 1)[-1].split(":")[0],
+                    "decode, torch GEMMs": f"backend {GEMMS_BACKEND}: the decode path's fold with PyTorch's GEMMs",
+                    "by hand": "torch.mm in the cache's dtype (oneDNN; AMX for bf16 where the CPU has it)",
+                    "weights": sum(p.numel() for p in layer.parameters()),
+                    "size": torch.empty((), dtype=dtype).element_size(),
+                }
+        best = fastest_ms(fns, rounds=rounds, min_run_time=min_run_time)
+    out = []
+    for (name, S, what), ms in best.items():
+        case = cases[(name, S)]
+        attn_flops = 2 * H * S * (C + R) + 2 * H * S * C  # scores, then values
+        cache_bytes = S * (C + R) * case["size"]
+        if what == "layer":  # every weight once (two flops each), then the attention
+            flops, nbytes = 2 * case["weights"] + attn_flops, case["weights"] * case["size"] + cache_bytes
+        else:
+            flops, nbytes = attn_flops, cache_bytes
+        peak = peaks["float32" if name == "fp32" else "bfloat16"]
+        out.append(
+            {
+                "dtype": name,
+                "cache": S,
+                "timed": what,
+                "ms": ms,
+                "MB read": nbytes / 1e6,
+                "MFLOP": flops / 1e6,
+                "flop/byte": flops / nbytes,
+                "GB/s": nbytes / (ms * 1e-3) / 1e9,
+                "of read BW": nbytes / (ms * 1e-3) / 1e9 / read_gbps,
+                "GFLOP/s": flops / (ms * 1e-3) / 1e9,
+                "of its matmul peak": flops / (ms * 1e-3) / 1e9 / peak,
+                "runs on": case[what],
+            }
+        )
+    return out
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="caches 4k and 8k, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
+    parser.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="only the absorbed step in fp32 and bf16 at caches 4k and 32k (quick: 4k) against the read "
+        "bandwidth and the matmul peak of its dtype, measured in the same run",
+    )
     args = parser.parse_args(argv)
+    if args.ceilings:
+        return _ceilings_main(args)
     lengths = (4096, 8192) if args.quick else (4096, 8192, 16384, 32768)
     rounds = args.rounds or (2 if args.quick else 3)
     torch.manual_seed(0)
@@ -290,6 +408,51 @@ def main(argv=None) -> list[dict]:
             f"{r['GQA / absorbed']:.2f}x the GQA layer's speed"
         )
     write_csv("mla" + ("_quick" if args.quick else ""), [{k: v for k, v in r.items() if k != "notes"} for r in rows])
+    return rows
+
+
+def _absorbed_by_hand(q, rows):
+    """The absorbed attention as two GEMMs in the cache's dtype, all 16 query heads as the rows of
+    one product (the ceiling a GEMM library reaches on this call): ``q (1, H, 1, C + R)``, ``rows
+    (1, 1, S, C + R)`` -> ``(H, C)``. Scores and softmax in fp32, as the decode path keeps them."""
+    qh, kv = q[0, :, 0], rows[0, 0]  # (H, C + R), (S, C + R)
+    scores = torch.mm(qh, kv.t()).float() * (C + R) ** -0.5  # (H, S)
+    return torch.mm(torch.softmax(scores, -1).to(kv.dtype), kv[:, :C])  # (H, C)
+
+
+def _ceilings_main(args) -> list[dict]:
+    register_backend(_DecodeWithGemms(), priority=None)
+    lengths = (4096,) if args.quick else (4096, 32768)
+    rounds = args.rounds or (2 if args.quick else 3)
+    print(f"# MLA absorbed decode step against the machine's ceilings ({context()})")
+    print(f"d_model={E}, heads={H}, kv_lora_rank={C}, rope={R}, nope={N}, v={V}; batch 1, one token per step")
+    print(f"before: {machine_state()}")
+    read_gbps, peaks = memory_read_gbps(), matmul_peaks(0.2 if args.quick else 0.5)
+    llc = last_level_cache_bytes()
+    print(
+        f"ceilings measured now: memory read {read_gbps:.1f} GB/s, matmul fp32 {peaks['float32']:.0f} GFLOP/s, "
+        f"bf16 {peaks['bfloat16']:.0f} GFLOP/s; last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB"
+    )
+    rows = absorbed_ceilings(lengths, rounds, 0.3 if args.quick else 0.5, read_gbps, peaks)
+    after = machine_state()
+    print(f"after: {after}")
+    print_table(
+        f"The absorbed step (the whole layer; its attention call three ways), fastest of {rounds} interleaved rounds, "
+        f"against read {read_gbps:.1f} GB/s and matmul fp32 {peaks['float32']:.0f} / bf16 {peaks['bfloat16']:.0f} "
+        f"GFLOP/s measured in this run; {after}",
+        [{k: v for k, v in r.items() if k != "runs on"} for r in rows],
+    )
+    for r in rows:
+        if r["cache"] == lengths[0]:
+            print(f"{r['dtype']} {r['timed']}: {r['runs on']}")
+    for r in rows:
+        met = r["of its matmul peak"] >= 0.5 or r["of read BW"] >= 0.7
+        print(
+            f"{r['dtype']} cache {r['cache']} {r['timed']}: {100 * r['of its matmul peak']:.0f}% of the matmul peak, "
+            f"{100 * r['of read BW']:.0f}% of the read bandwidth (target >= 50% or >= 70%): "
+            + ("met" if met else "not met")
+        )
+    write_csv("mla_ceilings" + ("_quick" if args.quick else ""), [{k: v for k, v in r.items()} for r in rows])
     return rows
 
 
