@@ -199,7 +199,23 @@ BAD = [
         ValueError,
         r"name key block 3, but 8 keys make 2 blocks",
     ),
+    # A garbage index (torch.empty, token numbers for block numbers) is refused from the largest
+    # one: the table as wide as it (8 TB here) used to be built first, a MemoryError.
+    (
+        lambda: mh.attention(*_qkv(), mask=block_select(torch.full((1, 1, 2, 1), 10**12), 4)),
+        ValueError,
+        r"name key block 1000000000000, but 8 keys make 2 blocks of 4; expected key-block numbers in \[0, 2\)",
+    ),
+    (
+        lambda: mh.attention(*_qkv(), mask=block_select(torch.full((1, 1, 2, 1), -2), 4) & mh.causal()),
+        ValueError,
+        r"-1 for none, got -2; expected values >= -1",
+    ),
 ]
+
+
+def _qkv():
+    return [torch.randn(1, 1, 8, 4) for _ in range(3)]
 
 
 @pytest.mark.parametrize("make,error,message", BAD, ids=[m[:40] for _, _, m in BAD])

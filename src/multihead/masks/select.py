@@ -134,12 +134,13 @@ class BlockSelect(Mask):
                 f"block_select: {q_len} queries make {math.ceil(q_len / self.query_block_size)} blocks of "
                 f"{self.query_block_size}, but indices name key blocks for {nQ}"
             )
+        largest = self._largest()  # before any table: one as wide as a garbage index would not fit
         if kv_len is not None:
             blocks = math.ceil(kv_len / self.block_size)
-            if self._host_table().shape[-1] > blocks:
+            if largest >= blocks:
                 raise ValueError(
-                    f"block_select: indices name key block {self._host_table().shape[-1] - 1}, but {kv_len} "
-                    f"keys make {blocks} blocks of {self.block_size}"
+                    f"block_select: indices name key block {largest}, but {kv_len} keys make {blocks} blocks "
+                    f"of {self.block_size}; expected key-block numbers in [0, {blocks}) or -1 for none"
                 )
 
     def extent(self) -> tuple[int | None, int | None]:
@@ -185,12 +186,22 @@ class BlockSelect(Mask):
     def _host_table(self) -> Tensor:
         return self._cached("_host_cache", lambda: self._table().cpu())
 
+    def _largest(self) -> int:
+        """The largest key block named (``-1`` when none is), after refusing a number below ``-1``:
+        one host read of the indices, no table."""
+        return self._cached("_largest_cache", self._read_bounds)
+
+    def _read_bounds(self) -> int:
+        low, high = torch.aminmax(self.indices)
+        if int(low) < -1:
+            raise ValueError(
+                f"block_select: indices are key-block numbers or -1 for none, got {int(low)}; expected values >= -1"
+            )
+        return int(high)
+
     def _build(self) -> Tensor:
         idx = self.indices
-        low = int(idx.min())
-        if low < -1:
-            raise ValueError(f"block_select: indices are key-block numbers or -1 for none, got {low}")
-        nK = max(int(idx.max()) + 1, 1)
+        nK = max(self._largest() + 1, 1)
         table = torch.zeros(*idx.shape[:3], nK + 1, dtype=torch.bool, device=idx.device)
         table.scatter_(-1, torch.where(idx < 0, nK, idx), True)  # -1 lands in the spare last column
         return table[..., :nK]
