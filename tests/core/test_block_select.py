@@ -218,6 +218,25 @@ def _qkv():
     return [torch.randn(1, 1, 8, 4) for _ in range(3)]
 
 
+@pytest.mark.parametrize("used_first", [True, False], ids=["used", "unused"])
+def test_indices_changed_in_place_afterwards_change_no_mask(used_first):
+    """The mask holds its own copy of ``indices`` (as key_padding and document do): a table shared
+    with the caller meant the old selection if the mask had been used before the change, the new
+    one if not, while ``mask.indices`` showed the new values."""
+    idx = torch.tensor([[[[0], [0]]]])  # (1, 1, 2, 1): both query blocks read key block 0
+    mask = block_select(idx, 4)
+    expected = _loop(idx.clone(), 4, 1, 1, 8, 8)
+    q, k, v = (torch.randn(1, 1, 8, 4, dtype=torch.float64) for _ in range(3))
+    if used_first:
+        mh.attention(q, k, v, mask=mask)
+    idx[0, 0, 1, 0] = 1
+    assert mask.indices[0, 0, 1, 0] == 0
+    assert torch.equal(mask.materialize(1, 1, 8, 8).expand(1, 1, 8, 8), expected)
+    torch.testing.assert_close(
+        mh.attention(q, k, v, mask=mask), mh.attention(q, k, v, mask=expected, backend="reference")
+    )
+
+
 @pytest.mark.parametrize("make,error,message", BAD, ids=[m[:40] for _, _, m in BAD])
 def test_bad_arguments(make, error, message):
     with pytest.raises(error, match=message):

@@ -80,7 +80,11 @@ def block_select(
                 f"block_select: num_heads must be the query heads Hq, a multiple of the {H} rows of heads "
                 f"in indices, got {num_heads!r}"
             )
-    return BlockSelect(indices.to(torch.int64), block_size, num_heads, query_block_size or block_size)
+    # Copied, as every mask copies its tensors: an int64 table was shared with the caller, so one
+    # changed in place afterwards (a buffer reused per step) left the mask reading its old table if
+    # it had been used, the new one if not, while ``indices`` showed the new values.
+    indices = indices.detach().to(torch.int64, copy=True)
+    return BlockSelect(indices, block_size, num_heads, query_block_size or block_size)
 
 
 class BlockSelect(Mask):
