@@ -171,14 +171,15 @@ def test_constructor_refuses_bad_arguments(kwargs, error, pattern):
         QuantizedKVCache(1, 16, 1, 8, **kwargs)
 
 
-@pytest.mark.parametrize("span,expected", [(5, 4), (12, 12), (10**9, 80), (8 * 4096, 80)])
+@pytest.mark.parametrize("span,expected", [(5, 4), (12, 12), (10**9, 72), (8 * 4096, 72)])
 def test_span_is_whole_groups_within_the_8_bit_region(span, expected):
-    """``span`` is rounded down to whole groups and capped at the groups ``max_len`` holds
-    (``max_len - sinks = 78`` tokens: 20 groups of 4, 80 slots): an int8 step pads its slots to
+    """``span`` is rounded down to whole groups and capped at the 8-bit region, the whole groups
+    that can ever leave the window (``max_len - sinks - residual = 75`` tokens: 18 groups of 4, 72
+    slots): an int8 step pads its slots to
     whole spans, so a span past ``max_len`` made every step allocate span-sized buffers (out of
     memory at ``10**9``) for slots that cannot exist. The step equals the one with the capped span."""
     cache = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=span)
-    assert cache.span == expected and cache.k_channel.shape[2] == -(-80 // expected)
+    assert cache.span == expected and cache.k_channel.shape[2] == -(-72 // expected) and cache.q_k.shape[2] == 72
     k, v = torch.randn(1, 2, 60, 8, dtype=torch.float32), torch.randn(1, 2, 60, 8, dtype=torch.float32)
     same = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=expected)
     q = torch.randn(1, 4, 1, 8)
@@ -350,3 +351,28 @@ def test_small_fp16_tokens_keep_the_precision_of_8_bits(magnitude, fmt):
         tol = 0.5001 * step if fmt == "int8" else want.abs() / 16 + step * 2**-6
         assert bool(((got.float() - want).abs() <= tol + want.abs() * 2**-10 + 2**-24).all())
     assert bool((cache.v_scale[:, :, :32].float() < 6.1e-5).all())  # below the floor it had (fp16 smallest normal)
+
+
+@pytest.mark.parametrize(
+    "sinks,residual,slots",
+    [(4, 4096, (4, 96, 0)), (4096, 64, (100, 0, 0)), (0, 100, (0, 100, 0)), (2, 50, (2, 82, 32)), (4, 64, (4, 96, 32))],
+)
+def test_buffers_are_what_max_len_can_hold_and_bytes_say_so(sinks, residual, slots):
+    """Sinks, tail and 8-bit region sized by what ``max_len`` can hold, not by the sizes asked:
+    ``residual >= max_len`` (nothing ever quantized) allocated ``residual + group`` full-precision
+    slots and an 8-bit region for every token besides (a 100-token cache with ``residual=4096``
+    held 41x a StaticKVCache's bytes). A store keeps ``residual`` tokens in the tail, so the region
+    is the whole groups of ``max_len - sinks - residual``. Every token still reads back."""
+    cache = QuantizedKVCache(1, 100, 2, 8, sinks=sinks, residual=residual, group=32)
+    assert (cache.sink_k.shape[2], cache.tail_k.shape[2], cache.q_k.shape[2]) == slots
+    if residual >= 100 - min(sinks, 100):  # nothing is quantized: the bytes of a full-precision cache
+        assert cache.nbytes == StaticKVCache(1, 100, 2, 8).nbytes - 8  # (less its int64 lengths)
+    k, v = torch.randn(1, 2, 100, 8), torch.randn(1, 2, 100, 8)
+    read = None
+    for t in range(0, 100, 7):  # fill it to max_len, in steps
+        read = cache.update(k[:, :, t : t + 7], v[:, :, t : t + 7])
+    assert read is not None and cache.length == 100
+    exact = min(sinks, 100) + min(residual, 100)
+    if exact >= 100:
+        assert torch.equal(read.keys, k) and torch.equal(read.values, v)
+    torch.testing.assert_close(read.keys, k, rtol=0.05, atol=0.05)

@@ -84,7 +84,8 @@ class QuantizedKVCache(KVCache):
         sinks: the first tokens always kept in full precision (attention sinks).
         group: tokens quantized together (they leave the residual window together).
         span: tokens sharing one row of per-channel key scales (rounded down to a multiple of
-            ``group``, at least one group, at most the groups ``max_len`` holds); a decode step
+            ``group``, at least one group, at most the 8-bit region: the whole groups of
+            ``max_len - sinks - residual`` tokens, all that can ever be quantized); a decode step
             multiplies each span's int8 keys with one integer GEMM per KV head.
         dtype, device: the compute dtype (what reads return, what new keys must have) and device.
     """
@@ -133,21 +134,28 @@ class QuantizedKVCache(KVCache):
         self.format, self.bits, self.residual, self.sinks, self.group = format, bits, residual, sinks, group
         self.max_len = max_len
         B, Hkv, D, Dv = batch_size, num_kv_heads, head_dim, value_dim
-        groups = -(-max(0, max_len - sinks) // group)
+        # Buffers for what max_len can hold, not for the sizes asked: residual >= max_len (no token
+        # ever quantized) allocated residual + group full-precision slots and the 8-bit region of
+        # max_len besides: docs/inference.md, QuantizedKVCache.
+        # A store always leaves `residual` tokens in the tail, so at most the whole groups of
+        # max_len - sinks - residual tokens are ever quantized.
+        groups = max(0, max_len - sinks - residual) // group
+        sink_slots, tail_slots = min(sinks, max_len), min(residual + group, max(0, max_len - sinks))
         # At most the 8-bit region: an int8 step pads its slots to whole spans, so a span past
         # max_len made every step allocate and scan span-sized buffers (out of memory for a large
         # one) for slots that can never exist.
         self.span = min(max(1, span // group), max(1, groups)) * group
         spans = -(-groups * group // self.span)
         full: dict[str, Any] = dict(dtype=dtype, device=device)
-        self.sink_k, self.sink_v = torch.zeros(B, Hkv, sinks, D, **full), torch.zeros(B, Hkv, sinks, Dv, **full)
+        self.sink_k = torch.zeros(B, Hkv, sink_slots, D, **full)
+        self.sink_v = torch.zeros(B, Hkv, sink_slots, Dv, **full)
         self.q_k = torch.zeros(B, Hkv, groups * group, D, dtype=storage, device=device)
         self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
         self.k_channel = torch.ones(B, Hkv, spans, D, **full)  # per channel, per span of tokens
         self.k_token = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
         self.v_scale = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
-        self.tail_k = torch.zeros(B, Hkv, residual + group, D, **full)
-        self.tail_v = torch.zeros(B, Hkv, residual + group, Dv, **full)
+        self.tail_k = torch.zeros(B, Hkv, tail_slots, D, **full)
+        self.tail_v = torch.zeros(B, Hkv, tail_slots, Dv, **full)
         self._length = 0  # tokens per row
         self._quantized = 0  # tokens in the 8-bit region (a multiple of group)
         self._undo: tuple[Any, ...] | None = None
@@ -359,8 +367,8 @@ def _stored_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
     smallest positive subnormal of ``dtype`` (never 0: fp16 rounded a fixed 1e-30 to 0, and an
     all-zero token stored 0 / 0 = NaN) and never below ``scale`` (rounded up where the conversion
     rounded it down, so that ``x / stored`` stays within ``top``). A floor at the smallest *normal*
-    (6.1e-5 in fp16) made the step of every fp16 token with ``amax < 127 · 6.1e-5`` that floor:
-    relative errors of 9% at ``amax`` 3e-4 where int8 gives 0.4%."""
+    made that floor the step of every small fp16 token, far coarser than 8 bits of its amax
+    (docs/inference.md, "Small and quiet tokens")."""
     info = torch.finfo(dtype)
     scale = scale.clamp(min=info.tiny * info.eps)  # tiny · eps: the smallest subnormal
     stored = scale.to(dtype)
