@@ -199,6 +199,13 @@ BAD = [
         ValueError,
         r"name key block 3, but 8 keys make 2 blocks",
     ),
+    # num_heads that is not the call's Hq: with a row per query head it passed, and head h read
+    # row h // (num_heads / H), another head's selection
+    (
+        lambda: mh.attention(*_qkv(4), mask=block_select(torch.zeros(1, 4, 2, 1, dtype=torch.long), 4, num_heads=8)),
+        ValueError,
+        r"num_heads=8 but the call has 4 query heads; expected num_heads=4",
+    ),
     # A garbage index (torch.empty, token numbers for block numbers) is refused from the largest
     # one: the table as wide as it (8 TB here) used to be built first, a MemoryError.
     (
@@ -214,8 +221,8 @@ BAD = [
 ]
 
 
-def _qkv():
-    return [torch.randn(1, 1, 8, 4) for _ in range(3)]
+def _qkv(heads=1):
+    return [torch.randn(1, heads, 8, 4) for _ in range(3)]
 
 
 @pytest.mark.parametrize("used_first", [True, False], ids=["used", "unused"])

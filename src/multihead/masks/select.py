@@ -127,6 +127,12 @@ class BlockSelect(Mask):
         B, H, nQ, _ = self.indices.shape
         if B not in (1, batch):
             raise ValueError(f"block_select: indices have {B} batch rows, the call {batch}; expected 1 or {batch}")
+        if self.num_heads is not None and self.num_heads != heads:
+            # with H = Hq rows it passed, and query head h read row h // (num_heads / H): another head's
+            raise ValueError(
+                f"block_select: num_heads={self.num_heads} but the call has {heads} query heads; expected "
+                f"num_heads={heads} (or none when indices have a row per query head or one for all)"
+            )
         if H not in (1, heads) and self.num_heads != heads:
             hint = f"; for {H} KV heads give num_heads={heads}" if heads % H == 0 else ""
             raise ValueError(
