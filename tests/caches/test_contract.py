@@ -651,6 +651,30 @@ def _slot_positions(cache: KVCache, new: int) -> torch.Tensor:
     return torch.where(kp == EMPTY_POSITION, -1, kp)
 
 
+@every_kind
+@pytest.mark.parametrize("part", ["block_select", "document"])
+def test_a_mask_over_fewer_positions_than_the_step_reaches_is_refused_and_changes_nothing(kind, part):
+    """A mask object whose own tensors cover the prompt only (a ``block_select`` table, document
+    ids) cannot say what a later token sees. Every cache refuses the step the same way, before the
+    attention and with the cache as it was; the decode path over a ``QuantizedKVCache``'s blocks
+    skips the attention call's check, and ran such a step with the new token's row fully masked."""
+    layer, cache, P = _layer(), _layer_cache(kind), 8
+    prompt_only = (
+        mh.masks.block_select(torch.zeros(1, 1, 2, 1, dtype=torch.long), 4)
+        if part == "block_select"
+        else mh.document(torch.zeros(B, P, dtype=torch.long))
+    )
+    window = kind.mask()
+    mask = prompt_only if window is None else prompt_only & window
+    x = torch.randn(B, P + 1, 24, generator=torch.Generator().manual_seed(3), dtype=DT)
+    with torch.no_grad():
+        layer(x[:, :P], kv_cache=cache, mask=mask)
+        before = everything(cache)
+        with pytest.raises(ValueError, match=rf"covers {P} positions, but the cache's new tokens reach position {P}"):
+            layer(x[:, P:], kv_cache=cache, mask=mask)
+    assert identical(everything(cache), before) and cache.length == P
+
+
 def test_a_tensor_built_at_positions_is_refused_with_the_slots_it_needs():
     layer, cache = _layer(), DynamicKVCache()
     x = torch.randn(B, 6, 24, dtype=DT)

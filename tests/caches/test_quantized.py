@@ -68,13 +68,13 @@ def _key_steps(cache, k, top):
     """The step of each quantized key element ``(B, Hkv, n, D)``: the span's channel scale times
     the token's scale, the token's recomputed from the keys (its amax after dividing by the channel
     scales, over ``top``). The channel scales are the cache's; what makes them right is checked
-    here too: each is at least the channel's amax over the span's first group (no key that set it
-    is clipped) and at least 1/32 of the span's largest."""
+    here too: relative to the span's largest channel (which is 1), each at least 1/32 (a
+    key of a channel quiet in the span's first store is not blown up); the magnitude is the
+    token's. No key is clipped whatever kc is: the token's scale is its own amax."""
     steps = torch.empty_like(k)
     for a in range(0, k.shape[2], cache.span):
         channel = cache.k_channel[:, :, a // cache.span].unsqueeze(2).float()  # (B, Hkv, 1, D)
-        first = k[:, :, a : a + GROUP].abs().amax(dim=2, keepdim=True)
-        assert bool((channel >= first).all()) and bool((channel >= channel.amax(dim=3, keepdim=True) / 32.001).all())
+        assert bool((channel.amax(dim=3) == 1).all()) and bool((channel >= 1 / 32).all())
         token = (k[:, :, a : a + cache.span] / channel).abs().amax(dim=3, keepdim=True) / top
         steps[:, :, a : a + cache.span] = channel * token
     return steps
@@ -171,14 +171,15 @@ def test_constructor_refuses_bad_arguments(kwargs, error, pattern):
         QuantizedKVCache(1, 16, 1, 8, **kwargs)
 
 
-@pytest.mark.parametrize("span,expected", [(5, 4), (12, 12), (10**9, 80), (8 * 4096, 80)])
+@pytest.mark.parametrize("span,expected", [(5, 4), (12, 12), (10**9, 72), (8 * 4096, 72)])
 def test_span_is_whole_groups_within_the_8_bit_region(span, expected):
-    """``span`` is rounded down to whole groups and capped at the groups ``max_len`` holds
-    (``max_len - sinks = 78`` tokens: 20 groups of 4, 80 slots): an int8 step pads its slots to
+    """``span`` is rounded down to whole groups and capped at the 8-bit region, the whole groups
+    that can ever leave the window (``max_len - sinks - residual = 75`` tokens: 18 groups of 4, 72
+    slots): an int8 step pads its slots to
     whole spans, so a span past ``max_len`` made every step allocate span-sized buffers (out of
     memory at ``10**9``) for slots that cannot exist. The step equals the one with the capped span."""
     cache = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=span)
-    assert cache.span == expected and cache.k_channel.shape[2] == -(-80 // expected)
+    assert cache.span == expected and cache.k_channel.shape[2] == -(-72 // expected) and cache.q_k.shape[2] == 72
     k, v = torch.randn(1, 2, 60, 8, dtype=torch.float32), torch.randn(1, 2, 60, 8, dtype=torch.float32)
     same = QuantizedKVCache(1, 80, 2, 8, residual=3, sinks=2, group=4, span=expected)
     q = torch.randn(1, 4, 1, 8)
@@ -302,3 +303,76 @@ def test_a_non_finite_token_reaches_only_the_rows_that_read_it(fmt, bad):
     assert torch.equal(nan_rows, expected)
     from_blocks = mh.backends.decode_blocks.decode_blocks(q, read.blocks, read.mask(None, True, 2 * HKV))
     assert torch.equal(torch.isnan(from_blocks).any(-1)[..., 0], expected)  # the int8 step: the same rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("first", [0.0, 1e-3], ids=["zero-first-group", "quiet-first-group"])
+def test_keys_after_a_quiet_first_group_of_their_span_read_back_finite(first, fmt, dtype):
+    """The span's channel scales are set by its first store. They were absolute: after a group of
+    zero keys (padding) or of small ones, every later key of the span had a token scale
+    ``amax(k / kc) / top`` past the dtype's range (inf: fp16 from keys of 10, every dtype after
+    zeros), so its slots read back inf or NaN and every row reading them got NaN. They are now
+    relative to the span's largest channel, in [1/32, 1]; the tokens carry the magnitude."""
+    cache = QuantizedKVCache(1, 64, 1, 8, format=fmt, residual=0, sinks=0, group=4, span=64, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    quiet = (torch.randn(1, 1, 4, 8, generator=g) * first).to(dtype)
+    loud = (torch.randn(1, 1, 4, 8, generator=g) * 1000).to(dtype)
+    cache.update(quiet, quiet)
+    read = cache.update(loud, loud)
+    assert torch.isfinite(read.keys).all() and torch.isfinite(read.values).all()
+    rel = 2**-7 if fmt == "int8" else 2**-4  # half a step of 127 levels (with the scales' rounding), e4m3's 3 bits
+    torch.testing.assert_close(read.keys[:, :, 4:].float(), loud.float(), rtol=rel, atol=rel * 1000 * 4)
+    q = torch.randn(1, 2, 1, 8, generator=g).to(dtype)  # a decode step over those slots (int8: integer GEMMs)
+    step = mh.backends.decode_blocks.decode_blocks(q, read.blocks, None)
+    want = mh.reference_attention(q.double(), read.keys.double(), read.values.double()).output
+    assert torch.isfinite(step).all()
+    torch.testing.assert_close(step.double(), want, rtol=0.02, atol=0.02 * 1000)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-4])
+def test_small_fp16_tokens_keep_the_precision_of_8_bits(magnitude, fmt):
+    """Token scales were floored at fp16's smallest normal (6.1e-5), so every token with
+    ``amax < 127 · 6.1e-5`` had that step: 9% relative error at ``amax`` 3e-4 where 8 bits give
+    0.4%. Scales may now be subnormal, rounded up so that no value passes ``top``."""
+    cache = QuantizedKVCache(1, 64, 2, 16, format=fmt, residual=0, sinks=0, group=32, dtype=torch.float16)
+    g = torch.Generator().manual_seed(1)
+    k = (torch.randn(1, 2, 32, 16, generator=g) * magnitude).half()
+    v = (torch.randn(1, 2, 32, 16, generator=g) * magnitude).half()
+    read = cache.update(k, v)
+    top = 127.0 if fmt == "int8" else 448.0
+    k_step = _key_steps(cache, k.float(), top)  # kc · kt per element, as in the test above
+    v_step = v.float().abs().amax(dim=-1, keepdim=True) / top
+    for got, want, step in ((read.keys, k, k_step), (read.values, v, v_step)):
+        want = want.float()
+        # int8: half a step; e4m3: 3 mantissa bits; both: fp16's rounding of the product (and its
+        # subnormal spacing, 2^-24, for the smallest entries)
+        tol = 0.5001 * step if fmt == "int8" else want.abs() / 16 + step * 2**-6
+        assert bool(((got.float() - want).abs() <= tol + want.abs() * 2**-10 + 2**-24).all())
+    assert bool((cache.v_scale[:, :, :32].float() < 6.1e-5).all())  # below the floor it had (fp16 smallest normal)
+
+
+@pytest.mark.parametrize(
+    "sinks,residual,slots",
+    [(4, 4096, (4, 96, 0)), (4096, 64, (100, 0, 0)), (0, 100, (0, 100, 0)), (2, 50, (2, 82, 32)), (4, 64, (4, 96, 32))],
+)
+def test_buffers_are_what_max_len_can_hold_and_bytes_say_so(sinks, residual, slots):
+    """Sinks, tail and 8-bit region sized by what ``max_len`` can hold, not by the sizes asked:
+    ``residual >= max_len`` (nothing ever quantized) allocated ``residual + group`` full-precision
+    slots and an 8-bit region for every token besides (a 100-token cache with ``residual=4096``
+    held 41x a StaticKVCache's bytes). A store keeps ``residual`` tokens in the tail, so the region
+    is the whole groups of ``max_len - sinks - residual``. Every token still reads back."""
+    cache = QuantizedKVCache(1, 100, 2, 8, sinks=sinks, residual=residual, group=32)
+    assert (cache.sink_k.shape[2], cache.tail_k.shape[2], cache.q_k.shape[2]) == slots
+    if residual >= 100 - min(sinks, 100):  # nothing is quantized: the bytes of a full-precision cache
+        assert cache.nbytes == StaticKVCache(1, 100, 2, 8).nbytes - 8  # (less its int64 lengths)
+    k, v = torch.randn(1, 2, 100, 8), torch.randn(1, 2, 100, 8)
+    read = None
+    for t in range(0, 100, 7):  # fill it to max_len, in steps
+        read = cache.update(k[:, :, t : t + 7], v[:, :, t : t + 7])
+    assert read is not None and cache.length == 100
+    exact = min(sinks, 100) + min(residual, 100)
+    if exact >= 100:
+        assert torch.equal(read.keys, k) and torch.equal(read.values, v)
+    torch.testing.assert_close(read.keys, k, rtol=0.05, atol=0.05)

@@ -199,7 +199,49 @@ BAD = [
         ValueError,
         r"name key block 3, but 8 keys make 2 blocks",
     ),
+    # num_heads that is not the call's Hq: with a row per query head it passed, and head h read
+    # row h // (num_heads / H), another head's selection
+    (
+        lambda: mh.attention(*_qkv(4), mask=block_select(torch.zeros(1, 4, 2, 1, dtype=torch.long), 4, num_heads=8)),
+        ValueError,
+        r"num_heads=8 but the call has 4 query heads; expected num_heads=4",
+    ),
+    # A garbage index (torch.empty, token numbers for block numbers) is refused from the largest
+    # one: the table as wide as it (8 TB here) used to be built first, a MemoryError.
+    (
+        lambda: mh.attention(*_qkv(), mask=block_select(torch.full((1, 1, 2, 1), 10**12), 4)),
+        ValueError,
+        r"name key block 1000000000000, but 8 keys make 2 blocks of 4; expected key-block numbers in \[0, 2\)",
+    ),
+    (
+        lambda: mh.attention(*_qkv(), mask=block_select(torch.full((1, 1, 2, 1), -2), 4) & mh.causal()),
+        ValueError,
+        r"-1 for none, got -2; expected values >= -1",
+    ),
 ]
+
+
+def _qkv(heads=1):
+    return [torch.randn(1, heads, 8, 4) for _ in range(3)]
+
+
+@pytest.mark.parametrize("used_first", [True, False], ids=["used", "unused"])
+def test_indices_changed_in_place_afterwards_change_no_mask(used_first):
+    """The mask holds its own copy of ``indices`` (as key_padding and document do): a table shared
+    with the caller meant the old selection if the mask had been used before the change, the new
+    one if not, while ``mask.indices`` showed the new values."""
+    idx = torch.tensor([[[[0], [0]]]])  # (1, 1, 2, 1): both query blocks read key block 0
+    mask = block_select(idx, 4)
+    expected = _loop(idx.clone(), 4, 1, 1, 8, 8)
+    q, k, v = (torch.randn(1, 1, 8, 4, dtype=torch.float64) for _ in range(3))
+    if used_first:
+        mh.attention(q, k, v, mask=mask)
+    idx[0, 0, 1, 0] = 1
+    assert mask.indices[0, 0, 1, 0] == 0
+    assert torch.equal(mask.materialize(1, 1, 8, 8).expand(1, 1, 8, 8), expected)
+    torch.testing.assert_close(
+        mh.attention(q, k, v, mask=mask), mh.attention(q, k, v, mask=expected, backend="reference")
+    )
 
 
 @pytest.mark.parametrize("make,error,message", BAD, ids=[m[:40] for _, _, m in BAD])

@@ -194,6 +194,17 @@ class CacheRead:
             return self._mask_per_kv_head(mask, causal, heads)
         Lq, S = self.query_positions.shape[-1], self.slots
         whole = _whole_length(mask, S) if isinstance(mask, Mask) else S
+        if isinstance(mask, Mask) and _covered(mask) is not None and not torch.compiler.is_compiling():
+            # Parts over fewer positions than the tokens (ids, a block_select table for the prompt
+            # only) cannot say what the later tokens see. Checked here for every read: a contiguous
+            # one (slot j = position j) left it to the attention call's check, which the decode
+            # path over a cache's blocks (QuantizedKVCache) skips: its rows read as fully masked.
+            reach = S - 1 if self.contiguous else int(self.query_positions.max())
+            if reach >= whole:
+                raise ValueError(
+                    f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
+                    f"position {reach}; build it over the whole sequence"
+                )
         if self.contiguous:
             if isinstance(mask, Mask) and (S > Lq or whole != S):
                 # the sequence's square, at the new tokens (the last Lq slots)
@@ -212,11 +223,6 @@ class CacheRead:
         if self.window is not None:
             allowed = allowed & (kv >= q - self.window)
         if isinstance(mask, Mask):
-            if not torch.compiler.is_compiling() and whole != S and _position_parts(mask) and int(q.max()) >= whole:
-                raise ValueError(
-                    f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
-                    f"position {int(q.max())}; build it over the whole sequence"
-                )
             kv_read = torch.where(key_positions == EMPTY_POSITION, 0, key_positions)  # empty: hidden, read anywhere
             q_read = self.query_positions
             placed = _place(mask, lambda m: m.at(q_read, kv_read, q_len=whole, kv_len=whole))  # square
@@ -277,9 +283,20 @@ class KVCache(abc.ABC):
         """Refuse a ``mask`` (with the causal rule if ``causal``) that would let one of the next
         ``new`` queries see keys older than this cache keeps (:func:`check_reach`). A layer calls
         it before :meth:`update`, so a refused mask changes nothing; a cache without a
-        :attr:`window` accepts every mask here."""
+        :attr:`window` accepts every mask here. Also refused: a mask object whose own tensors
+        (document ids, a ``block_select`` table) cover fewer positions than the next ``new``
+        tokens reach; :meth:`CacheRead.mask` refuses it too, but after the update, which a
+        rollback restores only as far as reads see."""
         if self.window is not None:
             check_reach(type(self).__name__, mask, causal, self.window, self.next_positions(new))
+        if isinstance(mask, Mask) and new > 0 and not torch.compiler.is_compiling():
+            covered = _covered(mask)
+            reach = int(self.next_positions(new).max()) if covered is not None else -1
+            if covered is not None and reach >= covered:
+                raise ValueError(
+                    f"{type(self).__name__}: mask {mask._describe()} covers {covered} positions, but the "
+                    f"cache's new tokens reach position {reach}; build it over the whole sequence"
+                )
 
     def observe(self, q: Tensor | None, scale: float | None = None) -> None:
         """Hand the cache the rotated queries ``q (B, Hq, Lq, D)`` of the next :meth:`update`
@@ -684,6 +701,13 @@ def _reach_bound(mask: Mask) -> Mask | None:
         parts = [_reach_bound(p) for p in mask.parts]
         return None if any(b is None for b in parts) else Or(*(b for b in parts if b is not None))
     return None  # a tensor, or the complement of a mask holding one: unbounded
+
+
+def _covered(mask: Mask) -> int | None:
+    """The positions the parts of ``mask`` at positions cover by their own tensors (document ids,
+    a block_select table), ``None`` where none has a length of its own."""
+    extents = [e for part in _position_parts(mask) for e in part.extent() if e is not None]
+    return max(extents) if extents else None
 
 
 def _whole_length(mask: Mask, slots: int) -> int:

@@ -16,7 +16,8 @@ The tail holds between ``residual`` and ``residual + group - 1`` tokens: when it
 int8, 448 for fp8 ``e4m3fn``): values ``vt = amax over the token / top``; keys divided by their
 span's channel scales ``kc`` (set by the first store into a span of ``span`` tokens: each
 channel's amax over the span's tokens in that store, a group or more, at least 1/32 of the
-largest channel's, so that a channel quiet there cannot blow up later tokens), then
+largest channel's, so that a channel quiet there cannot blow up later tokens, divided by the
+largest: ``kc`` is in ``[1/32, 1]``, the magnitude is the tokens'), then
 ``kt = amax over the token / top``. A token whose channels outgrow ``kc`` is never clipped (its
 ``kt`` grows). The factors are one per channel per span and one per token, not one per channel
 per group as in KIVI, so that a decode step can move them onto the query and the attention
@@ -24,7 +25,7 @@ weights and multiply the int8 slots as they are (:mod:`multihead.backends.decode
 last ``residual`` tokens written are always exact, and so are the first ``sinks``.
 
 Every read returns what the cache holds: slot ``j`` is position ``j`` (one length for every row),
-quantized slots as ``K8 · kt · kc`` and ``V8 · vt`` in ``dtype``. A decode step reads
+quantized slots as ``K8 · kc · kt`` and ``V8 · vt`` in ``dtype``. A decode step reads
 them through ``CacheRead.blocks``: int8 slots through multihead's CPU decode kernel
 (:mod:`multihead.backends.cpu_kernels`: each slot converted in registers, its scales applied as it
 is read) or, without it, integer GEMMs over the stored bytes (fp16/bf16/fp32 compute); fp8 (and
@@ -83,7 +84,8 @@ class QuantizedKVCache(KVCache):
         sinks: the first tokens always kept in full precision (attention sinks).
         group: tokens quantized together (they leave the residual window together).
         span: tokens sharing one row of per-channel key scales (rounded down to a multiple of
-            ``group``, at least one group, at most the groups ``max_len`` holds); a decode step
+            ``group``, at least one group, at most the 8-bit region: the whole groups of
+            ``max_len - sinks - residual`` tokens, all that can ever be quantized); a decode step
             multiplies each span's int8 keys with one integer GEMM per KV head.
         dtype, device: the compute dtype (what reads return, what new keys must have) and device.
     """
@@ -132,21 +134,28 @@ class QuantizedKVCache(KVCache):
         self.format, self.bits, self.residual, self.sinks, self.group = format, bits, residual, sinks, group
         self.max_len = max_len
         B, Hkv, D, Dv = batch_size, num_kv_heads, head_dim, value_dim
-        groups = -(-max(0, max_len - sinks) // group)
+        # Buffers for what max_len can hold, not for the sizes asked: residual >= max_len (no token
+        # ever quantized) allocated residual + group full-precision slots and the 8-bit region of
+        # max_len besides: docs/inference.md, QuantizedKVCache.
+        # A store always leaves `residual` tokens in the tail, so at most the whole groups of
+        # max_len - sinks - residual tokens are ever quantized.
+        groups = max(0, max_len - sinks - residual) // group
+        sink_slots, tail_slots = min(sinks, max_len), min(residual + group, max(0, max_len - sinks))
         # At most the 8-bit region: an int8 step pads its slots to whole spans, so a span past
         # max_len made every step allocate and scan span-sized buffers (out of memory for a large
         # one) for slots that can never exist.
         self.span = min(max(1, span // group), max(1, groups)) * group
         spans = -(-groups * group // self.span)
         full: dict[str, Any] = dict(dtype=dtype, device=device)
-        self.sink_k, self.sink_v = torch.zeros(B, Hkv, sinks, D, **full), torch.zeros(B, Hkv, sinks, Dv, **full)
+        self.sink_k = torch.zeros(B, Hkv, sink_slots, D, **full)
+        self.sink_v = torch.zeros(B, Hkv, sink_slots, Dv, **full)
         self.q_k = torch.zeros(B, Hkv, groups * group, D, dtype=storage, device=device)
         self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
         self.k_channel = torch.ones(B, Hkv, spans, D, **full)  # per channel, per span of tokens
         self.k_token = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
         self.v_scale = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
-        self.tail_k = torch.zeros(B, Hkv, residual + group, D, **full)
-        self.tail_v = torch.zeros(B, Hkv, residual + group, Dv, **full)
+        self.tail_k = torch.zeros(B, Hkv, tail_slots, D, **full)
+        self.tail_v = torch.zeros(B, Hkv, tail_slots, Dv, **full)
         self._length = 0  # tokens per row
         self._quantized = 0  # tokens in the 8-bit region (a multiple of group)
         self._undo: tuple[Any, ...] | None = None
@@ -266,16 +275,19 @@ class QuantizedKVCache(KVCache):
         bad = ~(finite_k.all(dim=-1) & finite_v.all(dim=-1))  # (B, Hkv, count): tokens holding one
         k = k.where(finite_k, 0.0).to(work)
         v = v.where(finite_v, 0.0).to(work)
-        # The smallest normal of dtype, not a fixed 1e-30: fp16 rounds 1e-30 (and any scale below
-        # its subnormals) to 0, and an all-zero channel then stored 0 / 0 = NaN (fp8 keeps it).
-        tiny = torch.finfo(self.dtype).tiny
         for j in range(-(-n0 // span), (n0 + count - 1) // span + 1):  # spans that start in this store
             amax = k[:, :, j * span - n0 : (j + 1) * span - n0].abs().amax(dim=2)  # (B, Hkv, D): >= a group
-            floor = amax.amax(dim=2, keepdim=True) * _CHANNEL_FLOOR
-            self.k_channel[:, :, j] = torch.maximum(amax, floor).clamp_(min=tiny).to(self.dtype)
+            largest = amax.amax(dim=2, keepdim=True)  # (B, Hkv, 1)
+            # Relative to the span's largest channel, in [1/32, 1]: kc carries the channels' shape
+            # (KIVI's outliers), kt each token's magnitude (the codes K8 are the same for any
+            # constant factor of kc). An absolute kc set by a quiet first group (zero keys: padding)
+            # made kt = amax(k / kc) / top of every later key of the span overflow (inf, then NaN
+            # reads) in fp16 from keys of 10, in bf16 and fp32 from any key after an all-zero group.
+            relative = torch.maximum(amax, largest * _CHANNEL_FLOOR) / largest.masked_fill(largest == 0, 1.0)
+            self.k_channel[:, :, j] = relative.masked_fill_(largest == 0, 1.0).to(self.dtype)
         channel = self._channel_scales(n0, n0 + count).to(work)  # (B, Hkv, count, D)
-        k_token = ((k / channel).abs().amax(dim=3, keepdim=True) / top).clamp_(min=tiny).to(self.dtype)
-        v_scale = (v.abs().amax(dim=3, keepdim=True) / top).clamp_(min=tiny).to(self.dtype)  # (B, Hkv, count, 1)
+        k_token = _stored_scale((k / channel).abs().amax(dim=3, keepdim=True) / top, self.dtype)
+        v_scale = _stored_scale(v.abs().amax(dim=3, keepdim=True) / top, self.dtype)  # (B, Hkv, count, 1)
         q_k = _quantize(k / (channel * k_token.to(work)), self.q_k.dtype, top)
         q_v = _quantize(v / v_scale.to(work), self.q_v.dtype, top)
         self.k_token[:, :, n0 : n0 + count] = k_token
@@ -291,12 +303,14 @@ class QuantizedKVCache(KVCache):
 
     def dequantized(self, a: int, b: int) -> tuple[Tensor, Tensor]:
         """The 8-bit slots ``[a, b)`` of the quantized region as ``(keys, values)`` in ``dtype``:
-        ``K8 · kt · kc`` and ``V8 · vt`` (each product rounded to ``dtype``: a conversion and one
+        ``K8 · kc · kt`` and ``V8 · vt`` (each product rounded to ``dtype``: a conversion and one
         pass per factor, since this is what a piece of an fp8 read costs)."""
-        keys = self.q_k[:, :, a:b].to(self.dtype).mul_(self.k_token[:, :, a:b])
+        keys = self.q_k[:, :, a:b].to(self.dtype)
         for j in range(a // self.span, (b - 1) // self.span + 1 if b > a else a // self.span):
             lo, hi = max(a, j * self.span), min(b, (j + 1) * self.span)
             keys[:, :, lo - a : hi - a].mul_(self.k_channel[:, :, j : j + 1])
+        # kc (<= 1) before kt: K8 · kt alone reaches 32 times a key of a quiet channel (fp16: inf)
+        keys.mul_(self.k_token[:, :, a:b])
         values = self.q_v[:, :, a:b].to(self.dtype).mul_(self.v_scale[:, :, a:b])
         return keys, values
 
@@ -346,6 +360,21 @@ class QuantizedKVCache(KVCache):
 
     def __repr__(self) -> str:
         return f"{self._held()[:-1]}, length={self._length}, quantized={self._quantized}, nbytes={self.nbytes})"
+
+
+def _stored_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """A per-token scale (``amax / top`` in the working dtype) as stored in ``dtype``: at least the
+    smallest positive subnormal of ``dtype`` (never 0: fp16 rounded a fixed 1e-30 to 0, and an
+    all-zero token stored 0 / 0 = NaN) and never below ``scale`` (rounded up where the conversion
+    rounded it down, so that ``x / stored`` stays within ``top``). A floor at the smallest *normal*
+    made that floor the step of every small fp16 token, far coarser than 8 bits of its amax
+    (docs/inference.md, "Small and quiet tokens")."""
+    info = torch.finfo(dtype)
+    scale = scale.clamp(min=info.tiny * info.eps)  # tiny · eps: the smallest subnormal
+    stored = scale.to(dtype)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[stored.element_size()]
+    up = (stored.view(bits) + 1).view(dtype)  # the next float up (scales are positive and finite)
+    return torch.where(stored.to(scale.dtype) < scale, up, stored)
 
 
 def _quantize(x: Tensor, storage: torch.dtype, top: float) -> Tensor:

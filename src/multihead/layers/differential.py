@@ -98,8 +98,9 @@ class DifferentialAttention(MultiHeadAttention):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"{layer}: depth must be the layer's index from 1 (an int >= 1), got {depth!r}")
         init = _lambda_init(layer, depth, lambda_init)
-        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
-            raise ValueError(f"{layer}: norm_eps must be a positive number, got {norm_eps!r}")
+        # finite too: ε = inf passed `> 0` and the norm made every output exactly 0, silently
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 < norm_eps < math.inf:
+            raise ValueError(f"{layer}: norm_eps must be a positive finite number, got {norm_eps!r}")
         check_rope(layer, rope)  # before it is wrapped
         super().__init__(
             d_model,

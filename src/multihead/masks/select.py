@@ -80,7 +80,11 @@ def block_select(
                 f"block_select: num_heads must be the query heads Hq, a multiple of the {H} rows of heads "
                 f"in indices, got {num_heads!r}"
             )
-    return BlockSelect(indices.to(torch.int64), block_size, num_heads, query_block_size or block_size)
+    # Copied, as every mask copies its tensors: an int64 table was shared with the caller, so one
+    # changed in place afterwards (a buffer reused per step) left the mask reading its old table if
+    # it had been used, the new one if not, while ``indices`` showed the new values.
+    indices = indices.detach().to(torch.int64, copy=True)
+    return BlockSelect(indices, block_size, num_heads, query_block_size or block_size)
 
 
 class BlockSelect(Mask):
@@ -123,6 +127,12 @@ class BlockSelect(Mask):
         B, H, nQ, _ = self.indices.shape
         if B not in (1, batch):
             raise ValueError(f"block_select: indices have {B} batch rows, the call {batch}; expected 1 or {batch}")
+        if self.num_heads is not None and self.num_heads != heads:
+            # with H = Hq rows it passed, and query head h read row h // (num_heads / H): another head's
+            raise ValueError(
+                f"block_select: num_heads={self.num_heads} but the call has {heads} query heads; expected "
+                f"num_heads={heads} (or none when indices have a row per query head or one for all)"
+            )
         if H not in (1, heads) and self.num_heads != heads:
             hint = f"; for {H} KV heads give num_heads={heads}" if heads % H == 0 else ""
             raise ValueError(
@@ -134,12 +144,13 @@ class BlockSelect(Mask):
                 f"block_select: {q_len} queries make {math.ceil(q_len / self.query_block_size)} blocks of "
                 f"{self.query_block_size}, but indices name key blocks for {nQ}"
             )
+        largest = self._largest()  # before any table: one as wide as a garbage index would not fit
         if kv_len is not None:
             blocks = math.ceil(kv_len / self.block_size)
-            if self._host_table().shape[-1] > blocks:
+            if largest >= blocks:
                 raise ValueError(
-                    f"block_select: indices name key block {self._host_table().shape[-1] - 1}, but {kv_len} "
-                    f"keys make {blocks} blocks of {self.block_size}"
+                    f"block_select: indices name key block {largest}, but {kv_len} keys make {blocks} blocks "
+                    f"of {self.block_size}; expected key-block numbers in [0, {blocks}) or -1 for none"
                 )
 
     def extent(self) -> tuple[int | None, int | None]:
@@ -185,12 +196,22 @@ class BlockSelect(Mask):
     def _host_table(self) -> Tensor:
         return self._cached("_host_cache", lambda: self._table().cpu())
 
+    def _largest(self) -> int:
+        """The largest key block named (``-1`` when none is), after refusing a number below ``-1``:
+        one host read of the indices, no table."""
+        return self._cached("_largest_cache", self._read_bounds)
+
+    def _read_bounds(self) -> int:
+        low, high = torch.aminmax(self.indices)
+        if int(low) < -1:
+            raise ValueError(
+                f"block_select: indices are key-block numbers or -1 for none, got {int(low)}; expected values >= -1"
+            )
+        return int(high)
+
     def _build(self) -> Tensor:
         idx = self.indices
-        low = int(idx.min())
-        if low < -1:
-            raise ValueError(f"block_select: indices are key-block numbers or -1 for none, got {low}")
-        nK = max(int(idx.max()) + 1, 1)
+        nK = max(self._largest() + 1, 1)
         table = torch.zeros(*idx.shape[:3], nK + 1, dtype=torch.bool, device=idx.device)
         table.scatter_(-1, torch.where(idx < 0, nK, idx), True)  # -1 lands in the spare last column
         return table[..., :nK]
