@@ -120,6 +120,8 @@ def validate_call(
             mask = mask.to(q.device)
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
         if mask is not None:
+            if "custom" in mask.kinds():  # a block_select with one row per KV head: bound to Hq
+                mask = mask.for_heads(Hq)
             mask.check(Extent(B, Hq, Lq, Lk))
     except ValueError as exc:
         # A mask of the whole sequence does not fit inputs in (B, L, H, D): often the only sign.

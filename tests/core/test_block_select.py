@@ -112,6 +112,27 @@ def test_attention_through_it_equals_the_dense_reference(backend, Hq, Hkv, Hi):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_head_rows_are_bound_to_the_calls_query_heads_without_num_heads(backend):
+    """The issue's spelling, ``block_select(indices, block_size)`` with one row per KV head of a GQA
+    call: the call's ``Hq`` binds it (query head ``h`` reads row ``h // (Hq / Hkv)``), equal to the
+    mask given ``num_heads=Hq``, on every backend and through a GQA layer."""
+    B, Hq, Hkv, L, bs, D = 2, 4, 2, 97, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, L, D, generator=gen, dtype=torch.float64) for H in (Hq, Hkv, Hkv))
+    nQ = math.ceil(L / bs)
+    idx = _indices(B, Hkv, nQ, nQ, 3)
+    mask = block_select(idx, bs) & mh.causal()
+    named = block_select(idx, bs, num_heads=Hq) & mh.causal()
+    if refuses(backend, q, k, v, mask=named):
+        pytest.skip(f"{backend} refuses this call (checked: forcing it raises)")
+    want = mh.reference_attention(q, k, v, mask=named.materialize(B, Hq, L, L).expand(B, Hq, L, L).clone()).output
+    torch.testing.assert_close(mh.attention(q, k, v, mask=mask, backend=backend), want)
+    layer = mh.MultiHeadAttention(Hq * D, Hq, num_kv_heads=Hkv).double()
+    x = torch.randn(B, L, Hq * D, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(layer(x, mask=block_select(idx, bs)), layer(x, mask=block_select(idx, bs, num_heads=Hq)))
+
+
 def test_structure_agrees_with_the_dense_form():
     """On random blocks (aligned or not): EMPTY has nothing visible, FULL everything, PARTIAL
     something; ``key_range`` covers every visible key of its rows, for every batch and head."""
@@ -184,10 +205,15 @@ BAD = [
         ValueError,
         r"2 batch rows, the call 3",
     ),
-    (
+    (  # checked outside a call (nothing bound it to Hq): the message says how
         lambda: block_select(torch.zeros(1, 2, 2, 1, dtype=torch.long), 4).check(Extent(1, 4, 8, 8)),
         ValueError,
         r"give num_heads=4",
+    ),
+    (  # 3 rows of heads do not divide 4 query heads: no GQA mapping binds them
+        lambda: mh.attention(*_qkv(4), mask=block_select(torch.zeros(1, 3, 2, 1, dtype=torch.long), 4)),
+        ValueError,
+        r"indices have 3 rows of heads, the call 4 query heads",
     ),
     (
         lambda: block_select(torch.zeros(1, 1, 2, 1, dtype=torch.long), 4).check(Extent(1, 1, 9, 9)),

@@ -78,6 +78,8 @@ class CallMasks:
         """The call's mask (and score modifier) over ``Lk`` keys, ``& causal()``."""
         mask, score_mod = mask_and_score_mod(mask, score_mod, q_len=Lq, kv_len=Lk)
         if mask is not None:
+            if "custom" in mask.kinds():  # a block_select with one row per KV head: bound to Hq
+                mask = mask.for_heads(self.heads)
             mask.check(Extent(B, self.heads, Lq, Lk))
         if score_mod is not None:
             score_mod.check(Extent(B, self.heads, Lq, Lk))

@@ -163,6 +163,17 @@ class Mask(Value, abc.ABC):
 
         return mask_mod
 
+    def for_heads(self, num_heads: int) -> Mask:
+        """This mask for a call of ``num_heads`` query heads: ``self``, unless a part's meaning needs
+        them (a :func:`~multihead.masks.block_select` table with one row per KV head maps query
+        head ``h`` to row ``h // (Hq / Hkv)``). The call's entry points apply it before
+        :meth:`check` (``validation.validate_call``, a layer's ``over_keys``)."""
+        fields = self._fields()
+        bound = {name: _for_heads(value, num_heads) for name, value in fields.items()}
+        if all(bound[name] is fields[name] for name in fields):
+            return self
+        return self._replace(**bound)
+
     def check(self, extent: Extent) -> None:  # noqa: B027 (a default)
         """Raise ``ValueError`` if this mask cannot apply to ``extent`` ``(B, H, Lq, Lk)`` (a length
         ``None``: unknown, not checked)."""
@@ -319,6 +330,16 @@ class Mask(Value, abc.ABC):
             parts.append(~rows.any(-1))
         lead = torch.broadcast_shapes(*(p.shape[:2] for p in parts))  # (B|1, H|1): chunks differ in rows only
         return torch.cat([p.expand(*lead, p.shape[-1]) for p in parts], dim=-1)
+
+
+def _for_heads(value: object, num_heads: int) -> object:
+    """A field of a mask for a call of ``num_heads`` query heads (:meth:`Mask.for_heads`)."""
+    if isinstance(value, Mask):
+        return value.for_heads(num_heads)
+    if isinstance(value, tuple) and any(isinstance(part, Mask) for part in value):
+        bound = tuple(_for_heads(part, num_heads) for part in value)
+        return value if all(b is v for b, v in zip(bound, value)) else bound
+    return value
 
 
 # --------------------------------------------------------------------------------- combinators

@@ -47,10 +47,12 @@ def block_select(
             numbers query block ``n`` of batch ``b`` and head ``h`` reads, ``-1`` for none (a row
             may name fewer than ``k`` blocks; a block named twice counts once). ``B`` may be 1
             (every batch row), ``H`` 1 (every head), the query heads ``Hq``, or the KV heads
-            ``Hkv`` of a GQA call (then give ``num_heads``).
+            ``Hkv`` of a GQA call (query head ``h`` reads row ``h // (Hq / Hkv)``: the call's
+            ``Hq`` binds it, :meth:`Mask.for_heads`; ``num_heads`` says it ahead).
         block_size: the keys of a block (and the queries of one, unless ``query_block_size``).
         num_heads: ``Hq``, when ``1 < H < Hq``: query head ``h`` reads row ``h // (Hq / H)`` (the GQA
-            mapping of :mod:`multihead.conventions`).
+            mapping of :mod:`multihead.conventions`); optional, the call's ``Hq`` is used otherwise
+            (needed only where the mask is evaluated outside a call, ``materialize``).
         query_block_size: the queries sharing one row of ``indices`` (default ``block_size``;
             then ``nQ = ceil(Lq / query_block_size)``). ``1`` selects per query token, as MoBA's
             gate does.
@@ -121,6 +123,14 @@ class BlockSelect(Mask):
             f"block_select(indices ({B}, {H}, {nQ}, {k}), block_size={self.block_size}{heads}: "
             f"{per_row:.1f} key blocks per query block)"
         )
+
+    def for_heads(self, num_heads: int) -> Mask:
+        """One row per KV head (``1 < H < Hq``, ``Hq`` a multiple): bound to the call's ``Hq``, so
+        that query head ``h`` reads row ``h // (Hq / H)``, as ``num_heads=Hq`` asks."""
+        H = self.indices.shape[1]
+        if self.num_heads is None and 1 < H < num_heads and num_heads % H == 0:
+            return self._replace(num_heads=num_heads)
+        return self
 
     def check(self, extent: Extent) -> None:
         batch, heads, q_len, kv_len = extent.batch, extent.heads, extent.q_len, extent.kv_len
