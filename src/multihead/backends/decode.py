@@ -169,11 +169,12 @@ class DecodeBackend(Backend):
             and call.score_mod is None
             and call.q.dtype not in _HALF
             and not torch.compiler.is_compiling()
+            and not (self.kernel == "auto" and not call.requires_grad and cpu_kernels.supports(call.q, call.k, call.v))
         ):
             return [
-                "every query sees every key (fp32): sdpa folds each KV head's query heads into the rows of one "
-                "fused call, as this path does, and runs faster (docs/performance.md); fp16/bf16 steps and "
-                "two head sizes (D != Dv) run here"
+                "every query sees every key (fp32) and the CPU decode kernel does not take the call: sdpa folds "
+                "each KV head's query heads into the rows of one fused call, as this path's GEMMs do, and runs "
+                "faster (docs/performance.md); fp16/bf16 steps and two head sizes (D != Dv) run here"
             ]
         return []
 
