@@ -358,9 +358,7 @@ class _GatheredAttention(torch.autograd.Function):
             out[:, :, n0 * lay.qbs : n1 * lay.qbs] = _unrows(o, lay, n1 - n0)
             lse[:, :, n0 * lay.qbs : n1 * lay.qbs] = _unrows(l, lay, n1 - n0)
         out, lse = out[:, :, : lay.Lq], lse[:, :, : lay.Lq]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.selection, ctx.scale = selection, scale
-        ctx.set_materialize_grads(False)
+        _save_for_backward(ctx, q, k, v, out, lse, selection, scale)
         return out, lse
 
     @staticmethod
@@ -417,6 +415,13 @@ class _Backward:
     acc: torch.dtype  # the gradients' accumulation dtype
     saved: tuple[Tensor, Tensor, Tensor]  # q, k, v as the forward saved them: the gradients' shapes, dtypes
     lse_column: bool  # the column that carried grad_lse, dropped from the gradients
+
+
+def _save_for_backward(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, selection, scale) -> None:
+    """What :func:`_backward_inputs` reads: the inputs, the merged output and LSE, the selection and scale."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.selection, ctx.scale = selection, scale
+    ctx.set_materialize_grads(False)  # an unused output reaches backward as None, not as zeros
 
 
 def _backward_inputs(ctx, grad_out: Tensor | None, grad_lse: Tensor | None) -> _Backward:

@@ -34,6 +34,7 @@ from multihead.backends.block_gather import (
     _Layout,
     _layout,
     _pad_rows,
+    _save_for_backward,
     _whole_blocks,
 )
 from multihead.backends.flash_pieces import flash, flash_backward
@@ -225,9 +226,7 @@ class _KeyMajor(torch.autograd.Function):
         lse = torch.where(seen, peak + torch.log(total.where(seen, 1.0)), float("-inf"))
         out = out.view(B, Hq, Lqp, Ev)[:, :, : lay.Lq].to(q.dtype)
         lse = lse.view(B, Hq, Lqp)[:, :, : lay.Lq]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.selection, ctx.scale = selection, scale
-        ctx.set_materialize_grads(False)
+        _save_for_backward(ctx, q, k, v, out, lse, selection, scale)
         return out, lse
 
     @staticmethod
