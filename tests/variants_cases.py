@@ -2,7 +2,7 @@
 test_variants_gated.py``, ``test_variants_differential.py``): heads (MHA, GQA, MQA), lengths
 (self-attention, ``Lq != Lk`` both ways, one query), masks with their dense tables (a row with no
 key included), the layer's parameters in fp64, a drawn input, and one comparison of outputs and
-every gradient against the fp64 equations.
+every gradient against the fp64 equations; and a prefill then decoding, against the full forward.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import multihead as mh
+from multihead.caches import DynamicKVCache, StaticKVCache
 from variants_math import allowed_table
 
 # (Hq, Hkv): MHA, GQA, MQA; (Lq, Lk) with Lq == Lk for self-attention; mask kinds.
@@ -51,3 +52,14 @@ def assert_gradients_match(layer: nn.Module, out: Tensor, expected: Tensor, inpu
     for name, g, w in zip(["x", "memory"][: len(inputs)] + names, got, want, strict=True):
         assert torch.isfinite(g).all(), name
         torch.testing.assert_close(g, w, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def assert_prefill_and_decode(layer: nn.Module, x: Tensor, full: Tensor, cache: str, Hkv: int, D: int) -> None:
+    """A prompt of 6 tokens of ``x (2, 13, E)``, then one token at a time, then a chunk of 4,
+    through a ``cache`` (``"dynamic"`` or ``"static"``), equals ``full``: the causal forward of
+    all 13 at once."""
+    kv = DynamicKVCache() if cache == "dynamic" else StaticKVCache(2, 16, Hkv, D, dtype=torch.float64)
+    pieces = [layer(x[:, :6], kv_cache=kv)]
+    pieces += [layer(x[:, t : t + 1], kv_cache=kv) for t in range(6, 9)]
+    pieces.append(layer(x[:, 9:], kv_cache=kv))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full)
