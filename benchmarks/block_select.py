@@ -23,12 +23,11 @@ The load average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
-from common import THREADS, check_close, context, machine_state, mh, print_table, write_csv
+from common import check_close, context, cpu_ms, machine_state, mh, print_table, write_csv
 
 BS = 64
 
@@ -44,24 +43,6 @@ def selection(B: int, H: int, L: int, k: int, seed: int = 0) -> torch.Tensor:
             earlier = torch.rand(B, H, n, generator=gen).argsort(-1)[..., : k - 1]
             idx[:, :, n, 1 : 1 + earlier.shape[-1]] = earlier
     return idx
-
-
-def cpu_ms(fns: dict, rounds: int, calls: int) -> dict:
-    """Process CPU milliseconds per call on one thread, the fastest of interleaved rounds."""
-    torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            fn()
-        best = {key: float("inf") for key in fns}
-        for _ in range(rounds):
-            for key, fn in fns.items():
-                start = time.process_time()
-                for _ in range(calls):
-                    fn()
-                best[key] = min(best[key], (time.process_time() - start) / calls * 1e3)
-        return best
-    finally:
-        torch.set_num_threads(THREADS)
 
 
 def run(L: int, ks: list[int], Hkv: int, rounds: int, calls: int) -> list[dict]:

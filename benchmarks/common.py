@@ -6,6 +6,7 @@ a correctness check; ratios are reported because absolute times drift on a share
 
 from __future__ import annotations
 
+import copy
 import csv
 import os
 import platform
@@ -156,6 +157,59 @@ def fastest_ms(fns: dict, rounds: int, min_run_time: float = 0.5, log=None, thre
             if log is not None:
                 log(key, ms)
     return best
+
+
+def cpu_ms(fns: dict, rounds: int, calls: int = 1, warmup: bool = True) -> dict:
+    """Milliseconds of process CPU time per ``fns[key]()`` on one thread: the fastest of ``rounds``
+    interleaved rounds of ``calls`` calls each (every contender warmed up once first, unless
+    ``warmup=False``). Process time counts this process alone, so other engineers' load, which
+    only adds, moves it less than the wall clock; the threads are ``THREADS`` again afterwards."""
+    torch.set_num_threads(1)
+    try:
+        if warmup:
+            for fn in fns.values():
+                fn()
+        best = {key: float("inf") for key in fns}
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                start = time.process_time()
+                for _ in range(calls):
+                    fn()
+                best[key] = min(best[key], (time.process_time() - start) / calls * 1e3)
+        return best
+    finally:
+        torch.set_num_threads(THREADS)
+
+
+def layer_passes(layers: dict, x: torch.Tensor, backward: bool = True) -> dict:
+    """``{(name, "forward"): fn, ...}`` for each layer: a forward of ``x`` without autograd, and with
+    ``backward`` a forward and backward of a copy of ``x`` that requires grad (every forward first)."""
+    xg = x.clone().requires_grad_()
+
+    def forward(layer):
+        def fn():
+            with torch.no_grad():
+                layer(x)
+
+        return fn
+
+    def training(layer):
+        def fn():
+            layer(xg).sum().backward()
+
+        return fn
+
+    fns = {(name, "forward"): forward(layer) for name, layer in layers.items()}
+    if backward:
+        fns |= {(name, "forward+backward"): training(layer) for name, layer in layers.items()}
+    return fns
+
+
+def check_layers(layers: dict, x: torch.Tensor, atol: float = 1e-4) -> None:
+    """Each layer in its dtype against a float64 copy of itself on the same input."""
+    with torch.no_grad():
+        for name, layer in layers.items():
+            check_close(name, layer(x), copy.deepcopy(layer).double()(x.double()), atol=atol)
 
 
 def used_backend(q, k, v, **kw) -> str:

@@ -65,9 +65,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from common import mh, print_table, write_csv
+from layers import FusedSDPA  # the hand-written floor, as the CPU layer benchmark runs it
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -639,22 +639,6 @@ def tiles(run: Run) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------
 # 3. the layer
-
-
-class FusedSDPA(nn.Module):
-    """The hand-written floor: one ``E -> 3E`` linear, heads as views, SDPA causal, one output linear."""
-
-    def __init__(self, E: int, H: int):
-        super().__init__()
-        self.H = H
-        self.qkv = nn.Linear(E, 3 * E)
-        self.out = nn.Linear(E, E)
-
-    def forward(self, x):
-        B, L, E = x.shape
-        q, k, v = self.qkv(x).view(B, L, 3, self.H, E // self.H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, L, D)
-        return self.out(y.transpose(1, 2).reshape(B, L, E))
 
 
 def layer(run: Run) -> list[dict]:

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 
-from common import THREADS, check_close, context, machine_state, mh, print_table, write_csv
+from common import check_close, context, cpu_ms, machine_state, mh, print_table, write_csv
 from multihead.layers.moba import MobaCore
 from multihead.layers.nsa import NsaCore
 from multihead.masks import causal, sliding_window
@@ -81,21 +80,6 @@ def branches(layer: mh.NativeSparseAttention, gates: torch.Tensor, q, k, v) -> d
         "moba: choice": lambda: moba._mask(q, k, None),
         "moba: attention": lambda: mh.attention(q, k, v, mask=chosen),
     }
-
-
-def cpu_ms(fns: dict, rounds: int) -> dict:
-    """Process CPU milliseconds per call on one thread, the fastest of interleaved rounds."""
-    torch.set_num_threads(1)
-    try:
-        best = {key: float("inf") for key in fns}
-        for _ in range(rounds):
-            for key, fn in fns.items():
-                start = time.process_time()
-                fn()
-                best[key] = min(best[key], (time.process_time() - start) * 1e3)
-        return best
-    finally:
-        torch.set_num_threads(THREADS)
 
 
 def inputs(L: int, grad: bool = False, seed: int = 0):
@@ -170,7 +154,7 @@ def main() -> None:
         fns = {(n, "forward"): forward(f) for n, f in fns_of.items()}
         if not args.forward_only:
             fns |= {(n, "forward+backward"): training(f) for n, f in fns_of.items()}
-        ms = cpu_ms(fns, args.rounds)
+        ms = cpu_ms(fns, args.rounds, warmup=False)
         keys = keys_read(L)
         these = []
         for name, kind in fns:
@@ -193,7 +177,7 @@ def main() -> None:
         rows += these
         if not args.no_branches:
             with torch.no_grad():
-                bms = cpu_ms(branches(layer, gates, q, k, v), args.rounds)
+                bms = cpu_ms(branches(layer, gates, q, k, v), args.rounds, warmup=False)
             mine = [
                 {"L": L, "part": p, "cpu ms": t, "share of dense": t / ms[("dense", "forward")]} for p, t in bms.items()
             ]

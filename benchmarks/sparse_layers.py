@@ -26,12 +26,10 @@ per token. The load average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import copy
-import time
 
 import torch
 
-from common import THREADS, check_close, context, machine_state, mh, print_table, write_csv
+from common import check_layers, context, cpu_ms, layer_passes, machine_state, mh, print_table, write_csv
 
 E, H, HKV = 768, 12, 2
 
@@ -56,23 +54,6 @@ def contenders() -> dict[str, torch.nn.Module]:
     }
 
 
-def cpu_ms(fns: dict, rounds: int) -> dict:
-    """Process CPU milliseconds per call on one thread, the fastest of interleaved rounds."""
-    torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            fn()
-        best = {key: float("inf") for key in fns}
-        for _ in range(rounds):
-            for key, fn in fns.items():
-                start = time.process_time()
-                fn()
-                best[key] = min(best[key], (time.process_time() - start) * 1e3)
-        return best
-    finally:
-        torch.set_num_threads(THREADS)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="4096,8192,16384")
@@ -86,31 +67,10 @@ def main() -> None:
     print("before:", machine_state())
     wanted = {"plain", *args.layers.split(",")}
     layers = {name: layer for name, layer in contenders().items() if name in wanted}
-    x = torch.randn(1, 256, E)
-    with torch.no_grad():
-        for name, layer in layers.items():
-            check_close(name, layer(x), copy.deepcopy(layer).double()(x.double()), atol=1e-4)
+    check_layers(layers, torch.randn(1, 256, E))
     rows = []
     for L in (int(s) for s in args.lengths.split(",")):
-        x = torch.randn(1, L, E)
-        xg = x.clone().requires_grad_()
-
-        def forward(layer):
-            def fn():
-                with torch.no_grad():
-                    layer(x)
-
-            return fn
-
-        def training(layer):
-            def fn():
-                layer(xg).sum().backward()
-
-            return fn
-
-        fns = {(n, "forward"): forward(m) for n, m in layers.items()}
-        if not args.forward_only:
-            fns |= {(n, "forward+backward"): training(m) for n, m in layers.items()}
+        fns = layer_passes(layers, torch.randn(1, L, E), backward=not args.forward_only)
         ms = cpu_ms(fns, args.rounds)
         these = []
         for name, kind in fns:

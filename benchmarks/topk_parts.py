@@ -21,11 +21,10 @@ after.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from common import THREADS, check_close, context, machine_state, mh, print_table, write_csv
+from common import THREADS, check_close, context, cpu_ms, machine_state, mh, print_table, write_csv
 from multihead.layers.token_selection import token_selected_attention
 
 E, H, HKV, D = 768, 12, 2, 64
@@ -56,14 +55,7 @@ def main() -> None:
                 "mask": lambda: mh.attention(q, k, v, mask=mask),
                 "dense": lambda: mh.attention(q, k, v, mask=mh.masks.causal()),
             }
-            for fn in fns.values():  # warm-up: first calls allocate and plan
-                fn()
-            best = {key: float("inf") for key in fns}
-            for _ in range(args.rounds):
-                for key, fn in fns.items():
-                    start = time.process_time()
-                    fn()
-                    best[key] = min(best[key], (time.process_time() - start) * 1e3)
+            best = cpu_ms(fns, args.rounds)  # after a warm-up call of each: first calls allocate and plan
         these = [{"L": L, "part": key, "cpu ms": ms, "x dense": ms / best["dense"]} for key, ms in best.items()]
         print_table(f"top-k indexer parts, fp32, Hq={H}, Hkv={HKV}, D={D}, top_k=1024, B=1, L={L}", these)
         rows += these

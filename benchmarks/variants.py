@@ -34,12 +34,10 @@ The load average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import copy
-import time
 
 import torch
 
-from common import THREADS, check_close, context, fastest_ms, machine_state, mh, print_table, write_csv
+from common import check_layers, context, cpu_ms, fastest_ms, layer_passes, machine_state, mh, print_table, write_csv
 
 E = 768
 
@@ -56,53 +54,11 @@ def contenders() -> dict[str, torch.nn.Module]:
     }
 
 
-def check(layers: dict[str, torch.nn.Module], x: torch.Tensor) -> None:
-    """Each layer in fp32 against a float64 copy of itself on the same input."""
-    with torch.no_grad():
-        for name, layer in layers.items():
-            check_close(name, layer(x), copy.deepcopy(layer).double()(x.double()), atol=1e-4)
-
-
-def cpu_ms(fns: dict, rounds: int, calls: int) -> dict:
-    """Milliseconds of process CPU time per ``fns[key]()`` on one thread: the fastest of ``rounds``
-    interleaved rounds of ``calls`` calls each (every contender warmed up once first)."""
-    torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            fn()
-        best = {key: float("inf") for key in fns}
-        for _ in range(rounds):
-            for key, fn in fns.items():
-                start = time.process_time()
-                for _ in range(calls):
-                    fn()
-                best[key] = min(best[key], (time.process_time() - start) / calls * 1e3)
-        return best
-    finally:
-        torch.set_num_threads(THREADS)
-
-
 def run(B: int, L: int, rounds: int, calls: int, wall: bool, only: list[str] | None = None) -> list[dict]:
     layers = {name: layer for name, layer in contenders().items() if not only or name in only or name == "plain"}
     x = torch.randn(B, L, E)
-    check(layers, x)
-    xg = x.clone().requires_grad_()
-
-    def forward(layer):
-        def fn():
-            with torch.no_grad():
-                layer(x)
-
-        return fn
-
-    def training(layer):
-        def fn():
-            layer(xg).sum().backward()
-
-        return fn
-
-    fns = {(name, "forward"): forward(layer) for name, layer in layers.items()}
-    fns |= {(name, "forward+backward"): training(layer) for name, layer in layers.items()}
+    check_layers(layers, x)
+    fns = layer_passes(layers, x)
     cpu = cpu_ms(fns, rounds, calls)
     walls = fastest_ms(fns, rounds, min_run_time=0.5) if wall else {}
     rows = []

@@ -221,6 +221,13 @@ def make_inputs(case: Case, dtype=torch.float64, requires_grad=False):
 def refuses(backend: str, q, k, v, **kwargs) -> bool:
     """Whether ``backend`` declares it cannot serve this call; if so, also check that forcing it
     raises ``BackendRefusedError`` naming it (a declared refusal is a real answer, not a skip)."""
+    return bool(refusals(backend, q, k, v, **kwargs))
+
+
+def refusals(backend: str, q, k, v, **kwargs) -> list[str]:
+    """The reasons ``backend`` declares for not serving ``multihead.attention(q, k, v, **kwargs)``
+    (none: it serves it); a declared refusal must also make a forced call raise
+    ``BackendRefusedError`` naming the backend, which this checks."""
     import pytest
 
     from multihead.validation import validate_call
@@ -230,6 +237,7 @@ def refuses(backend: str, q, k, v, **kwargs) -> bool:
         k,
         v,
         mask=kwargs.get("mask"),
+        score_mod=kwargs.get("score_mod"),
         scale=kwargs.get("scale"),
         dropout_p=kwargs.get("dropout_p", 0.0),
         dropout_mask=kwargs.get("dropout_mask"),
@@ -241,7 +249,7 @@ def refuses(backend: str, q, k, v, **kwargs) -> bool:
         assert all(isinstance(r, str) and r for r in reasons)
         with pytest.raises(mh.BackendRefusedError, match=backend):
             mh.attention(q, k, v, backend=backend, **kwargs)
-    return bool(reasons)
+    return reasons
 
 
 class LargestAllocation(TorchDispatchMode):

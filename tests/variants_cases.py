@@ -1,8 +1,8 @@
-"""The cases and the check the variant layers' equation tests share (``tests/layers/
-test_variants_gated.py``, ``test_variants_differential.py``): heads (MHA, GQA, MQA), lengths
-(self-attention, ``Lq != Lk`` both ways, one query), masks with their dense tables (a row with no
-key included), the layer's parameters in fp64, a drawn input, and one comparison of outputs and
-every gradient against the fp64 equations.
+"""The cases and the checks the variant layers' tests share (``tests/layers/test_variants_*.py``,
+``test_token_selection.py``): heads (MHA, GQA, MQA), lengths (self-attention, ``Lq != Lk`` both
+ways, one query), masks with their dense tables (a row with no key included), the layer's
+parameters in fp64, a drawn input, one comparison of outputs and every gradient against the fp64
+equations; and decoding through a cache against the full forward.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import multihead as mh
+from multihead.caches import DynamicKVCache, StaticKVCache
 from variants_math import allowed_table
 
 # (Hq, Hkv): MHA, GQA, MQA; (Lq, Lk) with Lq == Lk for self-attention; mask kinds.
@@ -51,3 +52,26 @@ def assert_gradients_match(layer: nn.Module, out: Tensor, expected: Tensor, inpu
     for name, g, w in zip(["x", "memory"][: len(inputs)] + names, got, want, strict=True):
         assert torch.isfinite(g).all(), name
         torch.testing.assert_close(g, w, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def assert_prefill_and_decode(layer: nn.Module, x: Tensor, full: Tensor, cache: str, Hkv: int, D: int) -> None:
+    """A prompt of 6 tokens of ``x (2, 13, E)``, then one token at a time, then a chunk of 4,
+    through a ``cache`` (``"dynamic"`` or ``"static"``), equals ``full``: the causal forward of
+    all 13 at once."""
+    kv = DynamicKVCache() if cache == "dynamic" else StaticKVCache(2, 16, Hkv, D, dtype=torch.float64)
+    pieces = [layer(x[:, :6], kv_cache=kv)]
+    pieces += [layer(x[:, t : t + 1], kv_cache=kv) for t in range(6, 9)]
+    pieces.append(layer(x[:, 9:], kv_cache=kv))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full)
+
+
+def assert_decode_steps(layer: nn.Module, x: Tensor, prefill: int, step: int) -> None:
+    """Without autograd: a prefill of ``prefill`` tokens of ``x (B, L, E)``, then chunks of ``step``
+    through one :class:`~multihead.caches.DynamicKVCache`, equals the forward of all ``L`` at once."""
+    with torch.no_grad():
+        full = layer(x)
+        cache = DynamicKVCache()
+        outs = [layer(x[:, :prefill], kv_cache=cache)]
+        for t in range(prefill, x.shape[1], step):
+            outs.append(layer(x[:, t : t + step], kv_cache=cache))
+    torch.testing.assert_close(torch.cat(outs, dim=1), full)

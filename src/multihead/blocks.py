@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
-__all__ = ["Extent", "Block", "check_protocol"]
+__all__ = ["Extent", "Block", "check_protocol", "check_head_range"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,20 @@ class Block:
     def with_keys(self, k0: int, k1: int) -> Block:
         """The same queries against keys ``[k0, k1)``."""
         return Block(self.q0, self.q1, k0, k1)
+
+
+def check_head_range(where: str, first: int, count: int, num_heads: int) -> None:
+    """Refuse heads ``[first, first + count)`` that are not a range of an extent's ``num_heads``
+    query heads (a head-parallel rank's share: ``masks.head_range``, ``scores.head_range``,
+    ``scores.sinks_range``), naming ``where``."""
+    for name, value in (("first", first), ("count", count), ("num_heads", num_heads)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if first < 0 or count < 1 or first + count > num_heads:
+        raise ValueError(
+            f"{where}: heads [{first}, {first + count}) are not a range of the {num_heads} heads; "
+            f"expected 0 <= first and 1 <= count with first + count <= {num_heads}"
+        )
 
 
 def check_protocol(cls: type, methods: Mapping[str, tuple[str, ...]]) -> None:

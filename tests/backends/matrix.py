@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import multihead as mh
-from helpers import DEVICES
-from multihead.validation import validate_call
+from helpers import DEVICES, refusals
 
 # flex compiles (about a minute on 2 cores): its correctness runs in the slow tier (test_flex.py).
 SLOW_BACKENDS = {"flex"}
@@ -51,26 +50,10 @@ def backend_dtype_params(include_slow: bool = False) -> list:
 
 def serve_or_skip(backend: str, q, k, v, **kwargs) -> None:
     """Skip (with the backend's reasons) unless ``backend`` declares it can serve this call; a
-    declared refusal must also make a forced call raise."""
-    call = validate_call(
-        q,
-        k,
-        v,
-        mask=kwargs.get("mask"),
-        score_mod=kwargs.get("score_mod"),
-        scale=kwargs.get("scale"),
-        dropout_p=kwargs.get("dropout_p", 0.0),
-        dropout_mask=kwargs.get("dropout_mask"),
-        return_weights=kwargs.get("return_weights", False),
-        return_lse=kwargs.get("return_lse", False),
-    )
-    reasons = mh.get_backend(backend).refusals(call)
-    if not reasons:
-        return
-    assert all(isinstance(r, str) and r for r in reasons)
-    with pytest.raises(mh.BackendRefusedError, match=backend):
-        mh.attention(q, k, v, backend=backend, **kwargs)
-    pytest.skip(f"{backend} refuses: " + "; ".join(reasons))
+    declared refusal must also make a forced call raise (:func:`helpers.refusals`)."""
+    reasons = refusals(backend, q, k, v, **kwargs)
+    if reasons:
+        pytest.skip(f"{backend} refuses: " + "; ".join(reasons))
 
 
 def factor(backend: str, dtype: torch.dtype, gradients: bool = False) -> float:

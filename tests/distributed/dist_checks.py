@@ -95,6 +95,18 @@ def inputs(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, seed=0):
     return q, k, v, gout, glse
 
 
+def assert_sharded_layer(module, out, cp, want, want_grads, label: str = "") -> None:
+    """A sharded layer's output ``out`` (this rank's rows) equals ``cp.shard(want)``, the layer on
+    the whole sequence, and the gradients of ``(out * out).sum()`` on ``module``'s parameters,
+    summed over the ranks, equal ``want_grads``; ``label`` starts a failing gradient's message."""
+    torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
+    grads = torch.autograd.grad((out * out).sum(), list(module.parameters()))
+    for (name, _), g, w in zip(module.named_parameters(), grads, want_grads):
+        g = g.clone()
+        dist.all_reduce(g)
+        torch.testing.assert_close(g, w, msg=lambda m, name=name: f"{label}{name}: {m}")
+
+
 def loss_of(out, lse, gout, glse):
     # fully masked rows have LSE -inf: read as 0 there (masked_fill passes no gradient to them)
     return (out * gout).sum() + (lse.masked_fill(torch.isneginf(lse), 0).to(glse.dtype) * glse).sum()
@@ -540,23 +552,13 @@ def _layer(rank, world):
         k = layer.rope(split_heads(layer.k_proj(xs), Hkv, E // H, True), pos)
         v = split_heads(layer.v_proj(xs), Hkv, E // H, True)
         out = layer.out_proj(merge_heads(cp.attention(q, k, v, mask=masks.causal())))  # (B, L/P, E)
-        torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
-        grads = torch.autograd.grad((out * out).sum(), list(layer.parameters()))
-        for (name, _), g, w in zip(layer.named_parameters(), grads, want_grads):
-            g = g.clone()
-            dist.all_reduce(g)
-            torch.testing.assert_close(g, w, msg=lambda m: f"{method} {name}: {m}")
+        assert_sharded_layer(layer, out, cp, want, want_grads, f"{method} ")
         sharded = mh.MultiHeadAttention(
             E, H, num_kv_heads=Hkv, rope=RotaryEmbedding(E // H), causal=True, context_parallel=cp
         ).double()
         sharded.load_state_dict(layer.state_dict())
         out = sharded(xs)  # the layer itself, on the shard
-        torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
-        grads = torch.autograd.grad((out * out).sum(), list(sharded.parameters()))
-        for (name, _), g, w in zip(sharded.named_parameters(), grads, want_grads):
-            g = g.clone()
-            dist.all_reduce(g)
-            torch.testing.assert_close(g, w, msg=lambda m: f"layer {method} {name}: {m}")
+        assert_sharded_layer(sharded, out, cp, want, want_grads, f"layer {method} ")
         window = masks.sliding_window(5)  # a call mask: the whole sequence's, combined with causal
         torch.testing.assert_close(sharded(xs, mask=window), cp.shard(layer(x, mask=window).detach(), dim=1))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from dist_checks import check
+from dist_checks import assert_sharded_layer, check
 from dist_checks_scores import compare_modifier
 
 import multihead as mh
@@ -79,10 +79,5 @@ def _layer(rank, world):
     ).double()
     sharded.load_state_dict(layer.state_dict())
     out = sharded(cp.shard(x, dim=1), mask=mask)
-    torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
-    grads = torch.autograd.grad((out * out).sum(), list(sharded.parameters()))
-    for (name, _), g, w in zip(sharded.named_parameters(), grads, want_grads):
-        g = g.clone()
-        dist.all_reduce(g)
-        torch.testing.assert_close(g, w, msg=lambda m: f"{name}: {m}")
+    assert_sharded_layer(sharded, out, cp, want, want_grads)
     torch.testing.assert_close(cp.unshard(cp.shard(x, dim=1), dim=1), x)

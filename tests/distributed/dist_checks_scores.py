@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from dist_checks import L, check, inputs, loss_of, make_mask
+from dist_checks import L, assert_sharded_layer, check, inputs, loss_of, make_mask
 
 import multihead as mh
 from multihead import masks, scores
@@ -177,12 +177,7 @@ def _layer_modifiers(rank, world):
         ).double()
         sharded.load_state_dict(layer.state_dict())
         out = sharded(cp.shard(x, dim=1), mask=window)  # (B, L/P, E)
-        torch.testing.assert_close(out, cp.shard(want.detach(), dim=1))
-        grads = torch.autograd.grad((out * out).sum(), list(sharded.parameters()))
-        for (name, _), g, w in zip(sharded.named_parameters(), grads, want_grads):
-            g = g.clone()
-            dist.all_reduce(g)
-            torch.testing.assert_close(g, w, msg=lambda m: f"layer {method} {name}: {m}")
+        assert_sharded_layer(sharded, out, cp, want, want_grads, f"layer {method} ")
 
 
 @check("score-mods-bad-input-raises-everywhere")

@@ -29,6 +29,7 @@ from helpers import assert_relative, optional
 transformers = optional("transformers", "the Hugging Face backend needs transformers (extra 'hf')", minversion="5.23")
 
 import multihead  # noqa: E402
+from hf_cases import VOCAB, oracle_registered, tiny_config  # noqa: E402
 from multihead import masks  # noqa: E402
 from multihead.integrations import hf as mh_hf  # noqa: E402
 from multihead.integrations.hf_masks import from_dense, from_mask_function  # noqa: E402
@@ -36,37 +37,23 @@ from multihead.integrations.hf_masks import from_dense, from_mask_function  # no
 # fp32 factor of the relative rule (TESTING.md: "about 10 in fp32"; an online softmax and other
 # kernels reorder sums); logits pass through two layers of it.
 F32 = 10.0
-VOCAB = 97
-
-
-def _common(**extra):
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        **extra,
-    )
 
 
 def _configs():
     t = transformers
     out = {
-        "llama": lambda: t.LlamaConfig(**_common()),  # GQA 4 x 2, RoPE
-        "mistral": lambda: t.MistralConfig(**_common(sliding_window=5)),  # every layer a window of 5
-        "qwen2": lambda: t.Qwen2Config(**_common(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+        "llama": lambda: t.LlamaConfig(**tiny_config()),  # GQA 4 x 2, RoPE
+        "mistral": lambda: t.MistralConfig(**tiny_config(sliding_window=5)),  # every layer a window of 5
+        "qwen2": lambda: t.Qwen2Config(**tiny_config(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
         # alternating sliding / global layers, attention softcap
         "gemma2": lambda: t.Gemma2Config(
-            **_common(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=20)
+            **tiny_config(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=20)
         ),
     }
     if hasattr(t, "GptOssConfig"):  # sinks
         out["gpt_oss"] = lambda: t.GptOssConfig(
             **{
-                **_common(head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+                **tiny_config(head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
                 "intermediate_size": 32,
             }
         )
@@ -78,50 +65,10 @@ DECODERS = list(CONFIGS)
 ENCODERS = ["bert"]
 
 
-def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, **kwargs):
-    """fp64 attention written out: ``attention_mask`` is HF's bool ``(B, 1, Lq, Lk)`` (True = attend)."""
-    q, k, v = query.double(), key.double(), value.double()
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if kwargs.get("position_bias") is not None:  # T5
-        s = s + kwargs["position_bias"][..., : k.shape[2]].double()
-    if attention_mask is None:
-        allowed = torch.ones_like(s, dtype=torch.bool)
-    elif attention_mask.dtype == torch.bool:
-        allowed = attention_mask[..., : k.shape[2]].expand_as(s)
-    else:  # a user's additive 4-D mask: finfo.min blocks, the rest is added
-        m = attention_mask[..., : k.shape[2]]
-        allowed = (m > torch.finfo(m.dtype).min / 2).expand_as(s)
-        s = s + m.double().masked_fill(~allowed, 0.0)
-    if s_aux is not None:  # a sink joins each head's denominator and carries no value
-        s = torch.cat([s, s_aux.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
-        allowed = torch.cat([allowed, allowed.any(-1, keepdim=True)], dim=-1)
-    seen = allowed.any(-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(~allowed, -1e300), dim=-1).masked_fill(~seen, 0.0)
-    p = p[..., : v.shape[2]]
-    return (p @ v).to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
-
-
-def _dense_hf_mask(**kwargs):
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
-
-
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register("oracle64", oracle64)
-    AttentionMaskInterface.register("oracle64", _dense_hf_mask)
-    name = mh_hf.register()
-    yield name
-    AttentionInterface._global_mapping.pop("oracle64", None)
-    AttentionMaskInterface._global_mapping.pop("oracle64", None)
+    with oracle_registered():
+        yield mh_hf.register()
 
 
 _MODELS: dict = {}
@@ -381,7 +328,7 @@ def test_a_model_that_uses_its_mask_as_a_tensor_is_told_why_it_cannot_run():
         m[:, :, :2]
     assert not hasattr(m, "__deepcopy__") and m.ndim == 4 and m.contiguous() is m
     if hasattr(transformers, "DogeConfig"):
-        config = transformers.DogeConfig(**_common())
+        config = transformers.DogeConfig(**tiny_config())
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="multihead").eval()
         with pytest.raises(AttributeError, match=r"multihead: this model reads its attention mask's"):
             model(input_ids=torch.randint(0, VOCAB, (1, 6)))
@@ -446,7 +393,7 @@ def test_training_gradients(arch):
 
 def test_dropout_in_training(monkeypatch):
     """``dropout`` reaches multihead as ``dropout_p`` in training (0 in eval) and is applied."""
-    config = transformers.LlamaConfig(**_common(attention_dropout=0.5))
+    config = transformers.LlamaConfig(**tiny_config(attention_dropout=0.5))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="multihead")
     spy = Spy(monkeypatch)

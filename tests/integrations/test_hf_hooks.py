@@ -29,68 +29,31 @@ from helpers import assert_relative, optional
 transformers = optional("transformers", "the Hugging Face backend needs transformers (extra 'hf')", minversion="5.23")
 
 import multihead as mh  # noqa: E402
+from hf_cases import VOCAB, oracle_registered, tiny_config  # noqa: E402
 from multihead import hooks  # noqa: E402
 from multihead.integrations import hf as mh_hf  # noqa: E402
 from multihead.models import find_minilm  # noqa: E402
 from multihead.viz.record import record_attention  # noqa: E402
 
 F32 = 10.0  # TESTING.md's fp32 factor: an online softmax and the explicit path reorder sums
-VOCAB = 97
-
-
-def _common(**extra):
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        **extra,
-    )
-
-
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**_common()),  # GQA 4 x 2, RoPE
+    "llama": lambda: transformers.LlamaConfig(**tiny_config()),  # GQA 4 x 2, RoPE
     # sliding window on layer 1 only (max_window_layers=1), biases on q, k, v
     "qwen2": lambda: transformers.Qwen2Config(
-        **_common(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        **tiny_config(use_sliding_window=True, sliding_window=4, max_window_layers=1)
     ),
     # alternating sliding / global layers, attention softcap, a scale that is not D^-0.5
     "gemma2": lambda: transformers.Gemma2Config(
-        **_common(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=20)
+        **tiny_config(head_dim=16, sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=20)
     ),
 }
 DECODERS = list(CONFIGS)
 
 
-def oracle64(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-    """fp64 attention written out; ``attention_mask`` is HF's bool ``(B, 1, Lq, Lk)`` (True = attend)."""
-    q, k, v = query.double(), key.double(), value.double()
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    allowed = torch.ones_like(s, dtype=torch.bool) if attention_mask is None else attention_mask[..., : k.shape[2]]
-    p = torch.softmax(s.masked_fill(~allowed, -1e300), dim=-1).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-    return (p @ v).to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def dense(**kwargs):
-        return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
-
-    AttentionInterface.register("oracle64", oracle64)
-    AttentionMaskInterface.register("oracle64", dense)
-    yield mh_hf.register()
-    AttentionInterface._global_mapping.pop("oracle64", None)
-    AttentionMaskInterface._global_mapping.pop("oracle64", None)
+    with oracle_registered():
+        yield mh_hf.register()
 
 
 _MODELS: dict = {}

@@ -22,6 +22,7 @@ from helpers import assert_relative
 from multihead.layers.token_selection import token_selected_attention
 from multihead.positions import RotaryEmbedding
 from multihead.reference import reference_attention
+from variants_cases import assert_decode_steps
 from variants_math import published_topk_of
 
 E = 48
@@ -100,14 +101,7 @@ def test_ties_in_the_indexer_go_to_the_lower_position(small_chunks):
 @pytest.mark.parametrize("prefill,step", [(9, 1), (7, 3), (16, 5)])
 def test_prefill_and_decode_steps_equal_the_full_forward(small_chunks, prefill, step):
     layer = _layer(4, 2, 5)
-    x = _x(2, 26)
-    with torch.no_grad():
-        full = layer(x)
-        cache = mh.DynamicKVCache()
-        outs = [layer(x[:, :prefill], kv_cache=cache)]
-        for t in range(prefill, 26, step):
-            outs.append(layer(x[:, t : t + step], kv_cache=cache))
-    torch.testing.assert_close(torch.cat(outs, dim=1), full)
+    assert_decode_steps(layer, _x(2, 26), prefill, step)
 
 
 def _case(B, Hq, Hkv, Lq, Lk, n, dtype, seed=0):

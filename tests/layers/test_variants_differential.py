@@ -20,11 +20,19 @@ import torch
 
 import multihead as mh
 from helpers import assert_relative
-from multihead.caches import DynamicKVCache, StaticKVCache
 from multihead.layers.differential import lambda_init
 from multihead.layers.heads import Attend
 from multihead.positions import RotaryEmbedding
-from variants_cases import HEADS, MASKS, SHAPES, assert_gradients_match, draw, fp64_params, mask_case
+from variants_cases import (
+    HEADS,
+    MASKS,
+    SHAPES,
+    assert_gradients_match,
+    assert_prefill_and_decode,
+    draw,
+    fp64_params,
+    mask_case,
+)
 from variants_math import allowed_table, linear, rms_norm, rope, softmax_rows
 
 E = 48
@@ -157,11 +165,7 @@ def test_prefill_and_decode_equal_the_full_forward(cache):
         positions=torch.arange(13),
     )
     torch.testing.assert_close(full, expected)
-    kv = DynamicKVCache() if cache == "dynamic" else StaticKVCache(2, 16, Hkv, D, dtype=torch.float64)
-    pieces = [layer(x[:, :6], kv_cache=kv)]
-    pieces += [layer(x[:, t : t + 1], kv_cache=kv) for t in range(6, 9)]
-    pieces.append(layer(x[:, 9:], kv_cache=kv))
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full)
+    assert_prefill_and_decode(layer, x, full, cache, Hkv, D)
 
 
 def test_a_sliding_window_reaches_both_maps():

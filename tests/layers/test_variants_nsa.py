@@ -20,6 +20,7 @@ import torch
 import multihead as mh
 from helpers import assert_relative
 from multihead.positions import RotaryEmbedding
+from variants_cases import assert_decode_steps
 from variants_math import published_nsa
 
 E = 48
@@ -138,14 +139,7 @@ def test_low_precision_by_the_relative_rule(dtype):
 @pytest.mark.parametrize("prefill,step", [(1, 1), (9, 1), (10, 3), (4, 5)])
 def test_prefill_and_decode_steps_equal_the_full_forward(prefill, step):
     layer = _layer(4, 2, 4, 2, 4, 3, 5, rope=True)
-    x = _x(2, 26)
-    with torch.no_grad():
-        full = layer(x)
-        cache = mh.DynamicKVCache()
-        outs = [layer(x[:, :prefill], kv_cache=cache)]
-        for t in range(prefill, 26, step):
-            outs.append(layer(x[:, t : t + step], kv_cache=cache))
-    torch.testing.assert_close(torch.cat(outs, dim=1), full)
+    assert_decode_steps(layer, _x(2, 26), prefill, step)
 
 
 def test_the_compressed_blocks_are_extended_as_the_cache_grows(monkeypatch):

@@ -22,6 +22,7 @@ import torch
 import multihead as mh
 from helpers import assert_relative
 from multihead.positions import RotaryEmbedding
+from variants_cases import assert_decode_steps
 from variants_math import published_topk_of
 
 E = 48
@@ -111,14 +112,7 @@ def test_low_precision_by_the_relative_rule(dtype):
 @pytest.mark.parametrize("prefill,step", [(1, 1), (8, 1), (6, 4)])
 def test_prefill_and_decode_steps_equal_the_full_forward(prefill, step):
     layer = _layer(4, 2, 5, rope=True)
-    x = _x(2, 22)
-    with torch.no_grad():
-        full = layer(x)
-        cache = mh.DynamicKVCache()
-        outs = [layer(x[:, :prefill], kv_cache=cache)]
-        for t in range(prefill, 22, step):
-            outs.append(layer(x[:, t : t + step], kv_cache=cache))
-    torch.testing.assert_close(torch.cat(outs, dim=1), full)
+    assert_decode_steps(layer, _x(2, 22), prefill, step)
 
 
 def test_a_reordered_cache_or_new_index_weights_are_refused_with_the_cache_unchanged():

@@ -358,58 +358,93 @@ class _GatheredAttention(torch.autograd.Function):
             out[:, :, n0 * lay.qbs : n1 * lay.qbs] = _unrows(o, lay, n1 - n0)
             lse[:, :, n0 * lay.qbs : n1 * lay.qbs] = _unrows(l, lay, n1 - n0)
         out, lse = out[:, :, : lay.Lq], lse[:, :, : lay.Lq]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.selection, ctx.scale = selection, scale
-        ctx.set_materialize_grads(False)
+        _save_for_backward(ctx, q, k, v, out, lse, selection, scale)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        selection, scale = ctx.selection, ctx.scale
-        lay = _layout(q, k, selection)
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        E, Ev = q.shape[-1], v.shape[-1]
-        # The LSE's gradient through one extra column (flash_pieces.padded), dropped at the end.
-        q, k, v, out, grad_out = padded(q, k, v, out, grad_out, lse, grad_lse)
-        L = lay.nQ * lay.qbs
-        qp, op, gp = (_pad_rows(t, L) for t in (q, out.to(q.dtype), grad_out.to(q.dtype)))
-        # Fully masked rows (and the padding rows past Lq): LSE +inf makes every probability
-        # exp(s - inf) = 0, so no NaN.
-        lp = _pad_rows(lse.masked_fill(torch.isneginf(lse), float("inf")), L, float("inf"))
-        kp, vp = _whole_blocks(k, lay.bs), _whole_blocks(v, lay.bs)
-        acc = lse_dtype(q.dtype)
-        dq = torch.zeros(qp.shape, dtype=acc, device=q.device)
-        B, Hkv = k.shape[0], k.shape[1]
+        bw = _backward_inputs(ctx, grad_out, grad_lse)
+        lay, qp, kp, vp = bw.lay, bw.q, bw.k, bw.v
+        dq = torch.zeros(qp.shape, dtype=bw.acc, device=qp.device)
+        B, Hkv = kp.shape[0], kp.shape[1]
         nK = kp.shape[2] // lay.bs
         kbuf, vbuf = _buffers(lay, kp), _buffers(lay, vp)
-        dk = torch.zeros((B * Hkv * nK, lay.bs * kp.shape[-1]), dtype=acc, device=q.device)
-        dv = torch.zeros((B * Hkv * nK, lay.bs * vp.shape[-1]), dtype=acc, device=q.device)
+        dk = torch.zeros((B * Hkv * nK, lay.bs * kp.shape[-1]), dtype=bw.acc, device=qp.device)
+        dv = torch.zeros((B * Hkv * nK, lay.bs * vp.shape[-1]), dtype=bw.acc, device=qp.device)
         for n0 in range(0, lay.nQ, lay.chunk):
             n1 = min(lay.nQ, n0 + lay.chunk)
-            go, qg, og = (_rows(t, lay, n0, n1) for t in (gp, qp, op))
-            lg = _rows(lp, lay, n0, n1)
+            go, qg, og = (_rows(t, lay, n0, n1) for t in (bw.grad, qp, bw.out))
+            lg = _rows(bw.lse, lay, n0, n1)
             N = qg.shape[0]
-            for piece in _pieces(lay, selection, q, n0, n1, q.dtype):
+            for piece in _pieces(lay, ctx.selection, qp, n0, n1, qp.dtype):
                 kg, vg = _gather(kp, lay, piece, kbuf), _gather(vp, lay, piece, vbuf)
                 kg, vg = kg.expand(N, lay.Gp, -1, -1), vg.expand(N, lay.Gp, -1, -1)
                 # rows that see no key of the piece: P = 0 (a unit with no diagonal block reads one
                 # under the shared triangle; its rows must weigh nothing)
                 lpiece = lg if piece.empty is None else lg.masked_fill(piece.empty, float("inf"))
                 gq, gk, gv = flash_backward(
-                    go, qg, kg, vg, og, lpiece, 0.0, piece.causal, attn_mask=piece.additive, scale=scale
+                    go, qg, kg, vg, og, lpiece, 0.0, piece.causal, attn_mask=piece.additive, scale=ctx.scale
                 )
                 dq[:, :, n0 * lay.qbs : n1 * lay.qbs] += _unrows(gq, lay, n1 - n0)
                 # Each gathered block's share, summed back to its place (unused slots and keys no
                 # row sees have a zero gradient: their probabilities are 0).
                 flat = _flat_blocks(lay, piece.blocks, Hkv, nK).reshape(-1)
-                dk.index_add_(0, flat, gk.sum(1).reshape(flat.shape[0], -1).to(acc))
-                dv.index_add_(0, flat, gv.sum(1).reshape(flat.shape[0], -1).to(acc))
-        dq = dq[:, :, : lay.Lq]
-        dk = dk.view(kp.shape)[:, :, : k.shape[2]]
-        dv = dv.view(vp.shape)[:, :, : v.shape[2]]
-        if grad_lse is not None:
-            dq, dk, dv = dq[..., :E], dk[..., :E], dv[..., :Ev]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+                dk.index_add_(0, flat, gk.sum(1).reshape(flat.shape[0], -1).to(bw.acc))
+                dv.index_add_(0, flat, gv.sum(1).reshape(flat.shape[0], -1).to(bw.acc))
+        return _input_gradients(bw, dq, dk.view(kp.shape), dv.view(vp.shape))
+
+
+# ------------------------------------------------------------------ the backward of a selection run
+@dataclass
+class _Backward:
+    """What the backward of either selection run (this module's, :mod:`~multihead.backends.key_major`'s)
+    reads, from the merged output and LSE the forward saved: ``q``, ``out``, ``grad`` ``(B, Hq,
+    nQ·qbs, E)`` padded to whole query blocks (``E`` with the LSE-gradient column of
+    :func:`~multihead.backends.flash_pieces.padded` when ``grad_lse`` was given), ``lse``
+    ``(B, Hq, nQ·qbs)`` with fully masked and padding rows at ``+inf``, ``k``, ``v`` ``(B, Hkv,
+    nK·bs, E)`` padded to whole key blocks."""
+
+    lay: _Layout
+    q: Tensor
+    out: Tensor
+    grad: Tensor
+    lse: Tensor
+    k: Tensor
+    v: Tensor
+    acc: torch.dtype  # the gradients' accumulation dtype
+    saved: tuple[Tensor, Tensor, Tensor]  # q, k, v as the forward saved them: the gradients' shapes, dtypes
+    lse_column: bool  # the column that carried grad_lse, dropped from the gradients
+
+
+def _save_for_backward(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, selection, scale) -> None:
+    """What :func:`_backward_inputs` reads: the inputs, the merged output and LSE, the selection and scale."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.selection, ctx.scale = selection, scale
+    ctx.set_materialize_grads(False)  # an unused output reaches backward as None, not as zeros
+
+
+def _backward_inputs(ctx, grad_out: Tensor | None, grad_lse: Tensor | None) -> _Backward:
+    q, k, v, out, lse = ctx.saved_tensors
+    lay = _layout(q, k, ctx.selection)
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    # The LSE's gradient through one extra column (flash_pieces.padded), dropped by _input_gradients.
+    qe, ke, ve, oe, ge = padded(q, k, v, out, grad_out, lse, grad_lse)
+    L = lay.nQ * lay.qbs
+    qp, op, gp = (_pad_rows(t.to(q.dtype), L) for t in (qe, oe, ge))
+    # Fully masked rows (and the padding rows past Lq): LSE +inf makes every probability
+    # exp(s - inf) = 0, so no NaN.
+    lp = _pad_rows(lse.masked_fill(torch.isneginf(lse), float("inf")), L, float("inf"))
+    kp, vp = _whole_blocks(ke, lay.bs), _whole_blocks(ve, lay.bs)
+    return _Backward(lay, qp, op, gp, lp, kp, vp, lse_dtype(q.dtype), (q, k, v), grad_lse is not None)
+
+
+def _input_gradients(bw: _Backward, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+    """``dq (B, Hq, nQ·qbs, E)``, ``dk``, ``dv`` ``(B, Hkv, nK·bs, E)`` -> the gradients of the
+    forward's ``q, k, v, selection, scale``: padding rows and the LSE column dropped, in the inputs' dtypes."""
+    q, k, v = bw.saved
+    dq, dk, dv = dq[:, :, : bw.lay.Lq], dk[:, :, : k.shape[2]], dv[:, :, : v.shape[2]]
+    if bw.lse_column:
+        dq, dk, dv = dq[..., : q.shape[-1]], dk[..., : q.shape[-1]], dv[..., : v.shape[-1]]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

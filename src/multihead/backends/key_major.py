@@ -27,8 +27,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead.backends.block_gather import Selection, _Layout, _layout, _pad_rows, _whole_blocks
-from multihead.backends.flash_pieces import flash, flash_backward, padded
+from multihead.backends.block_gather import (
+    Selection,
+    _backward_inputs,
+    _input_gradients,
+    _Layout,
+    _layout,
+    _pad_rows,
+    _save_for_backward,
+    _whole_blocks,
+)
+from multihead.backends.flash_pieces import flash, flash_backward
 from multihead.conventions import lse_dtype, softmax_dtype
 
 __all__ = ["key_major_attention", "TILE_ROWS"]
@@ -217,35 +226,24 @@ class _KeyMajor(torch.autograd.Function):
         lse = torch.where(seen, peak + torch.log(total.where(seen, 1.0)), float("-inf"))
         out = out.view(B, Hq, Lqp, Ev)[:, :, : lay.Lq].to(q.dtype)
         lse = lse.view(B, Hq, Lqp)[:, :, : lay.Lq]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.selection, ctx.scale = selection, scale
-        ctx.set_materialize_grads(False)
+        _save_for_backward(ctx, q, k, v, out, lse, selection, scale)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        selection, scale = ctx.selection, ctx.scale
-        lay = _layout(q, k, selection)
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        E0, Ev0 = q.shape[-1], v.shape[-1]
-        q, k, v, out, grad_out = padded(q, k, v, out, grad_out, lse, grad_lse)
-        B, Hq, E, Ev = lay.B, lay.Hq, q.shape[-1], v.shape[-1]
-        Hkv, bs = k.shape[1], lay.bs
+        bw = _backward_inputs(ctx, grad_out, grad_lse)
+        lay, dev = bw.lay, bw.q.device
+        B, Hq, E, Ev = lay.B, lay.Hq, bw.q.shape[-1], bw.v.shape[-1]
+        Hkv, bs = bw.k.shape[1], lay.bs
         Lqp = lay.nQ * lay.qbs
-        qf, of, gf = (_pad_rows(t.to(q.dtype), Lqp).reshape(B * Hq * Lqp, -1) for t in (q, out, grad_out))
-        # fully masked rows and padding rows: LSE +inf makes every probability 0
-        lf = _pad_rows(lse.masked_fill(torch.isneginf(lse), float("inf")), Lqp, float("inf")).reshape(-1)
-        kb, vb = (_whole_blocks(t, bs) for t in (k, v))
-        kshape, vshape = kb.shape, vb.shape
-        kb, vb = kb.reshape(-1, bs * E), vb.reshape(-1, bs * Ev)
-        acc = lse_dtype(q.dtype)
-        dq = torch.zeros(qf.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(kb.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(vb.shape, dtype=acc, device=q.device)
-        for tiles in _tiles(lay, selection, Lqp, Hkv, q.device):
+        qf, of, gf = (t.reshape(B * Hq * Lqp, -1) for t in (bw.q, bw.out, bw.grad))
+        lf = bw.lse.reshape(-1)
+        kb, vb = bw.k.reshape(-1, bs * E), bw.v.reshape(-1, bs * Ev)
+        dq = torch.zeros(qf.shape, dtype=bw.acc, device=dev)
+        dk = torch.zeros(kb.shape, dtype=bw.acc, device=dev)
+        dv = torch.zeros(vb.shape, dtype=bw.acc, device=dev)
+        for tiles in _tiles(lay, ctx.selection, Lqp, Hkv, dev):
             R = tiles.rows.shape[1]
             for t0, t1 in _chunks(tiles, R, bs):
                 n = t1 - t0
@@ -254,17 +252,12 @@ class _KeyMajor(torch.autograd.Function):
                 lt = lf[rid].view(n, 1, R)
                 kt = kb.index_select(0, tiles.block_rows[t0:t1]).view(n, 1, bs, E)
                 vt = vb.index_select(0, tiles.block_rows[t0:t1]).view(n, 1, bs, Ev)
-                additive, empty, unseen = _mask(tiles, t0, t1, lay, selection, bs, q.dtype)
+                additive, empty, unseen = _mask(tiles, t0, t1, lay, ctx.selection, bs, bw.q.dtype)
                 if unseen is not None:
                     kt, vt = kt.masked_fill(unseen, 0.0), vt.masked_fill(unseen, 0.0)
                 lt = lt.masked_fill(empty, float("inf"))  # unused rows and rows that see no key: P = 0
-                gq, gk, gv = flash_backward(gt, qt, kt, vt, ot, lt, 0.0, False, attn_mask=additive, scale=scale)
-                dq.index_add_(0, rid, gq.reshape(-1, E).to(acc))
-                dk.index_add_(0, tiles.block_rows[t0:t1], gk.reshape(n, -1).to(acc))
-                dv.index_add_(0, tiles.block_rows[t0:t1], gv.reshape(n, -1).to(acc))
-        dq = dq.view(B, Hq, Lqp, E)[:, :, : lay.Lq]
-        dk = dk.view(kshape)[:, :, : k.shape[2]]
-        dv = dv.view(vshape)[:, :, : v.shape[2]]
-        if grad_lse is not None:
-            dq, dk, dv = dq[..., :E0], dk[..., :E0], dv[..., :Ev0]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+                gq, gk, gv = flash_backward(gt, qt, kt, vt, ot, lt, 0.0, False, attn_mask=additive, scale=ctx.scale)
+                dq.index_add_(0, rid, gq.reshape(-1, E).to(bw.acc))
+                dk.index_add_(0, tiles.block_rows[t0:t1], gk.reshape(n, -1).to(bw.acc))
+                dv.index_add_(0, tiles.block_rows[t0:t1], gv.reshape(n, -1).to(bw.acc))
+        return _input_gradients(bw, dq.view(B, Hq, Lqp, E), dk.view(bw.k.shape), dv.view(bw.v.shape))

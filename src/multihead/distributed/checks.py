@@ -12,7 +12,9 @@ process that never calls the function at all can still hang the others; the proc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,12 +22,13 @@ from torch import Tensor
 
 from multihead.blocks import Extent
 from multihead.distributed.fingerprint import mask_fingerprint, tensor_fingerprint
-from multihead.distributed.layout import Layout
+from multihead.distributed.layout import Layout, check_layout
 from multihead.inputs import check_tensor
 from multihead.masks import Mask
 from multihead.masks.tensor import as_mask
 from multihead.scores import Chain, ScoreMod, as_score_mod
 from multihead.scores import softcap as softcap_mod
+from multihead.sinks import check_sinks
 
 __all__ = [
     "Shards",
@@ -34,6 +37,8 @@ __all__ = [
     "check_mask",
     "check_score_mod",
     "check_scale",
+    "check_call",
+    "Checked",
     "call_summary",
     "agree",
     "agree_mesh",
@@ -167,6 +172,69 @@ def check_scale(where: str, scale, D: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"{where}: scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
     return float(scale)
+
+
+class Checked(NamedTuple):
+    """What :func:`check_call` gives back: the shapes of the call, its arguments as the call runs
+    them, and the summary its ranks agreed on."""
+
+    shards: Shards
+    mask: Mask | None
+    score_mod: ScoreMod | None
+    scale: float
+    summary: dict
+
+
+def check_call(
+    where: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    world: int,
+    shapes: Callable[[Shards], None],
+    agree_with: Callable[[BaseException | None, dict], None],
+    *,
+    mask,
+    score_mod,
+    softcap,
+    sinks,
+    layout,
+    scale,
+    return_lse,
+    backend,
+    agreed: dict,
+) -> Checked:
+    """Every sharded entry point's checks, on every rank before anything moves (module
+    docstring), in one order: q, k, v (:func:`check_qkv`), the layout, ``shapes(shards)`` (the
+    entry point's own conditions), the mask, the scale, ``return_lse``, ``backend``, the score
+    modifier and the sinks; then :func:`call_summary`, with ``agreed``'s entries between the
+    scale and the backend. Any error is caught and handed with the summary to
+    ``agree_with(error, summary)`` (:func:`agree` or :func:`agree_mesh` over the call's groups),
+    which raises on every rank if one failed or two disagree."""
+    error, checked = None, None
+    try:
+        shards = check_qkv(where, q, k, v, world)
+        check_layout(layout, where)
+        shapes(shards)
+        mask = check_mask(where, mask, shards)
+        scale = check_scale(where, scale, shards.D)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"{where}: return_lse must be a bool, got {type(return_lse).__name__}")
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"{where}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
+            )
+        mod = check_score_mod(where, score_mod, softcap, shards)
+        check_sinks(sinks, q)
+        summary = call_summary(
+            q, k, v, mask=mask, score_mod=mod, sinks=sinks, layout=layout, scale=scale, **agreed, backend=backend
+        )
+        checked = Checked(shards, mask, mod, scale, summary)
+    except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
+        error = e
+    agree_with(error, {} if checked is None else checked.summary)
+    assert checked is not None  # agree_with raised on every rank otherwise
+    return checked
 
 
 def call_summary(

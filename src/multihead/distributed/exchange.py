@@ -38,9 +38,40 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead.distributed.checks import Shards
 from multihead.distributed.layout import pieces
 
-__all__ = ["Runs", "Scratch", "to_heads", "to_sequence"]
+__all__ = ["Runs", "Scratch", "to_heads", "to_sequence", "check_one_sequence", "check_head_split", "kv_replicas"]
+
+
+def check_one_sequence(where: str, shards: Shards) -> None:
+    """The exchange moves one sequence: ``q`` and ``k`` hold as many positions on each rank."""
+    if shards.Sq != shards.Sk:
+        raise ValueError(
+            f"{where}: q holds {shards.Sq} positions but k holds {shards.Sk} on this rank; the "
+            "all-to-all exchanges one sequence, so expected equal shards (use ring_attention for Lq != Lk)"
+        )
+
+
+def check_head_split(where: str, shards: Shards, P: int, ranks: str, hint: str) -> None:
+    """The exchange over ``P`` ranks (``ranks``: how the messages name them) gives each rank
+    ``Hq/P`` query heads, and ``Hkv/P`` KV heads or one replicated (:func:`kv_replicas`); ``hint``
+    ends the message about query heads."""
+    if shards.Hq % P:
+        raise ValueError(
+            f"{where}: Hq={shards.Hq} query heads do not split over {ranks}; expected a multiple of {P}; hint: {hint}"
+        )
+    if shards.Hkv % P and P % shards.Hkv:
+        raise ValueError(
+            f"{where}: Hkv={shards.Hkv} key/value heads neither split over {ranks} nor divide {P} (to be "
+            f"replicated); expected a multiple or a divisor of {P}"
+        )
+
+
+def kv_replicas(P: int, Hkv: int) -> int:
+    """How many of the ``P`` ranks receive each KV head: with ``P > Hkv``, the ``P/Hkv`` ranks whose
+    query heads read it (rank ``j`` gets KV head ``kv_head_of(j·Hq/P) = j // (P/Hkv)``), else 1."""
+    return P // Hkv if Hkv % P else 1
 
 
 class Runs:

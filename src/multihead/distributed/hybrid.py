@@ -29,6 +29,7 @@ as for Ulysses; the ring has no condition on heads.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -36,19 +37,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from multihead.call import AttentionResult, ScoreModArg
-from multihead.distributed.checks import (
-    Shards,
-    agree_mesh,
-    call_summary,
-    check_mask,
-    check_qkv,
-    check_scale,
-    check_score_mod,
+from multihead.distributed.checks import Shards, agree_mesh, check_call
+from multihead.distributed.exchange import (
+    Runs,
+    Scratch,
+    check_head_split,
+    check_one_sequence,
+    kv_replicas,
+    to_heads,
+    to_sequence,
 )
-from multihead.distributed.exchange import Runs, Scratch, to_heads, to_sequence
 from multihead.distributed.layout import (
     check_divisible,
-    check_layout,
     shard_positions,
     shard_sequence,
     unshard_sequence,
@@ -57,7 +57,6 @@ from multihead.distributed.ring import ring_attention
 from multihead.masks import Mask, head_range
 from multihead.scores import head_range as score_head_range
 from multihead.scores import sinks_range
-from multihead.sinks import check_sinks
 
 __all__ = ["Mesh2D", "hybrid_attention", "hybrid_shard", "hybrid_unshard", "hybrid_positions"]
 
@@ -120,38 +119,41 @@ def hybrid_attention(
     groups = Mesh2D.of(mesh)
     R, U = groups.sizes()
     u = dist.get_rank(groups.ulysses)
-    error, summary, shards, mod = None, {}, None, None
-    try:
-        shards = check_qkv(_WHERE, q, k, v, R * U)
-        check_layout(layout, _WHERE)
-        if shards.Sq != shards.Sk:
-            raise ValueError(
-                f"{_WHERE}: q holds {shards.Sq} positions but k holds {shards.Sk} on this rank; the "
-                "all-to-all exchanges one sequence, so expected equal shards (use ring_attention for Lq != Lk)"
-            )
+
+    def shapes(shards: Shards) -> None:
+        check_one_sequence(_WHERE, shards)
         check_divisible(_WHERE, "L", shards.Lq, R, layout)
-        _check_heads(shards, U)
-        mask = check_mask(_WHERE, mask, shards)
-        mod = check_score_mod(_WHERE, score_mod, softcap, shards)
-        check_sinks(sinks, q)
-        scale = check_scale(_WHERE, scale, shards.D)
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
-        if not isinstance(backend, str):
-            raise TypeError(
-                f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
-            )
-        summary = call_summary(
-            q, k, v, mask=mask, score_mod=mod, sinks=sinks, layout=layout, scale=scale, mesh=(R, U), backend=backend
+        check_head_split(
+            _WHERE,
+            shards,
+            U,
+            f"the {U} ranks of a Ulysses group",
+            "a smaller Ulysses dimension, or ring_attention alone",
         )
-    except Exception as e:  # any failure here must reach every rank of the mesh
-        error = e
-    agree_mesh(_WHERE, groups.ulysses, groups.ring, error, summary)
-    assert shards is not None and not isinstance(mask, Tensor)  # agree_mesh raised otherwise
+
+    checked = check_call(
+        _WHERE,
+        q,
+        k,
+        v,
+        R * U,
+        shapes,
+        partial(agree_mesh, _WHERE, groups.ulysses, groups.ring),
+        mask=mask,
+        score_mod=score_mod,
+        softcap=softcap,
+        sinks=sinks,
+        layout=layout,
+        scale=scale,
+        return_lse=return_lse,
+        backend=backend,
+        agreed={"mesh": (R, U)},
+    )
+    shards, mask, mod, scale = checked.shards, checked.mask, checked.score_mod, checked.scale
 
     S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
     runs = Runs(S, U, "contiguous")  # the ring shard's local order: Ulysses rank u holds [u·S, (u+1)·S)
-    replicas = U // Hkv if Hkv % U else 1
+    replicas = kv_replicas(U, Hkv)
     # One buffer for the three exchanges in (exchange.py: why); not kept through the ring, whose
     # K/V in flight dominate the memory, so the exchange out gets its own.
     scratch = Scratch()
@@ -180,19 +182,6 @@ def hybrid_attention(
         return out
     lse = to_sequence(res.lse.unsqueeze(-1), groups.ulysses, runs).squeeze(-1)  # (B, Hq, S)
     return AttentionResult(out, None, lse)
-
-
-def _check_heads(shards: Shards, U: int) -> None:
-    if shards.Hq % U:
-        raise ValueError(
-            f"{_WHERE}: Hq={shards.Hq} query heads do not split over the {U} ranks of a Ulysses group; "
-            f"expected a multiple of {U}; hint: a smaller Ulysses dimension, or ring_attention alone"
-        )
-    if shards.Hkv % U and U % shards.Hkv:
-        raise ValueError(
-            f"{_WHERE}: Hkv={shards.Hkv} key/value heads neither split over the {U} ranks of a Ulysses "
-            f"group nor divide {U} (to be replicated); expected a multiple or a divisor of {U}"
-        )
 
 
 def hybrid_shard(x: Tensor, *, mesh, dim: int, layout: str = "zigzag") -> Tensor:

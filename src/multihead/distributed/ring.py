@@ -32,6 +32,8 @@ sent gradient and one arriving. Nothing is of the whole sequence's size.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -40,20 +42,16 @@ from multihead.conventions import lse_dtype
 from multihead.distributed.checks import (
     Shards,
     agree,
-    call_summary,
+    check_call,
     check_group,
-    check_mask,
-    check_qkv,
-    check_scale,
-    check_score_mod,
 )
-from multihead.distributed.layout import check_divisible, check_layout, chunks_per_rank
+from multihead.distributed.layout import check_divisible, chunks_per_rank
 from multihead.distributed.plan import RingPlan, plan_ring
 from multihead.distributed.ring_steps import ModGradients, step_backward, step_forward
 from multihead.distributed.rotation import GradientReturn, Rotation, buffers_like
 from multihead.masks import Mask
 from multihead.memo import BoundedCache
-from multihead.sinks import apply_sinks, check_sinks
+from multihead.sinks import apply_sinks
 
 __all__ = ["ring_attention"]
 
@@ -128,10 +126,8 @@ def ring_attention(
 
 def _prepare(q, k, v, group, mask, score_mod, softcap, sinks, layout, scale, return_lse, backend):
     world, rank = check_group(group, _WHERE)
-    error, shards, summary, mod = None, None, {}, None
-    try:
-        shards = check_qkv(_WHERE, q, k, v, world)
-        check_layout(layout, _WHERE)
+
+    def shapes(shards: Shards) -> None:
         if chunks_per_rank(layout) == 2:
             for name, n in (("q", shards.Sq), ("k", shards.Sk)):
                 if n % 2:
@@ -143,34 +139,28 @@ def _prepare(q, k, v, group, mask, score_mod, softcap, sinks, layout, scale, ret
                     )
         check_divisible(_WHERE, "Lq", shards.Lq, world, layout)
         check_divisible(_WHERE, "Lk", shards.Lk, world, layout)  # a layout object: Lk = Lq = its length
-        mask = check_mask(_WHERE, mask, shards)
-        scale = check_scale(_WHERE, scale, shards.D)
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
-        if not isinstance(backend, str):
-            raise TypeError(
-                f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
-            )
-        mod = check_score_mod(_WHERE, score_mod, softcap, shards)
-        check_sinks(sinks, q)
-        summary = call_summary(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=mod,
-            sinks=sinks,
-            layout=layout,
-            scale=scale,
-            return_lse=return_lse,
-            backend=backend,
-        )
-    except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
-        error = e
-    agree(_WHERE, group, rank, error, summary)
-    assert shards is not None  # checked above: agree() raised on every rank otherwise
-    plan = _cached_plan(world, rank, shards, mask, layout, positions=mod is not None)
-    return shards, mask, mod, plan, scale
+
+    checked = check_call(
+        _WHERE,
+        q,
+        k,
+        v,
+        world,
+        shapes,
+        partial(agree, _WHERE, group, rank),
+        mask=mask,
+        score_mod=score_mod,
+        softcap=softcap,
+        sinks=sinks,
+        layout=layout,
+        scale=scale,
+        return_lse=return_lse,
+        backend=backend,
+        agreed={"return_lse": return_lse},
+    )
+    shards, mod = checked.shards, checked.score_mod
+    plan = _cached_plan(world, rank, shards, checked.mask, layout, positions=mod is not None)
+    return shards, checked.mask, mod, plan, checked.scale
 
 
 _PLANS: BoundedCache[tuple[object, ...], RingPlan] = BoundedCache(32)

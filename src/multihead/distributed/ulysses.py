@@ -18,24 +18,25 @@ backward, independent of the mask.
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import Tensor
 
 from multihead import scores
 from multihead.attention import attention
 from multihead.call import AttentionResult, ScoreModArg
-from multihead.distributed.checks import (
-    agree,
-    call_summary,
-    check_group,
-    check_mask,
-    check_qkv,
-    check_scale,
-    check_score_mod,
+from multihead.distributed.checks import Shards, agree, check_call, check_group
+from multihead.distributed.exchange import (
+    Runs,
+    Scratch,
+    check_head_split,
+    check_one_sequence,
+    kv_replicas,
+    to_heads,
+    to_sequence,
 )
-from multihead.distributed.exchange import Runs, Scratch, to_heads, to_sequence
-from multihead.distributed.layout import check_divisible, check_layout
+from multihead.distributed.layout import check_divisible
 from multihead.masks import Mask, head_range
-from multihead.sinks import check_sinks
 
 __all__ = ["ulysses_attention"]
 
@@ -69,59 +70,35 @@ def ulysses_attention(
     :func:`multihead.scores.sinks_range`), at positions that are already the whole sequence's.
     """
     world, rank = check_group(group, _WHERE)
-    error, summary, shards, mod = None, {}, None, None
-    try:
-        shards = check_qkv(_WHERE, q, k, v, world)
-        check_layout(layout, _WHERE)
-        if shards.Sq != shards.Sk:
-            raise ValueError(
-                f"{_WHERE}: q holds {shards.Sq} positions but k holds {shards.Sk} on this rank; the "
-                "all-to-all exchanges one sequence, so expected equal shards (use ring_attention for "
-                "Lq != Lk)"
-            )
+
+    def shapes(shards: Shards) -> None:
+        check_one_sequence(_WHERE, shards)
         check_divisible(_WHERE, "L", shards.Lq, world, layout)
-        if shards.Hq % world:
-            raise ValueError(
-                f"{_WHERE}: Hq={shards.Hq} query heads do not split over {world} ranks; expected a "
-                f"multiple of {world}; hint: ring_attention has no condition on heads"
-            )
-        if shards.Hkv % world and world % shards.Hkv:
-            raise ValueError(
-                f"{_WHERE}: Hkv={shards.Hkv} key/value heads neither split over {world} ranks nor divide "
-                f"{world} (to be replicated); expected a multiple or a divisor of {world}"
-            )
-        mask = check_mask(_WHERE, mask, shards)
-        scale = check_scale(_WHERE, scale, shards.D)
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"{_WHERE}: return_lse must be a bool, got {type(return_lse).__name__}")
-        if not isinstance(backend, str):
-            raise TypeError(
-                f"{_WHERE}: backend must be a str ('auto' or a registered name), got {type(backend).__name__}"
-            )
-        mod = check_score_mod(_WHERE, score_mod, softcap, shards)
-        check_sinks(sinks, q)
-        summary = call_summary(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=mod,
-            sinks=sinks,
-            layout=layout,
-            scale=scale,
-            return_lse=return_lse,
-            backend=backend,
-        )
-    except Exception as e:  # any failure here (a mask's fingerprint too) must reach the other ranks
-        error = e
-    agree(_WHERE, group, rank, error, summary)
-    assert shards is not None and not isinstance(mask, Tensor)  # checked above: agree() raised on every rank otherwise
+        check_head_split(_WHERE, shards, world, f"{world} ranks", "ring_attention has no condition on heads")
+
+    checked = check_call(
+        _WHERE,
+        q,
+        k,
+        v,
+        world,
+        shapes,
+        partial(agree, _WHERE, group, rank),
+        mask=mask,
+        score_mod=score_mod,
+        softcap=softcap,
+        sinks=sinks,
+        layout=layout,
+        scale=scale,
+        return_lse=return_lse,
+        backend=backend,
+        agreed={"return_lse": return_lse},
+    )
+    shards, mask, mod, scale = checked.shards, checked.mask, checked.score_mod, checked.scale
 
     S, Hq, Hkv = shards.Sq, shards.Hq, shards.Hkv
     runs = Runs(S, world, layout)
-    # With P > Hkv each KV head travels to the P/Hkv ranks whose query heads read it: rank j
-    # receives KV head kv_head_of(j·Hq/P) = j // (P/Hkv), replicated inside the exchange's one copy.
-    replicas = world // Hkv if Hkv % world else 1
+    replicas = kv_replicas(world, Hkv)  # replicated inside the exchange's one copy
     # One scratch buffer for the four exchanges (exchange.py: why), a batch row of the largest.
     scratch = Scratch()
     scratch.reserve(q, Hq * S * max(shards.D, shards.Dv))

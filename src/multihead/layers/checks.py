@@ -6,9 +6,13 @@ wrong types and dtypes, ``ValueError`` for wrong values and shapes (see ``shared
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from multihead.caches import DynamicKVCache
 from multihead.inputs import check_positions as _check_positions
 from multihead.inputs import check_tensor
 
@@ -17,6 +21,10 @@ __all__ = [
     "check_optional_size",
     "check_flag",
     "check_dropout",
+    "check_counts",
+    "check_causal_variant",
+    "check_position_cache",
+    "check_self_attention",
     "check_inputs",
     "check_positions",
     "layout_name",
@@ -48,6 +56,40 @@ def check_dropout(layer: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{layer}: dropout must be a probability in [0, 1), got {value!r}")
     return float(value)
+
+
+def check_counts(layer: str, sizes: Mapping[str, object]) -> None:
+    """Each of ``sizes`` a positive ``int`` (a variant layer's block sizes and counts)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
+
+
+def check_causal_variant(layer: str, options: dict[str, Any], causal_why: str, one_call_why: str) -> None:
+    """A variant whose structure is causal and that attends its own way (NSA, MoBA, top-k):
+    ``causal``, taken out of ``options``, must be ``True``; ``attend`` and ``context_parallel`` are
+    refused; each message gives its reason."""
+    if options.pop("causal", True) is not True:
+        raise ValueError(f"{layer}: causal must be True ({causal_why})")
+    for name in ("attend", "context_parallel"):
+        if options.get(name) is not None:
+            raise TypeError(f"{layer}: {name} is not supported ({one_call_why}), got {options[name]!r}")
+
+
+def check_position_cache(layer: str, kv_cache: object, why: str) -> None:
+    """A variant that cuts blocks at positions reads a :class:`~multihead.caches.DynamicKVCache` only."""
+    if kv_cache is not None and not isinstance(kv_cache, DynamicKVCache):
+        raise TypeError(f"{layer}: kv_cache must be a DynamicKVCache ({why}), got {type(kv_cache).__name__}")
+
+
+def check_self_attention(layer: str, args: tuple[Any, ...], kwargs: dict[str, Any], causal_why: str) -> None:
+    """A variant's ``forward(x, ...)``: no key or value, no ``mask=`` or ``score_mod=`` (its own
+    structure is the mask: ``causal_why``)."""
+    if args or kwargs.get("key") is not None or kwargs.get("value") is not None:
+        raise TypeError(f"{layer}: self-attention only (forward(x, ...)); got key/value arguments")
+    for name in ("mask", "score_mod"):
+        if kwargs.get(name) is not None:
+            raise TypeError(f"{layer}: {name}= is not supported ({causal_why})")
 
 
 def layout_name(batch_first: bool, feature: str) -> str:

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.attention import attention
-from multihead.caches import DynamicKVCache
 from multihead.call import AttentionResult
 from multihead.explain import Explanation, explain
+from multihead.layers.checks import check_causal_variant, check_counts, check_position_cache
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
@@ -75,25 +75,14 @@ class MixtureOfBlockAttention(MultiHeadAttention):
         **options: Any,
     ):
         layer = type(self).__name__
-        for name, value in (("block_size", block_size), ("top_k", top_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
-        if options.pop("causal", True) is not True:
-            raise ValueError(f"{layer}: causal must be True (MoBA's gate never reads a later block)")
-        for name in ("attend", "context_parallel"):
-            if options.get(name) is not None:
-                raise TypeError(
-                    f"{layer}: {name} is not supported (it attends without the gate), got {options[name]!r}"
-                )
+        check_counts(layer, {"block_size": block_size, "top_k": top_k})
+        check_causal_variant(layer, options, "MoBA's gate never reads a later block", "it attends without the gate")
         super().__init__(d_model, num_heads, num_kv_heads=num_kv_heads, causal=True, **options)
         self.block_size, self.top_k = block_size, top_k
 
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
-        if kv_cache is not None and not isinstance(kv_cache, DynamicKVCache):
-            raise TypeError(
-                f"{type(self).__name__}: kv_cache must be a DynamicKVCache (its slots are positions, so key "
-                f"blocks are cut where they were in the prefill), got {type(kv_cache).__name__}"
-            )
+        why = "its slots are positions, so key blocks are cut where they were in the prefill"
+        check_position_cache(type(self).__name__, kv_cache, why)
         return super().forward(query, *args, kv_cache=kv_cache, **kwargs)
 
     def _heads(self, query: Tensor) -> Heads:

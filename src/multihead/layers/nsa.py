@@ -46,6 +46,7 @@ from multihead.backends.flash_pieces import available, flash
 from multihead.caches import DynamicKVCache
 from multihead.conventions import softmax_dtype
 from multihead.explain import Explanation, explain
+from multihead.layers.checks import check_causal_variant, check_counts, check_position_cache, check_self_attention
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
@@ -100,19 +101,13 @@ class NativeSparseAttention(MultiHeadAttention):
             "select_count": select_count,
             "window": window,
         }
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
+        check_counts(layer, sizes)
         if compress_block % compress_stride or select_block % compress_stride:
             raise ValueError(
                 f"{layer}: compress_stride must divide compress_block and select_block (blocks on one grid), got "
                 f"compress_stride={compress_stride}, compress_block={compress_block}, select_block={select_block}"
             )
-        if options.pop("causal", True) is not True:
-            raise ValueError(f"{layer}: causal must be True (NSA's branches never read a later key)")
-        for name in ("attend", "context_parallel"):
-            if options.get(name) is not None:
-                raise TypeError(f"{layer}: {name} is not supported (it attends in one call), got {options[name]!r}")
+        check_causal_variant(layer, options, "NSA's branches never read a later key", "it attends in one call")
         if options.get("dropout", 0.0):
             raise ValueError(
                 f"{layer}: dropout is not supported (the selection reads the probabilities), got {options['dropout']!r}"
@@ -136,16 +131,10 @@ class NativeSparseAttention(MultiHeadAttention):
 
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
         layer = type(self).__name__
-        if kv_cache is not None and not isinstance(kv_cache, DynamicKVCache):
-            raise TypeError(
-                f"{layer}: kv_cache must be a DynamicKVCache (its slots are positions, so blocks are cut where "
-                f"they were in the prefill), got {type(kv_cache).__name__}"
-            )
-        if args or kwargs.get("key") is not None or kwargs.get("value") is not None:
-            raise TypeError(f"{layer}: self-attention only (forward(x, ...)); got key/value arguments")
-        for name in ("mask", "score_mod"):
-            if kwargs.get(name) is not None:
-                raise TypeError(f"{layer}: {name}= is not supported (the branches are causal by construction)")
+        check_position_cache(
+            layer, kv_cache, "its slots are positions, so blocks are cut where they were in the prefill"
+        )
+        check_self_attention(layer, args, kwargs, "the branches are causal by construction")
         if kwargs.get("need_weights"):
             raise TypeError(f"{layer}: need_weights is not supported (three attention maps, no one table)")
         self._cache = kv_cache

@@ -43,6 +43,7 @@ from multihead.caches import DynamicKVCache
 from multihead.call import AttentionResult
 from multihead.explain import Explanation, explain
 from multihead.layers import token_selection
+from multihead.layers.checks import check_causal_variant, check_counts, check_position_cache, check_self_attention
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
@@ -82,14 +83,8 @@ class TopKIndexerAttention(MultiHeadAttention):
         **options: Any,
     ):
         layer = type(self).__name__
-        for name, value in (("top_k", top_k), ("index_heads", index_heads), ("index_dim", index_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
-        if options.pop("causal", True) is not True:
-            raise ValueError(f"{layer}: causal must be True (the indexer never reads a later key)")
-        for name in ("attend", "context_parallel"):
-            if options.get(name) is not None:
-                raise TypeError(f"{layer}: {name} is not supported (it attends in one call), got {options[name]!r}")
+        check_counts(layer, {"top_k": top_k, "index_heads": index_heads, "index_dim": index_dim})
+        check_causal_variant(layer, options, "the indexer never reads a later key", "it attends in one call")
         super().__init__(d_model, num_heads, num_kv_heads=num_kv_heads, causal=True, **options)
         self.top_k, self.index_heads, self.index_dim = top_k, index_heads, index_dim
         weight = self.q_proj.weight
@@ -106,15 +101,8 @@ class TopKIndexerAttention(MultiHeadAttention):
 
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
         layer = type(self).__name__
-        if kv_cache is not None and not isinstance(kv_cache, DynamicKVCache):
-            raise TypeError(
-                f"{layer}: kv_cache must be a DynamicKVCache (its slots are positions), got {type(kv_cache).__name__}"
-            )
-        if args or kwargs.get("key") is not None or kwargs.get("value") is not None:
-            raise TypeError(f"{layer}: self-attention only (forward(x, ...)); got key/value arguments")
-        for name in ("mask", "score_mod"):
-            if kwargs.get(name) is not None:
-                raise TypeError(f"{layer}: {name}= is not supported (the selection is causal by construction)")
+        check_position_cache(layer, kv_cache, "its slots are positions")
+        check_self_attention(layer, args, kwargs, "the selection is causal by construction")
         self._cache = kv_cache
         try:
             return super().forward(query, kv_cache=kv_cache, **kwargs)

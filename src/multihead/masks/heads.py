@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from multihead.blocks import Block, Extent
+from multihead.blocks import Block, Extent, check_head_range
 from multihead.masks.base import BlockState, Mask
 from multihead.masks.tensor import TensorMask
 
@@ -30,14 +30,7 @@ def head_range(mask: Mask | None, first: int, count: int, num_heads: int) -> Mas
     other mask that may read the head (a tensor broadcast over heads is neither, a ``custom``
     ``mask_mod`` is) becomes a :class:`HeadRange`.
     """
-    for name, value in (("first", first), ("count", count), ("num_heads", num_heads)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"head_range: {name} must be an int, got {type(value).__name__}")
-    if first < 0 or count < 1 or first + count > num_heads:
-        raise ValueError(
-            f"head_range: heads [{first}, {first + count}) are not a range of the {num_heads} heads; "
-            f"expected 0 <= first and 1 <= count with first + count <= {num_heads}"
-        )
+    check_head_range("head_range", first, count, num_heads)
     if mask is None or not (mask.kinds() & {"tensor", "custom"}):
         return mask
     if isinstance(mask, TensorMask) and mask.tensor.shape[1] in (1, num_heads):

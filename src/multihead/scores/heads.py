@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.blocks import Block, Extent
+from multihead.blocks import Extent, check_head_range
 from multihead.scores.base import Chain, ScoreMod
 from multihead.scores.bias import Bias
 from multihead.scores.relative import RelativeBias
 from multihead.scores.softcap import Softcap
+from multihead.scores.view import View
 
 __all__ = ["head_range", "sinks_range", "HeadRange"]
 
@@ -33,7 +34,7 @@ def head_range(score_mod: ScoreMod | None, first: int, count: int, num_heads: in
     A modifier that reads no head (``softcap``, a relative bias shared by every head, a bias tensor
     broadcast over heads) comes back as it is; a bias tensor with one slice per head is sliced; a
     chain is restricted element by element; any other becomes a :class:`HeadRange`."""
-    _check_range("head_range", first, count, num_heads)
+    check_head_range("head_range", first, count, num_heads)
     if score_mod is None:
         return None
     if isinstance(score_mod, Chain):
@@ -51,22 +52,11 @@ def head_range(score_mod: ScoreMod | None, first: int, count: int, num_heads: in
 def sinks_range(sinks: Tensor | None, first: int, count: int, num_heads: int) -> Tensor | None:
     """The sink logits ``(num_heads,)`` of heads ``[first, first + count)``: ``(count,)``, a view
     (its gradient reaches the whole tensor's slice)."""
-    _check_range("sinks_range", first, count, num_heads)
+    check_head_range("sinks_range", first, count, num_heads)
     return None if sinks is None else sinks[first : first + count]
 
 
-def _check_range(where: str, first: int, count: int, num_heads: int) -> None:
-    for name, value in (("first", first), ("count", count), ("num_heads", num_heads)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
-    if first < 0 or count < 1 or first + count > num_heads:
-        raise ValueError(
-            f"{where}: heads [{first}, {first + count}) are not a range of the {num_heads} heads; "
-            f"expected 0 <= first and 1 <= count with first + count <= {num_heads}"
-        )
-
-
-class HeadRange(ScoreMod):
+class HeadRange(View):
     """``inner`` (a modifier of ``num_heads`` heads) with head ``h`` read as head ``first + h``,
     for a call of ``count`` heads. Built by :func:`head_range`."""
 
@@ -78,9 +68,15 @@ class HeadRange(ScoreMod):
     def __init__(self, inner: ScoreMod, first: int, count: int, num_heads: int):
         self._set(inner=inner, first=first, count=count, num_heads=num_heads, kind=inner.kind)
 
-    def _heads(self, heads: Tensor | None, device: torch.device) -> Tensor:
+    def _whole(self, extent: Extent) -> Extent:
+        return extent.with_heads(self.num_heads)
+
+    def _whole_heads(self, heads: Tensor | None, device: torch.device) -> Tensor:
         local = torch.arange(self.count, device=device) if heads is None else heads
         return local + self.first
+
+    def _local_heads(self, values: Tensor, dim: int) -> Tensor:
+        return values if values.shape[dim] == 1 else values.narrow(dim, self.first, self.count)
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.inner(score, b, h + self.first, q_idx, kv_idx)
@@ -91,40 +87,11 @@ class HeadRange(ScoreMod):
                 f"head_range: a modifier of heads [{self.first}, {self.first + self.count}) is read by a "
                 f"call of {extent.heads} heads; expected {self.count}"
             )
-        self.inner.check(extent.with_heads(self.num_heads))
+        self.inner.check(self._whole(extent))
 
     def for_lengths(self, q_len: int, kv_len: int) -> ScoreMod:
         inner = self.inner.for_lengths(q_len, kv_len)
         return self if inner is self.inner else HeadRange(inner, self.first, self.count, self.num_heads)
-
-    @property
-    def relative(self) -> bool:
-        return self.inner.relative
-
-    def distance_bias(
-        self, d0: int, d1: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-    ) -> Tensor | None:
-        vec = self.inner.distance_bias(d0, d1, device, dtype)  # (Hq|1, n)
-        if vec is None or vec.shape[0] == 1:
-            return vec
-        return vec[self.first : self.first + self.count]  # (count, n)
-
-    def bias_block(
-        self,
-        extent: Extent,
-        block: Block,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> Tensor:
-        bias = self.inner.bias_block(extent.with_heads(self.num_heads), block, device, dtype)  # (B|1, Hq|1, R, K)
-        return bias if bias.shape[1] == 1 else bias[:, self.first : self.first + self.count]
-
-    def apply_block(self, extent: Extent, block: Block, scores: Tensor, heads: Tensor | None = None) -> Tensor:
-        whole = extent.with_heads(self.num_heads)
-        return self.inner.apply_block(whole, block, scores, self._heads(heads, scores.device))
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        return self.inner.tensors()
 
     def _describe(self) -> str:
         heads = f"first={self.first}, count={self.count}, num_heads={self.num_heads}"

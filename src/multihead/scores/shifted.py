@@ -20,12 +20,12 @@ backend still sees the kinds it knows.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from multihead.blocks import Block, Extent
 from multihead.scores.base import Chain, ScoreMod
 from multihead.scores.softcap import Softcap
+from multihead.scores.view import View
 
 __all__ = ["shifted", "Shifted"]
 
@@ -53,7 +53,7 @@ def shifted(score_mod: ScoreMod | None, q_offset: int, kv_offset: int, *, q_len:
     return Shifted(bound, q_offset, kv_offset, q_len, kv_len)
 
 
-class Shifted(ScoreMod):
+class Shifted(View):
     """``inner`` (bound to the whole ``q_len x kv_len`` attention) read at offsets; built by
     :func:`shifted`. Its kind, tensors and relative form are the inner modifier's."""
 
@@ -68,6 +68,14 @@ class Shifted(ScoreMod):
 
     def _whole(self, extent: Extent) -> Extent:
         return extent.with_lengths(self.q_len, self.kv_len)
+
+    def _whole_block(self, block: Block) -> Block:
+        return block.shifted(self.q_offset, self.kv_offset)
+
+    def _whole_distances(self, d0: int, d1: int) -> tuple[int, int]:
+        # d = kv_idx - q_idx in the call is d + (kv_offset - q_offset) in the whole attention
+        shift = self.kv_offset - self.q_offset
+        return d0 + shift, d1 + shift
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.inner(score, b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
@@ -85,33 +93,6 @@ class Shifted(ScoreMod):
 
     def for_lengths(self, q_len: int, kv_len: int) -> ScoreMod:
         return self  # bound to the whole attention's lengths: the block's own change nothing
-
-    @property
-    def relative(self) -> bool:
-        return self.inner.relative
-
-    def distance_bias(
-        self, d0: int, d1: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-    ) -> Tensor | None:
-        # d = kv_idx - q_idx in the call is d + (kv_offset - q_offset) in the whole attention
-        shift = self.kv_offset - self.q_offset
-        return self.inner.distance_bias(d0 + shift, d1 + shift, device, dtype)
-
-    def bias_block(
-        self,
-        extent: Extent,
-        block: Block,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> Tensor:
-        return self.inner.bias_block(self._whole(extent), block.shifted(self.q_offset, self.kv_offset), device, dtype)
-
-    def apply_block(self, extent: Extent, block: Block, scores: Tensor, heads: Tensor | None = None) -> Tensor:
-        whole_block = block.shifted(self.q_offset, self.kv_offset)
-        return self.inner.apply_block(self._whole(extent), whole_block, scores, heads)
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        return self.inner.tensors()
 
     def _describe(self) -> str:
         return (
