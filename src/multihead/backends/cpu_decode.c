@@ -121,9 +121,10 @@ typedef struct {
     pthread_mutex_t lock;
 } job_t;
 
-#ifndef PF
-#define PF 8 /* keys ahead whose rows are prefetched: the loads of a step stream from memory */
+#ifndef PF_BYTES
+#define PF_BYTES 2048 /* how far ahead rows are prefetched: the loads of a step stream from memory */
 #endif
+#define PF_MAX 32 /* keys ahead, at most (int8 rows of 64 features: 2 KiB is 32 of them) */
 #define TB 64 /* keys per block: their row pointers found once (pages crossed), V rows stay in L1 */
 
 /* Pointers to the rows of slots [slot, slot + count), with `count` at most TB + PF: the page
@@ -203,7 +204,9 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     const float scale = J->scale;                                                                        \
     float *out = J->out + (long)bh * R * Dv, *lse = J->lse + (long)bh * R;                               \
     float *norm = qs + (long)R4 * D;                                                                     \
-    const char *rows[TB + PF];                                                                           \
+    const char *rows[TB + PF_MAX];                                                                       \
+    /* keys ahead to prefetch: at least 8, and PF_BYTES of short rows (16 int8 rows of 128 features) */ \
+    const int PF = PF_BYTES / kbytes < 8 ? 8 : PF_BYTES / kbytes > PF_MAX ? PF_MAX : PF_BYTES / kbytes;   \
     float kf[TB];                                                                                        \
     long span_now = -1;                                                                                  \
     memset(qs, 0, sizeof(float) * R4 * D);                                                               \
