@@ -12,11 +12,10 @@
  * Slot t lies in page table[b, t / ps] at t % ps: a paged pool, or a dense (B, H, n, D) tensor as
  * one page per row. Rows that see no slot give o = 0 and lse = -inf; a slot no row of a (b, h)
  * sees is never read in P V (a NaN value there stays out, as the decode path promises).
- * Threads: pthreads over the (b, h) pairs, so no OpenMP runtime meets PyTorch's.
+ * Threads: OpenMP over the (b, h) pairs, on PyTorch's own OpenMP runtime (mh_decode).
  * Built by multihead/backends/cpu_kernels.py with the host's compiler (-O3 -march=native).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,8 +116,6 @@ typedef struct {
     long first, span;           /* slot lo + t is quantized slot first + t */
     int sdt;
     float *out, *lse;           /* (B, H, R, Dv), (B, H, R) */
-    int next;                   /* the next (b, h) pair to take */
-    pthread_mutex_t lock;
 } job_t;
 
 #ifndef PF_BYTES
@@ -344,49 +341,35 @@ DEFINE_KERNEL(f16, _Float16, load_f16, 0)
 DEFINE_KERNEL(i8, int8_t, load_i8, 1)
 
 typedef void (*one_fn)(const job_t *, int, float *, float *);
-typedef struct { job_t *job; one_fn fn; } worker_t;
 
-static void *work(void *arg) {
-    worker_t *w = (worker_t *)arg;
-    job_t *J = w->job;
-    int R = J->G * J->Lq;
-    float *s = (float *)malloc(sizeof(float) * ((size_t)(2 * R + 8) * J->n + 16));
-    float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + (size_t)R + 16));
-    if (!s || !qs) { /* the caller raises MemoryError; the other threads finish the pairs */
-        free(s);
-        free(qs);
-        return NULL;
-    }
-    for (;;) {
-        pthread_mutex_lock(&J->lock);
-        int bh = J->next++;
-        pthread_mutex_unlock(&J->lock);
-        if (bh >= J->B * J->H) break;
-        w->fn(J, bh, s, qs);
-    }
-    free(s);
-    free(qs);
-    return NULL;
-}
-
-/* kind: 0 fp32, 1 bf16, 2 fp16, 3 int8. Returns 0, or -1 when a thread could not allocate its
- * buffers and no thread did every pair (the output is then incomplete). A thread that cannot start
- * leaves its share to the others. */
+/* kind: 0 fp32, 1 bf16, 2 fp16, 3 int8. The (b, h) pairs are shared out by OpenMP: in a process
+ * that has loaded PyTorch, `libgomp.so.1` is PyTorch's own (one runtime, one pool of threads:
+ * threads of our own would compete with its workers, which spin a while after each of its ops).
+ * Built without OpenMP, the pairs run one after the other. Returns 0, or -1 when a thread could
+ * not allocate its buffers (its pairs are then not computed). */
 int mh_decode(job_t *J, int kind, int threads) {
     one_fn fns[4] = {one_f32, one_bf16, one_f16, one_i8};
-    worker_t w = {J, fns[kind]};
-    J->next = 0;
-    pthread_mutex_init(&J->lock, NULL);
-    int pairs = J->B * J->H;
+    const one_fn fn = fns[kind];
+    const int pairs = J->B * J->H, R = J->G * J->Lq;
+    int failed = 0;
     if (threads > pairs) threads = pairs;
-    pthread_t ids[64];
-    int started = 0;
-    for (int i = 1; i < threads && i < 64; i++)
-        if (pthread_create(&ids[started], NULL, work, &w) == 0) started++;
-    work(&w);
-    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
-    pthread_mutex_destroy(&J->lock);
-    return J->next >= J->B * J->H ? 0 : -1;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *s = (float *)malloc(sizeof(float) * ((size_t)(2 * R + 8) * J->n + 16));
+        float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + (size_t)R + 16));
+#pragma omp for schedule(dynamic, 1)
+        for (int bh = 0; bh < pairs; bh++) {
+            if (s && qs)
+                fn(J, bh, s, qs);
+            else
+                failed = 1;
+        }
+        free(s);
+        free(qs);
+    }
+    return failed ? -1 : 0;
 }
 
+/* sizeof(job_t), which cpu_kernels.py compares with its ctypes mirror before any call */
 long mh_job_size(void) { return (long)sizeof(job_t); }

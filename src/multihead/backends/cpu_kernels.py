@@ -37,7 +37,7 @@ from torch import Tensor
 __all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", "build"]
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -68,8 +68,6 @@ class _Job(ctypes.Structure):
         ("sdt", _I),
         ("out", _P),
         ("lse", _P),
-        ("next", _I),
-        ("lock", ctypes.c_byte * 64),  # pthread_mutex_t (40 bytes on x86-64 glibc), with room
     ]
 
 
@@ -118,7 +116,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
             partial = Path(part.name)
         try:
             done = subprocess.run(
-                [compiler, *flags, str(_SOURCE), "-o", str(partial), "-lm", "-lpthread"],
+                [compiler, *flags, str(_SOURCE), "-o", str(partial), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -131,6 +129,10 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.mh_decode.argtypes = [ctypes.POINTER(_Job), _I, _I]
     lib.mh_decode.restype = _I
+    lib.mh_job_size.restype = _L
+    if lib.mh_job_size() != ctypes.sizeof(_Job):  # the mirror of job_t must match it field for field
+        size, mirror = lib.mh_job_size(), ctypes.sizeof(_Job)
+        raise RuntimeError(f"{_SOURCE.name}: job_t is {size} bytes, its ctypes mirror {mirror}")
     return lib
 
 
