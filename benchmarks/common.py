@@ -310,3 +310,24 @@ def speed_words(ratio: float, than: str) -> str:
     if ratio >= 1:
         return f"{ratio:.2f}x faster than {than}"
     return f"{1 / ratio:.2f}x slower than {than}"
+
+
+#: The decode backend with multihead's CPU kernel off, by name (:func:`torch_gemms_backend`).
+GEMMS_BACKEND = "decode-torch-gemms"
+
+
+def torch_gemms_backend() -> str:
+    """Register, once, the decode backend with its CPU kernel off (``kernel="torch"``: the fold's
+    PyTorch GEMMs, what runs without a C compiler) under :data:`GEMMS_BACKEND`, never chosen by
+    ``auto``, so that one run times both; returns the name to pass as ``backend=``."""
+    from multihead.backends.decode import DecodeBackend
+
+    class _DecodeWithGemms(DecodeBackend):
+        name = GEMMS_BACKEND
+
+        def __init__(self):
+            super().__init__(kernel="torch")
+
+    if GEMMS_BACKEND not in mh.available_backends():
+        mh.register_backend(_DecodeWithGemms(), priority=None)
+    return GEMMS_BACKEND

@@ -14,7 +14,7 @@ tensor, through multihead's CPU decode kernel where it is built):
 
 * ``cpu kernel``: what the library runs where the kernel is built (``decode_blocks`` over
   ``CacheRead.blocks``): every page read through the block table in one call, no copy;
-* ``contiguous, PyTorch GEMMs``: the contiguous step without the kernel (what runs without a C
+* ``contiguous (PyTorch GEMMs)``: the contiguous step without the kernel (what runs without a C
   compiler); the contenders below are PyTorch-only designs too (the kernel switched off):
 * ``pool order``: what the library runs without the kernel: runs of
   pages consecutive in the pool as views, short runs copied 8 MiB at a time, partials joined by LSE;
@@ -46,10 +46,20 @@ import time
 
 import torch
 
-from common import THREADS, context, fastest_ms, machine_state, mh, print_table, write_csv
+from common import (
+    GEMMS_BACKEND,
+    THREADS,
+    context,
+    fastest_ms,
+    machine_state,
+    mh,
+    print_table,
+    torch_gemms_backend,
+    write_csv,
+)
 from multihead.backends import cpu_kernels
 from multihead.backends import decode_blocks as blocks_module
-from multihead.backends.decode import DecodeBackend, _attend
+from multihead.backends.decode import _attend
 from multihead.backends.decode_blocks import KVBlocks, _per_head, decode_blocks
 from multihead.caches import PagedKVCache
 
@@ -75,15 +85,6 @@ def layout(kind: str, pages: int, rng: random.Random) -> tuple[list[int], int]:
         p += n + rng.randint(1, 16)
     rng.shuffle(runs)
     return [page for run in runs for page in run][:pages], p
-
-
-class _TorchDecode(DecodeBackend):
-    """The decode backend without multihead's CPU kernel, under a name of its own (plans key on it)."""
-
-    name = "decode_torch_gemms"
-
-    def __init__(self):
-        super().__init__(kernel="torch")
 
 
 def torch_gemms(fn):
@@ -210,7 +211,7 @@ def run_case(dtype, Lk: int, ps: int, kinds, rounds: int, min_run_time: float, c
         fns = {
             "contiguous": lambda: mh.attention(q, k, v, backend="decode"),
             "cpu kernel": lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask),
-            "contiguous, PyTorch GEMMs": lambda: mh.attention(q, k, v, backend=_TorchDecode.name),
+            "contiguous (PyTorch GEMMs)": lambda: mh.attention(q, k, v, backend=GEMMS_BACKEND),
             "pool order": torch_gemms(lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask)),
             "pool order, 1 MiB copies": torch_gemms(
                 with_piece_bytes(1 << 20, lambda read=read, mask=mask: decode_blocks(q, read.blocks, mask))
@@ -316,8 +317,7 @@ def main(argv=None) -> list[dict]:
         print_table("CPU ms per call: GEMMs", [r for r in rows if "keys" in r["what"]])
         print_table("CPU ms per call: copies", [r for r in rows if "copy" in r["what"]])
         return rows
-    if _TorchDecode.name not in mh.available_backends():  # never chosen by auto, only by name
-        mh.register_backend(_TorchDecode(), priority=None)
+    torch_gemms_backend()
     dtypes = ["bfloat16"] if args.quick else args.dtypes.split(",")
     sizes = [16] if args.quick else [int(x) for x in args.page_sizes.split(",")]
     print(f"# paged decode step: designs side by side ({context()})")

@@ -43,6 +43,7 @@ import argparse
 import torch
 
 from common import (
+    GEMMS_BACKEND,
     check_close,
     context,
     fastest_ms,
@@ -51,11 +52,11 @@ from common import (
     memory_read_gbps,
     mh,
     print_table,
+    torch_gemms_backend,
     write_csv,
 )
 from decode import matmul_peaks
 from dtypes import matmul_gflops
-from multihead.backends import DecodeBackend, register_backend
 from multihead.positions import RotaryEmbedding
 
 E, H, C, R, N, V = 2048, 16, 512, 64, 128, 128  # d_model, heads, kv_lora_rank, rope, nope, v
@@ -211,17 +212,6 @@ def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bo
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GEMMS_BACKEND = "decode-torch-gemms"
-
-
-class _DecodeWithGemms(DecodeBackend):
-    """The decode backend with its CPU kernel off (``kernel="torch"``: the fold's PyTorch GEMMs),
-    under its own name so that one run times both; registered by this script only, never in auto."""
-
-    name = GEMMS_BACKEND
-
-    def __init__(self):
-        super().__init__(kernel="torch")
 
 
 def absorbed_ceilings(lengths, rounds: int, min_run_time: float, read_gbps: float, peaks: dict) -> list[dict]:
@@ -421,7 +411,7 @@ def _absorbed_by_hand(q, rows):
 
 
 def _ceilings_main(args) -> list[dict]:
-    register_backend(_DecodeWithGemms(), priority=None)
+    torch_gemms_backend()
     lengths = (4096,) if args.quick else (4096, 32768)
     rounds = args.rounds or (2 if args.quick else 3)
     print(f"# MLA absorbed decode step against the machine's ceilings ({context()})")
