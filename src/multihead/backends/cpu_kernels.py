@@ -10,8 +10,8 @@ attention in one pass per (batch row, KV head)::
 
     out (B, Hkv, R, Dv) fp32, lse (B, Hkv, R) fp32  =  decode_partial(qg (B, Hkv, R, D), slots [lo, lo + n))
 
-It is C, not a PyTorch extension: the host's compiler (``cc``, ``-O3 -march=native``) builds it
-into ``$XDG_CACHE_HOME/multihead`` (``~/.cache/multihead``) under a name that hashes the source,
+It is C, not a PyTorch extension: ``native_build`` builds it with the host's compiler (``cc``,
+``-O3 -march=native``) into ``$XDG_CACHE_HOME/multihead`` (``~/.cache/multihead``) under a name that hashes the source,
 the flags, the compiler and the CPU, so nothing is rebuilt until one of them changes; no
 dependency is added, no PyTorch header is needed. Where no compiler is found, the build fails or
 the first call's self-test disagrees with PyTorch, :func:`kernel` is ``None`` (with
@@ -22,22 +22,18 @@ results.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from .native_build import FLAGS, compile_library
+
 __all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", "build"]
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -99,34 +95,10 @@ def unavailable(flags: tuple[str, ...] = FLAGS) -> str | None:
 
 
 def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
-    """Compile ``cpu_decode.c`` with ``flags`` (or reuse the build of the same source, flags,
-    compiler and CPU) and load it. Raises ``RuntimeError`` when no compiler is found or the build fails."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not compiler:
-        raise RuntimeError("no C compiler found (cc, gcc or clang on PATH): the decode path runs PyTorch's GEMMs")
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu().encode()]))
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multihead"
-    path = folder / f"cpu_decode-{digest.hexdigest()[:16]}.so"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        # built beside its final name and renamed: a process that loads it never sees half a file
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as part:
-            partial = Path(part.name)
-        try:
-            done = subprocess.run(
-                [compiler, *flags, str(_SOURCE), "-o", str(partial), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"building {_SOURCE.name} failed: {done.stderr.strip()[:2000]}")
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(path))
+    """Compile ``cpu_decode.c`` with ``flags`` (``native_build``: reused while the source, flags,
+    compiler and CPU are the same) and load it. Raises ``RuntimeError`` when no compiler is found,
+    the build fails or the library's ``job_t`` differs from its ctypes mirror."""
+    lib = compile_library(_SOURCE, flags)
     lib.mh_decode.argtypes = [ctypes.POINTER(_Job), _I, _I]
     lib.mh_decode.restype = _I
     lib.mh_job_size.restype = _L
@@ -134,17 +106,6 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
         size, mirror = lib.mh_job_size(), ctypes.sizeof(_Job)
         raise RuntimeError(f"{_SOURCE.name}: job_t is {size} bytes, its ctypes mirror {mirror}")
     return lib
-
-
-def _cpu() -> str:
-    """What ``-march=native`` depends on: the CPU's model and flags (a shared home folder may serve
-    machines of several kinds)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
-        return platform.machine() + "\n" + "\n".join(lines)
-    except OSError:
-        return platform.machine() + platform.processor()
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> bool:
