@@ -57,6 +57,13 @@ static inline float load_scale(const void *p, long i, int dt) {
     return (float)((const _Float16 *)p)[i];
 }
 
+/* 16 scales of the cache's dtype from p[i..i+16) */
+static inline v16f load_scales16(const void *p, long i, int dt) {
+    if (dt == 0) return load_f32((const float *)p + i);
+    if (dt == 1) return load_bf16((const uint16_t *)p + i);
+    return load_f16((const _Float16 *)p + i);
+}
+
 #ifdef __AVX512F__
 static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
 #else
@@ -209,6 +216,8 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     memset(qs, 0, sizeof(float) * R4 * D);                                                               \
     for (int i = 0; i < R * D; i++) qs[i] = q[i] * scale;                                                \
     for (int i = 0; i < TB; i++) kf[i] = 1.0f;                                                           \
+    /* rows R..R4 of the weights: zero (P V reads the rows 4 at a time) */                              \
+    memset(s + (long)R * n, 0, sizeof(float) * (R4 - R) * n);                                            \
     /* scores, a block of TB keys at a time (int8: blocks end at span boundaries) */                    \
     for (long t = 0, cnt; t < n; t += cnt) {                                                             \
         cnt = n - t < TB ? n - t : TB;                                                                   \
@@ -222,7 +231,10 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
                         qs[r * D + c] = q[r * D + c] * scale *                                           \
                             load_scale(J->kc, b * J->kc_b + h * J->kc_h + j * J->kc_j + c, J->sdt);       \
             }                                                                                            \
-            for (long i = 0; i < cnt; i++) kf[i] = load_scale(J->kt, b * J->kt_b + h * J->kt_h + qi + i, J->sdt); \
+            const long k0 = b * J->kt_b + h * J->kt_h + qi;                                              \
+            long i = 0;                                                                                  \
+            for (; i + 16 <= cnt; i += 16) { v16f f = load_scales16(J->kt, k0 + i, J->sdt); memcpy(kf + i, &f, 64); } \
+            for (; i < cnt; i++) kf[i] = load_scale(J->kt, k0 + i, J->sdt);                              \
         }                                                                                                \
         const long got = n - t < cnt + PF ? n - t : cnt + PF; /* the block and the keys to prefetch */   \
         rows_of(rows, got, K, table, ps, kpb, ktb, lo + t);                                              \
@@ -267,29 +279,28 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
             norm[r] = any_nan ? NAN : 0.f;                                                               \
             continue;                                                                                    \
         }                                                                                                \
+        /* the weights p = exp(s - m), stored times vt for int8 (0 where p is: a NaN scale of a slot the \
+         * row does not see stays out) */                                                                \
+        const long vt0 = QUANT ? b * J->vt_b + h * J->vt_h + J->first : 0;                               \
         v16f sum = {0};                                                                                  \
         long t = 0;                                                                                      \
         for (; t + 16 <= n; t += 16) {                                                                   \
             v16f e = vexp(load_f32(sr + t) - mx);                                                        \
-            memcpy(sr + t, &e, 64);                                                                      \
             sum += e;                                                                                    \
+            if (QUANT) e = sel(e != 0.f, e * load_scales16(J->vt, vt0 + t, J->sdt), (v16f){0});          \
+            memcpy(sr + t, &e, 64);                                                                      \
         }                                                                                                \
         float tot = hsum(sum);                                                                           \
-        for (; t < n; t++) { float e = sr[t] == -INFINITY ? 0.f : expf(sr[t] - mx); sr[t] = e; tot += e; } \
+        for (; t < n; t++) {                                                                             \
+            float e = sr[t] == -INFINITY ? 0.f : expf(sr[t] - mx);                                       \
+            tot += e;                                                                                    \
+            sr[t] = QUANT && e != 0.f ? e * load_scale(J->vt, vt0 + t, J->sdt) : e;                      \
+        }                                                                                                \
         if (any_nan) tot = NAN;                                                                          \
         lse[r] = mx + logf(tot);                                                                         \
         norm[r] = 1.0f / tot;                                                                            \
     }                                                                                                    \
-    /* the weights token-major (w[t][r], 4 rows per group, times vt for int8): P V reads 4 at once */  \
     const int groups = R4 / 4;                                                                           \
-    float *w = s + (long)R * n;                                                                          \
-    for (long t = 0; t < n; t++) {                                                                       \
-        float f = QUANT ? load_scale(J->vt, b * J->vt_b + h * J->vt_h + J->first + t, J->sdt) : 1.0f;    \
-        for (int r = 0; r < R4; r++) {                                                                   \
-            float p = r < R ? s[(long)r * n + t] : 0.f;                                                  \
-            w[(long)(r / 4) * n * 4 + t * 4 + r % 4] = p != 0.f ? p * f : 0.f;                           \
-        }                                                                                                \
-    }                                                                                                    \
     /* o = P V: 4 rows x 64 features of accumulators in registers, a block of TB keys at a time */     \
     memset(out, 0, sizeof(float) * R * Dv);                                                              \
     for (long t = 0, cnt; t < n; t += cnt) {                                                             \
@@ -298,14 +309,14 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
         rows_of(rows, got, V, table, ps, vpb, vtb, lo + t);                                              \
         for (int g4 = 0; g4 < groups; g4++) {                                                            \
             const int rb = R - 4 * g4 < 4 ? R - 4 * g4 : 4;                                             \
-            const float *wg = w + (long)g4 * n * 4 + t * 4;                                              \
+            const float *p0 = s + (long)4 * g4 * n + t, *p1 = p0 + n, *p2 = p1 + n, *p3 = p2 + n;           \
             for (int c0 = 0; c0 < Dv; c0 += 64) {                                                        \
                 const int cb = Dv - c0 < 64 ? (Dv - c0) / 16 : 4;                                        \
                 const int first_pass = g4 == 0 && c0 == 0;                                               \
                 v16f a[4][4] = {{{0}}};                                                                  \
                 for (long i = 0; i < cnt; i++) {                                                         \
                     if (first_pass && i + PF < got) prefetch_row(rows[i + PF], vbytes);                  \
-                    const float w0 = wg[i * 4], w1 = wg[i * 4 + 1], w2 = wg[i * 4 + 2], w3 = wg[i * 4 + 3]; \
+                    const float w0 = p0[i], w1 = p1[i], w2 = p2[i], w3 = p3[i];                          \
                     const int seen = (w0 != 0.f) + (w1 != 0.f) + (w2 != 0.f) + (w3 != 0.f);              \
                     if (!seen) continue; /* no row sees it: its value is never touched */               \
                     const T *vr = (const T *)rows[i] + c0;                                               \
@@ -356,7 +367,7 @@ int mh_decode(job_t *J, int kind, int threads) {
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *s = (float *)malloc(sizeof(float) * ((size_t)(2 * R + 8) * J->n + 16));
+        float *s = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->n + 16)); /* R4 rows of weights */
         float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + (size_t)R + 16));
 #pragma omp for schedule(dynamic, 1)
         for (int bh = 0; bh < pairs; bh++) {
