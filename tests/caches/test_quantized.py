@@ -149,6 +149,31 @@ def test_rollback_and_reorder_keep_slots_and_scales_together(fmt):
     assert torch.equal(swapped[0], held[0][[1, 0, 1]]) and torch.equal(swapped[1], held[1][[1, 0, 1]])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_rolled_back_updates_leave_no_trace(seed):
+    """Updates of random sizes (into the sinks, the window, stores of whole groups across spans),
+    each followed by a rolled-back update of another random size: every read equals a twin cache's
+    that never saw the rolled-back writes, bit for bit (a rollback restores the counts, and the
+    tail's tokens only when a store moved them)."""
+    rng = torch.Generator().manual_seed(seed)
+    cache, twin = _cache(), _cache()
+    k, v = _kv(200, seed=seed)
+    junk_k, junk_v = _kv(200, seed=seed + 100)
+    t = 0
+    while t < 180:
+        n = int(torch.randint(1, 20, (1,), generator=rng))
+        n = min(n, 180 - t)
+        j = int(torch.randint(0, 40, (1,), generator=rng))
+        j = min(j, cache.max_len - cache.length)
+        cache.update(junk_k[:, :, :j], junk_v[:, :, :j])
+        cache.rollback()
+        for c in (cache, twin):
+            c.update(k[:, :, t : t + n], v[:, :, t : t + n])
+        t += n
+        got, want = _peek(cache), _peek(twin)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (seed, t)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [

@@ -34,6 +34,7 @@ from .native_build import FLAGS, compile_library
 __all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", "build"]
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
+ONE_THREAD_WORK = 1 << 20  # multiply-adds below which a call runs on the calling thread alone (~0.05 ms)
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -166,7 +167,12 @@ def decode_partial(
     lib = kernel()
     if lib is None:
         raise RuntimeError(f"decode_partial: the CPU decode kernel is unavailable: {unavailable()}")
-    return _run(lib, qg, keys, values, scale, G, Lq, blocked, table, lo, n, scales, torch.get_num_threads())
+    slots = keys.shape[2] if n is None else n
+    work = qg.shape[0] * qg.shape[1] * qg.shape[2] * slots * (qg.shape[3] + values.shape[-1])
+    # A small read (a quantized cache's sinks and residual window, a short cache) on one thread: waking
+    # the pool costs more than it saves, and on a busy machine a woken thread may wait a time slice.
+    threads = torch.get_num_threads() if work >= ONE_THREAD_WORK else 1
+    return _run(lib, qg, keys, values, scale, G, Lq, blocked, table, lo, n, scales, threads)
 
 
 def _run(

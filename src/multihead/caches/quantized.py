@@ -229,31 +229,36 @@ class QuantizedKVCache(KVCache):
                 f"{name}.update: writing {new} tokens after the {self._length} stored would pass "
                 f"max_len={self.max_len}; hint: allocate a larger cache or crop it first"
             )
+        into_sinks = max(0, min(new, self.sinks - self._length))
+        rest_k, rest_v = k[:, :, into_sinks:], v[:, :, into_sinks:]
+        tail, rest = self._tail, k.shape[2] - into_sinks
+        over = tail + rest - self.residual
+        count = (over // self.group) * self.group if over >= self.group else 0  # whole groups leave the window
         copies = under_autograd(k, v, self.sink_k, self.sink_v, self.tail_k, self.tail_v)
-        self._undo = (
-            self._length,
-            self._quantized,
-            (self.sink_k, self.sink_v, self.tail_k, self.tail_v) if copies else None,
-            None if copies else (self.sink_k.clone(), self.sink_v.clone(), self.tail_k.clone(), self.tail_v.clone()),
-        )
+        # What a rollback needs: the counts, since every write lands past them (sink and tail slots
+        # not yet held, the 8-bit slots and scales past `_quantized`: a later store into a span
+        # sets its channel scales again), and the tail's tokens when a store moves them.
+        originals = (self.sink_k, self.sink_v, self.tail_k, self.tail_v) if copies else None
+        saved = None
+        if count and not copies:
+            saved = (self.tail_k[:, :, :tail].clone(), self.tail_v[:, :, :tail].clone())
+        self._undo = (self._length, self._quantized, originals, saved)
         if copies:  # earlier steps saved these buffers for their backward: write into copies
             self.sink_k, self.sink_v = self.sink_k.clone(), self.sink_v.clone()
             self.tail_k, self.tail_v = self.tail_k.clone(), self.tail_v.clone()
-        into_sinks = max(0, min(new, self.sinks - self._length))
         if into_sinks:
             self.sink_k[:, :, self._length : self._length + into_sinks] = k[:, :, :into_sinks]
             self.sink_v[:, :, self._length : self._length + into_sinks] = v[:, :, :into_sinks]
-        rest_k, rest_v = k[:, :, into_sinks:], v[:, :, into_sinks:]
-        tail = self._tail
-        held_k = torch.cat([self.tail_k[:, :, :tail], rest_k], dim=2)  # (B, Hkv, tail + rest, D)
-        held_v = torch.cat([self.tail_v[:, :, :tail], rest_v], dim=2)
-        over = held_k.shape[2] - self.residual
-        count = (over // self.group) * self.group if over >= self.group else 0  # whole groups leave the window
         if count:
+            held_k = torch.cat([self.tail_k[:, :, :tail], rest_k], dim=2)  # (B, Hkv, tail + rest, D)
+            held_v = torch.cat([self.tail_v[:, :, :tail], rest_v], dim=2)
             self._store(held_k[:, :, :count].detach(), held_v[:, :, :count].detach())
-        kept = held_k.shape[2] - count
-        self.tail_k[:, :, :kept] = held_k[:, :, count:]
-        self.tail_v[:, :, :kept] = held_v[:, :, count:]
+            kept = held_k.shape[2] - count
+            self.tail_k[:, :, :kept] = held_k[:, :, count:]
+            self.tail_v[:, :, :kept] = held_v[:, :, count:]
+        elif rest:  # the window has room (tail + rest < residual + group): written in place
+            self.tail_k[:, :, tail : tail + rest] = rest_k
+            self.tail_v[:, :, tail : tail + rest] = rest_v
         self._length += new
         return CacheRead(None, None, expected, blocks=_QuantizedBlocks(self))
 
@@ -317,12 +322,12 @@ class QuantizedKVCache(KVCache):
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        self._length, self._quantized, originals, copies = self._undo
+        self._length, self._quantized, originals, saved = self._undo
         if originals is not None:
             self.sink_k, self.sink_v, self.tail_k, self.tail_v = originals
-        else:
-            for buffer, saved in zip((self.sink_k, self.sink_v, self.tail_k, self.tail_v), copies):
-                buffer.copy_(saved)
+        elif saved is not None:  # a store moved the tail's tokens
+            self.tail_k[:, :, : saved[0].shape[2]] = saved[0]
+            self.tail_v[:, :, : saved[1].shape[2]] = saved[1]
         self._undo = None
 
     def crop(self, length: int | Tensor) -> None:
