@@ -7,7 +7,7 @@ import torch
 
 from multihead import capture_attention
 from multihead.apps.demo import _decode_with_cache
-from multihead.caches import DynamicKVCache
+from multihead.caches import DynamicKVCache, QuantizedKVCache
 from multihead.models import CausalDecoder, DecoderConfig, RecallTask
 from multihead.models.decoder import DecoderCache
 from multihead.models.recall import IGNORE_INDEX
@@ -142,3 +142,32 @@ def test_demo_decoder_stitches_cached_weights_into_the_full_matrix():
     with torch.no_grad(), capture_attention(model) as cap:
         model(decoded.unsqueeze(0))
     torch.testing.assert_close(weights, torch.stack([w[0] for w in cap.weights]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_model_cache_is_exact_within_its_window_and_close_beyond(kind):
+    """``new_cache("int8" | "fp8")``: a QuantizedKVCache per layer. Tokens in the sinks and the
+    residual window are kept in full precision, so a short sequence decodes exactly; a long one
+    stays within the 8-bit format's error of the full forward."""
+    torch.manual_seed(0)
+    model = CausalDecoder(DecoderConfig(vocab_size=29, max_len=200, d_model=32, num_layers=2, num_heads=4)).eval()
+    ids = torch.randint(29, (2, 170))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(kind, batch_size=2)
+        assert all(isinstance(layer, QuantizedKVCache) and layer.format == kind for layer in cache.layers)
+        parts = [model(ids[:, :40], cache)] + [model(ids[:, t : t + 1], cache) for t in range(40, 170)]
+    got = torch.cat(parts, dim=1)
+    torch.testing.assert_close(got[:, :90], full[:, :90], rtol=1e-5, atol=1e-5)  # nothing quantized yet
+    assert cache.layers[0]._quantized > 0  # the later steps read 8-bit slots
+    error = (got - full).abs().max() / full.abs().max()
+    assert error < (0.02 if kind == "int8" else 0.1), error
+    assert (got.argmax(-1) == full.argmax(-1)).float().mean() > 0.95
+
+
+def test_new_cache_refuses_an_unknown_kind():
+    model = CausalDecoder(DecoderConfig(vocab_size=5, max_len=8, d_model=8, num_layers=1, num_heads=2))
+    with pytest.raises(
+        ValueError, match=r"new_cache: kind must be 'dynamic', 'static', 'sliding', 'int8' or 'fp8', got 'int4'"
+    ):
+        model.new_cache("int4")

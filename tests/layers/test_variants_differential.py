@@ -218,6 +218,12 @@ BAD = [
     (lambda: mh.DifferentialAttention(E, 6, depth=0), ValueError, r"depth must be the layer's index from 1.*0"),
     (lambda: mh.DifferentialAttention(E, 6, depth=True), ValueError, r"depth must be"),
     (lambda: mh.DifferentialAttention(E, 6, lambda_init=float("nan")), ValueError, r"lambda_init must be a finite"),
+    (lambda: mh.DifferentialAttention(E, 6, lambda_init=1.0), ValueError, r"lambda_init must be in \[0, 1\).*got 1\.0"),
+    (
+        lambda: mh.DifferentialAttention(E, 6, lambda_init=-0.1),
+        ValueError,
+        r"lambda_init must be in \[0, 1\).*got -0\.1",
+    ),
     (lambda: mh.DifferentialAttention(E, 6, norm_eps=0), ValueError, r"norm_eps must be a positive finite .*, got 0"),
     (
         lambda: mh.DifferentialAttention(E, 6, norm_eps=float("inf")),

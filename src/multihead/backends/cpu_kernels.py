@@ -34,7 +34,7 @@ from .native_build import FLAGS, compile_library
 __all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", "build"]
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
-ONE_THREAD_WORK = 1 << 20  # multiply-adds below which a call runs on the calling thread alone (~0.05 ms)
+ONE_THREAD_WORK = 1 << 20  # multiply-adds below which a call runs on the calling thread alone
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

@@ -232,4 +232,8 @@ def _lambda_init(layer: str, depth: int, value: object) -> float:
         return lambda_init(depth)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{layer}: lambda_init must be a finite number (or None: from depth), got {value!r}")
+    if not 0 <= value < 1:  # the heads are scaled by 1 - λ_init: 0 erases the output, below 0 flips it
+        raise ValueError(
+            f"{layer}: lambda_init must be in [0, 1) (the heads are scaled by 1 - lambda_init), got {value!r}"
+        )
     return float(value)

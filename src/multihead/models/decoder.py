@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.caches import DynamicKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.caches import DynamicKVCache, KVCache, QuantizedKVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.layers import MultiHeadAttention
 from multihead.masks import sliding_window
 
@@ -145,8 +145,10 @@ class CausalDecoder(nn.Module):
         """An empty cache for :meth:`forward`, one per layer: ``kind="dynamic"``
         (:class:`~multihead.caches.DynamicKVCache`), ``"static"`` (a
         :class:`~multihead.caches.StaticKVCache` of ``batch_size`` rows and ``max_len`` slots,
-        default the model's ``max_len``) or ``"sliding"`` (a
-        :class:`~multihead.caches.SlidingWindowKVCache` of the config's ``window``)."""
+        default the model's ``max_len``), ``"sliding"`` (a
+        :class:`~multihead.caches.SlidingWindowKVCache` of the config's ``window``) or ``"int8"`` /
+        ``"fp8"`` (a :class:`~multihead.caches.QuantizedKVCache` of ``max_len`` slots in that format,
+        its defaults for the full-precision sinks and residual window)."""
         c = self.config
         Hkv = c.num_kv_heads or c.num_heads
         D = c.d_model // c.num_heads
@@ -169,8 +171,14 @@ class CausalDecoder(nn.Module):
                 SlidingWindowKVCache(c.window, batch_size, Hkv, D, dtype=param.dtype, device=param.device)
                 for _ in self.blocks
             ]
+        elif kind in ("int8", "fp8"):
+            slots = c.max_len if max_len is None else max_len
+            layers = [
+                QuantizedKVCache(batch_size, slots, Hkv, D, format=kind, dtype=param.dtype, device=param.device)
+                for _ in self.blocks
+            ]
         else:
-            raise ValueError(f"new_cache: kind must be 'dynamic', 'static' or 'sliding', got {kind!r}")
+            raise ValueError(f"new_cache: kind must be 'dynamic', 'static', 'sliding', 'int8' or 'fp8', got {kind!r}")
         return DecoderCache(layers)
 
     def forward(self, ids: Tensor, cache: DecoderCache | None = None) -> Tensor:
