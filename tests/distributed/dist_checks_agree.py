@@ -143,6 +143,21 @@ for _method in FUNCTIONS:
     )
 
 
+# ------------------------------------------------------------------------------------ return_lse
+# A rank that asks for the LSE runs one more exchange in hybrid_attention (the LSE back to the
+# sequence): the ranks must agree on it before anything moves.
+for _method in FUNCTIONS:
+
+    @check(f"agree-{_method}-return-lse-differs")
+    def _return_lse_differs(rank, world, method=_method):
+        fn = FUNCTIONS[method]
+        refused(
+            lambda: fn(*_shards(2, 24, world, Hq=4, Hkv=2), mask=masks.causal(), return_lse=rank == 1),
+            r"ranks disagree on return_lse: rank 1 has True but rank 0 has False",
+        )
+        compare_fp64(fn, mask_kind="causal", layout="zigzag")  # the world still works
+
+
 # Last: before the fix the ring hung here (rank 1 waiting for keys rank 0 never sent), which
 # breaks the world for any check after it.
 for _method in ("ulysses", "ring"):

@@ -100,6 +100,10 @@ def _bad_input(rank, world):
         mask = make_mask("causal" if rank == world - 1 else "causal_top_left", 1, 24, 24)
         with pytest.raises(ValueError, match=r"hybrid_attention: ranks disagree on mask"):
             hybrid_attention(q, q[:, :U], q[:, :U], mesh=mesh, mask=mask)
+        # the LSE is sent back to the sequence by one more exchange: a rank that asks for it alone
+        # would wait for the others
+        with pytest.raises(ValueError, match=r"hybrid_attention: ranks disagree on return_lse"):
+            hybrid_attention(q, q[:, :U], q[:, :U], mesh=mesh, return_lse=rank == 0)
         if U > 1:
             with pytest.raises(ValueError, match=rf"Hq={U + 1} query heads do not split over the {U} ranks of a"):
                 hybrid_attention(q[:, :1].expand(1, U + 1, S, 8), q[:, :1], q[:, :1], mesh=mesh)

@@ -147,7 +147,7 @@ def hybrid_attention(
         scale=scale,
         return_lse=return_lse,
         backend=backend,
-        agreed={"mesh": (R, U)},
+        agreed={"mesh": (R, U), "return_lse": return_lse},  # a rank asking for the LSE runs one more exchange
     )
     shards, mask, mod, scale = checked.shards, checked.mask, checked.score_mod, checked.scale
 
