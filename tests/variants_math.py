@@ -120,7 +120,7 @@ def published_nsa(params, x, *, Hq, Hkv, D, l, d, ls, n, w, positions=None):
     return linear(heads, params, "out_proj")
 
 
-def published_topk_of(layer, params, x, rope=True):
+def published_topk_of(layer, params, x, rope=True, visible=None):
     """:func:`published_topk` with a ``TopKIndexerAttention``'s sizes (``rope``: positions
     ``0 .. L-1`` rotated, as the layer with a rotary embedding does)."""
     return published_topk(
@@ -133,13 +133,15 @@ def published_topk_of(layer, params, x, rope=True):
         HI=layer.index_heads,
         dI=layer.index_dim,
         positions=torch.arange(x.shape[1]) if rope else None,
+        visible=visible,
     )
 
 
-def published_topk(params, x, *, Hq, Hkv, D, top_k, HI, dI, positions=None):
+def published_topk(params, x, *, Hq, Hkv, D, top_k, HI, dI, positions=None, visible=None):
     """DSA's sparse attention (DeepSeek-V3.2) from the equations, one query token at a time:
     ``I(t, s) = Σ_j w_tj · ReLU(q_I,tj · k_I,s)`` over ``s <= t``, the ``top_k`` keys by ``I``
-    (ties: the lower position), every head's softmax over them. Returns ``(y, weights, chosen)``:
+    (ties: the lower position), every head's softmax over them; ``visible (B, L, L)`` bool: only
+    the keys it allows are candidates (a query with none gives 0). Returns ``(y, weights, chosen)``:
     ``(B, L, E)``, ``(B, Hq, L, L)`` and the chosen sets ``[b][t]``."""
     B, L, _ = x.shape
     q = linear(x, params, "q_proj").unflatten(-1, (Hq, D)).transpose(1, 2)  # (B, Hq, L, D)
@@ -157,10 +159,14 @@ def published_topk(params, x, *, Hq, Hkv, D, top_k, HI, dI, positions=None):
         chosen_b = []
         for t in range(L):
             score = {
-                s: float(sum(wi[b, t, j] * torch.relu(qi[b, t, j] @ ki[b, s]) for j in range(HI))) for s in range(t + 1)
+                s: float(sum(wi[b, t, j] * torch.relu(qi[b, t, j] @ ki[b, s]) for j in range(HI)))
+                for s in range(t + 1)
+                if visible is None or bool(visible[b, t, s])
             }
             chosen = sorted(sorted(score, key=lambda s: (-score[s], s))[:top_k])
             chosen_b.append(chosen)
+            if not chosen:
+                continue
             for h in range(Hq):
                 g = h // (Hq // Hkv)
                 p = torch.softmax(k[b, g, chosen] @ q[b, h, t] / math.sqrt(D), dim=0)

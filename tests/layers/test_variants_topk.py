@@ -70,6 +70,45 @@ def test_equals_the_equations_forward_weights_and_gradients(heads, L, top_k, rop
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
 
 
+def _masks(B, L):
+    """Masks a batch brings, with the keys each query may see ``(B, L, L)``: right padding, documents,
+    and a bool tensor with a row that sees nothing."""
+    lengths = torch.tensor([L, L - 6])
+    padding = torch.arange(L)[None, None, :] < lengths[:, None, None]
+    ids = torch.tensor([0] * 5 + [1] * (L - 5))
+    documents = (ids[:, None] == ids[None, :]).expand(B, L, L)
+    table = torch.rand(B, 1, L, L, generator=torch.Generator().manual_seed(3)) < 0.6
+    table[1, 0, 9] = False  # a query that sees no key
+    return [
+        ("padding", mh.key_padding(lengths), padding.expand(B, L, L)),
+        ("documents", mh.document(ids), documents),
+        ("bool", table, table[:, 0]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(3), ids=["padding", "documents", "bool"])
+def test_a_mask_is_joined_before_the_choice(case):
+    """``mask=`` (the same for every head): the indexer chooses among the keys it allows, so each
+    query reads its ``top_k`` best visible keys; a query that sees none gives 0. Against the
+    equations with the candidates restricted, outputs, weights and gradients; GQA."""
+    B, L = 2, 17
+    layer = _layer(4, 2, top_k=4)
+    _, mask, visible = _masks(B, L)[case]
+    x = _x(B, L).requires_grad_()
+    y, w = layer(x, mask=mask, need_weights=True)
+    xr = x.detach().clone().requires_grad_()
+    params = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
+    want, want_w, chosen = published_topk_of(layer, params, xr, False, visible=visible)
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(w, want_w)
+    assert torch.equal(layer(x, mask=mask), y)  # the plain path (keys read a chunk at a time) too
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = torch.autograd.grad((y * g).sum(), [x, layer.q_proj.weight, layer.v_proj.weight])
+    ref = torch.autograd.grad((want * g).sum(), [xr, params["q_proj.weight"], params["v_proj.weight"]])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
 def test_the_indexer_loss_is_the_kl_to_the_main_attention_and_trains_the_indexer_only():
     layer = _layer(4, 2, 5, rope=True)
     x = _x(2, 13)
@@ -157,7 +196,8 @@ def test_the_selection_runs_gathered():
         ({"top_k": 0}, None, ValueError, "top_k must be a positive int"),
         ({"index_heads": 1.5}, None, ValueError, "index_heads must be a positive int"),
         ({"causal": False}, None, ValueError, "causal must be True"),
-        ({}, {"mask": mh.masks.causal()}, TypeError, "mask= is not supported"),
+        ({}, {"score_mod": mh.scores.softcap(30.0)}, TypeError, "score_mod= is not supported"),
+        ({}, {"mask": torch.rand(1, 4, 5, 5) < 0.5}, ValueError, "the mask differs between heads"),
         ({}, {"kv_cache": mh.StaticKVCache(1, 8, 2, 12)}, TypeError, "kv_cache must be a DynamicKVCache"),
     ],
 )
@@ -165,3 +205,17 @@ def test_bad_arguments(kwargs, call, error, message):
     with pytest.raises(error, match=message):
         layer = mh.TopKIndexerAttention(E, 4, **{"num_kv_heads": 2, **kwargs})
         layer(torch.randn(1, 5, E), **(call or {}))
+
+
+@pytest.mark.parametrize("case", range(2), ids=["padding", "documents"])
+def test_a_masked_prefill_and_decode_steps_equal_the_masked_full_forward(case):
+    B, L = 2, 17
+    layer = _layer(4, 2, top_k=4)
+    _, mask, _ = _masks(B, L)[case]  # mask objects at absolute positions: the same one for every step
+    x = _x(B, L)
+    with torch.no_grad():
+        full = layer(x, mask=mask)
+        cache = mh.DynamicKVCache()
+        parts = [layer(x[:, :9], mask=mask, kv_cache=cache)]
+        parts += [layer(x[:, t : t + 1], mask=mask, kv_cache=cache) for t in range(9, L)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full)

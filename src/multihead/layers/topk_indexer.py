@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import attention
+from multihead.blocks import Block, Extent
 from multihead.caches import DynamicKVCache
 from multihead.call import AttentionResult
 from multihead.explain import Explanation, explain
@@ -66,9 +67,11 @@ class TopKIndexerAttention(MultiHeadAttention):
             (``rope``, ``backend``, ...); ``causal`` is always ``True``; not ``attend`` or
             ``context_parallel``.
 
-    ``forward(x, *, positions=None, kv_cache=None, need_weights=False)``: self-attention, causal,
-    ``kv_cache`` a :class:`~multihead.caches.DynamicKVCache`; ``need_weights`` gives the
-    probabilities over every key (zero outside the selected ones). No ``mask=``.
+    ``forward(x, *, mask=None, positions=None, kv_cache=None, need_weights=False)``: self-attention,
+    causal, ``kv_cache`` a :class:`~multihead.caches.DynamicKVCache`; ``need_weights`` gives the
+    probabilities over every key (zero outside the selected ones). ``mask`` (padding, documents,
+    windows: the same for every head) is joined to the causal one before the choice: the indexer
+    never picks a key the mask blocks, so each query reads its ``top_k`` best visible keys.
     """
 
     def __init__(
@@ -102,7 +105,7 @@ class TopKIndexerAttention(MultiHeadAttention):
     def forward(self, query: Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> Any:
         layer = type(self).__name__
         check_position_cache(layer, kv_cache, "its slots are positions")
-        check_self_attention(layer, args, kwargs, "the selection is causal by construction")
+        check_self_attention(layer, args, {**kwargs, "mask": None}, "the selection is causal by construction")
         self._cache = kv_cache
         try:
             return super().forward(query, kv_cache=kv_cache, **kwargs)
@@ -162,10 +165,10 @@ class IndexerCore:
         if plain and not options.get("return_weights") and not torch.compiler.is_compiling():
             # the queries a chunk at a time against the keys they chose together (token_selection.py):
             # no copy of each query's top_k keys
-            return token_selected_attention(q, k, v, self.choose(Lq, Lk), **options)
+            return token_selected_attention(q, k, v, self.choose(Lq, Lk, mask), **options)
         # weights, a named backend or a score modifier (positions are those of the whole call):
         # the block_select mask, every key copied beside its query
-        result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(Lq, Lk), **options)
+        result: Tensor | AttentionResult = attention(q, k, v, mask=self.mask(Lq, Lk, mask), **options)
         return result
 
     def explain(
@@ -175,10 +178,11 @@ class IndexerCore:
         (backend, path, density): what a call with weights or a named backend runs; a plain call
         runs :func:`~multihead.layers.token_selection.token_selected_attention` instead (query
         chunks, each one :func:`multihead.attention` call with a boolean mask over its keys)."""
-        return explain(q, k, v, mask=self.mask(q.shape[2], k.shape[2]), **options)
+        return explain(q, k, v, mask=self.mask(q.shape[2], k.shape[2], mask), **options)
 
-    def choose(self, Lq: int, Lk: int) -> Tensor:
-        """``(B, 1, Lq, top_k)`` int64: each query's keys, best first, ``-1`` for none."""
+    def choose(self, Lq: int, Lk: int, mask: Mask | None = None) -> Tensor:
+        """``(B, 1, Lq, top_k)`` int64: each query's keys, best first, ``-1`` for none. ``mask``
+        (the call's, causal included): keys it blocks are never chosen."""
         layer = self.layer
         n = min(layer.top_k, Lk)
         with torch.no_grad():  # the choice is not differentiated
@@ -193,12 +197,28 @@ class IndexerCore:
                 scores = layer.index_scores(self.x[:, c0:c1], keys[:, :r]).float()  # (B, C, r)
                 pos = torch.arange(c0, c1, device=scores.device)[:, None] + (Lk - Lq)
                 scores = scores.masked_fill(torch.arange(r, device=scores.device) > pos, float("-inf"))
-                best = best_first(scores, n)  # (B, C, min(n, r)), ties to the lower position
+                if mask is not None:
+                    scores = scores.masked_fill(~self._visible(mask, keys.shape[0], Lq, Lk, c0, c1, r), float("-inf"))
+                best = best_first(scores, n)  # (B, C, min(n, r)), ties to the lower position, -1 past the visible
                 chosen[:, 0, c0:c1, : best.shape[-1]] = best
             return chosen
 
-    def mask(self, Lq: int, Lk: int) -> Mask:
-        return block_select(self.choose(Lq, Lk), 1, query_block_size=1) & causal()
+    def mask(self, Lq: int, Lk: int, mask: Mask | None = None) -> Mask:
+        select = block_select(self.choose(Lq, Lk, mask), 1, query_block_size=1)
+        return select & causal() if mask is None else select & mask
+
+    def _visible(self, mask: Mask, B: int, Lq: int, Lk: int, c0: int, c1: int, r: int) -> Tensor:
+        """``(B|1, C, r)`` bool: which of the first ``r`` keys the queries ``[c0, c1)`` may see; one
+        choice serves every head, so a mask that differs between heads is refused."""
+        Hq = self.layer.num_heads
+        visible = mask.materialize_block(Extent(B, Hq, Lq, Lk), Block(c0, c1, 0, r), self.x.device)
+        if visible.shape[1] > 1 and not bool((visible == visible[:, :1]).all()):
+            raise ValueError(
+                f"{type(self.layer).__name__}: the mask differs between heads, but the indexer chooses "
+                f"one set of keys per query for every head; expected a mask the same for every head "
+                f"(padding, documents, windows)"
+            )
+        return visible[:, 0]
 
     def _keys(self, Lq: int, Lk: int) -> Tensor:
         """Indexer keys ``(B, Lk, d_I)``: with a cache, those of the cached tokens from its record
