@@ -49,7 +49,7 @@ from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
 from multihead.layers.token_selection import token_selected_attention
-from multihead.masks import Mask, block_select, causal
+from multihead.masks import Mask, as_mask, block_select, causal
 
 __all__ = ["TopKIndexerAttention", "IndexerCore"]
 
@@ -158,7 +158,7 @@ class IndexerCore:
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, **options: Any
     ) -> Tensor | AttentionResult:
-        Lq, Lk = q.shape[2], k.shape[2]
+        Lq, Lk, mask = q.shape[2], k.shape[2], as_mask(mask)
         plain = options.get("backend", "auto") == "auto" and options.get("score_mod") is None
         # under torch.compile the mask (its one graph break is where block_select reads its table):
         # the chunks decide on the host per chunk
@@ -178,7 +178,7 @@ class IndexerCore:
         (backend, path, density): what a call with weights or a named backend runs; a plain call
         runs :func:`~multihead.layers.token_selection.token_selected_attention` instead (query
         chunks, each one :func:`multihead.attention` call with a boolean mask over its keys)."""
-        return explain(q, k, v, mask=self.mask(q.shape[2], k.shape[2], mask), **options)
+        return explain(q, k, v, mask=self.mask(q.shape[2], k.shape[2], as_mask(mask)), **options)
 
     def choose(self, Lq: int, Lk: int, mask: Mask | None = None) -> Tensor:
         """``(B, 1, Lq, top_k)`` int64: each query's keys, best first, ``-1`` for none. ``mask``
