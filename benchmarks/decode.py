@@ -262,6 +262,9 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--caches", action="store_true", help="only the cache comparisons (paged, ring, int8)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the paged caches (--caches)")
+    parser.add_argument(
+        "--lengths", default="4096,32768", help="comma-separated cache lengths of --caches (default 4096,32768)"
+    )
     args = parser.parse_args(argv)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     cases = (
@@ -289,14 +292,15 @@ def main(argv=None) -> list[dict]:
     rows = []
     if args.caches:
         for dtype in dtypes:
-            for Lk in (4096, 32768):
+            for Lk in (int(n) for n in args.lengths.split(",")):
                 row = run_caches(Lk, dtype, read_buffer, rounds, min_run_time, args.page_size)
                 rows.append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         print(f"after: {machine_state()}")
         print_table("Decode step through each cache (B=1, one new token): ms and ratios", rows)
         page = "" if args.page_size == 16 else f"_page{args.page_size}"
-        write_csv("decode_caches" + page + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
+        lengths = "" if args.lengths == "4096,32768" else "_" + args.lengths.replace(",", "_")
+        write_csv("decode_caches" + page + lengths + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
         return rows
     for dtype in dtypes:
         for B, Lk in cases:
