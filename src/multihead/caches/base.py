@@ -200,8 +200,10 @@ class CacheRead:
         """
         if isinstance(mask, Mask):  # a token tree's nodes are this call's new tokens, whatever the slots
             mask = at_new_tokens(mask, self.query_positions)
-        # the held positions of a one-token read: its query at held[-1], read on the host
-        held = self.held if self.held and self.query_positions.shape[-1] == 1 else None
+        # the held positions of a one-token read: its query at held[-1], read on the host (eager:
+        # a traced step keeps one graph, with the row mask evaluated in it)
+        one = self.query_positions.shape[-1] == 1 and not torch.compiler.is_compiling()
+        held = self.held if self.held and one else None
         if self.window is not None:  # a ring: refuse a mask reaching keys it no longer holds
             queries = self.query_positions if held is None else [held[-1]]
             check_reach("CacheRead.mask", mask, causal, self.window, queries)

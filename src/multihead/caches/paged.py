@@ -11,15 +11,19 @@ table*, the list of its pages in order: token ``t`` of row ``b`` lives in page
                                         free:  [1, 3, 4]
 
 An update claims pages from the free list as rows cross a page boundary, then writes every row's
-new tokens with one scatter into the pool. :meth:`release` gives a finished row's pages back (the
-row may then start a new sequence). A decode step reads a row's pages through the block table
-(``CacheRead.blocks``, :mod:`multihead.caches.paged_blocks`) in pool order: a view of the pool
-for each run of pages consecutive there, whatever their order in the table, and a copy that stays
-in cache for the pages in short runs, never a gather of the whole cache. The pool is head-major,
-``(Hkv, num_pages, page_size, D)``, so that consecutive pages of a head are one strided run. Other
-calls (a prefill, weights, autograd) read ``CacheRead.keys``: every row's pages gathered into
-``(B, Hkv, pages·page_size, D)``. Slots past a row's length are hidden by the mask
-(:meth:`CacheRead.mask`). Running out of pages raises before anything is claimed or written.
+new tokens into the pool: a decode step's few tokens as slices (page and offset known on the host),
+more as one scatter. :meth:`release` gives a finished row's pages back (the row may then start a
+new sequence). A decode step reads a row's pages through the block table (``CacheRead.blocks``,
+:mod:`multihead.caches.paged_blocks`) in pool order: a view of the pool for each run of pages
+consecutive there, whatever their order in the table, and a copy that stays in cache for the pages
+in short runs, never a gather of the whole cache. The pool is head-major, ``(Hkv, num_pages,
+page_size, D)``, so that consecutive pages of a head are one strided run. Other calls (a prefill,
+weights, autograd) read ``CacheRead.keys``: every row's pages gathered into ``(B, Hkv, S, D)``.
+Rows of one length read their filled slots, in order (a contiguous read, as a static cache gives:
+the causal rule is ``causal()``, no mask tensor); rows of several lengths read every slot of the
+longest table, the slots past a row's length hidden by the mask (:meth:`CacheRead.mask`). Running
+out of pages raises before anything is claimed or written; :meth:`rollback` undoes an update from
+a record of what it changed (its pages go back to the free list in the order they left it).
 """
 
 from __future__ import annotations

@@ -10,9 +10,12 @@ its token's position and the mask (:meth:`CacheRead.mask`) reads them::
                                            holds p6 p4 p5
 
 A one-token step writes its token first and attends over the ring (its oldest slot, the one
-overwritten, was out of its window). A step of several tokens (chunked prefill, speculative
-verification) attends over the ring *and* its own tokens, then keeps the newest ones; its first
-query still finds its ``window`` predecessors.
+overwritten, was out of its window). The ring knows on the host which positions it holds, so such a
+read names them (``CacheRead.held``): once the ring is full and the call's mask shows the query
+every one of them (``sliding_window(window)`` itself, with ``extra=0``), the read needs no mask at
+all, and the slots' positions are not evaluated into a row mask on every step. A step of several
+tokens (chunked prefill, speculative verification) attends over the ring *and* its own tokens, then
+keeps the newest ones; its first query still finds its ``window`` predecessors.
 
 The ring holds what ``sliding_window(window)`` can see and nothing older, so the mask of a call
 must not reach further back: ``sliding_window(w)`` with ``w <= window`` (alone or combined with
