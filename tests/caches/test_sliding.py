@@ -1,8 +1,8 @@
 """``SlidingWindowKVCache``'s one-token step: a full ring whose window covers every slot is read
 with no mask at all (``CacheRead.mask`` gives ``None``, decided on the host from ``CacheRead.held``)
-and equals the fp64 attention over the whole sequence; every other read keeps its row mask and
-gives the same result as before; the host record of the positions held follows every update,
-rollback, crop, reorder and reset."""
+and equals the fp64 attention over the whole sequence; every other read keeps its row mask (from
+two comparisons where the host can decide it) and gives the same result as before; the host
+record of the positions held follows every update, rollback, crop, reorder and reset."""
 
 from __future__ import annotations
 
@@ -67,8 +67,10 @@ def test_a_full_ring_step_reads_no_mask_and_equals_the_whole_sequence(window, ex
                 assert isinstance(over_slots, torch.Tensor), (name, t)
             got = mh.attention(q, read.keys, read.values, mask=over_slots)
             # the same read with its positions evaluated into a row mask (the path before)
-            slow = read.mask(mask, True, HQ) if read.held is None else _without_held(read).mask(mask, True, HQ)
+            slow = _without_held(read).mask(mask, True, HQ)
             assert isinstance(slow, torch.Tensor)
+            if over_slots is not None:  # from the host or evaluated: the same row mask
+                assert torch.equal(over_slots.expand_as(slow), slow), (name, t)
             before = mh.attention(q, read.keys, read.values, mask=slow)
             ref = refs[name][:, :, t : t + 1]
             what = f"t={t} {name} window={window} extra={extra} {dtype}"

@@ -108,8 +108,9 @@ class CacheRead:
     over the slots is then ``causal()`` itself, and the read gives that object (fast paths).
     ``held``: a ``range`` of host ints, for a read of one new token at position ``held[-1]``: the
     slots hold exactly these positions, each in one slot (any order), every row alike, the other
-    slots empty (``key_positions`` says which slot holds which). A full ring sets it, so that
-    :meth:`mask` can see on the host that the query sees every slot and give no mask at all.
+    slots empty (``key_positions`` says which slot holds which). A ring sets it, so that
+    :meth:`mask` can decide on the host which of them the query sees: every slot (a full ring
+    under its window) needs no mask at all, a range of positions two comparisons.
     """
 
     __slots__ = (
@@ -196,7 +197,9 @@ class CacheRead:
         keeps mask objects (fast paths see ``causal()``); other reads give a bool tensor
         ``(B|1, heads|1, Lq, S)``, small for the decode steps such caches serve, or ``None`` where
         the read's :attr:`held` positions show on the host that its query sees every slot (a full
-        ring under its window). ``heads`` is ``Hq``, for masks that differ per head.
+        ring under its window; a ring that is not full, or keeps ``extra`` slots, gets its row mask
+        from two comparisons of the slots' positions). ``heads`` is ``Hq``, for masks that differ
+        per head.
         """
         if isinstance(mask, Mask):  # a token tree's nodes are this call's new tokens, whatever the slots
             mask = at_new_tokens(mask, self.query_positions)
@@ -226,8 +229,10 @@ class CacheRead:
                     f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
                     f"position {reach}; build it over the whole sequence"
                 )
-        if held is not None and self._sees_every_slot(mask, held, whole, heads):
-            return None  # (causal too: every slot holds a position up to the query's)
+        if held is not None:  # (causal or not: every slot holds a position up to the query's)
+            decided, visible = self._on_host(mask, held, whole, heads)
+            if decided:
+                return visible
         if self.contiguous:
             if isinstance(mask, Mask) and (S > Lq or whole != S):
                 # the sequence's square, at the new tokens (the last Lq slots)
@@ -254,21 +259,29 @@ class CacheRead:
             allowed = allowed & (mask if mask.dtype == torch.bool else mask != float("-inf"))
         return allowed
 
-    def _sees_every_slot(self, mask: Mask | Tensor | None, held: range, whole: int, heads: int) -> bool:
-        """Whether the one query of a read with :attr:`held` positions sees every slot, decided on
-        the host: no slot is empty, the window reaches the oldest position held, and ``mask`` (a
-        mask object at positions, or none) shows its whole block of held positions (the mask's own
-        ``block_state``, as the backends ask it). A tensor part is over the slots: evaluated."""
-        if len(held) != self.slots or (mask is not None and (not isinstance(mask, Mask) or _call_frame(mask))):
-            return False
+    def _on_host(self, mask: Mask | Tensor | None, held: range, whole: int, heads: int) -> tuple[bool, Tensor | None]:
+        """The mask of the one query of a read with :attr:`held` positions, decided on the host
+        where it can be: the query sees the positions from its window's start (or the oldest held)
+        to its own when ``mask`` (an object at positions, or none) shows all of them, as its own
+        ``block_state`` says (what the backends ask it). Then ``(True, None)`` when that is every
+        slot, else ``(True, visible)``, the row mask ``(1, 1, 1, S)`` from two comparisons of the
+        slots' positions. ``(False, None)``: evaluate the mask (a tensor part is over the slots;
+        a mask that hides part of the range)."""
+        if mask is not None and (not isinstance(mask, Mask) or _call_frame(mask)):
+            return False, None
         p = held[-1]  # the query's position
-        if self.window is not None and held.start < p - self.window:
-            return False
-        if mask is None:
-            return True
-        n = max(whole, p + 1)  # the square of the whole sequence the mask is read on
-        state = mask.block_state(Extent(self.batch, heads, n, n), Block(p, p + 1, held.start, held.stop))
-        return state is BlockState.FULL
+        lo = held.start if self.window is None else max(held.start, p - self.window)
+        if mask is not None:
+            n = max(whole, p + 1)  # the square of the whole sequence the mask is read on
+            state = mask.block_state(Extent(self.batch, heads, n, n), Block(p, p + 1, lo, p + 1))
+            if state is not BlockState.FULL:
+                return False, None
+        if lo == held.start and len(held) == self.slots:  # every slot holds one of them
+            return True, None
+        kp = self.key_positions
+        if kp is None or kp.dim() != 1:
+            return False, None
+        return True, ((kp >= lo) & (kp <= p)).view(1, 1, 1, -1)  # an empty slot's position is past p
 
     def _mask_per_kv_head(self, mask: Mask | Tensor | None, causal: bool, heads: int) -> Tensor:
         """:meth:`mask` of a read whose KV heads keep their own tokens (``key_positions (B, Hkv,
