@@ -27,7 +27,9 @@ others being other rows'; and the gather of every page that the read did before)
 as before them; fp8 at 4k) against the contiguous bf16 step (``decode_caches.csv``).
 
 Every call is timed in interleaved rounds keeping its fastest (:func:`common.fastest_ms`): on a
-shared machine other processes only ever add time. Threads: the suite's (``BENCH_THREADS=1`` for
+shared machine other processes only ever add time. With one thread, the cache ratios are also
+taken from this process's CPU time (:func:`common.cpu_ms`, columns ``cpu: ...``), which the
+scheduler's time given to other processes does not inflate. Threads: the suite's (``BENCH_THREADS=1`` for
 one; that run writes ``decode_1threads.csv``): with two, a parallel region waits for a thread the
 scheduler took away, which on a loaded 2-core machine turns milliseconds into tens of them. The K/V
 of the short caches fit in the
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 from common import (
     THREADS,
     context,
+    cpu_ms,
     fastest_ms,
     last_level_cache_bytes,
     machine_state,
@@ -246,6 +249,18 @@ def run_caches(
     row["paged shared / contiguous"] = best["paged shared"] / best["contiguous"]
     row["paged gather / contiguous"] = best["paged gather"] / best["contiguous"]
     row["ring / contiguous window"] = best["ring"] / best["contiguous window"]
+    if THREADS == 1:  # this process's CPU time too: other engineers' load moves it less than the wall clock
+        pairs = {
+            "paged run": "contiguous",
+            "paged fragmented": "contiguous",
+            "paged shared": "contiguous",
+            "ring": "contiguous window",
+        }
+        with torch.no_grad():
+            calls = max(1, round(min_run_time * 1e3 / best["contiguous"]))
+            cpu = cpu_ms({name: fns[name] for name in {*pairs, *pairs.values()}}, rounds=rounds, calls=calls)
+        for name, base in pairs.items():
+            row[f"cpu: {name} / {base}"] = cpu[name] / cpu[base]
     row["int8 tokens/s / contiguous"] = best["contiguous"] / best["int8"]
     row["int8 dequantized tokens/s / contiguous"] = best["contiguous"] / best["int8 dequantized"]
     if "fp8" in best:
@@ -262,6 +277,9 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--caches", action="store_true", help="only the cache comparisons (paged, ring, int8)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the paged caches (--caches)")
+    parser.add_argument(
+        "--lengths", default="4096,32768", help="comma-separated cache lengths of --caches (default 4096,32768)"
+    )
     args = parser.parse_args(argv)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     cases = (
@@ -289,14 +307,15 @@ def main(argv=None) -> list[dict]:
     rows = []
     if args.caches:
         for dtype in dtypes:
-            for Lk in (4096, 32768):
+            for Lk in (int(n) for n in args.lengths.split(",")):
                 row = run_caches(Lk, dtype, read_buffer, rounds, min_run_time, args.page_size)
                 rows.append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         print(f"after: {machine_state()}")
         print_table("Decode step through each cache (B=1, one new token): ms and ratios", rows)
         page = "" if args.page_size == 16 else f"_page{args.page_size}"
-        write_csv("decode_caches" + page + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
+        lengths = "" if args.lengths == "4096,32768" else "_" + args.lengths.replace(",", "_")
+        write_csv("decode_caches" + page + lengths + ("" if THREADS == 2 else f"_{THREADS}threads"), rows)
         return rows
     for dtype in dtypes:
         for B, Lk in cases:

@@ -191,8 +191,9 @@ def test_one_row_read_in_pool_order_equals_the_reference(seed, dtype, monkeypatc
 
 
 def _over_tokens(mask, L):
-    """A read's bool mask ``(1, 1|H, Lq, S)`` over its slots, cut to the ``L`` tokens (slot j holds token j)."""
-    return mask[..., :L]
+    """A read's bool mask ``(1, 1|H, Lq, S)`` over its slots, cut to the ``L`` tokens (slot j holds token j);
+    a contiguous read's (rows of one length: its ``S = L`` slots) is a mask object over them already."""
+    return mask[..., :L] if isinstance(mask, torch.Tensor) else mask
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -219,7 +220,9 @@ def test_tokens_outside_the_keys_read_are_never_touched(seed, monkeypatch):
     hide[..., L - tail : L] = False  # the last tokens, hidden: the keys read end before them
     mask = read.mask(mh.sliding_window(window) & hide, causal=True, heads=4 * HKV)
     want = decode_blocks(q, read.blocks, mask)
-    visible = mask[0, 0, 0, :L]
+    # a read of one row is contiguous (its L filled slots): the mask an object over them
+    dense = mask if isinstance(mask, torch.Tensor) else mask.materialize(1, 4 * HKV, 1, read.slots)
+    visible = dense[0, 0, 0, :L]
     for slot in (~visible).nonzero()[:, 0].tolist():  # poison every token the query may not see
         page, offset = cache.tables[0][slot // ps], slot % ps
         cache.key_pages[:, page, offset] = float("nan")
@@ -227,7 +230,7 @@ def test_tokens_outside_the_keys_read_are_never_touched(seed, monkeypatch):
     got = decode_blocks(q, read.blocks, mask)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    ref = mh.reference_attention(q, k, v, mask=mask[..., :L]).output
+    ref = mh.reference_attention(q, k, v, mask=dense[..., :L]).output
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 

@@ -107,11 +107,8 @@ def test_sliding_cache_keeps_the_last_window_plus_one_tokens_in_a_ring(device):
     assert cache.positions.tolist() == [6, 4, 5]  # slot p % 3
     assert torch.equal(read.keys[:, :, 0], k[:, :, 6]) and read.window == 2
     window = mh.sliding_window(2)  # the mask the ring serves (a wider one is refused)
-    assert read.mask(window, causal=True)[0, 0, 0].tolist() == [
-        True,
-        True,
-        True,
-    ]  # positions 4, 5, 6 for the query at 6
+    # positions 4, 5, 6 for the query at 6: every slot, so no mask at all (decided on the host)
+    assert read.held == range(4, 7) and read.mask(window, causal=True) is None
     chunk_k, chunk_v = _kv(4, seed=3, device=device)  # a step of 4 tokens straddling the wrap: the ring, then them
     read = cache.update(chunk_k, chunk_v)
     assert read.keys.shape[2] == 3 + 4 and read.key_positions.tolist() == [6, 4, 5, 7, 8, 9, 10]
@@ -389,7 +386,9 @@ def test_a_latent_cache_refuses_bad_positions_on_its_first_update_and_stays_empt
 
 def _visible(read, window):
     """{position: key of row 0, head 0} the query of a one-token read sees under sliding_window(window)."""
-    allowed = read.mask(mh.sliding_window(window), causal=True)[0, 0, 0]  # (S,)
+    allowed = read.mask(mh.sliding_window(window), causal=True)
+    # (S,); None: a full ring whose window reaches every slot (no mask needed)
+    allowed = torch.ones(read.keys.shape[2], dtype=torch.bool) if allowed is None else allowed[0, 0, 0]
     positions = read.key_positions.reshape(-1, read.keys.shape[2])[0]
     return {int(p): read.keys[0, 0, j] for j, p in enumerate(positions.tolist()) if allowed[j]}
 

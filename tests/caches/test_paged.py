@@ -12,6 +12,7 @@ from cache_state import everything, identical
 
 import multihead as mh
 from helpers import DEVICES
+from multihead.backends.decode_blocks import decode_blocks
 from multihead.caches import PagedKVCache
 from multihead.caches.base import EMPTY_POSITION
 
@@ -29,10 +30,16 @@ def _kv(B, L, gen, device="cpu"):
 
 
 def _check_read(read, rows: list[tuple[torch.Tensor, torch.Tensor]]):
-    """Row ``b`` of the read holds exactly ``rows[b]`` at positions 0.. and nothing visible after."""
+    """Row ``b`` of the read holds exactly ``rows[b]`` at positions 0.. and nothing visible after.
+    Rows of one length read contiguously (slot ``j`` holds position ``j``, no slot past it)."""
+    if read.contiguous:
+        assert len({k.shape[1] for k, _ in rows}) == 1, "a contiguous read of rows of several lengths"
+        assert read.slots == rows[0][0].shape[1]
     for b, (k, v) in enumerate(rows):
         n = k.shape[1]
         assert torch.equal(read.keys[b, :, :n], k) and torch.equal(read.values[b, :, :n], v), b
+        if read.contiguous:
+            continue
         positions = read.key_positions[b].cpu()
         assert positions[:n].tolist() == list(range(n)) and bool((positions[n:] == EMPTY_POSITION).all()), b
 
@@ -229,3 +236,115 @@ def test_release_refuses_rows_that_are_not_indices_and_changes_nothing(name, row
     cache.release(torch.tensor([False, False, True]).nonzero().flatten())  # the hint
     cache.release(torch.tensor(1))
     assert cache.lengths.tolist() == [5, 0, 0] and len(cache.free) == 14
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_step_writes_the_pool_as_one_scatter_would_and_rollback_restores_the_bookkeeping(seed, monkeypatch):
+    """A decode step's tokens are written through slices (page and offset known on the host) and
+    a larger update through one scatter: the two give the same pool, bit for bit, over random
+    updates of rows of several lengths. A rollback gives the pages its update claimed back to the
+    free list in the order they left it and restores the tables and lengths, whatever the pool's
+    size (the record is what the update changed, not a copy of the free list); the next read
+    equals the tokens kept."""
+    from multihead.caches import paged
+
+    rng = random.Random(seed)
+    B, ps = rng.choice([1, 2, 3, 5]), rng.choice([1, 3, 4, 16])
+    caches = []
+    for limit in (paged._SLICED_WRITES, 0):  # as it runs, and every write as one scatter
+        monkeypatch.setattr(paged, "_SLICED_WRITES", limit)
+        cache = PagedKVCache(200, ps, HKV, D, value_dim=DV, batch_size=B, dtype=torch.float64)
+        random.Random(seed).shuffle(cache.free)
+        caches.append(cache)
+    gen = torch.Generator().manual_seed(seed)
+    rows = [(torch.zeros(HKV, 0, D, dtype=torch.float64), torch.zeros(HKV, 0, DV, dtype=torch.float64))] * B
+    for step in range(25):
+        new = rng.choice([1, 1, 1, 2, 3, 7])
+        k, v = _kv(B, new, gen)
+        if step % 5 == 4:  # rows of several lengths
+            target = [rng.randint(0, n) for n in caches[0].lengths.tolist()]
+            rows = [(r[0][:, :t], r[1][:, :t]) for r, t in zip(rows, target)]
+            for cache in caches:
+                cache.crop(torch.tensor(target))
+        undone = rng.random() < 0.3
+        for limit, cache in zip((paged._SLICED_WRITES, 0), caches):
+            monkeypatch.setattr(paged, "_SLICED_WRITES", limit)
+            tables, lengths, free = [list(t) for t in cache.tables], cache.lengths.tolist(), list(cache.free)
+            read = cache.update(k, v)
+            _check_read(read, [(torch.cat([r[0], k[b]], 1), torch.cat([r[1], v[b]], 1)) for b, r in enumerate(rows)])
+            if undone:
+                cache.rollback()
+                assert cache.tables == tables and cache.lengths.tolist() == lengths and cache.free == free
+        assert torch.equal(caches[0].key_pages, caches[1].key_pages), step
+        assert torch.equal(caches[0].value_pages, caches[1].value_pages), step
+        if not undone:
+            rows = [(torch.cat([r[0], k[b]], 1), torch.cat([r[1], v[b]], 1)) for b, r in enumerate(rows)]
+    with torch.no_grad():  # the last read, through the decode path, against the fp64 reference
+        k, v = _kv(B, 1, gen)
+        read = caches[0].update(k, v)
+        q = torch.randn(B, 2 * HKV, 1, D, generator=gen, dtype=torch.float64)
+        got = mh.attention(q, read.keys, read.values, mask=read.mask(None, True, 2 * HKV))
+    for b, (kb, vb) in enumerate(rows):
+        keys, values = torch.cat([kb, k[b]], 1)[None], torch.cat([vb, v[b]], 1)[None]
+        ref = mh.reference_attention(q[b : b + 1], keys, values, mask=mh.causal()).output
+        torch.testing.assert_close(got[b : b + 1], ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_rows_of_one_length_read_their_filled_slots_in_order(B):
+    """Rows of one length ``T`` read their ``T + new`` filled slots in order, as a static cache
+    does: a contiguous read (no slot positions), ``slots(new)`` announcing it, and the causal
+    rule ``causal()`` itself (no mask tensor for a decode step); rows of several lengths read
+    every slot of the longest table with their positions. Both equal the fp64 attention over each
+    row's tokens, through the decode path, with masks over the slots that leave rows fully masked."""
+    gen = torch.Generator().manual_seed(B)
+    cache = PagedKVCache(40, 4, HKV, 16, value_dim=16, batch_size=B, dtype=torch.float64)
+    k, v = (torch.randn(B, HKV, 22, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    cache.update(k[:, :, :21], v[:, :, :21])
+    assert cache.slots(1) == 22
+    read = cache.update(k[:, :, 21:], v[:, :, 21:])
+    assert read.contiguous and read.slots == 22 and read.query_positions.tolist() == [21]
+    assert read.mask(None, True, 4 * HKV) == mh.causal()
+    q = torch.randn(B, 4 * HKV, 1, 16, generator=gen, dtype=torch.float64)
+    hide = torch.ones(B, 4 * HKV, 1, 22, dtype=torch.bool)
+    hide[:, 1, :, :] = False  # query head 1 sees nothing in any row
+    hide[..., 3:9] = False
+    for extra in (None, mh.sliding_window(5), hide):
+        mask = read.mask(extra, True, 4 * HKV)
+        got = decode_blocks(q, read.blocks, mask)
+        want = mh.reference_attention(q, k, v, mask=(mh.causal() if extra is None else mh.causal() & extra)).output
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        if extra is hide:
+            assert torch.equal(got[:, 1], torch.zeros_like(got[:, 1]))
+    cache.rollback()
+    if B > 1:  # rows of several lengths: every slot of the longest table, positions per row
+        cache.crop(torch.tensor([21] + [13] * (B - 1)))
+        assert cache.slots(1) == 24
+        read = cache.update(k[:, :, 21:], v[:, :, 21:])
+        assert not read.contiguous and read.slots == 24 and read.key_positions.shape == (B, 24)
+        got = decode_blocks(q, read.blocks, read.mask(None, True, 4 * HKV))
+        want = mh.reference_attention(q[:1], k[:1], v[:1], mask=mh.causal()).output
+        torch.testing.assert_close(got[:1], want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_refused_step_changes_nothing_and_the_next_reads_right():
+    """Positions that do not continue the rows, keys of another shape, and too few pages: refused
+    before any change (block tables, free list, lengths, the table tensor reads use, the undo
+    record); the next step and its rollback work as on a cache that saw no refusal."""
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(7, 4, HKV, D, value_dim=DV, batch_size=2, dtype=torch.float64)
+    k, v = _kv(2, 8, gen)
+    cache.update(k[:, :, :7], v[:, :, :7])
+    before = everything(cache)
+    for call, error in (
+        (lambda: cache.update(k[:, :, 7:], v[:, :, 7:], positions=torch.tensor([8])), ValueError),
+        (lambda: cache.update(k[:, :, 7:, :2], v[:, :, 7:], None), ValueError),
+        (lambda: cache.update(*_kv(2, 10, gen)), ValueError),  # 3 more pages per row, 3 free
+    ):
+        with pytest.raises(error):
+            call()
+        assert identical(everything(cache), before)
+    read = cache.update(k[:, :, 7:], v[:, :, 7:])
+    assert torch.equal(read.keys, k) and torch.equal(read.values, v)
+    cache.rollback()
+    assert cache.lengths.tolist() == [7, 7] and torch.equal(cache.update(k[:, :, 7:], v[:, :, 7:]).keys, k)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import abc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -59,7 +59,7 @@ from torch import Tensor
 from multihead.backends.decode_blocks import KVBlocks
 from multihead.blocks import Block, Extent
 from multihead.inputs import check_positions, check_tensor
-from multihead.masks import Mask, at_new_tokens, head_range
+from multihead.masks import BlockState, Mask, at_new_tokens, head_range
 from multihead.masks import causal as causal_mask
 from multihead.masks.base import UNBOUNDED, And, Not, Or
 
@@ -106,9 +106,24 @@ class CacheRead:
     ``ordered``: every slot holds a token, in position order, the new tokens last and every other
     one before them (an eviction policy's read with no hole): with no call mask, the causal rule
     over the slots is then ``causal()`` itself, and the read gives that object (fast paths).
+    ``held``: a ``range`` of host ints, for a read of one new token at position ``held[-1]``: the
+    slots hold exactly these positions, each in one slot (any order), every row alike, the other
+    slots empty (``key_positions`` says which slot holds which). A ring sets it, so that
+    :meth:`mask` can decide on the host which of them the query sees: every slot (a full ring
+    under its window) needs no mask at all, a range of positions two comparisons.
     """
 
-    __slots__ = ("_keys", "_values", "query_positions", "key_positions", "window", "blocks", "policy_mask", "ordered")
+    __slots__ = (
+        "_keys",
+        "_values",
+        "query_positions",
+        "key_positions",
+        "window",
+        "blocks",
+        "policy_mask",
+        "ordered",
+        "held",
+    )
 
     def __init__(
         self,
@@ -120,6 +135,7 @@ class CacheRead:
         blocks: KVBlocks | None = None,
         policy_mask: Mask | None = None,
         ordered: bool = False,
+        held: range | None = None,
     ):
         if (keys is None or values is None) and blocks is None:
             raise ValueError("CacheRead: keys and values may be None only with blocks to build them from")
@@ -130,7 +146,7 @@ class CacheRead:
             window,
             blocks,
         )
-        self.policy_mask, self.ordered = policy_mask, ordered
+        self.policy_mask, self.ordered, self.held = policy_mask, ordered, held
 
     @property
     def keys(self) -> Tensor:
@@ -179,13 +195,21 @@ class CacheRead:
         ``window``, the parts at positions (and ``causal``) must not let a query see further back
         than the window (:func:`check_reach`): a tensor part cannot bound it. A contiguous read
         keeps mask objects (fast paths see ``causal()``); other reads give a bool tensor
-        ``(B|1, heads|1, Lq, S)``, small for the decode steps such caches serve. ``heads`` is
-        ``Hq``, for masks that differ per head.
+        ``(B|1, heads|1, Lq, S)``, small for the decode steps such caches serve, or ``None`` where
+        the read's :attr:`held` positions show on the host that its query sees every slot (a full
+        ring under its window; a ring that is not full, or keeps ``extra`` slots, gets its row mask
+        from two comparisons of the slots' positions). ``heads`` is ``Hq``, for masks that differ
+        per head.
         """
         if isinstance(mask, Mask):  # a token tree's nodes are this call's new tokens, whatever the slots
             mask = at_new_tokens(mask, self.query_positions)
+        # the held positions of a one-token read: its query at held[-1], read on the host (eager:
+        # a traced step keeps one graph, with the row mask evaluated in it)
+        one = self.query_positions.shape[-1] == 1 and not torch.compiler.is_compiling()
+        held = self.held if self.held and one else None
         if self.window is not None:  # a ring: refuse a mask reaching keys it no longer holds
-            check_reach("CacheRead.mask", mask, causal, self.window, self.query_positions)
+            queries = self.query_positions if held is None else [held[-1]]
+            check_reach("CacheRead.mask", mask, causal, self.window, queries)
         if self.policy_mask is not None:  # the policy's rule: an approximation the user chose
             mask = self.policy_mask if mask is None else mask & self.policy_mask
         if mask is None and self.ordered and self.window is None:
@@ -205,6 +229,10 @@ class CacheRead:
                     f"mask {mask._describe()} covers {whole} positions, but the cache's new tokens reach "
                     f"position {reach}; build it over the whole sequence"
                 )
+        if held is not None:  # (causal or not: every slot holds a position up to the query's)
+            decided, visible = self._on_host(mask, held, whole, heads)
+            if decided:
+                return visible
         if self.contiguous:
             if isinstance(mask, Mask) and (S > Lq or whole != S):
                 # the sequence's square, at the new tokens (the last Lq slots)
@@ -230,6 +258,30 @@ class CacheRead:
         elif isinstance(mask, Tensor):
             allowed = allowed & (mask if mask.dtype == torch.bool else mask != float("-inf"))
         return allowed
+
+    def _on_host(self, mask: Mask | Tensor | None, held: range, whole: int, heads: int) -> tuple[bool, Tensor | None]:
+        """The mask of the one query of a read with :attr:`held` positions, decided on the host
+        where it can be: the query sees the positions from its window's start (or the oldest held)
+        to its own when ``mask`` (an object at positions, or none) shows all of them, as its own
+        ``block_state`` says (what the backends ask it). Then ``(True, None)`` when that is every
+        slot, else ``(True, visible)``, the row mask ``(1, 1, 1, S)`` from two comparisons of the
+        slots' positions. ``(False, None)``: evaluate the mask (a tensor part is over the slots;
+        a mask that hides part of the range)."""
+        if mask is not None and (not isinstance(mask, Mask) or _call_frame(mask)):
+            return False, None
+        p = held[-1]  # the query's position
+        lo = held.start if self.window is None else max(held.start, p - self.window)
+        if mask is not None:
+            n = max(whole, p + 1)  # the square of the whole sequence the mask is read on
+            state = mask.block_state(Extent(self.batch, heads, n, n), Block(p, p + 1, lo, p + 1))
+            if state is not BlockState.FULL:
+                return False, None
+        if lo == held.start and len(held) == self.slots:  # every slot holds one of them
+            return True, None
+        kp = self.key_positions
+        if kp is None or kp.dim() != 1:
+            return False, None
+        return True, ((kp >= lo) & (kp <= p)).view(1, 1, 1, -1)  # an empty slot's position is past p
 
     def _mask_per_kv_head(self, mask: Mask | Tensor | None, causal: bool, heads: int) -> Tensor:
         """:meth:`mask` of a read whose KV heads keep their own tokens (``key_positions (B, Hkv,
@@ -288,7 +340,7 @@ class KVCache(abc.ABC):
         tokens reach; :meth:`CacheRead.mask` refuses it too, but after the update, which a
         rollback restores only as far as reads see."""
         if self.window is not None:
-            check_reach(type(self).__name__, mask, causal, self.window, self.next_positions(new))
+            check_reach(type(self).__name__, mask, causal, self.window, self._reach_positions(new))
         if isinstance(mask, Mask) and new > 0 and not torch.compiler.is_compiling():
             covered = _covered(mask)
             reach = int(self.next_positions(new).max()) if covered is not None else -1
@@ -297,6 +349,11 @@ class KVCache(abc.ABC):
                     f"{type(self).__name__}: mask {mask._describe()} covers {covered} positions, but the "
                     f"cache's new tokens reach position {reach}; build it over the whole sequence"
                 )
+
+    def _reach_positions(self, new: int) -> Tensor | Sequence[int]:
+        """The next ``new`` tokens' positions for :func:`check_reach`: a cache knowing them on the
+        host (rows alike) gives ints, which spares reading a tensor back."""
+        return self.next_positions(new)
 
     def observe(self, q: Tensor | None, scale: float | None = None) -> None:
         """Hand the cache the rotated queries ``q (B, Hq, Lq, D)`` of the next :meth:`update`
@@ -777,13 +834,13 @@ def _rows(positions: Tensor) -> str:
     return shown + ("; ..." if len(rows) > 4 else "")
 
 
-def check_reach(where: str, mask: object, causal: bool, window: int, positions: Tensor) -> None:
+def check_reach(where: str, mask: object, causal: bool, window: int, positions: Tensor | Sequence[int]) -> None:
     """Refuse a mask that lets a query see further back than a cache keeps.
 
     A cache keeping only the ``window`` keys before each query (a ring) holds positions
     ``p - window .. p`` for the query at ``p``. ``mask`` (a mask object read at absolute
     positions), combined with ``causal()`` when ``causal``, must not let any query at
-    ``positions`` (``(new,)`` or ``(B, new)``) see a key older than that: otherwise the attention
+    ``positions`` (``(new,)`` or ``(B, new)``, or host ints) see a key older than that: otherwise the attention
     would be narrower than the mask says, with no error. ``sliding_window(w)`` with ``w <= window``
     fits (alone or combined with other masks); ``causal()`` alone, no mask, and a tensor mask (over
     the slots, not at positions: it cannot bound how far back a position looks) do not. Eager only
@@ -795,8 +852,8 @@ def check_reach(where: str, mask: object, causal: bool, window: int, positions: 
     at_positions = _reach_bound(mask) if isinstance(mask, Mask) else None
     parts = [m for m in (at_positions, causal_mask() if causal else None) if m is not None]
     hint = f"hint: pass a mask that fits, mask=sliding_window(w) with w <= {window}"
-    what = _describe_call_mask(mask, causal)
     if not parts:
+        what = _describe_call_mask(mask, causal)
         raise ValueError(
             f"{where}: {what} lets a query see every earlier key, but this cache keeps only the "
             f"window={window} keys before each query: the attention would silently narrow to "
@@ -804,7 +861,7 @@ def check_reach(where: str, mask: object, causal: bool, window: int, positions: 
             f"StaticKVCache)"
         )
     combined = parts[0] if len(parts) == 1 else parts[0] & parts[1]
-    queries = positions.reshape(-1).unique().tolist()
+    queries = positions.reshape(-1).unique().tolist() if isinstance(positions, Tensor) else sorted(set(positions))
     if not queries:
         return
     extent = _whole_length(combined, 0)
@@ -821,6 +878,7 @@ def check_reach(where: str, mask: object, causal: bool, window: int, positions: 
         else:
             sees = f"the {p - lo} keys before it" + (f" (position {p} sees back to {lo})" if lo >= 0 else "")
             wider = f"create the cache with window >= {p - lo}"
+        what = _describe_call_mask(mask, causal)
         raise ValueError(
             f"{where}: {what} lets a query see {sees}, but this cache keeps only the window={window} "
             f"keys before each query: the attention would silently narrow to sliding_window({window}); "

@@ -11,15 +11,19 @@ table*, the list of its pages in order: token ``t`` of row ``b`` lives in page
                                         free:  [1, 3, 4]
 
 An update claims pages from the free list as rows cross a page boundary, then writes every row's
-new tokens with one scatter into the pool. :meth:`release` gives a finished row's pages back (the
-row may then start a new sequence). A decode step reads a row's pages through the block table
-(``CacheRead.blocks``, :mod:`multihead.caches.paged_blocks`) in pool order: a view of the pool
-for each run of pages consecutive there, whatever their order in the table, and a copy that stays
-in cache for the pages in short runs, never a gather of the whole cache. The pool is head-major,
-``(Hkv, num_pages, page_size, D)``, so that consecutive pages of a head are one strided run. Other
-calls (a prefill, weights, autograd) read ``CacheRead.keys``: every row's pages gathered into
-``(B, Hkv, pages·page_size, D)``. Slots past a row's length are hidden by the mask
-(:meth:`CacheRead.mask`). Running out of pages raises before anything is claimed or written.
+new tokens into the pool: a decode step's few tokens as slices (page and offset known on the host),
+more as one scatter. :meth:`release` gives a finished row's pages back (the row may then start a
+new sequence). A decode step reads a row's pages through the block table (``CacheRead.blocks``,
+:mod:`multihead.caches.paged_blocks`) in pool order: a view of the pool for each run of pages
+consecutive there, whatever their order in the table, and a copy that stays in cache for the pages
+in short runs, never a gather of the whole cache. The pool is head-major, ``(Hkv, num_pages,
+page_size, D)``, so that consecutive pages of a head are one strided run. Other calls (a prefill,
+weights, autograd) read ``CacheRead.keys``: every row's pages gathered into ``(B, Hkv, S, D)``.
+Rows of one length read their filled slots, in order (a contiguous read, as a static cache gives:
+the causal rule is ``causal()``, no mask tensor); rows of several lengths read every slot of the
+longest table, the slots past a row's length hidden by the mask (:meth:`CacheRead.mask`). Running
+out of pages raises before anything is claimed or written; :meth:`rollback` undoes an update from
+a record of what it changed (its pages go back to the free list in the order they left it).
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ from multihead.caches.paged_blocks import PageBlocks
 from multihead.caches.policies.base import refuse_policy
 
 __all__ = ["PagedKVCache"]
+
+#: Writes of an update made as slices (a row's tokens within one page: one copy per tensor) up to
+#: this many; beyond (a prefill, a large batch) one scatter per tensor costs less than the copies.
+_SLICED_WRITES = 4
 
 
 class PagedKVCache(KVCache):
@@ -110,11 +118,17 @@ class PagedKVCache(KVCache):
             if values_in_keys
             else torch.zeros(num_kv_heads, num_pages, page_size, value_dim, dtype=dtype, device=device)
         )
-        self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # each row's pages, in order
+        # each row's pages, in order; changed only by this cache's methods, which drop _table
+        self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self._lengths: list[int] = [0] * batch_size  # tokens per row: the host bookkeeping, with tables
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
-        # (tables, lengths, free) before the last update
-        self._undo: tuple[list[list[int]], list[int], list[int]] | None = None
+        # The last update's undo record, (lengths, pages per row) before it: the pages it claimed are
+        # each row's table past that count, popped from the free list's end (a copy of the tables and
+        # free list per step cost O(pool) on the host).
+        self._undo: tuple[list[int], list[int]] | None = None
+        # The tables as a (B, width) tensor on the pool's device for the reads, made when a table
+        # changes (a step that stays in its pages reuses it); past a row's pages, page 0.
+        self._table: Tensor | None = None
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -143,12 +157,22 @@ class PagedKVCache(KVCache):
         return self.key_pages.nbytes + (0 if self.values_in_keys else self.value_pages.nbytes)
 
     def next_positions(self, new: int, device: torch.device | str | None = None) -> Tensor:
-        start = torch.tensor(self._lengths, dtype=torch.int64, device=device).view(-1, 1)
-        return start + torch.arange(new, device=device)  # (B, new)
+        # (B, new) from the host lengths, one op
+        return torch.tensor([list(range(n, n + new)) for n in self._lengths], dtype=torch.int64, device=device)
 
     def slots(self, new: int) -> int:
-        # the read gathers the longest block table, at least one page (see _table_tensor)
+        """Rows of one length ``T``: the ``T + new`` filled slots, in order (a contiguous read, as
+        a static cache gives); rows of several lengths: every slot of the longest block table, at
+        least one page (see :meth:`_read`)."""
+        T = self._uniform_length()
+        if T is not None:
+            return T + new
         return self.page_size * max(1, max(self._pages_for(n + new) for n in self._lengths))
+
+    def _uniform_length(self) -> int | None:
+        """``T`` when every row holds ``T`` tokens, else ``None``."""
+        T = self._lengths[0]
+        return T if all(n == T for n in self._lengths) else None
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -181,8 +205,12 @@ class PagedKVCache(KVCache):
         if self.values_in_keys:
             check_prefix(name, k, v)
         new = k.shape[2]
-        expected = self.next_positions(new, k.device)  # (B, new)
+        uniform = self._uniform_length()
+        expected: Tensor | None = None  # (B, new), made where needed
+        if positions is not None or uniform is None:  # rows of several lengths: the read's query positions
+            expected = self.next_positions(new, k.device)
         if positions is not None:
+            assert expected is not None
             check_continuation(name, positions, expected, B)
         needed = [self._pages_for(n + new) - len(t) for n, t in zip(self._lengths, self.tables)]
         if sum(needed) > len(self.free):
@@ -191,52 +219,99 @@ class PagedKVCache(KVCache):
                 f"{ps} tokens but {len(self.free)} of {N} are free (rows hold {self._lengths} tokens); "
                 f"hint: release() finished rows, or allocate a larger pool"
             )
-        self._undo = ([list(t) for t in self.tables], list(self._lengths), list(self.free))
+        self._undo = (list(self._lengths), [len(t) for t in self.tables])
         claimed: list[int] = []
         for row_table, count in zip(self.tables, needed):
             pages = [self.free.pop() for _ in range(count)]
             row_table.extend(pages)
             claimed.extend(pages)
         if claimed:  # what an earlier sequence left in them must not reach this one's hidden slots
-            self._clear(torch.tensor(claimed, dtype=torch.int64, device=self.key_pages.device))
+            self._table = None
+            self._clear(claimed)
+        self._write(k, v, expected)
+        self._lengths = [n + new for n in self._lengths]
+        return self._read(new, uniform, expected)
+
+    def _write(self, k: Tensor, v: Tensor, expected: Tensor | None) -> None:
+        """Every row's new tokens into their pages: a slice per page a row's tokens fall in where
+        they are a few (a decode step: one copy per tensor, page and offset known on the host),
+        else one scatter per tensor over every token's slot."""
+        ps, new = self.page_size, k.shape[2]
+        runs: list[tuple[int, int, int, int, int]] = []  # (row, page, offset, first new token, count)
+        for b, (n, table) in enumerate(zip(self._lengths, self.tables)):
+            i = 0
+            while i < new and len(runs) <= _SLICED_WRITES:
+                t = n + i
+                count = min(ps - t % ps, new - i)
+                runs.append((b, table[t // ps], t % ps, i, count))
+                i += count
+        if len(runs) <= _SLICED_WRITES:
+            for b, page, offset, i, count in runs:
+                self.key_pages[:, page, offset : offset + count] = k[b, :, i : i + count]
+                if not self.values_in_keys:
+                    self.value_pages[:, page, offset : offset + count] = v[b, :, i : i + count]
+            return
+        if expected is None:
+            expected = self.next_positions(new, k.device)
         # Every new token's page and offset, then one scatter per tensor into the pool.
-        table = self._table_tensor(k.device)  # (B, max pages), -1 padded
-        page = table.gather(1, torch.div(expected, ps, rounding_mode="floor"))  # (B, new)
-        flat = (page * ps + expected % ps).view(-1)  # (B·new,) slots of the pool seen as (N·ps)
+        pages = self._table_tensor().gather(1, torch.div(expected, ps, rounding_mode="floor"))  # (B, new)
+        flat = (pages * ps + expected % ps).view(-1)  # (B·new,) slots of the pool seen as (N·ps)
         _scatter(self.key_pages, flat, k)
         if not self.values_in_keys:
             _scatter(self.value_pages, flat, v)
-        self._lengths = [n + new for n in self._lengths]
-        return self._read(expected, table)
 
-    def _table_tensor(self, device: torch.device | str | None) -> Tensor:
-        width = max(1, max(len(t) for t in self.tables))
-        return torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.int64, device=device)
+    def _table_tensor(self) -> Tensor:
+        """The block tables as ``(B, width)`` on the pool's device, page 0 past a row's pages (a read
+        masks those slots); made once per change of the tables."""
+        if self._table is None:
+            width = max(1, max(len(t) for t in self.tables))
+            rows = [t + [0] * (width - len(t)) for t in self.tables]
+            self._table = torch.tensor(rows, dtype=torch.int64, device=self.key_pages.device)
+        return self._table
 
-    def _read(self, query_positions: Tensor, table: Tensor) -> CacheRead:
+    def _read(self, new: int, uniform: int | None, expected: Tensor | None) -> CacheRead:
         """Each row's pages, read through the block table (:class:`~multihead.caches.paged_blocks.PageBlocks`);
-        ``keys (B, Hkv, pages·ps, D)`` gathered only when asked for."""
+        ``keys (B, Hkv, S, D)`` gathered only when asked for. Rows of one length ``T + new`` read
+        their filled slots only, in order: a contiguous read (no slot positions, no mask tensor:
+        ``causal()`` serves, as for a static cache); rows of several lengths read every slot of
+        the longest table, those past a row's length empty."""
+        table = self._table_tensor()
+        device = table.device
+        if uniform is not None:
+            T = uniform
+            blocks = PageBlocks(
+                self.key_pages, self.value_pages, self.values_in_keys, table, self.tables, self._lengths, T + new
+            )
+            return CacheRead(None, None, torch.arange(T, T + new, device=device), blocks=blocks)
+        assert expected is not None  # made by update for rows of several lengths
         B, width = table.shape
-        slot = torch.arange(width * self.page_size, device=table.device).view(1, -1)  # (1, S): position of the slot
-        lengths = torch.tensor(self._lengths, dtype=torch.int64, device=table.device).view(-1, 1)
+        slot = torch.arange(width * self.page_size, device=device).view(1, -1)  # (1, S): position of the slot
+        lengths = torch.tensor(self._lengths, dtype=torch.int64, device=device).view(-1, 1)
         key_positions = torch.where(slot < lengths, slot, EMPTY_POSITION)  # (B, S)
         blocks = PageBlocks(self.key_pages, self.value_pages, self.values_in_keys, table, self.tables, self._lengths)
-        return CacheRead(None, None, query_positions, key_positions, blocks=blocks)
+        return CacheRead(None, None, expected, key_positions, blocks=blocks)
 
     def rollback(self) -> None:
         if self._undo is None:
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
-        tables, lengths, free = self._undo
+        lengths, counts = self._undo
         # The update's tokens in the pages the rows keep (each row's last page, from its old length
         # on) back to zeros, as crop and the static caches do: a read returns whole pages, and a NaN
         # left there reaches the output through its weight of 0 (see _clear). The pages the update
-        # claimed go back to the free list and are cleared when claimed again.
-        partial = [(t[-1], n % self.page_size) for t, n in zip(tables, lengths) if n % self.page_size]
+        # claimed go back to the free list, in the order they left it, and are cleared when claimed
+        # again.
+        ps = self.page_size
+        partial = [(t[c - 1], n % ps) for t, n, c in zip(self.tables, lengths, counts) if n % ps]
         if partial:
             check_writable(f"{type(self).__name__}.rollback", self.key_pages)
         for page, start in partial:
-            self._clear(torch.tensor([page], device=self.key_pages.device), start)
-        self.tables, self._lengths, self.free = tables, lengths, free
+            self._clear([page], start)
+        for row_table, count in zip(reversed(self.tables), reversed(counts)):
+            if len(row_table) > count:
+                self.free.extend(reversed(row_table[count:]))
+                del row_table[count:]
+                self._table = None
+        self._lengths = lengths
         self._undo = None
 
     def release(self, rows: int | Sequence[int] | Tensor) -> None:
@@ -246,7 +321,7 @@ class PagedKVCache(KVCache):
         for r in ids:
             self.free.extend(reversed(self.tables[r]))
             self.tables[r], self._lengths[r] = [], 0
-        self._undo = None
+        self._undo, self._table = None, None
 
     def crop(self, length: int | Tensor) -> None:
         """Row ``b`` keeps ``min(lengths[b], length)`` tokens (``length`` an int or ``(B,)``) and
@@ -264,21 +339,25 @@ class PagedKVCache(KVCache):
         if partial:
             check_writable(f"{name}.crop", self.key_pages)
         for page, start in partial:
-            self._clear(torch.tensor([page], device=self.key_pages.device), start)
+            self._clear([page], start)
         for r, t in enumerate(target):
             keep = self._pages_for(t)
             self.free.extend(reversed(self.tables[r][keep:]))
             self.tables[r], self._lengths[r] = self.tables[r][:keep], t
-        self._undo = None
+        self._undo, self._table = None, None
 
-    def _clear(self, pages: Tensor, start: int = 0) -> None:
+    def _clear(self, pages: list[int], start: int = 0) -> None:
         """Zero the slots ``start..`` of ``pages``. A read returns whole pages, and the slots of a
         row's last page past its length are hidden by the mask, but attention multiplies their
         values by a weight of 0: a NaN or inf left there (by the sequence that held the page
-        before, or by dropped tokens) gives NaN, so every slot holding no token holds 0."""
-        self.key_pages[:, pages, start:] = 0
+        before, or by dropped tokens) gives NaN, so every slot holding no token holds 0. One page
+        (a step's) is a slice; several, one indexed write per tensor."""
+        index: int | Tensor = (
+            pages[0] if len(pages) == 1 else torch.tensor(pages, dtype=torch.int64, device=self.key_pages.device)
+        )
+        self.key_pages[:, index, start:] = 0
         if not self.values_in_keys:
-            self.value_pages[:, pages, start:] = 0
+            self.value_pages[:, index, start:] = 0
 
     def reorder(self, indices: Tensor) -> None:
         """Row ``i`` becomes a copy of the old row ``indices[i]``; ``batch_size`` becomes
@@ -318,7 +397,7 @@ class PagedKVCache(KVCache):
                 self.value_pages[:, dst] = self.value_pages[:, src]
             tables.append(pages)
         self.tables, self._lengths = tables, [old_lengths[i] for i in order]
-        self._undo = None
+        self._undo, self._table = None, None
 
     def reset(self) -> None:
         self.release(range(self.batch_size))

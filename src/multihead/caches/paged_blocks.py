@@ -42,14 +42,18 @@ MIN_RUN = 1024
 
 
 class PageBlocks(KVBlocks):
-    """The slots of a paged read, ``(B, Hkv, width·ps, ·)``, from the pool and the block tables as
-    they were at the read.
+    """The slots of a paged read, ``(B, Hkv, S, ·)``, from the pool and the block tables as
+    they were at the read: ``S = width·ps``, or the first ``slots`` of them (rows of one length:
+    the filled slots only, a contiguous read).
 
     Args:
         key_pages, value_pages: the pool, ``(Hkv, num_pages, ps, D)`` and ``(Hkv, num_pages, ps, Dv)``.
         values_in_keys: the values are the first ``Dv`` features of the keys (stored once).
-        table: ``(B, width)`` page of each row's table position, ``-1`` past a row's pages.
+        table: ``(B, width)`` page of each row's table position; past a row's pages any page of
+            the pool (the cache gives page 0), which the mask hides. Not changed after the read
+            (the cache makes a new one when a table changes).
         tables, lengths: the same tables as host lists, and each row's tokens.
+        slots: ``S`` when fewer than ``width·ps`` (``None``: all of them).
     """
 
     def __init__(
@@ -60,16 +64,17 @@ class PageBlocks(KVBlocks):
         table: Tensor,
         tables: list[list[int]],
         lengths: list[int],
+        slots: int | None = None,
     ):
         Hkv, N, ps, D = key_pages.shape
         B, width = table.shape
         self.key_pages, self.value_pages, self.values_in_keys = key_pages, value_pages, values_in_keys
-        self.table = table.clamp(min=0)  # (B, width): padding reads page 0, hidden by the mask
+        self.table = table  # (B, width)
         # a row's pages as host lists (a copy: the cache's own lists change with the next update)
         self.rows = [list(t) + [0] * (width - len(t)) for t in tables]
         self.lengths = list(lengths)
         self.ps = ps
-        self.shape = (B, Hkv, width * ps, D, value_pages.shape[-1])
+        self.shape = (B, Hkv, width * ps if slots is None else slots, D, value_pages.shape[-1])
         self.dtype, self.device = key_pages.dtype, key_pages.device
         self.grad = torch.is_grad_enabled()  # dense() records autograd as the update that read would have
         self._host: Tensor | None = None
@@ -217,10 +222,12 @@ class PageBlocks(KVBlocks):
 
     def _gather(self) -> tuple[Tensor, Tensor]:
         B, Hkv, S, D, Dv = self.shape
+        W = self.table.shape[1] * self.ps  # every slot of the table, S of them kept
         # (Hkv, B·width, ps, D) -> (B, Hkv, width·ps, D): every row's pages gathered, in table order
-        keys = self.key_pages.index_select(1, self.table.reshape(-1)).view(Hkv, B, S, D).transpose(0, 1)
+        keys = self.key_pages.index_select(1, self.table.reshape(-1)).view(Hkv, B, W, D).transpose(0, 1)[:, :, :S]
         if self.values_in_keys:
             values = keys[..., :Dv]
         else:
-            values = self.value_pages.index_select(1, self.table.reshape(-1)).view(Hkv, B, S, Dv).transpose(0, 1)
+            values = self.value_pages.index_select(1, self.table.reshape(-1)).view(Hkv, B, W, Dv).transpose(0, 1)
+            values = values[:, :, :S]
         return keys, values

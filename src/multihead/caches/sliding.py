@@ -10,9 +10,12 @@ its token's position and the mask (:meth:`CacheRead.mask`) reads them::
                                            holds p6 p4 p5
 
 A one-token step writes its token first and attends over the ring (its oldest slot, the one
-overwritten, was out of its window). A step of several tokens (chunked prefill, speculative
-verification) attends over the ring *and* its own tokens, then keeps the newest ones; its first
-query still finds its ``window`` predecessors.
+overwritten, was out of its window). The ring knows on the host which positions it holds, so such a
+read names them (``CacheRead.held``): once the ring is full and the call's mask shows the query
+every one of them (``sliding_window(window)`` itself, with ``extra=0``), the read needs no mask at
+all, and the slots' positions are not evaluated into a row mask on every step. A step of several
+tokens (chunked prefill, speculative verification) attends over the ring *and* its own tokens, then
+keeps the newest ones; its first query still finds its ``window`` predecessors.
 
 The ring holds what ``sliding_window(window)`` can see and nothing older, so the mask of a call
 must not reach further back: ``sliding_window(w)`` with ``w <= window`` (alone or combined with
@@ -90,9 +93,14 @@ class SlidingWindowKVCache(KVCache):
         self.values = torch.zeros(batch_size, num_kv_heads, capacity, value_dim, dtype=dtype, device=device)
         self.positions = torch.full((capacity,), EMPTY_POSITION, dtype=torch.int64, device=self.keys.device)
         self._length = 0
-        # (length, slots, keys, values, positions) overwritten by the last update; under autograd
-        # (slots None) the whole ring before it, left untouched by the update
-        self._undo: tuple[int, Tensor | None, Tensor, Tensor, Tensor] | None = None
+        # The ring holds every position from max(_oldest, length - capacity) to length - 1 and no
+        # other (kept on the host, so that a read can say so without reading its positions): 0
+        # until a crop drops tokens a ring that saw fewer than its capacity still held.
+        self._oldest = 0
+        # (length, slots, keys, values, positions) overwritten by the last update (slots a slice
+        # where they are consecutive in the ring); under autograd (slots None) the whole ring
+        # before it, left untouched by the update
+        self._undo: tuple[int, slice | Tensor | None, Tensor, Tensor, Tensor] | None = None
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -125,6 +133,13 @@ class SlidingWindowKVCache(KVCache):
     def slots(self, new: int) -> int:
         return self.capacity if new == 1 else self.capacity + new
 
+    def _reach_positions(self, new: int) -> range:
+        return range(self._length, self._length + new)  # every row alike, on the host
+
+    def _positions_held(self, length: int) -> range:
+        """The positions the ring holds after ``length`` tokens (every row alike)."""
+        return range(max(self._oldest, length - self.capacity, 0), length)
+
     # ------------------------------------------------------------------------------ changes
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheRead:
         name = type(self).__name__
@@ -143,7 +158,9 @@ class SlidingWindowKVCache(KVCache):
             read_pos = torch.cat([self.positions, expected])
         kept = min(new, C)  # only the newest C tokens can stay
         kept_pos = expected[new - kept :]
-        slots = kept_pos % C
+        first = (self._length + new - kept) % C
+        # consecutive in the ring (a one-token step always): slices, no index tensors
+        slots: slice | Tensor = slice(first, first + kept) if first + kept <= C else kept_pos % C
         if under_autograd(k, v, self.keys, self.values):
             # Earlier steps saved the ring they read: write into copies, keep the old ring for rollback.
             self._undo = (self._length, None, self.keys, self.values, self.positions.clone())
@@ -160,8 +177,9 @@ class SlidingWindowKVCache(KVCache):
         self.values[:, :, slots] = v[:, :, new - kept :]
         self.positions[slots] = kept_pos
         self._length += new
-        if new == 1:
-            return CacheRead(self.keys, self.values, expected, self.positions.clone(), self.window)
+        if new == 1:  # the one query is the newest position held: CacheRead.mask may answer on the host
+            kept_range = self._positions_held(self._length)
+            return CacheRead(self.keys, self.values, expected, self.positions.clone(), self.window, held=kept_range)
         assert read_k is not None and read_v is not None and read_pos is not None  # new != 1: read above
         return CacheRead(read_k, read_v, expected, read_pos, self.window)
 
@@ -184,8 +202,8 @@ class SlidingWindowKVCache(KVCache):
         # with window=0 (or length=0), where any crop is honoured; the ones after it are written
         # from then on.
         needed = max(0, length - self.window)
-        held = self.positions[self.positions != EMPTY_POSITION]
-        oldest = int(held.min()) if held.numel() else 0
+        held = self._positions_held(self._length)
+        oldest = held.start if held else 0
         if needed < min(length, oldest):  # a non-empty range needed..length-1 reaching below the ring
             raise ValueError(
                 f"{name}.crop: going back to {length} tokens needs positions {needed}..{length - 1}, but "
@@ -202,6 +220,8 @@ class SlidingWindowKVCache(KVCache):
             self.keys[:, :, dropped] = 0.0
             self.values[:, :, dropped] = 0.0
             self.positions.masked_fill_(dropped, EMPTY_POSITION)
+        # kept: held.start .. length - 1 (nothing when the crop went below the oldest held)
+        self._oldest = min(held.start, length) if held else length
         self._length, self._undo = length, None
 
     def reorder(self, indices: Tensor) -> None:
@@ -224,7 +244,7 @@ class SlidingWindowKVCache(KVCache):
         else:  # the ring to zeros, as a crop of every token leaves it (every read returns the whole ring)
             self.keys.zero_()
             self.values.zero_()
-        self._length, self._undo = 0, None
+        self._length, self._oldest, self._undo = 0, 0, None
 
     def __repr__(self) -> str:
         B, Hkv, C, D = self.keys.shape
