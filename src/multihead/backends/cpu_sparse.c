@@ -45,8 +45,13 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline v16f load(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
 static inline void store(float *p, v16f v) { memcpy(p, &v, 64); }
-static inline v16f bcast(float x) { return (v16f){0} + x; }
+static inline v16f bcast(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline v16f sel(v16i m, v16f a, v16f b) { return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline float hmax(v16f v) { return _mm512_reduce_max_ps((__m512)v); }
+static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
+#else
 static inline float hmax(v16f v) {
     float m = v[0];
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
@@ -57,6 +62,7 @@ static inline float hsum(v16f v) {
     for (int i = 0; i < 16; i++) s += v[i];
     return s;
 }
+#endif
 
 /* exp(x) for x <= 0 (scores minus their max), 0 below -87 (and for -inf): cpu_decode.c's
  * polynomial (Cody-Waite reduction, degree 6, relative error ~2e-7), copied: that file is the
@@ -108,19 +114,16 @@ typedef struct {
     int64_t *pairs;             /* (key block << 32) | query block, sorted, unique */
 } plan_t;
 
-static int cmp64(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
 
 static inline int tile_blocks(const sparse_t *J) { /* query blocks per tile */
     int per = TILE_ROWS / (J->Gp * J->qbs);
     return per < 1 ? 1 : per;
 }
 
-/* The pairs (key block, query block) of query blocks [n0, n1) of unit e in batch row b: -1, a
- * repeat and a block no row of the query block may see (causal) dropped. */
-static void plan_tile(const sparse_t *J, int b, int e, int n0, int n1, plan_t *P) {
+/* The pairs (key block, query block) of query blocks [n0, n1) of unit e in batch row b, sorted
+ * by key block (a counting sort over the nK blocks: `raw` holds them in query order, `count` nK + 1
+ * zeros, left zero): -1, a repeat and a block no row of the query block may see (causal) dropped. */
+static void plan_tile(const sparse_t *J, int b, int e, int n0, int n1, plan_t *P, int64_t *raw, int *count) {
     const int64_t *base = J->idx + b * J->i_b + J->row[e] * J->i_h;
     const long nK = (J->Lk + J->bs - 1) / J->bs;
     int np = 0;
@@ -131,10 +134,13 @@ static void plan_tile(const sparse_t *J, int b, int e, int n0, int n1, plan_t *P
             int64_t j = base[n * J->i_n + s * J->i_s];
             if (j < 0 || j >= nK) continue;
             if (J->causal && j * J->bs > last + J->d) continue;
-            P->pairs[np++] = (j << 32) | n;
+            raw[np++] = (j << 32) | n;
+            count[j + 1]++;
         }
     }
-    qsort(P->pairs, np, sizeof(int64_t), cmp64);
+    for (long j = 0; j < nK; j++) count[j + 1] += count[j]; /* count[j]: where block j's pairs start */
+    for (int i = 0; i < np; i++) P->pairs[count[raw[i] >> 32]++] = raw[i]; /* stable: n ascending */
+    memset(count, 0, sizeof(int) * (nK + 1));
     int u = 0;
     for (int i = 0; i < np; i++)
         if (u == 0 || P->pairs[i] != P->pairs[u - 1]) P->pairs[u++] = P->pairs[i];
@@ -282,15 +288,15 @@ static void mask_tile(const sparse_t *J, v16f S[RG][4], const long qpos[RG], lon
 /* ---------------------------------------------------------------------------------- forward */
 typedef struct {
     float *qs, *o, *m, *l; /* rows x D (q · scale), rows x Dv, rows, rows (+RG scratch rows) */
-    int64_t *pairs;
-    int *rows;
+    int64_t *pairs, *raw;
+    int *rows, *count;
 } fwd_buf;
 
 static void forward_tile(const sparse_t *J, int b, int e, int n0, int n1, fwd_buf *W) {
     const int D = J->D, Dv = J->Dv, Gp = J->Gp, bs = J->bs;
     const int kvh = (int)J->kv[e];
     plan_t P = {.pairs = W->pairs};
-    plan_tile(J, b, e, n0, n1, &P);
+    plan_tile(J, b, e, n0, n1, &P, W->raw, W->count);
     const int R = P.R;
     for (int r = 0; r < R + RG; r++) {
         float *qs = W->qs + (long)r * D;
@@ -390,7 +396,7 @@ static long max_rows(const sparse_t *J) { return (long)tile_blocks(J) * J->qbs *
 /* kind 0: fp32. Returns 0, or -1 when a thread could not allocate its buffers. */
 int mh_sparse_forward(const sparse_t *J, int threads) {
     const long tiles = tiles_per_unit(J), work = (long)J->B * J->He * tiles;
-    const long R = max_rows(J) + RG, nb = tile_blocks(J);
+    const long R = max_rows(J) + RG, nb = tile_blocks(J), nK = (J->Lk + J->bs - 1) / J->bs;
     int failed = 0;
     if (threads < 1) threads = 1;
     if (threads > work) threads = (int)(work > 0 ? work : 1);
@@ -402,8 +408,10 @@ int mh_sparse_forward(const sparse_t *J, int threads) {
         W.m = malloc(sizeof(float) * R);
         W.l = malloc(sizeof(float) * R);
         W.pairs = malloc(sizeof(int64_t) * nb * J->ksel + 8);
+        W.raw = malloc(sizeof(int64_t) * nb * J->ksel + 8);
+        W.count = calloc(nK + 1, sizeof(int));
         W.rows = malloc(sizeof(int) * R);
-        const int ok = W.qs && W.o && W.m && W.l && W.pairs && W.rows;
+        const int ok = W.qs && W.o && W.m && W.l && W.pairs && W.raw && W.count && W.rows;
         /* the latest tiles first: under a causal mask they read the most blocks */
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < work; w++) {
@@ -414,7 +422,7 @@ int mh_sparse_forward(const sparse_t *J, int threads) {
             else
                 failed = 1;
         }
-        free(W.qs); free(W.o); free(W.m); free(W.l); free(W.pairs); free(W.rows);
+        free(W.qs); free(W.o); free(W.m); free(W.l); free(W.pairs); free(W.raw); free(W.count); free(W.rows);
     }
     return failed ? -1 : 0;
 }
@@ -423,8 +431,8 @@ int mh_sparse_forward(const sparse_t *J, int threads) {
 typedef struct {
     float *qs, *go, *dq, *lse, *delta; /* rows x D, rows x Dv, rows x D, rows, rows (+RG scratch) */
     float *dkb, *dvb;                  /* bs x D, bs x Dv: one key block's share of this tile */
-    int64_t *pairs;
-    int *rows;
+    int64_t *pairs, *raw;
+    int *rows, *count;
 } bwd_buf;
 
 /* The gradients of tile [n0, n1) of unit e: dq of its rows written, dk and dv of the key blocks
@@ -433,7 +441,7 @@ static void backward_tile(const sparse_t *J, int b, int e, int n0, int n1, float
     const int D = J->D, Dv = J->Dv, Gp = J->Gp, bs = J->bs;
     const int kvh = (int)J->kv[e];
     plan_t P = {.pairs = W->pairs};
-    plan_tile(J, b, e, n0, n1, &P);
+    plan_tile(J, b, e, n0, n1, &P, W->raw, W->count);
     const int R = P.R;
     for (int r = 0; r < R + RG; r++) {
         float *qs = W->qs + (long)r * D, *go = W->go + (long)r * Dv;
@@ -531,13 +539,16 @@ static int alloc_bwd(const sparse_t *J, bwd_buf *W) {
     W->dkb = malloc(sizeof(float) * J->bs * J->D);
     W->dvb = malloc(sizeof(float) * J->bs * J->Dv);
     W->pairs = malloc(sizeof(int64_t) * tile_blocks(J) * J->ksel + 8);
+    W->raw = malloc(sizeof(int64_t) * tile_blocks(J) * J->ksel + 8);
+    W->count = calloc((J->Lk + J->bs - 1) / J->bs + 1, sizeof(int));
     W->rows = malloc(sizeof(int) * R);
-    return W->qs && W->dq && W->go && W->lse && W->delta && W->dkb && W->dvb && W->pairs && W->rows;
+    return W->qs && W->dq && W->go && W->lse && W->delta && W->dkb && W->dvb && W->pairs && W->raw && W->count &&
+           W->rows;
 }
 
 static void free_bwd(bwd_buf *W) {
     free(W->qs); free(W->dq); free(W->go); free(W->lse); free(W->delta);
-    free(W->dkb); free(W->dvb); free(W->pairs); free(W->rows);
+    free(W->dkb); free(W->dvb); free(W->pairs); free(W->raw); free(W->count); free(W->rows);
 }
 
 /* The units of KV head kvh, their tiles: work item w -> (unit, first query block) */
