@@ -39,7 +39,7 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 #ifndef TILE_ROWS
-#define TILE_ROWS 256 /* rows per tile: each key block read once for the ~TILE_ROWS·k/nK rows that chose it */
+#define TILE_ROWS 1024 /* rows per tile: each key block read once for the ~TILE_ROWS·k/nK rows that chose it (512: 5-10% slower at 16k, 2048: NSA slower) */
 #endif
 #define RG 4 /* rows per register tile */
 
@@ -64,10 +64,30 @@ static inline float hsum(v16f v) {
 }
 #endif
 
-/* exp(x) for x <= 0 (scores minus their max), 0 below -87 (and for -inf): cpu_decode.c's
- * polynomial (Cody-Waite reduction, degree 6, relative error ~2e-7), copied: that file is the
- * decode kernel's own */
-static inline v16f vexp(v16f x) {
+#define LOG2E 1.44269504088896341f
+#define LN2 0.69314718055994531f
+
+#ifdef __AVX512F__
+/* 2^x for x <= 0 (scores in base 2 minus their max; a little above 0 is fine), exactly 0 below
+ * -150 and for -inf (2^-160 rounds to 0), NaN kept: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor
+ * polynomial of degree 6 (relative error below 2e-7, as fp32's own exp2f), 2^n by vscalefps */
+static inline v16f vexp2(v16f x) {
+    const __m512 z = _mm512_max_ps(_mm512_set1_ps(-160.f), (__m512)x); /* NaN in x stays NaN */
+    const __m512 n = _mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(z, n);
+    __m512 p = _mm512_set1_ps(1.5403530393e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return (v16f)_mm512_scalef_ps(p, n);
+}
+#else
+/* exp(x) for x <= 0, 0 below -87 (and for -inf): cpu_decode.c's polynomial (Cody-Waite
+ * reduction, degree 6, relative error ~2e-7), copied: that file is the decode kernel's own */
+static inline v16f vexp_e(v16f x) {
     const v16i under = x < -87.0f;
     x = sel(under, (v16f){0} - 87.0f, x);
     v16f t = x * 1.44269504088896341f;
@@ -84,6 +104,10 @@ static inline v16f vexp(v16f x) {
     v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
     return sel(under, (v16f){0}, p * (v16f)e);
 }
+static inline v16f vexp2(v16f x) { return vexp_e(x * LN2); }
+#endif
+/* exp(x) = 2^(x log2 e) */
+static inline v16f vexp(v16f x) { return vexp2(x * LOG2E); }
 
 typedef struct {
     int B, Hq, Hkv, Lq, Lk, D, Dv;
@@ -292,6 +316,48 @@ typedef struct {
     int *rows, *count;
 } fwd_buf;
 
+/* The online softmax of RG rows over one chunk of scores (base 2): the running max m and sum l of
+ * each row moved to the chunk, what its output holds rescaled when the max grows, the chunk's
+ * weights p = 2^(s - m) written to pw (0 for a row that has seen no key yet) */
+static inline __attribute__((always_inline)) void softmax_tile(v16f S[RG][4], int NV, const int *rr, float *const *os,
+                                                               int Dv, float *M, float *Lsum, float pw[RG][64]) {
+    for (int r = 0; r < RG; r++) {
+        v16f mv = S[r][0];
+        for (int v = 1; v < NV; v++) mv = sel(S[r][v] > mv, S[r][v], mv);
+        const float mx = hmax(mv), m0 = M[rr[r]];
+        const float mn = mx > m0 ? mx : m0;
+        if (mn == -INFINITY) { /* the row sees no key yet */
+            memset(pw[r], 0, sizeof(pw[r]));
+            continue;
+        }
+        const v16f mnv = bcast(mn);
+        v16f sum = {0};
+        for (int v = 0; v < NV; v++) {
+            v16f e = vexp2(S[r][v] - mnv);
+            store(pw[r] + 16 * v, e);
+            sum += e;
+        }
+        if (mn > m0) { /* a new maximum: what the row holds is rescaled to it */
+            const float alpha = exp2f(m0 - mn);
+            float *o = os[r];
+            for (int c = 0; c < Dv; c++) o[c] *= alpha;
+            Lsum[rr[r]] *= alpha;
+            M[rr[r]] = mn;
+        }
+        Lsum[rr[r]] += hsum(sum);
+    }
+}
+
+static void softmax_step(v16f S[RG][4], int NV, const int *rr, float *const *os, int Dv, float *M, float *Lsum,
+                         float pw[RG][64]) {
+    switch (NV) { /* each a specialised copy, unrolled */
+    case 4: softmax_tile(S, 4, rr, os, Dv, M, Lsum, pw); break;
+    case 3: softmax_tile(S, 3, rr, os, Dv, M, Lsum, pw); break;
+    case 2: softmax_tile(S, 2, rr, os, Dv, M, Lsum, pw); break;
+    default: softmax_tile(S, 1, rr, os, Dv, M, Lsum, pw); break;
+    }
+}
+
 static void forward_tile(const sparse_t *J, int b, int e, int n0, int n1, fwd_buf *W) {
     const int D = J->D, Dv = J->Dv, Gp = J->Gp, bs = J->bs;
     const int kvh = (int)J->kv[e];
@@ -302,7 +368,8 @@ static void forward_tile(const sparse_t *J, int b, int e, int n0, int n1, fwd_bu
         float *qs = W->qs + (long)r * D;
         if (r < R) {
             const float *q = J->q + b * J->q_b + (long)(e * Gp + r % Gp) * J->q_h + (P.tok0 + r / Gp) * J->q_l;
-            for (int c = 0; c < D; c++) qs[c] = q[c] * J->scale;
+            const float f = J->scale * LOG2E; /* scores in base 2: exp2 is cheaper than exp */
+            for (int c = 0; c < D; c++) qs[c] = q[c] * f;
         } else
             memset(qs, 0, sizeof(float) * D); /* the scratch rows that pad a register tile */
         W->m[r] = -INFINITY;
@@ -340,30 +407,7 @@ static void forward_tile(const sparse_t *J, int b, int e, int n0, int n1, fwd_bu
                 v16f S[RG][4];
                 scores_any(xs, KT + j * D * bs + c0, bs, D, NV, S);
                 if (!whole) mask_tile(J, S, qpos, k0, NV);
-                for (int r = 0; r < RG; r++) {
-                    v16f mv = S[r][0];
-                    for (int v = 1; v < NV; v++) mv = sel(S[r][v] > mv, S[r][v], mv);
-                    const float mx = hmax(mv), m0 = W->m[rr[r]];
-                    const float mn = mx > m0 ? mx : m0;
-                    if (mn == -INFINITY) { /* the row sees no key yet */
-                        memset(pw[r], 0, sizeof(pw[r]));
-                        continue;
-                    }
-                    v16f sum = {0};
-                    for (int v = 0; v < NV; v++) {
-                        v16f e = vexp(S[r][v] - mn);
-                        store(pw[r] + 16 * v, e);
-                        sum += e;
-                    }
-                    if (mn > m0) { /* a new maximum: what the row holds is rescaled to it */
-                        const float alpha = expf(m0 - mn);
-                        float *o = os[r];
-                        for (int c = 0; c < Dv; c++) o[c] *= alpha;
-                        W->l[rr[r]] *= alpha;
-                        W->m[rr[r]] = mn;
-                    }
-                    W->l[rr[r]] += hsum(sum);
-                }
+                softmax_step(S, NV, rr, os, Dv, W->m, W->l, pw);
                 update_rows(os, (const float(*)[64])pw, V + k0 * J->v_l, J->v_l, (int)(kend - k0), Dv);
             }
         }
@@ -377,7 +421,7 @@ static void forward_tile(const sparse_t *J, int b, int e, int n0, int n1, fwd_bu
         if (l > 0.f) {
             const float inv = 1.0f / l;
             for (int c = 0; c < Dv; c++) out[c] = o[c] * inv;
-            J->lse[at] = W->m[r] + logf(l);
+            J->lse[at] = (W->m[r] + log2f(l)) * LN2; /* back from base 2 */
         } else {
             memset(out, 0, sizeof(float) * Dv);
             J->lse[at] = -INFINITY;
