@@ -42,6 +42,9 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define TILE_ROWS 1024 /* rows per tile: each key block read once for the ~TILE_ROWS·k/nK rows that chose it (512: 5-10% slower at 16k, 2048: NSA slower) */
 #endif
 #define RG 4 /* rows per register tile */
+#ifndef CB
+#define CB 64 /* keys per chunk of the backward (a multiple of 16, at most 64; 16 and 32 measured the same at 16k) */
+#endif
 
 static inline v16f load(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
 static inline void store(float *p, v16f v) { memcpy(p, &v, 64); }
@@ -106,8 +109,6 @@ static inline v16f vexp_e(v16f x) {
 }
 static inline v16f vexp2(v16f x) { return vexp_e(x * LN2); }
 #endif
-/* exp(x) = 2^(x log2 e) */
-static inline v16f vexp(v16f x) { return vexp2(x * LOG2E); }
 
 typedef struct {
     int B, Hq, Hkv, Lq, Lk, D, Dv;
@@ -268,7 +269,18 @@ static inline __attribute__((always_inline)) void outer_tile(float *out, long lo
     v16f x[RG][4];
     for (int r = 0; r < RG; r++)
         for (int f = 0; f < NF; f++) x[r][f] = load(xs[r] + 16 * f);
-    for (int t = 0; t < cnt; t++) {
+    int t = 0;
+    for (; t + 2 <= cnt; t += 2) { /* two keys at once: 2·NF chains of RG dependent FMAs in flight */
+        float *o0 = out + t * lo, *o1 = o0 + lo;
+        v16f a[4], b[4];
+        for (int f = 0; f < NF; f++) a[f] = load(o0 + 16 * f), b[f] = load(o1 + 16 * f);
+        for (int r = 0; r < RG; r++) {
+            v16f p0 = bcast(w[r][t]), p1 = bcast(w[r][t + 1]);
+            for (int f = 0; f < NF; f++) a[f] += p0 * x[r][f], b[f] += p1 * x[r][f];
+        }
+        for (int f = 0; f < NF; f++) store(o0 + 16 * f, a[f]), store(o1 + 16 * f, b[f]);
+    }
+    for (; t < cnt; t++) {
         float *o = out + t * lo;
         v16f a[4];
         for (int f = 0; f < NF; f++) a[f] = load(o + 16 * f);
@@ -494,10 +506,11 @@ static void backward_tile(const sparse_t *J, int b, int e, int n0, int n1, float
             const int h = e * Gp + r % Gp;
             const long i = P.tok0 + r / Gp, at = ((long)b * J->Hq + h) * J->Lq + i;
             const float *q = J->q + b * J->q_b + h * J->q_h + i * J->q_l;
-            for (int c = 0; c < D; c++) qs[c] = q[c] * J->scale;
+            const float f = J->scale * LOG2E; /* scores in base 2, as the forward's */
+            for (int c = 0; c < D; c++) qs[c] = q[c] * f;
             memcpy(go, J->dout + at * Dv, sizeof(float) * Dv);
             const float l = J->lse_in[at];
-            W->lse[r] = l == -INFINITY ? INFINITY : l; /* a row that saw nothing: p = exp(s - inf) = 0 */
+            W->lse[r] = l == -INFINITY ? INFINITY : l * LOG2E; /* a row that saw nothing: p = 2^(s - inf) = 0 */
             W->delta[r] = J->delta[at];
         } else {
             memset(qs, 0, sizeof(float) * D);
@@ -519,24 +532,27 @@ static void backward_tile(const sparse_t *J, int b, int e, int n0, int n1, float
         memset(W->dkb, 0, sizeof(float) * bs * D);
         memset(W->dvb, 0, sizeof(float) * bs * Dv);
         const int nr = rows_of_block(J, &P, p0, p1, key0, W->rows);
-        for (int g0 = 0; g0 < nr; g0 += RG) {
-            int rr[RG];
-            long qpos[RG];
-            for (int r = 0; r < RG; r++) {
-                rr[r] = g0 + r < nr ? W->rows[g0 + r] : R + r;
-                qpos[r] = g0 + r < nr ? P.tok0 + rr[r] / Gp : P.tok0 + W->rows[nr - 1] / Gp;
-            }
-            const float *xs[RG], *gs[RG];
-            float *dqs[RG];
-            for (int r = 0; r < RG; r++) {
-                xs[r] = W->qs + (long)rr[r] * D, gs[r] = W->go + (long)rr[r] * Dv;
-                dqs[r] = W->dq + (long)rr[r] * D;
-            }
-            const long qmin = qpos[0], qmax = qpos[RG - 1];
-            for (int c0 = 0; c0 < bs; c0 += 64) {
-                const long k0 = key0 + c0;
-                if (k0 >= J->Lk || (J->causal && k0 > qmax + J->d)) break;
-                const int NV = bs - c0 >= 64 ? 4 : (bs - c0) / 16;
+        /* chunks of CB keys outside, the row groups inside: every group goes through a chunk's K, Kᵀ,
+         * Vᵀ, dK and dV while they are in cache */
+        for (int c0 = 0; c0 < bs; c0 += CB) {
+            const long k0 = key0 + c0;
+            if (k0 >= J->Lk) break;
+            const int NV = bs - c0 >= CB ? CB / 16 : (bs - c0) / 16;
+            for (int g0 = 0; g0 < nr; g0 += RG) {
+                int rr[RG];
+                long qpos[RG];
+                for (int r = 0; r < RG; r++) {
+                    rr[r] = g0 + r < nr ? W->rows[g0 + r] : R + r;
+                    qpos[r] = g0 + r < nr ? P.tok0 + rr[r] / Gp : P.tok0 + W->rows[nr - 1] / Gp;
+                }
+                const long qmin = qpos[0], qmax = qpos[RG - 1];
+                if (J->causal && k0 > qmax + J->d) continue; /* no row of the group sees the chunk; later groups may */
+                const float *xs[RG], *gs[RG];
+                float *dqs[RG];
+                for (int r = 0; r < RG; r++) {
+                    xs[r] = W->qs + (long)rr[r] * D, gs[r] = W->go + (long)rr[r] * Dv;
+                    dqs[r] = W->dq + (long)rr[r] * D;
+                }
                 long kend = k0 + 16 * NV;
                 if (kend > J->Lk) kend = J->Lk;
                 if (J->causal && kend > qmax + J->d + 1) kend = qmax + J->d + 1;
@@ -549,19 +565,18 @@ static void backward_tile(const sparse_t *J, int b, int e, int n0, int n1, float
                 for (int r = 0; r < RG; r++) {
                     const float l = W->lse[rr[r]], dl = W->delta[rr[r]];
                     for (int v = 0; v < NV; v++) {
-                        v16f p = vexp(S[r][v] - l);
+                        v16f p = vexp2(S[r][v] - l);
                         store(pw[r] + 16 * v, p);
                         store(dsw[r] + 16 * v, p * (dP[r][v] - dl));
                     }
                 }
-                (void)cnt;
                 outer_rows(W->dvb + (long)c0 * Dv, Dv, (const float(*)[64])pw, gs, n, Dv);
                 outer_rows(W->dkb + (long)c0 * D, D, (const float(*)[64])dsw, xs, n, D);
                 update_rows(dqs, (const float(*)[64])dsw, K + k0 * J->k_l, J->k_l, n, D);
             }
         }
         float *dkr = dk + key0 * D, *dvr = dv + key0 * Dv;
-        for (long i = 0; i < (long)cnt * D; i++) dkr[i] += W->dkb[i];
+        for (long i = 0; i < (long)cnt * D; i++) dkr[i] += W->dkb[i] * LN2; /* Σ ds q·scale, from q·scale·log2 e */
         for (long i = 0; i < (long)cnt * Dv; i++) dvr[i] += W->dvb[i];
     }
     for (int r = 0; r < R; r++) {
