@@ -8,9 +8,9 @@ time goes and the bound that the keys each query reads put on the ratio.
 * ``nsa``: :class:`multihead.layers.nsa.NsaCore` with the paper's sizes (compressed blocks of 32
   every 16, 16 selected blocks of 64, a window of 512): the three branches and their gates;
 * ``moba``: :class:`multihead.layers.moba.MobaCore`, blocks of 64, 16 read (the own one included);
-* ``nsa (PyTorch pieces)``, ``moba (PyTorch pieces)``: the same with the selected attention on
-  PyTorch's kernels (``key_major.py``), multihead's CPU sparse kernel (``cpu_sparse.c``) off:
-  what ran before it, timed in the same run.
+* ``nsa (PyTorch pieces)``, ``moba (PyTorch pieces)``: the same with multihead's CPU kernels off
+  (``cpu_sparse.c``: the selected attention on PyTorch's kernels, ``key_major.py``; ``cpu_topk.c``:
+  the choice's ranking by ``torch.topk``): what ran before them, timed in the same run.
 
 The bound: keys read per query, summed over the queries (causal: query ``i`` reads ``i + 1``
 keys dense; NSA ``min(i + 1, w) + (selected keys at or before i) + (compressed blocks complete
@@ -34,7 +34,7 @@ import copy
 import torch
 
 from common import check_close, context, cpu_ms, machine_state, mh, print_table, write_csv
-from multihead.backends import cpu_sparse
+from multihead.backends import cpu_sparse, cpu_topk
 from multihead.layers.moba import MobaCore
 from multihead.layers.nsa import NsaCore
 from multihead.masks import causal, sliding_window
@@ -64,13 +64,14 @@ def keys_read(L: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def pytorch_pieces():
-    """The selected attention on PyTorch's kernels (``key_major.py``): the CPU sparse kernel off."""
-    supports = cpu_sparse.supports
-    cpu_sparse.supports = lambda *args, **kwargs: False  # type: ignore[assignment]
+    """multihead's CPU kernels off: the selected attention on PyTorch's kernels (``key_major.py``),
+    the choice ranked by ``torch.topk``."""
+    saved = cpu_sparse.supports, cpu_topk.supports
+    cpu_sparse.supports = cpu_topk.supports = lambda *args, **kwargs: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        cpu_sparse.supports = supports  # type: ignore[assignment]
+        cpu_sparse.supports, cpu_topk.supports = saved  # type: ignore[assignment]
 
 
 def without_kernel(fn):
@@ -111,7 +112,9 @@ def branches(layer: mh.NativeSparseAttention, gates: torch.Tensor, q, k, v) -> d
         "nsa: window": lambda: mh.attention(q, k, v, mask=sliding_window(NSA["window"] - 1)),
         "moba: choice": lambda: moba._mask(q, k, None),
         "moba: attention": lambda: mh.attention(q, k, v, mask=chosen),
+        "nsa: compressed + choice (PyTorch pieces)": without_kernel(lambda: core.compressed_and_chosen(q, k, v)),
         "nsa: selected (PyTorch pieces)": without_kernel(lambda: mh.attention(q, k, v, mask=selected)),
+        "moba: choice (PyTorch pieces)": without_kernel(lambda: moba._mask(q, k, None)),
         "moba: attention (PyTorch pieces)": without_kernel(lambda: mh.attention(q, k, v, mask=chosen)),
     }
 
@@ -159,6 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     print(context())
     print("CPU sparse kernel (cpu_sparse.c):", cpu_sparse.unavailable() or "built; nsa and moba run it")
+    print("CPU best-first kernel (cpu_topk.c):", cpu_topk.unavailable() or "built; nsa and moba run it")
     print("before:", machine_state())
     torch.manual_seed(0)
     layer = mh.NativeSparseAttention(H * D, H, num_kv_heads=HKV, **NSA)
