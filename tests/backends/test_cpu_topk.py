@@ -24,7 +24,7 @@ def _stable_first(scores, n):
     return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n])
 
 
-@pytest.mark.parametrize("m,n", [(1, 1), (7, 3), (37, 16), (256, 17), (300, 256), (5, 9)])
+@pytest.mark.parametrize("m,n", [(1, 1), (7, 3), (37, 16), (256, 16), (256, 17), (300, 256), (5, 9), (64, 2)])
 def test_the_kernel_is_the_stable_sort(m, n):
     g = torch.Generator().manual_seed(m * 1000 + n)
     s = (torch.randint(-3, 4, (3, 5, m), generator=g) * 0.5).float()  # many ties
@@ -59,3 +59,13 @@ def test_other_operands_take_the_pytorch_path(monkeypatch):
     assert not cpu_topk.supports(s, 257)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not cpu_topk.supports(s, 5)
+
+
+def test_random_rows_of_moba_length():
+    """Rows of distinct scores (the first pass's threshold prunes most of them) and of ties."""
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 8, 16):
+        s = torch.randn(64, 256, generator=g)
+        s[:8] = s[:8].round()  # many ties, some at the threshold
+        s[8:16, 100:] = float("-inf")
+        assert torch.equal(ranking.best_first(s, n), _stable_first(s, n))

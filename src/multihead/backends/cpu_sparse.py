@@ -126,6 +126,7 @@ def supports(q: Tensor, k: Tensor, v: Tensor, selection: Selection) -> bool:
     sel = selection.select
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v))
+        and sel.indices.device.type == "cpu"
         and q.shape[-1] % 16 == 0
         and v.shape[-1] % 16 == 0
         and sel.block_size % 16 == 0

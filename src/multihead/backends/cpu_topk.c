@@ -32,10 +32,14 @@ static inline void offer(float x, long j, float *val, int64_t *idx, int *cnt, in
 }
 
 /* rows (R, m) with row stride ld; out (R, n) int64; nan (R,) set to 1 for rows with a NaN.
- * 16 scores are compared with the worst kept at once: most of a row's scores beat none once n
- * are kept, and are passed over a vector at a time. Returns the number of rows with a NaN. */
+ * Two passes over a row. The first takes the max of each of the 16 lanes over the row's whole
+ * vectors: 16 scores at 16 places, so for n <= 16 the least of them, T, is at most the n-th best
+ * (a score below T is below 16 others: never chosen). The second offers the scores >= T (ties
+ * with T included) in order, 16 compared at once: a few dozen offers per row, not one per score
+ * that beats the n best so far. Returns the number of rows with a NaN. */
 long mh_best_first(const float *s, long R, long m, long ld, int n, int64_t *out, uint8_t *nan, int threads) {
     long flagged = 0;
+    const long m16 = m & ~15L;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flagged)
     for (long r = 0; r < R; r++) {
@@ -43,22 +47,34 @@ long mh_best_first(const float *s, long R, long m, long ld, int n, int64_t *out,
         float val[256];
         int64_t *idx = out + r * n;
         int cnt = 0, bad = 0;
-        long j = 0;
-        for (; j + 16 <= m && !bad; j += 16) {
+        v16f lanes = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                      -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        v16i odd = {0};
+        for (long j = 0; j < m16; j += 16) {
             v16f x;
             memcpy(&x, row + j, 64);
-            const float worst = cnt == n ? val[n - 1] : -INFINITY;
+            odd |= x != x;
+            lanes = (v16f)(((v16i)x & (x > lanes)) | ((v16i)lanes & ~(x > lanes)));
+        }
+        float least = INFINITY;
+        for (int l = 0; l < 16; l++) {
+            bad |= odd[l] != 0;
+            least = lanes[l] < least ? lanes[l] : least;
+        }
+        const float T = n <= 16 && m16 > 0 ? least : -INFINITY; /* scores below T are never chosen */
+        long j = 0;
+        for (; j < m16 && !bad; j += 16) {
+            v16f x;
+            memcpy(&x, row + j, 64);
+            const float worst = cnt == n ? val[n - 1] : T;
             const v16f w = {worst, worst, worst, worst, worst, worst, worst, worst,
                             worst, worst, worst, worst, worst, worst, worst, worst};
-            const v16i hit = (x > w) | (x != x);
+            const v16i hit = x >= w;
             int any = 0;
             for (int l = 0; l < 16; l++) any |= hit[l];
             if (!any) continue;
-            for (int l = 0; l < 16; l++) {
-                if (!hit[l]) continue;
-                if (x[l] != x[l]) { bad = 1; break; }
-                offer(x[l], j + l, val, idx, &cnt, n);
-            }
+            for (int l = 0; l < 16; l++)
+                if (hit[l]) offer(x[l], j + l, val, idx, &cnt, n);
         }
         for (; j < m && !bad; j++) {
             if (row[j] != row[j]) bad = 1;
