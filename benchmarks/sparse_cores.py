@@ -7,7 +7,10 @@ time goes and the bound that the keys each query reads put on the ratio.
 * ``dense``: :func:`multihead.attention` with ``causal()`` (what the plain layer runs);
 * ``nsa``: :class:`multihead.layers.nsa.NsaCore` with the paper's sizes (compressed blocks of 32
   every 16, 16 selected blocks of 64, a window of 512): the three branches and their gates;
-* ``moba``: :class:`multihead.layers.moba.MobaCore`, blocks of 64, 16 read (the own one included).
+* ``moba``: :class:`multihead.layers.moba.MobaCore`, blocks of 64, 16 read (the own one included);
+* ``nsa (PyTorch pieces)``, ``moba (PyTorch pieces)``: the same with multihead's CPU kernels off
+  (``cpu_sparse.c``: the selected attention on PyTorch's kernels, ``key_major.py``; ``cpu_topk.c``:
+  the choice's ranking by ``torch.topk``): what ran before them, timed in the same run.
 
 The bound: keys read per query, summed over the queries (causal: query ``i`` reads ``i + 1``
 keys dense; NSA ``min(i + 1, w) + (selected keys at or before i) + (compressed blocks complete
@@ -25,11 +28,13 @@ a check against the fp64 reference at ``L = 512``. The load average is printed b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 
 import torch
 
 from common import check_close, context, cpu_ms, machine_state, mh, print_table, write_csv
+from multihead.backends import cpu_sparse, cpu_topk
 from multihead.layers.moba import MobaCore
 from multihead.layers.nsa import NsaCore
 from multihead.masks import causal, sliding_window
@@ -57,11 +62,39 @@ def keys_read(L: int) -> dict[str, float]:
     }
 
 
+@contextlib.contextmanager
+def pytorch_pieces():
+    """multihead's CPU kernels off: the selected attention on PyTorch's kernels (``key_major.py``),
+    the choice ranked by ``torch.topk``."""
+    saved = cpu_sparse.supports, cpu_topk.supports
+    cpu_sparse.supports = cpu_topk.supports = lambda *args, **kwargs: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cpu_sparse.supports, cpu_topk.supports = saved  # type: ignore[assignment]
+
+
+def without_kernel(fn):
+    def run(*args):
+        with pytorch_pieces():
+            return fn(*args)
+
+    return run
+
+
 def contenders(layer: mh.NativeSparseAttention, gates: torch.Tensor) -> dict:
+    def nsa(q, k, v):
+        return NsaCore(layer, gates, None)(q, k, v)
+
+    def moba(q, k, v):
+        return MobaCore(MOBA_BLOCK, MOBA_TOP)(q, k, v)
+
     return {
         "dense": lambda q, k, v: mh.attention(q, k, v, mask=causal()),
-        "nsa": lambda q, k, v: NsaCore(layer, gates, None)(q, k, v),
-        "moba": lambda q, k, v: MobaCore(MOBA_BLOCK, MOBA_TOP)(q, k, v),
+        "nsa": nsa,
+        "moba": moba,
+        "nsa (PyTorch pieces)": without_kernel(nsa),
+        "moba (PyTorch pieces)": without_kernel(moba),
     }
 
 
@@ -79,6 +112,10 @@ def branches(layer: mh.NativeSparseAttention, gates: torch.Tensor, q, k, v) -> d
         "nsa: window": lambda: mh.attention(q, k, v, mask=sliding_window(NSA["window"] - 1)),
         "moba: choice": lambda: moba._mask(q, k, None),
         "moba: attention": lambda: mh.attention(q, k, v, mask=chosen),
+        "nsa: compressed + choice (PyTorch pieces)": without_kernel(lambda: core.compressed_and_chosen(q, k, v)),
+        "nsa: selected (PyTorch pieces)": without_kernel(lambda: mh.attention(q, k, v, mask=selected)),
+        "moba: choice (PyTorch pieces)": without_kernel(lambda: moba._mask(q, k, None)),
+        "moba: attention (PyTorch pieces)": without_kernel(lambda: mh.attention(q, k, v, mask=chosen)),
     }
 
 
@@ -101,6 +138,7 @@ def check(layer, gates_of) -> None:
     moba = MobaCore(MOBA_BLOCK, MOBA_TOP)
     want = mh.attention(qd, kd, vd, mask=moba._mask(q, k, None), backend="reference")
     check_close("moba", moba(q, k, v), want)
+    check_close("moba (PyTorch pieces)", without_kernel(moba)(q, k, v), want)
     gates = gates_of(L)
     core, core64 = NsaCore(layer, gates, None), NsaCore(copy.deepcopy(layer).double(), gates.double(), None)
     with torch.no_grad():
@@ -123,6 +161,8 @@ def main() -> None:
     parser.add_argument("--no-branches", action="store_true", help="skip the per-branch forward times")
     args = parser.parse_args()
     print(context())
+    print("CPU sparse kernel (cpu_sparse.c):", cpu_sparse.unavailable() or "built; nsa and moba run it")
+    print("CPU best-first kernel (cpu_topk.c):", cpu_topk.unavailable() or "built; nsa and moba run it")
     print("before:", machine_state())
     torch.manual_seed(0)
     layer = mh.NativeSparseAttention(H * D, H, num_kv_heads=HKV, **NSA)
@@ -166,8 +206,8 @@ def main() -> None:
                     "pass": kind,
                     "cpu ms": t,
                     "dense / this": ms[("dense", kind)] / t,
-                    "bound": keys["dense"] / keys[name],
-                    "keys per query": keys[name] / L,
+                    "bound": keys["dense"] / keys[name.split()[0]],
+                    "keys per query": keys[name.split()[0]] / L,
                     "us per token": t * 1e3 / L,
                 }
             )

@@ -129,7 +129,7 @@ class BlockSparseBackend(Backend):
         B, Hq, Hkv, Lq, Lk, D, Dv = call.shape
         selection = _gathers(call)
         if selection is not None:
-            return selected_plan(selection, call.shape)
+            return selected_plan(selection, call.q, call.k, call.v)
         plan = self._plan(call)
         mods = call.score_mod
         relative = mods is not None and mods.relative

@@ -15,13 +15,16 @@ take the stable sort: a key of 64 bits has no room for the index.
 
 Rows whose ``n + 1`` best fp32 scores are all different (most rows of real scores) have one
 order only: those take a ``topk`` of the scores themselves, and only rows with a tie (or a NaN)
-build the keys.
+build the keys. fp32 scores on the CPU take multihead's kernel (:mod:`multihead.backends.cpu_topk`:
+each row read once against the ``n`` best so far, the rule itself), rows with a NaN the keys.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from multihead.backends import cpu_topk
 
 __all__ = ["best_first"]
 
@@ -38,6 +41,11 @@ def best_first(scores: Tensor, n: int) -> Tensor:
         if scores.dtype == torch.float64:
             ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
             return torch.where(torch.isneginf(ranked[..., :n]), -1, order[..., :n])
+        if cpu_topk.supports(scores, n):  # fp32 on the CPU: one pass per row in C (-0.0 equals 0.0 there)
+            fast, nan = cpu_topk.best_first_rows(scores, n)
+            if bool(nan.any()):
+                fast[nan] = _keyed(scores[nan] + 0.0, n)
+            return fast
         s = scores.float() + 0.0  # -0.0 -> 0.0: one key for equal scores
         if torch.compiler.is_compiling():  # the rows with a tie are a host decision: keys, no graph break
             return _keyed(s, n)
