@@ -22,14 +22,12 @@ results.
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .native_build import FLAGS, compile_library
+from .native_build import FLAGS, NativeLibrary
 
 __all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", "build"]
 
@@ -68,45 +66,30 @@ class _Job(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}
-_why: dict[tuple[str, ...], str] = {}
-
-
 def kernel(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     """The built kernel, or ``None`` (see :func:`unavailable`). Built and self-tested once per process."""
-    lib = _loaded.get(flags, False)
-    if lib is not False:
-        return lib  # type: ignore[return-value]
-    with _lock:
-        if flags not in _loaded:
-            try:
-                lib = build(flags)
-                _self_test(lib)
-                _loaded[flags] = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError, AssertionError) as error:
-                _why[flags] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                _loaded[flags] = None
-    return _loaded[flags]
+    return _LIBRARY.library(flags)
 
 
 def unavailable(flags: tuple[str, ...] = FLAGS) -> str | None:
     """Why :func:`kernel` is ``None`` (no compiler, a failed build, a failed self-test); ``None`` if it is not."""
-    return None if kernel(flags) is not None else _why.get(flags, "not built")
+    return _LIBRARY.unavailable(flags)
 
 
 def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     """Compile ``cpu_decode.c`` with ``flags`` (``native_build``: reused while the source, flags,
     compiler and CPU are the same) and load it. Raises ``RuntimeError`` when no compiler is found,
     the build fails or the library's ``job_t`` differs from its ctypes mirror."""
-    lib = compile_library(_SOURCE, flags)
+    return _LIBRARY.build(flags)
+
+
+def _bind(lib: ctypes.CDLL) -> None:
     lib.mh_decode.argtypes = [ctypes.POINTER(_Job), _I, _I]
     lib.mh_decode.restype = _I
     lib.mh_job_size.restype = _L
     if lib.mh_job_size() != ctypes.sizeof(_Job):  # the mirror of job_t must match it field for field
         size, mirror = lib.mh_job_size(), ctypes.sizeof(_Job)
         raise RuntimeError(f"{_SOURCE.name}: job_t is {size} bytes, its ctypes mirror {mirror}")
-    return lib
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> bool:
@@ -257,3 +240,6 @@ def _self_test(lib: ctypes.CDLL) -> None:
         out, _ = _run(lib, q, kd, vd, 0.5, 3, 1, blocked, None, 0, None, scales, 2)
         error = (out.double() - expected).abs().max().item()
         assert error < 1e-4, f"the CPU decode kernel's self-test failed for {dtype} (error {error:.2e})"
+
+
+_LIBRARY = NativeLibrary(_SOURCE, _bind, _self_test)

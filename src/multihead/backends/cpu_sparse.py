@@ -21,8 +21,6 @@ compiler is found, the build fails or the self-test disagrees with an fp64 compu
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import torch
 from torch import Tensor
 
 from multihead.backends.block_gather import Selection, _whole_blocks
-from multihead.backends.native_build import FLAGS, compile_library
+from multihead.backends.native_build import FLAGS, NativeLibrary
 
 __all__ = ["kernel", "unavailable", "supports", "sparse_attention", "build"]
 
@@ -67,38 +65,24 @@ class _Job(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}
-_why: dict[tuple[str, ...], str] = {}
-
-
 def kernel(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     """The built kernel, or ``None`` (see :func:`unavailable`). Built and self-tested once per process."""
-    lib = _loaded.get(flags, False)
-    if lib is not False:
-        return lib  # type: ignore[return-value]
-    with _lock:
-        if flags not in _loaded:
-            try:
-                lib = build(flags)
-                _self_test(lib)
-                _loaded[flags] = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError, AssertionError) as error:
-                _why[flags] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                _loaded[flags] = None
-    return _loaded[flags]
+    return _LIBRARY.library(flags)
 
 
 def unavailable(flags: tuple[str, ...] = FLAGS) -> str | None:
     """Why :func:`kernel` is ``None`` (no compiler, a failed build, a failed self-test); ``None`` if it is not."""
-    return None if kernel(flags) is not None else _why.get(flags, "not built")
+    return _LIBRARY.unavailable(flags)
 
 
 def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     """Compile ``cpu_sparse.c`` (``native_build``: reused while the source, flags, compiler and CPU
     are the same) and load it. Raises ``RuntimeError`` when no compiler is found, the build fails
     or the library's ``sparse_t`` differs from its ctypes mirror."""
-    lib = compile_library(_SOURCE, flags)
+    return _LIBRARY.build(flags)
+
+
+def _bind(lib: ctypes.CDLL) -> None:
     for name in ("mh_sparse_forward", "mh_sparse_backward"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_Job), _I]
         getattr(lib, name).restype = _I
@@ -107,7 +91,6 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
         raise RuntimeError(
             f"{_SOURCE.name}: sparse_t is {lib.mh_sparse_size()} bytes, its ctypes mirror {ctypes.sizeof(_Job)}"
         )
-    return lib
 
 
 def causal_offset(selection: Selection, Lq: int, Lk: int) -> int | None:
@@ -268,3 +251,6 @@ def _self_test(lib: ctypes.CDLL) -> None:
     for got, expected, what in zip((out, *grads), (want, qd.grad, kd.grad, vd.grad), ("out", "dq", "dk", "dv")):
         error = (got.double() - expected).abs().max().item()
         assert error < 1e-4, f"the CPU sparse kernel's self-test failed for {what} (error {error:.2e})"
+
+
+_LIBRARY = NativeLibrary(_SOURCE, _bind, _self_test)

@@ -13,47 +13,33 @@ no compiler is found, the build fails or the self-test disagrees with a stable s
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from multihead.backends.native_build import FLAGS, compile_library
+from multihead.backends.native_build import FLAGS, NativeLibrary
 
 __all__ = ["kernel", "unavailable", "supports", "best_first_rows"]
 
 _SOURCE = Path(__file__).with_name("cpu_topk.c")
-_lock = threading.Lock()
-_loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}
-_why: dict[tuple[str, ...], str] = {}
 
 
 def kernel(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     """The built kernel, or ``None`` (see :func:`unavailable`). Built and self-tested once per process."""
-    lib = _loaded.get(flags, False)
-    if lib is not False:
-        return lib  # type: ignore[return-value]
-    with _lock:
-        if flags not in _loaded:
-            try:
-                lib = compile_library(_SOURCE, flags)
-                lib.mh_best_first.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
-                lib.mh_best_first.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-                lib.mh_best_first.restype = ctypes.c_long
-                lib.mh_best_first_max.restype = ctypes.c_int
-                _self_test(lib)
-                _loaded[flags] = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError, AssertionError) as error:
-                _why[flags] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                _loaded[flags] = None
-    return _loaded[flags]
+    return _LIBRARY.library(flags)
 
 
 def unavailable(flags: tuple[str, ...] = FLAGS) -> str | None:
     """Why :func:`kernel` is ``None``; ``None`` if it is not."""
-    return None if kernel(flags) is not None else _why.get(flags, "not built")
+    return _LIBRARY.unavailable(flags)
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.mh_best_first.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+    lib.mh_best_first.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.mh_best_first.restype = ctypes.c_long
+    lib.mh_best_first_max.restype = ctypes.c_int
 
 
 def supports(scores: Tensor, n: int) -> bool:
@@ -103,3 +89,6 @@ def _self_test(lib: ctypes.CDLL) -> None:
     ranked, order = torch.sort(s + 0.0, dim=-1, descending=True, stable=True)
     want = torch.where(torch.isneginf(ranked[:, :9]), -1, order[:, :9])
     assert not bool(nan.any()) and torch.equal(got, want), "the CPU best-first kernel's self-test failed"
+
+
+_LIBRARY = NativeLibrary(_SOURCE, _bind, _self_test)
