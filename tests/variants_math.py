@@ -58,13 +58,16 @@ def allowed_table(B: int, Lq: int, Lk: int, *, causal: bool = False, lengths: Te
     return table
 
 
-def published_nsa(params, x, *, Hq, Hkv, D, l, d, ls, n, w, positions=None):
+def published_nsa(params, x, *, Hq, Hkv, D, l, d, ls, n, w, positions=None, visible=None):
     """NSA (Yuan et al., 2025) from the equations, one KV group and one query token at a time
     (``docs/variants.md``): compressed blocks ``φ(K[i·d : i·d + l] + pos)``, their attention over
     the blocks complete at the query, selection blocks scored by the compressed probabilities of
     the blocks overlapping them summed over the group's heads, block 0, the own block and the one
     before it forced, the best others by score (ties: the lower block), ``n`` in all; the sliding
-    window of ``w`` keys; the three outputs mixed by ``σ(x W_g)`` per head. ``(B, L, E)``."""
+    window of ``w`` keys; the three outputs mixed by ``σ(x W_g)`` per head. ``(B, L, E)``.
+    ``visible (B, L, L)`` bool (a call's mask): a compressed block counts for a query only if it
+    may see every key of the block, the selected and window branches read the keys it may see,
+    and a branch with none gives 0."""
     B, L, _ = x.shape
     G = Hq // Hkv
     q = linear(x, params, "q_proj").unflatten(-1, (Hq, D)).transpose(1, 2)  # (B, Hq, L, D)
@@ -87,7 +90,11 @@ def published_nsa(params, x, *, Hq, Hkv, D, l, d, ls, n, w, positions=None):
             ]
             rows = {h: [] for h in range(g * G, (g + 1) * G)}
             for t in range(L):
-                complete = [i for i in range(nC) if i * d + l - 1 <= t]
+                complete = [
+                    i
+                    for i in range(nC)
+                    if i * d + l - 1 <= t and (visible is None or bool(visible[b, t, i * d : i * d + l].all()))
+                ]
                 o_cmp, p_cmp = {}, {}
                 for h in rows:
                     if complete:
@@ -107,9 +114,15 @@ def published_nsa(params, x, *, Hq, Hkv, D, l, d, ls, n, w, positions=None):
                 chosen = (forced + others)[:n]
                 selected = sorted(p for j in chosen for p in range(j * ls, min((j + 1) * ls, t + 1)))
                 window = list(range(max(0, t - w + 1), t + 1))
+                if visible is not None:
+                    selected = [p for p in selected if visible[b, t, p]]
+                    window = [p for p in window if visible[b, t, p]]
                 for h in rows:
                     o = []
                     for keys in (selected, window):
+                        if not keys:
+                            o.append(torch.zeros(D, dtype=x.dtype))
+                            continue
                         s = k[b, g, keys] @ q[b, h, t] / math.sqrt(D)
                         o.append(torch.softmax(s, dim=0) @ v[b, g, keys])
                     gt = gates[b, t, :, h]

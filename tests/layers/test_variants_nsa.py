@@ -112,6 +112,57 @@ def test_equals_the_equations_forward_and_gradients(heads, L, l, d, ls, n, w, ro
             assert float(got[1 + [n for n, _ in layer.named_parameters()].index(name)].abs().sum()) > 0, name
 
 
+def _masks(B, L):
+    """Masks a batch brings, with the keys each query may see ``(B, L, L)``: right padding, documents
+    (a compressed block across the boundary is seen by neither side), a bool tensor with a row that
+    sees nothing."""
+    lengths = torch.tensor([L, L - 6])
+    padding = (torch.arange(L)[None, None, :] < lengths[:, None, None]).expand(B, L, L)
+    ids = torch.tensor([0] * 9 + [1] * (L - 9))
+    documents = (ids[:, None] == ids[None, :]).expand(B, L, L)
+    table = torch.rand(B, 1, L, L, generator=torch.Generator().manual_seed(3)) < 0.7
+    table[1, 0, 12] = False  # a query that sees no key
+    return [(mh.key_padding(lengths), padding), (mh.document(ids), documents), (table, table[:, 0])]
+
+
+@pytest.mark.parametrize("case", range(3), ids=["padding", "documents", "bool"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
+def test_a_mask_joins_every_branch(case, heads):
+    """``mask=`` (the same for every head): the selected and window branches read the keys it
+    allows, a compressed block counts only where every key of it is allowed, a branch that sees
+    nothing gives 0; against the equations so restricted, outputs and gradients."""
+    (Hq, Hkv), B, L = heads, 2, 23
+    layer = _layer(Hq, Hkv)
+    mask, visible = _masks(B, L)[case]
+    x = _x(B, L).requires_grad_()
+    y = layer(x, mask=mask)
+    xr = x.detach().clone().requires_grad_()
+    params = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
+    want = published_nsa(params, xr, Hq=Hq, Hkv=Hkv, D=layer.head_dim, l=4, d=2, ls=4, n=3, w=5, visible=visible)
+    torch.testing.assert_close(y, want)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = torch.autograd.grad((y * g).sum(), [x, *layer.parameters()], allow_unused=True)
+    ref = torch.autograd.grad((want * g).sum(), [xr, *params.values()], allow_unused=True)
+    for (name, p), a, b in zip([("x", x), *layer.named_parameters()], got, ref):
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("case", range(2), ids=["padding", "documents"])
+def test_a_masked_prefill_and_decode_steps_equal_the_masked_full_forward(case):
+    B, L = 2, 23
+    layer = _layer(4, 2)
+    mask, _ = _masks(B, L)[case]  # mask objects at absolute positions: the same one for every step
+    x = _x(B, L)
+    with torch.no_grad():
+        full = layer(x, mask=mask)
+        cache = mh.DynamicKVCache()
+        parts = [layer(x[:, :11], mask=mask, kv_cache=cache)]
+        parts += [layer(x[:, t : t + 1], mask=mask, kv_cache=cache) for t in range(11, L)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_by_the_relative_rule(dtype):
     layer = _layer(4, 2, 4, 2, 4, 3, 5, rope=True)
@@ -217,7 +268,8 @@ def test_the_selected_branch_runs_gathered():
         ({"select_count": True}, None, ValueError, "select_count must be a positive int"),
         ({"causal": False}, None, ValueError, "causal must be True"),
         ({"dropout": 0.1}, None, ValueError, "dropout is not supported"),
-        ({}, {"mask": mh.masks.causal()}, TypeError, "mask= is not supported"),
+        ({}, {"score_mod": mh.scores.softcap(30.0)}, TypeError, "score_mod= is not supported"),
+        ({}, {"mask": torch.rand(1, 4, 5, 5) < 0.5}, ValueError, "the mask differs between heads"),
         ({}, {"need_weights": True}, TypeError, "need_weights is not supported"),
         ({}, {"kv_cache": mh.StaticKVCache(1, 8, 2, 12)}, TypeError, "kv_cache must be a DynamicKVCache"),
     ],

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from multihead.attention import attention
 from multihead.backends.flash_pieces import available, flash
+from multihead.blocks import Block, Extent
 from multihead.caches import DynamicKVCache
 from multihead.conventions import softmax_dtype
 from multihead.explain import Explanation, explain
@@ -50,7 +51,7 @@ from multihead.layers.checks import check_causal_variant, check_counts, check_po
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
-from multihead.masks import Mask, block_select, causal, sliding_window
+from multihead.masks import Mask, as_mask, block_select, causal, sliding_window
 
 __all__ = ["NativeSparseAttention", "NsaCore"]
 
@@ -75,9 +76,10 @@ class NativeSparseAttention(MultiHeadAttention):
             (``rope``, ``backend``, ``head_dim``, ...); ``causal`` is always ``True``; not
             ``dropout``, ``attend`` or ``context_parallel``.
 
-    ``forward(x, *, positions=None, kv_cache=None)``: self-attention, causal; ``kv_cache`` a
-    :class:`~multihead.caches.DynamicKVCache`. No ``mask=`` (the three branches are causal by
-    construction), no ``need_weights`` (three maps, no one probability table).
+    ``forward(x, *, mask=None, positions=None, kv_cache=None)``: self-attention, causal; ``kv_cache``
+    a :class:`~multihead.caches.DynamicKVCache`; ``mask`` (the same for every head) joins every
+    branch: a compressed block counts only where the mask shows every key of it. No
+    ``need_weights`` (three maps, no one probability table).
     """
 
     def __init__(
@@ -134,7 +136,7 @@ class NativeSparseAttention(MultiHeadAttention):
         check_position_cache(
             layer, kv_cache, "its slots are positions, so blocks are cut where they were in the prefill"
         )
-        check_self_attention(layer, args, kwargs, "the branches are causal by construction")
+        check_self_attention(layer, args, {**kwargs, "mask": None}, "the branches are causal by construction")
         if kwargs.get("need_weights"):
             raise TypeError(f"{layer}: need_weights is not supported (three attention maps, no one table)")
         self._cache = kv_cache
@@ -199,9 +201,15 @@ class NsaCore:
             raise TypeError("NativeSparseAttention: weights are not supported (three attention maps, no one table)")
         backend = options.get("backend", "auto")
         B, Hq, Lq, D = q.shape
-        o_cmp, idx = self.compressed_and_chosen(q, k, v)
-        o_slc = self._selected_attention(q, k, v, idx, backend)
-        o_win = attention(q, k, v, mask=sliding_window(self.layer.window - 1), backend=backend)
+        extra = _beyond_causal(mask)
+        o_cmp, idx = self.compressed_and_chosen(q, k, v, extra)
+        window: Mask = sliding_window(self.layer.window - 1)
+        if extra is None:
+            o_slc = self._selected_attention(q, k, v, idx, backend)
+        else:  # the call's mask joins each branch's: the selected blocks' keys it allows
+            o_slc = attention(q, k, v, mask=self._selected(idx, Hq) & extra, backend=backend)
+            window = window & extra
+        o_win = attention(q, k, v, mask=window, backend=backend)
         g = self.gates.view(B, Lq, 3, Hq).permute(2, 0, 3, 1).unsqueeze(-1)  # (3, B, Hq, Lq, 1)
         return g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # (B, Hq, Lq, D)
 
@@ -258,13 +266,18 @@ class NsaCore:
     def _selected(self, idx: Tensor, Hq: int) -> Mask:
         return block_select(idx, self.layer.select_block, num_heads=Hq, query_block_size=1) & causal()
 
-    def compressed_and_chosen(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def compressed_and_chosen(
+        self, q: Tensor, k: Tensor, v: Tensor, extra: Mask | None = None
+    ) -> tuple[Tensor, Tensor]:
         """``o_cmp (B, Hq, Lq, D)`` as :meth:`compressed` and the chosen blocks ``(B, Hkv, Lq,
         n)`` as :meth:`choose`, without the ``(B, Hq, Lq, nC)`` table of probabilities: a query
         chunk at a time, the compressed branch runs on the fused kernel (its output and LSE,
         differentiable) over the blocks complete by the chunk's last query, and the chunk's
         probabilities ``exp(s − lse)`` are recomputed, pooled and ranked before the next chunk.
-        Cost ``∝ Lq · Lk / d`` multiply-adds, memory ``∝ chunk · Lk / d``."""
+        Cost ``∝ Lq · Lk / d`` multiply-adds, memory ``∝ chunk · Lk / d``. ``extra`` (the call's mask
+        beyond causal, the same for every head): a compressed block is seen by a query only if the
+        mask lets it see every key of the block (no information from a key it may not read), and
+        a query that sees no block gets 0."""
         layer = self.layer
         B, Hq, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
@@ -287,13 +300,37 @@ class NsaCore:
             n = min(nC, (b + Lk - Lq - l) // d + 1)  # blocks complete by the chunk's last query (at b - 1)
             additive = torch.zeros(b - a, n, dtype=softmax_dtype(q.dtype), device=q.device)
             additive.masked_fill_(ends[:n] > pos[:, None], float("-inf"))  # (C, n); every row sees block 0
-            additive = additive.repeat(G, 1)  # rows of the folded query heads: (G·C, n)
+            unseen: Tensor | None = None
+            if extra is not None:  # (B|1, C, n): blocks whose every key the mask shows the query
+                keys = (n - 1) * d + l
+                shown = self._visible(extra, B, Lq, Lk, a, b, keys).unfold(-1, l, d).all(-1)
+                additive = additive.masked_fill(~shown, float("-inf"))  # (B|1, C, n)
+                unseen = torch.isneginf(additive).all(-1, keepdim=True)  # rows that see no block: 0 below
+                additive = additive.masked_fill(unseen, 0.0).unsqueeze(1)  # (B|1, 1, C, n)
+            additive = additive.repeat(*([1] * (additive.dim() - 2)), G, 1)  # rows of the folded heads: (·, G·C, n)
             qf = q[:, :, a:b].reshape(B, Hkv, G * (b - a), D)  # a group's heads folded into rows
             o, p = _attend(qf, kc[:, :, :n], vc[:, :, :n], additive, scale)  # p: (B, Hkv, G·C, n), no grad
+            if unseen is not None:
+                rows = unseen.unsqueeze(1).repeat(1, 1, G, 1)  # (B|1, 1, G·C, 1)
+                o, p = o.masked_fill(rows, 0.0), p.masked_fill(rows, 0.0)
             outs.append(o.view(B, Hq, b - a, -1))
             pooled = p.view(B, Hkv, G, b - a, n).sum(2)  # (B, Hkv, C, n): summed over the group's heads
             chosen.append(self._rank(pooled, a + Lk - Lq, Lk))
         return torch.cat(outs, dim=2), torch.cat(chosen, dim=2)
+
+    def _visible(self, mask: Mask, B: int, Lq: int, Lk: int, a: int, b: int, keys: int) -> Tensor:
+        """``(B|1, b - a, keys)`` bool: which of the first ``keys`` keys the queries ``[a, b)`` may
+        see; the compressed branch and the choice serve every head of a group, so a mask that
+        differs between heads is refused."""
+        extent = Extent(B, self.layer.num_heads, Lq, Lk)
+        visible = mask.materialize_block(extent, Block(a, b, 0, keys), self.gates.device)
+        if visible.shape[1] > 1 and not bool((visible == visible[:, :1]).all()):
+            raise ValueError(
+                "NativeSparseAttention: the mask differs between heads, but the compressed branch and the "
+                "choice serve every head of a group; expected a mask the same for every head (padding, "
+                "documents, windows)"
+            )
+        return visible[:, 0].expand(-1, b - a, keys)
 
     def compressed(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``o_cmp (B, Hq, Lq, D)`` and ``p_cmp (B, Hq, Lq, nC)``: attention over the compressed
@@ -372,6 +409,15 @@ class NsaCore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layer.extra_repr()})"
+
+
+def _beyond_causal(mask: Mask | Tensor | None) -> Mask | None:
+    """The call's mask when it is more than the layer's ``causal()`` (which every branch applies by
+    construction): ``None`` for no mask or ``causal()`` alone."""
+    if mask is None:
+        return None
+    mask = as_mask(mask)
+    return None if mask is None or mask == causal() else mask
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, additive: Tensor, scale: float) -> tuple[Tensor, Tensor]:
