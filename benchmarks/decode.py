@@ -23,8 +23,8 @@ tokens per page (16 by default: one run of pages; fragmented pages, a shuffled f
 row's own pool; shared, the row's pages a random quarter of a pool four times its size, the
 others being other rows'; and the gather of every page that the read did before), a
 ``SlidingWindowKVCache`` ring against the static cache with the same window, and a
-``QuantizedKVCache`` (int8 through integer GEMMs, and the same slots dequantized a piece at a time
-as before them; fp8 at 4k) against the contiguous bf16 step (``decode_caches.csv``).
+``QuantizedKVCache`` (int8 and fp8 through the CPU decode kernel, and the int8 slots dequantized a
+piece at a time as before it) against the contiguous step of the same dtype (``decode_caches.csv``).
 
 Every call is timed in interleaved rounds keeping its fastest (:func:`common.fastest_ms`): on a
 shared machine other processes only ever add time. With one thread, the cache ratios are also
@@ -179,7 +179,7 @@ def run_caches(
     """One new token (``B = 1``) after ``Lk - 1`` cached: the same tokens in a contiguous
     ``StaticKVCache``, a ``PagedKVCache`` (pages in one run, and fragmented: a shuffled free list),
     a ``SlidingWindowKVCache`` ring of ``Lk`` slots (``sliding_window(Lk - 1)``, against the static
-    cache with that mask) and a ``QuantizedKVCache`` (int8; fp8 at 4k only). Paged and quantized
+    cache with that mask) and a ``QuantizedKVCache`` (int8 and fp8). Paged and quantized
     reads go through ``decode_blocks`` (what a layer runs for a decode step); the paged gather of
     every page into one tensor (the read before) beside them."""
     from multihead.backends.decode_blocks import decode_blocks
@@ -225,7 +225,7 @@ def run_caches(
             int8, q, k1, v1, lambda r: decode_blocks(q, _Pieces(r.blocks), r.mask(None, True, HQ))
         ),
     }
-    if Lk <= 4096 and hasattr(torch, "float8_e4m3fn"):
+    if hasattr(torch, "float8_e4m3fn"):
         fp8 = _fill(QuantizedKVCache(1, Lk, HKV, D, format="fp8", dtype=dtype), old_k, old_v)
         fns["fp8"] = lambda: _step(fp8, q, k1, v1, blocks)
     with torch.no_grad():

@@ -110,12 +110,24 @@ def test_pages_through_a_shuffled_block_table_equal_the_gathered_read(dtype, pag
         _close(got, want, f"pages of {page_size}, slots [{lo}, {hi})")
 
 
+FP8 = [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else []
+
+
+def _eight_bit(storage, shape, gen):
+    """Random 8-bit slots: int8 codes, or fp8 e4m3 bytes (every finite one, subnormals included)."""
+    if storage == torch.int8:
+        return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+    codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.int16).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # NaN bytes: tested on their own below
+    return codes.view(storage)
+
+
+@pytest.mark.parametrize("storage", [torch.int8, *FP8], ids=str)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_int8_slots_with_channel_scales_per_span_equal_fp64_over_their_dequantized_values(scale_dtype):
+def test_int8_slots_with_channel_scales_per_span_equal_fp64_over_their_dequantized_values(scale_dtype, storage):
     gen = torch.Generator().manual_seed(3)
     B, Hkv, N, D, span = 2, 2, 200, 64, 32
-    k8 = torch.randint(-127, 128, (B, Hkv, N, D), generator=gen, dtype=torch.int8)
-    v8 = torch.randint(-127, 128, (B, Hkv, N, D), generator=gen, dtype=torch.int8)
+    k8, v8 = _eight_bit(storage, (B, Hkv, N, D), gen), _eight_bit(storage, (B, Hkv, N, D), gen)
     kc = (torch.rand(B, Hkv, -(-N // span), D, generator=gen) + 0.1).to(scale_dtype)
     kt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
     vt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
@@ -130,22 +142,40 @@ def test_int8_slots_with_channel_scales_per_span_equal_fp64_over_their_dequantiz
             q, k8[:, :, first : first + n], v8[:, :, first : first + n], 0.2, 4, 1, blocked, scales=scales
         )
         want = _expected(q, keys[:, :, first : first + n], values[:, :, first : first + n], 0.2, 4, 1, blocked)
-        _close(got, want, f"int8 slots [{first}, {first + n})")
+        _close(got, want, f"{storage} slots [{first}, {first + n})")
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.skipif(not FP8, reason="this torch has no float8_e4m3fn")
+def test_every_fp8_byte_reads_as_torch_converts_it(portable):
+    """One slot whose 256 value features are the 256 bytes of e4m3fn: the output of a row that
+    sees only it is the slot's value, which must be each byte's value exactly (subnormals, -0,
+    448, and NaN for S.1111.111), in the AVX-512 build and the portable one."""
+    lib = cpu_kernels.kernel() if not portable else _portable_build()
+    values = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).view(1, 1, 1, 256)
+    keys = torch.zeros(1, 1, 1, 16, dtype=torch.float8_e4m3fn)
+    ones = torch.ones(1, 1, 1)
+    scales = cpu_kernels.Int8Scales(torch.ones(1, 1, 1, 16), ones, ones, 0, 64)
+    out, _ = cpu_kernels._run(lib, torch.randn(1, 1, 1, 16), keys, values, 1.0, 1, 1, None, None, 0, None, scales, 1)
+    torch.testing.assert_close(out.view(256).double(), values.view(256).double(), rtol=0, atol=0, equal_nan=True)
+
+
+def _portable_build():
+    try:
+        return cpu_kernels.build((*cpu_kernels.FLAGS, "-mno-avx512f"))
+    except RuntimeError as error:  # a compiler that does not take the flag (not x86-64)
+        pytest.skip(str(error))
 
 
 def test_the_portable_build_without_avx512_gives_the_same_answers():
     """``cpu_decode.c`` also builds its plain vector code (for CPUs without AVX-512): built here
     with AVX-512 off, it must agree with the fp64 computation too."""
-    try:
-        lib = cpu_kernels.build((*cpu_kernels.FLAGS, "-mno-avx512f"))
-    except RuntimeError as error:  # a compiler that does not take the flag (not x86-64)
-        pytest.skip(str(error))
+    lib = _portable_build()
     gen = torch.Generator().manual_seed(4)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8, *FP8):
         q = torch.randn(2, 2, 5, 48, generator=gen)
-        if dtype == torch.int8:
-            k = torch.randint(-127, 128, (2, 2, 77, 48), generator=gen, dtype=torch.int8)
-            v = torch.randint(-127, 128, (2, 2, 77, 32), generator=gen, dtype=torch.int8)
+        if dtype in (torch.int8, *FP8):
+            k, v = _eight_bit(dtype, (2, 2, 77, 48), gen), _eight_bit(dtype, (2, 2, 77, 32), gen)
             kc, kt, vt = torch.rand(2, 2, 1, 48, generator=gen), torch.rand(2, 2, 77) / 99, torch.rand(2, 2, 77) / 99
             scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, 1 << 20)
             keys, values = k.double() * kc.double() * kt.double()[..., None], v.double() * vt.double()[..., None]

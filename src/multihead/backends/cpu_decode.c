@@ -2,12 +2,13 @@
  *
  * One partial attention per (batch row b, KV head h): the R = G·Lq folded query rows against the
  * n slots [lo, hi) of a cache, each slot's key and value read from memory once and converted to
- * fp32 in registers (fp32, bf16, fp16 or int8 storage; int8 with per-token and per-channel scales).
+ * fp32 in registers (fp32, bf16, fp16, int8 or fp8 e4m3 storage; the 8-bit kinds with per-token and
+ * per-channel scales).
  *
- *   s[r, t] = scale · Σ_c q[r, c] · k[t, c]           (int8: k = K8 · kc[span(t)] · kt[t])
+ *   s[r, t] = scale · Σ_c q[r, c] · k[t, c]           (8-bit: k = K8 · kc[span(t)] · kt[t])
  *   s[r, t] = -inf where blocked[r, t]
  *   m = max_t s, p = exp(s - m), l = Σ p, lse = m + log l
- *   o[r, :] = Σ_t p[r, t] · v[t, :] / l               (int8: v = V8 · vt[t])
+ *   o[r, :] = Σ_t p[r, t] · v[t, :] / l               (8-bit: v = V8 · vt[t])
  *
  * Slot t lies in page table[b, t / ps] at t % ps: a paged pool, or a dense (B, H, n, D) tensor as
  * one page per row. Rows that see no slot give o = 0 and lse = -inf; a slot no row of a (b, h)
@@ -38,6 +39,16 @@ static inline v16f load_f16(const _Float16 *p) { return (v16f)_mm512_cvtph_ps(_m
 static inline v16f load_i8(const int8_t *p) {
     return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* fp8 e4m3fn: the byte's exponent and mantissa moved to fp32's places (so e = 0 lands on fp32's
+ * subnormals, which are e4m3's), rebiased by one multiply by 2^120; S.1111.111 is NaN (no inf) */
+static inline v16f load_f8(const uint8_t *p) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(mag, 20), sign)),
+                                   _mm512_set1_ps(0x1p120f));
+    return (v16f)_mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));
+}
 #else
 static inline v16f load_f32(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
 static inline v16f load_bf16(const uint16_t *p) {
@@ -47,6 +58,14 @@ static inline v16f load_bf16(const uint16_t *p) {
 }
 static inline v16f load_f16(const _Float16 *p) { v16fp16 h; memcpy(&h, p, 32); return __builtin_convertvector(h, v16f); }
 static inline v16f load_i8(const int8_t *p) { v16b b; memcpy(&b, p, 16); return __builtin_convertvector(__builtin_convertvector(b, v16i), v16f); }
+typedef uint8_t v16ub __attribute__((vector_size(16)));
+static inline v16f load_f8(const uint8_t *p) {
+    v16ub b; memcpy(&b, p, 16);
+    const v16u w = __builtin_convertvector(b, v16u), mag = w & 0x7F;
+    const v16f f = (v16f)((mag << 20) | ((w & 0x80) << 24)) * 0x1p120f;
+    const v16i nan = (v16i)(mag == 0x7F);
+    return (v16f)(((v16i)((v16f){0} + NAN) & nan) | ((v16i)f & ~nan));
+}
 #endif
 
 static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -117,7 +136,7 @@ typedef struct {
     long width, ps;
     const uint8_t *blocked;     /* NULL or bool with strides (b, h, g, l, t) */
     long m_b, m_h, m_g, m_l, m_t;
-    /* int8 only */
+    /* int8 and fp8 only */
     const void *kc, *kt, *vt;   /* kc (B, H, spans, D) strides kc_b, kc_h, kc_j; kt, vt (B, H, N) strides */
     long kc_b, kc_h, kc_j, kt_b, kt_h, vt_b, vt_h;
     long first, span;           /* slot lo + t is quantized slot first + t */
@@ -350,16 +369,17 @@ DEFINE_KERNEL(f32, float, load_f32, 0)
 DEFINE_KERNEL(bf16, uint16_t, load_bf16, 0)
 DEFINE_KERNEL(f16, _Float16, load_f16, 0)
 DEFINE_KERNEL(i8, int8_t, load_i8, 1)
+DEFINE_KERNEL(f8, uint8_t, load_f8, 1)
 
 typedef void (*one_fn)(const job_t *, int, float *, float *);
 
-/* kind: 0 fp32, 1 bf16, 2 fp16, 3 int8. The (b, h) pairs are shared out by OpenMP: in a process
+/* kind: 0 fp32, 1 bf16, 2 fp16, 3 int8, 4 fp8 e4m3fn. The (b, h) pairs are shared out by OpenMP: in a process
  * that has loaded PyTorch, `libgomp.so.1` is PyTorch's own (one runtime, one pool of threads:
  * threads of our own would compete with its workers, which spin a while after each of its ops).
  * Built without OpenMP, the pairs run one after the other. Returns 0, or -1 when a thread could
  * not allocate its buffers (its pairs are then not computed). */
 int mh_decode(job_t *J, int kind, int threads) {
-    one_fn fns[4] = {one_f32, one_bf16, one_f16, one_i8};
+    one_fn fns[5] = {one_f32, one_bf16, one_f16, one_i8, one_f8};
     const one_fn fn = fns[kind];
     const int pairs = J->B * J->H, R = J->G * J->Lq;
     int failed = 0;

@@ -4,7 +4,7 @@ A decode step's cost is reading the cache, and PyTorch's CPU ops cannot read a h
 at memory speed for a few query rows: oneDNN's GEMMs run a few output columns well below it, an
 ``int8 -> bf16`` conversion costs more per element than reading the element, and a paged or
 quantized cache must be copied or converted before a GEMM may read it (docs/inference.md). The
-kernel reads each key and value once, as stored (fp32, bf16, fp16, int8 with scales; through a
+kernel reads each key and value once, as stored (fp32, bf16, fp16, int8 or fp8 with scales; through a
 page table), converts it in registers and does both products and the softmax of a partial
 attention in one pass per (batch row, KV head)::
 
@@ -34,6 +34,10 @@ __all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 ONE_THREAD_WORK = 1 << 20  # multiply-adds below which a call runs on the calling thread alone
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+if hasattr(torch, "float8_e4m3fn"):
+    _KINDS[torch.float8_e4m3fn] = 4
+#: 8-bit storage: read with the scales of :class:`Int8Scales`
+_SCALED = tuple(dtype for dtype, kind in _KINDS.items() if kind >= 3)
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -94,15 +98,15 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 def supports(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> bool:
     """Whether :func:`decode_partial` takes these operands: CPU tensors without autograd, outside
-    ``torch.compile``, keys and values stored as fp32, bf16, fp16 (or int8, with scales) with
-    contiguous features, head sizes multiples of 16, and the kernel built."""
+    ``torch.compile``, keys and values stored as fp32, bf16, fp16 (or int8 / fp8 e4m3, with scales)
+    with contiguous features, head sizes multiples of 16, and the kernel built."""
     return (
         q.device.type == "cpu"
         and k.device.type == "cpu"
         and v.device.type == "cpu"
         and k.dtype in _KINDS
         and v.dtype == k.dtype
-        and (k.dtype == torch.int8 or q.dtype == k.dtype)
+        and (k.dtype in _SCALED or q.dtype == k.dtype)
         and k.shape[-1] % 16 == 0
         and v.shape[-1] % 16 == 0
         and k.shape[-1] <= 4096
@@ -116,7 +120,8 @@ def supports(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> 
 
 
 class Int8Scales:
-    """The scales of int8 slots (:class:`multihead.caches.QuantizedKVCache`): ``k = K8 · kc[span] · kt``,
+    """The scales of 8-bit slots, int8 or fp8 e4m3 (:class:`multihead.caches.QuantizedKVCache`):
+    ``k = K8 · kc[span] · kt``,
     ``v = V8 · vt``. ``key_channel (B, Hkv, spans, D)``, ``key_token`` and ``value_token (B, Hkv, N)``
     in one float dtype; the slots read are ``first ..`` of the quantized region, spans of ``span`` slots."""
 
@@ -146,7 +151,7 @@ def decode_partial(
     ``table (B, width)`` int64 a head-major pool ``(Hkv, pages, ps, D|Dv)`` whose row ``b`` holds
     slot ``s`` in page ``table[b, s // ps]`` at ``s % ps``: the slots ``[lo, lo + n)`` are read.
     ``blocked``: ``None`` or ``(B|1, Hkv|1, G|1, Lq, n)`` bool, True where a row may not see the slot.
-    ``scales``: for int8 ``keys``/``values`` (:class:`Int8Scales`). Callers check :func:`supports` first."""
+    ``scales``: for int8 or fp8 ``keys``/``values`` (:class:`Int8Scales`). Callers check :func:`supports` first."""
     lib = kernel()
     if lib is None:
         raise RuntimeError(f"decode_partial: the CPU decode kernel is unavailable: {unavailable()}")
@@ -231,6 +236,10 @@ def _self_test(lib: ctypes.CDLL) -> None:
     cases: list[tuple[torch.dtype, Tensor, Tensor, Int8Scales | None]]
     cases = [(dtype, k.to(dtype), v.to(dtype), None) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
     cases.append((torch.int8, k8, v8, Int8Scales(kc, kt, vt, 0, 64)))
+    if torch.float8_e4m3fn in _KINDS:  # every finite byte but the largest: subnormals to 448
+        f8 = torch.float8_e4m3fn
+        k8f, v8f = (k * 100).clamp(-448, 448).to(f8), (v / 50).to(f8)  # v / 50: e4m3's subnormals
+        cases.append((f8, k8f, v8f, Int8Scales(kc, kt, vt, 0, 64)))
     for dtype, kd, vd, scales in cases:
         keys, values = kd.double(), vd.double()
         if scales is not None:

@@ -423,15 +423,18 @@ class _QuantizedBlocks(KVBlocks):
     def partials(
         self, qg: Tensor, lo: int, hi: int, blocked: Tensor | None, scale: float, G: int, Lq: int
     ) -> list[tuple[Tensor, Tensor]] | None:
-        """int8 slots: sinks and tail as views (the decode path's chunk), the 8-bit region through
-        the CPU decode kernel in one call, or without it through integer GEMMs over the stored bytes
-        (:func:`~multihead.backends.decode_int8.int8_attention`), a few spans at a time. ``None``
-        (dequantized pieces) for fp8, for fp64 compute and off the CPU (CUDA's ``_int_mm`` wants
-        more than 16 rows and sizes in multiples of 8)."""
+        """Sinks and tail as views (the decode path's chunk), the 8-bit region (int8 or fp8) through
+        the CPU decode kernel in one call, or without it, for int8, through integer GEMMs over the
+        stored bytes (:func:`~multihead.backends.decode_int8.int8_attention`), a few spans at a
+        time. ``None`` (dequantized pieces) for fp8 without the kernel, for fp64 compute and off the
+        CPU (CUDA's ``_int_mm`` wants more than 16 rows and sizes in multiples of 8)."""
         digits = digits_for(self.dtype)
-        if self.cache.format != "int8" or digits is None or self.device.type != "cpu":
+        if digits is None or self.device.type != "cpu":
             return None
         cache, s, nq = self.cache, self.sinks, self.quantized
+        kernel = cpu_kernels.supports(qg, cache.q_k, cache.q_v, blocked)
+        if cache.format != "int8" and not kernel:
+            return None
         acc = torch.promote_types(self.dtype, torch.float32)
         half = acc != self.dtype
 
@@ -447,7 +450,7 @@ class _QuantizedBlocks(KVBlocks):
         B, Hkv, R = qg.shape[0], qg.shape[1], qg.shape[2]
         step = max(1, _INT8_SCORES // (B * Hkv * R * cache.span)) * cache.span  # whole spans per partial
         a = a0
-        if a < b0 and cpu_kernels.supports(qg, cache.q_k, cache.q_v, blocked):
+        if a < b0 and kernel:
             # multihead's CPU kernel: each int8 slot read once and converted in registers, the
             # scales applied as it goes (docs/inference.md), one call for the whole region
             kt, vt = cache.k_token[..., 0], cache.v_scale[..., 0]
