@@ -306,11 +306,3 @@ def _counting(fn, calls):
         return fn(*args, **kwargs)
 
     return counted
-
-
-def test_decode_blocks_refuses_a_mask_of_another_size_by_name():
-    cache = PagedKVCache(8, 4, 2, 16, batch_size=2)
-    read = cache.update(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16))
-    q = torch.randn(2, 4, 1, 16)
-    with pytest.raises(ValueError, match=r"key_padding: mask has 3 batch elements .* B=2"):
-        decode_blocks(q, read.blocks, mh.key_padding(torch.tensor([1, 2, 3])))

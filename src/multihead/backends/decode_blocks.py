@@ -112,8 +112,6 @@ def decode_blocks(q: Tensor, blocks: KVBlocks, mask: Mask | Tensor | None = None
         raise ValueError(f"decode_blocks: Lq={Lq} > {MAX_QUERIES} query tokens; a prefill reads blocks.dense()")
     mask = as_mask(mask)  # a bool tensor over the slots: a TensorMask, evaluated on these rows only
     scale = default_scale(D) if scale is None else scale
-    if mask is not None:
-        mask.check(Extent(B, Hq, Lq, S))
     lo, hi, visible, _ = _visible_keys(mask, Extent(B, Hq, Lq, S), q.device)
     acc = softmax_dtype(q.dtype)
     half = acc != q.dtype
