@@ -51,7 +51,7 @@ from multihead.layers.checks import check_causal_variant, check_counts, check_po
 from multihead.layers.heads import Heads
 from multihead.layers.multihead import MultiHeadAttention
 from multihead.layers.ranking import best_first
-from multihead.masks import Mask, as_mask, block_select, causal, sliding_window
+from multihead.masks import Band, Mask, as_mask, block_select, causal, sliding_window
 
 __all__ = ["NativeSparseAttention", "NsaCore"]
 
@@ -417,7 +417,9 @@ def _beyond_causal(mask: Mask | Tensor | None) -> Mask | None:
     if mask is None:
         return None
     mask = as_mask(mask)
-    return None if mask is None or mask == causal() else mask
+    # by its fields, not `== causal()`: a mask's hash is a graph break under torch.compile
+    plain = isinstance(mask, Band) and mask.left is None and mask.right == 0 and mask.align == "bottom_right"
+    return None if mask is None or plain else mask
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, additive: Tensor, scale: float) -> tuple[Tensor, Tensor]:
