@@ -314,6 +314,7 @@ def test_data_parallel_and_ddp(tmp_path):
     """DataParallel (on CPU it calls the module; where CUDA is present it wants the module on the
     first GPU, and replicates it on each) and a one-process gloo DistributedDataParallel."""
     import copy
+    import gc
 
     import torch.distributed as dist
 
@@ -331,6 +332,11 @@ def test_data_parallel_and_ddp(tmp_path):
         out.sum().backward()
         torch.testing.assert_close(out, layer(x))
         assert all(p.grad is not None for p in layer.parameters())
+        # DDP's reducer holds the process group: let it go while the group is still registered.
+        # Released later (with the test's frame) it destroys the gloo group itself, joining gloo's
+        # thread while holding the GIL that thread waits for: the whole run hung there once.
+        del ddp, out
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
