@@ -16,14 +16,10 @@
  * Threads: OpenMP over the (b, h) pairs, on PyTorch's own OpenMP runtime (mh_decode).
  * Built by multihead/backends/cpu_kernels.py with the host's compiler (-O3 -march=native).
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+#include "cpu_vector.h"
+
 typedef int8_t v16b __attribute__((vector_size(16)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef _Float16 v16fp16 __attribute__((vector_size(32)));
@@ -84,15 +80,6 @@ static inline v16f load_scales16(const void *p, long i, int dt) {
 }
 
 #ifdef __AVX512F__
-static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
-#else
-static inline float hsum(v16f v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-#endif
-#ifdef __AVX512F__
 /* four vectors -> their four sums, [Σ v0, Σ v1, Σ v2, Σ v3] */
 static inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
     __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
@@ -103,28 +90,6 @@ static inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
     return _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
 }
 #endif
-static inline v16f sel(v16i m, v16f a, v16f b) { return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
-
-/* exp(x) for x <= 0 (scores minus their max), 0 below -87: Cody-Waite reduction, degree-6
- * polynomial (relative error ~2e-7, as fp32's own expf) */
-static inline v16f vexp(v16f x) {
-    const v16i under = x < -87.0f;
-    x = sel(under, (v16f){0} - 87.0f, x);
-    v16f t = x * 1.44269504088896341f;  /* <= 0: round to nearest as -trunc(0.5 - t) */
-    v16f n = -__builtin_convertvector(__builtin_convertvector(0.5f - t, v16i), v16f);
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return sel(under, (v16f){0}, p * (v16f)e);
-}
-
 typedef struct {
     int B, H, G, Lq, D, Dv;
     long lo, n;                 /* slots [lo, lo + n) */

@@ -27,16 +27,12 @@
  * after. Threads: OpenMP, on PyTorch's own libgomp (as cpu_decode.c: one pool of threads).
  * Built by multihead/backends/cpu_sparse.py with the host's compiler (-O3 -march=native).
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+#include "cpu_vector.h"
 
 #ifndef TILE_ROWS
 #define TILE_ROWS 1024 /* rows per tile: each key block read once for the ~TILE_ROWS·k/nK rows that chose it (512: 5-10% slower at 16k, 2048: NSA slower) */
@@ -49,21 +45,13 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 static inline v16f load(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
 static inline void store(float *p, v16f v) { memcpy(p, &v, 64); }
 static inline v16f bcast(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline v16f sel(v16i m, v16f a, v16f b) { return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
 #ifdef __AVX512F__
-#include <immintrin.h>
 static inline float hmax(v16f v) { return _mm512_reduce_max_ps((__m512)v); }
-static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
 #else
 static inline float hmax(v16f v) {
     float m = v[0];
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
     return m;
-}
-static inline float hsum(v16f v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
 }
 #endif
 
@@ -88,26 +76,7 @@ static inline v16f vexp2(v16f x) {
     return (v16f)_mm512_scalef_ps(p, n);
 }
 #else
-/* exp(x) for x <= 0, 0 below -87 (and for -inf): cpu_decode.c's polynomial (Cody-Waite
- * reduction, degree 6, relative error ~2e-7), copied: that file is the decode kernel's own */
-static inline v16f vexp_e(v16f x) {
-    const v16i under = x < -87.0f;
-    x = sel(under, (v16f){0} - 87.0f, x);
-    v16f t = x * 1.44269504088896341f;
-    v16f n = -__builtin_convertvector(__builtin_convertvector(0.5f - t, v16i), v16f);
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return sel(under, (v16f){0}, p * (v16f)e);
-}
-static inline v16f vexp2(v16f x) { return vexp_e(x * LN2); }
+static inline v16f vexp2(v16f x) { return vexp(x * LN2); } /* cpu_vector.h's exp */
 #endif
 
 typedef struct {

@@ -1,10 +1,11 @@
 """C sources of multihead's CPU kernels built for this machine, once, by the host's compiler.
 
-A kernel is a C file beside this one, built with ``cc -O3 -march=native -fopenmp`` into
-``$XDG_CACHE_HOME/multihead`` (``~/.cache/multihead``) under a name that hashes the source, the
-flags, the compiler and the CPU: nothing is rebuilt until one of them changes, and a shared home
-folder may serve machines of several kinds. The library is built beside its final name and
-renamed, so concurrent processes never load half a file. No dependency, no PyTorch header.
+A kernel is a C file beside this one (with the headers it includes from here), built with
+``cc -O3 -march=native -fopenmp`` into ``$XDG_CACHE_HOME/multihead`` (``~/.cache/multihead``)
+under a name that hashes the source and its headers, the flags, the compiler and the CPU: nothing
+is rebuilt until one of them changes, and a shared home folder may serve machines of several
+kinds. The library is built beside its final name and renamed, so concurrent processes never load
+half a file. No dependency, no PyTorch header.
 :class:`NativeLibrary` is a kernel's library for the process: built, bound (``ctypes``
 signatures, struct mirrors checked) and self-tested once per set of flags, or ``None`` with the
 reason (``cpu_kernels``, ``cpu_sparse``, ``cpu_topk``).
@@ -16,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -35,8 +37,11 @@ def compile_library(source: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL
     if not compiler:
         raise RuntimeError("no C compiler found (cc, gcc or clang on PATH): the PyTorch paths run")
     text = source.read_bytes()
+    # the headers it includes from beside it (cpu_vector.h) count as its text: a change rebuilds it
+    headers = [(source.parent / name.decode()).read_bytes() for name in re.findall(rb'^#include "([^"]+)"', text, re.M)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), version.encode(), _cpu().encode()]))
+    parts = [text, *headers, " ".join(flags).encode(), version.encode(), _cpu().encode()]
+    digest = hashlib.sha256(b"\0".join(parts))
     folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multihead"
     path = folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if not path.exists():
