@@ -203,6 +203,47 @@ def test_one_thread_and_two_give_the_same_bits():
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, *FP8], ids=str)
+def test_few_pairs_split_their_slots_into_pieces_joined_by_lse(storage):
+    """A call of fewer than four (batch row, KV head) pairs (MQA, MLA's one latent head) is split
+    into pieces of slots (``SPLIT_PAIRS``, ``PIECE_MIN`` in ``cpu_decode.c``) whose partials are joined
+    by their LSE: against fp64 at lengths around the pieces' bounds, with a mask (rows that see
+    nothing in one piece, in every piece), int8/fp8 scale spans across the pieces, and the same
+    bits on one thread and two (the split follows the shape, not the threads)."""
+    gen = torch.Generator().manual_seed(6)
+    for B, Hkv, n in ((1, 1, 2048), (1, 1, 5001), (1, 2, 4097), (3, 1, 3000)):
+        G, D, Dv = 16, 64, 48
+        q = torch.randn(B, Hkv, G, D, generator=gen)
+        if storage in (torch.int8, *FP8):
+            k, v = _eight_bit(storage, (B, Hkv, n + 7, D), gen), _eight_bit(storage, (B, Hkv, n + 7, Dv), gen)
+            kc = torch.rand(B, Hkv, -(-(n + 7) // 1000), D, generator=gen) + 0.5
+            kt, vt = torch.rand(B, Hkv, n + 7, generator=gen) / 99, torch.rand(B, Hkv, n + 7, generator=gen) / 99
+            scales = cpu_kernels.Int8Scales(kc, kt, vt, 7, 1000)
+            spans = (torch.arange(n + 7) // 1000)
+            keys = (k.double() * kc.double()[:, :, spans] * kt.double()[..., None])[:, :, 7:]
+            values = (v.double() * vt.double()[..., None])[:, :, 7:]
+            k, v = k[:, :, 7:], v[:, :, 7:]
+        else:
+            k = torch.randn(B, Hkv, n, D, generator=gen).to(storage)
+            v = torch.randn(B, Hkv, n, Dv, generator=gen).to(storage)
+            scales, keys, values = None, k, v
+        blocked = torch.rand(B, 1, G, 1, n, generator=gen) < 0.3
+        blocked[0, 0, 1, 0, : n // 2] = True  # sees nothing in the first pieces
+        blocked[0, 0, 2] = True  # sees nothing at all
+        threads = torch.get_num_threads()
+        runs = []
+        try:
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                for mask in (None, blocked):
+                    runs.append(cpu_kernels.decode_partial(q, k, v, 0.125, G, 1, mask, scales=scales))
+        finally:
+            torch.set_num_threads(threads)
+        for at, mask in enumerate((None, blocked)):
+            _close(runs[at], _expected(q, keys, values, 0.125, G, 1, mask), f"{storage} B={B} Hkv={Hkv} n={n}")
+            assert torch.equal(runs[at][0], runs[at + 2][0]) and torch.equal(runs[at][1], runs[at + 2][1])
+
+
 def test_supports_refuses_what_the_kernel_does_not_take():
     q, k = torch.randn(1, 1, 4, 64), torch.randn(1, 1, 10, 64)
     assert cpu_kernels.supports(q, k, k)

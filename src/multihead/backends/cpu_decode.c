@@ -338,32 +338,110 @@ DEFINE_KERNEL(f8, uint8_t, load_f8, 1)
 
 typedef void (*one_fn)(const job_t *, int, float *, float *);
 
+#ifndef PIECE_MIN
+#define PIECE_MIN 1024 /* slots: a (b, h) pair is split only into pieces at least this long */
+#endif
+#ifndef SPLIT_PAIRS
+#define SPLIT_PAIRS 4 /* calls of fewer (b, h) pairs than this are split ... */
+#endif
+#ifndef SPLIT_ITEMS
+#define SPLIT_ITEMS 8 /* ... into this many items in all, at most */
+#endif
+
+/* Join the partials of one (b, h) pair's pieces by their log-sum-exp, as merge_partials does: out
+ * and lse of piece p at po + p·stride_o, pl + p·stride_l. A NaN LSE makes the row NaN; rows no piece
+ * sees anything of give 0 and -inf. */
+static void join_pieces(const float *po, const float *pl, long stride_o, long stride_l, int pieces, int R, int Dv,
+                        float *out, float *lse) {
+    for (int r = 0; r < R; r++) {
+        float m = -INFINITY;
+        int nan = 0;
+        for (int p = 0; p < pieces; p++) {
+            const float l = pl[p * stride_l + r];
+            nan |= l != l;
+            m = l > m ? l : m;
+        }
+        float *o = out + (long)r * Dv;
+        if (nan || m == -INFINITY) {
+            for (int c = 0; c < Dv; c++) o[c] = nan ? NAN : 0.f;
+            lse[r] = nan ? NAN : -INFINITY;
+            continue;
+        }
+        float tot = 0.f;
+        for (int c = 0; c < Dv; c++) o[c] = 0.f;
+        for (int p = 0; p < pieces; p++) {
+            const float w = expf(pl[p * stride_l + r] - m); /* 0 for a piece of -inf */
+            if (w == 0.f) continue;
+            tot += w;
+            const float *op = po + p * stride_o + (long)r * Dv;
+            for (int c = 0; c < Dv; c++) o[c] += w * op[c];
+        }
+        for (int c = 0; c < Dv; c++) o[c] /= tot;
+        lse[r] = m + logf(tot);
+    }
+}
+
 /* kind: 0 fp32, 1 bf16, 2 fp16, 3 int8, 4 fp8 e4m3fn. The (b, h) pairs are shared out by OpenMP: in a process
  * that has loaded PyTorch, `libgomp.so.1` is PyTorch's own (one runtime, one pool of threads:
  * threads of our own would compete with its workers, which spin a while after each of its ops).
- * Built without OpenMP, the pairs run one after the other. Returns 0, or -1 when a thread could
- * not allocate its buffers (its pairs are then not computed). */
+ * With few pairs (MQA, MLA's one latent head, a batch of one), each pair's slots are split into
+ * pieces of at least PIECE_MIN (split-K, as flash-decoding does), up to SPLIT_ITEMS items, so that
+ * every thread has work and a thread descheduled on a busy machine leaves its pieces to the others;
+ * the pieces' partials are joined by their LSE. The split depends on the shape alone, not on the
+ * number of threads: a call gives the same bits on one thread or many. Built without OpenMP, the work runs one item after the other.
+ * Returns 0, or -1 when a buffer could not be allocated (the work of its thread is then not done). */
 int mh_decode(job_t *J, int kind, int threads) {
     one_fn fns[5] = {one_f32, one_bf16, one_f16, one_i8, one_f8};
     const one_fn fn = fns[kind];
-    const int pairs = J->B * J->H, R = J->G * J->Lq;
-    int failed = 0;
-    if (threads > pairs) threads = pairs;
+    const int pairs = J->B * J->H, R = J->G * J->Lq, Dv = J->Dv;
+    int failed = 0, pieces = 1;
     if (threads < 1) threads = 1;
+    if (pairs < SPLIT_PAIRS) { /* pieces from the shape alone: the same bits on any number of threads */
+        const long most = J->n / PIECE_MIN;
+        pieces = (SPLIT_ITEMS + pairs - 1) / pairs;
+        if (pieces > most) pieces = most < 1 ? 1 : (int)most;
+    }
+    job_t *jobs = (job_t *)malloc(sizeof(job_t) * pieces);
+    float *po = NULL, *pl = NULL;
+    if (!jobs) return -1;
+    if (pieces > 1) {
+        po = (float *)malloc(sizeof(float) * (size_t)pieces * pairs * R * Dv);
+        pl = (float *)malloc(sizeof(float) * (size_t)pieces * pairs * R);
+        if (!po || !pl) {
+            free(jobs), free(po), free(pl);
+            return -1;
+        }
+    }
+    for (int p = 0; p < pieces; p++) { /* piece p: slots [t0, t1) of every pair */
+        const long t0 = J->n * p / pieces, t1 = J->n * (p + 1) / pieces;
+        jobs[p] = *J;
+        jobs[p].lo = J->lo + t0, jobs[p].n = t1 - t0, jobs[p].first = J->first + t0;
+        if (J->blocked) jobs[p].blocked = J->blocked + t0 * J->m_t;
+        if (pieces > 1) jobs[p].out = po + (long)p * pairs * R * Dv, jobs[p].lse = pl + (long)p * pairs * R;
+    }
+    const int items = pairs * pieces;
+    if (threads > items) threads = items;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *s = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->n + 16)); /* R4 rows of weights */
+        float *s = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * ((J->n + pieces - 1) / pieces) + 16)); /* R4 rows */
         float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + (size_t)R + 16));
 #pragma omp for schedule(dynamic, 1)
-        for (int bh = 0; bh < pairs; bh++) {
+        for (int it = 0; it < items; it++) {
             if (s && qs)
-                fn(J, bh, s, qs);
+                fn(&jobs[it % pieces], it / pieces, s, qs);
             else
                 failed = 1;
         }
         free(s);
         free(qs);
+        if (pieces > 1) { /* after the loop's barrier: every piece done */
+#pragma omp for schedule(static)
+            for (int bh = 0; bh < pairs; bh++)
+                join_pieces(po + (long)bh * R * Dv, pl + (long)bh * R, (long)pairs * R * Dv, (long)pairs * R, pieces, R,
+                            Dv, J->out + (long)bh * R * Dv, J->lse + (long)bh * R);
+        }
     }
+    free(jobs), free(po), free(pl);
     return failed ? -1 : 0;
 }
 
