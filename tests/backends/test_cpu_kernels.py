@@ -244,6 +244,90 @@ def test_few_pairs_split_their_slots_into_pieces_joined_by_lse(storage):
             assert torch.equal(runs[at][0], runs[at + 2][0]) and torch.equal(runs[at][1], runs[at + 2][1])
 
 
+TILES = cpu_kernels.tiles(torch.bfloat16, 16, 64, 64, False)
+needs_tiles = pytest.mark.skipif(not TILES, reason="this CPU (or its OS) gives no AMX-BF16 tiles")
+
+
+def _no_tiles_build():
+    return cpu_kernels.build((*cpu_kernels.FLAGS, "-DMH_NO_AMX"))
+
+
+@needs_tiles
+@pytest.mark.parametrize("R", [8, 16, 17, 33])
+@pytest.mark.parametrize("D,Dv", [(32, 32), (64, 96), (576, 512)])
+def test_many_bf16_rows_on_the_tiles_equal_fp64(R, D, Dv):
+    """The AMX path (``cpu_decode_amx.h``: at least 8 rows of bf16, head sizes multiples of 32, no
+    mask) against fp64 with the fp32 tolerance of the FMA path: lengths around its 16-slot groups,
+    32-slot blocks and 64-slot chunks, and past a split into pieces; a bf16 query (one tile term)
+    and an fp32 one (three); and the FMA build (``-DMH_NO_AMX``) on the same calls."""
+    assert cpu_kernels.tiles(torch.bfloat16, R, D, Dv, False)
+    gen = torch.Generator().manual_seed(R * 1000 + D)
+    fma = _no_tiles_build()
+    for n in (1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129, 2049):
+        k = torch.randn(1, 2, n, D, generator=gen).bfloat16()
+        v = torch.randn(1, 2, n, Dv, generator=gen).bfloat16()
+        for q in (torch.randn(1, 2, R, D, generator=gen).bfloat16(), torch.randn(1, 2, R, D, generator=gen)):
+            want = _expected(q, k, v, D**-0.5, R, 1, None)
+            _close(cpu_kernels.decode_partial(q, k, v, D**-0.5, R, 1), want, f"tiles R={R} D={D} n={n} {q.dtype}")
+            _close(cpu_kernels._run(fma, q, k, v, D**-0.5, R, 1, None, None, 0, None, None, 2), want, "FMA build")
+
+
+@needs_tiles
+@pytest.mark.parametrize("page_size", [1, 3, 16, 17, 64, 100])
+def test_the_tiles_read_pages_and_strided_rows(page_size):
+    """Rows evenly spaced are loaded as tiles in place, others (pages shorter than a 16-slot group,
+    a group across pages) staged first: a shuffled block table of each page size, and MLA's latent
+    rows (values the first features of the keys, a slice of a larger cache) read in place."""
+    gen = torch.Generator().manual_seed(page_size)
+    B, Hkv, D, Dv, pages, R = 2, 1, 64, 32, 30, 16
+    pool = torch.randn(Hkv, pages, page_size, D, generator=gen).bfloat16()
+    width = pages // B
+    table = torch.randperm(pages, generator=gen)[: B * width].view(B, width)
+    rows = pool[:, table.reshape(-1)].view(Hkv, B, width * page_size, D).transpose(0, 1)  # gathered
+    q = torch.randn(B, Hkv, R, D, generator=gen).bfloat16()
+    S = width * page_size
+    for lo, hi in ((0, S), (page_size + 1, S - 2), (S - 1, S)):
+        got = cpu_kernels.decode_partial(q, pool, pool[..., :Dv], 0.125, R, 1, None, table, lo, hi - lo)
+        want = _expected(q, rows[:, :, lo:hi], rows[:, :, lo:hi, :Dv], 0.125, R, 1, None)
+        _close(got, want, f"pages of {page_size}, slots [{lo}, {hi})")
+    big = torch.randn(2, 3, 300, 2 * D, generator=gen).bfloat16()
+    latent = big[:, 1:2, 21:270, 5 : 5 + D]  # strides of a larger cache; values its first Dv features
+    got = cpu_kernels.decode_partial(q, latent, latent[..., :Dv], 0.125, R, 1)
+    _close(got, _expected(q, latent, latent[..., :Dv], 0.125, R, 1, None), "latent rows in place")
+
+
+@needs_tiles
+def test_the_tiles_keep_nan_rows_nan_and_large_scores_stable():
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 16, 64, generator=gen).bfloat16()
+    k = torch.randn(1, 2, 200, 64, generator=gen).bfloat16()
+    v = torch.randn(1, 2, 200, 64, generator=gen).bfloat16()
+    k[0, 1, 150, 3] = float("nan")  # every row of head 1 sees it
+    out, lse = cpu_kernels.decode_partial(q, k, v, 0.125, 16, 1)
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan().all()
+    _close((out[:, :1], lse[:, :1]), _expected(q[:, :1], k[:, :1], v[:, :1], 0.125, 16, 1, None), "head 0")
+    # scores in the thousands (the running max moves chunk after chunk): finite, and within what fp32
+    # scores allow (a score of 2000 is rounded by 1e-4, so is its weight), as the FMA build
+    q, k, v = q[:, :1] * 64, k[:, :1], v[:, :1]
+    want = _expected(q, k, v, 1.0, 16, 1, None)
+    for got in (cpu_kernels.decode_partial(q, k, v, 1.0, 16, 1), cpu_kernels._run(_no_tiles_build(), q, k, v, 1.0, 16, 1, None, None, 0, None, None, 2)):
+        assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+        torch.testing.assert_close(got[0].double(), want[0], rtol=0, atol=1e-3)
+        torch.testing.assert_close(got[1].double(), want[1], rtol=1e-6, atol=0)
+
+
+def test_the_tiles_take_only_many_unmasked_bf16_rows():
+    """What runs on the tiles: the kernel answers (``tiles``); never a masked call, another storage,
+    fewer than 8 rows or head sizes off the 32-feature tile columns."""
+    assert not cpu_kernels.tiles(torch.bfloat16, 16, 64, 64, True), "a mask"
+    assert not cpu_kernels.tiles(torch.float32, 16, 64, 64, False), "fp32"
+    assert not cpu_kernels.tiles(torch.int8, 16, 64, 64, False), "int8"
+    assert not cpu_kernels.tiles(torch.bfloat16, 7, 64, 64, False), "7 rows"
+    assert not cpu_kernels.tiles(torch.bfloat16, 16, 48, 64, False), "D = 48"
+    assert not cpu_kernels.tiles(torch.bfloat16, 16, 64, 48, False), "Dv = 48"
+    assert not cpu_kernels.tiles(torch.bfloat16, 16, 64, 64, False, lib=_no_tiles_build()), "built without them"
+
+
 def test_supports_refuses_what_the_kernel_does_not_take():
     q, k = torch.randn(1, 1, 4, 64), torch.randn(1, 1, 10, 64)
     assert cpu_kernels.supports(q, k, k)

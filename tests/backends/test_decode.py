@@ -541,3 +541,26 @@ def test_padded_query_rows_change_nothing(heads, Lq, monkeypatch, decode_kernel)
         mh.reference_attention(*ref, mask=mask).output.sum().backward()
         for got, want in zip(leaves, ref):
             torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_explain_names_the_amx_tiles_where_the_kernel_runs_a_call_on_them(decode_kernel):
+    """MLA's absorbed step (16 query heads over one latent head, bf16) runs on the kernel's AMX tiles
+    where the CPU has them: ``explain()`` says so, and says the FMA path for fp32 and for a row mask
+    (a window is a key range, not a row mask: tiles); the output agrees with the reference."""
+    from multihead.backends import cpu_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 16, 1, 64, generator=gen).bfloat16()
+    rows = torch.randn(1, 1, 300, 64, generator=gen).bfloat16()
+    tiles = decode_kernel == "cpu_kernel" and cpu_kernels.tiles(torch.bfloat16, 16, 64, 32, False)
+    report = str(mh.explain(q, rows, rows[..., :32], backend="decode"))
+    assert ("AMX tiles" in report) == tiles, report
+    window = str(mh.explain(q, rows, rows[..., :32], mask=mh.sliding_window(100), backend="decode"))
+    assert ("AMX tiles" in window) == tiles, window
+    assert "AMX tiles" not in str(mh.explain(q.float(), rows.float(), rows[..., :32].float(), backend="decode"))
+    holes = torch.rand(1, 1, 1, 300, generator=gen) < 0.9
+    masked = str(mh.explain(q, rows, rows[..., :32], mask=holes, backend="decode"))
+    assert "AMX tiles" not in masked and ("cpu_decode.c" in masked) == (decode_kernel == "cpu_kernel"), masked
+    want = mh.attention(q.double(), rows.double(), rows[..., :32].double(), backend="reference")
+    got = mh.attention(q, rows, rows[..., :32], backend="decode")
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)

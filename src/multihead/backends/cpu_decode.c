@@ -336,6 +336,8 @@ DEFINE_KERNEL(f16, _Float16, load_f16, 0)
 DEFINE_KERNEL(i8, int8_t, load_i8, 1)
 DEFINE_KERNEL(f8, uint8_t, load_f8, 1)
 
+#include "cpu_decode_amx.h"
+
 typedef void (*one_fn)(const job_t *, int, float *, float *);
 
 #ifndef PIECE_MIN
@@ -392,8 +394,11 @@ static void join_pieces(const float *po, const float *pl, long stride_o, long st
  * Returns 0, or -1 when a buffer could not be allocated (the work of its thread is then not done). */
 int mh_decode(job_t *J, int kind, int threads) {
     one_fn fns[5] = {one_f32, one_bf16, one_f16, one_i8, one_f8};
-    const one_fn fn = fns[kind];
+    one_fn fn = fns[kind];
     const int pairs = J->B * J->H, R = J->G * J->Lq, Dv = J->Dv;
+#ifdef HAVE_AMX
+    if (amx_takes(kind, R, J->D, Dv, J->blocked != NULL)) fn = one_bf16_amx; /* many rows of bf16: the tiles */
+#endif
     int failed = 0, pieces = 1;
     if (threads < 1) threads = 1;
     if (pairs < SPLIT_PAIRS) { /* pieces from the shape alone: the same bits on any number of threads */
@@ -443,6 +448,17 @@ int mh_decode(job_t *J, int kind, int threads) {
     }
     free(jobs), free(po), free(pl);
     return failed ? -1 : 0;
+}
+
+/* 1 where a call of this storage kind, query rows per KV head, head sizes and mask (0/1) runs on the
+ * AMX tiles (cpu_decode_amx.h: built with them and granted by the OS), 0 elsewhere */
+int mh_decode_tiles(int kind, int rows, int D, int Dv, int masked) {
+#ifdef HAVE_AMX
+    return amx_takes(kind, rows, D, Dv, masked);
+#else
+    (void)kind, (void)rows, (void)D, (void)Dv, (void)masked;
+    return 0;
+#endif
 }
 
 /* sizeof(job_t), which cpu_kernels.py compares with its ctypes mirror before any call */

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .native_build import FLAGS, NativeLibrary
 
-__all__ = ["kernel", "unavailable", "supports", "decode_partial", "Int8Scales", "build"]
+__all__ = ["kernel", "unavailable", "supports", "tiles", "decode_partial", "Int8Scales", "build"]
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 ONE_THREAD_WORK = 1 << 20  # multiply-adds below which a call runs on the calling thread alone
@@ -91,6 +91,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mh_decode.argtypes = [ctypes.POINTER(_Job), _I, _I]
     lib.mh_decode.restype = _I
     lib.mh_job_size.restype = _L
+    lib.mh_decode_tiles.argtypes = [_I, _I, _I, _I, _I]
+    lib.mh_decode_tiles.restype = _I
     if lib.mh_job_size() != ctypes.sizeof(_Job):  # the mirror of job_t must match it field for field
         size, mirror = lib.mh_job_size(), ctypes.sizeof(_Job)
         raise RuntimeError(f"{_SOURCE.name}: job_t is {size} bytes, its ctypes mirror {mirror}")
@@ -117,6 +119,15 @@ def supports(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> 
         and (blocked is None or blocked.device.type == "cpu")
         and kernel() is not None
     )
+
+
+def tiles(storage: torch.dtype, rows: int, D: int, Dv: int, masked: bool, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernel runs a call on the AMX tiles (``cpu_decode_amx.h``): bf16 storage, at least
+    8 query rows per KV head (MLA's 16 heads over one latent head, MQA), head sizes multiples of 32,
+    no row mask, on a CPU with AMX-BF16 whose OS grants the tile state. The kernel decides; this asks it."""
+    lib = kernel() if lib is None else lib
+    kind = _KINDS.get(storage)
+    return lib is not None and kind is not None and bool(lib.mh_decode_tiles(kind, rows, D, Dv, int(masked)))
 
 
 class Int8Scales:
@@ -240,6 +251,13 @@ def _self_test(lib: ctypes.CDLL) -> None:
         f8 = torch.float8_e4m3fn
         k8f, v8f = (k * 100).clamp(-448, 448).to(f8), (v / 50).to(f8)  # v / 50: e4m3's subnormals
         cases.append((f8, k8f, v8f, Int8Scales(kc, kt, vt, 0, 64)))
+    # many query rows over bf16, no mask: the AMX tile path where the CPU has it (rows at a 64-slot chunk's edge)
+    q16 = q.repeat(1, 1, 6, 1)[:, :, :17].bfloat16()
+    k16, v16 = torch.randn(2, 2, 65, 32, generator=generator).bfloat16(), v.repeat(1, 1, 2, 2)[:, :, :65].bfloat16()
+    expected = torch.softmax(q16.double() @ k16.double().transpose(-1, -2) * 0.5, -1) @ v16.double()
+    out, _ = _run(lib, q16, k16, v16, 0.5, 17, 1, None, None, 0, None, None, 2)
+    error = (out.double() - expected).abs().max().item()
+    assert error < 1e-4, f"the CPU decode kernel's self-test failed for bf16 with 17 rows (error {error:.2e})"
     for dtype, kd, vd, scales in cases:
         keys, values = kd.double(), vd.double()
         if scales is not None:

@@ -207,6 +207,14 @@ class DecodeBackend(Backend):
                 f"MKL's fp32 GEMM reads {G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)"
             )
         if plan.native:
+            if cpu_kernels.tiles(call.k.dtype, G * Lq, D, Dv, plan.blocked is not None):
+                lines.append(
+                    f"kernel: multihead's CPU decode kernel (cpu_decode.c, built for this CPU) on the AMX tiles "
+                    f"({G * Lq} query rows per KV head over bf16): each key and value read once as stored, q Kᵀ and "
+                    "P V as tile products accumulated in fp32 (the weights as three bf16 terms), softmax in fp32, "
+                    "one pass per KV head"
+                )
+                return lines
             lines.append(
                 "kernel: multihead's CPU decode kernel (cpu_decode.c, built for this CPU): each key and value read "
                 "once as stored, converted to fp32 in registers; scores, softmax and P V in fp32, one pass per KV head"

@@ -1,0 +1,319 @@
+/* The tile (AMX) path of cpu_decode.c: bf16 keys and values read by many query rows per KV head
+ * (MLA's 16 heads over its one latent head; MQA), where the FMA path is bound by arithmetic.
+ *
+ * Included by cpu_decode.c after its job_t, rows_of and prefetch_row; compiled only where the build
+ * has AMX-BF16 and AVX512-BF16 (-march=native on a CPU that has them) and used only where Linux
+ * grants the process the tile state (arch_prctl). Per chunk of AMX_TC slots of one (b, h) piece:
+ *
+ *   Sᵀ (slots x 16 rows) = K_chunk · Q_gᵀ   tdpbf16ps: the cache's rows as stored (16 slots x 32
+ *                                            features a tile), the query rows in pairs (VNNI) once
+ *   online softmax in fp32, 16 rows to a vector (one lane a row): max, exp, sum, rescale
+ *   O (16 rows x Dv) += P · V_chunk           tdpbf16ps: P transposed to rows x slots, split into
+ *                                            three bf16 terms (p = h + m + l), V
+ *                                            interleaved two slots to a pair (VNNI) on the fly
+ *
+ * The products of bf16 values are exact in fp32 and accumulated in fp32; the scale is applied to the
+ * fp32 scores, not to the query (a query that is not bf16 is three bf16 terms); the weights are
+ * three bf16 terms (24 bits, fp32's precision): the error is fp32's, as on the FMA path. The tiles
+ * treat bf16 subnormals (below 1.2e-38) as zero. Masks are not taken here (a row mask needs the
+ * per-row exclusion of values the FMA path does): masked calls run the FMA path.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    !defined(MH_NO_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+#define AMX_MIN_ROWS 8 /* query rows per KV head from which the tiles beat the FMAs */
+#define AMX_TC 64      /* slots per chunk: 4 groups of 16 for Sᵀ, 2 blocks of 32 for P V */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
+
+/* Linux gives a process the tile registers' state only when asked (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); asked once, from the calling thread, before any parallel region. */
+static int amx_granted(void) {
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_state == 1;
+}
+
+/* whether a call of this storage kind, query rows per KV head, head sizes and mask runs on the tiles */
+static int amx_takes(int kind, int rows, int D, int Dv, int masked) {
+    return kind == 1 && !masked && rows >= AMX_MIN_ROWS && D % 32 == 0 && Dv % 32 == 0 && amx_granted();
+}
+
+static void amx_configure(void) { /* eight tiles of 16 rows x 64 bytes */
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* r[i] lane j -> r[j] lane i (16 x 16 fp32) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + j], 128-bit lane L: column 4L + j of rows i..i+3 */
+        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512 x0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), x1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+        __m512 y0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44), y1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+        r[4 + j] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+        r[8 + j] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+    }
+}
+
+/* x rounded to the nearest bf16, ties to even (NaN stays NaN) */
+static inline uint16_t bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if (x != x) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline __m512 vexp512(__m512 x) { return (__m512)vexp((v16f)x); }
+
+/* Slots [32·kb, 32·kb + 32) of P (slot-major, a row to a lane) as three A tiles of P V: rows x 32
+ * slots in bf16, p = h + m + l to fp32's precision (each term the rest rounded to bf16) */
+static inline __m512 bf16_near(__m512 p) { /* p rounded to bf16, as fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p)), 16));
+}
+
+static inline void amx_weights(const float *P, uint16_t *tiles) {
+    __m512 x0[16], x1[16];
+    for (int i = 0; i < 16; i++) x0[i] = _mm512_loadu_ps(P + 16 * i), x1[i] = _mm512_loadu_ps(P + 16 * (16 + i));
+    transpose16(x0), transpose16(x1); /* x0[r], x1[r]: row r's slots 0..15, 16..31 */
+    for (int term = 0; term < 3; term++)
+        for (int r = 0; r < 16; r++) {
+            const __m512 t0 = bf16_near(x0[r]), t1 = bf16_near(x1[r]);
+            _mm512_storeu_si512(tiles + 512 * term + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(t1, t0));
+            x0[r] = _mm512_sub_ps(x0[r], t0), x1[r] = _mm512_sub_ps(x1[r], t1);
+        }
+}
+
+/* Features [32·e, 32·e + 32) of the chunk's values as four B tiles of P V: tile 2·kb + i holds
+ * features 32·e + 16·i .. + 16 of slots [32·kb, 32·kb + 32) in pairs (VNNI): row kk, column 2·j + u
+ * = V[32·kb + 2·kk + u, 32·e + 16·i + j]; 0 past cnt */
+static inline void amx_values(const char *const *vrows, int cnt, int blocks, int e, uint16_t *tiles) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                        5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int kb = 0; kb < blocks; kb++) {
+        uint16_t *t0 = tiles + 1024 * kb, *t1 = t0 + 512;
+        if (32 * kb + 32 <= cnt) { /* a full block */
+            for (int kk = 0; kk < 16; kk++) {
+                const __m512i a = _mm512_loadu_si512((const uint16_t *)vrows[32 * kb + 2 * kk] + 32 * e);
+                const __m512i c = _mm512_loadu_si512((const uint16_t *)vrows[32 * kb + 2 * kk + 1] + 32 * e);
+                _mm512_store_si512(t0 + 32 * kk, _mm512_permutex2var_epi16(a, lo, c));
+                _mm512_store_si512(t1 + 32 * kk, _mm512_permutex2var_epi16(a, hi, c));
+            }
+            continue;
+        }
+        for (int kk = 0; kk < 16; kk++) {
+            const int ta = 32 * kb + 2 * kk, tb = ta + 1;
+            const __m512i a = ta < cnt ? _mm512_loadu_si512((const uint16_t *)vrows[ta] + 32 * e) : _mm512_setzero_si512();
+            const __m512i c = tb < cnt ? _mm512_loadu_si512((const uint16_t *)vrows[tb] + 32 * e) : _mm512_setzero_si512();
+            _mm512_store_si512(t0 + 32 * kk, _mm512_permutex2var_epi16(a, lo, c));
+            _mm512_store_si512(t1 + 32 * kk, _mm512_permutex2var_epi16(a, hi, c));
+        }
+    }
+}
+
+static void one_bf16(const job_t *J, int bh, float *s, float *qs);
+
+static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
+    const int b = bh / J->H, h = bh % J->H, R = J->G * J->Lq, D = J->D, Dv = J->Dv;
+    const int RG = (R + 15) / 16, KS = D / 32, DB = Dv / 16;
+    const long n = J->n, lo = J->lo, ps = J->ps;
+    const char *K = (const char *)((const uint16_t *)J->K + h * J->k_h);
+    const char *V = (const char *)((const uint16_t *)J->V + h * J->v_h);
+    const long kpb = J->k_page * 2L, ktb = J->k_t * 2L, vpb = J->v_page * 2L, vtb = J->v_t * 2L;
+    const int64_t *table = J->table + b * J->width;
+    const float *q = J->q + (long)bh * R * D;
+    const __m512 scale = _mm512_set1_ps(J->scale);
+    float *out = J->out + (long)bh * R * Dv, *lse = J->lse + (long)bh * R;
+    /* one block of 64-byte aligned buffers: Qᵀ tiles, Sᵀ/P per row group, P tiles, V tiles, O,
+     * staged key rows, the softmax state */
+    const size_t n_qt = (size_t)3 * RG * KS * 512, n_pt = (size_t)RG * 6 * 512, n_vt = (size_t)8 * 512; /* u16 */
+    const size_t n_st = (size_t)RG * AMX_TC * 16, n_o = (size_t)RG * 16 * Dv, n_k = (size_t)2 * 16 * D; /* f32, u16 */
+    const size_t bytes = 2 * (n_qt + n_pt + n_vt + n_k) + 4 * (n_st + n_o) + 4 * 3 * 16 * (size_t)RG + 64 * 8;
+    char *block = (char *)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (!block) { /* the FMA path needs no more than the buffers it was given */
+        one_bf16(J, bh, s_fma, qs_fma);
+        return;
+    }
+    char *at = block;
+    uint16_t *QT = (uint16_t *)at; at += (2 * n_qt + 63) & ~(size_t)63;
+    uint16_t *PT = (uint16_t *)at; at += (2 * n_pt + 63) & ~(size_t)63;
+    uint16_t *VT = (uint16_t *)at; at += (2 * n_vt + 63) & ~(size_t)63;
+    uint16_t *KR = (uint16_t *)at; at += (2 * n_k + 63) & ~(size_t)63;
+    float *ST = (float *)at; at += (4 * n_st + 63) & ~(size_t)63;
+    float *O = (float *)at; at += (4 * n_o + 63) & ~(size_t)63;
+    float *Mx = (float *)at, *Sum = Mx + 16 * RG, *Nan = Sum + 16 * RG;
+    /* Qᵀ in pairs: tile (term, g, ks) row kk, column 2·j + i = term of q[16g + j, 32·ks + 2·kk + i] (0
+     * past R). A query of bf16 values (a bf16 call) is one term; any other fp32 query is three bf16
+     * terms, q = h + m + l to fp32's precision, each a product on the tiles. */
+    int terms = 1;
+    for (long i = 0; i < (long)R * D && terms == 1; i++) {
+        uint32_t u;
+        memcpy(&u, q + i, 4);
+        if (u & 0xFFFF) terms = 3;
+    }
+    for (int term = 0; term < terms; term++)
+        for (int g = 0; g < RG; g++)
+            for (int ks = 0; ks < KS; ks++) {
+                uint16_t *tile = QT + (((size_t)term * RG + g) * KS + ks) * 512;
+                for (int kk = 0; kk < 16; kk++)
+                    for (int j = 0; j < 16; j++)
+                        for (int i = 0; i < 2; i++) {
+                            const int r = 16 * g + j;
+                            float x = r < R ? q[(long)r * D + 32 * ks + 2 * kk + i] : 0.f;
+                            for (int t = 0; t < term; t++) x -= bf16_to_f32(bf16_round(x));
+                            tile[kk * 32 + 2 * j + i] = bf16_round(x);
+                        }
+            }
+    for (int i = 0; i < 16 * RG; i++) Mx[i] = -INFINITY, Sum[i] = 0.f, Nan[i] = 0.f;
+    memset(O, 0, 4 * n_o);
+    const char *krows[2 * AMX_TC], *vrows[AMX_TC];
+    amx_configure();
+    for (long t0 = 0; t0 < n; t0 += AMX_TC) {
+        const int cnt = n - t0 < AMX_TC ? (int)(n - t0) : AMX_TC;
+        const long ahead = n - t0 < 2 * AMX_TC ? n - t0 : 2 * AMX_TC; /* this chunk and the next's rows */
+        rows_of(krows, ahead, K, table, ps, kpb, ktb, lo + t0);
+        rows_of(vrows, cnt, V, table, ps, vpb, vtb, lo + t0);
+        /* the next chunk's rows prefetched only where they do not follow these in memory (pages): the
+         * hardware prefetcher streams evenly spaced rows, and prefetches on top of it cost (measured) */
+        const int jumps = krows[ahead - 1] != krows[0] + (ahead - 1) * ktb;
+        /* Sᵀ, a group of 16 slots at a time: rows as stored where evenly spaced, else staged */
+        for (int g16 = 0; 16 * g16 < cnt; g16++) {
+            const int first = 16 * g16, rows_in = cnt - first < 16 ? cnt - first : 16;
+            for (int i = 0; i < 16 && jumps; i++)
+                if (AMX_TC + first + i < ahead) prefetch_row(krows[AMX_TC + first + i], 2 * D);
+            int even = rows_in == 16;
+            for (int i = 1; i < rows_in && even; i++) even = krows[first + i] == krows[first] + i * ktb;
+            const char *base = krows[first];
+            long stride = ktb;
+            if (!even) {
+                uint16_t *st = KR + (size_t)(g16 & 1) * 16 * D;
+                for (int i = 0; i < 16; i++) {
+                    if (i < rows_in) memcpy(st + (size_t)i * D, krows[first + i], 2 * (size_t)D);
+                    else memset(st + (size_t)i * D, 0, 2 * (size_t)D);
+                }
+                base = (const char *)st, stride = 2L * D;
+            }
+            for (int g = 0; g < RG; g++) {
+                _tile_zero(0);
+                for (int ks = 0; ks < KS; ks++) {
+                    _tile_loadd(2, base + 64 * ks, stride);
+                    for (int term = 0; term < terms; term++) {
+                        _tile_loadd(4, QT + (((size_t)term * RG + g) * KS + ks) * 512, 64);
+                        _tile_dpbf16ps(0, 2, 4);
+                    }
+                }
+                _tile_stored(0, ST + ((size_t)g * AMX_TC + first) * 16, 64);
+            }
+        }
+        const int blocks = (cnt + 31) / 32;
+        for (int g = 0; g < RG; g++) {
+            /* online softmax of the chunk, lanes = the group's 16 rows */
+            float *P = ST + (size_t)g * AMX_TC * 16;
+            __m512 m = _mm512_loadu_ps(Mx + 16 * g), chunk_max = _mm512_set1_ps(-INFINITY);
+            __mmask16 nan = (__mmask16)_mm512_cmpneq_ps_mask(_mm512_loadu_ps(Nan + 16 * g), _mm512_setzero_ps());
+            for (int t = 0; t < cnt; t++) {
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(P + 16 * t), scale);
+                _mm512_store_ps(P + 16 * t, x);
+                nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+                chunk_max = _mm512_max_ps(x, chunk_max); /* a NaN x leaves chunk_max as it was */
+            }
+            const __m512 m_new = _mm512_max_ps(m, chunk_max);
+            const __m512 m_safe = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                                     _mm512_setzero_ps());
+            const __m512 alpha = vexp512(_mm512_sub_ps(m, m_safe)); /* 0 where m was -inf */
+            __m512 total = _mm512_setzero_ps();
+            for (int t = 0; t < cnt; t++) {
+                const __m512 p = vexp512(_mm512_sub_ps(_mm512_load_ps(P + 16 * t), m_safe));
+                total = _mm512_add_ps(total, p);
+                _mm512_store_ps(P + 16 * t, p);
+            }
+            for (int t = cnt; t < 32 * blocks; t++) _mm512_store_ps(P + 16 * t, _mm512_setzero_ps());
+            _mm512_storeu_ps(Sum + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(Sum + 16 * g), alpha, total));
+            _mm512_storeu_ps(Mx + 16 * g, m_new);
+            _mm512_storeu_ps(Nan + 16 * g, _mm512_maskz_mov_ps(nan, _mm512_set1_ps(1.f)));
+            float *Og = O + (size_t)g * 16 * Dv;
+            if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) { /* the rows whose max moved */
+                float al[16];
+                _mm512_storeu_ps(al, alpha);
+                for (int r = 0; r < 16; r++)
+                    if (al[r] != 1.f)
+                        for (int c = 0; c < Dv; c += 16)
+                            _mm512_store_ps(Og + (size_t)r * Dv + c, _mm512_mul_ps(_mm512_load_ps(Og + (size_t)r * Dv + c),
+                                                                                   _mm512_set1_ps(al[r])));
+            }
+            uint16_t *Pt = PT + (size_t)g * 6 * 512; /* P's three terms for each block of 32 slots */
+            for (int kb = 0; kb < blocks; kb++) amx_weights(P + 32 * 16 * kb, Pt + 1536 * kb);
+        }
+        /* P V on the tiles, 32 features of V at a time (amx_values), the tiles of the next 32 built while
+         * these are multiplied (a tile load right after the stores that wrote it would wait for them).
+         * The two 16-feature halves accumulate in tmm0 and tmm1 in turn, so that no product waits for
+         * the one before it; P's three terms of a block in tmm2..tmm4, V's two halves in tmm6, tmm7 */
+        amx_values(vrows, cnt, blocks, 0, VT);
+        for (int e = 0; e < DB / 2; e++) {
+            const uint16_t *vt = VT + (size_t)(e & 1) * 2048;
+            if (e + 1 < DB / 2) amx_values(vrows, cnt, blocks, e + 1, VT + (size_t)((e + 1) & 1) * 2048);
+            for (int g = 0; g < RG; g++) {
+                float *Og = O + (size_t)g * 16 * Dv + 32 * e;
+                _tile_loadd(0, Og, 4L * Dv);
+                _tile_loadd(1, Og + 16, 4L * Dv);
+                for (int kb = 0; kb < blocks; kb++) {
+                    const uint16_t *Pt = PT + (size_t)g * 6 * 512 + 1536 * kb;
+                    _tile_loadd(2, Pt, 64);
+                    _tile_loadd(3, Pt + 512, 64);
+                    _tile_loadd(4, Pt + 1024, 64);
+                    _tile_loadd(6, vt + 1024 * kb, 64);
+                    _tile_loadd(7, vt + 1024 * kb + 512, 64);
+                    _tile_dpbf16ps(0, 2, 6);
+                    _tile_dpbf16ps(1, 2, 7);
+                    _tile_dpbf16ps(0, 3, 6);
+                    _tile_dpbf16ps(1, 3, 7);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, Og, 4L * Dv);
+                _tile_stored(1, Og + 16, 4L * Dv);
+            }
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < R; r++) {
+        const float *o = O + (size_t)r * Dv;
+        float *dst = out + (long)r * Dv;
+        if (Nan[r] != 0.f || Mx[r] == -INFINITY) { /* a NaN score; or no slot (a score of -inf everywhere) */
+            const float fill = Nan[r] != 0.f ? NAN : 0.f;
+            for (int c = 0; c < Dv; c++) dst[c] = fill;
+            lse[r] = Nan[r] != 0.f ? NAN : -INFINITY;
+            continue;
+        }
+        const float norm = 1.f / Sum[r];
+        for (int c = 0; c < Dv; c++) dst[c] = o[c] * norm;
+        lse[r] = Mx[r] + logf(Sum[r]);
+    }
+    free(block);
+}
+#endif
