@@ -108,21 +108,21 @@ static inline void amx_weights(const float *P, uint16_t *tiles) {
         }
 }
 
-/* Features [32·e, 32·e + 32) of the chunk's values as four B tiles of P V: tile 2·kb + i holds
- * features 32·e + 16·i .. + 16 of slots [32·kb, 32·kb + 32) in pairs (VNNI): row kk, column 2·j + u
- * = V[32·kb + 2·kk + u, 32·e + 16·i + j]; 0 past cnt */
+/* Features [32·e, 32·e + 32) of the chunk's values as four B tiles of P V, slots in pairs (VNNI):
+ * tiles 2·kb and 2·kb + 1 hold slots [32·kb, 32·kb + 32), row kk the pair 32·kb + 2·kk + (0, 1).
+ * The pairs are interleaved by unpacklo/unpackhi, one cheap shuffle per 32 features (a full
+ * interleave costs three times as many), which leaves the features in the order of their 128-bit
+ * lanes: column 4·L + i of tile 2·kb + h is feature 32·e + 8·L + 4·h + i (L < 4, i < 4, h < 2). P V
+ * carries this order into O's columns; the last loop of one_bf16_amx puts it back. 0 past cnt. */
 static inline void amx_values(const char *const *vrows, int cnt, int blocks, int e, uint16_t *tiles) {
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                        5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int kb = 0; kb < blocks; kb++) {
         uint16_t *t0 = tiles + 1024 * kb, *t1 = t0 + 512;
         if (32 * kb + 32 <= cnt) { /* a full block */
             for (int kk = 0; kk < 16; kk++) {
                 const __m512i a = _mm512_loadu_si512((const uint16_t *)vrows[32 * kb + 2 * kk] + 32 * e);
                 const __m512i c = _mm512_loadu_si512((const uint16_t *)vrows[32 * kb + 2 * kk + 1] + 32 * e);
-                _mm512_store_si512(t0 + 32 * kk, _mm512_permutex2var_epi16(a, lo, c));
-                _mm512_store_si512(t1 + 32 * kk, _mm512_permutex2var_epi16(a, hi, c));
+                _mm512_store_si512(t0 + 32 * kk, _mm512_unpacklo_epi16(a, c));
+                _mm512_store_si512(t1 + 32 * kk, _mm512_unpackhi_epi16(a, c));
             }
             continue;
         }
@@ -130,8 +130,8 @@ static inline void amx_values(const char *const *vrows, int cnt, int blocks, int
             const int ta = 32 * kb + 2 * kk, tb = ta + 1;
             const __m512i a = ta < cnt ? _mm512_loadu_si512((const uint16_t *)vrows[ta] + 32 * e) : _mm512_setzero_si512();
             const __m512i c = tb < cnt ? _mm512_loadu_si512((const uint16_t *)vrows[tb] + 32 * e) : _mm512_setzero_si512();
-            _mm512_store_si512(t0 + 32 * kk, _mm512_permutex2var_epi16(a, lo, c));
-            _mm512_store_si512(t1 + 32 * kk, _mm512_permutex2var_epi16(a, hi, c));
+            _mm512_store_si512(t0 + 32 * kk, _mm512_unpacklo_epi16(a, c));
+            _mm512_store_si512(t1 + 32 * kk, _mm512_unpackhi_epi16(a, c));
         }
     }
 }
@@ -304,6 +304,7 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
     for (int r = 0; r < R; r++) {
         const float *o = O + (size_t)r * Dv;
         float *dst = out + (long)r * Dv;
+        /* O's columns in amx_values' order: column 32·e + 16·h + 4·L + i is feature 32·e + 8·L + 4·h + i */
         if (Nan[r] != 0.f || Mx[r] == -INFINITY) { /* a NaN score; or no slot (a score of -inf everywhere) */
             const float fill = Nan[r] != 0.f ? NAN : 0.f;
             for (int c = 0; c < Dv; c++) dst[c] = fill;
@@ -311,7 +312,10 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
             continue;
         }
         const float norm = 1.f / Sum[r];
-        for (int c = 0; c < Dv; c++) dst[c] = o[c] * norm;
+        for (int e = 0; e < Dv; e += 32)
+            for (int h = 0; h < 2; h++)
+                for (int L = 0; L < 4; L++)
+                    for (int i = 0; i < 4; i++) dst[e + 8 * L + 4 * h + i] = o[e + 16 * h + 4 * L + i] * norm;
         lse[r] = Mx[r] + logf(Sum[r]);
     }
     free(block);
