@@ -219,7 +219,7 @@ def test_few_pairs_split_their_slots_into_pieces_joined_by_lse(storage):
             kc = torch.rand(B, Hkv, -(-(n + 7) // 1000), D, generator=gen) + 0.5
             kt, vt = torch.rand(B, Hkv, n + 7, generator=gen) / 99, torch.rand(B, Hkv, n + 7, generator=gen) / 99
             scales = cpu_kernels.Int8Scales(kc, kt, vt, 7, 1000)
-            spans = (torch.arange(n + 7) // 1000)
+            spans = torch.arange(n + 7) // 1000
             keys = (k.double() * kc.double()[:, :, spans] * kt.double()[..., None])[:, :, 7:]
             values = (v.double() * vt.double()[..., None])[:, :, 7:]
             k, v = k[:, :, 7:], v[:, :, 7:]
@@ -310,7 +310,8 @@ def test_the_tiles_keep_nan_rows_nan_and_large_scores_stable():
     # scores allow (a score of 2000 is rounded by 1e-4, so is its weight), as the FMA build
     q, k, v = q[:, :1] * 64, k[:, :1], v[:, :1]
     want = _expected(q, k, v, 1.0, 16, 1, None)
-    for got in (cpu_kernels.decode_partial(q, k, v, 1.0, 16, 1), cpu_kernels._run(_no_tiles_build(), q, k, v, 1.0, 16, 1, None, None, 0, None, None, 2)):
+    fma = cpu_kernels._run(_no_tiles_build(), q, k, v, 1.0, 16, 1, None, None, 0, None, None, 2)
+    for got in (cpu_kernels.decode_partial(q, k, v, 1.0, 16, 1), fma):
         assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
         torch.testing.assert_close(got[0].double(), want[0], rtol=0, atol=1e-3)
         torch.testing.assert_close(got[1].double(), want[1], rtol=1e-6, atol=0)

@@ -625,3 +625,39 @@ def test_a_cache_of_another_layer_shape_is_refused_and_unchanged():
                 xf, kv_cache=cache
             )
     assert cache.length == 5
+
+
+def test_a_bf16_latent_cache_decodes_on_the_kernel_as_exact_as_the_full_forward():
+    """DeepSeek-like head counts in bf16 (16 heads over one latent head of ``C + R = 96`` features,
+    ``Dv = C = 64``): the absorbed steps read the latent cache through the CPU decode kernel, on its
+    AMX tiles where the CPU has them (``explain()`` says which). Prefill + one-token steps against
+    the fp64 equations of the same rounded weights, no further than the bf16 full forward, times 2."""
+    from multihead.backends import cpu_kernels
+
+    heads, rank, q_rank, nope, rope, v_dim, E2, T = 16, 64, 48, 16, 32, 32, 128, 40
+    torch.manual_seed(3)
+    layer = MultiHeadLatentAttention(
+        E2,
+        heads,
+        kv_lora_rank=rank,
+        q_lora_rank=q_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_dim,
+        mode="absorbed",
+        dtype=torch.bfloat16,
+        backend="decode",  # auto leaves tiny calls to sdpa
+    )
+    x = torch.randn(2, T, E2, generator=torch.Generator().manual_seed(4)).bfloat16()
+    params = {name: p.double() for name, p in layer.named_parameters()}
+    want = published_mla(params, x.double(), heads=heads, kv_lora_rank=rank, nope=nope, rope=rope, v_dim=v_dim)
+    with torch.no_grad():
+        full = layer(x)
+        cache = LatentKVCache()
+        layer(x[:, :31], kv_cache=cache)
+        report = str(layer.explain(x[:, 31:32], kv_cache=cache))
+        out = _decode(layer, x, LatentKVCache(), [31] + [1] * (T - 31))
+    if cpu_kernels.kernel() is not None:
+        assert "cpu_decode.c" in report, report
+        assert ("AMX tiles" in report) == cpu_kernels.tiles(torch.bfloat16, heads, rank + rope, rank, False), report
+    assert_relative(out[:, 31:], want[:, 31:], full[:, 31:], 2, "bf16 decode steps")
