@@ -1,0 +1,62 @@
+"""bf16 MQA decoding through each cache on the CPU decode kernel, whose AMX tile path takes calls of
+at least 8 query rows per KV head over bf16 (``backends/cpu_decode_amx.h``): 16 query heads over one
+KV head of 32 features, prefill then one-token and three-token steps, against the fp64 forward of
+the same rounded weights, no further from it than the bf16 full forward (times 2). ``explain()``
+on a one-token step says whether the tiles ran (they do where the CPU has them and the read has no
+row mask: a static, dynamic or paged cache; a partly filled ring has a row mask)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from helpers import assert_relative
+from multihead.backends import cpu_kernels
+from multihead.caches import DynamicKVCache, PagedKVCache, SlidingWindowKVCache, StaticKVCache
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.kernel() is None, reason=f"the CPU decode kernel is unavailable: {cpu_kernels.unavailable()}"
+)
+
+E, HQ, B, T, PREFILL = 512, 16, 2, 70, 41
+SCHEDULE = [PREFILL] + [1] * 20 + [3, 3, 1, 1, 1]
+TILES = cpu_kernels.tiles(torch.bfloat16, HQ, E // HQ, E // HQ, False)
+
+
+def _layer(dtype):
+    torch.manual_seed(0)
+    return mh.MultiHeadAttention(E, HQ, num_kv_heads=1, causal=True, dtype=dtype).eval()
+
+
+def _cache(kind):
+    if kind == "static":
+        return StaticKVCache(B, 96, 1, E // HQ, dtype=torch.bfloat16)
+    if kind == "dynamic":
+        return DynamicKVCache(capacity=8)
+    if kind == "paged":
+        return PagedKVCache(24, 8, 1, E // HQ, batch_size=B, dtype=torch.bfloat16)
+    return SlidingWindowKVCache(40, B, 1, E // HQ, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic", "paged", "sliding"])
+def test_bf16_mqa_steps_through_each_cache_equal_the_full_forward(kind):
+    mask = mh.sliding_window(40) if kind == "sliding" else None
+    layer, layer64 = _layer(torch.bfloat16), _layer(torch.float64)
+    layer64.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})  # the same rounded weights
+    x = torch.randn(B, T, E, generator=torch.Generator().manual_seed(1)).bfloat16()
+    cache = _cache(kind)
+    outs, t = [], 0
+    with torch.no_grad():
+        want, full = layer64(x.double(), mask=mask), layer(x, mask=mask)
+        for n in SCHEDULE:
+            if t == PREFILL:  # the steps on the decode backend (auto leaves calls this small to sdpa)
+                layer.backend = "decode"
+                report = str(layer.explain(x[:, t : t + 1], kv_cache=cache, mask=mask))
+            outs.append(layer(x[:, t : t + n], kv_cache=cache, mask=mask))
+            t += n
+    assert t == T
+    out = torch.cat(outs, 1)
+    assert "cpu_decode.c" in report, report
+    assert ("AMX tiles" in report) == TILES, report
+    assert_relative(out[:, PREFILL:], want[:, PREFILL:], full[:, PREFILL:], 2, f"{kind} steps")
