@@ -317,6 +317,32 @@ def test_the_tiles_keep_nan_rows_nan_and_large_scores_stable():
         torch.testing.assert_close(got[1].double(), want[1], rtol=1e-6, atol=0)
 
 
+@needs_tiles
+@pytest.mark.parametrize("G,Lq", [(4, 4), (16, 2), (8, 3), (2, 9)])
+def test_the_tiles_read_bands_of_slots_per_row(G, Lq):
+    """A row mask that is one range of slots per row (a causal multi-token step, a window, both),
+    the same for every batch row and head, runs on the tiles as bands (``bands``); one with a hole,
+    or a slot no row sees, stays on the FMA path. Against fp64 either way, lengths around the chunks
+    and past a split into pieces."""
+    gen = torch.Generator().manual_seed(G * 10 + Lq)
+    for n in (Lq, 17, 64, 65, 130, 2100):
+        q = torch.randn(2, 1, G * Lq, 64, generator=gen).bfloat16()
+        k = torch.randn(2, 1, n, 64, generator=gen).bfloat16()
+        v = torch.randn(2, 1, n, 32, generator=gen).bfloat16()
+        i = torch.arange(Lq)[:, None]
+        t = torch.arange(n)[None, :]
+        causal = t > (n - Lq) + i  # bottom-right: query i sees slots up to n - Lq + i
+        window = causal | (t < (n - Lq) + i - 40)  # and only the 41 latest
+        holes = causal.clone()
+        holes[0, n // 2] = holes[0, n // 2] or n > 2 * Lq  # row 0 loses a slot in the middle of its range
+        cases = (("causal", causal, True), ("window", window, n - Lq <= 40), ("holes", holes, n <= 2 * Lq))
+        for name, rule, banded in cases:  # banded: every row one range, every slot seen by some row
+            blocked = rule.expand(1, 1, G, Lq, n)
+            assert (cpu_kernels.bands(blocked, G, Lq, n) is not None) == banded, name
+            got = cpu_kernels.decode_partial(q, k, v, 0.125, G, Lq, blocked)
+            _close(got, _expected(q, k, v, 0.125, G, Lq, blocked), f"{name} G={G} Lq={Lq} n={n}")
+
+
 def test_the_tiles_take_only_many_unmasked_bf16_rows():
     """What runs on the tiles: the kernel answers (``tiles``); never a masked call, another storage,
     fewer than 8 rows or head sizes off the 32-feature tile columns."""

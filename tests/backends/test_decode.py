@@ -558,6 +558,12 @@ def test_explain_names_the_amx_tiles_where_the_kernel_runs_a_call_on_them(decode
     window = str(mh.explain(q, rows, rows[..., :32], mask=mh.sliding_window(100), backend="decode"))
     assert ("AMX tiles" in window) == tiles, window
     assert "AMX tiles" not in str(mh.explain(q.float(), rows.float(), rows[..., :32].float(), backend="decode"))
+    q4 = torch.randn(1, 16, 4, 64, generator=gen).bfloat16()  # a causal four-token step: one range of keys per row
+    steps = str(mh.explain(q4, rows, rows[..., :32], mask=mh.causal(), backend="decode"))
+    assert ("AMX tiles" in steps and "one range of keys per row" in steps) == tiles, steps
+    want4 = mh.attention(q4.double(), rows.double(), rows[..., :32].double(), mask=mh.causal(), backend="reference")
+    got4 = mh.attention(q4, rows, rows[..., :32], mask=mh.causal(), backend="decode")
+    torch.testing.assert_close(got4.double(), want4, rtol=1e-2, atol=1e-2)
     holes = torch.rand(1, 1, 1, 300, generator=gen) < 0.9
     masked = str(mh.explain(q, rows, rows[..., :32], mask=holes, backend="decode"))
     assert "AMX tiles" not in masked and ("cpu_decode.c" in masked) == (decode_kernel == "cpu_kernel"), masked

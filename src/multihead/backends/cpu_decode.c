@@ -107,6 +107,11 @@ typedef struct {
     long first, span;           /* slot lo + t is quantized slot first + t */
     int sdt;
     float *out, *lse;           /* (B, H, R, Dv), (B, H, R) */
+    /* NULL, or row r's visible slots [band[2r], band[2r + 1]) of the call's [0, n), the same for
+     * every (b, h), which `blocked` spells out too: the tile path reads the band, the FMA path the
+     * mask. band_at: this job's first slot in the call's (a piece starts past 0). */
+    const int32_t *band;
+    long band_at;
 } job_t;
 
 #ifndef PF_BYTES
@@ -397,7 +402,7 @@ int mh_decode(job_t *J, int kind, int threads) {
     one_fn fn = fns[kind];
     const int pairs = J->B * J->H, R = J->G * J->Lq, Dv = J->Dv;
 #ifdef HAVE_AMX
-    if (amx_takes(kind, R, J->D, Dv, J->blocked != NULL)) fn = one_bf16_amx; /* many rows of bf16: the tiles */
+    if (amx_takes(kind, R, J->D, Dv, J->blocked != NULL && J->band == NULL)) fn = one_bf16_amx; /* many rows of bf16: the tiles */
 #endif
     int failed = 0, pieces = 1;
     if (threads < 1) threads = 1;
@@ -422,6 +427,7 @@ int mh_decode(job_t *J, int kind, int threads) {
         jobs[p] = *J;
         jobs[p].lo = J->lo + t0, jobs[p].n = t1 - t0, jobs[p].first = J->first + t0;
         if (J->blocked) jobs[p].blocked = J->blocked + t0 * J->m_t;
+        jobs[p].band_at = J->band_at + t0;
         if (pieces > 1) jobs[p].out = po + (long)p * pairs * R * Dv, jobs[p].lse = pl + (long)p * pairs * R;
     }
     const int items = pairs * pieces;

@@ -15,8 +15,10 @@
  * The products of bf16 values are exact in fp32 and accumulated in fp32; the scale is applied to the
  * fp32 scores, not to the query (a query that is not bf16 is three bf16 terms); the weights are
  * three bf16 terms (24 bits, fp32's precision): the error is fp32's, as on the FMA path. The tiles
- * treat bf16 subnormals (below 1.2e-38) as zero. Masks are not taken here (a row mask needs the
- * per-row exclusion of values the FMA path does): masked calls run the FMA path.
+ * treat bf16 subnormals (below 1.2e-38) as zero. A row mask is taken only as bands, one range of
+ * slots per row (causal multi-token steps, windows; job_t.band), and only where every slot read is
+ * seen by some row: a slot one row sees and another does not gives the other 0 · v (NaN for a NaN
+ * value, as on the fused kernels), where the FMA path leaves it out. Other masks run the FMA path.
  */
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     !defined(MH_NO_AMX)
@@ -42,7 +44,8 @@ static int amx_granted(void) {
     return amx_state == 1;
 }
 
-/* whether a call of this storage kind, query rows per KV head, head sizes and mask runs on the tiles */
+/* whether a call of this storage kind, query rows per KV head, head sizes and mask runs on the tiles
+ * (masked: a row mask that is not a band of slots per row, see job_t.band) */
 static int amx_takes(int kind, int rows, int D, int Dv, int masked) {
     return kind == 1 && !masked && rows >= AMX_MIN_ROWS && D % 32 == 0 && Dv % 32 == 0 && amx_granted();
 }
@@ -236,8 +239,24 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
             float *P = ST + (size_t)g * AMX_TC * 16;
             __m512 m = _mm512_loadu_ps(Mx + 16 * g), chunk_max = _mm512_set1_ps(-INFINITY);
             __mmask16 nan = (__mmask16)_mm512_cmpneq_ps_mask(_mm512_loadu_ps(Nan + 16 * g), _mm512_setzero_ps());
+            __m512i first = _mm512_setzero_si512(), end = _mm512_set1_epi32(0x7FFFFFFF);
+            if (J->band) { /* rows past R: an empty band */
+                int32_t f16[16], e16[16];
+                for (int j = 0; j < 16; j++) {
+                    const int r = 16 * g + j;
+                    f16[j] = r < R ? J->band[2 * r] : 0, e16[j] = r < R ? J->band[2 * r + 1] : 0;
+                }
+                first = _mm512_loadu_si512(f16), end = _mm512_loadu_si512(e16);
+            }
+            const long at = J->band_at + t0; /* slot t of this chunk is the call's slot at + t */
             for (int t = 0; t < cnt; t++) {
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(P + 16 * t), scale);
+                __m512 x = _mm512_mul_ps(_mm512_load_ps(P + 16 * t), scale);
+                if (J->band) { /* -inf outside each row's band (a NaN score there too, as masked_fill) */
+                    const __m512i slot = _mm512_set1_epi32((int)(at + t));
+                    const __mmask16 outside = _mm512_cmp_epi32_mask(slot, first, _MM_CMPINT_LT) |
+                                          _mm512_cmp_epi32_mask(slot, end, _MM_CMPINT_NLT);
+                    x = _mm512_mask_mov_ps(x, outside, _mm512_set1_ps(-INFINITY));
+                }
                 _mm512_store_ps(P + 16 * t, x);
                 nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
                 chunk_max = _mm512_max_ps(x, chunk_max); /* a NaN x leaves chunk_max as it was */

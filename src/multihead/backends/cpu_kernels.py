@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .native_build import FLAGS, NativeLibrary
 
-__all__ = ["kernel", "unavailable", "supports", "tiles", "decode_partial", "Int8Scales", "build"]
+__all__ = ["kernel", "unavailable", "supports", "tiles", "bands", "decode_partial", "Int8Scales", "build"]
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 ONE_THREAD_WORK = 1 << 20  # multiply-adds below which a call runs on the calling thread alone
@@ -67,6 +67,8 @@ class _Job(ctypes.Structure):
         ("sdt", _I),
         ("out", _P),
         ("lse", _P),
+        ("band", _P),
+        ("band_at", _L),
     ]
 
 
@@ -212,22 +214,46 @@ def _run(
     job.k_h, job.k_page, job.k_t, job.v_h, job.v_page, job.v_t = k_h, k_page, k_t, v_h, v_page, v_t
     job.table, job.width, job.ps = pages.data_ptr(), width, ps
     job.out, job.lse = out.data_ptr(), lse.data_ptr()
-    mask = None
+    mask = band = None
     if blocked is not None:
         mask = blocked.expand(B, Hkv, G, Lq, n)  # stride 0 where it broadcasts
         job.blocked = mask.data_ptr()
         job.m_b, job.m_h, job.m_g, job.m_l, job.m_t = mask.stride()
+        if tiles(keys.dtype, R, D, Dv, False, lib):  # the tile path takes a row mask only as bands
+            band = bands(blocked, G, Lq, n)
+            if band is not None:
+                job.band = band.data_ptr()
     if scales is not None:
         kc, kt, vt = scales.key_channel, scales.key_token, scales.value_token
         job.kc, job.kt, job.vt = kc.data_ptr(), kt.data_ptr(), vt.data_ptr()
         job.kc_b, job.kc_h, job.kc_j = kc.stride()[:3]
         job.kt_b, job.kt_h, job.vt_b, job.vt_h = kt.stride(0), kt.stride(1), vt.stride(0), vt.stride(1)
         job.first, job.span, job.sdt = scales.first, scales.span, _SCALE_DTYPES[kc.dtype]
-    # q, pages and mask are locals: alive until the call returns
+    # q, pages, mask and band are locals: alive until the call returns
     if lib.mh_decode(ctypes.byref(job), _KINDS[keys.dtype], threads) != 0:
         raise MemoryError(f"decode_partial: the kernel could not allocate its buffers ({R} x {n} scores per thread)")
-    del mask
+    del mask, band
     return out, lse
+
+
+def bands(blocked: Tensor, G: int, Lq: int, n: int) -> Tensor | None:
+    """``(R, 2)`` int32: each folded row's visible slots ``[first, end)`` where ``blocked`` (``(1, 1, G|1,
+    Lq, n)``: the same for every batch row and KV head) is one range of slots per row and every slot is
+    seen by some row (a slot no row sees may hold anything: the tiles would multiply it by 0); else
+    ``None``. Causal multi-token steps and windows are such bands."""
+    if blocked.shape[0] != 1 or blocked.shape[1] != 1:
+        return None
+    visible = ~blocked[0, 0].expand(G, Lq, n).reshape(G * Lq, n)
+    if not bool(visible.any(dim=0).all()):
+        return None
+    count = visible.sum(dim=-1)
+    first = visible.to(torch.int8).argmax(dim=-1)  # the first visible slot (0 where none)
+    end = n - visible.flip(-1).to(torch.int8).argmax(dim=-1)
+    empty = count == 0
+    first, end = first.masked_fill(empty, 0), end.masked_fill(empty, 0)
+    if not bool((count == end - first).all()):  # a row with a hole
+        return None
+    return torch.stack([first, end], dim=-1).to(torch.int32).contiguous()
 
 
 def _self_test(lib: ctypes.CDLL) -> None:
@@ -258,6 +284,11 @@ def _self_test(lib: ctypes.CDLL) -> None:
     out, _ = _run(lib, q16, k16, v16, 0.5, 17, 1, None, None, 0, None, None, 2)
     error = (out.double() - expected).abs().max().item()
     assert error < 1e-4, f"the CPU decode kernel's self-test failed for bf16 with 17 rows (error {error:.2e})"
+    band = torch.arange(65)[None, :] < torch.arange(17)[:, None]  # row r sees slots [r, 65): bands on the tiles
+    scores = (q16.double() @ k16.double().transpose(-1, -2) * 0.5).masked_fill(band, float("-inf"))
+    out, _ = _run(lib, q16, k16, v16, 0.5, 17, 1, band.view(1, 1, 17, 1, 65), None, 0, None, None, 2)
+    error = (out.double() - torch.softmax(scores, -1) @ v16.double()).abs().max().item()
+    assert error < 1e-4, f"the CPU decode kernel's self-test failed for bf16 bands (error {error:.2e})"
     for dtype, kd, vd, scales in cases:
         keys, values = kd.double(), vd.double()
         if scales is not None:

@@ -207,10 +207,13 @@ class DecodeBackend(Backend):
                 f"MKL's fp32 GEMM reads {G * Lq + plan.pad} rows faster than {G * Lq} (measured, docs/performance.md)"
             )
         if plan.native:
-            if cpu_kernels.tiles(call.k.dtype, G * Lq, D, Dv, plan.blocked is not None):
+            banded = plan.blocked is None or cpu_kernels.bands(plan.blocked, G, Lq, plan.hi - plan.lo) is not None
+            if cpu_kernels.tiles(call.k.dtype, G * Lq, D, Dv, not banded):
                 lines.append(
                     f"kernel: multihead's CPU decode kernel (cpu_decode.c, built for this CPU) on the AMX tiles "
-                    f"({G * Lq} query rows per KV head over bf16): each key and value read once as stored, q Kᵀ and "
+                    f"({G * Lq} query rows per KV head over bf16"
+                    + ("" if plan.blocked is None else "; the mask as one range of keys per row")
+                    + "): each key and value read once as stored, q Kᵀ and "
                     "P V as tile products accumulated in fp32 (the weights as three bf16 terms), softmax in fp32, "
                     "one pass per KV head"
                 )
