@@ -343,12 +343,47 @@ def test_the_tiles_read_bands_of_slots_per_row(G, Lq):
             _close(got, _expected(q, k, v, 0.125, G, Lq, blocked), f"{name} G={G} Lq={Lq} n={n}")
 
 
+@needs_tiles
+@pytest.mark.parametrize("storage", [torch.int8, *FP8], ids=str)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("R,span", [(16, 32), (17, 100), (33, 4096)])
+def test_eight_bit_slots_on_the_tiles_equal_fp64_over_their_dequantized_values(storage, scale_dtype, R, span):
+    """int8 / fp8 slots with 16 or more rows per KV head run on the tiles, converted to bf16 as read
+    (exactly), ``kc`` folded into the query per span (spans shorter and longer than a 64-slot chunk,
+    slots starting inside a span), ``kt`` and ``vt`` per slot; against fp64 over the dequantized
+    values and through the FMA build, past a split into pieces, and with a causal band."""
+    gen = torch.Generator().manual_seed(R + span)
+    B, Hkv, N, D, Dv = 1, 2, 2300, 64, 32
+    k8, v8 = _eight_bit(storage, (B, Hkv, N, D), gen), _eight_bit(storage, (B, Hkv, N, Dv), gen)
+    kc = (torch.rand(B, Hkv, -(-N // span), D, generator=gen) + 0.1).to(scale_dtype)
+    kt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
+    vt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
+    spans = torch.arange(N) // span
+    keys = k8.double() * kc.double()[:, :, spans] * kt.double()[..., None]
+    values = v8.double() * vt.double()[..., None]
+    q = torch.randn(B, Hkv, R, D, generator=gen)
+    fma = _no_tiles_build()
+    assert cpu_kernels.tiles(storage, R, D, Dv, False)
+    for first, n in ((0, N), (31, 70), (5, 2100), (64, 1)):
+        scales = cpu_kernels.Int8Scales(kc, kt, vt, first, span)
+        k, v = k8[:, :, first : first + n], v8[:, :, first : first + n]
+        want = _expected(q, keys[:, :, first : first + n], values[:, :, first : first + n], 0.2, R, 1, None)
+        _close(cpu_kernels.decode_partial(q, k, v, 0.2, R, 1, scales=scales), want, f"{storage} [{first}, {first + n})")
+        _close(cpu_kernels._run(fma, q, k, v, 0.2, R, 1, None, None, 0, None, scales, 2), want, "FMA build")
+    G, Lq, n = R, 1, 500  # a band per row: row r sees slots [r, n)
+    blocked = (torch.arange(n)[None, :] < torch.arange(R)[:, None]).view(1, 1, R, 1, n)
+    scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)
+    want = _expected(q, keys[:, :, :n], values[:, :, :n], 0.2, G, Lq, blocked)
+    _close(cpu_kernels.decode_partial(q, k8[:, :, :n], v8[:, :, :n], 0.2, G, Lq, blocked, scales=scales), want, "band")
+
+
 def test_the_tiles_take_only_many_unmasked_bf16_rows():
     """What runs on the tiles: the kernel answers (``tiles``); never a masked call, another storage,
     fewer than 8 rows or head sizes off the 32-feature tile columns."""
     assert not cpu_kernels.tiles(torch.bfloat16, 16, 64, 64, True), "a mask"
     assert not cpu_kernels.tiles(torch.float32, 16, 64, 64, False), "fp32"
-    assert not cpu_kernels.tiles(torch.int8, 16, 64, 64, False), "int8"
+    assert not cpu_kernels.tiles(torch.int8, 8, 64, 64, False), "int8 with 8 rows (8-bit slots take 16)"
+    assert cpu_kernels.tiles(torch.int8, 16, 64, 64, False), "int8 with 16 rows"
     assert not cpu_kernels.tiles(torch.bfloat16, 7, 64, 64, False), "7 rows"
     assert not cpu_kernels.tiles(torch.bfloat16, 16, 48, 64, False), "D = 48"
     assert not cpu_kernels.tiles(torch.bfloat16, 16, 64, 48, False), "Dv = 48"

@@ -402,7 +402,8 @@ int mh_decode(job_t *J, int kind, int threads) {
     one_fn fn = fns[kind];
     const int pairs = J->B * J->H, R = J->G * J->Lq, Dv = J->Dv;
 #ifdef HAVE_AMX
-    if (amx_takes(kind, R, J->D, Dv, J->blocked != NULL && J->band == NULL)) fn = one_bf16_amx; /* many rows of bf16: the tiles */
+    if (amx_takes(kind, R, J->D, Dv, J->blocked != NULL && J->band == NULL)) /* many rows: the tiles */
+        fn = kind == 1 ? one_amx_bf16 : kind == 3 ? one_amx_i8 : one_amx_f8;
 #endif
     int failed = 0, pieces = 1;
     if (threads < 1) threads = 1;

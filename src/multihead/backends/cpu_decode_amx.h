@@ -1,5 +1,8 @@
-/* The tile (AMX) path of cpu_decode.c: bf16 keys and values read by many query rows per KV head
- * (MLA's 16 heads over its one latent head; MQA), where the FMA path is bound by arithmetic.
+/* The tile (AMX) path of cpu_decode.c: bf16, int8 or fp8 keys and values read by many query rows per
+ * KV head (MLA's 16 heads over its one latent head; MQA), where the FMA path is bound by arithmetic.
+ * 8-bit slots are converted to bf16 as they are read (exactly: int8 codes and e4m3 values are bf16
+ * values), their scales applied as on the FMA path: kc folded into the query per span of slots
+ * (three bf16 terms), kt on each slot's score, vt on each slot's weight.
  *
  * Included by cpu_decode.c after its job_t, rows_of and prefetch_row; compiled only where the build
  * has AMX-BF16 and AVX512-BF16 (-march=native on a CPU that has them) and used only where Linux
@@ -26,7 +29,8 @@
 #include <unistd.h>
 #define HAVE_AMX 1
 
-#define AMX_MIN_ROWS 8 /* query rows per KV head from which the tiles beat the FMAs (measured: 4 rows 0.71-0.76x, 8 rows 1.18x, 16 rows 2.1x) */
+#define AMX_MIN_ROWS 8 /* bf16: query rows per KV head from which the tiles beat the FMAs (measured: 4 rows 0.71-0.76x, 8 rows 1.18x, 16 rows 2.1x) */
+#define AMX_MIN_ROWS_8BIT 16 /* int8 / fp8, whose rows are converted first and whose q · kc is three terms (8 rows 0.83x, 16 rows 1.64x) */
 #define AMX_TC 64      /* slots per chunk: 4 groups of 16 for Sᵀ, 2 blocks of 32 for P V */
 
 typedef struct {
@@ -47,7 +51,8 @@ static int amx_granted(void) {
 /* whether a call of this storage kind, query rows per KV head, head sizes and mask runs on the tiles
  * (masked: a row mask that is not a band of slots per row, see job_t.band) */
 static int amx_takes(int kind, int rows, int D, int Dv, int masked) {
-    return kind == 1 && !masked && rows >= AMX_MIN_ROWS && D % 32 == 0 && Dv % 32 == 0 && amx_granted();
+    const int enough = kind == 1 ? rows >= AMX_MIN_ROWS : (kind == 3 || kind == 4) && rows >= AMX_MIN_ROWS_8BIT;
+    return enough && !masked && D % 32 == 0 && Dv % 32 == 0 && amx_granted();
 }
 
 static void amx_configure(void) { /* eight tiles of 16 rows x 64 bytes */
@@ -111,19 +116,34 @@ static inline void amx_weights(const float *P, uint16_t *tiles) {
         }
 }
 
+/* 32 stored values from p as 32 bf16, exactly (int8 codes and fp8 e4m3 values are all bf16 values) */
+static inline __m512i load32_as_bf16(const char *p, int kind) {
+    if (kind == 1) return _mm512_loadu_si512(p);
+    __m512 lo, hi;
+    if (kind == 3) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    } else {
+        lo = (__m512)load_f8((const uint8_t *)p), hi = (__m512)load_f8((const uint8_t *)p + 16);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
 /* Features [32·e, 32·e + 32) of the chunk's values as four B tiles of P V, slots in pairs (VNNI):
  * tiles 2·kb and 2·kb + 1 hold slots [32·kb, 32·kb + 32), row kk the pair 32·kb + 2·kk + (0, 1).
  * The pairs are interleaved by unpacklo/unpackhi, one cheap shuffle per 32 features (a full
  * interleave costs three times as many), which leaves the features in the order of their 128-bit
  * lanes: column 4·L + i of tile 2·kb + h is feature 32·e + 8·L + 4·h + i (L < 4, i < 4, h < 2). P V
  * carries this order into O's columns; the last loop of one_bf16_amx puts it back. 0 past cnt. */
-static inline void amx_values(const char *const *vrows, int cnt, int blocks, int e, uint16_t *tiles) {
+static inline void amx_values(const char *const *vrows, int cnt, int blocks, int e, uint16_t *tiles, int kind) {
+    const int es = kind == 1 ? 2 : 1; /* bytes per stored value */
     for (int kb = 0; kb < blocks; kb++) {
         uint16_t *t0 = tiles + 1024 * kb, *t1 = t0 + 512;
         if (32 * kb + 32 <= cnt) { /* a full block */
             for (int kk = 0; kk < 16; kk++) {
-                const __m512i a = _mm512_loadu_si512((const uint16_t *)vrows[32 * kb + 2 * kk] + 32 * e);
-                const __m512i c = _mm512_loadu_si512((const uint16_t *)vrows[32 * kb + 2 * kk + 1] + 32 * e);
+                const __m512i a = load32_as_bf16(vrows[32 * kb + 2 * kk] + 32 * e * es, kind);
+                const __m512i c = load32_as_bf16(vrows[32 * kb + 2 * kk + 1] + 32 * e * es, kind);
                 _mm512_store_si512(t0 + 32 * kk, _mm512_unpacklo_epi16(a, c));
                 _mm512_store_si512(t1 + 32 * kk, _mm512_unpackhi_epi16(a, c));
             }
@@ -131,8 +151,8 @@ static inline void amx_values(const char *const *vrows, int cnt, int blocks, int
         }
         for (int kk = 0; kk < 16; kk++) {
             const int ta = 32 * kb + 2 * kk, tb = ta + 1;
-            const __m512i a = ta < cnt ? _mm512_loadu_si512((const uint16_t *)vrows[ta] + 32 * e) : _mm512_setzero_si512();
-            const __m512i c = tb < cnt ? _mm512_loadu_si512((const uint16_t *)vrows[tb] + 32 * e) : _mm512_setzero_si512();
+            const __m512i a = ta < cnt ? load32_as_bf16(vrows[ta] + 32 * e * es, kind) : _mm512_setzero_si512();
+            const __m512i c = tb < cnt ? load32_as_bf16(vrows[tb] + 32 * e * es, kind) : _mm512_setzero_si512();
             _mm512_store_si512(t0 + 32 * kk, _mm512_unpacklo_epi16(a, c));
             _mm512_store_si512(t1 + 32 * kk, _mm512_unpackhi_epi16(a, c));
         }
@@ -140,14 +160,16 @@ static inline void amx_values(const char *const *vrows, int cnt, int blocks, int
 }
 
 static void one_bf16(const job_t *J, int bh, float *s, float *qs);
+static void one_i8(const job_t *J, int bh, float *s, float *qs);
+static void one_f8(const job_t *J, int bh, float *s, float *qs);
 
-static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
+static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma, const int kind) {
+    const int es = kind == 1 ? 2 : 1, quant = kind != 1; /* bytes per stored value; 8-bit with scales */
     const int b = bh / J->H, h = bh % J->H, R = J->G * J->Lq, D = J->D, Dv = J->Dv;
     const int RG = (R + 15) / 16, KS = D / 32, DB = Dv / 16;
     const long n = J->n, lo = J->lo, ps = J->ps;
-    const char *K = (const char *)((const uint16_t *)J->K + h * J->k_h);
-    const char *V = (const char *)((const uint16_t *)J->V + h * J->v_h);
-    const long kpb = J->k_page * 2L, ktb = J->k_t * 2L, vpb = J->v_page * 2L, vtb = J->v_t * 2L;
+    const char *K = (const char *)J->K + h * J->k_h * es, *V = (const char *)J->V + h * J->v_h * es;
+    const long kpb = J->k_page * es, ktb = J->k_t * es, vpb = J->v_page * es, vtb = J->v_t * es;
     const int64_t *table = J->table + b * J->width;
     const float *q = J->q + (long)bh * R * D;
     const __m512 scale = _mm512_set1_ps(J->scale);
@@ -159,7 +181,7 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
     const size_t bytes = 2 * (n_qt + n_pt + n_vt + n_k) + 4 * (n_st + n_o) + 4 * 3 * 16 * (size_t)RG + 64 * 8;
     char *block = (char *)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!block) { /* the FMA path needs no more than the buffers it was given */
-        one_bf16(J, bh, s_fma, qs_fma);
+        (kind == 1 ? one_bf16 : kind == 3 ? one_i8 : one_f8)(J, bh, s_fma, qs_fma);
         return;
     }
     char *at = block;
@@ -170,34 +192,49 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
     float *ST = (float *)at; at += (4 * n_st + 63) & ~(size_t)63;
     float *O = (float *)at; at += (4 * n_o + 63) & ~(size_t)63;
     float *Mx = (float *)at, *Sum = Mx + 16 * RG, *Nan = Sum + 16 * RG;
-    /* Qᵀ in pairs: tile (term, g, ks) row kk, column 2·j + i = term of q[16g + j, 32·ks + 2·kk + i] (0
-     * past R). A query of bf16 values (a bf16 call) is one term; any other fp32 query is three bf16
-     * terms, q = h + m + l to fp32's precision, each a product on the tiles. */
-    int terms = 1;
+    /* Qᵀ in pairs: tile (term, g, ks) row kk, column 2·j + i = term of q'[16g + j, 32·ks + 2·kk + i] (0
+     * past R), q' = q (bf16, fp16 kinds) or q · kc[span] (8-bit: the span's channel scales, so built
+     * again when a chunk starts a new span). A query of bf16 values (a bf16 call) is one term; any
+     * other fp32 query is three bf16 terms, q' = h + m + l to fp32's precision, each a product on the
+     * tiles. */
+    int terms = quant ? 3 : 1;
     for (long i = 0; i < (long)R * D && terms == 1; i++) {
         uint32_t u;
         memcpy(&u, q + i, 4);
         if (u & 0xFFFF) terms = 3;
     }
-    for (int term = 0; term < terms; term++)
-        for (int g = 0; g < RG; g++)
-            for (int ks = 0; ks < KS; ks++) {
-                uint16_t *tile = QT + (((size_t)term * RG + g) * KS + ks) * 512;
-                for (int kk = 0; kk < 16; kk++)
-                    for (int j = 0; j < 16; j++)
-                        for (int i = 0; i < 2; i++) {
-                            const int r = 16 * g + j;
-                            float x = r < R ? q[(long)r * D + 32 * ks + 2 * kk + i] : 0.f;
-                            for (int t = 0; t < term; t++) x -= bf16_to_f32(bf16_round(x));
-                            tile[kk * 32 + 2 * j + i] = bf16_round(x);
-                        }
-            }
+    long span_now = -1;
     for (int i = 0; i < 16 * RG; i++) Mx[i] = -INFINITY, Sum[i] = 0.f, Nan[i] = 0.f;
     memset(O, 0, 4 * n_o);
     const char *krows[2 * AMX_TC], *vrows[AMX_TC];
     amx_configure();
-    for (long t0 = 0; t0 < n; t0 += AMX_TC) {
-        const int cnt = n - t0 < AMX_TC ? (int)(n - t0) : AMX_TC;
+    for (long t0 = 0, cnt; t0 < n; t0 += cnt) {
+        cnt = n - t0 < AMX_TC ? n - t0 : AMX_TC;
+        {
+            long j = 0; /* 8-bit: chunks end at span boundaries (one row of channel scales each) */
+            if (quant) {
+                const long qi = J->first + t0, end = (qi / J->span + 1) * J->span - qi;
+                j = qi / J->span;
+                cnt = cnt < end ? cnt : end;
+            }
+            if (j != span_now) { /* this span's q' = q · kc[j] (8-bit), or q once */
+                span_now = j;
+                for (int term = 0; term < terms; term++)
+                    for (int g = 0; g < RG; g++)
+                        for (int ks = 0; ks < KS; ks++) {
+                            uint16_t *tile = QT + (((size_t)term * RG + g) * KS + ks) * 512;
+                            for (int kk = 0; kk < 16; kk++)
+                                for (int jj = 0; jj < 16; jj++)
+                                    for (int i = 0; i < 2; i++) {
+                                        const int r = 16 * g + jj, c = 32 * ks + 2 * kk + i;
+                                        float x = r < R ? q[(long)r * D + c] : 0.f;
+                                        if (quant) x *= load_scale(J->kc, b * J->kc_b + h * J->kc_h + j * J->kc_j + c, J->sdt);
+                                        for (int t = 0; t < term; t++) x -= bf16_to_f32(bf16_round(x));
+                                        tile[kk * 32 + 2 * jj + i] = bf16_round(x);
+                                    }
+                        }
+            }
+        }
         const long ahead = n - t0 < 2 * AMX_TC ? n - t0 : 2 * AMX_TC; /* this chunk and the next's rows */
         rows_of(krows, ahead, K, table, ps, kpb, ktb, lo + t0);
         rows_of(vrows, cnt, V, table, ps, vpb, vtb, lo + t0);
@@ -208,16 +245,21 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
         for (int g16 = 0; 16 * g16 < cnt; g16++) {
             const int first = 16 * g16, rows_in = cnt - first < 16 ? cnt - first : 16;
             for (int i = 0; i < 16 && jumps; i++)
-                if (AMX_TC + first + i < ahead) prefetch_row(krows[AMX_TC + first + i], 2 * D);
-            int even = rows_in == 16;
+                if (AMX_TC + first + i < ahead) prefetch_row(krows[AMX_TC + first + i], es * D);
+            int even = rows_in == 16 && kind == 1; /* 8-bit rows are converted to bf16 first */
             for (int i = 1; i < rows_in && even; i++) even = krows[first + i] == krows[first] + i * ktb;
             const char *base = krows[first];
             long stride = ktb;
             if (!even) {
                 uint16_t *st = KR + (size_t)(g16 & 1) * 16 * D;
                 for (int i = 0; i < 16; i++) {
-                    if (i < rows_in) memcpy(st + (size_t)i * D, krows[first + i], 2 * (size_t)D);
-                    else memset(st + (size_t)i * D, 0, 2 * (size_t)D);
+                    if (i >= rows_in)
+                        memset(st + (size_t)i * D, 0, 2 * (size_t)D);
+                    else if (kind == 1)
+                        memcpy(st + (size_t)i * D, krows[first + i], 2 * (size_t)D);
+                    else
+                        for (int c = 0; c < D; c += 32)
+                            _mm512_storeu_si512(st + (size_t)i * D + c, load32_as_bf16(krows[first + i] + c, kind));
                 }
                 base = (const char *)st, stride = 2L * D;
             }
@@ -249,8 +291,11 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
                 first = _mm512_loadu_si512(f16), end = _mm512_loadu_si512(e16);
             }
             const long at = J->band_at + t0; /* slot t of this chunk is the call's slot at + t */
+            const long kt0 = quant ? b * J->kt_b + h * J->kt_h + J->first + t0 : 0;
+            const long vt0 = quant ? b * J->vt_b + h * J->vt_h + J->first + t0 : 0;
             for (int t = 0; t < cnt; t++) {
                 __m512 x = _mm512_mul_ps(_mm512_load_ps(P + 16 * t), scale);
+                if (quant) x = _mm512_mul_ps(x, _mm512_set1_ps(load_scale(J->kt, kt0 + t, J->sdt)));
                 if (J->band) { /* -inf outside each row's band (a NaN score there too, as masked_fill) */
                     const __m512i slot = _mm512_set1_epi32((int)(at + t));
                     const __mmask16 outside = _mm512_cmp_epi32_mask(slot, first, _MM_CMPINT_LT) |
@@ -269,7 +314,11 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
             for (int t = 0; t < cnt; t++) {
                 const __m512 p = vexp512(_mm512_sub_ps(_mm512_load_ps(P + 16 * t), m_safe));
                 total = _mm512_add_ps(total, p);
-                _mm512_store_ps(P + 16 * t, p);
+                /* 8-bit: the weights times the slot's value scale (v = V8 · vt); 0 stays 0 (a NaN scale
+                 * of a slot no row sees stays out) */
+                _mm512_store_ps(P + 16 * t, quant ? _mm512_maskz_mul_ps(_mm512_cmpneq_ps_mask(p, _mm512_setzero_ps()), p,
+                                                                        _mm512_set1_ps(load_scale(J->vt, vt0 + t, J->sdt)))
+                                                  : p);
             }
             for (int t = cnt; t < 32 * blocks; t++) _mm512_store_ps(P + 16 * t, _mm512_setzero_ps());
             _mm512_storeu_ps(Sum + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(Sum + 16 * g), alpha, total));
@@ -292,10 +341,10 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
          * these are multiplied (a tile load right after the stores that wrote it would wait for them).
          * The two 16-feature halves accumulate in tmm0 and tmm1 in turn, so that no product waits for
          * the one before it; P's three terms of a block in tmm2..tmm4, V's two halves in tmm6, tmm7 */
-        amx_values(vrows, cnt, blocks, 0, VT);
+        amx_values(vrows, cnt, blocks, 0, VT, kind);
         for (int e = 0; e < DB / 2; e++) {
             const uint16_t *vt = VT + (size_t)(e & 1) * 2048;
-            if (e + 1 < DB / 2) amx_values(vrows, cnt, blocks, e + 1, VT + (size_t)((e + 1) & 1) * 2048);
+            if (e + 1 < DB / 2) amx_values(vrows, cnt, blocks, e + 1, VT + (size_t)((e + 1) & 1) * 2048, kind);
             for (int g = 0; g < RG; g++) {
                 float *Og = O + (size_t)g * 16 * Dv + 32 * e;
                 _tile_loadd(0, Og, 4L * Dv);
@@ -339,4 +388,8 @@ static void one_bf16_amx(const job_t *J, int bh, float *s_fma, float *qs_fma) {
     }
     free(block);
 }
+
+static void one_amx_bf16(const job_t *J, int bh, float *s, float *qs) { amx_core(J, bh, s, qs, 1); }
+static void one_amx_i8(const job_t *J, int bh, float *s, float *qs) { amx_core(J, bh, s, qs, 3); }
+static void one_amx_f8(const job_t *J, int bh, float *s, float *qs) { amx_core(J, bh, s, qs, 4); }
 #endif

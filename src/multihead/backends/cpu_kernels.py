@@ -284,6 +284,15 @@ def _self_test(lib: ctypes.CDLL) -> None:
     out, _ = _run(lib, q16, k16, v16, 0.5, 17, 1, None, None, 0, None, None, 2)
     error = (out.double() - expected).abs().max().item()
     assert error < 1e-4, f"the CPU decode kernel's self-test failed for bf16 with 17 rows (error {error:.2e})"
+    # 8-bit slots with 17 rows: the tiles too (16 rows and more), kc folded into the query per span
+    k8, v8 = (k16.float() * 20).round().to(torch.int8), (v16.float() * 20).round().to(torch.int8)
+    kc8 = torch.rand(2, 2, 3, 32, generator=generator) + 0.5
+    kt8, vt8 = torch.rand(2, 2, 65, generator=generator) / 20, torch.rand(2, 2, 65, generator=generator) / 20
+    keys = k8.double() * kc8.double()[:, :, torch.arange(65) // 30] * kt8.double()[..., None]
+    expected = torch.softmax(q16.double() @ keys.transpose(-1, -2) * 0.5, -1) @ (v8.double() * vt8.double()[..., None])
+    out, _ = _run(lib, q16, k8, v8, 0.5, 17, 1, None, None, 0, None, Int8Scales(kc8, kt8, vt8, 0, 30), 2)
+    error = (out.double() - expected).abs().max().item()
+    assert error < 1e-4, f"the CPU decode kernel's self-test failed for int8 with 17 rows (error {error:.2e})"
     band = torch.arange(65)[None, :] < torch.arange(17)[:, None]  # row r sees slots [r, 65): bands on the tiles
     scores = (q16.double() @ k16.double().transpose(-1, -2) * 0.5).masked_fill(band, float("-inf"))
     out, _ = _run(lib, q16, k16, v16, 0.5, 17, 1, band.view(1, 1, 17, 1, 65), None, 0, None, None, 2)
