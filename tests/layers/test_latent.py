@@ -661,3 +661,33 @@ def test_a_bf16_latent_cache_decodes_on_the_kernel_as_exact_as_the_full_forward(
         assert "cpu_decode.c" in report, report
         assert ("AMX tiles" in report) == cpu_kernels.tiles(torch.bfloat16, heads, rank + rope, rank, False), report
     assert_relative(out[:, 31:], want[:, 31:], full[:, 31:], 2, "bf16 decode steps")
+
+
+def test_an_int8_latent_cache_under_sixteen_heads_stays_within_its_rounding():
+    """MLA's latent rows in a ``QuantizedKVCache`` (int8, ``value_dim`` the latent width, bf16 compute):
+    16 query heads per latent head is where the kernel reads 8-bit slots on its AMX tiles (where the
+    CPU has them). Prefill + 100 one-token steps against the same steps through a ``LatentKVCache``:
+    within the int8 cache's rounding (docs/inference.md: about 1e-3 of the output's scale)."""
+    from multihead.caches import QuantizedKVCache
+
+    heads, rank, q_rank, nope, rope, v_dim, E2, T = 16, 64, 48, 16, 32, 32, 128, 300
+    torch.manual_seed(3)
+    layer = MultiHeadLatentAttention(
+        E2,
+        heads,
+        kv_lora_rank=rank,
+        q_lora_rank=q_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_dim,
+        mode="absorbed",
+        dtype=torch.bfloat16,
+    )
+    x = torch.randn(1, T, E2, generator=torch.Generator().manual_seed(4)).bfloat16()
+    int8 = QuantizedKVCache(1, T, 1, rank + rope, value_dim=rank, residual=16, sinks=4, span=64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = _decode(layer, x, LatentKVCache(), [200] + [1] * (T - 200))
+        got = _decode(layer, x, int8, [200] + [1] * (T - 200))
+    scale = float(want.abs().max())
+    assert float((got.float() - want.float()).abs().max()) <= 1e-2 * scale
+    assert float((got.float() - want.float()).abs().mean()) <= 1e-3 * scale
