@@ -303,6 +303,17 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
                 const int cb = Dv - c0 < 64 ? (Dv - c0) / 16 : 4;                                        \
                 const int first_pass = g4 == 0 && c0 == 0;                                               \
                 v16f a[4][4] = {{{0}}};                                                                  \
+                if (!J->blocked) { /* every slot seen: no per-slot test (an underflowed weight adds 0 · v, as SDPA) */ \
+                    for (long i = 0; i < cnt; i++) {                                                     \
+                        if (first_pass && i + PF < got) prefetch_row(rows[i + PF], vbytes);              \
+                        const float w0 = p0[i], w1 = p1[i], w2 = p2[i], w3 = p3[i];                      \
+                        const T *vr = (const T *)rows[i] + c0;                                           \
+                        for (int c = 0; c < cb; c++) {                                                   \
+                            v16f vv = LOAD(vr + 16 * c);                                                 \
+                            a[0][c] += w0 * vv; a[1][c] += w1 * vv; a[2][c] += w2 * vv; a[3][c] += w3 * vv; \
+                        }                                                                                \
+                    }                                                                                    \
+                } else                                                                                   \
                 for (long i = 0; i < cnt; i++) {                                                         \
                     if (first_pass && i + PF < got) prefetch_row(rows[i + PF], vbytes);                  \
                     const float w0 = p0[i], w1 = p1[i], w2 = p2[i], w3 = p3[i];                          \
