@@ -122,18 +122,23 @@ def _eight_bit(storage, shape, gen):
     return codes.view(storage)
 
 
+def _scaled_slots(storage, B, Hkv, N, D, Dv, span, scale_dtype, gen):
+    """Random 8-bit keys and values with their scales (``kc`` per channel per span of ``span`` slots,
+    ``kt``, ``vt`` per slot) and the fp64 values they stand for: ``(k8, v8, kc, kt, vt, keys, values)``."""
+    k8, v8 = _eight_bit(storage, (B, Hkv, N, D), gen), _eight_bit(storage, (B, Hkv, N, Dv), gen)
+    kc = (torch.rand(B, Hkv, -(-N // span), D, generator=gen) + 0.1).to(scale_dtype)
+    kt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
+    vt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
+    keys = k8.double() * kc.double()[:, :, torch.arange(N) // span] * kt.double()[..., None]
+    return k8, v8, kc, kt, vt, keys, v8.double() * vt.double()[..., None]
+
+
 @pytest.mark.parametrize("storage", [torch.int8, *FP8], ids=str)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_int8_slots_with_channel_scales_per_span_equal_fp64_over_their_dequantized_values(scale_dtype, storage):
     gen = torch.Generator().manual_seed(3)
     B, Hkv, N, D, span = 2, 2, 200, 64, 32
-    k8, v8 = _eight_bit(storage, (B, Hkv, N, D), gen), _eight_bit(storage, (B, Hkv, N, D), gen)
-    kc = (torch.rand(B, Hkv, -(-N // span), D, generator=gen) + 0.1).to(scale_dtype)
-    kt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
-    vt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
-    spans = torch.arange(N) // span
-    keys = k8.double() * kc.double()[:, :, spans] * kt.double()[..., None]
-    values = v8.double() * vt.double()[..., None]
+    k8, v8, kc, kt, vt, keys, values = _scaled_slots(storage, B, Hkv, N, D, D, span, scale_dtype, gen)
     q = torch.randn(B, Hkv, 4, D, generator=gen)
     for first, n in ((0, N), (31, 70), (64, 1), (5, 195)):
         scales = cpu_kernels.Int8Scales(kc, kt, vt, first, span)
@@ -354,13 +359,7 @@ def test_eight_bit_slots_on_the_tiles_equal_fp64_over_their_dequantized_values(s
     values and through the FMA build, past a split into pieces, and with a causal band."""
     gen = torch.Generator().manual_seed(R + span)
     B, Hkv, N, D, Dv = 1, 2, 2300, 64, 32
-    k8, v8 = _eight_bit(storage, (B, Hkv, N, D), gen), _eight_bit(storage, (B, Hkv, N, Dv), gen)
-    kc = (torch.rand(B, Hkv, -(-N // span), D, generator=gen) + 0.1).to(scale_dtype)
-    kt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
-    vt = (torch.rand(B, Hkv, N, generator=gen) / 100).to(scale_dtype)
-    spans = torch.arange(N) // span
-    keys = k8.double() * kc.double()[:, :, spans] * kt.double()[..., None]
-    values = v8.double() * vt.double()[..., None]
+    k8, v8, kc, kt, vt, keys, values = _scaled_slots(storage, B, Hkv, N, D, Dv, span, scale_dtype, gen)
     q = torch.randn(B, Hkv, R, D, generator=gen)
     fma = _no_tiles_build()
     assert cpu_kernels.tiles(storage, R, D, Dv, False)

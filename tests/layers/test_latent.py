@@ -627,6 +627,26 @@ def test_a_cache_of_another_layer_shape_is_refused_and_unchanged():
     assert cache.length == 5
 
 
+# DeepSeek-like head counts, small: 16 heads over one latent head of C + R = 96 features, Dv = C = 64
+BIG = dict(heads=16, kv_lora_rank=64, q_lora_rank=48, nope=16, rope=32, v_dim=32, E=128)
+
+
+def _deepseek_like_bf16(**options):
+    torch.manual_seed(3)
+    return MultiHeadLatentAttention(
+        BIG["E"],
+        BIG["heads"],
+        kv_lora_rank=BIG["kv_lora_rank"],
+        q_lora_rank=BIG["q_lora_rank"],
+        qk_nope_head_dim=BIG["nope"],
+        qk_rope_head_dim=BIG["rope"],
+        v_head_dim=BIG["v_dim"],
+        mode="absorbed",
+        dtype=torch.bfloat16,
+        **options,
+    )
+
+
 def test_a_bf16_latent_cache_decodes_on_the_kernel_as_exact_as_the_full_forward():
     """DeepSeek-like head counts in bf16 (16 heads over one latent head of ``C + R = 96`` features,
     ``Dv = C = 64``): the absorbed steps read the latent cache through the CPU decode kernel, on its
@@ -634,21 +654,9 @@ def test_a_bf16_latent_cache_decodes_on_the_kernel_as_exact_as_the_full_forward(
     the fp64 equations of the same rounded weights, no further than the bf16 full forward, times 2."""
     from multihead.backends import cpu_kernels
 
-    heads, rank, q_rank, nope, rope, v_dim, E2, T = 16, 64, 48, 16, 32, 32, 128, 40
-    torch.manual_seed(3)
-    layer = MultiHeadLatentAttention(
-        E2,
-        heads,
-        kv_lora_rank=rank,
-        q_lora_rank=q_rank,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=v_dim,
-        mode="absorbed",
-        dtype=torch.bfloat16,
-        backend="decode",  # auto leaves tiny calls to sdpa
-    )
-    x = torch.randn(2, T, E2, generator=torch.Generator().manual_seed(4)).bfloat16()
+    heads, rank, nope, rope, v_dim, T = BIG["heads"], BIG["kv_lora_rank"], BIG["nope"], BIG["rope"], BIG["v_dim"], 40
+    layer = _deepseek_like_bf16(backend="decode")  # auto leaves calls this small to sdpa
+    x = torch.randn(2, T, BIG["E"], generator=torch.Generator().manual_seed(4)).bfloat16()
     params = {name: p.double() for name, p in layer.named_parameters()}
     want = published_mla(params, x.double(), heads=heads, kv_lora_rank=rank, nope=nope, rope=rope, v_dim=v_dim)
     with torch.no_grad():
@@ -670,20 +678,9 @@ def test_an_int8_latent_cache_under_sixteen_heads_stays_within_its_rounding():
     within the int8 cache's rounding (docs/inference.md: about 1e-3 of the output's scale)."""
     from multihead.caches import QuantizedKVCache
 
-    heads, rank, q_rank, nope, rope, v_dim, E2, T = 16, 64, 48, 16, 32, 32, 128, 300
-    torch.manual_seed(3)
-    layer = MultiHeadLatentAttention(
-        E2,
-        heads,
-        kv_lora_rank=rank,
-        q_lora_rank=q_rank,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=v_dim,
-        mode="absorbed",
-        dtype=torch.bfloat16,
-    )
-    x = torch.randn(1, T, E2, generator=torch.Generator().manual_seed(4)).bfloat16()
+    rank, rope, T = BIG["kv_lora_rank"], BIG["rope"], 300
+    layer = _deepseek_like_bf16()
+    x = torch.randn(1, T, BIG["E"], generator=torch.Generator().manual_seed(4)).bfloat16()
     int8 = QuantizedKVCache(1, T, 1, rank + rope, value_dim=rank, residual=16, sinks=4, span=64, dtype=torch.bfloat16)
     with torch.no_grad():
         want = _decode(layer, x, LatentKVCache(), [200] + [1] * (T - 200))
