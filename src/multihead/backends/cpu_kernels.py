@@ -124,9 +124,10 @@ def supports(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> 
 
 
 def tiles(storage: torch.dtype, rows: int, D: int, Dv: int, masked: bool, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the kernel runs a call on the AMX tiles (``cpu_decode_amx.h``): bf16 storage, at least
-    8 query rows per KV head (MLA's 16 heads over one latent head, MQA), head sizes multiples of 32,
-    no row mask, on a CPU with AMX-BF16 whose OS grants the tile state. The kernel decides; this asks it."""
+    """Whether the kernel runs a call on the AMX tiles (``cpu_decode_amx.h``): bf16 storage from 8 query
+    rows per KV head, int8 / fp8 slots from 16 (MLA's 16 heads over one latent head, MQA), head sizes
+    multiples of 32, no row mask (``masked``: a row mask that :func:`bands` cannot express), on a CPU
+    with AMX-BF16 whose OS grants the tile state. The kernel decides; this asks it."""
     lib = kernel() if lib is None else lib
     kind = _KINDS.get(storage)
     return lib is not None and kind is not None and bool(lib.mh_decode_tiles(kind, rows, D, Dv, int(masked)))
