@@ -545,3 +545,24 @@ def test_one_cache_handed_to_two_layers_is_refused_before_it_mixes_them(kind):
         caches = [_every_cache(first, 1)[kind] for _ in range(2)]
         steps = [second(first(x[:, a:b], kv_cache=caches[0]), kv_cache=caches[1]) for a, b in [(0, 5), (5, 6)]]
         torch.testing.assert_close(torch.cat(steps, 1), second(first(x)), rtol=1e-12, atol=1e-12)
+
+
+def test_explain_of_a_step_over_a_paged_or_quantized_cache_says_it_reads_blocks():
+    """A step over a paged or quantized cache attends over the cache's blocks (``attend_blocks``), not
+    over one dense tensor: ``explain()`` says so (it reported the dense call before), and says the
+    dense call where the blocks are not taken (weights asked for); the cache ends as it was."""
+    layer = _layer(2, torch.float32)
+    x = _x(1, 40, torch.float32)
+    caches = {
+        "paged": PagedKVCache(8, 8, 2, E // HQ),
+        "quantized": QuantizedKVCache(1, 64, 2, E // HQ, residual=8, sinks=2),
+        "static": StaticKVCache(1, 64, 2, E // HQ),
+    }
+    for name, cache in caches.items():
+        with torch.no_grad():
+            layer(x[:, :39], kv_cache=cache)
+            step = layer.explain(x[:, 39:], kv_cache=cache)
+            weights = layer.explain(x[:, 39:], kv_cache=cache, need_weights=True)
+        assert ("read as blocks" in str(step)) == (name != "static"), (name, str(step))
+        assert "read as blocks" not in str(weights), (name, str(weights))
+        assert cache.length == 39, name

@@ -13,7 +13,7 @@ import torch
 import multihead as mh
 from helpers import assert_relative
 from multihead.backends import cpu_kernels
-from multihead.caches import DynamicKVCache, PagedKVCache, SlidingWindowKVCache, StaticKVCache
+from multihead.caches import DynamicKVCache, PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, StaticKVCache
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.kernel() is None, reason=f"the CPU decode kernel is unavailable: {cpu_kernels.unavailable()}"
@@ -60,3 +60,32 @@ def test_bf16_mqa_steps_through_each_cache_equal_the_full_forward(kind):
     assert "cpu_decode.c" in report, report
     assert ("AMX tiles" in report) == TILES, report
     assert_relative(out[:, PREFILL:], want[:, PREFILL:], full[:, PREFILL:], 2, f"{kind} steps")
+
+
+def test_an_int8_cache_under_sixteen_query_heads_reads_its_slots_in_place_within_its_rounding():
+    """The same layer over a ``QuantizedKVCache`` (int8, bf16 compute): its steps read the cache as
+    blocks (``explain()`` says so), the 8-bit slots through the kernel (on the tiles from 16 query
+    rows per KV head, where the CPU has them), within the int8 rounding of the static cache's steps."""
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(B, T, E, generator=torch.Generator().manual_seed(1)).bfloat16()
+    outs = {}
+    with torch.no_grad():
+        for kind in ("static", "int8"):
+            layer.backend = "auto"
+            cache = (
+                _cache(kind)
+                if kind != "int8"
+                else QuantizedKVCache(B, 96, 1, E // HQ, residual=8, sinks=2, dtype=torch.bfloat16)
+            )
+            parts, t = [], 0
+            for n in SCHEDULE:
+                if t == PREFILL:
+                    layer.backend = "decode"
+                    report = str(layer.explain(x[:, t : t + 1], kv_cache=cache))
+                parts.append(layer(x[:, t : t + n], kv_cache=cache))
+                t += n
+            outs[kind] = torch.cat(parts, 1)[:, PREFILL:].float()
+    assert "read as blocks" in report, report
+    scale = float(outs["static"].abs().max())
+    assert float((outs["int8"] - outs["static"]).abs().max()) <= 2e-2 * scale
+    assert float((outs["int8"] - outs["static"]).abs().mean()) <= 2e-3 * scale

@@ -672,10 +672,11 @@ def test_a_bf16_latent_cache_decodes_on_the_kernel_as_exact_as_the_full_forward(
 
 
 def test_an_int8_latent_cache_under_sixteen_heads_stays_within_its_rounding():
-    """MLA's latent rows in a ``QuantizedKVCache`` (int8, ``value_dim`` the latent width, bf16 compute):
-    16 query heads per latent head is where the kernel reads 8-bit slots on its AMX tiles (where the
-    CPU has them). Prefill + 100 one-token steps against the same steps through a ``LatentKVCache``:
-    within the int8 cache's rounding (docs/inference.md: about 1e-3 of the output's scale)."""
+    """MLA's latent rows in a ``QuantizedKVCache`` (int8, ``value_dim`` the latent width, bf16 compute,
+    16 query heads per latent head). Prefill + 100 one-token steps against the same steps through a
+    ``LatentKVCache``: within the int8 cache's rounding (docs/inference.md: about 1e-3 of the output's
+    scale). (The layer reads the quantized cache's keys whole, dequantized: it does not reach the
+    kernel's 8-bit slots; an MQA layer does, tests/caches/test_tile_decoding.py.)"""
     from multihead.caches import QuantizedKVCache
 
     rank, rope, T = BIG["kv_lora_rank"], BIG["rope"], 300

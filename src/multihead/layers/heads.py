@@ -39,7 +39,7 @@ from multihead.hooks import ATTRIBUTE as HOOKS
 from multihead.hooks import observed_attention
 from multihead.masks import Mask
 
-__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "Attend", "Heads"]
+__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "blocks_take", "Attend", "Heads"]
 
 #: How a layer's heads become its output, per call: ``(core, out_proj)``, the attention function
 #: (:func:`multihead.attention`'s signature; ``None`` for that function itself) and the map of the
@@ -142,6 +142,34 @@ def attend_heads(
     return out_proj(merge_heads(y)), weights
 
 
+def blocks_take(
+    layer: nn.Module,
+    q: Tensor,
+    blocks: KVBlocks,
+    score_mod: ScoreModArg,
+    sinks: Tensor | None,
+    dropout_p: float,
+    need_weights: bool,
+    backend: str,
+) -> bool:
+    """Whether :func:`attend_blocks` reads a cache's blocks for this call (see there); ``explain()``
+    asks the same question."""
+    Lq = q.shape[2]
+    return not (
+        need_weights
+        or score_mod is not None
+        or sinks is not None
+        or dropout_p
+        or backend not in ("auto", "decode")
+        or Lq > (AUTO_MAX_QUERIES if backend == "auto" else MAX_QUERIES)
+        or q.dtype != blocks.dtype
+        or (torch.is_grad_enabled() and q.requires_grad)
+        or torch.compiler.is_compiling()
+        or layer.__dict__.get(HOOKS) is not None
+        or is_capturing(layer)
+    )
+
+
 def attend_blocks(
     layer: nn.Module,
     q: Tensor,
@@ -161,20 +189,7 @@ def attend_blocks(
     dense keys and values instead: weights, hooks or captures, a score modifier, sinks, dropout,
     autograd, ``torch.compile``, another backend than ``auto``/``decode``, or more query tokens than
     the decode path takes (``auto``: :data:`~multihead.backends.decode.AUTO_MAX_QUERIES`)."""
-    Lq = q.shape[2]
-    if (
-        need_weights
-        or score_mod is not None
-        or sinks is not None
-        or dropout_p
-        or backend not in ("auto", "decode")
-        or Lq > (AUTO_MAX_QUERIES if backend == "auto" else MAX_QUERIES)
-        or q.dtype != blocks.dtype
-        or (torch.is_grad_enabled() and q.requires_grad)
-        or torch.compiler.is_compiling()
-        or layer.__dict__.get(HOOKS) is not None
-        or is_capturing(layer)
-    ):
+    if not blocks_take(layer, q, blocks, score_mod, sinks, dropout_p, need_weights, backend):
         return None
     y = decode_blocks(q, blocks, mask)  # (B, Hq, Lq, Dv)
     return out_proj(merge_heads(y))
