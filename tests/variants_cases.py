@@ -65,13 +65,14 @@ def assert_prefill_and_decode(layer: nn.Module, x: Tensor, full: Tensor, cache: 
     torch.testing.assert_close(torch.cat(pieces, dim=1), full)
 
 
-def assert_decode_steps(layer: nn.Module, x: Tensor, prefill: int, step: int) -> None:
+def assert_decode_steps(layer: nn.Module, x: Tensor, prefill: int, step: int, **call: object) -> None:
     """Without autograd: a prefill of ``prefill`` tokens of ``x (B, L, E)``, then chunks of ``step``
-    through one :class:`~multihead.caches.DynamicKVCache`, equals the forward of all ``L`` at once."""
+    through one :class:`~multihead.caches.DynamicKVCache`, equals the forward of all ``L`` at once;
+    ``call``: the same keyword arguments on every call (a mask object at absolute positions)."""
     with torch.no_grad():
-        full = layer(x)
+        full = layer(x, **call)
         cache = DynamicKVCache()
-        outs = [layer(x[:, :prefill], kv_cache=cache)]
+        outs = [layer(x[:, :prefill], kv_cache=cache, **call)]
         for t in range(prefill, x.shape[1], step):
-            outs.append(layer(x[:, t : t + step], kv_cache=cache))
+            outs.append(layer(x[:, t : t + step], kv_cache=cache, **call))
     torch.testing.assert_close(torch.cat(outs, dim=1), full)

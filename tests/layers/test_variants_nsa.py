@@ -154,13 +154,7 @@ def test_a_masked_prefill_and_decode_steps_equal_the_masked_full_forward(case):
     B, L = 2, 23
     layer = _layer(4, 2)
     mask, _ = _masks(B, L)[case]  # mask objects at absolute positions: the same one for every step
-    x = _x(B, L)
-    with torch.no_grad():
-        full = layer(x, mask=mask)
-        cache = mh.DynamicKVCache()
-        parts = [layer(x[:, :11], mask=mask, kv_cache=cache)]
-        parts += [layer(x[:, t : t + 1], mask=mask, kv_cache=cache) for t in range(11, L)]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full)
+    assert_decode_steps(layer, _x(B, L), 11, 1, mask=mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
