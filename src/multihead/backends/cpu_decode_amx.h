@@ -159,9 +159,25 @@ static inline void amx_values(const char *const *vrows, int cnt, int blocks, int
     }
 }
 
-static void one_bf16(const job_t *J, int bh, float *s, float *qs);
-static void one_i8(const job_t *J, int bh, float *s, float *qs);
-static void one_f8(const job_t *J, int bh, float *s, float *qs);
+/* q' = q (kc_at < 0) or q · kc[kc_at + c] as the B tiles of Sᵀ = K·q'ᵀ, in ``terms`` bf16 terms (1 when
+ * q' holds bf16 values, else 3: q' = h + m + l to fp32's precision): tile (term, g, ks) row kk,
+ * column 2·j + i = that term of q'[16g + j, 32·ks + 2·kk + i], 0 past the R rows */
+static void amx_query_tiles(uint16_t *QT, const job_t *J, const float *q, int R, int terms, long kc_at) {
+    const int D = J->D, RG = (R + 15) / 16, KS = D / 32;
+    for (int term = 0; term < terms; term++)
+        for (int g = 0; g < RG; g++)
+            for (int ks = 0; ks < KS; ks++) {
+                uint16_t *tile = QT + (((size_t)term * RG + g) * KS + ks) * 512;
+                for (int e = 0; e < 512; e++) { /* e = 32·kk + 2·j + i */
+                    const int r = 16 * g + (e % 32) / 2, c = 32 * ks + 2 * (e / 32) + e % 2;
+                    float x = r < R ? q[(long)r * D + c] : 0.f;
+                    if (kc_at >= 0) x *= load_scale(J->kc, kc_at + c, J->sdt);
+                    for (int t = 0; t < term; t++) x -= bf16_to_f32(bf16_round(x)); /* what the terms before left */
+                    tile[e] = bf16_round(x);
+                }
+            }
+}
+
 
 static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma, const int kind) {
     const int es = kind == 1 ? 2 : 1, quant = kind != 1; /* bytes per stored value; 8-bit with scales */
@@ -192,11 +208,8 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
     float *ST = (float *)at; at += (4 * n_st + 63) & ~(size_t)63;
     float *O = (float *)at; at += (4 * n_o + 63) & ~(size_t)63;
     float *Mx = (float *)at, *Sum = Mx + 16 * RG, *Nan = Sum + 16 * RG;
-    /* Qᵀ in pairs: tile (term, g, ks) row kk, column 2·j + i = term of q'[16g + j, 32·ks + 2·kk + i] (0
-     * past R), q' = q (bf16, fp16 kinds) or q · kc[span] (8-bit: the span's channel scales, so built
-     * again when a chunk starts a new span). A query of bf16 values (a bf16 call) is one term; any
-     * other fp32 query is three bf16 terms, q' = h + m + l to fp32's precision, each a product on the
-     * tiles. */
+    /* the query's tiles (amx_query_tiles): one term where q holds bf16 values (a bf16 call), three
+     * otherwise and for 8-bit slots, whose q · kc is built again when a chunk starts a new span */
     int terms = quant ? 3 : 1;
     for (long i = 0; i < (long)R * D && terms == 1; i++) {
         uint32_t u;
@@ -219,20 +232,7 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
             }
             if (j != span_now) { /* this span's q' = q · kc[j] (8-bit), or q once */
                 span_now = j;
-                for (int term = 0; term < terms; term++)
-                    for (int g = 0; g < RG; g++)
-                        for (int ks = 0; ks < KS; ks++) {
-                            uint16_t *tile = QT + (((size_t)term * RG + g) * KS + ks) * 512;
-                            for (int kk = 0; kk < 16; kk++)
-                                for (int jj = 0; jj < 16; jj++)
-                                    for (int i = 0; i < 2; i++) {
-                                        const int r = 16 * g + jj, c = 32 * ks + 2 * kk + i;
-                                        float x = r < R ? q[(long)r * D + c] : 0.f;
-                                        if (quant) x *= load_scale(J->kc, b * J->kc_b + h * J->kc_h + j * J->kc_j + c, J->sdt);
-                                        for (int t = 0; t < term; t++) x -= bf16_to_f32(bf16_round(x));
-                                        tile[kk * 32 + 2 * jj + i] = bf16_round(x);
-                                    }
-                        }
+                amx_query_tiles(QT, J, q, R, terms, quant ? b * J->kc_b + h * J->kc_h + j * J->kc_j : -1);
             }
         }
         const long ahead = n - t0 < 2 * AMX_TC ? n - t0 : 2 * AMX_TC; /* this chunk and the next's rows */
