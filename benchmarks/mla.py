@@ -311,9 +311,17 @@ def main(argv=None) -> list[dict]:
         help="only the absorbed step in fp32 and bf16 at caches 4k and 32k (quick: 4k) against the read "
         "bandwidth and the matmul peak of its dtype, measured in the same run",
     )
+    parser.add_argument(
+        "--caches",
+        action="store_true",
+        help="only the absorbed bf16 step over a LatentKVCache, a PagedKVCache and an int8 QuantizedKVCache "
+        "at caches 4k and 32k (quick: 4k), side by side",
+    )
     args = parser.parse_args(argv)
     if args.ceilings:
         return _ceilings_main(args)
+    if args.caches:
+        return _caches_main(args)
     lengths = (4096, 8192) if args.quick else (4096, 8192, 16384, 32768)
     rounds = args.rounds or (2 if args.quick else 3)
     torch.manual_seed(0)
@@ -444,6 +452,72 @@ def _ceilings_main(args) -> list[dict]:
         )
     write_csv("mla_ceilings" + ("_quick" if args.quick else ""), [{k: v for k, v in r.items()} for r in rows])
     return rows
+
+
+#: The caches of :func:`_caches_main`: name -> ``make(S, capacity)``, each holding MLA's rows
+#: ``[c_kv | k_rope]`` (bf16) once (paged: ``values_in_keys``) or quantized (keys per channel
+#: group, the latent values per token, a bf16 residual window of 64 and 4 sinks).
+LATENT_CACHES = {
+    "LatentKVCache": lambda S, capacity: mh.LatentKVCache(capacity=capacity),
+    "PagedKVCache (pages of 64)": lambda S, capacity: mh.PagedKVCache(
+        capacity // 64 + 2, 64, 1, C + R, value_dim=C, values_in_keys=True, dtype=torch.bfloat16
+    ),
+    "QuantizedKVCache int8": lambda S, capacity: mh.QuantizedKVCache(
+        1, capacity, 1, C + R, value_dim=C, residual=64, sinks=4, dtype=torch.bfloat16
+    ),
+}
+
+
+def _caches_main(args) -> list[dict]:
+    """The absorbed bf16 layer step over each of :data:`LATENT_CACHES` holding the same rows, timed
+    side by side; each step is first checked against the latent cache's (paged: the same bf16 rows,
+    1e-2 of the output's scale; int8: within its rounding, 2e-2), and its path printed (``explain``:
+    a paged or quantized cache is read as blocks, in place)."""
+    lengths = (4096,) if args.quick else (4096, 32768)
+    rounds = args.rounds or (2 if args.quick else 3)
+    print(f"# MLA absorbed bf16 decode step through each cache ({context()})")
+    print(f"d_model={E}, heads={H}, kv_lora_rank={C}, rope={R}, nope={N}, v={V}; batch 1, one token per step")
+    print(f"before: {machine_state()}")
+    base = _mla()
+    layer = _mla(dtype=torch.bfloat16)
+    layer.load_state_dict(base.state_dict())
+    layer.mode = "absorbed"
+    fns, paths = {}, {}
+    with torch.no_grad():
+        for S in lengths:
+            gen = torch.Generator().manual_seed(S)
+            rows = _filled(base, S, S + 8, gen).keys.bfloat16()  # (1, 1, S, C + R)
+            x = torch.randn(1, 1, E, generator=gen).bfloat16()
+            want = None
+            for name, make in LATENT_CACHES.items():
+                cache = make(S, S + 64)
+                cache.update(rows, rows[..., :C])
+                got = layer(x, kv_cache=cache)
+                cache.crop(S)
+                if want is None:
+                    want = got
+                else:
+                    tol = (2e-2 if "int8" in name else 1e-2) * float(want.abs().max())
+                    check_close(f"MLA absorbed bf16 S={S} {name} vs LatentKVCache", got, want, atol=tol)
+                report = layer.explain(x, kv_cache=cache)
+                paths[name] = "read as blocks" if "read as blocks" in str(report) else f"dense, {report.backend}"
+                fns[(name, S)] = _step(layer, x, cache, S)
+        best = fastest_ms(fns, rounds=rounds, min_run_time=0.3 if args.quick else 0.5)
+    after = machine_state()
+    print(f"after: {after}")
+    table = [
+        {
+            "cache": S,
+            "kind": name,
+            "path": paths[name],
+            "ms": ms,
+            "x LatentKVCache time": ms / best[(next(iter(LATENT_CACHES)), S)],
+        }
+        for (name, S), ms in best.items()
+    ]
+    print_table(f"Absorbed bf16 layer step, fastest of {rounds} interleaved rounds; {after}", table)
+    write_csv("mla_caches" + ("_quick" if args.quick else ""), table)
+    return table
 
 
 if __name__ == "__main__":

@@ -675,8 +675,7 @@ def test_an_int8_latent_cache_under_sixteen_heads_stays_within_its_rounding():
     """MLA's latent rows in a ``QuantizedKVCache`` (int8, ``value_dim`` the latent width, bf16 compute,
     16 query heads per latent head). Prefill + 100 one-token steps against the same steps through a
     ``LatentKVCache``: within the int8 cache's rounding (docs/inference.md: about 1e-3 of the output's
-    scale). (The layer reads the quantized cache's keys whole, dequantized: it does not reach the
-    kernel's 8-bit slots; an MQA layer does, tests/caches/test_tile_decoding.py.)"""
+    scale). (Each step reads the 8-bit slots in place: the next test.)"""
     from multihead.caches import QuantizedKVCache
 
     rank, rope, T = BIG["kv_lora_rank"], BIG["rope"], 300
@@ -689,3 +688,58 @@ def test_an_int8_latent_cache_under_sixteen_heads_stays_within_its_rounding():
     scale = float(want.abs().max())
     assert float((got.float() - want.float()).abs().max()) <= 1e-2 * scale
     assert float((got.float() - want.float()).abs().mean()) <= 1e-3 * scale
+
+
+def _quantized(*args, **kw):
+    from multihead.caches import QuantizedKVCache
+
+    return QuantizedKVCache(*args, **kw)
+
+
+LATENT_BLOCK_CACHES = {
+    "paged": lambda B, T, rank, rope: PagedKVCache(2 * T // 8 + 2, 8, 1, rank + rope, value_dim=rank, batch_size=B),
+    "paged, rows once": lambda B, T, rank, rope: PagedKVCache(
+        2 * T // 8 + 2, 8, 1, rank + rope, value_dim=rank, values_in_keys=True, batch_size=B
+    ),
+    "int8": lambda B, T, rank, rope: _quantized(B, T, 1, rank + rope, value_dim=rank, residual=16, sinks=4, span=32),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LATENT_BLOCK_CACHES))
+def test_an_absorbed_step_reads_a_paged_or_quantized_cache_in_place(kind, monkeypatch):
+    """An absorbed MLA step over a paged cache (two rows growing together: their pages interleave in
+    the pool) or an int8 ``QuantizedKVCache`` reads the cache's blocks in place, as
+    ``MultiHeadAttention`` does: no gathered or dequantized copy of the cache is made during the
+    steps (``dense`` refuses), ``explain()`` says so (and says the dense call when weights are asked
+    for), the steps equal a ``LatentKVCache``'s (int8: within its rounding), and a step that asks for
+    the weights (the dense read, its values as the cache stores them) gives the same output."""
+    from multihead.caches.paged_blocks import PageBlocks
+    from multihead.caches.quantized import _QuantizedBlocks
+
+    rank, rope, T, P = BIG["kv_lora_rank"], BIG["rope"], 90, 40
+    layer = _deepseek_like_bf16().float()
+    x = torch.randn(2, T, BIG["E"], generator=torch.Generator().manual_seed(5))
+    cache = LATENT_BLOCK_CACHES[kind](2, T, rank, rope)
+    with torch.no_grad():
+        want = _decode(layer, x, LatentKVCache(), [P] + [1] * (T - P))[:, P:]
+        layer(x[:, :P], kv_cache=cache)
+        assert "read as blocks" in str(layer.explain(x[:, P : P + 1], kv_cache=cache))
+        assert "read as blocks" not in str(layer.explain(x[:, P : P + 1], kv_cache=cache, need_weights=True))
+
+        def no_dense(self):
+            raise AssertionError("a dense copy of the cache during a step")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(PageBlocks, "dense", no_dense)
+            patch.setattr(_QuantizedBlocks, "dense", no_dense)
+            got = torch.cat([layer(x[:, t : t + 1], kv_cache=cache) for t in range(P, T)], 1)
+        cache.rollback()  # the last step again, through the dense read
+        last, weights = layer(x[:, T - 1 :], kv_cache=cache, need_weights=True)
+    assert weights.shape == (2, BIG["heads"], 1, T)
+    torch.testing.assert_close(last, got[:, -1:], rtol=1e-4, atol=1e-5)
+    if kind == "int8":
+        scale = float(want.abs().max())
+        assert float((got - want).abs().max()) <= 1e-2 * scale
+        assert float((got - want).abs().mean()) <= 1e-3 * scale
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -24,8 +24,9 @@ what it cannot do in its own checks, so the layer has no branch for it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -35,11 +36,24 @@ from multihead.backends.decode import AUTO_MAX_QUERIES, MAX_QUERIES
 from multihead.backends.decode_blocks import KVBlocks, decode_blocks
 from multihead.call import ScoreModArg, Selection
 from multihead.capture import captures_of, is_capturing
+from multihead.explain import Explanation, explain
 from multihead.hooks import ATTRIBUTE as HOOKS
 from multihead.hooks import observed_attention
 from multihead.masks import Mask
 
-__all__ = ["split_heads", "merge_heads", "attend_heads", "attend_blocks", "blocks_take", "Attend", "Heads"]
+if TYPE_CHECKING:
+    from multihead.caches import CacheRead
+
+__all__ = [
+    "split_heads",
+    "merge_heads",
+    "attend_heads",
+    "attend_blocks",
+    "blocks_take",
+    "blocks_explanation",
+    "Attend",
+    "Heads",
+]
 
 #: How a layer's heads become its output, per call: ``(core, out_proj)``, the attention function
 #: (:func:`multihead.attention`'s signature; ``None`` for that function itself) and the map of the
@@ -193,6 +207,22 @@ def attend_blocks(
         return None
     y = decode_blocks(q, blocks, mask)  # (B, Hq, Lq, Dv)
     return out_proj(merge_heads(y))
+
+
+def blocks_explanation(q: Tensor, read: CacheRead, mask: Mask | Tensor | None) -> Explanation:
+    """What a decode step over a cache read's blocks runs (:func:`~multihead.layers.heads.attend_blocks`):
+    the decode backend's report of the dense call those pieces amount to, with how they are read."""
+    blocks = read.blocks
+    assert blocks is not None
+    keys, values = read.keys, read.values
+    report = explain(q, keys, values, mask=mask, backend="decode")
+    how = (
+        "cache read as blocks, not as one tensor (a paged or quantized cache): decode_blocks attends over its "
+        "pieces in place (pages through their block table, 8-bit slots with their scales: through the CPU "
+        "decode kernel where it is built and takes them, else a piece at a time) and joins their partial "
+        "results by log-sum-exp; the lines below describe the dense call they amount to"
+    )
+    return dataclasses.replace(report, plan=(how, *report.plan))
 
 
 class Attend:

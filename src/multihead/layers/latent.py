@@ -63,7 +63,7 @@ from multihead.layers.attend import (
     rotate,
 )
 from multihead.layers.checks import check_flag, check_size
-from multihead.layers.heads import attend_heads, merge_heads
+from multihead.layers.heads import attend_blocks, attend_heads, blocks_explanation, blocks_take, merge_heads
 from multihead.layers.norm import RMSNorm
 from multihead.masks import Mask
 from multihead.positions.rotary import RotaryEmbedding
@@ -260,7 +260,24 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         ) -> Tensor | tuple[Tensor, Tensor]:
             return self._attend(q, k, v, mask, score_mod, out_proj, need_weights, selection)
 
-        return self._run(x, mask, positions, kv_cache, attend)
+        def attend_over_blocks(
+            q: Tensor, read: CacheRead, mask: Mask | Tensor | None, score_mod: ScoreMod | None
+        ) -> Tensor | None:
+            assert read.blocks is not None  # asked only of a read with blocks
+            return attend_blocks(
+                self,
+                q,
+                read.blocks,
+                out_proj=self._absorbed_out,
+                mask=mask,
+                score_mod=score_mod,
+                sinks=None,
+                dropout_p=0.0,
+                need_weights=need_weights,
+                backend=self.backend,
+            )
+
+        return self._run(x, mask, positions, kv_cache, attend, attend_over_blocks)
 
     def explain(
         self,
@@ -300,7 +317,15 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
                 weights_rows=weights_rows,
             )
 
-        return self._run(x, mask, positions, kv_cache, report, keep=False)
+        def report_blocks(
+            q: Tensor, read: CacheRead, mask: Mask | Tensor | None, score_mod: ScoreMod | None
+        ) -> Explanation | None:
+            assert read.blocks is not None  # asked only of a read with blocks
+            if not blocks_take(self, q, read.blocks, score_mod, None, 0.0, need_weights, self.backend):
+                return None
+            return blocks_explanation(q, read, mask)
+
+        return self._run(x, mask, positions, kv_cache, report, report_blocks, keep=False)
 
     def _run(
         self,
@@ -309,9 +334,14 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         positions: Tensor | None,
         kv_cache: KVCache | None,
         attend: Callable[..., _R],
+        attend_over_blocks: Callable[[Tensor, CacheRead, Mask | Tensor | None, ScoreMod | None], _R | None],
         keep: bool = True,
     ) -> _R:
-        """Project, rotate, cache, then ``attend(q, k, v, mask, score_mod, out_proj)``."""
+        """Project, rotate, cache, then ``attend(q, k, v, mask, score_mod, out_proj)``; an absorbed
+        step over a cache read held as blocks (a paged or quantized cache) first asks
+        ``attend_over_blocks(q, read, mask, score_mod)`` (``q (B, H, L, C + R)``), which reads the
+        blocks in place (:func:`~multihead.layers.heads.attend_blocks`) or returns ``None`` for a
+        call that needs the dense read."""
         layer = type(self).__name__
         if kv_cache is not None:
             check_cache(layer, kv_cache, "LatentKVCache()")
@@ -329,9 +359,14 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         if kv_cache is None:
             return self._attend_rows(attend, q_nope, q_rope, rows, mask, score_mod)
 
-        def attend_slots(read: CacheRead) -> _R:  # read.keys: every row and these, (B, 1, S, C + R)
+        def attend_slots(read: CacheRead) -> _R:  # every row and these: keys (B, 1, S, C + R), values (B, 1, S, C)
             slot_mask, score_mod = self._masks.over_slots(read, mask, None, B, L)
-            return self._attend_rows(attend, q_nope, q_rope, read.keys, slot_mask, score_mod)
+            if read.blocks is not None and self._mode == "absorbed":
+                # pages through their block table, 8-bit slots with their scales: never a dense copy
+                out = attend_over_blocks(self._absorbed_query(q_nope, q_rope), read, slot_mask, score_mod)
+                if out is not None:
+                    return out
+            return self._attend_rows(attend, q_nope, q_rope, read.keys, slot_mask, score_mod, read.values)
 
         return attend_cached(
             kv_cache,
@@ -355,14 +390,16 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         rows: Tensor,
         mask: Mask | Tensor | None,
         score_mod: ScoreMod | None,
+        values: Tensor | None = None,
     ) -> _R:
-        """Attention of the queries over the latent rows ``(B, 1, S, C + R)`` in this mode."""
+        """Attention of the queries over the latent rows ``(B, 1, S, C + R)`` in this mode; absorbed,
+        over ``values (B, 1, S, C)`` (default the rows' first ``C`` features: a cache that stores
+        them apart, quantized, gives its own)."""
         H, C, N = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
         if self._mode == "absorbed":
-            w_uk = self._up_projections()[0]  # (H, N, C), a view of kv_b_proj.weight
-            q = torch.cat([q_nope @ w_uk, q_rope], dim=-1)  # (B, H, L, C + R): q_nope_h W_UK_h, then the rope part
-            # MQA over the rows: k (B, 1, S, C + R), v (B, 1, S, C) a view of k
-            return attend(q, rows, rows[..., :C], mask, score_mod, self._absorbed_out)
+            # MQA over the rows: k (B, 1, S, C + R), v (B, 1, S, C), usually a view of k
+            v = rows[..., :C] if values is None else values
+            return attend(self._absorbed_query(q_nope, q_rope), rows, v, mask, score_mod, self._absorbed_out)
         latent, k_rope = rows[..., :C], rows[..., C:]  # (B, 1, S, C), (B, 1, S, R)
         kv = self.kv_b_proj(latent.squeeze(1))  # (B, S, H·(N+V)): every cached token up-projected
         B, S = kv.shape[:2]
@@ -430,6 +467,11 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         # (B, 1, L, R): one rotary key for every head
         k_rope = rotate(type(self).__name__, self.rope, k_rope.unsqueeze(1), positions, "key (B, H, L, R)")
         return torch.cat([self.kv_a_layernorm(c_kv).unsqueeze(1), k_rope], dim=-1)  # (B, 1, L, C + R)
+
+    def _absorbed_query(self, q_nope: Tensor, q_rope: Tensor) -> Tensor:
+        """``(B, H, L, C + R)``: ``q_nope_h W_UK_h``, then the rope part: the query over the latent rows."""
+        w_uk = self._up_projections()[0]  # (H, N, C), a view of kv_b_proj.weight
+        return torch.cat([q_nope @ w_uk, q_rope], dim=-1)
 
     def _up_projections(self) -> tuple[Tensor, Tensor]:
         """``W_UK (H, N, C)`` and ``W_UV (H, V, C)``, views of ``kv_b_proj.weight (H·(N+V), C)``."""

@@ -29,7 +29,6 @@ heads (``MultiHeadAttention._heads(query) -> (core, out_proj)``) and nothing els
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -52,7 +51,7 @@ from multihead.layers.attend import (
 )
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_optional_size, check_size, dims
 from multihead.layers.convert import from_torch, to_torch
-from multihead.layers.heads import Attend, Heads, attend_blocks, blocks_take, split_heads
+from multihead.layers.heads import Attend, Heads, attend_blocks, blocks_explanation, blocks_take, split_heads
 from multihead.layers.projection import project_qkv
 from multihead.masks import Mask
 from multihead.scores import as_score_mod
@@ -432,7 +431,7 @@ class MultiHeadAttention(HookPoints, nn.Module):
                         self.backend,
                     )
                 ):
-                    raise _Explained(_blocks_explanation(q, read, slot_mask))
+                    raise _Explained(blocks_explanation(q, read, slot_mask))
                 if read.blocks is not None and type(attend) is Attend and heads[0] is None:
                     out = attend_blocks(
                         self,
@@ -677,22 +676,6 @@ def _check_self_attention(layer: str, self_attention: bool, key: Tensor | None) 
             f"{tuple(key.shape) if key is not None else None}; "
             f"hint: for cross-attention project the memory once and call without kv_cache"
         )
-
-
-def _blocks_explanation(q: Tensor, read: CacheRead, mask: Mask | Tensor | None) -> Explanation:
-    """What a decode step over a cache read's blocks runs (:func:`~multihead.layers.heads.attend_blocks`):
-    the decode backend's report of the dense call those pieces amount to, with how they are read."""
-    blocks = read.blocks
-    assert blocks is not None
-    keys, values = read.keys, read.values
-    report = explain(q, keys, values, mask=mask, backend="decode")
-    how = (
-        "cache read as blocks, not as one tensor (a paged or quantized cache): decode_blocks attends over its "
-        "pieces in place (pages through their block table, 8-bit slots with their scales: through the CPU "
-        "decode kernel where it is built and takes them, else a piece at a time) and joins their partial "
-        "results by log-sum-exp; the lines below describe the dense call they amount to"
-    )
-    return dataclasses.replace(report, plan=(how, *report.plan))
 
 
 class _Explained(Exception):  # noqa: N818 (not an error: how explain() leaves the call, rolling a cache back)
