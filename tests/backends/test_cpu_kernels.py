@@ -161,7 +161,9 @@ def test_every_fp8_byte_reads_as_torch_converts_it(portable):
     keys = torch.zeros(1, 1, 1, 16, dtype=torch.float8_e4m3fn)
     ones = torch.ones(1, 1, 1)
     scales = cpu_kernels.Int8Scales(torch.ones(1, 1, 1, 16), ones, ones, 0, 64)
-    out, _ = cpu_kernels._run(lib, torch.randn(1, 1, 1, 16), keys, values, 1.0, 1, 1, None, None, 0, None, scales, 1)
+    out, _ = cpu_kernels._call(
+        lib, torch.randn(1, 1, 1, 16), [cpu_kernels.Segment(keys, values, None, scales=scales)], 1.0, 1, 1, 1
+    )
     torch.testing.assert_close(out.view(256).double(), values.view(256).double(), rtol=0, atol=0, equal_nan=True)
 
 
@@ -189,7 +191,7 @@ def test_the_portable_build_without_avx512_gives_the_same_answers():
             v = torch.randn(2, 2, 77, 32, generator=gen).to(dtype)
             scales, keys, values = None, k, v
         blocked = torch.rand(2, 1, 5, 1, 77, generator=gen) < 0.3
-        got = cpu_kernels._run(lib, q, k, v, 0.25, 5, 1, blocked, None, 0, None, scales, 2)
+        got = cpu_kernels._call(lib, q, [cpu_kernels.Segment(k, v, blocked, scales=scales)], 0.25, 5, 1, 2)
         _close(got, _expected(q, keys, values, 0.25, 5, 1, blocked), f"portable build, {dtype}")
 
 
@@ -249,6 +251,61 @@ def test_few_pairs_split_their_slots_into_pieces_joined_by_lse(storage):
             assert torch.equal(runs[at][0], runs[at + 2][0]) and torch.equal(runs[at][1], runs[at + 2][1])
 
 
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("storage", [torch.int8, *FP8], ids=str)
+@pytest.mark.parametrize("B,Hkv,G", [(1, 8, 4), (2, 1, 16), (1, 1, 17), (1, 2, 1)])
+def test_joined_segments_equal_fp64_over_every_slot_they_hold(compute, storage, B, Hkv, G):
+    """``decode_joined``: a quantized cache's read in one call: full-precision sinks, 8-bit slots
+    with their scales (long enough to be split into pieces for few pairs), a full-precision window
+    (a strided view of a larger buffer), joined by LSE inside the kernel. Against fp64 over the
+    concatenated values, with and without a row mask (a row that sees nothing in the 8-bit slots,
+    one that sees nothing at all), on the FMA path and the tiles alike (4 and 17 rows per KV head);
+    the same bits on one thread and two; segments of one slot; one segment alone equals
+    ``decode_partial``."""
+    gen = torch.Generator().manual_seed(B * 100 + Hkv * 10 + G)
+    D, Dv, span = 64, 32, 1000
+    for sinks, n8, window in ((4, 2500, 70), (1, 1, 1), (0, 3000, 9), (3, 0, 65)):
+        q = torch.randn(B, Hkv, G, D, generator=gen)
+        sink_k = torch.randn(B, Hkv, sinks, D, generator=gen).to(compute)
+        sink_v = torch.randn(B, Hkv, sinks, Dv, generator=gen).to(compute)
+        k8, v8, kc, kt, vt, keys8, values8 = _scaled_slots(storage, B, Hkv, n8 + 5, D, Dv, span, torch.float32, gen)
+        tail_k = torch.randn(B, Hkv, window + 3, D, generator=gen).to(compute)[:, :, 3:]  # a view into a buffer
+        tail_v = torch.randn(B, Hkv, window + 3, Dv, generator=gen).to(compute)[:, :, 3:]
+        n = sinks + n8 + window
+        blocked = torch.rand(B, 1, G, 1, n, generator=gen) < 0.3
+        blocked[0, 0, 0, 0, sinks : sinks + n8] = True  # sees nothing of the 8-bit slots
+        blocked[-1, 0, -1] = True  # sees nothing at all
+        keys = torch.cat([sink_k.double(), keys8[:, :, 5:], tail_k.double()], 2)
+        values = torch.cat([sink_v.double(), values8[:, :, 5:], tail_v.double()], 2)
+        scales = cpu_kernels.Int8Scales(kc, kt, vt, 5, span)
+
+        def segments(mask, sinks=sinks, n8=n8, window=window, scales=scales, k8=k8, v8=v8):
+            cut = (lambda a, b: None) if mask is None else (lambda a, b: mask[..., a:b])
+            parts = [
+                cpu_kernels.Segment(sink_k, sink_v, cut(0, sinks)),
+                cpu_kernels.Segment(k8[:, :, 5:], v8[:, :, 5:], cut(sinks, sinks + n8), scales=scales),
+                cpu_kernels.Segment(tail_k, tail_v, cut(sinks + n8, n)),
+            ]
+            return [part for part in parts if part.keys.shape[2]]
+
+        threads = torch.get_num_threads()
+        runs = []
+        try:
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                for mask in (None, blocked):
+                    runs.append(cpu_kernels.decode_joined(q.to(compute), segments(mask), 0.125, G, 1))
+        finally:
+            torch.set_num_threads(threads)
+        for at, mask in enumerate((None, blocked)):
+            want = _expected(q.to(compute), keys, values, 0.125, G, 1, mask)
+            _close(runs[at], want, f"{storage} {compute} B={B} Hkv={Hkv} G={G} slots {sinks}+{n8}+{window}")
+            assert torch.equal(runs[at][0], runs[at + 2][0]) and torch.equal(runs[at][1], runs[at + 2][1])
+    alone = cpu_kernels.decode_joined(q.to(compute), [cpu_kernels.Segment(tail_k, tail_v)], 0.125, G, 1)
+    partial = cpu_kernels.decode_partial(q.to(compute), tail_k, tail_v, 0.125, G, 1)
+    assert torch.equal(alone[0], partial[0]) and torch.equal(alone[1], partial[1])
+
+
 TILES = cpu_kernels.tiles(torch.bfloat16, 16, 64, 64, False)
 needs_tiles = pytest.mark.skipif(not TILES, reason="this CPU (or its OS) gives no AMX-BF16 tiles")
 
@@ -274,7 +331,7 @@ def test_many_bf16_rows_on_the_tiles_equal_fp64(R, D, Dv):
         for q in (torch.randn(1, 2, R, D, generator=gen).bfloat16(), torch.randn(1, 2, R, D, generator=gen)):
             want = _expected(q, k, v, D**-0.5, R, 1, None)
             _close(cpu_kernels.decode_partial(q, k, v, D**-0.5, R, 1), want, f"tiles R={R} D={D} n={n} {q.dtype}")
-            _close(cpu_kernels._run(fma, q, k, v, D**-0.5, R, 1, None, None, 0, None, None, 2), want, "FMA build")
+            _close(cpu_kernels._call(fma, q, [cpu_kernels.Segment(k, v, None)], D**-0.5, R, 1, 2), want, "FMA build")
 
 
 @needs_tiles
@@ -315,7 +372,7 @@ def test_the_tiles_keep_nan_rows_nan_and_large_scores_stable():
     # scores allow (a score of 2000 is rounded by 1e-4, so is its weight), as the FMA build
     q, k, v = q[:, :1] * 64, k[:, :1], v[:, :1]
     want = _expected(q, k, v, 1.0, 16, 1, None)
-    fma = cpu_kernels._run(_no_tiles_build(), q, k, v, 1.0, 16, 1, None, None, 0, None, None, 2)
+    fma = cpu_kernels._call(_no_tiles_build(), q, [cpu_kernels.Segment(k, v)], 1.0, 16, 1, 2)
     for got in (cpu_kernels.decode_partial(q, k, v, 1.0, 16, 1), fma):
         assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
         torch.testing.assert_close(got[0].double(), want[0], rtol=0, atol=1e-3)
@@ -368,7 +425,9 @@ def test_eight_bit_slots_on_the_tiles_equal_fp64_over_their_dequantized_values(s
         k, v = k8[:, :, first : first + n], v8[:, :, first : first + n]
         want = _expected(q, keys[:, :, first : first + n], values[:, :, first : first + n], 0.2, R, 1, None)
         _close(cpu_kernels.decode_partial(q, k, v, 0.2, R, 1, scales=scales), want, f"{storage} [{first}, {first + n})")
-        _close(cpu_kernels._run(fma, q, k, v, 0.2, R, 1, None, None, 0, None, scales, 2), want, "FMA build")
+        _close(
+            cpu_kernels._call(fma, q, [cpu_kernels.Segment(k, v, None, scales=scales)], 0.2, R, 1, 2), want, "FMA build"
+        )
     G, Lq, n = R, 1, 500  # a band per row: row r sees slots [r, n)
     blocked = (torch.arange(n)[None, :] < torch.arange(R)[:, None]).view(1, 1, R, 1, n)
     scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)

@@ -22,14 +22,27 @@ results.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .native_build import FLAGS, NativeLibrary
 
-__all__ = ["kernel", "unavailable", "supports", "tiles", "bands", "decode_partial", "Int8Scales", "build"]
+__all__ = [
+    "kernel",
+    "unavailable",
+    "supports",
+    "tiles",
+    "bands",
+    "decode_partial",
+    "decode_joined",
+    "Segment",
+    "Int8Scales",
+    "build",
+]
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 ONE_THREAD_WORK = 1 << 20  # multiply-adds below which a call runs on the calling thread alone
@@ -92,6 +105,8 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
 def _bind(lib: ctypes.CDLL) -> None:
     lib.mh_decode.argtypes = [ctypes.POINTER(_Job), _I, _I]
     lib.mh_decode.restype = _I
+    lib.mh_decode_joined.argtypes = [ctypes.POINTER(ctypes.POINTER(_Job)), ctypes.POINTER(_I), _I, _I]
+    lib.mh_decode_joined.restype = _I
     lib.mh_job_size.restype = _L
     lib.mh_decode_tiles.argtypes = [_I, _I, _I, _I, _I]
     lib.mh_decode_tiles.restype = _I
@@ -144,6 +159,19 @@ class Int8Scales:
         self.first, self.span = first, span
 
 
+class Segment(NamedTuple):
+    """Slots of one storage for :func:`decode_joined`: ``keys``/``values``, ``blocked``, ``table``,
+    ``lo``, ``n`` and ``scales`` as for :func:`decode_partial`."""
+
+    keys: Tensor
+    values: Tensor
+    blocked: Tensor | None = None
+    table: Tensor | None = None
+    lo: int = 0
+    n: int | None = None
+    scales: Int8Scales | None = None
+
+
 def decode_partial(
     qg: Tensor,
     keys: Tensor,
@@ -166,37 +194,59 @@ def decode_partial(
     slot ``s`` in page ``table[b, s // ps]`` at ``s % ps``: the slots ``[lo, lo + n)`` are read.
     ``blocked``: ``None`` or ``(B|1, Hkv|1, G|1, Lq, n)`` bool, True where a row may not see the slot.
     ``scales``: for int8 or fp8 ``keys``/``values`` (:class:`Int8Scales`). Callers check :func:`supports` first."""
+    return decode_joined(qg, [Segment(keys, values, blocked, table, lo, n, scales)], scale, G, Lq)
+
+
+def decode_joined(qg: Tensor, segments: Sequence[Segment], scale: float, G: int, Lq: int) -> tuple[Tensor, Tensor]:
+    """:func:`decode_partial` over several segments of slots at once, each in its own storage (a
+    quantized cache's full-precision sinks, its 8-bit slots, its residual window), joined by their
+    log-sum-exp inside the kernel: one call, one ``(out, lse)``, as :func:`multihead.merge_partials`
+    of the segments' partials would give. Each segment is checked as :func:`decode_partial`'s
+    operands (:func:`supports`)."""
     lib = kernel()
     if lib is None:
         raise RuntimeError(f"decode_partial: the CPU decode kernel is unavailable: {unavailable()}")
-    slots = keys.shape[2] if n is None else n
-    work = qg.shape[0] * qg.shape[1] * qg.shape[2] * slots * (qg.shape[3] + values.shape[-1])
-    # A small read (a quantized cache's sinks and residual window, a short cache) on one thread: waking
-    # the pool costs more than it saves, and on a busy machine a woken thread may wait a time slice.
+    R, D, Dv = qg.shape[2], qg.shape[3], segments[0].values.shape[-1] if segments else 0
+    work = sum(qg.shape[0] * qg.shape[1] * R * (s.keys.shape[2] if s.n is None else s.n) * (D + Dv) for s in segments)
+    # A small read (a short cache, a few tokens) on one thread: waking the pool costs more than it
+    # saves, and on a busy machine a woken thread may wait a time slice.
     threads = torch.get_num_threads() if work >= ONE_THREAD_WORK else 1
-    return _run(lib, qg, keys, values, scale, G, Lq, blocked, table, lo, n, scales, threads)
+    return _call(lib, qg, segments, scale, G, Lq, threads)
 
 
-def _run(
-    lib: ctypes.CDLL,
-    qg: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    scale: float,
-    G: int,
-    Lq: int,
-    blocked: Tensor | None,
-    table: Tensor | None,
-    lo: int,
-    n: int | None,
-    scales: Int8Scales | None,
-    threads: int,
+def _call(
+    lib: ctypes.CDLL, qg: Tensor, segments: Sequence[Segment], scale: float, G: int, Lq: int, threads: int
 ) -> tuple[Tensor, Tensor]:
     B, Hkv, R, D = qg.shape
     if R != G * Lq:
         raise ValueError(f"decode_partial: qg has {R} rows per KV head, expected G·Lq = {G}·{Lq}")
-    Dv = values.shape[-1]
+    if not segments:
+        raise ValueError("decode_joined: no segments")
+    Dv = segments[0].values.shape[-1]
     q = qg.to(torch.float32).contiguous()
+    out = torch.empty(B, Hkv, R, Dv, dtype=torch.float32)
+    lse = torch.empty(B, Hkv, R, dtype=torch.float32)
+    jobs, keep = [], []
+    for segment in segments:
+        job, held = _job(lib, q, segment, scale, G, Lq, out, lse)
+        jobs.append(job)
+        keep.append(held)  # pages, masks and bands: alive until the call returns
+    kinds = (_I * len(jobs))(*(_KINDS[segment.keys.dtype] for segment in segments))
+    pointers = (ctypes.POINTER(_Job) * len(jobs))(*(ctypes.pointer(job) for job in jobs))
+    if lib.mh_decode_joined(pointers, kinds, len(jobs), threads) != 0:
+        raise MemoryError(f"decode_partial: the kernel could not allocate its buffers ({R} x slots scores per thread)")
+    del keep
+    return out, lse
+
+
+def _job(
+    lib: ctypes.CDLL, q: Tensor, segment: Segment, scale: float, G: int, Lq: int, out: Tensor, lse: Tensor
+) -> tuple[_Job, tuple[object, ...]]:
+    """The ``job_t`` of one segment (``q``: the fp32 contiguous query rows), and the tensors it points
+    into that nobody else holds."""
+    keys, values, blocked, table, lo, n, scales = segment
+    B, Hkv, R, D = q.shape
+    Dv = values.shape[-1]
     if table is None:  # (B, Hkv, n, ·): row b is one page
         n = keys.shape[2] if n is None else n
         width, ps = 1, max(1, keys.shape[2])
@@ -208,8 +258,6 @@ def _run(
         pages = table.to(torch.int64).contiguous()
         width, ps = pages.shape[1], keys.shape[2]
         (k_h, k_page, k_t), (v_h, v_page, v_t) = keys.stride()[:3], values.stride()[:3]
-    out = torch.empty(B, Hkv, R, Dv, dtype=torch.float32)
-    lse = torch.empty(B, Hkv, R, dtype=torch.float32)
     job = _Job(B=B, H=Hkv, G=G, Lq=Lq, D=D, Dv=Dv, lo=lo, n=n, q=q.data_ptr(), scale=float(scale))
     job.K, job.V = keys.data_ptr(), values.data_ptr()
     job.k_h, job.k_page, job.k_t, job.v_h, job.v_page, job.v_t = k_h, k_page, k_t, v_h, v_page, v_t
@@ -230,11 +278,7 @@ def _run(
         job.kc_b, job.kc_h, job.kc_j = kc.stride()[:3]
         job.kt_b, job.kt_h, job.vt_b, job.vt_h = kt.stride(0), kt.stride(1), vt.stride(0), vt.stride(1)
         job.first, job.span, job.sdt = scales.first, scales.span, _SCALE_DTYPES[kc.dtype]
-    # q, pages, mask and band are locals: alive until the call returns
-    if lib.mh_decode(ctypes.byref(job), _KINDS[keys.dtype], threads) != 0:
-        raise MemoryError(f"decode_partial: the kernel could not allocate its buffers ({R} x {n} scores per thread)")
-    del mask, band
-    return out, lse
+    return job, (pages, mask, band)
 
 
 def bands(blocked: Tensor, G: int, Lq: int, n: int) -> Tensor | None:
@@ -282,7 +326,7 @@ def _self_test(lib: ctypes.CDLL) -> None:
     q16 = q.repeat(1, 1, 6, 1)[:, :, :17].bfloat16()
     k16, v16 = torch.randn(2, 2, 65, 32, generator=generator).bfloat16(), v.repeat(1, 1, 2, 2)[:, :, :65].bfloat16()
     expected = torch.softmax(q16.double() @ k16.double().transpose(-1, -2) * 0.5, -1) @ v16.double()
-    out, _ = _run(lib, q16, k16, v16, 0.5, 17, 1, None, None, 0, None, None, 2)
+    out, _ = _call(lib, q16, [Segment(k16, v16, None, scales=None)], 0.5, 17, 1, 2)
     error = (out.double() - expected).abs().max().item()
     assert error < 1e-4, f"the CPU decode kernel's self-test failed for bf16 with 17 rows (error {error:.2e})"
     # 8-bit slots with 17 rows: the tiles too (16 rows and more), kc folded into the query per span
@@ -291,12 +335,21 @@ def _self_test(lib: ctypes.CDLL) -> None:
     kt8, vt8 = torch.rand(2, 2, 65, generator=generator) / 20, torch.rand(2, 2, 65, generator=generator) / 20
     keys = k8.double() * kc8.double()[:, :, torch.arange(65) // 30] * kt8.double()[..., None]
     expected = torch.softmax(q16.double() @ keys.transpose(-1, -2) * 0.5, -1) @ (v8.double() * vt8.double()[..., None])
-    out, _ = _run(lib, q16, k8, v8, 0.5, 17, 1, None, None, 0, None, Int8Scales(kc8, kt8, vt8, 0, 30), 2)
+    out, _ = _call(lib, q16, [Segment(k8, v8, None, scales=Int8Scales(kc8, kt8, vt8, 0, 30))], 0.5, 17, 1, 2)
     error = (out.double() - expected).abs().max().item()
     assert error < 1e-4, f"the CPU decode kernel's self-test failed for int8 with 17 rows (error {error:.2e})"
+    # bf16 sinks, those int8 slots and a bf16 window joined in one call (a quantized cache's read)
+    sinks, window = Segment(k16[:, :, :5], v16[:, :, :5]), Segment(k16[:, :, 5:12], v16[:, :, 5:12])
+    joined = [sinks, Segment(k8, v8, scales=Int8Scales(kc8, kt8, vt8, 0, 30)), window]
+    every_k = torch.cat([k16[:, :, :5].double(), keys, k16[:, :, 5:12].double()], 2)
+    every_v = torch.cat([v16[:, :, :5], v8 * vt8[..., None], v16[:, :, 5:12]], 2).double()
+    expected = torch.softmax(q16.double() @ every_k.transpose(-1, -2) * 0.5, -1) @ every_v
+    out, _ = _call(lib, q16, joined, 0.5, 17, 1, 2)
+    error = (out.double() - expected).abs().max().item()
+    assert error < 1e-4, f"the CPU decode kernel's self-test failed for joined segments (error {error:.2e})"
     band = torch.arange(65)[None, :] < torch.arange(17)[:, None]  # row r sees slots [r, 65): bands on the tiles
     scores = (q16.double() @ k16.double().transpose(-1, -2) * 0.5).masked_fill(band, float("-inf"))
-    out, _ = _run(lib, q16, k16, v16, 0.5, 17, 1, band.view(1, 1, 17, 1, 65), None, 0, None, None, 2)
+    out, _ = _call(lib, q16, [Segment(k16, v16, band.view(1, 1, 17, 1, 65))], 0.5, 17, 1, 2)
     error = (out.double() - torch.softmax(scores, -1) @ v16.double()).abs().max().item()
     assert error < 1e-4, f"the CPU decode kernel's self-test failed for bf16 bands (error {error:.2e})"
     for dtype, kd, vd, scales in cases:
@@ -305,7 +358,7 @@ def _self_test(lib: ctypes.CDLL) -> None:
             keys, values = keys * kc.double() * kt.double()[..., None], values * vt.double()[..., None]
         scores = (q.double() @ keys.transpose(-1, -2) * 0.5).masked_fill(blocked.squeeze(-2), float("-inf"))
         expected = torch.nan_to_num(torch.softmax(scores, dim=-1)) @ values
-        out, _ = _run(lib, q, kd, vd, 0.5, 3, 1, blocked, None, 0, None, scales, 2)
+        out, _ = _call(lib, q, [Segment(kd, vd, blocked, scales=scales)], 0.5, 3, 1, 2)
         error = (out.double() - expected).abs().max().item()
         assert error < 1e-4, f"the CPU decode kernel's self-test failed for {dtype} (error {error:.2e})"
 

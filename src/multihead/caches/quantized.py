@@ -441,23 +441,36 @@ class _QuantizedBlocks(KVBlocks):
         def cut(a: int, b: int) -> Tensor | None:
             return None if blocked is None else blocked[..., a - lo : b - lo]
 
+        a0, b0 = max(lo, s) - s, min(hi, s + nq) - s  # within the 8-bit region
+        t0 = max(lo, s + nq)  # the residual window from here
+        if kernel:
+            # multihead's CPU kernel, one call: each 8-bit slot read once and converted in registers,
+            # the scales applied as it goes, the full-precision sinks and window read beside them, the
+            # three joined by their LSE inside the call (docs/inference.md)
+            kt, vt = cache.k_token[..., 0], cache.v_scale[..., 0]
+            segments = []
+            if lo < s:
+                segments.append(
+                    cpu_kernels.Segment(
+                        self.sink_k[:, :, lo : min(hi, s)], self.sink_v[:, :, lo : min(hi, s)], cut(lo, min(hi, s))
+                    )
+                )
+            if a0 < b0:
+                scales = cpu_kernels.Int8Scales(cache.k_channel, kt, vt, a0, cache.span)
+                qk, qv = cache.q_k[:, :, a0:b0], cache.q_v[:, :, a0:b0]
+                segments.append(cpu_kernels.Segment(qk, qv, cut(s + a0, s + b0), scales=scales))
+            if t0 < hi:
+                k, v = self.tail_k[:, :, t0 - s - nq : hi - s - nq], self.tail_v[:, :, t0 - s - nq : hi - s - nq]
+                segments.append(cpu_kernels.Segment(k, v, cut(t0, hi)))
+            return [cpu_kernels.decode_joined(qg, segments, scale, G, Lq)] if segments else []
         parts = []
         if lo < s:  # sinks
             b = min(hi, s)
             k, v = self.sink_k[:, :, lo:b], self.sink_v[:, :, lo:b]
             parts.append(_attend(qg, k, v, cut(lo, b), scale, acc, G, Lq, half, True))
-        a0, b0 = max(lo, s) - s, min(hi, s + nq) - s  # within the 8-bit region
         B, Hkv, R = qg.shape[0], qg.shape[1], qg.shape[2]
         step = max(1, _INT8_SCORES // (B * Hkv * R * cache.span)) * cache.span  # whole spans per partial
         a = a0
-        if a < b0 and kernel:
-            # multihead's CPU kernel: each int8 slot read once and converted in registers, the
-            # scales applied as it goes (docs/inference.md), one call for the whole region
-            kt, vt = cache.k_token[..., 0], cache.v_scale[..., 0]
-            scales = cpu_kernels.Int8Scales(cache.k_channel, kt, vt, a0, cache.span)
-            qk, qv = cache.q_k[:, :, a0:b0], cache.q_v[:, :, a0:b0]
-            parts.append(cpu_kernels.decode_partial(qg, qk, qv, scale, G, Lq, cut(s + a0, s + b0), scales=scales))
-            a = b0
         while a < b0:
             b = min((a // cache.span) * cache.span + step, b0)
             parts.append(
@@ -478,7 +491,6 @@ class _QuantizedBlocks(KVBlocks):
                 )
             )
             a = b
-        t0 = max(lo, s + nq)
         if t0 < hi:  # the residual window
             k, v = self.tail_k[:, :, t0 - s - nq : hi - s - nq], self.tail_v[:, :, t0 - s - nq : hi - s - nq]
             parts.append(_attend(qg, k, v, cut(t0, hi), scale, acc, G, Lq, half, True))
