@@ -455,3 +455,80 @@ def test_supports_refuses_what_the_kernel_does_not_take():
     assert not cpu_kernels.supports(q[..., :40], k[..., :40], k[..., :40]), "a head size not a multiple of 16"
     assert not cpu_kernels.supports(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), k), "features apart"
     assert not cpu_kernels.supports(q.requires_grad_(), k, k), "autograd"
+
+
+INT8_TILES = cpu_kernels.int8_tiles(4, 128)
+needs_int8_tiles = pytest.mark.skipif(not INT8_TILES, reason="this CPU (or its OS) gives no AMX-INT8 tiles")
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("D,Dv", [(64, 64), (128, 128), (192, 80), (256, 256)])
+@pytest.mark.parametrize("G,Lq", [(1, 1), (3, 1), (4, 1), (2, 2)])
+def test_int8_scores_on_the_tiles_equal_fp64_and_the_fma_build(D, Dv, G, Lq):
+    """A few query rows (R <= 4) over int8 slots: the scores on the AMX int8 tiles (the codes as
+    stored, the query in three int8 terms, cpu_decode_amx8.h) are fp32's, against fp64 over the
+    dequantized values and against the build without tiles, at lengths around the 16-slot tiles
+    and the 64-slot blocks, across spans of channel scales, with a row mask."""
+    gen = torch.Generator().manual_seed(D + 10 * G + Lq)
+    B, Hkv, span = 2, 3, 48
+    fma = _no_tiles_build()
+    assert cpu_kernels.int8_tiles(G * Lq, D) and not cpu_kernels.int8_tiles(G * Lq, D, lib=fma)
+    for n in (1, 15, 16, 17, 63, 64, 65, 300):
+        k8, v8, kc, kt, vt, keys, values = _scaled_slots(torch.int8, B, Hkv, n + 9, D, Dv, span, torch.bfloat16, gen)
+        q = torch.randn(B, Hkv, G * Lq, D, generator=gen) * 3
+        scales = cpu_kernels.Int8Scales(kc, kt, vt, 9, span)
+        for blocked in (None, torch.rand(B, 1, G, Lq, n, generator=gen) < 0.3):
+            segment = cpu_kernels.Segment(k8[:, :, 9:], v8[:, :, 9:], blocked, scales=scales)
+            want = _expected(q, keys[:, :, 9:], values[:, :, 9:], 0.2, G, Lq, blocked)
+            _close(cpu_kernels.decode_joined(q, [segment], 0.2, G, Lq), want, f"tiles D={D} G={G} Lq={Lq} n={n}")
+            _close(cpu_kernels._call(fma, q, [segment], 0.2, G, Lq, 2), want, f"FMA build D={D} n={n}")
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("page_size", [3, 16, 17, 64])
+def test_int8_scores_on_the_tiles_read_pages_and_leave_broken_runs_to_the_fma_path(page_size):
+    """16 slots go to the tiles only while their rows lie at one stride: pages of 3 or 17 slots break
+    most runs (the FMA path takes those), pages of 16 and 64 none; every layout gives fp32's
+    answer. Int8 slots through a shuffled block table, against fp64 over the gathered values."""
+    gen = torch.Generator().manual_seed(page_size)
+    B, Hkv, D, pages, span = 2, 2, 128, 48, 1 << 20
+    width = pages // B
+    pool_k = torch.randint(-127, 128, (Hkv, pages, page_size, D), generator=gen, dtype=torch.int8)
+    pool_v = torch.randint(-127, 128, (Hkv, pages, page_size, D), generator=gen, dtype=torch.int8)
+    table = torch.randperm(pages, generator=gen)[: B * width].view(B, width)
+    S = width * page_size
+    kc = torch.rand(B, Hkv, 1, D, generator=gen) + 0.5
+    kt, vt = torch.rand(B, Hkv, S, generator=gen) / 100, torch.rand(B, Hkv, S, generator=gen) / 100
+    gather = lambda pool: pool[:, table.reshape(-1)].view(Hkv, B, S, D).transpose(0, 1)  # noqa: E731
+    keys = gather(pool_k).double() * kc.double() * kt.double()[..., None]
+    values = gather(pool_v).double() * vt.double()[..., None]
+    q = torch.randn(B, Hkv, 4, D, generator=gen)
+    for lo, hi in ((0, S), (5, S - 7)):
+        scales = cpu_kernels.Int8Scales(kc, kt[..., lo:], vt[..., lo:], 0, span)
+        got = cpu_kernels.decode_partial(q, pool_k, pool_v, 0.125, 4, 1, None, table, lo, hi - lo, scales=scales)
+        want = _expected(q, keys[:, :, lo:hi], values[:, :, lo:hi], 0.125, 4, 1, None)
+        _close(got, want, f"int8 pages of {page_size}, slots [{lo}, {hi})")
+
+
+@needs_int8_tiles
+def test_int8_scores_on_the_tiles_leave_a_non_finite_query_to_the_fma_path():
+    """The query's int8 terms need a finite ``q · scale · kc``: an infinite query row, or a span whose
+    channel scale is NaN, runs the FMA path for that span, which gives what it always gave (the
+    tiles' build and the FMA build agree bit for bit where the FMA path runs: NaN rows, the same
+    numbers elsewhere)."""
+    gen = torch.Generator().manual_seed(11)
+    B, Hkv, n, D, span = 1, 2, 200, 64, 64
+    k8, v8, kc, kt, vt, keys, values = _scaled_slots(torch.int8, B, Hkv, n, D, D, span, torch.float32, gen)
+    q = torch.randn(B, Hkv, 4, D, generator=gen)
+    q[0, 0, 1, 3] = float("inf")
+    kc[0, 1, 2, 5] = float("nan")  # the third span of head 1
+    scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)
+    segment = [cpu_kernels.Segment(k8, v8, scales=scales)]
+    tiles = cpu_kernels.decode_joined(q, segment, 0.2, 4, 1)
+    fma = cpu_kernels._call(_no_tiles_build(), q, segment, 0.2, 4, 1, 2)
+    assert torch.equal(tiles[0].isnan(), fma[0].isnan()) and torch.equal(tiles[1].isnan(), fma[1].isnan())
+    assert bool(fma[1].isnan().any())
+    finite = ~fma[1].isnan()
+    torch.testing.assert_close(tiles[1][finite], fma[1][finite], rtol=2e-5, atol=2e-5)
+    want = _expected(q[:, :1, [0, 2, 3]], keys[:, :1], values[:, :1], 0.2, 3, 1, None)  # head 0's finite rows
+    _close((tiles[0][:, :1, [0, 2, 3]], tiles[1][:, :1, [0, 2, 3]]), want, "head 0, finite rows")

@@ -182,7 +182,31 @@ static inline void prefetch_row(const char *row, int bytes) {
 #define BLOCK4(T, LOAD)
 #endif
 
-#define DEFINE_KERNEL(SUFFIX, T, LOAD, QUANT)                                                              \
+#include "cpu_amx.h"
+#include "cpu_decode_amx8.h"
+
+#ifdef HAVE_AMX8
+/* int8 scores on the tiles (cpu_decode_amx8.h): the query's terms when a span starts, then 16 slots
+ * at a time while their rows lie at one stride (BLOCK4 and the loop after it take the rest) */
+#define AMX8_SPAN(ON) if (ON) amx8_on = amx8_query(T8, sc8, qs, R, D);
+#define AMX8_BLOCK(ON)                                                                                   \
+    if (ON && amx8_on) {                                                                                 \
+        amx8_load_query(T8, D);                                                                          \
+        for (; i + 16 <= cnt && rows[i + 15] == rows[i] + 15 * ktb; i += 16) {                           \
+            for (int j = 0; j < 16; j++) if (i + j + PF < got) prefetch_row(rows[i + j + PF], kbytes);  \
+            amx8_scores16((const int8_t *)rows[i], ktb, D, sc8, kf + i, s + t + i, n, R);               \
+        }                                                                                                \
+    }
+#define AMX8_START(ON) if (ON) amx_configure();
+#define AMX8_END(ON) if (ON) _tile_release();
+#else
+#define AMX8_SPAN(ON)
+#define AMX8_BLOCK(ON)
+#define AMX8_START(ON)
+#define AMX8_END(ON)
+#endif
+
+#define DEFINE_KERNEL(SUFFIX, T, LOAD, QUANT, AMX8)                                                        \
 static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {                                  \
     const int b = bh / J->H, h = bh % J->H, R = J->G * J->Lq, D = J->D, Dv = J->Dv;                      \
     const int R4 = (R + 3) & ~3; /* rows padded to a multiple of 4 (zero rows) */                        \
@@ -202,6 +226,11 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     const int PF = PF_BYTES / kbytes < 8 ? 8 : PF_BYTES / kbytes > PF_MAX ? PF_MAX : PF_BYTES / kbytes;   \
     float kf[TB];                                                                                        \
     long span_now = -1;                                                                                  \
+    int8_t T8[AMX8 ? 4096 : 1] __attribute__((aligned(64))); /* the query's int8 terms (AMX8) */        \
+    float sc8[16];                                                                                       \
+    int amx8_on = 0;                                                                                     \
+    (void)T8, (void)sc8, (void)amx8_on;                                                                  \
+    AMX8_START(AMX8)                                                                                     \
     memset(qs, 0, sizeof(float) * R4 * D);                                                               \
     for (int i = 0; i < R * D; i++) qs[i] = q[i] * scale;                                                \
     for (int i = 0; i < TB; i++) kf[i] = 1.0f;                                                           \
@@ -219,6 +248,7 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
                     for (int c = 0; c < D; c++)                                                          \
                         qs[r * D + c] = q[r * D + c] * scale *                                           \
                             load_scale(J->kc, b * J->kc_b + h * J->kc_h + j * J->kc_j + c, J->sdt);       \
+                AMX8_SPAN(AMX8)                                                                          \
             }                                                                                            \
             const long k0 = b * J->kt_b + h * J->kt_h + qi;                                              \
             long i = 0;                                                                                  \
@@ -228,6 +258,7 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
         const long got = n - t < cnt + PF ? n - t : cnt + PF; /* the block and the keys to prefetch */   \
         rows_of(rows, got, K, table, ps, kpb, ktb, lo + t);                                              \
         long i = 0;                                                                                      \
+        AMX8_BLOCK(AMX8)                                                                                 \
         BLOCK4(T, LOAD)                                                                                  \
         for (; i < cnt; i++) {                                                                           \
             const T *kr = (const T *)rows[i];                                                            \
@@ -344,13 +375,17 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     }                                                                                                    \
     for (int r = 0; r < R; r++)                                                                          \
         for (int c = 0; c < Dv; c++) out[(long)r * Dv + c] *= norm[r];                                   \
+    AMX8_END(AMX8)                                                                                       \
 }
 
-DEFINE_KERNEL(f32, float, load_f32, 0)
-DEFINE_KERNEL(bf16, uint16_t, load_bf16, 0)
-DEFINE_KERNEL(f16, _Float16, load_f16, 0)
-DEFINE_KERNEL(i8, int8_t, load_i8, 1)
-DEFINE_KERNEL(f8, uint8_t, load_f8, 1)
+DEFINE_KERNEL(f32, float, load_f32, 0, 0)
+DEFINE_KERNEL(bf16, uint16_t, load_bf16, 0, 0)
+DEFINE_KERNEL(f16, _Float16, load_f16, 0, 0)
+DEFINE_KERNEL(i8, int8_t, load_i8, 1, 0)
+DEFINE_KERNEL(f8, uint8_t, load_f8, 1, 0)
+#ifdef HAVE_AMX8
+DEFINE_KERNEL(i8_amx8, int8_t, load_i8, 1, 1)
+#endif
 
 #include "cpu_decode_amx.h"
 
@@ -453,6 +488,9 @@ int mh_decode_joined(job_t *const *in, const int *kinds, int count, int threads)
         if (amx_takes(kinds[i], R, J->D, Dv, Ji->blocked != NULL && Ji->band == NULL)) /* many rows: the tiles */
             f = kinds[i] == 1 ? one_amx_bf16 : kinds[i] == 3 ? one_amx_i8 : one_amx_f8;
 #endif
+#ifdef HAVE_AMX8
+        if (f == one_i8 && amx8_takes(kinds[i], R, J->D)) f = one_i8_amx8; /* a few rows: int8 scores on the tiles */
+#endif
         for (int p = 0; p < split[i]; p++) { /* piece p: slots [t0, t1) of every pair */
             const long t0 = Ji->n * p / split[i], t1 = Ji->n * (p + 1) / split[i];
             job_t *Jp = &jobs[at + p];
@@ -501,6 +539,17 @@ int mh_decode_tiles(int kind, int rows, int D, int Dv, int masked) {
     return amx_takes(kind, rows, D, Dv, masked);
 #else
     (void)kind, (void)rows, (void)D, (void)Dv, (void)masked;
+    return 0;
+#endif
+}
+
+/* 1 where an int8 call of this many query rows per KV head and key size takes its scores on the AMX
+ * int8 tiles (cpu_decode_amx8.h), 0 elsewhere */
+int mh_decode_int8_tiles(int rows, int D) {
+#ifdef HAVE_AMX8
+    return amx8_takes(3, rows, D);
+#else
+    (void)rows, (void)D;
     return 0;
 #endif
 }

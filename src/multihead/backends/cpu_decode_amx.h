@@ -23,44 +23,18 @@
  * seen by some row: a slot one row sees and another does not gives the other 0 · v (NaN for a NaN
  * value, as on the fused kernels), where the FMA path leaves it out. Other masks run the FMA path.
  */
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    !defined(MH_NO_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
+#if defined(HAVE_AMX_TILES) && defined(__AVX512BF16__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 
 #define AMX_MIN_ROWS 8 /* bf16: query rows per KV head from which the tiles beat the FMAs (measured: 4 rows 0.71-0.76x, 8 rows 1.18x, 16 rows 2.1x) */
 #define AMX_MIN_ROWS_8BIT 16 /* int8 / fp8, whose rows are converted first and whose q · kc is three terms (8 rows 0.83x, 16 rows 1.64x) */
 #define AMX_TC 64      /* slots per chunk: 4 groups of 16 for Sᵀ, 2 blocks of 32 for P V */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config_t;
-
-static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
-
-/* Linux gives a process the tile registers' state only when asked (ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA); asked once, from the calling thread, before any parallel region. */
-static int amx_granted(void) {
-    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return amx_state == 1;
-}
-
 /* whether a call of this storage kind, query rows per KV head, head sizes and mask runs on the tiles
  * (masked: a row mask that is not a band of slots per row, see job_t.band) */
 static int amx_takes(int kind, int rows, int D, int Dv, int masked) {
     const int enough = kind == 1 ? rows >= AMX_MIN_ROWS : (kind == 3 || kind == 4) && rows >= AMX_MIN_ROWS_8BIT;
     return enough && !masked && D % 32 == 0 && Dv % 32 == 0 && amx_granted();
-}
-
-static void amx_configure(void) { /* eight tiles of 16 rows x 64 bytes */
-    amx_config_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
 }
 
 /* r[i] lane j -> r[j] lane i (16 x 16 fp32) */

@@ -110,6 +110,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.mh_job_size.restype = _L
     lib.mh_decode_tiles.argtypes = [_I, _I, _I, _I, _I]
     lib.mh_decode_tiles.restype = _I
+    lib.mh_decode_int8_tiles.argtypes = [_I, _I]
+    lib.mh_decode_int8_tiles.restype = _I
     if lib.mh_job_size() != ctypes.sizeof(_Job):  # the mirror of job_t must match it field for field
         size, mirror = lib.mh_job_size(), ctypes.sizeof(_Job)
         raise RuntimeError(f"{_SOURCE.name}: job_t is {size} bytes, its ctypes mirror {mirror}")
@@ -146,6 +148,16 @@ def tiles(storage: torch.dtype, rows: int, D: int, Dv: int, masked: bool, lib: c
     lib = kernel() if lib is None else lib
     kind = _KINDS.get(storage)
     return lib is not None and kind is not None and bool(lib.mh_decode_tiles(kind, rows, D, Dv, int(masked)))
+
+
+def int8_tiles(rows: int, D: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernel computes the scores of int8 slots read by ``rows`` query rows per KV head
+    (at most 4: GQA's few rows, where :func:`tiles` does not take them) on the AMX int8 tiles
+    (``cpu_decode_amx8.h``: the codes multiplied as stored, the query in three int8 terms); the
+    softmax and ``P V`` stay on the FMA path. Keys of 64 to 256 features in steps of 64, on a CPU
+    with AMX-INT8 whose OS grants the tile state. The kernel decides; this asks it."""
+    lib = kernel() if lib is None else lib
+    return lib is not None and bool(lib.mh_decode_int8_tiles(rows, D))
 
 
 class Int8Scales:
@@ -338,6 +350,17 @@ def _self_test(lib: ctypes.CDLL) -> None:
     out, _ = _call(lib, q16, [Segment(k8, v8, None, scales=Int8Scales(kc8, kt8, vt8, 0, 30))], 0.5, 17, 1, 2)
     error = (out.double() - expected).abs().max().item()
     assert error < 1e-4, f"the CPU decode kernel's self-test failed for int8 with 17 rows (error {error:.2e})"
+    # a few rows over int8 slots: the scores on the int8 tiles where the CPU has them (cpu_decode_amx8.h)
+    q4 = torch.randn(2, 2, 4, 64, generator=generator)
+    k4 = (torch.randn(2, 2, 40, 64, generator=generator) * 40).round().clamp(-127, 127).to(torch.int8)
+    v4 = k4.flip(-2)
+    kc4 = torch.rand(2, 2, 2, 64, generator=generator) + 0.5
+    kt4, vt4 = torch.rand(2, 2, 40, generator=generator) / 40, torch.rand(2, 2, 40, generator=generator) / 40
+    k4d = k4.double() * kc4.double()[:, :, torch.arange(40) // 32] * kt4.double()[..., None]
+    expected = torch.softmax(q4.double() @ k4d.transpose(-1, -2) * 0.5, -1) @ (v4.double() * vt4.double()[..., None])
+    out, _ = _call(lib, q4, [Segment(k4, v4, scales=Int8Scales(kc4, kt4, vt4, 0, 32))], 0.5, 4, 1, 2)
+    error = (out.double() - expected).abs().max().item()
+    assert error < 1e-4, f"the CPU decode kernel's self-test failed for int8 with 4 rows (error {error:.2e})"
     # bf16 sinks, those int8 slots and a bf16 window joined in one call (a quantized cache's read)
     sinks, window = Segment(k16[:, :, :5], v16[:, :, :5]), Segment(k16[:, :, 5:12], v16[:, :, 5:12])
     joined = [sinks, Segment(k8, v8, scales=Int8Scales(kc8, kt8, vt8, 0, 30)), window]
