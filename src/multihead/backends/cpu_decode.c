@@ -197,11 +197,14 @@ static inline void prefetch_row(const char *row, int bytes) {
             amx8_scores16((const int8_t *)rows[i], ktb, D, sc8, kf + i, s + t + i, n, R);               \
         }                                                                                                \
     }
+#define AMX8_PV(ON)                                                                                      \
+    if (ON && Dv % 64 == 0 && Dv <= AMX8_MAX_DV) pv_done = amx8_values(V, table, ps, vpb, vtb, lo, n, R, Dv, PF, s, out);
 #define AMX8_START(ON) if (ON) amx_configure();
 #define AMX8_END(ON) if (ON) _tile_release();
 #else
 #define AMX8_SPAN(ON)
 #define AMX8_BLOCK(ON)
+#define AMX8_PV(ON)
 #define AMX8_START(ON)
 #define AMX8_END(ON)
 #endif
@@ -323,7 +326,9 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     const int groups = R4 / 4;                                                                           \
     /* o = P V: 4 rows x 64 features of accumulators in registers, a block of TB keys at a time */     \
     memset(out, 0, sizeof(float) * R * Dv);                                                              \
-    for (long t = 0, cnt; t < n; t += cnt) {                                                             \
+    int pv_done = 0;                                                                                     \
+    AMX8_PV(AMX8)                                                                                        \
+    for (long t = 0, cnt; t < n && !pv_done; t += cnt) {                                                             \
         cnt = n - t < TB ? n - t : TB;                                                                   \
         const long got = n - t < cnt + PF ? n - t : cnt + PF;                                            \
         rows_of(rows, got, V, table, ps, vpb, vtb, lo + t);                                              \

@@ -98,3 +98,144 @@ static inline void amx8_scores16(const int8_t *k0, long stride, int D, const flo
     }
 }
 #endif
+
+#ifdef HAVE_AMX8
+/* P V of int8 values for R <= 4 rows on the int8 tiles, the weights w = p · vt (s, R rows of n, the
+ * FMA path's softmax) as fixed point at one scale per row for the whole call, four 7-bit digits:
+ *
+ *   W = rint(w / max_t w · F) = t0·2^21 + t1·2^14 + t2·2^7 + t3   (0 <= t < 128: int8), F = 2^28 - 256
+ *       (fp32 cannot hold 2^28 - 1: it rounds to 2^28, whose first digit is 128), W < 2^28 enforced;
+ *       W is w to fp32's precision (its product rounds at 2^-24; the digits hold it exactly)
+ *   A (16 x 64 slots) = the digits, row d·4 + r;  B (16 x 64 bytes) = 64 slots of V interleaved
+ *   four slots to a 32-bit lane (vpunpck), per 16 features;  C (16 x 16) += A · B in int32, exact,
+ *   kept for the whole call (n · 127 · 127 < 2^31 for n <= 131072: flushed every AMX8_FLUSH slots)
+ *   out[r, f] += Σ_d max w / F · 2^(21 - 7d) · C[d·4 + r, f]
+ *
+ * Slots go four chunks of TB (256) to a round of tile products, so that each C tile is loaded and
+ * stored once per 256 slots. A slot no row sees has w = 0 and an int8 value, so it adds exactly 0
+ * (the FMA path leaves it out: the same). Returns 0 (nothing done: the FMA path runs) where a weight
+ * is not finite. The interleave puts feature 64h + 16L + 4k + j of block h·4 + k in column 4L + j;
+ * the flush puts it back. */
+#define AMX8_FLUSH 65536
+#define AMX8_MAX_DV 256
+#define AMX8_CHUNKS 4 /* chunks of TB slots per round of tile products */
+#define AMX8_FULL 268435200.f /* F = 2^28 - 256: the largest weight's fixed point, exact in fp32 */
+
+static inline void amx8_flush(int32_t (*acc)[16][16], int blocks, int R, int Dv, const float *sc, float *out) {
+    for (int fb = 0; fb < blocks; fb++) {
+        const int h = fb / 4, k = fb % 4;
+        for (int r = 0; r < R; r++) {
+            __m512 o = _mm512_mul_ps(_mm512_set1_ps(sc[12 + r]), _mm512_cvtepi32_ps(_mm512_load_si512(acc[fb][12 + r])));
+            o = _mm512_fmadd_ps(_mm512_set1_ps(sc[8 + r]), _mm512_cvtepi32_ps(_mm512_load_si512(acc[fb][8 + r])), o);
+            o = _mm512_fmadd_ps(_mm512_set1_ps(sc[4 + r]), _mm512_cvtepi32_ps(_mm512_load_si512(acc[fb][4 + r])), o);
+            o = _mm512_fmadd_ps(_mm512_set1_ps(sc[r]), _mm512_cvtepi32_ps(_mm512_load_si512(acc[fb][r])), o);
+            float lanes[16];
+            _mm512_storeu_ps(lanes, o);
+            for (int L = 0; L < 4; L++) {
+                float *at = out + (long)r * Dv + 64 * h + 16 * L + 4 * k;
+                _mm_storeu_ps(at, _mm_add_ps(_mm_loadu_ps(at), _mm_loadu_ps(lanes + 4 * L)));
+            }
+        }
+        memset(acc[fb], 0, sizeof acc[fb]);
+    }
+}
+
+/* A and B of one chunk of cnt <= TB slots at t: the weights' digits, the values interleaved */
+static inline void amx8_chunk(int8_t (*A)[64], int8_t (*B)[16][64], const char **rows, long t, long cnt, long got,
+                              int R, int halves, int PF, int Dv, const float *s, long n, const float *inv) {
+    static const int8_t zero_row[AMX8_MAX_DV] __attribute__((aligned(64)));
+    for (long i = cnt; i < TB; i++) rows[i] = (const char *)zero_row; /* past the end: zero values */
+    const __m512i seven = _mm512_set1_epi32(127), most = _mm512_set1_epi32((1 << 28) - 1);
+    for (int r = 0; r < R; r++) {
+        const __m512 scale = _mm512_set1_ps(inv[r]);
+        for (int c = 0; c < TB; c += 16) {
+            const __mmask16 in = c >= cnt ? 0 : cnt - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cnt - c)) - 1);
+            const __m512 w = _mm512_maskz_loadu_ps(in, s + (long)r * n + t + c);
+            const __m512i W = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w, scale)), most);
+            _mm512_mask_cvtepi32_storeu_epi8(&A[r][c], 0xFFFF, _mm512_srli_epi32(W, 21));
+            _mm512_mask_cvtepi32_storeu_epi8(&A[4 + r][c], 0xFFFF, _mm512_and_si512(_mm512_srli_epi32(W, 14), seven));
+            _mm512_mask_cvtepi32_storeu_epi8(&A[8 + r][c], 0xFFFF, _mm512_and_si512(_mm512_srli_epi32(W, 7), seven));
+            _mm512_mask_cvtepi32_storeu_epi8(&A[12 + r][c], 0xFFFF, _mm512_and_si512(W, seven));
+        }
+    }
+    for (int g = 0; g < TB / 4; g++) { /* four slots to a lane, per 16 features */
+        const char *const *v4 = rows + 4 * g;
+        for (int j = 0; j < 4; j++) if (4 * g + j + PF < got) prefetch_row(rows[4 * g + j + PF], Dv);
+        for (int hh = 0; hh < halves; hh++) {
+            const __m512i v0 = _mm512_loadu_si512(v4[0] + 64 * hh), v1 = _mm512_loadu_si512(v4[1] + 64 * hh);
+            const __m512i v2 = _mm512_loadu_si512(v4[2] + 64 * hh), v3 = _mm512_loadu_si512(v4[3] + 64 * hh);
+            const __m512i a = _mm512_unpacklo_epi8(v0, v1), b = _mm512_unpackhi_epi8(v0, v1);
+            const __m512i c = _mm512_unpacklo_epi8(v2, v3), d = _mm512_unpackhi_epi8(v2, v3);
+            _mm512_store_si512(B[4 * hh + 0][g], _mm512_unpacklo_epi16(a, c));
+            _mm512_store_si512(B[4 * hh + 1][g], _mm512_unpackhi_epi16(a, c));
+            _mm512_store_si512(B[4 * hh + 2][g], _mm512_unpacklo_epi16(b, d));
+            _mm512_store_si512(B[4 * hh + 3][g], _mm512_unpackhi_epi16(b, d));
+        }
+    }
+}
+
+static int amx8_values(const char *V, const int64_t *table, long ps, long vpb, long vtb, long lo, long n, int R,
+                       int Dv, int PF, const float *s, float *out) {
+    float sc[16] = {0}, inv[4] = {0};
+    for (int r = 0; r < R; r++) { /* the weights' scale per row; a non-finite weight: the FMA path */
+        __m512 m = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        long t = 0;
+        for (; t + 16 <= n; t += 16) {
+            const __m512 w = _mm512_loadu_ps(s + (long)r * n + t);
+            bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(w, w), _mm512_setzero_ps(), _CMP_NEQ_UQ); /* inf - inf, NaN */
+            m = _mm512_max_ps(m, w);
+        }
+        float mx = _mm512_reduce_max_ps(m);
+        for (; t < n; t++) {
+            const float w = s[(long)r * n + t];
+            bad |= !isfinite(w);
+            mx = w > mx ? w : mx;
+        }
+        if (bad) return 0;
+        if (mx > 0.f) {
+            const float unit = mx / AMX8_FULL;
+            sc[r] = unit * 2097152.f, sc[4 + r] = unit * 16384.f, sc[8 + r] = unit * 128.f, sc[12 + r] = unit;
+            inv[r] = AMX8_FULL / mx;
+        }
+    }
+    const int blocks = Dv / 16, halves = Dv / 64;
+    int8_t A[AMX8_CHUNKS][16][64] __attribute__((aligned(64)));
+    int8_t B[AMX8_CHUNKS][AMX8_MAX_DV / 16][16][64] __attribute__((aligned(64)));
+    int32_t acc[AMX8_MAX_DV / 16][16][16] __attribute__((aligned(64)));
+    const char *rows[TB + PF_MAX];
+    memset(A, 0, sizeof A);
+    memset(acc, 0, sizeof(acc[0]) * blocks);
+    for (long t0 = 0; t0 < n; t0 += AMX8_CHUNKS * TB) {
+        for (int u = 0; u < AMX8_CHUNKS; u++) {
+            const long t = t0 + u * TB;
+            if (t >= n) { /* a chunk past the end: zero weights (its B is left as it was: int8, finite) */
+                memset(A[u], 0, sizeof A[u]);
+                continue;
+            }
+            const long cnt = n - t < TB ? n - t : TB, got = n - t < cnt + PF ? n - t : cnt + PF;
+            rows_of(rows, got, V, table, ps, vpb, vtb, lo + t);
+            amx8_chunk(A[u], B[u], rows, t, cnt, got, R, halves, PF, Dv, s, n, inv);
+        }
+        _tile_loadd(1, A[0], 64);
+        _tile_loadd(5, A[1], 64);
+        _tile_loadd(6, A[2], 64);
+        _tile_loadd(7, A[3], 64);
+        for (int fb = 0; fb < blocks; fb++) {
+            _tile_loadd(0, acc[fb], 64);
+            _tile_loadd(2, B[0][fb], 64);
+            _tile_loadd(3, B[1][fb], 64);
+            _tile_dpbssd(0, 1, 2);
+            _tile_loadd(4, B[2][fb], 64);
+            _tile_dpbssd(0, 5, 3);
+            _tile_loadd(2, B[3][fb], 64);
+            _tile_dpbssd(0, 6, 4);
+            _tile_dpbssd(0, 7, 2);
+            _tile_stored(0, acc[fb], 64);
+        }
+        if ((t0 + AMX8_CHUNKS * TB) % AMX8_FLUSH == 0) amx8_flush(acc, blocks, R, Dv, sc, out);
+    }
+    amx8_flush(acc, blocks, R, Dv, sc, out);
+    return 1;
+}
+#endif
