@@ -89,3 +89,32 @@ def test_an_int8_cache_under_sixteen_query_heads_reads_its_slots_in_place_within
     scale = float(outs["static"].abs().max())
     assert float((outs["int8"] - outs["static"]).abs().max()) <= 2e-2 * scale
     assert float((outs["int8"] - outs["static"]).abs().mean()) <= 2e-3 * scale
+
+
+def test_a_gqa_layer_over_an_int8_cache_takes_the_int8_tiles_within_its_rounding():
+    """GQA's step (4 query heads per KV head, one token: 4 rows) over an int8 ``QuantizedKVCache``:
+    its scores and ``P V`` run on the AMX int8 tiles where the CPU has them (``explain()`` names them,
+    and the FMA path elsewhere), and its steps stay within the int8 rounding of a bf16 static cache's
+    (long enough for several spans of channel scales and a 256-slot round of tile products)."""
+    torch.manual_seed(0)
+    heads, kv_heads, D, T, prefill = 16, 4, 64, 700, 600
+    layer = mh.MultiHeadAttention(heads * D, heads, num_kv_heads=kv_heads, causal=True, dtype=torch.bfloat16).eval()
+    x = torch.randn(B, T, heads * D, generator=torch.Generator().manual_seed(2)).bfloat16()
+    caches = {
+        "static": StaticKVCache(B, T, kv_heads, D, dtype=torch.bfloat16),
+        "int8": QuantizedKVCache(B, T, kv_heads, D, residual=16, sinks=4, span=128, dtype=torch.bfloat16),
+    }
+    outs = {}
+    with torch.no_grad():
+        for kind, cache in caches.items():
+            layer.backend = "auto"
+            layer(x[:, :prefill], kv_cache=cache)
+            layer.backend = "decode"
+            report = str(layer.explain(x[:, prefill : prefill + 1], kv_cache=cache))
+            outs[kind] = torch.cat([layer(x[:, t : t + 1], kv_cache=cache) for t in range(prefill, T)], 1).float()
+    assert "read as blocks" in report, report
+    assert ("AMX int8 tiles" in report) == cpu_kernels.int8_tiles(heads // kv_heads, D), report
+    assert ("on the FMA path" in report) != cpu_kernels.int8_tiles(heads // kv_heads, D), report
+    scale = float(outs["static"].abs().max())
+    assert float((outs["int8"] - outs["static"]).abs().max()) <= 2e-2 * scale
+    assert float((outs["int8"] - outs["static"]).abs().mean()) <= 2e-3 * scale

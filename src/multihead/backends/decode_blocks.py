@@ -83,6 +83,11 @@ class KVBlocks(abc.ABC):
         query rows (times ``scale`` unless ``scale != 1``); ``blocked``: as ``decode._attend`` takes it."""
         return None
 
+    def describe(self, rows: int) -> str | None:
+        """What the CPU decode kernel does with these slots for ``rows`` query rows per KV head, where it
+        differs from a dense call of the compute dtype (``explain()`` adds it), or ``None``."""
+        return None
+
     def piece_size(self) -> int:
         """Slots per piece: :data:`PIECE_BYTES` of K and V, at least 64 slots."""
         B, Hkv, S, D, Dv = self.shape

@@ -496,6 +496,21 @@ class _QuantizedBlocks(KVBlocks):
             parts.append(_attend(qg, k, v, cut(t0, hi), scale, acc, G, Lq, half, True))
         return [(out, lse) for out, lse in parts if lse is not None]
 
+    def describe(self, rows: int) -> str | None:
+        D, Dv = self.shape[3], self.shape[4]
+        storage, name = self.cache.q_k.dtype, self.cache.format
+        if self.device.type != "cpu" or digits_for(self.dtype) is None or cpu_kernels.kernel() is None:
+            return None
+        if cpu_kernels.tiles(storage, rows, D, Dv, False):
+            return f"{name} slots on the AMX tiles, converted to bf16 as read (exact), the query in three bf16 terms"
+        if name == "int8" and cpu_kernels.int8_tiles(rows, D):
+            values = "and P V " if Dv % 64 == 0 and Dv <= 256 else ""
+            return (
+                f"int8 slots' scores {values}on the AMX int8 tiles: the codes multiplied as stored, the query in "
+                "three int8 terms" + (", the weights in four 7-bit digits" if values else "") + " (fp32's precision)"
+            )
+        return f"{name} slots converted to fp32 in registers, on the FMA path"
+
     def dense(self) -> tuple[Tensor, Tensor]:
         s, nq, t = self.sinks, self.quantized, self.tail
         keys, values = self.cache.dequantized(0, nq) if nq else (self.tail_k[:, :, :0], self.tail_v[:, :, :0])

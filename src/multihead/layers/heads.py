@@ -218,11 +218,13 @@ def blocks_explanation(q: Tensor, read: CacheRead, mask: Mask | Tensor | None) -
     report = explain(q, keys, values, mask=mask, backend="decode")
     how = (
         "cache read as blocks, not as one tensor (a paged or quantized cache): decode_blocks attends over its "
-        "pieces in place (pages through their block table, 8-bit slots with their scales: through the CPU "
-        "decode kernel where it is built and takes them, else a piece at a time) and joins their partial "
-        "results by log-sum-exp; the lines below describe the dense call they amount to"
+        "pieces in place (pages through their block table; 8-bit slots with their scales, beside the cache's "
+        "full-precision sinks and window: one call of the CPU decode kernel where it is built and takes them, "
+        "else a piece at a time) and joins their partial results by log-sum-exp; the lines below describe the "
+        "dense call they amount to"
     )
-    return dataclasses.replace(report, plan=(how, *report.plan))
+    kernel = blocks.describe(q.shape[1] // blocks.shape[1] * q.shape[2])  # rows per KV head: G·Lq
+    return dataclasses.replace(report, plan=(how, *((kernel,) if kernel else ()), *report.plan))
 
 
 class Attend:
