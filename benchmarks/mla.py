@@ -456,7 +456,8 @@ def _ceilings_main(args) -> list[dict]:
 
 #: The caches of :func:`_caches_main`: name -> ``make(S, capacity)``, each holding MLA's rows
 #: ``[c_kv | k_rope]`` (bf16) once (paged: ``values_in_keys``) or quantized (keys per channel
-#: group, the latent values per token, a bf16 residual window of 64 and 4 sinks).
+#: group, the latent values per token, a bf16 residual window of 64 and 4 sinks; "rows once": the
+#: values read from the keys' codes, ``values_in_keys``).
 LATENT_CACHES = {
     "LatentKVCache": lambda S, capacity: mh.LatentKVCache(capacity=capacity),
     "PagedKVCache (pages of 64)": lambda S, capacity: mh.PagedKVCache(
@@ -464,6 +465,9 @@ LATENT_CACHES = {
     ),
     "QuantizedKVCache int8": lambda S, capacity: mh.QuantizedKVCache(
         1, capacity, 1, C + R, value_dim=C, residual=64, sinks=4, dtype=torch.bfloat16
+    ),
+    "QuantizedKVCache int8, rows once": lambda S, capacity: mh.QuantizedKVCache(
+        1, capacity, 1, C + R, value_dim=C, values_in_keys=True, residual=64, sinks=4, dtype=torch.bfloat16
     ),
 }
 
@@ -482,7 +486,7 @@ def _caches_main(args) -> list[dict]:
     layer = _mla(dtype=torch.bfloat16)
     layer.load_state_dict(base.state_dict())
     layer.mode = "absorbed"
-    fns, paths = {}, {}
+    fns, paths, sizes = {}, {}, {}
     with torch.no_grad():
         for S in lengths:
             gen = torch.Generator().manual_seed(S)
@@ -501,6 +505,7 @@ def _caches_main(args) -> list[dict]:
                     check_close(f"MLA absorbed bf16 S={S} {name} vs LatentKVCache", got, want, atol=tol)
                 report = layer.explain(x, kv_cache=cache)
                 paths[name] = "read as blocks" if "read as blocks" in str(report) else f"dense, {report.backend}"
+                sizes[(name, S)] = cache.nbytes if hasattr(cache, "nbytes") else cache.keys.nbytes
                 fns[(name, S)] = _step(layer, x, cache, S)
         best = fastest_ms(fns, rounds=rounds, min_run_time=0.3 if args.quick else 0.5)
     after = machine_state()
@@ -510,6 +515,7 @@ def _caches_main(args) -> list[dict]:
             "cache": S,
             "kind": name,
             "path": paths[name],
+            "cache MB": sizes[(name, S)] / 1e6,
             "ms": ms,
             "x LatentKVCache time": ms / best[(next(iter(LATENT_CACHES)), S)],
         }

@@ -124,6 +124,15 @@ for fmt in ("int8", "fp8"):
             ),
         )
     )
+KINDS.append(
+    Kind(
+        "quantized-int8-latent",
+        lambda h, d, dv, dev: QuantizedKVCache(
+            B, MAX_LEN, h, d, value_dim=dv, values_in_keys=True, residual=8, sinks=2, group=2, dtype=DT, device=dev
+        ),
+        values_in_keys=True,
+    )
+)
 IDS = [kind.name for kind in KINDS]
 every_kind = pytest.mark.parametrize("kind", KINDS, ids=IDS)
 per_row_kinds = pytest.mark.parametrize(

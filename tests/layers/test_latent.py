@@ -702,6 +702,9 @@ LATENT_BLOCK_CACHES = {
         2 * T // 8 + 2, 8, 1, rank + rope, value_dim=rank, values_in_keys=True, batch_size=B
     ),
     "int8": lambda B, T, rank, rope: _quantized(B, T, 1, rank + rope, value_dim=rank, residual=16, sinks=4, span=32),
+    "int8, rows once": lambda B, T, rank, rope: _quantized(
+        B, T, 1, rank + rope, value_dim=rank, values_in_keys=True, residual=16, sinks=4, span=32
+    ),
 }
 
 
@@ -737,9 +740,36 @@ def test_an_absorbed_step_reads_a_paged_or_quantized_cache_in_place(kind, monkey
         last, weights = layer(x[:, T - 1 :], kv_cache=cache, need_weights=True)
     assert weights.shape == (2, BIG["heads"], 1, T)
     torch.testing.assert_close(last, got[:, -1:], rtol=1e-4, atol=1e-5)
-    if kind == "int8":
+    if kind.startswith("int8"):
         scale = float(want.abs().max())
         assert float((got - want).abs().max()) <= 1e-2 * scale
         assert float((got - want).abs().mean()) <= 1e-3 * scale
     else:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_int8_cache_of_latent_rows_stored_once_holds_about_half_the_bytes_within_its_rounding():
+    """``QuantizedKVCache(values_in_keys=True)`` keeps MLA's rows once (the values are the keys'
+    first ``C`` codes, with the keys' per-token scale): no buffer for the values (DeepSeek's
+    ``C = 512, R = 64``: 578 bytes a token against 1092 stored twice and 1152 in a bf16
+    ``LatentKVCache``), and a bf16 MLA layer's prefill + 100 steps within the int8 rounding of the
+    latent cache's (as the cache that stores them twice)."""
+    rank, rope, T = BIG["kv_lora_rank"], BIG["rope"], 300
+    layer = _deepseek_like_bf16()
+    x = torch.randn(1, T, BIG["E"], generator=torch.Generator().manual_seed(4)).bfloat16()
+    kw = dict(value_dim=rank, residual=16, sinks=4, span=64, dtype=torch.bfloat16)
+    once, twice = _quantized(1, T, 1, rank + rope, values_in_keys=True, **kw), _quantized(1, T, 1, rank + rope, **kw)
+    with torch.no_grad():
+        want = _decode(layer, x, LatentKVCache(), [200] + [1] * (T - 200)).float()
+        got = {
+            name: _decode(layer, x, c, [200] + [1] * (T - 200)).float()
+            for name, c in (("once", once), ("twice", twice))
+        }
+    apart = sum(t.numel() * t.element_size() for t in (twice.q_v, twice.v_scale, twice.sink_v, twice.tail_v))
+    assert once.nbytes == twice.nbytes - apart  # nothing held for the values
+    codes = once.q_k.numel()  # the 8-bit region, one byte per feature: (rank + rope) per token, not 2·rank + rope
+    assert codes == twice.q_k.numel() and twice.q_v.numel() == codes * rank // (rank + rope)
+    scale = float(want.abs().max())
+    for name, out in got.items():
+        assert float((out - want).abs().max()) <= 1e-2 * scale, name
+        assert float((out - want).abs().mean()) <= 1e-3 * scale, name

@@ -59,6 +59,7 @@ from multihead.caches.base import (
     check_crop,
     check_indices,
     check_kv,
+    check_prefix,
     under_autograd,
 )
 
@@ -87,6 +88,12 @@ class QuantizedKVCache(KVCache):
             ``group``, at least one group, at most the 8-bit region: the whole groups of
             ``max_len - sinks - residual`` tokens, all that can ever be quantized); a decode step
             multiplies each span's int8 keys with one integer GEMM per KV head.
+        values_in_keys: the values are the first ``value_dim`` features of the keys (MLA's latent
+            rows ``[c_kv | k_rope]``, whose values are ``c_kv``), stored once: the values read the
+            keys' codes with the keys' per-token scale (``vt = kt``), so the keys' channel scales
+            are 1 on those features (a per-token scale for the latent) and scale only the rest
+            (the rotary part); half the bytes of storing them twice. ``update`` then wants
+            ``v = k[..., :value_dim]``.
         dtype, device: the compute dtype (what reads return, what new keys must have) and device.
     """
 
@@ -104,6 +111,7 @@ class QuantizedKVCache(KVCache):
         sinks: int = 4,
         group: int = 32,
         span: int = 4096,
+        values_in_keys: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
@@ -122,6 +130,13 @@ class QuantizedKVCache(KVCache):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
+        if not isinstance(values_in_keys, bool):
+            raise TypeError(f"{name}: values_in_keys must be a bool, got {values_in_keys!r}")
+        if values_in_keys and isinstance(value_dim, int) and isinstance(head_dim, int) and value_dim > head_dim:
+            raise ValueError(
+                f"{name}: with values_in_keys the values are the first value_dim features of the keys, so "
+                f"value_dim <= head_dim; got value_dim={value_dim}, head_dim={head_dim}"
+            )
         if not isinstance(format, str) or format not in FORMATS:  # not a bare `in`: a list raised "unhashable"
             raise ValueError(f"{name}: format must be one of {sorted(FORMATS)}, got {format!r}")
         if isinstance(bits, bool) or not isinstance(bits, int) or bits != 8:  # 8.0 passed as 8 before
@@ -147,18 +162,29 @@ class QuantizedKVCache(KVCache):
         self.span = min(max(1, span // group), max(1, groups)) * group
         spans = -(-groups * group // self.span)
         full: dict[str, Any] = dict(dtype=dtype, device=device)
+        self.values_in_keys, self.value_dim = values_in_keys, Dv
         self.sink_k = torch.zeros(B, Hkv, sink_slots, D, **full)
-        self.sink_v = torch.zeros(B, Hkv, sink_slots, Dv, **full)
         self.q_k = torch.zeros(B, Hkv, groups * group, D, dtype=storage, device=device)
-        self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
         self.k_channel = torch.ones(B, Hkv, spans, D, **full)  # per channel, per span of tokens
         self.k_token = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
-        self.v_scale = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
         self.tail_k = torch.zeros(B, Hkv, tail_slots, D, **full)
-        self.tail_v = torch.zeros(B, Hkv, tail_slots, Dv, **full)
+        if values_in_keys:
+            self._values_of_keys()
+        else:
+            self.sink_v = torch.zeros(B, Hkv, sink_slots, Dv, **full)
+            self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
+            self.v_scale = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
+            self.tail_v = torch.zeros(B, Hkv, tail_slots, Dv, **full)
         self._length = 0  # tokens per row
         self._quantized = 0  # tokens in the 8-bit region (a multiple of group)
         self._undo: tuple[Any, ...] | None = None
+
+    def _values_of_keys(self) -> None:
+        """``values_in_keys``: the values' buffers as views of the keys' (after any change that made
+        new key buffers: a copy under autograd, a rollback, a reorder)."""
+        Dv = self.value_dim
+        self.sink_v, self.q_v, self.tail_v = self.sink_k[..., :Dv], self.q_k[..., :Dv], self.tail_k[..., :Dv]
+        self.v_scale = self.k_token
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -181,8 +207,9 @@ class QuantizedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        held = [self.sink_k, self.sink_v, self.q_k, self.q_v, self.k_channel, self.k_token, self.v_scale]
-        held += [self.tail_k, self.tail_v]
+        held = [self.sink_k, self.q_k, self.k_channel, self.k_token, self.tail_k]
+        if not self.values_in_keys:
+            held += [self.sink_v, self.q_v, self.v_scale, self.tail_v]
         return sum(t.numel() * t.element_size() for t in held)
 
     @property
@@ -200,7 +227,7 @@ class QuantizedKVCache(KVCache):
         B, Hkv, _, D = self.tail_k.shape
         return (
             f"QuantizedKVCache(batch_size={B}, max_len={self.max_len}, num_kv_heads={Hkv}, head_dim={D}, "
-            f"format={self.format!r}, dtype={self.dtype})"
+            f"format={self.format!r}{', values_in_keys=True' if self.values_in_keys else ''}, dtype={self.dtype})"
         )
 
     # ------------------------------------------------------------------------------ changes
@@ -220,6 +247,8 @@ class QuantizedKVCache(KVCache):
             held=self._held(),
             stored=self.tail_k,
         )
+        if self.values_in_keys:
+            check_prefix(name, k, v)
         new = k.shape[2]
         expected = self.next_positions(new, k.device)
         if positions is not None:
@@ -246,19 +275,24 @@ class QuantizedKVCache(KVCache):
         if copies:  # earlier steps saved these buffers for their backward: write into copies
             self.sink_k, self.sink_v = self.sink_k.clone(), self.sink_v.clone()
             self.tail_k, self.tail_v = self.tail_k.clone(), self.tail_v.clone()
+            if self.values_in_keys:
+                self._values_of_keys()
         if into_sinks:
             self.sink_k[:, :, self._length : self._length + into_sinks] = k[:, :, :into_sinks]
-            self.sink_v[:, :, self._length : self._length + into_sinks] = v[:, :, :into_sinks]
+            if not self.values_in_keys:  # (else a view of the keys just written)
+                self.sink_v[:, :, self._length : self._length + into_sinks] = v[:, :, :into_sinks]
         if count:
             held_k = torch.cat([self.tail_k[:, :, :tail], rest_k], dim=2)  # (B, Hkv, tail + rest, D)
             held_v = torch.cat([self.tail_v[:, :, :tail], rest_v], dim=2)
             self._store(held_k[:, :, :count].detach(), held_v[:, :, :count].detach())
             kept = held_k.shape[2] - count
             self.tail_k[:, :, :kept] = held_k[:, :, count:]
-            self.tail_v[:, :, :kept] = held_v[:, :, count:]
+            if not self.values_in_keys:
+                self.tail_v[:, :, :kept] = held_v[:, :, count:]
         elif rest:  # the window has room (tail + rest < residual + group): written in place
             self.tail_k[:, :, tail : tail + rest] = rest_k
-            self.tail_v[:, :, tail : tail + rest] = rest_v
+            if not self.values_in_keys:
+                self.tail_v[:, :, tail : tail + rest] = rest_v
         self._length += new
         return CacheRead(None, None, expected, blocks=_QuantizedBlocks(self))
 
@@ -288,17 +322,26 @@ class QuantizedKVCache(KVCache):
             # constant factor of kc). An absolute kc set by a quiet first group (zero keys: padding)
             # made kt = amax(k / kc) / top of every later key of the span overflow (inf, then NaN
             # reads) in fp16 from keys of 10, in bf16 and fp32 from any key after an all-zero group.
+            if self.values_in_keys:  # the values' features keep 1 (vt = kt); the rest relative to them, <= 1
+                largest = amax[..., : self.value_dim].amax(dim=2, keepdim=True)
             relative = torch.maximum(amax, largest * _CHANNEL_FLOOR) / largest.masked_fill(largest == 0, 1.0)
+            if self.values_in_keys:
+                relative = relative.clamp_(max=1.0)
+                relative[..., : self.value_dim] = 1.0
             self.k_channel[:, :, j] = relative.masked_fill_(largest == 0, 1.0).to(self.dtype)
         channel = self._channel_scales(n0, n0 + count).to(work)  # (B, Hkv, count, D)
         k_token = _stored_scale((k / channel).abs().amax(dim=3, keepdim=True) / top, self.dtype)
-        v_scale = _stored_scale(v.abs().amax(dim=3, keepdim=True) / top, self.dtype)  # (B, Hkv, count, 1)
         q_k = _quantize(k / (channel * k_token.to(work)), self.q_k.dtype, top)
-        q_v = _quantize(v / v_scale.to(work), self.q_v.dtype, top)
-        self.k_token[:, :, n0 : n0 + count] = k_token
-        self.v_scale[:, :, n0 : n0 + count] = v_scale.masked_fill(bad.unsqueeze(-1), float("nan"))
-        self.q_k[:, :, n0 : n0 + count] = q_k
-        self.q_v[:, :, n0 : n0 + count] = q_v
+        if self.values_in_keys:  # the values are these codes, with kt: a bad token's key reads NaN
+            self.k_token[:, :, n0 : n0 + count] = k_token.masked_fill(bad.unsqueeze(-1), float("nan"))
+            self.q_k[:, :, n0 : n0 + count] = q_k
+        else:
+            v_scale = _stored_scale(v.abs().amax(dim=3, keepdim=True) / top, self.dtype)  # (B, Hkv, count, 1)
+            q_v = _quantize(v / v_scale.to(work), self.q_v.dtype, top)
+            self.k_token[:, :, n0 : n0 + count] = k_token
+            self.v_scale[:, :, n0 : n0 + count] = v_scale.masked_fill(bad.unsqueeze(-1), float("nan"))
+            self.q_k[:, :, n0 : n0 + count] = q_k
+            self.q_v[:, :, n0 : n0 + count] = q_v
         self._quantized += count
 
     def _channel_scales(self, a: int, b: int) -> Tensor:
@@ -324,10 +367,11 @@ class QuantizedKVCache(KVCache):
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
         self._length, self._quantized, originals, saved = self._undo
         if originals is not None:
-            self.sink_k, self.sink_v, self.tail_k, self.tail_v = originals
+            self.sink_k, self.sink_v, self.tail_k, self.tail_v = originals  # (values_in_keys: views of these keys)
         elif saved is not None:  # a store moved the tail's tokens
             self.tail_k[:, :, : saved[0].shape[2]] = saved[0]
-            self.tail_v[:, :, : saved[1].shape[2]] = saved[1]
+            if not self.values_in_keys:
+                self.tail_v[:, :, : saved[1].shape[2]] = saved[1]
         self._undo = None
 
     def crop(self, length: int | Tensor) -> None:
@@ -343,8 +387,11 @@ class QuantizedKVCache(KVCache):
                 keys, values = self.dequantized(whole, kept)
                 if under_autograd(None, None, self.tail_k, self.tail_v):
                     self.tail_k, self.tail_v = self.tail_k.detach().clone(), self.tail_v.detach().clone()
+                    if self.values_in_keys:
+                        self._values_of_keys()
                 self.tail_k[:, :, : kept - whole] = keys
-                self.tail_v[:, :, : kept - whole] = values
+                if not self.values_in_keys:
+                    self.tail_v[:, :, : kept - whole] = values
             self._quantized = whole
         elif n <= self.sinks:
             self._quantized = 0
@@ -353,14 +400,21 @@ class QuantizedKVCache(KVCache):
     def reorder(self, indices: Tensor) -> None:
         """Row ``i`` becomes the old row ``indices[i]`` (slots and scales together); ``B' = len(indices)``."""
         indices = check_indices(type(self).__name__, indices, self.batch_size, self.tail_k.device)
-        for attr in ("sink_k", "sink_v", "q_k", "q_v", "k_channel", "k_token", "v_scale", "tail_k", "tail_v"):
+        for attr in ("sink_k", "q_k", "k_channel", "k_token", "tail_k"):
             setattr(self, attr, getattr(self, attr).index_select(0, indices))
+        if self.values_in_keys:
+            self._values_of_keys()
+        else:
+            for attr in ("sink_v", "q_v", "v_scale", "tail_v"):
+                setattr(self, attr, getattr(self, attr).index_select(0, indices))
         self._undo = None
 
     def reset(self) -> None:
         for attr in ("sink_k", "sink_v", "tail_k", "tail_v"):
             if getattr(self, attr).requires_grad:  # let go of the last sequence's graph
                 setattr(self, attr, getattr(self, attr).detach().clone())
+        if self.values_in_keys:
+            self._values_of_keys()
         self._length, self._quantized, self._undo = 0, 0, None
 
     def __repr__(self) -> str:
