@@ -210,6 +210,19 @@ def test_one_thread_and_two_give_the_same_bits():
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+def _on_one_thread_and_two(call, masks):
+    """``call(mask)`` for each mask on one thread, then on two: ``[one thread's results..., two's...]``."""
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            runs += [call(mask) for mask in masks]
+    finally:
+        torch.set_num_threads(threads)
+    return runs
+
+
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, *FP8], ids=str)
 def test_few_pairs_split_their_slots_into_pieces_joined_by_lse(storage):
     """A call of fewer than four (batch row, KV head) pairs (MQA, MLA's one latent head) is split
@@ -237,15 +250,12 @@ def test_few_pairs_split_their_slots_into_pieces_joined_by_lse(storage):
         blocked = torch.rand(B, 1, G, 1, n, generator=gen) < 0.3
         blocked[0, 0, 1, 0, : n // 2] = True  # sees nothing in the first pieces
         blocked[0, 0, 2] = True  # sees nothing at all
-        threads = torch.get_num_threads()
-        runs = []
-        try:
-            for count in (1, 2):
-                torch.set_num_threads(count)
-                for mask in (None, blocked):
-                    runs.append(cpu_kernels.decode_partial(q, k, v, 0.125, G, 1, mask, scales=scales))
-        finally:
-            torch.set_num_threads(threads)
+        runs = _on_one_thread_and_two(
+            lambda mask, q=q, k=k, v=v, scales=scales: cpu_kernels.decode_partial(
+                q, k, v, 0.125, G, 1, mask, scales=scales
+            ),
+            (None, blocked),
+        )
         for at, mask in enumerate((None, blocked)):
             _close(runs[at], _expected(q, keys, values, 0.125, G, 1, mask), f"{storage} B={B} Hkv={Hkv} n={n}")
             assert torch.equal(runs[at][0], runs[at + 2][0]) and torch.equal(runs[at][1], runs[at + 2][1])
@@ -288,15 +298,10 @@ def test_joined_segments_equal_fp64_over_every_slot_they_hold(compute, storage, 
             ]
             return [part for part in parts if part.keys.shape[2]]
 
-        threads = torch.get_num_threads()
-        runs = []
-        try:
-            for count in (1, 2):
-                torch.set_num_threads(count)
-                for mask in (None, blocked):
-                    runs.append(cpu_kernels.decode_joined(q.to(compute), segments(mask), 0.125, G, 1))
-        finally:
-            torch.set_num_threads(threads)
+        runs = _on_one_thread_and_two(
+            lambda mask, q=q, segments=segments: cpu_kernels.decode_joined(q.to(compute), segments(mask), 0.125, G, 1),
+            (None, blocked),
+        )
         for at, mask in enumerate((None, blocked)):
             want = _expected(q.to(compute), keys, values, 0.125, G, 1, mask)
             _close(runs[at], want, f"{storage} {compute} B={B} Hkv={Hkv} G={G} slots {sinks}+{n8}+{window}")
