@@ -537,3 +537,36 @@ def test_int8_scores_on_the_tiles_leave_a_non_finite_query_to_the_fma_path():
     torch.testing.assert_close(tiles[1][finite], fma[1][finite], rtol=2e-5, atol=2e-5)
     want = _expected(q[:, :1, [0, 2, 3]], keys[:, :1], values[:, :1], 0.2, 3, 1, None)  # head 0's finite rows
     _close((tiles[0][:, :1, [0, 2, 3]], tiles[1][:, :1, [0, 2, 3]]), want, "head 0, finite rows")
+
+
+@needs_int8_tiles
+def test_int8_tiles_past_their_int32_flush_and_with_a_nan_value_scale():
+    """``P V`` on the int8 tiles keeps int32 sums for 65536 slots at a time: 140000 slots of equal
+    weight whose first feature's code is 127 sum to 140000 · 127 · 127 > 2^31 in each row's first
+    digit (four KV heads, so that the call is not split into pieces), so without the flush they
+    would wrap; against fp64. A NaN value scale of a slot some rows
+    see sends ``P V`` to the FMA path: those rows read NaN, the others what the FMA build gives."""
+    gen = torch.Generator().manual_seed(12)
+    B, Hkv, n, D, span = 1, 4, 140000, 64, 1 << 20  # four (b, h) pairs: not split into pieces
+    k8, v8, kc, kt, vt, keys, values = _scaled_slots(torch.int8, B, Hkv, n, D, D, span, torch.float32, gen)
+    v8[..., 0] = 127
+    vt.fill_(0.01)
+    values = v8.double() * vt.double()[..., None]
+    q = torch.zeros(B, Hkv, 4, D)  # every weight equal
+    scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)
+    got = cpu_kernels.decode_partial(q, k8, v8, 0.2, 4, 1, scales=scales)
+    _close(got, _expected(q, keys, values, 0.2, 4, 1, None), "140000 int8 slots")
+    short = 300
+    vt_nan = vt[..., :short].clone()
+    vt_nan[0, 0, 7] = float("nan")
+    blocked = torch.zeros(B, 1, 4, 1, short, dtype=torch.bool)
+    blocked[0, 0, 2:, 0, 7] = True  # rows 2 and 3 do not see slot 7
+    segment = [
+        cpu_kernels.Segment(
+            k8[:, :, :short], v8[:, :, :short], blocked, scales=cpu_kernels.Int8Scales(kc, kt, vt_nan, 0, span)
+        )
+    ]
+    tiles = cpu_kernels.decode_joined(q, segment, 0.2, 4, 1)
+    fma = cpu_kernels._call(_no_tiles_build(), q, segment, 0.2, 4, 1, 2)
+    assert bool(tiles[0][0, 0, :2].isnan().all()) and not bool(tiles[0][0, 0, 2:].isnan().any())
+    torch.testing.assert_close(tiles[0][0, 0, 2:], fma[0][0, 0, 2:], rtol=2e-5, atol=2e-6)

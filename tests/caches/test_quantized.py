@@ -189,6 +189,12 @@ def test_rolled_back_updates_leave_no_trace(seed):
         (dict(group=0), ValueError, r"QuantizedKVCache: group must be an int >= 1, got 0"),
         (dict(span=0), ValueError, r"QuantizedKVCache: span must be an int >= 1, got 0"),
         (dict(dtype=torch.int8), TypeError, r"QuantizedKVCache: dtype must be a floating-point torch.dtype"),
+        (dict(values_in_keys=1), TypeError, r"QuantizedKVCache: values_in_keys must be a bool, got 1"),
+        (
+            dict(values_in_keys=True, value_dim=9),
+            ValueError,
+            r"QuantizedKVCache: with values_in_keys .* value_dim <= head_dim; got value_dim=9, head_dim=8",
+        ),
     ],
 )
 def test_constructor_refuses_bad_arguments(kwargs, error, pattern):
@@ -401,3 +407,19 @@ def test_buffers_are_what_max_len_can_hold_and_bytes_say_so(sinks, residual, slo
     if exact >= 100:
         assert torch.equal(read.keys, k) and torch.equal(read.values, v)
     torch.testing.assert_close(read.keys, k, rtol=0.05, atol=0.05)
+
+
+def test_values_in_keys_refuses_values_that_are_not_the_keys_prefix_and_keeps_the_cache():
+    """``values_in_keys=True``: ``update`` wants ``v = k[..., :value_dim]``; other values are refused
+    with the cache as it was, and the values read are the keys' first features, bit for bit."""
+    cache = QuantizedKVCache(1, 64, 2, 8, value_dim=6, values_in_keys=True, residual=4, sinks=1, group=4)
+    k = torch.randn(1, 2, 20, 8)
+    read = cache.update(k, k[..., :6])
+    keys, values = read.keys, read.values
+    assert torch.equal(values, keys[..., :6])
+    before = cache.nbytes, cache.length
+    with pytest.raises(ValueError, match=r"QuantizedKVCache.update: v must equal k\[\.\.\., :6\]"):
+        cache.update(k[:, :, :1], torch.randn(1, 2, 1, 6))
+    assert (cache.nbytes, cache.length) == before
+    again = cache.update(k[:, :, :1], k[:, :, :1, :6])
+    assert again.keys.shape[2] == 21 and torch.equal(again.values, again.keys[..., :6])
