@@ -468,12 +468,14 @@ needs_int8_tiles = pytest.mark.skipif(not INT8_TILES, reason="this CPU (or its O
 
 @needs_int8_tiles
 @pytest.mark.parametrize("D,Dv", [(64, 64), (128, 128), (192, 80), (256, 256)])
-@pytest.mark.parametrize("G,Lq", [(1, 1), (3, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("G,Lq", [(1, 1), (3, 1), (4, 1), (2, 2), (5, 1), (8, 1), (4, 3), (16, 1)])
 def test_int8_scores_on_the_tiles_equal_fp64_and_the_fma_build(D, Dv, G, Lq):
-    """A few query rows (R <= 4) over int8 slots: the scores on the AMX int8 tiles (the codes as
-    stored, the query in three int8 terms, cpu_decode_amx8.h) are fp32's, against fp64 over the
-    dequantized values and against the build without tiles, at lengths around the 16-slot tiles
-    and the 64-slot blocks, across spans of channel scales, with a row mask."""
+    """Query rows over int8 slots: the scores on the AMX int8 tiles (the codes as stored, the query
+    in three int8 terms, cpu_decode_amx8.h; up to 4 rows one tile with P V on the tiles too, 5 to 16
+    rows a tile per term with P V on the FMA path; 16 unmasked rows take the bf16 tiles instead)
+    are fp32's, against fp64 over the dequantized values and against the build without tiles, at
+    lengths around the 16-slot tiles and the 64-slot blocks, across spans of channel scales, with
+    a row mask."""
     gen = torch.Generator().manual_seed(D + 10 * G + Lq)
     B, Hkv, span = 2, 3, 48
     fma = _no_tiles_build()
@@ -490,8 +492,9 @@ def test_int8_scores_on_the_tiles_equal_fp64_and_the_fma_build(D, Dv, G, Lq):
 
 
 @needs_int8_tiles
+@pytest.mark.parametrize("rows", [4, 8])
 @pytest.mark.parametrize("page_size", [3, 16, 17, 64])
-def test_int8_scores_on_the_tiles_read_pages_and_leave_broken_runs_to_the_fma_path(page_size):
+def test_int8_scores_on_the_tiles_read_pages_and_leave_broken_runs_to_the_fma_path(page_size, rows):
     """16 slots go to the tiles only while their rows lie at one stride: pages of 3 or 17 slots break
     most runs (the FMA path takes those), pages of 16 and 64 none; every layout gives fp32's
     answer. Int8 slots through a shuffled block table, against fp64 over the gathered values."""
@@ -507,16 +510,17 @@ def test_int8_scores_on_the_tiles_read_pages_and_leave_broken_runs_to_the_fma_pa
     gather = lambda pool: pool[:, table.reshape(-1)].view(Hkv, B, S, D).transpose(0, 1)  # noqa: E731
     keys = gather(pool_k).double() * kc.double() * kt.double()[..., None]
     values = gather(pool_v).double() * vt.double()[..., None]
-    q = torch.randn(B, Hkv, 4, D, generator=gen)
+    q = torch.randn(B, Hkv, rows, D, generator=gen)
     for lo, hi in ((0, S), (5, S - 7)):
         scales = cpu_kernels.Int8Scales(kc, kt[..., lo:], vt[..., lo:], 0, span)
-        got = cpu_kernels.decode_partial(q, pool_k, pool_v, 0.125, 4, 1, None, table, lo, hi - lo, scales=scales)
-        want = _expected(q, keys[:, :, lo:hi], values[:, :, lo:hi], 0.125, 4, 1, None)
+        got = cpu_kernels.decode_partial(q, pool_k, pool_v, 0.125, rows, 1, None, table, lo, hi - lo, scales=scales)
+        want = _expected(q, keys[:, :, lo:hi], values[:, :, lo:hi], 0.125, rows, 1, None)
         _close(got, want, f"int8 pages of {page_size}, slots [{lo}, {hi})")
 
 
 @needs_int8_tiles
-def test_int8_scores_on_the_tiles_leave_a_non_finite_query_to_the_fma_path():
+@pytest.mark.parametrize("rows", [4, 8])
+def test_int8_scores_on_the_tiles_leave_a_non_finite_query_to_the_fma_path(rows):
     """The query's int8 terms need a finite ``q · scale · kc``: an infinite query row, or a span whose
     channel scale is NaN, runs the FMA path for that span, which gives what it always gave (the
     tiles' build and the FMA build agree bit for bit where the FMA path runs: NaN rows, the same
@@ -524,19 +528,20 @@ def test_int8_scores_on_the_tiles_leave_a_non_finite_query_to_the_fma_path():
     gen = torch.Generator().manual_seed(11)
     B, Hkv, n, D, span = 1, 2, 200, 64, 64
     k8, v8, kc, kt, vt, keys, values = _scaled_slots(torch.int8, B, Hkv, n, D, D, span, torch.float32, gen)
-    q = torch.randn(B, Hkv, 4, D, generator=gen)
+    q = torch.randn(B, Hkv, rows, D, generator=gen)
     q[0, 0, 1, 3] = float("inf")
     kc[0, 1, 2, 5] = float("nan")  # the third span of head 1
     scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)
     segment = [cpu_kernels.Segment(k8, v8, scales=scales)]
-    tiles = cpu_kernels.decode_joined(q, segment, 0.2, 4, 1)
-    fma = cpu_kernels._call(_no_tiles_build(), q, segment, 0.2, 4, 1, 2)
+    tiles = cpu_kernels.decode_joined(q, segment, 0.2, rows, 1)
+    fma = cpu_kernels._call(_no_tiles_build(), q, segment, 0.2, rows, 1, 2)
     assert torch.equal(tiles[0].isnan(), fma[0].isnan()) and torch.equal(tiles[1].isnan(), fma[1].isnan())
     assert bool(fma[1].isnan().any())
     finite = ~fma[1].isnan()
     torch.testing.assert_close(tiles[1][finite], fma[1][finite], rtol=2e-5, atol=2e-5)
-    want = _expected(q[:, :1, [0, 2, 3]], keys[:, :1], values[:, :1], 0.2, 3, 1, None)  # head 0's finite rows
-    _close((tiles[0][:, :1, [0, 2, 3]], tiles[1][:, :1, [0, 2, 3]]), want, "head 0, finite rows")
+    finite_rows = [r for r in range(rows) if r != 1]
+    want = _expected(q[:, :1, finite_rows], keys[:, :1], values[:, :1], 0.2, rows - 1, 1, None)  # head 0's finite rows
+    _close((tiles[0][:, :1, finite_rows], tiles[1][:, :1, finite_rows]), want, "head 0, finite rows")
 
 
 @needs_int8_tiles

@@ -188,17 +188,20 @@ static inline void prefetch_row(const char *row, int bytes) {
 #ifdef HAVE_AMX8
 /* int8 scores on the tiles (cpu_decode_amx8.h): the query's terms when a span starts, then 16 slots
  * at a time while their rows lie at one stride (BLOCK4 and the loop after it take the rest) */
-#define AMX8_SPAN(ON) if (ON) amx8_on = amx8_query(T8, sc8, qs, R, D);
+#define AMX8_SPAN(ON) if (ON) amx8_on = R <= AMX8_MAX_ROWS ? amx8_query(T8, sc8, qs, R, D) : amx8_query_wide(T8, sc8, qs, R, D);
 #define AMX8_BLOCK(ON)                                                                                   \
     if (ON && amx8_on) {                                                                                 \
-        amx8_load_query(T8, D);                                                                          \
+        if (R <= AMX8_MAX_ROWS) amx8_load_query(T8, D);                                                  \
         for (; i + 16 <= cnt && rows[i + 15] == rows[i] + 15 * ktb; i += 16) {                           \
             for (int j = 0; j < 16; j++) if (i + j + PF < got) prefetch_row(rows[i + j + PF], kbytes);  \
-            amx8_scores16((const int8_t *)rows[i], ktb, D, sc8, kf + i, s + t + i, n, R);               \
+            if (R <= AMX8_MAX_ROWS)                                                                      \
+                amx8_scores16((const int8_t *)rows[i], ktb, D, sc8, kf + i, s + t + i, n, R);           \
+            else                                                                                         \
+                amx8_scores16_wide((const int8_t *)rows[i], ktb, D, T8, sc8, kf + i, s + t + i, n, R);  \
         }                                                                                                \
     }
 #define AMX8_PV(ON)                                                                                      \
-    if (ON && Dv % 64 == 0 && Dv <= AMX8_MAX_DV) pv_done = amx8_values(V, table, ps, vpb, vtb, lo, n, R, Dv, PF, s, out);
+    if (ON && R <= AMX8_MAX_ROWS && Dv % 64 == 0 && Dv <= AMX8_MAX_DV) pv_done = amx8_values(V, table, ps, vpb, vtb, lo, n, R, Dv, PF, s, out);
 #define AMX8_START(ON) if (ON) amx_configure();
 #define AMX8_END(ON) if (ON) _tile_release();
 #else
@@ -229,8 +232,8 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     const int PF = PF_BYTES / kbytes < 8 ? 8 : PF_BYTES / kbytes > PF_MAX ? PF_MAX : PF_BYTES / kbytes;   \
     float kf[TB];                                                                                        \
     long span_now = -1;                                                                                  \
-    int8_t T8[AMX8 ? 4096 : 1] __attribute__((aligned(64))); /* the query's int8 terms (AMX8) */        \
-    float sc8[16];                                                                                       \
+    int8_t T8[AMX8 ? 3 * 4096 : 1] __attribute__((aligned(64))); /* the query's int8 terms (AMX8) */    \
+    float sc8[48];                                                                                       \
     int amx8_on = 0;                                                                                     \
     (void)T8, (void)sc8, (void)amx8_on;                                                                  \
     AMX8_START(AMX8)                                                                                     \

@@ -17,12 +17,13 @@
  * (cpu_amx.h), used where the OS grants the tiles; -DMH_NO_AMX builds without it. */
 #if defined(HAVE_AMX_TILES) && defined(__AMX_INT8__)
 #define HAVE_AMX8 1
-#define AMX8_MAX_ROWS 4 /* three terms of four rows: 12 of the 16 columns */
-#define AMX8_MAX_D 256  /* the query's tiles stay in tmm2..tmm5 */
+#define AMX8_MAX_ROWS 4   /* three terms of four rows: 12 of a tile's 16 columns; P V on the tiles too */
+#define AMX8_WIDE_ROWS 16 /* 5..16 rows: one C tile per term (amx8_scores16_wide), P V on the FMA path */
+#define AMX8_MAX_D 256    /* the query's tiles stay in tmm2..tmm5 (four rows), 12 KiB of terms (wide) */
 
 /* whether an int8 call of `rows` query rows per KV head and keys of D features takes the score tiles */
 static int amx8_takes(int kind, int rows, int D) {
-    return kind == 3 && rows <= AMX8_MAX_ROWS && D % 64 == 0 && D <= AMX8_MAX_D && amx_granted();
+    return kind == 3 && rows <= AMX8_WIDE_ROWS && D % 64 == 0 && D <= AMX8_MAX_D && amx_granted();
 }
 
 /* q' (R rows of D, fp32) as three int8 terms a row, packed as tdpbssd's B operand, one 1 KiB tile
@@ -96,6 +97,70 @@ static inline void amx8_scores16(const int8_t *k0, long stride, int D, const flo
         _MM_TRANSPOSE4_PS(x[0], x[1], x[2], x[3]); /* x[r]: row r over the four slots */
         for (int r = 0; r < R; r++) _mm_storeu_ps(s + (long)r * n + j0, x[r]);
     }
+}
+
+/* 5..16 rows: the terms as three groups of B tiles, one per term, the rows as columns:
+ * T[t][c][k4][r][i] = term t of row r at feature 64c + 4·k4 + i, tile (t, c) at (t·D/64 + c) KiB;
+ * sc[16·t + r] its scale. Returns 0 where q' holds a non-finite value. */
+static int amx8_query_wide(int8_t *T, float *sc, const float *qs, int R, int D) {
+    const int CS = D / 64;
+    memset(T, 0, (size_t)3 * CS * 1024);
+    memset(sc, 0, sizeof(float) * 48);
+    for (int r = 0; r < R; r++) {
+        float m = 0.f;
+        for (int c = 0; c < D; c++) {
+            const float x = qs[(long)r * D + c];
+            if (!isfinite(x)) return 0;
+            m = fabsf(x) > m ? fabsf(x) : m;
+        }
+        if (m == 0.f) continue;
+        const float s0 = m / 127.f, s1 = s0 / 254.f, s2 = s1 / 254.f;
+        sc[r] = s0, sc[16 + r] = s1, sc[32 + r] = s2;
+        for (int c = 0; c < D; c++) {
+            float x = qs[(long)r * D + c];
+            const float t0 = rintf(x / s0);
+            x = fmaf(-t0, s0, x);
+            const float t1 = fminf(fmaxf(rintf(x / s1), -127.f), 127.f);
+            x = fmaf(-t1, s1, x);
+            const float t2 = fminf(fmaxf(rintf(x / s2), -127.f), 127.f);
+            int8_t *at = T + (c / 64) * 1024 + ((c % 64) / 4) * 64 + 4 * r + (c % 4);
+            at[0] = (int8_t)t0, at[(size_t)CS * 1024] = (int8_t)t1, at[(size_t)2 * CS * 1024] = (int8_t)t2;
+        }
+    }
+    return 1;
+}
+
+/* Scores of 16 slots for 5..16 rows: a C tile per term (tmm0, tmm3, tmm4: slots x rows), combined in
+ * fp32 a slot to a vector, times kt, then transposed to the rows' order */
+static inline void amx8_scores16_wide(const int8_t *k0, long stride, int D, const int8_t *T, const float *sc,
+                                      const float *kf, float *s, long n, int R) {
+    const int CS = D / 64;
+    int32_t C[3][16][16] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(3);
+    _tile_zero(4);
+    for (int c = 0; c < CS; c++) {
+        _tile_loadd(1, k0 + 64 * c, stride);
+        _tile_loadd(2, T + (size_t)c * 1024, 64);
+        _tile_loadd(5, T + (size_t)(CS + c) * 1024, 64);
+        _tile_loadd(6, T + (size_t)(2 * CS + c) * 1024, 64);
+        _tile_dpbssd(0, 1, 2);
+        _tile_dpbssd(3, 1, 5);
+        _tile_dpbssd(4, 1, 6);
+    }
+    _tile_stored(0, C[0], 64);
+    _tile_stored(3, C[1], 64);
+    _tile_stored(4, C[2], 64);
+    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16), s2 = _mm512_loadu_ps(sc + 32);
+    __m512 x[16];
+    for (int j = 0; j < 16; j++) { /* slot j: row r in lane r, the small terms first */
+        __m512 v = _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_load_si512(C[2][j])));
+        v = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(_mm512_load_si512(C[1][j])), v);
+        v = _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(_mm512_load_si512(C[0][j])), v);
+        x[j] = _mm512_mul_ps(v, _mm512_set1_ps(kf[j]));
+    }
+    transpose16(x); /* x[r]: row r over the 16 slots */
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(s + (long)r * n, x[r]);
 }
 #endif
 

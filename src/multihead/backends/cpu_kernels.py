@@ -152,10 +152,11 @@ def tiles(storage: torch.dtype, rows: int, D: int, Dv: int, masked: bool, lib: c
 
 def int8_tiles(rows: int, D: int, lib: ctypes.CDLL | None = None) -> bool:
     """Whether the kernel computes the scores of int8 slots read by ``rows`` query rows per KV head
-    (at most 4: GQA's few rows, where :func:`tiles` does not take them) on the AMX int8 tiles
-    (``cpu_decode_amx8.h``: the codes multiplied as stored, the query in three int8 terms); the
-    softmax and ``P V`` stay on the FMA path. Keys of 64 to 256 features in steps of 64, on a CPU
-    with AMX-INT8 whose OS grants the tile state. The kernel decides; this asks it."""
+    (at most 16: GQA's few rows) on the AMX int8 tiles (``cpu_decode_amx8.h``: the codes multiplied
+    as stored, the query in three int8 terms), where :func:`tiles` does not take the call; up to 4
+    rows ``P V`` too (the weights in four 7-bit digits), else ``P V`` on the FMA path. Keys of 64
+    to 256 features in steps of 64, on a CPU with AMX-INT8 whose OS grants the tile state. The
+    kernel decides; this asks it."""
     lib = kernel() if lib is None else lib
     return lib is not None and bool(lib.mh_decode_int8_tiles(rows, D))
 

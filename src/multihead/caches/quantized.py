@@ -558,7 +558,7 @@ class _QuantizedBlocks(KVBlocks):
         if cpu_kernels.tiles(storage, rows, D, Dv, False):
             return f"{name} slots on the AMX tiles, converted to bf16 as read (exact), the query in three bf16 terms"
         if name == "int8" and cpu_kernels.int8_tiles(rows, D):
-            values = "and P V " if Dv % 64 == 0 and Dv <= 256 else ""
+            values = "and P V " if rows <= 4 and Dv % 64 == 0 and Dv <= 256 else ""
             return (
                 f"int8 slots' scores {values}on the AMX int8 tiles: the codes multiplied as stored, the query in "
                 "three int8 terms" + (", the weights in four 7-bit digits" if values else "") + " (fp32's precision)"
