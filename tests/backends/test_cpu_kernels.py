@@ -575,3 +575,37 @@ def test_int8_tiles_past_their_int32_flush_and_with_a_nan_value_scale():
     fma = cpu_kernels._call(_no_tiles_build(), q, segment, 0.2, 4, 1, 2)
     assert bool(tiles[0][0, 0, :2].isnan().all()) and not bool(tiles[0][0, 0, 2:].isnan().any())
     torch.testing.assert_close(tiles[0][0, 0, 2:], fma[0][0, 0, 2:], rtol=2e-5, atol=2e-6)
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("rows", [16, 33])
+@pytest.mark.parametrize("page_size", [3, 16, 17, 64])
+def test_many_rows_over_int8_pages_take_int8_scores_on_the_tiles(page_size, rows):
+    """16 and more rows over int8 slots run the bf16 tile path, whose scores for int8 keys of a
+    multiple of 64 features come from the int8 tiles (the codes as stored, q · kc in three int8
+    terms per group of 16 rows; rows a page breaks are staged as they are). MLA's 576-wide latent
+    rows and 64-wide ones, through a shuffled block table, a NaN channel scale in one span (that
+    span runs the bf16 conversion: its rows read NaN there, as the FMA build's), against fp64 and
+    the build without tiles."""
+    gen = torch.Generator().manual_seed(page_size + rows)
+    for D, Dv in ((64, 64), (576, 512)):
+        B, Hkv, pages, span = 1, 1, 24, 40
+        S = pages * page_size
+        pool_k = torch.randint(-127, 128, (Hkv, pages, page_size, D), generator=gen, dtype=torch.int8)
+        pool_v = torch.randint(-127, 128, (Hkv, pages, page_size, Dv), generator=gen, dtype=torch.int8)
+        table = torch.randperm(pages, generator=gen).view(B, pages)
+        kc = torch.rand(B, Hkv, -(-S // span), D, generator=gen) + 0.5
+        kt, vt = torch.rand(B, Hkv, S, generator=gen) / 100, torch.rand(B, Hkv, S, generator=gen) / 100
+        gather = lambda pool, d: pool[:, table.reshape(-1)].view(Hkv, B, S, d).transpose(0, 1)  # noqa: E731
+        keys = gather(pool_k, D).double() * kc.double()[:, :, torch.arange(S) // span] * kt.double()[..., None]
+        values = gather(pool_v, Dv).double() * vt.double()[..., None]
+        q = torch.randn(B, Hkv, rows, D, generator=gen) / 8
+        scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)
+        got = cpu_kernels.decode_partial(q, pool_k, pool_v, 0.1, rows, 1, None, table, 0, S, scales=scales)
+        _close(got, _expected(q, keys, values, 0.1, rows, 1, None), f"int8 pages of {page_size}, D={D}, {rows} rows")
+        bad = kc.clone()
+        bad[0, 0, 1, 3] = float("nan")  # the second span
+        segment = [cpu_kernels.Segment(pool_k, pool_v, None, table, 0, S, cpu_kernels.Int8Scales(bad, kt, vt, 0, span))]
+        tiles = cpu_kernels.decode_joined(q, segment, 0.1, rows, 1)
+        fma = cpu_kernels._call(_no_tiles_build(), q, segment, 0.1, rows, 1, 2)
+        assert bool(tiles[0].isnan().all()) and bool(fma[0].isnan().all())

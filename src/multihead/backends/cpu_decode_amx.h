@@ -143,7 +143,16 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
      * staged key rows, the softmax state */
     const size_t n_qt = (size_t)3 * RG * KS * 512, n_pt = (size_t)RG * 6 * 512, n_vt = (size_t)8 * 512; /* u16 */
     const size_t n_st = (size_t)RG * AMX_TC * 16, n_o = (size_t)RG * 16 * Dv, n_k = (size_t)2 * 16 * D; /* f32, u16 */
-    const size_t bytes = 2 * (n_qt + n_pt + n_vt + n_k) + 4 * (n_st + n_o) + 4 * 3 * 16 * (size_t)RG + 64 * 8;
+#ifdef HAVE_AMX8
+    /* int8 slots with head sizes a multiple of 64: the scores on the int8 tiles (cpu_decode_amx8.h),
+     * the codes as stored, q · kc in three int8 terms per row group; else (and for a span whose
+     * q · kc is not finite) the codes converted to bf16 and q · kc in three bf16 terms */
+    const int int8_qk = kind == 3 && D % 64 == 0;
+#else
+    const int int8_qk = 0;
+#endif
+    const size_t n_t8 = int8_qk ? (size_t)RG * 3 * D * 16 + (size_t)16 * D * 4 + (size_t)RG * 48 * 4 : 0; /* bytes */
+    const size_t bytes = 2 * (n_qt + n_pt + n_vt + n_k) + 4 * (n_st + n_o) + 4 * 3 * 16 * (size_t)RG + n_t8 + 64 * 9;
     char *block = (char *)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!block) { /* the FMA path needs no more than the buffers it was given */
         (kind == 1 ? one_bf16 : kind == 3 ? one_i8 : one_f8)(J, bh, s_fma, qs_fma);
@@ -157,6 +166,11 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
     float *ST = (float *)at; at += (4 * n_st + 63) & ~(size_t)63;
     float *O = (float *)at; at += (4 * n_o + 63) & ~(size_t)63;
     float *Mx = (float *)at, *Sum = Mx + 16 * RG, *Nan = Sum + 16 * RG;
+    at += (4 * 3 * 16 * (size_t)RG + 63) & ~(size_t)63;
+    int8_t *T8 = (int8_t *)at; /* int8_qk: per row group, the three terms' tiles, then their scales */
+    float *Q8 = (float *)(at + (size_t)RG * 3 * D * 16), *S8 = Q8 + (size_t)16 * D;
+    int int8_on = 0; /* this span's q · kc is finite: its scores on the int8 tiles */
+    (void)T8, (void)Q8, (void)S8;
     /* the query's tiles (amx_query_tiles): one term where q holds bf16 values (a bf16 call), three
      * otherwise and for 8-bit slots, whose q · kc is built again when a chunk starts a new span */
     int terms = quant ? 3 : 1;
@@ -181,7 +195,21 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
             }
             if (j != span_now) { /* this span's q' = q · kc[j] (8-bit), or q once */
                 span_now = j;
-                amx_query_tiles(QT, J, q, R, terms, quant ? b * J->kc_b + h * J->kc_h + j * J->kc_j : -1);
+                const long kc_at = quant ? b * J->kc_b + h * J->kc_h + j * J->kc_j : -1;
+                int8_on = 0;
+#ifdef HAVE_AMX8
+                if (int8_qk) {
+                    int8_on = 1;
+                    for (int g = 0; g < RG && int8_on; g++) {
+                        const int rows_g = R - 16 * g < 16 ? R - 16 * g : 16;
+                        for (int r = 0; r < rows_g; r++)
+                            for (int c = 0; c < D; c++)
+                                Q8[(size_t)r * D + c] = q[(size_t)(16 * g + r) * D + c] * load_scale(J->kc, kc_at + c, J->sdt);
+                        int8_on = amx8_query_wide(T8 + (size_t)g * 3 * D * 16, S8 + 48 * g, Q8, rows_g, D);
+                    }
+                }
+#endif
+                if (!int8_on) amx_query_tiles(QT, J, q, R, terms, kc_at);
             }
         }
         const long ahead = n - t0 < 2 * AMX_TC ? n - t0 : 2 * AMX_TC; /* this chunk and the next's rows */
@@ -195,10 +223,29 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
             const int first = 16 * g16, rows_in = cnt - first < 16 ? cnt - first : 16;
             for (int i = 0; i < 16 && jumps; i++)
                 if (AMX_TC + first + i < ahead) prefetch_row(krows[AMX_TC + first + i], es * D);
-            int even = rows_in == 16 && kind == 1; /* 8-bit rows are converted to bf16 first */
+            int even = rows_in == 16 && (kind == 1 || int8_on); /* other 8-bit rows are converted to bf16 first */
             for (int i = 1; i < rows_in && even; i++) even = krows[first + i] == krows[first] + i * ktb;
             const char *base = krows[first];
             long stride = ktb;
+#ifdef HAVE_AMX8
+            if (int8_on) { /* the codes as stored (rows a page breaks staged as they are), three C tiles */
+                if (!even) {
+                    int8_t *st = (int8_t *)KR;
+                    for (int i = 0; i < 16; i++) {
+                        if (i >= rows_in)
+                            memset(st + (size_t)i * D, 0, (size_t)D);
+                        else
+                            memcpy(st + (size_t)i * D, krows[first + i], (size_t)D);
+                    }
+                    base = (const char *)st, stride = D;
+                }
+                for (int g = 0; g < RG; g++) {
+                    float *dst = ST + ((size_t)g * AMX_TC + first) * 16;
+                    amx8_scores_slot_major((const int8_t *)base, stride, D, T8 + (size_t)g * 3 * D * 16, S8 + 48 * g, dst);
+                }
+                continue;
+            }
+#endif
             if (!even) {
                 uint16_t *st = KR + (size_t)(g16 & 1) * 16 * D;
                 for (int i = 0; i < 16; i++) {

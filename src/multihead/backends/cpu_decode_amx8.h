@@ -162,6 +162,35 @@ static inline void amx8_scores16_wide(const int8_t *k0, long stride, int D, cons
     transpose16(x); /* x[r]: row r over the 16 slots */
     for (int r = 0; r < R; r++) _mm512_storeu_ps(s + (long)r * n, x[r]);
 }
+
+/* The same products for the bf16 tile path's online softmax (cpu_decode_amx.h, 16+ rows): Sᵀ of 16
+ * slots, slot-major, a row to a lane (dst[16·j + r]), without kt or the scale (applied there) */
+static inline void amx8_scores_slot_major(const int8_t *k0, long stride, int D, const int8_t *T, const float *sc,
+                                          float *dst) {
+    const int CS = D / 64;
+    int32_t C[3][16][16] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(3);
+    _tile_zero(4);
+    for (int c = 0; c < CS; c++) {
+        _tile_loadd(1, k0 + 64 * c, stride);
+        _tile_loadd(2, T + (size_t)c * 1024, 64);
+        _tile_loadd(5, T + (size_t)(CS + c) * 1024, 64);
+        _tile_loadd(6, T + (size_t)(2 * CS + c) * 1024, 64);
+        _tile_dpbssd(0, 1, 2);
+        _tile_dpbssd(3, 1, 5);
+        _tile_dpbssd(4, 1, 6);
+    }
+    _tile_stored(0, C[0], 64);
+    _tile_stored(3, C[1], 64);
+    _tile_stored(4, C[2], 64);
+    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16), s2 = _mm512_loadu_ps(sc + 32);
+    for (int j = 0; j < 16; j++) {
+        __m512 v = _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_load_si512(C[2][j])));
+        v = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(_mm512_load_si512(C[1][j])), v);
+        _mm512_storeu_ps(dst + 16 * j, _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(_mm512_load_si512(C[0][j])), v));
+    }
+}
 #endif
 
 #ifdef HAVE_AMX8
