@@ -188,7 +188,7 @@ static inline void prefetch_row(const char *row, int bytes) {
 #ifdef HAVE_AMX8
 /* int8 scores on the tiles (cpu_decode_amx8.h): the query's terms when a span starts, then 16 slots
  * at a time while their rows lie at one stride (BLOCK4 and the loop after it take the rest) */
-#define AMX8_SPAN(ON) if (ON) amx8_on = R <= AMX8_MAX_ROWS ? amx8_query(T8, sc8, qs, R, D) : amx8_query_wide(T8, sc8, qs, R, D);
+#define AMX8_SPAN(ON) if (ON) amx8_on = amx8_query(T8, sc8, qs, R, D, R > AMX8_MAX_ROWS);
 #define AMX8_BLOCK(ON)                                                                                   \
     if (ON && amx8_on) {                                                                                 \
         if (R <= AMX8_MAX_ROWS) amx8_load_query(T8, D);                                                  \

@@ -205,7 +205,7 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
                         for (int r = 0; r < rows_g; r++)
                             for (int c = 0; c < D; c++)
                                 Q8[(size_t)r * D + c] = q[(size_t)(16 * g + r) * D + c] * load_scale(J->kc, kc_at + c, J->sdt);
-                        int8_on = amx8_query_wide(T8 + (size_t)g * 3 * D * 16, S8 + 48 * g, Q8, rows_g, D);
+                        int8_on = amx8_query(T8 + (size_t)g * 3 * D * 16, S8 + 48 * g, Q8, rows_g, D, 1);
                     }
                 }
 #endif

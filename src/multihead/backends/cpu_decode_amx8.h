@@ -26,12 +26,17 @@ static int amx8_takes(int kind, int rows, int D) {
     return kind == 3 && rows <= AMX8_WIDE_ROWS && D % 64 == 0 && D <= AMX8_MAX_D && amx_granted();
 }
 
-/* q' (R rows of D, fp32) as three int8 terms a row, packed as tdpbssd's B operand, one 1 KiB tile
- * per 64 features: T[c][k4][col][i] = term[col][64c + 4·k4 + i], col = t·4 + r; sc[col] its scale
- * (0 for unused columns). Returns 0 where q' holds a non-finite value. */
-static int amx8_query(int8_t *T, float *sc, const float *qs, int R, int D) {
-    memset(T, 0, (size_t)D * 16);
-    memset(sc, 0, sizeof(float) * 16);
+/* q' (R rows of D, fp32) as three int8 terms a row, packed as tdpbssd's B operand, 1 KiB tiles of 64
+ * features. Up to four rows (wide = 0): one tile per 64 features, T[c][k4][col][i] = term[col][64c +
+ * 4·k4 + i], col = t·4 + r, sc[col] its scale. 5..16 rows (wide = 1): one group of tiles per term,
+ * the rows as columns, T[t][c][k4][r][i], sc[16·t + r]. Unused columns 0, their scales 0. Returns 0
+ * where q' holds a non-finite value. */
+static int amx8_query(int8_t *T, float *sc, const float *qs, int R, int D, int wide) {
+    const int CS = D / 64;
+    const size_t term_at = wide ? (size_t)CS * 1024 : 16; /* bytes from one term to the next */
+    const int scale_at = wide ? 16 : 4;
+    memset(T, 0, (size_t)(wide ? 3 : 1) * CS * 1024);
+    memset(sc, 0, sizeof(float) * 3 * scale_at);
     for (int r = 0; r < R; r++) {
         float m = 0.f;
         for (int c = 0; c < D; c++) {
@@ -41,7 +46,7 @@ static int amx8_query(int8_t *T, float *sc, const float *qs, int R, int D) {
         }
         if (m == 0.f) continue; /* a zero row: zero terms, zero scales */
         const float s0 = m / 127.f, s1 = s0 / 254.f, s2 = s1 / 254.f;
-        sc[r] = s0, sc[4 + r] = s1, sc[8 + r] = s2;
+        sc[r] = s0, sc[scale_at + r] = s1, sc[2 * scale_at + r] = s2;
         for (int c = 0; c < D; c++) {
             float x = qs[(long)r * D + c];
             const float t0 = rintf(x / s0);
@@ -49,8 +54,8 @@ static int amx8_query(int8_t *T, float *sc, const float *qs, int R, int D) {
             const float t1 = fminf(fmaxf(rintf(x / s1), -127.f), 127.f);
             x = fmaf(-t1, s1, x);
             const float t2 = fminf(fmaxf(rintf(x / s2), -127.f), 127.f);
-            int8_t *at = T + (c / 64) * 1024 + ((c % 64) / 4) * 64 + (c % 4);
-            at[4 * r] = (int8_t)t0, at[4 * (4 + r)] = (int8_t)t1, at[4 * (8 + r)] = (int8_t)t2;
+            int8_t *at = T + (c / 64) * 1024 + ((c % 64) / 4) * 64 + 4 * r + (c % 4);
+            at[0] = (int8_t)t0, at[term_at] = (int8_t)t1, at[2 * term_at] = (int8_t)t2;
         }
     }
     return 1;
@@ -99,43 +104,10 @@ static inline void amx8_scores16(const int8_t *k0, long stride, int D, const flo
     }
 }
 
-/* 5..16 rows: the terms as three groups of B tiles, one per term, the rows as columns:
- * T[t][c][k4][r][i] = term t of row r at feature 64c + 4·k4 + i, tile (t, c) at (t·D/64 + c) KiB;
- * sc[16·t + r] its scale. Returns 0 where q' holds a non-finite value. */
-static int amx8_query_wide(int8_t *T, float *sc, const float *qs, int R, int D) {
+/* The products of 16 slots' codes (rows `stride` bytes apart from k0) with the three terms' tiles T
+ * (amx8_query's wide layout): C[t][slot][row], one C tile per term (tmm0, tmm3, tmm4) */
+static inline void amx8_products(const int8_t *k0, long stride, int D, const int8_t *T, int32_t (*C)[16][16]) {
     const int CS = D / 64;
-    memset(T, 0, (size_t)3 * CS * 1024);
-    memset(sc, 0, sizeof(float) * 48);
-    for (int r = 0; r < R; r++) {
-        float m = 0.f;
-        for (int c = 0; c < D; c++) {
-            const float x = qs[(long)r * D + c];
-            if (!isfinite(x)) return 0;
-            m = fabsf(x) > m ? fabsf(x) : m;
-        }
-        if (m == 0.f) continue;
-        const float s0 = m / 127.f, s1 = s0 / 254.f, s2 = s1 / 254.f;
-        sc[r] = s0, sc[16 + r] = s1, sc[32 + r] = s2;
-        for (int c = 0; c < D; c++) {
-            float x = qs[(long)r * D + c];
-            const float t0 = rintf(x / s0);
-            x = fmaf(-t0, s0, x);
-            const float t1 = fminf(fmaxf(rintf(x / s1), -127.f), 127.f);
-            x = fmaf(-t1, s1, x);
-            const float t2 = fminf(fmaxf(rintf(x / s2), -127.f), 127.f);
-            int8_t *at = T + (c / 64) * 1024 + ((c % 64) / 4) * 64 + 4 * r + (c % 4);
-            at[0] = (int8_t)t0, at[(size_t)CS * 1024] = (int8_t)t1, at[(size_t)2 * CS * 1024] = (int8_t)t2;
-        }
-    }
-    return 1;
-}
-
-/* Scores of 16 slots for 5..16 rows: a C tile per term (tmm0, tmm3, tmm4: slots x rows), combined in
- * fp32 a slot to a vector, times kt, then transposed to the rows' order */
-static inline void amx8_scores16_wide(const int8_t *k0, long stride, int D, const int8_t *T, const float *sc,
-                                      const float *kf, float *s, long n, int R) {
-    const int CS = D / 64;
-    int32_t C[3][16][16] __attribute__((aligned(64)));
     _tile_zero(0);
     _tile_zero(3);
     _tile_zero(4);
@@ -151,14 +123,22 @@ static inline void amx8_scores16_wide(const int8_t *k0, long stride, int D, cons
     _tile_stored(0, C[0], 64);
     _tile_stored(3, C[1], 64);
     _tile_stored(4, C[2], 64);
-    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16), s2 = _mm512_loadu_ps(sc + 32);
+}
+
+/* slot j's scores, row r in lane r: the three terms at their scales, the small ones first */
+static inline __m512 amx8_combine(int32_t (*C)[16][16], const float *sc, int j) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sc + 32), _mm512_cvtepi32_ps(_mm512_load_si512(C[2][j])));
+    v = _mm512_fmadd_ps(_mm512_loadu_ps(sc + 16), _mm512_cvtepi32_ps(_mm512_load_si512(C[1][j])), v);
+    return _mm512_fmadd_ps(_mm512_loadu_ps(sc), _mm512_cvtepi32_ps(_mm512_load_si512(C[0][j])), v);
+}
+
+/* Scores of 16 slots for 5..16 rows, times kt, transposed to the rows' order: s[r·n + j] */
+static inline void amx8_scores16_wide(const int8_t *k0, long stride, int D, const int8_t *T, const float *sc,
+                                      const float *kf, float *s, long n, int R) {
+    int32_t C[3][16][16] __attribute__((aligned(64)));
+    amx8_products(k0, stride, D, T, C);
     __m512 x[16];
-    for (int j = 0; j < 16; j++) { /* slot j: row r in lane r, the small terms first */
-        __m512 v = _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_load_si512(C[2][j])));
-        v = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(_mm512_load_si512(C[1][j])), v);
-        v = _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(_mm512_load_si512(C[0][j])), v);
-        x[j] = _mm512_mul_ps(v, _mm512_set1_ps(kf[j]));
-    }
+    for (int j = 0; j < 16; j++) x[j] = _mm512_mul_ps(amx8_combine(C, sc, j), _mm512_set1_ps(kf[j]));
     transpose16(x); /* x[r]: row r over the 16 slots */
     for (int r = 0; r < R; r++) _mm512_storeu_ps(s + (long)r * n, x[r]);
 }
@@ -167,29 +147,9 @@ static inline void amx8_scores16_wide(const int8_t *k0, long stride, int D, cons
  * slots, slot-major, a row to a lane (dst[16·j + r]), without kt or the scale (applied there) */
 static inline void amx8_scores_slot_major(const int8_t *k0, long stride, int D, const int8_t *T, const float *sc,
                                           float *dst) {
-    const int CS = D / 64;
     int32_t C[3][16][16] __attribute__((aligned(64)));
-    _tile_zero(0);
-    _tile_zero(3);
-    _tile_zero(4);
-    for (int c = 0; c < CS; c++) {
-        _tile_loadd(1, k0 + 64 * c, stride);
-        _tile_loadd(2, T + (size_t)c * 1024, 64);
-        _tile_loadd(5, T + (size_t)(CS + c) * 1024, 64);
-        _tile_loadd(6, T + (size_t)(2 * CS + c) * 1024, 64);
-        _tile_dpbssd(0, 1, 2);
-        _tile_dpbssd(3, 1, 5);
-        _tile_dpbssd(4, 1, 6);
-    }
-    _tile_stored(0, C[0], 64);
-    _tile_stored(3, C[1], 64);
-    _tile_stored(4, C[2], 64);
-    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16), s2 = _mm512_loadu_ps(sc + 32);
-    for (int j = 0; j < 16; j++) {
-        __m512 v = _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_load_si512(C[2][j])));
-        v = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(_mm512_load_si512(C[1][j])), v);
-        _mm512_storeu_ps(dst + 16 * j, _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(_mm512_load_si512(C[0][j])), v));
-    }
+    amx8_products(k0, stride, D, T, C);
+    for (int j = 0; j < 16; j++) _mm512_storeu_ps(dst + 16 * j, amx8_combine(C, sc, j));
 }
 #endif
 
