@@ -73,6 +73,34 @@ _INT8_SCORES = 1 << 22
 _CHANNEL_FLOOR = 1 / 32
 
 
+#: the cache's buffers of keys, and of values (with ``values_in_keys``: views of the keys' buffers)
+_KEY_BUFFERS = ("sink_k", "q_k", "k_channel", "k_token", "tail_k")
+_VALUE_BUFFERS = ("sink_v", "q_v", "v_scale", "tail_v")
+_KEYS_OF = {"sink_v": "sink_k", "q_v": "q_k", "v_scale": "k_token", "tail_v": "tail_k"}
+
+
+class _Values:
+    """A value buffer of :class:`QuantizedKVCache`: its own tensor, or with ``values_in_keys`` the
+    first ``value_dim`` features of the matching key buffer (``v_scale``: the keys' per-token scale),
+    derived on every read, so that no change of a key buffer can leave it stale."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.own, self.keys = "_" + name, _KEYS_OF[name]
+
+    def __get__(self, cache: Any, owner: type | None = None) -> Any:
+        if cache is None:
+            return self
+        if cache.values_in_keys:
+            keys = getattr(cache, self.keys)
+            return keys if self.keys == "k_token" else keys[..., : cache.value_dim]
+        return cache.__dict__[self.own]
+
+    def __set__(self, cache: Any, value: Tensor) -> None:
+        if cache.values_in_keys:  # a bug: nothing holds these values apart from the keys
+            raise AttributeError(f"QuantizedKVCache: {self.own[1:]} is a view of the keys (values_in_keys)")
+        cache.__dict__[self.own] = value
+
+
 class QuantizedKVCache(KVCache):
     """``B`` rows of up to ``max_len`` tokens, one length for every row, stored in 8 bits.
 
@@ -96,6 +124,8 @@ class QuantizedKVCache(KVCache):
             ``v = k[..., :value_dim]``.
         dtype, device: the compute dtype (what reads return, what new keys must have) and device.
     """
+
+    sink_v, q_v, v_scale, tail_v = _Values(), _Values(), _Values(), _Values()
 
     def __init__(
         self,
@@ -168,9 +198,7 @@ class QuantizedKVCache(KVCache):
         self.k_channel = torch.ones(B, Hkv, spans, D, **full)  # per channel, per span of tokens
         self.k_token = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
         self.tail_k = torch.zeros(B, Hkv, tail_slots, D, **full)
-        if values_in_keys:
-            self._values_of_keys()
-        else:
+        if not values_in_keys:
             self.sink_v = torch.zeros(B, Hkv, sink_slots, Dv, **full)
             self.q_v = torch.zeros(B, Hkv, groups * group, Dv, dtype=storage, device=device)
             self.v_scale = torch.ones(B, Hkv, groups * group, 1, **full)  # per token
@@ -179,12 +207,17 @@ class QuantizedKVCache(KVCache):
         self._quantized = 0  # tokens in the 8-bit region (a multiple of group)
         self._undo: tuple[Any, ...] | None = None
 
-    def _values_of_keys(self) -> None:
-        """``values_in_keys``: the values' buffers as views of the keys' (after any change that made
-        new key buffers: a copy under autograd, a rollback, a reorder)."""
-        Dv = self.value_dim
-        self.sink_v, self.q_v, self.tail_v = self.sink_k[..., :Dv], self.q_k[..., :Dv], self.tail_k[..., :Dv]
-        self.v_scale = self.k_token
+    def _buffers(self, *names: str) -> tuple[str, ...]:
+        """Of ``names``, the buffers this cache holds (with ``values_in_keys`` the value buffers are
+        views of the keys')."""
+        return tuple(name for name in names if not (self.values_in_keys and name in _VALUE_BUFFERS))
+
+    def _write(self, part: str, at: slice, k: Tensor, v: Tensor) -> None:
+        """Slots ``at`` of the full-precision ``part`` (``"sink"`` or ``"tail"``): keys, and values where
+        they are held apart (else they are the keys just written)."""
+        getattr(self, part + "_k")[:, :, at] = k
+        if not self.values_in_keys:
+            getattr(self, part + "_v")[:, :, at] = v
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -207,9 +240,7 @@ class QuantizedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        held = [self.sink_k, self.q_k, self.k_channel, self.k_token, self.tail_k]
-        if not self.values_in_keys:
-            held += [self.sink_v, self.q_v, self.v_scale, self.tail_v]
+        held = (getattr(self, name) for name in self._buffers(*_KEY_BUFFERS, *_VALUE_BUFFERS))
         return sum(t.numel() * t.element_size() for t in held)
 
     @property
@@ -267,32 +298,27 @@ class QuantizedKVCache(KVCache):
         # What a rollback needs: the counts, since every write lands past them (sink and tail slots
         # not yet held, the 8-bit slots and scales past `_quantized`: a later store into a span
         # sets its channel scales again), and the tail's tokens when a store moves them.
-        originals = (self.sink_k, self.sink_v, self.tail_k, self.tail_v) if copies else None
+        full = self._buffers("sink_k", "sink_v", "tail_k", "tail_v")  # the full-precision buffers held
+        originals = {name: getattr(self, name) for name in full} if copies else None
         saved = None
         if count and not copies:
             saved = (self.tail_k[:, :, :tail].clone(), self.tail_v[:, :, :tail].clone())
         self._undo = (self._length, self._quantized, originals, saved)
         if copies:  # earlier steps saved these buffers for their backward: write into copies
-            self.sink_k, self.sink_v = self.sink_k.clone(), self.sink_v.clone()
-            self.tail_k, self.tail_v = self.tail_k.clone(), self.tail_v.clone()
-            if self.values_in_keys:
-                self._values_of_keys()
+            for name in full:
+                setattr(self, name, getattr(self, name).clone())
         if into_sinks:
-            self.sink_k[:, :, self._length : self._length + into_sinks] = k[:, :, :into_sinks]
-            if not self.values_in_keys:  # (else a view of the keys just written)
-                self.sink_v[:, :, self._length : self._length + into_sinks] = v[:, :, :into_sinks]
+            self._write(
+                "sink", slice(self._length, self._length + into_sinks), k[:, :, :into_sinks], v[:, :, :into_sinks]
+            )
         if count:
             held_k = torch.cat([self.tail_k[:, :, :tail], rest_k], dim=2)  # (B, Hkv, tail + rest, D)
             held_v = torch.cat([self.tail_v[:, :, :tail], rest_v], dim=2)
             self._store(held_k[:, :, :count].detach(), held_v[:, :, :count].detach())
             kept = held_k.shape[2] - count
-            self.tail_k[:, :, :kept] = held_k[:, :, count:]
-            if not self.values_in_keys:
-                self.tail_v[:, :, :kept] = held_v[:, :, count:]
+            self._write("tail", slice(0, kept), held_k[:, :, count:], held_v[:, :, count:])
         elif rest:  # the window has room (tail + rest < residual + group): written in place
-            self.tail_k[:, :, tail : tail + rest] = rest_k
-            if not self.values_in_keys:
-                self.tail_v[:, :, tail : tail + rest] = rest_v
+            self._write("tail", slice(tail, tail + rest), rest_k, rest_v)
         self._length += new
         return CacheRead(None, None, expected, blocks=_QuantizedBlocks(self))
 
@@ -367,11 +393,10 @@ class QuantizedKVCache(KVCache):
             raise RuntimeError(f"{type(self).__name__}.rollback: no update to undo (once per update)")
         self._length, self._quantized, originals, saved = self._undo
         if originals is not None:
-            self.sink_k, self.sink_v, self.tail_k, self.tail_v = originals  # (values_in_keys: views of these keys)
+            for name, buffer in originals.items():
+                setattr(self, name, buffer)
         elif saved is not None:  # a store moved the tail's tokens
-            self.tail_k[:, :, : saved[0].shape[2]] = saved[0]
-            if not self.values_in_keys:
-                self.tail_v[:, :, : saved[1].shape[2]] = saved[1]
+            self._write("tail", slice(0, saved[0].shape[2]), *saved)
         self._undo = None
 
     def crop(self, length: int | Tensor) -> None:
@@ -386,12 +411,9 @@ class QuantizedKVCache(KVCache):
             if kept > whole:
                 keys, values = self.dequantized(whole, kept)
                 if under_autograd(None, None, self.tail_k, self.tail_v):
-                    self.tail_k, self.tail_v = self.tail_k.detach().clone(), self.tail_v.detach().clone()
-                    if self.values_in_keys:
-                        self._values_of_keys()
-                self.tail_k[:, :, : kept - whole] = keys
-                if not self.values_in_keys:
-                    self.tail_v[:, :, : kept - whole] = values
+                    for name in self._buffers("tail_k", "tail_v"):
+                        setattr(self, name, getattr(self, name).detach().clone())
+                self._write("tail", slice(0, kept - whole), keys, values)
             self._quantized = whole
         elif n <= self.sinks:
             self._quantized = 0
@@ -400,21 +422,14 @@ class QuantizedKVCache(KVCache):
     def reorder(self, indices: Tensor) -> None:
         """Row ``i`` becomes the old row ``indices[i]`` (slots and scales together); ``B' = len(indices)``."""
         indices = check_indices(type(self).__name__, indices, self.batch_size, self.tail_k.device)
-        for attr in ("sink_k", "q_k", "k_channel", "k_token", "tail_k"):
+        for attr in self._buffers(*_KEY_BUFFERS, *_VALUE_BUFFERS):
             setattr(self, attr, getattr(self, attr).index_select(0, indices))
-        if self.values_in_keys:
-            self._values_of_keys()
-        else:
-            for attr in ("sink_v", "q_v", "v_scale", "tail_v"):
-                setattr(self, attr, getattr(self, attr).index_select(0, indices))
         self._undo = None
 
     def reset(self) -> None:
-        for attr in ("sink_k", "sink_v", "tail_k", "tail_v"):
+        for attr in self._buffers("sink_k", "sink_v", "tail_k", "tail_v"):
             if getattr(self, attr).requires_grad:  # let go of the last sequence's graph
                 setattr(self, attr, getattr(self, attr).detach().clone())
-        if self.values_in_keys:
-            self._values_of_keys()
         self._length, self._quantized, self._undo = 0, 0, None
 
     def __repr__(self) -> str:
