@@ -112,6 +112,9 @@ typedef struct {
      * mask. band_at: this job's first slot in the call's (a piece starts past 0). */
     const int32_t *band;
     long band_at;
+    /* the weights' precision on the tile path's P V (cpu_decode_amx.h): 0, fp32's (a call whose query
+     * is fp32), or 1, 16 bits (a half-precision call, whose output is rounded to 8 or 11 bits) */
+    int half;
 } job_t;
 
 #ifndef PF_BYTES

@@ -12,12 +12,17 @@
  *                                            features a tile), the query rows in pairs (VNNI) once
  *   online softmax in fp32, 16 rows to a vector (one lane a row): max, exp, sum, rescale
  *   O (16 rows x Dv) += P · V_chunk           tdpbf16ps: P transposed to rows x slots, split into
- *                                            three bf16 terms (p = h + m + l), V
- *                                            interleaved two slots to a pair (VNNI) on the fly
+ *                                            three bf16 terms (p = h + m + l; two for a
+ *                                            half-precision call), V interleaved two slots to a
+ *                                            pair (VNNI) on the fly
  *
  * The products of bf16 values are exact in fp32 and accumulated in fp32; the scale is applied to the
  * fp32 scores, not to the query (a query that is not bf16 is three bf16 terms); the weights are
- * three bf16 terms (24 bits, fp32's precision): the error is fp32's, as on the FMA path. The tiles
+ * three bf16 terms (24 bits, fp32's precision): the error is fp32's, as on the FMA path. A call whose
+ * query is bf16 or fp16 (job_t.half: its output is rounded to 8 or 11 bits) carries the weights in
+ * two terms (16 bits: each within 2^-16 of itself, the output within 2^-16 of the largest |value|,
+ * 2^8 below a bf16 output's rounding), a third fewer products in P V (A/B of builds in one process,
+ * MLA's shape at 32k: 1.92-2.25 against 2.29-2.50 ms, with the prefetch below). The tiles
  * treat bf16 subnormals (below 1.2e-38) as zero. A row mask is taken only as bands, one range of
  * slots per row (causal multi-token steps, windows; job_t.band), and only where every slot read is
  * seen by some row: a slot one row sees and another does not gives the other 0 · v (NaN for a NaN
@@ -29,6 +34,7 @@
 #define AMX_MIN_ROWS 8 /* bf16: query rows per KV head from which the tiles beat the FMAs (measured: 4 rows 0.71-0.76x, 8 rows 1.18x, 16 rows 2.1x) */
 #define AMX_MIN_ROWS_8BIT 16 /* int8 / fp8, whose rows are converted first and whose q · kc is three terms (8 rows 0.83x, 16 rows 1.64x) */
 #define AMX_TC 64      /* slots per chunk: 4 groups of 16 for Sᵀ, 2 blocks of 32 for P V */
+#define AMX_TB (AMX_TC / 32) /* blocks of 32 slots per chunk */
 
 /* whether a call of this storage kind, query rows per KV head, head sizes and mask runs on the tiles
  * (masked: a row mask that is not a band of slots per row, see job_t.band) */
@@ -47,17 +53,18 @@ static inline uint16_t bf16_round(float x) {
 
 static inline __m512 vexp512(__m512 x) { return (__m512)vexp((v16f)x); }
 
-/* Slots [32·kb, 32·kb + 32) of P (slot-major, a row to a lane) as three A tiles of P V: rows x 32
- * slots in bf16, p = h + m + l to fp32's precision (each term the rest rounded to bf16) */
+/* Slots [32·kb, 32·kb + 32) of P (slot-major, a row to a lane) as ``terms`` A tiles of P V: rows x 32
+ * slots in bf16, each term the rest of the ones before rounded to bf16: p = h + m + l to fp32's
+ * precision (three terms), or p = h + m to 16 bits (two terms: within 2^-17 of p) */
 static inline __m512 bf16_near(__m512 p) { /* p rounded to bf16, as fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p)), 16));
 }
 
-static inline void amx_weights(const float *P, uint16_t *tiles) {
+static inline void amx_weights(const float *P, uint16_t *tiles, int terms) {
     __m512 x0[16], x1[16];
     for (int i = 0; i < 16; i++) x0[i] = _mm512_loadu_ps(P + 16 * i), x1[i] = _mm512_loadu_ps(P + 16 * (16 + i));
     transpose16(x0), transpose16(x1); /* x0[r], x1[r]: row r's slots 0..15, 16..31 */
-    for (int term = 0; term < 3; term++)
+    for (int term = 0; term < terms; term++)
         for (int r = 0; r < 16; r++) {
             const __m512 t0 = bf16_near(x0[r]), t1 = bf16_near(x1[r]);
             _mm512_storeu_si512(tiles + 512 * term + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(t1, t0));
@@ -110,21 +117,37 @@ static inline void amx_values(const char *const *vrows, int cnt, int blocks, int
 
 /* q' = q (kc_at < 0) or q · kc[kc_at + c] as the B tiles of Sᵀ = K·q'ᵀ, in ``terms`` bf16 terms (1 when
  * q' holds bf16 values, else 3: q' = h + m + l to fp32's precision): tile (term, g, ks) row kk,
- * column 2·j + i = that term of q'[16g + j, 32·ks + 2·kk + i], 0 past the R rows */
+ * column 2·j + i = that term of q'[16g + j, 32·ks + 2·kk + i], 0 past the R rows. Each 16 rows x 32
+ * features of a term is 16 x 16 pairs of bf16, transposed as 32-bit lanes (built once per piece of
+ * a call: scalar, it cost ~50 us a piece, a tenth of MLA's 32k call). */
 static void amx_query_tiles(uint16_t *QT, const job_t *J, const float *q, int R, int terms, long kc_at) {
     const int D = J->D, RG = (R + 15) / 16, KS = D / 32;
-    for (int term = 0; term < terms; term++)
-        for (int g = 0; g < RG; g++)
-            for (int ks = 0; ks < KS; ks++) {
-                uint16_t *tile = QT + (((size_t)term * RG + g) * KS + ks) * 512;
-                for (int e = 0; e < 512; e++) { /* e = 32·kk + 2·j + i */
-                    const int r = 16 * g + (e % 32) / 2, c = 32 * ks + 2 * (e / 32) + e % 2;
-                    float x = r < R ? q[(long)r * D + c] : 0.f;
-                    if (kc_at >= 0) x *= load_scale(J->kc, kc_at + c, J->sdt);
-                    for (int t = 0; t < term; t++) x -= bf16_to_f32(bf16_round(x)); /* what the terms before left */
-                    tile[e] = bf16_round(x);
-                }
+    for (int g = 0; g < RG; g++)
+        for (int ks = 0; ks < KS; ks++) {
+            __m512 sc0 = _mm512_set1_ps(1.f), sc1 = sc0, x0[16], x1[16];
+            if (kc_at >= 0) {
+                float s[32];
+                for (int c = 0; c < 32; c++) s[c] = load_scale(J->kc, kc_at + 32 * ks + c, J->sdt);
+                sc0 = _mm512_loadu_ps(s), sc1 = _mm512_loadu_ps(s + 16);
             }
+            for (int j = 0; j < 16; j++) {
+                const float *row = q + (long)(16 * g + j) * D + 32 * ks;
+                const int in = 16 * g + j < R;
+                x0[j] = in ? _mm512_mul_ps(_mm512_loadu_ps(row), sc0) : _mm512_setzero_ps();
+                x1[j] = in ? _mm512_mul_ps(_mm512_loadu_ps(row + 16), sc1) : _mm512_setzero_ps();
+            }
+            for (int term = 0; term < terms; term++) {
+                __m512 w[16];
+                for (int j = 0; j < 16; j++) { /* row j's 32 features of this term, in order: lane kk = pair kk */
+                    const __m512 h0 = bf16_near(x0[j]), h1 = bf16_near(x1[j]);
+                    w[j] = (__m512)_mm512_cvtne2ps_pbh(h1, h0);
+                    x0[j] = _mm512_sub_ps(x0[j], h0), x1[j] = _mm512_sub_ps(x1[j], h1); /* what the next term holds */
+                }
+                transpose16(w); /* w[kk] lane j: row j's pair kk */
+                uint16_t *tile = QT + (((size_t)term * RG + g) * KS + ks) * 512;
+                for (int kk = 0; kk < 16; kk++) _mm512_storeu_ps((float *)(tile + 32 * kk), w[kk]);
+            }
+        }
 }
 
 
@@ -141,7 +164,8 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
     float *out = J->out + (long)bh * R * Dv, *lse = J->lse + (long)bh * R;
     /* one block of 64-byte aligned buffers: Qᵀ tiles, Sᵀ/P per row group, P tiles, V tiles, O,
      * staged key rows, the softmax state */
-    const size_t n_qt = (size_t)3 * RG * KS * 512, n_pt = (size_t)RG * 6 * 512, n_vt = (size_t)8 * 512; /* u16 */
+    const int wterms = J->half ? 2 : 3; /* the weights' bf16 terms (amx_weights) */
+    const size_t n_qt = (size_t)3 * RG * KS * 512, n_pt = (size_t)RG * AMX_TB * 1536, n_vt = (size_t)AMX_TB * 2048; /* u16 */
     const size_t n_st = (size_t)RG * AMX_TC * 16, n_o = (size_t)RG * 16 * Dv, n_k = (size_t)2 * 16 * D; /* f32, u16 */
 #ifdef HAVE_AMX8
     /* int8 slots with head sizes a multiple of 64: the scores on the int8 tiles (cpu_decode_amx8.h),
@@ -330,34 +354,44 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
                             _mm512_store_ps(Og + (size_t)r * Dv + c, _mm512_mul_ps(_mm512_load_ps(Og + (size_t)r * Dv + c),
                                                                                    _mm512_set1_ps(al[r])));
             }
-            uint16_t *Pt = PT + (size_t)g * 6 * 512; /* P's three terms for each block of 32 slots */
-            for (int kb = 0; kb < blocks; kb++) amx_weights(P + 32 * 16 * kb, Pt + 1536 * kb);
+            uint16_t *Pt = PT + (size_t)g * AMX_TB * 1536; /* P's three terms for each block of 32 slots */
+            for (int kb = 0; kb < blocks; kb++) amx_weights(P + 32 * 16 * kb, Pt + 1536 * kb, wterms);
         }
         /* P V on the tiles, 32 features of V at a time (amx_values), the tiles of the next 32 built while
          * these are multiplied (a tile load right after the stores that wrote it would wait for them).
-         * The two 16-feature halves accumulate in tmm0 and tmm1 in turn, so that no product waits for
-         * the one before it; P's three terms of a block in tmm2..tmm4, V's two halves in tmm6, tmm7 */
+         * The two 16-feature halves accumulate in tmm0 and tmm1 in turn; P's terms of a block in
+         * tmm2..tmm4 (tmm2, tmm3 for two), V's two halves in tmm6, tmm7. */
+        /* The memory is idle while P V runs on data in the caches: the first half of the next chunk's key
+         * rows is fetched into L2 in steps over the loop, the hardware prefetcher streams the rest once
+         * the scores read them. Measured against no prefetch (A/B of builds in one process, MLA's
+         * shape at 32k, an fp32 query): 2.02-2.04 against 2.24-2.35 ms; the whole chunk, a quarter, or into L1 (T0) gained less or lost. */
+        const int row_lines = es * D / 64, pf_lines = jumps ? 0 : (int)(ahead - cnt) * row_lines / 2; /* pages: prefetched above */
+        const int pf_step = (pf_lines + DB / 2 - 1) / (DB / 2);
         amx_values(vrows, cnt, blocks, 0, VT, kind);
         for (int e = 0; e < DB / 2; e++) {
-            const uint16_t *vt = VT + (size_t)(e & 1) * 2048;
-            if (e + 1 < DB / 2) amx_values(vrows, cnt, blocks, e + 1, VT + (size_t)((e + 1) & 1) * 2048, kind);
+            const uint16_t *vt = VT + (size_t)(e & 1) * AMX_TB * 1024;
+            if (e + 1 < DB / 2) amx_values(vrows, cnt, blocks, e + 1, VT + (size_t)((e + 1) & 1) * AMX_TB * 1024, kind);
+            for (int i = e * pf_step; i < (e + 1) * pf_step && i < pf_lines; i++) /* the next chunk's first rows */
+                _mm_prefetch(krows[cnt + i / row_lines] + 64 * (i % row_lines), _MM_HINT_T1);
             for (int g = 0; g < RG; g++) {
                 float *Og = O + (size_t)g * 16 * Dv + 32 * e;
                 _tile_loadd(0, Og, 4L * Dv);
                 _tile_loadd(1, Og + 16, 4L * Dv);
                 for (int kb = 0; kb < blocks; kb++) {
-                    const uint16_t *Pt = PT + (size_t)g * 6 * 512 + 1536 * kb;
+                    const uint16_t *Pt = PT + (size_t)g * AMX_TB * 1536 + 1536 * kb;
                     _tile_loadd(2, Pt, 64);
                     _tile_loadd(3, Pt + 512, 64);
-                    _tile_loadd(4, Pt + 1024, 64);
+                    if (wterms == 3) _tile_loadd(4, Pt + 1024, 64);
                     _tile_loadd(6, vt + 1024 * kb, 64);
                     _tile_loadd(7, vt + 1024 * kb + 512, 64);
                     _tile_dpbf16ps(0, 2, 6);
                     _tile_dpbf16ps(1, 2, 7);
                     _tile_dpbf16ps(0, 3, 6);
                     _tile_dpbf16ps(1, 3, 7);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
+                    if (wterms == 3) {
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
                 }
                 _tile_stored(0, Og, 4L * Dv);
                 _tile_stored(1, Og + 16, 4L * Dv);

@@ -82,6 +82,7 @@ class _Job(ctypes.Structure):
         ("lse", _P),
         ("band", _P),
         ("band_at", _L),
+        ("half", _I),
     ]
 
 
@@ -242,6 +243,7 @@ def _call(
     jobs, keep = [], []
     for segment in segments:
         job, held = _job(lib, q, segment, scale, G, Lq, out, lse)
+        job.half = qg.dtype in (torch.bfloat16, torch.float16)  # the weights to the precision the call keeps
         jobs.append(job)
         keep.append(held)  # pages, masks and bands: alive until the call returns
     kinds = (_I * len(jobs))(*(_KINDS[segment.keys.dtype] for segment in segments))

@@ -214,8 +214,13 @@ class DecodeBackend(Backend):
                     f"({G * Lq} query rows per KV head over bf16"
                     + ("" if plan.blocked is None else "; the mask as one range of keys per row")
                     + "): each key and value read once as stored, q Kᵀ and "
-                    "P V as tile products accumulated in fp32 (the weights as three bf16 terms), softmax in fp32, "
-                    "one pass per KV head"
+                    "P V as tile products accumulated in fp32 (the weights as "
+                    + (
+                        "two bf16 terms: 16 bits, for a half-precision call"
+                        if call.q.dtype in (torch.bfloat16, torch.float16)
+                        else "three bf16 terms: fp32's precision"
+                    )
+                    + "), softmax in fp32, one pass per KV head"
                 )
                 return lines
             lines.append(
