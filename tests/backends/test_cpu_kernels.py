@@ -155,6 +155,60 @@ def test_int8_slots_with_channel_scales_per_span_equal_fp64_over_their_dequantiz
         _close(got, want, f"{storage} slots [{first}, {first + n})")
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8, *FP8], ids=str)
+@pytest.mark.parametrize("G", [1, 4, 5, 16])
+def test_the_fma_path_reads_long_calls_in_blocks_with_an_online_softmax(storage, G):
+    """The FMA path reads a call in blocks of slots (``superblock``: 1 MiB of rows, MLA's 256 slots in
+    fp32), each block's scores, softmax and ``P V`` before the next, the running max and sum carried
+    over. Built with 256-slot blocks (``-DSB_BYTES=1``) and without the tiles, against fp64: lengths
+    around the blocks; scores that grow along the slots (every block raises the max) and a row whose
+    one visible slot lies in the last block; a row that sees nothing; NaN in a key and a value no row
+    sees in a later block, and a NaN score one row sees there; 8-bit spans across the blocks; pages."""
+    lib = cpu_kernels.build((*cpu_kernels.FLAGS, "-DMH_NO_AMX", "-DSB_BYTES=1"))
+    gen = torch.Generator().manual_seed(G * 7 + len(str(storage)))
+    B, Hkv, D, Dv, span = 1, 2, 64, 48, 100
+    for n in (255, 256, 257, 700, 1100):
+        if storage in (torch.int8, *FP8):
+            k, v, kc, kt, vt, keys, values = _scaled_slots(storage, B, Hkv, n, D, Dv, span, torch.float32, gen)
+            scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)
+        else:
+            ramp = torch.linspace(0.2, 3.0, n)[:, None]  # later slots score higher: the max moves block by block
+            k = (torch.randn(B, Hkv, n, D, generator=gen) * ramp).to(storage)
+            v = torch.randn(B, Hkv, n, Dv, generator=gen).to(storage)
+            keys, values, scales = k.double(), v.double(), None
+        q = torch.randn(B, Hkv, G, D, generator=gen)
+        blocked = torch.rand(1, 1, G, 1, n, generator=gen) < 0.3
+        blocked[..., 0, :, :] = True  # row 0 sees one slot, in the last block
+        blocked[..., 0, :, n - 2] = False
+        if G > 1:
+            blocked[..., 1, :, :] = True  # row 1 sees nothing
+        blocked[..., n - 5] = True  # no row sees slot n - 5: NaN there never reaches the output
+        if scales is None:
+            k[:, :, n - 5], v[:, :, n - 5] = float("nan"), float("nan")
+        got = cpu_kernels._call(lib, q, [cpu_kernels.Segment(k, v, blocked, scales=scales)], 0.2, G, 1, 2)
+        clean_k, clean_v = keys.clone(), values.clone()
+        clean_k[:, :, n - 5], clean_v[:, :, n - 5] = 0.0, 0.0
+        want = _expected(q, clean_k, clean_v, 0.2, G, 1, blocked)
+        _close(got, want, f"{storage} G={G} n={n}")
+        if G > 1:
+            assert (got[0][:, :, 1] == 0).all() and (got[1][:, :, 1] == float("-inf")).all(), "a row that sees nothing"
+    if storage == torch.float32:  # a NaN score one row sees, in a later block: that row is NaN, the others not
+        k[:, :, 600, 0] = float("nan")
+        blocked[..., 600] = True
+        blocked[..., G - 1, :, 600] = False
+        out, lse = cpu_kernels._call(lib, q, [cpu_kernels.Segment(k, v, blocked)], 0.2, G, 1, 2)
+        assert out[:, :, G - 1].isnan().all() and lse[:, :, G - 1].isnan().all()
+        assert not out[:, :, : G - 1].isnan().any()
+    pages, ps = 12, 100  # 1100 slots of a shuffled block table, blocks of 256 across pages
+    pool_k = torch.randn(Hkv, pages, ps, D, generator=gen).to(storage if scales is None else torch.float32)
+    pool_v = torch.randn(Hkv, pages, ps, Dv, generator=gen).to(pool_k.dtype)
+    table = torch.randperm(pages, generator=gen)[None, :11]
+    gathered_k = pool_k[:, table[0]].reshape(Hkv, 1100, D)[None]
+    gathered_v = pool_v[:, table[0]].reshape(Hkv, 1100, Dv)[None]
+    got = cpu_kernels._call(lib, q, [cpu_kernels.Segment(pool_k, pool_v, None, table, 3, 1090)], 0.2, G, 1, 2)
+    _close(got, _expected(q, gathered_k[:, :, 3:1093], gathered_v[:, :, 3:1093], 0.2, G, 1, None), "pages")
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
 @pytest.mark.skipif(not FP8, reason="this torch has no float8_e4m3fn")
 def test_every_fp8_byte_reads_as_torch_converts_it(portable):
