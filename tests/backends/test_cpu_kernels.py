@@ -499,6 +499,11 @@ def test_eight_bit_slots_on_the_tiles_equal_fp64_over_their_dequantized_values(s
     scales = cpu_kernels.Int8Scales(kc, kt, vt, 0, span)
     want = _expected(q, keys[:, :, :n], values[:, :, :n], 0.2, G, Lq, blocked)
     _close(cpu_kernels.decode_partial(q, k8[:, :, :n], v8[:, :, :n], 0.2, G, Lq, blocked, scales=scales), want, "band")
+    qh = q.bfloat16()  # a half-precision call: the weights in two bf16 terms, within _close's bound for it
+    scales = cpu_kernels.Int8Scales(kc, kt, vt, 5, span)
+    want = _expected(qh, keys[:, :, 5:2105], values[:, :, 5:2105], 0.2, R, 1, None)
+    got = cpu_kernels.decode_partial(qh, k8[:, :, 5:2105], v8[:, :, 5:2105], 0.2, R, 1, scales=scales)
+    _close(got, want, f"{storage} bf16 query", values[:, :, 5:2105])
 
 
 def test_the_tiles_take_only_many_unmasked_bf16_rows():
