@@ -484,8 +484,9 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         w_uv = self._up_projections()[1]  # (H, V, C), rows of kv_b_proj.weight
         if o.dtype in (torch.bfloat16, torch.float16):
             # oneDNN's half-precision batched matmul copies a transposed operand first (W_UVᵀ: a
-            # transposing copy of H·V·C elements, 0.74 ms of a 5 ms bf16 step at MLA's sizes); W_UV · oᵀ
-            # reads the rows as they lie (0.15 ms). MKL's fp32 one reads W_UVᵀ in place (0.07 ms, 0.17 the other way).
+            # transposing copy of every head's W_UV, each step); W_UV · oᵀ reads the rows as they lie.
+            # MKL's fp32 one reads W_UVᵀ in place and is the faster way round there.
+            # measured: docs/inference.md#multi-head-latent-attention-mla
             heads = (w_uv @ o.transpose(-1, -2)).transpose(-1, -2)
         else:
             heads = o @ w_uv.transpose(1, 2)
