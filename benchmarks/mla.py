@@ -33,7 +33,8 @@ the fraction of the read bandwidth is its measure.
 whole layer step, its attention call alone (``attention()``), and that attention as two ``torch.mm``
 in the cache's dtype (the GEMM library's rate on the same call), each against the read bandwidth and the matmul peak
 of its dtype (``decode.matmul_peaks``: fp32, and bf16 on AMX where the CPU has it), all measured in
-the same run, with the backend and kernel each runs on (``explain``).
+the same run (the read bandwidth in the contenders' own interleaved rounds, as ``decode.py``), with
+the backend and kernel each runs on (``explain``).
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bo
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def absorbed_ceilings(lengths, rounds: int, min_run_time: float, read_gbps: float, peaks: dict) -> list[dict]:
+def absorbed_ceilings(lengths, rounds: int, min_run_time: float, peaks: dict) -> tuple[list[dict], float]:
     """The absorbed step in fp32 and bf16 against the ceilings of its dtype (issue 29, item 4).
 
     Four contenders per dtype and cache, interleaved in one :func:`common.fastest_ms`: the whole
@@ -224,12 +225,16 @@ def absorbed_ceilings(lengths, rounds: int, min_run_time: float, read_gbps: floa
     backend with its CPU kernel off (PyTorch's GEMMs), and that attention by hand
     (:func:`_absorbed_by_hand`). Each is checked against float64
     first (fp32: 1e-4; bf16: 2% of the output's largest magnitude, a bf16 rounding of weights and
-    cache)."""
+    cache). The memory read bandwidth (``x.sum()`` over twice the last-level cache, at most 1 GiB) is a
+    contender of the same interleaved rounds, its fastest round against theirs, as ``decode.py``
+    does. Returns the rows and that bandwidth."""
     base = _mla()
     layer64 = _mla(dtype=torch.float64)
     layer64.load_state_dict(base.state_dict())
     layer64.mode = "absorbed"
-    fns, cases = {}, {}
+    llc = last_level_cache_bytes()
+    read_buffer = torch.ones(min(max(256 << 20, 2 * (llc or 0)), 1 << 30) // 4)
+    fns, cases = {("memory", 0, "read"): lambda: read_buffer.sum()}, {}
     with torch.no_grad():
         for S in lengths:
             gen = torch.Generator().manual_seed(S)
@@ -272,6 +277,7 @@ def absorbed_ceilings(lengths, rounds: int, min_run_time: float, read_gbps: floa
                     "size": torch.empty((), dtype=dtype).element_size(),
                 }
         best = fastest_ms(fns, rounds=rounds, min_run_time=min_run_time)
+    read_gbps = read_buffer.numel() * read_buffer.element_size() / best.pop(("memory", 0, "read")) / 1e6
     out = []
     for (name, S, what), ms in best.items():
         case = cases[(name, S)]
@@ -298,7 +304,7 @@ def absorbed_ceilings(lengths, rounds: int, min_run_time: float, read_gbps: floa
                 "runs on": case[what],
             }
         )
-    return out
+    return out, read_gbps
 
 
 def main(argv=None) -> list[dict]:
@@ -425,13 +431,15 @@ def _ceilings_main(args) -> list[dict]:
     print(f"# MLA absorbed decode step against the machine's ceilings ({context()})")
     print(f"d_model={E}, heads={H}, kv_lora_rank={C}, rope={R}, nope={N}, v={V}; batch 1, one token per step")
     print(f"before: {machine_state()}")
-    read_gbps, peaks = memory_read_gbps(), matmul_peaks(0.2 if args.quick else 0.5)
+    peaks = matmul_peaks(0.2 if args.quick else 0.5)
     llc = last_level_cache_bytes()
     print(
-        f"ceilings measured now: memory read {read_gbps:.1f} GB/s, matmul fp32 {peaks['float32']:.0f} GFLOP/s, "
-        f"bf16 {peaks['bfloat16']:.0f} GFLOP/s; last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB"
+        f"ceilings measured now: matmul fp32 {peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s; "
+        f"last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB; the memory read bandwidth in the "
+        "contenders' interleaved rounds (below)"
     )
-    rows = absorbed_ceilings(lengths, rounds, 0.3 if args.quick else 0.5, read_gbps, peaks)
+    rows, read_gbps = absorbed_ceilings(lengths, rounds, 0.3 if args.quick else 0.5, peaks)
+    print(f"memory read bandwidth: {read_gbps:.1f} GB/s (x.sum(), fastest of the same {rounds} interleaved rounds)")
     after = machine_state()
     print(f"after: {after}")
     print_table(
