@@ -29,10 +29,15 @@ stored only when the backend's runner says it takes any ``Lk`` (``runner.any_kv_
 ``auto`` chooses the same backend at both ends of the bucket (its thresholds are monotone in
 ``Lk``), so it runs what the whole path would.
 
+Inputs that share their first address (``attention(x, x, x)``, MLA's V that views K's first
+features) have their own plans: both keys hold which of ``q, k, v`` start at one address, and
+whether ``v`` then has ``k``'s strides (:func:`aliasing`: sdpa runs such a V as K itself, which a V
+of the same shape elsewhere must not inherit, and the reverse), and such a plan gets no guard (a
+guard compares each tensor alone, not where they lie).
+
 Never stored (the whole path runs every time): masks holding a tensor taken by identity rather
 than by content (:meth:`Mask.by_value`), inputs that validation would copy or change (a strided
-last dimension, a scale <= 0), inputs that share their first address (``attention(x, x, x)``,
-a V that views K: :func:`worth_keeping`), empty calls, and anything under ``torch.compile``
+last dimension, a scale <= 0), empty calls, and anything under ``torch.compile``
 (dynamo traces the whole path into its graph instead). Registering or removing a backend clears every plan; a
 backend changed in place so that it refuses other calls (its ``capabilities`` replaced) must be
 registered again, or :func:`clear` called.
@@ -62,6 +67,7 @@ __all__ = [
     "kv_len_bucket",
     "lookup",
     "worth_keeping",
+    "aliasing",
     "repeated",
     "store",
     "clear",
@@ -170,9 +176,20 @@ def _key(
             mask,
             scale,
             backend,
+            aliasing(q, k, v),
         )
     except RuntimeError:  # sparse and nested tensors have no strides: validation says what is wrong
         return None
+
+
+def aliasing(q: Tensor, k: Tensor, v: Tensor) -> object:
+    """Which of ``q, k, v`` start at one address: ``None`` for none (the common case), else the
+    three pairwise facts and, where ``k`` and ``v`` share one, whether ``v`` has ``k``'s strides
+    (a V that is K's first features: sdpa decides on it)."""
+    pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if pq != pk and pq != pv and pk != pv:
+        return None
+    return (pq == pk, pq == pv, pk == pv and k.stride()[:3] == v.stride()[:3])
 
 
 def _plain_arguments(q: object, k: object, v: object, mask: object, scale: object, backend: object) -> bool:
@@ -231,6 +248,7 @@ def _growing_tuple(q: Tensor, k: Tensor, v: Tensor, mask: object, scale: object,
         mask,
         scale,
         backend,
+        aliasing(q, k, v),
     )
 
 
@@ -267,16 +285,12 @@ lookup = _PLANS.get
 def worth_keeping(key: Key, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether a plan made from ``call`` (validated from ``q, k, v``) is safe for every call with
     ``key``, and likely to be used: validation changed nothing (no copy of a strided last
-    dimension, no folded scale), the mask's value says all it means (:meth:`Mask.by_value`), no
-    two of ``q, k, v`` start at one address (a backend may decide on that: sdpa runs a V that is
-    K's first features as K itself, which a V of the same shape elsewhere must not inherit), and
-    the signature was met before (:func:`repeated`)."""
+    dimension, no folded scale), the mask's value says all it means (:meth:`Mask.by_value`), and
+    the signature was met before (:func:`repeated`). Inputs that share an address are told apart
+    by the key itself (:func:`aliasing`)."""
     if call.q is not q or call.k is not k or call.v is not v:
         return False
     if call.mask is not None and not call.mask.by_value():
-        return False
-    pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    if pq == pk or pq == pv or pk == pv:
         return False
     return repeated(key)
 
@@ -296,7 +310,8 @@ def store(key: Key, runner: Runner, inputs: tuple[Tensor, Tensor, Tensor] | None
     ``inputs``: the ``q, k, v`` of ``key`` (an exact signature, not a growing one), from which the
     plan's guard is built: the plan found last then runs on a guard's check, without a key."""
     _PLANS.put(key, getattr(runner, "run", runner))
-    guard = None if inputs is None else tensor_guard(*inputs)
+    # a guard checks each tensor alone: a plan of inputs that share an address gets none
+    guard = None if inputs is None or aliasing(*inputs) is not None else tensor_guard(*inputs)
     if guard is not None:
         _GUARDS.put(key, guard)
 
@@ -326,17 +341,18 @@ class Plan:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """``(B, Hq, Lq, Dv)``: the attention of ``q, k, v`` as planned."""
+        if q.__class__ is Tensor and k.__class__ is Tensor and v.__class__ is Tensor:
+            pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            if pq == pk or pq == pv or pk == pv:
+                raise ValueError(
+                    "Plan: q, k and v start at one address (a plan serves separate tensors); call "
+                    "multihead.attention(q, k, v, ...) for these"
+                )
         key = signature(q, k, v, self._mask, self._scale, self._backend)
         if key != self.key:
             raise ValueError(
                 f"Plan: these inputs differ from the planned ones: {_difference(self.key, key)}; make a "
                 f"plan for them with multihead.plan(q, k, v, ...)"
-            )
-        pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if pq == pk or pq == pv or pk == pv:
-            raise ValueError(
-                "Plan: q, k and v start at one address (a plan serves separate tensors); call "
-                "multihead.attention(q, k, v, ...) for these"
             )
         return self._run(q, k, v)
 
@@ -364,6 +380,7 @@ _FIELDS = (
     "mask",
     "scale",
     "backend",
+    "inputs that start at one address (None: none)",
 )
 
 

@@ -249,9 +249,11 @@ def test_a_mask_keeps_its_own_lengths_so_its_plan_stays_right():
 
 
 @pytest.mark.parametrize("first", ["view of k", "separate"])
-def test_a_value_viewing_the_keys_leaves_no_plan_for_a_separate_value(first):
+def test_a_value_viewing_the_keys_and_a_separate_value_have_plans_of_their_own(first):
     """MLA passes V as the first Dv features of K, and sdpa may run such a V as K itself (no copy).
-    A separate V of the same shape and strides must never inherit that decision, nor the reverse."""
+    A separate V of the same shape and strides must never inherit that decision, nor the reverse:
+    the key holds which inputs share an address (``plans.aliasing``), so each has its own plan, and
+    a plan of inputs that share one gets no guard (a guard compares each tensor alone)."""
     gen = torch.Generator().manual_seed(5)
     q, k, elsewhere = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(3))
     views = {"view of k": k[..., :8], "separate": elsewhere[..., :8]}  # (1, 2, 12, 8), equal strides
@@ -263,12 +265,23 @@ def test_a_value_viewing_the_keys_leaves_no_plan_for_a_separate_value(first):
             torch.testing.assert_close(
                 mh.attention(q, k, v, mask=BAND).double(), _ref(q, k, v, mask=BAND), rtol=1e-5, atol=1e-5
             )
-    key = plans.signature(q, k, views["separate"], BAND, None, "auto")
-    assert plans.lookup(key) is not None  # the separate V's plan, which serves the view as well
+    keys = {name: plans.signature(q, k, v, BAND, None, "auto") for name, v in views.items()}
+    assert keys["view of k"] != keys["separate"]
+    assert plans.lookup(keys["separate"]) is not None  # (its guard may serve the view as well: it runs either)
+    if first == "view of k":  # planned before any guard could serve it: a plan of its own, without a guard
+        assert plans.lookup(keys["view of k"]) is not None and plans._GUARDS.get(keys["view of k"]) is None
+    for name in order:  # each served by its own plan, again and again
+        v = views[name]
+        for _ in range(2):
+            torch.testing.assert_close(
+                mh.attention(q, k, v, mask=BAND).double(), _ref(q, k, v, mask=BAND), rtol=1e-5, atol=1e-5
+            )
     plans.clear()
-    for _ in range(3):
-        mh.attention(q, q, q)  # self-attention on one tensor: always the whole path
-    assert not plans._PLANS
+    x = torch.randn(1, 2, 12, 16, generator=gen)
+    for _ in range(3):  # self-attention on one tensor: a plan of its own, not the separate inputs' one
+        torch.testing.assert_close(mh.attention(x, x, x).double(), _ref(x, x, x), rtol=1e-5, atol=1e-5)
+    assert plans.signature(x, x, x, None, None, "auto") != plans.signature(x, k, elsewhere, None, None, "auto")
+    assert plans.lookup(plans.signature(x, x, x, None, None, "auto")) is not None
 
 
 class _Doubling(Backend):
