@@ -256,7 +256,6 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     const float *q = J->q + (long)bh * R * D;                                                            \
     const float scale = J->scale;                                                                        \
     float *out = J->out + (long)bh * R * Dv, *lse = J->lse + (long)bh * R;                               \
-    float *norm = qs + (long)R4 * D;                                                                     \
     const char *rows[TB + PF_MAX];                                                                       \
     /* keys ahead to prefetch: at least 8, and PF_BYTES of short rows (16 int8 rows of 128 features) */ \
     const int PF = PF_BYTES / kbytes < 8 ? 8 : PF_BYTES / kbytes > PF_MAX ? PF_MAX : PF_BYTES / kbytes;   \
@@ -275,7 +274,7 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
      * its rows are still in L2. The int8 P V on the tiles (AMX8_PV) wants every weight first: one block */ \
     const int amx8_pv = AMX8_PV_TAKES(AMX8);                                                             \
     const long SB = amx8_pv ? n : superblock(n, kbytes + vbytes);                                        \
-    float *m_run = norm + R, *tot = m_run + R;                                                           \
+    float *m_run = qs + (long)R4 * D, *tot = m_run + R; /* past the query rows in qs */                \
     int any_nan[R];                                                                                      \
     for (int r = 0; r < R; r++) m_run[r] = -INFINITY, tot[r] = 0.f, any_nan[r] = 0;                      \
     /* rows R..R4 of the weights: zero (P V reads the rows 4 at a time) */                               \
@@ -568,7 +567,7 @@ int mh_decode_joined(job_t *const *in, const int *kinds, int count, int threads)
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *s = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * longest + 16)); /* R4 rows */
-        float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + 3 * (size_t)R + 16)); /* + norm, m, tot */
+        float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + 2 * (size_t)R + 16)); /* + m, tot */
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; it++) {
             if (s && qs)
