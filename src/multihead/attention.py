@@ -285,7 +285,7 @@ def plan(
         else "a mask holding a tensor compared by identity (Mask.by_value() is False)"
         if call.mask is not None and not call.mask.by_value()
         else "q, k and v starting at one address"
-        if len({q.data_ptr(), k.data_ptr(), v.data_ptr()}) < 3
+        if plans.aliasing(q, k, v) is not None
         else None
     )
     if why is not None or key is None:

@@ -341,13 +341,11 @@ class Plan:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """``(B, Hq, Lq, Dv)``: the attention of ``q, k, v`` as planned."""
-        if q.__class__ is Tensor and k.__class__ is Tensor and v.__class__ is Tensor:
-            pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
-            if pq == pk or pq == pv or pk == pv:
-                raise ValueError(
-                    "Plan: q, k and v start at one address (a plan serves separate tensors); call "
-                    "multihead.attention(q, k, v, ...) for these"
-                )
+        if _plain_arguments(q, k, v, None, None, "") and aliasing(q, k, v) is not None:
+            raise ValueError(
+                "Plan: q, k and v start at one address (a plan serves separate tensors); call "
+                "multihead.attention(q, k, v, ...) for these"
+            )
         key = signature(q, k, v, self._mask, self._scale, self._backend)
         if key != self.key:
             raise ValueError(

@@ -217,7 +217,7 @@ class DecodeBackend(Backend):
                     "P V as tile products accumulated in fp32 (the weights as "
                     + (
                         "two bf16 terms: 16 bits, for a half-precision call"
-                        if call.q.dtype in (torch.bfloat16, torch.float16)
+                        if call.q.dtype in _HALF
                         else "three bf16 terms: fp32's precision"
                     )
                     + "), softmax in fp32, one pass per KV head"
