@@ -232,10 +232,42 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
         rows_of(krows, ahead, K, table, ps, kpb, ktb, lo + t0);
         rows_of(vrows, cnt, V, table, ps, vpb, vtb, lo + t0);
         /* the next chunk's rows prefetched only where they do not follow these in memory (pages): the
-         * hardware prefetcher streams evenly spaced rows, and prefetches on top of it cost (measured) */
+         * hardware prefetcher streams evenly spaced rows, and prefetches on top of it cost (measured);
+         * a group ahead into L1 as the groups go, or (whole chunks) a chunk ahead into L2 */
         const int jumps = krows[ahead - 1] != krows[0] + (ahead - 1) * ktb;
-        /* Sᵀ, a group of 16 slots at a time: rows as stored where evenly spaced, else staged */
-        for (int g16 = 0; 16 * g16 < cnt; g16++) {
+        /* Sᵀ. A whole bf16 chunk of evenly spaced rows: its four groups of 16 slots accumulate in tmm0..3
+         * side by side, so that each query tile is loaded once a chunk, not once a group (A/B of builds
+         * in one process: measured: docs/inference.md#tile-path). Else a group at a time, rows as stored
+         * where evenly spaced, else staged. */
+        int whole = cnt == AMX_TC && kind == 1;
+        for (int i = 1; i < cnt && whole; i++) whole = krows[i] == krows[0] + i * ktb;
+        for (int g = 0; g < RG && whole; g++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ks = 0; ks < KS; ks++) {
+                for (int i = AMX_TC; i < ahead && jumps && g == 0; i++) _mm_prefetch(krows[i] + 64 * ks, _MM_HINT_T1);
+                for (int term = 0; term < terms; term++) {
+                    const char *k = krows[0] + 64 * ks;
+                    _tile_loadd(4, QT + (((size_t)term * RG + g) * KS + ks) * 512, 64);
+                    _tile_loadd(5, k, ktb);
+                    _tile_dpbf16ps(0, 5, 4);
+                    _tile_loadd(6, k + 16 * ktb, ktb);
+                    _tile_dpbf16ps(1, 6, 4);
+                    _tile_loadd(7, k + 32 * ktb, ktb);
+                    _tile_dpbf16ps(2, 7, 4);
+                    _tile_loadd(5, k + 48 * ktb, ktb);
+                    _tile_dpbf16ps(3, 5, 4);
+                }
+            }
+            float *st = ST + (size_t)g * AMX_TC * 16;
+            _tile_stored(0, st, 64);
+            _tile_stored(1, st + 256, 64);
+            _tile_stored(2, st + 512, 64);
+            _tile_stored(3, st + 768, 64);
+        }
+        for (int g16 = 0; 16 * g16 < cnt && !whole; g16++) {
             const int first = 16 * g16, rows_in = cnt - first < 16 ? cnt - first : 16;
             for (int i = 0; i < 16 && jumps; i++)
                 if (AMX_TC + first + i < ahead) prefetch_row(krows[AMX_TC + first + i], es * D);
@@ -360,13 +392,44 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
          * or into L1 (T0) gained less or lost. */
         const int row_lines = es * D / 64, pf_lines = jumps ? 0 : (int)(ahead - cnt) * row_lines / 2; /* pages: prefetched above */
         const int pf_step = (pf_lines + DB / 2 - 1) / (DB / 2);
+        /* one row group whose weights are two terms in two blocks: their four tiles stay in tmm2..5 for
+         * the whole loop (else loaded for every 32 features: measured: docs/inference.md#tile-path) */
+        const int resident = RG == 1 && wterms == 2 && blocks == 2;
+        if (resident) {
+            _tile_loadd(2, PT, 64);
+            _tile_loadd(3, PT + 512, 64);
+            _tile_loadd(4, PT + 1536, 64);
+            _tile_loadd(5, PT + 2048, 64);
+        }
         amx_values(vrows, cnt, blocks, 0, VT, kind);
         for (int e = 0; e < DB / 2; e++) {
             const uint16_t *vt = VT + (size_t)(e & 1) * AMX_TB * 1024;
             if (e + 1 < DB / 2) amx_values(vrows, cnt, blocks, e + 1, VT + (size_t)((e + 1) & 1) * AMX_TB * 1024, kind);
             for (int i = e * pf_step; i < (e + 1) * pf_step && i < pf_lines; i++) /* the next chunk's first rows */
                 _mm_prefetch(krows[cnt + i / row_lines] + 64 * (i % row_lines), _MM_HINT_T1);
-            for (int g = 0; g < RG; g++) {
+            if (resident) {
+                float *Og = O + 32 * e;
+                _tile_loadd(0, Og, 4L * Dv);
+                _tile_loadd(1, Og + 16, 4L * Dv);
+                for (int kb = 0; kb < 2; kb++) {
+                    _tile_loadd(6, vt + 1024 * kb, 64);
+                    _tile_loadd(7, vt + 1024 * kb + 512, 64);
+                    if (kb == 0) {
+                        _tile_dpbf16ps(0, 2, 6);
+                        _tile_dpbf16ps(1, 2, 7);
+                        _tile_dpbf16ps(0, 3, 6);
+                        _tile_dpbf16ps(1, 3, 7);
+                    } else {
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(0, 5, 6);
+                        _tile_dpbf16ps(1, 5, 7);
+                    }
+                }
+                _tile_stored(0, Og, 4L * Dv);
+                _tile_stored(1, Og + 16, 4L * Dv);
+            }
+            for (int g = 0; g < RG && !resident; g++) {
                 float *Og = O + (size_t)g * 16 * Dv + 32 * e;
                 _tile_loadd(0, Og, 4L * Dv);
                 _tile_loadd(1, Og + 16, 4L * Dv);
