@@ -148,6 +148,34 @@ static inline void prefetch_row(const char *row, int bytes) {
     for (int c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
 }
 
+/* The next block's rows fetched into L2 while this block's P V runs on rows already there (the memory
+ * idles otherwise): a cursor over the lines of TB rows of keys, then of values where they are not the
+ * keys' own rows (MLA's values are its keys' first features), one line a step
+ * (measured: docs/inference.md#fma-blocks) */
+#ifndef AHEAD_MIN_ROWS
+#define AHEAD_MIN_ROWS 8 /* query rows per KV head from which P V takes long enough (fewer: the prefetcher keeps up) */
+#endif
+typedef struct {
+    const char *rows[2 * TB]; /* keys' rows [0, keys), values' [keys, count) */
+    int keys, count, k_lines, v_lines, r, l;
+} ahead_t;
+
+static inline void ahead_start(ahead_t *a, const char *K, const char *V, const int64_t *table, long ps, long kpb,
+                               long ktb, long vpb, long vtb, int kbytes, int vbytes, long slot, long count) {
+    const int in_keys = V == K && vpb == kpb && vtb == ktb && vbytes <= kbytes;
+    a->keys = (int)count, a->count = in_keys ? (int)count : 2 * (int)count, a->r = 0, a->l = 0;
+    a->k_lines = (kbytes + 63) / 64, a->v_lines = (vbytes + 63) / 64;
+    if (count < 1) return;
+    rows_of(a->rows, count, K, table, ps, kpb, ktb, slot);
+    if (!in_keys) rows_of(a->rows + count, count, V, table, ps, vpb, vtb, slot);
+}
+
+static inline void ahead_step(ahead_t *a) {
+    if (a->r >= a->count) return;
+    __builtin_prefetch(a->rows[a->r] + 64 * a->l, 0, 2); /* into L2 */
+    if (++a->l == (a->r < a->keys ? a->k_lines : a->v_lines)) a->l = 0, a->r++;
+}
+
 /* Slots per block of the FMA path (DEFINE_KERNEL): a block's key and value rows (row_bytes a slot) within
  * SB_BYTES, so that P V finds them in L2 after the scores read them (MLA's values are its keys' first
  * features: read twice from memory without), a multiple of TB, at least 4·TB */
@@ -380,6 +408,9 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
         cnt = t_lo + sn - t < TB ? t_lo + sn - t : TB;                                                   \
         const long got = n - t < cnt + PF ? n - t : cnt + PF;                                            \
         rows_of(rows, got, V, table, ps, vpb, vtb, lo + t);                                              \
+        ahead_t ahead; /* the next block's slots as far into it as this chunk is into this one */        \
+        ahead_start(&ahead, K, V, table, ps, kpb, ktb, vpb, vtb, kbytes, vbytes, lo + t + SB,            \
+                    R < AHEAD_MIN_ROWS || t + SB >= n ? 0 : n - (t + SB) < cnt ? n - (t + SB) : cnt);   \
         for (int g4 = 0; g4 < groups; g4++) {                                                            \
             const int rb = R - 4 * g4 < 4 ? R - 4 * g4 : 4;                                              \
             const float *p0 = s + (long)4 * g4 * SB + (t - t_lo), *p1 = p0 + SB, *p2 = p1 + SB, *p3 = p2 + SB; \
@@ -390,6 +421,7 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
                 if (!J->blocked) { /* every slot seen: no per-slot test (an underflowed weight adds 0 · v, as SDPA) */ \
                     for (long i = 0; i < cnt; i++) {                                                     \
                         if (first_pass && i + PF < got) prefetch_row(rows[i + PF], vbytes);              \
+                        ahead_step(&ahead);                                                              \
                         const float w0 = p0[i], w1 = p1[i], w2 = p2[i], w3 = p3[i];                      \
                         const T *vr = (const T *)rows[i] + c0;                                           \
                         for (int c = 0; c < cb; c++) {                                                   \
@@ -400,6 +432,7 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
                 } else                                                                                   \
                 for (long i = 0; i < cnt; i++) {                                                         \
                     if (first_pass && i + PF < got) prefetch_row(rows[i + PF], vbytes);                  \
+                    ahead_step(&ahead);                                                                  \
                     const float w0 = p0[i], w1 = p1[i], w2 = p2[i], w3 = p3[i];                          \
                     const int seen = (w0 != 0.f) + (w1 != 0.f) + (w2 != 0.f) + (w3 != 0.f);              \
                     if (!seen) continue; /* no row sees it: its value is never touched */                \
