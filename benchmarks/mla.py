@@ -32,8 +32,8 @@ the fraction of the read bandwidth is its measure.
 ``--ceilings`` times only the absorbed step, in fp32 and bf16, at caches of 4k and 32k tokens: the
 whole layer step, its attention call alone (``attention()``), and that attention as two ``torch.mm``
 in the cache's dtype (the GEMM library's rate on the same call), each against the read bandwidth and the matmul peak
-of its dtype (``decode.matmul_peaks``: fp32, and bf16 on AMX where the CPU has it), all measured in
-the same run (the read bandwidth in the contenders' own interleaved rounds, as ``decode.py``), with
+of its dtype (a 2048³ ``torch.mm``: fp32, and bf16 on AMX where the CPU has it), all measured in
+the same run (the read bandwidth and the peaks as contenders of the same interleaved rounds), with
 the backend and kernel each runs on (``explain``).
 """
 
@@ -56,7 +56,6 @@ from common import (
     torch_gemms_backend,
     write_csv,
 )
-from decode import matmul_peaks
 from dtypes import matmul_gflops
 from multihead.positions import RotaryEmbedding
 
@@ -215,7 +214,7 @@ def run_case(S: int, layers: dict, rounds: int, min_run_time: float, check64: bo
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def absorbed_ceilings(lengths, rounds: int, min_run_time: float, peaks: dict) -> tuple[list[dict], float]:
+def absorbed_ceilings(lengths, rounds: int, min_run_time: float) -> tuple[list[dict], float, dict]:
     """The absorbed step in fp32 and bf16 against the ceilings of its dtype (issue 29, item 4).
 
     Four contenders per dtype and cache, interleaved in one :func:`common.fastest_ms`: the whole
@@ -227,7 +226,9 @@ def absorbed_ceilings(lengths, rounds: int, min_run_time: float, peaks: dict) ->
     first (fp32: 1e-4; bf16: 2% of the output's largest magnitude, a bf16 rounding of weights and
     cache). The memory read bandwidth (``x.sum()`` over twice the last-level cache, at most 1 GiB) is a
     contender of the same interleaved rounds, its fastest round against theirs, as ``decode.py``
-    does. Returns the rows and that bandwidth."""
+    does; so are the matmul peaks (a 2048³ ``torch.mm`` in fp32 and in bf16), since a peak measured
+    once, in a minute the host is busy, reads low and flatters every ratio to it. Returns the rows,
+    that bandwidth and the peaks (GFLOP/s by dtype)."""
     base = _mla()
     layer64 = _mla(dtype=torch.float64)
     layer64.load_state_dict(base.state_dict())
@@ -235,6 +236,9 @@ def absorbed_ceilings(lengths, rounds: int, min_run_time: float, peaks: dict) ->
     llc = last_level_cache_bytes()
     read_buffer = torch.ones(min(max(256 << 20, 2 * (llc or 0)), 1 << 30) // 4)
     fns, cases = {("memory", 0, "read"): lambda: read_buffer.sum()}, {}
+    square = {dtype: torch.randn(2048, 2048).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for dtype, a in square.items():
+        fns[("peak", 0, str(dtype).replace("torch.", ""))] = lambda a=a: a @ a
     with torch.no_grad():
         for S in lengths:
             gen = torch.Generator().manual_seed(S)
@@ -278,6 +282,7 @@ def absorbed_ceilings(lengths, rounds: int, min_run_time: float, peaks: dict) ->
                 }
         best = fastest_ms(fns, rounds=rounds, min_run_time=min_run_time)
     read_gbps = read_buffer.numel() * read_buffer.element_size() / best.pop(("memory", 0, "read")) / 1e6
+    peaks = {dtype: 2 * 2048**3 / (best.pop(("peak", 0, dtype)) * 1e6) for dtype in ("float32", "bfloat16")}
     out = []
     for (name, S, what), ms in best.items():
         case = cases[(name, S)]
@@ -304,7 +309,7 @@ def absorbed_ceilings(lengths, rounds: int, min_run_time: float, peaks: dict) ->
                 "runs on": case[what],
             }
         )
-    return out, read_gbps
+    return out, read_gbps, peaks
 
 
 def main(argv=None) -> list[dict]:
@@ -431,15 +436,17 @@ def _ceilings_main(args) -> list[dict]:
     print(f"# MLA absorbed decode step against the machine's ceilings ({context()})")
     print(f"d_model={E}, heads={H}, kv_lora_rank={C}, rope={R}, nope={N}, v={V}; batch 1, one token per step")
     print(f"before: {machine_state()}")
-    peaks = matmul_peaks(0.2 if args.quick else 0.5)
     llc = last_level_cache_bytes()
     print(
-        f"ceilings measured now: matmul fp32 {peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s; "
-        f"last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB; the memory read bandwidth in the "
-        "contenders' interleaved rounds (below)"
+        f"last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB; the memory read bandwidth and the "
+        "matmul peaks are contenders of the interleaved rounds (below)"
     )
-    rows, read_gbps = absorbed_ceilings(lengths, rounds, 0.3 if args.quick else 0.5, peaks)
-    print(f"memory read bandwidth: {read_gbps:.1f} GB/s (x.sum(), fastest of the same {rounds} interleaved rounds)")
+    rows, read_gbps, peaks = absorbed_ceilings(lengths, rounds, 0.3 if args.quick else 0.5)
+    print(
+        f"memory read bandwidth: {read_gbps:.1f} GB/s (x.sum()); matmul fp32 {peaks['float32']:.0f} GFLOP/s, "
+        f"bf16 {peaks['bfloat16']:.0f} GFLOP/s (a 2048³ torch.mm): each the fastest of the same {rounds} "
+        "interleaved rounds"
+    )
     after = machine_state()
     print(f"after: {after}")
     print_table(
