@@ -39,6 +39,7 @@ from multihead.capture import captures_of, is_capturing
 from multihead.explain import Explanation, explain
 from multihead.hooks import ATTRIBUTE as HOOKS
 from multihead.hooks import observed_attention
+from multihead.layers.projection import project
 from multihead.masks import Mask
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def attend_heads(
             return_weights=False,
             backend=backend,
         )  # (B, Hq, Lq, Dv): the call made before hooks existed
-        return out_proj(merge_heads(y)), None
+        return project(out_proj, merge_heads(y)), None
     y, weights = observed_attention(
         layer,
         q,
@@ -153,7 +154,7 @@ def attend_heads(
         backend=backend,
         core=None if plain else core,
     )  # (B, Hq, Lq, Dv), the call's own selection of the weights or None
-    return out_proj(merge_heads(y)), weights
+    return project(out_proj, merge_heads(y)), weights
 
 
 def blocks_take(
@@ -206,7 +207,7 @@ def attend_blocks(
     if not blocks_take(layer, q, blocks, score_mod, sinks, dropout_p, need_weights, backend):
         return None
     y = decode_blocks(q, blocks, mask)  # (B, Hq, Lq, Dv)
-    return out_proj(merge_heads(y))
+    return project(out_proj, merge_heads(y))
 
 
 def blocks_explanation(q: Tensor, read: CacheRead, mask: Mask | Tensor | None) -> Explanation:

@@ -65,6 +65,7 @@ from multihead.layers.attend import (
 from multihead.layers.checks import check_flag, check_size
 from multihead.layers.heads import attend_blocks, attend_heads, blocks_explanation, blocks_take, merge_heads
 from multihead.layers.norm import RMSNorm
+from multihead.layers.projection import project
 from multihead.masks import Mask
 from multihead.positions.rotary import RotaryEmbedding
 from multihead.scores import ScoreMod
@@ -448,9 +449,9 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         B, L, _ = x.shape
         H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
         if self.q_lora_rank is None:
-            q = self.q_proj(x)  # (B, L, H·(N+R))
+            q = project(self.q_proj, x)  # (B, L, H·(N+R))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, L, Cq) -> (B, L, H·(N+R))
+            q = project(self.q_b_proj, self.q_a_layernorm(project(self.q_a_proj, x)))  # (B, L, Cq) -> (B, L, H·(N+R))
         q = q.view(B, L, H, N + R).transpose(1, 2)  # (B, H, L, N + R)
         scale = 1 / math.sqrt(N + R) if self.scale is None else self.scale
         D = self.kv_lora_rank + R if self._mode == "absorbed" else N + R  # the head dim attention sees
@@ -462,7 +463,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
 
     def _latent_rows(self, x: Tensor, positions: Tensor) -> Tensor:
         """``[RMSNorm(c_kv) | rope(k_rope)] (B, 1, L, C + R)``, the rows a cache stores."""
-        kv_a = self.kv_a_proj_with_mqa(x)  # (B, L, C + R)
+        kv_a = project(self.kv_a_proj_with_mqa, x)  # (B, L, C + R)
         c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, L, C), (B, L, R)
         # (B, 1, L, R): one rotary key for every head
         k_rope = rotate(type(self).__name__, self.rope, k_rope.unsqueeze(1), positions, "key (B, H, L, R)")
@@ -490,7 +491,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
             heads = (w_uv @ o.transpose(-1, -2)).transpose(-1, -2)
         else:
             heads = o @ w_uv.transpose(1, 2)
-        out: Tensor = self.o_proj(merge_heads(heads))  # (B, H, L, V) -> (B, L, E)
+        out: Tensor = project(self.o_proj, merge_heads(heads))  # (B, H, L, V) -> (B, L, E)
         return out
 
     def extra_repr(self) -> str:

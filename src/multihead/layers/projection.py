@@ -21,15 +21,51 @@ saves:
 
 A projection that is not a plain ``nn.Linear`` (LoRA, quantized) or has hooks is always called
 itself, never bypassed.
+
+Every projection of a decode step goes through :func:`project`: a plain ``nn.Linear`` applied to
+a few bf16 rows on the CPU without gradients runs the one-token kernel
+(:mod:`multihead.backends.cpu_gemv`), which reads the weights once at the memory's speed where
+PyTorch's bf16 GEMM reads them at about half of it (docs/inference.md#one-token-projections).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
-__all__ = ["project_qkv"]
+from multihead.backends import cpu_gemv
+
+__all__ = ["project", "project_qkv"]
+
+
+def project(linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``linear(x)``, on the one-token kernel where it takes the call (the module docstring):
+    ``linear`` a plain ``nn.Linear`` without hooks (anything else is called), ``x`` 1 to 4 rows of bf16 on the CPU, no
+    gradient wanted, outside ``torch.compile`` (:func:`multihead.backends.cpu_gemv.supports`)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and isinstance(linear, nn.Module) and _plain(linear):
+        params = linear._parameters  # (a plain nn.Linear's parameters, read without __getattr__)
+        weight, bias = params["weight"], params["bias"]
+        assert weight is not None
+        if cpu_gemv.supports(x, weight, bias):
+            return cpu_gemv.linear(x, weight, bias)
+    out: Tensor = linear(x)
+    return out
+
+
+def _plain(m: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a LoRA or quantized replacement, whose forward must run) with no
+    hook of its own and none registered for every module."""
+    return (
+        type(m) is nn.Linear
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and not _module._global_forward_hooks
+        and not _module._global_forward_pre_hooks
+    )
 
 
 def project_qkv(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -45,7 +81,7 @@ def project_qkv(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> 
         if query.is_cuda and key is query and value is query and _fusable(q_proj, k_proj, v_proj):
             q, k, v = _fused_linear(query, (q_proj, k_proj, v_proj), *_concatenated((q_proj, k_proj, v_proj)))
             return q, k, v
-        return q_proj(query), k_proj(key), v_proj(value)
+        return project(q_proj, query), project(k_proj, key), project(v_proj, value)
     if key is query and value is query and _fusable(q_proj, k_proj, v_proj):
         q, k, v = _fused(query, (q_proj, k_proj, v_proj))
         return q, k, v
@@ -67,9 +103,8 @@ def _fused(x: Tensor, linears: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
 def _fusable(*linears: nn.Module) -> bool:
     """Whether these projections may be run as one matmul: plain ``nn.Linear`` (not a LoRA or
     quantized replacement, whose forward must run), without hooks, biased alike."""
-    for m in linears:
-        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
-            return False
+    if not all(_plain(m) for m in linears):
+        return False
     first = linears[0]._parameters  # (a plain nn.Linear's parameters, read without __getattr__)
     return all(
         (m._parameters["bias"] is None) == (first["bias"] is None)

@@ -1,0 +1,161 @@
+"""The CPU one-token projection (``backends/cpu_gemv.c``): ``F.linear`` for bf16 weights and 1 to 4
+rows of bf16 input, against float64 and against ``F.linear`` itself; what it refuses; and the layers'
+projections through it (``layers/projection.project``), hooks and replacements of ``nn.Linear``
+still called."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import multihead as mh
+from multihead.backends import cpu_gemv
+from multihead.layers import projection
+
+TAKES = cpu_gemv.kernel() is not None and bool(cpu_gemv.kernel().mh_gemv_takes())
+pytestmark = pytest.mark.skipif(not TAKES, reason=f"no one-token kernel here: {cpu_gemv.unavailable() or 'no AVX512-BF16'}")
+
+
+def _bound(x, weight, bias):
+    """One bf16 rounding of the output, plus fp32 sums over ``in_features`` products."""
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T
+    return want, 2.0**-8 * want.abs() + 2.0**-20 * magnitude
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (3, 31), (4, 32), (5, 33), (513, 576), (64, 2048)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_float64_within_one_bf16_rounding(rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    assert cpu_gemv.supports(x, weight, bias)
+    got = cpu_gemv.linear(x, weight, bias)
+    want, bound = _bound(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert bool(((got.double() - want).abs() <= bound).all())
+    ref = F.linear(x, weight, bias)  # PyTorch's bf16 call: at most one rounding step apart
+    assert bool(((got.double() - ref.double()).abs() <= 2.0**-7 * ref.double().abs() + 2 * bound).all())
+
+
+def test_views_strided_weights_and_leading_dims():
+    """A weight whose rows are a slice of a larger tensor, inputs that are transposed or expanded
+    views with leading dimensions, against float64."""
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(40, 100, generator=gen).bfloat16()
+    weight = big[3:33, 7:71]  # rows of stride 100
+    seq_first = torch.randn(1, 2, 64, generator=gen).bfloat16().transpose(0, 1)  # (2, 1, 64): rows of stride 64
+    expanded = torch.randn(1, 1, 64, generator=gen).bfloat16().expand(3, 1, 64)  # rows of stride 0
+    for x in (seq_first, expanded):
+        assert cpu_gemv.supports(x, weight)
+        got = cpu_gemv.linear(x, weight)
+        want, bound = _bound(x, weight, None)
+        assert got.shape == (*x.shape[:-1], 30)
+        assert bool(((got.double() - want).abs() <= bound).all())
+
+
+def test_nan_and_inf_reach_the_outputs_they_reach_in_f_linear():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 48, generator=gen).bfloat16()
+    weight = torch.randn(6, 48, generator=gen).bfloat16()
+    x[0, 5] = float("nan")  # every output of row 0
+    weight[2, 7] = float("inf")  # output 2 of row 1 (row 0 is NaN already)
+    weight[4, 9] = float("inf")
+    weight[4, 10] = float("-inf")  # inf - inf: NaN
+    got, ref = cpu_gemv.linear(x, weight), F.linear(x.double(), weight.double())
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert torch.equal(got[torch.isinf(got)].sign(), ref[torch.isinf(ref)].sign().to(got.dtype))
+
+
+def test_what_it_refuses_runs_f_linear():
+    x, weight = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    assert cpu_gemv.supports(x, weight)
+    assert not cpu_gemv.supports(x.float(), weight.float()), "fp32"
+    assert not cpu_gemv.supports(x.half(), weight.half()), "fp16"
+    assert not cpu_gemv.supports(torch.randn(5, 64).bfloat16(), weight), "five rows: a GEMM's work"
+    assert not cpu_gemv.supports(torch.randn(0, 64).bfloat16(), weight), "no rows"
+    assert not cpu_gemv.supports(x, weight.T.contiguous().T), "weight rows not contiguous"
+    assert not cpu_gemv.supports(x, weight, torch.randn(8)), "an fp32 bias"
+    assert not cpu_gemv.supports(x, torch.randn(8, 63).bfloat16()), "sizes that do not match"
+    wanting = nn.Parameter(weight.clone())
+    assert not cpu_gemv.supports(x, wanting), "a gradient wanted"
+    with torch.no_grad():
+        assert cpu_gemv.supports(x, wanting), "no gradient wanted under no_grad"
+    # and the refused calls still give F.linear's answer
+    assert torch.equal(cpu_gemv.linear(torch.randn(5, 64).bfloat16() * 0, weight), torch.zeros(5, 8).bfloat16())
+    y = cpu_gemv.linear(x, wanting)
+    y.sum().backward()
+    assert wanting.grad is not None and wanting.grad.shape == weight.shape
+
+
+def test_bad_rows_raise_a_clear_error():
+    lib = cpu_gemv.kernel()
+    with pytest.raises(ValueError, match="1 to 4"):
+        cpu_gemv._run(lib, torch.randn(6, 32).bfloat16(), torch.randn(4, 32).bfloat16(), None, 2)
+
+
+def test_project_calls_hooks_and_replacements_of_linear_themselves():
+    """``project`` bypasses only a plain ``nn.Linear`` without hooks: a forward hook, a global one,
+    or a subclass's forward (LoRA-like) still run, and the answers agree."""
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(32, 16, dtype=torch.bfloat16)
+    x = torch.randn(1, 1, 32, generator=gen).bfloat16()
+    calls = []
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            calls.append("subclass")
+            return super().forward(x) * 2
+
+    with torch.no_grad():
+        plain = projection.project(linear, x)
+        handle = linear.register_forward_hook(lambda m, i, o: calls.append("hook"))
+        hooked = projection.project(linear, x)
+        handle.remove()
+        handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append("global"))
+        globally = projection.project(linear, x)
+        handle.remove()
+        scaled = Scaled(32, 16, dtype=torch.bfloat16)
+        scaled.load_state_dict(linear.state_dict())
+        doubled = projection.project(scaled, x)
+    assert calls == ["hook", "global", "subclass"]
+    _, bound = _bound(x, linear.weight, linear.bias)
+    for y in (hooked, globally):
+        assert bool(((y.double() - plain.double()).abs() <= 2 * bound + 2.0**-7 * plain.double().abs()).all())
+    assert bool(((doubled.double() - 2 * plain.double()).abs() <= 4 * bound + 2.0**-6 * plain.double().abs()).all())
+
+
+@pytest.mark.parametrize("layer_kind", ["mha", "mla"])
+def test_a_bf16_decode_step_through_the_kernel_equals_the_one_without(layer_kind, monkeypatch):
+    """A layer's bf16 decode step (its projections on the kernel) against the same step with the
+    kernel refused (``F.linear``): the same cache, outputs within a bf16 rounding of each other's size."""
+    torch.manual_seed(4)
+    if layer_kind == "mha":
+        layer = mh.MultiHeadAttention(256, 8, num_kv_heads=2, dtype=torch.bfloat16)
+        cache_of, causal = mh.caches.DynamicKVCache, {"mask": mh.causal()}
+    else:
+        layer = mh.MultiHeadLatentAttention(
+            256, 8, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, dtype=torch.bfloat16
+        )
+        layer.mode = "absorbed"
+        cache_of, causal = mh.caches.LatentKVCache, {}  # (causal by default)
+    layer.eval()
+    prompt, token = torch.randn(1, 20, 256).bfloat16(), torch.randn(1, 1, 256).bfloat16()
+    outs, runs, run = [], [], cpu_gemv._run
+    monkeypatch.setattr(cpu_gemv, "_run", lambda *a: runs.append(a[1].shape) or run(*a))
+    for refuse in (False, True):
+        if refuse:
+            monkeypatch.setattr(cpu_gemv, "supports", lambda *a, **k: False)
+        cache = cache_of()
+        with torch.no_grad():
+            layer(prompt, kv_cache=cache, **causal)
+            outs.append(layer(token, kv_cache=cache))
+    got, want = outs
+    # the token's projections ran on the kernel: q, k, v and out (MHA); q, the latent and out (MLA)
+    assert len(runs) == (4 if layer_kind == "mha" else 3), runs
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.0, atol=2.0**-6 * want.float().abs().max().item())
