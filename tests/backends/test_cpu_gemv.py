@@ -15,7 +15,8 @@ from multihead.backends import cpu_gemv
 from multihead.layers import projection
 
 TAKES = cpu_gemv.kernel() is not None and bool(cpu_gemv.kernel().mh_gemv_takes())
-pytestmark = pytest.mark.skipif(not TAKES, reason=f"no one-token kernel here: {cpu_gemv.unavailable() or 'no AVX512-BF16'}")
+WHY = cpu_gemv.unavailable() or "no AVX512-BF16"
+pytestmark = pytest.mark.skipif(not TAKES, reason=f"no one-token kernel here: {WHY}")
 
 
 def _bound(x, weight, bias):
@@ -93,6 +94,39 @@ def test_what_it_refuses_runs_f_linear():
     assert wanting.grad is not None and wanting.grad.shape == weight.shape
 
 
+@pytest.mark.parametrize("B,H,M", [(1, 16, 1), (2, 3, 4), (3, 1, 2)])
+def test_per_head_products_equal_float64(B, H, M):
+    """``x W_hᵀ`` and ``x W_h`` per head (MLA's ``W_UV`` and ``W_UK``): the weights views of one
+    matrix as the layer takes them, ``x`` a transposed view as the layer's heads are, sizes that
+    leave tails (33 features, 70 columns), against float64."""
+    gen = torch.Generator().manual_seed(B * 100 + H * 10 + M)
+    N, V, C = 33, 20, 70
+    w = torch.randn(H * (N + V), C, generator=gen).bfloat16().view(H, N + V, C)
+    w_uk, w_uv = w[:, :N], w[:, N:]  # (H, N, C), (H, V, C): rows of stride C, heads of stride (N + V)·C
+    q = torch.randn(B, M, H, N, generator=gen).bfloat16().transpose(1, 2)  # (B, H, M, N)
+    o = torch.randn(B, M, H, C, generator=gen).bfloat16().transpose(1, 2)  # (B, H, M, C)
+    for x, weight, transposed, want in (
+        (q, w_uk, False, q.double() @ w_uk.double()),
+        (o, w_uv, True, o.double() @ w_uv.double().transpose(-1, -2)),
+    ):
+        assert cpu_gemv.supports_heads(x, weight, transposed)
+        got = cpu_gemv.heads_linear(x, weight) if transposed else cpu_gemv.heads_matmul(x, weight)
+        w_abs = weight.double().abs()
+        magnitude = x.double().abs() @ (w_abs.transpose(-1, -2) if transposed else w_abs)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        assert bool(((got.double() - want).abs() <= 2.0**-8 * want.abs() + 2.0**-20 * magnitude).all())
+
+
+def test_per_head_products_refuse_and_fall_back():
+    x, w = torch.randn(1, 4, 1, 32).bfloat16(), torch.randn(4, 32, 48).bfloat16()
+    assert cpu_gemv.supports_heads(x, w, transposed=False)
+    assert not cpu_gemv.supports_heads(x, w, transposed=True), "x W_hᵀ needs 48 features"
+    assert not cpu_gemv.supports_heads(torch.randn(1, 4, 5, 32).bfloat16(), w, False), "five rows"
+    assert not cpu_gemv.supports_heads(torch.randn(1, 3, 1, 32).bfloat16(), w, False), "three heads for four"
+    assert not cpu_gemv.supports_heads(x.float(), w.float(), False), "fp32"
+    torch.testing.assert_close(cpu_gemv.heads_matmul(x.float(), w.float()), x.float() @ w.float())
+
+
 def test_bad_rows_raise_a_clear_error():
     lib = cpu_gemv.kernel()
     with pytest.raises(ValueError, match="1 to 4"):
@@ -146,16 +180,19 @@ def test_a_bf16_decode_step_through_the_kernel_equals_the_one_without(layer_kind
         cache_of, causal = mh.caches.LatentKVCache, {}  # (causal by default)
     layer.eval()
     prompt, token = torch.randn(1, 20, 256).bfloat16(), torch.randn(1, 1, 256).bfloat16()
-    outs, runs, run = [], [], cpu_gemv._run
-    monkeypatch.setattr(cpu_gemv, "_run", lambda *a: runs.append(a[1].shape) or run(*a))
+    outs, runs, run, run_heads = [], [], cpu_gemv._run, cpu_gemv._run_heads
+    monkeypatch.setattr(cpu_gemv, "_run", lambda *a: runs.append("linear") or run(*a))
+    monkeypatch.setattr(cpu_gemv, "_run_heads", lambda *a: runs.append("heads") or run_heads(*a))
     for refuse in (False, True):
         if refuse:
             monkeypatch.setattr(cpu_gemv, "supports", lambda *a, **k: False)
+            monkeypatch.setattr(cpu_gemv, "supports_heads", lambda *a, **k: False)
         cache = cache_of()
         with torch.no_grad():
             layer(prompt, kv_cache=cache, **causal)
             outs.append(layer(token, kv_cache=cache))
     got, want = outs
-    # the token's projections ran on the kernel: q, k, v and out (MHA); q, the latent and out (MLA)
-    assert len(runs) == (4 if layer_kind == "mha" else 3), runs
+    # the token's projections ran on the kernel: q, k, v and out (MHA); q, the latent and out, and
+    # the per-head W_UK and W_UV (MLA)
+    assert sorted(runs) == (["linear"] * 4 if layer_kind == "mha" else ["heads"] * 2 + ["linear"] * 3), runs
     torch.testing.assert_close(got.float(), want.float(), rtol=0.0, atol=2.0**-6 * want.float().abs().max().item())

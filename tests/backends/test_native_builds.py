@@ -9,7 +9,9 @@ import pytest
 from multihead.backends import cpu_gemv, cpu_kernels, cpu_sparse, cpu_topk, native_build
 
 
-@pytest.mark.parametrize("module", [cpu_kernels, cpu_sparse, cpu_topk, cpu_gemv], ids=lambda m: m.__name__.rsplit(".", 1)[1])
+@pytest.mark.parametrize(
+    "module", [cpu_kernels, cpu_sparse, cpu_topk, cpu_gemv], ids=lambda m: m.__name__.rsplit(".", 1)[1]
+)
 def test_a_kernel_that_builds_passes_its_self_test(module):
     library = module._LIBRARY
     try:

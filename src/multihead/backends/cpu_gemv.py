@@ -21,10 +21,11 @@ from torch import Tensor, nn
 
 from multihead.backends.native_build import FLAGS, NativeLibrary
 
-__all__ = ["kernel", "unavailable", "supports", "linear"]
+__all__ = ["kernel", "unavailable", "supports", "supports_heads", "linear", "heads_linear", "heads_matmul"]
 
 _SOURCE = Path(__file__).with_name("cpu_gemv.c")
 _PLAIN = (Tensor, nn.Parameter)  # tensor subclasses (fake, distributed, quantized) run F.linear
+_MAX_ROWS = 4  # input rows a call takes (cpu_gemv.c: MAX_ROWS)
 
 
 def kernel(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
@@ -39,38 +40,55 @@ def unavailable(flags: tuple[str, ...] = FLAGS) -> str | None:
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.mh_gemv_bf16.argtypes = [p, n, p, n, i, p, p, n, i, i, i]
+    lib.mh_gemv_bf16.argtypes = [p, n, n, p, n, n, n, i, p, p, n, n, n, i, i, i, i, i]
     lib.mh_gemv_bf16.restype = i
+    lib.mh_vecmat_bf16.argtypes = [p, n, n, p, n, n, n, i, p, n, n, n, i, i, i, i, i]
+    lib.mh_vecmat_bf16.restype = i
     lib.mh_gemv_takes.restype = i
     lib.mh_gemv_max_rows.restype = i
+
+
+def _takes(*tensors: Tensor | None) -> bool:
+    """Plain bf16 CPU tensors (``None``: no bias), features contiguous, no gradient wanted, outside
+    ``torch.compile`` and tracing (a ctypes call is not traced), and the kernel built with AVX512-BF16."""
+    present = [t for t in tensors if t is not None]
+    for t in present:
+        if type(t) not in _PLAIN or t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() < 1:
+            return False
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    tracing = torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
+    if torch.compiler.is_compiling() or tracing:
+        return False
+    lib = kernel()
+    return lib is not None and bool(lib.mh_gemv_takes())
 
 
 def supports(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether :func:`linear` runs the kernel for these arguments: plain bf16 CPU tensors, 1 to 4
     rows of ``x``, the weight's rows and the features of ``x`` contiguous, no gradient wanted,
     outside ``torch.compile`` and tracing, and the kernel built with AVX512-BF16."""
-    if type(x) is not Tensor or type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
-        return False
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return False
-    if weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1 or x.dim() < 1:
-        return False
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.dim() != 1):
+    if type(x) is not Tensor or weight.dim() != 2 or x.dim() < 1 or (bias is not None and bias.dim() != 1):
         return False
     out_features, in_features = weight.shape
-    if x.shape[-1] != in_features or in_features < 1 or out_features < 1 or x.stride(-1) != 1:
+    if x.shape[-1] != in_features or in_features < 1 or out_features < 1:
         return False
     if bias is not None and bias.shape[0] != out_features:
         return False
-    rows = x.numel() // in_features
-    tracing = torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]  # (a ctypes call is not traced)
-    if not 1 <= rows <= 4 or torch.compiler.is_compiling() or tracing:
+    return 1 <= x.numel() // in_features <= _MAX_ROWS and _takes(x, weight, bias)
+
+
+def supports_heads(x: Tensor, weight: Tensor, transposed: bool) -> bool:
+    """Whether :func:`heads_linear` (``transposed``: ``x W_hᵀ``) or :func:`heads_matmul` (``x W_h``)
+    runs the kernel: ``x (B, H, M, ·)`` with 1 to 4 rows ``M``, ``weight (H, ·, ·)``, as :func:`supports`."""
+    if type(x) is not Tensor or x.dim() != 4 or weight.dim() != 3 or x.shape[1] != weight.shape[0]:
         return False
-    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if wants_grad and torch.is_grad_enabled():
+    inner = weight.shape[2] if transposed else weight.shape[1]
+    if x.shape[-1] != inner or inner < 1 or weight.shape[1] < 1 or weight.shape[2] < 1 or x.shape[0] < 1:
         return False
-    lib = kernel()
-    return lib is not None and bool(lib.mh_gemv_takes())
+    return 1 <= x.shape[2] <= _MAX_ROWS and _takes(x, weight)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -82,6 +100,26 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _run(lib, x, weight, bias, torch.get_num_threads())
 
 
+def heads_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.transpose(-1, -2)`` per head: ``x (B, H, M, I)``, ``weight (H, O, I)`` ->
+    ``(B, H, M, O)`` (MLA's ``o_h W_UV_hᵀ``), on the kernel where :func:`supports_heads` says so."""
+    if not supports_heads(x, weight, transposed=True):
+        return x @ weight.transpose(-1, -2)
+    lib = kernel()
+    assert lib is not None  # supports_heads() checked
+    return _run_heads(lib, x, weight, True, torch.get_num_threads())
+
+
+def heads_matmul(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight`` per head: ``x (B, H, M, N)``, ``weight (H, N, C)`` -> ``(B, H, M, C)`` (MLA's
+    ``q_nope_h W_UK_h``), on the kernel where :func:`supports_heads` says so."""
+    if not supports_heads(x, weight, transposed=False):
+        return x @ weight
+    lib = kernel()
+    assert lib is not None  # supports_heads() checked
+    return _run_heads(lib, x, weight, False, torch.get_num_threads())
+
+
 def _run(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None, threads: int) -> Tensor:
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)  # a view where the rows are evenly spaced, else a copy
@@ -90,21 +128,25 @@ def _run(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None, threa
     b = None if bias is None else bias.contiguous()
     y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
     status = lib.mh_gemv_bf16(
-        weight.data_ptr(),
-        weight.stride(0),
-        rows.data_ptr(),
-        rows.stride(0),
-        rows.shape[0],
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        out_features,
-        out_features,
-        in_features,
-        threads,
-    )
+        weight.data_ptr(), 0, weight.stride(0), rows.data_ptr(), 0, 0, rows.stride(0), rows.shape[0],
+        None if b is None else b.data_ptr(), y.data_ptr(), 0, 0, out_features, out_features, in_features, 1, 1, threads,
+    )  # fmt: skip
     if status != 0:
-        raise ValueError(f"cpu_gemv.linear: x has {rows.shape[0]} rows; the kernel takes 1 to 4")
+        raise ValueError(f"cpu_gemv.linear: x has {rows.shape[0]} rows; the kernel takes 1 to {_MAX_ROWS}")
     return y.view(*x.shape[:-1], out_features)
+
+
+def _run_heads(lib: ctypes.CDLL, x: Tensor, weight: Tensor, transposed: bool, threads: int) -> Tensor:
+    B, H, M, inner = x.shape
+    out = weight.shape[1] if transposed else weight.shape[2]
+    y = torch.empty(B, H, M, out, dtype=torch.bfloat16)
+    sxb, sxh, ldx = x.stride()[:3]
+    args = (weight.data_ptr(), weight.stride(0), weight.stride(1), x.data_ptr(), sxb, sxh, ldx, M)
+    tail = (y.data_ptr(), y.stride(0), y.stride(1), out, out, inner, B, H, threads)
+    status = lib.mh_gemv_bf16(*args, None, *tail) if transposed else lib.mh_vecmat_bf16(*args, *tail)
+    if status != 0:
+        raise ValueError(f"cpu_gemv: x has {M} rows per head; the kernel takes 1 to {_MAX_ROWS}")
+    return y
 
 
 def _self_test(lib: ctypes.CDLL) -> None:
@@ -122,6 +164,13 @@ def _self_test(lib: ctypes.CDLL) -> None:
         want = F.linear(x.double(), weight.double(), bias.double())
         bound = 2.0**-8 * want.abs() + 1e-5 * (x.double().abs() @ weight.double().abs().T)
         assert bool(((got - want).abs() <= bound).all()), "the CPU one-token projection's self-test failed"
+    x = torch.randn(2, 3, 2, 40, generator=generator).bfloat16()  # (B, H, M, ·)
+    wv = torch.randn(3, 70, 40, generator=generator).bfloat16()
+    got, want = _run_heads(lib, x, wv, True, 2).double(), x.double() @ wv.double().transpose(-1, -2)
+    assert bool(((got - want).abs() <= 2.0**-8 * want.abs() + 1e-5).all()), "the CPU per-head x W_hᵀ self-test failed"
+    wk = torch.randn(3, 40, 70, generator=generator).bfloat16()
+    got, want = _run_heads(lib, x, wk, False, 2).double(), x.double() @ wk.double()
+    assert bool(((got - want).abs() <= 2.0**-8 * want.abs() + 1e-5).all()), "the CPU per-head x W_h self-test failed"
 
 
 _LIBRARY = NativeLibrary(_SOURCE, _bind, _self_test)

@@ -47,6 +47,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
+from multihead.backends import cpu_gemv
 from multihead.caches import CacheRead, KVCache
 from multihead.call import Selection
 from multihead.explain import Explanation, explain
@@ -472,7 +473,8 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
     def _absorbed_query(self, q_nope: Tensor, q_rope: Tensor) -> Tensor:
         """``(B, H, L, C + R)``: ``q_nope_h W_UK_h``, then the rope part: the query over the latent rows."""
         w_uk = self._up_projections()[0]  # (H, N, C), a view of kv_b_proj.weight
-        return torch.cat([q_nope @ w_uk, q_rope], dim=-1)
+        # a decode step's few bf16 rows: per head on the one-token kernel (layers/projection.py)
+        return torch.cat([cpu_gemv.heads_matmul(q_nope, w_uk), q_rope], dim=-1)
 
     def _up_projections(self) -> tuple[Tensor, Tensor]:
         """``W_UK (H, N, C)`` and ``W_UV (H, V, C)``, views of ``kv_b_proj.weight (H·(N+V), C)``."""
@@ -483,7 +485,9 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         """``(B, L, H·C)`` attention over the latent -> ``o_h W_UV_hᵀ`` per head -> ``o_proj``, ``(B, L, E)``."""
         o = y.unflatten(-1, (self.num_heads, self.kv_lora_rank)).transpose(1, 2)  # (B, H, L, C)
         w_uv = self._up_projections()[1]  # (H, V, C), rows of kv_b_proj.weight
-        if o.dtype in (torch.bfloat16, torch.float16):
+        if cpu_gemv.supports_heads(o, w_uv, transposed=True):  # a decode step's few bf16 rows
+            heads = cpu_gemv.heads_linear(o, w_uv)
+        elif o.dtype in (torch.bfloat16, torch.float16):
             # oneDNN's half-precision batched matmul copies a transposed operand first (W_UVᵀ: a
             # transposing copy of every head's W_UV, each step); W_UV · oᵀ reads the rows as they lie.
             # MKL's fp32 one reads W_UVᵀ in place and is the faster way round there.
