@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from multihead.caches import DynamicKVCache, KVCache, QuantizedKVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.layers import MultiHeadAttention
+from multihead.layers.projection import project
 from multihead.masks import sliding_window
 
 __all__ = ["DecoderConfig", "CausalDecoder", "DecoderCache"]
@@ -119,7 +120,8 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
         x = x + self.attn(self.norm1(x), kv_cache=kv_cache, mask=self.window)  # (B, L, E)
-        return x + self.mlp(self.norm2(x))
+        up, act, down = self.mlp  # its Linears through project: a bf16 decode step's on the one-token kernel
+        return x + project(down, act(project(up, self.norm2(x))))
 
 
 class CausalDecoder(nn.Module):
@@ -204,7 +206,7 @@ class CausalDecoder(nn.Module):
         x = self.tok_emb(ids) + self.pos_emb(pos)  # (B, L, E)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
-        return self.head(self.norm(x))
+        return project(self.head, self.norm(x))
 
     @torch.no_grad()
     def generate(
