@@ -38,6 +38,7 @@ import torch
 from common import context, machine_state, memory_read_gbps, print_table, write_csv
 from decode import matmul_peaks
 from multihead.caches import QuantizedKVCache, StaticKVCache
+from multihead.layers.projection import project
 from multihead.models import CausalDecoder, DecoderConfig
 from multihead.models.decoder import DecoderCache
 
@@ -71,13 +72,14 @@ def decode(name: str, model: CausalDecoder, prompt: torch.Tensor, new: int) -> d
 
 
 def _linears_s(linears: list[torch.nn.Linear], tokens: int) -> float:
-    """Seconds per token of every ``Linear`` applied to one token: the model's weights read once,
-    the floor under any decode step of this model (``generate.py`` times the same)."""
+    """Seconds per token of every ``Linear`` applied to one token as the model applies it
+    (``layers.projection.project``: a bf16 one on the one-token kernel): the model's weights read
+    once, the floor under any decode step of this model."""
     xs = [torch.randn(1, 1, m.in_features, dtype=m.weight.dtype) for m in linears]
     t = time.perf_counter()
     for _ in range(tokens):
         for m, x in zip(linears, xs):
-            m(x)
+            project(m, x)
     return (time.perf_counter() - t) / tokens
 
 

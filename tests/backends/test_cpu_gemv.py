@@ -19,6 +19,11 @@ WHY = cpu_gemv.unavailable() or "no AVX512-BF16"
 pytestmark = pytest.mark.skipif(not TAKES, reason=f"no one-token kernel here: {WHY}")
 
 
+def _kernel(x, weight, bias=None):
+    """The kernel itself, whatever the size (``supports`` sends fewer than 2^13 weights to F.linear)."""
+    return cpu_gemv._run(cpu_gemv.kernel(), x, weight, bias, 2)
+
+
 def _bound(x, weight, bias):
     """One bf16 rounding of the output, plus fp32 sums over ``in_features`` products."""
     want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
@@ -34,8 +39,10 @@ def test_equals_float64_within_one_bf16_rounding(rows, out_features, in_features
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
-    assert cpu_gemv.supports(x, weight, bias)
-    got = cpu_gemv.linear(x, weight, bias)
+    assert cpu_gemv.supports(x, weight, bias) == (out_features * in_features >= 2**13)
+    got = _kernel(x, weight, bias)
+    if cpu_gemv.supports(x, weight, bias):
+        assert torch.equal(cpu_gemv.linear(x, weight, bias), got)
     want, bound = _bound(x, weight, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     assert bool(((got.double() - want).abs() <= bound).all())
@@ -52,8 +59,7 @@ def test_views_strided_weights_and_leading_dims():
     seq_first = torch.randn(1, 2, 64, generator=gen).bfloat16().transpose(0, 1)  # (2, 1, 64): rows of stride 64
     expanded = torch.randn(1, 1, 64, generator=gen).bfloat16().expand(3, 1, 64)  # rows of stride 0
     for x in (seq_first, expanded):
-        assert cpu_gemv.supports(x, weight)
-        got = cpu_gemv.linear(x, weight)
+        got = _kernel(x, weight)
         want, bound = _bound(x, weight, None)
         assert got.shape == (*x.shape[:-1], 30)
         assert bool(((got.double() - want).abs() <= bound).all())
@@ -67,28 +73,29 @@ def test_nan_and_inf_reach_the_outputs_they_reach_in_f_linear():
     weight[2, 7] = float("inf")  # output 2 of row 1 (row 0 is NaN already)
     weight[4, 9] = float("inf")
     weight[4, 10] = float("-inf")  # inf - inf: NaN
-    got, ref = cpu_gemv.linear(x, weight), F.linear(x.double(), weight.double())
+    got, ref = _kernel(x, weight), F.linear(x.double(), weight.double())
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     assert torch.equal(got[torch.isinf(got)].sign(), ref[torch.isinf(ref)].sign().to(got.dtype))
 
 
 def test_what_it_refuses_runs_f_linear():
-    x, weight = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    x, weight = torch.randn(1, 64).bfloat16(), torch.randn(128, 64).bfloat16()
     assert cpu_gemv.supports(x, weight)
+    assert not cpu_gemv.supports(x, weight[:127]), "fewer than 2^13 weights: the call's fixed cost"
     assert not cpu_gemv.supports(x.float(), weight.float()), "fp32"
     assert not cpu_gemv.supports(x.half(), weight.half()), "fp16"
     assert not cpu_gemv.supports(torch.randn(5, 64).bfloat16(), weight), "five rows: a GEMM's work"
     assert not cpu_gemv.supports(torch.randn(0, 64).bfloat16(), weight), "no rows"
     assert not cpu_gemv.supports(x, weight.T.contiguous().T), "weight rows not contiguous"
-    assert not cpu_gemv.supports(x, weight, torch.randn(8)), "an fp32 bias"
-    assert not cpu_gemv.supports(x, torch.randn(8, 63).bfloat16()), "sizes that do not match"
+    assert not cpu_gemv.supports(x, weight, torch.randn(128)), "an fp32 bias"
+    assert not cpu_gemv.supports(x, torch.randn(128, 63).bfloat16()), "sizes that do not match"
     wanting = nn.Parameter(weight.clone())
     assert not cpu_gemv.supports(x, wanting), "a gradient wanted"
     with torch.no_grad():
         assert cpu_gemv.supports(x, wanting), "no gradient wanted under no_grad"
     # and the refused calls still give F.linear's answer
-    assert torch.equal(cpu_gemv.linear(torch.randn(5, 64).bfloat16() * 0, weight), torch.zeros(5, 8).bfloat16())
+    assert torch.equal(cpu_gemv.linear(torch.randn(5, 64).bfloat16() * 0, weight), torch.zeros(5, 128).bfloat16())
     y = cpu_gemv.linear(x, wanting)
     y.sum().backward()
     assert wanting.grad is not None and wanting.grad.shape == weight.shape
@@ -109,8 +116,8 @@ def test_per_head_products_equal_float64(B, H, M):
         (q, w_uk, False, q.double() @ w_uk.double()),
         (o, w_uv, True, o.double() @ w_uv.double().transpose(-1, -2)),
     ):
-        assert cpu_gemv.supports_heads(x, weight, transposed)
-        got = cpu_gemv.heads_linear(x, weight) if transposed else cpu_gemv.heads_matmul(x, weight)
+        assert cpu_gemv.supports_heads(x, weight, transposed) == (weight.numel() >= 2**13)
+        got = cpu_gemv._run_heads(cpu_gemv.kernel(), x, weight, transposed, 2)
         w_abs = weight.double().abs()
         magnitude = x.double().abs() @ (w_abs.transpose(-1, -2) if transposed else w_abs)
         assert got.shape == want.shape and got.dtype == torch.bfloat16
@@ -118,9 +125,10 @@ def test_per_head_products_equal_float64(B, H, M):
 
 
 def test_per_head_products_refuse_and_fall_back():
-    x, w = torch.randn(1, 4, 1, 32).bfloat16(), torch.randn(4, 32, 48).bfloat16()
+    x, w = torch.randn(1, 4, 1, 32).bfloat16(), torch.randn(4, 32, 64).bfloat16()
     assert cpu_gemv.supports_heads(x, w, transposed=False)
-    assert not cpu_gemv.supports_heads(x, w, transposed=True), "x W_hᵀ needs 48 features"
+    assert not cpu_gemv.supports_heads(x, w, transposed=True), "x W_hᵀ needs 64 features"
+    assert not cpu_gemv.supports_heads(x, w[:, :, :63], transposed=False), "fewer than 2^13 weights"
     assert not cpu_gemv.supports_heads(torch.randn(1, 4, 5, 32).bfloat16(), w, False), "five rows"
     assert not cpu_gemv.supports_heads(torch.randn(1, 3, 1, 32).bfloat16(), w, False), "three heads for four"
     assert not cpu_gemv.supports_heads(x.float(), w.float(), False), "fp32"
@@ -137,8 +145,8 @@ def test_project_calls_hooks_and_replacements_of_linear_themselves():
     """``project`` bypasses only a plain ``nn.Linear`` without hooks: a forward hook, a global one,
     or a subclass's forward (LoRA-like) still run, and the answers agree."""
     gen = torch.Generator().manual_seed(3)
-    linear = nn.Linear(32, 16, dtype=torch.bfloat16)
-    x = torch.randn(1, 1, 32, generator=gen).bfloat16()
+    linear = nn.Linear(128, 64, dtype=torch.bfloat16)  # 2^13 weights: the kernel takes it
+    x = torch.randn(1, 1, 128, generator=gen).bfloat16()
     calls = []
 
     class Scaled(nn.Linear):
@@ -147,6 +155,7 @@ def test_project_calls_hooks_and_replacements_of_linear_themselves():
             return super().forward(x) * 2
 
     with torch.no_grad():
+        assert cpu_gemv.supports(x, linear.weight, linear.bias)
         plain = projection.project(linear, x)
         handle = linear.register_forward_hook(lambda m, i, o: calls.append("hook"))
         hooked = projection.project(linear, x)
@@ -154,7 +163,7 @@ def test_project_calls_hooks_and_replacements_of_linear_themselves():
         handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append("global"))
         globally = projection.project(linear, x)
         handle.remove()
-        scaled = Scaled(32, 16, dtype=torch.bfloat16)
+        scaled = Scaled(128, 64, dtype=torch.bfloat16)
         scaled.load_state_dict(linear.state_dict())
         doubled = projection.project(scaled, x)
     assert calls == ["hook", "global", "subclass"]

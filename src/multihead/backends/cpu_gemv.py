@@ -26,6 +26,8 @@ __all__ = ["kernel", "unavailable", "supports", "supports_heads", "linear", "hea
 _SOURCE = Path(__file__).with_name("cpu_gemv.c")
 _PLAIN = (Tensor, nn.Parameter)  # tensor subclasses (fake, distributed, quantized) run F.linear
 _MAX_ROWS = 4  # input rows a call takes (cpu_gemv.c: MAX_ROWS)
+_MIN_WEIGHTS = 1 << 13  # measured: docs/inference.md#one-token-projections
+_READY: bool | None = None  # _kernel_takes(), once found
 
 
 def kernel(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
@@ -50,30 +52,39 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 def _takes(*tensors: Tensor | None) -> bool:
     """Plain bf16 CPU tensors (``None``: no bias), features contiguous, no gradient wanted, outside
-    ``torch.compile`` and tracing (a ctypes call is not traced), and the kernel built with AVX512-BF16."""
-    present = [t for t in tensors if t is not None]
-    for t in present:
-        if type(t) not in _PLAIN or t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() < 1:
+    ``torch.compile`` and tracing (a ctypes call is not traced), and the kernel built with AVX512-BF16.
+    (Ordered cheapest first: a decode step asks once per projection.)"""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in _PLAIN or t.dtype is not torch.bfloat16 or not t.is_cpu or t.dim() < 1:
             return False
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
+        if (t.stride(-1) != 1 and t.shape[-1] > 1) or (grad and t.requires_grad):
             return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]
         return False
-    tracing = torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
-    if torch.compiler.is_compiling() or tracing:
-        return False
-    lib = kernel()
-    return lib is not None and bool(lib.mh_gemv_takes())
+    return _kernel_takes()
+
+
+def _kernel_takes() -> bool:
+    """The kernel is built, passed its self-test and has AVX512-BF16 (asked once per process)."""
+    global _READY
+    if _READY is None:
+        lib = kernel()
+        _READY = lib is not None and bool(lib.mh_gemv_takes())
+    return _READY
 
 
 def supports(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether :func:`linear` runs the kernel for these arguments: plain bf16 CPU tensors, 1 to 4
-    rows of ``x``, the weight's rows and the features of ``x`` contiguous, no gradient wanted,
-    outside ``torch.compile`` and tracing, and the kernel built with AVX512-BF16."""
+    rows of ``x``, at least ``2^13`` weights (fewer: the call's fixed cost is more than the faster
+    read saves), the weight's rows and the features of ``x`` contiguous, no gradient wanted, outside
+    ``torch.compile`` and tracing, and the kernel built with AVX512-BF16."""
     if type(x) is not Tensor or weight.dim() != 2 or x.dim() < 1 or (bias is not None and bias.dim() != 1):
         return False
     out_features, in_features = weight.shape
-    if x.shape[-1] != in_features or in_features < 1 or out_features < 1:
+    if x.shape[-1] != in_features or in_features < 1 or out_features * in_features < _MIN_WEIGHTS:
         return False
     if bias is not None and bias.shape[0] != out_features:
         return False
@@ -82,11 +93,12 @@ def supports(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 def supports_heads(x: Tensor, weight: Tensor, transposed: bool) -> bool:
     """Whether :func:`heads_linear` (``transposed``: ``x W_hᵀ``) or :func:`heads_matmul` (``x W_h``)
-    runs the kernel: ``x (B, H, M, ·)`` with 1 to 4 rows ``M``, ``weight (H, ·, ·)``, as :func:`supports`."""
+    runs the kernel: ``x (B, H, M, ·)`` with 1 to 4 rows ``M``, ``weight (H, ·, ·)``, as :func:`supports`
+    (at least ``2^13`` weights in all)."""
     if type(x) is not Tensor or x.dim() != 4 or weight.dim() != 3 or x.shape[1] != weight.shape[0]:
         return False
     inner = weight.shape[2] if transposed else weight.shape[1]
-    if x.shape[-1] != inner or inner < 1 or weight.shape[1] < 1 or weight.shape[2] < 1 or x.shape[0] < 1:
+    if x.shape[-1] != inner or weight.numel() < _MIN_WEIGHTS or x.shape[0] < 1:
         return False
     return 1 <= x.shape[2] <= _MAX_ROWS and _takes(x, weight)
 
