@@ -205,3 +205,22 @@ def test_a_bf16_decode_step_through_the_kernel_equals_the_one_without(layer_kind
     # the per-head W_UK and W_UV (MLA)
     assert sorted(runs) == (["linear"] * 4 if layer_kind == "mha" else ["heads"] * 2 + ["linear"] * 3), runs
     torch.testing.assert_close(got.float(), want.float(), rtol=0.0, atol=2.0**-6 * want.float().abs().max().item())
+
+
+def test_a_decoder_generates_through_the_kernel_and_keeps_the_hooks_on_its_mlp(monkeypatch):
+    """``CausalDecoder``'s MLP and head go through ``project``: its bf16 decode steps run them on
+    the kernel, and an MLP with a forward hook is called whole (the hook sees every step)."""
+    from multihead.models import CausalDecoder, DecoderConfig
+
+    torch.manual_seed(5)
+    model = CausalDecoder(DecoderConfig(vocab_size=384, max_len=64, d_model=128, num_layers=2, num_heads=4))
+    model = model.eval().bfloat16()
+    prompt = torch.randint(0, 384, (1, 9))
+    runs, run = [], cpu_gemv._run
+    monkeypatch.setattr(cpu_gemv, "_run", lambda *a: runs.append(tuple(a[2].shape)) or run(*a))
+    model.generate(prompt, 3)
+    assert (512, 128) in runs and (128, 512) in runs and (384, 128) in runs, runs  # MLP up, down; head
+    seen = []
+    model.blocks[0].mlp.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    model.generate(prompt, 3)
+    assert seen == [(1, 9, 128), (1, 1, 128), (1, 1, 128)], seen  # the prompt, then each step

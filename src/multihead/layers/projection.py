@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module
 
 from multihead.backends import cpu_gemv
 
-__all__ = ["project", "project_qkv"]
+__all__ = ["project", "project_qkv", "unhooked"]
 
 
 def project(linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -56,16 +56,18 @@ def project(linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return out
 
 
-def _plain(m: nn.Module) -> bool:
-    """A plain ``nn.Linear`` (not a LoRA or quantized replacement, whose forward must run) with no
-    hook of its own and none registered for every module."""
-    return (
-        type(m) is nn.Linear
-        and not m._forward_hooks
-        and not m._forward_pre_hooks
-        and not _module._global_forward_hooks
-        and not _module._global_forward_pre_hooks
+def unhooked(m: nn.Module) -> bool:
+    """No forward hook on ``m`` and none registered for every module: calling its parts instead of
+    ``m`` itself skips nothing a user asked to see."""
+    return not (
+        m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks or _module._global_forward_pre_hooks
     )
+
+
+def _plain(m: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a LoRA or quantized replacement, whose forward must run) without
+    hooks (:func:`unhooked`)."""
+    return type(m) is nn.Linear and unhooked(m)
 
 
 def project_qkv(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from multihead.caches import DynamicKVCache, KVCache, QuantizedKVCache, SlidingWindowKVCache, StaticKVCache
 from multihead.layers import MultiHeadAttention
-from multihead.layers.projection import project
+from multihead.layers.projection import project, unhooked
 from multihead.masks import sliding_window
 
 __all__ = ["DecoderConfig", "CausalDecoder", "DecoderCache"]
@@ -120,7 +120,10 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
         x = x + self.attn(self.norm1(x), kv_cache=kv_cache, mask=self.window)  # (B, L, E)
-        up, act, down = self.mlp  # its Linears through project: a bf16 decode step's on the one-token kernel
+        mlp = self.mlp
+        if type(mlp) is not nn.Sequential or len(mlp) != 3 or not unhooked(mlp):  # replaced, or watched
+            return x + mlp(self.norm2(x))
+        up, act, down = mlp  # its Linears through project: a bf16 decode step's on the one-token kernel
         return x + project(down, act(project(up, self.norm2(x))))
 
 
