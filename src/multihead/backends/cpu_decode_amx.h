@@ -392,6 +392,7 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
          * or into L1 (T0) gained less or lost. */
         const int row_lines = es * D / 64, pf_lines = jumps ? 0 : (int)(ahead - cnt) * row_lines / 2; /* pages: prefetched above */
         const int pf_step = (pf_lines + DB / 2 - 1) / (DB / 2);
+        int pf_row = 0, pf_line = 0; /* the next line to prefetch: row, line in it */
         /* one row group whose weights are two terms in two blocks: their four tiles stay in tmm2..5 for
          * the whole loop (else loaded for every 32 features: measured: docs/inference.md#tile-path) */
         const int resident = RG == 1 && wterms == 2 && blocks == 2;
@@ -405,8 +406,10 @@ static inline void amx_core(const job_t *J, int bh, float *s_fma, float *qs_fma,
         for (int e = 0; e < DB / 2; e++) {
             const uint16_t *vt = VT + (size_t)(e & 1) * AMX_TB * 1024;
             if (e + 1 < DB / 2) amx_values(vrows, cnt, blocks, e + 1, VT + (size_t)((e + 1) & 1) * AMX_TB * 1024, kind);
-            for (int i = e * pf_step; i < (e + 1) * pf_step && i < pf_lines; i++) /* the next chunk's first rows */
-                _mm_prefetch(krows[cnt + i / row_lines] + 64 * (i % row_lines), _MM_HINT_T1);
+            for (int i = e * pf_step; i < (e + 1) * pf_step && i < pf_lines; i++) { /* the next chunk's first rows */
+                _mm_prefetch(krows[cnt + pf_row] + 64 * pf_line, _MM_HINT_T1);
+                if (++pf_line == row_lines) pf_line = 0, pf_row++; /* (no division in the loop) */
+            }
             if (resident) {
                 float *Og = O + 32 * e;
                 _tile_loadd(0, Og, 4L * Dv);
