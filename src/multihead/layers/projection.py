@@ -44,14 +44,15 @@ __all__ = ["project", "project_qkv", "unhooked"]
 
 def project(linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """``linear(x)``, on the one-token kernel where it takes the call (the module docstring):
-    ``linear`` a plain ``nn.Linear`` without hooks (anything else is called), ``x`` 1 to 4 rows of bf16 on the CPU, no
-    gradient wanted, outside ``torch.compile`` (:func:`multihead.backends.cpu_gemv.supports`)."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and isinstance(linear, nn.Module) and _plain(linear):
+    ``linear`` a plain ``nn.Linear`` without hooks (anything else is called), ``x`` 1 to 4 rows of
+    bf16 on the CPU, no gradient wanted, outside ``torch.compile``
+    (:func:`multihead.backends.cpu_gemv.supports`; where it does not, ``F.linear``: what a plain
+    ``nn.Linear`` runs)."""
+    if x.dtype == torch.bfloat16 and x.is_cpu and isinstance(linear, nn.Module) and _plain(linear):
         params = linear._parameters  # (a plain nn.Linear's parameters, read without __getattr__)
-        weight, bias = params["weight"], params["bias"]
+        weight = params["weight"]
         assert weight is not None
-        if cpu_gemv.supports(x, weight, bias):
-            return cpu_gemv.linear(x, weight, bias)
+        return cpu_gemv.linear(x, weight, params["bias"])
     out: Tensor = linear(x)
     return out
 
