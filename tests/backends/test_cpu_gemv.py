@@ -224,3 +224,26 @@ def test_a_decoder_generates_through_the_kernel_and_keeps_the_hooks_on_its_mlp(m
     model.blocks[0].mlp.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
     model.generate(prompt, 3)
     assert seen == [(1, 9, 128), (1, 1, 128), (1, 1, 128)], seen  # the prompt, then each step
+
+
+def test_the_nn_multiheadattention_drop_in_projects_a_bf16_query_on_the_kernel(monkeypatch):
+    """``multihead.compat.MultiheadAttention`` (the ``nn.MultiheadAttention`` drop-in): its packed input
+    projection and its ``out_proj`` (PyTorch's ``NonDynamicallyQuantizableLinear``) run a one-row
+    bf16 call on the kernel, within a bf16 rounding of the same call without it, and of PyTorch's
+    own class with the same weights."""
+    torch.manual_seed(6)
+    layer = mh.compat.MultiheadAttention(256, 8, batch_first=True, dtype=torch.bfloat16).eval()
+    theirs = nn.MultiheadAttention(256, 8, batch_first=True, dtype=torch.bfloat16).eval()
+    theirs.load_state_dict(layer.state_dict())
+    q, memory = torch.randn(1, 1, 256).bfloat16(), torch.randn(1, 12, 256).bfloat16()
+    runs, run = [], cpu_gemv._run
+    monkeypatch.setattr(cpu_gemv, "_run", lambda *a: runs.append(tuple(a[2].shape)) or run(*a))
+    with torch.no_grad():
+        got = layer(q, memory, memory, need_weights=False)[0]
+        assert runs == [(256, 256), (256, 256)], runs  # q's rows of in_proj, then out_proj
+        monkeypatch.setattr(cpu_gemv, "supports", lambda *a, **k: False)
+        without = layer(q, memory, memory, need_weights=False)[0]
+        reference = theirs(q, memory, memory, need_weights=False)[0]
+    scale = 2.0**-6 * reference.float().abs().max().item()
+    torch.testing.assert_close(got.float(), without.float(), rtol=0.0, atol=scale)
+    torch.testing.assert_close(got.float(), reference.float(), rtol=0.0, atol=scale)

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from multihead.backends import cpu_gemv
 from multihead.call import Selection, mask_and_score_mod
 from multihead.hooks import HookPoints
 from multihead.layers.checks import check_dropout, check_flag, check_inputs, check_size, dims
@@ -533,7 +534,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     ``test_multihead_attn_fast_path_query_and_bias_have_different_dtypes``). So is it here.
     """
     if bias is None or bias.dtype == x.dtype:
-        return F.linear(x, weight, bias)
+        return cpu_gemv.linear(x, weight, bias)  # F.linear; a few bf16 rows on the one-token kernel
     return F.linear(x, weight) + bias  # type promotion, as PyTorch's matmul + add
 
 

@@ -36,10 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from multihead.backends import cpu_gemv
 
 __all__ = ["project", "project_qkv", "unhooked"]
+
+#: ``nn.Linear`` and the subclass ``nn.MultiheadAttention`` names its ``out_proj`` (the same forward)
+_LINEARS = (nn.Linear, NonDynamicallyQuantizableLinear)
 
 
 def project(linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -66,9 +70,9 @@ def unhooked(m: nn.Module) -> bool:
 
 
 def _plain(m: nn.Module) -> bool:
-    """A plain ``nn.Linear`` (not a LoRA or quantized replacement, whose forward must run) without
-    hooks (:func:`unhooked`)."""
-    return type(m) is nn.Linear and unhooked(m)
+    """A plain ``nn.Linear`` (not a LoRA or quantized replacement, whose forward must run; PyTorch's
+    ``NonDynamicallyQuantizableLinear`` is one) without hooks (:func:`unhooked`)."""
+    return type(m) in _LINEARS and unhooked(m)
 
 
 def project_qkv(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
