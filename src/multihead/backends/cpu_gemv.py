@@ -116,6 +116,12 @@ def heads_linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight.transpose(-1, -2)`` per head: ``x (B, H, M, I)``, ``weight (H, O, I)`` ->
     ``(B, H, M, O)`` (MLA's ``o_h W_UV_hᵀ``), on the kernel where :func:`supports_heads` says so."""
     if not supports_heads(x, weight, transposed=True):
+        if x.dtype in (torch.bfloat16, torch.float16):
+            # oneDNN's half-precision batched matmul copies a transposed operand first (every
+            # head's W_hᵀ, each call); W_h · xᵀ reads the rows as they lie. MKL's fp32 one reads
+            # W_hᵀ in place and is the faster way round there.
+            # measured: docs/inference.md#multi-head-latent-attention-mla
+            return (weight @ x.transpose(-1, -2)).transpose(-1, -2)
         return x @ weight.transpose(-1, -2)
     lib = kernel()
     assert lib is not None  # supports_heads() checked
@@ -133,37 +139,42 @@ def heads_matmul(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def _run(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None, threads: int) -> Tensor:
+    """:func:`linear` on the kernel: one head of :func:`_call`."""
     out_features, in_features = weight.shape
-    rows = x.reshape(-1, in_features)  # a view where the rows are evenly spaced, else a copy
+    rows = x.reshape(1, 1, -1, in_features)  # a view where the rows are evenly spaced, else a copy
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    b = None if bias is None else bias.contiguous()
-    y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    status = lib.mh_gemv_bf16(
-        weight.data_ptr(), 0, weight.stride(0), rows.data_ptr(), 0, 0, rows.stride(0), rows.shape[0],
-        None if b is None else b.data_ptr(), y.data_ptr(), 0, 0, out_features, out_features, in_features, 1, 1, threads,
-    )  # fmt: skip
-    if status != 0:
-        raise ValueError(f"cpu_gemv.linear: x has {rows.shape[0]} rows; the kernel takes 1 to {_MAX_ROWS}")
+    y = _call(lib, rows, weight.unsqueeze(0), True, threads, None if bias is None else bias.contiguous())
     return y.view(*x.shape[:-1], out_features)
 
 
 def _run_heads(lib: ctypes.CDLL, x: Tensor, weight: Tensor, transposed: bool, threads: int) -> Tensor:
+    """:func:`heads_linear` (``transposed``) or :func:`heads_matmul` on the kernel."""
+    return _call(lib, x, weight, transposed, threads, None)
+
+
+def _call(lib: ctypes.CDLL, x: Tensor, weight: Tensor, transposed: bool, threads: int, bias: Tensor | None) -> Tensor:
+    """``x (B, H, M, ·)`` times each head's ``weight (H, ·, ·)`` (``transposed``: ``x W_hᵀ + bias``,
+    else ``x W_h``) on the kernel: ``(B, H, M, out)`` in bf16."""
     B, H, M, inner = x.shape
     out = weight.shape[1] if transposed else weight.shape[2]
     y = torch.empty(B, H, M, out, dtype=torch.bfloat16)
     sxb, sxh, ldx = x.stride()[:3]
     args = (weight.data_ptr(), weight.stride(0), weight.stride(1), x.data_ptr(), sxb, sxh, ldx, M)
     tail = (y.data_ptr(), y.stride(0), y.stride(1), out, out, inner, B, H, threads)
-    status = lib.mh_gemv_bf16(*args, None, *tail) if transposed else lib.mh_vecmat_bf16(*args, *tail)
+    if transposed:
+        status = lib.mh_gemv_bf16(*args, None if bias is None else bias.data_ptr(), *tail)
+    else:
+        status = lib.mh_vecmat_bf16(*args, *tail)
     if status != 0:
-        raise ValueError(f"cpu_gemv: x has {M} rows per head; the kernel takes 1 to {_MAX_ROWS}")
+        raise ValueError(f"cpu_gemv: x has {M} rows (per head); the kernel takes 1 to {_MAX_ROWS}")
     return y
 
 
 def _self_test(lib: ctypes.CDLL) -> None:
     """Against ``F.linear`` in float64 (then rounded to bf16) on 1 to 4 rows, sizes that leave a tail
     of features and of output rows, a bias, a strided weight: raises ``AssertionError``."""
+    assert lib.mh_gemv_max_rows() == _MAX_ROWS, "cpu_gemv.c's MAX_ROWS differs from cpu_gemv.py's"
     if not lib.mh_gemv_takes():
         return
     generator = torch.Generator().manual_seed(0)

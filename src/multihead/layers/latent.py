@@ -485,16 +485,7 @@ class MultiHeadLatentAttention(HookPoints, nn.Module):
         """``(B, L, H·C)`` attention over the latent -> ``o_h W_UV_hᵀ`` per head -> ``o_proj``, ``(B, L, E)``."""
         o = y.unflatten(-1, (self.num_heads, self.kv_lora_rank)).transpose(1, 2)  # (B, H, L, C)
         w_uv = self._up_projections()[1]  # (H, V, C), rows of kv_b_proj.weight
-        if cpu_gemv.supports_heads(o, w_uv, transposed=True):  # a decode step's few bf16 rows
-            heads = cpu_gemv.heads_linear(o, w_uv)
-        elif o.dtype in (torch.bfloat16, torch.float16):
-            # oneDNN's half-precision batched matmul copies a transposed operand first (W_UVᵀ: a
-            # transposing copy of every head's W_UV, each step); W_UV · oᵀ reads the rows as they lie.
-            # MKL's fp32 one reads W_UVᵀ in place and is the faster way round there.
-            # measured: docs/inference.md#multi-head-latent-attention-mla
-            heads = (w_uv @ o.transpose(-1, -2)).transpose(-1, -2)
-        else:
-            heads = o @ w_uv.transpose(1, 2)
+        heads = cpu_gemv.heads_linear(o, w_uv)  # (B, H, L, V): a decode step's few bf16 rows on the kernel
         out: Tensor = project(self.o_proj, merge_heads(heads))  # (B, H, L, V) -> (B, L, E)
         return out
 
