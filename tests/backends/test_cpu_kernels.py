@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import assert_relative
 from multihead.backends import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -21,16 +22,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _expected(qg, keys, values, scale, G, Lq, blocked):
+def _expected(qg, keys, values, scale, G, Lq, blocked, dtype=torch.float64):
     """fp64 ``(out, lse)`` of the folded rows over ``keys``/``values`` (B, Hkv, n, ·); 0 and -inf
-    on rows that see nothing."""
-    scores = qg.double() @ keys.double().transpose(-1, -2) * scale  # (B, Hkv, R, n)
+    on rows that see nothing. ``dtype=torch.float32``: the same computed plainly in fp32, the
+    relative rule's baseline (TESTING.md)."""
+    scores = qg.to(dtype) @ keys.to(dtype).transpose(-1, -2) * scale  # (B, Hkv, R, n)
     if blocked is not None:
         B, Hkv, R, n = scores.shape
         full = blocked.expand(B, Hkv, G, Lq, n).reshape(B, Hkv, R, n)
         scores = scores.masked_fill(full, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) @ values.double()
+    out = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) @ values.to(dtype)
     return out, lse
 
 
@@ -207,6 +209,52 @@ def test_the_fma_path_reads_long_calls_in_blocks_with_an_online_softmax(storage,
     gathered_v = pool_v[:, table[0]].reshape(Hkv, 1100, Dv)[None]
     got = cpu_kernels._call(lib, q, [cpu_kernels.Segment(pool_k, pool_v, None, table, 3, 1090)], 0.2, G, 1, 2)
     _close(got, _expected(q, gathered_k[:, :, 3:1093], gathered_v[:, :, 3:1093], 0.2, G, 1, None), "pages")
+
+
+@pytest.mark.parametrize("R", [16, 17, 32, 33])
+@pytest.mark.parametrize("D,Dv", [(16, 16), (80, 48), (576, 512)])
+@pytest.mark.parametrize("page_size", [None, 3, 16, 17])
+def test_many_fp32_rows_sixteen_to_a_vector_equal_fp64(R, D, Dv, page_size):
+    """fp32 keys with 16 query rows and more (MLA, MQA): each group of 16 rows runs as the lanes of a
+    vector (``scores_t16``: a key's feature broadcast, features in blocks of 32; ``values_t16``: a
+    value's feature broadcast against 16 weights where every row sees every slot), the rows past the
+    last 16 in the 4-row blocks. Built with 256-slot blocks (``-DSB_BYTES=1``) and without the
+    tiles, against fp64: lengths around 16 keys (a last group of fewer, its missing keys not
+    stored), a max that grows along the slots, keys that lie at one stride and keys that pages break
+    (pages of 3 and 17 break every group), masked and unmasked rows, a row that sees nothing."""
+    lib = cpu_kernels.build((*cpu_kernels.FLAGS, "-DMH_NO_AMX", "-DSB_BYTES=1"))
+    gen = torch.Generator().manual_seed(R * 1000 + D + (page_size or 0))
+    B, Hkv = 1, 2
+    for n in (15, 16, 17, 47, 300):
+        ramp = torch.linspace(0.2, 2.0, n)[:, None]
+        keys = torch.randn(B, Hkv, n, D, generator=gen) * ramp
+        values = torch.randn(B, Hkv, n, Dv, generator=gen)
+        q = torch.randn(B, Hkv, R, D, generator=gen)
+        if page_size is None:
+            k, v, table, lo = keys, values, None, 0
+        else:
+            pages = -(-(n + 1) // page_size)
+            order = torch.randperm(pages, generator=gen)
+            pool_k = torch.randn(Hkv, pages, page_size, D, generator=gen)
+            pool_v = torch.randn(Hkv, pages, page_size, Dv, generator=gen)
+            flat_k = pool_k.view(Hkv, pages * page_size, D)
+            flat_v = pool_v.view(Hkv, pages * page_size, Dv)
+            slots = (order[:, None] * page_size + torch.arange(page_size)).reshape(-1)[1 : n + 1]  # from slot 1
+            flat_k[:, slots], flat_v[:, slots] = keys[0], values[0]
+            k, v, table, lo = pool_k, pool_v, order[None], 1
+        for blocked in (None, torch.rand(B, 1, R, 1, n, generator=gen) < 0.3):
+            if blocked is not None:
+                blocked[..., 1, :, :] = True  # a row that sees nothing
+            seg = cpu_kernels.Segment(k, v, blocked, table, lo, n if table is not None else None)
+            out, lse = cpu_kernels._call(lib, q, [seg], 0.1, R, 1, 2)
+            want = _expected(q, keys, values, 0.1, R, 1, blocked)
+            naive = _expected(q, keys, values, 0.1, R, 1, blocked, torch.float32)
+            what = f"R={R} D={D} n={n} pages={page_size} masked={blocked is not None}"
+            # scores of 576 features reach |s| ~ 5 here, where a fixed 2e-6 is below fp32's own error (a
+            # plain fp32 computation misses by up to 4.7e-6): the relative rule, with a factor of 4 where
+            # it allows about 10 for fp32 (the worst measured: 1.8)
+            assert_relative(out, want[0], naive[0], 4, f"{what}: out")
+            torch.testing.assert_close(lse.double(), want[1], rtol=2e-5, atol=2e-5, msg=lambda m: f"{what}: lse: {m}")
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])

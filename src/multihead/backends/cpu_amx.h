@@ -30,29 +30,4 @@ static void amx_configure(void) { /* eight tiles of 16 rows x 64 bytes */
     _tile_loadconfig(&c);
 }
 
-/* r[i] lane j -> r[j] lane i (16 x 16 fp32) */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* u[i + j], 128-bit lane L: column 4L + j of rows i..i+3 */
-        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-        __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512 x0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), x1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
-        __m512 y0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44), y1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
-        r[j] = _mm512_shuffle_f32x4(x0, y0, 0x88);
-        r[4 + j] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
-        r[8 + j] = _mm512_shuffle_f32x4(x1, y1, 0x88);
-        r[12 + j] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
-    }
-}
-
 #endif

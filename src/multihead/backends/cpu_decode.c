@@ -155,15 +155,16 @@ static inline void prefetch_row(const char *row, int bytes) {
 #ifndef AHEAD_MIN_ROWS
 #define AHEAD_MIN_ROWS 8 /* query rows per KV head from which P V takes long enough (fewer: the prefetcher keeps up) */
 #endif
-typedef struct {
-    const char *rows[2 * TB]; /* keys' rows [0, keys), values' [keys, count) */
+typedef struct { /* small: a loop that copies it into a local keeps it in registers */
+    const char **rows; /* 2 · TB of them: keys' rows [0, keys), values' [keys, count) */
     int keys, count, k_lines, v_lines, r, l;
 } ahead_t;
 
-static inline void ahead_start(ahead_t *a, const char *K, const char *V, const int64_t *table, long ps, long kpb,
-                               long ktb, long vpb, long vtb, int kbytes, int vbytes, long slot, long count) {
+static inline void ahead_start(ahead_t *a, const char **rows, const char *K, const char *V, const int64_t *table,
+                               long ps, long kpb, long ktb, long vpb, long vtb, int kbytes, int vbytes, long slot,
+                               long count) {
     const int in_keys = V == K && vpb == kpb && vtb == ktb && vbytes <= kbytes;
-    a->keys = (int)count, a->count = in_keys ? (int)count : 2 * (int)count, a->r = 0, a->l = 0;
+    a->rows = rows, a->keys = (int)count, a->count = in_keys ? (int)count : 2 * (int)count, a->r = 0, a->l = 0;
     a->k_lines = (kbytes + 63) / 64, a->v_lines = (vbytes + 63) / 64;
     if (count < 1) return;
     rows_of(a->rows, count, K, table, ps, kpb, ktb, slot);
@@ -210,11 +211,11 @@ static inline long superblock(long n, int row_bytes) {
 #define BLOCK4(T, LOAD)                                                                                  \
     { /* the keys in fours: [i0, i_end) */                                                             \
     const long i0 = i, i_end = i0 + (cnt - i0) / 4 * 4;                                                  \
-    for (int rh = 0; rh < R4; rh += 8)                                                                   \
+    for (int rh = RT; rh < R4; rh += 8)                                                                  \
     for (i = i0; i < i_end; i += 4) {                                                                    \
         const T *k0r = (const T *)rows[i], *k1r = (const T *)rows[i + 1];                                \
         const T *k2r = (const T *)rows[i + 2], *k3r = (const T *)rows[i + 3];                            \
-        if (rh == 0) for (int j = 0; j < 4; j++) if (i + j + PF < got) prefetch_row(rows[i + j + PF], kbytes); \
+        if (rh == RT) for (int j = 0; j < 4; j++) if (i + j + PF < got) prefetch_row(rows[i + j + PF], kbytes); \
         const __m128 f4 = _mm_loadu_ps(kf + i);                                                          \
         for (int r0 = rh; r0 < rh + 8 && r0 < R4; r0 += 4) {                                             \
             const float *qg4 = qs + (long)r0 * D;                                                        \
@@ -237,6 +238,128 @@ static inline long superblock(long n, int row_bytes) {
     }
 #else
 #define BLOCK4(T, LOAD)
+#endif
+
+#ifdef __AVX512F__
+/* fp32 keys against 16 query rows held transposed (qt[c · 16 + r]): a vector per key, lane r its score
+ * for row r, each key's element broadcast from memory against one vector of qt, features 4 at a time.
+ * No horizontal sums, and qt is read in order once per 16 keys, where the 4 keys x 4 rows blocks
+ * reduced every score across a vector and kept 8 rows beside 4 keys in L1 (measured:
+ * docs/inference.md#fma-transposed). m keys (fewer than 16: the last repeated, its lanes not stored);
+ * keys that lie at one stride are walked by it, others through their pointers. s[r · n_s + j]. */
+#define T16_FEATURES 32 /* scores summed in blocks of this many features: summed in one lane over all of D they
+                          * lost about 3x the precision of the 16-lane partial sums they replaced; in blocks, none */
+#define T16_STEP(acc, p)                                                                                 \
+    acc = _mm512_fmadd_ps(q0, _mm512_set1_ps((p)[0]), acc), acc = _mm512_fmadd_ps(q1, _mm512_set1_ps((p)[1]), acc), \
+    acc = _mm512_fmadd_ps(q2, _mm512_set1_ps((p)[2]), acc), acc = _mm512_fmadd_ps(q3, _mm512_set1_ps((p)[3]), acc)
+/* 16 keys' scores (sum[j] lane r: key j, row r) in blocks of T16_FEATURES features, each unrolled whole (a
+ * loop of 8 steps and its exit cost the blocks ~10%). KEY(j, c): key j's features from c. A function per
+ * way of finding the keys (one function with both spilled the keys' pointers to the stack: ~20% slower) */
+#define T16_SCORES(NAME, KEY, ...)                                                                       \
+    static __attribute__((noinline)) void NAME(__m512 sum[16], __VA_ARGS__, const float *qt, int D) {    \
+        __m512 a[16];                                                                                    \
+        for (int c0 = 0; c0 < D; c0 += T16_FEATURES) {                                                   \
+            for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();                                     \
+            if (D - c0 >= T16_FEATURES) {                                                                \
+                _Pragma("GCC unroll 8") for (int c = c0; c < c0 + T16_FEATURES; c += 4) {                \
+                    const __m512 q0 = _mm512_loadu_ps(qt + 16 * c), q1 = _mm512_loadu_ps(qt + 16 * c + 16); \
+                    const __m512 q2 = _mm512_loadu_ps(qt + 16 * c + 32), q3 = _mm512_loadu_ps(qt + 16 * c + 48); \
+                    _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) T16_STEP(a[j], KEY(j, c)); \
+                }                                                                                        \
+            } else                                                                                       \
+                for (int c = c0; c < D; c += 4) {                                                        \
+                    const __m512 q0 = _mm512_loadu_ps(qt + 16 * c), q1 = _mm512_loadu_ps(qt + 16 * c + 16); \
+                    const __m512 q2 = _mm512_loadu_ps(qt + 16 * c + 32), q3 = _mm512_loadu_ps(qt + 16 * c + 48); \
+                    _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) T16_STEP(a[j], KEY(j, c)); \
+                }                                                                                        \
+            for (int j = 0; j < 16; j++) sum[j] = c0 == 0 ? a[j] : _mm512_add_ps(sum[j], a[j]);          \
+        }                                                                                                \
+    }
+#define T16_EVEN(j, c) (k0 + (j) * st + (c))
+#define T16_ROWS_AT(j, c) (k[j] + (c))
+T16_SCORES(scores_t16_even, T16_EVEN, const float *k0, long st)
+T16_SCORES(scores_t16_rows, T16_ROWS_AT, const float *const *k)
+#undef T16_EVEN
+#undef T16_ROWS_AT
+#undef T16_SCORES
+#undef T16_STEP
+static inline void scores_t16(const char *const *rows, long ktb, int m, const float *qt, int D, float *s, long n_s) {
+    __m512 a[16];
+    int even = m == 16;
+    for (int j = 1; j < 16 && even; j++) even = rows[j] == rows[0] + j * ktb;
+    if (even)
+        scores_t16_even(a, (const float *)rows[0], ktb / (long)sizeof(float), qt, D);
+    else {
+        const float *k[16];
+        for (int j = 0; j < 16; j++) k[j] = (const float *)rows[j < m ? j : m - 1];
+        scores_t16_rows(a, k, qt, D);
+    }
+    transpose16(a); /* a[r] lane j: key j's score for row r */
+    const __mmask16 keep = (__mmask16)(m == 16 ? 0xFFFF : (1u << m) - 1);
+    for (int r = 0; r < 16; r++) _mm512_mask_storeu_ps(s + r * n_s, keep, a[r]);
+}
+
+/* O[r][f] += Σ_k P[r][k] V[k][f] for 16 rows, cnt slots: pt[k · 16 + r] the weights transposed, 16
+ * features at a time with one accumulator each (lanes: the rows), each value element broadcast against
+ * its slot's 16 weights. Each value line is read once a block, where 4 rows x 64 features read it once
+ * per 4 rows (measured: docs/inference.md#fma-transposed). out: 16 rows at stride Dv. */
+static inline void values_t16(const char *const *rows, int cnt, const float *pt, int Dv, float *out, ahead_t *ahead) {
+    const float *v[TB]; /* the rows at feature f0: each value element a displacement from its row's pointer */
+    for (int k = 0; k < cnt; k++) v[k] = (const float *)rows[k];
+    ahead_t next = *ahead; /* in registers */
+    for (int f0 = 0; f0 < Dv; f0 += 16) {
+        __m512 a[16];
+        for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+        for (int k = 0; k < cnt; k++) {
+            ahead_step(&next);
+            const __m512 w = _mm512_loadu_ps(pt + 16 * k);
+            const float *vk = v[k];
+            for (int j = 0; j < 16; j++) a[j] = _mm512_fmadd_ps(w, _mm512_set1_ps(vk[j]), a[j]);
+            v[k] = vk + 16;
+        }
+        transpose16(a); /* a[r] lane j: feature f0 + j of row r */
+        for (int r = 0; r < 16; r++) {
+            float *o = out + (long)r * Dv + f0;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), a[r]));
+        }
+    }
+    *ahead = next;
+}
+
+/* pt[k · 16 + r] = s[r · n_s + k] for 16 rows, k < cnt */
+static inline void weights_t16(const float *s, long n_s, int cnt, float *pt) {
+    for (int k0 = 0; k0 < cnt; k0 += 16) {
+        const int m = cnt - k0 < 16 ? cnt - k0 : 16;
+        const __mmask16 keep = (__mmask16)(m == 16 ? 0xFFFF : (1u << m) - 1);
+        __m512 x[16];
+        for (int r = 0; r < 16; r++) x[r] = _mm512_maskz_loadu_ps(keep, s + r * n_s + k0);
+        transpose16(x);
+        for (int j = 0; j < m; j++) _mm512_storeu_ps(pt + 16 * (k0 + j), x[j]);
+    }
+}
+/* rows [0, RT) of a TB block of keys 16 at a time (the rest of the rows take BLOCK4 and DOT4) */
+#define T16_ROWS(ON, R) ((ON) ? (R) / 16 * 16 : 0)
+#define T16_BLOCK(ON)                                                                                    \
+    if (ON)                                                                                              \
+        for (long i16 = i; i16 < cnt; i16 += 16)                                                         \
+            for (int g = 0; g < RT; g += 16)                                                             \
+                scores_t16(rows + i16, ktb, cnt - i16 < 16 ? (int)(cnt - i16) : 16, qt + (long)g * D, D,  \
+                           s_blk + (long)g * n_s + t_s + i16, n_s);
+/* P V of rows [0, RT) 16 at a time where every row sees every slot (values_t16's products take no
+ * per-slot test); the 4-row groups take the rest */
+#define V16_BLOCK(ON)                                                                                    \
+    if ((ON) && !J->blocked) {                                                                           \
+        float pt[TB * 16] __attribute__((aligned(64)));                                                  \
+        for (int g = 0; g < RT; g += 16) {                                                               \
+            weights_t16(s + (long)g * SB + (t - t_lo), SB, (int)cnt, pt);                                \
+            values_t16(rows, (int)cnt, pt, Dv, out + (long)g * Dv, &ahead);                              \
+        }                                                                                                \
+        g4_first = RT / 4;                                                                               \
+    }
+#else
+#define T16_ROWS(ON, R) 0
+#define T16_BLOCK(ON)
+#define V16_BLOCK(ON)
 #endif
 
 #include "cpu_amx.h"
@@ -270,10 +393,11 @@ static inline long superblock(long n, int row_bytes) {
 #define AMX8_END(ON)
 #endif
 
-#define DEFINE_KERNEL(SUFFIX, T, LOAD, QUANT, AMX8)                                                        \
+#define DEFINE_KERNEL(SUFFIX, T, LOAD, QUANT, AMX8, TRANS)                                                 \
 static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {                                  \
     const int b = bh / J->H, h = bh % J->H, R = J->G * J->Lq, D = J->D, Dv = J->Dv;                      \
     const int R4 = (R + 3) & ~3; /* rows padded to a multiple of 4 (zero rows) */                        \
+    const int RT = T16_ROWS(TRANS, R); /* rows whose scores run 16 to a vector (scores_t16) */           \
     const int kbytes = D * (int)sizeof(T), vbytes = Dv * (int)sizeof(T);                                 \
     const long n = J->n, lo = J->lo, ps = J->ps;                                                         \
     const char *K = (const char *)((const T *)J->K + h * J->k_h);                                        \
@@ -305,6 +429,10 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     float *m_run = qs + (long)R4 * D, *tot = m_run + R; /* past the query rows in qs */                \
     int any_nan[R];                                                                                      \
     for (int r = 0; r < R; r++) m_run[r] = -INFINITY, tot[r] = 0.f, any_nan[r] = 0;                      \
+    float *const qt = tot + R; /* rows [0, RT) transposed in groups of 16: qt[(g · D + c) · 16 + r] */   \
+    for (int g = 0; g < RT; g += 16)                                                                     \
+        for (int c = 0; c < D; c++)                                                                      \
+            for (int r = 0; r < 16; r++) qt[((long)g * D + (long)c * 16) + r] = qs[(long)(g + r) * D + c];  \
     /* rows R..R4 of the weights: zero (P V reads the rows 4 at a time) */                               \
     memset(s + (long)R * SB, 0, sizeof(float) * (R4 - R) * SB);                                          \
     memset(out, 0, sizeof(float) * R * Dv);                                                              \
@@ -337,11 +465,12 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
         float *const s_blk = s; /* the scores' row stride SB, the block's slot t - t_lo */               \
         const long n_s = SB, t_s = t - t_lo;                                                             \
         AMX8_BLOCK(AMX8)                                                              \
+        T16_BLOCK(TRANS)                                                              \
         BLOCK4(T, LOAD)                                                               \
         for (; i < cnt; i++) {                                                                           \
             const T *kr = (const T *)rows[i];                                                            \
             if (i + PF < got) prefetch_row(rows[i + PF], kbytes);                                        \
-            for (int r0 = 0; r0 < R4; r0 += 4) {                                                         \
+            for (int r0 = RT; r0 < R4; r0 += 4) {                                                        \
                 float d4[4];                                                                             \
                 DOT4(LOAD, kr, qs + (long)r0 * D, D, d4);                                                \
                 for (int r = 0; r < 4 && r0 + r < R; r++) s_blk[(long)(r0 + r) * n_s + t_s + i] = d4[r] * kf[i]; \
@@ -408,10 +537,13 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
         cnt = t_lo + sn - t < TB ? t_lo + sn - t : TB;                                                   \
         const long got = n - t < cnt + PF ? n - t : cnt + PF;                                            \
         rows_of(rows, got, V, table, ps, vpb, vtb, lo + t);                                              \
+        const char *ahead_rows[2 * TB];                                                                  \
         ahead_t ahead; /* the next block's slots as far into it as this chunk is into this one */        \
-        ahead_start(&ahead, K, V, table, ps, kpb, ktb, vpb, vtb, kbytes, vbytes, lo + t + SB,            \
+        ahead_start(&ahead, ahead_rows, K, V, table, ps, kpb, ktb, vpb, vtb, kbytes, vbytes, lo + t + SB, \
                     R < AHEAD_MIN_ROWS || t + SB >= n ? 0 : n - (t + SB) < cnt ? n - (t + SB) : cnt);   \
-        for (int g4 = 0; g4 < groups; g4++) {                                                            \
+        int g4_first = 0;                                                                                \
+        V16_BLOCK(TRANS)                                                                                 \
+        for (int g4 = g4_first; g4 < groups; g4++) {                                                     \
             const int rb = R - 4 * g4 < 4 ? R - 4 * g4 : 4;                                              \
             const float *p0 = s + (long)4 * g4 * SB + (t - t_lo), *p1 = p0 + SB, *p2 = p1 + SB, *p3 = p2 + SB; \
             for (int c0 = 0; c0 < Dv; c0 += 64) {                                                        \
@@ -469,13 +601,13 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     AMX8_END(AMX8)                                                                                       \
 }
 
-DEFINE_KERNEL(f32, float, load_f32, 0, 0)
-DEFINE_KERNEL(bf16, uint16_t, load_bf16, 0, 0)
-DEFINE_KERNEL(f16, _Float16, load_f16, 0, 0)
-DEFINE_KERNEL(i8, int8_t, load_i8, 1, 0)
-DEFINE_KERNEL(f8, uint8_t, load_f8, 1, 0)
+DEFINE_KERNEL(f32, float, load_f32, 0, 0, 1)
+DEFINE_KERNEL(bf16, uint16_t, load_bf16, 0, 0, 0)
+DEFINE_KERNEL(f16, _Float16, load_f16, 0, 0, 0)
+DEFINE_KERNEL(i8, int8_t, load_i8, 1, 0, 0)
+DEFINE_KERNEL(f8, uint8_t, load_f8, 1, 0, 0)
 #ifdef HAVE_AMX8
-DEFINE_KERNEL(i8_amx8, int8_t, load_i8, 1, 1)
+DEFINE_KERNEL(i8_amx8, int8_t, load_i8, 1, 1, 0)
 #endif
 
 #include "cpu_decode_amx.h"
@@ -600,7 +732,7 @@ int mh_decode_joined(job_t *const *in, const int *kinds, int count, int threads)
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *s = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * longest + 16)); /* R4 rows */
-        float *qs = (float *)malloc(sizeof(float) * ((size_t)(R + 3) * J->D + 2 * (size_t)R + 16)); /* + m, tot */
+        float *qs = (float *)malloc(sizeof(float) * ((size_t)(2 * R + 3) * J->D + 2 * (size_t)R + 16)); /* + m, tot, qt */
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; it++) {
             if (s && qs)
