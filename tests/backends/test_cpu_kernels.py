@@ -76,12 +76,15 @@ def test_strided_views_and_broadcast_masks():
     _close(cpu_kernels.decode_partial(q, k, v, 0.1, 4, 1, blocked), _expected(q, k, v, 0.1, 4, 1, blocked), "views")
 
 
-def test_nan_where_no_row_looks_never_reaches_the_output_and_a_seen_nan_does():
+@pytest.mark.parametrize("G", [4, 16, 17], ids=lambda g: f"{g} rows")
+def test_nan_where_no_row_looks_never_reaches_the_output_and_a_seen_nan_does(G):
+    """4 rows: the 4-row blocks; 16 and 17 fp32 rows: sixteen to a vector (``values_t16`` with a
+    row mask), the 17th in a 4-row block."""
     gen = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 2, 4, 32, generator=gen)
+    q = torch.randn(1, 2, G, 32, generator=gen)
     k = torch.randn(1, 2, 40, 32, generator=gen)
     v = torch.randn(1, 2, 40, 32, generator=gen)
-    blocked = torch.zeros(1, 1, 4, 1, 40, dtype=torch.bool)
+    blocked = torch.zeros(1, 1, G, 1, 40, dtype=torch.bool)
     blocked[..., 7] = True  # no row sees slot 7
     blocked[:, :, 1, :, 20] = True  # row 1 does not see slot 20
     k[:, :, 7] = float("nan")
@@ -89,11 +92,12 @@ def test_nan_where_no_row_looks_never_reaches_the_output_and_a_seen_nan_does():
     v[:, :, 20] = float("inf")
     clean_k, clean_v = k.clone(), v.clone()
     clean_k[:, :, 7], clean_v[:, :, 7], clean_v[:, :, 20] = 0.0, 0.0, 0.0
-    out, lse = cpu_kernels.decode_partial(q, k, v, 0.2, 4, 1, blocked)
-    want_out, want_lse = _expected(q, clean_k, clean_v, 0.2, 4, 1, blocked)
+    out, lse = cpu_kernels.decode_partial(q, k, v, 0.2, G, 1, blocked)
+    want_out, want_lse = _expected(q, clean_k, clean_v, 0.2, G, 1, blocked)
     assert torch.isfinite(out[:, :, 1]).all(), "a row that does not see the inf value took it"
     torch.testing.assert_close(out[:, :, 1].double(), want_out[:, :, 1], rtol=2e-5, atol=2e-6)
-    assert not torch.isfinite(out[:, :, [0, 2, 3]]).all(dim=-1).any(), "rows that see the inf value must show it"
+    others = [r for r in range(G) if r != 1]
+    assert not torch.isfinite(out[:, :, others]).all(dim=-1).any(), "rows that see the inf value must show it"
     torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
 
 

@@ -302,21 +302,35 @@ static inline void scores_t16(const char *const *rows, long ktb, int m, const fl
 /* O[r][f] += Σ_k P[r][k] V[k][f] for 16 rows, cnt slots: pt[k · 16 + r] the weights transposed, 16
  * features at a time with one accumulator each (lanes: the rows), each value element broadcast against
  * its slot's 16 weights. Each value line is read once a block, where 4 rows x 64 features read it once
- * per 4 rows (measured: docs/inference.md#fma-transposed). out: 16 rows at stride Dv. */
-static inline void values_t16(const char *const *rows, int cnt, const float *pt, int Dv, float *out, ahead_t *ahead) {
+ * per 4 rows (measured: docs/inference.md#fma-transposed). out: 16 rows at stride Dv. masked (a row
+ * mask): a row takes nothing from a slot whose weight it has at 0, NaN included, and a slot no row
+ * weighs is not read (as the 4-row blocks do); unmasked, every product is added (0 · v as SDPA). */
+static inline void values_t16(const char *const *rows, int cnt, const float *pt, int Dv, float *out, ahead_t *ahead,
+                              int masked) {
     const float *v[TB]; /* the rows at feature f0: each value element a displacement from its row's pointer */
     for (int k = 0; k < cnt; k++) v[k] = (const float *)rows[k];
     ahead_t next = *ahead; /* in registers */
     for (int f0 = 0; f0 < Dv; f0 += 16) {
         __m512 a[16];
         for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
-        for (int k = 0; k < cnt; k++) {
-            ahead_step(&next);
-            const __m512 w = _mm512_loadu_ps(pt + 16 * k);
-            const float *vk = v[k];
-            for (int j = 0; j < 16; j++) a[j] = _mm512_fmadd_ps(w, _mm512_set1_ps(vk[j]), a[j]);
-            v[k] = vk + 16;
-        }
+        if (masked)
+            for (int k = 0; k < cnt; k++) {
+                ahead_step(&next);
+                const __m512 w = _mm512_loadu_ps(pt + 16 * k);
+                const __mmask16 seen = _mm512_cmpneq_ps_mask(w, _mm512_setzero_ps());
+                const float *vk = v[k];
+                v[k] = vk + 16;
+                if (!seen) continue;
+                for (int j = 0; j < 16; j++) a[j] = _mm512_mask3_fmadd_ps(w, _mm512_set1_ps(vk[j]), a[j], seen);
+            }
+        else
+            for (int k = 0; k < cnt; k++) {
+                ahead_step(&next);
+                const __m512 w = _mm512_loadu_ps(pt + 16 * k);
+                const float *vk = v[k];
+                for (int j = 0; j < 16; j++) a[j] = _mm512_fmadd_ps(w, _mm512_set1_ps(vk[j]), a[j]);
+                v[k] = vk + 16;
+            }
         transpose16(a); /* a[r] lane j: feature f0 + j of row r */
         for (int r = 0; r < 16; r++) {
             float *o = out + (long)r * Dv + f0;
@@ -345,14 +359,13 @@ static inline void weights_t16(const float *s, long n_s, int cnt, float *pt) {
             for (int g = 0; g < RT; g += 16)                                                             \
                 scores_t16(rows + i16, ktb, cnt - i16 < 16 ? (int)(cnt - i16) : 16, qt + (long)g * D, D,  \
                            s_blk + (long)g * n_s + t_s + i16, n_s);
-/* P V of rows [0, RT) 16 at a time where every row sees every slot (values_t16's products take no
- * per-slot test); the 4-row groups take the rest */
+/* P V of rows [0, RT) 16 at a time; the 4-row groups take the rest */
 #define V16_BLOCK(ON)                                                                                    \
-    if ((ON) && !J->blocked) {                                                                           \
+    if (ON) {                                                                                            \
         float pt[TB * 16] __attribute__((aligned(64)));                                                  \
         for (int g = 0; g < RT; g += 16) {                                                               \
             weights_t16(s + (long)g * SB + (t - t_lo), SB, (int)cnt, pt);                                \
-            values_t16(rows, (int)cnt, pt, Dv, out + (long)g * Dv, &ahead);                              \
+            values_t16(rows, (int)cnt, pt, Dv, out + (long)g * Dv, &ahead, J->blocked != NULL);          \
         }                                                                                                \
         g4_first = RT / 4;                                                                               \
     }
