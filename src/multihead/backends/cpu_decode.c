@@ -248,13 +248,14 @@ static inline long superblock(long n, int row_bytes) {
  * docs/inference.md#fma-transposed). m keys (fewer than 16: the last repeated, its lanes not stored);
  * keys that lie at one stride are walked by it, others through their pointers. s[r · n_s + j]. */
 #define T16_FEATURES 32 /* scores summed in blocks of this many features: summed in one lane over all of D they
-                          * lost about 3x the precision of the 16-lane partial sums they replaced; in blocks, none */
+                          * lost about 3x the precision of the 16-lane partial sums they replaced; in blocks
+                          * of 32 their error is the partial sums' again */
 #define T16_STEP(acc, p)                                                                                 \
     acc = _mm512_fmadd_ps(q0, _mm512_set1_ps((p)[0]), acc), acc = _mm512_fmadd_ps(q1, _mm512_set1_ps((p)[1]), acc), \
     acc = _mm512_fmadd_ps(q2, _mm512_set1_ps((p)[2]), acc), acc = _mm512_fmadd_ps(q3, _mm512_set1_ps((p)[3]), acc)
 /* 16 keys' scores (sum[j] lane r: key j, row r) in blocks of T16_FEATURES features, each unrolled whole (a
  * loop of 8 steps and its exit cost the blocks ~10%). KEY(j, c): key j's features from c. A function per
- * way of finding the keys (one function with both spilled the keys' pointers to the stack: ~20% slower) */
+ * way of finding the keys (one function with both spilled the keys' pointers to the stack: calls ~20% slower) */
 #define T16_SCORES(NAME, KEY, ...)                                                                       \
     static __attribute__((noinline)) void NAME(__m512 sum[16], __VA_ARGS__, const float *qt, int D) {    \
         __m512 a[16];                                                                                    \
