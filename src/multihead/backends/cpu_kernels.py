@@ -378,6 +378,15 @@ def _self_test(lib: ctypes.CDLL) -> None:
     out, _ = _call(lib, q16, [Segment(k16, v16, band.view(1, 1, 17, 1, 65))], 0.5, 17, 1, 2)
     error = (out.double() - torch.softmax(scores, -1) @ v16.double()).abs().max().item()
     assert error < 1e-4, f"the CPU decode kernel's self-test failed for bf16 bands (error {error:.2e})"
+    # many fp32 rows: 16 to a vector's lanes (cpu_decode.c's scores_t16, values_t16), the 17th in 4-row blocks
+    q32, k32, v32 = q16.float(), k16.float(), v16.float()
+    for mask in (None, band):
+        scores = q32.double() @ k32.double().transpose(-1, -2) * 0.5
+        scores = scores if mask is None else scores.masked_fill(mask, float("-inf"))
+        seen = None if mask is None else mask.view(1, 1, 17, 1, 65)
+        out, _ = _call(lib, q32, [Segment(k32, v32, seen)], 0.5, 17, 1, 2)
+        error = (out.double() - torch.softmax(scores, -1) @ v32.double()).abs().max().item()
+        assert error < 1e-4, f"the CPU decode kernel's self-test failed for 17 fp32 rows (error {error:.2e})"
     for dtype, kd, vd, scales in cases:
         keys, values = kd.double(), vd.double()
         if scales is not None:
