@@ -352,6 +352,17 @@ static inline void weights_t16(const float *s, long n_s, int cnt, float *pt) {
         for (int j = 0; j < m; j++) _mm512_storeu_ps(pt + 16 * (k0 + j), x[j]);
     }
 }
+/* qt[(g · D + c) · 16 + r] = qs[(16 g + r) · D + c]: rows [0, RT) in groups g of 16, transposed 16 x 16 */
+static inline void query_t16(const float *qs, int RT, int D, float *qt) {
+    for (int g = 0; g < RT / 16; g++)
+        for (int c0 = 0; c0 < D; c0 += 16) {
+            __m512 x[16];
+            for (int r = 0; r < 16; r++) x[r] = _mm512_loadu_ps(qs + (long)(16 * g + r) * D + c0);
+            transpose16(x); /* x[c] lane r: row r's feature c0 + c */
+            for (int c = 0; c < 16; c++) _mm512_storeu_ps(qt + ((long)g * D + c0 + c) * 16, x[c]);
+        }
+}
+#define T16_QUERY(ON) if (ON) query_t16(qs, RT, D, qt);
 /* rows [0, RT) of a TB block of keys 16 at a time (the rest of the rows take BLOCK4 and DOT4) */
 #define T16_ROWS(ON, R) ((ON) ? (R) / 16 * 16 : 0)
 #define T16_BLOCK(ON)                                                                                    \
@@ -372,6 +383,7 @@ static inline void weights_t16(const float *s, long n_s, int cnt, float *pt) {
     }
 #else
 #define T16_ROWS(ON, R) 0
+#define T16_QUERY(ON) (void)qt;
 #define T16_BLOCK(ON)
 #define V16_BLOCK(ON)
 #endif
@@ -443,10 +455,8 @@ static void one_##SUFFIX(const job_t *J, int bh, float *s, float *qs) {         
     float *m_run = qs + (long)R4 * D, *tot = m_run + R; /* past the query rows in qs */                \
     int any_nan[R];                                                                                      \
     for (int r = 0; r < R; r++) m_run[r] = -INFINITY, tot[r] = 0.f, any_nan[r] = 0;                      \
-    float *const qt = tot + R; /* rows [0, RT) transposed in groups of 16: qt[(g · D + c) · 16 + r] */   \
-    for (int g = 0; g < RT; g += 16)                                                                     \
-        for (int c = 0; c < D; c++)                                                                      \
-            for (int r = 0; r < 16; r++) qt[((long)g * D + (long)c * 16) + r] = qs[(long)(g + r) * D + c];  \
+    float *const qt = tot + R; /* rows [0, RT) transposed, 16 at a time (query_t16) */                  \
+    T16_QUERY(TRANS)                                                                                     \
     /* rows R..R4 of the weights: zero (P V reads the rows 4 at a time) */                               \
     memset(s + (long)R * SB, 0, sizeof(float) * (R4 - R) * SB);                                          \
     memset(out, 0, sizeof(float) * R * Dv);                                                              \
