@@ -250,9 +250,17 @@ static inline long superblock(long n, int row_bytes) {
 #define T16_FEATURES 32 /* scores summed in blocks of this many features: summed in one lane over all of D they
                           * lost about 3x the precision of the 16-lane partial sums they replaced; in blocks
                           * of 32 their error is the partial sums' again */
-#define T16_STEP(acc, p)                                                                                 \
-    acc = _mm512_fmadd_ps(q0, _mm512_set1_ps((p)[0]), acc), acc = _mm512_fmadd_ps(q1, _mm512_set1_ps((p)[1]), acc), \
-    acc = _mm512_fmadd_ps(q2, _mm512_set1_ps((p)[2]), acc), acc = _mm512_fmadd_ps(q3, _mm512_set1_ps((p)[3]), acc)
+/* features [c, c + 4) of the 16 keys KEY(j, c) into a[j] */
+#define T16_STEP(KEY, c)                                                                                 \
+    do {                                                                                                 \
+        const __m512 q0 = _mm512_loadu_ps(qt + 16 * (c)), q1 = _mm512_loadu_ps(qt + 16 * (c) + 16);      \
+        const __m512 q2 = _mm512_loadu_ps(qt + 16 * (c) + 32), q3 = _mm512_loadu_ps(qt + 16 * (c) + 48); \
+        _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) {                                          \
+            const float *p = KEY(j, c);                                                                  \
+            a[j] = _mm512_fmadd_ps(q0, _mm512_set1_ps(p[0]), a[j]), a[j] = _mm512_fmadd_ps(q1, _mm512_set1_ps(p[1]), a[j]); \
+            a[j] = _mm512_fmadd_ps(q2, _mm512_set1_ps(p[2]), a[j]), a[j] = _mm512_fmadd_ps(q3, _mm512_set1_ps(p[3]), a[j]); \
+        }                                                                                                \
+    } while (0)
 /* 16 keys' scores (sum[j] lane r: key j, row r) in blocks of T16_FEATURES features, each unrolled whole (a
  * loop of 8 steps and its exit cost the blocks ~10%). KEY(j, c): key j's features from c. A function per
  * way of finding the keys (one function with both spilled the keys' pointers to the stack: calls ~20% slower) */
@@ -262,17 +270,9 @@ static inline long superblock(long n, int row_bytes) {
         for (int c0 = 0; c0 < D; c0 += T16_FEATURES) {                                                   \
             for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();                                     \
             if (D - c0 >= T16_FEATURES) {                                                                \
-                _Pragma("GCC unroll 8") for (int c = c0; c < c0 + T16_FEATURES; c += 4) {                \
-                    const __m512 q0 = _mm512_loadu_ps(qt + 16 * c), q1 = _mm512_loadu_ps(qt + 16 * c + 16); \
-                    const __m512 q2 = _mm512_loadu_ps(qt + 16 * c + 32), q3 = _mm512_loadu_ps(qt + 16 * c + 48); \
-                    _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) T16_STEP(a[j], KEY(j, c)); \
-                }                                                                                        \
+                _Pragma("GCC unroll 8") for (int c = c0; c < c0 + T16_FEATURES; c += 4) T16_STEP(KEY, c); \
             } else                                                                                       \
-                for (int c = c0; c < D; c += 4) {                                                        \
-                    const __m512 q0 = _mm512_loadu_ps(qt + 16 * c), q1 = _mm512_loadu_ps(qt + 16 * c + 16); \
-                    const __m512 q2 = _mm512_loadu_ps(qt + 16 * c + 32), q3 = _mm512_loadu_ps(qt + 16 * c + 48); \
-                    _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) T16_STEP(a[j], KEY(j, c)); \
-                }                                                                                        \
+                for (int c = c0; c < D; c += 4) T16_STEP(KEY, c);                                        \
             for (int j = 0; j < 16; j++) sum[j] = c0 == 0 ? a[j] : _mm512_add_ps(sum[j], a[j]);          \
         }                                                                                                \
     }
@@ -284,6 +284,7 @@ T16_SCORES(scores_t16_rows, T16_ROWS_AT, const float *const *k)
 #undef T16_ROWS_AT
 #undef T16_SCORES
 #undef T16_STEP
+static inline __mmask16 first_lanes(int m) { return (__mmask16)(m >= 16 ? 0xFFFF : (1u << m) - 1); }
 static inline void scores_t16(const char *const *rows, long ktb, int m, const float *qt, int D, float *s, long n_s) {
     __m512 a[16];
     int even = m == 16;
@@ -296,8 +297,7 @@ static inline void scores_t16(const char *const *rows, long ktb, int m, const fl
         scores_t16_rows(a, k, qt, D);
     }
     transpose16(a); /* a[r] lane j: key j's score for row r */
-    const __mmask16 keep = (__mmask16)(m == 16 ? 0xFFFF : (1u << m) - 1);
-    for (int r = 0; r < 16; r++) _mm512_mask_storeu_ps(s + r * n_s, keep, a[r]);
+    for (int r = 0; r < 16; r++) _mm512_mask_storeu_ps(s + r * n_s, first_lanes(m), a[r]);
 }
 
 /* O[r][f] += Σ_k P[r][k] V[k][f] for 16 rows, cnt slots: pt[k · 16 + r] the weights transposed, 16
@@ -345,9 +345,8 @@ static inline void values_t16(const char *const *rows, int cnt, const float *pt,
 static inline void weights_t16(const float *s, long n_s, int cnt, float *pt) {
     for (int k0 = 0; k0 < cnt; k0 += 16) {
         const int m = cnt - k0 < 16 ? cnt - k0 : 16;
-        const __mmask16 keep = (__mmask16)(m == 16 ? 0xFFFF : (1u << m) - 1);
         __m512 x[16];
-        for (int r = 0; r < 16; r++) x[r] = _mm512_maskz_loadu_ps(keep, s + r * n_s + k0);
+        for (int r = 0; r < 16; r++) x[r] = _mm512_maskz_loadu_ps(first_lanes(m), s + r * n_s + k0);
         transpose16(x);
         for (int j = 0; j < m; j++) _mm512_storeu_ps(pt + 16 * (k0 + j), x[j]);
     }
